@@ -1,0 +1,237 @@
+/* libzerod: the C client library of zerod.
+ *
+ * A training process ("client") attaches to one rank of a zerod daemon over its Unix socket,
+ * registers its model's parameter list, and receives two flat shared-memory buffers laid out by
+ * zerod's layout rule: one for the working parameters (fp32 or bf16) and one for the gradients
+ * (fp32, bf16 or fp16). Each step the client writes gradients into the grad buffer and calls
+ * zd_step(); zerod reduce-scatters them over all ranks, runs AdamW (or Adam) on its fp32 master
+ * shard, and all-gathers the updated parameters back into the param buffer. Nothing bulky crosses
+ * the socket.
+ *
+ * Threading: a zd_client_t is not thread-safe; use it from one thread at a time. Different
+ * clients are independent. All calls block unless they say otherwise.
+ *
+ * Errors: every fallible function returns ZD_OK (0) or a negative code (zerod/errors.h). The
+ * detailed message ("grad buffer is 4096 bytes, layout needs 8192") is kept per thread and read
+ * with zd_last_error() until the next failing call on that thread.
+ */
+#ifndef ZEROD_ZEROD_H
+#define ZEROD_ZEROD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "zerod/errors.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ZD_VERSION_MAJOR 0
+#define ZD_VERSION_MINOR 1
+#define ZD_VERSION_PATCH 0
+#define ZD_VERSION_STRING "0.1.0"
+
+/* Highest local protocol version this library speaks (DESIGN §5, docs/protocol.md). */
+#define ZD_PROTOCOL_VERSION 1
+
+#define ZD_MAX_DIMS 8
+#define ZD_ALL_BUCKETS (-1)
+#define ZD_ANY_RANK (-1)
+
+/* Element types. Values match proto/zerod.proto. */
+typedef enum zd_dtype { ZD_F32 = 1, ZD_BF16 = 2, ZD_F16 = 3 } zd_dtype_t;
+
+/* Update rule of a parameter group: AdamW (decoupled weight decay, as torch.optim.AdamW) or Adam
+ * (L2 penalty added to the gradient, as torch.optim.Adam). */
+typedef enum zd_optimizer { ZD_ADAMW = 0, ZD_ADAM = 1 } zd_optimizer_t;
+
+/* Hyperparameters of one parameter group. Doubles, as Python floats are: zerod derives the fp32
+ * constants of the update exactly as torch does (kernels/adam.h). lr >= 0, eps > 0,
+ * 0 <= beta < 1, weight_decay >= 0, all finite. */
+typedef struct zd_group {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  zd_optimizer_t optimizer;
+} zd_group_t;
+
+/* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2. */
+ZD_EXPORT zd_group_t zd_group_default(void);
+
+/* One parameter of the model, in registration order. name: unique, at most 255 bytes. */
+typedef struct zd_param {
+  const char *name;
+  uint32_t ndim; /* 0 for a scalar; at most ZD_MAX_DIMS */
+  uint64_t shape[ZD_MAX_DIMS];
+  uint32_t group; /* index into zd_model_desc_t.groups */
+} zd_param_t;
+
+/* Dynamic loss scaling for fp16 gradients (Megatron/DeepSpeed semantics): the client multiplies
+ * its loss by the current scale; zerod unscales, skips the step on overflow (inf/nan) and then
+ * multiplies the scale by backoff_factor once `hysteresis` overflows have been seen (not below
+ * min_scale); after growth_interval clean steps in a row it multiplies it by growth_factor. */
+typedef struct zd_loss_scaler {
+  int enabled;
+  double initial_scale;   /* e.g. 65536 */
+  double growth_factor;   /* e.g. 2 */
+  double backoff_factor;  /* e.g. 0.5 */
+  uint32_t growth_interval; /* e.g. 1000 */
+  uint32_t hysteresis;    /* e.g. 2 */
+  double min_scale;       /* e.g. 1 */
+} zd_loss_scaler_t;
+
+/* Register flags. */
+#define ZD_REGISTER_REPLACE 0x1u /* discard state held for a different model on this rank */
+
+typedef struct zd_model_desc {
+  const zd_param_t *params;
+  size_t nparams;
+  const zd_group_t *groups;
+  size_t ngroups;
+  zd_dtype_t param_dtype; /* working params: ZD_F32 or ZD_BF16 */
+  zd_dtype_t grad_dtype;  /* ZD_F32, ZD_BF16 or ZD_F16 */
+  double max_grad_norm;   /* clip by global L2 norm; 0 disables clipping */
+  int grad_mean;          /* 1: gradients are averaged over ranks; 0: summed */
+  zd_loss_scaler_t loss_scaler;
+  unsigned flags; /* ZD_REGISTER_* */
+} zd_model_desc_t;
+
+typedef struct zd_client zd_client_t;
+
+/* What the daemon told us at connect and register. */
+typedef struct zd_info {
+  uint32_t protocol_version;
+  uint32_t world_size;
+  uint32_t rank;       /* global rank */
+  uint32_t local_rank; /* rank index within this zerod */
+  uint64_t bucket_elems;
+  char backend[16];    /* "cpu" or "cuda" */
+  char daemon_version[32];
+  /* Valid after zd_register(): */
+  uint64_t step;          /* steps applied so far to the registered model */
+  int resumed;            /* 1 if zerod already held state for this model (reattach) */
+  uint64_t layout_hash;
+  uint64_t total_elems;   /* elements in the flat buffers, padding included */
+  uint32_t nbuckets;
+  double loss_scale;
+} zd_info_t;
+
+/* Where parameter `index` lives in the flat buffers. */
+typedef struct zd_param_info {
+  const char *name; /* owned by the client; valid until zd_close() */
+  uint64_t offset;  /* element offset in the param and grad buffers */
+  uint64_t numel;
+  uint32_t bucket;
+  uint32_t group;
+} zd_param_info_t;
+
+/* Flat element range of a bucket and this rank's slice of it. */
+typedef struct zd_bucket_info {
+  uint64_t offset;       /* first element of the bucket */
+  uint64_t elems;        /* elements, padded to a multiple of 64 * world size */
+  uint64_t shard_offset; /* first element of this rank's slice (absolute) */
+  uint64_t shard_elems;
+} zd_bucket_info_t;
+
+/* Step options: zero-initialise; NULL means all defaults. */
+#define ZD_STEP_NO_SCATTER 0x1u /* gradients already scattered with zd_scatter() */
+#define ZD_STEP_NO_GATHER 0x2u  /* parameters gathered later with zd_gather() */
+typedef struct zd_step_opts {
+  const zd_group_t *groups; /* per-group hyperparameters for this and later steps (schedulers);
+                               NULL keeps the current ones */
+  size_t ngroups;           /* must equal the registered number when groups is set */
+  unsigned flags;           /* ZD_STEP_* */
+} zd_step_opts_t;
+
+typedef struct zd_step_result {
+  uint64_t step;       /* steps applied after this one */
+  int applied;         /* 0 if skipped because of an overflow (loss scaling) */
+  double grad_norm;    /* global L2 norm of the (unscaled, reduced) gradient */
+  double loss_scale;   /* scale to use for the next step's loss */
+  double clip_coef;    /* factor applied to the gradient by clipping (1 if none) */
+  uint64_t duration_us; /* time zerod spent on the step */
+} zd_step_result_t;
+
+/* A request sent with one of the *_start functions, completed by zd_wait(). */
+typedef uint64_t zd_request_t;
+
+/* Connects to zerod and attaches to a local rank.
+ * socket_path: NULL for the default ($ZEROD_SOCKET, else $XDG_RUNTIME_DIR/zerod.sock, else
+ *   /run/zerod/zerod.sock). local_rank: index of the rank within that zerod, or ZD_ANY_RANK for
+ *   the first one with no client attached.
+ * On success *out is a new client; close it with zd_close(). Blocks for at most timeout_ms
+ * milliseconds waiting for the daemon's hello (0: 30 s). Errors: -ENOENT/-ECONNREFUSED (no
+ * daemon), ZD_EVERSION, ZD_EBUSY (rank taken), ZD_ERANK, ZD_EDENIED. */
+ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms,
+                         zd_client_t **out);
+
+/* Registers the model, in two calls so that the caller can place its initial values:
+ *   zd_layout(c, desc)  computes the layout and creates zeroed buffers (zd_param_buffer());
+ *   zd_register(c)      sends them to zerod, which takes the buffer's contents as the initial
+ *                       weights of a new model, or overwrites them with its master weights when it
+ *                       already holds this model (reattach: same layout hash; info.resumed = 1).
+ * At world size > 1 zd_register() is collective: it returns when every rank has registered the
+ * same layout, and the param buffer then holds the full model.
+ * Errors: ZD_EDTYPE, ZD_EGROUP, ZD_EHPARAM, -EINVAL (bad description), ZD_ELAYOUT (zerod holds a
+ * different model on this rank; pass ZD_REGISTER_REPLACE to discard it, or ranks disagree),
+ * ZD_EBUFFER, -ENOMEM. */
+ZD_EXPORT int zd_layout(zd_client_t *client, const zd_model_desc_t *desc);
+ZD_EXPORT int zd_register(zd_client_t *client);
+
+/* The shared buffers (valid after zd_layout() until zd_close()); bytes receives their size. The
+ * caller writes gradients into the grad buffer before zd_scatter()/zd_step() and reads
+ * parameters from the param buffer after zd_gather()/zd_step(). Padding elements between
+ * parameters must stay zero. */
+ZD_EXPORT void *zd_param_buffer(zd_client_t *client, size_t *bytes);
+ZD_EXPORT void *zd_grad_buffer(zd_client_t *client, size_t *bytes);
+
+/* Layout queries (valid after zd_layout()). Return -EINVAL for an index out of range. */
+ZD_EXPORT int zd_param_info(const zd_client_t *client, size_t index, zd_param_info_t *out);
+ZD_EXPORT int zd_bucket_info(const zd_client_t *client, size_t index, zd_bucket_info_t *out);
+ZD_EXPORT int zd_get_info(const zd_client_t *client, zd_info_t *out);
+
+/* One optimizer step: scatter + step + gather unless opts->flags says otherwise. result may be
+ * NULL. At world size > 1 every rank must call it; the call returns when this rank's part is
+ * done. Errors: ZD_EORDER (not registered, or a bucket not scattered with NO_SCATTER), ZD_EHPARAM,
+ * ZD_ESTEP (ranks out of step), ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT (a peer failed: the step was not
+ * applied). */
+ZD_EXPORT int zd_step(zd_client_t *client, const zd_step_opts_t *opts, zd_step_result_t *result);
+
+/* Reduce-scatter of one bucket (or ZD_ALL_BUCKETS) of the grad buffer into this rank's shard. */
+ZD_EXPORT int zd_scatter(zd_client_t *client, int bucket);
+
+/* All-gather of one bucket (or ZD_ALL_BUCKETS) of updated parameters into the param buffer. */
+ZD_EXPORT int zd_gather(zd_client_t *client, int bucket);
+
+/* Pipelined forms: send the request and return at once with a handle for zd_wait(). Requests
+ * run in the order they were sent. At most 64 may be outstanding per client. */
+ZD_EXPORT int zd_scatter_start(zd_client_t *client, int bucket, zd_request_t *req);
+ZD_EXPORT int zd_gather_start(zd_client_t *client, int bucket, zd_request_t *req);
+ZD_EXPORT int zd_step_start(zd_client_t *client, const zd_step_opts_t *opts, zd_request_t *req);
+
+/* Waits for a request sent with a *_start function; result is filled for a step request and may
+ * be NULL. Returns the request's own status. Each request is waited for once. */
+ZD_EXPORT int zd_wait(zd_client_t *client, zd_request_t req, zd_step_result_t *result);
+
+/* The daemon's status as text: "# Section" lines followed by "key:value" lines (units in the key
+ * names). *text is allocated; release it with free(). */
+ZD_EXPORT int zd_status(zd_client_t *client, char **text);
+
+/* Says bye and closes the connection; zerod keeps the rank's state for a later client. Unmaps the
+ * buffers. Accepts NULL. */
+ZD_EXPORT void zd_close(zd_client_t *client);
+
+/* Message of the last failing call on this thread ("" if none). Valid until the next call. */
+ZD_EXPORT const char *zd_last_error(void);
+
+/* Bytes per element of a dtype; 0 for an unknown value. Name: "f32", "bf16", "f16", "?". */
+ZD_EXPORT size_t zd_dtype_size(zd_dtype_t dtype);
+ZD_EXPORT const char *zd_dtype_name(zd_dtype_t dtype);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ZEROD_ZEROD_H */

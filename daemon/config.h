@@ -1,0 +1,74 @@
+/* zerod's configuration: one table of settings (config.c), read from a config file, ZEROD_*
+ * environment variables and command-line flags, in that order of increasing precedence.
+ *
+ * The same table parses all three sources, prints `zerod --help`, logs the effective
+ * configuration at start (each value with where it came from) and feeds the "config" section of
+ * the status (redis standardConfig, memcached `stats settings`). Adding a setting is adding one
+ * row to the table and one field here.
+ */
+#ifndef ZD_DAEMON_CONFIG_H
+#define ZD_DAEMON_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "error.h"
+
+#define ZD__MAX_IDS 32
+
+typedef struct zd__idlist {
+  uint32_t n;
+  uint32_t ids[ZD__MAX_IDS];
+} zd__idlist_t;
+
+typedef struct zd__config {
+  /* local protocol */
+  char *socket_path;        /* socket; "" resolved to the default path at load */
+  uint32_t socket_mode;     /* socket_mode, octal */
+  zd__idlist_t allowed_uids; /* allowed_uids; default: the daemon's uid and 0 */
+  zd__idlist_t allowed_gids; /* allowed_gids; default: none */
+  uint32_t max_clients;
+  uint32_t max_frame_bytes;
+  uint32_t frame_timeout_ms; /* a frame started must be complete within this */
+  uint32_t max_inflight;     /* pipelined requests per client */
+  /* compute */
+  char *backend;             /* auto | cpu | cuda */
+  uint32_t threads;          /* kernel threads; 0: one per CPU */
+  char *kernel_isa;          /* auto | avx512 | avx2 | scalar */
+  /* world */
+  uint32_t local_ranks;      /* R */
+  uint32_t world_size;       /* W; 0: local_ranks (a single-node world) */
+  uint32_t first_rank;       /* global rank of local rank 0 */
+  uint64_t bucket_elems;     /* 0: max(40M, 1M * W) */
+  char *control_address;     /* gRPC control service listen address */
+  char *rendezvous_address;  /* rank 0's control service; "": control_address */
+  uint32_t collective_timeout_ms;
+  /* operations */
+  char *log_level;           /* error | warn | info | debug */
+  char *config_file;         /* --config / ZEROD_CONFIG */
+} zd__config_t;
+
+/* Result of zd__config_load() besides errors. */
+enum { ZD__CONFIG_RUN = 0, ZD__CONFIG_HELP = 1, ZD__CONFIG_VERSION = 2 };
+
+/* Fills cfg from defaults, the config file (--config FILE or ZEROD_CONFIG), ZEROD_* variables of
+ * envp (NULL: environ) and argv flags (--name VALUE or --name=VALUE; setting names with '-' or
+ * '_'). Returns ZD__CONFIG_RUN, ZD__CONFIG_HELP (--help/-h), ZD__CONFIG_VERSION (--version/-V),
+ * or a negative code with a message naming the setting, its source (file:line, variable or
+ * flag), the bad value and what is expected (ZD_ECONFIG, -ENOENT for a missing file). */
+int zd__config_load(zd__config_t *cfg, int argc, char **argv, char **envp, zd__err_t *err);
+
+/* Releases the strings; accepts a zeroed or partly loaded cfg. */
+void zd__config_free(zd__config_t *cfg);
+
+/* `zerod --help`: usage and every setting with its type, default and meaning. */
+void zd__config_print_help(FILE *out);
+
+/* Calls fn for each setting in table order with its name, effective value as text and source
+ * ("default", "file", "env" or "flag"). */
+typedef void (*zd__config_visit_fn)(void *ctx, const char *name, const char *value,
+                                    const char *source);
+void zd__config_visit(const zd__config_t *cfg, zd__config_visit_fn fn, void *ctx);
+
+#endif /* ZD_DAEMON_CONFIG_H */

@@ -1,0 +1,138 @@
+/* AdamW / Adam update of an fp32 master shard, and the gradient statistics a step needs.
+ *
+ * The scalar reference (zd__adam_step_ref) is the specification; the AVX2 and AVX-512 paths and
+ * the CUDA kernel reproduce it bit for bit. It reproduces torch.optim.AdamW and torch.optim.Adam
+ * (foreach=False, the single-tensor path of torch 1.13) bit for bit on x86-64, checked against
+ * Debian's python3-torch 1.13.1.
+ *
+ * Per-step constants of a group, computed once on the host in double precision and rounded to
+ * float, exactly as torch turns its Python-float hyperparameters into fp32 scalars
+ * (zd__adam_group_init):
+ *   decay  = (float)(1 - lr * weight_decay)          AdamW
+ *   wd     = (float)weight_decay                     Adam
+ *   b1 = (float)beta1,  a1 = (float)(1 - beta1)
+ *   b2 = (float)beta2,  a2 = (float)(1 - beta2)
+ *   bc2s   = (float)sqrt(1 - pow(beta2, t))          t: this step's number, from 1
+ *   nss    = (float)(-(lr / (1 - pow(beta1, t))))
+ *   e      = (float)eps
+ *
+ * Per element, in fp32 with round-to-nearest-even; fma() is one fused multiply-add (one
+ * rounding), every other operation rounds on its own (kernels are built with -ffp-contract=off):
+ *   g  = to_f32(grad) * grad_scale                   (grad_scale: unscale / mean / clip factor)
+ *   AdamW, weight_decay != 0:  p = p * decay
+ *   Adam,  weight_decay != 0:  g = fma(p, wd, g)
+ *   m  = fma(g, a1, m * b1)
+ *   v  = fma(a2 * g, g, v * b2)
+ *   d  = sqrt(v) / bc2s + e
+ *   p  = p + (nss * m) / d
+ *   param_out = p as f32, or as bf16 rounded to nearest even (NaN -> 0x7fc0, as torch)
+ * grad is f32, bf16 (upper half of an f32) or f16 (IEEE binary16, converted exactly).
+ *
+ * Gradient statistics (zd__grad_stats_*): the sum of squares of to_f32(grad) (before grad_scale)
+ * and the count of non-finite values, over the elements covered by segments. The sum is in double
+ * (a float's square is exact in double) in a fixed order that does not depend on the ISA or the
+ * number of threads: the range is cut into blocks of ZD__STATS_BLOCK elements (block k covers
+ * offsets [k*ZD__STATS_BLOCK, (k+1)*ZD__STATS_BLOCK) of the range); within a block, element i
+ * adds its square to lane (i mod 16) in increasing i; the block's sum is the lanes combined as
+ * a binary tree: s8[j] = lane[j] + lane[j+8], s4[j] = s8[j] + s8[j+4], s2[j] = s4[j] + s4[j+2],
+ * sum = s2[0] + s2[1]. Blocks are then added in increasing k, starting from 0.0
+ * (zd__grad_stats_sum).
+ */
+#ifndef ZD_KERNELS_ADAM_H
+#define ZD_KERNELS_ADAM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "segment.h"
+#include "zerod/zerod.h"
+
+#define ZD__STATS_BLOCK 2048
+
+/* fp32 constants of one group for one step (see above). */
+typedef struct zd__adam_group {
+  int optimizer;        /* ZD_ADAMW or ZD_ADAM */
+  int has_weight_decay; /* weight_decay != 0: apply decay (AdamW) or wd (Adam) */
+  float decay;
+  float weight_decay;
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float bias_correction2_sqrt;
+  float neg_step_size;
+  float eps;
+} zd__adam_group_t;
+
+/* Computes the constants of `hp` for step number `step` (1 for the first step). */
+void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step);
+
+/* One kernel call: a contiguous range of a shard. All pointers address the start of the range;
+ * segment offsets are relative to it. */
+typedef struct zd__adam_args {
+  float *master;
+  float *exp_avg;
+  float *exp_avg_sq;
+  const void *grad;
+  zd_dtype_t grad_dtype; /* ZD_F32, ZD_BF16, ZD_F16 */
+  void *param;           /* working parameters written back; NULL: none */
+  zd_dtype_t param_dtype; /* ZD_F32, ZD_BF16 */
+  float grad_scale;
+  const zd__segment_t *segs;
+  uint32_t nsegs;
+  const zd__adam_group_t *groups; /* indexed by segment group */
+} zd__adam_args_t;
+
+/* Instruction sets of the CPU paths, best last. */
+typedef enum zd__isa { ZD__ISA_SCALAR = 0, ZD__ISA_AVX2 = 1, ZD__ISA_AVX512 = 2 } zd__isa_t;
+
+/* Best ISA this CPU runs (AVX2 needs AVX2+FMA+F16C; AVX-512 needs F, BW, VL and DQ). */
+zd__isa_t zd__isa_detect(void);
+const char *zd__isa_name(zd__isa_t isa);
+/* Parses "auto", "scalar", "avx2", "avx512"; -1 if unknown. "auto" gives zd__isa_detect(). */
+int zd__isa_parse(const char *name);
+
+/* Updates the covered elements in [begin, end) (offsets in the range; any values, not only
+ * multiples of a vector width). Calls on disjoint [begin, end) may run concurrently. */
+typedef void (*zd__adam_fn)(const zd__adam_args_t *a, uint64_t begin, uint64_t end);
+void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end);
+/* The implementation for an ISA; an ISA the CPU lacks must not be asked for. */
+zd__adam_fn zd__adam_impl(zd__isa_t isa);
+
+/* Writes the sum of squares of blocks [block_begin, block_end) into sums[k - block_begin] and adds
+ * their non-finite count to *nonfinite. n: elements in the range. */
+typedef void (*zd__stats_fn)(const void *grad, zd_dtype_t dtype, const zd__segment_t *segs,
+                             uint32_t nsegs, uint64_t n, uint64_t block_begin, uint64_t block_end,
+                             double *sums, uint64_t *nonfinite);
+void zd__grad_stats_ref(const void *grad, zd_dtype_t dtype, const zd__segment_t *segs,
+                        uint32_t nsegs, uint64_t n, uint64_t block_begin, uint64_t block_end,
+                        double *sums, uint64_t *nonfinite);
+zd__stats_fn zd__grad_stats_impl(zd__isa_t isa);
+
+/* Blocks in a range of n elements. */
+static inline uint64_t zd__stats_blocks(uint64_t n) {
+  return (n + ZD__STATS_BLOCK - 1) / ZD__STATS_BLOCK;
+}
+
+/* Adds block sums in order (the fixed order above). */
+double zd__grad_stats_sum(const double *sums, uint64_t nblocks);
+
+/* Scalar conversions shared by every path. */
+static inline float zd__bf16_to_f32(uint16_t h) {
+  union {
+    uint32_t u;
+    float f;
+  } x = {.u = (uint32_t)h << 16};
+  return x.f;
+}
+
+static inline uint16_t zd__f32_to_bf16(float f) {
+  union {
+    float f;
+    uint32_t u;
+  } x = {.f = f};
+  if (f != f) return 0x7fc0;
+  return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+float zd__f16_to_f32(uint16_t h);
+
+#endif /* ZD_KERNELS_ADAM_H */

@@ -1,0 +1,71 @@
+/* Assertions for zerod's test programs: on failure they print the expression, both sides with
+ * their values and file:line, and exit(1). Each test is a separate process run by `meson test`
+ * with a timeout; exit 77 means skipped (e.g. no GPU). */
+#ifndef ZD_TESTS_CHECK_H
+#define ZD_TESTS_CHECK_H
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ZD_TEST_SKIP 77
+
+#define CHECK(cond)                                                      \
+  do {                                                                   \
+    if (!(cond)) {                                                       \
+      fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
+      exit(1);                                                           \
+    }                                                                    \
+  } while (0)
+
+#define CHECK_MSG(cond, ...)                                             \
+  do {                                                                   \
+    if (!(cond)) {                                                       \
+      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                      \
+      fputc('\n', stderr);                                               \
+      exit(1);                                                           \
+    }                                                                    \
+  } while (0)
+
+#define CHECK_OP_(a, op, b, type, fmt)                                   \
+  do {                                                                   \
+    type a_ = (a), b_ = (b);                                             \
+    if (!(a_ op b_)) {                                                   \
+      fprintf(stderr, "%s:%d: CHECK(%s %s %s) failed: " fmt " vs " fmt "\n", __FILE__, __LINE__, \
+              #a, #op, #b, a_, b_);                                      \
+      exit(1);                                                           \
+    }                                                                    \
+  } while (0)
+
+#define CHECK_INT_EQ(a, b) CHECK_OP_(a, ==, b, long long, "%lld")
+#define CHECK_INT_NE(a, b) CHECK_OP_(a, !=, b, long long, "%lld")
+#define CHECK_INT_LT(a, b) CHECK_OP_(a, <, b, long long, "%lld")
+#define CHECK_INT_LE(a, b) CHECK_OP_(a, <=, b, long long, "%lld")
+#define CHECK_INT_GE(a, b) CHECK_OP_(a, >=, b, long long, "%lld")
+#define CHECK_U64_EQ(a, b) CHECK_OP_(a, ==, b, unsigned long long, "%llu")
+#define CHECK_DBL_EQ(a, b) CHECK_OP_(a, ==, b, double, "%.17g")
+
+#define CHECK_STR_EQ(a, b)                                               \
+  do {                                                                   \
+    const char *a_ = (a), *b_ = (b);                                     \
+    if (!a_ || !b_ || strcmp(a_, b_) != 0) {                             \
+      fprintf(stderr, "%s:%d: CHECK(%s == %s) failed: \"%s\" vs \"%s\"\n", __FILE__, __LINE__, \
+              #a, #b, a_ ? a_ : "(null)", b_ ? b_ : "(null)");           \
+      exit(1);                                                           \
+    }                                                                    \
+  } while (0)
+
+/* Checks that haystack contains needle (for error messages). */
+#define CHECK_CONTAINS(haystack, needle)                                 \
+  do {                                                                   \
+    const char *h_ = (haystack), *n_ = (needle);                         \
+    if (!h_ || !strstr(h_, n_)) {                                        \
+      fprintf(stderr, "%s:%d: expected \"%s\" to contain \"%s\"\n", __FILE__, __LINE__, \
+              h_ ? h_ : "(null)", n_);                                   \
+      exit(1);                                                           \
+    }                                                                    \
+  } while (0)
+
+#endif /* ZD_TESTS_CHECK_H */
