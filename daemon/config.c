@@ -1,1 +1,614 @@
-/* placeholder */
+/* zerod's settings table and the code that reads it (config.h).
+ *
+ * Every setting is one row below: name, type, field, default, bounds, help (redis
+ * standardConfig). Defaults, the config file, ZEROD_* variables and flags all go through the same
+ * set_value(), so a value means the same thing wherever it is written and every error names the
+ * setting, where the value came from, the value and what was expected. `--help` and the effective
+ * configuration (zd__config_visit) are printed from the same rows, so they cannot fall behind the
+ * parser. Settings whose default depends on others (socket, allowed_uids, world_size,
+ * bucket_elems, rendezvous_address) are resolved once at the end of the load, so the rest of the
+ * daemon and the configuration it logs see the values it actually uses.
+ */
+#include "config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <grp.h>
+#include <pwd.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "endpoint.h"
+#include "layout.h"
+
+extern char **environ;
+
+typedef enum { T_STRING, T_U32, T_U64, T_MODE, T_UIDS, T_GIDS, T_ENUM } type_t;
+
+enum { SRC_DEFAULT = 0, SRC_FILE, SRC_ENV, SRC_FLAG };
+static const char *const source_names[] = {"default", "file", "env", "flag"};
+
+typedef struct setting {
+  const char *section;
+  const char *name;
+  type_t type;
+  size_t offset;
+  const char *def;
+  uint64_t min, max;         /* T_U32, T_U64 */
+  const char *const *values; /* T_ENUM: NULL-terminated */
+  const char *metavar;       /* T_STRING: what the value is, for --help */
+  const char *help;
+} setting_t;
+
+#define FIELD(f) offsetof(zd__config_t, f)
+#define STR(sec, name, f, def, meta, help) \
+  { sec, name, T_STRING, FIELD(f), def, 0, 0, NULL, meta, help }
+#define U32(sec, name, f, def, lo, hi, help) \
+  { sec, name, T_U32, FIELD(f), def, lo, hi, NULL, NULL, help }
+#define U64(sec, name, f, def, lo, hi, help) \
+  { sec, name, T_U64, FIELD(f), def, lo, hi, NULL, NULL, help }
+#define MODE(sec, name, f, def, help) \
+  { sec, name, T_MODE, FIELD(f), def, 0, 0777, NULL, NULL, help }
+#define IDS(sec, name, type, f, help) \
+  { sec, name, type, FIELD(f), "", 0, 0, NULL, NULL, help }
+#define ENUM(sec, name, f, def, vals, help) \
+  { sec, name, T_ENUM, FIELD(f), def, 0, 0, vals, NULL, help }
+
+#define S_PROTO   "Local protocol"
+#define S_COMPUTE "Compute"
+#define S_WORLD   "World"
+#define S_OPS     "Operations"
+
+static const char *const backends[] = {"auto", "cpu", "cuda", NULL};
+static const char *const isas[] = {"auto", "avx512", "avx2", "scalar", NULL};
+static const char *const levels[] = {"error", "warn", "info", "debug", NULL};
+
+static const setting_t settings[] = {
+    STR(S_PROTO, "socket", socket_path, "", "PATH",
+        "Unix socket to listen on (\"\": $XDG_RUNTIME_DIR/zerod.sock, else /run/zerod/zerod.sock)"),
+    MODE(S_PROTO, "socket_mode", socket_mode, "0660", "permissions of the socket file, in octal"),
+    IDS(S_PROTO, "allowed_uids", T_UIDS, allowed_uids,
+        "users who may connect, by uid or name (default: the daemon's own uid and root)"),
+    IDS(S_PROTO, "allowed_gids", T_GIDS, allowed_gids,
+        "groups whose members may connect, by gid or name (default: none)"),
+    U32(S_PROTO, "max_clients", max_clients, "64", 1, 4096, "simultaneous client connections"),
+    U32(S_PROTO, "max_frame_bytes", max_frame_bytes, "16777216", 4096, 67108864,
+        "largest request or reply frame, in bytes"),
+    U32(S_PROTO, "frame_timeout_ms", frame_timeout_ms, "10000", 100, 600000,
+        "a frame once started must be complete within this time"),
+    U32(S_PROTO, "max_inflight", max_inflight, "64", 1, 1024, "pipelined requests per client"),
+
+    ENUM(S_COMPUTE, "backend", backend, "auto", backends,
+         "where optimizer steps run (auto: cuda when a GPU is usable, else cpu)"),
+    U32(S_COMPUTE, "threads", threads, "0", 0, 1024, "CPU kernel threads (0: one per CPU)"),
+    ENUM(S_COMPUTE, "kernel_isa", kernel_isa, "auto", isas,
+         "CPU kernel instruction set (auto: the widest this CPU supports)"),
+
+    U32(S_WORLD, "local_ranks", local_ranks, "1", 1, 64, "ranks served by this daemon"),
+    U32(S_WORLD, "world_size", world_size, "0", 0, 65536,
+        "ranks in the whole job (0: local_ranks, a single-node world)"),
+    U32(S_WORLD, "first_rank", first_rank, "0", 0, 65535,
+        "global rank of this daemon's local rank 0"),
+    U64(S_WORLD, "bucket_elems", bucket_elems, "0", 0, 1ull << 40,
+        "target elements per gradient bucket (0: max(40M, 1M * world_size))"),
+    STR(S_WORLD, "control_address", control_address, "127.0.0.1:7070", "ADDR",
+        "listen address of the gRPC control service"),
+    STR(S_WORLD, "rendezvous_address", rendezvous_address, "", "ADDR",
+        "control service of the daemon holding rank 0 (\"\": control_address)"),
+    U32(S_WORLD, "collective_timeout_ms", collective_timeout_ms, "60000", 100, 3600000,
+        "a collective not complete within this time marks the world degraded"),
+
+    ENUM(S_OPS, "log_level", log_level, "info", levels, "least severe level logged"),
+    STR(S_OPS, "config", config_file, "", "FILE",
+        "file of `name = value` lines, read before the environment and flags"),
+};
+
+#define NSETTINGS (sizeof settings / sizeof settings[0])
+_Static_assert(NSETTINGS <= ZD__CONFIG_MAX_SETTINGS, "raise ZD__CONFIG_MAX_SETTINGS");
+
+/* Longest value quoted back in a message: enough to recognise it, short enough to leave room for
+ * what was expected in ZD__ERR_MSG_MAX. */
+#define QUOTE_MAX 160
+
+static void *field(zd__config_t *cfg, const setting_t *s) {
+  return (char *)cfg + s->offset;
+}
+static const void *cfield(const zd__config_t *cfg, const setting_t *s) {
+  return (const char *)cfg + s->offset;
+}
+
+/* Flags accept '-' for '_'; the file accepts either too, so one spelling works everywhere. */
+static int find_setting(const char *name, size_t len) {
+  for (size_t i = 0; i < NSETTINGS; i++) {
+    const char *t = settings[i].name;
+    size_t j = 0;
+    for (; j < len && t[j]; j++)
+      if (t[j] != name[j] && !(t[j] == '_' && name[j] == '-')) break;
+    if (j == len && !t[j]) return (int)i;
+  }
+  return -1;
+}
+
+static int setting_index(const char *name) {
+  return find_setting(name, strlen(name));
+}
+
+/* Whole decimal (or octal) numbers only: strtoull alone would take "-1", " 5", "+5" and "5x". */
+static int parse_u64(const char *text, int base, uint64_t *out) {
+  char *end;
+  if (!isdigit((unsigned char)text[0])) return -1;
+  errno = 0;
+  unsigned long long v = strtoull(text, &end, base);
+  if (errno || *end) return -1;
+  *out = v;
+  return 0;
+}
+
+static char *trim(char *s) {
+  while (isspace((unsigned char)*s)) s++;
+  size_t n = strlen(s);
+  while (n && isspace((unsigned char)s[n - 1])) s[--n] = '\0';
+  return s;
+}
+
+static int parse_ids(const setting_t *s, const char *text, const char *origin, zd__idlist_t *out,
+                     zd__err_t *err) {
+  int rc = 0;
+  char *save = NULL, *copy = strdup(text);
+  if (!copy) return zd__errf(err, -ENOMEM, "%s: out of memory", origin);
+  out->n = 0;
+  for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+    uint64_t id;
+    tok = trim(tok);
+    if (!*tok) continue;
+    if (out->n == ZD__MAX_IDS) {
+      rc = zd__errf(err, ZD_ECONFIG, "%s=%.*s: %s takes at most %d ids", origin, QUOTE_MAX, text,
+                    s->name, ZD__MAX_IDS);
+      goto fail;
+    }
+    if (isdigit((unsigned char)tok[0])) {
+      /* (uid_t)-1 means "no change" to chown and friends: never a real id. */
+      if (parse_u64(tok, 10, &id) || id >= UINT32_MAX) {
+        rc = zd__errf(err, ZD_ECONFIG,
+                      "%s=%.*s: %s must be a comma-separated list of %s names or numbers below "
+                      "%u, not '%s'",
+                      origin, QUOTE_MAX, text, s->name, s->type == T_UIDS ? "user" : "group",
+                      UINT32_MAX, tok);
+        goto fail;
+      }
+    } else if (s->type == T_UIDS) {
+      struct passwd *pw = getpwnam(tok);
+      if (!pw) {
+        rc = zd__errf(err, ZD_ECONFIG, "%s=%.*s: %s: no such user '%s'", origin, QUOTE_MAX, text,
+                      s->name, tok);
+        goto fail;
+      }
+      id = pw->pw_uid;
+    } else {
+      struct group *gr = getgrnam(tok);
+      if (!gr) {
+        rc = zd__errf(err, ZD_ECONFIG, "%s=%.*s: %s: no such group '%s'", origin, QUOTE_MAX, text,
+                      s->name, tok);
+        goto fail;
+      }
+      id = gr->gr_gid;
+    }
+    out->ids[out->n++] = (uint32_t)id;
+  }
+fail:
+  free(copy);
+  return rc;
+}
+
+/* Parses text for setting s and stores it; origin says where text came from ("ZEROD_SOCKET",
+ * "--socket", "zerod.conf:3: socket") and starts every message. */
+static int set_value(zd__config_t *cfg, int idx, const char *text, const char *origin, int source,
+                     zd__err_t *err) {
+  const setting_t *s = &settings[idx];
+  uint64_t v;
+  switch (s->type) {
+    case T_STRING: {
+      char *copy = strdup(text), **p = field(cfg, s);
+      if (!copy) return zd__errf(err, -ENOMEM, "%s: out of memory", origin);
+      free(*p);
+      *p = copy;
+      break;
+    }
+    case T_U32:
+    case T_U64:
+      if (parse_u64(text, 10, &v) || v < s->min || v > s->max)
+        return zd__errf(err, ZD_ECONFIG, "%s=%.*s: %s must be a whole number between %llu and %llu",
+                        origin, QUOTE_MAX, text, s->name, (unsigned long long)s->min,
+                        (unsigned long long)s->max);
+      if (s->type == T_U32)
+        *(uint32_t *)field(cfg, s) = (uint32_t)v;
+      else
+        *(uint64_t *)field(cfg, s) = v;
+      break;
+    case T_MODE:
+      if (parse_u64(text, 8, &v) || v > s->max)
+        return zd__errf(err, ZD_ECONFIG, "%s=%.*s: %s must be an octal mode between 0000 and 0777",
+                        origin, QUOTE_MAX, text, s->name);
+      *(uint32_t *)field(cfg, s) = (uint32_t)v;
+      break;
+    case T_UIDS:
+    case T_GIDS: {
+      zd__idlist_t ids;
+      int rc = parse_ids(s, text, origin, &ids, err);
+      if (rc) return rc;
+      *(zd__idlist_t *)field(cfg, s) = ids;
+      break;
+    }
+    case T_ENUM: {
+      const char *const *val = s->values;
+      while (*val && strcmp(*val, text)) val++;
+      if (!*val) {
+        char allowed[128] = "";
+        for (val = s->values; *val; val++) {
+          if (val != s->values) strncat(allowed, ", ", sizeof allowed - strlen(allowed) - 1);
+          strncat(allowed, *val, sizeof allowed - strlen(allowed) - 1);
+        }
+        return zd__errf(err, ZD_ECONFIG, "%s=%.*s: %s must be one of %s", origin, QUOTE_MAX, text,
+                        s->name, allowed);
+      }
+      char *copy = strdup(*val), **p = field(cfg, s);
+      if (!copy) return zd__errf(err, -ENOMEM, "%s: out of memory", origin);
+      free(*p);
+      *p = copy;
+      break;
+    }
+  }
+  cfg->source[idx] = (unsigned char)source;
+  return 0;
+}
+
+/* `name = value` or `name value`; '#' starts a comment at the start of a line or after a blank,
+ * so a '#' inside a path or address survives; "..." quotes allow an empty value. */
+static int load_file(zd__config_t *cfg, const char *path, const char *from, zd__err_t *err) {
+  char *line = NULL, origin[512];
+  size_t cap = 0;
+  unsigned lineno = 0;
+  int rc = 0;
+  FILE *f = fopen(path, "r");
+  if (!f)
+    return zd__errf(err, -errno, "config file %s (from %s): cannot open: %s", path, from,
+                    strerror(errno));
+  errno = 0;
+  while (getline(&line, &cap, f) != -1) {
+    char *p = line, *name, *value;
+    size_t namelen;
+    int idx, has_eq = 0;
+    lineno++;
+    for (char *c = p; *c; c++)
+      if (*c == '#' && (c == p || isspace((unsigned char)c[-1]))) {
+        *c = '\0';
+        break;
+      }
+    p = trim(p);
+    if (!*p) continue;
+    name = p;
+    namelen = strspn(p, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-");
+    p += namelen;
+    if (!namelen || (*p && !isspace((unsigned char)*p) && *p != '=')) {
+      rc = zd__errf(err, ZD_ECONFIG, "%s:%u: expected 'name = value', got '%.*s'", path, lineno,
+                    QUOTE_MAX, name);
+      goto fail;
+    }
+    while (isspace((unsigned char)*p)) p++;
+    if (*p == '=') {
+      has_eq = 1;
+      p++;
+      while (isspace((unsigned char)*p)) p++;
+    }
+    name[namelen] = '\0';
+    value = p;
+    idx = find_setting(name, namelen);
+    if (idx < 0) {
+      rc = zd__errf(err, ZD_ECONFIG, "%s:%u: unknown setting '%.*s' (see zerod --help)", path,
+                    lineno, QUOTE_MAX, name);
+      goto fail;
+    }
+    if (settings[idx].offset == FIELD(config_file)) {
+      rc = zd__errf(err, ZD_ECONFIG,
+                    "%s:%u: config cannot be set in a config file; use --config "
+                    "or ZEROD_CONFIG",
+                    path, lineno);
+      goto fail;
+    }
+    if (!*value && !has_eq) {
+      rc = zd__errf(err, ZD_ECONFIG, "%s:%u: %s: missing value", path, lineno, settings[idx].name);
+      goto fail;
+    }
+    size_t vlen = strlen(value);
+    if (vlen >= 2 && value[0] == '"' && value[vlen - 1] == '"') {
+      value[vlen - 1] = '\0';
+      value++;
+    }
+    snprintf(origin, sizeof origin, "%.300s:%u: %s", path, lineno, settings[idx].name);
+    rc = set_value(cfg, idx, value, origin, SRC_FILE, err);
+    if (rc) goto fail;
+    errno = 0;
+  }
+  if (ferror(f)) {
+    int e = errno ? errno : EIO;
+    rc = zd__errf(err, -e, "config file %s (from %s): cannot read: %s", path, from, strerror(e));
+  }
+fail:
+  free(line);
+  fclose(f);
+  return rc;
+}
+
+static const char *env_lookup(char **envp, const char *var) {
+  size_t len = strlen(var);
+  for (char **e = envp; e && *e; e++)
+    if (!strncmp(*e, var, len) && (*e)[len] == '=') return *e + len + 1;
+  return NULL;
+}
+
+static void env_name(const setting_t *s, char *buf, size_t len) {
+  size_t i = (size_t)snprintf(buf, len, "ZEROD_");
+  for (const char *c = s->name; *c && i + 1 < len; c++) buf[i++] = (char)toupper((unsigned char)*c);
+  buf[i] = '\0';
+}
+
+/* Walks argv once. With apply == 0 it only checks the syntax, stops at --help/--version and
+ * finds --config (which must be known before the file is read); with apply == 1 it stores the
+ * values. Both walks see the same errors in the same order. */
+static int scan_flags(zd__config_t *cfg, int argc, char **argv, int apply, const char **config_path,
+                      zd__err_t *err) {
+  char origin[160];
+  for (int i = 1; i < argc; i++) {
+    const char *arg = argv[i], *value, *eq;
+    size_t namelen;
+    int idx;
+    if (!strcmp(arg, "-h") || !strcmp(arg, "--help")) return ZD__CONFIG_HELP;
+    if (!strcmp(arg, "-V") || !strcmp(arg, "--version")) return ZD__CONFIG_VERSION;
+    if (strncmp(arg, "--", 2) != 0 || !arg[2]) {
+      if (arg[0] == '-' && arg[1])
+        return zd__errf(err, ZD_ECONFIG, "unknown flag %.*s (see zerod --help)", QUOTE_MAX, arg);
+      return zd__errf(err, ZD_ECONFIG, "unexpected argument '%.*s': settings are --NAME VALUE",
+                      QUOTE_MAX, arg);
+    }
+    eq = strchr(arg, '=');
+    namelen = eq ? (size_t)(eq - arg - 2) : strlen(arg + 2);
+    idx = find_setting(arg + 2, namelen);
+    if (idx < 0)
+      return zd__errf(err, ZD_ECONFIG, "unknown flag --%.*s (see zerod --help)",
+                      (int)(namelen < QUOTE_MAX ? namelen : QUOTE_MAX), arg + 2);
+    snprintf(origin, sizeof origin, "--%.*s", (int)namelen, arg + 2);
+    if (eq) {
+      value = eq + 1;
+    } else if (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
+      value = argv[++i];
+    } else {
+      return zd__errf(
+          err, ZD_ECONFIG, "%s: missing value (%s)", origin,
+          i + 1 < argc ? "use --NAME=VALUE for a value starting with --" : "last argument");
+    }
+    if (settings[idx].offset == FIELD(config_file)) {
+      if (!apply) *config_path = value;
+    } else if (apply) {
+      int rc = set_value(cfg, idx, value, origin, SRC_FLAG, err);
+      if (rc) return rc;
+    }
+  }
+  return ZD__CONFIG_RUN;
+}
+
+/* Defaults that depend on the environment or on other settings, then checks across settings. */
+static int resolve(zd__config_t *cfg, zd__err_t *err) {
+  const unsigned char *src = cfg->source;
+  int i_socket = setting_index("socket"), i_uids = setting_index("allowed_uids");
+  int i_local = setting_index("local_ranks"), i_world = setting_index("world_size");
+  int i_first = setting_index("first_rank"), i_ctl = setting_index("control_address");
+  char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+
+  if (!cfg->socket_path[0]) {
+    int rc = zd__socket_default_path(path, sizeof path);
+    if (rc)
+      return zd__errf(err, ZD_ECONFIG,
+                      "socket: the default path ($XDG_RUNTIME_DIR/zerod.sock) is "
+                      "longer than %zu bytes; set socket",
+                      sizeof path - 1);
+    char *copy = strdup(path);
+    if (!copy) return zd__errf(err, -ENOMEM, "socket: out of memory");
+    free(cfg->socket_path);
+    cfg->socket_path = copy;
+  } else if (strlen(cfg->socket_path) >= sizeof path) {
+    return zd__errf(err, ZD_ECONFIG,
+                    "socket (%s): %.*s is %zu bytes, a Unix socket path holds at "
+                    "most %zu",
+                    source_names[src[i_socket]], QUOTE_MAX, cfg->socket_path,
+                    strlen(cfg->socket_path), sizeof path - 1);
+  }
+
+  if (src[i_uids] == SRC_DEFAULT) {
+    uint32_t self = (uint32_t)geteuid();
+    cfg->allowed_uids.n = 0;
+    cfg->allowed_uids.ids[cfg->allowed_uids.n++] = self;
+    if (self != 0) cfg->allowed_uids.ids[cfg->allowed_uids.n++] = 0;
+  }
+  if (!cfg->allowed_uids.n && !cfg->allowed_gids.n)
+    return zd__errf(err, ZD_ECONFIG,
+                    "allowed_uids and allowed_gids are both empty: no client "
+                    "could connect");
+
+  if (!cfg->world_size) {
+    cfg->world_size = cfg->local_ranks;
+  } else if (cfg->world_size < cfg->local_ranks) {
+    return zd__errf(err, ZD_ECONFIG,
+                    "world_size=%u (%s) is less than local_ranks=%u (%s): the "
+                    "world must hold this daemon's ranks (world_size 0 means local_ranks)",
+                    cfg->world_size, source_names[src[i_world]], cfg->local_ranks,
+                    source_names[src[i_local]]);
+  }
+  if ((uint64_t)cfg->first_rank + cfg->local_ranks > cfg->world_size)
+    return zd__errf(err, ZD_ECONFIG,
+                    "first_rank=%u (%s) + local_ranks=%u (%s) exceeds "
+                    "world_size=%u (%s): this daemon's ranks %u..%u must be below world_size",
+                    cfg->first_rank, source_names[src[i_first]], cfg->local_ranks,
+                    source_names[src[i_local]], cfg->world_size, source_names[src[i_world]],
+                    cfg->first_rank, cfg->first_rank + cfg->local_ranks - 1);
+
+  if (!cfg->bucket_elems) cfg->bucket_elems = zd__layout_default_bucket_elems(cfg->world_size);
+
+  if (!cfg->control_address[0])
+    return zd__errf(err, ZD_ECONFIG, "control_address (%s) is empty: it must be host:port",
+                    source_names[src[i_ctl]]);
+  if (!cfg->rendezvous_address[0]) {
+    char *copy = strdup(cfg->control_address);
+    if (!copy) return zd__errf(err, -ENOMEM, "rendezvous_address: out of memory");
+    free(cfg->rendezvous_address);
+    cfg->rendezvous_address = copy;
+  }
+  return 0;
+}
+
+int zd__config_load(zd__config_t *cfg, int argc, char **argv, char **envp, zd__err_t *err) {
+  const char *config_path = NULL, *text;
+  char var[64];
+  int rc, i_config = setting_index("config");
+
+  memset(cfg, 0, sizeof *cfg);
+  if (!envp) envp = environ;
+  for (size_t i = 0; i < NSETTINGS; i++) {
+    rc = set_value(cfg, (int)i, settings[i].def, "default", SRC_DEFAULT, err);
+    if (rc) goto fail;
+  }
+
+  rc = scan_flags(cfg, argc, argv, 0, &config_path, err);
+  if (rc) goto fail;
+  if (config_path) {
+    rc = set_value(cfg, i_config, config_path, "--config", SRC_FLAG, err);
+  } else if ((text = env_lookup(envp, "ZEROD_CONFIG"))) {
+    rc = set_value(cfg, i_config, text, "ZEROD_CONFIG", SRC_ENV, err);
+  }
+  if (rc) goto fail;
+  if (cfg->config_file[0]) {
+    rc = load_file(cfg, cfg->config_file, config_path ? "--config" : "ZEROD_CONFIG", err);
+    if (rc) goto fail;
+  }
+
+  for (size_t i = 0; i < NSETTINGS; i++) {
+    if ((int)i == i_config) continue;
+    env_name(&settings[i], var, sizeof var);
+    if (!(text = env_lookup(envp, var))) continue;
+    rc = set_value(cfg, (int)i, text, var, SRC_ENV, err);
+    if (rc) goto fail;
+  }
+
+  rc = scan_flags(cfg, argc, argv, 1, NULL, err);
+  if (rc) goto fail;
+  rc = resolve(cfg, err);
+  if (rc) goto fail;
+  return ZD__CONFIG_RUN;
+
+fail:
+  zd__config_free(cfg);
+  return rc;
+}
+
+void zd__config_free(zd__config_t *cfg) {
+  if (!cfg) return;
+  for (size_t i = 0; i < NSETTINGS; i++) {
+    if (settings[i].type != T_STRING && settings[i].type != T_ENUM) continue;
+    char **p = field(cfg, &settings[i]);
+    free(*p);
+    *p = NULL;
+  }
+}
+
+static const char *format_value(const zd__config_t *cfg, const setting_t *s, char *buf,
+                                size_t len) {
+  switch (s->type) {
+    case T_STRING:
+    case T_ENUM: {
+      const char *str = *(char *const *)cfield(cfg, s);
+      return str ? str : "";
+    }
+    case T_U32:
+      snprintf(buf, len, "%u", *(const uint32_t *)cfield(cfg, s));
+      break;
+    case T_U64:
+      snprintf(buf, len, "%llu", (unsigned long long)*(const uint64_t *)cfield(cfg, s));
+      break;
+    case T_MODE:
+      snprintf(buf, len, "%04o", *(const uint32_t *)cfield(cfg, s));
+      break;
+    case T_UIDS:
+    case T_GIDS: {
+      const zd__idlist_t *ids = cfield(cfg, s);
+      size_t used = 0;
+      buf[0] = '\0';
+      for (uint32_t i = 0; i < ids->n && used < len; i++)
+        used += (size_t)snprintf(buf + used, len - used, "%s%u", i ? "," : "", ids->ids[i]);
+      break;
+    }
+  }
+  return buf;
+}
+
+void zd__config_visit(const zd__config_t *cfg, zd__config_visit_fn fn, void *ctx) {
+  /* ZD__MAX_IDS ids of up to 10 digits and a comma each. */
+  char buf[ZD__MAX_IDS * 11 + 1];
+  for (size_t i = 0; i < NSETTINGS; i++) {
+    unsigned src = cfg->source[i];
+    fn(ctx, settings[i].name, format_value(cfg, &settings[i], buf, sizeof buf),
+       source_names[src < 4 ? src : 0]);
+  }
+}
+
+void zd__config_print_help(FILE *out) {
+  const char *section = NULL;
+  char var[64], meta[64];
+  fprintf(out,
+          "Usage: zerod [--config FILE] [--NAME VALUE]...\n"
+          "\n"
+          "Every setting is a flag (--NAME VALUE or --NAME=VALUE; '-' works for '_'), a\n"
+          "variable ZEROD_NAME and a config file line `name = value`. Flags override the\n"
+          "environment, which overrides the file, which overrides the defaults.\n"
+          "\n"
+          "  -h, --help     print this help and exit\n"
+          "  -V, --version  print the version and exit\n");
+  for (size_t i = 0; i < NSETTINGS; i++) {
+    const setting_t *s = &settings[i];
+    if (!section || strcmp(section, s->section)) {
+      section = s->section;
+      fprintf(out, "\n%s:\n", section);
+    }
+    env_name(s, var, sizeof var);
+    switch (s->type) {
+      case T_STRING:
+        snprintf(meta, sizeof meta, "%s", s->metavar);
+        break;
+      case T_U32:
+      case T_U64:
+        snprintf(meta, sizeof meta, "N");
+        break;
+      case T_MODE:
+        snprintf(meta, sizeof meta, "MODE");
+        break;
+      case T_UIDS:
+        snprintf(meta, sizeof meta, "USER,...");
+        break;
+      case T_GIDS:
+        snprintf(meta, sizeof meta, "GROUP,...");
+        break;
+      case T_ENUM:
+        meta[0] = '\0';
+        for (const char *const *v = s->values; *v; v++) {
+          if (v != s->values) strncat(meta, "|", sizeof meta - strlen(meta) - 1);
+          strncat(meta, *v, sizeof meta - strlen(meta) - 1);
+        }
+        break;
+    }
+    fprintf(out, "  --%s %s  (%s", s->name, meta, var);
+    if (s->def[0]) fprintf(out, "; default %s", s->def);
+    if (s->type == T_U32 || s->type == T_U64)
+      fprintf(out, "; %llu..%llu", (unsigned long long)s->min, (unsigned long long)s->max);
+    fprintf(out, ")\n      %s\n", s->help);
+  }
+}

@@ -16,6 +16,7 @@
 #include "error.h"
 
 #define ZD__MAX_IDS 32
+#define ZD__CONFIG_MAX_SETTINGS 32 /* rows the table in config.c may have */
 
 typedef struct zd__idlist {
   uint32_t n;
@@ -47,6 +48,9 @@ typedef struct zd__config {
   /* operations */
   char *log_level;           /* error | warn | info | debug */
   char *config_file;         /* --config / ZEROD_CONFIG */
+  /* Where each setting came from, indexed like the table in config.c; read it through
+   * zd__config_visit(). Kept in the instance so two loads (tests, reload) do not share it. */
+  unsigned char source[ZD__CONFIG_MAX_SETTINGS];
 } zd__config_t;
 
 /* Result of zd__config_load() besides errors. */
@@ -56,7 +60,10 @@ enum { ZD__CONFIG_RUN = 0, ZD__CONFIG_HELP = 1, ZD__CONFIG_VERSION = 2 };
  * envp (NULL: environ) and argv flags (--name VALUE or --name=VALUE; setting names with '-' or
  * '_'). Returns ZD__CONFIG_RUN, ZD__CONFIG_HELP (--help/-h), ZD__CONFIG_VERSION (--version/-V),
  * or a negative code with a message naming the setting, its source (file:line, variable or
- * flag), the bad value and what is expected (ZD_ECONFIG, -ENOENT for a missing file). */
+ * flag), the bad value and what is expected (ZD_ECONFIG, -ENOENT for a missing file).
+ * cfg is overwritten, not freed: pass a zeroed or freed one. On any result but ZD__CONFIG_RUN it
+ * is left released (zd__config_free() on it is still fine). Start-up only: not thread-safe
+ * (getpwnam, getgrnam, getenv). */
 int zd__config_load(zd__config_t *cfg, int argc, char **argv, char **envp, zd__err_t *err);
 
 /* Releases the strings; accepts a zeroed or partly loaded cfg. */

@@ -24,8 +24,8 @@ static uint64_t fnv_u64(uint64_t h, uint64_t v) {
 static uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
 
 uint64_t zd__layout_default_bucket_elems(uint32_t world_size) {
-  uint64_t per_rank = (uint64_t)world_size << 20;
-  return per_rank > 40000000ull ? per_rank : 40000000ull;
+  uint64_t per_rank = (uint64_t)world_size * 1000000u;
+  return per_rank > 40000000u ? per_rank : 40000000u;
 }
 
 void zd__shape_format(const uint64_t *shape, uint32_t ndim, char *buf, size_t len) {
@@ -190,6 +190,7 @@ void zd__layout_free(zd__layout_t *layout) {
 }
 
 int zd__layout_diff(const zd__layout_t *a, const zd__layout_t *b, char *buf, size_t len) {
+  if (len == 0) return zd__layout_diff(a, b, (char[1]){0}, 1);
   if (a->world_size != b->world_size) {
     snprintf(buf, len, "world size %u vs %u", a->world_size, b->world_size);
     return 1;

@@ -68,8 +68,8 @@ int zd__layout_build(const zd_param_t *params, uint32_t nparams, uint32_t ngroup
 /* Destroys a layout; accepts NULL. */
 void zd__layout_free(zd__layout_t *layout);
 
-/* Describes the first difference between two layouts in buf ("parameter 3 'fc2.weight': shape
- * [32, 16] vs [16, 32]"); returns 0 when they are the same. */
+/* Describes the first difference between two layouts in buf ("parameter 3: 'fc2.weight' [32, 16]
+ * group 0 vs 'fc2.weight' [16, 32] group 0"); returns 0 when they are the same. */
 int zd__layout_diff(const zd__layout_t *a, const zd__layout_t *b, char *buf, size_t len);
 
 /* Segments of rank `rank`'s slice of bucket `bucket`, offsets relative to the slice start.

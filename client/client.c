@@ -1,0 +1,711 @@
+/* libzerod (zerod/zerod.h): connection, shared buffers and requests of one client.
+ *
+ * The socket is blocking: a call writes its request frame and reads frames until its reply
+ * arrives. Replies to other pipelined requests that arrive first are kept in a small table until
+ * zd_wait() asks for them. The shared buffers are sealed memfds (the daemon refuses buffers that
+ * could shrink under it) passed with SCM_RIGHTS along the register frame.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "endpoint.h"
+#include "error.h"
+#include "frame.h"
+#include "layout.h"
+#include "zerod.pb-c.h"
+#include "zerod/zerod.h"
+
+#define MAX_OUTSTANDING 64
+#define HELLO_TIMEOUT_MS 30000
+
+typedef struct pending {
+  uint64_t id;
+  uint16_t type;
+  int done;
+  int code;
+  char msg[ZD__ERR_MSG_MAX];
+  zd_step_result_t step;
+} pending_t;
+
+struct zd_client {
+  int fd;
+  uint64_t next_id;
+  zd_info_t info;
+  pending_t pending[MAX_OUTSTANDING];
+  uint32_t npending;
+
+  /* zd_layout() */
+  zd__layout_t *layout;
+  zd_group_t *groups;
+  uint32_t ngroups;
+  zd_dtype_t param_dtype, grad_dtype;
+  double max_grad_norm;
+  int grad_mean;
+  zd_loss_scaler_t loss_scaler;
+  unsigned flags;
+  int param_fd, grad_fd;
+  void *params, *grads;
+  size_t param_bytes, grad_bytes;
+  int registered;
+};
+
+static __thread char last_error[ZD__ERR_MSG_MAX];
+
+const char *zd_last_error(void) { return last_error; }
+
+static int fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail(int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(last_error, sizeof last_error, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+zd_group_t zd_group_default(void) {
+  return (zd_group_t){.lr = 1e-3,
+                      .beta1 = 0.9,
+                      .beta2 = 0.999,
+                      .eps = 1e-8,
+                      .weight_decay = 1e-2,
+                      .optimizer = ZD_ADAMW};
+}
+
+/* ---- frames -------------------------------------------------------------------------------- */
+
+static int send_all(zd_client_t *c, const uint8_t *buf, size_t len, const int *fds, int nfds) {
+  size_t off = 0;
+  while (off < len) {
+    struct iovec iov = {.iov_base = (void *)(buf + off), .iov_len = len - off};
+    union {
+      char buf[CMSG_SPACE(2 * sizeof(int))];
+      struct cmsghdr align;
+    } ctrl;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (nfds > 0 && off == 0) { /* descriptors ride along the first byte of the frame */
+      msg.msg_control = ctrl.buf;
+      msg.msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int));
+      struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_RIGHTS;
+      cm->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
+      memcpy(CMSG_DATA(cm), fds, (size_t)nfds * sizeof(int));
+    }
+    ssize_t n = sendmsg(c->fd, &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return fail(errno == EPIPE || errno == ECONNRESET ? ZD_ECLOSED : -errno,
+                  "sending to zerod failed: %s", strerror(errno));
+    }
+    off += (size_t)n;
+  }
+  return ZD_OK;
+}
+
+static int send_request(zd_client_t *c, uint16_t type, const ProtobufCMessage *msg, const int *fds,
+                        int nfds, uint64_t *id) {
+  size_t len = protobuf_c_message_get_packed_size(msg);
+  uint8_t *buf = malloc(ZD__FRAME_HEADER_SIZE + len);
+  if (!buf) return fail(-ENOMEM, "out of memory for a %zu-byte request", len);
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
+                          .version = ZD_PROTOCOL_VERSION,
+                          .type = type,
+                          .length = (uint32_t)len,
+                          .request_id = ++c->next_id};
+  zd__frame_encode(&h, buf);
+  protobuf_c_message_pack(msg, buf + ZD__FRAME_HEADER_SIZE);
+  int rc = send_all(c, buf, ZD__FRAME_HEADER_SIZE + len, fds, nfds);
+  free(buf);
+  if (rc == ZD_OK) *id = h.request_id;
+  return rc;
+}
+
+/* Reads exactly len bytes; timeout_ms < 0 waits for ever. */
+static int read_all(zd_client_t *c, uint8_t *buf, size_t len, int timeout_ms) {
+  size_t off = 0;
+  while (off < len) {
+    if (timeout_ms >= 0) {
+      struct pollfd p = {.fd = c->fd, .events = POLLIN};
+      int n = poll(&p, 1, timeout_ms);
+      if (n == 0) return fail(-ETIMEDOUT, "no reply from zerod within %d ms", timeout_ms);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return fail(-errno, "poll: %s", strerror(errno));
+      }
+    }
+    ssize_t n = recv(c->fd, buf + off, len - off, 0);
+    if (n == 0) return fail(ZD_ECLOSED, "zerod closed the connection");
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return fail(errno == ECONNRESET ? ZD_ECLOSED : -errno, "reading from zerod failed: %s",
+                  strerror(errno));
+    }
+    off += (size_t)n;
+  }
+  return ZD_OK;
+}
+
+/* Reads one frame; *body is allocated (free()). */
+static int read_frame(zd_client_t *c, zd__frame_header_t *h, uint8_t **body, int timeout_ms) {
+  uint8_t hdr[ZD__FRAME_HEADER_SIZE];
+  int rc = read_all(c, hdr, sizeof hdr, timeout_ms);
+  if (rc) return rc;
+  if (zd__frame_decode(hdr, h) != ZD_OK)
+    return fail(ZD_EPROTO, "reply from zerod has a bad magic number 0x%08x", h->magic);
+  if (h->length > ZD__FRAME_MAX_BODY)
+    return fail(ZD_EPROTO, "reply from zerod claims %u bytes; at most %u expected", h->length,
+                ZD__FRAME_MAX_BODY);
+  *body = malloc(h->length ? h->length : 1);
+  if (!*body) return fail(-ENOMEM, "out of memory for a %u-byte reply", h->length);
+  rc = read_all(c, *body, h->length, timeout_ms);
+  if (rc) {
+    free(*body);
+    *body = NULL;
+  }
+  return rc;
+}
+
+static pending_t *find_pending(zd_client_t *c, uint64_t id) {
+  for (uint32_t i = 0; i < c->npending; i++)
+    if (c->pending[i].id == id) return &c->pending[i];
+  return NULL;
+}
+
+static void forget_pending(zd_client_t *c, pending_t *p) {
+  *p = c->pending[--c->npending];
+}
+
+/* Records the outcome of a frame into its pending entry. Step replies are decoded here; other
+ * reply bodies are handed back through *body_out when the caller waits for exactly that id. */
+static int settle(zd_client_t *c, pending_t *p, const zd__frame_header_t *h, const uint8_t *body) {
+  p->done = 1;
+  if (h->type == ZD__MSG_ERROR) {
+    Zerod__V1__Error *e = zerod__v1__error__unpack(NULL, h->length, body);
+    if (!e) {
+      p->code = ZD_EPROTO;
+      snprintf(p->msg, sizeof p->msg, "malformed error reply from zerod");
+      return ZD_OK;
+    }
+    p->code = e->code;
+    snprintf(p->msg, sizeof p->msg, "%s", e->message);
+    zerod__v1__error__free_unpacked(e, NULL);
+    return ZD_OK;
+  }
+  if (h->type != (p->type | ZD__FRAME_REPLY)) {
+    p->code = ZD_EPROTO;
+    snprintf(p->msg, sizeof p->msg, "zerod answered %s request %" PRIu64 " with a %s reply",
+             zd__msg_name(p->type), p->id, zd__msg_name(h->type));
+    return ZD_OK;
+  }
+  p->code = ZD_OK;
+  if (p->type == ZD__MSG_STEP) {
+    Zerod__V1__StepReply *r = zerod__v1__step_reply__unpack(NULL, h->length, body);
+    if (!r) {
+      p->code = ZD_EPROTO;
+      snprintf(p->msg, sizeof p->msg, "malformed step reply from zerod");
+      return ZD_OK;
+    }
+    p->step = (zd_step_result_t){.step = r->step,
+                                 .applied = r->applied,
+                                 .grad_norm = r->grad_norm,
+                                 .loss_scale = r->loss_scale,
+                                 .clip_coef = r->clip_coef,
+                                 .duration_us = r->duration_us};
+    c->info.step = r->step;
+    c->info.loss_scale = r->loss_scale;
+    zerod__v1__step_reply__free_unpacked(r, NULL);
+  }
+  return ZD_OK;
+}
+
+/* Reads frames until request id is answered. On success, *body receives the reply body when
+ * body is not NULL (caller frees). */
+static int await(zd_client_t *c, uint64_t id, uint8_t **body, uint32_t *body_len, int timeout_ms) {
+  pending_t *p = find_pending(c, id);
+  if (!p) return fail(-EINVAL, "request %" PRIu64 " is not outstanding", id);
+  while (!p->done) {
+    zd__frame_header_t h;
+    uint8_t *b;
+    int rc = read_frame(c, &h, &b, timeout_ms);
+    if (rc) return rc;
+    pending_t *q = find_pending(c, h.request_id);
+    if (!q || q->done) {
+      rc = fail(ZD_EPROTO, "zerod sent a reply to unknown request %" PRIu64, h.request_id);
+      if (h.type == ZD__MSG_ERROR && h.request_id == 0) { /* about the connection itself */
+        Zerod__V1__Error *e = zerod__v1__error__unpack(NULL, h.length, b);
+        if (e) rc = fail(e->code, "%s", e->message);
+        zerod__v1__error__free_unpacked(e, NULL);
+      }
+      free(b);
+      return rc;
+    }
+    settle(c, q, &h, b);
+    if (q == p && body && h.type != ZD__MSG_ERROR) {
+      *body = b;
+      *body_len = h.length;
+    } else {
+      free(b);
+    }
+  }
+  int code = p->code;
+  if (code) fail(code, "%s", p->msg);
+  return code;
+}
+
+static int start(zd_client_t *c, uint16_t type, const ProtobufCMessage *msg, const int *fds,
+                 int nfds, uint64_t *id) {
+  if (c->npending == MAX_OUTSTANDING)
+    return fail(-EBUSY, "%d requests are outstanding; zd_wait() for some first", MAX_OUTSTANDING);
+  int rc = send_request(c, type, msg, fds, nfds, id);
+  if (rc) return rc;
+  c->pending[c->npending++] = (pending_t){.id = *id, .type = type};
+  return ZD_OK;
+}
+
+/* Sends a request and waits for its reply; *body as in await(). */
+static int call(zd_client_t *c, uint16_t type, const ProtobufCMessage *msg, const int *fds,
+                int nfds, uint8_t **body, uint32_t *body_len, int timeout_ms) {
+  uint64_t id;
+  int rc = start(c, type, msg, fds, nfds, &id);
+  if (rc) return rc;
+  rc = await(c, id, body, body_len, timeout_ms);
+  pending_t *p = find_pending(c, id);
+  if (p && p->done) forget_pending(c, p);
+  return rc;
+}
+
+/* ---- connection ---------------------------------------------------------------------------- */
+
+static int resolve_path(const char *socket_path, char *buf, size_t len) {
+  const char *env = getenv("ZEROD_SOCKET");
+  if (socket_path && socket_path[0])
+    snprintf(buf, len, "%s", socket_path);
+  else if (env && env[0])
+    snprintf(buf, len, "%s", env);
+  else if (zd__socket_default_path(buf, len) != 0)
+    return fail(-ENAMETOOLONG, "default socket path is too long");
+  if (strlen(buf) >= sizeof(((struct sockaddr_un *)0)->sun_path))
+    return fail(-ENAMETOOLONG, "socket path %s is longer than %zu bytes", buf,
+                sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
+  return ZD_OK;
+}
+
+int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_client_t **out) {
+  char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  *out = NULL;
+  int rc = resolve_path(socket_path, path, sizeof path);
+  if (rc) return rc;
+  zd_client_t *c = calloc(1, sizeof *c);
+  if (!c) return fail(-ENOMEM, "out of memory");
+  c->param_fd = c->grad_fd = -1;
+  c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (c->fd < 0) {
+    rc = fail(-errno, "socket: %s", strerror(errno));
+    goto fail;
+  }
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path);
+  if (connect(c->fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+    rc = fail(-errno, "cannot connect to zerod at %s: %s (is zerod running, and is this the "
+              "socket it listens on?)", path, strerror(errno));
+    goto fail;
+  }
+  Zerod__V1__HelloRequest req = ZEROD__V1__HELLO_REQUEST__INIT;
+  req.min_version = ZD_PROTOCOL_VERSION;
+  req.max_version = ZD_PROTOCOL_VERSION;
+  req.has_local_rank = 1;
+  req.local_rank = local_rank < 0 ? -1 : local_rank;
+  char name[64];
+  snprintf(name, sizeof name, "%s[%d]", program_invocation_short_name, (int)getpid());
+  req.client_name = name;
+  uint8_t *body = NULL;
+  uint32_t len = 0;
+  rc = call(c, ZD__MSG_HELLO, &req.base, NULL, 0, &body, &len,
+            timeout_ms > 0 ? timeout_ms : HELLO_TIMEOUT_MS);
+  if (rc) goto fail;
+  Zerod__V1__HelloReply *rep = zerod__v1__hello_reply__unpack(NULL, len, body);
+  free(body);
+  if (!rep) {
+    rc = fail(ZD_EPROTO, "malformed hello reply from zerod");
+    goto fail;
+  }
+  c->info.protocol_version = rep->version;
+  c->info.world_size = rep->world_size;
+  c->info.rank = rep->rank;
+  c->info.local_rank = rep->local_rank;
+  c->info.bucket_elems = rep->bucket_elems;
+  snprintf(c->info.backend, sizeof c->info.backend, "%s", rep->backend);
+  snprintf(c->info.daemon_version, sizeof c->info.daemon_version, "%s", rep->daemon_version);
+  c->info.loss_scale = 1.0;
+  zerod__v1__hello_reply__free_unpacked(rep, NULL);
+  *out = c;
+  return ZD_OK;
+
+fail:
+  if (c->fd >= 0) close(c->fd);
+  free(c);
+  return rc;
+}
+
+/* ---- buffers and layout -------------------------------------------------------------------- */
+
+static int create_buffer(const char *name, size_t bytes, int *fd, void **addr) {
+  *fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (*fd < 0) return fail(-errno, "memfd_create(%s): %s", name, strerror(errno));
+  if (ftruncate(*fd, (off_t)bytes) != 0 ||
+      fcntl(*fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    int e = errno;
+    close(*fd);
+    *fd = -1;
+    return fail(-e, "cannot size %s to %zu bytes: %s", name, bytes, strerror(e));
+  }
+  *addr = mmap(NULL, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+  if (*addr == MAP_FAILED) {
+    int e = errno;
+    close(*fd);
+    *fd = -1;
+    *addr = NULL;
+    return fail(-e, "cannot map %s (%zu bytes): %s", name, bytes, strerror(e));
+  }
+  return ZD_OK;
+}
+
+static void release_buffers(zd_client_t *c) {
+  if (c->params) munmap(c->params, c->param_bytes ? c->param_bytes : 1);
+  if (c->grads) munmap(c->grads, c->grad_bytes ? c->grad_bytes : 1);
+  if (c->param_fd >= 0) close(c->param_fd);
+  if (c->grad_fd >= 0) close(c->grad_fd);
+  c->params = c->grads = NULL;
+  c->param_fd = c->grad_fd = -1;
+  zd__layout_free(c->layout);
+  c->layout = NULL;
+  free(c->groups);
+  c->groups = NULL;
+}
+
+int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
+  if (!c || !desc) return fail(-EINVAL, "zd_layout: client and desc are required");
+  if (c->registered) return fail(ZD_EORDER, "zd_layout after zd_register: the model is fixed");
+  if (desc->param_dtype != ZD_F32 && desc->param_dtype != ZD_BF16)
+    return fail(ZD_EDTYPE, "param dtype %d (%s) not supported; expected f32 or bf16",
+                (int)desc->param_dtype, zd_dtype_name(desc->param_dtype));
+  if (!zd_dtype_size(desc->grad_dtype))
+    return fail(ZD_EDTYPE, "grad dtype %d not supported; expected f32, bf16 or f16",
+                (int)desc->grad_dtype);
+  if (!desc->groups || desc->ngroups == 0)
+    return fail(ZD_EGROUP, "model has no parameter groups; expected at least 1");
+  if (desc->nparams > UINT32_MAX || desc->ngroups > UINT32_MAX)
+    return fail(-EINVAL, "too many parameters or groups");
+  release_buffers(c);
+  zd__err_t err = {0};
+  int rc = zd__layout_build(desc->params, (uint32_t)desc->nparams, (uint32_t)desc->ngroups,
+                            c->info.world_size, c->info.bucket_elems, &c->layout, &err);
+  if (rc) return fail(rc, "%s", err.msg);
+  c->groups = malloc(desc->ngroups * sizeof *c->groups);
+  if (!c->groups) {
+    release_buffers(c);
+    return fail(-ENOMEM, "out of memory");
+  }
+  memcpy(c->groups, desc->groups, desc->ngroups * sizeof *c->groups);
+  c->ngroups = (uint32_t)desc->ngroups;
+  c->param_dtype = desc->param_dtype;
+  c->grad_dtype = desc->grad_dtype;
+  c->max_grad_norm = desc->max_grad_norm;
+  c->grad_mean = desc->grad_mean;
+  c->loss_scaler = desc->loss_scaler;
+  c->flags = desc->flags;
+  c->param_bytes = c->layout->total_elems * zd_dtype_size(desc->param_dtype);
+  c->grad_bytes = c->layout->total_elems * zd_dtype_size(desc->grad_dtype);
+  if ((rc = create_buffer("zerod-params", c->param_bytes, &c->param_fd, &c->params)) ||
+      (rc = create_buffer("zerod-grads", c->grad_bytes, &c->grad_fd, &c->grads))) {
+    release_buffers(c);
+    return rc;
+  }
+  c->info.layout_hash = c->layout->hash;
+  c->info.total_elems = c->layout->total_elems;
+  c->info.nbuckets = c->layout->nbuckets;
+  return ZD_OK;
+}
+
+static Zerod__V1__DType wire_dtype(zd_dtype_t d) { return (Zerod__V1__DType)d; }
+
+static void group_to_wire(Zerod__V1__Group *w, const zd_group_t *g) {
+  zerod__v1__group__init(w);
+  w->lr = g->lr;
+  w->beta1 = g->beta1;
+  w->beta2 = g->beta2;
+  w->eps = g->eps;
+  w->weight_decay = g->weight_decay;
+  w->has_optimizer = 1;
+  w->optimizer = (Zerod__V1__Optimizer)g->optimizer;
+}
+
+int zd_register(zd_client_t *c) {
+  if (!c) return fail(-EINVAL, "zd_register: client is NULL");
+  if (!c->layout) return fail(ZD_EORDER, "zd_register before zd_layout");
+  if (c->registered) return fail(ZD_EORDER, "model already registered on this client");
+  const zd__layout_t *l = c->layout;
+  int rc = -ENOMEM;
+  Zerod__V1__Param *params = calloc(l->nparams, sizeof *params);
+  Zerod__V1__Param **pp = calloc(l->nparams, sizeof *pp);
+  Zerod__V1__Group *groups = calloc(c->ngroups, sizeof *groups);
+  Zerod__V1__Group **gp = calloc(c->ngroups, sizeof *gp);
+  if (!params || !pp || !groups || !gp) {
+    fail(rc, "out of memory");
+    goto exit;
+  }
+  for (uint32_t i = 0; i < l->nparams; i++) {
+    zerod__v1__param__init(&params[i]);
+    params[i].name = l->params[i].name;
+    params[i].n_shape = l->params[i].ndim;
+    params[i].shape = (uint64_t *)l->params[i].shape;
+    params[i].group = l->params[i].group;
+    pp[i] = &params[i];
+  }
+  for (uint32_t g = 0; g < c->ngroups; g++) {
+    group_to_wire(&groups[g], &c->groups[g]);
+    gp[g] = &groups[g];
+  }
+  Zerod__V1__RegisterRequest req = ZEROD__V1__REGISTER_REQUEST__INIT;
+  Zerod__V1__LossScaler scaler = ZEROD__V1__LOSS_SCALER__INIT;
+  req.n_params = l->nparams;
+  req.params = pp;
+  req.n_groups = c->ngroups;
+  req.groups = gp;
+  req.param_dtype = wire_dtype(c->param_dtype);
+  req.grad_dtype = wire_dtype(c->grad_dtype);
+  req.layout_hash = l->hash;
+  req.has_max_grad_norm = 1;
+  req.max_grad_norm = c->max_grad_norm;
+  req.has_grad_mean = 1;
+  req.grad_mean = c->grad_mean != 0;
+  req.has_replace = 1;
+  req.replace = (c->flags & ZD_REGISTER_REPLACE) != 0;
+  if (c->loss_scaler.enabled) {
+    scaler.initial_scale = c->loss_scaler.initial_scale;
+    scaler.growth_factor = c->loss_scaler.growth_factor;
+    scaler.backoff_factor = c->loss_scaler.backoff_factor;
+    scaler.growth_interval = c->loss_scaler.growth_interval;
+    scaler.hysteresis = c->loss_scaler.hysteresis;
+    scaler.min_scale = c->loss_scaler.min_scale;
+    req.loss_scaler = &scaler;
+  }
+  int fds[2] = {c->param_fd, c->grad_fd};
+  uint8_t *body = NULL;
+  uint32_t len = 0;
+  rc = call(c, ZD__MSG_REGISTER, &req.base, fds, 2, &body, &len, -1);
+  if (rc) goto exit;
+  Zerod__V1__RegisterReply *rep = zerod__v1__register_reply__unpack(NULL, len, body);
+  free(body);
+  if (!rep) {
+    rc = fail(ZD_EPROTO, "malformed register reply from zerod");
+    goto exit;
+  }
+  c->info.step = rep->step;
+  c->info.resumed = rep->resumed;
+  c->info.loss_scale = rep->loss_scale;
+  c->registered = 1;
+  zerod__v1__register_reply__free_unpacked(rep, NULL);
+exit:
+  free(gp);
+  free(groups);
+  free(pp);
+  free(params);
+  return rc;
+}
+
+void *zd_param_buffer(zd_client_t *c, size_t *bytes) {
+  if (bytes) *bytes = c ? c->param_bytes : 0;
+  return c ? c->params : NULL;
+}
+
+void *zd_grad_buffer(zd_client_t *c, size_t *bytes) {
+  if (bytes) *bytes = c ? c->grad_bytes : 0;
+  return c ? c->grads : NULL;
+}
+
+int zd_param_info(const zd_client_t *c, size_t index, zd_param_info_t *out) {
+  if (!c || !c->layout || index >= c->layout->nparams)
+    return fail(-EINVAL, "parameter %zu does not exist (call zd_layout first; %u parameters)",
+                index, c && c->layout ? c->layout->nparams : 0);
+  const zd__layout_param_t *p = &c->layout->params[index];
+  *out = (zd_param_info_t){.name = p->name,
+                           .offset = p->offset,
+                           .numel = p->numel,
+                           .bucket = p->bucket,
+                           .group = p->group};
+  return ZD_OK;
+}
+
+int zd_bucket_info(const zd_client_t *c, size_t index, zd_bucket_info_t *out) {
+  if (!c || !c->layout || index >= c->layout->nbuckets)
+    return fail(-EINVAL, "bucket %zu does not exist (call zd_layout first; %u buckets)", index,
+                c && c->layout ? c->layout->nbuckets : 0);
+  const zd__bucket_t *b = &c->layout->buckets[index];
+  *out = (zd_bucket_info_t){.offset = b->offset,
+                            .elems = b->elems,
+                            .shard_offset = b->offset + (uint64_t)c->info.rank * b->shard_elems,
+                            .shard_elems = b->shard_elems};
+  return ZD_OK;
+}
+
+int zd_get_info(const zd_client_t *c, zd_info_t *out) {
+  if (!c) return fail(-EINVAL, "zd_get_info: client is NULL");
+  *out = c->info;
+  return ZD_OK;
+}
+
+/* ---- requests ------------------------------------------------------------------------------ */
+
+static int check_registered(const zd_client_t *c, const char *what) {
+  if (!c) return fail(-EINVAL, "%s: client is NULL", what);
+  if (!c->registered) return fail(ZD_EORDER, "%s before zd_register", what);
+  return ZD_OK;
+}
+
+int zd_step_start(zd_client_t *c, const zd_step_opts_t *opts, zd_request_t *req_out) {
+  int rc = check_registered(c, "zd_step");
+  if (rc) return rc;
+  Zerod__V1__StepRequest req = ZEROD__V1__STEP_REQUEST__INIT;
+  size_t ng = opts && opts->groups ? opts->ngroups : 0;
+  Zerod__V1__Group groups[ng ? ng : 1];
+  Zerod__V1__Group *gp[ng ? ng : 1];
+  for (size_t g = 0; g < ng; g++) {
+    group_to_wire(&groups[g], &opts->groups[g]);
+    gp[g] = &groups[g];
+  }
+  req.n_groups = ng;
+  req.groups = gp;
+  req.has_scatter = req.has_gather = 1;
+  req.scatter = !(opts && (opts->flags & ZD_STEP_NO_SCATTER));
+  req.gather = !(opts && (opts->flags & ZD_STEP_NO_GATHER));
+  return start(c, ZD__MSG_STEP, &req.base, NULL, 0, req_out);
+}
+
+static int bucket_start(zd_client_t *c, uint16_t type, int bucket, zd_request_t *req_out) {
+  int rc = check_registered(c, type == ZD__MSG_SCATTER ? "zd_scatter" : "zd_gather");
+  if (rc) return rc;
+  if (type == ZD__MSG_SCATTER) {
+    Zerod__V1__ScatterRequest req = ZEROD__V1__SCATTER_REQUEST__INIT;
+    req.has_bucket = 1;
+    req.bucket = bucket;
+    return start(c, type, &req.base, NULL, 0, req_out);
+  }
+  Zerod__V1__GatherRequest req = ZEROD__V1__GATHER_REQUEST__INIT;
+  req.has_bucket = 1;
+  req.bucket = bucket;
+  return start(c, type, &req.base, NULL, 0, req_out);
+}
+
+int zd_scatter_start(zd_client_t *c, int bucket, zd_request_t *req) {
+  return bucket_start(c, ZD__MSG_SCATTER, bucket, req);
+}
+
+int zd_gather_start(zd_client_t *c, int bucket, zd_request_t *req) {
+  return bucket_start(c, ZD__MSG_GATHER, bucket, req);
+}
+
+int zd_wait(zd_client_t *c, zd_request_t req, zd_step_result_t *result) {
+  if (!c) return fail(-EINVAL, "zd_wait: client is NULL");
+  int rc = await(c, req, NULL, NULL, -1);
+  pending_t *p = find_pending(c, req);
+  if (p && p->done) {
+    if (result && p->type == ZD__MSG_STEP && rc == ZD_OK) *result = p->step;
+    forget_pending(c, p);
+  }
+  return rc;
+}
+
+int zd_step(zd_client_t *c, const zd_step_opts_t *opts, zd_step_result_t *result) {
+  zd_request_t req;
+  int rc = zd_step_start(c, opts, &req);
+  return rc ? rc : zd_wait(c, req, result);
+}
+
+int zd_scatter(zd_client_t *c, int bucket) {
+  zd_request_t req;
+  int rc = zd_scatter_start(c, bucket, &req);
+  return rc ? rc : zd_wait(c, req, NULL);
+}
+
+int zd_gather(zd_client_t *c, int bucket) {
+  zd_request_t req;
+  int rc = zd_gather_start(c, bucket, &req);
+  return rc ? rc : zd_wait(c, req, NULL);
+}
+
+/* Appends to a growing string; returns -ENOMEM on failure. */
+static int append(char **buf, size_t *len, size_t *cap, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int append(char **buf, size_t *len, size_t *cap, const char *fmt, ...) {
+  for (;;) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(*buf + *len, *cap - *len, fmt, ap);
+    va_end(ap);
+    if (n < 0) return -EINVAL;
+    if (*len + (size_t)n < *cap) {
+      *len += (size_t)n;
+      return 0;
+    }
+    size_t ncap = (*cap + (size_t)n) * 2;
+    char *p = realloc(*buf, ncap);
+    if (!p) return -ENOMEM;
+    *buf = p;
+    *cap = ncap;
+  }
+}
+
+int zd_status(zd_client_t *c, char **text) {
+  if (!c || !text) return fail(-EINVAL, "zd_status: client and text are required");
+  *text = NULL;
+  Zerod__V1__StatusRequest req = ZEROD__V1__STATUS_REQUEST__INIT;
+  uint8_t *body = NULL;
+  uint32_t len = 0;
+  int rc = call(c, ZD__MSG_STATUS, &req.base, NULL, 0, &body, &len, -1);
+  if (rc) return rc;
+  Zerod__V1__StatusReply *rep = zerod__v1__status_reply__unpack(NULL, len, body);
+  free(body);
+  if (!rep) return fail(ZD_EPROTO, "malformed status reply from zerod");
+  size_t cap = 4096, used = 0;
+  char *out = malloc(cap);
+  rc = out ? 0 : -ENOMEM;
+  if (out) out[0] = '\0';
+  for (size_t i = 0; i < rep->n_sections && rc == 0; i++) {
+    const Zerod__V1__StatusSection *s = rep->sections[i];
+    rc = append(&out, &used, &cap, "%s# %s\n", i ? "\n" : "", s->name);
+    for (size_t j = 0; j < s->n_entries && rc == 0; j++)
+      rc = append(&out, &used, &cap, "%s:%s\n", s->entries[j]->key, s->entries[j]->value);
+  }
+  zerod__v1__status_reply__free_unpacked(rep, NULL);
+  if (rc) {
+    free(out);
+    return fail(rc, "out of memory formatting the status");
+  }
+  *text = out;
+  return ZD_OK;
+}
+
+void zd_close(zd_client_t *c) {
+  if (!c) return;
+  if (c->fd >= 0) {
+    Zerod__V1__ByeRequest req = ZEROD__V1__BYE_REQUEST__INIT;
+    char saved[sizeof last_error];
+    memcpy(saved, last_error, sizeof saved); /* closing must not hide the caller's last error */
+    call(c, ZD__MSG_BYE, &req.base, NULL, 0, NULL, NULL, -1);
+    memcpy(last_error, saved, sizeof saved);
+    close(c->fd);
+  }
+  release_buffers(c);
+  free(c);
+}

@@ -1,0 +1,228 @@
+/* The daemon's loop, start-up and shutdown (daemon.h). */
+#include "daemon.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "adam.h"
+#include "comm.h"
+#include "log.h"
+#include "session.h"
+
+uint64_t zd__now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+/* systemd's readiness protocol (Type=notify): one datagram to $NOTIFY_SOCKET; nothing without it. */
+static void sd_notify(const char *state) {
+  const char *path = getenv("NOTIFY_SOCKET");
+  if (!path || (path[0] != '/' && path[0] != '@')) return;
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  size_t len = strlen(path);
+  if (len >= sizeof addr.sun_path) return;
+  memcpy(addr.sun_path, path, len);
+  if (path[0] == '@') addr.sun_path[0] = '\0'; /* abstract namespace */
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  sendto(fd, state, strlen(state), MSG_NOSIGNAL, (struct sockaddr *)&addr,
+         (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len));
+  close(fd);
+}
+
+/* Worker thread: hand a finished job to the loop. */
+static void job_done(void *ctx, zd__job_t *job) {
+  zd__daemon_t *d = ctx;
+  job->next = NULL;
+  pthread_mutex_lock(&d->done_lock);
+  if (d->done_tail)
+    d->done_tail->next = job;
+  else
+    d->done_head = job;
+  d->done_tail = job;
+  pthread_mutex_unlock(&d->done_lock);
+  uv_async_send(&d->done_async);
+}
+
+static void on_jobs_done(uv_async_t *handle) {
+  zd__daemon_t *d = handle->data;
+  pthread_mutex_lock(&d->done_lock);
+  zd__job_t *job = d->done_head;
+  d->done_head = d->done_tail = NULL;
+  pthread_mutex_unlock(&d->done_lock);
+  while (job) {
+    zd__job_t *next = job->next;
+    zd__session_job_done(job->session, job);
+    job = next;
+  }
+}
+
+static void on_signal(uv_signal_t *handle, int signum) {
+  zd__daemon_t *d = handle->data;
+  if (d->shutting_down) {
+    ZD_LOG_WARN("%s again: still waiting for %u sessions to finish their jobs", strsignal(signum),
+                d->nsessions);
+    return;
+  }
+  ZD_LOG_INFO("%s: shutting down", strsignal(signum));
+  zd__daemon_shutdown(d);
+}
+
+static void stop_ranks(zd__daemon_t *d) {
+  for (uint32_t i = 0; i < d->nranks; i++) zd__rank_destroy(d->ranks[i]);
+  d->nranks = 0;
+}
+
+/* The last step of a shutdown: no session, so no job is left anywhere. */
+static void finish(zd__daemon_t *d) {
+  if (d->handles_closed) return;
+  d->handles_closed = 1;
+  stop_ranks(d);
+  uv_close((uv_handle_t *)&d->sigterm, NULL);
+  uv_close((uv_handle_t *)&d->sigint, NULL);
+  uv_close((uv_handle_t *)&d->done_async, NULL);
+}
+
+void zd__daemon_shutdown(zd__daemon_t *d) {
+  if (d->shutting_down) return;
+  d->shutting_down = 1;
+  sd_notify("STOPPING=1");
+  zd__server_stop(d);
+  zd__session_t *s = d->sessions;
+  while (s) {
+    zd__session_t *next = zd__session_next(s);
+    zd__session_drain(s); /* may free s */
+    s = next;
+  }
+  if (d->nsessions == 0) finish(d);
+}
+
+void zd__daemon_session_gone(zd__daemon_t *d) {
+  if (d->shutting_down && d->nsessions == 0) finish(d);
+}
+
+static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
+  const zd__config_t *cfg = d->cfg;
+  d->nranks = 0;
+  d->ranks = calloc(cfg->local_ranks, sizeof *d->ranks);
+  d->attached = calloc(cfg->local_ranks, sizeof *d->attached);
+  if (!d->ranks || !d->attached) return zd__errf(err, -ENOMEM, "out of memory");
+  for (uint32_t i = 0; i < cfg->local_ranks; i++) {
+    zd__comm_t *comm;
+    int rc = zd__comm_local_create(&comm);
+    if (rc) return zd__errf(err, rc, "cannot create the communicator of local rank %u", i);
+    zd__rank_env_t env = {
+        .local_rank = i,
+        .rank = cfg->first_rank + i,
+        .world_size = d->world_size,
+        .bucket_elems = d->bucket_elems,
+        .comm = comm,
+        .pool = d->pool,
+        .isa = d->isa,
+        .done = job_done,
+        .done_ctx = d,
+    };
+    rc = zd__rank_create(&env, &d->ranks[i]);
+    if (rc) {
+      zd__comm_destroy(comm);
+      return zd__errf(err, rc, "cannot start the worker of local rank %u: %s", i, zd_strerror(rc));
+    }
+    d->nranks++;
+  }
+  return ZD_OK;
+}
+
+static int choose_isa(const zd__config_t *cfg, int *isa, zd__err_t *err) {
+  int want = zd__isa_parse(cfg->kernel_isa);
+  zd__isa_t best = zd__isa_detect();
+  if (want < 0)
+    return zd__errf(err, ZD_ECONFIG, "kernel_isa '%s' unknown; expected auto, avx512, avx2 or "
+                    "scalar", cfg->kernel_isa);
+  if (want > (int)best)
+    return zd__errf(err, ZD_ECONFIG, "kernel_isa %s is not supported by this CPU; the best it "
+                    "runs is %s", cfg->kernel_isa, zd__isa_name(best));
+  *isa = want;
+  return ZD_OK;
+}
+
+static int choose_backend(const zd__config_t *cfg, zd__err_t *err) {
+  if (strcmp(cfg->backend, "cuda") == 0)
+    return zd__errf(err, ZD_EBACKEND, "backend cuda requested, but this zerod was built without "
+                    "CUDA; use backend cpu or auto");
+  return ZD_OK;
+}
+
+int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *err) {
+  zd__daemon_t *d = calloc(1, sizeof *d);
+  if (!d) return zd__errf(err, -ENOMEM, "out of memory");
+  d->cfg = cfg;
+  d->listen_fd = -1;
+  d->start_us = zd__now_us();
+  d->world_size = cfg->world_size ? cfg->world_size : cfg->local_ranks;
+  d->bucket_elems = cfg->bucket_elems;
+  pthread_mutex_init(&d->done_lock, NULL);
+  int rc = uv_loop_init(&d->loop);
+  if (rc) {
+    pthread_mutex_destroy(&d->done_lock);
+    free(d);
+    return zd__errf(err, rc, "uv_loop_init: %s", uv_strerror(rc));
+  }
+  uv_async_init(&d->loop, &d->done_async, on_jobs_done);
+  uv_signal_init(&d->loop, &d->sigterm);
+  uv_signal_init(&d->loop, &d->sigint);
+  d->done_async.data = d->sigterm.data = d->sigint.data = d;
+
+  if ((rc = choose_backend(cfg, err)) || (rc = choose_isa(cfg, &d->isa, err))) goto fail;
+  if (d->world_size > 1) {
+    rc = zd__errf(err, ZD_EBACKEND, "world size %u needs a multi-rank backend, which this build "
+                  "does not have; run with world_size 1", d->world_size);
+    goto fail;
+  }
+  rc = zd__pool_create(cfg->threads, &d->pool);
+  if (rc) {
+    zd__errf(err, rc, "cannot start %u kernel threads: %s", cfg->threads, zd_strerror(rc));
+    goto fail;
+  }
+  if ((rc = create_ranks(d, err))) goto fail;
+  if ((rc = zd__server_start(d, err))) goto fail;
+  uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+  uv_signal_start(&d->sigint, on_signal, SIGINT);
+  ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, %s kernels on %u threads", d->nranks,
+              d->world_size, zd__isa_name((zd__isa_t)d->isa), zd__pool_size(d->pool));
+  sd_notify("READY=1");
+  *out = d;
+  return ZD_OK;
+
+fail:
+  d->shutting_down = 1;
+  finish(d);
+  zd__daemon_run(d);
+  zd__daemon_destroy(d);
+  return rc;
+}
+
+int zd__daemon_run(zd__daemon_t *d) {
+  uv_run(&d->loop, UV_RUN_DEFAULT);
+  int rc = uv_loop_close(&d->loop);
+  if (rc) ZD_LOG_ERROR("loop closed with handles still open: %s", uv_strerror(rc));
+  return rc;
+}
+
+void zd__daemon_destroy(zd__daemon_t *d) {
+  if (!d) return;
+  stop_ranks(d);
+  zd__pool_destroy(d->pool);
+  free(d->ranks);
+  free(d->attached);
+  pthread_mutex_destroy(&d->done_lock);
+  free(d);
+}

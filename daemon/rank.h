@@ -1,0 +1,166 @@
+/* Local ranks: the optimizer state of one data-parallel rank and the worker thread that runs its
+ * jobs.
+ *
+ * A rank holds at most one model (zd__model_t): the layout, fp32 master weights and Adam moments
+ * of its shard, the hyperparameters and the step counter. The model outlives its clients: a
+ * client that reconnects and registers the same layout continues where the last one stopped.
+ *
+ * Ownership: the loop thread creates jobs from client requests and queues them on the rank; the
+ * rank's worker thread runs them in order (a collective can block there without stalling the
+ * loop) and hands each finished job back to the loop (daemon.c's completion queue). The model is
+ * touched only by the worker; the loop reads a snapshot (zd__rank_stats_t) under a lock.
+ */
+#ifndef ZD_DAEMON_RANK_H
+#define ZD_DAEMON_RANK_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "error.h"
+#include "layout.h"
+#include "scaler.h"
+#include "shm.h"
+#include "zerod/zerod.h"
+
+typedef struct zd__daemon zd__daemon_t;
+typedef struct zd__rank zd__rank_t;
+
+/* What a register request asks for, validated by the loop. Owned by the attach job. */
+typedef struct zd__model_spec {
+  zd__layout_t *layout;
+  zd_group_t *groups;
+  uint32_t ngroups;
+  zd_dtype_t param_dtype;
+  zd_dtype_t grad_dtype;
+  double max_grad_norm; /* 0: no clipping */
+  int grad_mean;
+  zd_loss_scaler_t scaler; /* .enabled = 0: none */
+  int replace;
+} zd__model_spec_t;
+
+void zd__model_spec_free(zd__model_spec_t *spec);
+
+/* A client's mapped buffers; owned by its session, alive while the session has jobs in flight. */
+typedef struct zd__buffers {
+  zd__shm_t params;
+  zd__shm_t grads;
+  zd_dtype_t param_dtype;
+  zd_dtype_t grad_dtype;
+} zd__buffers_t;
+
+typedef enum zd__job_type {
+  ZD__JOB_ATTACH,  /* register: create or resume the model, fill the client's param buffer */
+  ZD__JOB_SCATTER, /* reduce-scatter one bucket or all */
+  ZD__JOB_STEP,    /* [scatter], optimizer step, [gather] */
+  ZD__JOB_GATHER,  /* all-gather one bucket or all */
+} zd__job_type_t;
+
+typedef struct zd__step_out {
+  uint64_t step;
+  int applied;
+  double grad_norm; /* NaN when not computed (world size 1, no clipping, no loss scaling) */
+  double loss_scale;
+  double clip_coef;
+  uint64_t duration_us;
+} zd__step_out_t;
+
+typedef struct zd__job {
+  struct zd__job *next;
+  zd__job_type_t type;
+  zd__rank_t *rank;
+  void *session; /* the requester, for the reply; NULL for internal jobs */
+  uint64_t request_id;
+  uint16_t msg_type;
+  const zd__buffers_t *buffers;
+  union {
+    zd__model_spec_t *spec; /* ATTACH */
+    int32_t bucket;         /* SCATTER, GATHER: -1 for all */
+    struct {
+      zd_group_t *groups; /* NULL: keep; else ngroups validated entries, owned by the job */
+      uint32_t ngroups;
+      int scatter;
+      int gather;
+    } step;
+  } in;
+  int code; /* result */
+  zd__err_t err;
+  union {
+    struct {
+      uint64_t step;
+      int resumed;
+      double loss_scale;
+      uint64_t layout_hash;
+      uint64_t total_elems;
+      uint32_t nbuckets;
+      uint64_t shard_elems;
+    } attach;
+    zd__step_out_t step;
+  } out;
+} zd__job_t;
+
+/* Frees a job and what it owns. */
+void zd__job_free(zd__job_t *job);
+
+typedef enum zd__health { ZD__HEALTH_OK = 0, ZD__HEALTH_DEGRADED = 1 } zd__health_t;
+
+/* What the loop may read about a rank at any time. */
+typedef struct zd__rank_stats {
+  int has_model;
+  uint32_t nparams;
+  uint32_t nbuckets;
+  uint64_t layout_hash;
+  uint64_t total_elems;
+  uint64_t shard_elems;
+  uint64_t state_bytes;      /* fp32 master + exp_avg + exp_avg_sq */
+  uint64_t grad_shard_bytes; /* reduced-gradient buffer (0 at world size 1: read in place) */
+  zd_dtype_t param_dtype;
+  zd_dtype_t grad_dtype;
+  uint64_t step;
+  uint64_t steps_skipped;
+  double loss_scale;
+  double last_grad_norm;
+  double last_clip_coef;
+  uint64_t last_step_us;
+  uint64_t total_step_us;
+  uint64_t steps_run; /* step jobs that ran the update or a skip */
+  uint64_t scatters;
+  uint64_t gathers;
+  zd__health_t health;
+  char degraded_reason[ZD__ERR_MSG_MAX];
+} zd__rank_stats_t;
+
+/* Called on the worker thread when a job is done (the daemon's completion queue). */
+typedef void (*zd__job_done_fn)(void *ctx, zd__job_t *job);
+
+typedef struct zd__rank_env {
+  uint32_t local_rank;
+  uint32_t rank; /* global */
+  uint32_t world_size;
+  uint64_t bucket_elems;
+  zd__comm_t *comm; /* taken over by the rank */
+  struct zd__pool *pool;
+  int isa; /* zd__isa_t */
+  zd__job_done_fn done;
+  void *done_ctx;
+} zd__rank_env_t;
+
+/* Creates a rank and starts its worker thread. Errors: -ENOMEM, -EAGAIN. */
+int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out);
+
+/* Stops the worker after the queued jobs have run, joins it and frees the rank and its model;
+ * accepts NULL. */
+void zd__rank_destroy(zd__rank_t *rank);
+
+/* Queues a job (any thread; in practice the loop). */
+void zd__rank_submit(zd__rank_t *rank, zd__job_t *job);
+
+/* Copies the rank's stats (any thread). */
+void zd__rank_stats(zd__rank_t *rank, zd__rank_stats_t *out);
+
+uint32_t zd__rank_local(const zd__rank_t *rank);
+uint32_t zd__rank_global(const zd__rank_t *rank);
+uint32_t zd__rank_world_size(const zd__rank_t *rank);
+uint64_t zd__rank_bucket_elems(const zd__rank_t *rank);
+
+#endif /* ZD_DAEMON_RANK_H */

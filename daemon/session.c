@@ -1,0 +1,978 @@
+/* Client sessions (session.h): frame reading, the command table, handlers and replies. */
+#include "session.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "frame.h"
+#include "log.h"
+#include "status.h"
+#include "step.h"
+#include "zerod.pb-c.h"
+
+#define MAX_FDS 8         /* descriptors held per session before a register consumes them */
+#define READ_CHUNK 65536  /* bytes read per recvmsg when no frame size is known yet */
+
+typedef enum session_state {
+  SESSION_NEW,        /* waiting for hello */
+  SESSION_READY,      /* hello done: version agreed, local rank chosen */
+  SESSION_REGISTERING, /* attach job in flight */
+  SESSION_REGISTERED, /* model registered: step, scatter, gather allowed */
+} session_state_t;
+
+typedef struct out_buf {
+  struct out_buf *next;
+  size_t len;
+  size_t off;
+  uint8_t data[];
+} out_buf_t;
+
+struct zd__session {
+  zd__daemon_t *daemon;
+  zd__session_t *next, *prev;
+  uint32_t id;
+  int fd;
+  uv_poll_t poll;
+  uv_timer_t frame_timer;
+  int open_handles; /* poll and timer, until their close callbacks ran */
+  struct ucred cred;
+  char name[64];
+  session_state_t state;
+  int closing;   /* read no more; tear down once idle */
+  int torn_down; /* handles closing */
+  int poll_events;
+
+  uint8_t *rbuf; /* received bytes not yet consumed */
+  size_t rlen;
+  size_t rcap;
+  int fds[MAX_FDS]; /* received descriptors, oldest first */
+  int nfds;
+  out_buf_t *wq_head, *wq_tail;
+
+  zd__rank_t *rank;
+  zd__buffers_t buffers;
+  uint32_t nbuckets;
+  uint32_t ngroups;
+  uint32_t inflight; /* jobs queued on the rank */
+  zd__job_t *pending_bye; /* bye waits for the jobs in flight; holds its request id */
+  uint64_t bye_id;
+  int bye_pending;
+};
+
+typedef int (*handler_fn)(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                          zd__err_t *err);
+
+enum { CMD_ANY = 0, CMD_NEEDS_HELLO = 1, CMD_NEEDS_MODEL = 2 };
+
+typedef struct command {
+  uint16_t type;
+  const char *name;
+  handler_fn handler;
+  int needs;
+  uint32_t max_body; /* 0: the configured max_frame_bytes */
+} command_t;
+
+static void update_poll(zd__session_t *s);
+static void maybe_teardown(zd__session_t *s);
+static void process_frames(zd__session_t *s);
+
+/* ---- writing ------------------------------------------------------------------------------- */
+
+static void drop_writes(zd__session_t *s) {
+  while (s->wq_head) {
+    out_buf_t *b = s->wq_head;
+    s->wq_head = b->next;
+    free(b);
+  }
+  s->wq_tail = NULL;
+}
+
+static void flush(zd__session_t *s) {
+  while (s->wq_head) {
+    out_buf_t *b = s->wq_head;
+    ssize_t n = send(s->fd, b->data + b->off, b->len - b->off, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) return;
+      ZD_LOG_DEBUG("session %u: write failed: %s", s->id, strerror(errno));
+      drop_writes(s);
+      s->closing = 1;
+      return;
+    }
+    b->off += (size_t)n;
+    if (b->off < b->len) return;
+    s->wq_head = b->next;
+    if (!s->wq_head) s->wq_tail = NULL;
+    free(b);
+  }
+}
+
+static void send_frame(zd__session_t *s, uint16_t type, uint64_t id, const ProtobufCMessage *msg) {
+  if (s->torn_down) return;
+  size_t len = protobuf_c_message_get_packed_size(msg);
+  out_buf_t *b = malloc(sizeof *b + ZD__FRAME_HEADER_SIZE + len);
+  if (!b) {
+    ZD_LOG_ERROR("session %u: out of memory for a %zu-byte reply; closing", s->id, len);
+    s->closing = 1;
+    return;
+  }
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
+                          .version = ZD_PROTOCOL_VERSION,
+                          .type = type,
+                          .length = (uint32_t)len,
+                          .request_id = id};
+  zd__frame_encode(&h, b->data);
+  protobuf_c_message_pack(msg, b->data + ZD__FRAME_HEADER_SIZE);
+  b->len = ZD__FRAME_HEADER_SIZE + len;
+  b->off = 0;
+  b->next = NULL;
+  if (s->wq_tail)
+    s->wq_tail->next = b;
+  else
+    s->wq_head = b;
+  s->wq_tail = b;
+  flush(s);
+}
+
+static void send_reply(zd__session_t *s, uint16_t req_type, uint64_t id,
+                       const ProtobufCMessage *msg) {
+  send_frame(s, (uint16_t)(req_type | ZD__FRAME_REPLY), id, msg);
+}
+
+static void send_error(zd__session_t *s, uint64_t id, int code, const char *msg) {
+  Zerod__V1__Error e = ZEROD__V1__ERROR__INIT;
+  e.code = code;
+  e.message = (char *)msg;
+  s->daemon->errors_total++;
+  ZD_LOG_DEBUG("session %u: request %" PRIu64 " failed: %s: %s", s->id, id, zd_err_name(code), msg);
+  send_frame(s, ZD__MSG_ERROR, id, &e.base);
+}
+
+static void send_errorf(zd__session_t *s, uint64_t id, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void send_errorf(zd__session_t *s, uint64_t id, int code, const char *fmt, ...) {
+  char msg[ZD__ERR_MSG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  send_error(s, id, code, msg);
+}
+
+/* An error after which the stream cannot be trusted: reply, then close once it is written. */
+static void fail_stream(zd__session_t *s, uint64_t id, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void fail_stream(zd__session_t *s, uint64_t id, int code, const char *fmt, ...) {
+  char msg[ZD__ERR_MSG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  ZD_LOG_WARN("session %u (pid %d): %s; closing the connection", s->id, (int)s->cred.pid, msg);
+  send_error(s, id, code, msg);
+  s->rlen = 0;
+  s->closing = 1;
+}
+
+/* ---- jobs ---------------------------------------------------------------------------------- */
+
+static zd__job_t *job_new(zd__session_t *s, zd__job_type_t type, const zd__frame_header_t *h) {
+  zd__job_t *job = calloc(1, sizeof *job);
+  if (!job) return NULL;
+  job->type = type;
+  job->session = s;
+  job->request_id = h->request_id;
+  job->msg_type = h->type;
+  job->buffers = &s->buffers;
+  return job;
+}
+
+static void submit(zd__session_t *s, zd__job_t *job) {
+  s->inflight++;
+  zd__rank_submit(s->rank, job);
+}
+
+/* ---- handlers ------------------------------------------------------------------------------ */
+
+static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                        zd__err_t *err) {
+  zd__daemon_t *d = s->daemon;
+  if (s->state != SESSION_NEW)
+    return zd__errf(err, ZD_EORDER, "hello sent twice; this session is already for local rank %u",
+                    zd__rank_local(s->rank));
+  Zerod__V1__HelloRequest *req = zerod__v1__hello_request__unpack(NULL, h->length, body);
+  if (!req) return zd__errf(err, ZD_EPROTO, "malformed hello body (%u bytes)", h->length);
+  int rc = ZD_OK;
+  if (req->min_version > ZD_PROTOCOL_VERSION || req->max_version < ZD_PROTOCOL_VERSION) {
+    rc = zd__errf(err, ZD_EVERSION, "client speaks protocol versions %u..%u; this zerod speaks %d",
+                  req->min_version, req->max_version, ZD_PROTOCOL_VERSION);
+    goto exit;
+  }
+  int32_t want = req->local_rank;
+  uint32_t local = 0;
+  if (want >= 0) {
+    if ((uint32_t)want >= d->nranks) {
+      rc = zd__errf(err, ZD_ERANK, "local rank %d does not exist; this zerod hosts local ranks "
+                    "0..%u", want, d->nranks - 1);
+      goto exit;
+    }
+    local = (uint32_t)want; /* attached at register, where a busy rank is refused */
+  } else {
+    while (local < d->nranks && d->attached[local]) local++;
+    if (local == d->nranks) {
+      rc = zd__errf(err, ZD_EBUSY, "all %u local ranks have a client attached", d->nranks);
+      goto exit;
+    }
+  }
+  if (req->client_name && req->client_name[0])
+    snprintf(s->name, sizeof s->name, "%s", req->client_name);
+  s->rank = d->ranks[local];
+  s->state = SESSION_READY;
+  ZD_LOG_INFO("session %u: client '%s' (pid %d, uid %d) for local rank %u (rank %u)", s->id,
+              s->name, (int)s->cred.pid, (int)s->cred.uid, local, zd__rank_global(s->rank));
+
+  Zerod__V1__HelloReply rep = ZEROD__V1__HELLO_REPLY__INIT;
+  rep.version = ZD_PROTOCOL_VERSION;
+  rep.daemon_version = (char *)ZD_VERSION;
+  rep.world_size = d->world_size;
+  rep.rank = zd__rank_global(s->rank);
+  rep.local_rank = local;
+  rep.bucket_elems = d->bucket_elems;
+  rep.backend = (char *)"cpu";
+  send_reply(s, h->type, h->request_id, &rep.base);
+exit:
+  zerod__v1__hello_request__free_unpacked(req, NULL);
+  return rc;
+}
+
+static zd_dtype_t dtype_of(Zerod__V1__DType t) {
+  switch (t) {
+    case ZEROD__V1__DTYPE__F32:
+      return ZD_F32;
+    case ZEROD__V1__DTYPE__BF16:
+      return ZD_BF16;
+    case ZEROD__V1__DTYPE__F16:
+      return ZD_F16;
+    default:
+      return 0;
+  }
+}
+
+static int groups_from(zd_group_t *out, Zerod__V1__Group **in, size_t n, zd__err_t *err) {
+  for (size_t i = 0; i < n; i++) {
+    out[i] = (zd_group_t){
+        .lr = in[i]->lr,
+        .beta1 = in[i]->beta1,
+        .beta2 = in[i]->beta2,
+        .eps = in[i]->eps,
+        .weight_decay = in[i]->weight_decay,
+        .optimizer = (zd_optimizer_t)in[i]->optimizer,
+    };
+    char where[32];
+    snprintf(where, sizeof where, "group %zu", i);
+    int rc = zd__group_check(&out[i], where, err);
+    if (rc) return rc;
+  }
+  return ZD_OK;
+}
+
+static int scaler_from(zd_loss_scaler_t *out, const Zerod__V1__LossScaler *in, zd__err_t *err) {
+  *out = (zd_loss_scaler_t){0};
+  if (!in) return ZD_OK;
+  if (!isfinite(in->initial_scale) || in->initial_scale <= 0)
+    return zd__errf(err, ZD_EHPARAM, "loss scaler initial_scale is %g; expected a finite value > 0",
+                    in->initial_scale);
+  if (!isfinite(in->growth_factor) || in->growth_factor < 1)
+    return zd__errf(err, ZD_EHPARAM, "loss scaler growth_factor is %g; expected a finite value >= 1",
+                    in->growth_factor);
+  if (!(in->backoff_factor > 0 && in->backoff_factor < 1))
+    return zd__errf(err, ZD_EHPARAM, "loss scaler backoff_factor is %g; expected a value in (0, 1)",
+                    in->backoff_factor);
+  if (in->growth_interval < 1 || in->hysteresis < 1)
+    return zd__errf(err, ZD_EHPARAM, "loss scaler growth_interval %u and hysteresis %u; both must "
+                    "be >= 1", in->growth_interval, in->hysteresis);
+  if (!isfinite(in->min_scale) || in->min_scale <= 0)
+    return zd__errf(err, ZD_EHPARAM, "loss scaler min_scale is %g; expected a finite value > 0",
+                    in->min_scale);
+  *out = (zd_loss_scaler_t){.enabled = 1,
+                            .initial_scale = in->initial_scale,
+                            .growth_factor = in->growth_factor,
+                            .backoff_factor = in->backoff_factor,
+                            .growth_interval = in->growth_interval,
+                            .hysteresis = in->hysteresis,
+                            .min_scale = in->min_scale};
+  return ZD_OK;
+}
+
+/* Builds the model spec of a register request; validates everything that does not need state. */
+static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
+                     zd__model_spec_t *spec, zd__err_t *err) {
+  zd__daemon_t *d = s->daemon;
+  spec->param_dtype = dtype_of(req->param_dtype);
+  if (spec->param_dtype != ZD_F32 && spec->param_dtype != ZD_BF16)
+    return zd__errf(err, ZD_EDTYPE, "param dtype %d (%s) not supported; expected f32 or bf16",
+                    (int)req->param_dtype, zd_dtype_name(spec->param_dtype));
+  spec->grad_dtype = dtype_of(req->grad_dtype);
+  if (!spec->grad_dtype)
+    return zd__errf(err, ZD_EDTYPE, "grad dtype %d not supported; expected f32, bf16 or f16",
+                    (int)req->grad_dtype);
+  if (req->n_groups == 0)
+    return zd__errf(err, ZD_EGROUP, "register carries no parameter groups; expected at least 1");
+  spec->groups = calloc(req->n_groups, sizeof *spec->groups);
+  if (!spec->groups) return zd__errf(err, -ENOMEM, "out of memory");
+  spec->ngroups = (uint32_t)req->n_groups;
+  int rc = groups_from(spec->groups, req->groups, req->n_groups, err);
+  if (rc) return rc;
+  if (!isfinite(req->max_grad_norm) || req->max_grad_norm < 0)
+    return zd__errf(err, ZD_EHPARAM, "max_grad_norm is %g; expected a finite value >= 0 (0: off)",
+                    req->max_grad_norm);
+  spec->max_grad_norm = req->max_grad_norm;
+  spec->grad_mean = req->grad_mean;
+  spec->replace = req->replace;
+  rc = scaler_from(&spec->scaler, req->loss_scaler, err);
+  if (rc) return rc;
+  if (spec->scaler.enabled && spec->grad_dtype != ZD_F16 && spec->grad_dtype != ZD_F32 &&
+      spec->grad_dtype != ZD_BF16)
+    return zd__errf(err, ZD_EDTYPE, "loss scaling needs f16, bf16 or f32 gradients");
+
+  if (req->n_params == 0 || req->n_params > ZD__MAX_PARAMS)
+    return zd__errf(err, -EINVAL, "register carries %zu parameters; expected 1..%u",
+                    req->n_params, ZD__MAX_PARAMS);
+  zd_param_t *params = calloc(req->n_params, sizeof *params);
+  if (!params) return zd__errf(err, -ENOMEM, "out of memory");
+  for (size_t i = 0; i < req->n_params && rc == ZD_OK; i++) {
+    const Zerod__V1__Param *p = req->params[i];
+    if (p->n_shape > ZD_MAX_DIMS) {
+      rc = zd__errf(err, -EINVAL, "parameter %zu '%s' has %zu dimensions; at most %d supported", i,
+                    p->name, p->n_shape, ZD_MAX_DIMS);
+      break;
+    }
+    params[i].name = p->name;
+    params[i].ndim = (uint32_t)p->n_shape;
+    memcpy(params[i].shape, p->shape, p->n_shape * sizeof *p->shape);
+    params[i].group = p->group;
+  }
+  if (rc == ZD_OK)
+    rc = zd__layout_build(params, (uint32_t)req->n_params, spec->ngroups, d->world_size,
+                          d->bucket_elems, &spec->layout, err);
+  free(params);
+  if (rc) return rc;
+  if (spec->layout->hash != req->layout_hash)
+    return zd__errf(err, ZD_ELAYOUT, "client's layout hash is %016" PRIx64 ", zerod computes %016"
+                    PRIx64 " for world size %u and bucket size %" PRIu64 "; client and daemon "
+                    "disagree on the layout", req->layout_hash, spec->layout->hash,
+                    d->world_size, d->bucket_elems);
+  return ZD_OK;
+}
+
+static void close_fds(zd__session_t *s) {
+  for (int i = 0; i < s->nfds; i++) close(s->fds[i]);
+  s->nfds = 0;
+}
+
+static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                           zd__err_t *err) {
+  if (s->state != SESSION_READY) {
+    close_fds(s);
+    return zd__errf(err, ZD_EORDER, "a model is already registered on this connection");
+  }
+  Zerod__V1__RegisterRequest *req = zerod__v1__register_request__unpack(NULL, h->length, body);
+  if (!req) {
+    close_fds(s);
+    return zd__errf(err, ZD_EPROTO, "malformed register body (%u bytes)", h->length);
+  }
+  int rc;
+  zd__job_t *job = NULL;
+  zd__model_spec_t *spec = calloc(1, sizeof *spec);
+  if (!spec) {
+    rc = zd__errf(err, -ENOMEM, "out of memory");
+    goto fail;
+  }
+  rc = spec_from(s, req, spec, err);
+  if (rc) goto fail;
+  if (s->nfds < 2) {
+    rc = zd__errf(err, ZD_EBUFFER, "register needs 2 file descriptors (param and grad buffers) "
+                  "sent with the frame; got %d", s->nfds);
+    goto fail;
+  }
+  uint64_t total = spec->layout->total_elems;
+  rc = zd__shm_map(s->fds[0], total * zd_dtype_size(spec->param_dtype), "param buffer",
+                   &s->buffers.params, err);
+  if (rc) goto fail;
+  rc = zd__shm_map(s->fds[1], total * zd_dtype_size(spec->grad_dtype), "grad buffer",
+                   &s->buffers.grads, err);
+  if (rc) goto fail;
+  uint32_t local = zd__rank_local(s->rank);
+  zd__session_t *holder = s->daemon->attached[local];
+  if (holder && holder != s) {
+    rc = zd__errf(err, ZD_EBUSY, "local rank %u is attached to client '%s' (pid %d)", local,
+                  holder->name, (int)holder->cred.pid);
+    goto fail;
+  }
+  s->daemon->attached[local] = s;
+  s->buffers.param_dtype = spec->param_dtype;
+  s->buffers.grad_dtype = spec->grad_dtype;
+  s->nbuckets = spec->layout->nbuckets;
+  s->ngroups = spec->ngroups;
+  job = job_new(s, ZD__JOB_ATTACH, h);
+  if (!job) {
+    rc = zd__errf(err, -ENOMEM, "out of memory");
+    goto fail;
+  }
+  job->in.spec = spec;
+  close_fds(s);
+  zerod__v1__register_request__free_unpacked(req, NULL);
+  s->state = SESSION_REGISTERING;
+  submit(s, job);
+  return ZD_OK;
+
+fail:
+  zd__shm_unmap(&s->buffers.grads);
+  zd__shm_unmap(&s->buffers.params);
+  zd__model_spec_free(spec);
+  close_fds(s);
+  zerod__v1__register_request__free_unpacked(req, NULL);
+  return rc;
+}
+
+static int check_bucket(const zd__session_t *s, int32_t bucket, zd__err_t *err) {
+  if (bucket < -1 || bucket >= (int32_t)s->nbuckets)
+    return zd__errf(err, -EINVAL, "bucket %d does not exist; expected -1 (all) or 0..%u", bucket,
+                    s->nbuckets - 1);
+  return ZD_OK;
+}
+
+static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                       zd__err_t *err) {
+  Zerod__V1__StepRequest *req = zerod__v1__step_request__unpack(NULL, h->length, body);
+  if (!req) return zd__errf(err, ZD_EPROTO, "malformed step body (%u bytes)", h->length);
+  int rc = ZD_OK;
+  zd_group_t *groups = NULL;
+  if (req->n_groups) {
+    if (req->n_groups != s->ngroups) {
+      rc = zd__errf(err, ZD_EGROUP, "step carries %zu groups; the model has %u", req->n_groups,
+                    s->ngroups);
+      goto exit;
+    }
+    groups = calloc(req->n_groups, sizeof *groups);
+    if (!groups) {
+      rc = zd__errf(err, -ENOMEM, "out of memory");
+      goto exit;
+    }
+    rc = groups_from(groups, req->groups, req->n_groups, err);
+    if (rc) goto exit;
+  }
+  zd__job_t *job = job_new(s, ZD__JOB_STEP, h);
+  if (!job) {
+    rc = zd__errf(err, -ENOMEM, "out of memory");
+    goto exit;
+  }
+  job->in.step.groups = groups;
+  job->in.step.ngroups = (uint32_t)req->n_groups;
+  job->in.step.scatter = req->scatter;
+  job->in.step.gather = req->gather;
+  groups = NULL;
+  submit(s, job);
+exit:
+  free(groups);
+  zerod__v1__step_request__free_unpacked(req, NULL);
+  return rc;
+}
+
+static int handle_scatter(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                          zd__err_t *err) {
+  Zerod__V1__ScatterRequest *req = zerod__v1__scatter_request__unpack(NULL, h->length, body);
+  if (!req) return zd__errf(err, ZD_EPROTO, "malformed scatter body (%u bytes)", h->length);
+  int32_t bucket = req->bucket;
+  zerod__v1__scatter_request__free_unpacked(req, NULL);
+  int rc = check_bucket(s, bucket, err);
+  if (rc) return rc;
+  zd__job_t *job = job_new(s, ZD__JOB_SCATTER, h);
+  if (!job) return zd__errf(err, -ENOMEM, "out of memory");
+  job->in.bucket = bucket;
+  submit(s, job);
+  return ZD_OK;
+}
+
+static int handle_gather(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                         zd__err_t *err) {
+  Zerod__V1__GatherRequest *req = zerod__v1__gather_request__unpack(NULL, h->length, body);
+  if (!req) return zd__errf(err, ZD_EPROTO, "malformed gather body (%u bytes)", h->length);
+  int32_t bucket = req->bucket;
+  zerod__v1__gather_request__free_unpacked(req, NULL);
+  int rc = check_bucket(s, bucket, err);
+  if (rc) return rc;
+  zd__job_t *job = job_new(s, ZD__JOB_GATHER, h);
+  if (!job) return zd__errf(err, -ENOMEM, "out of memory");
+  job->in.bucket = bucket;
+  submit(s, job);
+  return ZD_OK;
+}
+
+static int handle_status(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                         zd__err_t *err) {
+  (void)body;
+  zd__status_t *st = zd__status_collect(s->daemon);
+  if (!st) return zd__errf(err, -ENOMEM, "out of memory");
+  size_t nsec = zd__status_nsections(st);
+  Zerod__V1__StatusReply rep = ZEROD__V1__STATUS_REPLY__INIT;
+  Zerod__V1__StatusSection *secs = calloc(nsec ? nsec : 1, sizeof *secs);
+  Zerod__V1__StatusSection **secp = calloc(nsec ? nsec : 1, sizeof *secp);
+  size_t nent_all = zd__status_nentries_total(st);
+  Zerod__V1__StatusEntry *ents = calloc(nent_all ? nent_all : 1, sizeof *ents);
+  Zerod__V1__StatusEntry **entp = calloc(nent_all ? nent_all : 1, sizeof *entp);
+  int rc = ZD_OK;
+  if (!secs || !secp || !ents || !entp) {
+    rc = zd__errf(err, -ENOMEM, "out of memory");
+    goto exit;
+  }
+  size_t e = 0;
+  for (size_t i = 0; i < nsec; i++) {
+    zerod__v1__status_section__init(&secs[i]);
+    secs[i].name = (char *)zd__status_section_name(st, i);
+    secs[i].entries = &entp[e];
+    size_t n = zd__status_nentries(st, i);
+    for (size_t j = 0; j < n; j++, e++) {
+      zerod__v1__status_entry__init(&ents[e]);
+      ents[e].key = (char *)zd__status_key(st, i, j);
+      ents[e].value = (char *)zd__status_value(st, i, j);
+      entp[e] = &ents[e];
+    }
+    secs[i].n_entries = n;
+    secp[i] = &secs[i];
+  }
+  rep.sections = secp;
+  rep.n_sections = nsec;
+  send_reply(s, h->type, h->request_id, &rep.base);
+exit:
+  free(entp);
+  free(ents);
+  free(secp);
+  free(secs);
+  zd__status_free(st);
+  return rc;
+}
+
+static void reply_bye(zd__session_t *s, uint64_t id);
+
+static int handle_bye(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                      zd__err_t *err) {
+  (void)body, (void)err;
+  s->closing = 1; /* read nothing after bye */
+  s->bye_pending = 1;
+  s->bye_id = h->request_id;
+  if (s->inflight == 0) reply_bye(s, h->request_id);
+  return ZD_OK;
+}
+
+static const command_t commands[] = {
+    {ZD__MSG_HELLO, "hello", handle_hello, CMD_ANY, 4096},
+    {ZD__MSG_REGISTER, "register", handle_register, CMD_NEEDS_HELLO, 0},
+    {ZD__MSG_STEP, "step", handle_step, CMD_NEEDS_MODEL, 1u << 20},
+    {ZD__MSG_SCATTER, "scatter", handle_scatter, CMD_NEEDS_MODEL, 64},
+    {ZD__MSG_GATHER, "gather", handle_gather, CMD_NEEDS_MODEL, 64},
+    {ZD__MSG_STATUS, "status", handle_status, CMD_ANY, 64},
+    {ZD__MSG_BYE, "bye", handle_bye, CMD_ANY, 64},
+};
+
+static const command_t *find_command(uint16_t type) {
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    if (commands[i].type == type) return &commands[i];
+  return NULL;
+}
+
+/* Releases the rank and the buffers once nothing uses them. */
+static void detach(zd__session_t *s) {
+  if (s->rank) {
+    uint32_t local = zd__rank_local(s->rank);
+    if (s->daemon->attached[local] == s) {
+      s->daemon->attached[local] = NULL;
+      ZD_LOG_INFO("session %u: client '%s' (pid %d) detached from local rank %u", s->id, s->name,
+                  (int)s->cred.pid, local);
+    }
+    s->rank = NULL;
+  }
+  zd__shm_unmap(&s->buffers.params);
+  zd__shm_unmap(&s->buffers.grads);
+  if (s->state != SESSION_NEW) s->state = SESSION_NEW;
+}
+
+static void reply_bye(zd__session_t *s, uint64_t id) {
+  detach(s); /* before the reply, so the client can reattach as soon as it reads it */
+  s->bye_pending = 0;
+  Zerod__V1__ByeReply rep = ZEROD__V1__BYE_REPLY__INIT;
+  send_reply(s, ZD__MSG_BYE, id, &rep.base);
+}
+
+/* Validates the envelope and runs the command. The handler replies, queues a job, or fails. */
+static void dispatch(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body) {
+  zd__daemon_t *d = s->daemon;
+  d->requests_total++;
+  zd__err_t err = {0};
+  const command_t *cmd = find_command(h->type);
+  if (!cmd) {
+    send_errorf(s, h->request_id, ZD_ETYPE, "unknown message type %u; expected one of hello (1), "
+                "register (2), step (3), scatter (4), gather (5), status (6), bye (7)", h->type);
+    return;
+  }
+  uint32_t max_body = cmd->max_body ? cmd->max_body : d->cfg->max_frame_bytes;
+  if (h->length > max_body) {
+    send_errorf(s, h->request_id, ZD_ETOOBIG, "%s body is %u bytes; at most %u expected", cmd->name,
+                h->length, max_body);
+    return;
+  }
+  if (d->shutting_down) {
+    send_errorf(s, h->request_id, ZD_ESHUTDOWN, "zerod is shutting down; %s refused", cmd->name);
+    return;
+  }
+  if (cmd->needs >= CMD_NEEDS_HELLO && s->state == SESSION_NEW) {
+    send_errorf(s, h->request_id, ZD_EORDER, "%s before hello: say hello first", cmd->name);
+    return;
+  }
+  if (cmd->needs >= CMD_NEEDS_MODEL && s->state != SESSION_REGISTERED) {
+    send_errorf(s, h->request_id, ZD_EORDER, "%s before register: register a model first",
+                cmd->name);
+    return;
+  }
+  int rc = cmd->handler(s, h, body, &err);
+  if (rc) send_error(s, h->request_id, rc, err.msg[0] ? err.msg : zd_strerror(rc));
+}
+
+/* ---- reading ------------------------------------------------------------------------------- */
+
+static void on_frame_timeout(uv_timer_t *t) {
+  zd__session_t *s = t->data;
+  if (s->rlen == 0) return;
+  zd__frame_header_t h = {0};
+  size_t want = ZD__FRAME_HEADER_SIZE;
+  if (s->rlen >= ZD__FRAME_HEADER_SIZE) {
+    zd__frame_decode(s->rbuf, &h);
+    want += h.length;
+  }
+  fail_stream(s, h.request_id, ZD_EPROTO, "truncated frame: received %zu of %zu bytes within %u ms",
+              s->rlen, want, s->daemon->cfg->frame_timeout_ms);
+  update_poll(s);
+  maybe_teardown(s);
+}
+
+static void consume(zd__session_t *s, size_t n) {
+  memmove(s->rbuf, s->rbuf + n, s->rlen - n);
+  s->rlen -= n;
+}
+
+static void process_frames(zd__session_t *s) {
+  zd__daemon_t *d = s->daemon;
+  while (!s->closing && s->rlen >= ZD__FRAME_HEADER_SIZE && s->inflight < d->cfg->max_inflight) {
+    zd__frame_header_t h;
+    if (zd__frame_decode(s->rbuf, &h) != ZD_OK) {
+      fail_stream(s, 0, ZD_EPROTO, "garbage frame: magic is 0x%08x, expected 0x%08x ('ZRD1')",
+                  h.magic, ZD__FRAME_MAGIC);
+      break;
+    }
+    if (h.length > d->cfg->max_frame_bytes) {
+      fail_stream(s, h.request_id, ZD_ETOOBIG, "frame body is %u bytes; max_frame_bytes is %u",
+                  h.length, d->cfg->max_frame_bytes);
+      break;
+    }
+    size_t total = ZD__FRAME_HEADER_SIZE + (size_t)h.length;
+    if (s->rlen < total) break;
+    if (h.version != ZD_PROTOCOL_VERSION) {
+      send_errorf(s, h.request_id, ZD_EVERSION, "frame has protocol version %u; this zerod speaks "
+                  "version %d", h.version, ZD_PROTOCOL_VERSION);
+    } else if (h.flags != 0) {
+      send_errorf(s, h.request_id, ZD_EPROTO, "frame flags are 0x%x; expected 0", h.flags);
+    } else {
+      dispatch(s, &h, s->rbuf + ZD__FRAME_HEADER_SIZE);
+    }
+    if (s->torn_down) return;
+    consume(s, total);
+  }
+  /* A partial frame must complete within frame_timeout_ms. */
+  if (s->rlen > 0 && !s->closing) {
+    if (!uv_is_active((uv_handle_t *)&s->frame_timer))
+      uv_timer_start(&s->frame_timer, on_frame_timeout, d->cfg->frame_timeout_ms, 0);
+  } else {
+    uv_timer_stop(&s->frame_timer);
+  }
+}
+
+static int ensure_capacity(zd__session_t *s, size_t need) {
+  if (s->rcap - s->rlen >= need) return 0;
+  size_t cap = s->rcap ? s->rcap : READ_CHUNK;
+  while (cap - s->rlen < need) cap *= 2;
+  uint8_t *p = realloc(s->rbuf, cap);
+  if (!p) return -ENOMEM;
+  s->rbuf = p;
+  s->rcap = cap;
+  return 0;
+}
+
+static void take_fds(zd__session_t *s, struct msghdr *msg) {
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c; c = CMSG_NXTHDR(msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    int n = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+    int *fds = (int *)CMSG_DATA(c);
+    for (int i = 0; i < n; i++) {
+      if (s->nfds < MAX_FDS)
+        s->fds[s->nfds++] = fds[i];
+      else
+        close(fds[i]); /* more than any request needs */
+    }
+  }
+}
+
+static void read_some(zd__session_t *s) {
+  for (int round = 0; round < 16 && !s->closing; round++) {
+    /* Read the rest of the current frame in one go when its size is known. */
+    size_t want = READ_CHUNK;
+    if (s->rlen >= ZD__FRAME_HEADER_SIZE) {
+      zd__frame_header_t h;
+      if (zd__frame_decode(s->rbuf, &h) == ZD_OK && h.length <= s->daemon->cfg->max_frame_bytes &&
+          ZD__FRAME_HEADER_SIZE + (size_t)h.length > s->rlen + want)
+        want = ZD__FRAME_HEADER_SIZE + (size_t)h.length - s->rlen;
+    }
+    if (ensure_capacity(s, want) != 0) {
+      fail_stream(s, 0, -ENOMEM, "out of memory reading a frame");
+      return;
+    }
+    union {
+      char buf[CMSG_SPACE(MAX_FDS * sizeof(int))];
+      struct cmsghdr align;
+    } ctrl;
+    struct iovec iov = {.iov_base = s->rbuf + s->rlen, .iov_len = s->rcap - s->rlen};
+    struct msghdr msg = {.msg_iov = &iov,
+                         .msg_iovlen = 1,
+                         .msg_control = ctrl.buf,
+                         .msg_controllen = sizeof ctrl.buf};
+    ssize_t n = recvmsg(s->fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) return;
+      ZD_LOG_DEBUG("session %u: read failed: %s", s->id, strerror(errno));
+      drop_writes(s);
+      s->closing = 1;
+      return;
+    }
+    take_fds(s, &msg);
+    if (msg.msg_flags & MSG_CTRUNC) {
+      fail_stream(s, 0, ZD_EPROTO, "too many file descriptors in one message; expected at most %d",
+                  MAX_FDS);
+      return;
+    }
+    if (n == 0) {
+      if (s->rlen > 0)
+        ZD_LOG_WARN("session %u (pid %d): connection closed in the middle of a frame (%zu bytes "
+                    "received)", s->id, (int)s->cred.pid, s->rlen);
+      s->closing = 1;
+      return;
+    }
+    s->rlen += (size_t)n;
+    process_frames(s);
+    if (s->torn_down || s->inflight >= s->daemon->cfg->max_inflight) return;
+  }
+}
+
+static void on_poll(uv_poll_t *handle, int status, int events) {
+  zd__session_t *s = handle->data;
+  if (status < 0) {
+    drop_writes(s);
+    s->closing = 1;
+  } else {
+    if (events & UV_WRITABLE) flush(s);
+    if (events & UV_READABLE) read_some(s);
+  }
+  update_poll(s);
+  maybe_teardown(s);
+}
+
+static void update_poll(zd__session_t *s) {
+  if (s->torn_down) return;
+  int events = 0;
+  if (!s->closing && s->inflight < s->daemon->cfg->max_inflight) events |= UV_READABLE;
+  if (s->wq_head) events |= UV_WRITABLE;
+  if (events == s->poll_events) return;
+  s->poll_events = events;
+  if (events)
+    uv_poll_start(&s->poll, events, on_poll);
+  else
+    uv_poll_stop(&s->poll);
+}
+
+/* ---- lifecycle ----------------------------------------------------------------------------- */
+
+static void on_handle_closed(uv_handle_t *h) {
+  zd__session_t *s = h->data;
+  if (--s->open_handles > 0) return;
+  zd__daemon_t *d = s->daemon;
+  free(s->rbuf);
+  free(s);
+  zd__daemon_session_gone(d);
+}
+
+static void maybe_teardown(zd__session_t *s) {
+  if (s->torn_down || !s->closing || s->inflight > 0 || s->wq_head) return;
+  if (s->bye_pending) {
+    reply_bye(s, s->bye_id);
+    if (s->wq_head) {
+      update_poll(s);
+      return;
+    }
+  }
+  s->torn_down = 1;
+  detach(s);
+  close_fds(s);
+  drop_writes(s);
+  zd__daemon_t *d = s->daemon;
+  if (s->prev)
+    s->prev->next = s->next;
+  else
+    d->sessions = s->next;
+  if (s->next) s->next->prev = s->prev;
+  d->nsessions--;
+  uv_poll_stop(&s->poll);
+  uv_timer_stop(&s->frame_timer);
+  close(s->fd);
+  uv_close((uv_handle_t *)&s->poll, on_handle_closed);
+  uv_close((uv_handle_t *)&s->frame_timer, on_handle_closed);
+}
+
+static int peer_allowed(const zd__config_t *cfg, const struct ucred *cred) {
+  for (uint32_t i = 0; i < cfg->allowed_uids.n; i++)
+    if (cfg->allowed_uids.ids[i] == (uint32_t)cred->uid) return 1;
+  for (uint32_t i = 0; i < cfg->allowed_gids.n; i++)
+    if (cfg->allowed_gids.ids[i] == (uint32_t)cred->gid) return 1;
+  return 0;
+}
+
+static void format_ids(const zd__idlist_t *ids, char *buf, size_t len) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (uint32_t i = 0; i < ids->n && used < len; i++)
+    used += (size_t)snprintf(buf + used, len - used, "%s%u", i ? ", " : "", ids->ids[i]);
+  if (ids->n == 0) snprintf(buf, len, "none");
+}
+
+int zd__session_create(zd__daemon_t *d, int fd, const struct ucred *cred) {
+  zd__session_t *s = calloc(1, sizeof *s);
+  if (!s) {
+    close(fd);
+    return -ENOMEM;
+  }
+  s->daemon = d;
+  s->fd = fd;
+  s->cred = *cred;
+  s->id = ++d->next_session_id;
+  snprintf(s->name, sizeof s->name, "pid %d", (int)cred->pid);
+  int rc = uv_poll_init(&d->loop, &s->poll, fd);
+  if (rc) {
+    close(fd);
+    free(s);
+    return rc;
+  }
+  uv_timer_init(&d->loop, &s->frame_timer);
+  s->poll.data = s;
+  s->frame_timer.data = s;
+  s->open_handles = 2;
+  s->next = d->sessions;
+  if (d->sessions) d->sessions->prev = s;
+  d->sessions = s;
+  d->nsessions++;
+  d->clients_total++;
+
+  if (!peer_allowed(d->cfg, cred)) {
+    char uids[256], gids[256];
+    format_ids(&d->cfg->allowed_uids, uids, sizeof uids);
+    format_ids(&d->cfg->allowed_gids, gids, sizeof gids);
+    d->clients_denied++;
+    fail_stream(s, 0, ZD_EDENIED, "uid %d gid %d (pid %d) is not allowed to use zerod; allowed "
+                "uids: %s; allowed gids: %s", (int)cred->uid, (int)cred->gid, (int)cred->pid, uids,
+                gids);
+  } else if (d->nsessions > d->cfg->max_clients) {
+    fail_stream(s, 0, ZD_EBUSY, "zerod has %u clients connected; max_clients is %u",
+                d->nsessions - 1, d->cfg->max_clients);
+  } else {
+    ZD_LOG_DEBUG("session %u: connection from pid %d uid %d", s->id, (int)cred->pid,
+                 (int)cred->uid);
+  }
+  update_poll(s);
+  maybe_teardown(s);
+  return ZD_OK;
+}
+
+static void reply_job(zd__session_t *s, zd__job_t *job) {
+  if (job->code != ZD_OK) {
+    send_error(s, job->request_id, job->code, job->err.msg[0] ? job->err.msg
+                                                               : zd_strerror(job->code));
+    return;
+  }
+  switch (job->type) {
+    case ZD__JOB_ATTACH: {
+      Zerod__V1__RegisterReply rep = ZEROD__V1__REGISTER_REPLY__INIT;
+      rep.step = job->out.attach.step;
+      rep.resumed = job->out.attach.resumed;
+      rep.layout_hash = job->out.attach.layout_hash;
+      rep.total_elems = job->out.attach.total_elems;
+      rep.nbuckets = job->out.attach.nbuckets;
+      rep.shard_elems = job->out.attach.shard_elems;
+      rep.loss_scale = job->out.attach.loss_scale;
+      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      break;
+    }
+    case ZD__JOB_STEP: {
+      Zerod__V1__StepReply rep = ZEROD__V1__STEP_REPLY__INIT;
+      rep.step = job->out.step.step;
+      rep.applied = job->out.step.applied;
+      rep.grad_norm = job->out.step.grad_norm;
+      rep.loss_scale = job->out.step.loss_scale;
+      rep.clip_coef = job->out.step.clip_coef;
+      rep.duration_us = job->out.step.duration_us;
+      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      break;
+    }
+    case ZD__JOB_SCATTER: {
+      Zerod__V1__ScatterReply rep = ZEROD__V1__SCATTER_REPLY__INIT;
+      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      break;
+    }
+    case ZD__JOB_GATHER: {
+      Zerod__V1__GatherReply rep = ZEROD__V1__GATHER_REPLY__INIT;
+      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      break;
+    }
+  }
+}
+
+void zd__session_job_done(zd__session_t *s, zd__job_t *job) {
+  zd_assert(s->inflight > 0);
+  s->inflight--;
+  if (job->type == ZD__JOB_ATTACH) {
+    if (job->code == ZD_OK) {
+      s->state = SESSION_REGISTERED;
+    } else {
+      uint32_t local = zd__rank_local(s->rank);
+      if (s->daemon->attached[local] == s) s->daemon->attached[local] = NULL;
+      zd__shm_unmap(&s->buffers.params);
+      zd__shm_unmap(&s->buffers.grads);
+      if (s->state == SESSION_REGISTERING) s->state = SESSION_READY;
+    }
+  }
+  reply_job(s, job);
+  zd__job_free(job);
+  if (!s->closing) process_frames(s); /* frames held back by max_inflight */
+  update_poll(s);
+  maybe_teardown(s);
+}
+
+void zd__session_drain(zd__session_t *s) {
+  s->closing = 1;
+  update_poll(s);
+  maybe_teardown(s);
+}
+
+zd__session_t *zd__session_next(const zd__session_t *s) { return s->next; }
+pid_t zd__session_pid(const zd__session_t *s) { return s->cred.pid; }
+const char *zd__session_name(const zd__session_t *s) { return s->name; }

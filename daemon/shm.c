@@ -1,0 +1,37 @@
+/* Mapping of client shared-memory buffers (shm.h). */
+#include "shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+int zd__shm_map(int fd, size_t needed, const char *what, zd__shm_t *out, zd__err_t *err) {
+  struct stat st;
+  *out = (zd__shm_t){0};
+  if (fstat(fd, &st) != 0)
+    return zd__errf(err, -errno, "%s: fstat failed: %s", what, strerror(errno));
+  if (!S_ISREG(st.st_mode))
+    return zd__errf(err, ZD_EBUFFER, "%s is not a shared-memory file (expected a memfd)", what);
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK))
+    return zd__errf(err, ZD_EBUFFER,
+                    "%s is not sealed against shrinking; expected a memfd with F_SEAL_SHRINK",
+                    what);
+  if ((size_t)st.st_size < needed)
+    return zd__errf(err, ZD_EBUFFER, "%s is %lld bytes, layout needs %zu", what,
+                    (long long)st.st_size, needed);
+  size_t bytes = (size_t)st.st_size;
+  void *addr = mmap(NULL, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (addr == MAP_FAILED)
+    return zd__errf(err, -errno, "%s: mmap of %zu bytes failed: %s", what, bytes, strerror(errno));
+  out->addr = addr;
+  out->bytes = bytes;
+  return ZD_OK;
+}
+
+void zd__shm_unmap(zd__shm_t *shm) {
+  if (shm->addr) munmap(shm->addr, shm->bytes ? shm->bytes : 1);
+  *shm = (zd__shm_t){0};
+}

@@ -1,0 +1,444 @@
+/* Step logic (step.h): model state, register/resume, scatter, step, gather. Runs on a rank's
+ * worker thread. */
+#include "step.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "log.h"
+
+/* Below this many elements per task, splitting a kernel over threads costs more than it saves. */
+#define MIN_TASK_ELEMS 32768u
+
+/* The record every rank contributes before an update (the commit point of a step). */
+typedef struct step_record {
+  uint64_t step; /* number of the step about to be applied */
+  uint64_t layout_hash;
+  uint64_t hparam_hash;
+  double sumsq; /* this rank's sum of squared gradients */
+  uint64_t nonfinite;
+} step_record_t;
+
+static uint64_t now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err) {
+  if (!isfinite(g->lr) || g->lr < 0)
+    return zd__errf(err, ZD_EHPARAM, "%s: lr is %g; expected a finite value >= 0", where, g->lr);
+  if (!isfinite(g->eps) || g->eps <= 0)
+    return zd__errf(err, ZD_EHPARAM, "%s: eps is %g; expected a finite value > 0", where, g->eps);
+  if (!(g->beta1 >= 0 && g->beta1 < 1))
+    return zd__errf(err, ZD_EHPARAM, "%s: beta1 is %g; expected a value in [0, 1)", where,
+                    g->beta1);
+  if (!(g->beta2 >= 0 && g->beta2 < 1))
+    return zd__errf(err, ZD_EHPARAM, "%s: beta2 is %g; expected a value in [0, 1)", where,
+                    g->beta2);
+  if (!isfinite(g->weight_decay) || g->weight_decay < 0)
+    return zd__errf(err, ZD_EHPARAM, "%s: weight_decay is %g; expected a finite value >= 0",
+                    where, g->weight_decay);
+  if (g->optimizer != ZD_ADAMW && g->optimizer != ZD_ADAM)
+    return zd__errf(err, ZD_EHPARAM, "%s: optimizer %d unknown; expected ADAMW (0) or ADAM (1)",
+                    where, (int)g->optimizer);
+  return ZD_OK;
+}
+
+static uint64_t hash_mix(uint64_t h, const void *data, size_t len) {
+  const uint8_t *p = data;
+  for (size_t i = 0; i < len; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
+}
+
+static uint64_t hparam_hash(const zd__model_t *m) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (uint32_t i = 0; i < m->ngroups; i++) {
+    const zd_group_t *g = &m->groups[i];
+    double v[5] = {g->lr, g->beta1, g->beta2, g->eps, g->weight_decay};
+    int32_t opt = (int32_t)g->optimizer;
+    h = hash_mix(h, v, sizeof v);
+    h = hash_mix(h, &opt, sizeof opt);
+  }
+  int32_t flags[2] = {m->grad_mean, m->scaler.enabled};
+  h = hash_mix(h, &m->max_grad_norm, sizeof m->max_grad_norm);
+  return hash_mix(h, flags, sizeof flags);
+}
+
+/* ---- parallel kernels ---------------------------------------------------------------------- */
+
+typedef struct adam_run {
+  const zd__adam_args_t *args;
+  zd__adam_fn fn;
+  uint64_t n;
+} adam_run_t;
+
+static void adam_task(void *arg, unsigned task, unsigned ntasks) {
+  const adam_run_t *r = arg;
+  uint64_t chunk = (r->n / ntasks + ZD__ALIGN - 1) / ZD__ALIGN * ZD__ALIGN;
+  uint64_t begin = chunk * task, end = begin + chunk < r->n ? begin + chunk : r->n;
+  if (begin < end) r->fn(r->args, begin, end);
+}
+
+static unsigned tasks_for(const zd__step_ctx_t *ctx, uint64_t n) {
+  uint64_t t = n / MIN_TASK_ELEMS;
+  unsigned max = zd__pool_size(ctx->pool);
+  return t < 1 ? 1 : (t > max ? max : (unsigned)t);
+}
+
+typedef struct stats_run {
+  const zd__step_ctx_t *ctx;
+  const void *grad;
+  zd_dtype_t dtype;
+  const zd__segment_t *segs;
+  uint32_t nsegs;
+  uint64_t n;
+  uint64_t nblocks;
+  double *sums;
+  uint64_t nonfinite[64]; /* per task; summed afterwards */
+} stats_run_t;
+
+static void stats_task(void *arg, unsigned task, unsigned ntasks) {
+  stats_run_t *r = arg;
+  uint64_t per = (r->nblocks + ntasks - 1) / ntasks;
+  uint64_t b0 = per * task, b1 = b0 + per < r->nblocks ? b0 + per : r->nblocks;
+  if (b0 < b1)
+    r->ctx->stats(r->grad, r->dtype, r->segs, r->nsegs, r->n, b0, b1, r->sums + b0,
+                  &r->nonfinite[task]);
+}
+
+/* Sum of squares and non-finite count of this rank's reduced gradients of bucket b. */
+static void bucket_stats(const zd__step_ctx_t *ctx, zd__model_t *m, uint32_t b, double *sumsq,
+                         uint64_t *nonfinite) {
+  const zd__bucket_t *bk = &m->layout->buckets[b];
+  stats_run_t r = {.ctx = ctx,
+                   .grad = m->shard_grad[b],
+                   .dtype = m->shard_grad_dtype[b],
+                   .segs = m->segs[b],
+                   .nsegs = m->nsegs[b],
+                   .n = bk->shard_elems,
+                   .nblocks = zd__stats_blocks(bk->shard_elems),
+                   .sums = m->block_sums};
+  unsigned ntasks = tasks_for(ctx, bk->shard_elems);
+  if (ntasks > 64) ntasks = 64;
+  zd__pool_run(ctx->pool, ntasks, stats_task, &r);
+  *sumsq += zd__grad_stats_sum(r.sums, r.nblocks);
+  for (unsigned t = 0; t < ntasks; t++) *nonfinite += r.nonfinite[t];
+}
+
+/* ---- state --------------------------------------------------------------------------------- */
+
+static float *alloc_array(size_t bytes) {
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return NULL;
+  madvise(p, bytes, MADV_HUGEPAGE); /* streaming over GBs: fewer TLB misses */
+  return p;
+}
+
+void zd__model_free(zd__model_t *m) {
+  if (!m) return;
+  float *arrays[] = {m->master, m->exp_avg, m->exp_avg_sq, m->grad_shard};
+  for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
+    if (arrays[i]) munmap(arrays[i], m->array_bytes);
+  if (m->segs)
+    for (uint32_t b = 0; b < m->layout->nbuckets; b++) free(m->segs[b]);
+  free(m->segs);
+  free(m->nsegs);
+  free(m->scattered);
+  free(m->shard_grad);
+  free(m->shard_grad_dtype);
+  free(m->block_sums);
+  free(m->groups);
+  zd__layout_free(m->layout);
+  free(m);
+}
+
+/* Takes the layout and groups of spec. */
+static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__model_t **out,
+                        zd__err_t *err) {
+  const zd__layout_t *l = spec->layout;
+  zd__model_t *m = calloc(1, sizeof *m);
+  if (!m) return zd__errf(err, -ENOMEM, "out of memory");
+  m->layout = spec->layout;
+  m->groups = spec->groups;
+  m->ngroups = spec->ngroups;
+  spec->layout = NULL;
+  spec->groups = NULL;
+  m->array_bytes = (l->shard_elems ? l->shard_elems : 1) * sizeof(float);
+  m->master = alloc_array(m->array_bytes);
+  m->exp_avg = alloc_array(m->array_bytes);
+  m->exp_avg_sq = alloc_array(m->array_bytes);
+  if (ctx->world_size > 1) m->grad_shard = alloc_array(m->array_bytes);
+  uint32_t nb = l->nbuckets;
+  uint64_t max_blocks = 0;
+  for (uint32_t b = 0; b < nb; b++)
+    if (zd__stats_blocks(l->buckets[b].shard_elems) > max_blocks)
+      max_blocks = zd__stats_blocks(l->buckets[b].shard_elems);
+  m->segs = calloc(nb, sizeof *m->segs);
+  m->nsegs = calloc(nb, sizeof *m->nsegs);
+  m->scattered = calloc(nb, 1);
+  m->shard_grad = calloc(nb, sizeof *m->shard_grad);
+  m->shard_grad_dtype = calloc(nb, sizeof *m->shard_grad_dtype);
+  m->block_sums = calloc(max_blocks ? max_blocks : 1, sizeof *m->block_sums);
+  if (!m->master || !m->exp_avg || !m->exp_avg_sq || (ctx->world_size > 1 && !m->grad_shard) ||
+      !m->segs || !m->nsegs || !m->scattered || !m->shard_grad || !m->shard_grad_dtype ||
+      !m->block_sums) {
+    zd__model_free(m);
+    return zd__errf(err, -ENOMEM, "out of memory for the state of %" PRIu64 " shard elements",
+                    l->shard_elems);
+  }
+  for (uint32_t b = 0; b < nb; b++) {
+    if (zd__layout_segments(l, ctx->rank, b, &m->segs[b], &m->nsegs[b]) != 0) {
+      zd__model_free(m);
+      return zd__errf(err, -ENOMEM, "out of memory for segments");
+    }
+  }
+  *out = m;
+  return ZD_OK;
+}
+
+/* Applies a registration's options to a model (new or resumed). */
+static void model_configure(zd__model_t *m, const zd__model_spec_t *spec, int keep_scaler) {
+  m->param_dtype = spec->param_dtype;
+  m->grad_dtype = spec->grad_dtype;
+  m->max_grad_norm = spec->max_grad_norm;
+  m->grad_mean = spec->grad_mean;
+  if (!keep_scaler || m->scaler.enabled != spec->scaler.enabled)
+    zd__scaler_init(&m->scaler, &spec->scaler);
+  else
+    m->scaler.cfg = spec->scaler; /* keep the scale and trackers, take new factors */
+}
+
+/* Element e of the client's param buffer. */
+static void *param_at(const zd__model_t *m, const zd__buffers_t *buf, uint64_t e) {
+  return (char *)buf->params.addr + e * zd_dtype_size(m->param_dtype);
+}
+
+/* Copies between the master shard and the client's param buffer over the covered elements. */
+static void master_exchange(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                            int to_client) {
+  const zd__layout_t *l = m->layout;
+  for (uint32_t b = 0; b < l->nbuckets; b++) {
+    const zd__bucket_t *bk = &l->buckets[b];
+    float *master = m->master + bk->shard_base;
+    void *param = param_at(m, buf, bk->offset + (uint64_t)ctx->rank * bk->shard_elems);
+    for (uint32_t s = 0; s < m->nsegs[b]; s++) {
+      const zd__segment_t *sg = &m->segs[b][s];
+      for (uint64_t i = sg->offset; i < sg->offset + sg->length; i++) {
+        if (m->param_dtype == ZD_BF16) {
+          uint16_t *p = param;
+          if (to_client)
+            p[i] = zd__f32_to_bf16(master[i]);
+          else
+            master[i] = zd__bf16_to_f32(p[i]);
+        } else {
+          float *p = param;
+          if (to_client)
+            p[i] = master[i];
+          else
+            master[i] = p[i];
+        }
+      }
+    }
+  }
+}
+
+int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
+                     const zd__buffers_t *buf, int *resumed, zd__err_t *err) {
+  zd__model_t *m = *model;
+  int rc;
+  *resumed = 0;
+  if (m && m->layout->hash == spec->layout->hash) {
+    char diff[512];
+    if (zd__layout_diff(m->layout, spec->layout, diff, sizeof diff) == 0) {
+      free(m->groups);
+      m->groups = spec->groups;
+      m->ngroups = spec->ngroups;
+      spec->groups = NULL;
+      model_configure(m, spec, 1);
+      memset(m->scattered, 0, m->layout->nbuckets);
+      master_exchange(ctx, m, buf, 1);
+      *resumed = 1;
+      goto gather;
+    }
+  }
+  if (m && !spec->replace) {
+    char diff[512];
+    zd__layout_diff(m->layout, spec->layout, diff, sizeof diff);
+    return zd__errf(err, ZD_ELAYOUT,
+                    "rank %u holds a different model (%u parameters, layout hash %016" PRIx64
+                    ", step %" PRIu64 "): %s; register with replace to discard its state",
+                    ctx->rank, m->layout->nparams, m->layout->hash, m->step, diff);
+  }
+  zd__model_t *fresh = NULL;
+  rc = model_create(ctx, spec, &fresh, err);
+  if (rc) return rc;
+  model_configure(fresh, spec, 0);
+  master_exchange(ctx, fresh, buf, 0);
+  if (m) ZD_LOG_WARN("replacing model at step %" PRIu64 " (%u parameters)", m->step,
+                     m->layout->nparams);
+  zd__model_free(m);
+  *model = m = fresh;
+gather:
+  /* Every client starts from the same full model: each rank's slice came from (or was written
+   * into) its own client's buffer. */
+  return zd__model_gather(ctx, m, buf, -1, err);
+}
+
+/* ---- scatter, step, gather ----------------------------------------------------------------- */
+
+int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                      int32_t bucket, zd__err_t *err) {
+  const zd__layout_t *l = m->layout;
+  uint32_t b0 = bucket < 0 ? 0 : (uint32_t)bucket, b1 = bucket < 0 ? l->nbuckets : b0 + 1;
+  size_t gsize = zd_dtype_size(m->grad_dtype);
+  for (uint32_t b = b0; b < b1; b++) {
+    const zd__bucket_t *bk = &l->buckets[b];
+    const void *send = (const char *)buf->grads.addr + bk->offset * gsize;
+    float *scratch = m->grad_shard ? m->grad_shard + bk->shard_base : NULL;
+    int rc = ctx->comm->ops->reduce_scatter(ctx->comm, send, m->grad_dtype, bk->shard_elems,
+                                            scratch, &m->shard_grad[b], &m->shard_grad_dtype[b],
+                                            err);
+    if (rc) return rc;
+    m->scattered[b] = 1;
+  }
+  return ZD_OK;
+}
+
+int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                     int32_t bucket, zd__err_t *err) {
+  const zd__layout_t *l = m->layout;
+  uint32_t b0 = bucket < 0 ? 0 : (uint32_t)bucket, b1 = bucket < 0 ? l->nbuckets : b0 + 1;
+  for (uint32_t b = b0; b < b1; b++) {
+    const zd__bucket_t *bk = &l->buckets[b];
+    int rc = ctx->comm->ops->all_gather(ctx->comm, param_at(m, buf, bk->offset), m->param_dtype,
+                                        bk->shard_elems, err);
+    if (rc) return rc;
+  }
+  return ZD_OK;
+}
+
+/* Exchanges step records and checks that every rank is about to apply the same step of the same
+ * model with the same hyperparameters; sums the statistics in rank order. */
+static int agree(const zd__step_ctx_t *ctx, const step_record_t *mine, double *sumsq,
+                 uint64_t *nonfinite, zd__err_t *err) {
+  uint32_t w = ctx->world_size;
+  step_record_t stack[8], *all = w <= 8 ? stack : calloc(w, sizeof *all);
+  if (!all) return zd__errf(err, -ENOMEM, "out of memory");
+  int rc = ctx->comm->ops->allgather_bytes(ctx->comm, mine, sizeof *mine, all, err);
+  if (rc) goto exit;
+  *sumsq = 0;
+  *nonfinite = 0;
+  for (uint32_t r = 0; r < w; r++) {
+    if (all[r].layout_hash != mine->layout_hash) {
+      rc = zd__errf(err, ZD_ELAYOUT, "rank %u has layout hash %016" PRIx64 ", this rank %u has %016"
+                    PRIx64, r, all[r].layout_hash, ctx->rank, mine->layout_hash);
+      goto exit;
+    }
+    if (all[r].step != mine->step) {
+      rc = zd__errf(err, ZD_ESTEP, "rank %u is at step %" PRIu64 ", rank %u at step %" PRIu64
+                    "; every rank must step together (step not applied)", r, all[r].step - 1,
+                    ctx->rank, mine->step - 1);
+      goto exit;
+    }
+    if (all[r].hparam_hash != mine->hparam_hash) {
+      rc = zd__errf(err, ZD_EHPARAM, "rank %u steps with other hyperparameters than rank %u "
+                    "(hash %016" PRIx64 " vs %016" PRIx64 "); every rank must use the same "
+                    "groups, clipping and loss scaling (step not applied)", r, ctx->rank,
+                    all[r].hparam_hash, mine->hparam_hash);
+      goto exit;
+    }
+    *sumsq += all[r].sumsq;
+    *nonfinite += all[r].nonfinite;
+  }
+exit:
+  if (all != stack) free(all);
+  return rc;
+}
+
+int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                   const zd_group_t *groups, int scatter, int gather, zd__step_out_t *out,
+                   zd__err_t *err) {
+  const zd__layout_t *l = m->layout;
+  uint64_t t0 = now_us();
+  int rc;
+  if (scatter) {
+    rc = zd__model_scatter(ctx, m, buf, -1, err);
+    if (rc) return rc;
+  }
+  for (uint32_t b = 0; b < l->nbuckets; b++)
+    if (!m->scattered[b])
+      return zd__errf(err, ZD_EORDER, "bucket %u was not scattered since step %" PRIu64
+                      "; scatter every bucket or step with scatter", b, m->step);
+  if (groups) memcpy(m->groups, groups, m->ngroups * sizeof *groups);
+
+  int need_stats = ctx->world_size > 1 || m->max_grad_norm > 0 || m->scaler.enabled;
+  step_record_t rec = {.step = m->step + 1, .layout_hash = l->hash, .hparam_hash = hparam_hash(m)};
+  if (need_stats)
+    for (uint32_t b = 0; b < l->nbuckets; b++) bucket_stats(ctx, m, b, &rec.sumsq, &rec.nonfinite);
+  double sumsq = 0;
+  uint64_t nonfinite = 0;
+  rc = agree(ctx, &rec, &sumsq, &nonfinite, err);
+  if (rc) return rc;
+
+  /* Committed: every rank takes the same decisions from the same global statistics. */
+  double pre_scale = (m->grad_mean ? 1.0 / ctx->world_size : 1.0) / m->scaler.scale;
+  double norm = need_stats ? sqrt(sumsq) * pre_scale : NAN;
+  *out = (zd__step_out_t){.grad_norm = norm, .clip_coef = 1.0};
+  memset(m->scattered, 0, l->nbuckets);
+  if (m->scaler.enabled && nonfinite > 0) {
+    zd__scaler_update(&m->scaler, 1);
+    m->steps_skipped++;
+    out->step = m->step;
+    out->loss_scale = m->scaler.scale;
+    out->duration_us = now_us() - t0;
+    return ZD_OK; /* skipped: parameters unchanged, nothing to gather */
+  }
+  if (m->max_grad_norm > 0 && isfinite(norm)) {
+    double coef = m->max_grad_norm / (norm + 1e-6); /* torch.nn.utils.clip_grad_norm_ */
+    if (coef < 1.0) out->clip_coef = coef;
+  }
+  zd__adam_group_t consts[m->ngroups];
+  for (uint32_t g = 0; g < m->ngroups; g++) zd__adam_group_init(&consts[g], &m->groups[g], rec.step);
+  for (uint32_t b = 0; b < l->nbuckets; b++) {
+    const zd__bucket_t *bk = &l->buckets[b];
+    zd__adam_args_t args = {
+        .master = m->master + bk->shard_base,
+        .exp_avg = m->exp_avg + bk->shard_base,
+        .exp_avg_sq = m->exp_avg_sq + bk->shard_base,
+        .grad = m->shard_grad[b],
+        .grad_dtype = m->shard_grad_dtype[b],
+        .param = param_at(m, buf, bk->offset + (uint64_t)ctx->rank * bk->shard_elems),
+        .param_dtype = m->param_dtype,
+        .grad_scale = (float)(pre_scale * out->clip_coef),
+        .segs = m->segs[b],
+        .nsegs = m->nsegs[b],
+        .groups = consts,
+    };
+    adam_run_t run = {.args = &args, .fn = ctx->adam, .n = bk->shard_elems};
+    zd__pool_run(ctx->pool, tasks_for(ctx, bk->shard_elems), adam_task, &run);
+  }
+  m->step = rec.step;
+  zd__scaler_update(&m->scaler, 0);
+  out->applied = 1;
+  out->step = m->step;
+  out->loss_scale = m->scaler.scale;
+  if (gather) {
+    rc = zd__model_gather(ctx, m, buf, -1, err);
+    if (rc) {
+      char cause[ZD__ERR_MSG_MAX];
+      snprintf(cause, sizeof cause, "%s", err->msg);
+      out->duration_us = now_us() - t0;
+      return zd__errf(err, rc, "step %" PRIu64 " was applied, but the gather failed: %s", m->step,
+                      cause);
+    }
+  }
+  out->duration_us = now_us() - t0;
+  return ZD_OK;
+}

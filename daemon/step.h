@@ -1,0 +1,82 @@
+/* Step logic: the model state of a rank and the operations a client drives on it (DESIGN §3).
+ *
+ *   attach   create the model from the client's parameters, or resume the one held (same layout)
+ *   scatter  reduce-scatter the gradients of a bucket into this rank's shard
+ *   step     global gradient statistics (norm, found-inf, agreement of all ranks), loss-scale skip,
+ *            clipping, the fused AdamW/Adam update of the shard writing working parameters into
+ *            the client's buffer, then gather
+ *   gather   all-gather the updated parameters of a bucket into the client's buffer
+ *
+ * Everything runs on the rank's worker thread and is the same for every backend and world size:
+ * communication goes through zd__comm_t. A step is atomic: until every rank has agreed on the
+ * statistics (the commit point), a failure leaves master, moments and step counter unchanged on
+ * every rank.
+ */
+#ifndef ZD_DAEMON_STEP_H
+#define ZD_DAEMON_STEP_H
+
+#include <stdint.h>
+
+#include "adam.h"
+#include "comm.h"
+#include "pool.h"
+#include "rank.h"
+
+typedef struct zd__model {
+  zd__layout_t *layout;
+  zd_group_t *groups; /* current hyperparameters */
+  uint32_t ngroups;
+  zd_dtype_t param_dtype;
+  zd_dtype_t grad_dtype;
+  double max_grad_norm;
+  int grad_mean;
+  zd__scaler_t scaler;
+  uint64_t step; /* steps applied */
+  uint64_t steps_skipped;
+  float *master;
+  float *exp_avg;
+  float *exp_avg_sq;
+  float *grad_shard; /* world size > 1: reduced gradients of the whole shard */
+  size_t array_bytes; /* mapping size of each array above */
+  zd__segment_t **segs; /* per bucket: this rank's segments */
+  uint32_t *nsegs;
+  uint8_t *scattered;          /* per bucket: reduced since the last step */
+  const void **shard_grad;     /* per bucket: where the reduced gradients are */
+  zd_dtype_t *shard_grad_dtype;
+  double *block_sums;          /* scratch for gradient statistics */
+} zd__model_t;
+
+/* What the step logic needs from its rank. */
+typedef struct zd__step_ctx {
+  uint32_t rank;
+  uint32_t world_size;
+  zd__comm_t *comm;
+  zd__pool_t *pool;
+  zd__adam_fn adam;
+  zd__stats_fn stats;
+} zd__step_ctx_t;
+
+/* Checks one group's hyperparameters: all finite, lr >= 0, eps > 0, 0 <= betas < 1,
+ * weight_decay >= 0, optimizer known. `where` prefixes the message ("group 1"). */
+int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err);
+
+/* Register. *model is the rank's model (NULL if none) and is replaced or resumed; takes spec.
+ * On success the client's param buffer holds the model's parameters and *resumed says whether
+ * state was kept. ZD_ELAYOUT when a different model is held and spec->replace is not set. */
+int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
+                     const zd__buffers_t *buf, int *resumed, zd__err_t *err);
+
+void zd__model_free(zd__model_t *model);
+
+/* bucket: index or -1 for all. ZD_EORDER-free: the session checked the index. */
+int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
+                      int32_t bucket, zd__err_t *err);
+int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
+                     int32_t bucket, zd__err_t *err);
+
+/* groups: NULL keeps the model's hyperparameters, else ngroups checked entries (copied). */
+int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
+                   const zd_group_t *groups, int scatter, int gather, zd__step_out_t *out,
+                   zd__err_t *err);
+
+#endif /* ZD_DAEMON_STEP_H */

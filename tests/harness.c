@@ -1,0 +1,232 @@
+/* Test harness (harness.h). */
+#include "harness.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "zerod.pb-c.h"
+#include "zerod/zerod.h"
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+void zdt_dump_log(const zdt_daemon_t *d) {
+  FILE *f = fopen(d->log, "r");
+  if (!f) return;
+  fprintf(stderr, "---- zerod log %s ----\n", d->log);
+  char line[1024];
+  while (fgets(line, sizeof line, f)) fputs(line, stderr);
+  fprintf(stderr, "---- end of log ----\n");
+  fclose(f);
+}
+
+int zdt_log_contains(const zdt_daemon_t *d, const char *s) {
+  FILE *f = fopen(d->log, "r");
+  if (!f) return 0;
+  char line[2048];
+  int found = 0;
+  while (!found && fgets(line, sizeof line, f)) found = strstr(line, s) != NULL;
+  fclose(f);
+  return found;
+}
+
+int zdt_raw_connect(const char *socket_path) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  CHECK(fd >= 0);
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", socket_path);
+  if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+void zdt_start(zdt_daemon_t *d, const char *const *extra) {
+  const char *bin = getenv("ZEROD_BIN");
+  CHECK_MSG(bin && bin[0], "ZEROD_BIN is not set (run the tests with meson test)");
+  snprintf(d->dir, sizeof d->dir, "/tmp/zerod-test-XXXXXX");
+  CHECK(mkdtemp(d->dir) != NULL);
+  snprintf(d->socket, sizeof d->socket, "%s/zerod.sock", d->dir);
+  snprintf(d->log, sizeof d->log, "%s/zerod.log", d->dir);
+  const char *argv[64];
+  int n = 0;
+  argv[n++] = bin;
+  argv[n++] = "--socket";
+  argv[n++] = d->socket;
+  argv[n++] = "--log_level";
+  argv[n++] = "debug";
+  for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];
+  argv[n] = NULL;
+  d->pid = fork();
+  CHECK(d->pid >= 0);
+  if (d->pid == 0) {
+    int fd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd >= 0) {
+      dup2(fd, 2);
+      dup2(fd, 1);
+      close(fd);
+    }
+    execv(bin, (char *const *)argv);
+    fprintf(stderr, "exec %s: %s\n", bin, strerror(errno));
+    _exit(127);
+  }
+  for (int i = 0; i < 1000; i++) { /* 10 s */
+    int fd = zdt_raw_connect(d->socket);
+    if (fd >= 0) {
+      close(fd);
+      return;
+    }
+    int status;
+    if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
+      zdt_dump_log(d);
+      fprintf(stderr, "zerod exited during start-up (status 0x%x)\n", status);
+      exit(1);
+    }
+    sleep_ms(10);
+  }
+  zdt_dump_log(d);
+  fprintf(stderr, "zerod did not accept connections on %s within 10 s\n", d->socket);
+  kill(d->pid, SIGKILL);
+  exit(1);
+}
+
+int zdt_stop(zdt_daemon_t *d, int sig, int keep) {
+  int status = -1;
+  if (d->pid > 0) {
+    kill(d->pid, sig);
+    for (int i = 0; i < 2000; i++) { /* 20 s */
+      if (waitpid(d->pid, &status, WNOHANG) == d->pid) break;
+      if (i == 1999) {
+        zdt_dump_log(d);
+        fprintf(stderr, "zerod did not exit within 20 s of signal %d\n", sig);
+        kill(d->pid, SIGKILL);
+        waitpid(d->pid, &status, 0);
+        exit(1);
+      }
+      sleep_ms(10);
+    }
+    d->pid = 0;
+  }
+  if (!keep) {
+    unlink(d->log);
+    unlink(d->socket);
+    rmdir(d->dir);
+  }
+  return status;
+}
+
+void zdt_raw_send(int fd, const zd__frame_header_t *h, const void *body, const int *fds,
+                  int nfds) {
+  uint8_t *buf = malloc(ZD__FRAME_HEADER_SIZE + h->length);
+  CHECK(buf);
+  zd__frame_encode(h, buf);
+  if (h->length) memcpy(buf + ZD__FRAME_HEADER_SIZE, body, h->length);
+  struct iovec iov = {.iov_base = buf, .iov_len = ZD__FRAME_HEADER_SIZE + h->length};
+  union {
+    char b[CMSG_SPACE(8 * sizeof(int))];
+    struct cmsghdr align;
+  } ctrl;
+  struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+  if (nfds > 0) {
+    msg.msg_control = ctrl.b;
+    msg.msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int));
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
+    memcpy(CMSG_DATA(cm), fds, (size_t)nfds * sizeof(int));
+  }
+  ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+  CHECK_INT_EQ(n, (long long)iov.iov_len);
+  free(buf);
+}
+
+void zdt_raw_request(int fd, uint16_t type, uint64_t id, const void *body, uint32_t len) {
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
+                          .version = ZD_PROTOCOL_VERSION,
+                          .type = type,
+                          .length = len,
+                          .request_id = id};
+  zdt_raw_send(fd, &h, body, NULL, 0);
+}
+
+static int read_full(int fd, uint8_t *buf, size_t len, int timeout_ms) {
+  size_t off = 0;
+  while (off < len) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, timeout_ms) <= 0) return -1;
+    ssize_t n = recv(fd, buf + off, len - off, 0);
+    if (n <= 0) return -1;
+    off += (size_t)n;
+  }
+  return 0;
+}
+
+int zdt_raw_recv(int fd, zd__frame_header_t *h, uint8_t **body, int timeout_ms) {
+  uint8_t hdr[ZD__FRAME_HEADER_SIZE];
+  *body = NULL;
+  if (read_full(fd, hdr, sizeof hdr, timeout_ms) != 0) return -1;
+  CHECK_INT_EQ(zd__frame_decode(hdr, h), ZD_OK);
+  CHECK_INT_LE(h->length, ZD__FRAME_MAX_BODY);
+  *body = malloc(h->length ? h->length : 1);
+  CHECK(*body);
+  if (read_full(fd, *body, h->length, timeout_ms) != 0) return -1;
+  return 0;
+}
+
+const char *zdt_expect_error(int fd, uint64_t id, int code, const char *substr) {
+  static char msg[1024];
+  zd__frame_header_t h;
+  uint8_t *body;
+  CHECK_MSG(zdt_raw_recv(fd, &h, &body, 5000) == 0, "no reply (expected error %s containing '%s')",
+            zd_err_name(code), substr);
+  CHECK_MSG(h.type == ZD__MSG_ERROR, "expected an error reply, got %s (0x%x)", zd__msg_name(h.type),
+            h.type);
+  CHECK_U64_EQ(h.request_id, id);
+  Zerod__V1__Error *e = zerod__v1__error__unpack(NULL, h.length, body);
+  CHECK(e);
+  snprintf(msg, sizeof msg, "%s", e->message);
+  CHECK_MSG(e->code == code, "expected %s, got %s: %s", zd_err_name(code), zd_err_name(e->code),
+            e->message);
+  CHECK_CONTAINS(msg, substr);
+  zerod__v1__error__free_unpacked(e, NULL);
+  free(body);
+  return msg;
+}
+
+int zdt_raw_closed(int fd, int timeout_ms) {
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  if (poll(&p, 1, timeout_ms) <= 0) return 0;
+  char c;
+  return recv(fd, &c, 1, MSG_DONTWAIT) == 0;
+}
+
+void zdt_raw_hello(int fd, uint64_t id) {
+  Zerod__V1__HelloRequest req = ZEROD__V1__HELLO_REQUEST__INIT;
+  req.min_version = req.max_version = ZD_PROTOCOL_VERSION;
+  req.has_local_rank = 1;
+  req.local_rank = 0; /* a rank is taken only at register: hello works while a client holds it */
+  uint8_t buf[256];
+  size_t len = zerod__v1__hello_request__pack(&req, buf);
+  zdt_raw_request(fd, ZD__MSG_HELLO, id, buf, (uint32_t)len);
+  zd__frame_header_t h;
+  uint8_t *body;
+  CHECK(zdt_raw_recv(fd, &h, &body, 5000) == 0);
+  CHECK_MSG(h.type == (ZD__MSG_HELLO | ZD__FRAME_REPLY), "hello got %s", zd__msg_name(h.type));
+  CHECK_U64_EQ(h.request_id, id);
+  free(body);
+}

@@ -1,0 +1,48 @@
+/* Test harness: a real zerod process on a temporary socket (redis start_server, memcached
+ * new_memcached), and a raw frame client for tests that must send what libzerod never would.
+ * The zerod binary comes from $ZEROD_BIN (set by meson test). */
+#ifndef ZD_TESTS_HARNESS_H
+#define ZD_TESTS_HARNESS_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "frame.h"
+
+typedef struct zdt_daemon {
+  pid_t pid;
+  char dir[64];     /* temporary directory, removed by zdt_stop */
+  char socket[108]; /* dir/zerod.sock */
+  char log[160];    /* dir/zerod.log: the daemon's stderr */
+} zdt_daemon_t;
+
+/* Starts zerod with --socket and --log_level debug plus extra (NULL-terminated, may be NULL) and
+ * waits until the socket accepts connections. Exits the test on failure, printing the log. */
+void zdt_start(zdt_daemon_t *d, const char *const *extra);
+
+/* Sends sig (SIGTERM normally), waits up to 20 s and returns the exit status as
+ * waitpid reports it. Removes the directory unless keep. */
+int zdt_stop(zdt_daemon_t *d, int sig, int keep);
+
+/* Prints the daemon's log to stderr (for failures). */
+void zdt_dump_log(const zdt_daemon_t *d);
+
+/* Whether the log contains s. */
+int zdt_log_contains(const zdt_daemon_t *d, const char *s);
+
+/* Raw frames. */
+int zdt_raw_connect(const char *socket_path);
+void zdt_raw_send(int fd, const zd__frame_header_t *h, const void *body, const int *fds, int nfds);
+/* Sends a frame with the right magic and version. */
+void zdt_raw_request(int fd, uint16_t type, uint64_t id, const void *body, uint32_t len);
+/* Reads one frame (body allocated, may be NULL for empty); returns 0, or -1 on EOF/timeout. */
+int zdt_raw_recv(int fd, zd__frame_header_t *h, uint8_t **body, int timeout_ms);
+/* Reads one frame and checks that it is an error for id with code and a message containing
+ * substr; returns the message (static buffer). */
+const char *zdt_expect_error(int fd, uint64_t id, int code, const char *substr);
+/* Whether the peer closed the connection within timeout_ms. */
+int zdt_raw_closed(int fd, int timeout_ms);
+/* Says hello (protocol version 1, local rank 0) and checks the reply. */
+void zdt_raw_hello(int fd, uint64_t id);
+
+#endif /* ZD_TESTS_HARNESS_H */

@@ -1,0 +1,370 @@
+/* Bad input against a real zerod: every case must get its own error reply naming the problem and
+ * the expected value, and zerod must keep serving a well-behaved client that trains alongside
+ * (it steps after every case). Frames are built by hand here, since libzerod never sends them. */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "harness.h"
+#include "layout.h"
+#include "mlp.h"
+#include "zerod.pb-c.h"
+#include "zerod/zerod.h"
+
+static zdt_daemon_t daemon_;
+static zd_client_t *bystander;
+static uint64_t bystander_steps;
+
+/* The well-behaved client: one more step must still work. */
+static void bystander_step(const char *after) {
+  zd_step_result_t r;
+  int rc = zd_step(bystander, NULL, &r);
+  CHECK_MSG(rc == ZD_OK, "bystander step after '%s' failed: %s", after, zd_last_error());
+  CHECK_U64_EQ(r.step, ++bystander_steps);
+  printf("  ok: %s\n", after);
+}
+
+static int connect_hello(void) {
+  int fd = zdt_raw_connect(daemon_.socket);
+  CHECK(fd >= 0);
+  zdt_raw_hello(fd, 1);
+  return fd;
+}
+
+static int make_memfd(size_t bytes, int seal) {
+  int fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  CHECK(fd >= 0);
+  CHECK(ftruncate(fd, (off_t)bytes) == 0);
+  if (seal) CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+  return fd;
+}
+
+/* A register request for the MLP; tweak() may break it before it is packed. */
+typedef struct reg {
+  Zerod__V1__RegisterRequest req;
+  Zerod__V1__Param params[MLP_NPARAMS];
+  Zerod__V1__Param *pp[MLP_NPARAMS];
+  Zerod__V1__Group groups[2];
+  Zerod__V1__Group *gp[2];
+  uint64_t total_elems;
+} reg_t;
+
+static void reg_init(reg_t *r, uint32_t world_size) {
+  zerod__v1__register_request__init(&r->req);
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zerod__v1__param__init(&r->params[i]);
+    r->params[i].name = (char *)mlp_params[i].name;
+    r->params[i].n_shape = mlp_params[i].ndim;
+    r->params[i].shape = (uint64_t *)mlp_params[i].shape;
+    r->params[i].group = mlp_params[i].group;
+    r->pp[i] = &r->params[i];
+  }
+  for (int g = 0; g < 2; g++) {
+    zerod__v1__group__init(&r->groups[g]);
+    r->groups[g].lr = 1e-3;
+    r->groups[g].beta1 = 0.9;
+    r->groups[g].beta2 = 0.999;
+    r->groups[g].eps = 1e-8;
+    r->groups[g].weight_decay = 0.01;
+    r->gp[g] = &r->groups[g];
+  }
+  r->req.n_params = MLP_NPARAMS;
+  r->req.params = r->pp;
+  r->req.n_groups = 2;
+  r->req.groups = r->gp;
+  r->req.param_dtype = ZEROD__V1__DTYPE__F32;
+  r->req.grad_dtype = ZEROD__V1__DTYPE__F32;
+  zd__layout_t *l;
+  CHECK_INT_EQ(zd__layout_build(mlp_params, MLP_NPARAMS, 2, world_size, 0, &l, NULL), ZD_OK);
+  r->req.layout_hash = l->hash;
+  r->total_elems = l->total_elems;
+  zd__layout_free(l);
+}
+
+/* Sends a register with two buffers of the given sizes on a fresh session; returns the fd. */
+static int send_register(reg_t *r, size_t param_bytes, size_t grad_bytes, int seal) {
+  int fd = connect_hello();
+  uint8_t *buf = malloc(zerod__v1__register_request__get_packed_size(&r->req));
+  size_t len = zerod__v1__register_request__pack(&r->req, buf);
+  int fds[2] = {make_memfd(param_bytes, seal), make_memfd(grad_bytes, seal)};
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
+                          .version = ZD_PROTOCOL_VERSION,
+                          .type = ZD__MSG_REGISTER,
+                          .length = (uint32_t)len,
+                          .request_id = 7};
+  zdt_raw_send(fd, &h, buf, fds, 2);
+  close(fds[0]);
+  close(fds[1]);
+  free(buf);
+  return fd;
+}
+
+static void expect_register_error(reg_t *r, int code, const char *substr, const char *what) {
+  size_t bytes = r->total_elems * 4;
+  int fd = send_register(r, bytes, bytes, 1);
+  const char *msg = zdt_expect_error(fd, 7, code, substr);
+  printf("  %s -> %s: %s\n", what, zd_err_name(code), msg);
+  close(fd);
+  bystander_step(what);
+}
+
+static void test_version(void) {
+  int fd = zdt_raw_connect(daemon_.socket);
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC, .version = 9, .type = ZD__MSG_HELLO,
+                          .request_id = 3};
+  zdt_raw_send(fd, &h, NULL, NULL, 0);
+  printf("  frame version 9 -> %s\n",
+         zdt_expect_error(fd, 3, ZD_EVERSION, "protocol version 9; this zerod speaks version 1"));
+  /* the header layout is fixed, so the session goes on: a correct hello still works */
+  Zerod__V1__HelloRequest req = ZEROD__V1__HELLO_REQUEST__INIT;
+  req.min_version = 2;
+  req.max_version = 3;
+  uint8_t buf[64];
+  size_t len = zerod__v1__hello_request__pack(&req, buf);
+  zdt_raw_request(fd, ZD__MSG_HELLO, 4, buf, (uint32_t)len);
+  printf("  hello versions 2..3 -> %s\n",
+         zdt_expect_error(fd, 4, ZD_EVERSION, "client speaks protocol versions 2..3; this zerod "
+                          "speaks 1"));
+  zdt_raw_hello(fd, 5);
+  close(fd);
+  bystander_step("wrong protocol version");
+}
+
+static void test_truncated(void) {
+  int fd = zdt_raw_connect(daemon_.socket);
+  uint8_t buf[ZD__FRAME_HEADER_SIZE + 10] = {0};
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC, .version = 1, .type = ZD__MSG_HELLO,
+                          .length = 100, .request_id = 11};
+  zd__frame_encode(&h, buf);
+  CHECK_INT_EQ(send(fd, buf, sizeof buf, MSG_NOSIGNAL), (long long)sizeof buf);
+  printf("  truncated frame -> %s\n",
+         zdt_expect_error(fd, 11, ZD_EPROTO, "truncated frame: received 34 of 124 bytes within "
+                          "500 ms"));
+  CHECK(zdt_raw_closed(fd, 2000));
+  close(fd);
+  bystander_step("truncated frame");
+}
+
+static void test_oversized(void) {
+  int fd = zdt_raw_connect(daemon_.socket);
+  uint8_t buf[ZD__FRAME_HEADER_SIZE];
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC, .version = 1, .type = ZD__MSG_REGISTER,
+                          .length = 10u << 20, .request_id = 12};
+  zd__frame_encode(&h, buf);
+  CHECK_INT_EQ(send(fd, buf, sizeof buf, MSG_NOSIGNAL), (long long)sizeof buf);
+  printf("  oversized frame -> %s\n",
+         zdt_expect_error(fd, 12, ZD_ETOOBIG, "frame body is 10485760 bytes; max_frame_bytes is "
+                          "65536"));
+  CHECK(zdt_raw_closed(fd, 2000));
+  close(fd);
+  /* a body within max_frame_bytes but over the command's own limit: refused, session lives */
+  fd = connect_hello();
+  uint8_t *big = calloc(1, 5000);
+  zdt_raw_request(fd, ZD__MSG_STATUS, 13, big, 5000);
+  printf("  status body of 5000 bytes -> %s\n",
+         zdt_expect_error(fd, 13, ZD_ETOOBIG, "status body is 5000 bytes; at most 64 expected"));
+  free(big);
+  /* the session is still framed and answers: a second hello is its own error */
+  Zerod__V1__HelloRequest hello = ZEROD__V1__HELLO_REQUEST__INIT;
+  hello.min_version = hello.max_version = ZD_PROTOCOL_VERSION;
+  uint8_t hb[64];
+  zdt_raw_request(fd, ZD__MSG_HELLO, 14, hb, (uint32_t)zerod__v1__hello_request__pack(&hello, hb));
+  zdt_expect_error(fd, 14, ZD_EORDER, "hello sent twice");
+  close(fd);
+  bystander_step("oversized frame");
+}
+
+static void test_garbage(void) {
+  int fd = zdt_raw_connect(daemon_.socket);
+  const char junk[] = "GET / HTTP/1.1\r\nHost: zerod\r\n\r\n";
+  CHECK_INT_EQ(send(fd, junk, sizeof junk - 1, MSG_NOSIGNAL), (long long)sizeof junk - 1);
+  printf("  garbage -> %s\n", zdt_expect_error(fd, 0, ZD_EPROTO, "garbage frame: magic is "
+                                               "0x20544547, expected 0x3144525a"));
+  CHECK(zdt_raw_closed(fd, 2000));
+  close(fd);
+  /* a well-framed hello whose body is not protobuf */
+  fd = zdt_raw_connect(daemon_.socket);
+  uint8_t body[16];
+  memset(body, 0xff, sizeof body);
+  zdt_raw_request(fd, ZD__MSG_HELLO, 21, body, sizeof body);
+  printf("  garbage body -> %s\n", zdt_expect_error(fd, 21, ZD_EPROTO, "malformed hello body"));
+  zdt_raw_hello(fd, 22);
+  close(fd);
+  bystander_step("garbage frame");
+}
+
+static void test_unknown_type(void) {
+  int fd = connect_hello();
+  zdt_raw_request(fd, 99, 31, NULL, 0);
+  printf("  type 99 -> %s\n", zdt_expect_error(fd, 31, ZD_ETYPE, "unknown message type 99; "
+                                               "expected one of hello (1)"));
+  zdt_raw_request(fd, ZD__MSG_STATUS, 32, NULL, 0); /* the session goes on */
+  zd__frame_header_t h;
+  uint8_t *b;
+  CHECK(zdt_raw_recv(fd, &h, &b, 5000) == 0);
+  CHECK_INT_EQ(h.type, ZD__MSG_STATUS | ZD__FRAME_REPLY);
+  free(b);
+  close(fd);
+  bystander_step("unknown message type");
+}
+
+static void test_order(void) {
+  int fd = zdt_raw_connect(daemon_.socket);
+  zdt_raw_request(fd, ZD__MSG_SCATTER, 41, NULL, 0);
+  printf("  scatter before hello -> %s\n",
+         zdt_expect_error(fd, 41, ZD_EORDER, "scatter before hello"));
+  zdt_raw_hello(fd, 42);
+  zdt_raw_request(fd, ZD__MSG_STEP, 43, NULL, 0);
+  printf("  step before register -> %s\n",
+         zdt_expect_error(fd, 43, ZD_EORDER, "step before register: register a model first"));
+  close(fd);
+  bystander_step("step before register");
+}
+
+static void test_buffers(void) {
+  reg_t r;
+  reg_init(&r, 1);
+  size_t need = r.total_elems * 4;
+  int fd = send_register(&r, need - 4, need, 1);
+  char want[128];
+  snprintf(want, sizeof want, "param buffer is %zu bytes, layout needs %zu", need - 4, need);
+  printf("  small buffer -> %s\n", zdt_expect_error(fd, 7, ZD_EBUFFER, want));
+  close(fd);
+  fd = send_register(&r, need, need / 2, 1);
+  snprintf(want, sizeof want, "grad buffer is %zu bytes, layout needs %zu", need / 2, need);
+  printf("  small grad buffer -> %s\n", zdt_expect_error(fd, 7, ZD_EBUFFER, want));
+  close(fd);
+  fd = send_register(&r, need, need, 0);
+  printf("  unsealed buffer -> %s\n",
+         zdt_expect_error(fd, 7, ZD_EBUFFER, "not sealed against shrinking"));
+  close(fd);
+  /* no descriptors at all */
+  fd = connect_hello();
+  uint8_t *buf = malloc(zerod__v1__register_request__get_packed_size(&r.req));
+  size_t len = zerod__v1__register_request__pack(&r.req, buf);
+  zdt_raw_request(fd, ZD__MSG_REGISTER, 8, buf, (uint32_t)len);
+  free(buf);
+  printf("  no descriptors -> %s\n",
+         zdt_expect_error(fd, 8, ZD_EBUFFER, "register needs 2 file descriptors"));
+  close(fd);
+  bystander_step("buffer smaller than the layout");
+}
+
+static void test_register_fields(void) {
+  reg_t r;
+  reg_init(&r, 1);
+  r.req.param_dtype = ZEROD__V1__DTYPE__F16;
+  expect_register_error(&r, ZD_EDTYPE, "param dtype 3 (f16) not supported; expected f32 or bf16",
+                        "f16 params");
+  reg_init(&r, 1);
+  r.req.grad_dtype = (Zerod__V1__DType)9;
+  expect_register_error(&r, ZD_EDTYPE, "grad dtype 9 not supported; expected f32, bf16 or f16",
+                        "unknown grad dtype");
+  reg_init(&r, 1);
+  r.params[2].group = 5;
+  expect_register_error(&r, ZD_EGROUP, "parameter 2 'fc2.weight' is in group 5; expected a group "
+                        "below 2", "unknown parameter group");
+  reg_init(&r, 1);
+  r.groups[1].lr = NAN;
+  expect_register_error(&r, ZD_EHPARAM, "group 1: lr is nan; expected a finite value >= 0",
+                        "lr NaN");
+  reg_init(&r, 1);
+  r.groups[0].lr = -1e-3;
+  expect_register_error(&r, ZD_EHPARAM, "group 0: lr is -0.001; expected a finite value >= 0",
+                        "lr negative");
+  reg_init(&r, 1);
+  r.groups[0].eps = INFINITY;
+  expect_register_error(&r, ZD_EHPARAM, "group 0: eps is inf; expected a finite value > 0",
+                        "eps infinite");
+  reg_init(&r, 1);
+  r.groups[0].eps = -1e-8;
+  expect_register_error(&r, ZD_EHPARAM, "group 0: eps is -1e-08; expected a finite value > 0",
+                        "eps negative");
+  reg_init(&r, 1);
+  r.groups[0].beta1 = 1.0;
+  expect_register_error(&r, ZD_EHPARAM, "group 0: beta1 is 1; expected a value in [0, 1)",
+                        "beta1 = 1");
+  reg_init(&r, 1);
+  r.groups[1].beta2 = -0.5;
+  expect_register_error(&r, ZD_EHPARAM, "group 1: beta2 is -0.5; expected a value in [0, 1)",
+                        "beta2 negative");
+  reg_init(&r, 1);
+  r.req.layout_hash ^= 1;
+  expect_register_error(&r, ZD_ELAYOUT, "client and daemon disagree on the layout",
+                        "layout hash mismatch");
+}
+
+static void test_step_fields(void) {
+  /* hyperparameters sent with a step are checked too, on the bystander's own session */
+  zd_group_t groups[2] = {zd_group_default(), zd_group_default()};
+  groups[1].lr = -INFINITY;
+  zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
+  int rc = zd_step(bystander, &opts, NULL);
+  CHECK_INT_EQ(rc, ZD_EHPARAM);
+  CHECK_CONTAINS(zd_last_error(), "group 1: lr is -inf; expected a finite value >= 0");
+  printf("  step with lr -inf -> %s: %s\n", zd_err_name(rc), zd_last_error());
+  opts.ngroups = 1;
+  rc = zd_step(bystander, &opts, NULL);
+  CHECK_INT_EQ(rc, ZD_EGROUP);
+  CHECK_CONTAINS(zd_last_error(), "step carries 1 groups; the model has 2");
+  rc = zd_scatter(bystander, 99);
+  CHECK_INT_EQ(rc, -EINVAL);
+  CHECK_CONTAINS(zd_last_error(), "bucket 99 does not exist; expected -1 (all) or 0..0");
+  bystander_step("bad step hyperparameters");
+}
+
+static void test_denied(void) {
+  zdt_daemon_t d;
+  const char *args[] = {"--allowed_uids", "4242", "--allowed_gids", "4243", NULL};
+  zdt_start(&d, args);
+  zd_client_t *c;
+  int rc = zd_connect(d.socket, ZD_ANY_RANK, 5000, &c);
+  CHECK_INT_EQ(rc, ZD_EDENIED);
+  char want[128];
+  snprintf(want, sizeof want, "uid %d gid %d", (int)geteuid(), (int)getegid());
+  CHECK_CONTAINS(zd_last_error(), want);
+  CHECK_CONTAINS(zd_last_error(), "is not allowed to use zerod; allowed uids: 4242; allowed gids: "
+                 "4243");
+  printf("  uid not allowed -> %s: %s\n", zd_err_name(rc), zd_last_error());
+  CHECK(zdt_log_contains(&d, "is not allowed to use zerod"));
+  int st = zdt_stop(&d, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
+}
+
+int main(void) {
+  const char *args[] = {"--max_frame_bytes", "65536", "--frame_timeout_ms", "500", NULL};
+  zdt_start(&daemon_, args);
+  int rc = zd_connect(daemon_.socket, ZD_ANY_RANK, 0, &bystander);
+  CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
+  zd_group_t groups[2] = {zd_group_default(), zd_group_default()};
+  zd_model_desc_t desc = {.params = mlp_params, .nparams = MLP_NPARAMS, .groups = groups,
+                          .ngroups = 2, .param_dtype = ZD_F32, .grad_dtype = ZD_F32};
+  CHECK_INT_EQ(zd_layout(bystander, &desc), ZD_OK);
+  CHECK_INT_EQ(zd_register(bystander), ZD_OK);
+
+  test_version();
+  test_truncated();
+  test_oversized();
+  test_garbage();
+  test_unknown_type();
+  test_order();
+  test_buffers();
+  test_register_fields();
+  test_step_fields();
+  test_denied();
+
+  zd_close(bystander);
+  int st = zdt_stop(&daemon_, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
+  printf("test_bad_input: ok\n");
+  return 0;
+}

@@ -1,0 +1,230 @@
+/* Trains the example MLP through a real zerod for 120 steps and, in this process, with the scalar
+ * reference kernel; after every step every working parameter must be bitwise equal. Covers fp32
+ * and bf16 working params, fp32/bf16/fp16 gradients, AdamW and Adam groups, an lr schedule, a
+ * small bucket size (several buckets), and a client that disconnects halfway and reattaches: the
+ * daemon must resume at the same step with the same master weights and moments. */
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "adam.h"
+#include "check.h"
+#include "harness.h"
+#include "mlp.h"
+#include "zerod/zerod.h"
+
+#define STEPS 120
+#define REATTACH_AT 60
+
+typedef struct reference {
+  float master[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
+  float m[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
+  float v[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
+} reference_t;
+
+static float load(const void *buf, zd_dtype_t dt, uint64_t i) {
+  if (dt == ZD_F32) return ((const float *)buf)[i];
+  if (dt == ZD_BF16) return zd__bf16_to_f32(((const uint16_t *)buf)[i]);
+  return zd__f16_to_f32(((const uint16_t *)buf)[i]);
+}
+
+/* f32 -> f16, round to nearest even; enough for the gradients of this model (normal range). */
+static uint16_t f32_to_f16(float f) {
+  union {
+    float f;
+    uint32_t u;
+  } x = {.f = f};
+  uint32_t sign = (x.u >> 16) & 0x8000u;
+  float a = fabsf(f);
+  if (a < 6.103515625e-05f) { /* subnormal half: quantise to 2^-24 steps, round to even */
+    return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f));
+  }
+  uint32_t u = x.u & 0x7fffffffu;
+  uint32_t r = u + 0xfffu + ((u >> 13) & 1u); /* round mantissa to 10 bits */
+  uint32_t e = (r >> 23) - 127 + 15;
+  if (e >= 31) return (uint16_t)(sign | 0x7c00u);
+  return (uint16_t)(sign | (e << 10) | ((r >> 13) & 0x3ffu));
+}
+
+static void store(void *buf, zd_dtype_t dt, uint64_t i, float v) {
+  if (dt == ZD_F32)
+    ((float *)buf)[i] = v;
+  else if (dt == ZD_BF16)
+    ((uint16_t *)buf)[i] = zd__f32_to_bf16(v);
+  else
+    ((uint16_t *)buf)[i] = f32_to_f16(v);
+}
+
+static zd_group_t groups_at(int step, zd_group_t out[2]) {
+  /* group 0: AdamW with a cosine lr schedule; group 1: Adam (L2) with constant lr */
+  out[0] = (zd_group_t){.lr = 3e-3 * (0.55 + 0.45 * cos(3.14159265358979 * step / STEPS)),
+                        .beta1 = 0.9,
+                        .beta2 = 0.999,
+                        .eps = 1e-8,
+                        .weight_decay = 0.01,
+                        .optimizer = ZD_ADAMW};
+  out[1] = (zd_group_t){.lr = 1e-3, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6,
+                        .weight_decay = 0.1, .optimizer = ZD_ADAM};
+  return out[0];
+}
+
+static zd_client_t *attach(const zdt_daemon_t *d, zd_dtype_t pdt, zd_dtype_t gdt, int step,
+                           int expect_resumed) {
+  zd_client_t *c;
+  int rc = zd_connect(d->socket, ZD_ANY_RANK, 0, &c);
+  CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
+  zd_group_t groups[2];
+  groups_at(step, groups);
+  zd_model_desc_t desc = {.params = mlp_params,
+                          .nparams = MLP_NPARAMS,
+                          .groups = groups,
+                          .ngroups = 2,
+                          .param_dtype = pdt,
+                          .grad_dtype = gdt,
+                          .grad_mean = 1};
+  rc = zd_layout(c, &desc);
+  CHECK_MSG(rc == ZD_OK, "layout: %s", zd_last_error());
+  if (!expect_resumed) {
+    float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
+    float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};
+    mlp_init(p, 42);
+    void *buf = zd_param_buffer(c, NULL);
+    for (int i = 0; i < MLP_NPARAMS; i++) {
+      zd_param_info_t info;
+      CHECK_INT_EQ(zd_param_info(c, (size_t)i, &info), ZD_OK);
+      for (uint64_t k = 0; k < info.numel; k++) store(buf, pdt, info.offset + k, init[i][k]);
+    }
+  }
+  rc = zd_register(c);
+  CHECK_MSG(rc == ZD_OK, "register: %s", zd_last_error());
+  zd_info_t info;
+  zd_get_info(c, &info);
+  CHECK_INT_EQ(info.resumed, expect_resumed);
+  CHECK_U64_EQ(info.step, (uint64_t)step);
+  CHECK_MSG(info.nbuckets >= 2, "bucket_elems 256 should give several buckets, got %u",
+            info.nbuckets);
+  return c;
+}
+
+/* Checks zerod's working params against the reference's master rounded to the working dtype. */
+static void compare(zd_client_t *c, const reference_t *ref, zd_dtype_t pdt, int step) {
+  const void *buf = zd_param_buffer(c, NULL);
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    zd_param_info(c, (size_t)i, &info);
+    for (uint64_t k = 0; k < info.numel; k++) {
+      float want = ref->master[i][k];
+      if (pdt == ZD_BF16) want = zd__bf16_to_f32(zd__f32_to_bf16(want));
+      float got = load(buf, pdt, info.offset + k);
+      uint32_t gb, wb;
+      memcpy(&gb, &got, 4);
+      memcpy(&wb, &want, 4);
+      CHECK_MSG(gb == wb,
+                "step %d: %s[%llu] is %.9g (0x%08x) through zerod, %.9g (0x%08x) in the reference",
+                step, info.name, (unsigned long long)k, got, gb, want, wb);
+    }
+  }
+}
+
+static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
+  printf("training %s params, %s grads\n", zd_dtype_name(pdt), zd_dtype_name(gdt));
+  zdt_daemon_t d;
+  const char *args[] = {"--bucket_elems", "256", NULL};
+  zdt_start(&d, args);
+  zd_client_t *c = attach(&d, pdt, gdt, 0, 0);
+
+  static reference_t ref;
+  memset(&ref, 0, sizeof ref);
+  { /* the reference starts from what zerod took: the initial values in the working dtype */
+    const void *buf = zd_param_buffer(c, NULL);
+    for (int i = 0; i < MLP_NPARAMS; i++) {
+      zd_param_info_t info;
+      zd_param_info(c, (size_t)i, &info);
+      for (uint64_t k = 0; k < info.numel; k++)
+        ref.master[i][k] = load(buf, pdt, info.offset + k);
+    }
+  }
+  float first_loss = 0, loss = 0;
+  for (int step = 0; step < STEPS; step++) {
+    if (step == REATTACH_AT) {
+      zd_close(c);
+      c = attach(&d, pdt, gdt, step, 1);
+      compare(c, &ref, pdt, step);
+    }
+    float work[MLP_NPARAMS][MLP_HIDDEN * MLP_IN], grad[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
+    float *p[MLP_NPARAMS], *g[MLP_NPARAMS];
+    const void *pbuf = zd_param_buffer(c, NULL);
+    void *gbuf = zd_grad_buffer(c, NULL);
+    for (int i = 0; i < MLP_NPARAMS; i++) {
+      zd_param_info_t info;
+      zd_param_info(c, (size_t)i, &info);
+      p[i] = work[i];
+      g[i] = grad[i];
+      for (uint64_t k = 0; k < info.numel; k++) work[i][k] = load(pbuf, pdt, info.offset + k);
+    }
+    loss = mlp_loss_grad((const float *const *)p, g, (uint64_t)step, 0);
+    if (step == 0) first_loss = loss;
+    for (int i = 0; i < MLP_NPARAMS; i++) {
+      zd_param_info_t info;
+      zd_param_info(c, (size_t)i, &info);
+      for (uint64_t k = 0; k < info.numel; k++) store(gbuf, gdt, info.offset + k, grad[i][k]);
+    }
+
+    zd_group_t groups[2];
+    groups_at(step, groups);
+    zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
+    zd_step_result_t res;
+    int rc = zd_step(c, &opts, &res);
+    CHECK_MSG(rc == ZD_OK, "step %d: %s", step, zd_last_error());
+    CHECK_U64_EQ(res.step, (uint64_t)step + 1);
+    CHECK_INT_EQ(res.applied, 1);
+
+    /* The same step with the reference kernel, on the gradient exactly as zerod read it. */
+    for (int i = 0; i < MLP_NPARAMS; i++) {
+      zd_param_info_t info;
+      zd_param_info(c, (size_t)i, &info);
+      float gq[MLP_HIDDEN * MLP_IN];
+      for (uint64_t k = 0; k < info.numel; k++) gq[k] = load(gbuf, gdt, info.offset + k);
+      zd__adam_group_t consts;
+      zd__adam_group_init(&consts, &groups[info.group], (uint64_t)step + 1);
+      zd__segment_t seg = {.offset = 0, .length = info.numel, .group = 0};
+      zd__adam_args_t a = {.master = ref.master[i],
+                           .exp_avg = ref.m[i],
+                           .exp_avg_sq = ref.v[i],
+                           .grad = gq,
+                           .grad_dtype = ZD_F32,
+                           .param = NULL,
+                           .param_dtype = ZD_F32,
+                           .grad_scale = 1.0f,
+                           .segs = &seg,
+                           .nsegs = 1,
+                           .groups = &consts};
+      zd__adam_step_ref(&a, 0, info.numel);
+    }
+    compare(c, &ref, pdt, step + 1);
+  }
+  printf("  loss %.6f -> %.6f after %d steps, every parameter bitwise equal to the reference\n",
+         first_loss, loss, STEPS);
+  CHECK_MSG(loss < first_loss * 0.5f, "loss did not fall: %g -> %g", first_loss, loss);
+
+  char *status;
+  CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
+  CHECK_CONTAINS(status, "step:120\n");
+  CHECK_CONTAINS(status, "model:registered\n");
+  free(status);
+  zd_close(c);
+  int st = zdt_stop(&d, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+}
+
+int main(void) {
+  run(ZD_F32, ZD_F32);
+  run(ZD_BF16, ZD_BF16);
+  run(ZD_BF16, ZD_F32);
+  run(ZD_F32, ZD_F16);
+  printf("test_train: ok\n");
+  return 0;
+}
