@@ -1,1 +1,195 @@
-/* placeholder */
+/* The scalar reference of the optimizer kernels (adam.h), the host-side derivation of a group's
+ * per-step constants, the exact f16 conversion, and the run-time choice of a wide path.
+ *
+ * The reference is the specification the AVX2 and AVX-512 paths are tested against bit for bit,
+ * so it is written for reading, not speed: one element at a time, each operation of the formula
+ * in adam.h on its own line, fmaf() exactly where the formula fuses. This file is built without
+ * ISA flags (fmaf is libm's, correctly rounded on any x86-64) and with -ffp-contract=off, so the
+ * compiler adds no fusion of its own.
+ */
+#include "adam.h"
+
+#include <math.h>
+#include <string.h>
+
+void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step) {
+  /* torch computes these from Python floats (doubles) and hands the result to an fp32 kernel as a
+   * scalar, so each is derived in double and rounded to float once. */
+  double t = (double)step;
+  c->optimizer = hp->optimizer;
+  c->has_weight_decay = hp->weight_decay != 0;
+  c->decay = (float)(1 - hp->lr * hp->weight_decay);
+  c->weight_decay = (float)hp->weight_decay;
+  c->beta1 = (float)hp->beta1;
+  c->one_minus_beta1 = (float)(1 - hp->beta1);
+  c->beta2 = (float)hp->beta2;
+  c->one_minus_beta2 = (float)(1 - hp->beta2);
+  c->bias_correction2_sqrt = (float)sqrt(1 - pow(hp->beta2, t));
+  c->neg_step_size = (float)(-(hp->lr / (1 - pow(hp->beta1, t))));
+  c->eps = (float)hp->eps;
+}
+
+float zd__f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    /* Inf keeps its sign; NaN keeps sign and payload and comes out quiet, as vcvtph2ps does. */
+    bits = sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13); /* rebias 15 -> 127 */
+  } else if (mant == 0) {
+    bits = sign;
+  } else {
+    /* Subnormal: mant * 2^-24 is a normal float. Shift the leading one up to the implicit bit,
+     * lowering the exponent as we go (an f16 subnormal has the exponent of exp field 1). */
+    int e = 1;
+    while (!(mant & 0x400u)) {
+      mant <<= 1;
+      e--;
+    }
+    bits = sign | ((uint32_t)(e + 112) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint32_t zd__segs_find(const zd__segment_t *segs, uint32_t nsegs, uint64_t begin) {
+  uint32_t lo = 0, hi = nsegs;
+  while (lo < hi) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    if (segs[mid].offset + segs[mid].length <= begin)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+static float grad_at(const void *grad, zd_dtype_t dtype, uint64_t i) {
+  switch (dtype) {
+    case ZD_BF16:
+      return zd__bf16_to_f32(((const uint16_t *)grad)[i]);
+    case ZD_F16:
+      return zd__f16_to_f32(((const uint16_t *)grad)[i]);
+    default:
+      return ((const float *)grad)[i];
+  }
+}
+
+void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
+  for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {
+    const zd__segment_t *seg = &a->segs[s];
+    if (seg->offset >= end) break;
+    uint64_t lo = seg->offset > begin ? seg->offset : begin;
+    uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
+    const zd__adam_group_t *c = &a->groups[seg->group];
+    int decay = c->has_weight_decay && c->optimizer == ZD_ADAMW;
+    int l2 = c->has_weight_decay && c->optimizer == ZD_ADAM;
+    for (uint64_t i = lo; i < hi; i++) {
+      float g = grad_at(a->grad, a->grad_dtype, i) * a->grad_scale;
+      float p = a->master[i];
+      if (decay) p = p * c->decay;
+      if (l2) g = fmaf(p, c->weight_decay, g);
+      float m = fmaf(g, c->one_minus_beta1, a->exp_avg[i] * c->beta1);
+      float v = fmaf(c->one_minus_beta2 * g, g, a->exp_avg_sq[i] * c->beta2);
+      float d = sqrtf(v) / c->bias_correction2_sqrt + c->eps;
+      p = p + (c->neg_step_size * m) / d;
+      a->master[i] = p;
+      a->exp_avg[i] = m;
+      a->exp_avg_sq[i] = v;
+      if (a->param && a->param_dtype == ZD_BF16)
+        ((uint16_t *)a->param)[i] = zd__f32_to_bf16(p);
+      else if (a->param)
+        ((float *)a->param)[i] = p;
+    }
+  }
+}
+
+void zd__grad_stats_ref(const void *grad, zd_dtype_t dtype, const zd__segment_t *segs,
+                        uint32_t nsegs, uint64_t n, uint64_t block_begin, uint64_t block_end,
+                        double *sums, uint64_t *nonfinite) {
+  uint64_t bad = 0;
+  for (uint64_t k = block_begin; k < block_end; k++) {
+    uint64_t lo = k * ZD__STATS_BLOCK;
+    uint64_t hi = lo + ZD__STATS_BLOCK < n ? lo + ZD__STATS_BLOCK : n;
+    double lane[16] = {0};
+    for (uint32_t s = zd__segs_find(segs, nsegs, lo); s < nsegs && segs[s].offset < hi; s++) {
+      uint64_t b = segs[s].offset > lo ? segs[s].offset : lo;
+      uint64_t e = segs[s].offset + segs[s].length < hi ? segs[s].offset + segs[s].length : hi;
+      for (uint64_t i = b; i < e; i++) {
+        float x = grad_at(grad, dtype, i);
+        if (!isfinite(x)) bad++;
+        lane[i % 16] += (double)x * (double)x; /* exact: a float's square fits a double */
+      }
+    }
+    double s8[8], s4[4], s2[2];
+    for (int j = 0; j < 8; j++) s8[j] = lane[j] + lane[j + 8];
+    for (int j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];
+    for (int j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
+    sums[k - block_begin] = s2[0] + s2[1];
+  }
+  *nonfinite += bad;
+}
+
+double zd__grad_stats_sum(const double *sums, uint64_t nblocks) {
+  double s = 0.0;
+  for (uint64_t k = 0; k < nblocks; k++) s += sums[k];
+  return s;
+}
+
+zd__isa_t zd__isa_detect(void) {
+  __builtin_cpu_init();
+  /* __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0). */
+  int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+  if (!avx2) return ZD__ISA_SCALAR;
+  /* adam_avx512.c is also built with -mfma -mf16c, hence the AVX2 level first. */
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return ZD__ISA_AVX512;
+  return ZD__ISA_AVX2;
+}
+
+const char *zd__isa_name(zd__isa_t isa) {
+  switch (isa) {
+    case ZD__ISA_SCALAR:
+      return "scalar";
+    case ZD__ISA_AVX2:
+      return "avx2";
+    case ZD__ISA_AVX512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+int zd__isa_parse(const char *name) {
+  if (strcmp(name, "auto") == 0) return (int)zd__isa_detect();
+  for (int isa = ZD__ISA_SCALAR; isa <= ZD__ISA_AVX512; isa++)
+    if (strcmp(name, zd__isa_name((zd__isa_t)isa)) == 0) return isa;
+  return -1;
+}
+
+zd__adam_fn zd__adam_impl(zd__isa_t isa) {
+  switch (isa) {
+    case ZD__ISA_AVX512:
+      return zd__adam_step_avx512;
+    case ZD__ISA_AVX2:
+      return zd__adam_step_avx2;
+    default:
+      return zd__adam_step_ref;
+  }
+}
+
+zd__stats_fn zd__grad_stats_impl(zd__isa_t isa) {
+  switch (isa) {
+    case ZD__ISA_AVX512:
+      return zd__grad_stats_avx512;
+    case ZD__ISA_AVX2:
+      return zd__grad_stats_avx2;
+    default:
+      return zd__grad_stats_ref;
+  }
+}

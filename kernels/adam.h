@@ -135,4 +135,34 @@ static inline uint16_t zd__f32_to_bf16(float f) {
 
 float zd__f16_to_f32(uint16_t h);
 
+/* Internals shared by adam.c and the wide paths (adam_avx2.c, adam_avx512.c), which are built with
+ * their ISA's flags and must only be called through zd__adam_impl / zd__grad_stats_impl. */
+
+/* The wide paths write the working parameters with non-temporal (streaming) stores when one call
+ * spans at least this many elements: such an output is larger than a core's L2, nothing reads it
+ * back during the step, and streaming skips the read-for-ownership of every line it overwrites
+ * (about 40% more step throughput at 2^25 params on the machine this was tuned on, bench_adam).
+ * Smaller calls keep it in cache. A call that streamed ends with a store fence, so its stores are
+ * ordered before whatever the caller does next (e.g. signalling completion). */
+#define ZD__ADAM_NT_MIN ((uint64_t)1 << 16)
+
+/* The wide paths' main loops prefetch each input stream this many elements ahead (2 KiB of an f32
+ * stream): the hardware prefetchers alone leave the step 7-15% short of the bus on the machine it
+ * was tuned on (bench_adam, 2-core Sapphire Rapids VM), and the statistics 20% short. Prefetches
+ * past a segment's end are harmless: they never fault and touch only the cache. */
+#define ZD__ADAM_PREFETCH 512
+
+/* Index of the first segment that ends after `begin` (nsegs if none): where a call on
+ * [begin, end) starts walking the sorted segment list. */
+uint32_t zd__segs_find(const zd__segment_t *segs, uint32_t nsegs, uint64_t begin);
+
+void zd__adam_step_avx2(const zd__adam_args_t *a, uint64_t begin, uint64_t end);
+void zd__adam_step_avx512(const zd__adam_args_t *a, uint64_t begin, uint64_t end);
+void zd__grad_stats_avx2(const void *grad, zd_dtype_t dtype, const zd__segment_t *segs,
+                         uint32_t nsegs, uint64_t n, uint64_t block_begin, uint64_t block_end,
+                         double *sums, uint64_t *nonfinite);
+void zd__grad_stats_avx512(const void *grad, zd_dtype_t dtype, const zd__segment_t *segs,
+                           uint32_t nsegs, uint64_t n, uint64_t block_begin, uint64_t block_end,
+                           double *sums, uint64_t *nonfinite);
+
 #endif /* ZD_KERNELS_ADAM_H */
