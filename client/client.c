@@ -63,6 +63,8 @@ static __thread char last_error[ZD__ERR_MSG_MAX];
 
 const char *zd_last_error(void) { return last_error; }
 
+const char *zd_version(void) { return ZD_VERSION_STRING; }
+
 static int fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int fail(int code, const char *fmt, ...) {
   va_list ap;

@@ -21,17 +21,18 @@
 typedef struct zd__comm zd__comm_t;
 
 typedef struct zd__comm_ops {
-  /* Reduce-scatter (sum) of a bucket: send holds world_size * shard_elems elements of dtype.
-   * On return *shard points at this rank's reduced slice (shard_elems elements of *shard_dtype):
-   * either scratch (an fp32 buffer of shard_elems elements the caller provides) or, at world
-   * size 1, send's own slice. */
-  int (*reduce_scatter)(zd__comm_t *comm, const void *send, zd_dtype_t dtype, uint64_t shard_elems,
-                        float *scratch, const void **shard, zd_dtype_t *shard_dtype,
-                        zd__err_t *err);
-  /* All-gather in place: buf holds world_size * shard_elems elements of dtype, this rank's slice
-   * already written; on return every slice is. */
-  int (*all_gather)(zd__comm_t *comm, void *buf, zd_dtype_t dtype, uint64_t shard_elems,
-                    zd__err_t *err);
+  /* Reduce-scatter (sum) of bucket `bucket`: send holds world_size * shard_elems elements of
+   * dtype. On return *shard points at this rank's reduced slice (shard_elems elements of
+   * *shard_dtype): either scratch (an fp32 buffer of shard_elems elements the caller provides)
+   * or, at world size 1, send's own slice. Ranks that name different buckets at the same point
+   * fail (by timeout) instead of summing unrelated gradients. */
+  int (*reduce_scatter)(zd__comm_t *comm, uint32_t bucket, const void *send, zd_dtype_t dtype,
+                        uint64_t shard_elems, float *scratch, const void **shard,
+                        zd_dtype_t *shard_dtype, zd__err_t *err);
+  /* All-gather in place of bucket `bucket`: buf holds world_size * shard_elems elements of dtype,
+   * this rank's slice already written; on return every slice is. */
+  int (*all_gather)(zd__comm_t *comm, uint32_t bucket, void *buf, zd_dtype_t dtype,
+                    uint64_t shard_elems, zd__err_t *err);
   /* All-gather of a small record: recv receives world_size * bytes, rank r's record at r * bytes. */
   int (*allgather_bytes)(zd__comm_t *comm, const void *send, size_t bytes, void *recv,
                          zd__err_t *err);
@@ -47,6 +48,11 @@ struct zd__comm {
 
 /* The world-size-1 communicator. */
 int zd__comm_local_create(zd__comm_t **out);
+
+/* A Gloo communicator (comm_gloo.c) over TCP on host memory; opts as in gloo.h. Blocks until
+ * every rank has joined or opts->connect_timeout_ms passes. */
+struct zd__gloo_opts;
+int zd__comm_gloo_create(const struct zd__gloo_opts *opts, zd__comm_t **out, zd__err_t *err);
 
 static inline void zd__comm_destroy(zd__comm_t *comm) {
   if (comm) comm->ops->destroy(comm);

@@ -7,18 +7,18 @@
 
 #include "comm.h"
 
-static int local_reduce_scatter(zd__comm_t *comm, const void *send, zd_dtype_t dtype,
-                                uint64_t shard_elems, float *scratch, const void **shard,
-                                zd_dtype_t *shard_dtype, zd__err_t *err) {
-  (void)comm, (void)shard_elems, (void)scratch, (void)err;
+static int local_reduce_scatter(zd__comm_t *comm, uint32_t bucket, const void *send,
+                                zd_dtype_t dtype, uint64_t shard_elems, float *scratch,
+                                const void **shard, zd_dtype_t *shard_dtype, zd__err_t *err) {
+  (void)comm, (void)bucket, (void)shard_elems, (void)scratch, (void)err;
   *shard = send;
   *shard_dtype = dtype;
   return ZD_OK;
 }
 
-static int local_all_gather(zd__comm_t *comm, void *buf, zd_dtype_t dtype, uint64_t shard_elems,
-                            zd__err_t *err) {
-  (void)comm, (void)buf, (void)dtype, (void)shard_elems, (void)err;
+static int local_all_gather(zd__comm_t *comm, uint32_t bucket, void *buf, zd_dtype_t dtype,
+                            uint64_t shard_elems, zd__err_t *err) {
+  (void)comm, (void)bucket, (void)buf, (void)dtype, (void)shard_elems, (void)err;
   return ZD_OK;
 }
 

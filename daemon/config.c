@@ -99,6 +99,11 @@ static const setting_t settings[] = {
         "control service of the daemon holding rank 0 (\"\": control_address)"),
     U32(S_WORLD, "collective_timeout_ms", collective_timeout_ms, "60000", 100, 3600000,
         "a collective not complete within this time marks the world degraded"),
+    U32(S_WORLD, "connect_timeout_ms", connect_timeout_ms, "600000", 1000, 86400000,
+        "how long a rank waits for its peers to join the world at start"),
+    STR(S_WORLD, "collective_host", collective_host, "127.0.0.1", "HOST",
+        "address this node's collectives listen on and peers connect to (multi-node: the "
+        "node's own address)"),
 
     ENUM(S_OPS, "log_level", log_level, "info", levels, "least severe level logged"),
     STR(S_OPS, "config", config_file, "", "FILE",

@@ -45,6 +45,8 @@ typedef struct zd__config {
   char *control_address;     /* gRPC control service listen address */
   char *rendezvous_address;  /* rank 0's control service; "": control_address */
   uint32_t collective_timeout_ms;
+  uint32_t connect_timeout_ms; /* peers must join the world within this at start */
+  char *collective_host;       /* Gloo's listen/connect address of this node */
   /* operations */
   char *log_level;           /* error | warn | info | debug */
   char *config_file;         /* --config / ZEROD_CONFIG */

@@ -14,6 +14,7 @@
 
 #include "adam.h"
 #include "comm.h"
+#include "control.h"
 #include "log.h"
 #include "session.h"
 
@@ -82,14 +83,24 @@ static void stop_ranks(zd__daemon_t *d) {
   d->nranks = 0;
 }
 
-/* The last step of a shutdown: no session, so no job is left anywhere. */
+/* The last step of a shutdown: no session, so no job is left anywhere, and the control service
+ * is down. */
 static void finish(zd__daemon_t *d) {
-  if (d->handles_closed) return;
+  if (d->handles_closed || d->nsessions > 0 || d->control) return;
   d->handles_closed = 1;
   stop_ranks(d);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->done_async, NULL);
+  /* Closing the handles restored the default action; a repeated signal now must not turn a clean
+   * exit into a death by signal. Nothing is left to wait for. */
+  signal(SIGTERM, SIG_IGN);
+  signal(SIGINT, SIG_IGN);
+}
+
+static void control_stopped(zd__daemon_t *d) {
+  d->control = NULL;
+  finish(d);
 }
 
 void zd__daemon_shutdown(zd__daemon_t *d) {
@@ -97,17 +108,18 @@ void zd__daemon_shutdown(zd__daemon_t *d) {
   d->shutting_down = 1;
   sd_notify("STOPPING=1");
   zd__server_stop(d);
+  if (d->control) zd__control_stop(d->control, control_stopped);
   zd__session_t *s = d->sessions;
   while (s) {
     zd__session_t *next = zd__session_next(s);
     zd__session_drain(s); /* may free s */
     s = next;
   }
-  if (d->nsessions == 0) finish(d);
+  finish(d);
 }
 
 void zd__daemon_session_gone(zd__daemon_t *d) {
-  if (d->shutting_down && d->nsessions == 0) finish(d);
+  if (d->shutting_down) finish(d);
 }
 
 static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
@@ -116,9 +128,23 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   d->ranks = calloc(cfg->local_ranks, sizeof *d->ranks);
   d->attached = calloc(cfg->local_ranks, sizeof *d->attached);
   if (!d->ranks || !d->attached) return zd__errf(err, -ENOMEM, "out of memory");
+  /* On rank 0's node the store is our own control service, at the address it actually bound. */
+  const char *rendezvous = cfg->first_rank == 0 &&
+                                   strcmp(cfg->rendezvous_address, cfg->control_address) == 0
+                               ? zd__control_address(d->control)
+                               : cfg->rendezvous_address;
+  d->world = (zd__world_t){.rendezvous_address = rendezvous,
+                           .control_address = zd__control_address(d->control),
+                           .collective_host = cfg->collective_host,
+                           .world_size = d->world_size,
+                           .first_rank = cfg->first_rank,
+                           .local_ranks = cfg->local_ranks,
+                           .collective_timeout_ms = (int)cfg->collective_timeout_ms,
+                           .connect_timeout_ms = (int)cfg->connect_timeout_ms};
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
-    zd__comm_t *comm;
-    int rc = zd__comm_local_create(&comm);
+    /* A one-rank world needs no peers; a larger one is joined by each rank's worker. */
+    zd__comm_t *comm = NULL;
+    int rc = d->world_size == 1 ? zd__comm_local_create(&comm) : ZD_OK;
     if (rc) return zd__errf(err, rc, "cannot create the communicator of local rank %u", i);
     zd__rank_env_t env = {
         .local_rank = i,
@@ -126,6 +152,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
         .world_size = d->world_size,
         .bucket_elems = d->bucket_elems,
         .comm = comm,
+        .world = &d->world,
         .pool = d->pool,
         .isa = d->isa,
         .done = job_done,
@@ -182,16 +209,14 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   d->done_async.data = d->sigterm.data = d->sigint.data = d;
 
   if ((rc = choose_backend(cfg, err)) || (rc = choose_isa(cfg, &d->isa, err))) goto fail;
-  if (d->world_size > 1) {
-    rc = zd__errf(err, ZD_EBACKEND, "world size %u needs a multi-rank backend, which this build "
-                  "does not have; run with world_size 1", d->world_size);
-    goto fail;
-  }
   rc = zd__pool_create(cfg->threads, &d->pool);
   if (rc) {
     zd__errf(err, rc, "cannot start %u kernel threads: %s", cfg->threads, zd_strerror(rc));
     goto fail;
   }
+  /* The control service first: ranks joining a world register its bound address (a ":0" port
+   * gets its real number) and, on rank 0's node, need its rendezvous store. */
+  if ((rc = zd__control_start(d, &d->control, err))) goto fail;
   if ((rc = create_ranks(d, err))) goto fail;
   if ((rc = zd__server_start(d, err))) goto fail;
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
@@ -203,8 +228,7 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   return ZD_OK;
 
 fail:
-  d->shutting_down = 1;
-  finish(d);
+  zd__daemon_shutdown(d); /* undoes what was set up, through the loop */
   zd__daemon_run(d);
   zd__daemon_destroy(d);
   return rc;

@@ -18,8 +18,10 @@
 #include "error.h"
 #include "pool.h"
 #include "rank.h"
+#include "world.h"
 
 typedef struct zd__session zd__session_t;
+typedef struct zd__control zd__control_t;
 
 typedef struct zd__daemon {
   uv_loop_t loop;
@@ -28,6 +30,7 @@ typedef struct zd__daemon {
   uint64_t bucket_elems;
   int isa; /* zd__isa_t of the CPU kernels */
   zd__pool_t *pool;
+  zd__world_t world; /* how ranks join a multi-rank world */
   uint32_t nranks;
   zd__rank_t **ranks;
   zd__session_t **attached; /* per local rank: the session attached to it, or NULL */
@@ -42,6 +45,8 @@ typedef struct zd__daemon {
   zd__session_t *sessions; /* all open sessions, linked through the session */
   uint32_t nsessions;
   uint32_t next_session_id;
+
+  zd__control_t *control; /* gRPC control service; NULL once stopped */
 
   uv_signal_t sigterm;
   uv_signal_t sigint;

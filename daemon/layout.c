@@ -245,3 +245,53 @@ int zd__layout_segments(const zd__layout_t *layout, uint32_t rank, uint32_t buck
   *nsegs = n;
   return ZD_OK;
 }
+
+int zd__layout_serialize(const zd__layout_t *layout, char **out, size_t *len) {
+  FILE *f = open_memstream(out, len);
+  if (!f) return -ENOMEM;
+  for (uint32_t i = 0; i < layout->nparams; i++) {
+    const zd__layout_param_t *p = &layout->params[i];
+    fprintf(f, "%u %u", p->group, p->ndim);
+    for (uint32_t d = 0; d < p->ndim; d++) fprintf(f, " %llu", (unsigned long long)p->shape[d]);
+    fprintf(f, " %zu %s\n", strlen(p->name), p->name);
+  }
+  return fclose(f) == 0 ? 0 : -ENOMEM;
+}
+
+/* Reads an unsigned number and the space after it. */
+static int read_u64(char **pos, const char *end, uint64_t *v) {
+  char *q;
+  errno = 0;
+  unsigned long long x = strtoull(*pos, &q, 10);
+  if (q == *pos || q >= end || *q != ' ' || errno) return -EINVAL;
+  *v = x;
+  *pos = q + 1;
+  return 0;
+}
+
+int zd__layout_parse(char *buf, size_t len, zd_param_t **params, uint32_t *nparams) {
+  uint32_t n = 0;
+  for (size_t i = 0; i < len; i++) n += buf[i] == '\n';
+  zd_param_t *out = calloc(n ? n : 1, sizeof *out);
+  if (!out) return -ENOMEM;
+  char *pos = buf, *end = buf + len;
+  for (uint32_t i = 0; i < n; i++) {
+    uint64_t group, ndim, namelen;
+    if (read_u64(&pos, end, &group) || read_u64(&pos, end, &ndim) || ndim > ZD_MAX_DIMS) goto bad;
+    out[i].group = (uint32_t)group;
+    out[i].ndim = (uint32_t)ndim;
+    for (uint32_t d = 0; d < ndim; d++)
+      if (read_u64(&pos, end, &out[i].shape[d])) goto bad;
+    if (read_u64(&pos, end, &namelen) || namelen >= (uint64_t)(end - pos) || pos[namelen] != '\n')
+      goto bad;
+    pos[namelen] = '\0';
+    out[i].name = pos;
+    pos += namelen + 1;
+  }
+  *params = out;
+  *nparams = n;
+  return 0;
+bad:
+  free(out);
+  return -EINVAL;
+}

@@ -77,6 +77,15 @@ int zd__layout_diff(const zd__layout_t *a, const zd__layout_t *b, char *buf, siz
 int zd__layout_segments(const zd__layout_t *layout, uint32_t rank, uint32_t bucket,
                         zd__segment_t **segs, uint32_t *nsegs);
 
+/* The parameter table as text, one line per parameter: "<group> <ndim> <dims...> <name length>
+ * <name>\n". Ranks exchange it to name the first parameter on which their models differ.
+ * *out is allocated (free()). */
+int zd__layout_serialize(const zd__layout_t *layout, char **out, size_t *len);
+
+/* Parses a table from zd__layout_serialize; the names of *params point into buf, which must stay
+ * alive. *params is allocated (free()). -EINVAL for a malformed table. */
+int zd__layout_parse(char *buf, size_t len, zd_param_t **params, uint32_t *nparams);
+
 /* Formats a shape as "[32, 16]". */
 void zd__shape_format(const uint64_t *shape, uint32_t ndim, char *buf, size_t len);
 

@@ -12,6 +12,7 @@
 #include "log.h"
 #include "pool.h"
 #include "step.h"
+#include "world.h"
 
 struct zd__rank {
   zd__rank_env_t env;
@@ -21,9 +22,12 @@ struct zd__rank {
   pthread_cond_t cond;
   zd__job_t *head, *tail;
   int stop;
+  atomic_int cancel_connect; /* shutdown during the world bootstrap */
   zd__model_t *model; /* worker thread only */
   pthread_mutex_t stats_lock;
   zd__rank_stats_t stats;
+  zd__shard_range_t *ranges; /* under stats_lock: the model's shard, for status */
+  uint32_t nranges;
 };
 
 void zd__model_spec_free(zd__model_spec_t *spec) {
@@ -40,10 +44,30 @@ void zd__job_free(zd__job_t *job) {
   free(job);
 }
 
+/* The shard ranges of the model's layout (stats_lock held). Rebuilt only when the layout
+ * changed; out of memory leaves none, which status shows as an empty shard. */
+static void publish_ranges(zd__rank_t *r, const zd__model_t *m) {
+  const zd__layout_t *l = m ? m->layout : NULL;
+  if (l && r->stats.has_model && r->stats.layout_hash == l->hash && r->nranges == l->nbuckets)
+    return;
+  free(r->ranges);
+  r->ranges = NULL;
+  r->nranges = 0;
+  if (!l || !(r->ranges = calloc(l->nbuckets ? l->nbuckets : 1, sizeof *r->ranges))) return;
+  for (uint32_t b = 0; b < l->nbuckets; b++) {
+    const zd__bucket_t *bk = &l->buckets[b];
+    uint64_t begin = bk->offset + (uint64_t)r->env.rank * bk->shard_elems;
+    r->ranges[b] = (zd__shard_range_t){.bucket = b, .begin = begin,
+                                       .end = begin + bk->shard_elems};
+  }
+  r->nranges = l->nbuckets;
+}
+
 /* Refreshes the snapshot after a job; takes the model's numbers as they are now. */
 static void publish(zd__rank_t *r, const zd__job_t *job) {
   const zd__model_t *m = r->model;
   pthread_mutex_lock(&r->stats_lock);
+  publish_ranges(r, m);
   zd__rank_stats_t *s = &r->stats;
   s->has_model = m != NULL;
   if (m) {
@@ -128,9 +152,47 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
   }
 }
 
+const char *zd__health_name(zd__health_t health) {
+  switch (health) {
+    case ZD__HEALTH_OK:
+      return "ok";
+    case ZD__HEALTH_DEGRADED:
+      return "degraded";
+    case ZD__HEALTH_CONNECTING:
+      return "connecting";
+  }
+  return "unknown";
+}
+
+static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix,
+                       const char *reason) {
+  pthread_mutex_lock(&r->stats_lock);
+  r->stats.health = health;
+  char *out = r->stats.degraded_reason;
+  size_t n = sizeof r->stats.degraded_reason; /* prefix + reason, truncated to fit */
+  size_t p = strnlen(prefix, n - 1), q = strnlen(reason, n - 1 - p);
+  memcpy(out, prefix, p);
+  memcpy(out + p, reason, q);
+  out[p + q] = '\0';
+  pthread_mutex_unlock(&r->stats_lock);
+}
+
+/* Joins the world before the first job runs; jobs queued meanwhile wait (or fail as degraded). */
+static void join_world(zd__rank_t *r) {
+  zd__err_t err = {0};
+  int rc = zd__world_connect(r->env.world, r->env.rank, &r->cancel_connect, &r->ctx.comm, &err);
+  if (rc == ZD_OK) {
+    set_health(r, ZD__HEALTH_OK, "", "");
+    return;
+  }
+  ZD_LOG_ERROR("rank degraded: joining the world failed: %s", err.msg);
+  set_health(r, ZD__HEALTH_DEGRADED, "joining the world failed: ", err.msg);
+}
+
 static void *worker_main(void *arg) {
   zd__rank_t *r = arg;
   zd__log_set_rank((int)r->env.rank);
+  if (!r->ctx.comm) join_world(r);
   pthread_mutex_lock(&r->lock);
   for (;;) {
     while (!r->head && !r->stop) pthread_cond_wait(&r->cond, &r->lock);
@@ -161,6 +223,7 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
       .adam = zd__adam_impl((zd__isa_t)env->isa),
       .stats = zd__grad_stats_impl((zd__isa_t)env->isa),
   };
+  r->stats.health = env->comm ? ZD__HEALTH_OK : ZD__HEALTH_CONNECTING;
   r->stats.loss_scale = 1.0;
   r->stats.last_grad_norm = NAN;
   r->stats.last_clip_coef = 1.0;
@@ -181,13 +244,15 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
 
 void zd__rank_destroy(zd__rank_t *r) {
   if (!r) return;
+  atomic_store(&r->cancel_connect, 1);
   pthread_mutex_lock(&r->lock);
   r->stop = 1;
   pthread_cond_signal(&r->cond);
   pthread_mutex_unlock(&r->lock);
   pthread_join(r->thread, NULL);
   zd__model_free(r->model);
-  zd__comm_destroy(r->env.comm);
+  zd__comm_destroy(r->ctx.comm);
+  free(r->ranges);
   pthread_mutex_destroy(&r->stats_lock);
   pthread_cond_destroy(&r->cond);
   pthread_mutex_destroy(&r->lock);
@@ -211,6 +276,24 @@ void zd__rank_stats(zd__rank_t *r, zd__rank_stats_t *out) {
   pthread_mutex_lock(&r->stats_lock);
   *out = r->stats;
   pthread_mutex_unlock(&r->stats_lock);
+}
+
+int zd__rank_shard_ranges(zd__rank_t *r, zd__shard_range_t **out, uint32_t *n) {
+  int rc = ZD_OK;
+  *out = NULL;
+  *n = 0;
+  pthread_mutex_lock(&r->stats_lock);
+  if (r->nranges) {
+    *out = malloc(r->nranges * sizeof **out);
+    if (*out) {
+      memcpy(*out, r->ranges, r->nranges * sizeof **out);
+      *n = r->nranges;
+    } else {
+      rc = -ENOMEM;
+    }
+  }
+  pthread_mutex_unlock(&r->stats_lock);
+  return rc;
 }
 
 uint32_t zd__rank_local(const zd__rank_t *r) { return r->env.local_rank; }

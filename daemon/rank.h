@@ -102,7 +102,14 @@ typedef struct zd__job {
 /* Frees a job and what it owns. */
 void zd__job_free(zd__job_t *job);
 
-typedef enum zd__health { ZD__HEALTH_OK = 0, ZD__HEALTH_DEGRADED = 1 } zd__health_t;
+typedef enum zd__health {
+  ZD__HEALTH_OK = 0,
+  ZD__HEALTH_DEGRADED = 1,  /* a collective or the world's bootstrap failed; see the reason */
+  ZD__HEALTH_CONNECTING = 2 /* joining the world: waiting for peers */
+} zd__health_t;
+
+/* "ok", "degraded", "connecting". */
+const char *zd__health_name(zd__health_t health);
 
 /* What the loop may read about a rank at any time. */
 typedef struct zd__rank_stats {
@@ -133,12 +140,15 @@ typedef struct zd__rank_stats {
 /* Called on the worker thread when a job is done (the daemon's completion queue). */
 typedef void (*zd__job_done_fn)(void *ctx, zd__job_t *job);
 
+struct zd__world;
+
 typedef struct zd__rank_env {
   uint32_t local_rank;
   uint32_t rank; /* global */
   uint32_t world_size;
   uint64_t bucket_elems;
-  zd__comm_t *comm; /* taken over by the rank */
+  zd__comm_t *comm;             /* taken over by the rank; NULL: join `world` first */
+  const struct zd__world *world; /* how to join a multi-rank world (world.h); outlives the rank */
   struct zd__pool *pool;
   int isa; /* zd__isa_t */
   zd__job_done_fn done;
@@ -148,8 +158,8 @@ typedef struct zd__rank_env {
 /* Creates a rank and starts its worker thread. Errors: -ENOMEM, -EAGAIN. */
 int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out);
 
-/* Stops the worker after the queued jobs have run, joins it and frees the rank and its model;
- * accepts NULL. */
+/* Stops the worker after the queued jobs have run (cancelling a world bootstrap still waiting
+ * for peers), joins it and frees the rank and its model; accepts NULL. */
 void zd__rank_destroy(zd__rank_t *rank);
 
 /* Queues a job (any thread; in practice the loop). */
@@ -157,6 +167,18 @@ void zd__rank_submit(zd__rank_t *rank, zd__job_t *job);
 
 /* Copies the rank's stats (any thread). */
 void zd__rank_stats(zd__rank_t *rank, zd__rank_stats_t *out);
+
+/* One bucket's slice owned by a rank: flat element offsets [begin, end). */
+typedef struct zd__shard_range {
+  uint32_t bucket;
+  uint64_t begin;
+  uint64_t end;
+} zd__shard_range_t;
+
+/* Copies the rank's shard, one range per bucket, as of the last finished job (any thread; for
+ * status). *out is malloc'd (free()), NULL with *n = 0 when no model is registered.
+ * Errors: -ENOMEM. */
+int zd__rank_shard_ranges(zd__rank_t *rank, zd__shard_range_t **out, uint32_t *n);
 
 uint32_t zd__rank_local(const zd__rank_t *rank);
 uint32_t zd__rank_global(const zd__rank_t *rank);

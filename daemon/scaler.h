@@ -4,8 +4,9 @@
  * gradients hold an inf or NaN is skipped; after `hysteresis` such steps (not necessarily in a
  * row; the counter refills on growth) the scale is multiplied by backoff_factor, never below
  * min_scale. After growth_interval consecutive clean steps it is multiplied by growth_factor and
- * the hysteresis counter refills. Pure functions of (config, state, found_inf): every rank of a
- * world computes the same trajectory from the same global found_inf.
+ * the hysteresis counter refills. The update is zd__scaler_advance (kernels/step_decide.h), which
+ * the CPU step and the CUDA decide kernel share: a pure function of (config, state, found_inf), so
+ * every rank of a world computes the same trajectory from the same global found_inf.
  */
 #ifndef ZD_DAEMON_SCALER_H
 #define ZD_DAEMON_SCALER_H
@@ -24,8 +25,5 @@ typedef struct zd__scaler {
 
 /* Starts a scaler; a disabled one keeps scale 1. */
 void zd__scaler_init(zd__scaler_t *s, const zd_loss_scaler_t *cfg);
-
-/* Accounts for one step's outcome. */
-void zd__scaler_update(zd__scaler_t *s, int found_inf);
 
 #endif /* ZD_DAEMON_SCALER_H */

@@ -119,8 +119,9 @@ static void add_rank(zd__status_t *st, zd__daemon_t *d, uint32_t local) {
   zd__status_section(st, name);
   zd__status_add(st, "rank", "%u", zd__rank_global(r));
   zd__status_add(st, "local_rank", "%u", local);
-  zd__status_add(st, "health", "%s", s.health == ZD__HEALTH_OK ? "ok" : "degraded");
-  if (s.health != ZD__HEALTH_OK) zd__status_add(st, "degraded_reason", "%s", s.degraded_reason);
+  zd__status_add(st, "health", "%s", zd__health_name(s.health));
+  if (s.health == ZD__HEALTH_DEGRADED)
+    zd__status_add(st, "degraded_reason", "%s", s.degraded_reason);
   zd__session_t *c = d->attached[local];
   zd__status_add(st, "client", "%s", c ? zd__session_name(c) : "none");
   zd__status_add(st, "client_pid", "%d", c ? (int)zd__session_pid(c) : 0);

@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "log.h"
+#include "step_decide.h"
 
 /* Below this many elements per task, splitting a kernel over threads costs more than it saves. */
 #define MIN_TASK_ELEMS 32768u
@@ -57,10 +58,10 @@ static uint64_t hash_mix(uint64_t h, const void *data, size_t len) {
   return h;
 }
 
-static uint64_t hparam_hash(const zd__model_t *m) {
+static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (uint32_t i = 0; i < m->ngroups; i++) {
-    const zd_group_t *g = &m->groups[i];
+    const zd_group_t *g = &groups[i];
     double v[5] = {g->lr, g->beta1, g->beta2, g->eps, g->weight_decay};
     int32_t opt = (int32_t)g->optimizer;
     h = hash_mix(h, v, sizeof v);
@@ -249,43 +250,153 @@ static void master_exchange(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_
   }
 }
 
+/* What each rank says about a registration before anything is changed: all ranks must register
+ * the same model, and either all resume the same step or all start afresh. */
+typedef struct attach_record {
+  int32_t code; /* this rank's own verdict: ZD_OK or why it refuses */
+  uint32_t param_dtype;
+  uint32_t grad_dtype;
+  uint32_t resume;
+  uint64_t layout_hash;
+  uint64_t step;
+  uint64_t table_bytes; /* size of the serialized parameter table */
+} attach_record_t;
+
+/* Names the first parameter on which this rank's model differs from rank `other`'s: every rank
+ * contributes its parameter table to an all-gather of the largest table's size. */
+static int describe_mismatch(const zd__step_ctx_t *ctx, const zd__layout_t *mine,
+                             const attach_record_t *all, uint32_t other, zd__err_t *err) {
+  uint64_t max = 0;
+  for (uint32_t r = 0; r < ctx->world_size; r++)
+    if (all[r].table_bytes > max) max = all[r].table_bytes;
+  char *table = NULL, *tables = NULL;
+  size_t len = 0;
+  zd_param_t *params = NULL;
+  zd__layout_t *theirs = NULL;
+  int rc = zd__layout_serialize(mine, &table, &len);
+  char *send = calloc(max + 1, 1);
+  tables = calloc(ctx->world_size, max + 1);
+  if (rc || !send || !tables) {
+    rc = zd__errf(err, -ENOMEM, "out of memory comparing parameter tables");
+    goto exit;
+  }
+  memcpy(send, table, len);
+  rc = ctx->comm->ops->allgather_bytes(ctx->comm, send, max + 1, tables, err);
+  if (rc) goto exit;
+  uint32_t n = 0;
+  char *theirs_text = tables + (size_t)other * (max + 1);
+  char diff[512] = "the parameter tables could not be compared";
+  if (zd__layout_parse(theirs_text, all[other].table_bytes, &params, &n) == 0 &&
+      zd__layout_build(params, n, UINT32_MAX, ctx->world_size, mine->bucket_elems, &theirs,
+                       NULL) == 0)
+    zd__layout_diff(mine, theirs, diff, sizeof diff);
+  rc = zd__errf(err, ZD_ELAYOUT, "ranks registered different models; rank %u vs rank %u: %s",
+                ctx->rank, other, diff);
+exit:
+  zd__layout_free(theirs);
+  free(params);
+  free(tables);
+  free(send);
+  free(table);
+  return rc;
+}
+
+static void describe_state(const attach_record_t *rec, char *buf, size_t len) {
+  if (rec->resume)
+    snprintf(buf, len, "resumes step %" PRIu64, rec->step);
+  else
+    snprintf(buf, len, "starts afresh");
+}
+
+/* Compares the records of all ranks; every rank reaches the same verdict. */
+static int agree_attach(const zd__step_ctx_t *ctx, const attach_record_t *mine,
+                        const zd__layout_t *layout, zd__err_t *err) {
+  uint32_t w = ctx->world_size;
+  attach_record_t *all = calloc(w, sizeof *all);
+  if (!all) return zd__errf(err, -ENOMEM, "out of memory");
+  int rc = ctx->comm->ops->allgather_bytes(ctx->comm, mine, sizeof *mine, all, err);
+  if (rc) goto exit;
+  for (uint32_t r = 0; r < w && !rc; r++) {
+    if (mine->code) { /* our own refusal, with its message already in err */
+      rc = mine->code;
+    } else if (all[r].code) {
+      rc = zd__errf(err, all[r].code, "rank %u refused the registration (%s); every rank must "
+                    "register the same model", r, zd_err_name(all[r].code));
+    }
+  }
+  for (uint32_t r = 0; r < w && !rc; r++) {
+    if (all[r].layout_hash != mine->layout_hash) {
+      rc = describe_mismatch(ctx, layout, all, r, err);
+    } else if (all[r].param_dtype != mine->param_dtype || all[r].grad_dtype != mine->grad_dtype) {
+      rc = zd__errf(err, ZD_EDTYPE, "rank %u registered %s params and %s grads, rank %u %s and %s; "
+                    "every rank must use the same dtypes", r,
+                    zd_dtype_name((zd_dtype_t)all[r].param_dtype),
+                    zd_dtype_name((zd_dtype_t)all[r].grad_dtype), ctx->rank,
+                    zd_dtype_name((zd_dtype_t)mine->param_dtype),
+                    zd_dtype_name((zd_dtype_t)mine->grad_dtype));
+    } else if (all[r].resume != mine->resume || all[r].step != mine->step) {
+      char theirs[64], ours[64];
+      describe_state(&all[r], theirs, sizeof theirs);
+      describe_state(mine, ours, sizeof ours);
+      rc = zd__errf(err, ZD_ESTEP, "ranks are out of step: rank %u %s, rank %u %s; every rank "
+                    "must resume the same step (or all register with replace)", r, theirs,
+                    ctx->rank, ours);
+    }
+  }
+exit:
+  free(all);
+  return rc;
+}
+
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                      const zd__buffers_t *buf, int *resumed, zd__err_t *err) {
   zd__model_t *m = *model;
-  int rc;
-  *resumed = 0;
-  if (m && m->layout->hash == spec->layout->hash) {
-    char diff[512];
-    if (zd__layout_diff(m->layout, spec->layout, diff, sizeof diff) == 0) {
-      free(m->groups);
-      m->groups = spec->groups;
-      m->ngroups = spec->ngroups;
-      spec->groups = NULL;
-      model_configure(m, spec, 1);
-      memset(m->scattered, 0, m->layout->nbuckets);
-      master_exchange(ctx, m, buf, 1);
-      *resumed = 1;
-      goto gather;
-    }
-  }
-  if (m && !spec->replace) {
-    char diff[512];
-    zd__layout_diff(m->layout, spec->layout, diff, sizeof diff);
-    return zd__errf(err, ZD_ELAYOUT,
-                    "rank %u holds a different model (%u parameters, layout hash %016" PRIx64
-                    ", step %" PRIu64 "): %s; register with replace to discard its state",
-                    ctx->rank, m->layout->nparams, m->layout->hash, m->step, diff);
-  }
-  zd__model_t *fresh = NULL;
-  rc = model_create(ctx, spec, &fresh, err);
+  char diff[512] = "";
+  int same = m && m->layout->hash == spec->layout->hash &&
+             zd__layout_diff(m->layout, spec->layout, diff, sizeof diff) == 0;
+  if (m && !same && !diff[0]) zd__layout_diff(m->layout, spec->layout, diff, sizeof diff);
+  if (spec->replace) same = 0; /* start afresh even with the same model */
+  attach_record_t rec = {.param_dtype = spec->param_dtype,
+                         .grad_dtype = spec->grad_dtype,
+                         .resume = (uint32_t)same,
+                         .layout_hash = spec->layout->hash,
+                         .step = same ? m->step : 0};
+  char *table = NULL;
+  size_t table_len = 0;
+  if (zd__layout_serialize(spec->layout, &table, &table_len) != 0)
+    rec.code = zd__errf(err, -ENOMEM, "out of memory");
+  free(table);
+  rec.table_bytes = table_len;
+  if (!rec.code && m && !same && !spec->replace)
+    rec.code = zd__errf(err, ZD_ELAYOUT,
+                        "rank %u holds a different model (%u parameters, layout hash %016" PRIx64
+                        ", step %" PRIu64 "): %s; register with replace to discard its state",
+                        ctx->rank, m->layout->nparams, m->layout->hash, m->step, diff);
+  /* Every rank takes part even when it refuses, so that all fail together instead of leaving
+   * the others waiting in the collective. */
+  int rc = agree_attach(ctx, &rec, spec->layout, err);
   if (rc) return rc;
-  model_configure(fresh, spec, 0);
-  master_exchange(ctx, fresh, buf, 0);
-  if (m) ZD_LOG_WARN("replacing model at step %" PRIu64 " (%u parameters)", m->step,
-                     m->layout->nparams);
-  zd__model_free(m);
-  *model = m = fresh;
-gather:
+
+  *resumed = same;
+  if (same) {
+    free(m->groups);
+    m->groups = spec->groups;
+    m->ngroups = spec->ngroups;
+    spec->groups = NULL;
+    model_configure(m, spec, 1);
+    memset(m->scattered, 0, m->layout->nbuckets);
+    master_exchange(ctx, m, buf, 1);
+  } else {
+    zd__model_t *fresh = NULL;
+    rc = model_create(ctx, spec, &fresh, err);
+    if (rc) return rc;
+    model_configure(fresh, spec, 0);
+    master_exchange(ctx, fresh, buf, 0);
+    if (m) ZD_LOG_WARN("replacing model at step %" PRIu64 " (%u parameters)", m->step,
+                       m->layout->nparams);
+    zd__model_free(m);
+    *model = m = fresh;
+  }
   /* Every client starts from the same full model: each rank's slice came from (or was written
    * into) its own client's buffer. */
   return zd__model_gather(ctx, m, buf, -1, err);
@@ -302,7 +413,7 @@ int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffe
     const zd__bucket_t *bk = &l->buckets[b];
     const void *send = (const char *)buf->grads.addr + bk->offset * gsize;
     float *scratch = m->grad_shard ? m->grad_shard + bk->shard_base : NULL;
-    int rc = ctx->comm->ops->reduce_scatter(ctx->comm, send, m->grad_dtype, bk->shard_elems,
+    int rc = ctx->comm->ops->reduce_scatter(ctx->comm, b, send, m->grad_dtype, bk->shard_elems,
                                             scratch, &m->shard_grad[b], &m->shard_grad_dtype[b],
                                             err);
     if (rc) return rc;
@@ -317,8 +428,8 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffer
   uint32_t b0 = bucket < 0 ? 0 : (uint32_t)bucket, b1 = bucket < 0 ? l->nbuckets : b0 + 1;
   for (uint32_t b = b0; b < b1; b++) {
     const zd__bucket_t *bk = &l->buckets[b];
-    int rc = ctx->comm->ops->all_gather(ctx->comm, param_at(m, buf, bk->offset), m->param_dtype,
-                                        bk->shard_elems, err);
+    int rc = ctx->comm->ops->all_gather(ctx->comm, b, param_at(m, buf, bk->offset),
+                                        m->param_dtype, bk->shard_elems, err);
     if (rc) return rc;
   }
   return ZD_OK;
@@ -376,10 +487,12 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     if (!m->scattered[b])
       return zd__errf(err, ZD_EORDER, "bucket %u was not scattered since step %" PRIu64
                       "; scatter every bucket or step with scatter", b, m->step);
-  if (groups) memcpy(m->groups, groups, m->ngroups * sizeof *groups);
+  /* The step's hyperparameters become the model's only once every rank has agreed to them. */
+  if (!groups) groups = m->groups;
 
   int need_stats = ctx->world_size > 1 || m->max_grad_norm > 0 || m->scaler.enabled;
-  step_record_t rec = {.step = m->step + 1, .layout_hash = l->hash, .hparam_hash = hparam_hash(m)};
+  step_record_t rec = {.step = m->step + 1, .layout_hash = l->hash,
+                       .hparam_hash = hparam_hash(m, groups)};
   if (need_stats)
     for (uint32_t b = 0; b < l->nbuckets; b++) bucket_stats(ctx, m, b, &rec.sumsq, &rec.nonfinite);
   double sumsq = 0;
@@ -387,25 +500,31 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   rc = agree(ctx, &rec, &sumsq, &nonfinite, err);
   if (rc) return rc;
 
-  /* Committed: every rank takes the same decisions from the same global statistics. */
-  double pre_scale = (m->grad_mean ? 1.0 / ctx->world_size : 1.0) / m->scaler.scale;
-  double norm = need_stats ? sqrt(sumsq) * pre_scale : NAN;
-  *out = (zd__step_out_t){.grad_norm = norm, .clip_coef = 1.0};
+  /* Committed: every rank takes the same decision from the same global statistics (the same
+   * function as the CUDA backend's decide kernel). */
+  if (groups != m->groups) memcpy(m->groups, groups, m->ngroups * sizeof *groups);
   memset(m->scattered, 0, l->nbuckets);
-  if (m->scaler.enabled && nonfinite > 0) {
-    zd__scaler_update(&m->scaler, 1);
-    m->steps_skipped++;
-    out->step = m->step;
-    out->loss_scale = m->scaler.scale;
+  zd__decide_cfg_t cfg = {.world_size = ctx->world_size,
+                          .grad_mean = m->grad_mean,
+                          .need_stats = need_stats,
+                          .max_grad_norm = m->max_grad_norm};
+  zd__step_state_t st = {.scaler = m->scaler, .step = m->step, .steps_skipped = m->steps_skipped};
+  zd__decision_t dec;
+  zd__step_decide(&cfg, sumsq, nonfinite, &st, &dec);
+  *out = (zd__step_out_t){.step = dec.step,
+                          .applied = dec.applied,
+                          .grad_norm = dec.grad_norm,
+                          .loss_scale = dec.loss_scale,
+                          .clip_coef = dec.clip_coef};
+  if (dec.skip) {
+    m->scaler = st.scaler;
+    m->steps_skipped = st.steps_skipped;
     out->duration_us = now_us() - t0;
     return ZD_OK; /* skipped: parameters unchanged, nothing to gather */
   }
-  if (m->max_grad_norm > 0 && isfinite(norm)) {
-    double coef = m->max_grad_norm / (norm + 1e-6); /* torch.nn.utils.clip_grad_norm_ */
-    if (coef < 1.0) out->clip_coef = coef;
-  }
   zd__adam_group_t consts[m->ngroups];
-  for (uint32_t g = 0; g < m->ngroups; g++) zd__adam_group_init(&consts[g], &m->groups[g], rec.step);
+  for (uint32_t g = 0; g < m->ngroups; g++)
+    zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
   for (uint32_t b = 0; b < l->nbuckets; b++) {
     const zd__bucket_t *bk = &l->buckets[b];
     zd__adam_args_t args = {
@@ -416,7 +535,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
         .grad_dtype = m->shard_grad_dtype[b],
         .param = param_at(m, buf, bk->offset + (uint64_t)ctx->rank * bk->shard_elems),
         .param_dtype = m->param_dtype,
-        .grad_scale = (float)(pre_scale * out->clip_coef),
+        .grad_scale = dec.grad_scale,
         .segs = m->segs[b],
         .nsegs = m->nsegs[b],
         .groups = consts,
@@ -424,11 +543,8 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     adam_run_t run = {.args = &args, .fn = ctx->adam, .n = bk->shard_elems};
     zd__pool_run(ctx->pool, tasks_for(ctx, bk->shard_elems), adam_task, &run);
   }
-  m->step = rec.step;
-  zd__scaler_update(&m->scaler, 0);
-  out->applied = 1;
-  out->step = m->step;
-  out->loss_scale = m->scaler.scale;
+  m->step = st.step;
+  m->scaler = st.scaler;
   if (gather) {
     rc = zd__model_gather(ctx, m, buf, -1, err);
     if (rc) {

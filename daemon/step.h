@@ -60,9 +60,11 @@ typedef struct zd__step_ctx {
  * weight_decay >= 0, optimizer known. `where` prefixes the message ("group 1"). */
 int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err);
 
-/* Register. *model is the rank's model (NULL if none) and is replaced or resumed; takes spec.
- * On success the client's param buffer holds the model's parameters and *resumed says whether
- * state was kept. ZD_ELAYOUT when a different model is held and spec->replace is not set. */
+/* Register, collectively: every rank must register the same model, and all resume the same
+ * step or all start afresh. *model is the rank's model (NULL if none) and is resumed (same
+ * layout, spec->replace not set) or replaced; takes spec. On success the client's param buffer
+ * holds the full model and *resumed says whether state was kept. ZD_ELAYOUT when a different
+ * model is held and spec->replace is not set, or when ranks registered different models. */
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                      const zd__buffers_t *buf, int *resumed, zd__err_t *err);
 

@@ -62,6 +62,7 @@ void zdt_start(zdt_daemon_t *d, const char *const *extra) {
   CHECK(mkdtemp(d->dir) != NULL);
   snprintf(d->socket, sizeof d->socket, "%s/zerod.sock", d->dir);
   snprintf(d->log, sizeof d->log, "%s/zerod.log", d->dir);
+  snprintf(d->control, sizeof d->control, "unix:%s/control.sock", d->dir);
   const char *argv[64];
   int n = 0;
   argv[n++] = bin;
@@ -69,6 +70,8 @@ void zdt_start(zdt_daemon_t *d, const char *const *extra) {
   argv[n++] = d->socket;
   argv[n++] = "--log_level";
   argv[n++] = "debug";
+  argv[n++] = "--control_address";
+  argv[n++] = d->control;
   for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];
   argv[n] = NULL;
   d->pid = fork();
@@ -124,6 +127,7 @@ int zdt_stop(zdt_daemon_t *d, int sig, int keep) {
   if (!keep) {
     unlink(d->log);
     unlink(d->socket);
+    unlink(d->control + 5);
     rmdir(d->dir);
   }
   return status;

@@ -14,9 +14,10 @@ typedef struct zdt_daemon {
   char dir[64];     /* temporary directory, removed by zdt_stop */
   char socket[108]; /* dir/zerod.sock */
   char log[160];    /* dir/zerod.log: the daemon's stderr */
+  char control[128]; /* unix:dir/control.sock: the gRPC control service */
 } zdt_daemon_t;
 
-/* Starts zerod with --socket and --log_level debug plus extra (NULL-terminated, may be NULL) and
+/* Starts zerod with --socket, --control_address and --log_level debug plus extra (NULL-terminated, may be NULL) and
  * waits until the socket accepts connections. Exits the test on failure, printing the log. */
 void zdt_start(zdt_daemon_t *d, const char *const *extra);
 

@@ -12,194 +12,41 @@
  *   bench_adam [--min-log2 20] [--max-log2 26] [--threads N] [--isa auto|scalar|avx2|avx512]
  *              [--iters 20] [--warmup 3] [--grad f32|bf16|f16] [--param f32|bf16|none]
  */
-#include <immintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <time.h>
 
 #include "adam.h"
+#include "mempass.h"
 #include "pool.h"
-
-#define CHUNK 64 /* elements: tasks start on multiples of this (a cache line of every stream) */
 
 typedef struct {
   zd__adam_args_t args;
   zd__adam_fn kernel;
   zd__isa_t isa;
   uint64_t n;
-  int run_pass; /* this run: the memory pass instead of the kernel */
 } bench_t;
 
-/* Zero at run time, unknown to the compiler: the pass XORs it into every value it stores, so no
- * load or store can be optimized away (GCC drops the store of a vector just loaded from the same
- * address) and the buffers keep their values. */
-static volatile uint32_t pass_key;
-
-static size_t dtype_size(zd_dtype_t t) {
-  return t == ZD_F32 ? 4 : 2;
-}
+static size_t dtype_size(zd_dtype_t t) { return t == ZD_F32 ? 4 : 2; }
 
 static const char *dtype_name(int t) {
   return t == ZD_F32 ? "f32" : t == ZD_BF16 ? "bf16" : t == ZD_F16 ? "f16" : "none";
-}
-
-/* ---- the memory pass ----------------------------------------------------------------------- */
-
-/* The kernel's prefetch (adam_avx512.c), SSE: every x86-64 has it. */
-static inline void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
-  uint64_t d = ZD__ADAM_PREFETCH;
-  _mm_prefetch((const char *)((uintptr_t)(a->master + i) + d * 4), _MM_HINT_T0);
-  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg + i) + d * 4), _MM_HINT_T0);
-  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg_sq + i) + d * 4), _MM_HINT_T0);
-  _mm_prefetch((const char *)((uintptr_t)a->grad + (i + d) * gsz), _MM_HINT_T0);
-}
-
-/* Elements [lo, hi) (multiples of 16): p, m, v, g loaded, p, m, v stored back and the working
- * params stored from p, 64 bytes per f32 stream and 32 per 16-bit stream at a time, exactly the
- * kernel's accesses. Like the kernel, it prefetches ZD__ADAM_PREFETCH elements ahead and streams
- * the working params when the call is large enough (ZD__ADAM_NT_MIN); tasks start on 64-element
- * boundaries of 2 MiB-aligned buffers, so the streaming stores are aligned. Both made the pass
- * faster on the machine this was tuned on; streaming the in-place streams too, unrolling, other
- * prefetch distances, and one stream at a time over tiles of 64..4096 elements were slower. */
-__attribute__((target("avx512f"))) static void pass_avx512(const bench_t *b, uint64_t lo,
-                                                           uint64_t hi) {
-  const zd__adam_args_t *a = &b->args;
-  __m512i key = _mm512_set1_epi32((int)pass_key);
-  size_t gsz = dtype_size(a->grad_dtype), psz = dtype_size(a->param_dtype);
-  int nt = a->param && hi - lo >= ZD__ADAM_NT_MIN;
-  for (uint64_t i = lo; i < hi; i += 16) {
-    prefetch(a, i, gsz);
-    __m512i p = _mm512_loadu_si512(a->master + i);
-    __m512i m = _mm512_loadu_si512(a->exp_avg + i);
-    __m512i v = _mm512_loadu_si512(a->exp_avg_sq + i);
-    const char *g = (const char *)a->grad + i * gsz;
-    __m512i x = gsz == 4 ? _mm512_loadu_si512(g)
-                         : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)g));
-    p = _mm512_xor_si512(p, key);
-    m = _mm512_xor_si512(m, _mm512_and_si512(x, key));
-    v = _mm512_xor_si512(v, key);
-    _mm512_storeu_si512(a->master + i, p);
-    _mm512_storeu_si512(a->exp_avg + i, m);
-    _mm512_storeu_si512(a->exp_avg_sq + i, v);
-    if (!a->param) continue;
-    char *out = (char *)a->param + i * psz;
-    if (psz == 4 && nt)
-      _mm512_stream_si512((__m512i *)out, p);
-    else if (psz == 4)
-      _mm512_storeu_si512(out, p);
-    else if (nt)
-      _mm256_stream_si256((__m256i *)out, _mm512_castsi512_si256(p));
-    else
-      _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(p));
-  }
-  if (nt) _mm_sfence();
-}
-
-__attribute__((target("avx2"))) static void pass_avx2(const bench_t *b, uint64_t lo, uint64_t hi) {
-  const zd__adam_args_t *a = &b->args;
-  __m256i key = _mm256_set1_epi32((int)pass_key);
-  size_t gsz = dtype_size(a->grad_dtype), psz = dtype_size(a->param_dtype);
-  int nt = a->param && hi - lo >= ZD__ADAM_NT_MIN;
-  for (uint64_t i = lo; i < hi; i += 8) {
-    prefetch(a, i, gsz);
-    __m256i p = _mm256_loadu_si256((const __m256i *)(a->master + i));
-    __m256i m = _mm256_loadu_si256((const __m256i *)(a->exp_avg + i));
-    __m256i v = _mm256_loadu_si256((const __m256i *)(a->exp_avg_sq + i));
-    const char *g = (const char *)a->grad + i * gsz;
-    __m256i x = gsz == 4 ? _mm256_loadu_si256((const __m256i *)g)
-                         : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)g));
-    p = _mm256_xor_si256(p, key);
-    m = _mm256_xor_si256(m, _mm256_and_si256(x, key));
-    v = _mm256_xor_si256(v, key);
-    _mm256_storeu_si256((__m256i *)(a->master + i), p);
-    _mm256_storeu_si256((__m256i *)(a->exp_avg + i), m);
-    _mm256_storeu_si256((__m256i *)(a->exp_avg_sq + i), v);
-    if (!a->param) continue;
-    char *out = (char *)a->param + i * psz;
-    if (psz == 4 && nt)
-      _mm256_stream_si256((__m256i *)out, p);
-    else if (psz == 4)
-      _mm256_storeu_si256((__m256i *)out, p);
-    else if (nt)
-      _mm_stream_si128((__m128i *)out, _mm256_castsi256_si128(p));
-    else
-      _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(p));
-  }
-  if (nt) _mm_sfence();
-}
-
-/* The scalar kernel's pass: plain C with ordinary stores (the reference streams nothing), which
- * the compiler vectorizes to SSE2 as it can. */
-static void pass_plain(const bench_t *b, uint64_t lo, uint64_t hi) {
-  const zd__adam_args_t *a = &b->args;
-  uint32_t key = pass_key;
-  uint32_t *p = (uint32_t *)a->master, *m = (uint32_t *)a->exp_avg, *v = (uint32_t *)a->exp_avg_sq;
-  for (uint64_t i = lo; i < hi; i++) {
-    uint32_t x =
-        a->grad_dtype == ZD_F32 ? ((const uint32_t *)a->grad)[i] : ((const uint16_t *)a->grad)[i];
-    uint32_t pi = p[i] ^ key;
-    p[i] = pi;
-    m[i] ^= x & key;
-    v[i] ^= key;
-    if (a->param && a->param_dtype == ZD_F32) ((uint32_t *)a->param)[i] = pi;
-    if (a->param && a->param_dtype == ZD_BF16) ((uint16_t *)a->param)[i] = (uint16_t)pi;
-  }
 }
 
 /* ---- runs ---------------------------------------------------------------------------------- */
 
 static void task(void *arg, unsigned t, unsigned ntasks) {
   const bench_t *b = arg;
-  uint64_t per = (b->n / CHUNK + ntasks - 1) / ntasks * CHUNK;
-  uint64_t lo = t * per, hi = lo + per < b->n ? lo + per : b->n;
-  if (lo >= hi) return;
-  if (!b->run_pass)
-    b->kernel(&b->args, lo, hi);
-  else if (b->isa == ZD__ISA_AVX512)
-    pass_avx512(b, lo, hi);
-  else if (b->isa == ZD__ISA_AVX2)
-    pass_avx2(b, lo, hi);
-  else
-    pass_plain(b, lo, hi);
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+  uint64_t lo, hi;
+  zd_bench_split(b->n, t, ntasks, &lo, &hi);
+  if (lo < hi) b->kernel(&b->args, lo, hi);
 }
 
 static double timed_run(zd__pool_t *pool, bench_t *b, int run_pass) {
-  b->run_pass = run_pass;
-  double t0 = now_s();
+  if (run_pass) return zd_bench_mempass(pool, b->isa, &b->args, b->n);
+  double t0 = zd_bench_now();
   zd__pool_run(pool, zd__pool_size(pool), task, b);
-  return now_s() - t0;
-}
-
-static int cmp_double(const void *x, const void *y) {
-  double a = *(const double *)x, b = *(const double *)y;
-  return (a > b) - (a < b);
-}
-
-static double median(double *t, int n) {
-  qsort(t, (size_t)n, sizeof *t, cmp_double);
-  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
-}
-
-/* Large shard buffers on 2 MiB boundaries with transparent huge pages asked for, as the daemon
- * maps its shards: TLB misses are not what is being measured. */
-static void *alloc_buf(size_t bytes) {
-  size_t align = 2u << 20;
-  bytes = (bytes + align - 1) / align * align;
-  void *p = aligned_alloc(align, bytes);
-  if (!p) {
-    fprintf(stderr, "bench_adam: cannot allocate %zu bytes\n", bytes);
-    exit(1);
-  }
-  madvise(p, bytes, MADV_HUGEPAGE);
-  return p;
+  return zd_bench_now() - t0;
 }
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
@@ -287,8 +134,8 @@ int main(int argc, char **argv) {
   /* Buffers for the largest size; smaller rows use their prefix. */
   uint64_t nmax = 1ull << max_log2;
   size_t gsz = dtype_size(gdt), psz = pdt ? dtype_size(pdt) : 0;
-  float *master = alloc_buf(nmax * 4), *m = alloc_buf(nmax * 4), *v = alloc_buf(nmax * 4);
-  void *grad = alloc_buf(nmax * gsz), *param = pdt ? alloc_buf(nmax * psz) : NULL;
+  float *master = zd_bench_alloc(nmax * 4), *m = zd_bench_alloc(nmax * 4), *v = zd_bench_alloc(nmax * 4);
+  void *grad = zd_bench_alloc(nmax * gsz), *param = pdt ? zd_bench_alloc(nmax * psz) : NULL;
   for (uint64_t i = 0; i < nmax; i++) {
     float g = rnd_unit() * 1e-2f;
     master[i] = rnd_unit();
@@ -357,7 +204,7 @@ int main(int argc, char **argv) {
         tp[it - warmup] = pt;
       }
     }
-    double k_s = median(tk, iters), p_s = median(tp, iters);
+    double k_s = zd_bench_median(tk, iters), p_s = zd_bench_median(tp, iters);
     double bytes = elem_bytes * (double)n;
     printf("  %10llu %7s %7u %10.3f %9.3f %8.2f %10.3f %10.2f %7.1f%%\n", (unsigned long long)n,
            zd__isa_name((zd__isa_t)isa), zd__pool_size(pool), k_s * 1e3, (double)n / k_s * 1e-9,

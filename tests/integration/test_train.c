@@ -12,6 +12,7 @@
 
 #include "adam.h"
 #include "check.h"
+#include "dtype.h"
 #include "harness.h"
 #include "mlp.h"
 #include "zerod/zerod.h"
@@ -24,39 +25,6 @@ typedef struct reference {
   float m[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
   float v[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
 } reference_t;
-
-static float load(const void *buf, zd_dtype_t dt, uint64_t i) {
-  if (dt == ZD_F32) return ((const float *)buf)[i];
-  if (dt == ZD_BF16) return zd__bf16_to_f32(((const uint16_t *)buf)[i]);
-  return zd__f16_to_f32(((const uint16_t *)buf)[i]);
-}
-
-/* f32 -> f16, round to nearest even; enough for the gradients of this model (normal range). */
-static uint16_t f32_to_f16(float f) {
-  union {
-    float f;
-    uint32_t u;
-  } x = {.f = f};
-  uint32_t sign = (x.u >> 16) & 0x8000u;
-  float a = fabsf(f);
-  if (a < 6.103515625e-05f) { /* subnormal half: quantise to 2^-24 steps, round to even */
-    return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f));
-  }
-  uint32_t u = x.u & 0x7fffffffu;
-  uint32_t r = u + 0xfffu + ((u >> 13) & 1u); /* round mantissa to 10 bits */
-  uint32_t e = (r >> 23) - 127 + 15;
-  if (e >= 31) return (uint16_t)(sign | 0x7c00u);
-  return (uint16_t)(sign | (e << 10) | ((r >> 13) & 0x3ffu));
-}
-
-static void store(void *buf, zd_dtype_t dt, uint64_t i, float v) {
-  if (dt == ZD_F32)
-    ((float *)buf)[i] = v;
-  else if (dt == ZD_BF16)
-    ((uint16_t *)buf)[i] = zd__f32_to_bf16(v);
-  else
-    ((uint16_t *)buf)[i] = f32_to_f16(v);
-}
 
 static zd_group_t groups_at(int step, zd_group_t out[2]) {
   /* group 0: AdamW with a cosine lr schedule; group 1: Adam (L2) with constant lr */
@@ -95,7 +63,7 @@ static zd_client_t *attach(const zdt_daemon_t *d, zd_dtype_t pdt, zd_dtype_t gdt
     for (int i = 0; i < MLP_NPARAMS; i++) {
       zd_param_info_t info;
       CHECK_INT_EQ(zd_param_info(c, (size_t)i, &info), ZD_OK);
-      for (uint64_t k = 0; k < info.numel; k++) store(buf, pdt, info.offset + k, init[i][k]);
+      for (uint64_t k = 0; k < info.numel; k++) zdt_store(buf, pdt, info.offset + k, init[i][k]);
     }
   }
   rc = zd_register(c);
@@ -118,7 +86,7 @@ static void compare(zd_client_t *c, const reference_t *ref, zd_dtype_t pdt, int 
     for (uint64_t k = 0; k < info.numel; k++) {
       float want = ref->master[i][k];
       if (pdt == ZD_BF16) want = zd__bf16_to_f32(zd__f32_to_bf16(want));
-      float got = load(buf, pdt, info.offset + k);
+      float got = zdt_load(buf, pdt, info.offset + k);
       uint32_t gb, wb;
       memcpy(&gb, &got, 4);
       memcpy(&wb, &want, 4);
@@ -144,7 +112,7 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
       zd_param_info_t info;
       zd_param_info(c, (size_t)i, &info);
       for (uint64_t k = 0; k < info.numel; k++)
-        ref.master[i][k] = load(buf, pdt, info.offset + k);
+        ref.master[i][k] = zdt_load(buf, pdt, info.offset + k);
     }
   }
   float first_loss = 0, loss = 0;
@@ -163,14 +131,14 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
       zd_param_info(c, (size_t)i, &info);
       p[i] = work[i];
       g[i] = grad[i];
-      for (uint64_t k = 0; k < info.numel; k++) work[i][k] = load(pbuf, pdt, info.offset + k);
+      for (uint64_t k = 0; k < info.numel; k++) work[i][k] = zdt_load(pbuf, pdt, info.offset + k);
     }
     loss = mlp_loss_grad((const float *const *)p, g, (uint64_t)step, 0);
     if (step == 0) first_loss = loss;
     for (int i = 0; i < MLP_NPARAMS; i++) {
       zd_param_info_t info;
       zd_param_info(c, (size_t)i, &info);
-      for (uint64_t k = 0; k < info.numel; k++) store(gbuf, gdt, info.offset + k, grad[i][k]);
+      for (uint64_t k = 0; k < info.numel; k++) zdt_store(gbuf, gdt, info.offset + k, grad[i][k]);
     }
 
     zd_group_t groups[2];
@@ -187,7 +155,7 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
       zd_param_info_t info;
       zd_param_info(c, (size_t)i, &info);
       float gq[MLP_HIDDEN * MLP_IN];
-      for (uint64_t k = 0; k < info.numel; k++) gq[k] = load(gbuf, gdt, info.offset + k);
+      for (uint64_t k = 0; k < info.numel; k++) gq[k] = zdt_load(gbuf, gdt, info.offset + k);
       zd__adam_group_t consts;
       zd__adam_group_init(&consts, &groups[info.group], (uint64_t)step + 1);
       zd__segment_t seg = {.offset = 0, .length = info.numel, .group = 0};

@@ -88,6 +88,8 @@ static const char *const all_names[] = {"socket",
                                         "control_address",
                                         "rendezvous_address",
                                         "collective_timeout_ms",
+                                        "connect_timeout_ms",
+                                        "collective_host",
                                         "log_level",
                                         "config"};
 #define NNAMES (int)(sizeof all_names / sizeof all_names[0])

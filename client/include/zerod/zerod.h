@@ -84,7 +84,8 @@ typedef struct zd_loss_scaler {
 } zd_loss_scaler_t;
 
 /* Register flags. */
-#define ZD_REGISTER_REPLACE 0x1u /* discard state held for a different model on this rank */
+#define ZD_REGISTER_REPLACE 0x1u /* start afresh: discard any state zerod holds on this rank, for
+                                    this model or another (at world size > 1: on every rank) */
 
 typedef struct zd_model_desc {
   const zd_param_t *params;
@@ -149,7 +150,8 @@ typedef struct zd_step_opts {
 typedef struct zd_step_result {
   uint64_t step;       /* steps applied after this one */
   int applied;         /* 0 if skipped because of an overflow (loss scaling) */
-  double grad_norm;    /* global L2 norm of the (unscaled, reduced) gradient */
+  double grad_norm;    /* global L2 norm of the (unscaled, reduced) gradient; NaN when not
+                          computed (world size 1 with no clipping and no loss scaling) */
   double loss_scale;   /* scale to use for the next step's loss */
   double clip_coef;    /* factor applied to the gradient by clipping (1 if none) */
   uint64_t duration_us; /* time zerod spent on the step */
@@ -163,8 +165,10 @@ typedef uint64_t zd_request_t;
  *   /run/zerod/zerod.sock). local_rank: index of the rank within that zerod, or ZD_ANY_RANK for
  *   the first one with no client attached.
  * On success *out is a new client; close it with zd_close(). Blocks for at most timeout_ms
- * milliseconds waiting for the daemon's hello (0: 30 s). Errors: -ENOENT/-ECONNREFUSED (no
- * daemon), ZD_EVERSION, ZD_EBUSY (rank taken), ZD_ERANK, ZD_EDENIED. */
+ * milliseconds waiting for the daemon's hello (0: 30 s). The rank is taken by zd_register():
+ * a rank named explicitly may still be busy then (ZD_EBUSY from zd_register). Errors:
+ * -ENOENT/-ECONNREFUSED (no daemon), ZD_EVERSION, ZD_EBUSY (ZD_ANY_RANK and every rank taken),
+ * ZD_ERANK, ZD_EDENIED. */
 ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms,
                          zd_client_t **out);
 
@@ -226,6 +230,9 @@ ZD_EXPORT void zd_close(zd_client_t *client);
 
 /* Message of the last failing call on this thread ("" if none). Valid until the next call. */
 ZD_EXPORT const char *zd_last_error(void);
+
+/* Version of the library loaded, "0.1.0" (ZD_VERSION_STRING of its build). */
+ZD_EXPORT const char *zd_version(void);
 
 /* Bytes per element of a dtype; 0 for an unknown value. Name: "f32", "bf16", "f16", "?". */
 ZD_EXPORT size_t zd_dtype_size(zd_dtype_t dtype);

@@ -1,0 +1,586 @@
+/* zeroctl: the operator's command line for zerod's control service (DESIGN §6).
+ *
+ *   zeroctl [--address ADDR] [--timeout-ms N] status [--world] [--json]
+ *   zeroctl [--address ADDR] [--timeout-ms N] health [--service NAME]
+ *
+ * status asks one node for its ranks (shard, step, loss scale, grad norm, step time, client,
+ * health) and prints a table, or JSON for scripts; --world asks that node for the node registry
+ * (Nodes, on rank 0's node: zeroctl follows the node's rendezvous_address if it is not that node)
+ * and then every node, merging the rows by global rank. A node that cannot be reached is a row of
+ * its own with the error, and the exit status is 1. health is the standard gRPC health check:
+ * exit 0 when serving, 1 otherwise, so it fits scripts and probes.
+ *
+ * Every call has a timeout and fails fast when nothing listens (no WAIT_FOR_READY): an operator
+ * wants "cannot reach zerod control service at X: connection refused" at once, not a hang.
+ */
+#include <errno.h>
+#include <grpc/grpc.h>
+#include <grpc/support/log.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "control.pb-c.h"
+#include "error.h"
+#include "grpc_unary.h"
+#include "health.pb-c.h"
+
+#define DEFAULT_ADDRESS    "127.0.0.1:7070"
+#define DEFAULT_TIMEOUT_MS 5000
+
+enum { EXIT_OK = 0, EXIT_FAIL = 1, EXIT_USAGE = 2 };
+
+typedef struct options {
+  const char *address;
+  int timeout_ms;
+  const char *command;
+  int world;
+  int json;
+  const char *service;
+} options_t;
+
+/* One node as zeroctl saw it: its status, or why there is none. */
+typedef struct node {
+  char *address;
+  uint32_t first_rank; /* from the registry, for the rows of a node that did not answer */
+  uint32_t local_ranks;
+  Zerod__V1__NodeStatus *status;
+  char error[ZD__ERR_MSG_MAX];
+} node_t;
+
+/* One row of the table: a rank of a node that answered, or a rank nobody could describe. */
+typedef struct row {
+  uint32_t rank;
+  const node_t *node;                /* NULL: no node registered this rank */
+  const Zerod__V1__RankStatus *stat; /* NULL: no status (see node->error) */
+} row_t;
+
+static void usage(FILE *out) {
+  fprintf(
+      out,
+      "usage: zeroctl [--address ADDR] [--timeout-ms N] COMMAND [OPTIONS]\n"
+      "\n"
+      "Commands:\n"
+      "  status [--world] [--json]  ranks of a zerod: shard, step, loss scale, last grad norm,\n"
+      "                             last step time, attached client, health (and why not ok);\n"
+      "                             --world: every node of the world, through rank 0's node;\n"
+      "                             --json: machine-readable output\n"
+      "  health [--service NAME]    gRPC health check (service \"\" by default; \"zerod.ranks\"\n"
+      "                             is serving only while every local rank is healthy);\n"
+      "                             exit status 0 when serving, 1 otherwise\n"
+      "\n"
+      "Options:\n"
+      "  --address ADDR    control service: host:port or unix:/path (default:\n"
+      "                    $ZEROD_CONTROL_ADDRESS, else " DEFAULT_ADDRESS
+      ")\n"
+      "  --timeout-ms N    per call (default %d)\n"
+      "  -h, --help        this text\n"
+      "  -V, --version     zeroctl's version\n"
+      "\n"
+      "Exit status: 0 success, 1 failure (a node unreachable, not serving), 2 bad usage.\n",
+      DEFAULT_TIMEOUT_MS);
+}
+
+static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int usage_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fputs("zeroctl: ", stderr);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputs("\n(zeroctl --help for usage)\n", stderr);
+  return EXIT_USAGE;
+}
+
+/* Takes "--name VALUE" or "--name=VALUE"; returns the value or NULL if arg is not --name. */
+static const char *flag_value(int argc, char **argv, int *i, const char *name, int *missing) {
+  size_t n = strlen(name);
+  if (strncmp(argv[*i], name, n) != 0) return NULL;
+  if (argv[*i][n] == '=') return argv[*i] + n + 1;
+  if (argv[*i][n] != '\0') return NULL;
+  if (*i + 1 >= argc) {
+    *missing = 1;
+    return NULL;
+  }
+  return argv[++*i];
+}
+
+/* Returns -1 to go on, else an exit status (help, version, bad usage). */
+static int parse(int argc, char **argv, options_t *o) {
+  const char *env = getenv("ZEROD_CONTROL_ADDRESS");
+  *o = (options_t){.address = env && env[0] ? env : DEFAULT_ADDRESS,
+                   .timeout_ms = DEFAULT_TIMEOUT_MS,
+                   .service = ""};
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v;
+    int missing = 0;
+    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      usage(stdout);
+      return EXIT_OK;
+    }
+    if (!strcmp(a, "-V") || !strcmp(a, "--version")) {
+      printf("zeroctl %s\n", ZD_VERSION);
+      return EXIT_OK;
+    }
+    if ((v = flag_value(argc, argv, &i, "--address", &missing))) {
+      if (!v[0]) return usage_error("--address is empty");
+      o->address = v;
+    } else if ((v = flag_value(argc, argv, &i, "--timeout-ms", &missing))) {
+      char *end;
+      errno = 0;
+      long t = strtol(v, &end, 10);
+      if (errno || *end || t < 1 || t > 3600000)
+        return usage_error("--timeout-ms '%s': expected milliseconds, 1..3600000", v);
+      o->timeout_ms = (int)t;
+    } else if ((v = flag_value(argc, argv, &i, "--service", &missing))) {
+      o->service = v;
+    } else if (missing) {
+      return usage_error("%s needs a value", a);
+    } else if (!strcmp(a, "--world")) {
+      o->world = 1;
+    } else if (!strcmp(a, "--json")) {
+      o->json = 1;
+    } else if (a[0] == '-') {
+      return usage_error("unknown option '%s'", a);
+    } else if (!o->command) {
+      o->command = a;
+    } else {
+      return usage_error("unexpected argument '%s'", a);
+    }
+  }
+  if (!o->command) return usage_error("no command given: status or health");
+  if (strcmp(o->command, "status") != 0 && strcmp(o->command, "health") != 0)
+    return usage_error("unknown command '%s': expected status or health", o->command);
+  if (!strcmp(o->command, "health") && (o->world || o->json))
+    return usage_error("health takes --service only");
+  return -1;
+}
+
+/* ---- calls --------------------------------------------------------------------------------- */
+
+static int call(const char *address, const char *method, const ProtobufCMessage *req,
+                const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply,
+                int timeout_ms, int *status, zd__err_t *err) {
+  zd__grpc_channel_t *ch;
+  int rc = zd__grpc_channel_open(address, &ch, err);
+  if (rc) return rc;
+  rc = zd__grpc_call(ch, method, req, reply_desc, reply, timeout_ms, 0, status, err);
+  zd__grpc_channel_close(ch);
+  return rc;
+}
+
+static void fetch_status(node_t *n, int timeout_ms) {
+  Zerod__V1__NodeStatusRequest req = ZEROD__V1__NODE_STATUS_REQUEST__INIT;
+  zd__err_t err = {0};
+  ProtobufCMessage *reply = NULL;
+  if (call(n->address, "/zerod.v1.Control/Status", &req.base, &zerod__v1__node_status__descriptor,
+           &reply, timeout_ms, NULL, &err) == 0)
+    n->status = (Zerod__V1__NodeStatus *)reply;
+  else
+    snprintf(n->error, sizeof n->error, "%s", err.msg);
+}
+
+/* The node registry, from address or, when that node is not rank 0's, from the rendezvous
+ * address it names. */
+static int fetch_nodes(const char *address, int timeout_ms, Zerod__V1__NodesReply **out,
+                       char **registry, zd__err_t *err) {
+  Zerod__V1__NodesRequest req = ZEROD__V1__NODES_REQUEST__INIT;
+  ProtobufCMessage *reply = NULL;
+  int status;
+  *registry = strdup(address);
+  int rc = call(address, "/zerod.v1.Control/Nodes", &req.base, &zerod__v1__nodes_reply__descriptor,
+                &reply, timeout_ms, &status, err);
+  if (rc && status == GRPC_STATUS_FAILED_PRECONDITION) {
+    node_t n = {.address = (char *)address};
+    fetch_status(&n, timeout_ms);
+    if (n.status && n.status->rendezvous_address && n.status->rendezvous_address[0] &&
+        strcmp(n.status->rendezvous_address, address) != 0) {
+      free(*registry);
+      *registry = strdup(n.status->rendezvous_address);
+      rc = call(*registry, "/zerod.v1.Control/Nodes", &req.base,
+                &zerod__v1__nodes_reply__descriptor, &reply, timeout_ms, NULL, err);
+    }
+    if (n.status) zerod__v1__node_status__free_unpacked(n.status, NULL);
+  }
+  *out = (Zerod__V1__NodesReply *)reply;
+  return rc;
+}
+
+/* ---- output helpers ------------------------------------------------------------------------ */
+
+static void human_bytes(uint64_t b, char *buf, size_t len) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = (double)b;
+  int u = 0;
+  while (v >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, len, "%" PRIu64 " B", b);
+  else
+    snprintf(buf, len, "%.1f %s", v, units[u]);
+}
+
+static void json_string(FILE *f, const char *s) {
+  fputc('"', f);
+  for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
+    switch (*p) {
+      case '"':
+        fputs("\\\"", f);
+        break;
+      case '\\':
+        fputs("\\\\", f);
+        break;
+      case '\n':
+        fputs("\\n", f);
+        break;
+      case '\r':
+        fputs("\\r", f);
+        break;
+      case '\t':
+        fputs("\\t", f);
+        break;
+      case '\b':
+        fputs("\\b", f);
+        break;
+      case '\f':
+        fputs("\\f", f);
+        break;
+      default:
+        if (*p < 0x20)
+          fprintf(f, "\\u%04x", *p);
+        else
+          fputc(*p, f);
+    }
+  }
+  fputc('"', f);
+}
+
+static void json_double(FILE *f, double v) {
+  if (isfinite(v))
+    fprintf(f, "%.17g", v);
+  else
+    fputs("null", f);
+}
+
+/* ---- rows ---------------------------------------------------------------------------------- */
+
+static int cmp_row(const void *a, const void *b) {
+  const row_t *x = a, *y = b;
+  return x->rank < y->rank ? -1 : x->rank > y->rank;
+}
+
+/* Rows of every node's ranks, and of the ranks of world_size nobody described; sorted. */
+static row_t *make_rows(const node_t *nodes, size_t nnodes, uint32_t world_size, size_t *nrows) {
+  size_t cap = world_size, n = 0;
+  for (size_t i = 0; i < nnodes; i++)
+    cap += nodes[i].status ? nodes[i].status->n_ranks : nodes[i].local_ranks;
+  row_t *rows = calloc(cap ? cap : 1, sizeof *rows);
+  if (!rows) return NULL;
+  for (size_t i = 0; i < nnodes; i++) {
+    const node_t *nd = &nodes[i];
+    if (nd->status) {
+      for (size_t r = 0; r < nd->status->n_ranks; r++)
+        rows[n++] =
+            (row_t){.rank = nd->status->ranks[r]->rank, .node = nd, .stat = nd->status->ranks[r]};
+    } else {
+      for (uint32_t r = 0; r < nd->local_ranks; r++)
+        rows[n++] = (row_t){.rank = nd->first_rank + r, .node = nd};
+    }
+  }
+  for (uint32_t r = 0; r < world_size; r++) {
+    int seen = 0;
+    for (size_t j = 0; j < n && !seen; j++) seen = rows[j].rank == r && rows[j].node;
+    if (!seen) rows[n++] = (row_t){.rank = r};
+  }
+  qsort(rows, n, sizeof *rows, cmp_row);
+  *nrows = n;
+  return rows;
+}
+
+/* ---- table --------------------------------------------------------------------------------- */
+
+enum { NCOLS = 11, CELL = 96 };
+
+static const char *const headers[NCOLS] = {"RANK",       "LOCAL",     "NODE",        "HEALTH",
+                                           "CLIENT",     "STEP",      "SHARD_ELEMS", "STATE_BYTES",
+                                           "LOSS_SCALE", "GRAD_NORM", "STEP_MS"};
+
+static void row_cells(const row_t *r, char cells[NCOLS][CELL]) {
+  for (int i = 0; i < NCOLS; i++) snprintf(cells[i], CELL, "-");
+  const Zerod__V1__RankStatus *s = r->stat;
+  snprintf(cells[0], CELL, "%u", r->rank);
+  if (r->node) snprintf(cells[2], CELL, "%s", r->node->address);
+  if (!s) {
+    snprintf(cells[3], CELL, "%s", r->node ? "unreachable" : "missing");
+    return;
+  }
+  snprintf(cells[1], CELL, "%u", s->local_rank);
+  snprintf(cells[3], CELL, "%s", s->health);
+  if (s->client) {
+    char tag[24]; /* libzerod names its clients "program[pid]": no need to say the pid twice */
+    snprintf(tag, sizeof tag, "[%d]", s->client_pid);
+    if (s->has_client_pid && !strstr(s->client, tag))
+      snprintf(cells[4], CELL, "%s (pid %d)", s->client, s->client_pid);
+    else
+      snprintf(cells[4], CELL, "%s", s->client);
+  }
+  if (s->has_step) snprintf(cells[5], CELL, "%" PRIu64, s->step);
+  if (s->has_shard_elems) snprintf(cells[6], CELL, "%" PRIu64, s->shard_elems);
+  if (s->has_state_bytes) {
+    char h[32];
+    human_bytes(s->state_bytes, h, sizeof h);
+    snprintf(cells[7], CELL, "%" PRIu64 " (%s)", s->state_bytes, h);
+  }
+  if (s->has_loss_scale) snprintf(cells[8], CELL, "%g", s->loss_scale);
+  if (s->has_last_grad_norm) snprintf(cells[9], CELL, "%.6g", s->last_grad_norm);
+  if (s->has_last_step_us) snprintf(cells[10], CELL, "%.3f", (double)s->last_step_us / 1000.0);
+}
+
+static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, size_t nrows) {
+  for (size_t i = 0; i < nnodes; i++) {
+    const Zerod__V1__NodeStatus *st = nodes[i].status;
+    if (!st) continue;
+    printf("node %s: zerod %s, pid %d, ranks %u..%u of %u, backend %s, up %" PRIu64 " s\n",
+           nodes[i].address, st->version, st->pid, st->first_rank,
+           st->first_rank + (st->local_ranks ? st->local_ranks - 1 : 0), st->world_size,
+           st->backend, st->uptime_s);
+  }
+  char(*cells)[NCOLS][CELL] = calloc(nrows ? nrows : 1, sizeof *cells);
+  if (!cells) return;
+  size_t width[NCOLS];
+  for (int c = 0; c < NCOLS; c++) width[c] = strlen(headers[c]);
+  for (size_t r = 0; r < nrows; r++) {
+    row_cells(&rows[r], cells[r]);
+    for (int c = 0; c < NCOLS; c++)
+      if (strlen(cells[r][c]) > width[c]) width[c] = strlen(cells[r][c]);
+  }
+  /* Numbers right-aligned, words left-aligned; no trailing blanks. */
+  static const int right[NCOLS] = {1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1};
+  printf("\n");
+  for (int c = 0; c < NCOLS; c++)
+    printf("%s%*s", c ? "  " : "", right[c] ? (int)width[c] : -(int)width[c], headers[c]);
+  printf("\n");
+  for (size_t r = 0; r < nrows; r++) {
+    for (int c = 0; c < NCOLS; c++)
+      printf("%s%*s", c ? "  " : "", right[c] ? (int)width[c] : -(int)width[c], cells[r][c]);
+    printf("\n");
+  }
+  free(cells);
+
+  int header = 0;
+  for (size_t r = 0; r < nrows; r++) {
+    const Zerod__V1__RankStatus *s = rows[r].stat;
+    if (!s || !s->degraded_reason) continue;
+    if (!header++) printf("\ndegraded:\n");
+    printf("  rank %u: %s\n", rows[r].rank, s->degraded_reason);
+  }
+  header = 0;
+  for (size_t i = 0; i < nnodes; i++) {
+    if (nodes[i].status) continue;
+    if (!header++) printf("\nerrors:\n");
+    printf("  node %s: %s\n", nodes[i].address, nodes[i].error);
+  }
+  for (size_t r = 0; r < nrows; r++) {
+    if (rows[r].node) continue;
+    if (!header++) printf("\nerrors:\n");
+    printf("  rank %u: no node registered it\n", rows[r].rank);
+  }
+}
+
+/* ---- JSON ---------------------------------------------------------------------------------- */
+
+static void print_json_rank(const row_t *r) {
+  const Zerod__V1__RankStatus *s = r->stat;
+  printf("    {\"rank\": %u, \"node\": ", r->rank);
+  if (r->node)
+    json_string(stdout, r->node->address);
+  else
+    fputs("null", stdout);
+  if (!s) {
+    printf(", \"health\": \"%s\", \"error\": ", r->node ? "unreachable" : "missing");
+    json_string(stdout, r->node ? r->node->error : "no node registered this rank");
+    printf("}");
+    return;
+  }
+  printf(", \"local_rank\": %u, \"health\": ", s->local_rank);
+  json_string(stdout, s->health);
+  printf(", \"degraded_reason\": ");
+  if (s->degraded_reason)
+    json_string(stdout, s->degraded_reason);
+  else
+    fputs("null", stdout);
+  printf(", \"client\": ");
+  if (s->client)
+    json_string(stdout, s->client);
+  else
+    fputs("null", stdout);
+  if (s->has_client_pid) printf(", \"client_pid\": %d", s->client_pid);
+  printf(", \"has_model\": %s", s->has_model ? "true" : "false");
+  if (s->has_params) printf(", \"params\": %u", s->params);
+  if (s->has_shard_elems) printf(", \"shard_elems\": %" PRIu64, s->shard_elems);
+  if (s->has_state_bytes) printf(", \"state_bytes\": %" PRIu64, s->state_bytes);
+  if (s->has_grad_shard_bytes) printf(", \"grad_shard_bytes\": %" PRIu64, s->grad_shard_bytes);
+  if (s->has_step) printf(", \"step\": %" PRIu64, s->step);
+  if (s->has_steps_skipped) printf(", \"steps_skipped\": %" PRIu64, s->steps_skipped);
+  if (s->has_loss_scale) {
+    printf(", \"loss_scale\": ");
+    json_double(stdout, s->loss_scale);
+  }
+  printf(", \"last_grad_norm\": ");
+  json_double(stdout, s->has_last_grad_norm ? s->last_grad_norm : NAN);
+  if (s->has_last_step_us) printf(", \"last_step_us\": %" PRIu64, s->last_step_us);
+  printf(", \"shard\": [");
+  for (size_t b = 0; b < s->n_shard; b++)
+    printf("%s{\"bucket\": %u, \"begin\": %" PRIu64 ", \"end\": %" PRIu64 "}", b ? ", " : "",
+           s->shard[b]->bucket, s->shard[b]->begin, s->shard[b]->end);
+  printf("]}");
+}
+
+static void print_json(const node_t *nodes, size_t nnodes, const row_t *rows, size_t nrows,
+                       uint32_t world_size) {
+  printf("{\n  \"world_size\": %u,\n  \"nodes\": [\n", world_size);
+  for (size_t i = 0; i < nnodes; i++) {
+    const node_t *n = &nodes[i];
+    const Zerod__V1__NodeStatus *st = n->status;
+    printf("    {\"address\": ");
+    json_string(stdout, n->address);
+    if (st) {
+      printf(", \"ok\": true, \"version\": ");
+      json_string(stdout, st->version);
+      printf(", \"pid\": %d, \"control_address\": ", st->pid);
+      json_string(stdout, st->control_address);
+      printf(", \"world_size\": %u, \"first_rank\": %u, \"local_ranks\": %u, \"backend\": ",
+             st->world_size, st->first_rank, st->local_ranks);
+      json_string(stdout, st->backend);
+      printf(", \"uptime_s\": %" PRIu64 "}", st->uptime_s);
+    } else {
+      printf(", \"ok\": false, \"error\": ");
+      json_string(stdout, n->error);
+      printf("}");
+    }
+    printf("%s\n", i + 1 < nnodes ? "," : "");
+  }
+  printf("  ],\n  \"ranks\": [\n");
+  for (size_t r = 0; r < nrows; r++) {
+    print_json_rank(&rows[r]);
+    printf("%s\n", r + 1 < nrows ? "," : "");
+  }
+  printf("  ]\n}\n");
+}
+
+/* ---- commands ------------------------------------------------------------------------------ */
+
+static int cmd_status(const options_t *o) {
+  node_t *nodes = NULL;
+  size_t nnodes = 0;
+  uint32_t world_size = 0;
+  row_t *rows = NULL;
+  size_t nrows = 0;
+  int rc = EXIT_OK;
+  if (o->world) {
+    Zerod__V1__NodesReply *reg = NULL;
+    char *registry = NULL;
+    zd__err_t err = {0};
+    if (fetch_nodes(o->address, o->timeout_ms, &reg, &registry, &err) != 0) {
+      fprintf(stderr, "zeroctl: cannot list the nodes of the world (Nodes at %s): %s\n",
+              registry ? registry : o->address, err.msg);
+      free(registry);
+      return EXIT_FAIL;
+    }
+    free(registry);
+    world_size = reg->world_size;
+    nodes = calloc(reg->n_nodes ? reg->n_nodes : 1, sizeof *nodes);
+    for (size_t i = 0; nodes && i < reg->n_nodes; i++) {
+      nodes[i].address = strdup(reg->nodes[i]->control_address);
+      nodes[i].first_rank = reg->nodes[i]->first_rank;
+      nodes[i].local_ranks = reg->nodes[i]->local_ranks;
+      nnodes++;
+    }
+    zerod__v1__nodes_reply__free_unpacked(reg, NULL);
+  } else {
+    nodes = calloc(1, sizeof *nodes);
+    if (nodes) nodes[nnodes++].address = strdup(o->address);
+  }
+  if (!nodes) {
+    fprintf(stderr, "zeroctl: out of memory\n");
+    return EXIT_FAIL;
+  }
+  for (size_t i = 0; i < nnodes; i++) {
+    fetch_status(&nodes[i], o->timeout_ms);
+    if (!nodes[i].status) rc = EXIT_FAIL;
+  }
+  if (!o->world && !nodes[0].status) {
+    fprintf(stderr, "zeroctl: %s\n", nodes[0].error);
+    goto exit;
+  }
+  /* One node lists its own ranks (world_size 0: no "missing" rows for the other nodes'). */
+  if (!(rows = make_rows(nodes, nnodes, world_size, &nrows))) {
+    fprintf(stderr, "zeroctl: out of memory\n");
+    rc = EXIT_FAIL;
+    goto exit;
+  }
+  for (size_t r = 0; r < nrows; r++)
+    if (!rows[r].node) rc = EXIT_FAIL;
+  if (o->json)
+    print_json(nodes, nnodes, rows, nrows, world_size ? world_size : nodes[0].status->world_size);
+  else
+    print_table(nodes, nnodes, rows, nrows);
+exit:
+  for (size_t i = 0; i < nnodes; i++) {
+    free(nodes[i].address);
+    if (nodes[i].status) zerod__v1__node_status__free_unpacked(nodes[i].status, NULL);
+  }
+  free(nodes);
+  free(rows);
+  return rc;
+}
+
+static int cmd_health(const options_t *o) {
+  Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  req.service = (char *)o->service;
+  ProtobufCMessage *reply = NULL;
+  zd__err_t err = {0};
+  if (call(o->address, "/grpc.health.v1.Health/Check", &req.base,
+           &grpc__health__v1__health_check_response__descriptor, &reply, o->timeout_ms, NULL,
+           &err) != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  Grpc__Health__V1__HealthCheckResponse *rep = (Grpc__Health__V1__HealthCheckResponse *)reply;
+  int serving = rep->status == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+  const char *name =
+      rep->status == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING ? "SERVING"
+      : rep->status == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING
+          ? "NOT_SERVING"
+          : "UNKNOWN";
+  if (o->service[0])
+    printf("%s: %s (service %s)\n", o->address, name, o->service);
+  else
+    printf("%s: %s\n", o->address, name);
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return serving ? EXIT_OK : EXIT_FAIL;
+}
+
+/* gRPC's log lines are for developers; zeroctl reports the outcome of each call itself. */
+static void quiet_log(gpr_log_func_args *a) {
+  if (getenv("ZEROCTL_GRPC_LOG"))
+    fprintf(stderr, "grpc: %s (%s:%d)\n", a->message, a->file, a->line);
+}
+
+int main(int argc, char **argv) {
+  options_t o;
+  int rc = parse(argc, argv, &o);
+  if (rc >= 0) return rc;
+  gpr_set_log_function(quiet_log);
+  /* One library reference for the whole run: each call's channel then reuses the library
+   * instead of starting and tearing down gRPC's threads around every call. */
+  grpc_init();
+  rc = !strcmp(o.command, "status") ? cmd_status(&o) : cmd_health(&o);
+  grpc_shutdown();
+  return rc;
+}

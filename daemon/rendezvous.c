@@ -1,0 +1,219 @@
+/* Rendezvous client (rendezvous.h): KvSet, KvGet and KvWait of rank 0's control service as
+ * blocking calls with one overall deadline.
+ *
+ * Peers start in any order, so every call waits for the channel to connect (WAIT_FOR_READY), and
+ * an UNAVAILABLE answer (rank 0's zerod restarting or shutting down) is retried until the
+ * deadline rather than failing the whole world's start-up. Everything else is final.
+ */
+#include "rendezvous.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "control.pb-c.h"
+#include "grpc_unary.h"
+
+#define RETRY_MS 100 /* pause between attempts while the store answers UNAVAILABLE */
+#define WAIT_SLACK_MS                                                                           \
+  100                      /* on a connected channel, a KvWait's call outlives its server-side  \
+                              wait by this much, so the "still missing" answer beats the call's \
+                              deadline */
+#define MAX_KEY_BYTES 1024 /* as the server enforces */
+
+struct zd__rdv {
+  zd__grpc_channel_t *ch;
+};
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(int64_t ms) {
+  struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+int zd__rdv_open(const char *address, zd__rdv_t **out, zd__err_t *err) {
+  *out = NULL;
+  zd__rdv_t *rdv = calloc(1, sizeof *rdv);
+  if (!rdv) return zd__errf(err, -ENOMEM, "out of memory opening the rendezvous client");
+  int rc = zd__grpc_channel_open(address, &rdv->ch, err);
+  if (rc) {
+    free(rdv);
+    return rc;
+  }
+  *out = rdv;
+  return ZD_OK;
+}
+
+void zd__rdv_close(zd__rdv_t *rdv) {
+  if (!rdv) return;
+  zd__grpc_channel_close(rdv->ch);
+  free(rdv);
+}
+
+static int check_key(const zd__rdv_t *rdv, const char *key, zd__err_t *err) {
+  size_t n = key ? strlen(key) : 0;
+  if (n == 0 || n > MAX_KEY_BYTES)
+    return zd__errf(err, -EINVAL, "rendezvous at %s: key '%.64s' is %zu bytes; keys have 1..%d",
+                    zd__grpc_channel_address(rdv->ch), key ? key : "", n, MAX_KEY_BYTES);
+  return ZD_OK;
+}
+
+/* One call, retried while the store is unavailable, until deadline_ms (monotonic). For KvWait,
+ * *wait_timeout_ms is set to the server-side wait of each attempt. what ("set 'key'") goes into
+ * the message of a failure, which names the address too. */
+static int call_retry(zd__rdv_t *rdv, const char *method, const char *what, ProtobufCMessage *req,
+                      uint32_t *wait_timeout_ms, const ProtobufCMessageDescriptor *reply_desc,
+                      ProtobufCMessage **reply, int64_t deadline_ms, zd__err_t *err) {
+  zd__err_t e = {0};
+  int attempts = 0, status = GRPC_STATUS_OK, rc;
+  for (;;) {
+    int64_t left = deadline_ms - now_ms();
+    if (left < 1) left = 1;
+    /* A KvWait waits the whole time on the server. Only a connected channel gets the slack on
+     * top: one still connecting cannot get the answer before the server's wait ends anyway, and
+     * the caller's timeout then holds exactly. */
+    int call_ms = (int)left;
+    if (wait_timeout_ms) {
+      *wait_timeout_ms = (uint32_t)left;
+      if (zd__grpc_channel_ready(rdv->ch)) call_ms += WAIT_SLACK_MS;
+    }
+    rc = zd__grpc_call(rdv->ch, method, req, reply_desc, reply, call_ms, ZD__GRPC_WAIT_FOR_READY,
+                       &status, &e);
+    attempts++;
+    if (rc != ZD_EPEER) break;
+    left = deadline_ms - now_ms();
+    if (left <= 0) break;
+    sleep_ms(left < RETRY_MS ? left : RETRY_MS);
+  }
+  if (rc == ZD_OK) return ZD_OK;
+  const char *addr = zd__grpc_channel_address(rdv->ch);
+  if (status == GRPC_STATUS_FAILED_PRECONDITION)
+    return zd__errf(err, ZD_ECONFIG,
+                    "rendezvous: cannot %s: rendezvous_address %s is not rank "
+                    "0's control service: %s",
+                    what, addr, e.msg);
+  if (rc == ZD_EPEER)
+    return zd__errf(err, rc, "rendezvous: cannot %s: %s (gave up after %d attempts)", what, e.msg,
+                    attempts);
+  return zd__errf(err, rc, "rendezvous: cannot %s: %s", what, e.msg);
+}
+
+int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, int timeout_ms,
+                zd__err_t *err) {
+  int rc = check_key(rdv, key, err);
+  if (rc) return rc;
+  Zerod__V1__KvSetRequest req = ZEROD__V1__KV_SET_REQUEST__INIT;
+  req.key = (char *)key;
+  req.value.data = (uint8_t *)value;
+  req.value.len = len;
+  ProtobufCMessage *reply = NULL;
+  char what[MAX_KEY_BYTES + 16];
+  snprintf(what, sizeof what, "set '%s'", key);
+  rc = call_retry(rdv, "/zerod.v1.Control/KvSet", what, &req.base, NULL,
+                  &zerod__v1__kv_set_reply__descriptor, &reply, now_ms() + timeout_ms, err);
+  if (reply) protobuf_c_message_free_unpacked(reply, NULL);
+  return rc;
+}
+
+/* Names the missing keys for a timeout message: "'a', 'b' and 3 more". */
+static void list_keys(char *buf, size_t cap, char *const *keys, size_t n) {
+  size_t off = 0;
+  buf[0] = '\0';
+  for (size_t i = 0; i < n && off < cap; i++) {
+    if (i == 4 && n > 5) {
+      snprintf(buf + off, cap - off, " and %zu more", n - i);
+      return;
+    }
+    int w = snprintf(buf + off, cap - off, "%s'%s'", i ? ", " : "", keys[i]);
+    if (w < 0) return;
+    off += (size_t)w;
+  }
+}
+
+int zd__rdv_wait(zd__rdv_t *rdv, const char *const *keys, size_t nkeys, int timeout_ms,
+                 zd__err_t *err) {
+  for (size_t i = 0; i < nkeys; i++) {
+    int rc = check_key(rdv, keys[i], err);
+    if (rc) return rc;
+  }
+  if (nkeys == 0) return ZD_OK;
+  Zerod__V1__KvWaitRequest req = ZEROD__V1__KV_WAIT_REQUEST__INIT;
+  req.n_keys = nkeys;
+  req.keys = (char **)keys;
+  char names[256], what[300];
+  list_keys(names, sizeof names, (char *const *)keys, nkeys);
+  snprintf(what, sizeof what, "wait for %s", names);
+  ProtobufCMessage *reply = NULL;
+  int rc = call_retry(rdv, "/zerod.v1.Control/KvWait", what, &req.base, &req.timeout_ms,
+                      &zerod__v1__kv_wait_reply__descriptor, &reply, now_ms() + timeout_ms, err);
+  if (rc) goto exit;
+  Zerod__V1__KvWaitReply *rep = (Zerod__V1__KvWaitReply *)reply;
+  if (!rep->ok) {
+    list_keys(names, sizeof names, rep->missing, rep->n_missing);
+    rc = zd__errf(err, -ETIMEDOUT, "rendezvous at %s: timed out after %d ms waiting for %s",
+                  zd__grpc_channel_address(rdv->ch), timeout_ms, rep->n_missing ? names : "keys");
+  }
+exit:
+  if (reply) protobuf_c_message_free_unpacked(reply, NULL);
+  return rc;
+}
+
+int zd__rdv_get(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int timeout_ms,
+                zd__err_t *err) {
+  *value = NULL;
+  *len = 0;
+  int64_t deadline = now_ms() + timeout_ms;
+  int rc = zd__rdv_wait(rdv, &key, 1, timeout_ms, err);
+  if (rc) return rc;
+  Zerod__V1__KvGetRequest req = ZEROD__V1__KV_GET_REQUEST__INIT;
+  req.key = (char *)key;
+  ProtobufCMessage *reply = NULL;
+  char what[MAX_KEY_BYTES + 16];
+  snprintf(what, sizeof what, "get '%s'", key);
+  rc = call_retry(rdv, "/zerod.v1.Control/KvGet", what, &req.base, NULL,
+                  &zerod__v1__kv_get_reply__descriptor, &reply, deadline, err);
+  if (rc) goto exit;
+  Zerod__V1__KvGetReply *rep = (Zerod__V1__KvGetReply *)reply;
+  if (!rep->found) {
+    /* Keys are never deleted: the store restarted between the wait and the get. */
+    rc = zd__errf(err, ZD_EPEER,
+                  "rendezvous at %s: key '%s' vanished after it was set (did rank "
+                  "0's zerod restart?)",
+                  zd__grpc_channel_address(rdv->ch), key);
+    goto exit;
+  }
+  size_t n = rep->has_value ? rep->value.len : 0;
+  *value = malloc(n ? n : 1);
+  if (!*value) {
+    rc = zd__errf(err, -ENOMEM, "out of memory for the %zu-byte value of '%s'", n, key);
+    goto exit;
+  }
+  if (n) memcpy(*value, rep->value.data, n);
+  *len = n;
+exit:
+  if (reply) protobuf_c_message_free_unpacked(reply, NULL);
+  return rc;
+}
+
+int zd__rdv_register_node(zd__rdv_t *rdv, uint32_t first_rank, uint32_t local_ranks,
+                          const char *control_address, int timeout_ms, zd__err_t *err) {
+  Zerod__V1__NodeInfo info = ZEROD__V1__NODE_INFO__INIT;
+  info.first_rank = first_rank;
+  info.local_ranks = local_ranks;
+  info.control_address = (char *)control_address;
+  uint8_t *buf = malloc(protobuf_c_message_get_packed_size(&info.base) + 1);
+  if (!buf) return zd__errf(err, -ENOMEM, "out of memory registering the node");
+  size_t len = protobuf_c_message_pack(&info.base, buf);
+  char key[32];
+  snprintf(key, sizeof key, ZD__RDV_NODE_PREFIX "%u", first_rank);
+  int rc = zd__rdv_set(rdv, key, buf, len, timeout_ms, err);
+  free(buf);
+  return rc;
+}

@@ -1,0 +1,102 @@
+/* World bootstrap (world.h). */
+#include "world.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "gloo.h"
+#include "log.h"
+#include "rendezvous.h"
+
+#define WORLD_KEY "zerod/world"
+#define SLICE_MS 1000 /* long waits are cut into slices so that a shutdown can cancel them */
+
+typedef struct kv_ctx {
+  zd__rdv_t *rdv;
+  atomic_int *stop;
+  int timeout_ms; /* a get or wait may last at most this (connect_timeout_ms) */
+} kv_ctx_t;
+
+static int cancelled(const kv_ctx_t *k, zd__err_t *err) {
+  if (!atomic_load(k->stop)) return ZD_OK;
+  return zd__errf(err, -ECANCELED, "joining the world was cancelled (shutdown)");
+}
+
+static int kv_set(void *ctx, const char *key, const void *value, size_t len, zd__err_t *err) {
+  kv_ctx_t *k = ctx;
+  return zd__rdv_set(k->rdv, key, value, len, SLICE_MS * 10, err);
+}
+
+/* Waits in slices until the keys exist, the overall timeout passes, or a stop is asked for. */
+static int kv_wait(void *ctx, const char *const *keys, size_t nkeys, int timeout_ms,
+                   zd__err_t *err) {
+  kv_ctx_t *k = ctx;
+  if (timeout_ms <= 0 || timeout_ms > k->timeout_ms) timeout_ms = k->timeout_ms;
+  for (int waited = 0;; waited += SLICE_MS) {
+    int rc = cancelled(k, err);
+    if (rc) return rc;
+    int slice = timeout_ms - waited < SLICE_MS ? timeout_ms - waited : SLICE_MS;
+    rc = zd__rdv_wait(k->rdv, keys, nkeys, slice, err);
+    if (rc != -ETIMEDOUT || waited + slice >= timeout_ms) return rc;
+  }
+}
+
+static int kv_get(void *ctx, const char *key, void **value, size_t *len, int timeout_ms,
+                  zd__err_t *err) {
+  int rc = kv_wait(ctx, &key, 1, timeout_ms, err);
+  if (rc) return rc;
+  kv_ctx_t *k = ctx;
+  return zd__rdv_get(k->rdv, key, value, len, SLICE_MS * 10, err);
+}
+
+/* Rank 0 names the world instance; the others learn the name. */
+static int world_id(const zd__kv_t *kv, uint32_t rank, char *id, size_t idlen, zd__err_t *err) {
+  if (rank == 0) {
+    uint64_t r = 0;
+    if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r)
+      return zd__errf(err, -errno, "getrandom failed: %s", strerror(errno));
+    snprintf(id, idlen, "%016" PRIx64, r);
+    return kv->set(kv->ctx, WORLD_KEY, id, strlen(id), err);
+  }
+  void *value = NULL;
+  size_t len = 0;
+  int rc = kv->get(kv->ctx, WORLD_KEY, &value, &len, 0, err);
+  if (rc) return rc;
+  snprintf(id, idlen, "%.*s", (int)(len < idlen ? len : idlen - 1), (const char *)value);
+  free(value);
+  return ZD_OK;
+}
+
+int zd__world_connect(const zd__world_t *w, uint32_t rank, atomic_int *stop, zd__comm_t **out,
+                      zd__err_t *err) {
+  kv_ctx_t k = {.stop = stop, .timeout_ms = w->connect_timeout_ms};
+  int rc = zd__rdv_open(w->rendezvous_address, &k.rdv, err);
+  if (rc) return rc;
+  zd__kv_t kv = {.ctx = &k, .set = kv_set, .get = kv_get, .wait = kv_wait};
+  char id[32], prefix[64];
+  ZD_LOG_INFO("joining a world of %u ranks through %s", w->world_size, w->rendezvous_address);
+  rc = world_id(&kv, rank, id, sizeof id, err);
+  if (rc) goto exit;
+  /* Local rank 0 of each node tells the registry where the node's control service is. */
+  if (rank == w->first_rank &&
+      (rc = zd__rdv_register_node(k.rdv, w->first_rank, w->local_ranks, w->control_address,
+                                  SLICE_MS * 10, err)))
+    goto exit;
+  snprintf(prefix, sizeof prefix, "gloo/%s/", id);
+  zd__gloo_opts_t opts = {.kv = &kv,
+                          .prefix = prefix,
+                          .rank = rank,
+                          .world_size = w->world_size,
+                          .host = w->collective_host,
+                          .timeout_ms = w->collective_timeout_ms,
+                          .connect_timeout_ms = w->connect_timeout_ms};
+  rc = zd__comm_gloo_create(&opts, out, err);
+  if (rc == ZD_OK) ZD_LOG_INFO("joined world %s as rank %u of %u", id, rank, w->world_size);
+exit:
+  zd__rdv_close(k.rdv);
+  return rc;
+}

@@ -1,0 +1,36 @@
+/* World bootstrap: how a local rank joins a multi-rank world (DESIGN §2, §6).
+ *
+ * Runs on the rank's worker thread when the daemon starts. Through the rendezvous store of the
+ * node that hosts global rank 0 (rendezvous.h): rank 0 publishes a fresh world id (every
+ * collective key of this world instance is prefixed by it, so a restarted world never reads a
+ * dead one's keys); each node's local rank 0 registers the node (its control address and ranks)
+ * for `zeroctl status --world`; then every rank builds its Gloo communicator (comm_gloo.c), whose
+ * full-mesh connection goes through the same store. Waiting for peers is bounded by
+ * connect_timeout_ms and can be cancelled (shutdown) through *stop.
+ */
+#ifndef ZD_DAEMON_WORLD_H
+#define ZD_DAEMON_WORLD_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "error.h"
+
+typedef struct zd__world {
+  const char *rendezvous_address; /* control service of the node hosting rank 0 */
+  const char *control_address;    /* this node's, for the node registry */
+  const char *collective_host;    /* this node's address for collectives */
+  uint32_t world_size;
+  uint32_t first_rank;
+  uint32_t local_ranks;
+  int collective_timeout_ms;
+  int connect_timeout_ms;
+} zd__world_t;
+
+/* Joins global rank `rank` to the world and returns its communicator. Errors: -ETIMEDOUT
+ * (peers did not join within connect_timeout_ms), -ECANCELED (*stop was set), ZD_EPEER. */
+int zd__world_connect(const zd__world_t *w, uint32_t rank, atomic_int *stop, zd__comm_t **out,
+                      zd__err_t *err);
+
+#endif /* ZD_DAEMON_WORLD_H */

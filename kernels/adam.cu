@@ -1,0 +1,850 @@
+/* The CUDA optimizer kernels (adam_cuda.h): the fused AdamW/Adam update, the gradient statistics,
+ * the step decision, their host launchers, and the check that says why CUDA cannot be used.
+ *
+ * The update walks a table of tiles built once per range (zd__cuda_layout_create): a tile is at
+ * most ZD__CUDA_TILE elements of one segment, cut at multiples of ZD__CUDA_TILE, so a block
+ * looks up its group's constants once per tile and never per element, and only the first and
+ * last tile of a segment have edges off the 8-element grid. Blocks stride over the tiles; in a
+ * tile each thread takes 8 consecutive elements at a time (two 16-byte loads of each fp32 array,
+ * one of a 16-bit grad, all issued before the arithmetic), edges element by element.
+ *
+ * The statistics follow adam.h's fixed order: four threads per 2048-element block, each owning
+ * four of the sixteen lanes and reading one 16-byte (or 8-byte) vector per 16 elements, lanes
+ * added in increasing element order, then the lanes' binary tree through warp shuffles. A
+ * second, single-block kernel adds the block sums in increasing order (the chain is inherently
+ * serial: one double add per 2048 gradients, fed through shared memory by the other warps).
+ *
+ * Arithmetic: see adam.cuh (explicit _rn intrinsics, FMA exactly where adam.h has it). Doubles in
+ * the statistics use __dmul_rn/__dadd_rn so that `lane += x * x` is never fused either.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "adam.cuh"
+
+#define FULL_MASK 0xffffffffu
+
+/* ---- errors -------------------------------------------------------------------------------- */
+
+/* zd__errf's contract (proto/error.h), kept local so that this library links on its own. */
+__attribute__((format(printf, 3, 4))) static int errf(zd__err_t *err, int code, const char *fmt,
+                                                      ...) {
+  if (err) {
+    va_list ap;
+    va_start(ap, fmt);
+    err->code = code;
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+static int cuda_errf(zd__err_t *err, cudaError_t e, const char *what) {
+  int code = e == cudaErrorMemoryAllocation ? -ENOMEM : ZD_EBACKEND;
+  return errf(err, code, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+/* After every launch: configuration errors show here, the kernel's own errors later. */
+#define LAUNCH_CHECK(err, what)                             \
+  do {                                                      \
+    cudaError_t e_ = cudaGetLastError();                    \
+    if (e_ != cudaSuccess) return cuda_errf(err, e_, what); \
+  } while (0)
+
+#define CUDA_TRY(err, call, what)    \
+  do {                               \
+    cudaError_t e_ = (call);         \
+    if (e_ != cudaSuccess) {         \
+      rc = cuda_errf(err, e_, what); \
+      goto fail;                     \
+    }                                \
+  } while (0)
+
+static int check_stream(cudaStream_t stream, const char *who, zd__err_t *err) {
+  if (stream) return ZD_OK;
+  return errf(err, -EINVAL,
+              "%s: stream is the legacy default stream (NULL), which serialises with "
+              "every other stream; pass a stream of your own (cudaStreamNonBlocking)",
+              who);
+}
+
+/* ---- availability -------------------------------------------------------------------------- */
+
+#define MIN_CC_MAJOR 9 /* sm_90 code and compute_90 PTX are built in */
+
+static int device_usable(int dev, char *why, size_t len) {
+  int major = 0, minor = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(why, len, "GPU %d: cannot read its compute capability: %s (%s)", dev,
+             cudaGetErrorString(e), cudaGetErrorName(e));
+    return 0;
+  }
+  if (major >= MIN_CC_MAJOR) return 1;
+  cudaDeviceProp prop;
+  const char *name = "?";
+  if (cudaGetDeviceProperties(&prop, dev) == cudaSuccess)
+    name = prop.name;
+  else
+    (void)cudaGetLastError();
+  snprintf(why, len,
+           "GPU %d (%.100s) has compute capability %d.%d; this zerod has CUDA kernels for "
+           "%d.0 (Hopper) and later only",
+           dev, name, major, minor, MIN_CC_MAJOR);
+  return 0;
+}
+
+int zd__cuda_available(char *why, size_t len) {
+  char scratch[512];
+  if (!why || !len) {
+    why = scratch;
+    len = sizeof scratch;
+  }
+  why[0] = 0;
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    int drv = 0, rt = 0;
+    (void)cudaDriverGetVersion(&drv);
+    (void)cudaRuntimeGetVersion(&rt);
+    (void)cudaGetLastError();
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    if (e == cudaErrorInsufficientDriver && drv == 0)
+      snprintf(why, len,
+               "no NVIDIA driver is loaded (libcuda.so.1 not found, or no GPU kernel "
+               "module); this zerod was built with CUDA %d.%d",
+               rt / 1000, rt % 1000 / 10);
+    else if (e == cudaErrorInsufficientDriver)
+      snprintf(why, len,
+               "the NVIDIA driver supports CUDA %d.%d; this zerod was built with CUDA "
+               "%d.%d and needs a driver for that version or later",
+               drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
+    else if (e == cudaErrorNoDevice)
+      snprintf(why, len, "no CUDA device is visible%s%s%s", vis ? " (CUDA_VISIBLE_DEVICES=" : "",
+               vis ? vis : "", vis ? ")" : "");
+    else
+      snprintf(why, len, "CUDA cannot be initialised: cudaGetDeviceCount: %s (%s)",
+               cudaGetErrorString(e), cudaGetErrorName(e));
+    return 0;
+  }
+  if (count <= 0) {
+    snprintf(why, len, "no CUDA device is visible");
+    return 0;
+  }
+  int usable = 0;
+  size_t used = 0;
+  for (int dev = 0; dev < count; dev++) {
+    char one[512];
+    if (device_usable(dev, one, sizeof one)) {
+      usable++;
+    } else if (used < len) {
+      int w = snprintf(why + used, len - used, "%s%s", used ? "; " : "", one);
+      used += w > 0 ? (size_t)w : 0;
+    }
+  }
+  return usable;
+}
+
+int zd__cuda_device_check(int device, zd__err_t *err) {
+  char why[512];
+  int total = 0;
+  if (cudaGetDeviceCount(&total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    zd__cuda_available(why, sizeof why); /* says why CUDA cannot start */
+    return errf(err, ZD_EBACKEND, "%s", why);
+  }
+  if (device < 0 || device >= total)
+    return errf(err, ZD_EBACKEND, "GPU %d does not exist: %d CUDA device%s visible", device, total,
+                total == 1 ? " is" : "s are");
+  if (!device_usable(device, why, sizeof why)) return errf(err, ZD_EBACKEND, "%s", why);
+  return ZD_OK;
+}
+
+/* ---- layouts ------------------------------------------------------------------------------- */
+
+#define ADAM_THREADS        256
+#define ADAM_VEC            8 /* elements per thread and iteration */
+#define ADAM_BLOCKS_PER_SM  8
+#define STATS_THREADS       256
+#define STATS_PER_BLOCK     (STATS_THREADS / 4) /* four threads per statistics block */
+#define STATS_BLOCKS_PER_SM 8
+#define FIN_THREADS         256
+#define FIN_CHUNK           2048
+
+typedef struct tile {
+  uint64_t start; /* offset in the range */
+  uint32_t len;   /* 1..ZD__CUDA_TILE */
+  uint32_t group;
+} tile_t;
+
+typedef struct seg {
+  uint64_t lo, hi; /* [lo, hi) */
+} seg_t;
+
+struct zd__cuda_layout {
+  uint64_t n;
+  uint64_t ntiles;
+  uint64_t nblocks; /* statistics blocks */
+  uint32_t nsegs;
+  uint32_t ngroups; /* highest group index + 1 */
+  unsigned adam_grid;
+  unsigned stats_grid;
+  tile_t *d_tiles;
+  seg_t *d_segs;
+  uint32_t *d_first_seg; /* per statistics block: first segment ending after its start */
+  double *d_sums;        /* per statistics block */
+  uint32_t *d_counts;    /* per statistics block: non-finite gradients */
+};
+
+static int check_segments(const zd__segment_t *segs, uint32_t nsegs, uint64_t n, zd__err_t *err) {
+  if (nsegs && !segs)
+    return errf(err, -EINVAL, "CUDA layout: %u segments but no segment list", nsegs);
+  uint64_t end = 0;
+  for (uint32_t s = 0; s < nsegs; s++) {
+    const zd__segment_t *g = &segs[s];
+    if (g->offset > n || g->length > n - g->offset)
+      return errf(err, -EINVAL,
+                  "CUDA layout: segment %u [%llu, +%llu) ends past the range of %llu "
+                  "elements",
+                  s, (unsigned long long)g->offset, (unsigned long long)g->length,
+                  (unsigned long long)n);
+    if (g->group == UINT32_MAX)
+      return errf(err, -EINVAL, "CUDA layout: segment %u has group %u", s, g->group);
+    if (g->offset < end)
+      return errf(err, -EINVAL,
+                  "CUDA layout: segment %u starts at %llu, before the end %llu of "
+                  "segment %u; segments must be sorted and disjoint",
+                  s, (unsigned long long)g->offset, (unsigned long long)end, s - 1);
+    end = g->offset + g->length;
+  }
+  return ZD_OK;
+}
+
+int zd__cuda_layout_create(const zd__segment_t *segs, uint32_t nsegs, uint64_t n,
+                           cudaStream_t stream, zd__cuda_layout_t **out, zd__err_t *err) {
+  if (!out) return errf(err, -EINVAL, "CUDA layout: no result pointer");
+  *out = NULL;
+  int rc = check_stream(stream, "CUDA layout", err);
+  if (rc) return rc;
+  rc = check_segments(segs, nsegs, n, err);
+  if (rc) return rc;
+
+  zd__cuda_layout_t *l = (zd__cuda_layout_t *)calloc(1, sizeof *l);
+  tile_t *tiles = NULL;
+  seg_t *hsegs = NULL;
+  uint32_t *first = NULL;
+  if (!l) return errf(err, -ENOMEM, "CUDA layout: out of memory");
+  l->n = n;
+  l->nsegs = nsegs;
+  l->nblocks = zd__stats_blocks(n);
+  for (uint32_t s = 0; s < nsegs; s++) {
+    if (segs[s].group + 1 > l->ngroups) l->ngroups = segs[s].group + 1;
+    if (segs[s].length)
+      l->ntiles += (segs[s].offset + segs[s].length - 1) / ZD__CUDA_TILE -
+                   segs[s].offset / ZD__CUDA_TILE + 1;
+  }
+  tiles = (tile_t *)malloc((l->ntiles ? l->ntiles : 1) * sizeof *tiles);
+  hsegs = (seg_t *)malloc((nsegs ? nsegs : 1) * sizeof *hsegs);
+  first = (uint32_t *)malloc((l->nblocks ? l->nblocks : 1) * sizeof *first);
+  if (!tiles || !hsegs || !first) {
+    rc = errf(err, -ENOMEM, "CUDA layout: out of memory for %llu tiles",
+              (unsigned long long)l->ntiles);
+    goto fail;
+  }
+  {
+    uint64_t t = 0;
+    for (uint32_t s = 0; s < nsegs; s++) {
+      uint64_t lo = segs[s].offset, hi = lo + segs[s].length;
+      hsegs[s] = (seg_t){lo, hi};
+      while (lo < hi) {
+        uint64_t cut = (lo / ZD__CUDA_TILE + 1) * ZD__CUDA_TILE;
+        uint64_t e = cut < hi ? cut : hi;
+        tiles[t++] = (tile_t){lo, (uint32_t)(e - lo), segs[s].group};
+        lo = e;
+      }
+    }
+    uint32_t s = 0;
+    for (uint64_t k = 0; k < l->nblocks; k++) {
+      while (s < nsegs && hsegs[s].hi <= k * ZD__STATS_BLOCK) s++;
+      first[k] = s; /* zd__segs_find(segs, nsegs, k * ZD__STATS_BLOCK) */
+    }
+  }
+
+  int dev, sms;
+  CUDA_TRY(err, cudaGetDevice(&dev), "CUDA layout: cudaGetDevice");
+  CUDA_TRY(err, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+           "CUDA layout: multiprocessor count");
+  {
+    uint64_t cap = (uint64_t)sms * ADAM_BLOCKS_PER_SM;
+    l->adam_grid = (unsigned)(l->ntiles < cap ? l->ntiles : cap);
+    uint64_t want = (l->nblocks + STATS_PER_BLOCK - 1) / STATS_PER_BLOCK;
+    cap = (uint64_t)sms * STATS_BLOCKS_PER_SM;
+    l->stats_grid = (unsigned)(want < cap ? want : cap);
+  }
+  if (l->ntiles) {
+    CUDA_TRY(err, cudaMalloc((void **)&l->d_tiles, l->ntiles * sizeof(tile_t)),
+             "CUDA layout: cudaMalloc of the tile table");
+    CUDA_TRY(err,
+             cudaMemcpyAsync(l->d_tiles, tiles, l->ntiles * sizeof(tile_t), cudaMemcpyHostToDevice,
+                             stream),
+             "CUDA layout: copying the tile table");
+  }
+  if (nsegs) {
+    CUDA_TRY(err, cudaMalloc((void **)&l->d_segs, nsegs * sizeof(seg_t)),
+             "CUDA layout: cudaMalloc of the segments");
+    CUDA_TRY(
+        err,
+        cudaMemcpyAsync(l->d_segs, hsegs, nsegs * sizeof(seg_t), cudaMemcpyHostToDevice, stream),
+        "CUDA layout: copying the segments");
+  }
+  if (l->nblocks) {
+    CUDA_TRY(err, cudaMalloc((void **)&l->d_first_seg, l->nblocks * sizeof(uint32_t)),
+             "CUDA layout: cudaMalloc of the block table");
+    CUDA_TRY(err, cudaMalloc((void **)&l->d_sums, l->nblocks * sizeof(double)),
+             "CUDA layout: cudaMalloc of the block sums");
+    CUDA_TRY(err, cudaMalloc((void **)&l->d_counts, l->nblocks * sizeof(uint32_t)),
+             "CUDA layout: cudaMalloc of the block counts");
+    CUDA_TRY(err,
+             cudaMemcpyAsync(l->d_first_seg, first, l->nblocks * sizeof(uint32_t),
+                             cudaMemcpyHostToDevice, stream),
+             "CUDA layout: copying the block table");
+  }
+  /* The host tables are pageable and freed below: wait for the copies. */
+  CUDA_TRY(err, cudaStreamSynchronize(stream), "CUDA layout: waiting for the table copies");
+  free(tiles);
+  free(hsegs);
+  free(first);
+  *out = l;
+  return ZD_OK;
+fail:
+  free(tiles);
+  free(hsegs);
+  free(first);
+  zd__cuda_layout_destroy(l);
+  return rc;
+}
+
+void zd__cuda_layout_destroy(zd__cuda_layout_t *l) {
+  if (!l) return;
+  cudaFree(l->d_counts);
+  cudaFree(l->d_sums);
+  cudaFree(l->d_first_seg);
+  cudaFree(l->d_segs);
+  cudaFree(l->d_tiles);
+  free(l);
+}
+
+uint64_t zd__cuda_layout_elems(const zd__cuda_layout_t *l) {
+  return l->n;
+}
+uint64_t zd__cuda_layout_tiles(const zd__cuda_layout_t *l) {
+  return l->ntiles;
+}
+uint64_t zd__cuda_layout_stats_blocks(const zd__cuda_layout_t *l) {
+  return l->nblocks;
+}
+uint32_t zd__cuda_layout_groups(const zd__cuda_layout_t *l) {
+  return l->ngroups;
+}
+const double *zd__cuda_layout_block_sums(const zd__cuda_layout_t *l) {
+  return l->d_sums;
+}
+
+/* ---- the update ---------------------------------------------------------------------------- */
+
+/* Everything a launch needs, by value (about 2.9 KB: under the classic 4 KB parameter limit).
+ * __grid_constant__ lets threads address it in place, without a per-thread copy. */
+typedef struct adam_kargs {
+  float *master;
+  float *exp_avg;
+  float *exp_avg_sq;
+  const void *grad;
+  void *param;
+  const tile_t *tiles;
+  uint64_t ntiles;
+  float grad_scale;
+  int vec; /* every array 16-byte aligned: vectors at multiples of 8 elements */
+  const float *d_grad_scale;
+  const int32_t *d_skip;
+  const zd__adam_group_t *d_groups;
+  zd__adam_group_t groups[ZD__CUDA_GROUPS_INLINE];
+} adam_kargs_t;
+
+template <int GDT>
+static __device__ __forceinline__ float load_grad(const void *g, uint64_t i) {
+  if (GDT == ZD_F32) return __ldg((const float *)g + i);
+  return zd__dev_grad_to_f32<GDT>(__ldg((const unsigned short *)g + i));
+}
+
+/* Grads i..i+7; i a multiple of 8 and the array 16-byte aligned. */
+template <int GDT>
+static __device__ __forceinline__ void load_grad8(const void *g, uint64_t i, float x[8]) {
+  if (GDT == ZD_F32) {
+    const float4 *q = (const float4 *)((const float *)g + i);
+    float4 a = __ldg(q), b = __ldg(q + 1);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+    x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    uint4 u = __ldg((const uint4 *)((const uint16_t *)g + i));
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) { /* little-endian: element 2j in the low half */
+      x[2 * j] = zd__dev_grad_to_f32<GDT>((uint16_t)(w[j] & 0xffffu));
+      x[2 * j + 1] = zd__dev_grad_to_f32<GDT>((uint16_t)(w[j] >> 16));
+    }
+  }
+}
+
+template <int PDT>
+static __device__ __forceinline__ void store_param(void *param, uint64_t i, float p) {
+  if (PDT == ZD_F32) ((float *)param)[i] = p;
+  if (PDT == ZD_BF16) ((uint16_t *)param)[i] = zd__dev_f32_to_bf16(p);
+}
+
+template <int PDT>
+static __device__ __forceinline__ void store_param8(void *param, uint64_t i, const float p[8]) {
+  if (PDT == ZD_F32) {
+    float4 *q = (float4 *)((float *)param + i);
+    q[0] = make_float4(p[0], p[1], p[2], p[3]);
+    q[1] = make_float4(p[4], p[5], p[6], p[7]);
+  }
+  if (PDT == ZD_BF16) {
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+      w[j] = (uint32_t)zd__dev_f32_to_bf16(p[2 * j]) |
+             ((uint32_t)zd__dev_f32_to_bf16(p[2 * j + 1]) << 16);
+    *(uint4 *)((uint16_t *)param + i) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+template <int GDT, int PDT>
+static __device__ __forceinline__ void adam_one(const adam_kargs_t &a, uint64_t i, float scale,
+                                                const zd__dev_group_t &k) {
+  float g = load_grad<GDT>(a.grad, i);
+  float p = a.master[i], m = a.exp_avg[i], v = a.exp_avg_sq[i];
+  zd__dev_adam(g, scale, k, p, m, v);
+  a.master[i] = p;
+  a.exp_avg[i] = m;
+  a.exp_avg_sq[i] = v;
+  store_param<PDT>(a.param, i, p);
+}
+
+template <int GDT, int PDT>
+static __device__ __forceinline__ void adam_eight(const adam_kargs_t &a, uint64_t i, float scale,
+                                                  const zd__dev_group_t &k) {
+  float4 *pq = (float4 *)(a.master + i), *mq = (float4 *)(a.exp_avg + i),
+         *vq = (float4 *)(a.exp_avg_sq + i);
+  float4 p0 = pq[0], p1 = pq[1], m0 = mq[0], m1 = mq[1], v0 = vq[0], v1 = vq[1];
+  float g[8];
+  load_grad8<GDT>(a.grad, i, g);
+  float p[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+  float m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+  float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+  for (int j = 0; j < 8; j++) zd__dev_adam(g[j], scale, k, p[j], m[j], v[j]);
+  pq[0] = make_float4(p[0], p[1], p[2], p[3]);
+  pq[1] = make_float4(p[4], p[5], p[6], p[7]);
+  mq[0] = make_float4(m[0], m[1], m[2], m[3]);
+  mq[1] = make_float4(m[4], m[5], m[6], m[7]);
+  vq[0] = make_float4(v[0], v[1], v[2], v[3]);
+  vq[1] = make_float4(v[4], v[5], v[6], v[7]);
+  store_param8<PDT>(a.param, i, p);
+}
+
+/* GDT: ZD_F32, ZD_BF16, ZD_F16; PDT: 0 (no working parameters), ZD_F32, ZD_BF16. */
+template <int GDT, int PDT>
+__global__ void __launch_bounds__(ADAM_THREADS)
+    adam_kernel(const __grid_constant__ adam_kargs_t a) {
+  if (a.d_skip && *a.d_skip) return;
+  const float scale = a.d_grad_scale ? *a.d_grad_scale : a.grad_scale;
+  const zd__adam_group_t *groups = a.d_groups ? a.d_groups : a.groups;
+  for (uint64_t t = blockIdx.x; t < a.ntiles; t += gridDim.x) {
+    const tile_t tile = a.tiles[t];
+    const zd__dev_group_t k = zd__dev_group(groups[tile.group]);
+    const uint64_t lo = tile.start, hi = lo + tile.len;
+    /* [lo, vlo) and [vhi, hi) element by element, [vlo, vhi) in vectors of 8. */
+    uint64_t vlo = hi, vhi = hi;
+    if (a.vec) {
+      vlo = (lo + ADAM_VEC - 1) & ~(uint64_t)(ADAM_VEC - 1);
+      if (vlo > hi) vlo = hi;
+      vhi = vlo + ((hi - vlo) & ~(uint64_t)(ADAM_VEC - 1));
+    }
+    for (uint64_t i = lo + threadIdx.x; i < vlo; i += blockDim.x)
+      adam_one<GDT, PDT>(a, i, scale, k);
+    for (uint64_t i = vlo + (uint64_t)threadIdx.x * ADAM_VEC; i < vhi;
+         i += (uint64_t)blockDim.x * ADAM_VEC)
+      adam_eight<GDT, PDT>(a, i, scale, k);
+    for (uint64_t i = vhi + threadIdx.x; i < hi; i += blockDim.x)
+      adam_one<GDT, PDT>(a, i, scale, k);
+  }
+}
+
+typedef void (*adam_kernel_fn)(adam_kargs_t);
+
+template <int GDT>
+static adam_kernel_fn adam_kernel_for(int pdt) {
+  switch (pdt) {
+    case ZD_F32:
+      return adam_kernel<GDT, ZD_F32>;
+    case ZD_BF16:
+      return adam_kernel<GDT, ZD_BF16>;
+    default:
+      return adam_kernel<GDT, 0>;
+  }
+}
+
+static int aligned16(const void *p) {
+  return ((uintptr_t)p & 15u) == 0;
+}
+
+static int grad_dtype_ok(zd_dtype_t t) {
+  return t == ZD_F32 || t == ZD_BF16 || t == ZD_F16;
+}
+
+int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
+                       cudaStream_t stream, zd__err_t *err) {
+  if (!l || !a) return errf(err, -EINVAL, "CUDA adam: no layout or no arguments");
+  int rc = check_stream(stream, "CUDA adam", err);
+  if (rc) return rc;
+  if (!a->master || !a->exp_avg || !a->exp_avg_sq || !a->grad)
+    return errf(err, -EINVAL, "CUDA adam: master, exp_avg, exp_avg_sq and grad are required");
+  if (!grad_dtype_ok(a->grad_dtype))
+    return errf(err, ZD_EDTYPE, "CUDA adam: grad dtype %d; expected f32, bf16 or f16",
+                (int)a->grad_dtype);
+  if (a->param && a->param_dtype != ZD_F32 && a->param_dtype != ZD_BF16)
+    return errf(err, ZD_EDTYPE, "CUDA adam: param dtype %d; expected f32 or bf16",
+                (int)a->param_dtype);
+  if (a->ngroups < l->ngroups)
+    return errf(err, -EINVAL, "CUDA adam: the segments use %u groups, %u given", l->ngroups,
+                a->ngroups);
+  if (!a->d_groups && a->ngroups > ZD__CUDA_GROUPS_INLINE)
+    return errf(err, -EINVAL,
+                "CUDA adam: %u groups; at most %d travel with the launch, pass more "
+                "in d_groups (zd__cuda_groups_upload)",
+                a->ngroups, ZD__CUDA_GROUPS_INLINE);
+  if (!a->d_groups && a->ngroups && !a->groups)
+    return errf(err, -EINVAL, "CUDA adam: %u groups but neither groups nor d_groups", a->ngroups);
+  if (l->ntiles == 0) return ZD_OK; /* nothing covered */
+
+  adam_kargs_t k;
+  memset(&k, 0, sizeof k);
+  k.master = a->master;
+  k.exp_avg = a->exp_avg;
+  k.exp_avg_sq = a->exp_avg_sq;
+  k.grad = a->grad;
+  k.param = a->param;
+  k.tiles = l->d_tiles;
+  k.ntiles = l->ntiles;
+  k.grad_scale = a->grad_scale;
+  k.d_grad_scale = a->d_grad_scale;
+  k.d_skip = a->d_skip;
+  k.d_groups = a->d_groups;
+  if (!a->d_groups && a->ngroups) memcpy(k.groups, a->groups, a->ngroups * sizeof *a->groups);
+  k.vec = aligned16(a->master) && aligned16(a->exp_avg) && aligned16(a->exp_avg_sq) &&
+          aligned16(a->grad) && (!a->param || aligned16(a->param));
+  int pdt = a->param ? (int)a->param_dtype : 0;
+  adam_kernel_fn fn = a->grad_dtype == ZD_F32    ? adam_kernel_for<ZD_F32>(pdt)
+                      : a->grad_dtype == ZD_BF16 ? adam_kernel_for<ZD_BF16>(pdt)
+                                                 : adam_kernel_for<ZD_F16>(pdt);
+  fn<<<l->adam_grid, ADAM_THREADS, 0, stream>>>(k);
+  LAUNCH_CHECK(err, "CUDA adam: kernel launch");
+  return ZD_OK;
+}
+
+typedef struct groups_kargs {
+  zd__adam_group_t *dst;
+  uint32_t n;
+  zd__adam_group_t groups[ZD__CUDA_GROUPS_INLINE];
+} groups_kargs_t;
+
+__global__ void groups_kernel(const __grid_constant__ groups_kargs_t a) {
+  for (uint32_t i = threadIdx.x; i < a.n; i += blockDim.x) a.dst[i] = a.groups[i];
+}
+
+int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *groups, uint32_t n,
+                           cudaStream_t stream, zd__err_t *err) {
+  int rc = check_stream(stream, "CUDA groups upload", err);
+  if (rc) return rc;
+  if (n && (!d_groups || !groups))
+    return errf(err, -EINVAL, "CUDA groups upload: %u groups but no source or destination", n);
+  for (uint32_t done = 0; done < n; done += ZD__CUDA_GROUPS_INLINE) {
+    groups_kargs_t k;
+    memset(&k, 0, sizeof k);
+    k.dst = d_groups + done;
+    k.n = n - done < ZD__CUDA_GROUPS_INLINE ? n - done : ZD__CUDA_GROUPS_INLINE;
+    memcpy(k.groups, groups + done, k.n * sizeof *groups);
+    groups_kernel<<<1, ZD__CUDA_GROUPS_INLINE, 0, stream>>>(k);
+    LAUNCH_CHECK(err, "CUDA groups upload: kernel launch");
+  }
+  return ZD_OK;
+}
+
+/* ---- statistics ---------------------------------------------------------------------------- */
+
+/* Grads pos..pos+3 (pos a multiple of 4): one vector when allowed, else element by element;
+ * elements at or past end read as 0 and are not counted by the caller. */
+template <int GDT>
+static __device__ __forceinline__ void load_grad4(const void *g, uint64_t pos, uint64_t end,
+                                                  int vec, float x[4]) {
+  if (vec && pos + 4 <= end) {
+    if (GDT == ZD_F32) {
+      float4 f = __ldg((const float4 *)((const float *)g + pos));
+      x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
+    } else {
+      uint2 u = __ldg((const uint2 *)((const uint16_t *)g + pos));
+      x[0] = zd__dev_grad_to_f32<GDT>((uint16_t)(u.x & 0xffffu));
+      x[1] = zd__dev_grad_to_f32<GDT>((uint16_t)(u.x >> 16));
+      x[2] = zd__dev_grad_to_f32<GDT>((uint16_t)(u.y & 0xffffu));
+      x[3] = zd__dev_grad_to_f32<GDT>((uint16_t)(u.y >> 16));
+    }
+    return;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; c++) x[c] = pos + c < end ? load_grad<GDT>(g, pos + c) : 0.0f;
+}
+
+/* lane += (double)x * (double)x, never fused; counts a non-finite x. */
+static __device__ __forceinline__ void stats_add(double &lane, uint32_t &bad, float x) {
+  double d = (double)x;
+  lane = __dadd_rn(lane, __dmul_rn(d, d));
+  bad += (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+template <int GDT>
+__global__ void __launch_bounds__(STATS_THREADS)
+    stats_kernel(const void *grad, uint64_t n, const seg_t *segs, uint32_t nsegs,
+                 const uint32_t *first_seg, uint64_t nblocks, int vec, double *sums,
+                 uint32_t *counts) {
+  const unsigned lane = threadIdx.x & 31, t = lane & 3;
+  const uint64_t stride = (uint64_t)gridDim.x * STATS_PER_BLOCK;
+  /* The loop bound is the same for a whole warp (8 statistics blocks), so every lane reaches the
+   * shuffles below. */
+  for (uint64_t base = (uint64_t)blockIdx.x * STATS_PER_BLOCK + (threadIdx.x >> 5) * 8;
+       base < nblocks; base += stride) {
+    const uint64_t kb = base + (lane >> 2);
+    /* acc[c] is lane 4t + c of adam.h's sixteen. */
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};
+    uint32_t bad = 0;
+    if (kb < nblocks) {
+      const uint64_t blo = kb * ZD__STATS_BLOCK;
+      const uint64_t bhi = blo + ZD__STATS_BLOCK < n ? blo + ZD__STATS_BLOCK : n;
+      uint32_t s = first_seg[kb];
+      uint64_t slo = UINT64_MAX, shi = UINT64_MAX;
+      if (s < nsegs) {
+        slo = segs[s].lo;
+        shi = segs[s].hi;
+      }
+      if (vec && slo <= blo && shi >= blo + ZD__STATS_BLOCK) {
+        /* The whole block is one segment's (the common case): no per-element test, eight
+         * vectors in flight per thread. */
+        const uint64_t p0 = blo + 4 * t;
+#pragma unroll 1
+        for (int k = 0; k < ZD__STATS_BLOCK / 16; k += 8) {
+          float x[8][4];
+#pragma unroll
+          for (int u = 0; u < 8; u++)
+            load_grad4<GDT>(grad, p0 + 16 * (uint64_t)(k + u), UINT64_MAX, 1, x[u]);
+#pragma unroll
+          for (int u = 0; u < 8; u++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) stats_add(acc[c], bad, x[u][c]);
+        }
+      } else {
+        /* Segment edges inside the block: walk the segments along with the elements (each
+         * thread's elements increase, so the walk only moves forward). */
+        for (uint64_t pos = blo + 4 * t; pos < bhi; pos += 16) {
+          float x[4];
+          load_grad4<GDT>(grad, pos, bhi, vec, x);
+#pragma unroll
+          for (int c = 0; c < 4; c++) {
+            const uint64_t i = pos + c;
+            if (i >= bhi) break;
+            while (i >= shi) {
+              if (++s < nsegs) {
+                slo = segs[s].lo;
+                shi = segs[s].hi;
+              } else {
+                slo = shi = UINT64_MAX;
+              }
+            }
+            if (i >= slo) stats_add(acc[c], bad, x[c]);
+          }
+        }
+      }
+    }
+    /* s8[j] = lane[j] + lane[j+8]: threads 0, 1 hold s8[4t + c]. */
+    double s8[4], s4[4];
+#pragma unroll
+    for (int c = 0; c < 4; c++) s8[c] = __dadd_rn(acc[c], __shfl_down_sync(FULL_MASK, acc[c], 2));
+      /* s4[j] = s8[j] + s8[j+4]: thread 0 holds s4[c]. */
+#pragma unroll
+    for (int c = 0; c < 4; c++) s4[c] = __dadd_rn(s8[c], __shfl_down_sync(FULL_MASK, s8[c], 1));
+    const double sum = __dadd_rn(__dadd_rn(s4[0], s4[2]), __dadd_rn(s4[1], s4[3]));
+    bad += __shfl_down_sync(FULL_MASK, bad, 2);
+    bad += __shfl_down_sync(FULL_MASK, bad, 1);
+    if (t == 0 && kb < nblocks) {
+      sums[kb] = sum;
+      counts[kb] = bad;
+    }
+  }
+}
+
+typedef struct fin_kargs {
+  const double *sums;
+  const uint32_t *counts;
+  uint64_t nblocks;
+  zd__cuda_stats_t *out;
+  int accumulate;
+  int set_tags;
+  uint64_t tags[ZD__CUDA_TAGS];
+} fin_kargs_t;
+
+/* One block: the counts in any order (integers), the sums in increasing block order from 0.0
+ * (zd__grad_stats_sum) by thread 0, from shared memory that warps 1.. fill one chunk ahead. */
+__global__ void __launch_bounds__(FIN_THREADS) stats_finalize(const fin_kargs_t a) {
+  __shared__ double buf[2][FIN_CHUNK];
+  __shared__ unsigned long long warp_counts[FIN_THREADS / 32];
+  unsigned long long cnt = 0;
+  for (uint64_t k = threadIdx.x; k < a.nblocks; k += blockDim.x) cnt += a.counts[k];
+  for (int o = 16; o; o >>= 1) cnt += __shfl_down_sync(FULL_MASK, cnt, o);
+  if ((threadIdx.x & 31) == 0) warp_counts[threadIdx.x >> 5] = cnt;
+
+  const uint64_t nchunks = (a.nblocks + FIN_CHUNK - 1) / FIN_CHUNK;
+  if (nchunks)
+    for (uint64_t j = threadIdx.x; j < FIN_CHUNK && j < a.nblocks; j += blockDim.x)
+      buf[0][j] = a.sums[j];
+  __syncthreads();
+  double s = 0.0;
+  for (uint64_t c = 0; c < nchunks; c++) {
+    if (threadIdx.x >= 32 && c + 1 < nchunks) {
+      const uint64_t base = (c + 1) * FIN_CHUNK;
+      for (uint64_t j = threadIdx.x - 32; j < FIN_CHUNK && base + j < a.nblocks;
+           j += blockDim.x - 32)
+        buf[(c + 1) & 1][j] = a.sums[base + j];
+    }
+    if (threadIdx.x == 0) {
+      const double *b = buf[c & 1];
+      const uint64_t len =
+          a.nblocks - c * FIN_CHUNK < FIN_CHUNK ? a.nblocks - c * FIN_CHUNK : FIN_CHUNK;
+#pragma unroll 8
+      for (uint64_t j = 0; j < len; j++) s = __dadd_rn(s, b[j]);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    unsigned long long total = 0;
+    for (int w = 0; w < FIN_THREADS / 32; w++) total += warp_counts[w];
+    if (a.accumulate) {
+      a.out->sumsq = __dadd_rn(a.out->sumsq, s);
+      a.out->nonfinite += total;
+    } else {
+      a.out->sumsq = s;
+      a.out->nonfinite = total;
+    }
+    if (a.set_tags)
+      for (int j = 0; j < ZD__CUDA_TAGS; j++) a.out->tags[j] = a.tags[j];
+  }
+}
+
+int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_dtype,
+                        zd__cuda_stats_t *d_out, int accumulate, const uint64_t *tags,
+                        cudaStream_t stream, zd__err_t *err) {
+  if (!l || !d_out) return errf(err, -EINVAL, "CUDA grad stats: no layout or no output");
+  int rc = check_stream(stream, "CUDA grad stats", err);
+  if (rc) return rc;
+  if (!grad_dtype_ok(grad_dtype))
+    return errf(err, ZD_EDTYPE, "CUDA grad stats: grad dtype %d; expected f32, bf16 or f16",
+                (int)grad_dtype);
+  if (l->nblocks && !grad) return errf(err, -EINVAL, "CUDA grad stats: no gradients");
+  if (l->nblocks) {
+    int vec = grad_dtype == ZD_F32 ? aligned16(grad) : ((uintptr_t)grad & 7u) == 0;
+    switch (grad_dtype) {
+      case ZD_BF16:
+        stats_kernel<ZD_BF16><<<l->stats_grid, STATS_THREADS, 0, stream>>>(
+            grad, l->n, l->d_segs, l->nsegs, l->d_first_seg, l->nblocks, vec, l->d_sums,
+            l->d_counts);
+        break;
+      case ZD_F16:
+        stats_kernel<ZD_F16><<<l->stats_grid, STATS_THREADS, 0, stream>>>(
+            grad, l->n, l->d_segs, l->nsegs, l->d_first_seg, l->nblocks, vec, l->d_sums,
+            l->d_counts);
+        break;
+      default:
+        stats_kernel<ZD_F32><<<l->stats_grid, STATS_THREADS, 0, stream>>>(
+            grad, l->n, l->d_segs, l->nsegs, l->d_first_seg, l->nblocks, vec, l->d_sums,
+            l->d_counts);
+        break;
+    }
+    LAUNCH_CHECK(err, "CUDA grad stats: block kernel launch");
+  }
+  fin_kargs_t k;
+  memset(&k, 0, sizeof k);
+  k.sums = l->d_sums;
+  k.counts = l->d_counts;
+  k.nblocks = l->nblocks;
+  k.out = d_out;
+  k.accumulate = accumulate != 0;
+  k.set_tags = tags != NULL;
+  if (tags) memcpy(k.tags, tags, sizeof k.tags);
+  stats_finalize<<<1, FIN_THREADS, 0, stream>>>(k);
+  LAUNCH_CHECK(err, "CUDA grad stats: finalize kernel launch");
+  return ZD_OK;
+}
+
+/* ---- decision ------------------------------------------------------------------------------ */
+
+__global__ void decide_kernel(const zd__cuda_stats_t *all, uint32_t nranks, uint32_t self,
+                              const zd__decide_cfg_t cfg, zd__step_state_t *st,
+                              zd__decision_t *out) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  zd__decision_t d = {};
+  d.disagree_rank = ZD__NO_RANK;
+  for (uint32_t r = 0; r < nranks && d.disagree_rank == ZD__NO_RANK; r++)
+    for (uint32_t j = 0; j < ZD__CUDA_TAGS; j++)
+      if (all[r].tags[j] != all[self].tags[j]) {
+        d.disagree_rank = r;
+        d.disagree_tag = j;
+        break;
+      }
+  if (d.disagree_rank != ZD__NO_RANK) {
+    /* Not committed: nothing changes, on this rank or (by symmetry) any other. */
+    d.grad_norm = zd__decide_nan();
+    d.clip_coef = 1.0;
+    d.loss_scale = st->scaler.scale;
+    d.step = st->step;
+    d.steps_skipped = st->steps_skipped;
+    d.skip = 1;
+    *out = d;
+    return;
+  }
+  double sumsq = 0.0;
+  uint64_t nonfinite = 0;
+  for (uint32_t r = 0; r < nranks; r++) {
+    sumsq = __dadd_rn(sumsq, all[r].sumsq);
+    nonfinite += all[r].nonfinite;
+  }
+  zd__step_state_t s = *st;
+  zd__step_decide(&cfg, sumsq, nonfinite, &s, &d);
+  *st = s;
+  *out = d;
+}
+
+int zd__cuda_decide(const zd__cuda_stats_t *d_all, uint32_t nranks, uint32_t self,
+                    const zd__decide_cfg_t *cfg, zd__step_state_t *d_state, zd__decision_t *d_out,
+                    cudaStream_t stream, zd__err_t *err) {
+  int rc = check_stream(stream, "CUDA decide", err);
+  if (rc) return rc;
+  if (!d_all || !cfg || !d_state || !d_out)
+    return errf(err, -EINVAL, "CUDA decide: records, configuration, state and output are required");
+  if (nranks == 0 || self >= nranks)
+    return errf(err, -EINVAL, "CUDA decide: rank %u of %u ranks", self, nranks);
+  decide_kernel<<<1, 32, 0, stream>>>(d_all, nranks, self, *cfg, d_state, d_out);
+  LAUNCH_CHECK(err, "CUDA decide: kernel launch");
+  return ZD_OK;
+}

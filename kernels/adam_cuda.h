@@ -1,0 +1,182 @@
+/* The CUDA optimizer kernels (kernels/adam.cu): host-callable C API.
+ *
+ * What runs on the device each step, all stream-ordered, with no host synchronisation:
+ *   zd__cuda_grad_stats  sum of squares and non-finite count of a shard's gradients, per range,
+ *                        into a small record in device memory (all-gather the records of all
+ *                        ranks with NCCL);
+ *   zd__cuda_decide      from the records of all ranks and the loss-scaler state in device
+ *                        memory: skip or apply, scaler update, clip coefficient and the gradient
+ *                        factor (kernels/step_decide.h, the same code as the CPU step);
+ *   zd__cuda_adam_step   the fused AdamW/Adam update of a range, reading the factor and the skip
+ *                        flag the decision left in device memory.
+ * The host reads the decision (zd__decision_t) whenever it likes, e.g. with cudaMemcpyAsync into
+ * pinned memory and an event.
+ *
+ * Bitwise contract: zd__cuda_adam_step gives the bits of zd__adam_step_ref (kernels/adam.h) for
+ * every element (a NaN may carry another payload or sign: the GPU makes canonical NaNs);
+ * zd__cuda_grad_stats gives the block sums of zd__grad_stats_ref, added as zd__grad_stats_sum
+ * does; zd__cuda_decide gives zd__step_decide's bits.
+ *
+ * Conventions: every launcher takes an explicit stream (never the legacy default stream: pass a
+ * stream created by the caller), checks the launch, and returns ZD_OK or an error code with a
+ * message in *err (err may be NULL): -EINVAL for bad arguments, ZD_EDTYPE for a dtype the kernel
+ * does not take, -ENOMEM when device or host memory runs out, ZD_EBACKEND for any other CUDA
+ * failure (the message names the CUDA error). Launchers never synchronise and never allocate;
+ * errors of the kernels themselves surface at the caller's next synchronisation, as with any
+ * CUDA work. Functions are thread-safe; a layout must be used by one stream at a time.
+ *
+ * Device pointers: 16-byte aligned ranges (cudaMalloc'd buffers at offsets that are multiples of
+ * 8 elements: the layout's 64-element alignment guarantees it) run the vectorised path; any other
+ * alignment still gives the same bits through a scalar (element by element) path, slower.
+ */
+#ifndef ZD_KERNELS_ADAM_CUDA_H
+#define ZD_KERNELS_ADAM_CUDA_H
+
+#include <cuda_runtime_api.h>
+#include <math.h> /* before extern "C": C++ math.h holds templates */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "zerod/zerod.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "adam.h"
+#include "error.h"
+#include "step_decide.h"
+
+/* ---- availability -------------------------------------------------------------------------- */
+
+/* Number of CUDA devices this build can run its kernels on (compute capability 9.0 or later:
+ * code for sm_90 and PTX for compute_90 are built in). 0 when there is none, with the reason in
+ * why ("no NVIDIA driver is loaded", "the NVIDIA driver supports CUDA 12.2; this zerod needs
+ * 13.0", "no CUDA device is visible (CUDA_VISIBLE_DEVICES=...)", "GPU 0 (...) has compute
+ * capability 8.0; ..."); when some devices are usable and others are not, why names the others.
+ * why may be NULL. Creates no context; safe to call from any thread, at any time. */
+int zd__cuda_available(char *why, size_t len);
+
+/* ZD_OK if `device` can run the kernels, else ZD_EBACKEND with the reason in *err. */
+int zd__cuda_device_check(int device, zd__err_t *err);
+
+/* ---- layouts --------------------------------------------------------------------------------- */
+
+/* Tiles of at most this many elements, cut at multiples of it and at segment boundaries, are
+ * the unit of work of the update kernel. */
+#define ZD__CUDA_TILE 8192
+
+/* The device-side description of one contiguous range of a shard: its segments (kernels/
+ * segment.h), the update's tile table and the scratch of the statistics. Built once per range
+ * (per bucket of a rank) when the model is registered; every step then costs O(1) host work. */
+typedef struct zd__cuda_layout zd__cuda_layout_t;
+
+/* Builds the layout of a range of n elements covered by segs (sorted by offset, disjoint, inside
+ * [0, n); lengths may be 0) on the current device. Allocates device memory (cudaMalloc) and
+ * copies the tables with `stream`, then waits for that stream: a set-up call, not for the hot
+ * path. Errors: -EINVAL (segments out of order, overlapping or outside the range), -ENOMEM,
+ * ZD_EBACKEND. */
+int zd__cuda_layout_create(const zd__segment_t *segs, uint32_t nsegs, uint64_t n,
+                           cudaStream_t stream, zd__cuda_layout_t **out, zd__err_t *err);
+
+/* Frees a layout (NULL is fine). No kernel using it may still be queued or running: cudaFree
+ * does not wait for other streams' work in every case. */
+void zd__cuda_layout_destroy(zd__cuda_layout_t *l);
+
+/* Elements, tiles and statistics blocks of a layout; the number of groups its segments refer to
+ * (highest group index + 1). */
+uint64_t zd__cuda_layout_elems(const zd__cuda_layout_t *l);
+uint64_t zd__cuda_layout_tiles(const zd__cuda_layout_t *l);
+uint64_t zd__cuda_layout_stats_blocks(const zd__cuda_layout_t *l);
+uint32_t zd__cuda_layout_groups(const zd__cuda_layout_t *l);
+
+/* The per-block sums (zd__cuda_layout_stats_blocks doubles, device memory) the last
+ * zd__cuda_grad_stats call on this layout left: block k is zd__grad_stats_ref's sums[k]. For
+ * tests and diagnostics; valid once that call has completed. */
+const double *zd__cuda_layout_block_sums(const zd__cuda_layout_t *l);
+
+/* ---- the update ------------------------------------------------------------------------------ */
+
+/* Groups passed by value in the kernel's arguments (no copy, nothing to keep alive). More groups
+ * need a device array (d_groups), which zd__cuda_groups_upload fills stream-ordered. */
+#define ZD__CUDA_GROUPS_INLINE 64
+
+typedef struct zd__cuda_adam_args {
+  float *master; /* device, the range's n elements; master, moments updated in place */
+  float *exp_avg;
+  float *exp_avg_sq;
+  const void *grad; /* device; ZD_F32, ZD_BF16 or ZD_F16 */
+  zd_dtype_t grad_dtype;
+  void *param;            /* device; working parameters written back; NULL: none */
+  zd_dtype_t param_dtype; /* ZD_F32 or ZD_BF16 (ignored without param) */
+  /* The gradient factor (unscale, mean, clip): *d_grad_scale when d_grad_scale is not NULL
+   * (device memory, read when the kernel runs: e.g. &decision->grad_scale), else grad_scale. */
+  float grad_scale;
+  const float *d_grad_scale;
+  /* Device int32 read when the kernel runs (e.g. &decision->skip): non-zero, the kernel changes
+   * nothing at all. NULL: always update. */
+  const int32_t *d_skip;
+  /* This step's constants of each group (zd__adam_group_init on the host). ngroups must cover
+   * every group the layout's segments name. With ngroups <= ZD__CUDA_GROUPS_INLINE and d_groups
+   * NULL, groups (host memory) is copied into the launch: the caller may reuse it as soon as the
+   * call returns. Otherwise d_groups (device memory, read when the kernel runs) is used.
+   * The constants depend on the number of the step being applied (bias corrections): when steps
+   * may be skipped on the device, derive them after reading the previous step's decision
+   * (zd__decision_t.step + 1), which is complete long before the next gradients are. */
+  const zd__adam_group_t *groups;
+  const zd__adam_group_t *d_groups;
+  uint32_t ngroups;
+} zd__cuda_adam_args_t;
+
+/* Queues the update of every element the layout's segments cover; other elements (padding) are
+ * not read or written, in any array. The arrays must not overlap one another. Errors: -EINVAL,
+ * ZD_EDTYPE, ZD_EBACKEND (launch failed). */
+int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
+                       cudaStream_t stream, zd__err_t *err);
+
+/* Queues a copy of n group constants from host memory into d_groups (device), carried in the
+ * arguments of small kernels: stream-ordered, no pinned memory, the host array reusable on
+ * return. For more than ZD__CUDA_GROUPS_INLINE groups. */
+int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *groups, uint32_t n,
+                           cudaStream_t stream, zd__err_t *err);
+
+/* ---- statistics and decision ----------------------------------------------------------------- */
+
+#define ZD__CUDA_TAGS 3
+
+/* One rank's statistics: what each rank contributes to the step's all-gather (40 bytes, plain
+ * data: gather it as bytes, e.g. ncclAllGather of sizeof(zd__cuda_stats_t) ncclUint8). */
+typedef struct zd__cuda_stats {
+  double sumsq;       /* sum of squares in adam.h's order; ranges added in call order */
+  uint64_t nonfinite; /* count of non-finite gradients */
+  /* Words every rank must agree on before the update (the daemon's choice: e.g. the step
+   * number, the layout hash, the hyperparameter hash); zd__cuda_decide compares them. */
+  uint64_t tags[ZD__CUDA_TAGS];
+} zd__cuda_stats_t;
+
+/* Queues the statistics of the gradients of a range (grad: device, the range's n elements, all
+ * readable; only covered elements count) into *d_out (device): with accumulate,
+ * d_out->sumsq += range sum and d_out->nonfinite += range count, as the CPU step adds bucket
+ * after bucket; without, they are overwritten. tags (host, ZD__CUDA_TAGS words, copied into the
+ * launch) are written to d_out->tags unless NULL. Two kernels: one per-block pass over the
+ * gradients, then one block adding the block sums in order (a serial chain of one double add per
+ * 2048 gradients). Errors: -EINVAL, ZD_EDTYPE, ZD_EBACKEND. */
+int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_dtype,
+                        zd__cuda_stats_t *d_out, int accumulate, const uint64_t *tags,
+                        cudaStream_t stream, zd__err_t *err);
+
+/* Queues the decision of a step (one thread): d_all (device) holds the records of nranks ranks in
+ * rank order (e.g. from ncclAllGather); self is this rank. If any rank's tags differ from self's,
+ * nothing changes: d_out->skip = 1, applied = 0, disagree_rank/tag name the first difference,
+ * *d_state untouched. Otherwise the statistics are summed in rank order (from 0.0, as the CPU
+ * step does) and zd__step_decide(cfg, sumsq, nonfinite, d_state, d_out) runs on the device.
+ * Pass &d_out->grad_scale and &d_out->skip to zd__cuda_adam_step. Errors: -EINVAL, ZD_EBACKEND. */
+int zd__cuda_decide(const zd__cuda_stats_t *d_all, uint32_t nranks, uint32_t self,
+                    const zd__decide_cfg_t *cfg, zd__step_state_t *d_state, zd__decision_t *d_out,
+                    cudaStream_t stream, zd__err_t *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZD_KERNELS_ADAM_CUDA_H */

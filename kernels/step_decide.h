@@ -1,0 +1,144 @@
+/* What a step decides from its global gradient statistics: skip on overflow (loss scaling),
+ * the loss-scaler update, the clip coefficient, and the factor the optimizer kernel multiplies
+ * every gradient by. The same code for both backends: the CPU step (daemon/step.c with
+ * daemon/scaler.c) and the CUDA decide kernel (kernels/adam.cu), which runs it on the device so
+ * that the daemon never waits for the statistics on the host.
+ *
+ * Plain C, header only; each function is __host__ __device__ when compiled by nvcc. Everything is
+ * double, as the CPU step computes it, and every operation rounds on its own: the host build has
+ * -ffp-contract=off and CUDA code -fmad=false, division and sqrt are IEEE-correct on both sides,
+ * and there is no a*b+c that a compiler could fuse anyway. So a GPU and a CPU (or two ranks)
+ * given the same statistics and state take the same decision, bit for bit.
+ *
+ * The semantics are step.c's: pre_scale = (grad_mean ? 1/world_size : 1) / loss_scale; the
+ * norm of the unscaled, averaged gradient is sqrt(sumsq) * pre_scale (NaN when statistics are
+ * not gathered); with the scaler on, any non-finite gradient skips the step (parameters,
+ * moments and step counter unchanged) and backs the scale off; otherwise clip_coef =
+ * max_grad_norm / (norm + 1e-6) when max_grad_norm > 0, the norm is finite and the coefficient is
+ * below 1 (torch.nn.utils.clip_grad_norm_); grad_scale = (float)(pre_scale * clip_coef); the step
+ * counter advances and the scaler counts a clean step (Megatron's DynamicGradScaler, scaler.h).
+ */
+#ifndef ZD_KERNELS_STEP_DECIDE_H
+#define ZD_KERNELS_STEP_DECIDE_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "scaler.h"
+
+#ifdef __CUDACC__
+#define ZD__HD __host__ __device__
+#else
+#define ZD__HD
+#endif
+
+/* Per-step configuration of the decision (host values; by value into the CUDA kernel). */
+typedef struct zd__decide_cfg {
+  uint32_t world_size; /* ranks whose gradients were summed */
+  int32_t grad_mean;   /* gradients were summed; divide by world_size */
+  int32_t need_stats;  /* statistics were gathered (world_size > 1, clipping or loss scaling) */
+  int32_t reserved;
+  double max_grad_norm; /* > 0: clip to this global norm */
+} zd__decide_cfg_t;
+
+/* State the decision reads and advances; lives in device memory with the CUDA backend. */
+typedef struct zd__step_state {
+  zd__scaler_t scaler;
+  uint64_t step;          /* steps applied */
+  uint64_t steps_skipped; /* steps skipped for overflow */
+} zd__step_state_t;
+
+#define ZD__NO_RANK UINT32_MAX
+
+/* The outcome of one step's decision. */
+typedef struct zd__decision {
+  double sumsq;       /* global sum of squares of the (scaled, summed) gradients */
+  uint64_t nonfinite; /* global count of non-finite gradients */
+  double grad_norm;   /* norm of the true gradient (NaN without statistics) */
+  double clip_coef;   /* 1 unless clipped */
+  double loss_scale;  /* the scale after this step's update */
+  uint64_t step;      /* steps applied, this one included when applied */
+  uint64_t steps_skipped;
+  float grad_scale;       /* factor of every gradient in the update (0 when skipped) */
+  int32_t skip;           /* 1: no update at all (overflow, or ranks disagree) */
+  int32_t applied;        /* 1: the update runs */
+  int32_t overflow;       /* 1: skipped because of non-finite gradients */
+  uint32_t disagree_rank; /* CUDA decide: first rank whose tags differ; ZD__NO_RANK if none */
+  uint32_t disagree_tag;  /* ... and the index of the first differing tag */
+} zd__decision_t;
+
+/* One step of the loss scaler (scaler.h; Megatron's DynamicGradScaler.update()), on host or device. */
+ZD__HD static inline void zd__scaler_advance(zd__scaler_t *s, int found_inf) {
+  if (!s->enabled) return;
+  if (found_inf) {
+    s->growth_tracker = 0;
+    if (s->hysteresis_tracker > 0) s->hysteresis_tracker--;
+    if (s->hysteresis_tracker == 0) {
+      double next = s->scale * s->cfg.backoff_factor;
+      s->scale = next > s->cfg.min_scale ? next : s->cfg.min_scale;
+    }
+    return;
+  }
+  if (++s->growth_tracker == s->cfg.growth_interval) {
+    s->growth_tracker = 0;
+    s->hysteresis_tracker = s->cfg.hysteresis;
+    s->scale *= s->cfg.growth_factor;
+  }
+}
+
+ZD__HD static inline double zd__decide_nan(void) {
+#ifdef __CUDA_ARCH__
+  return __longlong_as_double(0x7ff8000000000000LL);
+#else
+  return (double)NAN;
+#endif
+}
+
+ZD__HD static inline int zd__decide_finite(double x) {
+#ifdef __CUDA_ARCH__
+  return isfinite(x);
+#else
+  return isfinite(x) != 0;
+#endif
+}
+
+/* Takes the decision of the step after st->step from the global statistics (ignored when
+ * cfg->need_stats is 0) and advances *st. Fills every field of *out but the disagree ones. */
+ZD__HD static inline void zd__step_decide(const zd__decide_cfg_t *cfg, double sumsq,
+                                          uint64_t nonfinite, zd__step_state_t *st,
+                                          zd__decision_t *out) {
+  if (!cfg->need_stats) {
+    sumsq = 0;
+    nonfinite = 0;
+  }
+  double pre_scale = (cfg->grad_mean ? 1.0 / cfg->world_size : 1.0) / st->scaler.scale;
+  double norm = cfg->need_stats ? sqrt(sumsq) * pre_scale : zd__decide_nan();
+  out->sumsq = sumsq;
+  out->nonfinite = nonfinite;
+  out->grad_norm = norm;
+  out->clip_coef = 1.0;
+  out->grad_scale = 0.0f;
+  out->overflow = 0;
+  if (st->scaler.enabled && nonfinite > 0) {
+    zd__scaler_advance(&st->scaler, 1);
+    st->steps_skipped++;
+    out->skip = 1;
+    out->applied = 0;
+    out->overflow = 1;
+  } else {
+    if (cfg->max_grad_norm > 0 && zd__decide_finite(norm)) {
+      double coef = cfg->max_grad_norm / (norm + 1e-6); /* torch.nn.utils.clip_grad_norm_ */
+      if (coef < 1.0) out->clip_coef = coef;
+    }
+    out->grad_scale = (float)(pre_scale * out->clip_coef);
+    st->step++;
+    zd__scaler_advance(&st->scaler, 0);
+    out->skip = 0;
+    out->applied = 1;
+  }
+  out->loss_scale = st->scaler.scale;
+  out->step = st->step;
+  out->steps_skipped = st->steps_skipped;
+}
+
+#endif /* ZD_KERNELS_STEP_DECIDE_H */

@@ -1,0 +1,349 @@
+/* Blocking unary gRPC calls and the payload and status helpers the server shares (grpc_unary.h).
+ *
+ * A call is one batch (send metadata, message and close; receive metadata, message and status)
+ * on a pluck completion queue of its own, plucked until it completes. The call's deadline bounds
+ * the wait, so the pluck itself needs none. Channels reconnect quickly (100 ms to 1 s backoff,
+ * not gRPC's default of 1 s growing to 2 minutes): a peer waiting for rank 0's node to come up
+ * must see it within a second, not at the next step of a long backoff.
+ */
+#include "grpc_unary.h"
+
+#include <errno.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct zd__grpc_channel {
+  grpc_channel *channel;
+  char *address;
+};
+
+int zd__grpc_channel_open(const char *address, zd__grpc_channel_t **out, zd__err_t *err) {
+  *out = NULL;
+  if (!address || !address[0])
+    return zd__errf(err, -EINVAL,
+                    "empty control service address; expected host:port or "
+                    "unix:/path");
+  zd__grpc_channel_t *ch = calloc(1, sizeof *ch);
+  if (!ch || !(ch->address = strdup(address))) {
+    free(ch);
+    return zd__errf(err, -ENOMEM, "out of memory opening a channel to %s", address);
+  }
+  grpc_init();
+  grpc_arg args[] = {
+      {.type = GRPC_ARG_INTEGER,
+       .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+       .value.integer = (int)ZD__GRPC_MAX_MESSAGE},
+      {.type = GRPC_ARG_INTEGER,
+       .key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
+       .value.integer = (int)ZD__GRPC_MAX_MESSAGE},
+      /* Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC also takes it as the time a connection
+       * attempt may take (default 20 s), and 100 ms fails handshakes on a loaded machine. */
+      {.type = GRPC_ARG_INTEGER,
+       .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+       .value.integer = 100},
+      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, .value.integer = 1000},
+  };
+  grpc_channel_args chargs = {.num_args = sizeof args / sizeof args[0], .args = args};
+  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  ch->channel = grpc_channel_create(address, creds, &chargs);
+  grpc_channel_credentials_release(creds);
+  /* grpc_channel_create never returns NULL: a bad target gives a "lame" channel whose calls
+   * fail with a message naming the target, which is the error the caller should see anyway. */
+  *out = ch;
+  return ZD_OK;
+}
+
+void zd__grpc_channel_close(zd__grpc_channel_t *ch) {
+  if (!ch) return;
+  grpc_channel_destroy(ch->channel);
+  free(ch->address);
+  free(ch);
+  grpc_shutdown();
+}
+
+const char *zd__grpc_channel_address(const zd__grpc_channel_t *ch) {
+  return ch->address;
+}
+
+int zd__grpc_channel_ready(zd__grpc_channel_t *ch) {
+  return grpc_channel_check_connectivity_state(ch->channel, 0) == GRPC_CHANNEL_READY;
+}
+
+grpc_byte_buffer *zd__grpc_pack(const ProtobufCMessage *msg) {
+  size_t len = protobuf_c_message_get_packed_size(msg);
+  grpc_slice slice = grpc_slice_malloc(len);
+  protobuf_c_message_pack(msg, GRPC_SLICE_START_PTR(slice));
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&slice, 1);
+  grpc_slice_unref(slice);
+  return bb;
+}
+
+int zd__grpc_read(grpc_byte_buffer *bb, void **data, size_t *len) {
+  *data = NULL;
+  *len = 0;
+  if (!bb) return 0;
+  grpc_byte_buffer_reader reader;
+  if (!grpc_byte_buffer_reader_init(&reader, bb)) return -ENOMEM;
+  grpc_slice slice = grpc_byte_buffer_reader_readall(&reader);
+  grpc_byte_buffer_reader_destroy(&reader);
+  int rc = 0;
+  size_t n = GRPC_SLICE_LENGTH(slice);
+  if (n > 0) {
+    *data = malloc(n);
+    if (*data) {
+      memcpy(*data, GRPC_SLICE_START_PTR(slice), n);
+      *len = n;
+    } else {
+      rc = -ENOMEM;
+    }
+  }
+  grpc_slice_unref(slice);
+  return rc;
+}
+
+const char *zd__grpc_status_name(grpc_status_code status) {
+  static const char *const names[] = {
+      "OK",
+      "CANCELLED",
+      "UNKNOWN",
+      "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED",
+      "NOT_FOUND",
+      "ALREADY_EXISTS",
+      "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED",
+      "FAILED_PRECONDITION",
+      "ABORTED",
+      "OUT_OF_RANGE",
+      "UNIMPLEMENTED",
+      "INTERNAL",
+      "UNAVAILABLE",
+      "DATA_LOSS",
+      "UNAUTHENTICATED",
+  }; /* indexed by the code, as grpc/status.h numbers them */
+  if ((unsigned)status < sizeof names / sizeof names[0]) return names[status];
+  return "UNKNOWN_STATUS";
+}
+
+int zd__grpc_code_of(grpc_status_code status) {
+  switch (status) {
+    case GRPC_STATUS_OK:
+      return ZD_OK;
+    case GRPC_STATUS_CANCELLED:
+    case GRPC_STATUS_ABORTED:
+      return ZD_ECLOSED;
+    case GRPC_STATUS_INVALID_ARGUMENT:
+      return -EINVAL;
+    case GRPC_STATUS_DEADLINE_EXCEEDED:
+      return -ETIMEDOUT;
+    case GRPC_STATUS_NOT_FOUND:
+      return -ENOENT;
+    case GRPC_STATUS_ALREADY_EXISTS:
+      return -EEXIST;
+    case GRPC_STATUS_PERMISSION_DENIED:
+    case GRPC_STATUS_UNAUTHENTICATED:
+      return ZD_EDENIED;
+    case GRPC_STATUS_RESOURCE_EXHAUSTED:
+      return ZD_ETOOBIG;
+    case GRPC_STATUS_FAILED_PRECONDITION:
+      return ZD_EORDER;
+    case GRPC_STATUS_OUT_OF_RANGE:
+      return -ERANGE;
+    case GRPC_STATUS_UNIMPLEMENTED:
+      return ZD_ETYPE;
+    case GRPC_STATUS_UNAVAILABLE:
+      return ZD_EPEER;
+    default:
+      return ZD_EINTERNAL;
+  }
+}
+
+grpc_status_code zd__grpc_status_of(int code) {
+  switch (code) {
+    case ZD_OK:
+      return GRPC_STATUS_OK;
+    case -EINVAL:
+    case ZD_EPROTO:
+      return GRPC_STATUS_INVALID_ARGUMENT;
+    case -ETIMEDOUT:
+      return GRPC_STATUS_DEADLINE_EXCEEDED;
+    case -ENOENT:
+      return GRPC_STATUS_NOT_FOUND;
+    case -EEXIST:
+      return GRPC_STATUS_ALREADY_EXISTS;
+    case ZD_EDENIED:
+      return GRPC_STATUS_PERMISSION_DENIED;
+    case -ENOMEM:
+    case -ENOSPC:
+    case ZD_ETOOBIG:
+      return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    case ZD_EORDER:
+    case ZD_ECONFIG:
+      return GRPC_STATUS_FAILED_PRECONDITION;
+    case -ERANGE:
+      return GRPC_STATUS_OUT_OF_RANGE;
+    case ZD_ETYPE:
+    case -ENOSYS:
+      return GRPC_STATUS_UNIMPLEMENTED;
+    case ZD_ESHUTDOWN:
+    case ZD_EPEER:
+      return GRPC_STATUS_UNAVAILABLE;
+    case ZD_ECLOSED:
+      return GRPC_STATUS_CANCELLED;
+    default:
+      return GRPC_STATUS_INTERNAL;
+  }
+}
+
+static const char *connectivity_name(grpc_connectivity_state s) {
+  switch (s) {
+    case GRPC_CHANNEL_IDLE:
+      return "idle";
+    case GRPC_CHANNEL_CONNECTING:
+      return "still connecting";
+    case GRPC_CHANNEL_READY:
+      return "connected";
+    case GRPC_CHANNEL_TRANSIENT_FAILURE:
+      return "connection failing";
+    case GRPC_CHANNEL_SHUTDOWN:
+      return "channel shut down";
+  }
+  return "unknown state";
+}
+
+/* The message of a failed call: where, what, and the server's or the transport's words. */
+static int call_error(zd__grpc_channel_t *ch, const char *method, grpc_status_code status,
+                      const char *details, int timeout_ms, zd__err_t *err) {
+  int code = zd__grpc_code_of(status);
+  const char *slash = strrchr(method, '/');
+  const char *name = slash ? slash + 1 : method;
+  if (status == GRPC_STATUS_UNAVAILABLE)
+    return zd__errf(err, code, "cannot reach zerod control service at %s: %s", ch->address,
+                    details[0] ? details : "unavailable");
+  if (status == GRPC_STATUS_DEADLINE_EXCEEDED) {
+    grpc_connectivity_state s = grpc_channel_check_connectivity_state(ch->channel, 0);
+    if (s != GRPC_CHANNEL_READY)
+      return zd__errf(err, code, "cannot reach zerod control service at %s within %d ms (%s)",
+                      ch->address, timeout_ms, connectivity_name(s));
+    return zd__errf(err, code, "%s at %s: no reply within %d ms", name, ch->address, timeout_ms);
+  }
+  return zd__errf(err, code, "%s at %s: %s: %s", name, ch->address, zd__grpc_status_name(status),
+                  details[0] ? details : "(no message)");
+}
+
+int zd__grpc_call_raw(zd__grpc_channel_t *ch, const char *method, const void *req, size_t len,
+                      void **reply, size_t *reply_len, int timeout_ms, unsigned flags,
+                      int *grpc_status, zd__err_t *err) {
+  grpc_metadata_array initial_md, trailing_md;
+  grpc_byte_buffer *send = NULL, *recv = NULL;
+  grpc_slice details = grpc_empty_slice();
+  const char *error_string = NULL;
+  grpc_status_code status = GRPC_STATUS_UNKNOWN;
+  grpc_call *call = NULL;
+  int rc;
+
+  *reply = NULL;
+  *reply_len = 0;
+  if (grpc_status) *grpc_status = GRPC_STATUS_UNKNOWN;
+  grpc_metadata_array_init(&initial_md);
+  grpc_metadata_array_init(&trailing_md);
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+  gpr_timespec deadline =
+      gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                   gpr_time_from_millis(timeout_ms > 0 ? timeout_ms : 1, GPR_TIMESPAN));
+  call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                  grpc_slice_from_static_string(method), NULL, deadline, NULL);
+  if (!call) {
+    rc = zd__errf(err, ZD_EINTERNAL, "cannot create a call of %s on the channel to %s", method,
+                  ch->address);
+    goto exit;
+  }
+  grpc_slice payload = grpc_slice_malloc(len);
+  if (len) memcpy(GRPC_SLICE_START_PTR(payload), req, len);
+  send = grpc_raw_byte_buffer_create(&payload, 1);
+  grpc_slice_unref(payload);
+
+  grpc_op ops[6];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  if (flags & ZD__GRPC_WAIT_FOR_READY) ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = send;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &initial_md;
+  ops[4].op = GRPC_OP_RECV_MESSAGE;
+  ops[4].data.recv_message.recv_message = &recv;
+  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[5].data.recv_status_on_client.trailing_metadata = &trailing_md;
+  ops[5].data.recv_status_on_client.status = &status;
+  ops[5].data.recv_status_on_client.status_details = &details;
+  ops[5].data.recv_status_on_client.error_string = &error_string;
+  grpc_call_error ce = grpc_call_start_batch(call, ops, 6, call, NULL);
+  if (ce != GRPC_CALL_OK) {
+    rc = zd__errf(err, ZD_EINTERNAL, "cannot start %s on the channel to %s (grpc_call_error %d)",
+                  method, ch->address, (int)ce);
+    goto exit;
+  }
+  /* The call's deadline guarantees this completes. */
+  grpc_event ev = grpc_completion_queue_pluck(cq, call, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  if (ev.type != GRPC_OP_COMPLETE || !ev.success) {
+    rc = zd__errf(err, ZD_EINTERNAL, "%s to %s: the call batch failed", method, ch->address);
+    goto exit;
+  }
+  if (grpc_status) *grpc_status = status;
+  if (status != GRPC_STATUS_OK) {
+    char msg[ZD__ERR_MSG_MAX];
+    size_t n = GRPC_SLICE_LENGTH(details);
+    if (n >= sizeof msg) n = sizeof msg - 1;
+    memcpy(msg, GRPC_SLICE_START_PTR(details), n);
+    msg[n] = '\0';
+    rc = call_error(ch, method, status, msg, timeout_ms, err);
+    goto exit;
+  }
+  rc = zd__grpc_read(recv, reply, reply_len);
+  if (rc) zd__errf(err, rc, "out of memory reading the reply of %s from %s", method, ch->address);
+
+exit:
+  if (call) grpc_call_unref(call);
+  grpc_completion_queue_shutdown(cq);
+  grpc_completion_queue_destroy(cq);
+  if (send) grpc_byte_buffer_destroy(send);
+  if (recv) grpc_byte_buffer_destroy(recv);
+  grpc_slice_unref(details);
+  gpr_free((void *)error_string);
+  grpc_metadata_array_destroy(&initial_md);
+  grpc_metadata_array_destroy(&trailing_md);
+  return rc;
+}
+
+int zd__grpc_call(zd__grpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                  const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply,
+                  int timeout_ms, unsigned flags, int *grpc_status, zd__err_t *err) {
+  *reply = NULL;
+  size_t len = protobuf_c_message_get_packed_size(req);
+  uint8_t *buf = malloc(len ? len : 1);
+  void *out = NULL;
+  size_t out_len = 0;
+  int rc;
+  if (!buf) {
+    rc = zd__errf(err, -ENOMEM, "out of memory packing a %zu-byte request", len);
+    goto exit;
+  }
+  protobuf_c_message_pack(req, buf);
+  rc = zd__grpc_call_raw(ch, method, buf, len, &out, &out_len, timeout_ms, flags, grpc_status, err);
+  if (rc) goto exit;
+  *reply = protobuf_c_message_unpack(reply_desc, NULL, out_len, out);
+  if (!*reply)
+    rc = zd__errf(err, ZD_EPROTO, "%s at %s: the %zu-byte reply is not a valid %s", method,
+                  ch->address, out_len, reply_desc->name);
+exit:
+  free(out);
+  free(buf);
+  return rc;
+}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# zerod quick start on Debian 12: installs what zerod needs, builds it, then runs the main job
+# (a local zerod world of two ranks training a small PyTorch model, next to a torch-only
+# baseline) or every test suite.
+#
+#   scripts/quickstart.sh demo    install, build, run the demo
+#   scripts/quickstart.sh test    install, build, run all tests (what CI runs)
+#   scripts/quickstart.sh build   install and build only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+sudo_cmd=()
+[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+
+install_deps() {
+  "${sudo_cmd[@]}" apt-get update -q
+  "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    gcc g++ meson ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
+    libgrpc-dev libgloo-dev python3 python3-numpy python3-torch
+}
+
+build() {
+  # The CUDA backend is built wherever nvcc is found (meson option cuda=auto).
+  if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+  [ -f build/build.ninja ] || meson setup build
+  ninja -C build
+}
+
+demo() {
+  # Starts its own zerod (world size 2: one daemon, two local ranks) and two trainer processes.
+  /usr/bin/python3 examples/train_torch.py
+}
+
+run_tests() {
+  meson test -C build --print-errorlogs
+}
+
+case "${1:-}" in
+  demo) install_deps; build; demo ;;
+  test) install_deps; build; run_tests ;;
+  build) install_deps; build ;;
+  *) echo "usage: $0 demo|test|build" >&2; exit 2 ;;
+esac

@@ -1,0 +1,189 @@
+/* The memory pass of the benchmarks: the loads and stores of the AdamW kernel (kernels/adam.h)
+ * with no arithmetic, so that a benchmark can print the kernel's speed next to the limit the
+ * memory bus sets, measured in the same run on the same buffers. Used by bench_adam (the kernel
+ * alone) and bench_step (a whole step through zerod). */
+#include "mempass.h"
+
+#include <immintrin.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#define CHUNK 64 /* elements: tasks start on multiples of this (a cache line of every stream) */
+
+static size_t dtype_size(zd_dtype_t t) { return t == ZD_F32 ? 4 : 2; }
+
+/* Zero at run time, unknown to the compiler: the pass XORs it into every value it stores, so no
+ * load or store can be optimized away (GCC drops the store of a vector just loaded from the same
+ * address) and the buffers keep their values. */
+static volatile uint32_t pass_key;
+
+/* The kernel's prefetch (adam_avx512.c), SSE: every x86-64 has it. */
+static inline void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
+  uint64_t d = ZD__ADAM_PREFETCH;
+  _mm_prefetch((const char *)((uintptr_t)(a->master + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg_sq + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)a->grad + (i + d) * gsz), _MM_HINT_T0);
+}
+
+/* Elements [lo, hi) (multiples of 16): p, m, v, g loaded, p, m, v stored back and the working
+ * params stored from p, 64 bytes per f32 stream and 32 per 16-bit stream at a time, exactly the
+ * kernel's accesses. Like the kernel, it prefetches ZD__ADAM_PREFETCH elements ahead and streams
+ * the working params when the call is large enough (ZD__ADAM_NT_MIN); tasks start on 64-element
+ * boundaries of 2 MiB-aligned buffers, so the streaming stores are aligned. Both made the pass
+ * faster on the machine this was tuned on; streaming the in-place streams too, unrolling, other
+ * prefetch distances, and one stream at a time over tiles of 64..4096 elements were slower. */
+__attribute__((target("avx512f"))) static void pass_avx512(const zd__adam_args_t *a, uint64_t lo,
+                                                           uint64_t hi) {
+  __m512i key = _mm512_set1_epi32((int)pass_key);
+  size_t gsz = dtype_size(a->grad_dtype), psz = dtype_size(a->param_dtype);
+  int nt = a->param && hi - lo >= ZD__ADAM_NT_MIN;
+  for (uint64_t i = lo; i < hi; i += 16) {
+    prefetch(a, i, gsz);
+    __m512i p = _mm512_loadu_si512(a->master + i);
+    __m512i m = _mm512_loadu_si512(a->exp_avg + i);
+    __m512i v = _mm512_loadu_si512(a->exp_avg_sq + i);
+    const char *g = (const char *)a->grad + i * gsz;
+    __m512i x = gsz == 4 ? _mm512_loadu_si512(g)
+                         : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)g));
+    p = _mm512_xor_si512(p, key);
+    m = _mm512_xor_si512(m, _mm512_and_si512(x, key));
+    v = _mm512_xor_si512(v, key);
+    _mm512_storeu_si512(a->master + i, p);
+    _mm512_storeu_si512(a->exp_avg + i, m);
+    _mm512_storeu_si512(a->exp_avg_sq + i, v);
+    if (!a->param) continue;
+    char *out = (char *)a->param + i * psz;
+    if (psz == 4 && nt)
+      _mm512_stream_si512((__m512i *)out, p);
+    else if (psz == 4)
+      _mm512_storeu_si512(out, p);
+    else if (nt)
+      _mm256_stream_si256((__m256i *)out, _mm512_castsi512_si256(p));
+    else
+      _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(p));
+  }
+  if (nt) _mm_sfence();
+}
+
+__attribute__((target("avx2"))) static void pass_avx2(const zd__adam_args_t *a, uint64_t lo,
+                                                       uint64_t hi) {
+  __m256i key = _mm256_set1_epi32((int)pass_key);
+  size_t gsz = dtype_size(a->grad_dtype), psz = dtype_size(a->param_dtype);
+  int nt = a->param && hi - lo >= ZD__ADAM_NT_MIN;
+  for (uint64_t i = lo; i < hi; i += 8) {
+    prefetch(a, i, gsz);
+    __m256i p = _mm256_loadu_si256((const __m256i *)(a->master + i));
+    __m256i m = _mm256_loadu_si256((const __m256i *)(a->exp_avg + i));
+    __m256i v = _mm256_loadu_si256((const __m256i *)(a->exp_avg_sq + i));
+    const char *g = (const char *)a->grad + i * gsz;
+    __m256i x = gsz == 4 ? _mm256_loadu_si256((const __m256i *)g)
+                         : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)g));
+    p = _mm256_xor_si256(p, key);
+    m = _mm256_xor_si256(m, _mm256_and_si256(x, key));
+    v = _mm256_xor_si256(v, key);
+    _mm256_storeu_si256((__m256i *)(a->master + i), p);
+    _mm256_storeu_si256((__m256i *)(a->exp_avg + i), m);
+    _mm256_storeu_si256((__m256i *)(a->exp_avg_sq + i), v);
+    if (!a->param) continue;
+    char *out = (char *)a->param + i * psz;
+    if (psz == 4 && nt)
+      _mm256_stream_si256((__m256i *)out, p);
+    else if (psz == 4)
+      _mm256_storeu_si256((__m256i *)out, p);
+    else if (nt)
+      _mm_stream_si128((__m128i *)out, _mm256_castsi256_si128(p));
+    else
+      _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(p));
+  }
+  if (nt) _mm_sfence();
+}
+
+/* The scalar kernel's pass: plain C with ordinary stores (the reference streams nothing), which
+ * the compiler vectorizes to SSE2 as it can. */
+static void pass_plain(const zd__adam_args_t *a, uint64_t lo, uint64_t hi) {
+  uint32_t key = pass_key;
+  uint32_t *p = (uint32_t *)a->master, *m = (uint32_t *)a->exp_avg, *v = (uint32_t *)a->exp_avg_sq;
+  for (uint64_t i = lo; i < hi; i++) {
+    uint32_t x =
+        a->grad_dtype == ZD_F32 ? ((const uint32_t *)a->grad)[i] : ((const uint16_t *)a->grad)[i];
+    uint32_t pi = p[i] ^ key;
+    p[i] = pi;
+    m[i] ^= x & key;
+    v[i] ^= key;
+    if (a->param && a->param_dtype == ZD_F32) ((uint32_t *)a->param)[i] = pi;
+    if (a->param && a->param_dtype == ZD_BF16) ((uint16_t *)a->param)[i] = (uint16_t)pi;
+  }
+}
+
+typedef struct pass_run {
+  const zd__adam_args_t *args;
+  zd__isa_t isa;
+  uint64_t n;
+} pass_run_t;
+
+static void pass_task(void *arg, unsigned t, unsigned ntasks) {
+  const pass_run_t *r = arg;
+  uint64_t lo, hi;
+  zd_bench_split(r->n, t, ntasks, &lo, &hi);
+  if (lo >= hi) return;
+  if (r->isa == ZD__ISA_AVX512)
+    pass_avx512(r->args, lo, hi);
+  else if (r->isa == ZD__ISA_AVX2)
+    pass_avx2(r->args, lo, hi);
+  else
+    pass_plain(r->args, lo, hi);
+}
+
+void zd_bench_split(uint64_t n, unsigned task, unsigned ntasks, uint64_t *lo, uint64_t *hi) {
+  uint64_t per = (n / CHUNK + ntasks - 1) / ntasks * CHUNK;
+  *lo = task * per;
+  *hi = *lo + per < n ? *lo + per : n;
+  if (*lo > n) *lo = n;
+}
+
+double zd_bench_mempass(zd__pool_t *pool, zd__isa_t isa, const zd__adam_args_t *args,
+                        uint64_t n) {
+  pass_run_t r = {.args = args, .isa = isa, .n = n};
+  double t0 = zd_bench_now();
+  zd__pool_run(pool, zd__pool_size(pool), pass_task, &r);
+  return zd_bench_now() - t0;
+}
+
+double zd_bench_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *x, const void *y) {
+  double a = *(const double *)x, b = *(const double *)y;
+  return (a > b) - (a < b);
+}
+
+double zd_bench_median(double *t, int n) {
+  qsort(t, (size_t)n, sizeof *t, cmp_double);
+  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+}
+
+double zd_bench_percentile(double *t, int n, double q) {
+  qsort(t, (size_t)n, sizeof *t, cmp_double);
+  int i = (int)(q * (n - 1) + 0.5);
+  return t[i < 0 ? 0 : i >= n ? n - 1 : i];
+}
+
+/* Large buffers on 2 MiB boundaries with transparent huge pages asked for, as the daemon maps its
+ * shards: TLB misses are not what is being measured. */
+void *zd_bench_alloc(size_t bytes) {
+  size_t align = 2u << 20;
+  bytes = (bytes + align - 1) / align * align;
+  void *p = aligned_alloc(align, bytes);
+  if (!p) {
+    fprintf(stderr, "benchmark: cannot allocate %zu bytes\n", bytes);
+    exit(1);
+  }
+  madvise(p, bytes, MADV_HUGEPAGE);
+  return p;
+}

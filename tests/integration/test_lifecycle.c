@@ -1,0 +1,271 @@
+/* zerod's life around its clients: command line (--help, --version, bad flags), start with no
+ * configuration at all, one client per rank, state held across clients (clean and abrupt
+ * disconnects, a different model refused unless replaced), and SIGTERM while steps are in
+ * flight: they complete, the socket file is removed and zerod exits 0 with its loop closed. */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "harness.h"
+#include "mlp.h"
+#include "zerod/zerod.h"
+
+static const zd_group_t groups[2] = {
+    {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01},
+    {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0}};
+
+/* Runs zerod with args, returns its exit status and its output (static buffer). */
+static int run_zerod(const char *const *args, const char **output) {
+  static char out[65536];
+  int fds[2];
+  CHECK(pipe(fds) == 0);
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    dup2(fds[1], 2);
+    close(fds[0]);
+    const char *argv[16] = {getenv("ZEROD_BIN")};
+    for (int i = 0; args[i] && i < 14; i++) argv[i + 1] = args[i];
+    execv(argv[0], (char *const *)argv);
+    _exit(127);
+  }
+  close(fds[1]);
+  size_t n = 0;
+  ssize_t r;
+  while ((r = read(fds[0], out + n, sizeof out - 1 - n)) > 0) n += (size_t)r;
+  out[n] = '\0';
+  close(fds[0]);
+  int status;
+  waitpid(pid, &status, 0);
+  *output = out;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void test_command_line(void) {
+  const char *out;
+  CHECK_INT_EQ(run_zerod((const char *[]){"--help", NULL}, &out), 0);
+  const char *expect[] = {"Usage: zerod", "--socket", "ZEROD_SOCKET", "--allowed_uids",
+                          "--max_frame_bytes", "--kernel_isa", "--local_ranks", "--world_size",
+                          "--control_address", "--collective_timeout_ms", "--log_level",
+                          "--config", "0660"};
+  for (size_t i = 0; i < sizeof expect / sizeof expect[0]; i++) CHECK_CONTAINS(out, expect[i]);
+  CHECK_INT_EQ(run_zerod((const char *[]){"--version", NULL}, &out), 0);
+  CHECK_CONTAINS(out, "zerod " ZD_VERSION_STRING);
+  CHECK_INT_EQ(run_zerod((const char *[]){"--threads", "many", NULL}, &out), 2);
+  CHECK_CONTAINS(out, "threads");
+  CHECK_INT_EQ(run_zerod((const char *[]){"--no-such-setting", "1", NULL}, &out), 2);
+  CHECK_CONTAINS(out, "no-such-setting");
+  printf("  command line: --help, --version, bad flags\n");
+}
+
+static zd_client_t *connect_register(const char *socket, const zd_param_t *params, int rank,
+                                     unsigned flags, int expect) {
+  zd_client_t *c;
+  int rc = zd_connect(socket, rank, 0, &c);
+  CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
+  zd_model_desc_t desc = {.params = params, .nparams = MLP_NPARAMS, .groups = groups,
+                          .ngroups = 2, .param_dtype = ZD_F32, .grad_dtype = ZD_F32,
+                          .flags = flags};
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
+  float *p = zd_param_buffer(c, NULL);
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    zd_param_info(c, (size_t)i, &info);
+    for (uint64_t k = 0; k < info.numel; k++) p[info.offset + k] = 0.01f * (float)(k % 7);
+  }
+  rc = zd_register(c);
+  CHECK_MSG(rc == expect, "register returned %s (%s), expected %s", zd_err_name(rc),
+            zd_last_error(), zd_err_name(expect));
+  if (rc != ZD_OK) {
+    zd_close(c);
+    return NULL;
+  }
+  return c;
+}
+
+static void fill_grads(zd_client_t *c, float value) {
+  size_t bytes;
+  float *g = zd_grad_buffer(c, &bytes);
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    zd_param_info(c, (size_t)i, &info);
+    for (uint64_t k = 0; k < info.numel; k++) g[info.offset + k] = value;
+  }
+}
+
+static void steps(zd_client_t *c, int n, uint64_t first) {
+  for (int i = 0; i < n; i++) {
+    zd_step_result_t r;
+    fill_grads(c, 0.1f * (float)(i + 1));
+    CHECK_MSG(zd_step(c, NULL, &r) == ZD_OK, "step: %s", zd_last_error());
+    CHECK_U64_EQ(r.step, first + (uint64_t)i + 1);
+  }
+}
+
+static void test_clients_and_state(void) {
+  zdt_daemon_t d;
+  zdt_start(&d, NULL);
+  zd_client_t *a = connect_register(d.socket, mlp_params, ZD_ANY_RANK, 0, ZD_OK);
+  steps(a, 3, 0);
+
+  /* one client per rank */
+  zd_client_t *b;
+  CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &b), ZD_EBUSY);
+  CHECK_CONTAINS(zd_last_error(), "all 1 local ranks have a client attached");
+  CHECK_INT_EQ(zd_connect(d.socket, 3, 0, &b), ZD_ERANK);
+  CHECK_CONTAINS(zd_last_error(), "local rank 3 does not exist; this zerod hosts local ranks 0..0");
+  connect_register(d.socket, mlp_params, 0, 0, ZD_EBUSY);
+  CHECK_CONTAINS(zd_last_error(), "local rank 0 is attached to client");
+  printf("  second client refused: %s\n", zd_last_error());
+
+  /* a clean bye keeps the state; the next client resumes it */
+  const float *pa = zd_param_buffer(a, NULL);
+  float before[64];
+  memcpy(before, pa, sizeof before);
+  zd_close(a);
+  zd_client_t *c = connect_register(d.socket, mlp_params, ZD_ANY_RANK, 0, ZD_OK);
+  zd_info_t info;
+  zd_get_info(c, &info);
+  CHECK_INT_EQ(info.resumed, 1);
+  CHECK_U64_EQ(info.step, 3);
+  CHECK(memcmp(zd_param_buffer(c, NULL), before, sizeof before) == 0);
+  steps(c, 2, 3);
+  zd_close(c);
+
+  /* an abrupt end (the trainer is killed): state kept too */
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    zd_client_t *k = connect_register(d.socket, mlp_params, ZD_ANY_RANK, 0, ZD_OK);
+    steps(k, 4, 5);
+    kill(getpid(), SIGKILL);
+  }
+  int status;
+  waitpid(pid, &status, 0);
+  CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  zd_client_t *e = NULL;
+  for (int i = 0; i < 200 && !e; i++) { /* the daemon notices the hang-up asynchronously */
+    int rc = zd_connect(d.socket, ZD_ANY_RANK, 0, &e);
+    if (rc == ZD_EBUSY) {
+      nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
+      continue;
+    }
+    CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
+  }
+  CHECK(e);
+  zd_close(e);
+  e = connect_register(d.socket, mlp_params, ZD_ANY_RANK, 0, ZD_OK);
+  zd_get_info(e, &info);
+  CHECK_INT_EQ(info.resumed, 1);
+  CHECK_U64_EQ(info.step, 9);
+  zd_close(e);
+  printf("  state kept across a clean bye and a killed client: resumed at step 9\n");
+
+  /* a different model is refused while the state is held, unless replaced */
+  zd_param_t other[MLP_NPARAMS];
+  memcpy(other, mlp_params, sizeof other);
+  other[1].name = "fc1.b";
+  connect_register(d.socket, other, ZD_ANY_RANK, 0, ZD_ELAYOUT);
+  CHECK_CONTAINS(zd_last_error(), "rank 0 holds a different model (4 parameters");
+  CHECK_CONTAINS(zd_last_error(), "step 9");
+  CHECK_CONTAINS(zd_last_error(), "parameter 1: 'fc1.bias' [32] group 1 vs 'fc1.b' [32] group 1");
+  printf("  different model refused: %s\n", zd_last_error());
+  zd_client_t *r = connect_register(d.socket, other, ZD_ANY_RANK, ZD_REGISTER_REPLACE, ZD_OK);
+  zd_get_info(r, &info);
+  CHECK_INT_EQ(info.resumed, 0);
+  CHECK_U64_EQ(info.step, 0);
+  zd_close(r);
+  int st = zdt_stop(&d, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
+}
+
+/* zerod with no configuration: default socket under $XDG_RUNTIME_DIR, found by libzerod too. */
+static void test_no_configuration(void) {
+  char dir[] = "/tmp/zerod-xdg-XXXXXX";
+  CHECK(mkdtemp(dir));
+  char sock[128], log[128];
+  snprintf(sock, sizeof sock, "%s/zerod.sock", dir);
+  snprintf(log, sizeof log, "%s/zerod.log", dir);
+  setenv("XDG_RUNTIME_DIR", dir, 1);
+  unsetenv("ZEROD_SOCKET");
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    freopen(log, "w", stderr);
+    execl(getenv("ZEROD_BIN"), "zerod", (char *)NULL);
+    _exit(127);
+  }
+  zd_client_t *c = NULL;
+  for (int i = 0; i < 500 && !c; i++) {
+    if (zd_connect(NULL, ZD_ANY_RANK, 0, &c) != ZD_OK) {
+      c = NULL;
+      nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
+    }
+  }
+  CHECK_MSG(c, "no zerod on the default socket %s: %s", sock, zd_last_error());
+  struct stat st;
+  CHECK(stat(sock, &st) == 0);
+  CHECK_INT_EQ(st.st_mode & 0777, 0660);
+  char *status;
+  CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
+  CHECK_CONTAINS(status, sock);
+  CHECK_CONTAINS(status, "socket_mode:0660 (default)");
+  free(status);
+  zd_close(c);
+  kill(pid, SIGTERM);
+  int wst;
+  waitpid(pid, &wst, 0);
+  CHECK_MSG(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "exit status 0x%x", wst);
+  CHECK_INT_EQ(access(sock, F_OK), -1);
+  unlink(log);
+  rmdir(dir);
+  printf("  no configuration: listened on %s (mode 0660), exited 0, socket removed\n", sock);
+}
+
+/* SIGTERM with steps in flight on a large model: they complete and are answered. */
+static void test_sigterm_in_flight(void) {
+  zdt_daemon_t d;
+  zdt_start(&d, NULL);
+  zd_param_t big = {.name = "big", .ndim = 1, .shape = {1u << 24}, .group = 0};
+  zd_client_t *c;
+  CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
+  zd_model_desc_t desc = {.params = &big, .nparams = 1, .groups = groups, .ngroups = 1,
+                          .param_dtype = ZD_F32, .grad_dtype = ZD_F32};
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
+  CHECK_INT_EQ(zd_register(c), ZD_OK);
+  enum { N = 6 };
+  zd_request_t req[N];
+  for (int i = 0; i < N; i++) CHECK_INT_EQ(zd_step_start(c, NULL, &req[i]), ZD_OK);
+  nanosleep(&(struct timespec){.tv_nsec = 30000000}, NULL); /* all frames read, steps running */
+  kill(d.pid, SIGTERM);
+  for (int i = 0; i < N; i++) {
+    zd_step_result_t r;
+    int rc = zd_wait(c, req[i], &r);
+    CHECK_MSG(rc == ZD_OK, "step %d after SIGTERM: %s", i + 1, zd_last_error());
+    CHECK_U64_EQ(r.step, (uint64_t)i + 1);
+  }
+  zd_close(c);
+  int st = zdt_stop(&d, SIGTERM, 1);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
+  CHECK_INT_EQ(access(d.socket, F_OK), -1);
+  CHECK(zdt_log_contains(&d, "shut down cleanly"));
+  zdt_stop(&d, 0, 0);
+  printf("  SIGTERM with %d steps in flight: all answered, socket removed, exit 0\n", N);
+}
+
+int main(void) {
+  test_command_line();
+  test_clients_and_state();
+  test_no_configuration();
+  test_sigterm_in_flight();
+  printf("test_lifecycle: ok\n");
+  return 0;
+}
