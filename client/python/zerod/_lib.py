@@ -1,0 +1,280 @@
+"""ctypes bindings of libzerod (client/include/zerod/zerod.h).
+
+This module finds and loads the shared library, mirrors the C structures of the public header and
+declares every function with its argument and return types. Nothing else in the package calls
+the library without going through the prototypes declared here. The structures must match
+zerod.h field for field: the header is the contract, and a change there is a change here.
+
+Where the library comes from, in order:
+  1. ``$ZEROD_LIBRARY``: a path to libzerod.so (an error if it does not exist);
+  2. a ``libzerod.so*`` next to this package (a wheel that bundles it);
+  3. ``ctypes.util.find_library("zerod")``: the system's library path (``meson install``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import threading
+from typing import Optional
+
+__all__ = ["lib", "load", "library_path"]
+
+ZD_MAX_DIMS = 8
+ZD_ALL_BUCKETS = -1
+ZD_ANY_RANK = -1
+
+ZD_F32 = 1
+ZD_BF16 = 2
+ZD_F16 = 3
+
+ZD_ADAMW = 0
+ZD_ADAM = 1
+
+ZD_REGISTER_REPLACE = 0x1
+ZD_STEP_NO_SCATTER = 0x1
+ZD_STEP_NO_GATHER = 0x2
+
+# zerod/errors.h: values are part of the wire protocol and never renumbered.
+ZD_OK = 0
+ZD_EPROTO = -4001
+ZD_EVERSION = -4002
+ZD_ETOOBIG = -4003
+ZD_ETYPE = -4004
+ZD_EORDER = -4005
+ZD_EBUFFER = -4006
+ZD_EDTYPE = -4007
+ZD_EGROUP = -4008
+ZD_EHPARAM = -4009
+ZD_ELAYOUT = -4010
+ZD_ERANK = -4011
+ZD_EBUSY = -4012
+ZD_ESTEP = -4013
+ZD_EPEER = -4014
+ZD_EDEGRADED = -4015
+ZD_ESHUTDOWN = -4016
+ZD_EDENIED = -4017
+ZD_EBACKEND = -4018
+ZD_ECLOSED = -4019
+ZD_EINTERNAL = -4020
+ZD_ECONFIG = -4021
+
+
+class zd_group_t(ctypes.Structure):
+    _fields_ = [
+        ("lr", ctypes.c_double),
+        ("beta1", ctypes.c_double),
+        ("beta2", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("optimizer", ctypes.c_int),  # zd_optimizer_t
+    ]
+
+
+class zd_param_t(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("ndim", ctypes.c_uint32),
+        ("shape", ctypes.c_uint64 * ZD_MAX_DIMS),
+        ("group", ctypes.c_uint32),
+    ]
+
+
+class zd_loss_scaler_t(ctypes.Structure):
+    _fields_ = [
+        ("enabled", ctypes.c_int),
+        ("initial_scale", ctypes.c_double),
+        ("growth_factor", ctypes.c_double),
+        ("backoff_factor", ctypes.c_double),
+        ("growth_interval", ctypes.c_uint32),
+        ("hysteresis", ctypes.c_uint32),
+        ("min_scale", ctypes.c_double),
+    ]
+
+
+class zd_model_desc_t(ctypes.Structure):
+    _fields_ = [
+        ("params", ctypes.POINTER(zd_param_t)),
+        ("nparams", ctypes.c_size_t),
+        ("groups", ctypes.POINTER(zd_group_t)),
+        ("ngroups", ctypes.c_size_t),
+        ("param_dtype", ctypes.c_int),
+        ("grad_dtype", ctypes.c_int),
+        ("max_grad_norm", ctypes.c_double),
+        ("grad_mean", ctypes.c_int),
+        ("loss_scaler", zd_loss_scaler_t),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class zd_info_t(ctypes.Structure):
+    _fields_ = [
+        ("protocol_version", ctypes.c_uint32),
+        ("world_size", ctypes.c_uint32),
+        ("rank", ctypes.c_uint32),
+        ("local_rank", ctypes.c_uint32),
+        ("bucket_elems", ctypes.c_uint64),
+        ("backend", ctypes.c_char * 16),
+        ("daemon_version", ctypes.c_char * 32),
+        ("step", ctypes.c_uint64),
+        ("resumed", ctypes.c_int),
+        ("layout_hash", ctypes.c_uint64),
+        ("total_elems", ctypes.c_uint64),
+        ("nbuckets", ctypes.c_uint32),
+        ("loss_scale", ctypes.c_double),
+    ]
+
+
+class zd_param_info_t(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("offset", ctypes.c_uint64),
+        ("numel", ctypes.c_uint64),
+        ("bucket", ctypes.c_uint32),
+        ("group", ctypes.c_uint32),
+    ]
+
+
+class zd_bucket_info_t(ctypes.Structure):
+    _fields_ = [
+        ("offset", ctypes.c_uint64),
+        ("elems", ctypes.c_uint64),
+        ("shard_offset", ctypes.c_uint64),
+        ("shard_elems", ctypes.c_uint64),
+    ]
+
+
+class zd_step_opts_t(ctypes.Structure):
+    _fields_ = [
+        ("groups", ctypes.POINTER(zd_group_t)),
+        ("ngroups", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class zd_step_result_t(ctypes.Structure):
+    _fields_ = [
+        ("step", ctypes.c_uint64),
+        ("applied", ctypes.c_int),
+        ("grad_norm", ctypes.c_double),
+        ("loss_scale", ctypes.c_double),
+        ("clip_coef", ctypes.c_double),
+        ("duration_us", ctypes.c_uint64),
+    ]
+
+
+zd_client_p = ctypes.c_void_p  # opaque zd_client_t *
+zd_request_t = ctypes.c_uint64
+
+# name: (restype, argtypes)
+_PROTOTYPES = {
+    "zd_strerror": (ctypes.c_char_p, [ctypes.c_int]),
+    "zd_err_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "zd_group_default": (zd_group_t, []),
+    "zd_connect": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
+                                  ctypes.POINTER(zd_client_p)]),
+    "zd_layout": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_model_desc_t)]),
+    "zd_register": (ctypes.c_int, [zd_client_p]),
+    "zd_param_buffer": (ctypes.c_void_p, [zd_client_p, ctypes.POINTER(ctypes.c_size_t)]),
+    "zd_grad_buffer": (ctypes.c_void_p, [zd_client_p, ctypes.POINTER(ctypes.c_size_t)]),
+    "zd_param_info": (ctypes.c_int, [zd_client_p, ctypes.c_size_t,
+                                     ctypes.POINTER(zd_param_info_t)]),
+    "zd_bucket_info": (ctypes.c_int, [zd_client_p, ctypes.c_size_t,
+                                      ctypes.POINTER(zd_bucket_info_t)]),
+    "zd_get_info": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_info_t)]),
+    "zd_step": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_step_opts_t),
+                               ctypes.POINTER(zd_step_result_t)]),
+    "zd_scatter": (ctypes.c_int, [zd_client_p, ctypes.c_int]),
+    "zd_gather": (ctypes.c_int, [zd_client_p, ctypes.c_int]),
+    "zd_scatter_start": (ctypes.c_int, [zd_client_p, ctypes.c_int, ctypes.POINTER(zd_request_t)]),
+    "zd_gather_start": (ctypes.c_int, [zd_client_p, ctypes.c_int, ctypes.POINTER(zd_request_t)]),
+    "zd_step_start": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_step_opts_t),
+                                     ctypes.POINTER(zd_request_t)]),
+    "zd_wait": (ctypes.c_int, [zd_client_p, zd_request_t, ctypes.POINTER(zd_step_result_t)]),
+    "zd_status": (ctypes.c_int, [zd_client_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "zd_close": (None, [zd_client_p]),
+    "zd_last_error": (ctypes.c_char_p, []),
+    "zd_dtype_size": (ctypes.c_size_t, [ctypes.c_int]),
+    "zd_dtype_name": (ctypes.c_char_p, [ctypes.c_int]),
+}
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_path: Optional[str] = None
+_libc_free = None
+
+
+class LibraryNotFoundError(OSError):
+    """libzerod could not be found or loaded."""
+
+
+def _candidates() -> list:
+    env = os.environ.get("ZEROD_LIBRARY")
+    if env:
+        if not os.path.exists(env):
+            raise LibraryNotFoundError(
+                f"ZEROD_LIBRARY is {env!r}, which does not exist; point it at libzerod.so "
+                f"(built as build/client/libzerod.so)")
+        return [env]
+    here = os.path.dirname(os.path.abspath(__file__))
+    bundled = sorted(glob.glob(os.path.join(here, "libzerod.so*")), key=len)
+    if bundled:
+        return bundled[:1]
+    found = ctypes.util.find_library("zerod")
+    return [found] if found else []
+
+
+def load() -> ctypes.CDLL:
+    """Loads libzerod once (thread-safe) and returns it with every prototype declared."""
+    global _lib, _path, _libc_free
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        candidates = _candidates()
+        if not candidates:
+            raise LibraryNotFoundError(
+                "libzerod not found: set ZEROD_LIBRARY to the path of libzerod.so (a build "
+                "leaves it at build/client/libzerod.so), or install it with `meson install` so "
+                "that ctypes.util.find_library('zerod') finds it")
+        try:
+            lib = ctypes.CDLL(candidates[0])
+        except OSError as e:
+            raise LibraryNotFoundError(f"cannot load libzerod from {candidates[0]}: {e}") from e
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError as e:
+                raise LibraryNotFoundError(
+                    f"{candidates[0]} has no symbol {name}: not a libzerod this package "
+                    f"supports") from e
+            fn.restype = restype
+            fn.argtypes = argtypes
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.free.restype = None
+        libc.free.argtypes = [ctypes.c_void_p]
+        _libc_free = libc.free
+        _path = candidates[0]
+        _lib = lib
+        return lib
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library (loading it on first use)."""
+    return _lib if _lib is not None else load()
+
+
+def library_path() -> str:
+    """Path of the loaded libzerod."""
+    load()
+    assert _path is not None
+    return _path
+
+
+def free(ptr: int) -> None:
+    """Releases memory the library allocated with malloc() (zd_status's text)."""
+    load()
+    _libc_free(ptr)

@@ -1,0 +1,749 @@
+"""The core client: one connection to one rank of a zerod daemon.
+
+`Client` wraps libzerod's C API (zerod/zerod.h) one to one, in Python types: connect, lay the
+model out, register it, use the two shared buffers, step (or scatter, step, gather separately, and
+pipelined), read the status, close. It needs nothing but the standard library; the PyTorch
+optimizer in `zerod.torch` is built on it.
+
+Every failing call raises `ZerodError` with the library's error code, its symbolic name
+("ZD_EBUFFER", "ECONNREFUSED") and the detailed message the daemon or the library formatted where
+the error was found.
+
+Threading: a Client may be used from several threads; calls are serialised by a lock (the C
+client is not thread-safe). Blocking calls release the GIL while they wait for zerod.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import _lib
+from ._lib import (
+    ZD_ALL_BUCKETS,
+    ZD_ANY_RANK,
+    ZD_MAX_DIMS,
+    ZD_REGISTER_REPLACE,
+    ZD_STEP_NO_GATHER,
+    ZD_STEP_NO_SCATTER,
+)
+
+__all__ = [
+    "ALL_BUCKETS",
+    "ANY_RANK",
+    "BucketInfo",
+    "Client",
+    "DType",
+    "Group",
+    "Info",
+    "LossScaler",
+    "Param",
+    "ParamInfo",
+    "Request",
+    "StepResult",
+    "ZerodError",
+    "connect",
+    "dtype_of",
+    "parse_status",
+]
+
+ALL_BUCKETS = ZD_ALL_BUCKETS
+ANY_RANK = ZD_ANY_RANK
+
+
+class ZerodError(Exception):
+    """A libzerod call failed.
+
+    Attributes:
+        code: the error code (negative: zerod's own codes are below -4000, system errors are
+            negated errno values).
+        name: its symbolic name, as zd_err_name() gives it ("ZD_EBUFFER", "ECONNREFUSED").
+        message: the detailed message (zd_last_error()): what was wrong and what was expected.
+        call: the C function that failed ("zd_register").
+    """
+
+    def __init__(self, code: int, name: str, message: str, call: str = "") -> None:
+        self.code = code
+        self.name = name
+        self.message = message
+        self.call = call
+        where = f"{call}: " if call else ""
+        super().__init__(f"{where}{name} ({code}): {message}")
+
+    @property
+    def description(self) -> str:
+        """The generic description of the code (zd_strerror())."""
+        return _lib.lib().zd_strerror(self.code).decode(errors="replace")
+
+
+def _error(code: int, call: str) -> ZerodError:
+    lib = _lib.lib()
+    name = lib.zd_err_name(code).decode(errors="replace")
+    msg = (lib.zd_last_error() or b"").decode(errors="replace")
+    if not msg:
+        msg = lib.zd_strerror(code).decode(errors="replace")
+    return ZerodError(code, name, msg, call)
+
+
+def _check(code: int, call: str) -> None:
+    if code != 0:
+        raise _error(code, call)
+
+
+class DType:
+    """Element types of the shared buffers (zd_dtype_t)."""
+
+    F32 = _lib.ZD_F32
+    BF16 = _lib.ZD_BF16
+    F16 = _lib.ZD_F16
+
+    NAMES = {F32: "f32", BF16: "bf16", F16: "f16"}
+    SIZES = {F32: 4, BF16: 2, F16: 2}
+    # memoryview formats: bf16 has none and memoryview.cast() cannot make f16 ("e"), so 16-bit
+    # elements show as uint16 bit patterns.
+    FORMATS = {F32: "f", BF16: "H", F16: "H"}
+
+
+_DTYPE_ALIASES = {
+    "f32": DType.F32, "fp32": DType.F32, "float32": DType.F32, "float": DType.F32,
+    "bf16": DType.BF16, "bfloat16": DType.BF16,
+    "f16": DType.F16, "fp16": DType.F16, "float16": DType.F16, "half": DType.F16,
+}
+
+
+def dtype_of(value: Any) -> int:
+    """Converts a dtype given as a DType value, a name ("f32", "bf16", "fp16", "float32") or a
+    torch dtype (torch.float32, torch.bfloat16, torch.float16) to a zd_dtype_t value."""
+    if isinstance(value, int) and value in DType.NAMES:
+        return value
+    text = str(value).lower()
+    if text.startswith("torch."):
+        text = text[len("torch."):]
+    if text in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[text]
+    raise ValueError(f"unsupported dtype {value!r}; expected f32, bf16 or f16")
+
+
+_OPTIMIZERS = {"adamw": _lib.ZD_ADAMW, "adam": _lib.ZD_ADAM}
+
+
+@dataclass
+class Group:
+    """Hyperparameters of one parameter group (zd_group_t).
+
+    optimizer: "adamw" (decoupled weight decay, torch.optim.AdamW) or "adam" (L2 penalty added to
+    the gradient, torch.optim.Adam). Defaults are torch.optim.AdamW's.
+    """
+
+    lr: float = 1e-3
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    optimizer: str = "adamw"
+
+    def _to_c(self, out: _lib.zd_group_t) -> None:
+        kind = self.optimizer.lower()
+        if kind not in _OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is not supported; expected 'adamw' "
+                             f"or 'adam'")
+        out.lr = float(self.lr)
+        out.beta1 = float(self.betas[0])
+        out.beta2 = float(self.betas[1])
+        out.eps = float(self.eps)
+        out.weight_decay = float(self.weight_decay)
+        out.optimizer = _OPTIMIZERS[kind]
+
+    @classmethod
+    def coerce(cls, g: Union["Group", Mapping[str, Any]]) -> "Group":
+        """A Group from a Group or a dict with the same keys (extra keys are ignored)."""
+        if isinstance(g, Group):
+            return g
+        known = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "optimizer") if k in g}
+        if "betas" in known:
+            known["betas"] = tuple(known["betas"])
+        return cls(**known)
+
+
+@dataclass
+class Param:
+    """One parameter of the model, in registration order (zd_param_t). name: unique, at most
+    255 bytes; shape: at most 8 dimensions (() for a scalar); group: index into the groups."""
+
+    name: str
+    shape: Tuple[int, ...]
+    group: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scaling for fp16 gradients (zd_loss_scaler_t, Megatron/DeepSpeed semantics):
+    the trainer multiplies its loss by the current scale; zerod unscales, skips the step on
+    overflow and backs the scale off by backoff_factor once `hysteresis` overflows were seen (not
+    below min_scale); after growth_interval clean steps in a row it grows by growth_factor."""
+
+    initial_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+    @classmethod
+    def coerce(cls, s: Union["LossScaler", Mapping[str, Any], bool, None]) -> Optional["LossScaler"]:
+        """None/False: disabled; True: the defaults; a dict: those fields."""
+        if s is None or s is False:
+            return None
+        if s is True:
+            return cls()
+        if isinstance(s, LossScaler):
+            return s
+        return cls(**dict(s))
+
+
+@dataclass
+class Info:
+    """What the daemon said at connect and register (zd_info_t)."""
+
+    protocol_version: int
+    world_size: int
+    rank: int
+    local_rank: int
+    bucket_elems: int
+    backend: str
+    daemon_version: str
+    step: int
+    resumed: bool
+    layout_hash: int
+    total_elems: int
+    nbuckets: int
+    loss_scale: float
+
+
+@dataclass
+class ParamInfo:
+    """Where a parameter lives in the flat buffers (element offsets)."""
+
+    index: int
+    name: str
+    offset: int
+    numel: int
+    bucket: int
+    group: int
+
+
+@dataclass
+class BucketInfo:
+    """Element range of a bucket in the flat buffers and this rank's slice of it."""
+
+    index: int
+    offset: int
+    elems: int
+    shard_offset: int
+    shard_elems: int
+
+
+@dataclass
+class StepResult:
+    """Outcome of a step (zd_step_result_t)."""
+
+    step: int  # steps applied after this one
+    applied: bool  # False when skipped because of an overflow (loss scaling)
+    grad_norm: float  # global L2 norm of the unscaled, reduced gradient (nan if not computed)
+    loss_scale: float  # scale for the next step's loss
+    clip_coef: float  # factor clipping applied to the gradient (1.0: none)
+    duration_us: int  # time zerod spent on the step
+
+    @classmethod
+    def _from_c(cls, r: _lib.zd_step_result_t) -> "StepResult":
+        return cls(int(r.step), bool(r.applied), float(r.grad_norm), float(r.loss_scale),
+                   float(r.clip_coef), int(r.duration_us))
+
+
+class Request:
+    """A pipelined request (scatter_start, gather_start, step_start). Wait for it exactly once,
+    with `wait()` or `Client.wait()`; requests run in the order they were sent."""
+
+    __slots__ = ("_client", "id", "kind", "_done", "_result")
+
+    def __init__(self, client: "Client", req_id: int, kind: str) -> None:
+        self._client = client
+        self.id = req_id
+        self.kind = kind  # "scatter", "gather" or "step"
+        self._done = False
+        self._result: Optional[StepResult] = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the request was waited for."""
+        return self._done
+
+    def wait(self) -> Optional[StepResult]:
+        """Blocks until zerod answered; returns the StepResult of a step request, None for the
+        others; raises ZerodError with the request's own error."""
+        return self._client.wait(self)
+
+    def __repr__(self) -> str:
+        return f"<zerod.Request {self.kind} id={self.id}{' done' if self._done else ''}>"
+
+
+def _shared_array(address: int, nbytes: int, owner: "Client") -> ctypes.Array:
+    """A ctypes char array over shared memory that holds its Client: a view made from it
+    (memoryview, torch.frombuffer, numpy) keeps the Client, and thus the mapping, from being
+    garbage-collected while the view is alive."""
+    cls = type("zerod_buffer", (ctypes.c_char * nbytes,), {})  # a subclass has a __dict__
+    arr = cls.from_address(address)
+    arr._zerod_client = owner
+    return arr
+
+
+def parse_status(text: str) -> Dict[str, Dict[str, str]]:
+    """Parses zerod's status text ("# Section" lines, then "key:value" lines) into
+    {section: {key: value}}. Values stay strings; keys carry their units (step_latency_us)."""
+    out: Dict[str, Dict[str, str]] = {}
+    section: Optional[Dict[str, str]] = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("#"):
+            section = out.setdefault(line[1:].strip(), {})
+            continue
+        key, sep, value = line.partition(":")
+        if not sep:
+            raise ValueError(f"status line {line!r} is neither '# Section' nor 'key:value'")
+        if section is None:
+            section = out.setdefault("", {})
+        section[key.strip()] = value
+    return out
+
+
+ParamSpec = Union[Param, Tuple[str, Sequence[int]], Tuple[str, Sequence[int], int]]
+
+
+class Client:
+    """A connection to one rank of a zerod daemon (zd_client_t).
+
+    Typical use::
+
+        with zerod.Client(socket="/run/zerod/zerod.sock") as c:
+            c.layout([("w", (256, 128)), ("b", (256,))], groups=[zerod.Group(lr=1e-3)])
+            # write initial values into c.param_buffer, then:
+            c.register()
+            for batch in data:
+                # write gradients into c.grad_buffer
+                result = c.step()          # scatter + AdamW + gather
+
+    Args:
+        socket: the daemon's Unix socket; None for the default ($ZEROD_SOCKET, else
+            $XDG_RUNTIME_DIR/zerod.sock, else /run/zerod/zerod.sock).
+        local_rank: the rank within that daemon, or -1 for the first one with no client.
+        timeout_ms: how long to wait for the daemon's hello (0: 30 s).
+
+    Raises:
+        ZerodError: ECONNREFUSED/ENOENT (no daemon), ZD_EVERSION, ZD_EBUSY (rank taken),
+            ZD_ERANK, ZD_EDENIED.
+    """
+
+    def __init__(self, socket: Optional[str] = None, local_rank: int = ANY_RANK,
+                 timeout_ms: int = 0) -> None:
+        self._lib = _lib.lib()
+        self._lock = threading.RLock()
+        self._handle: Optional[int] = None
+        self._views: List[memoryview] = []
+        self._params: List[Param] = []
+        self._param_dtype = DType.F32
+        self._grad_dtype = DType.F32
+        self._registered = False
+        handle = _lib.zd_client_p()
+        path = socket.encode() if socket else None
+        with self._lock:
+            rc = self._lib.zd_connect(path, int(local_rank), int(timeout_ms), ctypes.byref(handle))
+            if rc != 0:
+                raise _error(rc, "zd_connect")
+        self._handle = handle.value
+
+    @classmethod
+    def connect(cls, socket: Optional[str] = None, local_rank: int = ANY_RANK,
+                timeout_ms: int = 0) -> "Client":
+        """Same as Client(socket, local_rank, timeout_ms)."""
+        return cls(socket, local_rank, timeout_ms)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def _h(self) -> int:
+        if self._handle is None:
+            raise ZerodError(_lib.ZD_ECLOSED, "ZD_ECLOSED", "the client is closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Says bye and closes the connection; zerod keeps the rank's state for a later client.
+
+        The shared buffers are unmapped: memoryviews returned by this client are released, and
+        any other view of the buffers (numpy arrays, torch tensors) must not be used afterwards.
+        Closing twice is harmless.
+        """
+        with self._lock:
+            if self._handle is None:
+                return
+            for mv in self._views:
+                try:
+                    mv.release()
+                except BufferError:
+                    pass  # something still exports it; the mapping goes away regardless
+            self._views.clear()
+            handle, self._handle = self._handle, None
+            self._lib.zd_close(handle)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- layout and registration -------------------------------------------------------------
+
+    def layout(self, params: Iterable[ParamSpec],
+               groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]] = None, *,
+               param_dtype: Any = "f32", grad_dtype: Any = None, max_grad_norm: float = 0.0,
+               grad_mean: bool = True,
+               loss_scaler: Union[LossScaler, Mapping[str, Any], bool, None] = None,
+               replace: bool = False) -> None:
+        """Computes the layout of the model and creates zeroed shared buffers (zd_layout).
+
+        Args:
+            params: the parameters in registration order: Param objects or (name, shape) /
+                (name, shape, group) tuples.
+            groups: hyperparameters per group (Group objects or dicts); default one Group().
+            param_dtype: working parameters: "f32" or "bf16" (or a torch dtype).
+            grad_dtype: gradients: "f32", "bf16" or "f16"; default param_dtype.
+            max_grad_norm: clip by global L2 norm; 0 disables clipping.
+            grad_mean: average gradients over ranks (True) or sum them (False).
+            loss_scaler: dynamic loss scaling for fp16 gradients (LossScaler, dict, True for the
+                defaults, None to disable).
+            replace: start afresh: discard any state zerod holds on this rank (for this model or
+                another; at world size > 1 every rank must pass it).
+
+        After it, write the initial parameter values into `param_buffer` at the offsets
+        `param_info()` gives, then call `register()`.
+        """
+        specs: List[Param] = []
+        for p in params:
+            if isinstance(p, Param):
+                specs.append(p)
+            else:
+                specs.append(Param(str(p[0]), tuple(int(d) for d in p[1]),
+                                   int(p[2]) if len(p) > 2 else 0))
+        gs = [Group.coerce(g) for g in (groups if groups is not None else [Group()])]
+        pdt, gdt = dtype_of(param_dtype), dtype_of(grad_dtype if grad_dtype is not None
+                                                   else param_dtype)
+        scaler = LossScaler.coerce(loss_scaler)
+
+        c_params = (_lib.zd_param_t * max(len(specs), 1))()
+        names = []  # keep the encoded names alive for the call
+        for i, p in enumerate(specs):
+            if len(p.shape) > ZD_MAX_DIMS:
+                raise ValueError(f"parameter {p.name!r} has {len(p.shape)} dimensions; at most "
+                                 f"{ZD_MAX_DIMS} are supported")
+            names.append(p.name.encode())
+            c_params[i].name = names[-1]
+            c_params[i].ndim = len(p.shape)
+            for d, n in enumerate(p.shape):
+                c_params[i].shape[d] = n
+            c_params[i].group = p.group
+        c_groups = (_lib.zd_group_t * max(len(gs), 1))()
+        for i, g in enumerate(gs):
+            g._to_c(c_groups[i])
+        desc = _lib.zd_model_desc_t()
+        desc.params = c_params
+        desc.nparams = len(specs)
+        desc.groups = c_groups
+        desc.ngroups = len(gs)
+        desc.param_dtype = pdt
+        desc.grad_dtype = gdt
+        desc.max_grad_norm = float(max_grad_norm)
+        desc.grad_mean = 1 if grad_mean else 0
+        if scaler is not None:
+            desc.loss_scaler.enabled = 1
+            desc.loss_scaler.initial_scale = float(scaler.initial_scale)
+            desc.loss_scaler.growth_factor = float(scaler.growth_factor)
+            desc.loss_scaler.backoff_factor = float(scaler.backoff_factor)
+            desc.loss_scaler.growth_interval = int(scaler.growth_interval)
+            desc.loss_scaler.hysteresis = int(scaler.hysteresis)
+            desc.loss_scaler.min_scale = float(scaler.min_scale)
+        desc.flags = ZD_REGISTER_REPLACE if replace else 0
+        with self._lock:
+            h = self._h()
+            if self._views:  # zd_layout() remaps the buffers: the old views would dangle
+                for mv in self._views:
+                    try:
+                        mv.release()
+                    except BufferError:
+                        pass
+                self._views.clear()
+            _check(self._lib.zd_layout(h, ctypes.byref(desc)), "zd_layout")
+            self._params = specs
+            self._param_dtype, self._grad_dtype = pdt, gdt
+
+    def register(self) -> Info:
+        """Sends the model and its buffers to zerod (zd_register) and returns the new Info.
+
+        zerod takes the param buffer's contents as the initial weights of a new model, or, when
+        it already holds this model (same layout hash: a trainer that reattaches), overwrites
+        the buffer with its master weights and continues at its step (info.resumed is True).
+        At world size > 1 this is collective: it returns when every rank has registered.
+        """
+        with self._lock:
+            _check(self._lib.zd_register(self._h()), "zd_register")
+            self._registered = True
+        return self.info
+
+    # ---- buffers -----------------------------------------------------------------------------
+
+    def _buffer(self, which: str) -> Tuple[int, int]:
+        size = ctypes.c_size_t()
+        with self._lock:
+            fn = self._lib.zd_param_buffer if which == "param" else self._lib.zd_grad_buffer
+            addr = fn(self._h(), ctypes.byref(size))
+        if not addr:
+            raise ZerodError(_lib.ZD_EORDER, "ZD_EORDER",
+                             f"no {which} buffer: call layout() first", f"zd_{which}_buffer")
+        return int(addr), int(size.value)
+
+    @property
+    def param_dtype(self) -> int:
+        """zd_dtype_t of the param buffer."""
+        return self._param_dtype
+
+    @property
+    def grad_dtype(self) -> int:
+        """zd_dtype_t of the grad buffer."""
+        return self._grad_dtype
+
+    @property
+    def param_address(self) -> int:
+        """Address of the shared param buffer in this process."""
+        return self._buffer("param")[0]
+
+    @property
+    def grad_address(self) -> int:
+        """Address of the shared grad buffer in this process."""
+        return self._buffer("grad")[0]
+
+    def param_array(self) -> ctypes.Array:
+        """The param buffer as a ctypes char array over the shared memory (zero-copy). Views
+        made from it (torch.frombuffer, numpy.frombuffer, memoryview) keep this Client alive."""
+        return _shared_array(*self._buffer("param"), self)
+
+    def grad_array(self) -> ctypes.Array:
+        """The grad buffer as a ctypes char array over the shared memory (zero-copy)."""
+        return _shared_array(*self._buffer("grad"), self)
+
+    def _view(self, which: str, typed: bool) -> memoryview:
+        arr = self.param_array() if which == "param" else self.grad_array()
+        mv = memoryview(arr).cast("B")
+        if typed:
+            dt = self._param_dtype if which == "param" else self._grad_dtype
+            mv = mv.cast(DType.FORMATS[dt])
+        self._views.append(mv)
+        return mv
+
+    @property
+    def param_buffer(self) -> memoryview:
+        """The param buffer as a writable memoryview of its elements (format 'f' for f32, 'H'
+        (the bit pattern) for bf16), zero-copy. Released by close()."""
+        return self._view("param", True)
+
+    @property
+    def grad_buffer(self) -> memoryview:
+        """The grad buffer as a writable memoryview of its elements (format 'f' for f32, 'H'
+        (the bit pattern) for bf16 and f16), zero-copy. Released by close()."""
+        return self._view("grad", True)
+
+    # ---- layout queries ----------------------------------------------------------------------
+
+    def param_info(self, index: int) -> ParamInfo:
+        """Where parameter `index` lives in the flat buffers (valid after layout())."""
+        out = _lib.zd_param_info_t()
+        with self._lock:
+            _check(self._lib.zd_param_info(self._h(), int(index), ctypes.byref(out)),
+                   "zd_param_info")
+            name = out.name.decode()
+        return ParamInfo(int(index), name, int(out.offset), int(out.numel), int(out.bucket),
+                         int(out.group))
+
+    def params_info(self) -> List[ParamInfo]:
+        """param_info() of every parameter, in registration order."""
+        return [self.param_info(i) for i in range(len(self._params))]
+
+    def bucket_info(self, index: int) -> BucketInfo:
+        """Element range of bucket `index` and this rank's slice of it."""
+        out = _lib.zd_bucket_info_t()
+        with self._lock:
+            _check(self._lib.zd_bucket_info(self._h(), int(index), ctypes.byref(out)),
+                   "zd_bucket_info")
+        return BucketInfo(int(index), int(out.offset), int(out.elems), int(out.shard_offset),
+                          int(out.shard_elems))
+
+    def buckets_info(self) -> List[BucketInfo]:
+        """bucket_info() of every bucket."""
+        return [self.bucket_info(i) for i in range(self.info.nbuckets)]
+
+    @property
+    def info(self) -> Info:
+        """What the daemon said at connect and register, and the layout (zd_get_info)."""
+        out = _lib.zd_info_t()
+        with self._lock:
+            _check(self._lib.zd_get_info(self._h(), ctypes.byref(out)), "zd_get_info")
+        return Info(int(out.protocol_version), int(out.world_size), int(out.rank),
+                    int(out.local_rank), int(out.bucket_elems),
+                    out.backend.decode(errors="replace"),
+                    out.daemon_version.decode(errors="replace"), int(out.step),
+                    bool(out.resumed), int(out.layout_hash), int(out.total_elems),
+                    int(out.nbuckets), float(out.loss_scale))
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _step_opts(groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]], scatter: bool,
+                   gather: bool) -> Tuple[_lib.zd_step_opts_t, Any]:
+        opts = _lib.zd_step_opts_t()
+        keep = None
+        if groups is not None:
+            gs = [Group.coerce(g) for g in groups]
+            keep = (_lib.zd_group_t * max(len(gs), 1))()
+            for i, g in enumerate(gs):
+                g._to_c(keep[i])
+            opts.groups = keep
+            opts.ngroups = len(gs)
+        opts.flags = (0 if scatter else ZD_STEP_NO_SCATTER) | (0 if gather else ZD_STEP_NO_GATHER)
+        return opts, keep
+
+    def step(self, groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]] = None, *,
+             scatter: bool = True, gather: bool = True) -> StepResult:
+        """One optimizer step (zd_step): scatter + step + gather unless told otherwise.
+
+        Args:
+            groups: hyperparameters of every group for this and later steps (schedulers); None
+                keeps the current ones. Must list every registered group.
+            scatter: False when every bucket was scattered already (scatter()/scatter_start()).
+            gather: False when parameters are gathered later with gather().
+
+        At world size > 1 every rank must call it. Raises ZerodError: ZD_EORDER (not registered,
+        or a bucket not scattered with scatter=False), ZD_EHPARAM, ZD_ESTEP, ZD_EPEER, ...
+        """
+        opts, _keep = self._step_opts(groups, scatter, gather)
+        res = _lib.zd_step_result_t()
+        with self._lock:
+            _check(self._lib.zd_step(self._h(), ctypes.byref(opts), ctypes.byref(res)), "zd_step")
+        return StepResult._from_c(res)
+
+    def scatter(self, bucket: int = ALL_BUCKETS) -> None:
+        """Reduce-scatter of one bucket (or all) of the grad buffer into this rank's shard."""
+        with self._lock:
+            _check(self._lib.zd_scatter(self._h(), int(bucket)), "zd_scatter")
+
+    def gather(self, bucket: int = ALL_BUCKETS) -> None:
+        """All-gather of one bucket (or all) of updated parameters into the param buffer."""
+        with self._lock:
+            _check(self._lib.zd_gather(self._h(), int(bucket)), "zd_gather")
+
+    def scatter_start(self, bucket: int = ALL_BUCKETS) -> Request:
+        """Sends a scatter request and returns at once; wait() for it later. Raises ZerodError
+        (EBUSY) when 64 requests are outstanding already."""
+        req = _lib.zd_request_t()
+        with self._lock:
+            _check(self._lib.zd_scatter_start(self._h(), int(bucket), ctypes.byref(req)),
+                   "zd_scatter_start")
+        return Request(self, int(req.value), "scatter")
+
+    def gather_start(self, bucket: int = ALL_BUCKETS) -> Request:
+        """Sends a gather request and returns at once; wait() for it later."""
+        req = _lib.zd_request_t()
+        with self._lock:
+            _check(self._lib.zd_gather_start(self._h(), int(bucket), ctypes.byref(req)),
+                   "zd_gather_start")
+        return Request(self, int(req.value), "gather")
+
+    def step_start(self, groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]] = None, *,
+                   scatter: bool = True, gather: bool = True) -> Request:
+        """Sends a step request (as step()) and returns at once; wait() returns its
+        StepResult."""
+        opts, _keep = self._step_opts(groups, scatter, gather)
+        req = _lib.zd_request_t()
+        with self._lock:
+            _check(self._lib.zd_step_start(self._h(), ctypes.byref(opts), ctypes.byref(req)),
+                   "zd_step_start")
+        return Request(self, int(req.value), "step")
+
+    def wait(self, request: Request) -> Optional[StepResult]:
+        """Waits for a request sent with a *_start method (zd_wait); returns its StepResult for
+        a step, None otherwise; raises ZerodError with the request's own error. Each request is
+        waited for once."""
+        if request._client is not self:
+            raise ValueError("the request belongs to another client")
+        if request._done:
+            return request._result
+        res = _lib.zd_step_result_t()
+        with self._lock:
+            rc = self._lib.zd_wait(self._h(), request.id, ctypes.byref(res))
+            request._done = True
+            if rc != 0:
+                raise _error(rc, f"zd_wait({request.kind})")
+        if request.kind == "step":
+            request._result = StepResult._from_c(res)
+        return request._result
+
+    # ---- status ------------------------------------------------------------------------------
+
+    def status(self) -> str:
+        """The daemon's status as text: "# Section" lines followed by "key:value" lines."""
+        text = ctypes.c_void_p()
+        with self._lock:
+            _check(self._lib.zd_status(self._h(), ctypes.byref(text)), "zd_status")
+        try:
+            return ctypes.string_at(text.value).decode(errors="replace")
+        finally:
+            _lib.free(text.value)
+
+    def status_dict(self) -> Dict[str, Dict[str, str]]:
+        """status() parsed by parse_status(): {section: {key: value}}."""
+        return parse_status(self.status())
+
+    def rank_status(self) -> Dict[str, str]:
+        """The status section of this client's rank ("rank N")."""
+        sections = self.status_dict()
+        name = f"rank {self.info.rank}"
+        if name not in sections:
+            raise KeyError(f"status has no section {name!r}; sections: {list(sections)}")
+        return sections[name]
+
+    def __repr__(self) -> str:
+        if self._handle is None:
+            return "<zerod.Client closed>"
+        i = self.info
+        return (f"<zerod.Client rank {i.rank}/{i.world_size} local_rank {i.local_rank} "
+                f"backend {i.backend} step {i.step}>")
+
+
+def connect(socket: Optional[str] = None, local_rank: int = ANY_RANK,
+            timeout_ms: int = 0) -> Client:
+    """Connects to zerod and attaches to a local rank: Client(socket, local_rank, timeout_ms)."""
+    return Client(socket, local_rank, timeout_ms)

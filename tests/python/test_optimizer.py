@@ -1,0 +1,540 @@
+"""Tests of zerod.torch.ZeroOptimizer's behaviour against a real zerod: parameters and gradients
+as views of the shared buffers (and autograd accumulating into them in place), per-bucket
+scatter from the backward hooks, gradient accumulation with no_sync(), hyperparameters sent only
+when they change, Adam (L2), clipping, bf16 params with fp32 main grads, fp16 grads with loss
+scaling, state_dict/load_state_dict with reattach, close(), and the errors. Every training check
+is bitwise against torch's own optimizer on a copy of the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import unittest
+import warnings
+from typing import Any, List, Optional
+
+import common
+
+torch = common.require_torch()
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import models  # noqa: E402
+import zerod  # noqa: E402
+import zerod.testing  # noqa: E402
+from zerod.torch import ZeroOptimizer  # noqa: E402
+
+
+def small_model(seed: int = 5) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 3))
+
+
+def data(step: int, micro: int = 0, n: int = 16):
+    g = torch.Generator().manual_seed(step * 131 + micro)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 3, generator=g)
+
+
+def loss_of(model: nn.Module, step: int, micro: int = 0, dtype=torch.float32) -> torch.Tensor:
+    x, y = data(step, micro)
+    return F.mse_loss(model(x.to(dtype)).float(), y)
+
+
+class OptimizerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        # 256-element buckets: the small model spans several.
+        cls.daemon = zerod.testing.LocalZerod(["--bucket_elems", "256"], log_level="info")
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.daemon.stop()
+
+    def scatters(self, opt: ZeroOptimizer) -> int:
+        """zerod's scatter counter of the rank (counts since the daemon started)."""
+        return int(opt.client.rank_status()["scatters"])
+
+    def named(self, model: nn.Module) -> List[Any]:
+        """The model's named parameters, the names prefixed with the test's: every test
+        registers a model of its own, which replaces the previous test's (with the same names,
+        zerod would resume the previous test's state, as it does for a reattaching trainer)."""
+        return [(f"{self._testMethodName}.{n}", p) for n, p in model.named_parameters()]
+
+    def make(self, model: nn.Module, params: Any = None, **kw: Any) -> ZeroOptimizer:
+        kw.setdefault("replace", True)
+        opt = ZeroOptimizer(self.named(model) if params is None else params,
+                            socket=self.daemon.socket, **kw)
+        self.addCleanup(opt.close)
+        return opt
+
+    def assert_equal_params(self, a: nn.Module, b: nn.Module, where: str) -> None:
+        common.assert_params_equal(self, a.named_parameters(), b.named_parameters(), where)
+
+    # ---- buffers and views ----------------------------------------------------------------------
+
+    def test_params_and_grads_are_buffer_views(self) -> None:
+        model = small_model()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = self.make(model)
+        pbase, gbase = opt.client.param_address, opt.client.grad_address
+        size = opt.info.total_elems * 4
+        for p, b, pi in zip(model.parameters(), before, opt.client.params_info()):
+            self.assertEqual(p.data_ptr(), pbase + 4 * pi.offset)
+            self.assertEqual(p.grad.data_ptr(), gbase + 4 * pi.offset)
+            self.assertTrue(pbase <= p.data_ptr() < pbase + size)
+            self.assertTrue(torch.equal(p, b), "initial values copied into the buffer")
+            self.assertTrue(p.is_leaf and p.requires_grad)
+        ptrs = [p.grad.data_ptr() for p in model.parameters()]
+        # The finding this design rests on (torch 1.13): autograd accumulates into a preset
+        # .grad in place, so backward writes straight into zerod's grad buffer.
+        loss_of(model, 0).backward()
+        with opt.no_sync():
+            loss_of(model, 1).backward()
+        self.assertEqual([p.grad.data_ptr() for p in model.parameters()], ptrs)
+        gflat = opt._gflat
+        self.assertGreater(float(gflat.abs().sum()), 0.0)
+        opt.zero_grad(set_to_none=True)  # accepted, but the views stay
+        self.assertEqual([p.grad.data_ptr() for p in model.parameters()], ptrs)
+        self.assertEqual(float(gflat.abs().sum()), 0.0)
+        # zerod's update lands in the model's own parameters
+        loss_of(model, 0).backward()
+        w = model[0].weight.detach().clone()
+        opt.step()
+        self.assertFalse(torch.equal(w, model[0].weight))
+        self.assertEqual(model[0].weight.data_ptr(), pbase)
+
+    def test_create_graph_replaces_grad_and_hook_restores_view(self) -> None:
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        ptrs = [p.grad.data_ptr() for p in model.parameters()]
+        for step in range(3):
+            opt.zero_grad()
+            ropt.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's create_graph reference-cycle warning
+                loss_of(model, step).backward(create_graph=True)
+                loss_of(ref, step).backward(create_graph=True)
+            self.assertEqual([p.grad.data_ptr() for p in model.parameters()], ptrs)
+            opt.step()
+            ropt.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+        for p in ref.parameters():  # break torch's create_graph reference cycle
+            p.grad = None
+
+    def test_user_replaced_grads_are_used(self) -> None:
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        for m in (model, ref):
+            for i, p in enumerate(m.parameters()):
+                p.grad = torch.full_like(p, 0.01 * (i + 1))  # not the buffer view
+        opt.step()
+        ropt.step()
+        self.assert_equal_params(model, ref, "after a step with assigned grads")
+        self.assertEqual(model[0].weight.grad.data_ptr(), opt.client.grad_address)
+
+    # ---- communication ----------------------------------------------------------------------
+
+    def test_buckets_scattered_during_backward(self) -> None:
+        model = small_model()
+        opt = self.make(model)
+        nb = opt.info.nbuckets
+        self.assertGreaterEqual(nb, 3)
+        sent: List[int] = []
+        calls: List[Optional[list]] = []
+        real_scatter, real_step = opt.client.scatter_start, opt.client.step_start
+
+        def scatter_start(bucket: int = -1):
+            sent.append(bucket)
+            return real_scatter(bucket)
+
+        def step_start(groups=None, **kw):
+            calls.append((groups, kw))
+            return real_step(groups, **kw)
+
+        before = self.scatters(opt)
+        opt.client.scatter_start = scatter_start  # type: ignore[assignment]
+        opt.client.step_start = step_start  # type: ignore[assignment]
+        loss_of(model, 0).backward()
+        # every bucket was sent from the hooks before step(), the last layers' first
+        self.assertEqual(sorted(sent), list(range(nb)))
+        self.assertEqual(sent[0], nb - 1)
+        opt.step()
+        self.assertEqual(len(sent), nb, "step() sends no scatter of its own")
+        self.assertEqual(calls[-1][1], {"scatter": False})
+        self.assertIsNone(calls[-1][0], "hyperparameters unchanged: not sent")
+        for g in opt.param_groups:
+            g["lr"] = 0.5e-3
+        opt.zero_grad()
+        loss_of(model, 1).backward()
+        opt.step()
+        self.assertEqual(calls[-1][0][0].lr, 0.5e-3, "changed hyperparameters are sent")
+        opt.zero_grad()
+        loss_of(model, 2).backward()
+        opt.step()
+        self.assertIsNone(calls[-1][0])
+        self.assertEqual(self.scatters(opt) - before, 3 * nb)
+
+    def test_scatter_order_is_canonical(self) -> None:
+        # Layers used in the reverse of their registration order: backward completes bucket 0
+        # first, but the scatters must still go out in descending bucket order on every rank.
+        class Reversed(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                torch.manual_seed(3)
+                self.a = nn.Linear(32, 3)
+                self.b = nn.Linear(32, 32)
+                self.c = nn.Linear(8, 32)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.a(torch.tanh(self.b(torch.tanh(self.c(x)))))
+
+        model = Reversed()
+        ref = copy.deepcopy(model)
+        opt = self.make(model, lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        nb = opt.info.nbuckets
+        self.assertGreaterEqual(nb, 3)
+        sent: List[int] = []
+        real = opt.client.scatter_start
+
+        def scatter_start(bucket: int = -1):
+            sent.append(bucket)
+            return real(bucket)
+
+        opt.client.scatter_start = scatter_start  # type: ignore[assignment]
+        for step in range(3):
+            opt.zero_grad()
+            ropt.zero_grad()
+            loss_of(model, step).backward()
+            loss_of(ref, step).backward()
+            self.assertEqual(sent[-nb:], list(reversed(range(nb))))
+            opt.step()
+            ropt.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+
+    def test_unused_parameter_and_frozen_parameter(self) -> None:
+        model, ref = small_model(), small_model()
+        extra = nn.Parameter(torch.ones(5))  # never used in forward
+        frozen = model[2].bias
+        frozen.requires_grad_(False)
+        ref[2].bias.requires_grad_(False)
+        opt = self.make(model, [*self.named(model), ("extra", extra)], lr=1e-2,
+                        weight_decay=0.1)
+        self.assertEqual(len(opt.client.params_info()), 6, "the frozen bias is not registered")
+        frozen_before = frozen.detach().clone()
+        ref_extra = nn.Parameter(torch.ones(5))
+        ropt = torch.optim.AdamW([*ref.parameters(), ref_extra], lr=1e-2, weight_decay=0.1,
+                                 foreach=False)
+        for step in range(3):
+            opt.zero_grad()
+            ropt.zero_grad()  # set_to_none=False: torch steps `extra` with zero grads too
+            loss_of(model, step).backward()
+            loss_of(ref, step).backward()
+            if ref_extra.grad is None:
+                ref_extra.grad = torch.zeros_like(ref_extra)
+            opt.step()
+            ropt.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+            self.assertTrue(torch.equal(extra, ref_extra))
+        self.assertTrue(torch.equal(frozen, frozen_before))
+        self.assertLess(float(extra[0]), 1.0, "weight decay applied to the unused parameter")
+
+    def test_accumulation_no_sync(self) -> None:
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        nb = opt.info.nbuckets
+        before = self.scatters(opt)
+        for step in range(4):
+            opt.zero_grad()
+            ropt.zero_grad()
+            for micro in range(4):
+                if micro < 3:
+                    with opt.no_sync():
+                        loss_of(model, step, micro).backward()
+                        self.assertFalse(any(opt._scattered))
+                else:
+                    loss_of(model, step, micro).backward()
+                    self.assertTrue(all(opt._scattered))
+                loss_of(ref, step, micro).backward()
+            opt.step()
+            ropt.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+        self.assertEqual(self.scatters(opt) - before, 4 * nb)
+
+    def test_accumulation_without_no_sync_rescatters(self) -> None:
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        nb = opt.info.nbuckets
+        before = self.scatters(opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for micro in range(3):
+                loss_of(model, 0, micro).backward()
+                loss_of(ref, 0, micro).backward()
+        self.assertEqual(len([w for w in caught if "no_sync" in str(w.message)]), 1)
+        opt.step()
+        ropt.step()
+        self.assert_equal_params(model, ref, "after accumulating without no_sync")
+        self.assertEqual(self.scatters(opt) - before, 3 * nb)
+
+    def test_overlap_off(self) -> None:
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2, overlap=False)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        for step in range(3):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss_of(m, step).backward()
+                self.assertFalse(any(opt._scattered))
+                o.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+
+    # ---- update rules and options ----------------------------------------------------------
+
+    def test_adam_l2_and_closure(self) -> None:
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=2e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05,
+                        optimizer="adam")
+        ropt = torch.optim.Adam(ref.parameters(), lr=2e-3, betas=(0.8, 0.99), eps=1e-6,
+                                weight_decay=0.05, foreach=False)
+        for step in range(10):
+            def closure(m=model, o=opt, s=step) -> torch.Tensor:
+                o.zero_grad()
+                loss = loss_of(m, s)
+                loss.backward()
+                return loss
+            loss = opt.step(closure)
+            ropt.step(lambda: (ropt.zero_grad(), loss_of(ref, step).backward())[0])
+            self.assertIsInstance(loss, torch.Tensor)
+            self.assert_equal_params(model, ref, f"Adam step {step + 1}")
+
+    def test_clipping(self) -> None:
+        model, ref = small_model(), small_model()
+        max_norm = 0.05
+        opt = self.make(model, lr=1e-2, max_grad_norm=max_norm)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        clipped = 0
+        for step in range(5):
+            opt.zero_grad()
+            ropt.zero_grad()
+            loss_of(model, step).backward()
+            loss_of(ref, step).backward()
+            opt.step()
+            r = opt.last_result
+            # torch's own clip_grad_norm_ computes the norm in fp32: the same factor to ~1e-6
+            norm = float(torch.stack([p.grad.norm() for p in ref.parameters()]).norm())
+            self.assertTrue(math.isclose(r.grad_norm, norm, rel_tol=1e-5), (r.grad_norm, norm))
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            self.assertTrue(math.isclose(r.clip_coef, coef, rel_tol=1e-5), (r.clip_coef, coef))
+            clipped += r.clip_coef < 1.0
+            # bitwise with zerod's factor applied as torch applies a clip coefficient
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.grad.mul_(r.clip_coef)
+            ropt.step()
+            self.assert_equal_params(model, ref, f"clipped step {step + 1}")
+        self.assertGreater(clipped, 0, "max_norm should have clipped some steps")
+
+    def test_bf16_params_fp32_main_grads(self) -> None:
+        model = small_model().to(torch.bfloat16)
+        ref = copy.deepcopy(model)
+        masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
+        opt = self.make(model, lr=1e-2, grad_dtype=torch.float32)
+        ropt = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+        self.assertEqual(opt.param_dtype, torch.bfloat16)
+        for p in model.parameters():
+            self.assertIsNone(p.grad)
+            self.assertEqual(p.main_grad.dtype, torch.float32)
+        for step in range(5):
+            opt.zero_grad()
+            for p in ref.parameters():
+                p.grad = None
+            for micro in range(2):  # fp32 accumulation of bf16 micro-batch gradients
+                ctx = opt.no_sync() if micro == 0 else _null()
+                with ctx:
+                    loss_of(model, step, micro, torch.bfloat16).backward()
+                loss_of(ref, step, micro, torch.bfloat16).backward()
+                for m, p in zip(masters, ref.parameters()):
+                    m.grad = p.grad.float() if m.grad is None or micro == 0 else m.grad + p.grad.float()
+                    p.grad = None
+            for p in model.parameters():
+                self.assertIsNone(p.grad, "main_grad mode leaves .grad None")
+            opt.step()
+            ropt.step()
+            with torch.no_grad():
+                for p, m in zip(ref.parameters(), masters):
+                    p.copy_(m.to(torch.bfloat16))
+            self.assert_equal_params(model, ref, f"bf16 step {step + 1}")
+
+    def test_fp16_grads_loss_scaling(self) -> None:
+        model, ref = small_model(), small_model()
+        scaler = {"initial_scale": 1024.0, "hysteresis": 1, "backoff_factor": 0.5,
+                  "growth_interval": 3, "growth_factor": 2.0}
+        opt = self.make(model, lr=1e-2, grad_dtype=torch.float16, loss_scaler=scaler)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        self.assertEqual(opt.loss_scale, 1024.0)
+        scales = []
+        for step in range(6):
+            opt.zero_grad()
+            ropt.zero_grad()
+            scale = opt.loss_scale
+            loss = loss_of(model, step)
+            if step == 2:
+                loss = loss * float("inf")  # overflow: the step is skipped
+            opt.scale_loss(loss).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            r = opt.last_result
+            scales.append(r.loss_scale)
+            if step == 2:
+                self.assertFalse(r.applied)
+                for p, b in zip(model.parameters(), before):
+                    self.assertTrue(torch.equal(p, b), "a skipped step leaves the params alone")
+                continue
+            self.assertTrue(r.applied)
+            # reference: the fp16 gradient zerod read, unscaled in fp32
+            (loss_of(ref, step) * scale).backward()
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.grad = p.grad.half().float() * (1.0 / scale)
+            ropt.step()
+            self.assert_equal_params(model, ref, f"fp16-grad step {step + 1}")
+        # backoff on the overflow, growth after growth_interval clean steps
+        self.assertEqual(scales, [1024.0, 1024.0, 512.0, 512.0, 512.0, 1024.0])
+        self.assertEqual(int(opt.client.rank_status()["steps_skipped"]), 1)
+
+    # ---- schedulers and state ------------------------------------------------------------
+
+    def test_scheduler_and_state_dict_resume(self) -> None:
+        model, ref = small_model(), small_model()
+        tag = self._testMethodName
+
+        def groups_of(m: nn.Module) -> List[dict]:
+            gs = models.param_groups(m, named=True, weight_decay=0.1)
+            return [{**g, "params": [(f"{tag}.{n}", p) for n, p in g["params"]]} for g in gs]
+
+        opt = ZeroOptimizer(groups_of(model), lr=1e-2, socket=self.daemon.socket, replace=True)
+        ropt = torch.optim.AdamW(models.param_groups(ref, named=False), lr=1e-2, foreach=False)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=20)
+        rsched = torch.optim.lr_scheduler.OneCycleLR(ropt, max_lr=1e-2, total_steps=20)
+
+        def train(m, o, s, rm, ro, rs, steps):
+            for step in steps:
+                for mm, oo, ss in ((m, o, s), (rm, ro, rs)):
+                    oo.zero_grad()
+                    loss_of(mm, step).backward()
+                    oo.step()
+                    ss.step()
+                self.assert_equal_params(m, rm, f"step {step + 1}")
+
+        train(model, opt, sched, ref, ropt, rsched, range(6))
+        # OneCycleLR drives betas too: they must have been sent
+        self.assertNotEqual(opt.param_groups[0]["betas"][0], 0.95)
+        sd, sched_sd = opt.state_dict(), sched.state_dict()
+        self.assertEqual(sd["zerod"]["step"], 6)
+        self.assertEqual(sd["state"], {})
+        self.assertEqual(len(sd["param_groups"]), 2)
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.close()  # the trainer goes away; zerod keeps master weights and moments
+        self.assertTrue(torch.equal(model[0].weight, weights["0.weight"]),
+                        "close() leaves the model usable")
+
+        # A new trainer: a freshly initialised model, the same optimizer construction.
+        model2 = small_model(seed=99)
+        opt2 = ZeroOptimizer(groups_of(model2), lr=1e-2, socket=self.daemon.socket)
+        self.addCleanup(opt2.close)
+        self.assertTrue(opt2.resumed)
+        self.assertEqual(opt2.step_count, 6)
+        for n, p in model2.named_parameters():
+            self.assertTrue(torch.equal(p, weights[n]), f"{n} resumed from zerod's master")
+        sched2 = torch.optim.lr_scheduler.OneCycleLR(opt2, max_lr=1e-2, total_steps=20)
+        opt2.load_state_dict(sd)
+        sched2.load_state_dict(sched_sd)
+        self.assertEqual(opt2.param_groups[0]["lr"], opt.param_groups[0]["lr"])
+        train(model2, opt2, sched2, ref, ropt, rsched, range(6, 12))
+        with self.assertWarns(UserWarning):
+            opt2.load_state_dict(sd)  # saved at step 6; zerod is at 12
+        bad = copy.deepcopy(sd)
+        bad["zerod"]["layout_hash"] ^= 1
+        with self.assertRaises(ValueError):
+            opt2.load_state_dict(bad)
+
+    # ---- errors -----------------------------------------------------------------------------
+
+    def test_errors(self) -> None:
+        with self.assertRaises(ValueError):
+            ZeroOptimizer(small_model().parameters(), lr=-1.0, socket=self.daemon.socket)
+        with self.assertRaises(ValueError):
+            ZeroOptimizer(small_model().half().parameters(), socket=self.daemon.socket)
+        mixed = small_model()
+        mixed[0].to(torch.bfloat16)
+        with self.assertRaises(ValueError) as cm:
+            ZeroOptimizer(mixed.parameters(), socket=self.daemon.socket)
+        self.assertIn("several dtypes", str(cm.exception))
+        with self.assertRaises(ValueError):
+            ZeroOptimizer([{"params": small_model().parameters(), "amsgrad": True}],
+                          socket=self.daemon.socket)
+        with self.assertRaises(zerod.ZerodError) as cm:
+            ZeroOptimizer(small_model().parameters(), socket="/nonexistent/zerod.sock")
+        self.assertEqual(cm.exception.name, "ENOENT")
+
+        model = small_model()
+        opt = self.make(model)
+        with self.assertRaises(RuntimeError):
+            opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+        with self.assertRaises(zerod.ZerodError) as cm:  # the rank is taken
+            ZeroOptimizer(small_model().parameters(), socket=self.daemon.socket)
+        self.assertEqual(cm.exception.name, "ZD_EBUSY")
+        opt.param_groups[0]["lr"] = float("nan")
+        loss_of(model, 0).backward()
+        with self.assertRaises(ValueError):
+            opt.step()
+        opt.param_groups[0]["lr"] = 1e-3
+        opt.step()
+        opt.close()
+        with self.assertRaises(RuntimeError):
+            opt.step()
+
+    def test_dropped_optimizer_releases_the_rank(self) -> None:
+        import gc
+        model = small_model()
+        opt = ZeroOptimizer(self.named(model), socket=self.daemon.socket, replace=True)
+        loss_of(model, 0).backward()
+        opt.step()
+        w = model[0].weight.detach().clone()
+        del opt
+        gc.collect()
+        self.assertTrue(torch.equal(model[0].weight, w), "the model keeps its values")
+        loss_of(model, 1).backward()  # and still works, on private memory
+        opt2 = self.make(model, replace=False)  # the rank is free again; zerod resumes the model
+        self.assertTrue(opt2.resumed)
+        self.assertEqual(opt2.step_count, 1)
+
+    def test_other_model_needs_replace(self) -> None:
+        model = small_model()
+        opt = self.make(model)
+        opt.close()
+        other = nn.Linear(3, 3)
+        with self.assertRaises(zerod.ZerodError) as cm:
+            ZeroOptimizer(other.parameters(), socket=self.daemon.socket)
+        self.assertEqual(cm.exception.name, "ZD_ELAYOUT")
+        opt2 = self.make(other, other.parameters(), replace=True)
+        self.assertFalse(opt2.resumed)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    common.run(OptimizerTest)
