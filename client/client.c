@@ -2,8 +2,16 @@
  *
  * The socket is blocking: a call writes its request frame and reads frames until its reply
  * arrives. Replies to other pipelined requests that arrive first are kept in a small table until
- * zd_wait() asks for them. The shared buffers are sealed memfds (the daemon refuses buffers that
- * could shrink under it) passed with SCM_RIGHTS along the register frame.
+ * zd_wait() asks for them. Host buffers are sealed memfds (the daemon refuses buffers that could
+ * shrink under it) passed with SCM_RIGHTS along the register frame. Device buffers (a CUDA build,
+ * ZD_MEMORY_CUDA) are cudaMalloc'd on the rank's GPU and travel as CUDA IPC handles in the
+ * register request, with two IPC events that order the trainer's stream and zerod's: "grads
+ * ready", recorded on the trainer's stream before each request, and "params ready", which zerod
+ * records after the request's work and the trainer's stream waits on once the reply is in.
+ *
+ * The CUDA runtime is linked statically (and its symbols kept private), so that a CUDA build of
+ * libzerod loads on machines without a GPU or driver and serves host buffers there; it touches
+ * CUDA only for device buffers.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -17,6 +25,10 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
+
+#ifdef ZD_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "endpoint.h"
 #include "error.h"
@@ -57,6 +69,19 @@ struct zd_client {
   void *params, *grads;
   size_t param_bytes, grad_bytes;
   int registered;
+
+  /* Device buffers (ZD_MEMORY_CUDA) */
+  zd_memory_t memory;
+  int device;                  /* this process's ordinal of the buffers' GPU */
+  void *stream;                /* zd_set_stream(): cudaStream_t; NULL: the legacy default stream */
+  void *grads_ready;           /* cudaEvent_t, recorded here, waited on by zerod */
+  void *params_ready;          /* cudaEvent_t, recorded by zerod, waited on here */
+  uint8_t uuid[16];            /* of the buffers' GPU */
+  uint8_t param_handle[64], grad_handle[64], grads_ready_handle[64], params_ready_handle[64];
+  /* From hello, with zerod's CUDA backend: its ordinal and the UUID of the rank's GPU. */
+  int has_rank_gpu;
+  int rank_device;
+  uint8_t rank_uuid[16];
 };
 
 static __thread char last_error[ZD__ERR_MSG_MAX];
@@ -349,6 +374,11 @@ int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_clien
   snprintf(c->info.backend, sizeof c->info.backend, "%s", rep->backend);
   snprintf(c->info.daemon_version, sizeof c->info.daemon_version, "%s", rep->daemon_version);
   c->info.loss_scale = 1.0;
+  if (rep->has_device_uuid && rep->device_uuid.len == sizeof c->rank_uuid) {
+    c->has_rank_gpu = 1;
+    c->rank_device = rep->has_device ? rep->device : -1;
+    memcpy(c->rank_uuid, rep->device_uuid.data, sizeof c->rank_uuid);
+  }
   zerod__v1__hello_reply__free_unpacked(rep, NULL);
   *out = c;
   return ZD_OK;
@@ -382,9 +412,246 @@ static int create_buffer(const char *name, size_t bytes, int *fd, void **addr) {
   return ZD_OK;
 }
 
+/* ---- CUDA device buffers ------------------------------------------------------------------- */
+
+#ifdef ZD_HAVE_CUDA
+static void uuid_str(const uint8_t u[16], char *buf, size_t len) {
+  snprintf(buf, len,
+           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+           u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14],
+           u[15]);
+}
+
+/* A failed CUDA call: ZD_EBACKEND (-ENOMEM when out of device memory) with what and CUDA's word. */
+static int cuda_fail(cudaError_t e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int cuda_fail(cudaError_t e, const char *fmt, ...) {
+  char what[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  (void)cudaGetLastError();
+  return fail(e == cudaErrorMemoryAllocation ? -ENOMEM : ZD_EBACKEND, "%s: %s (%s)", what,
+              cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+/* Why CUDA cannot run in this process at all, or ZD_OK with the device count. */
+static int cuda_devices(int *count) {
+  *count = 0;
+  cudaError_t e = cudaGetDeviceCount(count);
+  if (e == cudaSuccess && *count > 0) return ZD_OK;
+  int drv = 0;
+  (void)cudaDriverGetVersion(&drv);
+  (void)cudaGetLastError();
+  if (e == cudaErrorInsufficientDriver && drv == 0)
+    return fail(ZD_EBACKEND, "device buffers need CUDA, but no NVIDIA driver is loaded in this "
+                "process's machine (cudaGetDeviceCount: %s)", cudaGetErrorString(e));
+  if (e == cudaSuccess || e == cudaErrorNoDevice)
+    return fail(ZD_EBACKEND, "device buffers need CUDA, but no CUDA device is visible");
+  return cuda_fail(e, "device buffers need CUDA, which cannot start: cudaGetDeviceCount");
+}
+
+static int device_uuid(int device, uint8_t uuid[16]) {
+  struct cudaDeviceProp prop;
+  cudaError_t e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) return cuda_fail(e, "cudaGetDeviceProperties(%d)", device);
+  memcpy(uuid, prop.uuid.bytes, 16);
+  return ZD_OK;
+}
+
+/* Runs with the buffers' device current, restoring the caller's afterwards. */
+typedef struct device_scope {
+  int prev;
+  int set;
+} device_scope_t;
+
+static int enter_device(int device, device_scope_t *s) {
+  s->set = 0;
+  cudaError_t e = cudaGetDevice(&s->prev);
+  if (e != cudaSuccess) return cuda_fail(e, "cudaGetDevice");
+  if (s->prev != device) {
+    e = cudaSetDevice(device);
+    if (e != cudaSuccess) return cuda_fail(e, "cudaSetDevice(%d)", device);
+    s->set = 1;
+  }
+  return ZD_OK;
+}
+
+static void leave_device(const device_scope_t *s) {
+  if (s->set) cudaSetDevice(s->prev);
+}
+
+static void release_cuda(zd_client_t *c) {
+  if (c->memory != ZD_MEMORY_CUDA) return;
+  device_scope_t ds;
+  int entered = enter_device(c->device, &ds) == ZD_OK;
+  if (c->params) cudaFree(c->params);
+  if (c->grads) cudaFree(c->grads);
+  if (c->grads_ready) cudaEventDestroy((cudaEvent_t)c->grads_ready);
+  if (c->params_ready) cudaEventDestroy((cudaEvent_t)c->params_ready);
+  (void)cudaGetLastError();
+  if (entered) leave_device(&ds);
+  c->params = c->grads = c->grads_ready = c->params_ready = NULL;
+}
+
+/* Rounds an IPC-exported allocation up to 2 MiB: CUDA exports a whole underlying block, which a
+ * smaller allocation may share with others of this process. */
+static size_t ipc_size(size_t bytes) {
+  size_t unit = (size_t)2 << 20;
+  return bytes ? (bytes + unit - 1) / unit * unit : unit;
+}
+
+static int create_cuda_buffers(zd_client_t *c, int device) {
+  int count, rc = cuda_devices(&count);
+  if (rc) return rc;
+  if (device < 0 || device >= count)
+    return fail(-EINVAL, "zd_model_desc_t.device is %d; this process sees %d CUDA device%s", device,
+                count, count == 1 ? "" : "s");
+  uint8_t uuid[16];
+  if ((rc = device_uuid(device, uuid))) return rc;
+  if (c->has_rank_gpu && memcmp(uuid, c->rank_uuid, sizeof uuid) != 0) {
+    char mine[48], theirs[48];
+    uuid_str(uuid, mine, sizeof mine);
+    uuid_str(c->rank_uuid, theirs, sizeof theirs);
+    return fail(ZD_EBUFFER, "CUDA device %d (%s) is not the GPU of local rank %u, %s (zerod's "
+                "device %d); put the buffers there (zd_cuda_device())", device, mine,
+                c->info.local_rank, theirs, c->rank_device);
+  }
+  device_scope_t ds;
+  if ((rc = enter_device(device, &ds))) return rc;
+  c->memory = ZD_MEMORY_CUDA; /* from here release_cuda() undoes what was made */
+  c->device = device;
+  memcpy(c->uuid, uuid, sizeof uuid);
+  cudaError_t e;
+  cudaEvent_t ev;
+  cudaIpcMemHandle_t mh;
+  cudaIpcEventHandle_t eh;
+  if ((e = cudaMalloc(&c->params, ipc_size(c->param_bytes))) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaMalloc of the %zu-byte param buffer on device %d", c->param_bytes,
+                   device);
+    goto exit;
+  }
+  if ((e = cudaMalloc(&c->grads, ipc_size(c->grad_bytes))) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaMalloc of the %zu-byte grad buffer on device %d", c->grad_bytes,
+                   device);
+    goto exit;
+  }
+  if ((e = cudaMemset(c->params, 0, ipc_size(c->param_bytes))) != cudaSuccess ||
+      (e = cudaMemset(c->grads, 0, ipc_size(c->grad_bytes))) != cudaSuccess ||
+      (e = cudaDeviceSynchronize()) != cudaSuccess) {
+    rc = cuda_fail(e, "zeroing the buffers on device %d", device);
+    goto exit;
+  }
+  if ((e = cudaIpcGetMemHandle(&mh, c->params)) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaIpcGetMemHandle of the param buffer");
+    goto exit;
+  }
+  memcpy(c->param_handle, &mh, sizeof c->param_handle);
+  if ((e = cudaIpcGetMemHandle(&mh, c->grads)) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaIpcGetMemHandle of the grad buffer");
+    goto exit;
+  }
+  memcpy(c->grad_handle, &mh, sizeof c->grad_handle);
+  void **events[2] = {&c->grads_ready, &c->params_ready};
+  uint8_t *handles[2] = {c->grads_ready_handle, c->params_ready_handle};
+  for (int i = 0; i < 2; i++) {
+    if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess)) !=
+        cudaSuccess) {
+      rc = cuda_fail(e, "cudaEventCreateWithFlags(interprocess)");
+      goto exit;
+    }
+    *events[i] = ev;
+    if ((e = cudaIpcGetEventHandle(&eh, ev)) != cudaSuccess) {
+      rc = cuda_fail(e, "cudaIpcGetEventHandle");
+      goto exit;
+    }
+    memcpy(handles[i], &eh, sizeof eh);
+  }
+  rc = ZD_OK;
+exit:
+  leave_device(&ds);
+  return rc;
+}
+
+/* Before a request that lets zerod touch the buffers: everything queued on the stream so far
+ * comes first. */
+static int cuda_before_request(zd_client_t *c) {
+  if (c->memory != ZD_MEMORY_CUDA) return ZD_OK;
+  device_scope_t ds;
+  int rc = enter_device(c->device, &ds);
+  if (rc) return rc;
+  cudaError_t e = cudaEventRecord((cudaEvent_t)c->grads_ready, (cudaStream_t)c->stream);
+  leave_device(&ds);
+  return e == cudaSuccess ? ZD_OK : cuda_fail(e, "recording the grads-ready event");
+}
+
+/* After a request's reply: what the stream does next comes after zerod's work. */
+static int cuda_after_reply(zd_client_t *c) {
+  if (c->memory != ZD_MEMORY_CUDA) return ZD_OK;
+  device_scope_t ds;
+  int rc = enter_device(c->device, &ds);
+  if (rc) return rc;
+  cudaError_t e =
+      cudaStreamWaitEvent((cudaStream_t)c->stream, (cudaEvent_t)c->params_ready, 0);
+  leave_device(&ds);
+  return e == cudaSuccess ? ZD_OK : cuda_fail(e, "waiting on the params-ready event");
+}
+#else
+static void release_cuda(zd_client_t *c) { (void)c; }
+static int cuda_before_request(zd_client_t *c) {
+  (void)c;
+  return ZD_OK;
+}
+static int cuda_after_reply(zd_client_t *c) {
+  (void)c;
+  return ZD_OK;
+}
+#endif
+
+int zd_set_stream(zd_client_t *c, void *stream) {
+  if (!c) return fail(-EINVAL, "zd_set_stream: client is NULL");
+  if (c->memory != ZD_MEMORY_CUDA)
+    return fail(ZD_EORDER, "zd_set_stream: the client has no device buffers (zd_layout with "
+                "ZD_MEMORY_CUDA first)");
+  c->stream = stream;
+  return ZD_OK;
+}
+
+int zd_cuda_device(const zd_client_t *c, int *device) {
+  if (!c || !device) return fail(-EINVAL, "zd_cuda_device: client and device are required");
+  if (!c->has_rank_gpu)
+    return fail(ZD_EBACKEND, "zerod runs the %s backend: local rank %u has no GPU",
+                c->info.backend, c->info.local_rank);
+#ifdef ZD_HAVE_CUDA
+  int count, rc = cuda_devices(&count);
+  if (rc) return rc;
+  for (int d = 0; d < count; d++) {
+    uint8_t uuid[16];
+    if ((rc = device_uuid(d, uuid))) return rc;
+    if (memcmp(uuid, c->rank_uuid, sizeof uuid) == 0) {
+      *device = d;
+      return ZD_OK;
+    }
+  }
+  char theirs[48];
+  uuid_str(c->rank_uuid, theirs, sizeof theirs);
+  return fail(-ENODEV, "local rank %u runs on %s (zerod's device %d), which this process does not "
+              "see among its %d CUDA devices (CUDA_VISIBLE_DEVICES?)", c->info.local_rank, theirs,
+              c->rank_device, count);
+#else
+  return fail(ZD_EBACKEND, "this libzerod was built without CUDA");
+#endif
+}
+
 static void release_buffers(zd_client_t *c) {
-  if (c->params) munmap(c->params, c->param_bytes ? c->param_bytes : 1);
-  if (c->grads) munmap(c->grads, c->grad_bytes ? c->grad_bytes : 1);
+  if (c->memory == ZD_MEMORY_CUDA) {
+    release_cuda(c);
+  } else {
+    if (c->params) munmap(c->params, c->param_bytes ? c->param_bytes : 1);
+    if (c->grads) munmap(c->grads, c->grad_bytes ? c->grad_bytes : 1);
+  }
+  c->memory = ZD_MEMORY_HOST;
+  c->stream = NULL;
   if (c->param_fd >= 0) close(c->param_fd);
   if (c->grad_fd >= 0) close(c->grad_fd);
   c->params = c->grads = NULL;
@@ -408,6 +675,19 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
     return fail(ZD_EGROUP, "model has no parameter groups; expected at least 1");
   if (desc->nparams > UINT32_MAX || desc->ngroups > UINT32_MAX)
     return fail(-EINVAL, "too many parameters or groups");
+  if (desc->memory != ZD_MEMORY_HOST && desc->memory != ZD_MEMORY_CUDA)
+    return fail(-EINVAL, "zd_model_desc_t.memory is %d; expected ZD_MEMORY_HOST (0) or "
+                "ZD_MEMORY_CUDA (1)", (int)desc->memory);
+  int cuda = desc->memory == ZD_MEMORY_CUDA;
+  if (cuda != (strcmp(c->info.backend, "cuda") == 0))
+    return fail(ZD_EBACKEND, cuda ? "zerod runs its %s backend, which takes host buffers only: "
+                "device buffers (ZD_MEMORY_CUDA) need a zerod with backend cuda"
+                                  : "zerod runs its %s backend, which takes CUDA device buffers "
+                "only: set zd_model_desc_t.memory = ZD_MEMORY_CUDA (the device: zd_cuda_device())",
+                c->info.backend);
+#ifndef ZD_HAVE_CUDA
+  if (cuda) return fail(ZD_EBACKEND, "this libzerod was built without CUDA: no device buffers");
+#endif
   release_buffers(c);
   zd__err_t err = {0};
   int rc = zd__layout_build(desc->params, (uint32_t)desc->nparams, (uint32_t)desc->ngroups,
@@ -428,6 +708,14 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
   c->flags = desc->flags;
   c->param_bytes = c->layout->total_elems * zd_dtype_size(desc->param_dtype);
   c->grad_bytes = c->layout->total_elems * zd_dtype_size(desc->grad_dtype);
+#ifdef ZD_HAVE_CUDA
+  if (cuda) {
+    if ((rc = create_cuda_buffers(c, desc->device))) {
+      release_buffers(c);
+      return rc;
+    }
+  } else
+#endif
   if ((rc = create_buffer("zerod-params", c->param_bytes, &c->param_fd, &c->params)) ||
       (rc = create_buffer("zerod-grads", c->grad_bytes, &c->grad_fd, &c->grads))) {
     release_buffers(c);
@@ -502,10 +790,29 @@ int zd_register(zd_client_t *c) {
     scaler.min_scale = c->loss_scaler.min_scale;
     req.loss_scaler = &scaler;
   }
-  int fds[2] = {c->param_fd, c->grad_fd};
+  int fds[2] = {c->param_fd, c->grad_fd}, nfds = 2;
+  Zerod__V1__CudaBuffers cb = ZEROD__V1__CUDA_BUFFERS__INIT;
+  if (c->memory == ZD_MEMORY_CUDA) {
+    cb.has_device = 1;
+    cb.device = c->device;
+    cb.has_device_uuid = 1;
+    cb.device_uuid = (ProtobufCBinaryData){sizeof c->uuid, c->uuid};
+    cb.has_param_handle = 1;
+    cb.param_handle = (ProtobufCBinaryData){sizeof c->param_handle, c->param_handle};
+    cb.has_grad_handle = 1;
+    cb.grad_handle = (ProtobufCBinaryData){sizeof c->grad_handle, c->grad_handle};
+    cb.has_grads_ready = 1;
+    cb.grads_ready = (ProtobufCBinaryData){sizeof c->grads_ready_handle, c->grads_ready_handle};
+    cb.has_params_ready = 1;
+    cb.params_ready =
+        (ProtobufCBinaryData){sizeof c->params_ready_handle, c->params_ready_handle};
+    req.cuda = &cb;
+    nfds = 0;
+    if ((rc = cuda_before_request(c))) goto exit; /* the initial values come first */
+  }
   uint8_t *body = NULL;
   uint32_t len = 0;
-  rc = call(c, ZD__MSG_REGISTER, &req.base, fds, 2, &body, &len, -1);
+  rc = call(c, ZD__MSG_REGISTER, &req.base, fds, nfds, &body, &len, -1);
   if (rc) goto exit;
   Zerod__V1__RegisterReply *rep = zerod__v1__register_reply__unpack(NULL, len, body);
   free(body);
@@ -518,6 +825,7 @@ int zd_register(zd_client_t *c) {
   c->info.loss_scale = rep->loss_scale;
   c->registered = 1;
   zerod__v1__register_reply__free_unpacked(rep, NULL);
+  rc = cuda_after_reply(c); /* the model zerod wrote comes before the stream's next work */
 exit:
   free(gp);
   free(groups);
@@ -591,12 +899,14 @@ int zd_step_start(zd_client_t *c, const zd_step_opts_t *opts, zd_request_t *req_
   req.has_scatter = req.has_gather = 1;
   req.scatter = !(opts && (opts->flags & ZD_STEP_NO_SCATTER));
   req.gather = !(opts && (opts->flags & ZD_STEP_NO_GATHER));
+  if ((rc = cuda_before_request(c))) return rc;
   return start(c, ZD__MSG_STEP, &req.base, NULL, 0, req_out);
 }
 
 static int bucket_start(zd_client_t *c, uint16_t type, int bucket, zd_request_t *req_out) {
   int rc = check_registered(c, type == ZD__MSG_SCATTER ? "zd_scatter" : "zd_gather");
   if (rc) return rc;
+  if ((rc = cuda_before_request(c))) return rc;
   if (type == ZD__MSG_SCATTER) {
     Zerod__V1__ScatterRequest req = ZEROD__V1__SCATTER_REQUEST__INIT;
     req.has_bucket = 1;
@@ -624,6 +934,9 @@ int zd_wait(zd_client_t *c, zd_request_t req, zd_step_result_t *result) {
   if (p && p->done) {
     if (result && p->type == ZD__MSG_STEP && rc == ZD_OK) *result = p->step;
     forget_pending(c, p);
+    /* zerod recorded params-ready after the request's work, failed or not */
+    int crc = cuda_after_reply(c);
+    if (!rc) rc = crc;
   }
   return rc;
 }

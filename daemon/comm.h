@@ -8,10 +8,18 @@
  * operation is bounded by the world's collective timeout; a failure leaves the communicator
  * broken (every later call fails) and returns ZD_EPEER or -ETIMEDOUT with a message that names the
  * peer when it is known.
+ *
+ * Host communicators (local, Gloo) complete every operation before returning. The device
+ * communicator (NCCL, comm_nccl.c) only queues reduce_scatter, all_gather and allgather_device on
+ * the rank's CUDA stream and returns; their completion (and failure) is observed by sync, which
+ * waits for everything queued on that stream so far, bounded by the collective timeout, and
+ * aborts the communicator on an asynchronous error or a timeout. Its allgather_bytes works on
+ * host memory and waits by itself (registration only).
  */
 #ifndef ZD_DAEMON_COMM_H
 #define ZD_DAEMON_COMM_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -23,9 +31,12 @@ typedef struct zd__comm zd__comm_t;
 typedef struct zd__comm_ops {
   /* Reduce-scatter (sum) of bucket `bucket`: send holds world_size * shard_elems elements of
    * dtype. On return *shard points at this rank's reduced slice (shard_elems elements of
-   * *shard_dtype): either scratch (an fp32 buffer of shard_elems elements the caller provides)
-   * or, at world size 1, send's own slice. Ranks that name different buckets at the same point
-   * fail (by timeout) instead of summing unrelated gradients. */
+   * *shard_dtype): either scratch (a buffer of shard_elems fp32 elements the caller provides, in
+   * the communicator's memory) or, at world size 1, send's own slice. Gloo sums in fp32
+   * (*shard_dtype ZD_F32); NCCL sums in dtype itself and leaves the shard in dtype at the start of
+   * scratch (docs/design.md: "NCCL reduces in the gradient dtype"). With Gloo, ranks that name
+   * different buckets at the same point fail (by timeout) instead of summing unrelated gradients;
+   * NCCL matches operations by order only, like any NCCL program. */
   int (*reduce_scatter)(zd__comm_t *comm, uint32_t bucket, const void *send, zd_dtype_t dtype,
                         uint64_t shard_elems, float *scratch, const void **shard,
                         zd_dtype_t *shard_dtype, zd__err_t *err);
@@ -33,9 +44,21 @@ typedef struct zd__comm_ops {
    * this rank's slice already written; on return every slice is. */
   int (*all_gather)(zd__comm_t *comm, uint32_t bucket, void *buf, zd_dtype_t dtype,
                     uint64_t shard_elems, zd__err_t *err);
-  /* All-gather of a small record: recv receives world_size * bytes, rank r's record at r * bytes. */
+  /* All-gather of a small record in host memory: recv receives world_size * bytes, rank r's record
+   * at r * bytes. Complete on return. */
   int (*allgather_bytes)(zd__comm_t *comm, const void *send, size_t bytes, void *recv,
                          zd__err_t *err);
+  /* Device communicators only (NULL for host ones): the all-gather of a small record that is in
+   * device memory (send: bytes, recv: world_size * bytes), queued on the stream. */
+  int (*allgather_device)(zd__comm_t *comm, const void *send, size_t bytes, void *recv,
+                          zd__err_t *err);
+  /* Device communicators only (NULL for host ones): waits until everything queued on the
+   * communicator's stream so far (its collectives and any kernel or copy queued there by others)
+   * has completed, polling the communicator's asynchronous errors, at most the collective timeout.
+   * On an error or a timeout the communicator is aborted and broken. A broken communicator still
+   * waits (bounded) for the stream to drain, so that the caller may release the memory the queued
+   * work used, and then returns the failure that broke it. */
+  int (*sync)(zd__comm_t *comm, zd__err_t *err);
   void (*destroy)(zd__comm_t *comm);
 } zd__comm_ops_t;
 
@@ -53,6 +76,20 @@ int zd__comm_local_create(zd__comm_t **out);
  * every rank has joined or opts->connect_timeout_ms passes. */
 struct zd__gloo_opts;
 int zd__comm_gloo_create(const struct zd__gloo_opts *opts, zd__comm_t **out, zd__err_t *err);
+
+#ifdef ZD_HAVE_CUDA
+/* An NCCL communicator (comm_nccl.c) on `device` (the calling thread's current device) whose
+ * operations run on `stream` (a cudaStream_t, the rank's). id: the ncclUniqueId (128 bytes) every
+ * rank of the world got from rank 0; NULL with world_size 1 (a one-rank communicator, no peers).
+ * Initialisation is non-blocking and polled: bounded by connect_timeout_ms and cancelled (-ECANCELED)
+ * when *stop becomes non-zero. Every later wait is bounded by collective_timeout_ms. Errors:
+ * -ETIMEDOUT, -ECANCELED, ZD_EPEER (NCCL failed: the message says why), ZD_EBACKEND. */
+int zd__comm_nccl_create(const void *id, uint32_t rank, uint32_t world_size, int device,
+                         void *stream, int connect_timeout_ms, int collective_timeout_ms,
+                         const atomic_int *stop, zd__comm_t **out, zd__err_t *err);
+/* A fresh ncclUniqueId (128 bytes) into id: rank 0's part of the bootstrap. */
+int zd__comm_nccl_unique_id(void *id, size_t len, zd__err_t *err);
+#endif
 
 static inline void zd__comm_destroy(zd__comm_t *comm) {
   if (comm) comm->ops->destroy(comm);

@@ -53,6 +53,7 @@
 #define MAX_VALUE_BYTES   (1u << 20)  /* a rendezvous value: an address, an id; never tensors */
 #define MAX_STORE_BYTES   (64u << 20) /* keys and values together */
 #define MAX_WAIT_KEYS     65536
+#define MAX_WAITERS       4096 /* KvWait calls held at once */
 #define SHUTDOWN_GRACE_MS 500 /* calls still running this long after shutdown are cancelled */
 
 /* ---- types --------------------------------------------------------------------------------- */
@@ -607,7 +608,7 @@ static int handle_status(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd
   st.world_size = d->world_size;
   st.first_rank = d->cfg->first_rank;
   st.local_ranks = n;
-  st.backend = (char *)"cpu"; /* the only backend this build has (daemon.c, choose_backend) */
+  st.backend = (char *)zd__backend_name(d->backend); /* daemon.c, choose_backend */
   st.uptime_s = (zd__now_us() - d->start_us) / 1000000u;
   st.rendezvous_address = d->cfg->rendezvous_address;
   st.n_ranks = n;
@@ -681,7 +682,14 @@ static int handle_kv_set(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd
   if (r->value.len > MAX_VALUE_BYTES)
     return zd__errf(err, ZD_ETOOBIG, "KvSet: the value of '%s' is %zu bytes; at most %u", r->key,
                     r->value.len, MAX_VALUE_BYTES);
-  if ((rc = kv_put(c, r->key, r->value.data, r->value.len, err))) return rc;
+  /* First writer wins: a key of the store names one rank's address or the world's id, written
+   * once per world; a different value later is a mistake or an attack, never an update. The same
+   * value again is a retry. */
+  const kv_t *old = kv_find(c, r->key);
+  if (old && (old->len != r->value.len || memcmp(old->value, r->value.data, old->len) != 0))
+    return zd__errf(err, -EEXIST, "KvSet: '%s' is already set to another value; rendezvous keys "
+                    "are written once (restart the whole world to rejoin it)", r->key);
+  if (!old && (rc = kv_put(c, r->key, r->value.data, r->value.len, err))) return rc;
   ZD_LOG_DEBUG("control: rendezvous set '%s' (%zu bytes)", r->key, r->value.len);
   for (call_t *w = c->waiters, *next; w; w = next) {
     next = w->wnext;
@@ -726,6 +734,9 @@ static int handle_kv_wait(zd__control_t *c, call_t *k, ProtobufCMessage **req, z
     return ZD_OK;
   }
   if (c->stopping) return zd__errf(err, ZD_ESHUTDOWN, "zerod at %s is shutting down", c->address);
+  if (c->nwaiters >= MAX_WAITERS)
+    return zd__errf(err, -ENOSPC, "KvWait: %u calls are waiting already; at most %d",
+                    c->nwaiters, MAX_WAITERS);
   if (r->timeout_ms == 0) {
     reply_wait(k, 0);
     return ZD_OK;

@@ -17,6 +17,10 @@
 #include "control.h"
 #include "log.h"
 #include "session.h"
+#ifdef ZD_HAVE_CUDA
+#include "adam_cuda.h"
+#include "cuda_check.h"
+#endif
 
 uint64_t zd__now_us(void) {
   struct timespec ts;
@@ -142,9 +146,11 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
                            .collective_timeout_ms = (int)cfg->collective_timeout_ms,
                            .connect_timeout_ms = (int)cfg->connect_timeout_ms};
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
-    /* A one-rank world needs no peers; a larger one is joined by each rank's worker. */
+    /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
+     * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */
     zd__comm_t *comm = NULL;
-    int rc = d->world_size == 1 ? zd__comm_local_create(&comm) : ZD_OK;
+    int rc = d->world_size == 1 && d->backend == ZD__BACKEND_CPU ? zd__comm_local_create(&comm)
+                                                                 : ZD_OK;
     if (rc) return zd__errf(err, rc, "cannot create the communicator of local rank %u", i);
     zd__rank_env_t env = {
         .local_rank = i,
@@ -155,6 +161,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
         .world = &d->world,
         .pool = d->pool,
         .isa = d->isa,
+        .device = d->backend == ZD__BACKEND_CUDA ? d->gpus[i].device : -1,
         .done = job_done,
         .done_ctx = d,
     };
@@ -181,10 +188,73 @@ static int choose_isa(const zd__config_t *cfg, int *isa, zd__err_t *err) {
   return ZD_OK;
 }
 
-static int choose_backend(const zd__config_t *cfg, zd__err_t *err) {
-  if (strcmp(cfg->backend, "cuda") == 0)
-    return zd__errf(err, ZD_EBACKEND, "backend cuda requested, but this zerod was built without "
-                    "CUDA; use backend cpu or auto");
+const char *zd__backend_name(zd__backend_t backend) {
+  return backend == ZD__BACKEND_CUDA ? "cuda" : "cpu";
+}
+
+/* Whether the CUDA backend can serve every local rank, one GPU each (local rank i on CUDA device
+ * i, after CUDA_VISIBLE_DEVICES); if not, why, and whether some GPU is visible at all (which
+ * makes a fallback worth a warning rather than a note). Fills d->gpus when it can. */
+static int cuda_usable(zd__daemon_t *d, char *why, size_t len, int *visible) {
+  *visible = 0;
+#ifdef ZD_HAVE_CUDA
+  uint32_t n = d->cfg->local_ranks;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) *visible = 1;
+  (void)cudaGetLastError();
+  if (zd__cuda_available(why, len) == 0) return 0;
+  zd__err_t e = {0};
+  for (uint32_t i = 0; i < n; i++) {
+    if (zd__cuda_device_check((int)i, &e) != ZD_OK) {
+      snprintf(why, len, "local rank %u needs GPU %u (one GPU per local rank; local_ranks is %u): "
+               "%.150s", i, i, n, e.msg);
+      return 0;
+    }
+  }
+  d->gpus = calloc(n, sizeof *d->gpus);
+  if (!d->gpus) {
+    snprintf(why, len, "out of memory");
+    return 0;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    if (zd__cuda_gpu_info((int)i, &d->gpus[i], &e) != ZD_OK) {
+      snprintf(why, len, "GPU %u: %.200s", i, e.msg);
+      free(d->gpus);
+      d->gpus = NULL;
+      return 0;
+    }
+  }
+  return 1;
+#else
+  (void)d;
+  snprintf(why, len, "this zerod was built without CUDA");
+  return 0;
+#endif
+}
+
+/* backend cpu, cuda, or auto: CUDA when this build has it and every local rank has a usable GPU,
+ * else the CPU backend with one log line saying why not. */
+static int choose_backend(zd__daemon_t *d, zd__err_t *err) {
+  const char *want = d->cfg->backend;
+  d->backend = ZD__BACKEND_CPU;
+  if (strcmp(want, "cpu") == 0) return ZD_OK;
+  char why[ZD__ERR_MSG_MAX / 2];
+  int visible = 0;
+  if (cuda_usable(d, why, sizeof why, &visible)) {
+    d->backend = ZD__BACKEND_CUDA;
+    for (uint32_t i = 0; i < d->cfg->local_ranks; i++)
+      ZD_LOG_INFO("local rank %u: GPU %d, %s (%s)", i, d->gpus[i].device, d->gpus[i].name,
+                  d->gpus[i].uuid_str);
+    return ZD_OK;
+  }
+  if (strcmp(want, "cuda") == 0)
+    return zd__errf(err, ZD_EBACKEND, "backend cuda requested, but %s; use backend cpu or auto",
+                    why);
+  snprintf(d->backend_note, sizeof d->backend_note, "CUDA not used: %s", why);
+  if (visible)
+    ZD_LOG_WARN("backend auto: %s; running the CPU backend", d->backend_note);
+  else
+    ZD_LOG_INFO("backend auto: %s; running the CPU backend", d->backend_note);
   return ZD_OK;
 }
 
@@ -208,7 +278,7 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_signal_init(&d->loop, &d->sigint);
   d->done_async.data = d->sigterm.data = d->sigint.data = d;
 
-  if ((rc = choose_backend(cfg, err)) || (rc = choose_isa(cfg, &d->isa, err))) goto fail;
+  if ((rc = choose_backend(d, err)) || (rc = choose_isa(cfg, &d->isa, err))) goto fail;
   rc = zd__pool_create(cfg->threads, &d->pool);
   if (rc) {
     zd__errf(err, rc, "cannot start %u kernel threads: %s", cfg->threads, zd_strerror(rc));
@@ -221,8 +291,13 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   if ((rc = zd__server_start(d, err))) goto fail;
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
   uv_signal_start(&d->sigint, on_signal, SIGINT);
-  ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, %s kernels on %u threads", d->nranks,
-              d->world_size, zd__isa_name((zd__isa_t)d->isa), zd__pool_size(d->pool));
+  if (d->backend == ZD__BACKEND_CUDA)
+    ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, CUDA backend (one GPU per local rank, "
+                "NCCL)", d->nranks, d->world_size);
+  else
+    ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, CPU backend, %s kernels on %u threads",
+                d->nranks, d->world_size, zd__isa_name((zd__isa_t)d->isa),
+                zd__pool_size(d->pool));
   sd_notify("READY=1");
   *out = d;
   return ZD_OK;
@@ -247,6 +322,7 @@ void zd__daemon_destroy(zd__daemon_t *d) {
   zd__pool_destroy(d->pool);
   free(d->ranks);
   free(d->attached);
+  free(d->gpus);
   pthread_mutex_destroy(&d->done_lock);
   free(d);
 }

@@ -14,11 +14,15 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "compute.h"
 #include "config.h"
 #include "error.h"
 #include "pool.h"
 #include "rank.h"
 #include "world.h"
+
+/* The compute backend the daemon runs (DESIGN §7), chosen once at start. */
+typedef enum zd__backend { ZD__BACKEND_CPU = 0, ZD__BACKEND_CUDA = 1 } zd__backend_t;
 
 typedef struct zd__session zd__session_t;
 typedef struct zd__control zd__control_t;
@@ -30,6 +34,11 @@ typedef struct zd__daemon {
   uint64_t bucket_elems;
   int isa; /* zd__isa_t of the CPU kernels */
   zd__pool_t *pool;
+  zd__backend_t backend;
+  /* Why the CUDA backend is not used when it was not asked for ("" when it is, or was refused
+   * by configuration): for the start-up log and the status. */
+  char backend_note[ZD__ERR_MSG_MAX];
+  zd__gpu_info_t *gpus; /* CUDA backend: the GPU of each local rank (local rank i: device i) */
   zd__world_t world; /* how ranks join a multi-rank world */
   uint32_t nranks;
   zd__rank_t **ranks;
@@ -79,6 +88,9 @@ void zd__daemon_shutdown(zd__daemon_t *d);
 
 /* Called by session.c when a session is gone, to finish a shutdown. */
 void zd__daemon_session_gone(zd__daemon_t *d);
+
+/* "cpu" or "cuda". */
+const char *zd__backend_name(zd__backend_t backend);
 
 /* Microseconds on the monotonic clock. */
 uint64_t zd__now_us(void);

@@ -69,6 +69,11 @@ static int add_param(zd__layout_param_t *dst, const zd_param_t *src, uint32_t in
   if (name_len > ZD__MAX_NAME)
     return zd__errf(err, -EINVAL, "parameter %u: name is longer than %d bytes", index,
                     ZD__MAX_NAME);
+  for (size_t i = 0; i < name_len; i++) /* names travel in messages and parameter tables */
+    if ((unsigned char)src->name[i] < 0x20 || src->name[i] == 0x7f)
+      return zd__errf(err, -EINVAL, "parameter %u: name has a control character (0x%02x at "
+                      "byte %zu); expected printable characters", index,
+                      (unsigned char)src->name[i], i);
   if (src->ndim > ZD_MAX_DIMS)
     return zd__errf(err, -EINVAL, "parameter %u '%s' has %u dimensions; at most %d supported",
                     index, src->name, src->ndim, ZD_MAX_DIMS);

@@ -23,8 +23,13 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (rc == ZD__CONFIG_VERSION) {
-    printf("zerod %s (local protocol %d; backends: cpu; kernels: %s)\n", ZD_VERSION,
-           ZD_PROTOCOL_VERSION, zd__isa_name(zd__isa_detect()));
+#ifdef ZD_HAVE_CUDA
+    const char *backends = "cpu, cuda";
+#else
+    const char *backends = "cpu";
+#endif
+    printf("zerod %s (local protocol %d; backends: %s; kernels: %s)\n", ZD_VERSION,
+           ZD_PROTOCOL_VERSION, backends, zd__isa_name(zd__isa_detect()));
     return 0;
   }
   if (rc < 0) {

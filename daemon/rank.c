@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "adam.h"
+#include "compute.h"
 #include "log.h"
 #include "pool.h"
 #include "step.h"
@@ -93,8 +94,9 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
   }
   if (job->type == ZD__JOB_SCATTER && job->code == ZD_OK) s->scatters++;
   if (job->type == ZD__JOB_GATHER && job->code == ZD_OK) s->gathers++;
-  /* A failed collective breaks the communicator for good: the rank is degraded. */
-  if (job->code == ZD_EPEER || job->code == -ETIMEDOUT) {
+  /* A failed collective breaks the communicator for good, and a failure of the device leaves its
+   * state in doubt: the rank is degraded. */
+  if (job->code == ZD_EPEER || job->code == -ETIMEDOUT || job->code == ZD_EBACKEND) {
     if (s->health != ZD__HEALTH_DEGRADED)
       ZD_LOG_ERROR("rank degraded: %s", job->err.msg);
     s->health = ZD__HEALTH_DEGRADED;
@@ -168,19 +170,19 @@ static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix,
                        const char *reason) {
   pthread_mutex_lock(&r->stats_lock);
   r->stats.health = health;
-  char *out = r->stats.degraded_reason;
-  size_t n = sizeof r->stats.degraded_reason; /* prefix + reason, truncated to fit */
-  size_t p = strnlen(prefix, n - 1), q = strnlen(reason, n - 1 - p);
-  memcpy(out, prefix, p);
-  memcpy(out + p, reason, q);
-  out[p + q] = '\0';
+  char *out = r->stats.degraded_reason; /* prefix + reason, truncated to fit */
+  size_t n = sizeof r->stats.degraded_reason, i = 0;
+  for (const char *s = prefix; *s && i + 1 < n; s++) out[i++] = *s;
+  for (const char *s = reason; *s && i + 1 < n; s++) out[i++] = *s;
+  out[i] = '\0';
   pthread_mutex_unlock(&r->stats_lock);
 }
 
 /* Joins the world before the first job runs; jobs queued meanwhile wait (or fail as degraded). */
 static void join_world(zd__rank_t *r) {
   zd__err_t err = {0};
-  int rc = zd__world_connect(r->env.world, r->env.rank, &r->cancel_connect, &r->ctx.comm, &err);
+  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel_connect,
+                             &r->ctx.comm, &err);
   if (rc == ZD_OK) {
     set_health(r, ZD__HEALTH_OK, "", "");
     return;
@@ -189,10 +191,51 @@ static void join_world(zd__rank_t *r) {
   set_health(r, ZD__HEALTH_DEGRADED, "joining the world failed: ", err.msg);
 }
 
+/* The CUDA backend of the rank, on its worker thread (which keeps the device current): state
+ * backend and stream, then the NCCL communicator on that stream. */
+static void start_cuda(zd__rank_t *r) {
+#ifdef ZD_HAVE_CUDA
+  zd__err_t err = {0};
+  const zd__world_t *w = r->env.world;
+  int rc = zd__compute_cuda_create(r->env.device, w->collective_timeout_ms, &r->ctx.compute, &err);
+  if (rc) {
+    ZD_LOG_ERROR("rank degraded: the CUDA backend could not start on GPU %d: %s", r->env.device,
+                 err.msg);
+    set_health(r, ZD__HEALTH_DEGRADED, "the CUDA backend could not start: ", err.msg);
+    return;
+  }
+  void *stream = zd__compute_cuda_stream(r->ctx.compute);
+  if (r->env.world_size == 1)
+    rc = zd__comm_nccl_create(NULL, 0, 1, r->env.device, stream, w->connect_timeout_ms,
+                              w->collective_timeout_ms, &r->cancel_connect, &r->ctx.comm, &err);
+  else
+    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel_connect,
+                           &r->ctx.comm, &err);
+  if (rc == ZD_OK) {
+    ZD_LOG_INFO("CUDA backend on GPU %d, NCCL communicator of %u rank(s) ready", r->env.device,
+                r->env.world_size);
+    set_health(r, ZD__HEALTH_OK, "", "");
+    return;
+  }
+  ZD_LOG_ERROR("rank degraded: %s failed: %s",
+               r->env.world_size == 1 ? "creating the NCCL communicator" : "joining the world",
+               err.msg);
+  set_health(r, ZD__HEALTH_DEGRADED,
+             r->env.world_size == 1 ? "creating the NCCL communicator failed: "
+                                    : "joining the world failed: ",
+             err.msg);
+#else
+  set_health(r, ZD__HEALTH_DEGRADED, "", "this zerod was built without CUDA");
+#endif
+}
+
 static void *worker_main(void *arg) {
   zd__rank_t *r = arg;
   zd__log_set_rank((int)r->env.rank);
-  if (!r->ctx.comm) join_world(r);
+  if (r->env.device >= 0)
+    start_cuda(r);
+  else if (!r->ctx.comm)
+    join_world(r);
   pthread_mutex_lock(&r->lock);
   for (;;) {
     while (!r->head && !r->stop) pthread_cond_wait(&r->cond, &r->lock);
@@ -208,6 +251,14 @@ static void *worker_main(void *arg) {
     pthread_mutex_lock(&r->lock);
   }
   pthread_mutex_unlock(&r->lock);
+  /* The state, the communicator and the backend are released by the thread that used them (with
+   * CUDA, the one whose current device is the rank's). */
+  zd__model_free(r->model);
+  r->model = NULL;
+  zd__comm_destroy(r->ctx.comm);
+  r->ctx.comm = NULL;
+  zd__compute_destroy(r->ctx.compute);
+  r->ctx.compute = NULL;
   return NULL;
 }
 
@@ -219,10 +270,11 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
       .rank = env->rank,
       .world_size = env->world_size,
       .comm = env->comm,
-      .pool = env->pool,
-      .adam = zd__adam_impl((zd__isa_t)env->isa),
-      .stats = zd__grad_stats_impl((zd__isa_t)env->isa),
   };
+  if (env->device < 0 && zd__compute_cpu_create(env->pool, env->isa, &r->ctx.compute) != 0) {
+    free(r);
+    return -ENOMEM;
+  }
   r->stats.health = env->comm ? ZD__HEALTH_OK : ZD__HEALTH_CONNECTING;
   r->stats.loss_scale = 1.0;
   r->stats.last_grad_norm = NAN;
@@ -235,6 +287,7 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
     pthread_mutex_destroy(&r->stats_lock);
     pthread_cond_destroy(&r->cond);
     pthread_mutex_destroy(&r->lock);
+    zd__compute_destroy(r->ctx.compute);
     free(r);
     return -rc;
   }
@@ -249,9 +302,7 @@ void zd__rank_destroy(zd__rank_t *r) {
   r->stop = 1;
   pthread_cond_signal(&r->cond);
   pthread_mutex_unlock(&r->lock);
-  pthread_join(r->thread, NULL);
-  zd__model_free(r->model);
-  zd__comm_destroy(r->ctx.comm);
+  pthread_join(r->thread, NULL); /* which released the model, communicator and backend */
   free(r->ranges);
   pthread_mutex_destroy(&r->stats_lock);
   pthread_cond_destroy(&r->cond);
@@ -297,6 +348,7 @@ int zd__rank_shard_ranges(zd__rank_t *r, zd__shard_range_t **out, uint32_t *n) {
 }
 
 uint32_t zd__rank_local(const zd__rank_t *r) { return r->env.local_rank; }
+int zd__rank_device(const zd__rank_t *r) { return r->env.device; }
 uint32_t zd__rank_global(const zd__rank_t *r) { return r->env.rank; }
 uint32_t zd__rank_world_size(const zd__rank_t *r) { return r->env.world_size; }
 uint64_t zd__rank_bucket_elems(const zd__rank_t *r) { return r->env.bucket_elems; }

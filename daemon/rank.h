@@ -41,12 +41,19 @@ typedef struct zd__model_spec {
 
 void zd__model_spec_free(zd__model_spec_t *spec);
 
-/* A client's mapped buffers; owned by its session, alive while the session has jobs in flight. */
+/* A client's buffers; owned by its session, alive while the session has jobs in flight.
+ * Host buffers are mapped memfds; CUDA buffers are device memory opened from the client's IPC
+ * handles on the rank's device (shm.h), with the two IPC events that order the client's stream
+ * and the rank's: the rank's stream waits on grads_ready before a job touches the buffers, and
+ * records params_ready when the job's work is queued (docs/protocol.md, "CUDA buffers"). */
 typedef struct zd__buffers {
   zd__shm_t params;
   zd__shm_t grads;
   zd_dtype_t param_dtype;
   zd_dtype_t grad_dtype;
+  int device;         /* CUDA device of the buffers and events; -1: host memory */
+  void *grads_ready;  /* cudaEvent_t opened from the client's handle; NULL with host buffers */
+  void *params_ready; /* cudaEvent_t opened from the client's handle; NULL with host buffers */
 } zd__buffers_t;
 
 typedef enum zd__job_type {
@@ -149,13 +156,17 @@ typedef struct zd__rank_env {
   uint64_t bucket_elems;
   zd__comm_t *comm;             /* taken over by the rank; NULL: join `world` first */
   const struct zd__world *world; /* how to join a multi-rank world (world.h); outlives the rank */
-  struct zd__pool *pool;
-  int isa; /* zd__isa_t */
+  struct zd__pool *pool; /* CPU backend: the kernel pool and ISA (zd__isa_t) */
+  int isa;
+  int device; /* CUDA backend: this rank's CUDA device; -1: the CPU backend */
   zd__job_done_fn done;
   void *done_ctx;
 } zd__rank_env_t;
 
-/* Creates a rank and starts its worker thread. Errors: -ENOMEM, -EAGAIN. */
+/* Creates a rank and starts its worker thread. With the CUDA backend the worker first makes the
+ * device current, creates the rank's stream and state backend, and its NCCL communicator (a
+ * one-rank one at world size 1, else through the world's rendezvous); the rank says `connecting`
+ * until then and `degraded`, with the reason, if that fails. Errors: -ENOMEM, -EAGAIN. */
 int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out);
 
 /* Stops the worker after the queued jobs have run (cancelling a world bootstrap still waiting
@@ -181,6 +192,7 @@ typedef struct zd__shard_range {
 int zd__rank_shard_ranges(zd__rank_t *rank, zd__shard_range_t **out, uint32_t *n);
 
 uint32_t zd__rank_local(const zd__rank_t *rank);
+int zd__rank_device(const zd__rank_t *rank); /* CUDA device, -1 with the CPU backend */
 uint32_t zd__rank_global(const zd__rank_t *rank);
 uint32_t zd__rank_world_size(const zd__rank_t *rank);
 uint64_t zd__rank_bucket_elems(const zd__rank_t *rank);

@@ -7,6 +7,8 @@
  */
 #include "rendezvous.h"
 
+#define GET_MIN_MS 1000 /* a get after a successful wait has at least this long */
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -169,9 +171,10 @@ int zd__rdv_get(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int 
                 zd__err_t *err) {
   *value = NULL;
   *len = 0;
-  int64_t deadline = now_ms() + timeout_ms;
   int rc = zd__rdv_wait(rdv, &key, 1, timeout_ms, err);
   if (rc) return rc;
+  /* The key exists now: the get gets a time of its own, even if the wait used up the budget. */
+  int64_t deadline = now_ms() + (timeout_ms > GET_MIN_MS ? timeout_ms : GET_MIN_MS);
   Zerod__V1__KvGetRequest req = ZEROD__V1__KV_GET_REQUEST__INIT;
   req.key = (char *)key;
   ProtobufCMessage *reply = NULL;

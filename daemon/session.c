@@ -243,7 +243,14 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
   rep.rank = zd__rank_global(s->rank);
   rep.local_rank = local;
   rep.bucket_elems = d->bucket_elems;
-  rep.backend = (char *)"cpu";
+  rep.backend = (char *)zd__backend_name(d->backend);
+  if (d->backend == ZD__BACKEND_CUDA) { /* the client checks its buffers' GPU against this one */
+    rep.has_device = 1;
+    rep.device = d->gpus[local].device;
+    rep.has_device_uuid = 1;
+    rep.device_uuid.data = d->gpus[local].uuid;
+    rep.device_uuid.len = sizeof d->gpus[local].uuid;
+  }
   send_reply(s, h->type, h->request_id, &rep.base);
 exit:
   zerod__v1__hello_request__free_unpacked(req, NULL);
@@ -375,6 +382,97 @@ static void close_fds(zd__session_t *s) {
   s->nfds = 0;
 }
 
+/* Unmaps or closes the client's buffers and events (no job of the session may be in flight). */
+static void release_buffers(zd__session_t *s) {
+  zd__shm_unmap(&s->buffers.params);
+  zd__shm_unmap(&s->buffers.grads);
+  zd__shm_close_event(s->buffers.device, s->buffers.grads_ready);
+  zd__shm_close_event(s->buffers.device, s->buffers.params_ready);
+  s->buffers.grads_ready = s->buffers.params_ready = NULL;
+  s->buffers.device = -1;
+}
+
+/* Host buffers: two sealed memfds rode along the frame. */
+static int map_host_buffers(zd__session_t *s, const zd__model_spec_t *spec, zd__err_t *err) {
+  zd__daemon_t *d = s->daemon;
+  if (d->backend == ZD__BACKEND_CUDA)
+    return zd__errf(err, ZD_EBACKEND, "this zerod runs the CUDA backend (local rank %u on GPU %d, "
+                    "%s): register CUDA device buffers (zd_model_desc_t.memory = "
+                    "ZD_MEMORY_CUDA); host buffers need a zerod with backend cpu",
+                    zd__rank_local(s->rank), d->gpus[zd__rank_local(s->rank)].device,
+                    d->gpus[zd__rank_local(s->rank)].uuid_str);
+  if (s->nfds < 2)
+    return zd__errf(err, ZD_EBUFFER, "register needs 2 file descriptors (param and grad buffers) "
+                    "sent with the frame; got %d", s->nfds);
+  uint64_t total = spec->layout->total_elems;
+  s->buffers.device = -1;
+  int rc = zd__shm_map(s->fds[0], total * zd_dtype_size(spec->param_dtype), "param buffer",
+                       &s->buffers.params, err);
+  if (rc) return rc;
+  return zd__shm_map(s->fds[1], total * zd_dtype_size(spec->grad_dtype), "grad buffer",
+                     &s->buffers.grads, err);
+}
+
+/* CUDA buffers: IPC handles of device memory on the rank's GPU, and the two IPC events. Checked
+ * before anything is opened, then opened on the rank's GPU (shm_cuda.c checks place and size). */
+static int open_cuda_buffers(zd__session_t *s, const Zerod__V1__CudaBuffers *cb,
+                             const zd__model_spec_t *spec, zd__err_t *err) {
+  zd__daemon_t *d = s->daemon;
+  uint32_t local = zd__rank_local(s->rank);
+  if (d->backend != ZD__BACKEND_CUDA)
+    return zd__errf(err, ZD_EBACKEND, "this zerod runs the CPU backend (%s): it takes host "
+                    "buffers (memfds) only; CUDA device buffers need a zerod with backend cuda on "
+                    "the trainer's node", d->backend_note[0] ? d->backend_note : "backend cpu");
+  if (s->nfds > 0)
+    return zd__errf(err, ZD_EBUFFER, "register with CUDA buffers carries %d file descriptors; "
+                    "expected none", s->nfds);
+  const zd__gpu_info_t *gpu = &d->gpus[local];
+  if (!cb->has_device_uuid || cb->device_uuid.len != sizeof gpu->uuid)
+    return zd__errf(err, ZD_EBUFFER, "cuda.device_uuid is %zu bytes; expected %zu "
+                    "(cudaDeviceProp.uuid of the buffers' GPU)",
+                    cb->has_device_uuid ? cb->device_uuid.len : 0, sizeof gpu->uuid);
+  if (memcmp(cb->device_uuid.data, gpu->uuid, sizeof gpu->uuid) != 0) {
+    char theirs[ZD__GPU_UUID_STR];
+    const uint8_t *u = cb->device_uuid.data;
+    snprintf(theirs, sizeof theirs, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+             "%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8],
+             u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    return zd__errf(err, ZD_EBUFFER, "the buffers are on the client's CUDA device %d (%s), but "
+                    "local rank %u runs on %s (%s, zerod's device %d); put the trainer of local "
+                    "rank %u on that GPU", cb->has_device ? cb->device : -1, theirs, local,
+                    gpu->uuid_str, gpu->name, gpu->device, local);
+  }
+  struct {
+    const char *name;
+    protobuf_c_boolean has;
+    ProtobufCBinaryData data;
+  } handles[] = {{"cuda.param_handle", cb->has_param_handle, cb->param_handle},
+                 {"cuda.grad_handle", cb->has_grad_handle, cb->grad_handle},
+                 {"cuda.grads_ready", cb->has_grads_ready, cb->grads_ready},
+                 {"cuda.params_ready", cb->has_params_ready, cb->params_ready}};
+  for (size_t i = 0; i < sizeof handles / sizeof handles[0]; i++)
+    if (!handles[i].has || handles[i].data.len != ZD__CUDA_IPC_HANDLE_BYTES)
+      return zd__errf(err, ZD_EBUFFER, "%s is %zu bytes; expected %d (a CUDA IPC handle)",
+                      handles[i].name, handles[i].has ? handles[i].data.len : 0,
+                      ZD__CUDA_IPC_HANDLE_BYTES);
+  uint64_t total = spec->layout->total_elems;
+  zd__buffers_t *b = &s->buffers;
+  b->device = gpu->device;
+  int rc = zd__shm_open_cuda(gpu->device, cb->param_handle.data, cb->param_handle.len,
+                             total * zd_dtype_size(spec->param_dtype), "param buffer", &b->params,
+                             err);
+  if (!rc)
+    rc = zd__shm_open_cuda(gpu->device, cb->grad_handle.data, cb->grad_handle.len,
+                           total * zd_dtype_size(spec->grad_dtype), "grad buffer", &b->grads, err);
+  if (!rc)
+    rc = zd__shm_open_event(gpu->device, cb->grads_ready.data, cb->grads_ready.len,
+                            "grads_ready event", &b->grads_ready, err);
+  if (!rc)
+    rc = zd__shm_open_event(gpu->device, cb->params_ready.data, cb->params_ready.len,
+                            "params_ready event", &b->params_ready, err);
+  return rc;
+}
+
 static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
                            zd__err_t *err) {
   if (s->state != SESSION_READY) {
@@ -395,17 +493,7 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
   }
   rc = spec_from(s, req, spec, err);
   if (rc) goto fail;
-  if (s->nfds < 2) {
-    rc = zd__errf(err, ZD_EBUFFER, "register needs 2 file descriptors (param and grad buffers) "
-                  "sent with the frame; got %d", s->nfds);
-    goto fail;
-  }
-  uint64_t total = spec->layout->total_elems;
-  rc = zd__shm_map(s->fds[0], total * zd_dtype_size(spec->param_dtype), "param buffer",
-                   &s->buffers.params, err);
-  if (rc) goto fail;
-  rc = zd__shm_map(s->fds[1], total * zd_dtype_size(spec->grad_dtype), "grad buffer",
-                   &s->buffers.grads, err);
+  rc = req->cuda ? open_cuda_buffers(s, req->cuda, spec, err) : map_host_buffers(s, spec, err);
   if (rc) goto fail;
   uint32_t local = zd__rank_local(s->rank);
   zd__session_t *holder = s->daemon->attached[local];
@@ -432,8 +520,7 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
   return ZD_OK;
 
 fail:
-  zd__shm_unmap(&s->buffers.grads);
-  zd__shm_unmap(&s->buffers.params);
+  release_buffers(s);
   zd__model_spec_free(spec);
   close_fds(s);
   zerod__v1__register_request__free_unpacked(req, NULL);
@@ -597,8 +684,7 @@ static void detach(zd__session_t *s) {
     }
     s->rank = NULL;
   }
-  zd__shm_unmap(&s->buffers.params);
-  zd__shm_unmap(&s->buffers.grads);
+  release_buffers(s);
   if (s->state != SESSION_NEW) s->state = SESSION_NEW;
 }
 
@@ -865,6 +951,7 @@ int zd__session_create(zd__daemon_t *d, int fd, const struct ucred *cred) {
   s->daemon = d;
   s->fd = fd;
   s->cred = *cred;
+  s->buffers.device = -1;
   s->id = ++d->next_session_id;
   snprintf(s->name, sizeof s->name, "pid %d", (int)cred->pid);
   int rc = uv_poll_init(&d->loop, &s->poll, fd);
@@ -955,8 +1042,7 @@ void zd__session_job_done(zd__session_t *s, zd__job_t *job) {
     } else {
       uint32_t local = zd__rank_local(s->rank);
       if (s->daemon->attached[local] == s) s->daemon->attached[local] = NULL;
-      zd__shm_unmap(&s->buffers.params);
-      zd__shm_unmap(&s->buffers.grads);
+      release_buffers(s);
       if (s->state == SESSION_REGISTERING) s->state = SESSION_READY;
     }
   }

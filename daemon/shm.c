@@ -1,4 +1,4 @@
-/* Mapping of client shared-memory buffers (shm.h). */
+/* Client buffers in host shared memory (shm.h); CUDA IPC buffers are in shm_cuda.c. */
 #include "shm.h"
 
 #include <errno.h>
@@ -28,10 +28,34 @@ int zd__shm_map(int fd, size_t needed, const char *what, zd__shm_t *out, zd__err
     return zd__errf(err, -errno, "%s: mmap of %zu bytes failed: %s", what, bytes, strerror(errno));
   out->addr = addr;
   out->bytes = bytes;
+  out->kind = ZD__SHM_HOST;
   return ZD_OK;
 }
 
+#ifndef ZD_HAVE_CUDA
+void zd__shm_close_cuda(zd__shm_t *shm) { (void)shm; }
+
+int zd__shm_open_cuda(int device, const void *handle, size_t len, size_t needed, const char *what,
+                      zd__shm_t *out, zd__err_t *err) {
+  (void)device, (void)handle, (void)len, (void)needed;
+  *out = (zd__shm_t){0};
+  return zd__errf(err, ZD_EBACKEND, "%s: this zerod was built without CUDA", what);
+}
+
+int zd__shm_open_event(int device, const void *handle, size_t len, const char *what, void **event,
+                       zd__err_t *err) {
+  (void)device, (void)handle, (void)len;
+  *event = NULL;
+  return zd__errf(err, ZD_EBACKEND, "%s: this zerod was built without CUDA", what);
+}
+
+void zd__shm_close_event(int device, void *event) { (void)device, (void)event; }
+#endif
+
 void zd__shm_unmap(zd__shm_t *shm) {
-  if (shm->addr) munmap(shm->addr, shm->bytes ? shm->bytes : 1);
+  if (shm->kind == ZD__SHM_CUDA)
+    zd__shm_close_cuda(shm);
+  else if (shm->addr)
+    munmap(shm->addr, shm->bytes ? shm->bytes : 1);
   *shm = (zd__shm_t){0};
 }

@@ -1,20 +1,34 @@
-/* Client buffers in shared memory: the param and grad buffers a client creates (memfds passed
- * with SCM_RIGHTS) and zerod maps, so that gradients and parameters never cross the socket.
+/* Client buffers: the param and grad buffers a client creates and zerod uses in place, so that
+ * gradients and parameters never cross the socket.
  *
+ * Host memory (CPU backend): shared-memory files (memfds passed with SCM_RIGHTS) that zerod maps.
  * A buffer is accepted only if it is a regular shared-memory file at least as large as the layout
  * needs and sealed against shrinking (F_SEAL_SHRINK): a client that truncated a mapped buffer
  * would otherwise crash zerod with SIGBUS in the middle of a step.
+ *
+ * Device memory (CUDA backend, shm_cuda.c): cudaMalloc'd buffers the client exports with
+ * cudaIpcGetMemHandle and zerod opens on the rank's GPU (cudaIpcOpenMemHandle), checked to be on
+ * that GPU and at least as large as the layout needs (the allocation's real extent, from the
+ * driver, not the client's word); and the two IPC events that order the client's stream and the
+ * rank's (cudaIpcOpenEventHandle). Opened by the loop thread at register, closed at detach, when
+ * no job of the session is left (each job waited for its GPU work). In a build without CUDA the
+ * open functions refuse with ZD_EBACKEND.
  */
 #ifndef ZD_DAEMON_SHM_H
 #define ZD_DAEMON_SHM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "error.h"
 
+enum { ZD__SHM_NONE = 0, ZD__SHM_HOST = 1, ZD__SHM_CUDA = 2 };
+
 typedef struct zd__shm {
-  void *addr;
-  size_t bytes; /* mapped bytes: the file's size */
+  void *addr;   /* host: the mapping; CUDA: the device pointer opened from the handle */
+  size_t bytes; /* host: the file's size; CUDA: bytes of the allocation from addr on */
+  int kind;     /* ZD__SHM_NONE (zeroed: nothing held), ZD__SHM_HOST, ZD__SHM_CUDA */
+  int device;   /* ZD__SHM_CUDA: the GPU it was opened on */
 } zd__shm_t;
 
 /* Checks fd and maps it read-write. `what` names the buffer in messages ("grad buffer").
@@ -22,7 +36,28 @@ typedef struct zd__shm {
  * system error. */
 int zd__shm_map(int fd, size_t needed, const char *what, zd__shm_t *out, zd__err_t *err);
 
-/* Unmaps; accepts a zeroed zd__shm_t. */
+/* Unmaps (host) or closes (CUDA); accepts a zeroed zd__shm_t. For CUDA the GPU work using the
+ * buffer must be complete. */
 void zd__shm_unmap(zd__shm_t *shm);
+
+#define ZD__CUDA_IPC_HANDLE_BYTES 64 /* cudaIpcMemHandle_t, cudaIpcEventHandle_t */
+
+/* Opens a cudaIpcMemHandle_t (handle, len bytes) on `device` (made current on the calling
+ * thread) and checks that the memory is on that device and has at least `needed` bytes from the
+ * opened address. Errors: ZD_EBUFFER (a handle of the wrong size, one CUDA cannot open, memory on
+ * another GPU, too small; the message names the buffer and the expected value), ZD_EBACKEND
+ * (no CUDA in this build). */
+int zd__shm_open_cuda(int device, const void *handle, size_t len, size_t needed, const char *what,
+                      zd__shm_t *out, zd__err_t *err);
+
+/* Opens a cudaIpcEventHandle_t on `device`: *event is a cudaEvent_t. Errors as above. */
+int zd__shm_open_event(int device, const void *handle, size_t len, const char *what, void **event,
+                       zd__err_t *err);
+
+/* Closes a buffer of zd__shm_open_cuda (zd__shm_unmap calls it). */
+void zd__shm_close_cuda(zd__shm_t *shm);
+
+/* Destroys an event from zd__shm_open_event; accepts NULL. */
+void zd__shm_close_event(int device, void *event);
 
 #endif /* ZD_DAEMON_SHM_H */

@@ -120,6 +120,12 @@ static void add_rank(zd__status_t *st, zd__daemon_t *d, uint32_t local) {
   zd__status_add(st, "rank", "%u", zd__rank_global(r));
   zd__status_add(st, "local_rank", "%u", local);
   zd__status_add(st, "health", "%s", zd__health_name(s.health));
+  if (d->backend == ZD__BACKEND_CUDA) {
+    const zd__gpu_info_t *g = &d->gpus[local];
+    zd__status_add(st, "device", "%d", g->device);
+    zd__status_add(st, "gpu", "%s", g->name);
+    zd__status_add(st, "gpu_uuid", "%s", g->uuid_str);
+  }
   if (s.health == ZD__HEALTH_DEGRADED)
     zd__status_add(st, "degraded_reason", "%s", s.degraded_reason);
   zd__session_t *c = d->attached[local];
@@ -155,9 +161,14 @@ zd__status_t *zd__status_collect(zd__daemon_t *d) {
   zd__status_add(st, "pid", "%d", (int)getpid());
   zd__status_add(st, "uptime_s", "%" PRIu64, (zd__now_us() - d->start_us) / 1000000u);
   zd__status_add(st, "socket", "%s", d->socket_path);
-  zd__status_add(st, "backend", "%s", "cpu");
-  zd__status_add(st, "kernel_isa", "%s", zd__isa_name((zd__isa_t)d->isa));
-  zd__status_add(st, "kernel_threads", "%u", zd__pool_size(d->pool));
+  zd__status_add(st, "backend", "%s", zd__backend_name(d->backend));
+  if (d->backend_note[0]) zd__status_add(st, "backend_note", "%s", d->backend_note);
+  if (d->backend == ZD__BACKEND_CPU) {
+    zd__status_add(st, "kernel_isa", "%s", zd__isa_name((zd__isa_t)d->isa));
+    zd__status_add(st, "kernel_threads", "%u", zd__pool_size(d->pool));
+  } else {
+    zd__status_add(st, "state_memory", "%s", "device");
+  }
   zd__status_add(st, "clients_connected", "%u", d->nsessions);
   zd__status_add(st, "clients_total", "%" PRIu64, d->clients_total);
   zd__status_add(st, "clients_denied", "%" PRIu64, d->clients_denied);

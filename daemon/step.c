@@ -1,5 +1,5 @@
 /* Step logic (step.h): model state, register/resume, scatter, step, gather. Runs on a rank's
- * worker thread. */
+ * worker thread; the backend's pieces go through zd__compute_t (compute.h). */
 #include "step.h"
 
 #include <errno.h>
@@ -8,23 +8,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 
 #include "log.h"
 #include "step_decide.h"
-
-/* Below this many elements per task, splitting a kernel over threads costs more than it saves. */
-#define MIN_TASK_ELEMS 32768u
-
-/* The record every rank contributes before an update (the commit point of a step). */
-typedef struct step_record {
-  uint64_t step; /* number of the step about to be applied */
-  uint64_t layout_hash;
-  uint64_t hparam_hash;
-  double sumsq; /* this rank's sum of squared gradients */
-  uint64_t nonfinite;
-} step_record_t;
 
 static uint64_t now_us(void) {
   struct timespec ts;
@@ -72,81 +59,17 @@ static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups) {
   return hash_mix(h, flags, sizeof flags);
 }
 
-/* ---- parallel kernels ---------------------------------------------------------------------- */
-
-typedef struct adam_run {
-  const zd__adam_args_t *args;
-  zd__adam_fn fn;
-  uint64_t n;
-} adam_run_t;
-
-static void adam_task(void *arg, unsigned task, unsigned ntasks) {
-  const adam_run_t *r = arg;
-  uint64_t chunk = (r->n / ntasks + ZD__ALIGN - 1) / ZD__ALIGN * ZD__ALIGN;
-  uint64_t begin = chunk * task, end = begin + chunk < r->n ? begin + chunk : r->n;
-  if (begin < end) r->fn(r->args, begin, end);
-}
-
-static unsigned tasks_for(const zd__step_ctx_t *ctx, uint64_t n) {
-  uint64_t t = n / MIN_TASK_ELEMS;
-  unsigned max = zd__pool_size(ctx->pool);
-  return t < 1 ? 1 : (t > max ? max : (unsigned)t);
-}
-
-typedef struct stats_run {
-  const zd__step_ctx_t *ctx;
-  const void *grad;
-  zd_dtype_t dtype;
-  const zd__segment_t *segs;
-  uint32_t nsegs;
-  uint64_t n;
-  uint64_t nblocks;
-  double *sums;
-  uint64_t nonfinite[64]; /* per task; summed afterwards */
-} stats_run_t;
-
-static void stats_task(void *arg, unsigned task, unsigned ntasks) {
-  stats_run_t *r = arg;
-  uint64_t per = (r->nblocks + ntasks - 1) / ntasks;
-  uint64_t b0 = per * task, b1 = b0 + per < r->nblocks ? b0 + per : r->nblocks;
-  if (b0 < b1)
-    r->ctx->stats(r->grad, r->dtype, r->segs, r->nsegs, r->n, b0, b1, r->sums + b0,
-                  &r->nonfinite[task]);
-}
-
-/* Sum of squares and non-finite count of this rank's reduced gradients of bucket b. */
-static void bucket_stats(const zd__step_ctx_t *ctx, zd__model_t *m, uint32_t b, double *sumsq,
-                         uint64_t *nonfinite) {
-  const zd__bucket_t *bk = &m->layout->buckets[b];
-  stats_run_t r = {.ctx = ctx,
-                   .grad = m->shard_grad[b],
-                   .dtype = m->shard_grad_dtype[b],
-                   .segs = m->segs[b],
-                   .nsegs = m->nsegs[b],
-                   .n = bk->shard_elems,
-                   .nblocks = zd__stats_blocks(bk->shard_elems),
-                   .sums = m->block_sums};
-  unsigned ntasks = tasks_for(ctx, bk->shard_elems);
-  if (ntasks > 64) ntasks = 64;
-  zd__pool_run(ctx->pool, ntasks, stats_task, &r);
-  *sumsq += zd__grad_stats_sum(r.sums, r.nblocks);
-  for (unsigned t = 0; t < ntasks; t++) *nonfinite += r.nonfinite[t];
-}
-
 /* ---- state --------------------------------------------------------------------------------- */
-
-static float *alloc_array(size_t bytes) {
-  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return NULL;
-  madvise(p, bytes, MADV_HUGEPAGE); /* streaming over GBs: fewer TLB misses */
-  return p;
-}
 
 void zd__model_free(zd__model_t *m) {
   if (!m) return;
-  float *arrays[] = {m->master, m->exp_avg, m->exp_avg_sq, m->grad_shard};
-  for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
-    if (arrays[i]) munmap(arrays[i], m->array_bytes);
+  zd__compute_t *c = m->compute;
+  if (c) {
+    c->ops->model_fini(c, m);
+    float *arrays[] = {m->master, m->exp_avg, m->exp_avg_sq, m->grad_shard};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
+      c->ops->release(c, arrays[i], m->array_elems);
+  }
   if (m->segs)
     for (uint32_t b = 0; b < m->layout->nbuckets; b++) free(m->segs[b]);
   free(m->segs);
@@ -154,7 +77,6 @@ void zd__model_free(zd__model_t *m) {
   free(m->scattered);
   free(m->shard_grad);
   free(m->shard_grad_dtype);
-  free(m->block_sums);
   free(m->groups);
   zd__layout_free(m->layout);
   free(m);
@@ -164,6 +86,7 @@ void zd__model_free(zd__model_t *m) {
 static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__model_t **out,
                         zd__err_t *err) {
   const zd__layout_t *l = spec->layout;
+  zd__compute_t *c = ctx->compute;
   zd__model_t *m = calloc(1, sizeof *m);
   if (!m) return zd__errf(err, -ENOMEM, "out of memory");
   m->layout = spec->layout;
@@ -171,25 +94,26 @@ static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__m
   m->ngroups = spec->ngroups;
   spec->layout = NULL;
   spec->groups = NULL;
-  m->array_bytes = (l->shard_elems ? l->shard_elems : 1) * sizeof(float);
-  m->master = alloc_array(m->array_bytes);
-  m->exp_avg = alloc_array(m->array_bytes);
-  m->exp_avg_sq = alloc_array(m->array_bytes);
-  if (ctx->world_size > 1) m->grad_shard = alloc_array(m->array_bytes);
+  m->compute = c;
+  m->array_elems = l->shard_elems ? l->shard_elems : 1;
+  int rc = c->ops->alloc(c, m->array_elems, &m->master, err);
+  if (!rc) rc = c->ops->alloc(c, m->array_elems, &m->exp_avg, err);
+  if (!rc) rc = c->ops->alloc(c, m->array_elems, &m->exp_avg_sq, err);
+  if (!rc && ctx->world_size > 1) rc = c->ops->alloc(c, m->array_elems, &m->grad_shard, err);
+  if (rc) {
+    char cause[ZD__ERR_MSG_MAX];
+    snprintf(cause, sizeof cause, "%s", err ? err->msg : "");
+    zd__model_free(m);
+    return zd__errf(err, rc, "no memory for the state of %" PRIu64 " shard elements (%s): %s",
+                    l->shard_elems, c->name, cause);
+  }
   uint32_t nb = l->nbuckets;
-  uint64_t max_blocks = 0;
-  for (uint32_t b = 0; b < nb; b++)
-    if (zd__stats_blocks(l->buckets[b].shard_elems) > max_blocks)
-      max_blocks = zd__stats_blocks(l->buckets[b].shard_elems);
   m->segs = calloc(nb, sizeof *m->segs);
   m->nsegs = calloc(nb, sizeof *m->nsegs);
   m->scattered = calloc(nb, 1);
   m->shard_grad = calloc(nb, sizeof *m->shard_grad);
   m->shard_grad_dtype = calloc(nb, sizeof *m->shard_grad_dtype);
-  m->block_sums = calloc(max_blocks ? max_blocks : 1, sizeof *m->block_sums);
-  if (!m->master || !m->exp_avg || !m->exp_avg_sq || (ctx->world_size > 1 && !m->grad_shard) ||
-      !m->segs || !m->nsegs || !m->scattered || !m->shard_grad || !m->shard_grad_dtype ||
-      !m->block_sums) {
+  if (!m->segs || !m->nsegs || !m->scattered || !m->shard_grad || !m->shard_grad_dtype) {
     zd__model_free(m);
     return zd__errf(err, -ENOMEM, "out of memory for the state of %" PRIu64 " shard elements",
                     l->shard_elems);
@@ -199,6 +123,11 @@ static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__m
       zd__model_free(m);
       return zd__errf(err, -ENOMEM, "out of memory for segments");
     }
+  }
+  rc = c->ops->model_init(c, m, ctx->world_size, err);
+  if (rc) {
+    zd__model_free(m);
+    return rc;
   }
   *out = m;
   return ZD_OK;
@@ -221,34 +150,23 @@ static void *param_at(const zd__model_t *m, const zd__buffers_t *buf, uint64_t e
   return (char *)buf->params.addr + e * zd_dtype_size(m->param_dtype);
 }
 
-/* Copies between the master shard and the client's param buffer over the covered elements. */
-static void master_exchange(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
-                            int to_client) {
-  const zd__layout_t *l = m->layout;
-  for (uint32_t b = 0; b < l->nbuckets; b++) {
-    const zd__bucket_t *bk = &l->buckets[b];
-    float *master = m->master + bk->shard_base;
-    void *param = param_at(m, buf, bk->offset + (uint64_t)ctx->rank * bk->shard_elems);
-    for (uint32_t s = 0; s < m->nsegs[b]; s++) {
-      const zd__segment_t *sg = &m->segs[b][s];
-      for (uint64_t i = sg->offset; i < sg->offset + sg->length; i++) {
-        if (m->param_dtype == ZD_BF16) {
-          uint16_t *p = param;
-          if (to_client)
-            p[i] = zd__f32_to_bf16(master[i]);
-          else
-            master[i] = zd__bf16_to_f32(p[i]);
-        } else {
-          float *p = param;
-          if (to_client)
-            p[i] = master[i];
-          else
-            master[i] = p[i];
-        }
-      }
-    }
-  }
+/* The edges of a job (compute.h): begin orders the job after the client's work on its buffers;
+ * end waits for everything the job queued, also after a failure (whose error is kept: err keeps
+ * the first failure's message). */
+static int job_begin(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, zd__err_t *err) {
+  return ctx->compute->ops->begin(ctx->compute, buf, err);
 }
+
+static int job_end(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, int rc, zd__err_t *err) {
+  zd__err_t end_err = {0};
+  int end = ctx->compute->ops->finish(ctx->compute, ctx->comm, buf, &end_err);
+  if (rc) return rc;
+  if (end) *err = end_err;
+  return end;
+}
+
+static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                          int32_t bucket, zd__err_t *err);
 
 /* What each rank says about a registration before anything is changed: all ranks must register
  * the same model, and either all resume the same step or all start afresh. */
@@ -372,10 +290,18 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
                         "rank %u holds a different model (%u parameters, layout hash %016" PRIx64
                         ", step %" PRIu64 "): %s; register with replace to discard its state",
                         ctx->rank, m->layout->nparams, m->layout->hash, m->step, diff);
-  /* Every rank takes part even when it refuses, so that all fail together instead of leaving
-   * the others waiting in the collective. */
-  int rc = agree_attach(ctx, &rec, spec->layout, err);
-  if (rc) return rc;
+  /* The client's initial values (or its buffers' last use) come before anything reads or writes
+   * them. */
+  zd__err_t begin_err = {0};
+  int rc = job_begin(ctx, buf, &begin_err);
+  if (rc && !rec.code) {
+    rec.code = rc;
+    *err = begin_err;
+  }
+  /* Every rank takes part even when it refuses, so that all fail together instead of leaving the
+   * others waiting in the collective. */
+  rc = agree_attach(ctx, &rec, spec->layout, err);
+  if (rc) return job_end(ctx, buf, rc, err);
 
   *resumed = same;
   if (same) {
@@ -385,13 +311,13 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
     spec->groups = NULL;
     model_configure(m, spec, 1);
     memset(m->scattered, 0, m->layout->nbuckets);
-    master_exchange(ctx, m, buf, 1);
+    rc = ctx->compute->ops->exchange(ctx->compute, m, buf, ctx->rank, 1, err);
   } else {
     zd__model_t *fresh = NULL;
     rc = model_create(ctx, spec, &fresh, err);
-    if (rc) return rc;
+    if (rc) return job_end(ctx, buf, rc, err);
     model_configure(fresh, spec, 0);
-    master_exchange(ctx, fresh, buf, 0);
+    rc = ctx->compute->ops->exchange(ctx->compute, fresh, buf, ctx->rank, 0, err);
     if (m) ZD_LOG_WARN("replacing model at step %" PRIu64 " (%u parameters)", m->step,
                        m->layout->nparams);
     zd__model_free(m);
@@ -399,13 +325,14 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   }
   /* Every client starts from the same full model: each rank's slice came from (or was written
    * into) its own client's buffer. */
-  return zd__model_gather(ctx, m, buf, -1, err);
+  if (!rc) rc = gather_buckets(ctx, m, buf, -1, err);
+  return job_end(ctx, buf, rc, err);
 }
 
 /* ---- scatter, step, gather ----------------------------------------------------------------- */
 
-int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
-                      int32_t bucket, zd__err_t *err) {
+static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                           int32_t bucket, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   uint32_t b0 = bucket < 0 ? 0 : (uint32_t)bucket, b1 = bucket < 0 ? l->nbuckets : b0 + 1;
   size_t gsize = zd_dtype_size(m->grad_dtype);
@@ -422,8 +349,8 @@ int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffe
   return ZD_OK;
 }
 
-int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
-                     int32_t bucket, zd__err_t *err) {
+static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                          int32_t bucket, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   uint32_t b0 = bucket < 0 ? 0 : (uint32_t)bucket, b1 = bucket < 0 ? l->nbuckets : b0 + 1;
   for (uint32_t b = b0; b < b1; b++) {
@@ -435,40 +362,63 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffer
   return ZD_OK;
 }
 
-/* Exchanges step records and checks that every rank is about to apply the same step of the same
- * model with the same hyperparameters; sums the statistics in rank order. */
-static int agree(const zd__step_ctx_t *ctx, const step_record_t *mine, double *sumsq,
-                 uint64_t *nonfinite, zd__err_t *err) {
-  uint32_t w = ctx->world_size;
-  step_record_t stack[8], *all = w <= 8 ? stack : calloc(w, sizeof *all);
-  if (!all) return zd__errf(err, -ENOMEM, "out of memory");
-  int rc = ctx->comm->ops->allgather_bytes(ctx->comm, mine, sizeof *mine, all, err);
-  if (rc) goto exit;
+int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                      int32_t bucket, zd__err_t *err) {
+  int rc = job_begin(ctx, buf, err);
+  if (!rc) rc = scatter_buckets(ctx, m, buf, bucket, err);
+  return job_end(ctx, buf, rc, err);
+}
+
+int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                     int32_t bucket, zd__err_t *err) {
+  int rc = job_begin(ctx, buf, err);
+  if (!rc) rc = gather_buckets(ctx, m, buf, bucket, err);
+  return job_end(ctx, buf, rc, err);
+}
+
+/* Checks the records of every rank (all) against this rank's: every rank must be about to apply
+ * the same step of the same model with the same hyperparameters. Sums the statistics in rank
+ * order. */
+static int agree(const zd__step_ctx_t *ctx, const zd__step_record_t *mine,
+                 const zd__step_record_t *all, double *sumsq, uint64_t *nonfinite,
+                 zd__err_t *err) {
   *sumsq = 0;
   *nonfinite = 0;
-  for (uint32_t r = 0; r < w; r++) {
-    if (all[r].layout_hash != mine->layout_hash) {
-      rc = zd__errf(err, ZD_ELAYOUT, "rank %u has layout hash %016" PRIx64 ", this rank %u has %016"
-                    PRIx64, r, all[r].layout_hash, ctx->rank, mine->layout_hash);
-      goto exit;
-    }
-    if (all[r].step != mine->step) {
-      rc = zd__errf(err, ZD_ESTEP, "rank %u is at step %" PRIu64 ", rank %u at step %" PRIu64
-                    "; every rank must step together (step not applied)", r, all[r].step - 1,
-                    ctx->rank, mine->step - 1);
-      goto exit;
-    }
-    if (all[r].hparam_hash != mine->hparam_hash) {
-      rc = zd__errf(err, ZD_EHPARAM, "rank %u steps with other hyperparameters than rank %u "
-                    "(hash %016" PRIx64 " vs %016" PRIx64 "); every rank must use the same "
-                    "groups, clipping and loss scaling (step not applied)", r, ctx->rank,
-                    all[r].hparam_hash, mine->hparam_hash);
-      goto exit;
-    }
+  for (uint32_t r = 0; r < ctx->world_size; r++) {
+    if (all[r].layout_hash != mine->layout_hash)
+      return zd__errf(err, ZD_ELAYOUT, "rank %u has layout hash %016" PRIx64 ", this rank %u has "
+                      "%016" PRIx64, r, all[r].layout_hash, ctx->rank, mine->layout_hash);
+    if (all[r].step != mine->step)
+      return zd__errf(err, ZD_ESTEP, "rank %u is at step %" PRIu64 ", rank %u at step %" PRIu64
+                      "; every rank must step together (step not applied)", r, all[r].step - 1,
+                      ctx->rank, mine->step - 1);
+    if (all[r].hparam_hash != mine->hparam_hash)
+      return zd__errf(err, ZD_EHPARAM, "rank %u steps with other hyperparameters than rank %u "
+                      "(hash %016" PRIx64 " vs %016" PRIx64 "); every rank must use the same "
+                      "groups, clipping and loss scaling (step not applied)", r, ctx->rank,
+                      all[r].hparam_hash, mine->hparam_hash);
     *sumsq += all[r].sumsq;
     *nonfinite += all[r].nonfinite;
   }
-exit:
+  return ZD_OK;
+}
+
+/* Statistics, the records' exchange and their check: everything before the commit point. */
+static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_group_t *groups,
+                        int need_stats, double *sumsq, uint64_t *nonfinite, zd__err_t *err) {
+  const zd__layout_t *l = m->layout;
+  zd__compute_t *c = ctx->compute;
+  zd__step_record_t rec = {.step = m->step + 1, .layout_hash = l->hash,
+                           .hparam_hash = hparam_hash(m, groups)};
+  int rc = ZD_OK;
+  for (uint32_t b = 0; need_stats && b < l->nbuckets && !rc; b++)
+    rc = c->ops->grad_stats(c, m, b, b == 0, &rec, err);
+  if (rc) return rc;
+  uint32_t w = ctx->world_size;
+  zd__step_record_t stack[8], *all = w <= 8 ? stack : calloc(w, sizeof *all);
+  if (!all) return zd__errf(err, -ENOMEM, "out of memory");
+  rc = c->ops->gather_records(c, ctx->comm, m, &rec, need_stats, all, err);
+  if (!rc) rc = agree(ctx, &rec, all, sumsq, nonfinite, err);
   if (all != stack) free(all);
   return rc;
 }
@@ -478,27 +428,22 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
                    zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   uint64_t t0 = now_us();
-  int rc;
-  if (scatter) {
-    rc = zd__model_scatter(ctx, m, buf, -1, err);
-    if (rc) return rc;
-  }
-  for (uint32_t b = 0; b < l->nbuckets; b++)
-    if (!m->scattered[b])
-      return zd__errf(err, ZD_EORDER, "bucket %u was not scattered since step %" PRIu64
-                      "; scatter every bucket or step with scatter", b, m->step);
+  if (!scatter)
+    for (uint32_t b = 0; b < l->nbuckets; b++)
+      if (!m->scattered[b])
+        return zd__errf(err, ZD_EORDER, "bucket %u was not scattered since step %" PRIu64
+                        "; scatter every bucket or step with scatter", b, m->step);
+  int rc = job_begin(ctx, buf, err);
+  if (!rc && scatter) rc = scatter_buckets(ctx, m, buf, -1, err);
+  if (rc) return job_end(ctx, buf, rc, err);
   /* The step's hyperparameters become the model's only once every rank has agreed to them. */
   if (!groups) groups = m->groups;
 
   int need_stats = ctx->world_size > 1 || m->max_grad_norm > 0 || m->scaler.enabled;
-  step_record_t rec = {.step = m->step + 1, .layout_hash = l->hash,
-                       .hparam_hash = hparam_hash(m, groups)};
-  if (need_stats)
-    for (uint32_t b = 0; b < l->nbuckets; b++) bucket_stats(ctx, m, b, &rec.sumsq, &rec.nonfinite);
   double sumsq = 0;
   uint64_t nonfinite = 0;
-  rc = agree(ctx, &rec, &sumsq, &nonfinite, err);
-  if (rc) return rc;
+  rc = commit_point(ctx, m, groups, need_stats, &sumsq, &nonfinite, err);
+  if (rc) return job_end(ctx, buf, rc, err);
 
   /* Committed: every rank takes the same decision from the same global statistics (the same
    * function as the CUDA backend's decide kernel). */
@@ -519,42 +464,30 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (dec.skip) {
     m->scaler = st.scaler;
     m->steps_skipped = st.steps_skipped;
+    rc = job_end(ctx, buf, ZD_OK, err); /* skipped: parameters unchanged, nothing to gather */
     out->duration_us = now_us() - t0;
-    return ZD_OK; /* skipped: parameters unchanged, nothing to gather */
+    return rc;
   }
   zd__adam_group_t consts[m->ngroups];
   for (uint32_t g = 0; g < m->ngroups; g++)
     zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
-  for (uint32_t b = 0; b < l->nbuckets; b++) {
-    const zd__bucket_t *bk = &l->buckets[b];
-    zd__adam_args_t args = {
-        .master = m->master + bk->shard_base,
-        .exp_avg = m->exp_avg + bk->shard_base,
-        .exp_avg_sq = m->exp_avg_sq + bk->shard_base,
-        .grad = m->shard_grad[b],
-        .grad_dtype = m->shard_grad_dtype[b],
-        .param = param_at(m, buf, bk->offset + (uint64_t)ctx->rank * bk->shard_elems),
-        .param_dtype = m->param_dtype,
-        .grad_scale = dec.grad_scale,
-        .segs = m->segs[b],
-        .nsegs = m->nsegs[b],
-        .groups = consts,
-    };
-    adam_run_t run = {.args = &args, .fn = ctx->adam, .n = bk->shard_elems};
-    zd__pool_run(ctx->pool, tasks_for(ctx, bk->shard_elems), adam_task, &run);
+  for (uint32_t b = 0; b < l->nbuckets && !rc; b++)
+    rc = ctx->compute->ops->update(ctx->compute, m, b, buf, ctx->rank, consts, dec.grad_scale,
+                                   err);
+  if (rc) { /* only the device fails here, and its rank is then degraded (rank.c) */
+    ZD_LOG_ERROR("step %" PRIu64 ": the update could not be queued: %s", dec.step, err->msg);
+    return job_end(ctx, buf, rc, err);
   }
   m->step = st.step;
   m->scaler = st.scaler;
-  if (gather) {
-    rc = zd__model_gather(ctx, m, buf, -1, err);
-    if (rc) {
-      char cause[ZD__ERR_MSG_MAX];
-      snprintf(cause, sizeof cause, "%s", err->msg);
-      out->duration_us = now_us() - t0;
-      return zd__errf(err, rc, "step %" PRIu64 " was applied, but the gather failed: %s", m->step,
-                      cause);
-    }
-  }
+  if (gather) rc = gather_buckets(ctx, m, buf, -1, err);
+  rc = job_end(ctx, buf, rc, err);
   out->duration_us = now_us() - t0;
+  if (rc) {
+    char cause[ZD__ERR_MSG_MAX];
+    snprintf(cause, sizeof cause, "%s", err->msg);
+    return zd__errf(err, rc, "step %" PRIu64 " was applied, but %s failed: %s", m->step,
+                    gather ? "the gather" : "completing it", cause);
+  }
   return ZD_OK;
 }

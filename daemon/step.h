@@ -8,9 +8,11 @@
  *   gather   all-gather the updated parameters of a bucket into the client's buffer
  *
  * Everything runs on the rank's worker thread and is the same for every backend and world size:
- * communication goes through zd__comm_t. A step is atomic: until every rank has agreed on the
- * statistics (the commit point), a failure leaves master, moments and step counter unchanged on
- * every rank.
+ * communication goes through zd__comm_t, state and kernels through zd__compute_t (compute.h). A
+ * step is atomic: until every rank has agreed on the statistics (the commit point), a failure
+ * leaves master, moments and step counter unchanged on every rank. Each public operation below
+ * is one job: it starts with the backend's begin and ends with its finish, so that when it
+ * returns nothing it queued is still running (the session may then release the buffers).
  */
 #ifndef ZD_DAEMON_STEP_H
 #define ZD_DAEMON_STEP_H
@@ -19,7 +21,7 @@
 
 #include "adam.h"
 #include "comm.h"
-#include "pool.h"
+#include "compute.h"
 #include "rank.h"
 
 typedef struct zd__model {
@@ -33,17 +35,18 @@ typedef struct zd__model {
   zd__scaler_t scaler;
   uint64_t step; /* steps applied */
   uint64_t steps_skipped;
-  float *master;
+  zd__compute_t *compute; /* the backend that owns the arrays below */
+  float *master;          /* in the backend's memory (host, or device with CUDA) */
   float *exp_avg;
   float *exp_avg_sq;
   float *grad_shard; /* world size > 1: reduced gradients of the whole shard */
-  size_t array_bytes; /* mapping size of each array above */
-  zd__segment_t **segs; /* per bucket: this rank's segments */
+  uint64_t array_elems; /* elements of each array above */
+  zd__segment_t **segs; /* per bucket: this rank's segments (host memory) */
   uint32_t *nsegs;
   uint8_t *scattered;          /* per bucket: reduced since the last step */
   const void **shard_grad;     /* per bucket: where the reduced gradients are */
   zd_dtype_t *shard_grad_dtype;
-  double *block_sums;          /* scratch for gradient statistics */
+  void *cdata; /* the backend's per-model data (model_init/model_fini) */
 } zd__model_t;
 
 /* What the step logic needs from its rank. */
@@ -51,9 +54,7 @@ typedef struct zd__step_ctx {
   uint32_t rank;
   uint32_t world_size;
   zd__comm_t *comm;
-  zd__pool_t *pool;
-  zd__adam_fn adam;
-  zd__stats_fn stats;
+  zd__compute_t *compute;
 } zd__step_ctx_t;
 
 /* Checks one group's hyperparameters: all finite, lr >= 0, eps > 0, 0 <= betas < 1,

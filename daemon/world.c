@@ -71,8 +71,44 @@ static int world_id(const zd__kv_t *kv, uint32_t rank, char *id, size_t idlen, z
   return ZD_OK;
 }
 
-int zd__world_connect(const zd__world_t *w, uint32_t rank, atomic_int *stop, zd__comm_t **out,
-                      zd__err_t *err) {
+#ifdef ZD_HAVE_CUDA
+#define NCCL_ID_BYTES 128 /* sizeof(ncclUniqueId) */
+
+/* Rank 0 creates the NCCL unique id and publishes it under the world id; the others read it. */
+static int nccl_connect(const zd__world_t *w, const zd__kv_t *kv, const char *world, uint32_t rank,
+                        int device, void *stream, atomic_int *stop, zd__comm_t **out,
+                        zd__err_t *err) {
+  char key[96], id[NCCL_ID_BYTES];
+  snprintf(key, sizeof key, "nccl/%s/id", world);
+  int rc;
+  if (rank == 0) {
+    if ((rc = zd__comm_nccl_unique_id(id, sizeof id, err)) ||
+        (rc = kv->set(kv->ctx, key, id, sizeof id, err)))
+      return rc;
+  } else {
+    void *value = NULL;
+    size_t len = 0;
+    if ((rc = kv->get(kv->ctx, key, &value, &len, 0, err))) return rc;
+    if (len != sizeof id) {
+      free(value);
+      return zd__errf(err, ZD_EPEER, "the NCCL unique id under %s is %zu bytes; expected %zu",
+                      key, len, sizeof id);
+    }
+    memcpy(id, value, sizeof id);
+    free(value);
+  }
+  return zd__comm_nccl_create(id, rank, w->world_size, device, stream, w->connect_timeout_ms,
+                              w->collective_timeout_ms, stop, out, err);
+}
+#endif
+
+int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
+                      atomic_int *stop, zd__comm_t **out, zd__err_t *err) {
+#ifndef ZD_HAVE_CUDA
+  (void)stream;
+  if (device >= 0)
+    return zd__errf(err, ZD_EBACKEND, "GPU %d: this zerod was built without CUDA", device);
+#endif
   kv_ctx_t k = {.stop = stop, .timeout_ms = w->connect_timeout_ms};
   int rc = zd__rdv_open(w->rendezvous_address, &k.rdv, err);
   if (rc) return rc;
@@ -86,6 +122,15 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, atomic_int *stop, zd_
       (rc = zd__rdv_register_node(k.rdv, w->first_rank, w->local_ranks, w->control_address,
                                   SLICE_MS * 10, err)))
     goto exit;
+#ifdef ZD_HAVE_CUDA
+  if (device >= 0) {
+    rc = nccl_connect(w, &kv, id, rank, device, stream, stop, out, err);
+    if (rc == ZD_OK)
+      ZD_LOG_INFO("joined world %s as rank %u of %u (NCCL on GPU %d)", id, rank, w->world_size,
+                  device);
+    goto exit;
+  }
+#endif
   snprintf(prefix, sizeof prefix, "gloo/%s/", id);
   zd__gloo_opts_t opts = {.kv = &kv,
                           .prefix = prefix,

@@ -4,8 +4,10 @@
  * node that hosts global rank 0 (rendezvous.h): rank 0 publishes a fresh world id (every
  * collective key of this world instance is prefixed by it, so a restarted world never reads a
  * dead one's keys); each node's local rank 0 registers the node (its control address and ranks)
- * for `zeroctl status --world`; then every rank builds its Gloo communicator (comm_gloo.c), whose
- * full-mesh connection goes through the same store. Waiting for peers is bounded by
+ * for `zeroctl status --world`; then every rank builds its communicator: with the CPU backend a
+ * Gloo one (comm_gloo.c), whose full-mesh connection goes through the same store; with the CUDA
+ * backend an NCCL one (comm_nccl.c), whose unique id rank 0 creates and publishes under the world
+ * id (key nccl/<world id>/id) for the others to read. Waiting for peers is bounded by
  * connect_timeout_ms and can be cancelled (shutdown) through *stop.
  */
 #ifndef ZD_DAEMON_WORLD_H
@@ -28,9 +30,12 @@ typedef struct zd__world {
   int connect_timeout_ms;
 } zd__world_t;
 
-/* Joins global rank `rank` to the world and returns its communicator. Errors: -ETIMEDOUT
- * (peers did not join within connect_timeout_ms), -ECANCELED (*stop was set), ZD_EPEER. */
-int zd__world_connect(const zd__world_t *w, uint32_t rank, atomic_int *stop, zd__comm_t **out,
-                      zd__err_t *err);
+/* Joins global rank `rank` to the world and returns its communicator: Gloo over host memory when
+ * device is -1, else NCCL on that CUDA device (the calling thread's current one) queuing its
+ * operations on `stream` (a cudaStream_t). Errors: -ETIMEDOUT (peers did not join within
+ * connect_timeout_ms), -ECANCELED (*stop was set), ZD_EPEER, ZD_EBACKEND (a CUDA device in a build
+ * without CUDA). */
+int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
+                      atomic_int *stop, zd__comm_t **out, zd__err_t *err);
 
 #endif /* ZD_DAEMON_WORLD_H */

@@ -12,8 +12,6 @@ Run from the repository root after a build (ninja -C build):
     /usr/bin/python3 examples/train_torch.py [--world-size N] [--steps N]
 
 The zerod binary and libzerod come from ./build unless ZEROD_BIN / ZEROD_LIBRARY say otherwise.
-World size 2 needs zerod's multi-rank backend; without it, and when --world-size was not given,
-the script says so and trains one rank.
 """
 
 from __future__ import annotations
@@ -171,24 +169,10 @@ def collect(procs: List[Any], queue: Any) -> Dict[int, Dict[str, Any]]:
     return results
 
 
-def start_world(world: int, explicit: bool) -> Tuple[zerod.testing.LocalWorld, int]:
-    args = ["--bucket_elems", "16384"]  # a few buckets, so that scatter overlaps backward
-    try:
-        return zerod.testing.LocalWorld(world, args=args, log_level="info"), world
-    except zerod.testing.ZerodProcessError as e:
-        if world > 1 and not explicit and "multi-rank" in str(e):
-            why = str(e).split("ERROR ", 1)[-1]
-            print(f"note: zerod cannot run a world of {world} ranks in this build ({why}); "
-                  f"training with 1 rank instead", flush=True)
-            return zerod.testing.LocalWorld(1, args=args, log_level="info"), 1
-        raise
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=None,
-                    help="ranks, one trainer process each (default 2; 1 if zerod has no "
-                         "multi-rank backend)")
+    ap.add_argument("--world-size", type=int, default=2,
+                    help="ranks, one trainer process each (default 2)")
     ap.add_argument("--steps", type=int, default=300)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -198,7 +182,10 @@ def main() -> int:
             print(f"{what} not found at {path}: build first (ninja -C build), or set "
                   f"{'ZEROD_BIN' if what == 'zerod' else 'ZEROD_LIBRARY'}", file=sys.stderr)
             return 2
-    world_procs, world = start_world(a.world_size or 2, a.world_size is not None)
+    world = a.world_size
+    # a few buckets, so that the scatter of one overlaps the backward of the next
+    world_procs = zerod.testing.LocalWorld(world, args=["--bucket_elems", "16384"],
+                                           log_level="info")
     print(f"zerod: {world} rank(s), {zerod.library_path()}", flush=True)
     t0 = time.monotonic()
     with world_procs as w:

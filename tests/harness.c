@@ -83,6 +83,10 @@ void zdt_start(zdt_daemon_t *d, const char *const *extra) {
       dup2(fd, 1);
       close(fd);
     }
+    /* The suites that use host buffers need the CPU backend, also on a machine with a GPU, where
+     * backend auto would pick CUDA (which takes device buffers only). Tests of the CUDA backend
+     * pass --backend, which wins over the environment; a caller may set ZEROD_BACKEND itself. */
+    setenv("ZEROD_BACKEND", "cpu", 0);
     execv(bin, (char *const *)argv);
     fprintf(stderr, "exec %s: %s\n", bin, strerror(errno));
     _exit(127);

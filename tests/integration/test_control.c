@@ -407,9 +407,12 @@ static void test_rendezvous(const zdt_daemon_t *d) {
   CHECK_INT_EQ(len, 2);
   CHECK(memcmp(value, "v1", 2) == 0);
   free(value);
-  CHECK_MSG(zd__rdv_set(rdv, "k1", "", 0, CALL_MS, &err) == ZD_OK, "%s", err.msg); /* overwrite */
+  /* Keys are written once: the same value again is a retry, another value is refused. */
+  CHECK_MSG(zd__rdv_set(rdv, "k1", "v1", 2, CALL_MS, &err) == ZD_OK, "%s", err.msg);
+  CHECK_INT_EQ(zd__rdv_set(rdv, "k1", "v2", 2, CALL_MS, &err), -EEXIST);
+  CHECK_CONTAINS(err.msg, "'k1' is already set to another value");
   CHECK_MSG(zd__rdv_get(rdv, "k1", &value, &len, CALL_MS, &err) == ZD_OK, "%s", err.msg);
-  CHECK_INT_EQ(len, 0);
+  CHECK(len == 2 && memcmp(value, "v1", 2) == 0);
   free(value);
 
   /* A wait satisfied by a set from another thread (another channel) 300 ms later. */

@@ -1,12 +1,16 @@
 /* libzerod: the C client library of zerod.
  *
  * A training process ("client") attaches to one rank of a zerod daemon over its Unix socket,
- * registers its model's parameter list, and receives two flat shared-memory buffers laid out by
- * zerod's layout rule: one for the working parameters (fp32 or bf16) and one for the gradients
- * (fp32, bf16 or fp16). Each step the client writes gradients into the grad buffer and calls
- * zd_step(); zerod reduce-scatters them over all ranks, runs AdamW (or Adam) on its fp32 master
- * shard, and all-gathers the updated parameters back into the param buffer. Nothing bulky crosses
- * the socket.
+ * registers its model's parameter list, and receives two flat shared buffers laid out by zerod's
+ * layout rule: one for the working parameters (fp32 or bf16) and one for the gradients (fp32,
+ * bf16 or fp16). Each step the client writes gradients into the grad buffer and calls zd_step();
+ * zerod reduce-scatters them over all ranks, runs AdamW (or Adam) on its fp32 master shard, and
+ * all-gathers the updated parameters back into the param buffer. Nothing bulky crosses the socket.
+ *
+ * The buffers are host shared memory for a zerod running its CPU backend, or device memory on
+ * the rank's GPU, shared with zerod through CUDA IPC, for one running its CUDA backend
+ * (zd_model_desc_t.memory). The API is the same; with device buffers the library also orders the
+ * trainer's CUDA stream and zerod's without any host synchronisation (zd_set_stream()).
  *
  * Threading: a zd_client_t is not thread-safe; use it from one thread at a time. Different
  * clients are independent. All calls block unless they say otherwise.
@@ -83,6 +87,13 @@ typedef struct zd_loss_scaler {
   double min_scale;       /* e.g. 1 */
 } zd_loss_scaler_t;
 
+/* Where the shared buffers live. */
+typedef enum zd_memory {
+  ZD_MEMORY_HOST = 0, /* host shared memory (sealed memfds): for zerod's CPU backend */
+  ZD_MEMORY_CUDA = 1  /* device memory on the rank's GPU, shared through CUDA IPC: for zerod's
+                         CUDA backend */
+} zd_memory_t;
+
 /* Register flags. */
 #define ZD_REGISTER_REPLACE 0x1u /* start afresh: discard any state zerod holds on this rank, for
                                     this model or another (at world size > 1: on every rank) */
@@ -98,6 +109,9 @@ typedef struct zd_model_desc {
   int grad_mean;          /* 1: gradients are averaged over ranks; 0: summed */
   zd_loss_scaler_t loss_scaler;
   unsigned flags; /* ZD_REGISTER_* */
+  zd_memory_t memory; /* ZD_MEMORY_HOST (0, the default) or ZD_MEMORY_CUDA */
+  int device;         /* ZD_MEMORY_CUDA: this process's CUDA ordinal of the GPU the buffers go on;
+                         it must be the GPU of the client's local rank (zd_cuda_device()) */
 } zd_model_desc_t;
 
 typedef struct zd_client zd_client_t;
@@ -173,22 +187,32 @@ ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms
                          zd_client_t **out);
 
 /* Registers the model, in two calls so that the caller can place its initial values:
- *   zd_layout(c, desc)  computes the layout and creates zeroed buffers (zd_param_buffer());
+ *   zd_layout(c, desc)  computes the layout and creates zeroed buffers (zd_param_buffer()): host
+ *                       shared memory, or with desc->memory ZD_MEMORY_CUDA device memory
+ *                       (cudaMalloc on desc->device, sizes rounded up to 2 MiB so that no other
+ *                       allocation shares their IPC-exported block) and the two IPC events;
  *   zd_register(c)      sends them to zerod, which takes the buffer's contents as the initial
  *                       weights of a new model, or overwrites them with its master weights when it
  *                       already holds this model (reattach: same layout hash; info.resumed = 1).
  * At world size > 1 zd_register() is collective: it returns when every rank has registered the
  * same layout, and the param buffer then holds the full model.
+ * With device buffers, initial values written by kernels or copies on the client's stream
+ * (zd_set_stream()) before zd_register() are seen by zerod; the param buffer's contents after
+ * zd_register() are ordered before the stream's later work.
  * Errors: ZD_EDTYPE, ZD_EGROUP, ZD_EHPARAM, -EINVAL (bad description), ZD_ELAYOUT (zerod holds a
  * different model on this rank; pass ZD_REGISTER_REPLACE to discard it, or ranks disagree),
- * ZD_EBUFFER, -ENOMEM. */
+ * ZD_EBUFFER (also: device buffers on another GPU than the rank's), ZD_EBACKEND (device buffers
+ * and a zerod running its CPU backend, host buffers and one running its CUDA backend, a libzerod
+ * built without CUDA, or CUDA unusable in this process: the message says why), -ENOMEM. */
 ZD_EXPORT int zd_layout(zd_client_t *client, const zd_model_desc_t *desc);
 ZD_EXPORT int zd_register(zd_client_t *client);
 
-/* The shared buffers (valid after zd_layout() until zd_close()); bytes receives their size. The
- * caller writes gradients into the grad buffer before zd_scatter()/zd_step() and reads
- * parameters from the param buffer after zd_gather()/zd_step(). Padding elements between
- * parameters must stay zero. */
+/* The shared buffers (valid after zd_layout() until zd_close()); bytes receives their size (the
+ * layout's bytes). The caller writes gradients into the grad buffer before zd_scatter()/zd_step()
+ * and reads parameters from the param buffer after zd_gather()/zd_step(). Padding elements
+ * between parameters must stay zero. With ZD_MEMORY_CUDA these are device pointers on the
+ * buffers' GPU: write and read them with kernels or copies on the stream given to
+ * zd_set_stream() (or, without one, the legacy default stream of that GPU). */
 ZD_EXPORT void *zd_param_buffer(zd_client_t *client, size_t *bytes);
 ZD_EXPORT void *zd_grad_buffer(zd_client_t *client, size_t *bytes);
 
@@ -196,6 +220,25 @@ ZD_EXPORT void *zd_grad_buffer(zd_client_t *client, size_t *bytes);
 ZD_EXPORT int zd_param_info(const zd_client_t *client, size_t index, zd_param_info_t *out);
 ZD_EXPORT int zd_bucket_info(const zd_client_t *client, size_t index, zd_bucket_info_t *out);
 ZD_EXPORT int zd_get_info(const zd_client_t *client, zd_info_t *out);
+
+/* Device buffers only: the CUDA stream (a cudaStream_t of the buffers' GPU) on which the trainer
+ * writes gradients and reads parameters. Before each register, scatter, step or gather request the
+ * library records an IPC event ("grads ready") on it, on which zerod's stream waits before it
+ * touches the buffers; when the request's reply has arrived, it makes the stream wait on the
+ * event zerod recorded after the request's work ("params ready"). Work queued on the stream
+ * before a request is thus seen by zerod, and work queued after the reply sees zerod's results,
+ * with no host synchronisation. NULL (the default) is the legacy default stream of the buffers'
+ * GPU. Set it before the requests it should order; it may change between requests (the stream
+ * of a request's reply is the one current when zd_wait() returns it). Errors: -EINVAL (no
+ * client), ZD_EORDER (no device buffers: call zd_layout() with ZD_MEMORY_CUDA first). */
+ZD_EXPORT int zd_set_stream(zd_client_t *client, void *cuda_stream);
+
+/* The CUDA ordinal, in this process, of the GPU of the client's local rank (zerod's CUDA backend
+ * names it by UUID in its hello; ordinals differ between processes when CUDA_VISIBLE_DEVICES
+ * does). Valid after zd_connect(). Errors: ZD_EBACKEND (zerod runs its CPU backend, libzerod was
+ * built without CUDA, or CUDA is unusable here), -ENODEV (this process does not see that GPU;
+ * the message gives its UUID). */
+ZD_EXPORT int zd_cuda_device(const zd_client_t *client, int *device);
 
 /* One optimizer step: scatter + step + gather unless opts->flags says otherwise. result may be
  * NULL. At world size > 1 every rank must call it; the call returns when this rank's part is
@@ -224,8 +267,9 @@ ZD_EXPORT int zd_wait(zd_client_t *client, zd_request_t req, zd_step_result_t *r
  * names). *text is allocated; release it with free(). */
 ZD_EXPORT int zd_status(zd_client_t *client, char **text);
 
-/* Says bye and closes the connection; zerod keeps the rank's state for a later client. Unmaps the
- * buffers. Accepts NULL. */
+/* Says bye and closes the connection; zerod keeps the rank's state for a later client. Unmaps (or,
+ * device buffers, frees) the buffers: zerod closed its handles before answering the bye. Work on
+ * the trainer's stream that still uses device buffers must be complete. Accepts NULL. */
 ZD_EXPORT void zd_close(zd_client_t *client);
 
 /* Message of the last failing call on this thread ("" if none). Valid until the next call. */

@@ -106,6 +106,8 @@ class zd_model_desc_t(ctypes.Structure):
         ("grad_mean", ctypes.c_int),
         ("loss_scaler", zd_loss_scaler_t),
         ("flags", ctypes.c_uint),
+        ("memory", ctypes.c_int),  # zd_memory_t: 0 host buffers (this package's only kind)
+        ("device", ctypes.c_int),  # CUDA device with memory 1
     ]
 
 

@@ -272,7 +272,7 @@ class Request:
     """A pipelined request (scatter_start, gather_start, step_start). Wait for it exactly once,
     with `wait()` or `Client.wait()`; requests run in the order they were sent."""
 
-    __slots__ = ("_client", "id", "kind", "_done", "_result")
+    __slots__ = ("_client", "id", "kind", "_done", "_result", "_error")
 
     def __init__(self, client: "Client", req_id: int, kind: str) -> None:
         self._client = client
@@ -280,6 +280,7 @@ class Request:
         self.kind = kind  # "scatter", "gather" or "step"
         self._done = False
         self._result: Optional[StepResult] = None
+        self._error: Optional[BaseException] = None
 
     @property
     def done(self) -> bool:
@@ -357,7 +358,7 @@ class Client:
         self._lib = _lib.lib()
         self._lock = threading.RLock()
         self._handle: Optional[int] = None
-        self._views: List[memoryview] = []
+        self._views: Dict[Tuple[str, bool], memoryview] = {}  # one view per buffer and kind
         self._params: List[Param] = []
         self._param_dtype = DType.F32
         self._grad_dtype = DType.F32
@@ -397,12 +398,7 @@ class Client:
         with self._lock:
             if self._handle is None:
                 return
-            for mv in self._views:
-                try:
-                    mv.release()
-                except BufferError:
-                    pass  # something still exports it; the mapping goes away regardless
-            self._views.clear()
+            self._release_views()
             handle, self._handle = self._handle, None
             self._lib.zd_close(handle)
 
@@ -491,13 +487,7 @@ class Client:
         desc.flags = ZD_REGISTER_REPLACE if replace else 0
         with self._lock:
             h = self._h()
-            if self._views:  # zd_layout() remaps the buffers: the old views would dangle
-                for mv in self._views:
-                    try:
-                        mv.release()
-                    except BufferError:
-                        pass
-                self._views.clear()
+            self._release_views()  # zd_layout() remaps the buffers: the old views would dangle
             _check(self._lib.zd_layout(h, ctypes.byref(desc)), "zd_layout")
             self._params = specs
             self._param_dtype, self._grad_dtype = pdt, gdt
@@ -557,13 +547,24 @@ class Client:
         return _shared_array(*self._buffer("grad"), self)
 
     def _view(self, which: str, typed: bool) -> memoryview:
+        mv = self._views.get((which, typed))
+        if mv is not None:
+            return mv
         arr = self.param_array() if which == "param" else self.grad_array()
         mv = memoryview(arr).cast("B")
         if typed:
             dt = self._param_dtype if which == "param" else self._grad_dtype
             mv = mv.cast(DType.FORMATS[dt])
-        self._views.append(mv)
+        self._views[(which, typed)] = mv
         return mv
+
+    def _release_views(self) -> None:
+        for mv in self._views.values():
+            try:
+                mv.release()
+            except BufferError:
+                pass  # something still exports it; the mapping goes away regardless
+        self._views.clear()
 
     @property
     def param_buffer(self) -> memoryview:
@@ -700,13 +701,16 @@ class Client:
         if request._client is not self:
             raise ValueError("the request belongs to another client")
         if request._done:
+            if request._error is not None:
+                raise request._error
             return request._result
         res = _lib.zd_step_result_t()
         with self._lock:
             rc = self._lib.zd_wait(self._h(), request.id, ctypes.byref(res))
             request._done = True
             if rc != 0:
-                raise _error(rc, f"zd_wait({request.kind})")
+                request._error = _error(rc, f"zd_wait({request.kind})")
+                raise request._error
         if request.kind == "step":
             request._result = StepResult._from_c(res)
         return request._result

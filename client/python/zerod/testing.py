@@ -103,6 +103,10 @@ class LocalZerod:
         if not any(a.lstrip("-").replace("-", "_").startswith("control_address")
                    for a in self.args):
             base += ["--control_address", self.control_address]
+        # This package registers host buffers, which need zerod's CPU backend; on a machine with
+        # GPUs, backend auto would pick the CUDA backend (device buffers only).
+        if not any(a.lstrip("-").replace("-", "_").startswith("backend") for a in self.args):
+            base += ["--backend", "cpu"]
         return base + self.args
 
     def start(self) -> "LocalZerod":

@@ -436,11 +436,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._check_all_groups()
             groups = [Group.coerce(g) for g in self.param_groups]
         try:
-            if not self._overlap or not any(self._scattered):
-                # Nothing scattered by hooks (overlap off, or no backward ran): one request.
+            if not self._overlap:
+                # No hooks: one request whose scatter zerod runs (in descending bucket order,
+                # like the hooks, so ranks configured differently still match).
                 self._inflight.append(self.client.step_start(groups))
             else:
-                for b in reversed(range(self._nbuckets)):  # the hooks' order
+                # Whatever the hooks did not send, in their order: every rank's sequence of
+                # scatters is then n-1, ..., 0, even where a bucket never completed on one rank
+                # (a parameter unused by its batch).
+                for b in reversed(range(self._nbuckets)):
                     if not self._scattered[b]:
                         self._start_scatter(b)
                 self._inflight.append(self.client.step_start(groups, scatter=False))

@@ -1,0 +1,123 @@
+/* Compute backends: where a rank's optimizer state lives and what runs the kernels on it, behind
+ * one small vtable so that the step logic (step.c) is ONE code path for every backend.
+ *
+ * step.c decides the order of operations, builds the step record, takes the decision and keeps
+ * the step atomic; a backend only provides the pieces:
+ *
+ *   alloc / release   zeroed fp32 state arrays (master, moments, reduced-gradient shard)
+ *   model_init/fini   per-model resources built once at registration (CUDA: the device layout
+ *                     of every bucket, the step record in device memory)
+ *   begin / finish    the edges of a job: begin orders the job after the client's work on its
+ *                     buffers (CUDA: the stream waits on the client's "grads ready" event);
+ *                     finish orders the client after the job (CUDA: records "params ready") and
+ *                     waits until the job's work is complete, bounded by the collective timeout
+ *   exchange          master weights <-> the client's param buffer over this rank's shard
+ *   grad_stats        sum of squares and non-finite count of a bucket's reduced gradients, into
+ *                     this rank's step record
+ *   gather_records    all-gather of the step records (the commit point), into host memory
+ *   update            the fused AdamW/Adam update of one bucket, writing working parameters
+ *
+ * CPU (compute_cpu.c): host memory (mmap, huge pages), the fork-join pool and the SIMD kernels of
+ * kernels/adam.h; begin and finish do nothing (every operation is complete when it returns).
+ * CUDA (compute_cuda.c): device memory, one non-blocking stream per rank, the launchers of
+ * kernels/adam_cuda.h. Everything is queued on the rank's stream; in a job the worker thread
+ * waits for the GPU in exactly two places, both bounded by collective_timeout_ms with the
+ * communicator's asynchronous errors polled (docs/design.md, "Where the host waits"):
+ * gather_records when the step needs statistics (to read every rank's record), and finish (before
+ * the job's reply). Registration also waits for its layout tables (on a stream of its own), and
+ * freeing state waits (bounded) for the rank's stream to run out.
+ *
+ * A compute object belongs to one rank and is used by its worker thread only.
+ */
+#ifndef ZD_DAEMON_COMPUTE_H
+#define ZD_DAEMON_COMPUTE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "adam.h"
+#include "comm.h"
+#include "error.h"
+
+struct zd__model;
+struct zd__buffers;
+struct zd__pool;
+
+/* What every rank contributes before an update (the commit point of a step). The layout is that
+ * of zd__cuda_stats_t (kernels/adam_cuda.h): the CUDA statistics kernel writes it in device memory
+ * and NCCL all-gathers it there; the three words after the statistics are the tags every rank
+ * must agree on. */
+typedef struct zd__step_record {
+  double sumsq;       /* this rank's sum of squared (reduced) gradients */
+  uint64_t nonfinite; /* ... and count of non-finite ones */
+  uint64_t step;      /* number of the step about to be applied */
+  uint64_t layout_hash;
+  uint64_t hparam_hash;
+} zd__step_record_t;
+
+/* A GPU as the daemon reports it (status, hello, error messages). Plain data: also in builds
+ * without CUDA. */
+#define ZD__GPU_UUID_STR 48
+typedef struct zd__gpu_info {
+  int device;                      /* ordinal in this process (after CUDA_VISIBLE_DEVICES) */
+  uint8_t uuid[16];                /* cudaDeviceProp.uuid: the same GPU in every process */
+  char uuid_str[ZD__GPU_UUID_STR]; /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
+  char name[96];
+} zd__gpu_info_t;
+
+typedef struct zd__compute zd__compute_t;
+
+typedef struct zd__compute_ops {
+  /* n zeroed fp32 elements (n >= 1) in the backend's memory. Errors: -ENOMEM, ZD_EBACKEND. */
+  int (*alloc)(zd__compute_t *c, uint64_t n, float **out, zd__err_t *err);
+  void (*release)(zd__compute_t *c, float *p, uint64_t n); /* accepts NULL */
+  /* After the model's state arrays and segments exist; model_fini accepts a half-built model. */
+  int (*model_init)(zd__compute_t *c, struct zd__model *m, uint32_t world_size, zd__err_t *err);
+  void (*model_fini)(zd__compute_t *c, struct zd__model *m);
+  int (*begin)(zd__compute_t *c, const struct zd__buffers *buf, zd__err_t *err);
+  /* Called once at the end of every job that called begin, whether it failed or not; waits for
+   * everything the job queued. Errors as the communicator's (ZD_EPEER, -ETIMEDOUT) or ZD_EBACKEND
+   * for a failure of the device. */
+  int (*finish)(zd__compute_t *c, zd__comm_t *comm, const struct zd__buffers *buf, zd__err_t *err);
+  /* to_client: master -> param buffer (resume), else param buffer -> master (a new model); only
+   * the elements the segments cover. */
+  int (*exchange)(zd__compute_t *c, struct zd__model *m, const struct zd__buffers *buf,
+                  uint32_t rank, int to_client, zd__err_t *err);
+  /* Adds bucket b's statistics into this rank's record (first: b is the first bucket of the
+   * step; rec carries the tags). */
+  int (*grad_stats)(zd__compute_t *c, struct zd__model *m, uint32_t b, int first,
+                    zd__step_record_t *rec, zd__err_t *err);
+  /* all[r] = rank r's record. stats: grad_stats ran for every bucket of this step; else the
+   * statistics are 0. Waits for the result. */
+  int (*gather_records)(zd__compute_t *c, zd__comm_t *comm, struct zd__model *m,
+                        const zd__step_record_t *mine, int stats, zd__step_record_t *all,
+                        zd__err_t *err);
+  /* The update of bucket b: consts holds this step's constants of every group of the model. */
+  int (*update)(zd__compute_t *c, struct zd__model *m, uint32_t b, const struct zd__buffers *buf,
+                uint32_t rank, const zd__adam_group_t *consts, float grad_scale, zd__err_t *err);
+  void (*destroy)(zd__compute_t *c);
+} zd__compute_ops_t;
+
+struct zd__compute {
+  const zd__compute_ops_t *ops;
+  const char *name; /* "cpu", "cuda" */
+};
+
+/* The CPU backend over a kernel pool (shared by the daemon's ranks) and an ISA (zd__isa_t). */
+int zd__compute_cpu_create(struct zd__pool *pool, int isa, zd__compute_t **out);
+
+#ifdef ZD_HAVE_CUDA
+/* The CUDA backend on `device`, which becomes the calling thread's current device; creates the
+ * rank's stream. timeout_ms bounds every wait for the GPU. Call from the rank's worker thread.
+ * Errors: ZD_EBACKEND (the message names the device and the CUDA error), -ENOMEM. */
+int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd__err_t *err);
+
+/* The rank's stream (a cudaStream_t), on which the NCCL communicator queues its operations. */
+void *zd__compute_cuda_stream(zd__compute_t *c);
+#endif
+
+static inline void zd__compute_destroy(zd__compute_t *c) {
+  if (c) c->ops->destroy(c);
+}
+
+#endif /* ZD_DAEMON_COMPUTE_H */

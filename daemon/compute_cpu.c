@@ -1,0 +1,247 @@
+/* The CPU compute backend (compute.h): state in host memory, kernels of kernels/adam.h split over
+ * the daemon's fork-join pool. Every operation is complete when it returns, so begin and finish
+ * have nothing to do and the step record is all-gathered from host memory.
+ *
+ * This is the code step.c ran before the backends were split, unchanged: one pass over the shard
+ * per kernel, tiny buckets inline on the worker (no wake-ups), statistics in the fixed block order
+ * of adam.h.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "compute.h"
+#include "pool.h"
+#include "step.h"
+
+/* Below this many elements per task, splitting a kernel over threads costs more than it saves. */
+#define MIN_TASK_ELEMS 32768u
+
+typedef struct cpu_compute {
+  zd__compute_t base;
+  zd__pool_t *pool;
+  zd__adam_fn adam;
+  zd__stats_fn stats;
+} cpu_compute_t;
+
+/* Per model: scratch for the statistics' block sums, as many as the largest bucket has. */
+typedef struct cpu_model {
+  double *block_sums;
+} cpu_model_t;
+
+static unsigned tasks_for(const cpu_compute_t *c, uint64_t n) {
+  uint64_t t = n / MIN_TASK_ELEMS;
+  unsigned max = zd__pool_size(c->pool);
+  return t < 1 ? 1 : (t > max ? max : (unsigned)t);
+}
+
+/* ---- state --------------------------------------------------------------------------------- */
+
+static int cpu_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
+  (void)base;
+  size_t bytes = (size_t)n * sizeof(float);
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return zd__errf(err, -ENOMEM, "mmap of %zu bytes failed", bytes);
+  madvise(p, bytes, MADV_HUGEPAGE); /* streaming over GBs: fewer TLB misses */
+  *out = p;
+  return ZD_OK;
+}
+
+static void cpu_release(zd__compute_t *base, float *p, uint64_t n) {
+  (void)base;
+  if (p) munmap(p, (size_t)n * sizeof(float));
+}
+
+static int cpu_model_init(zd__compute_t *base, zd__model_t *m, uint32_t world_size,
+                          zd__err_t *err) {
+  (void)base, (void)world_size;
+  uint64_t max_blocks = 0;
+  for (uint32_t b = 0; b < m->layout->nbuckets; b++)
+    if (zd__stats_blocks(m->layout->buckets[b].shard_elems) > max_blocks)
+      max_blocks = zd__stats_blocks(m->layout->buckets[b].shard_elems);
+  cpu_model_t *cm = calloc(1, sizeof *cm);
+  if (cm) cm->block_sums = calloc(max_blocks ? max_blocks : 1, sizeof *cm->block_sums);
+  if (!cm || !cm->block_sums) {
+    free(cm);
+    return zd__errf(err, -ENOMEM, "out of memory for the statistics of %llu blocks",
+                    (unsigned long long)max_blocks);
+  }
+  m->cdata = cm;
+  return ZD_OK;
+}
+
+static void cpu_model_fini(zd__compute_t *base, zd__model_t *m) {
+  (void)base;
+  cpu_model_t *cm = m->cdata;
+  if (cm) free(cm->block_sums);
+  free(cm);
+  m->cdata = NULL;
+}
+
+static int cpu_begin(zd__compute_t *base, const zd__buffers_t *buf, zd__err_t *err) {
+  (void)base, (void)buf, (void)err;
+  return ZD_OK;
+}
+
+static int cpu_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t *buf,
+                      zd__err_t *err) {
+  (void)base, (void)comm, (void)buf, (void)err;
+  return ZD_OK;
+}
+
+/* Copies between the master shard and the client's param buffer over the covered elements. */
+static int cpu_exchange(zd__compute_t *base, zd__model_t *m, const zd__buffers_t *buf,
+                        uint32_t rank, int to_client, zd__err_t *err) {
+  (void)base, (void)err;
+  const zd__layout_t *l = m->layout;
+  size_t psize = zd_dtype_size(m->param_dtype);
+  for (uint32_t b = 0; b < l->nbuckets; b++) {
+    const zd__bucket_t *bk = &l->buckets[b];
+    float *master = m->master + bk->shard_base;
+    void *param =
+        (char *)buf->params.addr + (bk->offset + (uint64_t)rank * bk->shard_elems) * psize;
+    for (uint32_t s = 0; s < m->nsegs[b]; s++) {
+      const zd__segment_t *sg = &m->segs[b][s];
+      for (uint64_t i = sg->offset; i < sg->offset + sg->length; i++) {
+        if (m->param_dtype == ZD_BF16) {
+          uint16_t *p = param;
+          if (to_client)
+            p[i] = zd__f32_to_bf16(master[i]);
+          else
+            master[i] = zd__bf16_to_f32(p[i]);
+        } else {
+          float *p = param;
+          if (to_client)
+            p[i] = master[i];
+          else
+            master[i] = p[i];
+        }
+      }
+    }
+  }
+  return ZD_OK;
+}
+
+/* ---- statistics ---------------------------------------------------------------------------- */
+
+typedef struct stats_run {
+  const cpu_compute_t *c;
+  const void *grad;
+  zd_dtype_t dtype;
+  const zd__segment_t *segs;
+  uint32_t nsegs;
+  uint64_t n;
+  uint64_t nblocks;
+  double *sums;
+  uint64_t nonfinite[64]; /* per task; summed afterwards */
+} stats_run_t;
+
+static void stats_task(void *arg, unsigned task, unsigned ntasks) {
+  stats_run_t *r = arg;
+  uint64_t per = (r->nblocks + ntasks - 1) / ntasks;
+  uint64_t b0 = per * task, b1 = b0 + per < r->nblocks ? b0 + per : r->nblocks;
+  if (b0 < b1)
+    r->c->stats(r->grad, r->dtype, r->segs, r->nsegs, r->n, b0, b1, r->sums + b0,
+                &r->nonfinite[task]);
+}
+
+/* Sum of squares and non-finite count of this rank's reduced gradients of bucket b. */
+static int cpu_grad_stats(zd__compute_t *base, zd__model_t *m, uint32_t b, int first,
+                          zd__step_record_t *rec, zd__err_t *err) {
+  (void)first, (void)err;
+  const cpu_compute_t *c = (const cpu_compute_t *)base;
+  const cpu_model_t *cm = m->cdata;
+  const zd__bucket_t *bk = &m->layout->buckets[b];
+  stats_run_t r = {.c = c,
+                   .grad = m->shard_grad[b],
+                   .dtype = m->shard_grad_dtype[b],
+                   .segs = m->segs[b],
+                   .nsegs = m->nsegs[b],
+                   .n = bk->shard_elems,
+                   .nblocks = zd__stats_blocks(bk->shard_elems),
+                   .sums = cm->block_sums};
+  unsigned ntasks = tasks_for(c, bk->shard_elems);
+  if (ntasks > 64) ntasks = 64;
+  zd__pool_run(c->pool, ntasks, stats_task, &r);
+  rec->sumsq += zd__grad_stats_sum(r.sums, r.nblocks);
+  for (unsigned t = 0; t < ntasks; t++) rec->nonfinite += r.nonfinite[t];
+  return ZD_OK;
+}
+
+static int cpu_gather_records(zd__compute_t *base, zd__comm_t *comm, zd__model_t *m,
+                              const zd__step_record_t *mine, int stats, zd__step_record_t *all,
+                              zd__err_t *err) {
+  (void)base, (void)m, (void)stats;
+  return comm->ops->allgather_bytes(comm, mine, sizeof *mine, all, err);
+}
+
+/* ---- update -------------------------------------------------------------------------------- */
+
+typedef struct adam_run {
+  const zd__adam_args_t *args;
+  zd__adam_fn fn;
+  uint64_t n;
+} adam_run_t;
+
+static void adam_task(void *arg, unsigned task, unsigned ntasks) {
+  const adam_run_t *r = arg;
+  uint64_t chunk = (r->n / ntasks + ZD__ALIGN - 1) / ZD__ALIGN * ZD__ALIGN;
+  uint64_t begin = chunk * task, end = begin + chunk < r->n ? begin + chunk : r->n;
+  if (begin < end) r->fn(r->args, begin, end);
+}
+
+static int cpu_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd__buffers_t *buf,
+                      uint32_t rank, const zd__adam_group_t *consts, float grad_scale,
+                      zd__err_t *err) {
+  (void)err;
+  const cpu_compute_t *c = (const cpu_compute_t *)base;
+  const zd__bucket_t *bk = &m->layout->buckets[b];
+  size_t psize = zd_dtype_size(m->param_dtype);
+  zd__adam_args_t args = {
+      .master = m->master + bk->shard_base,
+      .exp_avg = m->exp_avg + bk->shard_base,
+      .exp_avg_sq = m->exp_avg_sq + bk->shard_base,
+      .grad = m->shard_grad[b],
+      .grad_dtype = m->shard_grad_dtype[b],
+      .param = (char *)buf->params.addr + (bk->offset + (uint64_t)rank * bk->shard_elems) * psize,
+      .param_dtype = m->param_dtype,
+      .grad_scale = grad_scale,
+      .segs = m->segs[b],
+      .nsegs = m->nsegs[b],
+      .groups = consts,
+  };
+  adam_run_t run = {.args = &args, .fn = c->adam, .n = bk->shard_elems};
+  zd__pool_run(c->pool, tasks_for(c, bk->shard_elems), adam_task, &run);
+  return ZD_OK;
+}
+
+static void cpu_destroy(zd__compute_t *base) {
+  free(base);
+}
+
+static const zd__compute_ops_t cpu_ops = {
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .model_init = cpu_model_init,
+    .model_fini = cpu_model_fini,
+    .begin = cpu_begin,
+    .finish = cpu_finish,
+    .exchange = cpu_exchange,
+    .grad_stats = cpu_grad_stats,
+    .gather_records = cpu_gather_records,
+    .update = cpu_update,
+    .destroy = cpu_destroy,
+};
+
+int zd__compute_cpu_create(zd__pool_t *pool, int isa, zd__compute_t **out) {
+  cpu_compute_t *c = calloc(1, sizeof *c);
+  if (!c) return -ENOMEM;
+  c->base.ops = &cpu_ops;
+  c->base.name = "cpu";
+  c->pool = pool;
+  c->adam = zd__adam_impl((zd__isa_t)isa);
+  c->stats = zd__grad_stats_impl((zd__isa_t)isa);
+  *out = &c->base;
+  return ZD_OK;
+}

@@ -1,0 +1,74 @@
+/* CUDA failures as codes and messages, the bounded wait, GPU identity (cuda_check.h). */
+#include "cuda_check.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+
+/* Polls back to back for this long before sleeping: a step's wait is usually this short, and a
+ * sleeping thread adds its wake-up latency to every step. */
+#define SPIN_US      50
+#define MAX_SLEEP_US 1000
+
+int zd__cuda_fail(zd__err_t *err, cudaError_t e, const char *file, int line, const char *fmt, ...) {
+  char what[ZD__ERR_MSG_MAX / 2];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  (void)cudaGetLastError(); /* a non-sticky error must not show up again in the next check */
+  int code = e == cudaErrorMemoryAllocation ? -ENOMEM : ZD_EBACKEND;
+  ZD_LOG_ERROR("%s:%d: %s: %s (%s)", file, line, what, cudaGetErrorString(e), cudaGetErrorName(e));
+  return zd__errf(err, code, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+static uint64_t now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn probe, void *ctx,
+                        const char *what, zd__err_t *err) {
+  uint64_t start = now_us(), deadline = start + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
+  unsigned sleep_us = 2;
+  for (;;) {
+    cudaError_t e = cudaEventQuery(event);
+    if (e == cudaSuccess) return ZD_OK;
+    if (e != cudaErrorNotReady)
+      return zd__cuda_fail(err, e, __FILE__, __LINE__, "GPU work of %s failed", what);
+    if (probe) {
+      int rc = probe(ctx, err);
+      if (rc) return rc;
+    }
+    uint64_t now = now_us();
+    if (now >= deadline)
+      return zd__errf(err, -ETIMEDOUT, "%s not complete within %d ms", what, timeout_ms);
+    if (now - start < SPIN_US) continue;
+    struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)sleep_us * 1000L};
+    nanosleep(&ts, NULL);
+    if (sleep_us < MAX_SLEEP_US) sleep_us *= 2;
+  }
+}
+
+void zd__cuda_uuid_str(const uint8_t u[16], char *buf, size_t len) {
+  snprintf(buf, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+           u[14], u[15]);
+}
+
+int zd__cuda_gpu_info(int device, zd__gpu_info_t *out, zd__err_t *err) {
+  struct cudaDeviceProp prop;
+  memset(out, 0, sizeof *out);
+  ZD_CUDA_TRY(err, cudaGetDeviceProperties(&prop, device), "GPU %d: cudaGetDeviceProperties",
+              device);
+  out->device = device;
+  memcpy(out->uuid, prop.uuid.bytes, sizeof out->uuid);
+  zd__cuda_uuid_str(out->uuid, out->uuid_str, sizeof out->uuid_str);
+  snprintf(out->name, sizeof out->name, "%.95s", prop.name);
+  return ZD_OK;
+}

@@ -1,0 +1,67 @@
+/* CUDA failures in the daemon, and the one way the daemon waits for a GPU.
+ *
+ * The daemon never aborts on a CUDA error (that is for tests and tools): every runtime call is
+ * checked by ZD_CUDA_TRY / ZD_CUDA_GOTO, which log the call with file:line and turn the error
+ * into a code and a message in the caller's zd__err_t (-ENOMEM for an allocation that did not
+ * fit, ZD_EBACKEND for anything else), as NCCL's CUDACHECK / NCCLCHECKGOTO do.
+ *
+ * A worker thread never blocks in cudaStreamSynchronize or cudaEventSynchronize, which could wait
+ * for ever on a dead peer: zd__cuda_event_wait polls an event with a deadline, calling a probe
+ * (the NCCL communicator's asynchronous error) while it waits.
+ *
+ * CUDA builds only (compiled with ZD_HAVE_CUDA); cuda_check.c.
+ */
+#ifndef ZD_DAEMON_CUDA_CHECK_H
+#define ZD_DAEMON_CUDA_CHECK_H
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "compute.h"
+#include "error.h"
+
+/* Logs "file:line: what: <CUDA error> (<name>)" at error level, stores the same message in err
+ * (which may be NULL) and returns -ENOMEM for cudaErrorMemoryAllocation, else ZD_EBACKEND. Clears
+ * the runtime's last (non-sticky) error. */
+int zd__cuda_fail(zd__err_t *err, cudaError_t e, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
+/* call is a CUDA runtime call; on failure returns from the enclosing function with the code. */
+#define ZD_CUDA_TRY(err, call, ...)                                                                \
+  do {                                                                                             \
+    cudaError_t zd_e_ = (call);                                                                    \
+    if (zd_e_ != cudaSuccess) return zd__cuda_fail((err), zd_e_, __FILE__, __LINE__, __VA_ARGS__); \
+  } while (0)
+
+/* As ZD_CUDA_TRY, but stores the code in rc and jumps to label (one cleanup path). */
+#define ZD_CUDA_GOTO(err, rc, label, call, ...)                            \
+  do {                                                                     \
+    cudaError_t zd_e_ = (call);                                            \
+    if (zd_e_ != cudaSuccess) {                                            \
+      (rc) = zd__cuda_fail((err), zd_e_, __FILE__, __LINE__, __VA_ARGS__); \
+      goto label;                                                          \
+    }                                                                      \
+  } while (0)
+
+/* Probe called while waiting: ZD_OK to go on waiting, or a failure (code and message) that ends
+ * the wait. */
+typedef int (*zd__cuda_probe_fn)(void *ctx, zd__err_t *err);
+
+/* Waits until the work before the last record of `event` has completed, at most timeout_ms:
+ * spins on cudaEventQuery for the first few tens of microseconds (the common case of a short
+ * step), then sleeps in growing slices up to a millisecond, calling probe (may be NULL) between
+ * polls. Returns ZD_OK; -ETIMEDOUT with "<what> not complete within N ms"; the probe's failure;
+ * or ZD_EBACKEND when the event reports a CUDA error (a kernel fault: the device context is then
+ * unusable). */
+int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn probe, void *ctx,
+                        const char *what, zd__err_t *err);
+
+/* What the daemon tells about a GPU: ordinal, UUID (as nvidia-smi prints it, "GPU-xxxxxxxx-..."),
+ * name. Errors: ZD_EBACKEND. */
+int zd__cuda_gpu_info(int device, zd__gpu_info_t *out, zd__err_t *err);
+
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of 16 UUID bytes; len >= ZD__GPU_UUID_STR. */
+void zd__cuda_uuid_str(const uint8_t uuid[16], char *buf, size_t len);
+
+#endif /* ZD_DAEMON_CUDA_CHECK_H */

@@ -1,0 +1,333 @@
+/* Backend selection and the validation of device buffers, through a real CUDA-built zerod, with
+ * or without a GPU. It never exits 77: each machine checks its own story.
+ *
+ * Without a usable GPU (the CI machine: CUDA compiled in, no driver):
+ *   - backend auto starts, logs one line saying why CUDA is not used, and serves the CPU backend
+ *     (hello, status, a register and a step with host buffers);
+ *   - backend cuda exits with status 1 and the same reason;
+ *   - device buffers are refused with ZD_EBACKEND: by libzerod (zd_layout with ZD_MEMORY_CUDA,
+ *     zd_cuda_device) and by the daemon (a register frame carrying forged CUDA IPC handles).
+ * With a usable GPU:
+ *   - backend auto picks CUDA: hello and status say cuda, the device and its UUID;
+ *   - host buffers are refused with ZD_EBACKEND (libzerod, and a raw register with memfds);
+ *   - forged device buffers are refused with ZD_EBUFFER naming the problem: another GPU's UUID,
+ *     handles of the wrong size, handles CUDA cannot open;
+ *   - backend cuda with more local ranks than GPUs exits with status 1 naming the missing GPU.
+ */
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "adam_cuda.h"
+#include "check.h"
+#include "harness.h"
+#include "layout.h"
+#include "mlp.h"
+#include "zerod.pb-c.h"
+#include "zerod/zerod.h"
+
+#define BUCKET_ELEMS 256
+
+/* The daemon of the current case: its log is printed if a check fails. */
+static zdt_daemon_t d;
+static int passed;
+
+static void on_exit_dump(void) {
+  if (passed || d.pid <= 0) return;
+  zdt_dump_log(&d);
+  kill(d.pid, SIGKILL);
+}
+
+/* Runs zerod with args until it exits (at most 20 s); returns its wait status; its output goes to
+ * log. */
+static int run_zerod(const char *log, const char *const *args) {
+  const char *bin = getenv("ZEROD_BIN");
+  CHECK_MSG(bin && bin[0], "ZEROD_BIN is not set (run the tests with meson test)");
+  char dir[] = "/tmp/zerod-backend-XXXXXX";
+  CHECK(mkdtemp(dir) != NULL);
+  char sock[128], ctl[160];
+  snprintf(sock, sizeof sock, "%s/zerod.sock", dir);
+  snprintf(ctl, sizeof ctl, "unix:%s/control.sock", dir);
+  const char *argv[32] = {bin, "--socket", sock, "--control_address", ctl};
+  int n = 5;
+  for (int i = 0; args[i] && n < 31; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    execv(bin, (char *const *)argv);
+    _exit(127);
+  }
+  int status = -1;
+  for (int i = 0; i < 2000; i++) {
+    if (waitpid(pid, &status, WNOHANG) == pid) break;
+    if (i == 1999) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      CHECK_MSG(0, "zerod %s did not exit within 20 s", args[0]);
+    }
+    struct timespec ts = {0, 10000000};
+    nanosleep(&ts, NULL);
+  }
+  unlink(sock);
+  rmdir(dir);
+  return status;
+}
+
+static char *slurp(const char *path) {
+  FILE *f = fopen(path, "r");
+  CHECK_MSG(f, "cannot open %s", path);
+  static char buf[1 << 16];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  buf[n] = 0;
+  fclose(f);
+  return buf;
+}
+
+/* A raw register of the example MLP: f32 params and grads, two groups, bucket size BUCKET_ELEMS,
+ * world size 1; with cuda set, the given CUDA buffers (and no descriptors), else fds. */
+static void send_register(int fd, uint64_t id, Zerod__V1__CudaBuffers *cuda, const int *fds,
+                          int nfds) {
+  zd__layout_t *l = NULL;
+  zd__err_t err = {0};
+  CHECK_MSG(zd__layout_build(mlp_params, MLP_NPARAMS, 2, 1, BUCKET_ELEMS, &l, &err) == ZD_OK, "%s",
+            err.msg);
+  Zerod__V1__Param params[MLP_NPARAMS], *pp[MLP_NPARAMS];
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zerod__v1__param__init(&params[i]);
+    params[i].name = (char *)mlp_params[i].name;
+    params[i].n_shape = mlp_params[i].ndim;
+    params[i].shape = (uint64_t *)mlp_params[i].shape;
+    params[i].group = mlp_params[i].group;
+    pp[i] = &params[i];
+  }
+  Zerod__V1__Group g = ZEROD__V1__GROUP__INIT, *gp[2] = {&g, &g};
+  g.lr = 1e-3;
+  g.beta1 = 0.9;
+  g.beta2 = 0.999;
+  g.eps = 1e-8;
+  g.weight_decay = 0;
+  Zerod__V1__RegisterRequest req = ZEROD__V1__REGISTER_REQUEST__INIT;
+  req.n_params = MLP_NPARAMS;
+  req.params = pp;
+  req.n_groups = 2;
+  req.groups = gp;
+  req.param_dtype = ZEROD__V1__DTYPE__F32;
+  req.grad_dtype = ZEROD__V1__DTYPE__F32;
+  req.layout_hash = l->hash;
+  req.cuda = cuda;
+  uint8_t buf[8192];
+  size_t len = zerod__v1__register_request__pack(&req, buf);
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
+                          .version = ZD_PROTOCOL_VERSION,
+                          .type = ZD__MSG_REGISTER,
+                          .length = (uint32_t)len,
+                          .request_id = id};
+  zdt_raw_send(fd, &h, buf, fds, nfds);
+  zd__layout_free(l);
+}
+
+/* CUDA buffers with every field present: uuid 16 bytes, handles 64 bytes each (zeros). */
+static uint8_t zeros[64];
+static void forge(Zerod__V1__CudaBuffers *cb, const uint8_t uuid[16]) {
+  zerod__v1__cuda_buffers__init(cb);
+  cb->has_device = 1;
+  cb->device = 0;
+  cb->has_device_uuid = 1;
+  cb->device_uuid = (ProtobufCBinaryData){16, (uint8_t *)uuid};
+  ProtobufCBinaryData h = {64, zeros};
+  cb->has_param_handle = cb->has_grad_handle = cb->has_grads_ready = cb->has_params_ready = 1;
+  cb->param_handle = cb->grad_handle = cb->grads_ready = cb->params_ready = h;
+}
+
+static int memfd(size_t bytes) {
+  int fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  CHECK(fd >= 0);
+  CHECK(ftruncate(fd, (off_t)bytes) == 0);
+  CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+  return fd;
+}
+
+/* g: two groups (weights, biases). */
+static zd_model_desc_t mlp_desc(zd_group_t *g, zd_memory_t memory, int device) {
+  g[0] = g[1] = zd_group_default();
+  return (zd_model_desc_t){.params = mlp_params,
+                           .nparams = MLP_NPARAMS,
+                           .groups = g,
+                           .ngroups = 2,
+                           .param_dtype = ZD_F32,
+                           .grad_dtype = ZD_F32,
+                           .grad_mean = 1,
+                           .memory = memory,
+                           .device = device};
+}
+
+static void without_gpu(const char *why) {
+  printf("no usable GPU: %s\n", why);
+  /* backend auto: the CPU backend, and one line saying why not CUDA */
+  const char *args[] = {"--backend", "auto", "--bucket_elems", "256", NULL};
+  zdt_start(&d, args);
+  CHECK_MSG(zdt_log_contains(&d, "backend auto: CUDA not used: "), "no fallback line in the log");
+  CHECK_MSG(zdt_log_contains(&d, why), "the log does not give the reason '%s'", why);
+  CHECK(zdt_log_contains(&d, "running the CPU backend"));
+  printf("  auto: falls back to the CPU backend and says why\n");
+
+  zd_client_t *c;
+  CHECK_MSG(zd_connect(d.socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
+  zd_info_t info;
+  zd_get_info(c, &info);
+  CHECK_STR_EQ(info.backend, "cpu");
+  char *status;
+  CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
+  CHECK_CONTAINS(status, "backend:cpu\n");
+  CHECK_CONTAINS(status, "backend_note:CUDA not used: ");
+  free(status);
+  int dev = 7;
+  CHECK_INT_EQ(zd_cuda_device(c, &dev), ZD_EBACKEND);
+  printf("  zd_cuda_device: %s\n", zd_last_error());
+  zd_group_t g[2];
+  zd_model_desc_t desc = mlp_desc(g, ZD_MEMORY_CUDA, 0);
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_EBACKEND);
+  CHECK_CONTAINS(zd_last_error(), "cpu backend");
+  printf("  zd_layout(ZD_MEMORY_CUDA): %s\n", zd_last_error());
+  desc = mlp_desc(g, ZD_MEMORY_HOST, 0);
+  CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "%s", zd_last_error());
+  CHECK_MSG(zd_register(c) == ZD_OK, "%s", zd_last_error());
+  zd_step_result_t res;
+  CHECK_MSG(zd_step(c, NULL, &res) == ZD_OK, "%s", zd_last_error());
+  CHECK_U64_EQ(res.step, 1);
+  zd_close(c);
+  printf("  host buffers: register and step on the CPU backend\n");
+
+  /* A register frame with forged CUDA handles: refused before CUDA is touched. */
+  int fd = zdt_raw_connect(d.socket);
+  CHECK(fd >= 0);
+  zdt_raw_hello(fd, 1);
+  Zerod__V1__CudaBuffers cb;
+  uint8_t uuid[16] = {1, 2, 3};
+  forge(&cb, uuid);
+  send_register(fd, 2, &cb, NULL, 0);
+  const char *msg = zdt_expect_error(fd, 2, ZD_EBACKEND, "this zerod runs the CPU backend");
+  CHECK_CONTAINS(msg, why);
+  printf("  forged CUDA register: %s\n", msg);
+  close(fd);
+  int st = zdt_stop(&d, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+
+  /* backend cuda: refused at start with the reason */
+  const char *log = "/tmp/zerod-backend-cuda.log";
+  const char *cuda_args[] = {"--backend", "cuda", NULL};
+  st = run_zerod(log, cuda_args);
+  const char *text = slurp(log);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 1, "zerod --backend cuda: status 0x%x; log:\n%s",
+            st, text);
+  CHECK_CONTAINS(text, "backend cuda requested, but ");
+  CHECK_CONTAINS(text, why);
+  printf("  --backend cuda: exit status 1, %s", strstr(text, "backend cuda requested"));
+  unlink(log);
+}
+
+static void with_gpu(int ngpus) {
+  printf("%d usable GPU(s)\n", ngpus);
+  struct cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0) == cudaSuccess);
+  const char *args[] = {"--backend", "auto", "--bucket_elems", "256", NULL};
+  zdt_start(&d, args);
+  CHECK_MSG(zdt_log_contains(&d, "local rank 0: GPU 0"), "no GPU line in the log");
+  zd_client_t *c;
+  CHECK_MSG(zd_connect(d.socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
+  zd_info_t info;
+  zd_get_info(c, &info);
+  CHECK_STR_EQ(info.backend, "cuda");
+  int dev = -1;
+  CHECK_MSG(zd_cuda_device(c, &dev) == ZD_OK, "%s", zd_last_error());
+  CHECK_INT_EQ(dev, 0); /* same CUDA_VISIBLE_DEVICES as zerod */
+  char *status;
+  CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
+  CHECK_CONTAINS(status, "backend:cuda\n");
+  CHECK_CONTAINS(status, "device:0\n");
+  CHECK_CONTAINS(status, "gpu_uuid:GPU-");
+  free(status);
+  zd_group_t g[2];
+  zd_model_desc_t desc = mlp_desc(g, ZD_MEMORY_HOST, 0);
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_EBACKEND);
+  printf("  zd_layout(ZD_MEMORY_HOST): %s\n", zd_last_error());
+  zd_close(c);
+
+  int fd = zdt_raw_connect(d.socket);
+  CHECK(fd >= 0);
+  zdt_raw_hello(fd, 1);
+  int fds[2] = {memfd(1 << 20), memfd(1 << 20)};
+  send_register(fd, 2, NULL, fds, 2);
+  printf("  host register: %s\n",
+         zdt_expect_error(fd, 2, ZD_EBACKEND, "this zerod runs the CUDA backend"));
+  close(fds[0]);
+  close(fds[1]);
+  Zerod__V1__CudaBuffers cb;
+  uint8_t other[16];
+  memcpy(other, prop.uuid.bytes, 16);
+  other[15] ^= 0xff;
+  forge(&cb, other);
+  send_register(fd, 3, &cb, NULL, 0);
+  printf("  another GPU: %s\n", zdt_expect_error(fd, 3, ZD_EBUFFER, "local rank 0 runs on GPU-"));
+  forge(&cb, (const uint8_t *)prop.uuid.bytes);
+  cb.param_handle.len = 12;
+  send_register(fd, 4, &cb, NULL, 0);
+  printf("  short handle: %s\n",
+         zdt_expect_error(fd, 4, ZD_EBUFFER, "cuda.param_handle is 12 bytes; expected 64"));
+  forge(&cb, (const uint8_t *)prop.uuid.bytes);
+  cb.has_params_ready = 0;
+  send_register(fd, 5, &cb, NULL, 0);
+  printf("  no event: %s\n",
+         zdt_expect_error(fd, 5, ZD_EBUFFER, "cuda.params_ready is 0 bytes; expected 64"));
+  forge(&cb, (const uint8_t *)prop.uuid.bytes);
+  send_register(fd, 6, &cb, NULL, 0);
+  printf("  zero handles: %s\n", zdt_expect_error(fd, 6, ZD_EBUFFER, "param buffer: "));
+  close(fd);
+  int st = zdt_stop(&d, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+
+  /* One GPU per local rank: one rank more than there are GPUs. */
+  char ranks[16];
+  snprintf(ranks, sizeof ranks, "%d", ngpus + 1);
+  const char *log = "/tmp/zerod-backend-cuda.log";
+  const char *cuda_args[] = {"--backend", "cuda", "--local_ranks", ranks, NULL};
+  st = run_zerod(log, cuda_args);
+  const char *text = slurp(log);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 1,
+            "zerod --backend cuda --local_ranks %s: status "
+            "0x%x; log:\n%s",
+            ranks, st, text);
+  char want[64];
+  snprintf(want, sizeof want, "local rank %d needs GPU %d", ngpus, ngpus);
+  CHECK_CONTAINS(text, want);
+  printf("  --local_ranks %s: exit status 1, %s", ranks, strstr(text, "backend cuda requested"));
+  unlink(log);
+}
+
+int main(void) {
+  char why[1024];
+  int n = zd__cuda_available(why, sizeof why);
+  atexit(on_exit_dump);
+  if (n == 0)
+    without_gpu(why);
+  else
+    with_gpu(n);
+  passed = 1;
+  printf("test_backend: ok\n");
+  return 0;
+}

@@ -1,0 +1,572 @@
+/* End-to-end training through a real zerod running its CUDA backend at world size 1 (NCCL, one
+ * rank), with device buffers shared through CUDA IPC. Exits 77 without a usable GPU.
+ *
+ * 1. The example MLP trained for 120 steps through zerod and, in this process, with the scalar
+ *    reference kernel; after every step every working parameter read back from the device must be
+ *    bitwise equal to the reference's master (rounded to the working dtype). f32 and bf16 working
+ *    params; f32, bf16 and f16 gradients; AdamW and Adam groups; an lr schedule; several buckets;
+ *    a client that disconnects at step 60 and reattaches (zerod resumes: its master weights are
+ *    written into the new client's buffer). Two runs use a stream of their own (zd_set_stream)
+ *    and queue the gradients' upload on it without any host synchronisation, once behind a
+ *    50 ms host callback: zerod's stream must wait on the client's "grads ready" event, or it
+ *    steps with the previous step's gradients and the comparison fails.
+ * 2. Clipping and loss scaling (the statistics, the step record all-gathered by NCCL, the host
+ *    decision), in lockstep against a zerod running its CPU backend on the same gradients: every
+ *    step's result (applied, grad_norm, loss_scale, clip_coef, bit for bit) and every parameter
+ *    must be equal; overflows are injected (skipped steps, scale backoff).
+ * 3. Bad device buffers with real IPC handles: a param or grad buffer smaller than the layout, a
+ *    buffer on another GPU (with 2 GPUs or more).
+ * Every failure prints the step, the parameter and both values.
+ */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "adam_cuda.h"
+#include "check.h"
+#include "dtype.h"
+#include "harness.h"
+#include "layout.h"
+#include "mlp.h"
+#include "zerod.pb-c.h"
+#include "zerod/zerod.h"
+
+#define STEPS       120
+#define REATTACH_AT 60
+#define MAXN        (MLP_HIDDEN * MLP_IN)
+
+#define CUDA_OK(call)                                                          \
+  do {                                                                         \
+    cudaError_t e_ = (call);                                                   \
+    CHECK_MSG(e_ == cudaSuccess, "%s: %s (%s)", #call, cudaGetErrorString(e_), \
+              cudaGetErrorName(e_));                                           \
+  } while (0)
+
+/* ---- a trainer on device buffers ------------------------------------------------------------ */
+
+typedef struct trainer {
+  zd_client_t *c;
+  zd_memory_t memory;
+  zd_dtype_t pdt, gdt;
+  void *pbuf, *gbuf; /* device (ZD_MEMORY_CUDA) or host shared memory */
+  size_t pbytes, gbytes;
+  uint8_t *hp, *hg;    /* pinned staging of the device buffers */
+  cudaStream_t stream; /* NULL: the legacy default stream */
+  int delay_ms;        /* a host callback on the stream before the gradients' upload */
+} trainer_t;
+
+static void sleep_cb(void *arg) {
+  int ms = *(const int *)arg;
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static void groups_at(int step, int steps, zd_group_t out[2]) {
+  out[0] = (zd_group_t){.lr = 3e-3 * (0.55 + 0.45 * cos(3.14159265358979 * step / steps)),
+                        .beta1 = 0.9,
+                        .beta2 = 0.999,
+                        .eps = 1e-8,
+                        .weight_decay = 0.01,
+                        .optimizer = ZD_ADAMW};
+  out[1] = (zd_group_t){.lr = 1e-3,
+                        .beta1 = 0.8,
+                        .beta2 = 0.99,
+                        .eps = 1e-6,
+                        .weight_decay = 0.1,
+                        .optimizer = ZD_ADAM};
+}
+
+typedef struct options {
+  zd_dtype_t pdt, gdt;
+  int steps;
+  double max_grad_norm;
+  zd_loss_scaler_t scaler;
+} options_t;
+
+/* Connects, lays out, writes the initial values (unless resuming) and registers. */
+static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const options_t *o,
+                   int step, int expect_resumed, cudaStream_t stream, int delay_ms) {
+  memset(t, 0, sizeof *t);
+  t->memory = memory;
+  t->pdt = o->pdt;
+  t->gdt = o->gdt;
+  t->stream = stream;
+  t->delay_ms = delay_ms;
+  CHECK_MSG(zd_connect(socket, ZD_ANY_RANK, 0, &t->c) == ZD_OK, "connect: %s", zd_last_error());
+  int device = 0;
+  if (memory == ZD_MEMORY_CUDA)
+    CHECK_MSG(zd_cuda_device(t->c, &device) == ZD_OK, "zd_cuda_device: %s", zd_last_error());
+  zd_group_t groups[2];
+  groups_at(step, o->steps, groups);
+  zd_model_desc_t desc = {
+      .params = mlp_params,
+      .nparams = MLP_NPARAMS,
+      .groups = groups,
+      .ngroups = 2,
+      .param_dtype = o->pdt,
+      .grad_dtype = o->gdt,
+      .grad_mean = 1,
+      .max_grad_norm = o->max_grad_norm,
+      .loss_scaler = o->scaler,
+      .flags = expect_resumed ? 0 : ZD_REGISTER_REPLACE, /* daemons are reused */
+      .memory = memory,
+      .device = device};
+  CHECK_MSG(zd_layout(t->c, &desc) == ZD_OK, "layout: %s", zd_last_error());
+  t->pbuf = zd_param_buffer(t->c, &t->pbytes);
+  t->gbuf = zd_grad_buffer(t->c, &t->gbytes);
+  if (memory == ZD_MEMORY_CUDA) {
+    CUDA_OK(cudaSetDevice(device));
+    CUDA_OK(cudaMallocHost((void **)&t->hp, t->pbytes));
+    CUDA_OK(cudaMallocHost((void **)&t->hg, t->gbytes));
+    memset(t->hp, 0, t->pbytes);
+    memset(t->hg, 0, t->gbytes);
+    if (stream) CHECK_MSG(zd_set_stream(t->c, stream) == ZD_OK, "%s", zd_last_error());
+  } else {
+    t->hp = t->pbuf;
+    t->hg = t->gbuf;
+  }
+  if (!expect_resumed) {
+    float init[MLP_NPARAMS][MAXN];
+    float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};
+    mlp_init(p, 42);
+    for (int i = 0; i < MLP_NPARAMS; i++) {
+      zd_param_info_t info;
+      CHECK_INT_EQ(zd_param_info(t->c, (size_t)i, &info), ZD_OK);
+      for (uint64_t k = 0; k < info.numel; k++)
+        zdt_store(t->hp, o->pdt, info.offset + k, init[i][k]);
+    }
+    if (memory == ZD_MEMORY_CUDA)
+      CUDA_OK(cudaMemcpy(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice));
+  }
+  CHECK_MSG(zd_register(t->c) == ZD_OK, "register: %s", zd_last_error());
+  zd_info_t info;
+  zd_get_info(t->c, &info);
+  CHECK_INT_EQ(info.resumed, expect_resumed);
+  CHECK_U64_EQ(info.step, (uint64_t)step);
+  CHECK_MSG(info.nbuckets >= 2, "bucket_elems 256 should give several buckets, got %u",
+            info.nbuckets);
+}
+
+static void detach(trainer_t *t) {
+  if (t->memory == ZD_MEMORY_CUDA) {
+    if (t->stream) CUDA_OK(cudaStreamSynchronize(t->stream));
+    CUDA_OK(cudaFreeHost(t->hp));
+    CUDA_OK(cudaFreeHost(t->hg));
+  }
+  zd_close(t->c);
+  t->c = NULL;
+}
+
+/* The param buffer into t->hp (after the last reply: ordered by the params-ready event). */
+static void fetch_params(trainer_t *t) {
+  if (t->memory != ZD_MEMORY_CUDA) return;
+  if (t->stream) {
+    CUDA_OK(cudaMemcpyAsync(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost, t->stream));
+    CUDA_OK(cudaStreamSynchronize(t->stream));
+  } else {
+    CUDA_OK(cudaMemcpy(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost));
+  }
+}
+
+/* t->hg into the grad buffer, queued on the stream without waiting (a user stream), behind a
+ * host callback of delay_ms when set. */
+static void push_grads(trainer_t *t) {
+  if (t->memory != ZD_MEMORY_CUDA) return;
+  if (t->stream) {
+    if (t->delay_ms) CUDA_OK(cudaLaunchHostFunc(t->stream, sleep_cb, &t->delay_ms));
+    CUDA_OK(cudaMemcpyAsync(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice, t->stream));
+  } else {
+    CUDA_OK(cudaMemcpy(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice));
+  }
+}
+
+/* Gradients of the batch of `step` at the parameters in t->hp, times scale, into t->hg. */
+static float make_grads(trainer_t *t, int step, double scale, int poison) {
+  float work[MLP_NPARAMS][MAXN], grad[MLP_NPARAMS][MAXN];
+  float *p[MLP_NPARAMS], *g[MLP_NPARAMS];
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    zd_param_info(t->c, (size_t)i, &info);
+    p[i] = work[i];
+    g[i] = grad[i];
+    for (uint64_t k = 0; k < info.numel; k++) work[i][k] = zdt_load(t->hp, t->pdt, info.offset + k);
+  }
+  float loss = mlp_loss_grad((const float *const *)p, g, (uint64_t)step, 0);
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    zd_param_info(t->c, (size_t)i, &info);
+    for (uint64_t k = 0; k < info.numel; k++)
+      zdt_store(t->hg, t->gdt, info.offset + k, (float)(grad[i][k] * scale));
+  }
+  if (poison) { /* an overflow in the middle of fc1.weight */
+    zd_param_info_t info;
+    zd_param_info(t->c, 0, &info);
+    zdt_store(t->hg, t->gdt, info.offset + 77, INFINITY);
+  }
+  return loss;
+}
+
+/* ---- 1. against the reference kernel --------------------------------------------------------- */
+
+typedef struct reference {
+  float master[MLP_NPARAMS][MAXN];
+  float m[MLP_NPARAMS][MAXN];
+  float v[MLP_NPARAMS][MAXN];
+} reference_t;
+
+static void compare_ref(const trainer_t *t, const reference_t *ref, int step) {
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    zd_param_info(t->c, (size_t)i, &info);
+    for (uint64_t k = 0; k < info.numel; k++) {
+      float want = ref->master[i][k];
+      if (t->pdt == ZD_BF16) want = zd__bf16_to_f32(zd__f32_to_bf16(want));
+      float got = zdt_load(t->hp, t->pdt, info.offset + k);
+      uint32_t gb, wb;
+      memcpy(&gb, &got, 4);
+      memcpy(&wb, &want, 4);
+      CHECK_MSG(gb == wb,
+                "step %d: %s[%llu] is %.9g (0x%08x) through zerod (CUDA), %.9g (0x%08x) in the "
+                "reference",
+                step, info.name, (unsigned long long)k, got, gb, want, wb);
+    }
+  }
+}
+
+static void train_vs_reference(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt, int own_stream,
+                               int delay_ms) {
+  printf("training %s params, %s grads, %s%s\n", zd_dtype_name(pdt), zd_dtype_name(gdt),
+         own_stream ? "own stream" : "default stream",
+         delay_ms ? ", gradients queued behind a host callback" : "");
+  options_t o = {.pdt = pdt, .gdt = gdt, .steps = STEPS};
+  cudaStream_t stream = NULL;
+  if (own_stream) CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  trainer_t t;
+  attach(&t, socket, ZD_MEMORY_CUDA, &o, 0, 0, stream, delay_ms);
+  static reference_t ref;
+  memset(&ref, 0, sizeof ref);
+  fetch_params(&t); /* what zerod took (and gathered back): the initial values */
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    zd_param_info(t.c, (size_t)i, &info);
+    for (uint64_t k = 0; k < info.numel; k++)
+      ref.master[i][k] = zdt_load(t.hp, pdt, info.offset + k);
+  }
+  float first = 0, loss = 0;
+  for (int step = 0; step < STEPS; step++) {
+    if (step == REATTACH_AT) {
+      detach(&t);
+      attach(&t, socket, ZD_MEMORY_CUDA, &o, step, 1, stream, delay_ms);
+      fetch_params(&t);
+      compare_ref(&t, &ref, step);
+    }
+    loss = make_grads(&t, step, 1.0, 0);
+    if (step == 0) first = loss;
+    push_grads(&t);
+    zd_group_t groups[2];
+    groups_at(step, STEPS, groups);
+    zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
+    zd_step_result_t res;
+    CHECK_MSG(zd_step(t.c, &opts, &res) == ZD_OK, "step %d: %s", step, zd_last_error());
+    CHECK_U64_EQ(res.step, (uint64_t)step + 1);
+    CHECK_INT_EQ(res.applied, 1);
+    CHECK_MSG(isnan(res.grad_norm),
+              "step %d: grad_norm %g; expected nan (no statistics at W=1 "
+              "without clipping or loss scaling)",
+              step, res.grad_norm);
+    for (int i = 0; i < MLP_NPARAMS; i++) { /* the reference, on the gradient as zerod read it */
+      zd_param_info_t info;
+      zd_param_info(t.c, (size_t)i, &info);
+      float gq[MAXN];
+      for (uint64_t k = 0; k < info.numel; k++) gq[k] = zdt_load(t.hg, gdt, info.offset + k);
+      zd__adam_group_t consts;
+      zd__adam_group_init(&consts, &groups[info.group], (uint64_t)step + 1);
+      zd__segment_t seg = {.offset = 0, .length = info.numel, .group = 0};
+      zd__adam_args_t a = {.master = ref.master[i],
+                           .exp_avg = ref.m[i],
+                           .exp_avg_sq = ref.v[i],
+                           .grad = gq,
+                           .grad_dtype = ZD_F32,
+                           .param_dtype = ZD_F32,
+                           .grad_scale = 1.0f,
+                           .segs = &seg,
+                           .nsegs = 1,
+                           .groups = &consts};
+      zd__adam_step_ref(&a, 0, info.numel);
+    }
+    fetch_params(&t);
+    compare_ref(&t, &ref, step + 1);
+  }
+  printf("  loss %.6f -> %.6f after %d steps, every parameter bitwise equal to the reference\n",
+         first, loss, STEPS);
+  CHECK_MSG(loss < first * 0.5f, "loss did not fall: %g -> %g", first, loss);
+  char *status;
+  CHECK_INT_EQ(zd_status(t.c, &status), ZD_OK);
+  CHECK_CONTAINS(status, "backend:cuda\n");
+  CHECK_CONTAINS(status, "step:120\n");
+  CHECK_CONTAINS(status, "health:ok\n");
+  free(status);
+  detach(&t);
+  if (stream) CUDA_OK(cudaStreamDestroy(stream));
+}
+
+/* ---- 2. against the CPU backend -------------------------------------------------------------- */
+
+static uint64_t dbits(double d) {
+  uint64_t u;
+  memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+static void lockstep(const char *cuda_socket, const char *cpu_socket, const options_t *o,
+                     const int *poison_steps, int npoison) {
+  printf("lockstep with the CPU backend: %s params, %s grads, max_grad_norm %g, loss scaling %s\n",
+         zd_dtype_name(o->pdt), zd_dtype_name(o->gdt), o->max_grad_norm,
+         o->scaler.enabled ? "on" : "off");
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  trainer_t g, h;
+  attach(&g, cuda_socket, ZD_MEMORY_CUDA, o, 0, 0, stream, 0);
+  attach(&h, cpu_socket, ZD_MEMORY_HOST, o, 0, 0, NULL, 0);
+  double scale = o->scaler.enabled ? o->scaler.initial_scale : 1.0;
+  int skipped = 0, clipped = 0;
+  for (int step = 0; step < o->steps; step++) {
+    fetch_params(&g);
+    CHECK_MSG(memcmp(g.hp, h.hp, g.pbytes) == 0, "step %d: the param buffers differ", step);
+    int poison = 0;
+    for (int i = 0; i < npoison; i++) poison |= poison_steps[i] == step;
+    make_grads(&h, step, scale, poison);
+    memcpy(g.hg, h.hg, g.gbytes);
+    push_grads(&g);
+    zd_group_t groups[2];
+    groups_at(step, o->steps, groups);
+    zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
+    zd_step_result_t rg, rh;
+    CHECK_MSG(zd_step(g.c, &opts, &rg) == ZD_OK, "step %d (CUDA): %s", step, zd_last_error());
+    CHECK_MSG(zd_step(h.c, &opts, &rh) == ZD_OK, "step %d (CPU): %s", step, zd_last_error());
+    CHECK_MSG(rg.step == rh.step && rg.applied == rh.applied,
+              "step %d: CUDA step %llu applied %d, "
+              "CPU step %llu applied %d",
+              step, (unsigned long long)rg.step, rg.applied, (unsigned long long)rh.step,
+              rh.applied);
+    CHECK_MSG(dbits(rg.grad_norm) == dbits(rh.grad_norm),
+              "step %d: grad_norm %.17g (CUDA) vs "
+              "%.17g (CPU)",
+              step, rg.grad_norm, rh.grad_norm);
+    CHECK_MSG(
+        dbits(rg.loss_scale) == dbits(rh.loss_scale) && dbits(rg.clip_coef) == dbits(rh.clip_coef),
+        "step %d: loss_scale %.17g / %.17g, clip_coef %.17g / %.17g (CUDA / CPU)", step,
+        rg.loss_scale, rh.loss_scale, rg.clip_coef, rh.clip_coef);
+    CHECK_MSG(!isnan(rg.grad_norm) || !rg.applied, "step %d: no grad_norm with statistics", step);
+    if (poison) CHECK_MSG(!rg.applied, "step %d: an inf gradient was applied", step);
+    skipped += !rg.applied;
+    clipped += rg.clip_coef < 1.0;
+    scale = rg.loss_scale;
+  }
+  fetch_params(&g);
+  CHECK_MSG(memcmp(g.hp, h.hp, g.pbytes) == 0, "after %d steps: the param buffers differ",
+            o->steps);
+  printf(
+      "  %d steps equal bit for bit (results and parameters): %d skipped, %d clipped, final "
+      "loss scale %g\n",
+      o->steps, skipped, clipped, scale);
+  if (o->max_grad_norm > 0)
+    CHECK_MSG(clipped > 0, "max_grad_norm %g never clipped", o->max_grad_norm);
+  if (npoison)
+    CHECK_MSG(skipped >= npoison, "%d overflows injected, %d steps skipped", npoison, skipped);
+  detach(&g);
+  detach(&h);
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+/* ---- 3. bad device buffers --------------------------------------------------------------------
+ */
+
+/* A raw register of one f32 parameter of n elements with real IPC handles of p and g. */
+static void raw_register(const char *socket, int device, uint64_t n, void *p, void *g, int expect,
+                         const char *substr) {
+  struct cudaDeviceProp prop;
+  int rank_device = 0; /* zerod's rank 0: device 0 in this process too (same environment) */
+  CUDA_OK(cudaGetDeviceProperties(&prop, rank_device));
+  cudaIpcMemHandle_t ph, gh;
+  cudaIpcEventHandle_t e1h, e2h;
+  cudaEvent_t e1, e2;
+  CUDA_OK(cudaSetDevice(device));
+  CUDA_OK(cudaIpcGetMemHandle(&ph, p));
+  CUDA_OK(cudaIpcGetMemHandle(&gh, g));
+  CUDA_OK(cudaEventCreateWithFlags(&e1, cudaEventDisableTiming | cudaEventInterprocess));
+  CUDA_OK(cudaEventCreateWithFlags(&e2, cudaEventDisableTiming | cudaEventInterprocess));
+  CUDA_OK(cudaIpcGetEventHandle(&e1h, e1));
+  CUDA_OK(cudaIpcGetEventHandle(&e2h, e2));
+  CUDA_OK(cudaSetDevice(0));
+
+  zd_param_t param = {.name = "w", .ndim = 1, .shape = {n}, .group = 0};
+  zd__layout_t *l = NULL;
+  zd__err_t err = {0};
+  CHECK_MSG(zd__layout_build(&param, 1, 1, 1, 256, &l, &err) == ZD_OK, "%s", err.msg);
+  Zerod__V1__Param wp = ZEROD__V1__PARAM__INIT, *wpp = &wp;
+  wp.name = (char *)"w";
+  wp.n_shape = 1;
+  wp.shape = &n;
+  Zerod__V1__Group grp = ZEROD__V1__GROUP__INIT, *gp = &grp;
+  grp.lr = 1e-3;
+  grp.beta1 = 0.9;
+  grp.beta2 = 0.999;
+  grp.eps = 1e-8;
+  Zerod__V1__CudaBuffers cb = ZEROD__V1__CUDA_BUFFERS__INIT;
+  cb.has_device = cb.has_device_uuid = cb.has_param_handle = cb.has_grad_handle = 1;
+  cb.has_grads_ready = cb.has_params_ready = 1;
+  cb.device = rank_device;
+  cb.device_uuid = (ProtobufCBinaryData){16, (uint8_t *)prop.uuid.bytes};
+  cb.param_handle = (ProtobufCBinaryData){sizeof ph, (uint8_t *)&ph};
+  cb.grad_handle = (ProtobufCBinaryData){sizeof gh, (uint8_t *)&gh};
+  cb.grads_ready = (ProtobufCBinaryData){sizeof e1h, (uint8_t *)&e1h};
+  cb.params_ready = (ProtobufCBinaryData){sizeof e2h, (uint8_t *)&e2h};
+  Zerod__V1__RegisterRequest req = ZEROD__V1__REGISTER_REQUEST__INIT;
+  req.n_params = 1;
+  req.params = &wpp;
+  req.n_groups = 1;
+  req.groups = &gp;
+  req.param_dtype = ZEROD__V1__DTYPE__F32;
+  req.grad_dtype = ZEROD__V1__DTYPE__F32;
+  req.layout_hash = l->hash;
+  req.has_replace = 1;
+  req.replace = 1;
+  req.cuda = &cb;
+  uint8_t buf[4096];
+  size_t len = zerod__v1__register_request__pack(&req, buf);
+  int fd = zdt_raw_connect(socket);
+  CHECK(fd >= 0);
+  zdt_raw_hello(fd, 1);
+  zdt_raw_request(fd, ZD__MSG_REGISTER, 2, buf, (uint32_t)len);
+  printf("  %s\n", zdt_expect_error(fd, 2, expect, substr));
+  close(fd);
+  zd__layout_free(l);
+  CUDA_OK(cudaEventDestroy(e1));
+  CUDA_OK(cudaEventDestroy(e2));
+}
+
+static void bad_buffers(const char *socket, int ngpus) {
+  printf("bad device buffers\n");
+  const uint64_t n = 1u << 20; /* 4 MiB of f32 params and grads; 2 MiB buffers are too small */
+  void *small, *big;
+  CUDA_OK(cudaSetDevice(0));
+  CUDA_OK(cudaMalloc(&small, 2u << 20));
+  CUDA_OK(cudaMalloc(&big, 4u << 20));
+  raw_register(socket, 0, n, small, big, ZD_EBUFFER,
+               "param buffer is 2097152 bytes, layout needs 4194304");
+  raw_register(socket, 0, n, big, small, ZD_EBUFFER,
+               "grad buffer is 2097152 bytes, layout needs 4194304");
+  if (ngpus >= 2) { /* memory of GPU 1 said to be on the rank's GPU 0 */
+    void *other;
+    CUDA_OK(cudaSetDevice(1));
+    CUDA_OK(cudaMalloc(&other, 4u << 20));
+    raw_register(socket, 1, n, other, big, ZD_EBUFFER, "this rank runs on GPU 0");
+    CUDA_OK(cudaFree(other));
+    CUDA_OK(cudaSetDevice(0));
+    /* and through libzerod: the buffers' device is not the rank's */
+    zd_client_t *c;
+    CHECK_MSG(zd_connect(socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
+    zd_group_t g[2] = {zd_group_default(), zd_group_default()};
+    zd_model_desc_t desc = {.params = mlp_params,
+                            .nparams = MLP_NPARAMS,
+                            .groups = g,
+                            .ngroups = 2,
+                            .param_dtype = ZD_F32,
+                            .grad_dtype = ZD_F32,
+                            .memory = ZD_MEMORY_CUDA,
+                            .device = 1};
+    CHECK_INT_EQ(zd_layout(c, &desc), ZD_EBUFFER);
+    printf("  zd_layout on device 1: %s\n", zd_last_error());
+    zd_close(c);
+  } else {
+    printf("  (one GPU: a buffer on another GPU is checked with a forged UUID by test_backend)\n");
+  }
+  CUDA_OK(cudaFree(small));
+  CUDA_OK(cudaFree(big));
+}
+
+/* On a failed check: the daemons' logs (CUDA errors are logged there with file:line), and no
+ * daemon left behind. */
+static zdt_daemon_t gd, cd;
+static int passed;
+
+static void on_exit_dump(void) {
+  if (passed) return;
+  if (gd.pid > 0) {
+    fprintf(stderr, "test_train_cuda failed; the logs of both zerods follow\n");
+    zdt_dump_log(&gd);
+    kill(gd.pid, SIGKILL);
+  }
+  if (cd.pid > 0) {
+    zdt_dump_log(&cd);
+    kill(cd.pid, SIGKILL);
+  }
+}
+
+int main(void) {
+  char why[1024];
+  int ngpus = zd__cuda_available(why, sizeof why);
+  if (ngpus == 0) {
+    printf("test_train_cuda: skipped, CUDA unusable: %s\n", why);
+    return ZD_TEST_SKIP;
+  }
+  struct cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  printf("GPU 0: %s, %d usable GPU(s)\n", prop.name, ngpus);
+  const char *gargs[] = {"--backend", "cuda", "--bucket_elems", "256", NULL};
+  const char *cargs[] = {"--backend", "cpu", "--bucket_elems", "256", NULL};
+  zdt_start(&gd, gargs);
+  zdt_start(&cd, cargs);
+  atexit(on_exit_dump);
+  for (int i = 0; i < 3000 && !zdt_log_contains(&gd, "NCCL communicator of 1 rank(s) ready"); i++)
+    usleep(10000);
+  CHECK_MSG(zdt_log_contains(&gd, "NCCL communicator of 1 rank(s) ready"),
+            "the CUDA rank did not come up within 30 s; see zerod's log");
+
+  train_vs_reference(gd.socket, ZD_F32, ZD_F32, 0, 0);
+  train_vs_reference(gd.socket, ZD_BF16, ZD_BF16, 1, 50);
+  train_vs_reference(gd.socket, ZD_BF16, ZD_F32, 1, 0);
+  train_vs_reference(gd.socket, ZD_F32, ZD_F16, 0, 0);
+
+  zd_loss_scaler_t scaler = {.enabled = 1,
+                             .initial_scale = 65536,
+                             .growth_factor = 2,
+                             .backoff_factor = 0.5,
+                             .growth_interval = 10,
+                             .hysteresis = 2,
+                             .min_scale = 1};
+  const int poison[] = {15, 16, 40};
+  options_t o1 = {
+      .pdt = ZD_F32, .gdt = ZD_F16, .steps = 80, .max_grad_norm = 0.5, .scaler = scaler};
+  lockstep(gd.socket, cd.socket, &o1, poison, 3);
+  options_t o2 = {.pdt = ZD_BF16, .gdt = ZD_F32, .steps = 60, .max_grad_norm = 0.3};
+  lockstep(gd.socket, cd.socket, &o2, NULL, 0);
+  options_t o3 = {.pdt = ZD_BF16, .gdt = ZD_BF16, .steps = 40, .scaler = scaler};
+  lockstep(gd.socket, cd.socket, &o3, poison, 1);
+
+  bad_buffers(gd.socket, ngpus);
+
+  char *status;
+  zd_client_t *c;
+  CHECK_MSG(zd_connect(gd.socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
+  CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
+  CHECK_CONTAINS(status, "health:ok\n"); /* refused registers do not degrade the rank */
+  free(status);
+  zd_close(c);
+  CHECK_MSG(!zdt_log_contains(&gd, " ERROR "), "the CUDA zerod logged errors");
+  int st = zdt_stop(&gd, SIGTERM, 1);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod (CUDA) exit status 0x%x", st);
+  st = zdt_stop(&cd, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod (CPU) exit status 0x%x", st);
+  passed = 1;
+  zdt_stop(&gd, SIGTERM, 0); /* its directory, kept for the log until here */
+  printf("test_train_cuda: ok\n");
+  return 0;
+}
