@@ -926,11 +926,24 @@ static void maybe_teardown(zd__session_t *s) {
   uv_close((uv_handle_t *)&s->frame_timer, on_handle_closed);
 }
 
-static int peer_allowed(const zd__config_t *cfg, const struct ucred *cred) {
+static int gid_allowed(const zd__config_t *cfg, uint32_t gid) {
+  for (uint32_t i = 0; i < cfg->allowed_gids.n; i++)
+    if (cfg->allowed_gids.ids[i] == gid) return 1;
+  return 0;
+}
+
+/* The peer's uid, its primary gid, or any of its supplementary groups (SO_PEERGROUPS: a user
+ * added to group zerod is allowed without changing its primary group). */
+static int peer_allowed(const zd__config_t *cfg, int fd, const struct ucred *cred) {
   for (uint32_t i = 0; i < cfg->allowed_uids.n; i++)
     if (cfg->allowed_uids.ids[i] == (uint32_t)cred->uid) return 1;
-  for (uint32_t i = 0; i < cfg->allowed_gids.n; i++)
-    if (cfg->allowed_gids.ids[i] == (uint32_t)cred->gid) return 1;
+  if (gid_allowed(cfg, (uint32_t)cred->gid)) return 1;
+  if (cfg->allowed_gids.n == 0) return 0;
+  gid_t groups[256];
+  socklen_t len = sizeof groups;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) != 0) return 0;
+  for (size_t i = 0; i < len / sizeof groups[0]; i++)
+    if (gid_allowed(cfg, (uint32_t)groups[i])) return 1;
   return 0;
 }
 
@@ -970,7 +983,7 @@ int zd__session_create(zd__daemon_t *d, int fd, const struct ucred *cred) {
   d->nsessions++;
   d->clients_total++;
 
-  if (!peer_allowed(d->cfg, cred)) {
+  if (!peer_allowed(d->cfg, fd, cred)) {
     char uids[256], gids[256];
     format_ids(&d->cfg->allowed_uids, uids, sizeof uids);
     format_ids(&d->cfg->allowed_gids, gids, sizeof gids);

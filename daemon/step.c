@@ -334,9 +334,12 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
 static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                            int32_t bucket, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
-  uint32_t b0 = bucket < 0 ? 0 : (uint32_t)bucket, b1 = bucket < 0 ? l->nbuckets : b0 + 1;
+  /* All buckets go in descending order, the order in which backward completes them and clients
+   * scatter them one by one: ranks that scatter some buckets themselves and leave the rest to the
+   * step then still run the same sequence of collectives. */
+  uint32_t hi = bucket < 0 ? l->nbuckets : (uint32_t)bucket + 1, lo = bucket < 0 ? 0 : hi - 1;
   size_t gsize = zd_dtype_size(m->grad_dtype);
-  for (uint32_t b = b0; b < b1; b++) {
+  for (uint32_t b = hi; b-- > lo;) {
     const zd__bucket_t *bk = &l->buckets[b];
     const void *send = (const char *)buf->grads.addr + bk->offset * gsize;
     float *scratch = m->grad_shard ? m->grad_shard + bk->shard_base : NULL;

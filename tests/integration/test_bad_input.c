@@ -3,6 +3,7 @@
  * (it steps after every case). Frames are built by hand here, since libzerod never sends them. */
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -336,6 +337,25 @@ static void test_denied(void) {
                  "4243");
   printf("  uid not allowed -> %s: %s\n", zd_err_name(rc), zd_last_error());
   CHECK(zdt_log_contains(&d, "is not allowed to use zerod"));
+
+  /* A supplementary group in allowed_gids is enough (the user was added to the group). Setting
+   * the groups needs root; as another user this part cannot run. */
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    gid_t extra = 4243;
+    if (setgroups(1, &extra) != 0) _exit(77);
+    zd_client_t *member;
+    int crc = zd_connect(d.socket, ZD_ANY_RANK, 5000, &member);
+    if (crc != ZD_OK) fprintf(stderr, "member of group 4243 refused: %s\n", zd_last_error());
+    _exit(crc == ZD_OK ? 0 : 1);
+  }
+  int cst;
+  waitpid(pid, &cst, 0);
+  CHECK_MSG(WIFEXITED(cst) && (WEXITSTATUS(cst) == 0 || WEXITSTATUS(cst) == 77),
+            "a member of an allowed supplementary group was refused (status 0x%x)", cst);
+  printf("  supplementary group allowed: %s\n",
+         WEXITSTATUS(cst) == 0 ? "yes" : "not checked (setgroups needs root)");
   int st = zdt_stop(&d, SIGTERM, 0);
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
 }
