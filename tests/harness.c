@@ -55,6 +55,34 @@ int zdt_raw_connect(const char *socket_path) {
   return fd;
 }
 
+/* Daemons started and not stopped yet: a test that fails (CHECK exits) must not leave them
+ * running. Only the process that started them kills them (forked children exit too). */
+#define MAX_LIVE 16
+static pid_t live[MAX_LIVE];
+static pid_t live_owner;
+
+static void kill_leftovers(void) {
+  if (getpid() != live_owner) return;
+  for (int i = 0; i < MAX_LIVE; i++)
+    if (live[i] > 0) {
+      kill(live[i], SIGKILL);
+      waitpid(live[i], NULL, 0);
+      live[i] = 0;
+    }
+}
+
+static void track(pid_t pid, pid_t untrack) {
+  if (!live_owner) {
+    live_owner = getpid();
+    atexit(kill_leftovers);
+  }
+  for (int i = 0; i < MAX_LIVE; i++)
+    if (live[i] == untrack) {
+      live[i] = pid;
+      return;
+    }
+}
+
 void zdt_start(zdt_daemon_t *d, const char *const *extra) {
   const char *bin = getenv("ZEROD_BIN");
   CHECK_MSG(bin && bin[0], "ZEROD_BIN is not set (run the tests with meson test)");
@@ -91,6 +119,7 @@ void zdt_start(zdt_daemon_t *d, const char *const *extra) {
     fprintf(stderr, "exec %s: %s\n", bin, strerror(errno));
     _exit(127);
   }
+  track(d->pid, 0);
   for (int i = 0; i < 1000; i++) { /* 10 s */
     int fd = zdt_raw_connect(d->socket);
     if (fd >= 0) {
@@ -122,13 +151,18 @@ int zdt_stop(zdt_daemon_t *d, int sig, int keep) {
         fprintf(stderr, "zerod did not exit within 20 s of signal %d\n", sig);
         kill(d->pid, SIGKILL);
         waitpid(d->pid, &status, 0);
+        track(0, d->pid);
         exit(1);
       }
       sleep_ms(10);
     }
+    track(0, d->pid);
     d->pid = 0;
   }
   if (!keep) {
+    char lock[sizeof d->socket + 8];
+    snprintf(lock, sizeof lock, "%s.lock", d->socket); /* left behind by a killed zerod */
+    unlink(lock);
     unlink(d->log);
     unlink(d->socket);
     unlink(d->control + 5);

@@ -849,25 +849,14 @@ static void test_dead_address(const char *dir) {
   printf("  dead address: zeroctl exits 1 in %.0f ms with a clear error\n", took);
 }
 
-static zdt_daemon_t *started[2];
-
-/* A failed CHECK exits: take the harness's daemons and ours down with the test. */
-static void cleanup(void) {
-  kill_spawned();
-  for (int i = 0; i < 2; i++)
-    if (started[i] && started[i]->pid > 0) kill(started[i]->pid, SIGKILL);
-}
-
 int main(void) {
   zdt_daemon_t d;
-  atexit(cleanup);
+  atexit(kill_spawned); /* the harness takes down the daemons it started itself */
   const char *args[] = {"--bucket_elems", "256", NULL};
   zdt_start(&d, args); /* forks: before this process starts any gRPC thread */
   zdt_daemon_t c;
   const char *tcp_args[] = {"--control_address", "127.0.0.1:0", NULL}; /* the last flag wins */
   zdt_start(&c, tcp_args);
-  started[0] = &d;
-  started[1] = &c;
   node_b_t b = {0};
   start_node_b(&d, &b);
 

@@ -572,10 +572,7 @@ static void test_peer_killed(void) {
   for (int q = 0; q < 2; q++) CHECK_MSG(r[q].rc == ZD_OK, "rank %d: %s", q, r[q].err);
   step_arg_t s[2];
   for (int i = 0; i < 5; i++) step_both(c, 2e-3, s);
-  kill(w.daemons[1].pid, SIGKILL);
-  int st;
-  waitpid(w.daemons[1].pid, &st, 0);
-  w.daemons[1].pid = 0;
+  zdt_stop(&w.daemons[1], SIGKILL, 1); /* killed: the directory goes with stop_world */
   /* rank 0 steps alone: its collective fails, within the timeout, with a clear error */
   s[0] = (step_arg_t){.c = c[0], .lr = 2e-3};
   step_thread(&s[0]);
