@@ -24,6 +24,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifdef ZD_HAVE_CUDA
@@ -158,8 +159,30 @@ static int send_request(zd_client_t *c, uint16_t type, const ProtobufCMessage *m
 }
 
 /* Reads exactly len bytes; timeout_ms < 0 waits for ever. */
+/* Before sleeping on a reply, look for it for this long: a small step's reply comes back within
+ * tens of microseconds, about what waking a sleeping thread costs on a virtual machine. */
+#define REPLY_SPIN_NS 50000
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Reads what is there without blocking, for up to REPLY_SPIN_NS; returns bytes read, 0 if none
+ * came, or -1 with errno (EOF reads as 0 bytes on the blocking path that follows). */
+static ssize_t read_spinning(zd_client_t *c, uint8_t *buf, size_t len) {
+  uint64_t deadline = now_ns() + REPLY_SPIN_NS;
+  do {
+    ssize_t n = recv(c->fd, buf, len, MSG_DONTWAIT);
+    if (n > 0) return n;
+    if (n == 0 || (errno != EAGAIN && errno != EINTR)) return 0; /* let the blocking read say */
+  } while (now_ns() < deadline);
+  return 0;
+}
+
 static int read_all(zd_client_t *c, uint8_t *buf, size_t len, int timeout_ms) {
-  size_t off = 0;
+  size_t off = (size_t)read_spinning(c, buf, len);
   while (off < len) {
     if (timeout_ms >= 0) {
       struct pollfd p = {.fd = c->fd, .events = POLLIN};

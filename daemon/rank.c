@@ -23,8 +23,10 @@ struct zd__rank {
   pthread_cond_t cond;
   zd__job_t *head, *tail;
   int stop;
+  int busy;                  /* under lock: a job is running (on the worker or inline) */
+  atomic_int inline_ok;      /* the model is small enough to step on the loop thread */
   atomic_int cancel_connect; /* shutdown during the world bootstrap */
-  zd__model_t *model; /* worker thread only */
+  zd__model_t *model; /* the thread running a job only */
   pthread_mutex_t stats_lock;
   zd__rank_stats_t stats;
   zd__shard_range_t *ranges; /* under stats_lock: the model's shard, for status */
@@ -67,6 +69,8 @@ static void publish_ranges(zd__rank_t *r, const zd__model_t *m) {
 /* Refreshes the snapshot after a job; takes the model's numbers as they are now. */
 static void publish(zd__rank_t *r, const zd__job_t *job) {
   const zd__model_t *m = r->model;
+  atomic_store(&r->inline_ok, m && r->env.world_size == 1 && r->env.device < 0 &&
+                                  m->layout->shard_elems <= ZD__INLINE_MAX_ELEMS);
   pthread_mutex_lock(&r->stats_lock);
   publish_ranges(r, m);
   zd__rank_stats_t *s = &r->stats;
@@ -243,12 +247,14 @@ static void *worker_main(void *arg) {
     if (!job) break; /* stop requested and the queue is drained */
     r->head = job->next;
     if (!r->head) r->tail = NULL;
+    r->busy = 1;
     pthread_mutex_unlock(&r->lock);
     job->next = NULL;
     run_job(r, job);
     publish(r, job);
     r->env.done(r->env.done_ctx, job);
     pthread_mutex_lock(&r->lock);
+    r->busy = 0;
   }
   pthread_mutex_unlock(&r->lock);
   /* The state, the communicator and the backend are released by the thread that used them (with
@@ -308,6 +314,23 @@ void zd__rank_destroy(zd__rank_t *r) {
   pthread_cond_destroy(&r->cond);
   pthread_mutex_destroy(&r->lock);
   free(r);
+}
+
+int zd__rank_run_inline(zd__rank_t *r, zd__job_t *job) {
+  if (!atomic_load(&r->inline_ok) || job->type == ZD__JOB_ATTACH) return 0;
+  pthread_mutex_lock(&r->lock);
+  int idle = !r->head && !r->busy && !r->stop;
+  if (idle) r->busy = 1;
+  pthread_mutex_unlock(&r->lock);
+  if (!idle) return 0;
+  job->rank = r;
+  run_job(r, job);
+  publish(r, job);
+  /* Only the loop thread submits jobs, and it was here: nothing was queued meanwhile. */
+  pthread_mutex_lock(&r->lock);
+  r->busy = 0;
+  pthread_mutex_unlock(&r->lock);
+  return 1;
 }
 
 void zd__rank_submit(zd__rank_t *r, zd__job_t *job) {

@@ -173,6 +173,16 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out);
  * for peers), joins it and frees the rank and its model; accepts NULL. */
 void zd__rank_destroy(zd__rank_t *rank);
 
+/* Jobs of a world-size-1 CPU model up to this many elements may run on the loop thread: a step
+ * then costs no thread hand-off (two wake-ups saved, most of a tiny step's round trip), and the
+ * kernel runs single-threaded anyway at this size. */
+#define ZD__INLINE_MAX_ELEMS 32768u
+
+/* Runs a scatter, step or gather job right here, on the calling (loop) thread, when the rank
+ * allows it (ZD__INLINE_MAX_ELEMS) and has nothing queued or running; returns 1 if it ran (the
+ * caller then completes the job itself), 0 if the job must be submitted. */
+int zd__rank_run_inline(zd__rank_t *rank, zd__job_t *job);
+
 /* Queues a job (any thread; in practice the loop). */
 void zd__rank_submit(zd__rank_t *rank, zd__job_t *job);
 

@@ -45,6 +45,7 @@ struct zd__session {
   char name[64];
   session_state_t state;
   int closing;   /* read no more; tear down once idle */
+  int dispatching; /* in process_frames: a job done inline must not re-enter it */
   int torn_down; /* handles closing */
   int poll_events;
 
@@ -194,7 +195,10 @@ static zd__job_t *job_new(zd__session_t *s, zd__job_type_t type, const zd__frame
 
 static void submit(zd__session_t *s, zd__job_t *job) {
   s->inflight++;
-  zd__rank_submit(s->rank, job);
+  if (zd__rank_run_inline(s->rank, job))
+    zd__session_job_done(s, job);
+  else
+    zd__rank_submit(s->rank, job);
 }
 
 /* ---- handlers ------------------------------------------------------------------------------ */
@@ -751,7 +755,7 @@ static void consume(zd__session_t *s, size_t n) {
   s->rlen -= n;
 }
 
-static void process_frames(zd__session_t *s) {
+static void dispatch_frames(zd__session_t *s) {
   zd__daemon_t *d = s->daemon;
   while (!s->closing && s->rlen >= ZD__FRAME_HEADER_SIZE && s->inflight < d->cfg->max_inflight) {
     zd__frame_header_t h;
@@ -778,6 +782,14 @@ static void process_frames(zd__session_t *s) {
     if (s->torn_down) return;
     consume(s, total);
   }
+}
+
+static void process_frames(zd__session_t *s) {
+  s->dispatching = 1;
+  dispatch_frames(s);
+  s->dispatching = 0;
+  if (s->torn_down) return;
+  zd__daemon_t *d = s->daemon;
   /* A partial frame must complete within frame_timeout_ms. */
   if (s->rlen > 0 && !s->closing) {
     if (!uv_is_active((uv_handle_t *)&s->frame_timer))
@@ -1061,7 +1073,7 @@ void zd__session_job_done(zd__session_t *s, zd__job_t *job) {
   }
   reply_job(s, job);
   zd__job_free(job);
-  if (!s->closing) process_frames(s); /* frames held back by max_inflight */
+  if (!s->closing && !s->dispatching) process_frames(s); /* frames held back by max_inflight */
   update_poll(s);
   maybe_teardown(s);
 }
