@@ -304,11 +304,11 @@ static row_t *make_rows(const node_t *nodes, size_t nnodes, uint32_t world_size,
 
 /* ---- table --------------------------------------------------------------------------------- */
 
-enum { NCOLS = 11, CELL = 96 };
+enum { NCOLS = 12, CELL = 96 };
 
-static const char *const headers[NCOLS] = {"RANK",       "LOCAL",     "NODE",        "HEALTH",
-                                           "CLIENT",     "STEP",      "SHARD_ELEMS", "STATE_BYTES",
-                                           "LOSS_SCALE", "GRAD_NORM", "STEP_MS"};
+static const char *const headers[NCOLS] = {
+    "RANK",        "LOCAL",       "NODE",       "HEALTH",    "CLIENT",  "STEP",
+    "SHARD",       "SHARD_ELEMS", "STATE_BYTES", "LOSS_SCALE", "GRAD_NORM", "STEP_MS"};
 
 static void row_cells(const row_t *r, char cells[NCOLS][CELL]) {
   for (int i = 0; i < NCOLS; i++) snprintf(cells[i], CELL, "-");
@@ -330,15 +330,22 @@ static void row_cells(const row_t *r, char cells[NCOLS][CELL]) {
       snprintf(cells[4], CELL, "%s", s->client);
   }
   if (s->has_step) snprintf(cells[5], CELL, "%" PRIu64, s->step);
-  if (s->has_shard_elems) snprintf(cells[6], CELL, "%" PRIu64, s->shard_elems);
+  if (s->n_shard) /* the slice of the first bucket, and how many buckets more (--json: all) */
+    snprintf(cells[6], CELL, "[%" PRIu64 ",%" PRIu64 ")%s", s->shard[0]->begin, s->shard[0]->end,
+             s->n_shard > 1 ? "+" : "");
+  if (s->n_shard > 1) {
+    size_t used = strlen(cells[6]);
+    snprintf(cells[6] + used, CELL - used, "%zu", s->n_shard - 1);
+  }
+  if (s->has_shard_elems) snprintf(cells[7], CELL, "%" PRIu64, s->shard_elems);
   if (s->has_state_bytes) {
     char h[32];
     human_bytes(s->state_bytes, h, sizeof h);
-    snprintf(cells[7], CELL, "%" PRIu64 " (%s)", s->state_bytes, h);
+    snprintf(cells[8], CELL, "%" PRIu64 " (%s)", s->state_bytes, h);
   }
-  if (s->has_loss_scale) snprintf(cells[8], CELL, "%g", s->loss_scale);
-  if (s->has_last_grad_norm) snprintf(cells[9], CELL, "%.6g", s->last_grad_norm);
-  if (s->has_last_step_us) snprintf(cells[10], CELL, "%.3f", (double)s->last_step_us / 1000.0);
+  if (s->has_loss_scale) snprintf(cells[9], CELL, "%g", s->loss_scale);
+  if (s->has_last_grad_norm) snprintf(cells[10], CELL, "%.6g", s->last_grad_norm);
+  if (s->has_last_step_us) snprintf(cells[11], CELL, "%.3f", (double)s->last_step_us / 1000.0);
 }
 
 static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, size_t nrows) {
@@ -360,7 +367,7 @@ static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, s
       if (strlen(cells[r][c]) > width[c]) width[c] = strlen(cells[r][c]);
   }
   /* Numbers right-aligned, words left-aligned; no trailing blanks. */
-  static const int right[NCOLS] = {1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1};
+  static const int right[NCOLS] = {1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 1, 1};
   printf("\n");
   for (int c = 0; c < NCOLS; c++)
     printf("%s%*s", c ? "  " : "", right[c] ? (int)width[c] : -(int)width[c], headers[c]);

@@ -354,6 +354,8 @@ static void test_status(const zdt_daemon_t *d) {
   CHECK_CONTAINS(out, "test_control");
   CHECK_CONTAINS(out, want_state);
   CHECK_CONTAINS(out, " ok ");
+  CHECK_CONTAINS(out, "SHARD ");
+  CHECK_CONTAINS(out, " [0,"); /* the shard's first range */
   free(out), free(err);
 
   const char *a2[] = {"--address", d->control, "status", "--json", NULL};
