@@ -59,6 +59,8 @@ typedef struct zd__comm_ops {
    * waits (bounded) for the stream to drain, so that the caller may release the memory the queued
    * work used, and then returns the failure that broke it. */
   int (*sync)(zd__comm_t *comm, zd__err_t *err);
+  /* Non-zero once a failure made the communicator unusable (NULL: it never fails). */
+  int (*failed)(const zd__comm_t *comm);
   void (*destroy)(zd__comm_t *comm);
 } zd__comm_ops_t;
 
@@ -90,6 +92,10 @@ int zd__comm_nccl_create(const void *id, uint32_t rank, uint32_t world_size, int
 /* A fresh ncclUniqueId (128 bytes) into id: rank 0's part of the bootstrap. */
 int zd__comm_nccl_unique_id(void *id, size_t len, zd__err_t *err);
 #endif
+
+static inline int zd__comm_failed(const zd__comm_t *comm) {
+  return comm && comm->ops->failed && comm->ops->failed(comm);
+}
 
 static inline void zd__comm_destroy(zd__comm_t *comm) {
   if (comm) comm->ops->destroy(comm);

@@ -39,6 +39,10 @@ static int gloo_allgather_bytes(zd__comm_t *comm, const void *send, size_t bytes
   return zd__gloo_allgather_bytes(c->gloo, send, bytes, recv, err);
 }
 
+static int gloo_failed(const zd__comm_t *comm) {
+  return zd__gloo_failed(((const gloo_comm_t *)comm)->gloo);
+}
+
 static void gloo_destroy(zd__comm_t *comm) {
   gloo_comm_t *c = (gloo_comm_t *)comm;
   zd__gloo_destroy(c->gloo);
@@ -49,6 +53,7 @@ static const zd__comm_ops_t gloo_ops = {
     .reduce_scatter = gloo_reduce_scatter,
     .all_gather = gloo_all_gather,
     .allgather_bytes = gloo_allgather_bytes,
+    .failed = gloo_failed,
     .destroy = gloo_destroy,
 };
 

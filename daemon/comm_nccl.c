@@ -256,6 +256,8 @@ static int nccl_allgather_bytes(zd__comm_t *comm, const void *send, size_t bytes
   return ZD_OK;
 }
 
+static int nccl_failed(const zd__comm_t *comm) { return ((const nccl_comm_t *)comm)->code != 0; }
+
 static void nccl_destroy(zd__comm_t *comm) {
   nccl_comm_t *c = (nccl_comm_t *)comm;
   /* Nothing is in flight (every job waited for its work), and abort never waits for peers that
@@ -279,6 +281,7 @@ static const zd__comm_ops_t nccl_ops = {
     .allgather_bytes = nccl_allgather_bytes,
     .allgather_device = nccl_allgather_device,
     .sync = nccl_sync,
+    .failed = nccl_failed,
     .destroy = nccl_destroy,
 };
 

@@ -112,6 +112,7 @@ void zd__daemon_shutdown(zd__daemon_t *d) {
   d->shutting_down = 1;
   sd_notify("STOPPING=1");
   zd__server_stop(d);
+  for (uint32_t i = 0; i < d->nranks; i++) zd__rank_cancel(d->ranks[i]); /* no long waits now */
   if (d->control) zd__control_stop(d->control, control_stopped);
   zd__session_t *s = d->sessions;
   while (s) {

@@ -57,6 +57,9 @@ int zd__gloo_connect(const zd__gloo_opts_t *opts, zd__gloo_t **out, zd__err_t *e
 /* Closes the connections (the peers' next collective fails) and frees g. Accepts NULL. */
 void zd__gloo_destroy(zd__gloo_t *g);
 
+/* Non-zero once a failure made the context unusable. */
+int zd__gloo_failed(const zd__gloo_t *g);
+
 /* The collectives block until done or failed. Every rank must make the same calls in the same
  * order with the same sizes; a rank that calls something else waits on different message tags and
  * the call fails by timeout instead of mixing data. Each wait for a transfer is bounded by

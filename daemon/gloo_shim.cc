@@ -522,6 +522,8 @@ extern "C" void zd__gloo_destroy(zd__gloo_t *g) {
   delete g;
 }
 
+extern "C" int zd__gloo_failed(const zd__gloo_t *g) { return g->broken != 0; }
+
 extern "C" int zd__gloo_reduce_scatter(zd__gloo_t *g, const void *send, zd_dtype_t dtype,
                                        float *recv, uint64_t count, uint32_t tag,
                                        zd__err_t *err) {

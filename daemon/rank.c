@@ -25,7 +25,7 @@ struct zd__rank {
   int stop;
   int busy;                  /* under lock: a job is running (on the worker or inline) */
   atomic_int inline_ok;      /* the model is small enough to step on the loop thread */
-  atomic_int cancel_connect; /* shutdown during the world bootstrap */
+  atomic_int cancel;         /* shutdown: stop waiting for peers (bootstrap, barriers) */
   zd__model_t *model; /* the thread running a job only */
   pthread_mutex_t stats_lock;
   zd__rank_stats_t stats;
@@ -99,8 +99,9 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
   if (job->type == ZD__JOB_SCATTER && job->code == ZD_OK) s->scatters++;
   if (job->type == ZD__JOB_GATHER && job->code == ZD_OK) s->gathers++;
   /* A failed collective breaks the communicator for good, and a failure of the device leaves its
-   * state in doubt: the rank is degraded. */
-  if (job->code == ZD_EPEER || job->code == -ETIMEDOUT || job->code == ZD_EBACKEND) {
+   * state in doubt: the rank is degraded. (A registration barrier that timed out, or a peer that
+   * refused a step, leaves the communicator healthy: not degraded.) */
+  if (job->code && (job->code == ZD_EBACKEND || zd__comm_failed(r->ctx.comm))) {
     if (s->health != ZD__HEALTH_DEGRADED)
       ZD_LOG_ERROR("rank degraded: %s", job->err.msg);
     s->health = ZD__HEALTH_DEGRADED;
@@ -185,8 +186,8 @@ static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix,
 /* Joins the world before the first job runs; jobs queued meanwhile wait (or fail as degraded). */
 static void join_world(zd__rank_t *r) {
   zd__err_t err = {0};
-  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel_connect,
-                             &r->ctx.comm, &err);
+  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, &r->ctx.comm,
+                             &r->ctx.member, &err);
   if (rc == ZD_OK) {
     set_health(r, ZD__HEALTH_OK, "", "");
     return;
@@ -211,10 +212,10 @@ static void start_cuda(zd__rank_t *r) {
   void *stream = zd__compute_cuda_stream(r->ctx.compute);
   if (r->env.world_size == 1)
     rc = zd__comm_nccl_create(NULL, 0, 1, r->env.device, stream, w->connect_timeout_ms,
-                              w->collective_timeout_ms, &r->cancel_connect, &r->ctx.comm, &err);
+                              w->collective_timeout_ms, &r->cancel, &r->ctx.comm, &err);
   else
-    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel_connect,
-                           &r->ctx.comm, &err);
+    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, &r->ctx.comm,
+                           &r->ctx.member, &err);
   if (rc == ZD_OK) {
     ZD_LOG_INFO("CUDA backend on GPU %d, NCCL communicator of %u rank(s) ready", r->env.device,
                 r->env.world_size);
@@ -263,6 +264,8 @@ static void *worker_main(void *arg) {
   r->model = NULL;
   zd__comm_destroy(r->ctx.comm);
   r->ctx.comm = NULL;
+  zd__world_member_free(r->ctx.member);
+  r->ctx.member = NULL;
   zd__compute_destroy(r->ctx.compute);
   r->ctx.compute = NULL;
   return NULL;
@@ -303,7 +306,7 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
 
 void zd__rank_destroy(zd__rank_t *r) {
   if (!r) return;
-  atomic_store(&r->cancel_connect, 1);
+  atomic_store(&r->cancel, 1);
   pthread_mutex_lock(&r->lock);
   r->stop = 1;
   pthread_cond_signal(&r->cond);
@@ -315,6 +318,8 @@ void zd__rank_destroy(zd__rank_t *r) {
   pthread_mutex_destroy(&r->lock);
   free(r);
 }
+
+void zd__rank_cancel(zd__rank_t *r) { atomic_store(&r->cancel, 1); }
 
 int zd__rank_run_inline(zd__rank_t *r, zd__job_t *job) {
   if (!atomic_load(&r->inline_ok) || job->type == ZD__JOB_ATTACH) return 0;

@@ -169,6 +169,10 @@ typedef struct zd__rank_env {
  * until then and `degraded`, with the reason, if that fails. Errors: -ENOMEM, -EAGAIN. */
 int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out);
 
+/* Shutdown has begun: waits for peers (the world's bootstrap, registration barriers) give up
+ * with -ECANCELED from now on, so that the jobs in flight finish soon. Any thread. */
+void zd__rank_cancel(zd__rank_t *rank);
+
 /* Stops the worker after the queued jobs have run (cancelling a world bootstrap still waiting
  * for peers), joins it and frees the rank and its model; accepts NULL. */
 void zd__rank_destroy(zd__rank_t *rank);

@@ -12,6 +12,7 @@
 
 #include "log.h"
 #include "step_decide.h"
+#include "world.h"
 
 static uint64_t now_us(void) {
   struct timespec ts;
@@ -268,6 +269,18 @@ exit:
 
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                      const zd__buffers_t *buf, int *resumed, zd__err_t *err) {
+  /* Trainers may register minutes apart; the agreement below is a collective bounded by the
+   * collective timeout. Wait for every rank through the rendezvous store first, which may take
+   * as long as a world takes to form, and can be cancelled by a shutdown. */
+  if (ctx->member) {
+    int rc = zd__world_barrier(ctx->member, "register", err);
+    if (rc) {
+      char cause[ZD__ERR_MSG_MAX];
+      snprintf(cause, sizeof cause, "%s", err->msg);
+      return zd__errf(err, rc, "registration on rank %u: waiting for the other ranks' clients to "
+                      "register: %s", ctx->rank, cause);
+    }
+  }
   zd__model_t *m = *model;
   char diff[512] = "";
   int same = m && m->layout->hash == spec->layout->hash &&

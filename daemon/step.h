@@ -55,6 +55,7 @@ typedef struct zd__step_ctx {
   uint32_t world_size;
   zd__comm_t *comm;
   zd__compute_t *compute;
+  struct zd__world_member *member; /* world size > 1: for the registration barrier */
 } zd__step_ctx_t;
 
 /* Checks one group's hyperparameters: all finite, lr >= 0, eps > 0, 0 <= betas < 1,

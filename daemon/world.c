@@ -23,7 +23,7 @@ typedef struct kv_ctx {
 
 static int cancelled(const kv_ctx_t *k, zd__err_t *err) {
   if (!atomic_load(k->stop)) return ZD_OK;
-  return zd__errf(err, -ECANCELED, "joining the world was cancelled (shutdown)");
+  return zd__errf(err, -ECANCELED, "cancelled: zerod is shutting down");
 }
 
 static int kv_set(void *ctx, const char *key, const void *value, size_t len, zd__err_t *err) {
@@ -102,8 +102,18 @@ static int nccl_connect(const zd__world_t *w, const zd__kv_t *kv, const char *wo
 }
 #endif
 
+struct zd__world_member {
+  kv_ctx_t kv;        /* the rendezvous connection, kept for barriers */
+  char id[32];        /* the world instance */
+  uint32_t rank;
+  uint32_t world_size;
+  uint64_t barriers;  /* barriers passed: every rank counts the same */
+};
+
 int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
-                      atomic_int *stop, zd__comm_t **out, zd__err_t *err) {
+                      atomic_int *stop, zd__comm_t **out, zd__world_member_t **member,
+                      zd__err_t *err) {
+  *member = NULL;
 #ifndef ZD_HAVE_CUDA
   (void)stream;
   if (device >= 0)
@@ -142,6 +152,54 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
   rc = zd__comm_gloo_create(&opts, out, err);
   if (rc == ZD_OK) ZD_LOG_INFO("joined world %s as rank %u of %u", id, rank, w->world_size);
 exit:
+  if (rc == ZD_OK) {
+    zd__world_member_t *m = calloc(1, sizeof *m);
+    if (m) {
+      *m = (zd__world_member_t){.kv = k, .rank = rank, .world_size = w->world_size};
+      snprintf(m->id, sizeof m->id, "%s", id);
+      *member = m;
+      return ZD_OK;
+    }
+    zd__comm_destroy(*out);
+    *out = NULL;
+    rc = zd__errf(err, -ENOMEM, "out of memory");
+  }
   zd__rdv_close(k.rdv);
   return rc;
+}
+
+int zd__world_barrier(zd__world_member_t *m, const char *name, zd__err_t *err) {
+  uint64_t epoch = ++m->barriers;
+  uint32_t w = m->world_size;
+  char mine[128];
+  snprintf(mine, sizeof mine, "barrier/%s/%s/%" PRIu64 "/%u", m->id, name, epoch, m->rank);
+  int rc = kv_set(&m->kv, mine, "", 0, err);
+  if (rc) return rc;
+  char (*keys)[128] = calloc(w, sizeof *keys);
+  const char **names = calloc(w, sizeof *names);
+  if (!keys || !names) {
+    rc = zd__errf(err, -ENOMEM, "out of memory");
+    goto exit;
+  }
+  for (uint32_t r = 0; r < w; r++) {
+    snprintf(keys[r], sizeof keys[r], "barrier/%s/%s/%" PRIu64 "/%u", m->id, name, epoch, r);
+    names[r] = keys[r];
+  }
+  rc = kv_wait(&m->kv, names, w, m->kv.timeout_ms, err);
+  if (rc == -ETIMEDOUT) {
+    char cause[ZD__ERR_MSG_MAX];
+    snprintf(cause, sizeof cause, "%s", err->msg);
+    rc = zd__errf(err, -ETIMEDOUT, "%s: not every rank arrived within %d ms (%s)", name,
+                  m->kv.timeout_ms, cause);
+  }
+exit:
+  free(names);
+  free(keys);
+  return rc;
+}
+
+void zd__world_member_free(zd__world_member_t *m) {
+  if (!m) return;
+  zd__rdv_close(m->kv.rdv);
+  free(m);
 }

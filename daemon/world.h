@@ -30,12 +30,26 @@ typedef struct zd__world {
   int connect_timeout_ms;
 } zd__world_t;
 
-/* Joins global rank `rank` to the world and returns its communicator: Gloo over host memory when
- * device is -1, else NCCL on that CUDA device (the calling thread's current one) queuing its
- * operations on `stream` (a cudaStream_t). Errors: -ETIMEDOUT (peers did not join within
- * connect_timeout_ms), -ECANCELED (*stop was set), ZD_EPEER, ZD_EBACKEND (a CUDA device in a build
- * without CUDA). */
+/* A rank's membership of its world: its rendezvous connection, for barriers. */
+typedef struct zd__world_member zd__world_member_t;
+
+/* Joins global rank `rank` to the world and returns its communicator and membership: Gloo over
+ * host memory when device is -1, else NCCL on that CUDA device (the calling thread's current one)
+ * queuing its operations on `stream` (a cudaStream_t). Errors: -ETIMEDOUT (peers did not join
+ * within connect_timeout_ms), -ECANCELED (*stop was set), ZD_EPEER, ZD_EBACKEND (a CUDA device in
+ * a build without CUDA). */
 int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
-                      atomic_int *stop, zd__comm_t **out, zd__err_t *err);
+                      atomic_int *stop, zd__comm_t **out, zd__world_member_t **member,
+                      zd__err_t *err);
+
+/* Waits until every rank of the world has called the barrier `name` as many times as this one,
+ * through the rendezvous store: for waits that may last much longer than a collective's timeout
+ * (clients registering minutes apart), at most connect_timeout_ms, cancelled (-ECANCELED) when
+ * the stop flag given to zd__world_connect is set. No collective is involved: a timeout here
+ * leaves the communicator healthy. -ETIMEDOUT names the ranks' keys that did not arrive. */
+int zd__world_barrier(zd__world_member_t *m, const char *name, zd__err_t *err);
+
+/* Closes the membership's rendezvous connection; accepts NULL. */
+void zd__world_member_free(zd__world_member_t *m);
 
 #endif /* ZD_DAEMON_WORLD_H */

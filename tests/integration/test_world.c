@@ -563,6 +563,49 @@ static void test_disagreements(void) {
   stop_world(&w);
 }
 
+/* Trainers start minutes apart in real jobs: a registration waits for the other ranks' clients
+ * longer than a collective may take (here 4.5 s against a 3 s collective timeout), and a shutdown
+ * does not wait for a registration that still waits. */
+static void test_registration_timing(void) {
+  world_t w;
+  start_world(&w, 2, 2);
+  reg_arg_t r[2];
+  pthread_t t;
+  r[0] = (reg_arg_t){.w = &w, .rank = 0, .params = mlp_params};
+  pthread_create(&t, NULL, register_thread, &r[0]);
+  nanosleep(&(struct timespec){.tv_sec = 4, .tv_nsec = 500000000}, NULL);
+  r[1] = (reg_arg_t){.w = &w, .rank = 1, .params = mlp_params};
+  register_thread(&r[1]);
+  pthread_join(t, NULL);
+  for (int q = 0; q < 2; q++) CHECK_MSG(r[q].rc == ZD_OK, "rank %d: %s", q, r[q].err);
+  zd_client_t *c[2] = {r[0].c, r[1].c};
+  step_arg_t s[2];
+  step_both(c, 2e-3, s);
+  for (int q = 0; q < 2; q++) CHECK_MSG(s[q].rc == ZD_OK, "rank %d: %s", q, s[q].err);
+  printf("  a client registering 4.5 s after its peer (collective timeout 3 s): registered, "
+         "stepped\n");
+  zd_close(c[0]);
+  zd_close(c[1]);
+  stop_world(&w);
+
+  /* SIGTERM while rank 0's registration waits for rank 1's client */
+  start_world(&w, 2, 2);
+  r[0] = (reg_arg_t){.w = &w, .rank = 0, .params = mlp_params};
+  pthread_create(&t, NULL, register_thread, &r[0]);
+  nanosleep(&(struct timespec){.tv_nsec = 500000000}, NULL);
+  double t0 = now_s();
+  int st = zdt_stop(&w.daemons[0], SIGTERM, 1);
+  double took = now_s() - t0;
+  pthread_join(t, NULL);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  CHECK_MSG(took < 3.0, "shutdown took %.1f s with a registration waiting", took);
+  CHECK_MSG(r[0].rc != ZD_OK, "the waiting registration succeeded without its peer");
+  printf("  SIGTERM with a registration waiting: zerod exited 0 in %.2f s; the client got %s: "
+         "%s\n", took, zd_err_name(r[0].rc), r[0].err);
+  zd_close(r[0].c);
+  stop_world(&w);
+}
+
 static void test_peer_killed(void) {
   world_t w;
   start_world(&w, 2, 2);
@@ -623,6 +666,7 @@ int main(void) {
   stop_world(&w);
 
   test_disagreements();
+  test_registration_timing();
   test_peer_killed();
   printf("test_world: ok\n");
   return 0;
