@@ -97,8 +97,10 @@ static const setting_t settings[] = {
         "listen address of the gRPC control service"),
     STR(S_WORLD, "rendezvous_address", rendezvous_address, "", "ADDR",
         "control service of the daemon holding rank 0 (\"\": control_address)"),
-    U32(S_WORLD, "collective_timeout_ms", collective_timeout_ms, "60000", 100, 3600000,
-        "a collective not complete within this time marks the world degraded"),
+    U32(S_WORLD, "collective_timeout_ms", collective_timeout_ms, "1800000", 100, 86400000,
+        "a collective not complete within this time marks the world degraded (a dead peer is "
+        "noticed at once; this bounds a silent one, so leave room for a rank's checkpoint or "
+        "evaluation between steps: torch.distributed's default is 30 minutes too)"),
     U32(S_WORLD, "connect_timeout_ms", connect_timeout_ms, "600000", 1000, 86400000,
         "how long a rank waits for its peers to join the world at start"),
     STR(S_WORLD, "collective_host", collective_host, "127.0.0.1", "HOST",
