@@ -186,7 +186,8 @@ typedef struct adam_run {
 
 static void adam_task(void *arg, unsigned task, unsigned ntasks) {
   const adam_run_t *r = arg;
-  uint64_t chunk = (r->n / ntasks + ZD__ALIGN - 1) / ZD__ALIGN * ZD__ALIGN;
+  /* ceil(n / ntasks), rounded up to whole cache lines of every stream: the tasks cover n. */
+  uint64_t chunk = ((r->n + ntasks - 1) / ntasks + ZD__ALIGN - 1) / ZD__ALIGN * ZD__ALIGN;
   uint64_t begin = chunk * task, end = begin + chunk < r->n ? begin + chunk : r->n;
   if (begin < end) r->fn(r->args, begin, end);
 }

@@ -122,6 +122,7 @@ static int handle_nodes(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd_
 static int handle_kv_set(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd__err_t *err);
 static int handle_kv_get(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd__err_t *err);
 static int handle_kv_wait(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd__err_t *err);
+static int handle_kv_delete(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd__err_t *err);
 static int handle_health(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd__err_t *err);
 
 /* The methods served: path, request type, handler, who serves it, largest request. */
@@ -135,6 +136,8 @@ static const method_t methods[] = {
      MAX_KEY_BYTES + 64},
     {"/zerod.v1.Control/KvWait", &zerod__v1__kv_wait_request__descriptor, handle_kv_wait, M_RANK0,
      ZD__GRPC_MAX_MESSAGE},
+    {"/zerod.v1.Control/KvDelete", &zerod__v1__kv_delete_request__descriptor, handle_kv_delete,
+     M_RANK0, MAX_KEY_BYTES + 64},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor,
      handle_health, M_ANY, 1024},
 };
@@ -699,6 +702,28 @@ static int handle_kv_set(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd
     }
   }
   Zerod__V1__KvSetReply rep = ZEROD__V1__KV_SET_REPLY__INIT;
+  reply_msg(k, &rep.base);
+  return ZD_OK;
+}
+
+/* Waiters that passed the key keep their place: a key is withdrawn only by a rank that gave up
+ * waiting for the others, and whoever saw it before then has raced that rank anyway. */
+static int handle_kv_delete(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd__err_t *err) {
+  Zerod__V1__KvDeleteRequest *r = (Zerod__V1__KvDeleteRequest *)*req;
+  int rc = check_key(r->key, "KvDelete", err);
+  if (rc) return rc;
+  int found;
+  size_t i = kv_search(c, r->key, &found);
+  if (found) {
+    c->kv_bytes -= c->kvs[i].len + strlen(c->kvs[i].key) + 1;
+    free(c->kvs[i].key);
+    free(c->kvs[i].value);
+    memmove(&c->kvs[i], &c->kvs[i + 1], (c->nkv - i - 1) * sizeof *c->kvs);
+    c->nkv--;
+    ZD_LOG_DEBUG("control: rendezvous deleted '%s'", r->key);
+  }
+  Zerod__V1__KvDeleteReply rep = ZEROD__V1__KV_DELETE_REPLY__INIT;
+  rep.found = found;
   reply_msg(k, &rep.base);
   return ZD_OK;
 }

@@ -138,14 +138,16 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
                                    strcmp(cfg->rendezvous_address, cfg->control_address) == 0
                                ? zd__control_address(d->control)
                                : cfg->rendezvous_address;
-  d->world = (zd__world_t){.rendezvous_address = rendezvous,
-                           .control_address = zd__control_address(d->control),
-                           .collective_host = cfg->collective_host,
-                           .world_size = d->world_size,
+  d->world = (zd__world_t){.world_size = d->world_size,
                            .first_rank = cfg->first_rank,
                            .local_ranks = cfg->local_ranks,
                            .collective_timeout_ms = (int)cfg->collective_timeout_ms,
                            .connect_timeout_ms = (int)cfg->connect_timeout_ms};
+  snprintf(d->world.rendezvous_address, sizeof d->world.rendezvous_address, "%s", rendezvous);
+  snprintf(d->world.control_address, sizeof d->world.control_address, "%s",
+           zd__control_address(d->control));
+  snprintf(d->world.collective_host, sizeof d->world.collective_host, "%s",
+           cfg->collective_host);
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */

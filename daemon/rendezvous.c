@@ -124,6 +124,20 @@ int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, 
   return rc;
 }
 
+int zd__rdv_delete(zd__rdv_t *rdv, const char *key, int timeout_ms, zd__err_t *err) {
+  int rc = check_key(rdv, key, err);
+  if (rc) return rc;
+  Zerod__V1__KvDeleteRequest req = ZEROD__V1__KV_DELETE_REQUEST__INIT;
+  req.key = (char *)key;
+  ProtobufCMessage *reply = NULL;
+  char what[MAX_KEY_BYTES + 16];
+  snprintf(what, sizeof what, "delete '%s'", key);
+  rc = call_retry(rdv, "/zerod.v1.Control/KvDelete", what, &req.base, NULL,
+                  &zerod__v1__kv_delete_reply__descriptor, &reply, now_ms() + timeout_ms, err);
+  if (reply) protobuf_c_message_free_unpacked(reply, NULL);
+  return rc;
+}
+
 /* Names the missing keys for a timeout message: "'a', 'b' and 3 more". */
 static void list_keys(char *buf, size_t cap, char *const *keys, size_t n) {
   size_t off = 0;

@@ -26,6 +26,9 @@ void zd__rdv_close(zd__rdv_t *rdv);
 int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, int timeout_ms,
                 zd__err_t *err);
 
+/* Removes key (absent is fine). */
+int zd__rdv_delete(zd__rdv_t *rdv, const char *key, int timeout_ms, zd__err_t *err);
+
 /* Waits until key exists (at most timeout_ms; the store may not be up yet: retried), then
  * returns its value in *value (malloc'd) and *len. */
 int zd__rdv_get(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int timeout_ms,

@@ -186,6 +186,13 @@ int zd__world_barrier(zd__world_member_t *m, const char *name, zd__err_t *err) {
     names[r] = keys[r];
   }
   rc = kv_wait(&m->kv, names, w, m->kv.timeout_ms, err);
+  if (rc) {
+    /* Given up (timeout, shutdown): withdraw, so that a rank arriving later does not take this
+     * one for present, and let the next attempt use the same number, as the others will. */
+    zd__err_t ignored; /* briefly: at shutdown the store may be going away with this daemon */
+    zd__rdv_delete(m->kv.rdv, mine, rc == -ECANCELED ? 200 : SLICE_MS, &ignored);
+    m->barriers--;
+  }
   if (rc == -ETIMEDOUT) {
     char cause[ZD__ERR_MSG_MAX];
     snprintf(cause, sizeof cause, "%s", err->msg);

@@ -19,10 +19,14 @@
 #include "comm.h"
 #include "error.h"
 
+#define ZD__ADDRESS_MAX 256
+
+/* Copies, not pointers: rank workers read them until they are joined, which may be after the
+ * control service that bound the address has gone (shutdown, a failed start). */
 typedef struct zd__world {
-  const char *rendezvous_address; /* control service of the node hosting rank 0 */
-  const char *control_address;    /* this node's, for the node registry */
-  const char *collective_host;    /* this node's address for collectives */
+  char rendezvous_address[ZD__ADDRESS_MAX]; /* control service of the node hosting rank 0 */
+  char control_address[ZD__ADDRESS_MAX];    /* this node's, for the node registry */
+  char collective_host[ZD__ADDRESS_MAX];    /* this node's address for collectives */
   uint32_t world_size;
   uint32_t first_rank;
   uint32_t local_ranks;

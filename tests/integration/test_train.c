@@ -188,7 +188,50 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
 }
 
+/* A large model on many kernel threads: the update is split into one task per thread, and every
+ * element must be updated whatever the split (n not a multiple of the tasks' chunks). */
+static void run_many_threads(void) {
+  enum { N = (1 << 22) + 64, STEPS_BIG = 2 };
+  zdt_daemon_t d;
+  const char *args[] = {"--threads", "128", NULL};
+  zdt_start(&d, args);
+  zd_client_t *c;
+  CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
+  zd_param_t p = {.name = "w", .ndim = 1, .shape = {N}, .group = 0};
+  zd_group_t g = zd_group_default();
+  zd_model_desc_t desc = {.params = &p, .nparams = 1, .groups = &g, .ngroups = 1,
+                          .param_dtype = ZD_F32, .grad_dtype = ZD_F32};
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
+  float *param = zd_param_buffer(c, NULL), *grad = zd_grad_buffer(c, NULL);
+  float *master = calloc(N, 4), *m = calloc(N, 4), *v = calloc(N, 4);
+  CHECK(master && m && v);
+  for (uint32_t i = 0; i < N; i++) master[i] = param[i] = (float)(i % 1000) * 1e-3f;
+  CHECK_MSG(zd_register(c) == ZD_OK, "register: %s", zd_last_error());
+  zd__segment_t seg = {.offset = 0, .length = N, .group = 0};
+  for (int step = 1; step <= STEPS_BIG; step++) {
+    for (uint32_t i = 0; i < N; i++) grad[i] = (float)((int)(i % 777) - 388) * 1e-4f * step;
+    CHECK_MSG(zd_step(c, NULL, NULL) == ZD_OK, "step: %s", zd_last_error());
+    zd__adam_group_t consts;
+    zd__adam_group_init(&consts, &g, (uint64_t)step);
+    zd__adam_args_t a = {.master = master, .exp_avg = m, .exp_avg_sq = v, .grad = grad,
+                         .grad_dtype = ZD_F32, .param_dtype = ZD_F32, .grad_scale = 1.0f,
+                         .segs = &seg, .nsegs = 1, .groups = &consts};
+    zd__adam_step_ref(&a, 0, N);
+  }
+  for (uint32_t i = 0; i < N; i++)
+    CHECK_MSG(memcmp(&param[i], &master[i], 4) == 0, "element %u of %u: %.9g through zerod, "
+              "%.9g in the reference", i, (unsigned)N, param[i], master[i]);
+  printf("training %u params on 128 kernel threads: every element bitwise equal\n", (unsigned)N);
+  free(master);
+  free(m);
+  free(v);
+  zd_close(c);
+  int st = zdt_stop(&d, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+}
+
 int main(void) {
+  run_many_threads();
   run(ZD_F32, ZD_F32);
   run(ZD_BF16, ZD_BF16);
   run(ZD_BF16, ZD_F32);

@@ -40,6 +40,8 @@ typedef struct world {
   zdt_daemon_t daemons[2];
 } world_t;
 
+static const char *connect_timeout_ms = "20000"; /* joining a world, and registering */
+
 static void start_world(world_t *w, uint32_t world_size, uint32_t ndaemons) {
   w->world_size = world_size;
   w->ndaemons = ndaemons;
@@ -51,7 +53,7 @@ static void start_world(world_t *w, uint32_t world_size, uint32_t ndaemons) {
     snprintf(fr, sizeof fr, "%u", i * per);
     const char *args[] = {"--world_size", ws, "--local_ranks", lr, "--first_rank", fr,
                           "--collective_timeout_ms", COLLECTIVE_TIMEOUT_MS,
-                          "--connect_timeout_ms", "20000", "--bucket_elems", "256",
+                          "--connect_timeout_ms", connect_timeout_ms, "--bucket_elems", "256",
                           "--threads", "1",
                           i ? "--rendezvous_address" : NULL, w->daemons[0].control, NULL};
     zdt_start(&w->daemons[i], args);
@@ -606,6 +608,37 @@ static void test_registration_timing(void) {
   stop_world(&w);
 }
 
+/* A registration that gave up (its peer's client never came) leaves nothing behind: the peer
+ * registering later waits for a partner again instead of taking the one that left for present,
+ * and both registering together then works. connect_timeout_ms bounds the registration wait. */
+static void test_registration_gives_up(void) {
+  connect_timeout_ms = "1500";
+  world_t w;
+  start_world(&w, 2, 2);
+  reg_arg_t r[2];
+  r[0] = (reg_arg_t){.w = &w, .rank = 0, .params = mlp_params};
+  register_thread(&r[0]);
+  CHECK_MSG(r[0].rc == -ETIMEDOUT, "rank 0 alone: %s: %s", zd_err_name(r[0].rc), r[0].err);
+  CHECK_CONTAINS(r[0].err, "not every rank arrived");
+  zd_close(r[0].c);
+  r[1] = (reg_arg_t){.w = &w, .rank = 1, .params = mlp_params};
+  register_thread(&r[1]);
+  CHECK_MSG(r[1].rc == -ETIMEDOUT, "rank 1 alone, after rank 0 gave up: %s: %s",
+            zd_err_name(r[1].rc), r[1].err);
+  zd_close(r[1].c);
+  register_both(&w, mlp_params, 0, r);
+  for (int q = 0; q < 2; q++) CHECK_MSG(r[q].rc == ZD_OK, "rank %d: %s", q, r[q].err);
+  char *status;
+  CHECK_INT_EQ(zd_status(r[0].c, &status), ZD_OK);
+  CHECK_CONTAINS(status, "health:ok\n");
+  free(status);
+  for (int q = 0; q < 2; q++) zd_close(r[q].c);
+  printf("  registrations that gave up one after the other leave the world healthy; together they "
+         "register\n");
+  stop_world(&w);
+  connect_timeout_ms = "20000";
+}
+
 static void test_peer_killed(void) {
   world_t w;
   start_world(&w, 2, 2);
@@ -667,6 +700,7 @@ int main(void) {
 
   test_disagreements();
   test_registration_timing();
+  test_registration_gives_up();
   test_peer_killed();
   printf("test_world: ok\n");
   return 0;
