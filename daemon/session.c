@@ -55,6 +55,7 @@ struct zd__session {
   int fds[MAX_FDS]; /* received descriptors, oldest first */
   int nfds;
   out_buf_t *wq_head, *wq_tail;
+  size_t wq_bytes; /* replies not yet written: reading stops above max_frame_bytes */
 
   zd__rank_t *rank;
   zd__buffers_t buffers;
@@ -81,6 +82,14 @@ typedef struct command {
 
 static void update_poll(zd__session_t *s);
 static void maybe_teardown(zd__session_t *s);
+
+/* Whether to take more requests from this client now. Backpressure: a client that pipelines up
+ * to max_inflight, or sends without reading its replies (more than max_frame_bytes of them
+ * unsent), is not read until it catches up, so it cannot make zerod hold unbounded memory. */
+static int accepting(const zd__session_t *s) {
+  const zd__config_t *cfg = s->daemon->cfg;
+  return !s->closing && s->inflight < cfg->max_inflight && s->wq_bytes < cfg->max_frame_bytes;
+}
 static void process_frames(zd__session_t *s);
 
 /* ---- writing ------------------------------------------------------------------------------- */
@@ -92,6 +101,7 @@ static void drop_writes(zd__session_t *s) {
     free(b);
   }
   s->wq_tail = NULL;
+  s->wq_bytes = 0;
 }
 
 static void flush(zd__session_t *s) {
@@ -109,6 +119,7 @@ static void flush(zd__session_t *s) {
     if (b->off < b->len) return;
     s->wq_head = b->next;
     if (!s->wq_head) s->wq_tail = NULL;
+    s->wq_bytes -= b->len;
     free(b);
   }
 }
@@ -137,6 +148,7 @@ static void send_frame(zd__session_t *s, uint16_t type, uint64_t id, const Proto
   else
     s->wq_head = b;
   s->wq_tail = b;
+  s->wq_bytes += b->len;
   flush(s);
 }
 
@@ -388,6 +400,19 @@ static void close_fds(zd__session_t *s) {
 
 /* Unmaps or closes the client's buffers and events (no job of the session may be in flight). */
 static void release_buffers(zd__session_t *s) {
+  /* A degraded CUDA rank may still have work queued on the client's memory (its stream could not
+   * be drained within the timeout): closing the IPC handles under it is undefined behaviour. Keep
+   * them open (a leak of mappings, not of the client's memory) and say so. */
+  if (s->buffers.params.kind == ZD__SHM_CUDA && s->rank) {
+    zd__rank_stats_t st;
+    zd__rank_stats(s->rank, &st);
+    if (st.health == ZD__HEALTH_DEGRADED) {
+      ZD_LOG_WARN("session %u: rank degraded: leaving the client's CUDA IPC mappings open (work "
+                  "may still be queued on them)", s->id);
+      s->buffers = (zd__buffers_t){.device = -1};
+      return;
+    }
+  }
   zd__shm_unmap(&s->buffers.params);
   zd__shm_unmap(&s->buffers.grads);
   zd__shm_close_event(s->buffers.device, s->buffers.grads_ready);
@@ -679,6 +704,7 @@ static const command_t *find_command(uint16_t type) {
 
 /* Releases the rank and the buffers once nothing uses them. */
 static void detach(zd__session_t *s) {
+  release_buffers(s); /* while s->rank still says whose they were */
   if (s->rank) {
     uint32_t local = zd__rank_local(s->rank);
     if (s->daemon->attached[local] == s) {
@@ -688,8 +714,7 @@ static void detach(zd__session_t *s) {
     }
     s->rank = NULL;
   }
-  release_buffers(s);
-  if (s->state != SESSION_NEW) s->state = SESSION_NEW;
+  s->state = SESSION_NEW;
 }
 
 static void reply_bye(zd__session_t *s, uint64_t id) {
@@ -757,7 +782,7 @@ static void consume(zd__session_t *s, size_t n) {
 
 static void dispatch_frames(zd__session_t *s) {
   zd__daemon_t *d = s->daemon;
-  while (!s->closing && s->rlen >= ZD__FRAME_HEADER_SIZE && s->inflight < d->cfg->max_inflight) {
+  while (accepting(s) && s->rlen >= ZD__FRAME_HEADER_SIZE) {
     zd__frame_header_t h;
     if (zd__frame_decode(s->rbuf, &h) != ZD_OK) {
       fail_stream(s, 0, ZD_EPROTO, "garbage frame: magic is 0x%08x, expected 0x%08x ('ZRD1')",
@@ -790,8 +815,9 @@ static void process_frames(zd__session_t *s) {
   s->dispatching = 0;
   if (s->torn_down) return;
   zd__daemon_t *d = s->daemon;
-  /* A partial frame must complete within frame_timeout_ms. */
-  if (s->rlen > 0 && !s->closing) {
+  /* A partial frame must complete within frame_timeout_ms, counted while we read: a session held
+   * back by backpressure is not the client's delay. */
+  if (s->rlen > 0 && accepting(s)) {
     if (!uv_is_active((uv_handle_t *)&s->frame_timer))
       uv_timer_start(&s->frame_timer, on_frame_timeout, d->cfg->frame_timeout_ms, 0);
   } else {
@@ -870,7 +896,7 @@ static void read_some(zd__session_t *s) {
     }
     s->rlen += (size_t)n;
     process_frames(s);
-    if (s->torn_down || s->inflight >= s->daemon->cfg->max_inflight) return;
+    if (s->torn_down || !accepting(s)) return;
   }
 }
 
@@ -880,7 +906,10 @@ static void on_poll(uv_poll_t *handle, int status, int events) {
     drop_writes(s);
     s->closing = 1;
   } else {
-    if (events & UV_WRITABLE) flush(s);
+    if (events & UV_WRITABLE) {
+      flush(s);
+      if (!s->closing) process_frames(s); /* frames held back while replies piled up */
+    }
     if (events & UV_READABLE) read_some(s);
   }
   update_poll(s);
@@ -890,7 +919,7 @@ static void on_poll(uv_poll_t *handle, int status, int events) {
 static void update_poll(zd__session_t *s) {
   if (s->torn_down) return;
   int events = 0;
-  if (!s->closing && s->inflight < s->daemon->cfg->max_inflight) events |= UV_READABLE;
+  if (accepting(s)) events |= UV_READABLE;
   if (s->wq_head) events |= UV_WRITABLE;
   if (events == s->poll_events) return;
   s->poll_events = events;

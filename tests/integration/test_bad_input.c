@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
+#include <time.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -323,6 +325,61 @@ static void test_step_fields(void) {
   bystander_step("bad step hyperparameters");
 }
 
+static long rss_kb(pid_t pid) {
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  FILE *f = fopen(path, "r");
+  long kb = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "VmRSS: %ld kB", &kb) == 1) break;
+  if (f) fclose(f);
+  return kb;
+}
+
+/* A client that sends requests and never reads the replies: zerod stops reading it once its
+ * unsent replies pass max_frame_bytes, so its memory stays bounded, and the client gets every
+ * reply, in order, once it reads. */
+static void test_unread_replies(void) {
+  int fd = connect_hello();
+  long before = rss_kb(daemon_.pid);
+  CHECK(fcntl(fd, F_SETFL, O_NONBLOCK) == 0);
+  uint8_t frame[ZD__FRAME_HEADER_SIZE];
+  uint64_t sent = 0;
+  for (int i = 0; i < 200000; i++) {
+    zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC, .version = 1, .type = ZD__MSG_STATUS,
+                            .request_id = 1000 + sent};
+    zd__frame_encode(&h, frame);
+    ssize_t n = send(fd, frame, sizeof frame, MSG_NOSIGNAL);
+    if (n < 0) { /* the socket is full: give zerod time to read, unless it stopped reading */
+      struct pollfd p = {.fd = fd, .events = POLLOUT};
+      if (poll(&p, 1, 200) <= 0) break;
+      i--;
+      continue;
+    }
+    CHECK_INT_EQ(n, (long long)sizeof frame);
+    sent++;
+  }
+  nanosleep(&(struct timespec){.tv_nsec = 300000000}, NULL);
+  long after = rss_kb(daemon_.pid);
+  CHECK_MSG(sent < 200000, "zerod kept reading %llu requests whose replies nobody read",
+            (unsigned long long)sent);
+  CHECK_MSG(after - before < 8192, "zerod grew by %ld kB for a client that reads nothing",
+            after - before);
+  bystander_step("a client not reading its replies");
+  CHECK(fcntl(fd, F_SETFL, 0) == 0);
+  for (uint64_t i = 0; i < sent; i++) {
+    zd__frame_header_t h;
+    uint8_t *body;
+    CHECK_MSG(zdt_raw_recv(fd, &h, &body, 5000) == 0, "reply %llu of %llu missing",
+              (unsigned long long)i, (unsigned long long)sent);
+    CHECK_U64_EQ(h.request_id, 1000 + i);
+    free(body);
+  }
+  printf("  %llu requests sent without reading: zerod grew by %ld kB, then answered all in order\n",
+         (unsigned long long)sent, after - before);
+  close(fd);
+}
+
 static void test_denied(void) {
   zdt_daemon_t d;
   const char *args[] = {"--allowed_uids", "4242", "--allowed_gids", "4243", NULL};
@@ -380,6 +437,7 @@ int main(void) {
   test_buffers();
   test_register_fields();
   test_step_fields();
+  test_unread_replies();
   test_denied();
 
   zd_close(bystander);
