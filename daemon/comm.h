@@ -61,6 +61,10 @@ typedef struct zd__comm_ops {
   int (*sync)(zd__comm_t *comm, zd__err_t *err);
   /* Non-zero once a failure made the communicator unusable (NULL: it never fails). */
   int (*failed)(const zd__comm_t *comm);
+  /* From any thread: the collective in progress, and every later one, fails soon with
+   * -ECANCELED (shutdown, when a silent peer would hold it for the collective timeout). NULL:
+   * nothing can block. */
+  void (*abort)(zd__comm_t *comm);
   void (*destroy)(zd__comm_t *comm);
 } zd__comm_ops_t;
 
@@ -95,6 +99,10 @@ int zd__comm_nccl_unique_id(void *id, size_t len, zd__err_t *err);
 
 static inline int zd__comm_failed(const zd__comm_t *comm) {
   return comm && comm->ops->failed && comm->ops->failed(comm);
+}
+
+static inline void zd__comm_abort(zd__comm_t *comm) {
+  if (comm && comm->ops->abort) comm->ops->abort(comm);
 }
 
 static inline void zd__comm_destroy(zd__comm_t *comm) {

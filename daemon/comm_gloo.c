@@ -43,6 +43,8 @@ static int gloo_failed(const zd__comm_t *comm) {
   return zd__gloo_failed(((const gloo_comm_t *)comm)->gloo);
 }
 
+static void gloo_abort(zd__comm_t *comm) { zd__gloo_abort(((gloo_comm_t *)comm)->gloo); }
+
 static void gloo_destroy(zd__comm_t *comm) {
   gloo_comm_t *c = (gloo_comm_t *)comm;
   zd__gloo_destroy(c->gloo);
@@ -54,6 +56,7 @@ static const zd__comm_ops_t gloo_ops = {
     .all_gather = gloo_all_gather,
     .allgather_bytes = gloo_allgather_bytes,
     .failed = gloo_failed,
+    .abort = gloo_abort,
     .destroy = gloo_destroy,
 };
 

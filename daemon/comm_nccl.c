@@ -39,6 +39,7 @@ typedef struct nccl_comm {
   cudaEvent_t done;    /* recorded by sync */
   int timeout_ms;
   int code; /* non-zero: broken, for the reason below */
+  atomic_int abort_requested; /* set from another thread: the waits give up, the comm aborts */
   char reason[ZD__ERR_MSG_MAX];
   void *d_stage, *h_stage; /* allgather_bytes: device and pinned host staging */
   size_t stage_bytes;
@@ -92,6 +93,10 @@ static int settle(nccl_comm_t *c, ncclResult_t r, int timeout_ms, const char *wh
   uint64_t deadline = now_ms() + (uint64_t)timeout_ms;
   long sleep_us = 1;
   while (r == ncclInProgress) {
+    if (atomic_load(&c->abort_requested)) {
+      abort_comm(c, -ECANCELED, "%s: aborted (zerod is shutting down)", what);
+      return broken(c, err);
+    }
     if (now_ms() > deadline) {
       abort_comm(c, -ETIMEDOUT,
                  "%s: NCCL still in progress after %d ms (a peer is gone or "
@@ -125,6 +130,8 @@ static ncclDataType_t nccl_type(zd_dtype_t t) {
 /* While waiting for the stream: the communicator's asynchronous error. */
 static int probe(void *ctx, zd__err_t *err) {
   nccl_comm_t *c = ctx;
+  if (atomic_load(&c->abort_requested))
+    return zd__errf(err, -ECANCELED, "aborted (zerod is shutting down)");
   ncclResult_t st = ncclSuccess;
   ncclResult_t r = ncclCommGetAsyncError(c->nccl, &st);
   if (r != ncclSuccess) st = r;
@@ -258,6 +265,10 @@ static int nccl_allgather_bytes(zd__comm_t *comm, const void *send, size_t bytes
 
 static int nccl_failed(const zd__comm_t *comm) { return ((const nccl_comm_t *)comm)->code != 0; }
 
+/* The worker's waits poll the flag and abort the communicator themselves: ncclCommAbort is then
+ * called by the thread that owns the communicator. */
+static void nccl_abort(zd__comm_t *comm) { atomic_store(&((nccl_comm_t *)comm)->abort_requested, 1); }
+
 static void nccl_destroy(zd__comm_t *comm) {
   nccl_comm_t *c = (nccl_comm_t *)comm;
   /* Nothing is in flight (every job waited for its work), and abort never waits for peers that
@@ -282,6 +293,7 @@ static const zd__comm_ops_t nccl_ops = {
     .allgather_device = nccl_allgather_device,
     .sync = nccl_sync,
     .failed = nccl_failed,
+    .abort = nccl_abort,
     .destroy = nccl_destroy,
 };
 

@@ -107,6 +107,9 @@ static const setting_t settings[] = {
         "address this node's collectives listen on and peers connect to (multi-node: the "
         "node's own address)"),
 
+    U32(S_OPS, "shutdown_timeout_ms", shutdown_timeout_ms, "10000", 0, 3600000,
+        "after SIGTERM, collectives still waiting for a peer this long are aborted so that "
+        "zerod exits (0: wait for them, up to collective_timeout_ms)"),
     ENUM(S_OPS, "log_level", log_level, "info", levels, "least severe level logged"),
     STR(S_OPS, "config", config_file, "", "FILE",
         "file of `name = value` lines, read before the environment and flags"),

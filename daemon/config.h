@@ -48,6 +48,7 @@ typedef struct zd__config {
   uint32_t connect_timeout_ms; /* peers must join the world within this at start */
   char *collective_host;       /* Gloo's listen/connect address of this node */
   /* operations */
+  uint32_t shutdown_timeout_ms; /* then abort collectives still running */
   char *log_level;           /* error | warn | info | debug */
   char *config_file;         /* --config / ZEROD_CONFIG */
   /* Where each setting came from, indexed like the table in config.c; read it through

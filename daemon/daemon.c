@@ -93,6 +93,7 @@ static void finish(zd__daemon_t *d) {
   if (d->handles_closed || d->nsessions > 0 || d->control) return;
   d->handles_closed = 1;
   stop_ranks(d);
+  uv_close((uv_handle_t *)&d->shutdown_timer, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->done_async, NULL);
@@ -107,12 +108,23 @@ static void control_stopped(zd__daemon_t *d) {
   finish(d);
 }
 
+/* The jobs in flight did not finish within shutdown_timeout_ms: some collective waits for a peer
+ * that stays silent. Abort the collectives; their steps fail, their sessions close. */
+static void on_shutdown_timeout(uv_timer_t *t) {
+  zd__daemon_t *d = t->data;
+  ZD_LOG_WARN("still waiting for %u session(s) %u ms after the shutdown began: aborting the "
+              "collectives in progress", d->nsessions, d->cfg->shutdown_timeout_ms);
+  for (uint32_t i = 0; i < d->nranks; i++) zd__rank_abort(d->ranks[i]);
+}
+
 void zd__daemon_shutdown(zd__daemon_t *d) {
   if (d->shutting_down) return;
   d->shutting_down = 1;
   sd_notify("STOPPING=1");
   zd__server_stop(d);
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_cancel(d->ranks[i]); /* no long waits now */
+  if (d->cfg->shutdown_timeout_ms)
+    uv_timer_start(&d->shutdown_timer, on_shutdown_timeout, d->cfg->shutdown_timeout_ms, 0);
   if (d->control) zd__control_stop(d->control, control_stopped);
   zd__session_t *s = d->sessions;
   while (s) {
@@ -277,9 +289,10 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
     return zd__errf(err, rc, "uv_loop_init: %s", uv_strerror(rc));
   }
   uv_async_init(&d->loop, &d->done_async, on_jobs_done);
+  uv_timer_init(&d->loop, &d->shutdown_timer);
   uv_signal_init(&d->loop, &d->sigterm);
   uv_signal_init(&d->loop, &d->sigint);
-  d->done_async.data = d->sigterm.data = d->sigint.data = d;
+  d->done_async.data = d->sigterm.data = d->sigint.data = d->shutdown_timer.data = d;
 
   if ((rc = choose_backend(d, err)) || (rc = choose_isa(cfg, &d->isa, err))) goto fail;
   rc = zd__pool_create(cfg->threads, &d->pool);

@@ -57,6 +57,7 @@ typedef struct zd__daemon {
 
   zd__control_t *control; /* gRPC control service; NULL once stopped */
 
+  uv_timer_t shutdown_timer; /* aborts collectives that hold a shutdown too long */
   uv_signal_t sigterm;
   uv_signal_t sigint;
   uv_async_t done_async;

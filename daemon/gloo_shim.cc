@@ -29,6 +29,7 @@ extern "C" {
 #include <chrono>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -60,6 +61,11 @@ constexpr int kLanes = 2;
  * sequences of calls differ, or that name different buckets at the same point, then wait on
  * different slots and fail by timeout instead of reading each other's data. */
 enum Kind : uint64_t { kReduceScatter = 1, kAllGather = 2, kAllGatherBytes = 3 };
+
+/* zd__gloo_abort interrupted a wait. */
+struct Aborted : std::runtime_error {
+  Aborted() : std::runtime_error("aborted") {}
+};
 
 /* An error whose code and message are already known (store failures, bad arguments). */
 struct Failure : std::runtime_error {
@@ -188,6 +194,11 @@ struct zd__gloo {
   uint32_t calls = 0;
   int broken = 0; /* the code of the failure that made the context unusable; 0: healthy */
   std::string why;
+  /* zd__gloo_abort (another thread) interrupts the buffers being waited for, by Gloo's own
+   * abortWaitRecv/abortWaitSend; the flag refuses the waits that had not started yet. */
+  std::mutex abort_mu;
+  bool aborted = false;
+  std::vector<gloo::transport::UnboundBuffer *> waiting;
   std::unique_ptr<float[]> scratch; /* reduce-scatter: kLanes lanes of 2 pieces, on first use */
 };
 
@@ -224,20 +235,45 @@ void post_send(Buffer &b, int peer, uint64_t slot) {
   }
 }
 
+/* Makes a wait on b abortable for its duration (an abort may come before the wait starts: the
+ * buffer keeps it until then). */
+class AbortableWait {
+ public:
+  AbortableWait(zd__gloo *g, Buffer &b) : g_(g), b_(&b) {
+    std::lock_guard<std::mutex> lock(g->abort_mu);
+    if (g->aborted) throw Aborted();
+    g->waiting.push_back(b_);
+  }
+  ~AbortableWait() {
+    std::lock_guard<std::mutex> lock(g_->abort_mu);
+    g_->waiting.erase(std::find(g_->waiting.begin(), g_->waiting.end(), b_));
+  }
+
+ private:
+  zd__gloo *g_;
+  Buffer *b_;
+};
+
 void wait_recv(zd__gloo *g, Buffer &b, int peer) {
+  AbortableWait guard(g, b);
+  bool done;
   try {
-    b.waitRecv(nullptr, g->timeout);
+    done = b.waitRecv(nullptr, g->timeout);
   } catch (const std::exception &e) {
     throw PeerError(peer, "receiving from", e.what());
   }
+  if (!done) throw Aborted();
 }
 
 void wait_send(zd__gloo *g, Buffer &b, int peer) {
+  AbortableWait guard(g, b);
+  bool done;
   try {
-    b.waitSend(nullptr, g->timeout);
+    done = b.waitSend(nullptr, g->timeout);
   } catch (const std::exception &e) {
     throw PeerError(peer, "sending to", e.what());
   }
+  if (!done) throw Aborted();
 }
 
 std::unique_ptr<Buffer> buffer(zd__gloo *g, const void *ptr, size_t bytes) {
@@ -436,6 +472,8 @@ int run(zd__gloo *g, const char *op, zd__err_t *err, Body body) {
                   err);
     return fail(g, ZD_EPEER, format("%s: %s rank %d failed: %s", op, e.dir, e.peer, cause.c_str()),
                 err);
+  } catch (const Aborted &) {
+    return fail(g, -ECANCELED, format("%s: aborted (zerod is shutting down)", op), err);
   } catch (const Failure &e) {
     return fail(g, e.code, format("%s: %s", op, e.what()), err);
   } catch (const std::bad_alloc &) {
@@ -523,6 +561,15 @@ extern "C" void zd__gloo_destroy(zd__gloo_t *g) {
 }
 
 extern "C" int zd__gloo_failed(const zd__gloo_t *g) { return g->broken != 0; }
+
+extern "C" void zd__gloo_abort(zd__gloo_t *g) {
+  std::lock_guard<std::mutex> lock(g->abort_mu);
+  g->aborted = true;
+  for (gloo::transport::UnboundBuffer *b : g->waiting) {
+    b->abortWaitRecv();
+    b->abortWaitSend();
+  }
+}
 
 extern "C" int zd__gloo_reduce_scatter(zd__gloo_t *g, const void *send, zd_dtype_t dtype,
                                        float *recv, uint64_t count, uint32_t tag,

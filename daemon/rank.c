@@ -183,11 +183,20 @@ static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix,
   pthread_mutex_unlock(&r->stats_lock);
 }
 
+/* The communicator is set under the lock: zd__rank_abort reads it from the loop thread. */
+static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
+  pthread_mutex_lock(&r->lock);
+  r->ctx.comm = comm;
+  pthread_mutex_unlock(&r->lock);
+}
+
 /* Joins the world before the first job runs; jobs queued meanwhile wait (or fail as degraded). */
 static void join_world(zd__rank_t *r) {
   zd__err_t err = {0};
-  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, &r->ctx.comm,
+  zd__comm_t *comm = NULL;
+  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, &comm,
                              &r->ctx.member, &err);
+  publish_comm(r, comm);
   if (rc == ZD_OK) {
     set_health(r, ZD__HEALTH_OK, "", "");
     return;
@@ -210,12 +219,14 @@ static void start_cuda(zd__rank_t *r) {
     return;
   }
   void *stream = zd__compute_cuda_stream(r->ctx.compute);
+  zd__comm_t *comm = NULL;
   if (r->env.world_size == 1)
     rc = zd__comm_nccl_create(NULL, 0, 1, r->env.device, stream, w->connect_timeout_ms,
-                              w->collective_timeout_ms, &r->cancel, &r->ctx.comm, &err);
+                              w->collective_timeout_ms, &r->cancel, &comm, &err);
   else
-    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, &r->ctx.comm,
+    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, &comm,
                            &r->ctx.member, &err);
+  publish_comm(r, comm);
   if (rc == ZD_OK) {
     ZD_LOG_INFO("CUDA backend on GPU %d, NCCL communicator of %u rank(s) ready", r->env.device,
                 r->env.world_size);
@@ -262,8 +273,9 @@ static void *worker_main(void *arg) {
    * CUDA, the one whose current device is the rank's). */
   zd__model_free(r->model);
   r->model = NULL;
-  zd__comm_destroy(r->ctx.comm);
-  r->ctx.comm = NULL;
+  zd__comm_t *comm = r->ctx.comm;
+  publish_comm(r, NULL);
+  zd__comm_destroy(comm);
   zd__world_member_free(r->ctx.member);
   r->ctx.member = NULL;
   zd__compute_destroy(r->ctx.compute);
@@ -320,6 +332,13 @@ void zd__rank_destroy(zd__rank_t *r) {
 }
 
 void zd__rank_cancel(zd__rank_t *r) { atomic_store(&r->cancel, 1); }
+
+void zd__rank_abort(zd__rank_t *r) {
+  zd__rank_cancel(r);
+  pthread_mutex_lock(&r->lock);
+  zd__comm_abort(r->ctx.comm);
+  pthread_mutex_unlock(&r->lock);
+}
 
 int zd__rank_run_inline(zd__rank_t *r, zd__job_t *job) {
   if (!atomic_load(&r->inline_ok) || job->type == ZD__JOB_ATTACH) return 0;

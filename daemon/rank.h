@@ -173,6 +173,11 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out);
  * with -ECANCELED from now on, so that the jobs in flight finish soon. Any thread. */
 void zd__rank_cancel(zd__rank_t *rank);
 
+/* Shutdown is taking too long: the collective in progress fails now (-ECANCELED) instead of
+ * waiting for a silent peer up to the collective timeout; the rank is then degraded. Any
+ * thread. */
+void zd__rank_abort(zd__rank_t *rank);
+
 /* Stops the worker after the queued jobs have run (cancelling a world bootstrap still waiting
  * for peers), joins it and frees the rank and its model; accepts NULL. */
 void zd__rank_destroy(zd__rank_t *rank);

@@ -41,6 +41,7 @@ typedef struct world {
 } world_t;
 
 static const char *connect_timeout_ms = "20000"; /* joining a world, and registering */
+static const char *collective_timeout_ms = COLLECTIVE_TIMEOUT_MS;
 
 static void start_world(world_t *w, uint32_t world_size, uint32_t ndaemons) {
   w->world_size = world_size;
@@ -52,7 +53,8 @@ static void start_world(world_t *w, uint32_t world_size, uint32_t ndaemons) {
     snprintf(lr, sizeof lr, "%u", per);
     snprintf(fr, sizeof fr, "%u", i * per);
     const char *args[] = {"--world_size", ws, "--local_ranks", lr, "--first_rank", fr,
-                          "--collective_timeout_ms", COLLECTIVE_TIMEOUT_MS,
+                          "--collective_timeout_ms", collective_timeout_ms,
+                          "--shutdown_timeout_ms", "1000",
                           "--connect_timeout_ms", connect_timeout_ms, "--bucket_elems", "256",
                           "--threads", "1",
                           i ? "--rendezvous_address" : NULL, w->daemons[0].control, NULL};
@@ -639,6 +641,36 @@ static void test_registration_gives_up(void) {
   connect_timeout_ms = "20000";
 }
 
+/* SIGTERM while a step waits in a collective for a peer that stays silent (its client does not
+ * step): after shutdown_timeout_ms (1 s here) the collective is aborted and zerod exits, instead of
+ * waiting out the collective timeout (60 s here). */
+static void test_shutdown_aborts(void) {
+  collective_timeout_ms = "60000";
+  world_t w;
+  start_world(&w, 2, 2);
+  reg_arg_t r[2];
+  register_both(&w, mlp_params, 0, r);
+  for (int q = 0; q < 2; q++) CHECK_MSG(r[q].rc == ZD_OK, "rank %d: %s", q, r[q].err);
+  step_arg_t s = {.c = r[0].c, .lr = 2e-3};
+  pthread_t t;
+  pthread_create(&t, NULL, step_thread, &s);
+  nanosleep(&(struct timespec){.tv_nsec = 300000000}, NULL);
+  double t0 = now_s();
+  int st = zdt_stop(&w.daemons[0], SIGTERM, 1);
+  double took = now_s() - t0;
+  pthread_join(t, NULL);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  CHECK_MSG(took < 5.0, "shutdown took %.1f s with a collective waiting", took);
+  CHECK_INT_EQ(s.rc, -ECANCELED);
+  CHECK_CONTAINS(s.err, "aborted (zerod is shutting down)");
+  printf("  SIGTERM with a step waiting for a silent peer: aborted after the shutdown timeout, "
+         "zerod exited 0 in %.2f s; the client got %s\n", took, zd_err_name(s.rc));
+  zd_close(r[0].c);
+  zd_close(r[1].c);
+  stop_world(&w);
+  collective_timeout_ms = COLLECTIVE_TIMEOUT_MS;
+}
+
 static void test_peer_killed(void) {
   world_t w;
   start_world(&w, 2, 2);
@@ -701,6 +733,7 @@ int main(void) {
   test_disagreements();
   test_registration_timing();
   test_registration_gives_up();
+  test_shutdown_aborts();
   test_peer_killed();
   printf("test_world: ok\n");
   return 0;

@@ -90,6 +90,7 @@ static const char *const all_names[] = {"socket",
                                         "collective_timeout_ms",
                                         "connect_timeout_ms",
                                         "collective_host",
+                                        "shutdown_timeout_ms",
                                         "log_level",
                                         "config"};
 #define NNAMES (int)(sizeof all_names / sizeof all_names[0])
