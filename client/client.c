@@ -1036,14 +1036,26 @@ int zd_status(zd_client_t *c, char **text) {
 
 void zd_close(zd_client_t *c) {
   if (!c) return;
+  int bye = ZD_ECLOSED;
   if (c->fd >= 0) {
-    Zerod__V1__ByeRequest req = ZEROD__V1__BYE_REQUEST__INIT;
     char saved[sizeof last_error];
     memcpy(saved, last_error, sizeof saved); /* closing must not hide the caller's last error */
-    call(c, ZD__MSG_BYE, &req.base, NULL, 0, NULL, NULL, -1);
+    /* Requests still outstanding are answered first (zerod answers bye after them anyway), so
+     * the bye always has a slot. */
+    while (c->npending > 0) {
+      pending_t *p = &c->pending[c->npending - 1];
+      if (!p->done && await(c, p->id, NULL, NULL, -1) != ZD_OK && !p->done) break; /* gone */
+      forget_pending(c, p);
+    }
+    Zerod__V1__ByeRequest req = ZEROD__V1__BYE_REQUEST__INIT;
+    bye = call(c, ZD__MSG_BYE, &req.base, NULL, 0, NULL, NULL, -1);
     memcpy(last_error, saved, sizeof saved);
     close(c->fd);
   }
+  /* Device memory zerod may still have open (no bye answered: it had not released the buffers
+   * yet) must not be freed under it: CUDA leaves that undefined. Leak it instead. */
+  if (bye != ZD_OK && c->memory == ZD_MEMORY_CUDA && c->registered)
+    c->params = c->grads = c->grads_ready = c->params_ready = NULL;
   release_buffers(c);
   free(c);
 }

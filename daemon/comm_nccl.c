@@ -23,6 +23,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "comm.h"
 #include "cuda_check.h"
 #include "log.h"
@@ -44,12 +45,6 @@ typedef struct nccl_comm {
   void *d_stage, *h_stage; /* allgather_bytes: device and pinned host staging */
   size_t stage_bytes;
 } nccl_comm_t;
-
-static uint64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
 
 static void nap(long us) {
   struct timespec ts = {.tv_sec = 0, .tv_nsec = us * 1000L};
@@ -90,14 +85,14 @@ static void abort_comm(nccl_comm_t *c, int code, const char *fmt, ...) {
  * the communicator is aborted. */
 static int settle(nccl_comm_t *c, ncclResult_t r, int timeout_ms, const char *what,
                   zd__err_t *err) {
-  uint64_t deadline = now_ms() + (uint64_t)timeout_ms;
+  uint64_t deadline = zd__now_ms() + (uint64_t)timeout_ms;
   long sleep_us = 1;
   while (r == ncclInProgress) {
     if (atomic_load(&c->abort_requested)) {
       abort_comm(c, -ECANCELED, "%s: aborted (zerod is shutting down)", what);
       return broken(c, err);
     }
-    if (now_ms() > deadline) {
+    if (zd__now_ms() > deadline) {
       abort_comm(c, -ETIMEDOUT,
                  "%s: NCCL still in progress after %d ms (a peer is gone or "
                  "stalled); communicator aborted",
@@ -338,13 +333,13 @@ int zd__comm_nccl_create(const void *id, uint32_t rank, uint32_t world_size, int
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0; /* every call returns at once; init and abort cannot hang the daemon */
   ncclResult_t r = ncclCommInitRankConfig(&c->nccl, (int)world_size, uid, (int)rank, &cfg);
-  uint64_t deadline = now_ms() + (uint64_t)connect_timeout_ms;
+  uint64_t deadline = zd__now_ms() + (uint64_t)connect_timeout_ms;
   while (r == ncclInProgress) {
     if (stop && atomic_load(stop)) {
       abort_comm(c, -ECANCELED, "creating the NCCL communicator was cancelled (shutdown)");
       goto broken;
     }
-    if (now_ms() > deadline) {
+    if (zd__now_ms() > deadline) {
       abort_comm(c, -ETIMEDOUT,
                  "NCCL: rank %u of %u: the communicator was not complete within "
                  "%d ms (connect_timeout_ms); are all ranks up, on distinct GPUs, and able to "

@@ -27,7 +27,8 @@
  * the job's reply). Registration also waits for its layout tables (on a stream of its own), and
  * freeing state waits (bounded) for the rank's stream to run out.
  *
- * A compute object belongs to one rank and is used by its worker thread only.
+ * A compute object belongs to one rank and is used by one thread at a time: its worker, or the
+ * loop thread for the small jobs of a CPU rank it runs inline (rank.h).
  */
 #ifndef ZD_DAEMON_COMPUTE_H
 #define ZD_DAEMON_COMPUTE_H

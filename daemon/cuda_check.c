@@ -1,4 +1,5 @@
 /* CUDA failures as codes and messages, the bounded wait, GPU identity (cuda_check.h). */
+#include "clock.h"
 #include "cuda_check.h"
 
 #include <errno.h>
@@ -26,15 +27,9 @@ int zd__cuda_fail(zd__err_t *err, cudaError_t e, const char *file, int line, con
   return zd__errf(err, code, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
-static uint64_t now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
-
 int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn probe, void *ctx,
                         const char *what, zd__err_t *err) {
-  uint64_t start = now_us(), deadline = start + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
+  uint64_t start = zd__now_us(), deadline = start + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
   unsigned sleep_us = 2;
   for (;;) {
     cudaError_t e = cudaEventQuery(event);
@@ -45,7 +40,7 @@ int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn pro
       int rc = probe(ctx, err);
       if (rc) return rc;
     }
-    uint64_t now = now_us();
+    uint64_t now = zd__now_us();
     if (now >= deadline)
       return zd__errf(err, -ETIMEDOUT, "%s not complete within %d ms", what, timeout_ms);
     if (now - start < SPIN_US) continue;

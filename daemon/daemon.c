@@ -22,12 +22,6 @@
 #include "cuda_check.h"
 #endif
 
-uint64_t zd__now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
-
 /* systemd's readiness protocol (Type=notify): one datagram to $NOTIFY_SOCKET; nothing without it. */
 static void sd_notify(const char *state) {
   const char *path = getenv("NOTIFY_SOCKET");

@@ -15,6 +15,7 @@
 #include <uv.h>
 
 #include "compute.h"
+#include "clock.h"
 #include "config.h"
 #include "error.h"
 #include "pool.h"
@@ -93,8 +94,6 @@ void zd__daemon_session_gone(zd__daemon_t *d);
 /* "cpu" or "cuda". */
 const char *zd__backend_name(zd__backend_t backend);
 
-/* Microseconds on the monotonic clock. */
-uint64_t zd__now_us(void);
 
 /* server.c: listening socket. */
 int zd__server_start(zd__daemon_t *d, zd__err_t *err);

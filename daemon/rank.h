@@ -8,7 +8,9 @@
  * Ownership: the loop thread creates jobs from client requests and queues them on the rank; the
  * rank's worker thread runs them in order (a collective can block there without stalling the
  * loop) and hands each finished job back to the loop (daemon.c's completion queue). The model is
- * touched only by the worker; the loop reads a snapshot (zd__rank_stats_t) under a lock.
+ * touched only by the thread running a job: the worker, or the loop thread itself for a small job
+ * of an idle rank (zd__rank_run_inline); the loop reads a snapshot (zd__rank_stats_t) under a
+ * lock.
  */
 #ifndef ZD_DAEMON_RANK_H
 #define ZD_DAEMON_RANK_H

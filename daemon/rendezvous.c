@@ -5,6 +5,7 @@
  * an UNAVAILABLE answer (rank 0's zerod restarting or shutting down) is retried until the
  * deadline rather than failing the whole world's start-up. Everything else is final.
  */
+#include "clock.h"
 #include "rendezvous.h"
 
 #define GET_MIN_MS 1000 /* a get after a successful wait has at least this long */
@@ -28,12 +29,6 @@
 struct zd__rdv {
   zd__grpc_channel_t *ch;
 };
-
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static void sleep_ms(int64_t ms) {
   struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -76,7 +71,7 @@ static int call_retry(zd__rdv_t *rdv, const char *method, const char *what, Prot
   zd__err_t e = {0};
   int attempts = 0, status = GRPC_STATUS_OK, rc;
   for (;;) {
-    int64_t left = deadline_ms - now_ms();
+    int64_t left = deadline_ms - (int64_t)zd__now_ms();
     if (left < 1) left = 1;
     /* A KvWait waits the whole time on the server. Only a connected channel gets the slack on
      * top: one still connecting cannot get the answer before the server's wait ends anyway, and
@@ -90,7 +85,7 @@ static int call_retry(zd__rdv_t *rdv, const char *method, const char *what, Prot
                        &status, &e);
     attempts++;
     if (rc != ZD_EPEER) break;
-    left = deadline_ms - now_ms();
+    left = deadline_ms - (int64_t)zd__now_ms();
     if (left <= 0) break;
     sleep_ms(left < RETRY_MS ? left : RETRY_MS);
   }
@@ -119,7 +114,7 @@ int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, 
   char what[MAX_KEY_BYTES + 16];
   snprintf(what, sizeof what, "set '%s'", key);
   rc = call_retry(rdv, "/zerod.v1.Control/KvSet", what, &req.base, NULL,
-                  &zerod__v1__kv_set_reply__descriptor, &reply, now_ms() + timeout_ms, err);
+                  &zerod__v1__kv_set_reply__descriptor, &reply, (int64_t)zd__now_ms() + timeout_ms, err);
   if (reply) protobuf_c_message_free_unpacked(reply, NULL);
   return rc;
 }
@@ -133,7 +128,7 @@ int zd__rdv_delete(zd__rdv_t *rdv, const char *key, int timeout_ms, zd__err_t *e
   char what[MAX_KEY_BYTES + 16];
   snprintf(what, sizeof what, "delete '%s'", key);
   rc = call_retry(rdv, "/zerod.v1.Control/KvDelete", what, &req.base, NULL,
-                  &zerod__v1__kv_delete_reply__descriptor, &reply, now_ms() + timeout_ms, err);
+                  &zerod__v1__kv_delete_reply__descriptor, &reply, (int64_t)zd__now_ms() + timeout_ms, err);
   if (reply) protobuf_c_message_free_unpacked(reply, NULL);
   return rc;
 }
@@ -168,7 +163,7 @@ int zd__rdv_wait(zd__rdv_t *rdv, const char *const *keys, size_t nkeys, int time
   snprintf(what, sizeof what, "wait for %s", names);
   ProtobufCMessage *reply = NULL;
   int rc = call_retry(rdv, "/zerod.v1.Control/KvWait", what, &req.base, &req.timeout_ms,
-                      &zerod__v1__kv_wait_reply__descriptor, &reply, now_ms() + timeout_ms, err);
+                      &zerod__v1__kv_wait_reply__descriptor, &reply, (int64_t)zd__now_ms() + timeout_ms, err);
   if (rc) goto exit;
   Zerod__V1__KvWaitReply *rep = (Zerod__V1__KvWaitReply *)reply;
   if (!rep->ok) {
@@ -188,7 +183,7 @@ int zd__rdv_get(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int 
   int rc = zd__rdv_wait(rdv, &key, 1, timeout_ms, err);
   if (rc) return rc;
   /* The key exists now: the get gets a time of its own, even if the wait used up the budget. */
-  int64_t deadline = now_ms() + (timeout_ms > GET_MIN_MS ? timeout_ms : GET_MIN_MS);
+  int64_t deadline = (int64_t)zd__now_ms() + (timeout_ms > GET_MIN_MS ? timeout_ms : GET_MIN_MS);
   Zerod__V1__KvGetRequest req = ZEROD__V1__KV_GET_REQUEST__INIT;
   req.key = (char *)key;
   ProtobufCMessage *reply = NULL;

@@ -206,8 +206,11 @@ static zd__job_t *job_new(zd__session_t *s, zd__job_type_t type, const zd__frame
 }
 
 static void submit(zd__session_t *s, zd__job_t *job) {
+  /* Inline only with nothing of this session in flight: a job of its that finished on the worker
+   * may still wait in the completion queue, and its reply must go out first. */
+  int idle = s->inflight == 0;
   s->inflight++;
-  if (zd__rank_run_inline(s->rank, job))
+  if (idle && zd__rank_run_inline(s->rank, job))
     zd__session_job_done(s, job);
   else
     zd__rank_submit(s->rank, job);
@@ -531,16 +534,16 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
                   holder->name, (int)holder->cred.pid);
     goto fail;
   }
-  s->daemon->attached[local] = s;
-  s->buffers.param_dtype = spec->param_dtype;
-  s->buffers.grad_dtype = spec->grad_dtype;
-  s->nbuckets = spec->layout->nbuckets;
-  s->ngroups = spec->ngroups;
   job = job_new(s, ZD__JOB_ATTACH, h);
   if (!job) {
     rc = zd__errf(err, -ENOMEM, "out of memory");
     goto fail;
   }
+  s->daemon->attached[local] = s;
+  s->buffers.param_dtype = spec->param_dtype;
+  s->buffers.grad_dtype = spec->grad_dtype;
+  s->nbuckets = spec->layout->nbuckets;
+  s->ngroups = spec->ngroups;
   job->in.spec = spec;
   close_fds(s);
   zerod__v1__register_request__free_unpacked(req, NULL);
@@ -805,6 +808,9 @@ static void dispatch_frames(zd__session_t *s) {
       dispatch(s, &h, s->rbuf + ZD__FRAME_HEADER_SIZE);
     }
     if (s->torn_down) return;
+    /* The descriptors that came with a register frame belong to it, used or refused: never to a
+     * later register that came without any. */
+    if (h.type == ZD__MSG_REGISTER) close_fds(s);
     consume(s, total);
   }
 }

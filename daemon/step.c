@@ -1,5 +1,6 @@
 /* Step logic (step.h): model state, register/resume, scatter, step, gather. Runs on a rank's
  * worker thread; the backend's pieces go through zd__compute_t (compute.h). */
+#include "clock.h"
 #include "step.h"
 
 #include <errno.h>
@@ -13,12 +14,6 @@
 #include "log.h"
 #include "step_decide.h"
 #include "world.h"
-
-static uint64_t now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
 
 int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err) {
   if (!isfinite(g->lr) || g->lr < 0)
@@ -443,7 +438,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
                    const zd_group_t *groups, int scatter, int gather, zd__step_out_t *out,
                    zd__err_t *err) {
   const zd__layout_t *l = m->layout;
-  uint64_t t0 = now_us();
+  uint64_t t0 = zd__now_us();
   if (!scatter)
     for (uint32_t b = 0; b < l->nbuckets; b++)
       if (!m->scattered[b])
@@ -481,7 +476,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     m->scaler = st.scaler;
     m->steps_skipped = st.steps_skipped;
     rc = job_end(ctx, buf, ZD_OK, err); /* skipped: parameters unchanged, nothing to gather */
-    out->duration_us = now_us() - t0;
+    out->duration_us = zd__now_us() - t0;
     return rc;
   }
   zd__adam_group_t consts[m->ngroups];
@@ -498,12 +493,13 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   m->scaler = st.scaler;
   if (gather) rc = gather_buckets(ctx, m, buf, -1, err);
   rc = job_end(ctx, buf, rc, err);
-  out->duration_us = now_us() - t0;
+  out->duration_us = zd__now_us() - t0;
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];
     snprintf(cause, sizeof cause, "%s", err->msg);
-    return zd__errf(err, rc, "step %" PRIu64 " was applied, but %s failed: %s", m->step,
-                    gather ? "the gather" : "completing it", cause);
+    /* A distinct code: the client must not take this step for one that was not applied. */
+    return zd__errf(err, ZD_EAPPLIED, "step %" PRIu64 " was applied, but %s failed (%s): %s",
+                    m->step, gather ? "the gather" : "completing it", zd_err_name(rc), cause);
   }
   return ZD_OK;
 }

@@ -7,7 +7,8 @@
  *            the client's buffer, then gather
  *   gather   all-gather the updated parameters of a bucket into the client's buffer
  *
- * Everything runs on the rank's worker thread and is the same for every backend and world size:
+ * Everything runs on the thread running the rank's job (its worker, or the loop thread for a small
+ * job of an idle world-size-1 CPU rank) and is the same for every backend and world size:
  * communication goes through zd__comm_t, state and kernels through zd__compute_t (compute.h). A
  * step is atomic: until every rank has agreed on the statistics (the commit point), a failure
  * leaves master, moments and step counter unchanged on every rank. Each public operation below

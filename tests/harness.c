@@ -81,6 +81,8 @@ static void track(pid_t pid, pid_t untrack) {
       live[i] = pid;
       return;
     }
+  if (pid) fprintf(stderr, "harness: more than %d daemons at once; pid %d not tracked\n", MAX_LIVE,
+                   (int)pid);
 }
 
 void zdt_start(zdt_daemon_t *d, const char *const *extra) {
@@ -226,7 +228,11 @@ int zdt_raw_recv(int fd, zd__frame_header_t *h, uint8_t **body, int timeout_ms) 
   CHECK_INT_LE(h->length, ZD__FRAME_MAX_BODY);
   *body = malloc(h->length ? h->length : 1);
   CHECK(*body);
-  if (read_full(fd, *body, h->length, timeout_ms) != 0) return -1;
+  if (read_full(fd, *body, h->length, timeout_ms) != 0) {
+    free(*body);
+    *body = NULL;
+    return -1;
+  }
   return 0;
 }
 

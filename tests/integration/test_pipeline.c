@@ -3,6 +3,7 @@
  * zd_step() and one with scatter per bucket + step(NO_SCATTER | NO_GATHER) + gather per bucket,
  * all requests in flight at once and waited for out of order; the parameters must stay bitwise
  * equal. A step that claims scattered gradients which were not is refused. */
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -101,6 +102,19 @@ int main(void) {
   zd_step_result_t r;
   CHECK_INT_EQ(zd_step(b, NULL, &r), ZD_OK);
   CHECK_U64_EQ(r.step, STEPS + 1);
+
+  /* Closing with the pipeline full (64 requests outstanding, none waited for): the outstanding
+   * requests are answered, the bye goes out, and the rank is free when zd_close returns. */
+  zd_request_t many[64];
+  for (int i = 0; i < 64; i++) CHECK_INT_EQ(zd_scatter_start(b, i % (int)nb, &many[i]), ZD_OK);
+  zd_request_t extra;
+  CHECK_INT_EQ(zd_scatter_start(b, 0, &extra), -EBUSY);
+  zd_close(b);
+  b = start_client(&db);
+  zd_get_info(b, &info);
+  CHECK_INT_EQ(info.resumed, 1);
+  CHECK_U64_EQ(info.step, STEPS + 1);
+  printf("  closed with 64 requests outstanding: answered, bye sent, the rank free at once\n");
 
   zd_close(a);
   zd_close(b);

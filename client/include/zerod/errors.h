@@ -42,7 +42,8 @@ extern "C" {
   XX(EBACKEND, -4018, "backend unavailable")                                                \
   XX(ECLOSED, -4019, "connection closed")                                                   \
   XX(EINTERNAL, -4020, "internal error")                                                    \
-  XX(ECONFIG, -4021, "invalid configuration")
+  XX(ECONFIG, -4021, "invalid configuration")                                              \
+  XX(EAPPLIED, -4022, "step applied, but its parameters were not gathered")
 
 typedef enum zd_error {
   ZD_OK = 0,

@@ -243,8 +243,10 @@ ZD_EXPORT int zd_cuda_device(const zd_client_t *client, int *device);
 /* One optimizer step: scatter + step + gather unless opts->flags says otherwise. result may be
  * NULL. At world size > 1 every rank must call it; the call returns when this rank's part is
  * done. Errors: ZD_EORDER (not registered, or a bucket not scattered with NO_SCATTER), ZD_EHPARAM,
- * ZD_ESTEP (ranks out of step), ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT (a peer failed: the step was not
- * applied). */
+ * ZD_ESTEP (ranks out of step), ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT/-ECANCELED (a peer failed, or
+ * zerod is shutting down: the step was not applied), ZD_EAPPLIED (the step was applied to the
+ * master weights, but the updated parameters could not be gathered into the param buffer; the
+ * rank is degraded). */
 ZD_EXPORT int zd_step(zd_client_t *client, const zd_step_opts_t *opts, zd_step_result_t *result);
 
 /* Reduce-scatter of one bucket (or ZD_ALL_BUCKETS) of the grad buffer into this rank's shard. */

@@ -1,0 +1,16 @@
+/* The daemon's one clock: monotonic time for deadlines, timeouts and durations. */
+#ifndef ZD_DAEMON_CLOCK_H
+#define ZD_DAEMON_CLOCK_H
+
+#include <stdint.h>
+#include <time.h>
+
+static inline uint64_t zd__now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+static inline uint64_t zd__now_ms(void) { return zd__now_us() / 1000u; }
+
+#endif /* ZD_DAEMON_CLOCK_H */
