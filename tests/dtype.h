@@ -1,6 +1,7 @@
 /* Element access by dtype for the tests: read and write one element of an f32, bf16 or f16 buffer
  * as a float, with the same conversions as zerod (kernels/adam.h). Writing f16 rounds to nearest
- * even; values beyond the f16 range become inf, which the loss-scaling tests rely on. */
+ * even; values beyond the f16 range become inf, which the loss-scaling tests rely on. And the
+ * reference step the training tests compare zerod with. */
 #ifndef ZD_TESTS_DTYPE_H
 #define ZD_TESTS_DTYPE_H
 
@@ -36,6 +37,20 @@ static inline void zdt_store(void *buf, zd_dtype_t dt, uint64_t i, float v) {
     ((uint16_t *)buf)[i] = zd__f32_to_bf16(v);
   else
     ((uint16_t *)buf)[i] = zdt_f32_to_f16(v);
+}
+
+/* The reference optimizer step of one parameter held in fp32 (master, moments, gradient as zerod
+ * read it), with hyperparameters g at step number `step` (from 1): what the tests compare zerod's
+ * parameters with. */
+static inline void zdt_ref_step(float *master, float *m, float *v, const float *grad, uint64_t n,
+                                const zd_group_t *g, uint64_t step, float grad_scale) {
+  zd__adam_group_t consts;
+  zd__adam_group_init(&consts, g, step);
+  zd__segment_t seg = {.offset = 0, .length = n, .group = 0};
+  zd__adam_args_t a = {.master = master, .exp_avg = m, .exp_avg_sq = v, .grad = grad,
+                       .grad_dtype = ZD_F32, .param_dtype = ZD_F32, .grad_scale = grad_scale,
+                       .segs = &seg, .nsegs = 1, .groups = &consts};
+  zd__adam_step_ref(&a, 0, n);
 }
 
 #endif /* ZD_TESTS_DTYPE_H */

@@ -285,20 +285,8 @@ static void train_vs_reference(const char *socket, zd_dtype_t pdt, zd_dtype_t gd
       zd_param_info(t.c, (size_t)i, &info);
       float gq[MAXN];
       for (uint64_t k = 0; k < info.numel; k++) gq[k] = zdt_load(t.hg, gdt, info.offset + k);
-      zd__adam_group_t consts;
-      zd__adam_group_init(&consts, &groups[info.group], (uint64_t)step + 1);
-      zd__segment_t seg = {.offset = 0, .length = info.numel, .group = 0};
-      zd__adam_args_t a = {.master = ref.master[i],
-                           .exp_avg = ref.m[i],
-                           .exp_avg_sq = ref.v[i],
-                           .grad = gq,
-                           .grad_dtype = ZD_F32,
-                           .param_dtype = ZD_F32,
-                           .grad_scale = 1.0f,
-                           .segs = &seg,
-                           .nsegs = 1,
-                           .groups = &consts};
-      zd__adam_step_ref(&a, 0, info.numel);
+      zdt_ref_step(ref.master[i], ref.m[i], ref.v[i], gq, info.numel, &groups[info.group],
+                   (uint64_t)step + 1, 1.0f);
     }
     fetch_params(&t);
     compare_ref(&t, &ref, step + 1);

@@ -156,21 +156,8 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
       zd_param_info(c, (size_t)i, &info);
       float gq[MLP_HIDDEN * MLP_IN];
       for (uint64_t k = 0; k < info.numel; k++) gq[k] = zdt_load(gbuf, gdt, info.offset + k);
-      zd__adam_group_t consts;
-      zd__adam_group_init(&consts, &groups[info.group], (uint64_t)step + 1);
-      zd__segment_t seg = {.offset = 0, .length = info.numel, .group = 0};
-      zd__adam_args_t a = {.master = ref.master[i],
-                           .exp_avg = ref.m[i],
-                           .exp_avg_sq = ref.v[i],
-                           .grad = gq,
-                           .grad_dtype = ZD_F32,
-                           .param = NULL,
-                           .param_dtype = ZD_F32,
-                           .grad_scale = 1.0f,
-                           .segs = &seg,
-                           .nsegs = 1,
-                           .groups = &consts};
-      zd__adam_step_ref(&a, 0, info.numel);
+      zdt_ref_step(ref.master[i], ref.m[i], ref.v[i], gq, info.numel, &groups[info.group],
+                   (uint64_t)step + 1, 1.0f);
     }
     compare(c, &ref, pdt, step + 1);
   }
@@ -207,16 +194,10 @@ static void run_many_threads(void) {
   CHECK(master && m && v);
   for (uint32_t i = 0; i < N; i++) master[i] = param[i] = (float)(i % 1000) * 1e-3f;
   CHECK_MSG(zd_register(c) == ZD_OK, "register: %s", zd_last_error());
-  zd__segment_t seg = {.offset = 0, .length = N, .group = 0};
   for (int step = 1; step <= STEPS_BIG; step++) {
     for (uint32_t i = 0; i < N; i++) grad[i] = (float)((int)(i % 777) - 388) * 1e-4f * step;
     CHECK_MSG(zd_step(c, NULL, NULL) == ZD_OK, "step: %s", zd_last_error());
-    zd__adam_group_t consts;
-    zd__adam_group_init(&consts, &g, (uint64_t)step);
-    zd__adam_args_t a = {.master = master, .exp_avg = m, .exp_avg_sq = v, .grad = grad,
-                         .grad_dtype = ZD_F32, .param_dtype = ZD_F32, .grad_scale = 1.0f,
-                         .segs = &seg, .nsegs = 1, .groups = &consts};
-    zd__adam_step_ref(&a, 0, N);
+    zdt_ref_step(master, m, v, grad, N, &g, (uint64_t)step, 1.0f);
   }
   for (uint32_t i = 0; i < N; i++)
     CHECK_MSG(memcmp(&param[i], &master[i], 4) == 0, "element %u of %u: %.9g through zerod, "

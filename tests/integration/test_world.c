@@ -325,17 +325,11 @@ static void ref_step(reference_t *r, const run_cfg_t *cfg, uint32_t w, int step,
   }
   zd_group_t g[2];
   groups_at(step, g);
-  zd__adam_group_t consts[2];
-  for (int k = 0; k < 2; k++) zd__adam_group_init(&consts[k], &g[k], r->step + 1);
   for (uint32_t i = 0; i < l->nparams; i++) {
     const zd__layout_param_t *p = &l->params[i];
-    zd__segment_t seg = {.offset = 0, .length = p->numel, .group = p->group};
-    zd__adam_args_t a = {.master = r->master + p->offset, .exp_avg = r->m + p->offset,
-                         .exp_avg_sq = r->v + p->offset, .grad = r->reduced + p->offset,
-                         .grad_dtype = ZD_F32, .param_dtype = ZD_F32,
-                         .grad_scale = (float)(pre_scale * expect->clip_coef), .segs = &seg,
-                         .nsegs = 1, .groups = consts};
-    zd__adam_step_ref(&a, 0, p->numel);
+    zdt_ref_step(r->master + p->offset, r->m + p->offset, r->v + p->offset,
+                 r->reduced + p->offset, p->numel, &g[p->group], r->step + 1,
+                 (float)(pre_scale * expect->clip_coef));
   }
   r->step++;
   ref_scaler_update(&r->scaler, 0);
