@@ -43,7 +43,7 @@ typedef struct cuda_compute {
   int device;
   cudaStream_t stream; /* the rank's: every kernel, copy and collective of its jobs */
   cudaStream_t setup;  /* layout tables at registration */
-  cudaEvent_t done;    /* waits without a device communicator, and before freeing */
+  cudaEvent_t done;    /* before freeing: waits until the stream ran out */
   int timeout_ms;
   int stuck; /* the stream did not run out within timeout_ms: leave memory to the exit */
 } cuda_compute_t;
@@ -191,16 +191,11 @@ static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_
                     c->device, cudaGetErrorString(e), cudaGetErrorName(e));
     }
   }
+  /* A CUDA rank always has its NCCL communicator (even at world size 1), which waits for the
+   * stream and polls its own asynchronous errors. */
+  zd_assert(comm && comm->ops->sync);
   zd__err_t werr = {0};
-  int wrc;
-  if (comm && comm->ops->sync) {
-    wrc = comm->ops->sync(comm, &werr);
-  } else { /* no device communicator (not a configuration zerod builds): wait, bounded */
-    cudaError_t e = cudaEventRecord(c->done, c->stream);
-    wrc = e != cudaSuccess ? zd__cuda_fail(&werr, e, __FILE__, __LINE__, "cudaEventRecord")
-                           : zd__cuda_event_wait(c->done, c->timeout_ms, NULL, NULL,
-                                                 "the rank's GPU work", &werr);
-  }
+  int wrc = comm->ops->sync(comm, &werr);
   if (wrc) {
     *err = werr;
     return wrc;
