@@ -141,6 +141,42 @@ class ClientTest(unittest.TestCase):
         self.assertEqual((c.param_dtype, c.grad_dtype), (zerod.DType.BF16, zerod.DType.F16))
         self.assertEqual(c.param_buffer.nbytes, c.info.total_elems * 2)
 
+    def test_device_buffers_need_the_cuda_backend(self) -> None:
+        # This zerod runs its CPU backend (any machine): device buffers are refused with the
+        # reason, the session stays usable, and host-only/device-only accessors say which.
+        c = self.connect()
+        self.assertEqual(c.info.backend, "cpu")
+        with self.assertRaises(ZerodError) as cm:
+            c.cuda_device()
+        self.assertEqual(cm.exception.name, "ZD_EBACKEND", str(cm.exception))
+        with self.assertRaises(ZerodError) as cm:
+            c.layout(model("t"), memory="cuda", device=0, replace=True)
+        self.assertEqual(cm.exception.name, "ZD_EBACKEND", str(cm.exception))
+        with self.assertRaises(ValueError):
+            c.layout(model("t"), memory="gpu", replace=True)
+        c.layout(model("t"), replace=True)
+        self.assertEqual(c.memory, "host")
+        with self.assertRaises(ValueError) as cv:
+            c.param_device_array()
+        self.assertIn("param_array()", str(cv.exception))
+        with self.assertRaises(ZerodError) as cm:  # zd_set_stream: no device buffers
+            c.set_stream(None)
+        self.assertEqual(cm.exception.name, "ZD_EORDER", str(cm.exception))
+
+    def test_device_array_interface(self) -> None:
+        # The __cuda_array_interface__ a device buffer is described by (no GPU needed to build
+        # the description): one dimension of total_elems, bf16 as int16, the client held.
+        c = self.connect()
+        arr = zerod.DeviceArray(0x7f0000000000, 311, zerod.DType.BF16, c)
+        cai = arr.__cuda_array_interface__
+        self.assertEqual(cai["shape"], (311,))
+        self.assertEqual(cai["typestr"], "<i2")
+        self.assertEqual(cai["data"], (0x7f0000000000, False))
+        self.assertEqual(cai["version"], 2)
+        self.assertIs(arr._zerod_client, c)
+        self.assertEqual(zerod.DeviceArray(1, 2, zerod.DType.F32, c)
+                         .__cuda_array_interface__["typestr"], "<f4")
+
     def test_step_matches_formula(self) -> None:
         lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-8
         c = self.registered([Group(lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0)])

@@ -37,6 +37,9 @@ ZD_REGISTER_REPLACE = 0x1
 ZD_STEP_NO_SCATTER = 0x1
 ZD_STEP_NO_GATHER = 0x2
 
+ZD_MEMORY_HOST = 0
+ZD_MEMORY_CUDA = 1
+
 # zerod/errors.h: values are part of the wire protocol and never renumbered.
 ZD_OK = 0
 ZD_EPROTO = -4001
@@ -60,6 +63,7 @@ ZD_EBACKEND = -4018
 ZD_ECLOSED = -4019
 ZD_EINTERNAL = -4020
 ZD_ECONFIG = -4021
+ZD_EAPPLIED = -4022
 
 
 class zd_group_t(ctypes.Structure):
@@ -106,8 +110,8 @@ class zd_model_desc_t(ctypes.Structure):
         ("grad_mean", ctypes.c_int),
         ("loss_scaler", zd_loss_scaler_t),
         ("flags", ctypes.c_uint),
-        ("memory", ctypes.c_int),  # zd_memory_t: 0 host buffers (this package's only kind)
-        ("device", ctypes.c_int),  # CUDA device with memory 1
+        ("memory", ctypes.c_int),  # zd_memory_t: ZD_MEMORY_HOST or ZD_MEMORY_CUDA
+        ("device", ctypes.c_int),  # CUDA ordinal of the buffers with ZD_MEMORY_CUDA
     ]
 
 
@@ -186,6 +190,8 @@ _PROTOTYPES = {
     "zd_bucket_info": (ctypes.c_int, [zd_client_p, ctypes.c_size_t,
                                       ctypes.POINTER(zd_bucket_info_t)]),
     "zd_get_info": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_info_t)]),
+    "zd_set_stream": (ctypes.c_int, [zd_client_p, ctypes.c_void_p]),
+    "zd_cuda_device": (ctypes.c_int, [zd_client_p, ctypes.POINTER(ctypes.c_int)]),
     "zd_step": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_step_opts_t),
                                ctypes.POINTER(zd_step_result_t)]),
     "zd_scatter": (ctypes.c_int, [zd_client_p, ctypes.c_int]),

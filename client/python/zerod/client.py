@@ -5,6 +5,13 @@ model out, register it, use the two shared buffers, step (or scatter, step, gath
 pipelined), read the status, close. It needs nothing but the standard library; the PyTorch
 optimizer in `zerod.torch` is built on it.
 
+The buffers are host shared memory (zerod's CPU backend: `param_array()`, `param_buffer`) or,
+with ``layout(..., memory="cuda")``, device memory on the rank's GPU shared with zerod through
+CUDA IPC (zerod's CUDA backend): `param_device_array()` then describes it by
+``__cuda_array_interface__`` for torch.as_tensor, CuPy or Numba, and `set_stream()` names the
+CUDA stream on which the trainer writes gradients and reads parameters (libzerod orders it with
+zerod's stream through IPC events, without host synchronisation).
+
 Every failing call raises `ZerodError` with the library's error code, its symbolic name
 ("ZD_EBUFFER", "ECONNREFUSED") and the detailed message the daemon or the library formatted where
 the error was found.
@@ -36,6 +43,7 @@ __all__ = [
     "BucketInfo",
     "Client",
     "DType",
+    "DeviceArray",
     "Group",
     "Info",
     "LossScaler",
@@ -306,6 +314,34 @@ def _shared_array(address: int, nbytes: int, owner: "Client") -> ctypes.Array:
     return arr
 
 
+class DeviceArray:
+    """One of a Client's device buffers, described by ``__cuda_array_interface__`` (version 2),
+    so that ``torch.as_tensor(arr, device="cuda:N")``, ``cupy.asarray(arr)`` or Numba wrap it
+    without a copy. It holds its Client: a tensor made from it (torch keeps the object) keeps the
+    Client, and thus the allocation, alive. bf16 has no array-interface type string: its elements
+    are described as int16 (``typestr "<i2"``); view the result as bfloat16.
+    """
+
+    TYPESTRS = {DType.F32: "<f4", DType.BF16: "<i2", DType.F16: "<f2"}
+
+    def __init__(self, address: int, count: int, dtype: int, owner: "Client") -> None:
+        self.address = address
+        self.count = count
+        self.dtype = dtype
+        self._zerod_client = owner
+        self.__cuda_array_interface__ = {
+            "shape": (count,),
+            "typestr": self.TYPESTRS[dtype],
+            "data": (address, False),
+            "strides": None,
+            "version": 2,
+        }
+
+    def __repr__(self) -> str:
+        return (f"<zerod.DeviceArray {DType.NAMES[self.dtype]}[{self.count}] "
+                f"at 0x{self.address:x}>")
+
+
 def parse_status(text: str) -> Dict[str, Dict[str, str]]:
     """Parses zerod's status text ("# Section" lines, then "key:value" lines) into
     {section: {key: value}}. Values stay strings; keys carry their units (step_latency_us)."""
@@ -363,6 +399,7 @@ class Client:
         self._param_dtype = DType.F32
         self._grad_dtype = DType.F32
         self._registered = False
+        self._memory = "host"
         handle = _lib.zd_client_p()
         path = socket.encode() if socket else None
         with self._lock:
@@ -393,7 +430,8 @@ class Client:
 
         The shared buffers are unmapped: memoryviews returned by this client are released, and
         any other view of the buffers (numpy arrays, torch tensors) must not be used afterwards.
-        Closing twice is harmless.
+        Device buffers are freed: work on the trainer's streams that uses them must be complete
+        (synchronize first). Closing twice is harmless.
         """
         with self._lock:
             if self._handle is None:
@@ -421,7 +459,8 @@ class Client:
                param_dtype: Any = "f32", grad_dtype: Any = None, max_grad_norm: float = 0.0,
                grad_mean: bool = True,
                loss_scaler: Union[LossScaler, Mapping[str, Any], bool, None] = None,
-               replace: bool = False) -> None:
+               replace: bool = False, memory: str = "host",
+               device: Optional[int] = None) -> None:
         """Computes the layout of the model and creates zeroed shared buffers (zd_layout).
 
         Args:
@@ -436,10 +475,17 @@ class Client:
                 defaults, None to disable).
             replace: start afresh: discard any state zerod holds on this rank (for this model or
                 another; at world size > 1 every rank must pass it).
+            memory: "host" (shared memory, for zerod's CPU backend) or "cuda" (device memory on
+                the rank's GPU, shared through CUDA IPC, for zerod's CUDA backend).
+            device: with memory "cuda", this process's CUDA ordinal of that GPU; default
+                `cuda_device()`, the rank's GPU as this process numbers it.
 
-        After it, write the initial parameter values into `param_buffer` at the offsets
+        After it, write the initial parameter values into `param_buffer` (device buffers:
+        `param_device_array()`, on the stream given to `set_stream()`) at the offsets
         `param_info()` gives, then call `register()`.
         """
+        if memory not in ("host", "cuda"):
+            raise ValueError(f"memory is {memory!r}; expected 'host' or 'cuda'")
         specs: List[Param] = []
         for p in params:
             if isinstance(p, Param):
@@ -485,12 +531,16 @@ class Client:
             desc.loss_scaler.hysteresis = int(scaler.hysteresis)
             desc.loss_scaler.min_scale = float(scaler.min_scale)
         desc.flags = ZD_REGISTER_REPLACE if replace else 0
+        if memory == "cuda":
+            desc.memory = _lib.ZD_MEMORY_CUDA
+            desc.device = self.cuda_device() if device is None else int(device)
         with self._lock:
             h = self._h()
             self._release_views()  # zd_layout() remaps the buffers: the old views would dangle
             _check(self._lib.zd_layout(h, ctypes.byref(desc)), "zd_layout")
             self._params = specs
             self._param_dtype, self._grad_dtype = pdt, gdt
+            self._memory = memory
 
     def register(self) -> Info:
         """Sends the model and its buffers to zerod (zd_register) and returns the new Info.
@@ -537,14 +587,63 @@ class Client:
         """Address of the shared grad buffer in this process."""
         return self._buffer("grad")[0]
 
+    @property
+    def memory(self) -> str:
+        """Where the buffers are: "host" or "cuda" (as given to layout())."""
+        return self._memory
+
+    def _host_buffer(self, which: str) -> Tuple[int, int]:
+        if self._memory != "host":
+            raise ValueError(f"the {which} buffer is device memory: use "
+                             f"{which}_device_array() (host views need memory='host')")
+        return self._buffer(which)
+
     def param_array(self) -> ctypes.Array:
         """The param buffer as a ctypes char array over the shared memory (zero-copy). Views
-        made from it (torch.frombuffer, numpy.frombuffer, memoryview) keep this Client alive."""
-        return _shared_array(*self._buffer("param"), self)
+        made from it (torch.frombuffer, numpy.frombuffer, memoryview) keep this Client alive.
+        Host buffers only."""
+        return _shared_array(*self._host_buffer("param"), self)
 
     def grad_array(self) -> ctypes.Array:
-        """The grad buffer as a ctypes char array over the shared memory (zero-copy)."""
-        return _shared_array(*self._buffer("grad"), self)
+        """The grad buffer as a ctypes char array over the shared memory (zero-copy). Host
+        buffers only."""
+        return _shared_array(*self._host_buffer("grad"), self)
+
+    def _device_array(self, which: str) -> DeviceArray:
+        if self._memory != "cuda":
+            raise ValueError(f"the {which} buffer is host memory: use {which}_array() (device "
+                             f"arrays need memory='cuda')")
+        address, _ = self._buffer(which)
+        dt = self._param_dtype if which == "param" else self._grad_dtype
+        return DeviceArray(address, self.info.total_elems, dt, self)
+
+    def param_device_array(self) -> DeviceArray:
+        """The param buffer (device memory) as a DeviceArray (``__cuda_array_interface__``) of
+        info.total_elems elements. Device buffers only."""
+        return self._device_array("param")
+
+    def grad_device_array(self) -> DeviceArray:
+        """The grad buffer (device memory) as a DeviceArray. Device buffers only."""
+        return self._device_array("grad")
+
+    def set_stream(self, stream: Optional[int]) -> None:
+        """Device buffers: the CUDA stream (a cudaStream_t as an int, e.g. torch's
+        ``torch.cuda.current_stream().cuda_stream``; None or 0: the legacy default stream) on
+        which the trainer writes gradients and reads parameters. Work queued on it before a
+        request is seen by zerod; work queued after the request's reply sees zerod's results
+        (zd_set_stream). It may change between requests."""
+        with self._lock:
+            _check(self._lib.zd_set_stream(self._h(), ctypes.c_void_p(stream or None)),
+                   "zd_set_stream")
+
+    def cuda_device(self) -> int:
+        """This process's CUDA ordinal of the GPU of this client's rank (zd_cuda_device).
+        Raises ZerodError: ZD_EBACKEND (zerod runs its CPU backend, or CUDA is unusable here),
+        -ENODEV (this process does not see that GPU)."""
+        out = ctypes.c_int(-1)
+        with self._lock:
+            _check(self._lib.zd_cuda_device(self._h(), ctypes.byref(out)), "zd_cuda_device")
+        return int(out.value)
 
     def _view(self, which: str, typed: bool) -> memoryview:
         mv = self._views.get((which, typed))

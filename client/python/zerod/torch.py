@@ -52,8 +52,17 @@ with zerod's weights at registration; ``resumed`` is then True). ``state_dict()`
 only the hyperparameters (for schedulers and bookkeeping) and zerod's step number, not the
 moments.
 
-Limits: parameters must be CPU tensors (zerod's host-memory backend; CUDA buffers come with the
-CUDA backend), all of one dtype, float32 or bfloat16. The parameter list is fixed at
+CUDA. With the model on a GPU (every parameter on one device) the buffers are device memory that
+libzerod allocates and shares with zerod's CUDA backend through CUDA IPC; the views are made
+from them through ``__cuda_array_interface__``. Before each request the optimizer hands libzerod
+torch's current stream (``zd_set_stream``): zerod's stream waits for what the trainer queued
+before the request (the gradients), and the trainer's stream waits for zerod's results before
+its later work, with no host synchronisation. The GPU must be the one zerod gives the rank
+(``Client.cuda_device()``; the error says which); close() synchronises the device before the
+buffers are freed. CPU parameters need zerod's CPU backend, CUDA parameters its CUDA backend.
+
+Limits: parameters must all be on one device (the CPU, or the rank's GPU) and of one dtype,
+float32 or bfloat16. The parameter list is fixed at
 registration: add_param_group() after construction is refused. A parameter that got no gradient
 in a step is stepped with a zero gradient (weight decay and momentum still apply), as torch does
 with zero_grad(set_to_none=False), whereas torch with set_to_none=True skips it. Parameters with
@@ -182,6 +191,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 specs.append((name, tuple(p.shape), gi))
         if not self._params:
             raise ValueError("no parameter requires grad: nothing for zerod to optimize")
+        devices = {p.device for p in self._params}
+        if len(devices) != 1:
+            raise ValueError(f"parameters are on several devices ({sorted(map(str, devices))}); "
+                             f"zerod's buffers are on one: move the model to one device first")
+        self.device: torch.device = devices.pop()
+        self._cuda = self.device.type == "cuda"
         dtypes = {p.dtype for p in self._params}
         if len(dtypes) != 1:
             raise ValueError(f"parameters have several dtypes ({sorted(map(str, dtypes))}); "
@@ -196,15 +211,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.client: Client = client if client is not None else Client(socket, local_rank,
                                                                        timeout_ms)
         try:
+            if self._cuda:
+                self._check_rank_gpu()
             self.client.layout(specs, [Group.coerce(g) for g in self.param_groups],
                                param_dtype=self.param_dtype, grad_dtype=self.grad_dtype,
                                max_grad_norm=max_grad_norm, grad_mean=grad_mean,
-                               loss_scaler=loss_scaler, replace=replace)
-            info = self.client.info
-            self._pflat = torch.frombuffer(self.client.param_array(), dtype=self.param_dtype,
-                                           count=info.total_elems)
-            self._gflat = torch.frombuffer(self.client.grad_array(), dtype=self.grad_dtype,
-                                           count=info.total_elems)
+                               loss_scaler=loss_scaler, replace=replace,
+                               memory="cuda" if self._cuda else "host",
+                               device=self.device.index if self._cuda else None)
+            self._pflat = self._flat_buffer("param", self.param_dtype)
+            self._gflat = self._flat_buffer("grad", self.grad_dtype)
             self._pinfo = self.client.params_info()
             pviews, gviews = [], []
             for p, pi in zip(self._params, self._pinfo):
@@ -213,6 +229,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 pv.copy_(p.detach())
                 pviews.append(pv)
                 gviews.append(gv)
+            self._set_stream()  # zerod reads the copies above after they ran on this stream
             self.info = self.client.register()
         except BaseException:
             if self._owns_client:
@@ -283,14 +300,42 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _validate_param(p: torch.Tensor, name: str) -> None:
         if not isinstance(p, torch.Tensor) or not p.is_leaf:
             raise ValueError(f"{name}: can only optimize leaf tensors")
-        if p.device.type != "cpu":
-            raise ValueError(f"{name} is on {p.device}; zerod's host-memory buffers need CPU "
-                             f"tensors (the CUDA backend is a later addition)")
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on {p.device}; zerod's buffers are host memory (CPU "
+                             f"tensors) or CUDA device memory (CUDA tensors)")
         if p.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"{name} has dtype {p.dtype}; zerod's working params are float32 "
                              f"or bfloat16")
         if p.is_sparse:
             raise ValueError(f"{name} is sparse; zerod needs dense parameters")
+
+    # ---- buffers ------------------------------------------------------------------------------
+
+    def _check_rank_gpu(self) -> None:
+        """CUDA parameters must be on the GPU zerod gives this rank (its buffers are there)."""
+        rank_gpu = self.client.cuda_device()
+        if rank_gpu != self.device.index:
+            raise ValueError(f"the model is on {self.device}, but zerod's rank "
+                             f"{self.client.info.local_rank} (local) is on cuda:{rank_gpu} as "
+                             f"this process numbers its GPUs; move the model to cuda:{rank_gpu}")
+
+    def _flat_buffer(self, which: str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole param or grad buffer as one flat tensor, without a copy."""
+        n = self.client.info.total_elems
+        if not self._cuda:
+            arr = self.client.param_array() if which == "param" else self.client.grad_array()
+            return torch.frombuffer(arr, dtype=dtype, count=n)
+        arr = (self.client.param_device_array() if which == "param"
+               else self.client.grad_device_array())
+        t = torch.as_tensor(arr, device=self.device)  # keeps arr, which keeps the client
+        return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+    def _set_stream(self) -> None:
+        """Device buffers: orders libzerod's next request after the work queued so far on
+        torch's current stream (called from the thread about to send it: backward's hooks run
+        on autograd's device thread with the forward's stream current)."""
+        if self._cuda:
+            self.client.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Only during construction: zerod's layout is fixed when the model is registered."""
@@ -368,6 +413,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _start_scatter(self, bucket: int) -> None:
         while len(self._inflight) >= _MAX_INFLIGHT:
             self._inflight.pop(0).wait()
+        self._set_stream()
         self._inflight.append(self.client.scatter_start(bucket))
         self._scattered[bucket] = True
 
@@ -436,6 +482,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._check_all_groups()
             groups = [Group.coerce(g) for g in self.param_groups]
         try:
+            self._set_stream()
             if not self._overlap:
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,
                 # like the hooks, so ranks configured differently still match).
@@ -561,6 +608,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     p.grad = gv.clone()
                 else:
                     del p.main_grad
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # the clones ran before the buffers are freed
         self._pflat = self._gflat = None  # type: ignore[assignment]
         self._gviews = []
         if self._owns_client:
