@@ -14,9 +14,20 @@
  * meanwhile, as NCCL requires. Waits poll ncclCommGetAsyncError too. On an error or a timeout the
  * communicator is aborted (ncclCommAbort: NCCL's kernels on the stream exit, so it drains), and
  * every later call fails at once with the reason; the rank is then degraded (rank.c).
+ *
+ * Tearing a communicator down may block in NCCL: ncclCommAbort and ncclCommDestroy are blocking
+ * even for a non-blocking communicator, and they synchronise NCCL's internal streams, which follow
+ * the rank's stream (NCCL makes its device stream wait on the stream of every launch): work queued
+ * behind a wait that never completes (a client's "grads ready" record that never runs, a hung
+ * GPU) holds them for good, and NCCL frees its device memory only after that. So they run on a
+ * thread of their own (teardown_main), with the rank's device made current there, and the worker
+ * waits for that thread at most DRAIN_MS; what it cannot join is left to the process's exit. A
+ * healthy communicator is closed at shutdown as NCCL recommends: ncclCommFinalize (polled,
+ * bounded) then ncclCommDestroy; ncclCommAbort otherwise.
  */
 #include <errno.h>
 #include <nccl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,22 +39,35 @@
 #include "cuda_check.h"
 #include "log.h"
 
-#define DRAIN_MS 10000 /* after an abort, how long the stream may take to run out */
+#define DRAIN_MS 10000 /* after an abort, how long the stream (or the teardown) may take */
 
 _Static_assert(sizeof(ncclUniqueId) == 128, "the rendezvous carries 128-byte NCCL ids");
 
+/* Staging buffers replaced by a larger pair while the stream was busy: freed once it is idle. */
+typedef struct stage {
+  struct stage *next;
+  void *d, *h; /* device, pinned host */
+} stage_t;
+
 typedef struct nccl_comm {
   zd__comm_t base;
-  ncclComm_t nccl; /* NULL once aborted */
+  ncclComm_t nccl; /* NULL once handed to the teardown thread */
   int device;
   cudaStream_t stream; /* the rank's; not owned */
   cudaEvent_t done;    /* recorded by sync */
   int timeout_ms;
-  int code; /* non-zero: broken, for the reason below */
+  int code;                   /* non-zero: broken, for the reason below */
   atomic_int abort_requested; /* set from another thread: the waits give up, the comm aborts */
   char reason[ZD__ERR_MSG_MAX];
   void *d_stage, *h_stage; /* allgather_bytes: device and pinned host staging */
   size_t stage_bytes;
+  stage_t *retired;
+  /* Teardown (ncclCommAbort or ncclCommDestroy) on its own thread; see the top of the file. */
+  ncclComm_t closing;
+  int closing_destroy;  /* 1: ncclCommDestroy after a finalize, 0: ncclCommAbort */
+  int teardown_started; /* a thread to join */
+  pthread_t teardown;
+  atomic_int teardown_done;
 } nccl_comm_t;
 
 static void nap(long us) {
@@ -61,6 +85,49 @@ static int broken(const nccl_comm_t *c, zd__err_t *err) {
   return zd__errf(err, c->code, "%s", c->reason);
 }
 
+static void *teardown_main(void *arg) {
+  nccl_comm_t *c = arg;
+  zd__log_set_rank((int)c->base.rank);
+  /* The rank's device, current on this thread too (NCCL's teardown also sets it itself). */
+  if (cudaSetDevice(c->device) != cudaSuccess) (void)cudaGetLastError();
+  ncclResult_t r = c->closing_destroy ? ncclCommDestroy(c->closing) : ncclCommAbort(c->closing);
+  if (r != ncclSuccess)
+    ZD_LOG_WARN("GPU %d: %s: %s", c->device,
+                c->closing_destroy ? "ncclCommDestroy" : "ncclCommAbort", ncclGetErrorString(r));
+  atomic_store(&c->teardown_done, 1);
+  return NULL;
+}
+
+/* Hands the communicator to the teardown thread: ncclCommAbort (destroy 0), which also makes
+ * NCCL's kernels on the stream exit, or ncclCommDestroy (destroy 1, after a finalize). The
+ * communicator is not used again. */
+static void start_teardown(nccl_comm_t *c, int destroy) {
+  c->closing = c->nccl;
+  c->closing_destroy = destroy;
+  c->nccl = NULL;
+  if (pthread_create(&c->teardown, NULL, teardown_main, c) == 0) {
+    c->teardown_started = 1;
+    return;
+  }
+  ZD_LOG_WARN("GPU %d: no thread for the NCCL teardown; running it on the worker", c->device);
+  teardown_main(c);
+}
+
+/* Waits at most ms for the teardown thread: 1 once it has finished (or none was started). */
+static int teardown_finished(nccl_comm_t *c, int ms) {
+  if (!c->teardown_started) return 1;
+  uint64_t deadline = zd__now_ms() + (uint64_t)ms;
+  long sleep_us = 10;
+  while (!atomic_load(&c->teardown_done)) {
+    if (zd__now_ms() >= deadline) return 0;
+    nap(sleep_us);
+    if (sleep_us < 1000) sleep_us *= 2;
+  }
+  pthread_join(c->teardown, NULL);
+  c->teardown_started = 0;
+  return 1;
+}
+
 /* Aborts the communicator (once) and keeps the reason for every later call. */
 static void abort_comm(nccl_comm_t *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -73,11 +140,7 @@ static void abort_comm(nccl_comm_t *c, int code, const char *fmt, ...) {
     c->code = code;
     ZD_LOG_ERROR("NCCL communicator of rank %u aborted: %s", c->base.rank, c->reason);
   }
-  if (c->nccl) {
-    ncclResult_t r = ncclCommAbort(c->nccl);
-    if (r != ncclSuccess) ZD_LOG_WARN("ncclCommAbort: %s", ncclGetErrorString(r));
-    c->nccl = NULL;
-  }
+  if (c->nccl) start_teardown(c, 0);
 }
 
 /* After an NCCL call that returned r: waits (bounded) while it is ncclInProgress, as a
@@ -218,6 +281,30 @@ static int nccl_allgather_device(zd__comm_t *comm, const void *send, size_t byte
                 "all-gather of the step record", err);
 }
 
+/* Frees the retired staging buffers once the stream has nothing queued: cudaFree and cudaFreeHost
+ * wait for the whole device, and the stream may be waiting for the client. all: at destroy, the
+ * current pair too. */
+static void free_stages(nccl_comm_t *c, int all) {
+  if (!c->retired && !(all && (c->d_stage || c->h_stage))) return;
+  cudaError_t e = cudaStreamQuery(c->stream);
+  (void)cudaGetLastError();
+  if (e == cudaErrorNotReady) return; /* work still queued after a failure: left to the exit */
+  while (c->retired) {
+    stage_t *st = c->retired;
+    c->retired = st->next;
+    cudaFree(st->d);
+    cudaFreeHost(st->h);
+    free(st);
+  }
+  if (all) {
+    cudaFree(c->d_stage);
+    cudaFreeHost(c->h_stage);
+    c->d_stage = c->h_stage = NULL;
+    c->stage_bytes = 0;
+  }
+  (void)cudaGetLastError();
+}
+
 /* Host records (registration): through pinned and device staging, then a wait. */
 static int nccl_allgather_bytes(zd__comm_t *comm, const void *send, size_t bytes, void *recv,
                                 zd__err_t *err) {
@@ -229,9 +316,15 @@ static int nccl_allgather_bytes(zd__comm_t *comm, const void *send, size_t bytes
   }
   size_t total = bytes * comm->world_size, mine = bytes * comm->rank;
   int rc = ZD_OK;
-  if (total > c->stage_bytes) { /* the previous call waited for its copies: nothing uses these */
-    cudaFree(c->d_stage);
-    cudaFreeHost(c->h_stage);
+  if (total > c->stage_bytes) {
+    /* A registration's stream waits on the client's "grads ready" here: the smaller pair is
+     * retired, and freed after this call's bounded wait, not now (free_stages). */
+    if (c->d_stage || c->h_stage) {
+      stage_t *st = malloc(sizeof *st);
+      if (!st) return zd__errf(err, -ENOMEM, "out of memory");
+      *st = (stage_t){.next = c->retired, .d = c->d_stage, .h = c->h_stage};
+      c->retired = st;
+    }
     c->d_stage = c->h_stage = NULL;
     c->stage_bytes = 0;
     ZD_CUDA_TRY(err, cudaMalloc(&c->d_stage, total), "GPU %d: cudaMalloc of %zu staging bytes",
@@ -255,27 +348,64 @@ static int nccl_allgather_bytes(zd__comm_t *comm, const void *send, size_t bytes
   rc = nccl_sync(comm, err);
   if (rc) return rc;
   memcpy(recv, c->h_stage, total);
+  free_stages(c, 0); /* the stream is idle now */
   return ZD_OK;
 }
 
-static int nccl_failed(const zd__comm_t *comm) { return ((const nccl_comm_t *)comm)->code != 0; }
+static int nccl_failed(const zd__comm_t *comm) {
+  return ((const nccl_comm_t *)comm)->code != 0;
+}
 
-/* The worker's waits poll the flag and abort the communicator themselves: ncclCommAbort is then
- * called by the thread that owns the communicator. */
-static void nccl_abort(zd__comm_t *comm) { atomic_store(&((nccl_comm_t *)comm)->abort_requested, 1); }
+/* Only a flag: the worker's waits poll it and abort the communicator themselves (on the teardown
+ * thread, start_teardown), so the caller's thread makes no NCCL or CUDA call. */
+static void nccl_abort(zd__comm_t *comm) {
+  atomic_store(&((nccl_comm_t *)comm)->abort_requested, 1);
+}
+
+/* A healthy communicator at shutdown (nothing in flight: every job waited for its work):
+ * ncclCommFinalize, polled (it is non-blocking here) for at most DRAIN_MS, then ncclCommDestroy;
+ * ncclCommAbort when the finalize fails or does not settle, or the stream still has work. */
+static void close_comm(nccl_comm_t *c) {
+  cudaError_t e = cudaStreamQuery(c->stream);
+  (void)cudaGetLastError();
+  if (e == cudaErrorNotReady) {
+    ZD_LOG_WARN(
+        "GPU %d: the rank's stream still has work at shutdown: aborting the NCCL "
+        "communicator",
+        c->device);
+    start_teardown(c, 0);
+    return;
+  }
+  int limit = c->timeout_ms < DRAIN_MS ? c->timeout_ms : DRAIN_MS;
+  uint64_t deadline = zd__now_ms() + (uint64_t)limit;
+  ncclResult_t r = ncclCommFinalize(c->nccl);
+  while (r == ncclInProgress && zd__now_ms() < deadline && !atomic_load(&c->abort_requested)) {
+    nap(1000);
+    ncclResult_t q = ncclCommGetAsyncError(c->nccl, &r);
+    if (q != ncclSuccess) r = q;
+  }
+  if (r == ncclSuccess) {
+    start_teardown(c, 1);
+    return;
+  }
+  ZD_LOG_WARN("GPU %d: ncclCommFinalize: %s; aborting the NCCL communicator", c->device,
+              r == ncclInProgress ? "not complete in time" : ncclGetErrorString(r));
+  start_teardown(c, 0);
+}
 
 static void nccl_destroy(zd__comm_t *comm) {
   nccl_comm_t *c = (nccl_comm_t *)comm;
-  /* Nothing is in flight (every job waited for its work), and abort never waits for peers that
-   * may already be gone. */
-  if (c->nccl) {
-    ncclResult_t r = ncclCommAbort(c->nccl);
-    if (r != ncclSuccess) ZD_LOG_WARN("ncclCommAbort: %s", ncclGetErrorString(r));
+  if (c->nccl) close_comm(c);
+  if (!teardown_finished(c, DRAIN_MS)) {
+    /* Blocked in NCCL (see the top of the file): the thread keeps using c, so c stays. */
+    ZD_LOG_WARN(
+        "GPU %d: the NCCL %s did not finish within %d ms; leaving it to the process's "
+        "exit",
+        c->device, c->closing_destroy ? "destroy" : "abort", DRAIN_MS);
+    pthread_detach(c->teardown);
+    return;
   }
-  if (cudaStreamQuery(c->stream) != cudaErrorNotReady) {
-    cudaFree(c->d_stage);
-    cudaFreeHost(c->h_stage);
-  } /* else: work still queued after a failure; the process's exit frees the staging */
+  free_stages(c, 1); /* unless work is still queued after a failure: then left to the exit */
   if (c->done) cudaEventDestroy(c->done);
   (void)cudaGetLastError();
   free(c);
@@ -363,8 +493,17 @@ int zd__comm_nccl_create(const void *id, uint32_t rank, uint32_t world_size, int
 broken:
   rc = broken(c, err);
 fail:
-  if (c->nccl) ncclCommAbort(c->nccl);
+  if (c->nccl) start_teardown(c, 0);
+  if (!teardown_finished(c, DRAIN_MS)) {
+    ZD_LOG_WARN(
+        "GPU %d: the NCCL abort did not finish within %d ms; leaving it to the "
+        "process's exit",
+        device, DRAIN_MS);
+    pthread_detach(c->teardown);
+    return rc; /* the thread keeps using c */
+  }
   if (c->done) cudaEventDestroy(c->done);
+  (void)cudaGetLastError();
   free(c);
   return rc;
 }

@@ -80,27 +80,21 @@ static int drained(cuda_compute_t *c) {
   return 0;
 }
 
+/* After a failed wait of the communicator (which aborted it and already let the stream drain for
+ * a while): a stream that still has work is stuck, and freeing must not wait for it again, up to
+ * the collective timeout per array (at shutdown that would hold the exit for as long). */
+static void note_failed_wait(cuda_compute_t *c) {
+  cudaError_t e = cudaStreamQuery(c->stream);
+  (void)cudaGetLastError();
+  if (e == cudaErrorNotReady) c->stuck = 1;
+}
+
 static void leak_warning(const cuda_compute_t *c, const char *what) {
   ZD_LOG_WARN("GPU %d: %s not freed: the rank's stream still has work queued after a failure",
               c->device, what);
 }
 
 /* ---- state --------------------------------------------------------------------------------- */
-
-static int cuda_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
-  cuda_compute_t *c = (cuda_compute_t *)base;
-  size_t bytes = (size_t)n * sizeof(float);
-  void *p = NULL;
-  ZD_CUDA_TRY(err, cudaMalloc(&p, bytes), "GPU %d: cudaMalloc of %zu bytes of state", c->device,
-              bytes);
-  cudaError_t e = cudaMemsetAsync(p, 0, bytes, c->stream);
-  if (e != cudaSuccess) {
-    cudaFree(p);
-    return zd__cuda_fail(err, e, __FILE__, __LINE__, "GPU %d: zeroing %zu bytes", c->device, bytes);
-  }
-  *out = p;
-  return ZD_OK;
-}
 
 static void cuda_release(zd__compute_t *base, float *p, uint64_t n) {
   (void)n;
@@ -112,6 +106,23 @@ static void cuda_release(zd__compute_t *base, float *p, uint64_t n) {
   }
   cudaFree(p);
   (void)cudaGetLastError();
+}
+
+static int cuda_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  size_t bytes = (size_t)n * sizeof(float);
+  void *p = NULL;
+  ZD_CUDA_TRY(err, cudaMalloc(&p, bytes), "GPU %d: cudaMalloc of %zu bytes of state", c->device,
+              bytes);
+  cudaError_t e = cudaMemsetAsync(p, 0, bytes, c->stream);
+  if (e != cudaSuccess) {
+    int rc =
+        zd__cuda_fail(err, e, __FILE__, __LINE__, "GPU %d: zeroing %zu bytes", c->device, bytes);
+    cuda_release(base, p, n); /* not a bare cudaFree: the stream may be waiting for the client */
+    return rc;
+  }
+  *out = p;
+  return ZD_OK;
 }
 
 static void cuda_model_fini(zd__compute_t *base, zd__model_t *m) {
@@ -197,6 +208,7 @@ static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_
   zd__err_t werr = {0};
   int wrc = comm->ops->sync(comm, &werr);
   if (wrc) {
+    note_failed_wait(c);
     *err = werr;
     return wrc;
   }
@@ -253,7 +265,10 @@ static int cuda_gather_records(zd__compute_t *base, zd__comm_t *comm, zd__model_
   ZD_CUDA_TRY(err, cudaMemcpyAsync(cm->h_all, cm->d_all, bytes, cudaMemcpyDeviceToHost, c->stream),
               "GPU %d: copying %zu bytes of step records to the host", c->device, bytes);
   rc = comm->ops->sync(comm, err); /* the one wait in the middle of a step */
-  if (rc) return rc;
+  if (rc) {
+    note_failed_wait(c);
+    return rc;
+  }
   memcpy(all, cm->h_all, bytes);
   return ZD_OK;
 }
@@ -325,6 +340,9 @@ int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd_
                "GPU %d: cudaStreamCreate", device);
   ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming),
                "GPU %d: cudaEventCreate", device);
+  /* Nothing is queued yet: load the kernels this file launches now, not at their first launch
+   * behind a wait for the client (exchange_cuda.h). */
+  if ((rc = zd__cuda_exchange_preload(err))) goto fail;
   *out = &c->base;
   return ZD_OK;
 fail:

@@ -29,13 +29,18 @@ int zd__cuda_fail(zd__err_t *err, cudaError_t e, const char *file, int line, con
 
 int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn probe, void *ctx,
                         const char *what, zd__err_t *err) {
-  uint64_t start = zd__now_us(), deadline = start + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
+  uint64_t start = zd__now_us(),
+           deadline = start + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
   unsigned sleep_us = 2;
   for (;;) {
     cudaError_t e = cudaEventQuery(event);
     if (e == cudaSuccess) return ZD_OK;
     if (e != cudaErrorNotReady)
       return zd__cuda_fail(err, e, __FILE__, __LINE__, "GPU work of %s failed", what);
+    /* The runtime latches cudaErrorNotReady as this thread's last error (PyTorch's CUDAEvent::query
+     * clears it the same way): left there, the next kernel launch's check (cudaGetLastError after
+     * <<<>>>, kernels/adam.cu) would report "device not ready" and degrade the rank. */
+    (void)cudaGetLastError();
     if (probe) {
       int rc = probe(ctx, err);
       if (rc) return rc;

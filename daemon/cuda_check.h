@@ -53,7 +53,7 @@ typedef int (*zd__cuda_probe_fn)(void *ctx, zd__err_t *err);
  * step), then sleeps in growing slices up to a millisecond, calling probe (may be NULL) between
  * polls. Returns ZD_OK; -ETIMEDOUT with "<what> not complete within N ms"; the probe's failure;
  * or ZD_EBACKEND when the event reports a CUDA error (a kernel fault: the device context is then
- * unusable). */
+ * unusable). Leaves no cudaErrorNotReady latched as the thread's last error. */
 int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn probe, void *ctx,
                         const char *what, zd__err_t *err);
 

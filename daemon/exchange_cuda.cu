@@ -1,6 +1,4 @@
 /* Master weights <-> working parameters on the GPU (exchange_cuda.h). */
-#include <stdio.h>
-
 #include "adam.cuh" /* zd__dev_f32_to_bf16, zd__dev_bf16_to_f32: adam.h's conversions */
 #include "exchange_cuda.h"
 
@@ -58,4 +56,21 @@ extern "C" int zd__cuda_exchange(float *master, void *param, zd_dtype_t param_dt
                       cudaGetErrorName(e));
   }
   return ZD_OK;
+}
+
+template <bool TO_CLIENT, bool BF16>
+static cudaError_t preload_one() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, exchange_kernel<TO_CLIENT, BF16>);
+}
+
+extern "C" int zd__cuda_exchange_preload(zd__err_t *err) {
+  cudaError_t e = preload_one<true, true>();
+  if (e == cudaSuccess) e = preload_one<true, false>();
+  if (e == cudaSuccess) e = preload_one<false, true>();
+  if (e == cudaSuccess) e = preload_one<false, false>();
+  if (e == cudaSuccess) return ZD_OK;
+  (void)cudaGetLastError();
+  return zd__errf(err, ZD_EBACKEND, "loading the exchange kernels: %s (%s)", cudaGetErrorString(e),
+                  cudaGetErrorName(e));
 }

@@ -28,6 +28,14 @@ extern "C" {
 int zd__cuda_exchange(float *master, void *param, zd_dtype_t param_dtype, const zd__segment_t *segs,
                       uint32_t nsegs, int to_client, cudaStream_t stream, zd__err_t *err);
 
+/* Loads the exchange kernels on the current device now (cudaFuncGetAttributes), while nothing is
+ * queued. With CUDA's lazy loading (the default since 12.2) a kernel's first launch loads its
+ * module under the context's lock and waits for the device's queued work to drain: at
+ * registration that is the client's "grads ready" wait (or a collective waiting for a peer), an
+ * unbounded host block without any polling, which also stalls every other thread's CUDA call on
+ * that device (the loop thread opening IPC handles). Errors: ZD_EBACKEND. */
+int zd__cuda_exchange_preload(zd__err_t *err);
+
 #ifdef __cplusplus
 }
 #endif
