@@ -28,7 +28,9 @@
 #include <unistd.h>
 
 #ifdef ZD_HAVE_CUDA
+#include <cudaTypedefs.h> /* driver entry points' types (cuCtxGetCurrent): no libcuda link */
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 #endif
 
 #include "endpoint.h"
@@ -75,6 +77,10 @@ struct zd_client {
   zd_memory_t memory;
   int device;                  /* this process's ordinal of the buffers' GPU */
   void *stream;                /* zd_set_stream(): cudaStream_t; NULL: the legacy default stream */
+  void *recorded_stream;       /* the stream of the last grads-ready record (when recorded) */
+  int recorded;                /* grads-ready has been recorded since zd_layout() */
+  int exported;                /* the handles went to zerod, which may have them open: the buffers
+                                  and events must then outlive the process's use of them */
   void *grads_ready;           /* cudaEvent_t, recorded here, waited on by zerod */
   void *params_ready;          /* cudaEvent_t, recorded by zerod, waited on here */
   uint8_t uuid[16];            /* of the buffers' GPU */
@@ -469,6 +475,11 @@ static int cuda_devices(int *count) {
   if (e == cudaErrorInsufficientDriver && drv == 0)
     return fail(ZD_EBACKEND, "device buffers need CUDA, but no NVIDIA driver is loaded in this "
                 "process's machine (cudaGetDeviceCount: %s)", cudaGetErrorString(e));
+  if (e == cudaErrorInsufficientDriver)
+    return fail(ZD_EBACKEND, "device buffers need CUDA, but the NVIDIA driver supports CUDA %d.%d "
+                "and libzerod's CUDA runtime is %d.%d: it needs a driver of CUDA %d or newer "
+                "(cudaGetDeviceCount: %s)", drv / 1000, drv % 1000 / 10, CUDART_VERSION / 1000,
+                CUDART_VERSION % 1000 / 10, CUDART_VERSION / 1000, cudaGetErrorString(e));
   if (e == cudaSuccess || e == cudaErrorNoDevice)
     return fail(ZD_EBACKEND, "device buffers need CUDA, but no CUDA device is visible");
   return cuda_fail(e, "device buffers need CUDA, which cannot start: cudaGetDeviceCount");
@@ -482,39 +493,79 @@ static int device_uuid(int device, uint8_t uuid[16]) {
   return ZD_OK;
 }
 
-/* Runs with the buffers' device current, restoring the caller's afterwards. */
+/* Every CUDA call of the library runs with the buffers' GPU current and gives the caller back the
+ * context it had, through the driver (cuCtxGetCurrent/cuCtxSetCurrent, found at run time so that
+ * libzerod never links libcuda). The runtime alone cannot do it: on a thread with no current
+ * context cudaGetDevice answers 0, and "restoring" that with cudaSetDevice(0) would create a
+ * context on GPU 0 (hundreds of MiB) in a trainer of another GPU, and leave it current on the
+ * trainer's thread. The library's own objects live in the primary context of the buffers' GPU,
+ * the one the runtimes of CUDA frameworks (PyTorch) use, whatever context the caller had. */
+static pthread_once_t ctx_once = PTHREAD_ONCE_INIT;
+static PFN_cuCtxGetCurrent_v4000 ctx_get;
+static PFN_cuCtxSetCurrent_v4000 ctx_set;
+
+static void find_ctx_fns(void) {
+  void *get = NULL, *set = NULL;
+  enum cudaDriverEntryPointQueryResult qg = cudaDriverEntryPointSymbolNotFound, qs = qg;
+  if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &get, 12000, cudaEnableDefault, &qg) ==
+          cudaSuccess &&
+      qg == cudaDriverEntryPointSuccess &&
+      cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &set, 12000, cudaEnableDefault, &qs) ==
+          cudaSuccess &&
+      qs == cudaDriverEntryPointSuccess) {
+    ctx_get = (PFN_cuCtxGetCurrent_v4000)get;
+    ctx_set = (PFN_cuCtxSetCurrent_v4000)set;
+  }
+  (void)cudaGetLastError();
+}
+
 typedef struct device_scope {
-  int prev;
-  int set;
+  CUcontext prev; /* the caller's current context; NULL: none */
+  int restore;
 } device_scope_t;
 
 static int enter_device(int device, device_scope_t *s) {
-  s->set = 0;
-  cudaError_t e = cudaGetDevice(&s->prev);
-  if (e != cudaSuccess) return cuda_fail(e, "cudaGetDevice");
-  if (s->prev != device) {
-    e = cudaSetDevice(device);
-    if (e != cudaSuccess) return cuda_fail(e, "cudaSetDevice(%d)", device);
-    s->set = 1;
-  }
+  s->prev = NULL;
+  s->restore = 0;
+  pthread_once(&ctx_once, find_ctx_fns);
+  if (!ctx_get || !ctx_set)
+    return fail(ZD_EBACKEND, "the CUDA driver does not provide cuCtxGetCurrent/cuCtxSetCurrent "
+                "(cudaGetDriverEntryPointByVersion)");
+  CUresult r = ctx_get(&s->prev);
+  if (r != CUDA_SUCCESS) return fail(ZD_EBACKEND, "cuCtxGetCurrent: CUresult %d", (int)r);
+  cudaError_t e = cudaSetDevice(device); /* its primary context, current on this thread */
+  if (e != cudaSuccess) return cuda_fail(e, "cudaSetDevice(%d)", device);
+  CUcontext now = NULL;
+  s->restore = ctx_get(&now) != CUDA_SUCCESS || now != s->prev;
   return ZD_OK;
 }
 
 static void leave_device(const device_scope_t *s) {
-  if (s->set) cudaSetDevice(s->prev);
+  if (s->restore) (void)ctx_set(s->prev); /* NULL unbinds: the thread had no context */
 }
 
+/* Device memory and events zerod may still have open are never freed: CUDA leaves freeing an
+ * exported allocation before every importer closed it undefined (cudaIpcOpenMemHandle), and
+ * operations on an imported event after the exporter destroyed it (cudaIpcOpenEventHandle). They
+ * are then left allocated until the process exits. */
 static void release_cuda(zd_client_t *c) {
   if (c->memory != ZD_MEMORY_CUDA) return;
-  device_scope_t ds;
-  int entered = enter_device(c->device, &ds) == ZD_OK;
-  if (c->params) cudaFree(c->params);
-  if (c->grads) cudaFree(c->grads);
-  if (c->grads_ready) cudaEventDestroy((cudaEvent_t)c->grads_ready);
-  if (c->params_ready) cudaEventDestroy((cudaEvent_t)c->params_ready);
-  (void)cudaGetLastError();
-  if (entered) leave_device(&ds);
+  if (!c->exported) {
+    device_scope_t ds;
+    int entered = enter_device(c->device, &ds) == ZD_OK;
+    if (entered) { /* cudaFree waits for the device's work, the trainer's on these buffers too */
+      if (c->params) (void)cudaFree(c->params);
+      if (c->grads) (void)cudaFree(c->grads);
+      if (c->grads_ready) (void)cudaEventDestroy((cudaEvent_t)c->grads_ready);
+      if (c->params_ready) (void)cudaEventDestroy((cudaEvent_t)c->params_ready);
+      (void)cudaGetLastError();
+      leave_device(&ds);
+    }
+  }
   c->params = c->grads = c->grads_ready = c->params_ready = NULL;
+  c->exported = 0;
+  c->recorded = 0;
+  c->recorded_stream = NULL;
 }
 
 /* Rounds an IPC-exported allocation up to 2 MiB: CUDA exports a whole underlying block, which a
@@ -524,6 +575,9 @@ static size_t ipc_size(size_t bytes) {
   return bytes ? (bytes + unit - 1) / unit * unit : unit;
 }
 
+/* cudaMalloc, not cudaMallocAsync or a memory pool: cudaIpcGetMemHandle exports only cudaMalloc'd
+ * memory, from the base of the allocation (which is 256-byte aligned: every parameter and every
+ * shard, at multiples of 64 elements, is then aligned for the daemon's 16-byte vector loads). */
 static int create_cuda_buffers(zd_client_t *c, int device) {
   int count, rc = cuda_devices(&count);
   if (rc) return rc;
@@ -544,25 +598,37 @@ static int create_cuda_buffers(zd_client_t *c, int device) {
   if ((rc = enter_device(device, &ds))) return rc;
   c->memory = ZD_MEMORY_CUDA; /* from here release_cuda() undoes what was made */
   c->device = device;
+  c->exported = 0;
   memcpy(c->uuid, uuid, sizeof uuid);
   cudaError_t e;
   cudaEvent_t ev;
   cudaIpcMemHandle_t mh;
   cudaIpcEventHandle_t eh;
-  if ((e = cudaMalloc(&c->params, ipc_size(c->param_bytes))) != cudaSuccess) {
-    rc = cuda_fail(e, "cudaMalloc of the %zu-byte param buffer on device %d", c->param_bytes,
-                   device);
+  size_t pbytes = ipc_size(c->param_bytes), gbytes = ipc_size(c->grad_bytes);
+  if ((e = cudaMalloc(&c->params, pbytes)) != cudaSuccess) {
+    c->params = NULL;
+    rc = cuda_fail(e, "cudaMalloc of the %zu-byte param buffer (%zu bytes rounded) on device %d",
+                   c->param_bytes, pbytes, device);
     goto exit;
   }
-  if ((e = cudaMalloc(&c->grads, ipc_size(c->grad_bytes))) != cudaSuccess) {
-    rc = cuda_fail(e, "cudaMalloc of the %zu-byte grad buffer on device %d", c->grad_bytes,
-                   device);
+  if ((e = cudaMalloc(&c->grads, gbytes)) != cudaSuccess) {
+    c->grads = NULL;
+    rc = cuda_fail(e, "cudaMalloc of the %zu-byte grad buffer (%zu bytes rounded) on device %d",
+                   c->grad_bytes, gbytes, device);
     goto exit;
   }
-  if ((e = cudaMemset(c->params, 0, ipc_size(c->param_bytes))) != cudaSuccess ||
-      (e = cudaMemset(c->grads, 0, ipc_size(c->grad_bytes))) != cudaSuccess ||
-      (e = cudaDeviceSynchronize()) != cudaSuccess) {
-    rc = cuda_fail(e, "zeroing the buffers on device %d", device);
+  /* Zeroed on this thread's legacy default stream, and waited for: the trainer then writes its
+   * initial values on any stream it likes (a non-blocking one is not ordered after the memset). */
+  if ((e = cudaMemset(c->params, 0, pbytes)) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaMemset of the param buffer on device %d", device);
+    goto exit;
+  }
+  if ((e = cudaMemset(c->grads, 0, gbytes)) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaMemset of the grad buffer on device %d", device);
+    goto exit;
+  }
+  if ((e = cudaStreamSynchronize(cudaStreamLegacy)) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaStreamSynchronize after zeroing the buffers on device %d", device);
     goto exit;
   }
   if ((e = cudaIpcGetMemHandle(&mh, c->params)) != cudaSuccess) {
@@ -577,15 +643,17 @@ static int create_cuda_buffers(zd_client_t *c, int device) {
   memcpy(c->grad_handle, &mh, sizeof c->grad_handle);
   void **events[2] = {&c->grads_ready, &c->params_ready};
   uint8_t *handles[2] = {c->grads_ready_handle, c->params_ready_handle};
+  const char *names[2] = {"grads-ready", "params-ready"};
   for (int i = 0; i < 2; i++) {
     if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess)) !=
         cudaSuccess) {
-      rc = cuda_fail(e, "cudaEventCreateWithFlags(interprocess)");
+      rc = cuda_fail(e, "cudaEventCreateWithFlags(cudaEventDisableTiming | "
+                     "cudaEventInterprocess) of the %s event", names[i]);
       goto exit;
     }
     *events[i] = ev;
     if ((e = cudaIpcGetEventHandle(&eh, ev)) != cudaSuccess) {
-      rc = cuda_fail(e, "cudaIpcGetEventHandle");
+      rc = cuda_fail(e, "cudaIpcGetEventHandle of the %s event", names[i]);
       goto exit;
     }
     memcpy(handles[i], &eh, sizeof eh);
@@ -597,15 +665,45 @@ exit:
 }
 
 /* Before a request that lets zerod touch the buffers: everything queued on the stream so far
- * comes first. */
+ * comes first. zerod waits on the event when it runs the request, and a wait covers the latest
+ * record made before it: with requests in flight, a later request's record. That record must
+ * cover this one's work too: it does on one stream; when the stream changed since the last
+ * record, the new stream first waits on the event (the old stream's work up to its last request)
+ * so that its record covers both. A stream being captured into a CUDA graph is refused: the
+ * record would only be captured, not made, and zerod would wait on an older one. */
 static int cuda_before_request(zd_client_t *c) {
   if (c->memory != ZD_MEMORY_CUDA) return ZD_OK;
   device_scope_t ds;
   int rc = enter_device(c->device, &ds);
   if (rc) return rc;
-  cudaError_t e = cudaEventRecord((cudaEvent_t)c->grads_ready, (cudaStream_t)c->stream);
+  cudaStream_t s = (cudaStream_t)c->stream;
+  cudaEvent_t ev = (cudaEvent_t)c->grads_ready;
+  enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(s, &capture);
+  if (e != cudaSuccess) {
+    rc = cuda_fail(e, "cudaStreamIsCapturing of the client's stream");
+    goto exit;
+  }
+  if (capture != cudaStreamCaptureStatusNone) {
+    rc = fail(-EINVAL, "the client's CUDA stream is being captured into a graph: zerod's "
+              "requests cannot be captured (send them outside the capture)");
+    goto exit;
+  }
+  if (c->recorded && c->recorded_stream != c->stream &&
+      (e = cudaStreamWaitEvent(s, ev, 0)) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaStreamWaitEvent of the new stream on the grads-ready event (the "
+                   "previous stream's work)");
+    goto exit;
+  }
+  if ((e = cudaEventRecord(ev, s)) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaEventRecord of the grads-ready event on the client's stream");
+    goto exit;
+  }
+  c->recorded = 1;
+  c->recorded_stream = c->stream;
+exit:
   leave_device(&ds);
-  return e == cudaSuccess ? ZD_OK : cuda_fail(e, "recording the grads-ready event");
+  return rc;
 }
 
 /* After a request's reply: what the stream does next comes after zerod's work. */
@@ -617,7 +715,24 @@ static int cuda_after_reply(zd_client_t *c) {
   cudaError_t e =
       cudaStreamWaitEvent((cudaStream_t)c->stream, (cudaEvent_t)c->params_ready, 0);
   leave_device(&ds);
-  return e == cudaSuccess ? ZD_OK : cuda_fail(e, "waiting on the params-ready event");
+  return e == cudaSuccess ? ZD_OK
+                          : cuda_fail(e, "cudaStreamWaitEvent of the client's stream on the "
+                                      "params-ready event");
+}
+
+/* Whether the stream belongs to the buffers' GPU. */
+static int check_stream(const zd_client_t *c, void *stream) {
+  device_scope_t ds;
+  int rc = enter_device(c->device, &ds);
+  if (rc) return rc;
+  int dev = -1;
+  cudaError_t e = cudaStreamGetDevice((cudaStream_t)stream, &dev);
+  leave_device(&ds);
+  if (e != cudaSuccess) return cuda_fail(e, "zd_set_stream: cudaStreamGetDevice of the stream");
+  if (dev != c->device)
+    return fail(-EINVAL, "zd_set_stream: the stream is on CUDA device %d; the buffers are on "
+                "device %d", dev, c->device);
+  return ZD_OK;
 }
 #else
 static void release_cuda(zd_client_t *c) { (void)c; }
@@ -629,13 +744,51 @@ static int cuda_after_reply(zd_client_t *c) {
   (void)c;
   return ZD_OK;
 }
+static int check_stream(const zd_client_t *c, void *stream) {
+  (void)c, (void)stream;
+  return ZD_OK;
+}
 #endif
+
+/* Whether zerod keeps the client's CUDA IPC mappings open when the client detaches: it does when
+ * the rank is degraded (its stream may still hold work on them; daemon/session.c). Read from the
+ * status, with nothing of this client in flight; 1 when the status cannot be read. Keeps the
+ * caller's last error. */
+static int rank_keeps_mappings(zd_client_t *c) {
+  char saved[sizeof last_error];
+  memcpy(saved, last_error, sizeof saved);
+  Zerod__V1__StatusRequest req = ZEROD__V1__STATUS_REQUEST__INIT;
+  uint8_t *body = NULL;
+  uint32_t len = 0;
+  int keeps = 1;
+  if (call(c, ZD__MSG_STATUS, &req.base, NULL, 0, &body, &len, -1) == ZD_OK) {
+    Zerod__V1__StatusReply *rep = zerod__v1__status_reply__unpack(NULL, len, body);
+    if (rep) {
+      char name[32];
+      snprintf(name, sizeof name, "rank %u", c->info.rank);
+      for (size_t i = 0; i < rep->n_sections; i++) {
+        const Zerod__V1__StatusSection *s = rep->sections[i];
+        if (strcmp(s->name, name) != 0) continue;
+        for (size_t j = 0; j < s->n_entries; j++)
+          if (strcmp(s->entries[j]->key, "health") == 0)
+            keeps = strcmp(s->entries[j]->value, "degraded") == 0;
+      }
+      zerod__v1__status_reply__free_unpacked(rep, NULL);
+    }
+  }
+  free(body);
+  memcpy(last_error, saved, sizeof saved);
+  return keeps;
+}
 
 int zd_set_stream(zd_client_t *c, void *stream) {
   if (!c) return fail(-EINVAL, "zd_set_stream: client is NULL");
   if (c->memory != ZD_MEMORY_CUDA)
     return fail(ZD_EORDER, "zd_set_stream: the client has no device buffers (zd_layout with "
                 "ZD_MEMORY_CUDA first)");
+  if (stream == c->stream) return ZD_OK;
+  int rc = stream ? check_stream(c, stream) : ZD_OK;
+  if (rc) return rc;
   c->stream = stream;
   return ZD_OK;
 }
@@ -835,8 +988,20 @@ int zd_register(zd_client_t *c) {
   }
   uint8_t *body = NULL;
   uint32_t len = 0;
-  rc = call(c, ZD__MSG_REGISTER, &req.base, fds, nfds, &body, &len, -1);
-  if (rc) goto exit;
+  uint64_t id;
+  rc = start(c, ZD__MSG_REGISTER, &req.base, fds, nfds, &id);
+  if (rc) goto exit; /* not sent whole: zerod opened nothing */
+  if (c->memory == ZD_MEMORY_CUDA) c->exported = 1;
+  rc = await(c, id, &body, &len, -1);
+  pending_t *p = find_pending(c, id);
+  int answered = p && p->done;
+  if (answered) forget_pending(c, p);
+  if (rc) {
+    /* zerod closes the handles it opened before it answers a failed register, unless the rank is
+     * degraded; without an answer it may still hold them */
+    if (answered && c->memory == ZD_MEMORY_CUDA) c->exported = rank_keeps_mappings(c);
+    goto exit;
+  }
   Zerod__V1__RegisterReply *rep = zerod__v1__register_reply__unpack(NULL, len, body);
   free(body);
   if (!rep) {
@@ -1047,15 +1212,17 @@ void zd_close(zd_client_t *c) {
       if (!p->done && await(c, p->id, NULL, NULL, -1) != ZD_OK && !p->done) break; /* gone */
       forget_pending(c, p);
     }
+    /* A degraded rank keeps the client's IPC mappings open at detach (its stream may still
+     * hold work on them): asked before the bye, with nothing in flight. */
+    int keeps = c->memory == ZD_MEMORY_CUDA && c->exported ? rank_keeps_mappings(c) : 0;
     Zerod__V1__ByeRequest req = ZEROD__V1__BYE_REQUEST__INIT;
     bye = call(c, ZD__MSG_BYE, &req.base, NULL, 0, NULL, NULL, -1);
     memcpy(last_error, saved, sizeof saved);
     close(c->fd);
+    /* zerod closed its handles before it answered the bye */
+    if (bye == ZD_OK && !keeps) c->exported = 0;
   }
-  /* Device memory zerod may still have open (no bye answered: it had not released the buffers
-   * yet) must not be freed under it: CUDA leaves that undefined. Leak it instead. */
-  if (bye != ZD_OK && c->memory == ZD_MEMORY_CUDA && c->registered)
-    c->params = c->grads = c->grads_ready = c->params_ready = NULL;
+  /* Device memory and events zerod may still have open are left allocated (release_cuda). */
   release_buffers(c);
   free(c);
 }

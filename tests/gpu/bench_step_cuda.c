@@ -11,10 +11,12 @@
  * cudaMemcpyAsync that moves the same bytes (a copy of 16 bytes per parameter reads and writes 32,
  * as the step does: read master, m, v, grad; write master, m, v, param). %copy is the step's
  * bandwidth as a percentage of the copy's. daemon_ms is the time zerod reports for the step.
- * A second table times steps with clipping on (statistics, the step record's NCCL all-gather and
- * the one host wait in the middle of a step). The last one times the round trip of a step on a
- * tiny model, where the cost is the protocol and the launches, not the bandwidth. Exits 77 without
- * a usable GPU.
+ * The step is timed on the host (its round trip included), the copy by CUDA events (device time
+ * only): at small sizes %copy understates the kernels. A second table times steps with clipping on
+ * (statistics, the step record's NCCL all-gather and the one host wait in the middle of a step):
+ * the statistics read the gradients once more, 36 bytes a parameter, which its GB/s and %copy
+ * count. The last one times the round trip of a step on a tiny model, where the cost is the
+ * protocol and the launches, not the bandwidth. Exits 77 without a usable GPU.
  *
  *   bench_step_cuda [--zerod PATH] [--min-log2 20] [--max-log2 28] [--iters 10]
  *                   [--tiny-params 1024] [--tiny-iters 2000]
@@ -165,10 +167,12 @@ static void table(const zdt_daemon_t *d, int min_log2, int max_log2, int iters, 
       }
     }
     double st = percentile(ts, iters, 0.5), cp = percentile(tc, iters, 0.5);
-    double dm = percentile(td, iters, 0.5), bytes = 32.0 * (double)n;
+    double dm = percentile(td, iters, 0.5);
+    double step_bytes = (clip > 0 ? 36.0 : 32.0) * (double)n, copy_bytes = 2.0 * (double)half;
+    double step_bw = step_bytes / st, copy_bw = copy_bytes / cp;
     printf("  %10llu %10.3f %10.3f %9.3f %8.1f %10.3f %10.1f %7.1f%%\n", (unsigned long long)n,
-           st * 1e3, dm * 1e3, (double)n / st * 1e-9, bytes / st * 1e-9, cp * 1e3,
-           bytes / cp * 1e-9, 100.0 * cp / st);
+           st * 1e3, dm * 1e3, (double)n / st * 1e-9, step_bw * 1e-9, cp * 1e3, copy_bw * 1e-9,
+           100.0 * step_bw / copy_bw);
     fflush(stdout);
     zd_close(c);
   }
@@ -218,6 +222,7 @@ int main(int argc, char **argv) {
   CUDA_OK(cudaMalloc(&src, half));
   CUDA_OK(cudaMalloc(&dst, half));
   CUDA_OK(cudaMemset(src, 1, half));
+  CUDA_OK(cudaDeviceSynchronize()); /* the copies run on a non-blocking stream */
   cudaStream_t s;
   cudaEvent_t a, b;
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -229,8 +234,9 @@ int main(int argc, char **argv) {
       "GPU 0 %s\n",
       prop.name);
   printf(
-      "# f32 params and grads, AdamW; 32 bytes moved per param; copy: a device-to-device copy "
-      "of 16 bytes per param (32 moved); medians of %d steps after 3 warm-up\n#\n",
+      "# f32 params and grads, AdamW; 32 bytes moved per param (36 with statistics); copy: a "
+      "device-to-device copy of 16 bytes per param (32 moved); medians of %d steps after 3 "
+      "warm-up\n#\n",
       iters);
   table(&d, min_log2, max_log2, iters, 0, src, dst, s, a, b);
   printf("#\n");

@@ -11,17 +11,28 @@
  *   - backend auto picks CUDA: hello and status say cuda, the device and its UUID;
  *   - host buffers are refused with ZD_EBACKEND (libzerod, and a raw register with memfds);
  *   - forged device buffers are refused with ZD_EBUFFER naming the problem: another GPU's UUID,
- *     handles of the wrong size, handles CUDA cannot open;
+ *     handles of the wrong size, handles CUDA cannot open, real memory with forged events; the
+ *     rank then still takes a real registration and steps;
  *   - backend cuda with more local ranks than GPUs exits with status 1 naming the missing GPU.
+ * Either way, libzerod's own CUDA side against a fake zerod (a thread of this test) that says it
+ * runs the CUDA backend:
+ *   - without a GPU: zd_cuda_device and zd_layout(ZD_MEMORY_CUDA) fail with ZD_EBACKEND and the
+ *     reason (no driver), host buffers are refused, and nothing crashes at close;
+ *   - with one: a GPU this process does not see is -ENODEV / ZD_EBUFFER; device buffers whose
+ *     handles zerod may still hold (a register never answered, or answered while the rank is
+ *     degraded) are left allocated by zd_close, the others are freed.
  */
 #include <cuda_runtime_api.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -176,6 +187,189 @@ static zd_model_desc_t mlp_desc(zd_group_t *g, zd_memory_t memory, int device) {
                            .device = device};
 }
 
+/* ---- a fake zerod that says it runs the CUDA backend ----------------------------------------- */
+
+typedef enum { FAKE_REFUSE, FAKE_DROP } fake_register_t;
+
+typedef struct fake {
+  int lfd;
+  char dir[64], path[108];
+  uint8_t uuid[16];    /* the rank's GPU, as hello says */
+  fake_register_t reg; /* register: refused with an error, or the connection dropped */
+  const char *health;  /* what status says of rank 0 */
+  pthread_t thread;
+} fake_t;
+
+static void fake_reply(int fd, uint16_t type, uint64_t id, const ProtobufCMessage *msg) {
+  uint8_t buf[1024];
+  size_t len = protobuf_c_message_pack(msg, buf);
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
+                          .version = ZD_PROTOCOL_VERSION,
+                          .type = type,
+                          .length = (uint32_t)len,
+                          .request_id = id};
+  zdt_raw_send(fd, &h, buf, NULL, 0);
+}
+
+static void *fake_main(void *arg) {
+  fake_t *f = arg;
+  for (;;) {
+    int fd = accept(f->lfd, NULL, NULL);
+    if (fd < 0) return NULL; /* shut down */
+    for (;;) {
+      zd__frame_header_t h;
+      uint8_t *body;
+      if (zdt_raw_recv(fd, &h, &body, 10000) != 0) break;
+      free(body);
+      if (h.type == ZD__MSG_HELLO) {
+        Zerod__V1__HelloReply r = ZEROD__V1__HELLO_REPLY__INIT;
+        r.version = ZD_PROTOCOL_VERSION;
+        r.daemon_version = (char *)"fake";
+        r.world_size = 1;
+        r.bucket_elems = BUCKET_ELEMS;
+        r.backend = (char *)"cuda";
+        r.has_device = r.has_device_uuid = 1;
+        r.device_uuid = (ProtobufCBinaryData){16, f->uuid};
+        fake_reply(fd, ZD__MSG_HELLO | ZD__FRAME_REPLY, h.request_id, &r.base);
+      } else if (h.type == ZD__MSG_STATUS) {
+        Zerod__V1__StatusEntry e = ZEROD__V1__STATUS_ENTRY__INIT, *ep = &e;
+        e.key = (char *)"health";
+        e.value = (char *)f->health;
+        Zerod__V1__StatusSection sec = ZEROD__V1__STATUS_SECTION__INIT, *sp = &sec;
+        sec.name = (char *)"rank 0";
+        sec.n_entries = 1;
+        sec.entries = &ep;
+        Zerod__V1__StatusReply r = ZEROD__V1__STATUS_REPLY__INIT;
+        r.n_sections = 1;
+        r.sections = &sp;
+        fake_reply(fd, ZD__MSG_STATUS | ZD__FRAME_REPLY, h.request_id, &r.base);
+      } else if (h.type == ZD__MSG_BYE) {
+        Zerod__V1__ByeReply r = ZEROD__V1__BYE_REPLY__INIT;
+        fake_reply(fd, ZD__MSG_BYE | ZD__FRAME_REPLY, h.request_id, &r.base);
+        break;
+      } else if (h.type == ZD__MSG_REGISTER && f->reg == FAKE_DROP) {
+        break;
+      } else {
+        Zerod__V1__Error r = ZEROD__V1__ERROR__INIT;
+        r.code = h.type == ZD__MSG_REGISTER ? ZD_EBUFFER : ZD_EINTERNAL;
+        r.message = (char *)"fake zerod: refused";
+        fake_reply(fd, ZD__MSG_ERROR, h.request_id, &r.base);
+      }
+    }
+    close(fd);
+  }
+}
+
+static void fake_start(fake_t *f, const uint8_t uuid[16], fake_register_t reg, const char *health) {
+  memset(f, 0, sizeof *f);
+  snprintf(f->dir, sizeof f->dir, "/tmp/zerod-fake-XXXXXX");
+  CHECK(mkdtemp(f->dir) != NULL);
+  snprintf(f->path, sizeof f->path, "%s/zerod.sock", f->dir);
+  memcpy(f->uuid, uuid, 16);
+  f->reg = reg;
+  f->health = health;
+  f->lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  CHECK(f->lfd >= 0);
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", f->path);
+  CHECK(bind(f->lfd, (struct sockaddr *)&addr, sizeof addr) == 0);
+  CHECK(listen(f->lfd, 4) == 0);
+  CHECK(pthread_create(&f->thread, NULL, fake_main, f) == 0);
+}
+
+static void fake_stop(fake_t *f) {
+  shutdown(f->lfd, SHUT_RDWR); /* wakes accept() */
+  CHECK(pthread_join(f->thread, NULL) == 0);
+  close(f->lfd);
+  unlink(f->path);
+  rmdir(f->dir);
+}
+
+/* Without a GPU: libzerod's CUDA side says why device buffers cannot be had. */
+static void fake_without_gpu(const char *why) {
+  printf("libzerod against a fake CUDA zerod, without a GPU\n");
+  uint8_t uuid[16] = {0xde, 0xad};
+  fake_t f;
+  fake_start(&f, uuid, FAKE_REFUSE, "ok");
+  zd_client_t *c;
+  CHECK_MSG(zd_connect(f.path, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
+  int dev = 7;
+  CHECK_INT_EQ(zd_cuda_device(c, &dev), ZD_EBACKEND);
+  CHECK_CONTAINS(zd_last_error(), "device buffers need CUDA");
+  printf("  zd_cuda_device: %s\n", zd_last_error());
+  CHECK_INT_EQ(zd_set_stream(c, NULL), ZD_EORDER);
+  zd_group_t g[2];
+  zd_model_desc_t desc = mlp_desc(g, ZD_MEMORY_CUDA, 0);
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_EBACKEND);
+  CHECK_CONTAINS(zd_last_error(), "device buffers need CUDA");
+  printf("  zd_layout(ZD_MEMORY_CUDA): %s\n", zd_last_error());
+  CHECK_INT_EQ(zd_param_buffer(c, NULL) == NULL, 1);
+  desc = mlp_desc(g, ZD_MEMORY_HOST, 0);
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_EBACKEND);
+  CHECK_CONTAINS(zd_last_error(), "takes CUDA device buffers only");
+  zd_close(c);
+  fake_stop(&f);
+  (void)why;
+}
+
+/* A device pointer still allocated (not freed by zd_close)? */
+static int still_allocated(void *p) {
+  struct cudaPointerAttributes a;
+  cudaError_t e = cudaPointerGetAttributes(&a, p);
+  (void)cudaGetLastError();
+  return e == cudaSuccess && a.type == cudaMemoryTypeDevice;
+}
+
+/* With a GPU: libzerod's checks of the GPU, and what zd_close frees. */
+static void fake_with_gpu(const struct cudaDeviceProp *prop) {
+  printf("libzerod against a fake CUDA zerod, with a GPU\n");
+  uint8_t other[16];
+  memcpy(other, prop->uuid.bytes, 16);
+  other[15] ^= 0xff;
+  fake_t f;
+  fake_start(&f, other, FAKE_REFUSE, "ok");
+  zd_client_t *c;
+  CHECK_MSG(zd_connect(f.path, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
+  int dev = 7;
+  CHECK_INT_EQ(zd_cuda_device(c, &dev), -ENODEV);
+  printf("  zd_cuda_device, a GPU this process does not see: %s\n", zd_last_error());
+  zd_group_t g[2];
+  zd_model_desc_t desc = mlp_desc(g, ZD_MEMORY_CUDA, 0);
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_EBUFFER);
+  printf("  zd_layout on device 0: %s\n", zd_last_error());
+  zd_close(c);
+  fake_stop(&f);
+
+  /* The rank's GPU is device 0: the buffers are made, the register fails in three ways. */
+  struct {
+    fake_register_t reg;
+    const char *health;
+    int kept;
+    const char *what;
+  } cases[] = {{FAKE_REFUSE, "ok", 0, "register refused, rank healthy: freed"},
+               {FAKE_REFUSE, "degraded", 1, "register refused, rank degraded: left allocated"},
+               {FAKE_DROP, "ok", 1, "register never answered: left allocated"}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    fake_start(&f, (const uint8_t *)prop->uuid.bytes, cases[i].reg, cases[i].health);
+    CHECK_MSG(zd_connect(f.path, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
+    CHECK_MSG(zd_cuda_device(c, &dev) == ZD_OK, "%s", zd_last_error());
+    CHECK_INT_EQ(dev, 0);
+    desc = mlp_desc(g, ZD_MEMORY_CUDA, 0);
+    CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "%s", zd_last_error());
+    void *p = zd_param_buffer(c, NULL), *q = zd_grad_buffer(c, NULL);
+    CHECK(still_allocated(p) && still_allocated(q));
+    int rc = zd_register(c);
+    CHECK_MSG(rc == (cases[i].reg == FAKE_DROP ? ZD_ECLOSED : ZD_EBUFFER),
+              "register returned %d (%s): %s", rc, zd_err_name(rc), zd_last_error());
+    zd_close(c);
+    CHECK_MSG(still_allocated(p) == cases[i].kept && still_allocated(q) == cases[i].kept,
+              "%s: param buffer allocated %d, grad buffer %d", cases[i].what, still_allocated(p),
+              still_allocated(q));
+    printf("  %s\n", cases[i].what);
+    fake_stop(&f);
+  }
+}
+
 static void without_gpu(const char *why) {
   printf("no usable GPU: %s\n", why);
   /* backend auto: the CPU backend, and one line saying why not CUDA */
@@ -297,7 +491,38 @@ static void with_gpu(int ngpus) {
   forge(&cb, (const uint8_t *)prop.uuid.bytes);
   send_register(fd, 6, &cb, NULL, 0);
   printf("  zero handles: %s\n", zdt_expect_error(fd, 6, ZD_EBUFFER, "param buffer: "));
+  /* Real memory of this GPU, forged events: refused after the memory was opened (zerod closes
+   * it again before it answers, so the memory may be freed after the answer). */
+  void *pm, *gm;
+  CHECK(cudaSetDevice(0) == cudaSuccess);
+  CHECK(cudaMalloc(&pm, 2u << 20) == cudaSuccess);
+  CHECK(cudaMalloc(&gm, 2u << 20) == cudaSuccess);
+  cudaIpcMemHandle_t ph, gh;
+  CHECK(cudaIpcGetMemHandle(&ph, pm) == cudaSuccess);
+  CHECK(cudaIpcGetMemHandle(&gh, gm) == cudaSuccess);
+  forge(&cb, (const uint8_t *)prop.uuid.bytes);
+  cb.param_handle = (ProtobufCBinaryData){sizeof ph, (uint8_t *)&ph};
+  cb.grad_handle = (ProtobufCBinaryData){sizeof gh, (uint8_t *)&gh};
+  send_register(fd, 7, &cb, NULL, 0);
+  printf("  forged events: %s\n", zdt_expect_error(fd, 7, ZD_EBUFFER, "grads_ready event: "));
   close(fd);
+  CHECK(cudaFree(pm) == cudaSuccess);
+  CHECK(cudaFree(gm) == cudaSuccess);
+
+  /* After all that, the rank is free and healthy: a real registration and a step. */
+  CHECK_MSG(zd_connect(d.socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
+  CHECK_MSG(zd_cuda_device(c, &dev) == ZD_OK, "%s", zd_last_error());
+  desc = mlp_desc(g, ZD_MEMORY_CUDA, dev);
+  CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "%s", zd_last_error());
+  CHECK_MSG(zd_register(c) == ZD_OK, "register after the refused ones: %s", zd_last_error());
+  zd_step_result_t res;
+  CHECK_MSG(zd_step(c, NULL, &res) == ZD_OK, "%s", zd_last_error());
+  CHECK_U64_EQ(res.step, 1);
+  CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
+  CHECK_CONTAINS(status, "health:ok\n");
+  free(status);
+  zd_close(c);
+  printf("  then a real registration and a step: ok\n");
   int st = zdt_stop(&d, SIGTERM, 0);
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
 
@@ -323,10 +548,15 @@ int main(void) {
   char why[1024];
   int n = zd__cuda_available(why, sizeof why);
   atexit(on_exit_dump);
-  if (n == 0)
+  if (n == 0) {
     without_gpu(why);
-  else
+    fake_without_gpu(why);
+  } else {
     with_gpu(n);
+    struct cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0) == cudaSuccess);
+    fake_with_gpu(&prop);
+  }
   passed = 1;
   printf("test_backend: ok\n");
   return 0;

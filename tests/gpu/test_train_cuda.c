@@ -1,5 +1,5 @@
 /* End-to-end training through a real zerod running its CUDA backend at world size 1 (NCCL, one
- * rank), with device buffers shared through CUDA IPC. Exits 77 without a usable GPU.
+ * rank), with device buffers shared through CUDA IPC.
  *
  * 1. The example MLP trained for 120 steps through zerod and, in this process, with the scalar
  *    reference kernel; after every step every working parameter read back from the device must be
@@ -10,17 +10,35 @@
  *    and queue the gradients' upload on it without any host synchronisation, once behind a
  *    50 ms host callback: zerod's stream must wait on the client's "grads ready" event, or it
  *    steps with the previous step's gradients and the comparison fails.
- * 2. Clipping and loss scaling (the statistics, the step record all-gathered by NCCL, the host
+ * 2. Pipelined requests (per-bucket scatters, a step without scatter and gather, per-bucket
+ *    gathers, waited for in reverse order) on three streams: each bucket's gradients are uploaded
+ *    on another stream, behind host callbacks of 100 and 300 ms on some steps, and the client
+ *    switches streams between requests while they are in flight. zerod waits on the one "grads
+ *    ready" event when it starts a request, after the later requests' records: the library must
+ *    keep each record a superset of the earlier ones across stream switches.
+ * 3. Clipping and loss scaling (the statistics, the step record all-gathered by NCCL, the host
  *    decision), in lockstep against a zerod running its CPU backend on the same gradients: every
  *    step's result (applied, grad_norm, loss_scale, clip_coef, bit for bit) and every parameter
  *    must be equal; overflows are injected (skipped steps, scale backoff).
- * 3. Bad device buffers with real IPC handles: a param or grad buffer smaller than the layout, a
+ * 4. The library's CUDA manners: the buffers' alignment; the caller's CUDA context is given back
+ *    (a thread with none still has none: no context created on GPU 0 behind the trainer's back;
+ *    with 2 GPUs, the current device stays the caller's); a stream of another GPU, and requests
+ *    on a stream being captured into a graph, are refused.
+ * 5. Bad device buffers with real IPC handles: a param or grad buffer smaller than the layout, a
  *    buffer on another GPU (with 2 GPUs or more).
  * Every failure prints the step, the parameter and both values.
+ *
+ * Without a usable GPU, 1-3 run against zerods running the CPU backend with host buffers (what
+ * can run without a GPU: the test's own reference, request sequences and comparisons), and the
+ * test then exits 77 (skipped).
  */
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
+#include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +57,7 @@
 
 #define STEPS       120
 #define REATTACH_AT 60
+#define PIPE_STEPS  16
 #define MAXN        (MLP_HIDDEN * MLP_IN)
 
 #define CUDA_OK(call)                                                          \
@@ -47,6 +66,11 @@
     CHECK_MSG(e_ == cudaSuccess, "%s: %s (%s)", #call, cudaGetErrorString(e_), \
               cudaGetErrorName(e_));                                           \
   } while (0)
+
+/* What the "device" trainers get: device buffers and a CUDA zerod, or, without a GPU, host
+ * buffers and a CPU zerod (the rehearsal of the test's logic). */
+static zd_memory_t dev_memory = ZD_MEMORY_CUDA;
+static const char *dev_backend = "cuda";
 
 /* ---- a trainer on device buffers ------------------------------------------------------------ */
 
@@ -63,6 +87,11 @@ typedef struct trainer {
 
 static void sleep_cb(void *arg) {
   int ms = *(const int *)arg;
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
   nanosleep(&ts, NULL);
 }
@@ -120,6 +149,15 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
   CHECK_MSG(zd_layout(t->c, &desc) == ZD_OK, "layout: %s", zd_last_error());
   t->pbuf = zd_param_buffer(t->c, &t->pbytes);
   t->gbuf = zd_grad_buffer(t->c, &t->gbytes);
+  /* The daemon's kernels load 16 bytes at a time from every parameter and every shard. */
+  CHECK_MSG((uintptr_t)t->pbuf % 256 == 0 && (uintptr_t)t->gbuf % 256 == 0,
+            "buffers at %p and %p: not 256-byte aligned", t->pbuf, t->gbuf);
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    CHECK_INT_EQ(zd_param_info(t->c, (size_t)i, &info), ZD_OK);
+    CHECK_MSG(info.offset % 64 == 0, "%s at element %llu: not a multiple of 64", info.name,
+              (unsigned long long)info.offset);
+  }
   if (memory == ZD_MEMORY_CUDA) {
     CUDA_OK(cudaSetDevice(device));
     CUDA_OK(cudaMallocHost((void **)&t->hp, t->pbytes));
@@ -141,7 +179,10 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
       for (uint64_t k = 0; k < info.numel; k++)
         zdt_store(t->hp, o->pdt, info.offset + k, init[i][k]);
     }
-    if (memory == ZD_MEMORY_CUDA)
+    if (memory == ZD_MEMORY_CUDA && stream) /* on the stream, unsynchronised: ordered by the
+                                               grads-ready record of the register */
+      CUDA_OK(cudaMemcpyAsync(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice, stream));
+    else if (memory == ZD_MEMORY_CUDA)
       CUDA_OK(cudaMemcpy(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice));
   }
   CHECK_MSG(zd_register(t->c) == ZD_OK, "register: %s", zd_last_error());
@@ -174,16 +215,24 @@ static void fetch_params(trainer_t *t) {
   }
 }
 
-/* t->hg into the grad buffer, queued on the stream without waiting (a user stream), behind a
- * host callback of delay_ms when set. */
-static void push_grads(trainer_t *t) {
+/* Elements [off, off + n) of t->hg into the grad buffer, queued on `stream` without waiting (a
+ * user stream; NULL: a synchronous copy), behind a host callback of *delay_ms when not 0. */
+static void push_range(trainer_t *t, cudaStream_t stream, int *delay_ms, uint64_t off, uint64_t n) {
   if (t->memory != ZD_MEMORY_CUDA) return;
-  if (t->stream) {
-    if (t->delay_ms) CUDA_OK(cudaLaunchHostFunc(t->stream, sleep_cb, &t->delay_ms));
-    CUDA_OK(cudaMemcpyAsync(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice, t->stream));
+  size_t sz = zd_dtype_size(t->gdt);
+  void *dst = (uint8_t *)t->gbuf + off * sz;
+  const void *src = t->hg + off * sz;
+  if (stream) {
+    if (delay_ms && *delay_ms) CUDA_OK(cudaLaunchHostFunc(stream, sleep_cb, delay_ms));
+    CUDA_OK(cudaMemcpyAsync(dst, src, n * sz, cudaMemcpyHostToDevice, stream));
   } else {
-    CUDA_OK(cudaMemcpy(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dst, src, n * sz, cudaMemcpyHostToDevice));
   }
+}
+
+/* t->hg into the grad buffer, on the trainer's stream. */
+static void push_grads(trainer_t *t) {
+  push_range(t, t->stream, &t->delay_ms, 0, t->gbytes / zd_dtype_size(t->gdt));
 }
 
 /* Gradients of the batch of `step` at the parameters in t->hp, times scale, into t->hg. */
@@ -220,6 +269,30 @@ typedef struct reference {
   float v[MLP_NPARAMS][MAXN];
 } reference_t;
 
+/* The reference starts from what zerod took (and gathered back): the initial values. */
+static void ref_init(reference_t *ref, trainer_t *t) {
+  memset(ref, 0, sizeof *ref);
+  fetch_params(t);
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    zd_param_info(t->c, (size_t)i, &info);
+    for (uint64_t k = 0; k < info.numel; k++)
+      ref->master[i][k] = zdt_load(t->hp, t->pdt, info.offset + k);
+  }
+}
+
+/* One reference step on the gradients as zerod read them (t->hg). */
+static void ref_step(reference_t *ref, const trainer_t *t, const zd_group_t groups[2], int step) {
+  for (int i = 0; i < MLP_NPARAMS; i++) {
+    zd_param_info_t info;
+    zd_param_info(t->c, (size_t)i, &info);
+    float gq[MAXN];
+    for (uint64_t k = 0; k < info.numel; k++) gq[k] = zdt_load(t->hg, t->gdt, info.offset + k);
+    zdt_ref_step(ref->master[i], ref->m[i], ref->v[i], gq, info.numel, &groups[info.group],
+                 (uint64_t)step + 1, 1.0f);
+  }
+}
+
 static void compare_ref(const trainer_t *t, const reference_t *ref, int step) {
   for (int i = 0; i < MLP_NPARAMS; i++) {
     zd_param_info_t info;
@@ -232,11 +305,32 @@ static void compare_ref(const trainer_t *t, const reference_t *ref, int step) {
       memcpy(&gb, &got, 4);
       memcpy(&wb, &want, 4);
       CHECK_MSG(gb == wb,
-                "step %d: %s[%llu] is %.9g (0x%08x) through zerod (CUDA), %.9g (0x%08x) in the "
+                "step %d: %s[%llu] is %.9g (0x%08x) through zerod (%s), %.9g (0x%08x) in the "
                 "reference",
-                step, info.name, (unsigned long long)k, got, gb, want, wb);
+                step, info.name, (unsigned long long)k, got, gb, dev_backend, want, wb);
     }
   }
+}
+
+static void check_status(zd_client_t *c, int steps) {
+  char *status, want[64];
+  CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
+  snprintf(want, sizeof want, "backend:%s\n", dev_backend);
+  CHECK_CONTAINS(status, want);
+  snprintf(want, sizeof want, "step:%d\n", steps);
+  CHECK_CONTAINS(status, want);
+  CHECK_CONTAINS(status, "health:ok\n");
+  free(status);
+}
+
+static cudaStream_t new_stream(void) {
+  cudaStream_t s = NULL;
+  if (dev_memory == ZD_MEMORY_CUDA) CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return s;
+}
+
+static void free_stream(cudaStream_t s) {
+  if (s) CUDA_OK(cudaStreamDestroy(s));
 }
 
 static void train_vs_reference(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt, int own_stream,
@@ -245,24 +339,16 @@ static void train_vs_reference(const char *socket, zd_dtype_t pdt, zd_dtype_t gd
          own_stream ? "own stream" : "default stream",
          delay_ms ? ", gradients queued behind a host callback" : "");
   options_t o = {.pdt = pdt, .gdt = gdt, .steps = STEPS};
-  cudaStream_t stream = NULL;
-  if (own_stream) CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaStream_t stream = own_stream ? new_stream() : NULL;
   trainer_t t;
-  attach(&t, socket, ZD_MEMORY_CUDA, &o, 0, 0, stream, delay_ms);
+  attach(&t, socket, dev_memory, &o, 0, 0, stream, delay_ms);
   static reference_t ref;
-  memset(&ref, 0, sizeof ref);
-  fetch_params(&t); /* what zerod took (and gathered back): the initial values */
-  for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
-    zd_param_info(t.c, (size_t)i, &info);
-    for (uint64_t k = 0; k < info.numel; k++)
-      ref.master[i][k] = zdt_load(t.hp, pdt, info.offset + k);
-  }
+  ref_init(&ref, &t);
   float first = 0, loss = 0;
   for (int step = 0; step < STEPS; step++) {
     if (step == REATTACH_AT) {
       detach(&t);
-      attach(&t, socket, ZD_MEMORY_CUDA, &o, step, 1, stream, delay_ms);
+      attach(&t, socket, dev_memory, &o, step, 1, stream, delay_ms);
       fetch_params(&t);
       compare_ref(&t, &ref, step);
     }
@@ -280,31 +366,96 @@ static void train_vs_reference(const char *socket, zd_dtype_t pdt, zd_dtype_t gd
               "step %d: grad_norm %g; expected nan (no statistics at W=1 "
               "without clipping or loss scaling)",
               step, res.grad_norm);
-    for (int i = 0; i < MLP_NPARAMS; i++) { /* the reference, on the gradient as zerod read it */
-      zd_param_info_t info;
-      zd_param_info(t.c, (size_t)i, &info);
-      float gq[MAXN];
-      for (uint64_t k = 0; k < info.numel; k++) gq[k] = zdt_load(t.hg, gdt, info.offset + k);
-      zdt_ref_step(ref.master[i], ref.m[i], ref.v[i], gq, info.numel, &groups[info.group],
-                   (uint64_t)step + 1, 1.0f);
-    }
+    ref_step(&ref, &t, groups, step);
     fetch_params(&t);
     compare_ref(&t, &ref, step + 1);
   }
   printf("  loss %.6f -> %.6f after %d steps, every parameter bitwise equal to the reference\n",
          first, loss, STEPS);
   CHECK_MSG(loss < first * 0.5f, "loss did not fall: %g -> %g", first, loss);
-  char *status;
-  CHECK_INT_EQ(zd_status(t.c, &status), ZD_OK);
-  CHECK_CONTAINS(status, "backend:cuda\n");
-  CHECK_CONTAINS(status, "step:120\n");
-  CHECK_CONTAINS(status, "health:ok\n");
-  free(status);
+  check_status(t.c, STEPS);
   detach(&t);
-  if (stream) CUDA_OK(cudaStreamDestroy(stream));
+  free_stream(stream);
 }
 
-/* ---- 2. against the CPU backend -------------------------------------------------------------- */
+/* ---- 2. pipelined requests on several streams ------------------------------------------------ */
+
+static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) {
+  printf("pipelined: %s params, %s grads, per-bucket scatters and gathers on 3 streams\n",
+         zd_dtype_name(pdt), zd_dtype_name(gdt));
+  options_t o = {.pdt = pdt, .gdt = gdt, .steps = PIPE_STEPS};
+  cudaStream_t s0 = new_stream(), s1 = new_stream(), s2 = new_stream();
+  trainer_t t;
+  attach(&t, socket, dev_memory, &o, 0, 0, s2, 0);
+  static reference_t ref;
+  ref_init(&ref, &t);
+  zd_info_t info;
+  zd_get_info(t.c, &info);
+  uint32_t nb = info.nbuckets;
+  CHECK_MSG(nb >= 2 && nb <= 16, "%u buckets", nb);
+  for (int step = 0; step < PIPE_STEPS; step++) {
+    make_grads(&t, step, 1.0, 0);
+    /* On slow steps: the last bucket on s2 behind 100 ms, then (20 ms later, when zerod has begun
+     * that scatter) bucket 0 on s1 behind 300 ms, the others on s0; the step and the gathers on
+     * s2. zerod starts bucket 0's scatter and the step after the last request's record on s2: if
+     * that record did not cover s1's work, the step would read bucket 0's old gradients. */
+    int slow = step % 4 == 1;
+    static int d_last = 100, d_first = 300; /* read by host callbacks later: not on the stack */
+    zd_request_t req[64];
+    int nreq = 0;
+    for (uint32_t k = 0; k < nb; k++) {
+      uint32_t b = k == 0 ? nb - 1 : k - 1; /* the last bucket first, then 0, 1, ... */
+      cudaStream_t s = b == nb - 1 ? s2 : b == 0 ? s1 : s0;
+      int *delay = !slow ? NULL : b == nb - 1 ? &d_last : b == 0 ? &d_first : NULL;
+      zd_bucket_info_t bi;
+      CHECK_INT_EQ(zd_bucket_info(t.c, b, &bi), ZD_OK);
+      push_range(&t, s, delay, bi.offset, bi.elems);
+      if (dev_memory == ZD_MEMORY_CUDA)
+        CHECK_MSG(zd_set_stream(t.c, s) == ZD_OK, "zd_set_stream: %s", zd_last_error());
+      CHECK_MSG(zd_scatter_start(t.c, (int)b, &req[nreq++]) == ZD_OK, "step %d: scatter %u: %s",
+                step, b, zd_last_error());
+      if (k == 0 && slow) sleep_ms(20);
+    }
+    if (dev_memory == ZD_MEMORY_CUDA)
+      CHECK_MSG(zd_set_stream(t.c, s2) == ZD_OK, "zd_set_stream: %s", zd_last_error());
+    zd_group_t groups[2];
+    groups_at(step, PIPE_STEPS, groups);
+    zd_step_opts_t opts = {
+        .groups = groups, .ngroups = 2, .flags = ZD_STEP_NO_SCATTER | ZD_STEP_NO_GATHER};
+    int step_req = nreq;
+    CHECK_MSG(zd_step_start(t.c, &opts, &req[nreq++]) == ZD_OK, "step %d: %s", step,
+              zd_last_error());
+    for (int b = (int)nb - 1; b >= 0; b--)
+      CHECK_MSG(zd_gather_start(t.c, b, &req[nreq++]) == ZD_OK, "step %d: gather %d: %s", step, b,
+                zd_last_error());
+    for (int i = nreq - 1; i >= 0; i--) { /* the reverse order of the requests */
+      zd_step_result_t res;
+      int rc = zd_wait(t.c, req[i], &res);
+      CHECK_MSG(rc == ZD_OK, "step %d: request %d of %d: %s", step, i, nreq, zd_last_error());
+      if (i == step_req) {
+        CHECK_U64_EQ(res.step, (uint64_t)step + 1);
+        CHECK_INT_EQ(res.applied, 1);
+      }
+    }
+    ref_step(&ref, &t, groups, step);
+    t.stream = s2; /* the stream of the replies */
+    fetch_params(&t);
+    compare_ref(&t, &ref, step + 1);
+    if (dev_memory == ZD_MEMORY_CUDA) { /* t.hg is rewritten next: its copies must be done */
+      CUDA_OK(cudaStreamSynchronize(s0));
+      CUDA_OK(cudaStreamSynchronize(s1));
+    }
+  }
+  printf("  %d steps, %u buckets, every parameter bitwise equal to the reference\n", PIPE_STEPS,
+         nb);
+  check_status(t.c, PIPE_STEPS);
+  detach(&t);
+  free_stream(s0);
+  free_stream(s1);
+  free_stream(s2);
+}
+
+/* ---- 3. against the CPU backend -------------------------------------------------------------- */
 
 static uint64_t dbits(double d) {
   uint64_t u;
@@ -312,15 +463,14 @@ static uint64_t dbits(double d) {
   return u;
 }
 
-static void lockstep(const char *cuda_socket, const char *cpu_socket, const options_t *o,
+static void lockstep(const char *dev_socket, const char *cpu_socket, const options_t *o,
                      const int *poison_steps, int npoison) {
   printf("lockstep with the CPU backend: %s params, %s grads, max_grad_norm %g, loss scaling %s\n",
          zd_dtype_name(o->pdt), zd_dtype_name(o->gdt), o->max_grad_norm,
          o->scaler.enabled ? "on" : "off");
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaStream_t stream = new_stream();
   trainer_t g, h;
-  attach(&g, cuda_socket, ZD_MEMORY_CUDA, o, 0, 0, stream, 0);
+  attach(&g, dev_socket, dev_memory, o, 0, 0, stream, 0);
   attach(&h, cpu_socket, ZD_MEMORY_HOST, o, 0, 0, NULL, 0);
   double scale = o->scaler.enabled ? o->scaler.initial_scale : 1.0;
   int skipped = 0, clipped = 0;
@@ -336,21 +486,22 @@ static void lockstep(const char *cuda_socket, const char *cpu_socket, const opti
     groups_at(step, o->steps, groups);
     zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
     zd_step_result_t rg, rh;
-    CHECK_MSG(zd_step(g.c, &opts, &rg) == ZD_OK, "step %d (CUDA): %s", step, zd_last_error());
+    CHECK_MSG(zd_step(g.c, &opts, &rg) == ZD_OK, "step %d (%s): %s", step, dev_backend,
+              zd_last_error());
     CHECK_MSG(zd_step(h.c, &opts, &rh) == ZD_OK, "step %d (CPU): %s", step, zd_last_error());
     CHECK_MSG(rg.step == rh.step && rg.applied == rh.applied,
-              "step %d: CUDA step %llu applied %d, "
+              "step %d: %s step %llu applied %d, "
               "CPU step %llu applied %d",
-              step, (unsigned long long)rg.step, rg.applied, (unsigned long long)rh.step,
-              rh.applied);
+              step, dev_backend, (unsigned long long)rg.step, rg.applied,
+              (unsigned long long)rh.step, rh.applied);
     CHECK_MSG(dbits(rg.grad_norm) == dbits(rh.grad_norm),
-              "step %d: grad_norm %.17g (CUDA) vs "
+              "step %d: grad_norm %.17g (%s) vs "
               "%.17g (CPU)",
-              step, rg.grad_norm, rh.grad_norm);
+              step, rg.grad_norm, dev_backend, rh.grad_norm);
     CHECK_MSG(
         dbits(rg.loss_scale) == dbits(rh.loss_scale) && dbits(rg.clip_coef) == dbits(rh.clip_coef),
-        "step %d: loss_scale %.17g / %.17g, clip_coef %.17g / %.17g (CUDA / CPU)", step,
-        rg.loss_scale, rh.loss_scale, rg.clip_coef, rh.clip_coef);
+        "step %d: loss_scale %.17g / %.17g, clip_coef %.17g / %.17g (%s / CPU)", step,
+        rg.loss_scale, rh.loss_scale, rg.clip_coef, rh.clip_coef, dev_backend);
     CHECK_MSG(!isnan(rg.grad_norm) || !rg.applied, "step %d: no grad_norm with statistics", step);
     if (poison) CHECK_MSG(!rg.applied, "step %d: an inf gradient was applied", step);
     skipped += !rg.applied;
@@ -370,11 +521,107 @@ static void lockstep(const char *cuda_socket, const char *cpu_socket, const opti
     CHECK_MSG(skipped >= npoison, "%d overflows injected, %d steps skipped", npoison, skipped);
   detach(&g);
   detach(&h);
-  CUDA_OK(cudaStreamDestroy(stream));
+  free_stream(stream);
 }
 
-/* ---- 3. bad device buffers --------------------------------------------------------------------
- */
+static void lockstep_all(const char *dev_socket, const char *cpu_socket) {
+  zd_loss_scaler_t scaler = {.enabled = 1,
+                             .initial_scale = 65536,
+                             .growth_factor = 2,
+                             .backoff_factor = 0.5,
+                             .growth_interval = 10,
+                             .hysteresis = 2,
+                             .min_scale = 1};
+  const int poison[] = {15, 16, 40};
+  options_t o1 = {
+      .pdt = ZD_F32, .gdt = ZD_F16, .steps = 80, .max_grad_norm = 0.5, .scaler = scaler};
+  lockstep(dev_socket, cpu_socket, &o1, poison, 3);
+  options_t o2 = {.pdt = ZD_BF16, .gdt = ZD_F32, .steps = 60, .max_grad_norm = 0.3};
+  lockstep(dev_socket, cpu_socket, &o2, NULL, 0);
+  options_t o3 = {.pdt = ZD_BF16, .gdt = ZD_BF16, .steps = 40, .scaler = scaler};
+  lockstep(dev_socket, cpu_socket, &o3, poison, 1);
+}
+
+/* ---- 4. the library's CUDA manners ----------------------------------------------------------- */
+
+static PFN_cuCtxGetCurrent_v4000 ctx_get;
+
+static CUcontext current_ctx(void) {
+  CUcontext ctx = (CUcontext)(uintptr_t)1;
+  CUresult r = ctx_get(&ctx);
+  CHECK_MSG(r == CUDA_SUCCESS, "cuCtxGetCurrent: CUresult %d", (int)r);
+  return ctx;
+}
+
+/* A thread that never used CUDA: it has no current context, and must have none after libzerod's
+ * calls (which record and wait on events). */
+static void *bare_thread(void *arg) {
+  zd_client_t *c = arg;
+  CHECK_MSG(current_ctx() == NULL, "a new thread has a CUDA context");
+  CHECK_MSG(zd_gather(c, ZD_ALL_BUCKETS) == ZD_OK, "gather from a bare thread: %s",
+            zd_last_error());
+  CHECK_MSG(current_ctx() == NULL,
+            "libzerod left a CUDA context current on a thread that had none");
+  return NULL;
+}
+
+static void manners(const char *socket, int ngpus) {
+  printf("the caller's CUDA context and streams\n");
+  void *fn = NULL;
+  enum cudaDriverEntryPointQueryResult q;
+  CUDA_OK(cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &q));
+  CHECK(q == cudaDriverEntryPointSuccess && fn);
+  ctx_get = (PFN_cuCtxGetCurrent_v4000)fn;
+  options_t o = {.pdt = ZD_F32, .gdt = ZD_F32, .steps = 1};
+  trainer_t t;
+  attach(&t, socket, ZD_MEMORY_CUDA, &o, 0, 0, NULL, 0);
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, bare_thread, t.c) == 0);
+  CHECK(pthread_join(th, NULL) == 0);
+  printf("  a thread without a CUDA context still has none after a request\n");
+
+  CUDA_OK(cudaSetDevice(0));
+  CUcontext before = current_ctx();
+  CHECK_MSG(zd_gather(t.c, ZD_ALL_BUCKETS) == ZD_OK, "%s", zd_last_error());
+  CHECK_MSG(current_ctx() == before, "libzerod changed the caller's current context");
+
+  /* A stream being captured into a graph: the request is refused before it is sent. */
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CHECK_MSG(zd_set_stream(t.c, s) == ZD_OK, "%s", zd_last_error());
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  int rc = zd_gather(t.c, ZD_ALL_BUCKETS);
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CHECK_INT_EQ(rc, -EINVAL);
+  CHECK_CONTAINS(zd_last_error(), "captured");
+  printf("  request on a capturing stream: %s\n", zd_last_error());
+  CHECK_MSG(zd_gather(t.c, ZD_ALL_BUCKETS) == ZD_OK, "after the capture: %s", zd_last_error());
+  CHECK_MSG(zd_set_stream(t.c, NULL) == ZD_OK, "%s", zd_last_error());
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaStreamDestroy(s));
+
+  if (ngpus >= 2) {
+    CUDA_OK(cudaSetDevice(1));
+    cudaStream_t other;
+    CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+    CHECK_INT_EQ(zd_set_stream(t.c, other), -EINVAL);
+    printf("  a stream of GPU 1: %s\n", zd_last_error());
+    CUcontext ctx1 = current_ctx();
+    CHECK_MSG(zd_gather(t.c, ZD_ALL_BUCKETS) == ZD_OK, "%s", zd_last_error());
+    int dev = -1;
+    CUDA_OK(cudaGetDevice(&dev));
+    CHECK_INT_EQ(dev, 1);
+    CHECK_MSG(current_ctx() == ctx1, "libzerod changed the caller's context (GPU 1)");
+    printf("  the caller's current GPU 1 is kept across a request on GPU 0's buffers\n");
+    CUDA_OK(cudaStreamDestroy(other));
+    CUDA_OK(cudaSetDevice(0));
+  }
+  detach(&t);
+}
+
+/* ---- 5. bad device buffers ------------------------------------------------------------------- */
 
 /* A raw register of one f32 parameter of n elements with real IPC handles of p and g. */
 static void raw_register(const char *socket, int device, uint64_t n, void *p, void *g, int expect,
@@ -455,7 +702,8 @@ static void bad_buffers(const char *socket, int ngpus) {
     void *other;
     CUDA_OK(cudaSetDevice(1));
     CUDA_OK(cudaMalloc(&other, 4u << 20));
-    raw_register(socket, 1, n, other, big, ZD_EBUFFER, "this rank runs on GPU 0");
+    /* refused when opened (no peer access between the GPUs) or when zerod sees where it is */
+    raw_register(socket, 1, n, other, big, ZD_EBUFFER, "GPU 0");
     CUDA_OK(cudaFree(other));
     CUDA_OK(cudaSetDevice(0));
     /* and through libzerod: the buffers' device is not the rank's */
@@ -498,11 +746,32 @@ static void on_exit_dump(void) {
   }
 }
 
+/* Without a GPU: the same runs against CPU zerods with host buffers, then skipped. */
+static void rehearse(const char *why) {
+  printf("no usable GPU (%s): rehearsing the test's logic against the CPU backend\n", why);
+  dev_memory = ZD_MEMORY_HOST;
+  dev_backend = "cpu";
+  const char *cargs[] = {"--backend", "cpu", "--bucket_elems", "256", NULL};
+  zdt_start(&gd, cargs);
+  zdt_start(&cd, cargs);
+  atexit(on_exit_dump);
+  train_vs_reference(gd.socket, ZD_F32, ZD_F32, 0, 0);
+  train_vs_reference(gd.socket, ZD_BF16, ZD_F16, 0, 0);
+  train_pipelined(gd.socket, ZD_BF16, ZD_BF16);
+  lockstep_all(gd.socket, cd.socket);
+  int st = zdt_stop(&gd, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  st = zdt_stop(&cd, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  passed = 1;
+}
+
 int main(void) {
   char why[1024];
   int ngpus = zd__cuda_available(why, sizeof why);
   if (ngpus == 0) {
-    printf("test_train_cuda: skipped, CUDA unusable: %s\n", why);
+    rehearse(why);
+    printf("test_train_cuda: skipped (the logic passed on host buffers), CUDA unusable: %s\n", why);
     return ZD_TEST_SKIP;
   }
   struct cudaDeviceProp prop;
@@ -522,23 +791,11 @@ int main(void) {
   train_vs_reference(gd.socket, ZD_BF16, ZD_BF16, 1, 50);
   train_vs_reference(gd.socket, ZD_BF16, ZD_F32, 1, 0);
   train_vs_reference(gd.socket, ZD_F32, ZD_F16, 0, 0);
-
-  zd_loss_scaler_t scaler = {.enabled = 1,
-                             .initial_scale = 65536,
-                             .growth_factor = 2,
-                             .backoff_factor = 0.5,
-                             .growth_interval = 10,
-                             .hysteresis = 2,
-                             .min_scale = 1};
-  const int poison[] = {15, 16, 40};
-  options_t o1 = {
-      .pdt = ZD_F32, .gdt = ZD_F16, .steps = 80, .max_grad_norm = 0.5, .scaler = scaler};
-  lockstep(gd.socket, cd.socket, &o1, poison, 3);
-  options_t o2 = {.pdt = ZD_BF16, .gdt = ZD_F32, .steps = 60, .max_grad_norm = 0.3};
-  lockstep(gd.socket, cd.socket, &o2, NULL, 0);
-  options_t o3 = {.pdt = ZD_BF16, .gdt = ZD_BF16, .steps = 40, .scaler = scaler};
-  lockstep(gd.socket, cd.socket, &o3, poison, 1);
-
+  train_vs_reference(gd.socket, ZD_BF16, ZD_F16, 1, 0);
+  train_pipelined(gd.socket, ZD_BF16, ZD_BF16);
+  train_pipelined(gd.socket, ZD_F32, ZD_F16);
+  lockstep_all(gd.socket, cd.socket);
+  manners(gd.socket, ngpus);
   bad_buffers(gd.socket, ngpus);
 
   char *status;

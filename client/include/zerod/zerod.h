@@ -12,6 +12,14 @@
  * (zd_model_desc_t.memory). The API is the same; with device buffers the library also orders the
  * trainer's CUDA stream and zerod's without any host synchronisation (zd_set_stream()).
  *
+ * CUDA: a CUDA build links its own CUDA runtime statically (CUDA 13: it needs a driver of CUDA 13
+ * or newer for device buffers) and makes no CUDA call until device buffers are asked for, so it
+ * loads and serves host buffers where there is no GPU or driver. Its CUDA objects (buffers,
+ * events) live in the primary context of the buffers' GPU, the one CUDA frameworks (PyTorch) use,
+ * and every call gives the calling thread back the CUDA context it had (none stays none): calls
+ * may come from any thread, one at a time. Streams passed in may come from another CUDA runtime
+ * of the process (a framework's); they must belong to that primary context.
+ *
  * Threading: a zd_client_t is not thread-safe; use it from one thread at a time. Different
  * clients are independent. All calls block unless they say otherwise.
  *
@@ -189,8 +197,11 @@ ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms
 /* Registers the model, in two calls so that the caller can place its initial values:
  *   zd_layout(c, desc)  computes the layout and creates zeroed buffers (zd_param_buffer()): host
  *                       shared memory, or with desc->memory ZD_MEMORY_CUDA device memory
- *                       (cudaMalloc on desc->device, sizes rounded up to 2 MiB so that no other
- *                       allocation shares their IPC-exported block) and the two IPC events;
+ *                       (cudaMalloc on desc->device, never a stream-ordered pool, which CUDA IPC
+ *                       cannot export; sizes rounded up to 2 MiB so that no other allocation
+ *                       shares their IPC-exported block) and the two IPC events; the zeroing is
+ *                       complete when it returns, so the initial values may be written on any
+ *                       stream;
  *   zd_register(c)      sends them to zerod, which takes the buffer's contents as the initial
  *                       weights of a new model, or overwrites them with its master weights when it
  *                       already holds this model (reattach: same layout hash; info.resumed = 1).
@@ -210,9 +221,15 @@ ZD_EXPORT int zd_register(zd_client_t *client);
 /* The shared buffers (valid after zd_layout() until zd_close()); bytes receives their size (the
  * layout's bytes). The caller writes gradients into the grad buffer before zd_scatter()/zd_step()
  * and reads parameters from the param buffer after zd_gather()/zd_step(). Padding elements
- * between parameters must stay zero. With ZD_MEMORY_CUDA these are device pointers on the
- * buffers' GPU: write and read them with kernels or copies on the stream given to
- * zd_set_stream() (or, without one, the legacy default stream of that GPU). */
+ * between parameters must stay zero. Each buffer starts on a 256-byte boundary (host: a page) and
+ * every parameter at a multiple of 64 elements (zd_param_info()), so views of parameters are
+ * aligned for vector loads. With ZD_MEMORY_CUDA these are device pointers on the buffers' GPU
+ * (desc->device; the allocation itself is rounded up to 2 MiB): write and read them with kernels
+ * or copies on the stream given to zd_set_stream() (or, without one, the legacy default stream of
+ * that GPU). A framework may wrap them without a copy (__cuda_array_interface__ with this
+ * pointer, the element count info.total_elems and the dtype; its "stream" entry, if any, should
+ * name the stream given to zd_set_stream(), on which the contents are ordered). Such views must
+ * not outlive zd_close(). */
 ZD_EXPORT void *zd_param_buffer(zd_client_t *client, size_t *bytes);
 ZD_EXPORT void *zd_grad_buffer(zd_client_t *client, size_t *bytes);
 
@@ -229,8 +246,21 @@ ZD_EXPORT int zd_get_info(const zd_client_t *client, zd_info_t *out);
  * before a request is thus seen by zerod, and work queued after the reply sees zerod's results,
  * with no host synchronisation. NULL (the default) is the legacy default stream of the buffers'
  * GPU. Set it before the requests it should order; it may change between requests (the stream
- * of a request's reply is the one current when zd_wait() returns it). Errors: -EINVAL (no
- * client), ZD_EORDER (no device buffers: call zd_layout() with ZD_MEMORY_CUDA first). */
+ * of a request's reply is the one current when zd_wait() returns it): the first request on a new
+ * stream makes that stream wait for the previous stream's work up to its last request, so that
+ * requests still in flight keep seeing it. zd_layout() resets it to NULL.
+ *
+ * With several requests in flight there is one "grads ready" event for all of them, and zerod
+ * waits on it when it starts a request's work, on the latest record: a request may then wait
+ * for work queued after it, up to a later request (never for less than its own). It follows
+ * that (1) per-bucket scatters overlap the trainer's later work only where zerod starts them
+ * before the next request is sent, and (2) work queued before a request must never wait for the
+ * reply of an earlier request still in flight (a host callback or an event the host records
+ * after zd_wait()): zerod could wait for it while running that earlier request, a deadlock.
+ * Requests cannot be sent while the stream is being captured into a CUDA graph (-EINVAL from
+ * the request). Errors: -EINVAL (no client; the stream is on another GPU than the buffers),
+ * ZD_EORDER (no device buffers: call zd_layout() with ZD_MEMORY_CUDA first), ZD_EBACKEND (CUDA
+ * failed: the message names the call). */
 ZD_EXPORT int zd_set_stream(zd_client_t *client, void *cuda_stream);
 
 /* The CUDA ordinal, in this process, of the GPU of the client's local rank (zerod's CUDA backend
@@ -262,7 +292,10 @@ ZD_EXPORT int zd_gather_start(zd_client_t *client, int bucket, zd_request_t *req
 ZD_EXPORT int zd_step_start(zd_client_t *client, const zd_step_opts_t *opts, zd_request_t *req);
 
 /* Waits for a request sent with a *_start function; result is filled for a step request and may
- * be NULL. Returns the request's own status. Each request is waited for once. */
+ * be NULL. Returns the request's own status. Each request is waited for once. With device buffers
+ * it then makes the stream given to zd_set_stream() wait on "params ready", also after a failed
+ * request (zerod records it after whatever work of the request ran); after ZD_EDEGRADED,
+ * ZD_EPEER or -ETIMEDOUT that wait may not end if zerod's stream is stuck. */
 ZD_EXPORT int zd_wait(zd_client_t *client, zd_request_t req, zd_step_result_t *result);
 
 /* The daemon's status as text: "# Section" lines followed by "key:value" lines (units in the key
@@ -271,7 +304,11 @@ ZD_EXPORT int zd_status(zd_client_t *client, char **text);
 
 /* Says bye and closes the connection; zerod keeps the rank's state for a later client. Unmaps (or,
  * device buffers, frees) the buffers: zerod closed its handles before answering the bye. Work on
- * the trainer's stream that still uses device buffers must be complete. Accepts NULL. */
+ * the trainer's stream that still uses device buffers must be complete. Device buffers and events
+ * that zerod may still have open are not freed but left allocated until the process exits (CUDA
+ * leaves freeing them under an importer undefined): when no bye was answered (connection lost,
+ * zerod shutting down, a register never answered), or when zerod reports the rank degraded
+ * (it then keeps its mappings, work may still be queued on them). Accepts NULL. */
 ZD_EXPORT void zd_close(zd_client_t *client);
 
 /* Message of the last failing call on this thread ("" if none). Valid until the next call. */
