@@ -633,8 +633,7 @@ class Client:
         request is seen by zerod; work queued after the request's reply sees zerod's results
         (zd_set_stream). It may change between requests."""
         with self._lock:
-            _check(self._lib.zd_set_stream(self._h(), ctypes.c_void_p(stream or None)),
-                   "zd_set_stream")
+            self._set_stream_locked(stream)
 
     def cuda_device(self) -> int:
         """This process's CUDA ordinal of the GPU of this client's rank (zd_cuda_device).
@@ -765,11 +764,18 @@ class Client:
         with self._lock:
             _check(self._lib.zd_gather(self._h(), int(bucket)), "zd_gather")
 
-    def scatter_start(self, bucket: int = ALL_BUCKETS) -> Request:
+    def _set_stream_locked(self, stream: Optional[int]) -> None:
+        _check(self._lib.zd_set_stream(self._h(), ctypes.c_void_p(stream or None)),
+               "zd_set_stream")
+
+    def scatter_start(self, bucket: int = ALL_BUCKETS, *, stream: Optional[int] = None) -> Request:
         """Sends a scatter request and returns at once; wait() for it later. Raises ZerodError
-        (EBUSY) when 64 requests are outstanding already."""
+        (EBUSY) when 64 requests are outstanding already. stream (device buffers): set_stream()
+        first, under the same lock (another thread cannot change the stream in between)."""
         req = _lib.zd_request_t()
         with self._lock:
+            if stream is not None:
+                self._set_stream_locked(stream)
             _check(self._lib.zd_scatter_start(self._h(), int(bucket), ctypes.byref(req)),
                    "zd_scatter_start")
         return Request(self, int(req.value), "scatter")
@@ -783,12 +789,15 @@ class Client:
         return Request(self, int(req.value), "gather")
 
     def step_start(self, groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]] = None, *,
-                   scatter: bool = True, gather: bool = True) -> Request:
+                   scatter: bool = True, gather: bool = True,
+                   stream: Optional[int] = None) -> Request:
         """Sends a step request (as step()) and returns at once; wait() returns its
-        StepResult."""
+        StepResult. stream: as for scatter_start()."""
         opts, _keep = self._step_opts(groups, scatter, gather)
         req = _lib.zd_request_t()
         with self._lock:
+            if stream is not None:
+                self._set_stream_locked(stream)
             _check(self._lib.zd_step_start(self._h(), ctypes.byref(opts), ctypes.byref(req)),
                    "zd_step_start")
         return Request(self, int(req.value), "step")

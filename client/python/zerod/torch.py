@@ -229,7 +229,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 pv.copy_(p.detach())
                 pviews.append(pv)
                 gviews.append(gv)
-            self._set_stream()  # zerod reads the copies above after they ran on this stream
+            if self._cuda:  # zerod reads the copies above after they ran on this stream
+                self.client.set_stream(self._stream()["stream"])
             self.info = self.client.register()
         except BaseException:
             if self._owns_client:
@@ -330,12 +331,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         t = torch.as_tensor(arr, device=self.device)  # keeps arr, which keeps the client
         return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
-    def _set_stream(self) -> None:
-        """Device buffers: orders libzerod's next request after the work queued so far on
-        torch's current stream (called from the thread about to send it: backward's hooks run
-        on autograd's device thread with the forward's stream current)."""
-        if self._cuda:
-            self.client.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
+    def _stream(self) -> Dict[str, int]:
+        """Device buffers: the keyword that hands torch's current stream to a request, which
+        libzerod orders after the work queued on it so far (asked from the thread about to send
+        it: backward's hooks run on autograd's device thread with the forward's stream
+        current). Host buffers: no keyword."""
+        return {"stream": torch.cuda.current_stream(self.device).cuda_stream} if self._cuda else {}
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Only during construction: zerod's layout is fixed when the model is registered."""
@@ -413,8 +414,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _start_scatter(self, bucket: int) -> None:
         while len(self._inflight) >= _MAX_INFLIGHT:
             self._inflight.pop(0).wait()
-        self._set_stream()
-        self._inflight.append(self.client.scatter_start(bucket))
+        self._inflight.append(self.client.scatter_start(bucket, **self._stream()))
         self._scattered[bucket] = True
 
     def _reset_iteration(self) -> None:
@@ -482,11 +482,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._check_all_groups()
             groups = [Group.coerce(g) for g in self.param_groups]
         try:
-            self._set_stream()
             if not self._overlap:
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,
                 # like the hooks, so ranks configured differently still match).
-                self._inflight.append(self.client.step_start(groups))
+                self._inflight.append(self.client.step_start(groups, **self._stream()))
             else:
                 # Whatever the hooks did not send, in their order: every rank's sequence of
                 # scatters is then n-1, ..., 0, even where a bucket never completed on one rank
@@ -494,7 +493,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for b in reversed(range(self._nbuckets)):
                     if not self._scattered[b]:
                         self._start_scatter(b)
-                self._inflight.append(self.client.step_start(groups, scatter=False))
+                self._inflight.append(self.client.step_start(groups, scatter=False,
+                                                             **self._stream()))
             step_req = self._inflight[-1]
             self._wait_inflight()  # every request once; raises the first error (a scatter's)
         finally:
