@@ -6,8 +6,9 @@
  * status asks one node for its ranks (shard, step, loss scale, grad norm, step time, client,
  * health) and prints a table, or JSON for scripts; --world asks that node for the node registry
  * (Nodes, on rank 0's node: zeroctl follows the node's rendezvous_address if it is not that node)
- * and then every node, merging the rows by global rank. A node that cannot be reached is a row of
- * its own with the error, and the exit status is 1. health is the standard gRPC health check:
+ * and then every node (up to FETCH_THREADS at a time, so that N unreachable nodes cost one timeout,
+ * not N), merging the rows by global rank. A node that cannot be reached is a row of its own with
+ * the error, and the exit status is 1. health is the standard gRPC health check:
  * exit 0 when serving, 1 otherwise, so it fits scripts and probes.
  *
  * Every call has a timeout and fails fast when nothing listens (no WAIT_FOR_READY): an operator
@@ -18,6 +19,7 @@
 #include <grpc/support/log.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -183,6 +185,41 @@ static void fetch_status(node_t *n, int timeout_ms) {
     snprintf(n->error, sizeof n->error, "%s", err.msg);
 }
 
+/* Asks every node for its status, FETCH_THREADS at a time: each thread takes the next node. */
+#define FETCH_THREADS 16
+
+typedef struct fetch_all {
+  node_t *nodes;
+  size_t nnodes;
+  int timeout_ms;
+  pthread_mutex_t lock;
+  size_t next;
+} fetch_all_t;
+
+static void *fetch_worker(void *arg) {
+  fetch_all_t *f = arg;
+  for (;;) {
+    pthread_mutex_lock(&f->lock);
+    size_t i = f->next++;
+    pthread_mutex_unlock(&f->lock);
+    if (i >= f->nnodes) return NULL;
+    fetch_status(&f->nodes[i], f->timeout_ms);
+  }
+}
+
+static void fetch_statuses(node_t *nodes, size_t nnodes, int timeout_ms) {
+  fetch_all_t f = {.nodes = nodes, .nnodes = nnodes, .timeout_ms = timeout_ms};
+  pthread_t tids[FETCH_THREADS];
+  size_t nthreads = 0;
+  pthread_mutex_init(&f.lock, NULL);
+  while (nthreads < FETCH_THREADS && nthreads + 1 < nnodes &&
+         pthread_create(&tids[nthreads], NULL, fetch_worker, &f) == 0)
+    nthreads++;
+  fetch_worker(&f); /* this thread too: with no helper thread it fetches every node itself */
+  for (size_t t = 0; t < nthreads; t++) pthread_join(tids[t], NULL);
+  pthread_mutex_destroy(&f.lock);
+}
+
 /* The node registry, from address or, when that node is not rank 0's, from the rendezvous
  * address it names. */
 static int fetch_nodes(const char *address, int timeout_ms, Zerod__V1__NodesReply **out,
@@ -306,9 +343,9 @@ static row_t *make_rows(const node_t *nodes, size_t nnodes, uint32_t world_size,
 
 enum { NCOLS = 12, CELL = 96 };
 
-static const char *const headers[NCOLS] = {
-    "RANK",        "LOCAL",       "NODE",       "HEALTH",    "CLIENT",  "STEP",
-    "SHARD",       "SHARD_ELEMS", "STATE_BYTES", "LOSS_SCALE", "GRAD_NORM", "STEP_MS"};
+static const char *const headers[NCOLS] = {"RANK",        "LOCAL",      "NODE",      "HEALTH",
+                                           "CLIENT",      "STEP",       "SHARD",     "SHARD_ELEMS",
+                                           "STATE_BYTES", "LOSS_SCALE", "GRAD_NORM", "STEP_MS"};
 
 static void row_cells(const row_t *r, char cells[NCOLS][CELL]) {
   for (int i = 0; i < NCOLS; i++) snprintf(cells[i], CELL, "-");
@@ -517,10 +554,9 @@ static int cmd_status(const options_t *o) {
     fprintf(stderr, "zeroctl: out of memory\n");
     return EXIT_FAIL;
   }
-  for (size_t i = 0; i < nnodes; i++) {
-    fetch_status(&nodes[i], o->timeout_ms);
+  fetch_statuses(nodes, nnodes, o->timeout_ms);
+  for (size_t i = 0; i < nnodes; i++)
     if (!nodes[i].status) rc = EXIT_FAIL;
-  }
   if (!o->world && !nodes[0].status) {
     fprintf(stderr, "zeroctl: %s\n", nodes[0].error);
     goto exit;
