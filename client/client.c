@@ -5,9 +5,11 @@
  * zd_wait() asks for them. Host buffers are sealed memfds (the daemon refuses buffers that could
  * shrink under it) passed with SCM_RIGHTS along the register frame. Device buffers (a CUDA build,
  * ZD_MEMORY_CUDA) are cudaMalloc'd on the rank's GPU and travel as CUDA IPC handles in the
- * register request, with two IPC events that order the trainer's stream and zerod's: "grads
- * ready", recorded on the trainer's stream before each request, and "params ready", which zerod
- * records after the request's work and the trainer's stream waits on once the reply is in.
+ * register request, with a ring of ZD__EVENT_SLOTS pairs of IPC events that order the trainer's
+ * stream and zerod's, one pair per outstanding request: a request takes a free slot k, records
+ * "grads ready" k on the trainer's stream before it is sent, and once its reply is in the stream
+ * waits on "params ready" k, which zerod recorded after the request's work; the slot is free again
+ * after that. Each wait of either side thus covers exactly its own request.
  *
  * The CUDA runtime is linked statically (and its symbols kept private), so that a CUDA build of
  * libzerod loads on machines without a GPU or driver and serves host buffers there; it touches
@@ -40,14 +42,19 @@
 #include "zerod.pb-c.h"
 #include "zerod/zerod.h"
 
-#define MAX_OUTSTANDING 64
+/* One pair of events per outstanding request (proto/frame.h). */
+#define MAX_OUTSTANDING  ZD__EVENT_SLOTS
 #define HELLO_TIMEOUT_MS 30000
+
+_Static_assert(ZD__EVENT_SLOTS <= 64, "event slots are bits of a uint64_t");
 
 typedef struct pending {
   uint64_t id;
   uint16_t type;
+  int slot; /* device buffers: the request's event slot, taken until it is forgotten; -1: none */
   int done;
   int code;
+  int mappings_kept; /* an Error's cuda_mappings_kept: 0, 1, or -1 when absent */
   char msg[ZD__ERR_MSG_MAX];
   zd_step_result_t step;
 } pending_t;
@@ -77,14 +84,17 @@ struct zd_client {
   zd_memory_t memory;
   int device;                  /* this process's ordinal of the buffers' GPU */
   void *stream;                /* zd_set_stream(): cudaStream_t; NULL: the legacy default stream */
-  void *recorded_stream;       /* the stream of the last grads-ready record (when recorded) */
-  int recorded;                /* grads-ready has been recorded since zd_layout() */
   int exported;                /* the handles went to zerod, which may have them open: the buffers
                                   and events must then outlive the process's use of them */
-  void *grads_ready;           /* cudaEvent_t, recorded here, waited on by zerod */
-  void *params_ready;          /* cudaEvent_t, recorded by zerod, waited on here */
+  int kept;                    /* zerod said it keeps (or may keep) handles of these buffers open:
+                                  only a bye saying otherwise lets them be freed */
+  uint64_t slots_busy;         /* bit k: event slot k belongs to an outstanding request */
+  uint32_t next_slot;          /* where the search for a free slot starts (round robin) */
+  void *grads_ready[ZD__EVENT_SLOTS];  /* cudaEvent_t, recorded here, waited on by zerod */
+  void *params_ready[ZD__EVENT_SLOTS]; /* cudaEvent_t, recorded by zerod, waited on here */
   uint8_t uuid[16];            /* of the buffers' GPU */
-  uint8_t param_handle[64], grad_handle[64], grads_ready_handle[64], params_ready_handle[64];
+  uint8_t param_handle[64], grad_handle[64];
+  uint8_t grads_ready_handle[ZD__EVENT_SLOTS][64], params_ready_handle[ZD__EVENT_SLOTS][64];
   /* From hello, with zerod's CUDA backend: its ordinal and the UUID of the rank's GPU. */
   int has_rank_gpu;
   int rank_device;
@@ -237,7 +247,14 @@ static pending_t *find_pending(zd_client_t *c, uint64_t id) {
   return NULL;
 }
 
+/* An event slot is free again only here: after its request's reply was processed (and, for
+ * zd_wait, the stream made to wait on its "params ready"), or when the request is given up. */
+static void put_slot(zd_client_t *c, int slot) {
+  if (slot >= 0) c->slots_busy &= ~(1ull << slot);
+}
+
 static void forget_pending(zd_client_t *c, pending_t *p) {
+  put_slot(c, p->slot);
   *p = c->pending[--c->npending];
 }
 
@@ -253,6 +270,7 @@ static int settle(zd_client_t *c, pending_t *p, const zd__frame_header_t *h, con
       return ZD_OK;
     }
     p->code = e->code;
+    p->mappings_kept = e->has_cuda_mappings_kept ? e->cuda_mappings_kept != 0 : -1;
     snprintf(p->msg, sizeof p->msg, "%s", e->message);
     zerod__v1__error__free_unpacked(e, NULL);
     return ZD_OK;
@@ -318,13 +336,24 @@ static int await(zd_client_t *c, uint64_t id, uint8_t **body, uint32_t *body_len
   return code;
 }
 
-static int start(zd_client_t *c, uint16_t type, const ProtobufCMessage *msg, const int *fds,
-                 int nfds, uint64_t *id) {
+static int check_room(const zd_client_t *c) {
   if (c->npending == MAX_OUTSTANDING)
     return fail(-EBUSY, "%d requests are outstanding; zd_wait() for some first", MAX_OUTSTANDING);
-  int rc = send_request(c, type, msg, fds, nfds, id);
-  if (rc) return rc;
-  c->pending[c->npending++] = (pending_t){.id = *id, .type = type};
+  return ZD_OK;
+}
+
+/* Sends a request; slot (-1: none) is its event slot, taken by cuda_before_request() and
+ * given back here if the request cannot be sent. */
+static int start(zd_client_t *c, uint16_t type, const ProtobufCMessage *msg, const int *fds,
+                 int nfds, int slot, uint64_t *id) {
+  int rc = check_room(c);
+  if (!rc) rc = send_request(c, type, msg, fds, nfds, id);
+  if (rc) {
+    put_slot(c, slot);
+    return rc;
+  }
+  c->pending[c->npending++] =
+      (pending_t){.id = *id, .type = type, .slot = slot, .mappings_kept = -1};
   return ZD_OK;
 }
 
@@ -332,7 +361,7 @@ static int start(zd_client_t *c, uint16_t type, const ProtobufCMessage *msg, con
 static int call(zd_client_t *c, uint16_t type, const ProtobufCMessage *msg, const int *fds,
                 int nfds, uint8_t **body, uint32_t *body_len, int timeout_ms) {
   uint64_t id;
-  int rc = start(c, type, msg, fds, nfds, &id);
+  int rc = start(c, type, msg, fds, nfds, -1, &id);
   if (rc) return rc;
   rc = await(c, id, body, body_len, timeout_ms);
   pending_t *p = find_pending(c, id);
@@ -547,7 +576,9 @@ static void leave_device(const device_scope_t *s) {
 /* Device memory and events zerod may still have open are never freed: CUDA leaves freeing an
  * exported allocation before every importer closed it undefined (cudaIpcOpenMemHandle), and
  * operations on an imported event after the exporter destroyed it (cudaIpcOpenEventHandle). They
- * are then left allocated until the process exits. */
+ * are then left allocated until the process exits. Whether zerod has them open is what it said:
+ * ByeReply.cuda_mappings_kept, or Error.cuda_mappings_kept for a register it refused; without an
+ * answer it may. */
 static void release_cuda(zd_client_t *c) {
   if (c->memory != ZD_MEMORY_CUDA) return;
   if (!c->exported) {
@@ -556,16 +587,19 @@ static void release_cuda(zd_client_t *c) {
     if (entered) { /* cudaFree waits for the device's work, the trainer's on these buffers too */
       if (c->params) (void)cudaFree(c->params);
       if (c->grads) (void)cudaFree(c->grads);
-      if (c->grads_ready) (void)cudaEventDestroy((cudaEvent_t)c->grads_ready);
-      if (c->params_ready) (void)cudaEventDestroy((cudaEvent_t)c->params_ready);
+      for (int k = 0; k < ZD__EVENT_SLOTS; k++) {
+        if (c->grads_ready[k]) (void)cudaEventDestroy((cudaEvent_t)c->grads_ready[k]);
+        if (c->params_ready[k]) (void)cudaEventDestroy((cudaEvent_t)c->params_ready[k]);
+      }
       (void)cudaGetLastError();
       leave_device(&ds);
     }
   }
-  c->params = c->grads = c->grads_ready = c->params_ready = NULL;
+  c->params = c->grads = NULL;
+  memset(c->grads_ready, 0, sizeof c->grads_ready);
+  memset(c->params_ready, 0, sizeof c->params_ready);
   c->exported = 0;
-  c->recorded = 0;
-  c->recorded_stream = NULL;
+  c->kept = 0;
 }
 
 /* Rounds an IPC-exported allocation up to 2 MiB: CUDA exports a whole underlying block, which a
@@ -599,6 +633,7 @@ static int create_cuda_buffers(zd_client_t *c, int device) {
   c->memory = ZD_MEMORY_CUDA; /* from here release_cuda() undoes what was made */
   c->device = device;
   c->exported = 0;
+  c->kept = 0;
   memcpy(c->uuid, uuid, sizeof uuid);
   cudaError_t e;
   cudaEvent_t ev;
@@ -641,22 +676,23 @@ static int create_cuda_buffers(zd_client_t *c, int device) {
     goto exit;
   }
   memcpy(c->grad_handle, &mh, sizeof c->grad_handle);
-  void **events[2] = {&c->grads_ready, &c->params_ready};
-  uint8_t *handles[2] = {c->grads_ready_handle, c->params_ready_handle};
-  const char *names[2] = {"grads-ready", "params-ready"};
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < 2 * ZD__EVENT_SLOTS; i++) {
+    int k = i % ZD__EVENT_SLOTS, params = i >= ZD__EVENT_SLOTS;
+    const char *name = params ? "params-ready" : "grads-ready";
     if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess)) !=
         cudaSuccess) {
-      rc = cuda_fail(e, "cudaEventCreateWithFlags(cudaEventDisableTiming | "
-                     "cudaEventInterprocess) of the %s event", names[i]);
+      rc = cuda_fail(e,
+                     "cudaEventCreateWithFlags(cudaEventDisableTiming | "
+                     "cudaEventInterprocess) of %s event %d",
+                     name, k);
       goto exit;
     }
-    *events[i] = ev;
+    (params ? c->params_ready : c->grads_ready)[k] = ev;
     if ((e = cudaIpcGetEventHandle(&eh, ev)) != cudaSuccess) {
-      rc = cuda_fail(e, "cudaIpcGetEventHandle of the %s event", names[i]);
+      rc = cuda_fail(e, "cudaIpcGetEventHandle of %s event %d", name, k);
       goto exit;
     }
-    memcpy(handles[i], &eh, sizeof eh);
+    memcpy(params ? c->params_ready_handle[k] : c->grads_ready_handle[k], &eh, sizeof eh);
   }
   rc = ZD_OK;
 exit:
@@ -664,20 +700,31 @@ exit:
   return rc;
 }
 
-/* Before a request that lets zerod touch the buffers: everything queued on the stream so far
- * comes first. zerod waits on the event when it runs the request, and a wait covers the latest
- * record made before it: with requests in flight, a later request's record. That record must
- * cover this one's work too: it does on one stream; when the stream changed since the last
- * record, the new stream first waits on the event (the old stream's work up to its last request)
- * so that its record covers both. A stream being captured into a CUDA graph is refused: the
- * record would only be captured, not made, and zerod would wait on an older one. */
-static int cuda_before_request(zd_client_t *c) {
+/* Before a request that lets zerod touch the buffers: takes a free event slot (*slot) and
+ * records its "grads ready" on the current stream, so that zerod's work for the request comes
+ * after everything queued on that stream so far, and after nothing queued later: the slot is this
+ * request's alone until its reply is processed, so zerod's wait on it covers exactly this record.
+ * Nothing about earlier streams needs carrying over: zerod runs the client's requests in order on
+ * one stream, after the records of the earlier requests' own slots. A stream being captured into
+ * a CUDA graph is refused: the record would only be captured, not made, and zerod would wait on
+ * the slot's previous record. Host buffers: *slot is -1 and nothing happens. On failure no slot
+ * is taken. */
+static int cuda_before_request(zd_client_t *c, int *slot) {
+  *slot = -1;
   if (c->memory != ZD_MEMORY_CUDA) return ZD_OK;
-  device_scope_t ds;
-  int rc = enter_device(c->device, &ds);
+  int rc = check_room(c); /* a request may be outstanding per slot: one is free below this */
   if (rc) return rc;
+  int k = -1;
+  for (uint32_t i = 0; i < ZD__EVENT_SLOTS && k < 0; i++) {
+    uint32_t j = (c->next_slot + i) % ZD__EVENT_SLOTS;
+    if (!(c->slots_busy & (1ull << j))) k = (int)j;
+  }
+  if (k < 0) /* more slots taken than requests outstanding: a bug of this file */
+    return fail(ZD_EINTERNAL, "libzerod: no free event slot with %u of %d requests outstanding",
+                c->npending, MAX_OUTSTANDING);
+  device_scope_t ds;
+  if ((rc = enter_device(c->device, &ds))) return rc;
   cudaStream_t s = (cudaStream_t)c->stream;
-  cudaEvent_t ev = (cudaEvent_t)c->grads_ready;
   enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(s, &capture);
   if (e != cudaSuccess) {
@@ -689,35 +736,35 @@ static int cuda_before_request(zd_client_t *c) {
               "requests cannot be captured (send them outside the capture)");
     goto exit;
   }
-  if (c->recorded && c->recorded_stream != c->stream &&
-      (e = cudaStreamWaitEvent(s, ev, 0)) != cudaSuccess) {
-    rc = cuda_fail(e, "cudaStreamWaitEvent of the new stream on the grads-ready event (the "
-                   "previous stream's work)");
+  if ((e = cudaEventRecord((cudaEvent_t)c->grads_ready[k], s)) != cudaSuccess) {
+    rc = cuda_fail(e, "cudaEventRecord of grads-ready event %d on the client's stream", k);
     goto exit;
   }
-  if ((e = cudaEventRecord(ev, s)) != cudaSuccess) {
-    rc = cuda_fail(e, "cudaEventRecord of the grads-ready event on the client's stream");
-    goto exit;
-  }
-  c->recorded = 1;
-  c->recorded_stream = c->stream;
+  c->slots_busy |= 1ull << k;
+  c->next_slot = (uint32_t)(k + 1) % ZD__EVENT_SLOTS;
+  *slot = k;
 exit:
   leave_device(&ds);
   return rc;
 }
 
-/* After a request's reply: what the stream does next comes after zerod's work. */
-static int cuda_after_reply(zd_client_t *c) {
-  if (c->memory != ZD_MEMORY_CUDA) return ZD_OK;
+/* After the reply of the request of event slot `slot` (-1: none): what the current stream does
+ * next comes after zerod's work for it, and, zerod's stream being in order, for every earlier
+ * request. A request zerod refused before queueing any work has no record of its own: the wait is
+ * then on the slot's previous record, a request already waited for, and changes nothing. */
+static int cuda_after_reply(zd_client_t *c, int slot) {
+  if (c->memory != ZD_MEMORY_CUDA || slot < 0) return ZD_OK;
   device_scope_t ds;
   int rc = enter_device(c->device, &ds);
   if (rc) return rc;
   cudaError_t e =
-      cudaStreamWaitEvent((cudaStream_t)c->stream, (cudaEvent_t)c->params_ready, 0);
+      cudaStreamWaitEvent((cudaStream_t)c->stream, (cudaEvent_t)c->params_ready[slot], 0);
   leave_device(&ds);
   return e == cudaSuccess ? ZD_OK
-                          : cuda_fail(e, "cudaStreamWaitEvent of the client's stream on the "
-                                      "params-ready event");
+                          : cuda_fail(e,
+                                      "cudaStreamWaitEvent of the client's stream on "
+                                      "params-ready event %d",
+                                      slot);
 }
 
 /* Whether the stream belongs to the buffers' GPU. */
@@ -736,12 +783,13 @@ static int check_stream(const zd_client_t *c, void *stream) {
 }
 #else
 static void release_cuda(zd_client_t *c) { (void)c; }
-static int cuda_before_request(zd_client_t *c) {
+static int cuda_before_request(zd_client_t *c, int *slot) {
   (void)c;
+  *slot = -1;
   return ZD_OK;
 }
-static int cuda_after_reply(zd_client_t *c) {
-  (void)c;
+static int cuda_after_reply(zd_client_t *c, int slot) {
+  (void)c, (void)slot;
   return ZD_OK;
 }
 static int check_stream(const zd_client_t *c, void *stream) {
@@ -749,37 +797,6 @@ static int check_stream(const zd_client_t *c, void *stream) {
   return ZD_OK;
 }
 #endif
-
-/* Whether zerod keeps the client's CUDA IPC mappings open when the client detaches: it does when
- * the rank is degraded (its stream may still hold work on them; daemon/session.c). Read from the
- * status, with nothing of this client in flight; 1 when the status cannot be read. Keeps the
- * caller's last error. */
-static int rank_keeps_mappings(zd_client_t *c) {
-  char saved[sizeof last_error];
-  memcpy(saved, last_error, sizeof saved);
-  Zerod__V1__StatusRequest req = ZEROD__V1__STATUS_REQUEST__INIT;
-  uint8_t *body = NULL;
-  uint32_t len = 0;
-  int keeps = 1;
-  if (call(c, ZD__MSG_STATUS, &req.base, NULL, 0, &body, &len, -1) == ZD_OK) {
-    Zerod__V1__StatusReply *rep = zerod__v1__status_reply__unpack(NULL, len, body);
-    if (rep) {
-      char name[32];
-      snprintf(name, sizeof name, "rank %u", c->info.rank);
-      for (size_t i = 0; i < rep->n_sections; i++) {
-        const Zerod__V1__StatusSection *s = rep->sections[i];
-        if (strcmp(s->name, name) != 0) continue;
-        for (size_t j = 0; j < s->n_entries; j++)
-          if (strcmp(s->entries[j]->key, "health") == 0)
-            keeps = strcmp(s->entries[j]->value, "degraded") == 0;
-      }
-      zerod__v1__status_reply__free_unpacked(rep, NULL);
-    }
-  }
-  free(body);
-  memcpy(last_error, saved, sizeof saved);
-  return keeps;
-}
 
 int zd_set_stream(zd_client_t *c, void *stream) {
   if (!c) return fail(-EINVAL, "zd_set_stream: client is NULL");
@@ -966,8 +983,9 @@ int zd_register(zd_client_t *c) {
     scaler.min_scale = c->loss_scaler.min_scale;
     req.loss_scaler = &scaler;
   }
-  int fds[2] = {c->param_fd, c->grad_fd}, nfds = 2;
+  int fds[2] = {c->param_fd, c->grad_fd}, nfds = 2, slot = -1;
   Zerod__V1__CudaBuffers cb = ZEROD__V1__CUDA_BUFFERS__INIT;
+  ProtobufCBinaryData grh[ZD__EVENT_SLOTS], prh[ZD__EVENT_SLOTS];
   if (c->memory == ZD_MEMORY_CUDA) {
     cb.has_device = 1;
     cb.device = c->device;
@@ -977,31 +995,45 @@ int zd_register(zd_client_t *c) {
     cb.param_handle = (ProtobufCBinaryData){sizeof c->param_handle, c->param_handle};
     cb.has_grad_handle = 1;
     cb.grad_handle = (ProtobufCBinaryData){sizeof c->grad_handle, c->grad_handle};
-    cb.has_grads_ready = 1;
-    cb.grads_ready = (ProtobufCBinaryData){sizeof c->grads_ready_handle, c->grads_ready_handle};
-    cb.has_params_ready = 1;
-    cb.params_ready =
-        (ProtobufCBinaryData){sizeof c->params_ready_handle, c->params_ready_handle};
+    for (int k = 0; k < ZD__EVENT_SLOTS; k++) {
+      grh[k] = (ProtobufCBinaryData){sizeof c->grads_ready_handle[k], c->grads_ready_handle[k]};
+      prh[k] = (ProtobufCBinaryData){sizeof c->params_ready_handle[k], c->params_ready_handle[k]};
+    }
+    cb.n_grads_ready = cb.n_params_ready = ZD__EVENT_SLOTS;
+    cb.grads_ready = grh;
+    cb.params_ready = prh;
     req.cuda = &cb;
     nfds = 0;
-    if ((rc = cuda_before_request(c))) goto exit; /* the initial values come first */
+    if ((rc = cuda_before_request(c, &slot))) goto exit; /* the initial values come first */
+    req.has_event_slot = 1;
+    req.event_slot = (uint32_t)slot;
   }
   uint8_t *body = NULL;
   uint32_t len = 0;
   uint64_t id;
-  rc = start(c, ZD__MSG_REGISTER, &req.base, fds, nfds, &id);
+  rc = start(c, ZD__MSG_REGISTER, &req.base, fds, nfds, slot, &id);
   if (rc) goto exit; /* not sent whole: zerod opened nothing */
   if (c->memory == ZD_MEMORY_CUDA) c->exported = 1;
   rc = await(c, id, &body, &len, -1);
   pending_t *p = find_pending(c, id);
   int answered = p && p->done;
-  if (answered) forget_pending(c, p);
   if (rc) {
-    /* zerod closes the handles it opened before it answers a failed register, unless the rank is
-     * degraded; without an answer it may still hold them */
-    if (answered && c->memory == ZD_MEMORY_CUDA) c->exported = rank_keeps_mappings(c);
+    /* zerod says whether it still holds the handles this register sent (it keeps them only
+     * when its stream may still use them); without an answer, or an answer that does not say,
+     * it may. No wait on "params ready": zerod's work on the buffers is over if it closed them,
+     * and if it kept them that work may never end. */
+    if (c->memory == ZD_MEMORY_CUDA) {
+      if (answered && p->mappings_kept == 0 && !c->kept)
+        c->exported = 0;
+      else
+        c->kept = 1;
+    }
+    if (answered) forget_pending(c, p);
     goto exit;
   }
+  int crc = cuda_after_reply(c, slot); /* the model zerod wrote comes before the stream's next
+                                          work */
+  if (answered) forget_pending(c, p);
   Zerod__V1__RegisterReply *rep = zerod__v1__register_reply__unpack(NULL, len, body);
   free(body);
   if (!rep) {
@@ -1013,7 +1045,7 @@ int zd_register(zd_client_t *c) {
   c->info.loss_scale = rep->loss_scale;
   c->registered = 1;
   zerod__v1__register_reply__free_unpacked(rep, NULL);
-  rc = cuda_after_reply(c); /* the model zerod wrote comes before the stream's next work */
+  rc = crc;
 exit:
   free(gp);
   free(groups);
@@ -1087,24 +1119,32 @@ int zd_step_start(zd_client_t *c, const zd_step_opts_t *opts, zd_request_t *req_
   req.has_scatter = req.has_gather = 1;
   req.scatter = !(opts && (opts->flags & ZD_STEP_NO_SCATTER));
   req.gather = !(opts && (opts->flags & ZD_STEP_NO_GATHER));
-  if ((rc = cuda_before_request(c))) return rc;
-  return start(c, ZD__MSG_STEP, &req.base, NULL, 0, req_out);
+  int slot;
+  if ((rc = cuda_before_request(c, &slot))) return rc;
+  req.has_event_slot = slot >= 0;
+  req.event_slot = slot >= 0 ? (uint32_t)slot : 0;
+  return start(c, ZD__MSG_STEP, &req.base, NULL, 0, slot, req_out);
 }
 
 static int bucket_start(zd_client_t *c, uint16_t type, int bucket, zd_request_t *req_out) {
   int rc = check_registered(c, type == ZD__MSG_SCATTER ? "zd_scatter" : "zd_gather");
   if (rc) return rc;
-  if ((rc = cuda_before_request(c))) return rc;
+  int slot;
+  if ((rc = cuda_before_request(c, &slot))) return rc;
   if (type == ZD__MSG_SCATTER) {
     Zerod__V1__ScatterRequest req = ZEROD__V1__SCATTER_REQUEST__INIT;
     req.has_bucket = 1;
     req.bucket = bucket;
-    return start(c, type, &req.base, NULL, 0, req_out);
+    req.has_event_slot = slot >= 0;
+    req.event_slot = slot >= 0 ? (uint32_t)slot : 0;
+    return start(c, type, &req.base, NULL, 0, slot, req_out);
   }
   Zerod__V1__GatherRequest req = ZEROD__V1__GATHER_REQUEST__INIT;
   req.has_bucket = 1;
   req.bucket = bucket;
-  return start(c, type, &req.base, NULL, 0, req_out);
+  req.has_event_slot = slot >= 0;
+  req.event_slot = slot >= 0 ? (uint32_t)slot : 0;
+  return start(c, type, &req.base, NULL, 0, slot, req_out);
 }
 
 int zd_scatter_start(zd_client_t *c, int bucket, zd_request_t *req) {
@@ -1121,9 +1161,10 @@ int zd_wait(zd_client_t *c, zd_request_t req, zd_step_result_t *result) {
   pending_t *p = find_pending(c, req);
   if (p && p->done) {
     if (result && p->type == ZD__MSG_STEP && rc == ZD_OK) *result = p->step;
+    /* zerod recorded the slot's params-ready after the request's work, failed or not; the slot is
+     * free once the stream waits on it */
+    int crc = cuda_after_reply(c, p->slot);
     forget_pending(c, p);
-    /* zerod recorded params-ready after the request's work, failed or not */
-    int crc = cuda_after_reply(c);
     if (!rc) rc = crc;
   }
   return rc;
@@ -1212,15 +1253,18 @@ void zd_close(zd_client_t *c) {
       if (!p->done && await(c, p->id, NULL, NULL, -1) != ZD_OK && !p->done) break; /* gone */
       forget_pending(c, p);
     }
-    /* A degraded rank keeps the client's IPC mappings open at detach (its stream may still
-     * hold work on them): asked before the bye, with nothing in flight. */
-    int keeps = c->memory == ZD_MEMORY_CUDA && c->exported ? rank_keeps_mappings(c) : 0;
     Zerod__V1__ByeRequest req = ZEROD__V1__BYE_REQUEST__INIT;
-    bye = call(c, ZD__MSG_BYE, &req.base, NULL, 0, NULL, NULL, -1);
+    uint8_t *body = NULL;
+    uint32_t len = 0;
+    bye = call(c, ZD__MSG_BYE, &req.base, NULL, 0, &body, &len, -1);
     memcpy(last_error, saved, sizeof saved);
     close(c->fd);
-    /* zerod closed its handles before it answered the bye */
-    if (bye == ZD_OK && !keeps) c->exported = 0;
+    /* zerod closed the connection's IPC handles before it answered the bye, unless it says it
+     * kept some (its stream may still have work on them) */
+    Zerod__V1__ByeReply *rep = bye == ZD_OK ? zerod__v1__bye_reply__unpack(NULL, len, body) : NULL;
+    if (rep && rep->has_cuda_mappings_kept && !rep->cuda_mappings_kept) c->exported = 0;
+    if (rep) zerod__v1__bye_reply__free_unpacked(rep, NULL);
+    free(body);
   }
   /* Device memory and events zerod may still have open are left allocated (release_cuda). */
   release_buffers(c);

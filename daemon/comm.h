@@ -13,8 +13,10 @@
  * communicator (NCCL, comm_nccl.c) only queues reduce_scatter, all_gather and allgather_device on
  * the rank's CUDA stream and returns; their completion (and failure) is observed by sync, which
  * waits for everything queued on that stream so far, bounded by the collective timeout, and
- * aborts the communicator on an asynchronous error or a timeout. Its allgather_bytes works on
- * host memory and waits by itself (registration only).
+ * aborts the communicator on an asynchronous error or a timeout: ncclCommAbort (and, at
+ * destroy, ncclCommDestroy) may block in NCCL, so they run on a teardown thread of the
+ * communicator's own, which the worker waits for only a bounded time (comm_nccl.c). Its
+ * allgather_bytes works on host memory and waits by itself (registration only).
  */
 #ifndef ZD_DAEMON_COMM_H
 #define ZD_DAEMON_COMM_H
@@ -62,8 +64,10 @@ typedef struct zd__comm_ops {
   /* Non-zero once a failure made the communicator unusable (NULL: it never fails). */
   int (*failed)(const zd__comm_t *comm);
   /* From any thread: the collective in progress, and every later one, fails soon with
-   * -ECANCELED (shutdown, when a silent peer would hold it for the collective timeout). NULL:
-   * nothing can block. */
+   * -ECANCELED (shutdown, when a silent peer would hold it for the collective timeout). It only
+   * asks: Gloo's waits are interrupted; NCCL's polling waits on the worker see a flag, fail, and
+   * hand the communicator to its teardown thread for ncclCommAbort (the caller's thread makes no
+   * NCCL or CUDA call). NULL: nothing can block. */
   void (*abort)(zd__comm_t *comm);
   void (*destroy)(zd__comm_t *comm);
 } zd__comm_ops_t;

@@ -8,9 +8,12 @@
  *   model_init/fini   per-model resources built once at registration (CUDA: the device layout
  *                     of every bucket, the step record in device memory)
  *   begin / finish    the edges of a job: begin orders the job after the client's work on its
- *                     buffers (CUDA: the stream waits on the client's "grads ready" event);
- *                     finish orders the client after the job (CUDA: records "params ready") and
- *                     waits until the job's work is complete, bounded by the collective timeout
+ *                     buffers (CUDA: the stream waits on the "grads ready" event of the job's
+ *                     event slot); finish orders the client after the job (CUDA: records the
+ *                     slot's "params ready") and waits until the job's work is complete, bounded
+ *                     by the collective timeout
+ *   stream_idle       whether the rank's device work has run out (before the session closes a
+ *                     client's CUDA IPC mappings)
  *   exchange          master weights <-> the client's param buffer over this rank's shard
  *   grad_stats        sum of squares and non-finite count of a bucket's reduced gradients, into
  *                     this rank's step record
@@ -28,7 +31,8 @@
  * freeing state waits (bounded) for the rank's stream to run out.
  *
  * A compute object belongs to one rank and is used by one thread at a time: its worker, or the
- * loop thread for the small jobs of a CPU rank it runs inline (rank.h).
+ * loop thread for the small jobs of a CPU rank it runs inline (rank.h). The one exception is
+ * stream_idle, which the loop thread may call between jobs (zd__rank_stream_idle).
  */
 #ifndef ZD_DAEMON_COMPUTE_H
 #define ZD_DAEMON_COMPUTE_H
@@ -75,11 +79,18 @@ typedef struct zd__compute_ops {
   /* After the model's state arrays and segments exist; model_fini accepts a half-built model. */
   int (*model_init)(zd__compute_t *c, struct zd__model *m, uint32_t world_size, zd__err_t *err);
   void (*model_fini)(zd__compute_t *c, struct zd__model *m);
-  int (*begin)(zd__compute_t *c, const struct zd__buffers *buf, zd__err_t *err);
-  /* Called once at the end of every job that called begin, whether it failed or not; waits for
-   * everything the job queued. Errors as the communicator's (ZD_EPEER, -ETIMEDOUT) or ZD_EBACKEND
-   * for a failure of the device. */
-  int (*finish)(zd__compute_t *c, zd__comm_t *comm, const struct zd__buffers *buf, zd__err_t *err);
+  /* slot: the job's pair of the client's events (< ZD__EVENT_SLOTS; ignored with host buffers). */
+  int (*begin)(zd__compute_t *c, const struct zd__buffers *buf, uint32_t slot, zd__err_t *err);
+  /* Called once at the end of every job that called begin, with the same slot, whether it failed
+   * or not; waits for everything the job queued. Errors as the communicator's (ZD_EPEER,
+   * -ETIMEDOUT) or ZD_EBACKEND for a failure of the device. */
+  int (*finish)(zd__compute_t *c, zd__comm_t *comm, const struct zd__buffers *buf, uint32_t slot,
+                zd__err_t *err);
+  /* 1 when nothing of the rank is queued or running on its device stream (a failed device counts
+   * as idle: nothing more runs), else 0. Unlike the other operations it may be called from the
+   * loop thread while the worker is between jobs: it reads only what create set. NULL: always
+   * idle (the CPU backend: every operation is complete when it returns). */
+  int (*stream_idle)(zd__compute_t *c);
   /* to_client: master -> param buffer (resume), else param buffer -> master (a new model); only
    * the elements the segments cover. */
   int (*exchange)(zd__compute_t *c, struct zd__model *m, const struct zd__buffers *buf,

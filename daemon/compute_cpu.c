@@ -79,14 +79,14 @@ static void cpu_model_fini(zd__compute_t *base, zd__model_t *m) {
   m->cdata = NULL;
 }
 
-static int cpu_begin(zd__compute_t *base, const zd__buffers_t *buf, zd__err_t *err) {
-  (void)base, (void)buf, (void)err;
+static int cpu_begin(zd__compute_t *base, const zd__buffers_t *buf, uint32_t slot, zd__err_t *err) {
+  (void)base, (void)buf, (void)slot, (void)err;
   return ZD_OK;
 }
 
 static int cpu_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t *buf,
-                      zd__err_t *err) {
-  (void)base, (void)comm, (void)buf, (void)err;
+                      uint32_t slot, zd__err_t *err) {
+  (void)base, (void)comm, (void)buf, (void)slot, (void)err;
   return ZD_OK;
 }
 

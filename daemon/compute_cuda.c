@@ -1,9 +1,12 @@
 /* The CUDA compute backend (compute.h): a rank's state in device memory, its kernels (kernels/
  * adam_cuda.h) queued on the rank's one non-blocking stream, in the order step.c asks for them.
  *
- * Per job, on the stream: wait for the client's "grads ready" event (begin); the collectives and
- * kernels of the job; record the client's "params ready" event (finish). The worker thread waits
- * for the GPU at two places only, both through the communicator's bounded sync (comm.h):
+ * Per job, on the stream: wait for the client's "grads ready" event of the job's event slot
+ * (begin); the collectives and kernels of the job; record the slot's "params ready" event
+ * (finish). A slot's events belong to one request at a time (the client reuses a slot only after
+ * its reply), so each wait covers exactly the client's work before that request, never a later
+ * request's. The worker thread waits for the GPU at two places only, both through the
+ * communicator's bounded sync (comm.h):
  *   - gather_records, when the step needs statistics: the statistics kernels write this rank's
  *     record in device memory, NCCL all-gathers the records there, and one 40 * W byte copy
  *     brings them to pinned host memory, where step.c checks the agreement and takes the decision.
@@ -176,30 +179,33 @@ static int cuda_model_init(zd__compute_t *base, zd__model_t *m, uint32_t world_s
 
 /* ---- job edges ------------------------------------------------------------------------------ */
 
-static int cuda_begin(zd__compute_t *base, const zd__buffers_t *buf, zd__err_t *err) {
+static int cuda_begin(zd__compute_t *base, const zd__buffers_t *buf, uint32_t slot,
+                      zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
-  if (!buf->grads_ready) return ZD_OK;
-  cudaError_t e = cudaStreamWaitEvent(c->stream, (cudaEvent_t)buf->grads_ready, 0);
+  if (buf->device < 0) return ZD_OK;                           /* host buffers: nothing to order */
+  zd_assert(slot < ZD__EVENT_SLOTS && buf->grads_ready[slot]); /* checked by the session */
+  cudaError_t e = cudaStreamWaitEvent(c->stream, (cudaEvent_t)buf->grads_ready[slot], 0);
   if (e == cudaSuccess) return ZD_OK;
   (void)cudaGetLastError();
   return zd__errf(err, ZD_EBUFFER,
-                  "GPU %d: cannot wait on the client's grads_ready event: %s "
+                  "GPU %d: cannot wait on the client's grads_ready[%u] event: %s "
                   "(%s); the event must be an IPC event of the buffers' GPU",
-                  c->device, cudaGetErrorString(e), cudaGetErrorName(e));
+                  c->device, slot, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
 static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t *buf,
-                       zd__err_t *err) {
+                       uint32_t slot, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   int rc = ZD_OK;
-  if (buf && buf->params_ready) {
-    cudaError_t e = cudaEventRecord((cudaEvent_t)buf->params_ready, c->stream);
+  if (buf && buf->device >= 0) {
+    zd_assert(slot < ZD__EVENT_SLOTS && buf->params_ready[slot]);
+    cudaError_t e = cudaEventRecord((cudaEvent_t)buf->params_ready[slot], c->stream);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       rc = zd__errf(err, ZD_EBUFFER,
-                    "GPU %d: cannot record the client's params_ready event: %s "
+                    "GPU %d: cannot record the client's params_ready[%u] event: %s "
                     "(%s); the event must be an IPC event of the buffers' GPU",
-                    c->device, cudaGetErrorString(e), cudaGetErrorName(e));
+                    c->device, slot, cudaGetErrorString(e), cudaGetErrorName(e));
     }
   }
   /* A CUDA rank always has its NCCL communicator (even at world size 1), which waits for the
@@ -299,6 +305,15 @@ static int cuda_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd
   return zd__cuda_adam_step(cm->layouts[b], &a, c->stream, err);
 }
 
+/* Loop thread, between jobs (compute.h): c->device and c->stream are set once at create. */
+static int cuda_stream_idle(zd__compute_t *base) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  cudaError_t e = cudaSetDevice(c->device); /* as the loop thread does for every CUDA call */
+  if (e == cudaSuccess) e = cudaStreamQuery(c->stream);
+  (void)cudaGetLastError();
+  return e != cudaErrorNotReady; /* idle, or the context failed and nothing more will run */
+}
+
 static void cuda_destroy(zd__compute_t *base) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   if (c->done) cudaEventDestroy(c->done);
@@ -319,6 +334,7 @@ static const zd__compute_ops_t cuda_ops = {
     .grad_stats = cuda_grad_stats,
     .gather_records = cuda_gather_records,
     .update = cuda_update,
+    .stream_idle = cuda_stream_idle,
     .destroy = cuda_destroy,
 };
 

@@ -130,7 +130,8 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
   switch (job->type) {
     case ZD__JOB_ATTACH: {
       int resumed = 0;
-      job->code = zd__model_attach(&r->ctx, &r->model, job->in.spec, job->buffers, &resumed, err);
+      job->code = zd__model_attach(&r->ctx, &r->model, job->in.spec, job->buffers, job->event_slot,
+                                   &resumed, err);
       if (job->code == ZD_OK) {
         const zd__layout_t *l = r->model->layout;
         job->out.attach.step = r->model->step;
@@ -147,14 +148,17 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
       break;
     }
     case ZD__JOB_SCATTER:
-      job->code = zd__model_scatter(&r->ctx, r->model, job->buffers, job->in.bucket, err);
+      job->code =
+          zd__model_scatter(&r->ctx, r->model, job->buffers, job->event_slot, job->in.bucket, err);
       break;
     case ZD__JOB_GATHER:
-      job->code = zd__model_gather(&r->ctx, r->model, job->buffers, job->in.bucket, err);
+      job->code =
+          zd__model_gather(&r->ctx, r->model, job->buffers, job->event_slot, job->in.bucket, err);
       break;
     case ZD__JOB_STEP:
-      job->code = zd__model_step(&r->ctx, r->model, job->buffers, job->in.step.groups,
-                                 job->in.step.scatter, job->in.step.gather, &job->out.step, err);
+      job->code =
+          zd__model_step(&r->ctx, r->model, job->buffers, job->event_slot, job->in.step.groups,
+                         job->in.step.scatter, job->in.step.gather, &job->out.step, err);
       break;
   }
 }
@@ -183,7 +187,8 @@ static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix,
   pthread_mutex_unlock(&r->stats_lock);
 }
 
-/* The communicator is set under the lock: zd__rank_abort reads it from the loop thread. */
+/* The communicator and the compute backend are set under the lock: zd__rank_abort and
+ * zd__rank_stream_idle read them from the loop thread. */
 static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
   pthread_mutex_lock(&r->lock);
   r->ctx.comm = comm;
@@ -205,13 +210,21 @@ static void join_world(zd__rank_t *r) {
   set_health(r, ZD__HEALTH_DEGRADED, "joining the world failed: ", err.msg);
 }
 
+static void publish_compute(zd__rank_t *r, zd__compute_t *compute) {
+  pthread_mutex_lock(&r->lock);
+  r->ctx.compute = compute;
+  pthread_mutex_unlock(&r->lock);
+}
+
 /* The CUDA backend of the rank, on its worker thread (which keeps the device current): state
  * backend and stream, then the NCCL communicator on that stream. */
 static void start_cuda(zd__rank_t *r) {
 #ifdef ZD_HAVE_CUDA
   zd__err_t err = {0};
   const zd__world_t *w = r->env.world;
-  int rc = zd__compute_cuda_create(r->env.device, w->collective_timeout_ms, &r->ctx.compute, &err);
+  zd__compute_t *compute = NULL;
+  int rc = zd__compute_cuda_create(r->env.device, w->collective_timeout_ms, &compute, &err);
+  if (rc == ZD_OK) publish_compute(r, compute);
   if (rc) {
     ZD_LOG_ERROR("rank degraded: the CUDA backend could not start on GPU %d: %s", r->env.device,
                  err.msg);
@@ -278,8 +291,9 @@ static void *worker_main(void *arg) {
   zd__comm_destroy(comm);
   zd__world_member_free(r->ctx.member);
   r->ctx.member = NULL;
-  zd__compute_destroy(r->ctx.compute);
-  r->ctx.compute = NULL;
+  zd__compute_t *compute = r->ctx.compute;
+  publish_compute(r, NULL);
+  zd__compute_destroy(compute);
   return NULL;
 }
 
@@ -368,6 +382,18 @@ void zd__rank_submit(zd__rank_t *r, zd__job_t *job) {
   r->tail = job;
   pthread_cond_signal(&r->cond);
   pthread_mutex_unlock(&r->lock);
+}
+
+int zd__rank_stream_idle(zd__rank_t *r) {
+  pthread_mutex_lock(&r->lock); /* the backend stays while the lock is held (worker_main) */
+  zd__compute_t *c = r->ctx.compute;
+  int idle = 1;
+  if (r->head)
+    idle = 0; /* jobs queued: they may queue work on the stream at any moment */
+  else if (c && c->ops->stream_idle)
+    idle = c->ops->stream_idle(c);
+  pthread_mutex_unlock(&r->lock);
+  return idle;
 }
 
 void zd__rank_stats(zd__rank_t *r, zd__rank_stats_t *out) {

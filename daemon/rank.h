@@ -20,6 +20,7 @@
 
 #include "comm.h"
 #include "error.h"
+#include "frame.h"
 #include "layout.h"
 #include "scaler.h"
 #include "shm.h"
@@ -45,17 +46,19 @@ void zd__model_spec_free(zd__model_spec_t *spec);
 
 /* A client's buffers; owned by its session, alive while the session has jobs in flight.
  * Host buffers are mapped memfds; CUDA buffers are device memory opened from the client's IPC
- * handles on the rank's device (shm.h), with the two IPC events that order the client's stream
- * and the rank's: the rank's stream waits on grads_ready before a job touches the buffers, and
- * records params_ready when the job's work is queued (docs/protocol.md, "CUDA buffers"). */
+ * handles on the rank's device (shm.h), with the client's ring of IPC event pairs that order its
+ * stream and the rank's, one pair per request it may have outstanding: a job with event slot k
+ * makes the rank's stream wait on grads_ready[k] before it touches the buffers, and records
+ * params_ready[k] after its work (docs/protocol.md, "CUDA buffers"). */
 typedef struct zd__buffers {
   zd__shm_t params;
   zd__shm_t grads;
   zd_dtype_t param_dtype;
   zd_dtype_t grad_dtype;
-  int device;         /* CUDA device of the buffers and events; -1: host memory */
-  void *grads_ready;  /* cudaEvent_t opened from the client's handle; NULL with host buffers */
-  void *params_ready; /* cudaEvent_t opened from the client's handle; NULL with host buffers */
+  int device;                          /* CUDA device of the buffers and events; -1: host memory */
+  void *grads_ready[ZD__EVENT_SLOTS];  /* cudaEvent_t opened from the client's handles; NULL with
+                                          host buffers */
+  void *params_ready[ZD__EVENT_SLOTS]; /* likewise */
 } zd__buffers_t;
 
 typedef enum zd__job_type {
@@ -82,6 +85,8 @@ typedef struct zd__job {
   uint64_t request_id;
   uint16_t msg_type;
   const zd__buffers_t *buffers;
+  uint32_t event_slot; /* CUDA buffers: the request's pair of events (< ZD__EVENT_SLOTS); 0 with
+                          host buffers */
   union {
     zd__model_spec_t *spec; /* ATTACH */
     int32_t bucket;         /* SCATTER, GATHER: -1 for all */
@@ -196,6 +201,15 @@ int zd__rank_run_inline(zd__rank_t *rank, zd__job_t *job);
 
 /* Queues a job (any thread; in practice the loop). */
 void zd__rank_submit(zd__rank_t *rank, zd__job_t *job);
+
+/* Whether the rank's device work has run out: nothing of it queued or running on the rank's
+ * stream (CUDA: cudaStreamQuery; a CUDA context that failed counts as idle, since nothing more
+ * runs there). Always 1 with the CPU backend, whose operations are complete when they return; 0
+ * while jobs wait in the rank's queue. Loop thread, when no job of the session attached to the
+ * rank is in flight: nothing then queues work on the stream, so a 1 stays true until the next
+ * job (a 0 may turn into 1 later, when stuck work drains). The session asks it before closing a
+ * client's CUDA IPC mappings, which must not be closed under work that may still use them. */
+int zd__rank_stream_idle(zd__rank_t *rank);
 
 /* Copies the rank's stats (any thread). */
 void zd__rank_stats(zd__rank_t *rank, zd__rank_stats_t *out);

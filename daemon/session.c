@@ -16,14 +16,14 @@
 #include "step.h"
 #include "zerod.pb-c.h"
 
-#define MAX_FDS 8         /* descriptors held per session before a register consumes them */
-#define READ_CHUNK 65536  /* bytes read per recvmsg when no frame size is known yet */
+#define MAX_FDS    8     /* descriptors held per session before a register consumes them */
+#define READ_CHUNK 65536 /* bytes read per recvmsg when no frame size is known yet */
 
 typedef enum session_state {
-  SESSION_NEW,        /* waiting for hello */
-  SESSION_READY,      /* hello done: version agreed, local rank chosen */
+  SESSION_NEW,         /* waiting for hello */
+  SESSION_READY,       /* hello done: version agreed, local rank chosen */
   SESSION_REGISTERING, /* attach job in flight */
-  SESSION_REGISTERED, /* model registered: step, scatter, gather allowed */
+  SESSION_REGISTERED,  /* model registered: step, scatter, gather allowed */
 } session_state_t;
 
 typedef struct out_buf {
@@ -44,9 +44,9 @@ struct zd__session {
   struct ucred cred;
   char name[64];
   session_state_t state;
-  int closing;   /* read no more; tear down once idle */
+  int closing;     /* read no more; tear down once idle */
   int dispatching; /* in process_frames: a job done inline must not re-enter it */
-  int torn_down; /* handles closing */
+  int torn_down;   /* handles closing */
   int poll_events;
 
   uint8_t *rbuf; /* received bytes not yet consumed */
@@ -61,8 +61,11 @@ struct zd__session {
   zd__buffers_t buffers;
   uint32_t nbuckets;
   uint32_t ngroups;
-  uint32_t inflight; /* jobs queued on the rank */
-  zd__job_t *pending_bye; /* bye waits for the jobs in flight; holds its request id */
+  uint32_t inflight;       /* jobs queued on the rank */
+  uint64_t slots_inflight; /* CUDA buffers: bit k set while a job of event slot k is in flight */
+  int buffers_used;        /* CUDA buffers: a job that may queue work on them was submitted */
+  int mappings_kept;       /* CUDA IPC handles of this connection were left open (bye says so) */
+  zd__job_t *pending_bye;  /* bye waits for the jobs in flight; holds its request id */
   uint64_t bye_id;
   int bye_pending;
 };
@@ -157,37 +160,48 @@ static void send_reply(zd__session_t *s, uint16_t req_type, uint64_t id,
   send_frame(s, (uint16_t)(req_type | ZD__FRAME_REPLY), id, msg);
 }
 
-static void send_error(zd__session_t *s, uint64_t id, int code, const char *msg) {
+/* kept: Error.cuda_mappings_kept, which every error answering a register carries (whether zerod
+ * still holds IPC handles that register sent; docs/protocol.md); -1 leaves it out. */
+static void send_error_kept(zd__session_t *s, uint64_t id, int code, const char *msg, int kept) {
   Zerod__V1__Error e = ZEROD__V1__ERROR__INIT;
   e.code = code;
   e.message = (char *)msg;
+  e.has_cuda_mappings_kept = kept >= 0;
+  e.cuda_mappings_kept = kept > 0;
   s->daemon->errors_total++;
   ZD_LOG_DEBUG("session %u: request %" PRIu64 " failed: %s: %s", s->id, id, zd_err_name(code), msg);
   send_frame(s, ZD__MSG_ERROR, id, &e.base);
 }
 
-static void send_errorf(zd__session_t *s, uint64_t id, int code, const char *fmt, ...)
+/* A register refused before its job was queued holds nothing: whatever it opened was closed. */
+static int kept_if_register(uint16_t type) {
+  return type == ZD__MSG_REGISTER ? 0 : -1;
+}
+
+/* Refuses the request of header h (which is not a job). */
+static void refusef(zd__session_t *s, const zd__frame_header_t *h, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-static void send_errorf(zd__session_t *s, uint64_t id, int code, const char *fmt, ...) {
+static void refusef(zd__session_t *s, const zd__frame_header_t *h, int code, const char *fmt, ...) {
   char msg[ZD__ERR_MSG_MAX];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  send_error(s, id, code, msg);
+  send_error_kept(s, h->request_id, code, msg, kept_if_register(h->type));
 }
 
-/* An error after which the stream cannot be trusted: reply, then close once it is written. */
-static void fail_stream(zd__session_t *s, uint64_t id, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void fail_stream(zd__session_t *s, uint64_t id, int code, const char *fmt, ...) {
+/* An error after which the stream cannot be trusted: reply, then close once it is written.
+ * kept: as for send_error_kept. */
+static void fail_stream(zd__session_t *s, uint64_t id, int kept, int code, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static void fail_stream(zd__session_t *s, uint64_t id, int kept, int code, const char *fmt, ...) {
   char msg[ZD__ERR_MSG_MAX];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   ZD_LOG_WARN("session %u (pid %d): %s; closing the connection", s->id, (int)s->cred.pid, msg);
-  send_error(s, id, code, msg);
+  send_error_kept(s, id, code, msg, kept);
   s->rlen = 0;
   s->closing = 1;
 }
@@ -210,6 +224,10 @@ static void submit(zd__session_t *s, zd__job_t *job) {
    * may still wait in the completion queue, and its reply must go out first. */
   int idle = s->inflight == 0;
   s->inflight++;
+  if (s->buffers.device >= 0) { /* CUDA buffers: the slot is taken until the job is done */
+    s->slots_inflight |= 1ull << job->event_slot;
+    s->buffers_used = 1;
+  }
   if (idle && zd__rank_run_inline(s->rank, job))
     zd__session_job_done(s, job);
   else
@@ -236,8 +254,10 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
   uint32_t local = 0;
   if (want >= 0) {
     if ((uint32_t)want >= d->nranks) {
-      rc = zd__errf(err, ZD_ERANK, "local rank %d does not exist; this zerod hosts local ranks "
-                    "0..%u", want, d->nranks - 1);
+      rc = zd__errf(err, ZD_ERANK,
+                    "local rank %d does not exist; this zerod hosts local ranks "
+                    "0..%u",
+                    want, d->nranks - 1);
       goto exit;
     }
     local = (uint32_t)want; /* attached at register, where a busy rank is refused */
@@ -314,14 +334,17 @@ static int scaler_from(zd_loss_scaler_t *out, const Zerod__V1__LossScaler *in, z
     return zd__errf(err, ZD_EHPARAM, "loss scaler initial_scale is %g; expected a finite value > 0",
                     in->initial_scale);
   if (!isfinite(in->growth_factor) || in->growth_factor < 1)
-    return zd__errf(err, ZD_EHPARAM, "loss scaler growth_factor is %g; expected a finite value >= 1",
+    return zd__errf(err, ZD_EHPARAM,
+                    "loss scaler growth_factor is %g; expected a finite value >= 1",
                     in->growth_factor);
   if (!(in->backoff_factor > 0 && in->backoff_factor < 1))
     return zd__errf(err, ZD_EHPARAM, "loss scaler backoff_factor is %g; expected a value in (0, 1)",
                     in->backoff_factor);
   if (in->growth_interval < 1 || in->hysteresis < 1)
-    return zd__errf(err, ZD_EHPARAM, "loss scaler growth_interval %u and hysteresis %u; both must "
-                    "be >= 1", in->growth_interval, in->hysteresis);
+    return zd__errf(err, ZD_EHPARAM,
+                    "loss scaler growth_interval %u and hysteresis %u; both must "
+                    "be >= 1",
+                    in->growth_interval, in->hysteresis);
   if (!isfinite(in->min_scale) || in->min_scale <= 0)
     return zd__errf(err, ZD_EHPARAM, "loss scaler min_scale is %g; expected a finite value > 0",
                     in->min_scale);
@@ -367,8 +390,8 @@ static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
     return zd__errf(err, ZD_EDTYPE, "loss scaling needs f16, bf16 or f32 gradients");
 
   if (req->n_params == 0 || req->n_params > ZD__MAX_PARAMS)
-    return zd__errf(err, -EINVAL, "register carries %zu parameters; expected 1..%u",
-                    req->n_params, ZD__MAX_PARAMS);
+    return zd__errf(err, -EINVAL, "register carries %zu parameters; expected 1..%u", req->n_params,
+                    ZD__MAX_PARAMS);
   zd_param_t *params = calloc(req->n_params, sizeof *params);
   if (!params) return zd__errf(err, -ENOMEM, "out of memory");
   for (size_t i = 0; i < req->n_params && rc == ZD_OK; i++) {
@@ -389,10 +412,12 @@ static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
   free(params);
   if (rc) return rc;
   if (spec->layout->hash != req->layout_hash)
-    return zd__errf(err, ZD_ELAYOUT, "client's layout hash is %016" PRIx64 ", zerod computes %016"
-                    PRIx64 " for world size %u and bucket size %" PRIu64 "; client and daemon "
-                    "disagree on the layout", req->layout_hash, spec->layout->hash,
-                    d->world_size, d->bucket_elems);
+    return zd__errf(err, ZD_ELAYOUT,
+                    "client's layout hash is %016" PRIx64 ", zerod computes %016" PRIx64
+                    " for world size %u and bucket size %" PRIu64
+                    "; client and daemon "
+                    "disagree on the layout",
+                    req->layout_hash, spec->layout->hash, d->world_size, d->bucket_elems);
   return ZD_OK;
 }
 
@@ -401,41 +426,51 @@ static void close_fds(zd__session_t *s) {
   s->nfds = 0;
 }
 
-/* Unmaps or closes the client's buffers and events (no job of the session may be in flight). */
-static void release_buffers(zd__session_t *s) {
-  /* A degraded CUDA rank may still have work queued on the client's memory (its stream could not
-   * be drained within the timeout): closing the IPC handles under it is undefined behaviour. Keep
-   * them open (a leak of mappings, not of the client's memory) and say so. */
-  if (s->buffers.params.kind == ZD__SHM_CUDA && s->rank) {
-    zd__rank_stats_t st;
-    zd__rank_stats(s->rank, &st);
-    if (st.health == ZD__HEALTH_DEGRADED) {
-      ZD_LOG_WARN("session %u: rank degraded: leaving the client's CUDA IPC mappings open (work "
-                  "may still be queued on them)", s->id);
-      s->buffers = (zd__buffers_t){.device = -1};
-      return;
+/* Unmaps or closes the client's buffers and events; no job of the session may be in flight.
+ * Returns 1 when it left CUDA IPC mappings open instead: the rank's stream may still have work on
+ * them (a job that could not drain after a failure), and closing an IPC mapping under running
+ * work is undefined behaviour. Such mappings are forgotten (a leak of mappings in zerod; the
+ * client keeps its memory, told so by Error/ByeReply.cuda_mappings_kept). Mappings no job ever
+ * used, or used by jobs whose work has run out, are closed. */
+static int release_buffers(zd__session_t *s) {
+  zd__buffers_t *b = &s->buffers;
+  int kept = b->params.kind == ZD__SHM_CUDA && s->buffers_used && s->rank &&
+             !zd__rank_stream_idle(s->rank);
+  if (kept) {
+    ZD_LOG_WARN(
+        "session %u: local rank %u's stream still has work queued after a failure: "
+        "leaving the client's CUDA IPC mappings open (the client is told to keep its "
+        "buffers)",
+        s->id, zd__rank_local(s->rank));
+    s->mappings_kept = 1;
+  } else {
+    zd__shm_unmap(&b->params);
+    zd__shm_unmap(&b->grads);
+    for (uint32_t k = 0; k < ZD__EVENT_SLOTS; k++) {
+      zd__shm_close_event(b->device, b->grads_ready[k]);
+      zd__shm_close_event(b->device, b->params_ready[k]);
     }
   }
-  zd__shm_unmap(&s->buffers.params);
-  zd__shm_unmap(&s->buffers.grads);
-  zd__shm_close_event(s->buffers.device, s->buffers.grads_ready);
-  zd__shm_close_event(s->buffers.device, s->buffers.params_ready);
-  s->buffers.grads_ready = s->buffers.params_ready = NULL;
-  s->buffers.device = -1;
+  *b = (zd__buffers_t){.device = -1};
+  s->buffers_used = 0;
+  return kept;
 }
 
 /* Host buffers: two sealed memfds rode along the frame. */
 static int map_host_buffers(zd__session_t *s, const zd__model_spec_t *spec, zd__err_t *err) {
   zd__daemon_t *d = s->daemon;
   if (d->backend == ZD__BACKEND_CUDA)
-    return zd__errf(err, ZD_EBACKEND, "this zerod runs the CUDA backend (local rank %u on GPU %d, "
+    return zd__errf(err, ZD_EBACKEND,
+                    "this zerod runs the CUDA backend (local rank %u on GPU %d, "
                     "%s): register CUDA device buffers (zd_model_desc_t.memory = "
                     "ZD_MEMORY_CUDA); host buffers need a zerod with backend cpu",
                     zd__rank_local(s->rank), d->gpus[zd__rank_local(s->rank)].device,
                     d->gpus[zd__rank_local(s->rank)].uuid_str);
   if (s->nfds < 2)
-    return zd__errf(err, ZD_EBUFFER, "register needs 2 file descriptors (param and grad buffers) "
-                    "sent with the frame; got %d", s->nfds);
+    return zd__errf(err, ZD_EBUFFER,
+                    "register needs 2 file descriptors (param and grad buffers) "
+                    "sent with the frame; got %d",
+                    s->nfds);
   uint64_t total = spec->layout->total_elems;
   s->buffers.device = -1;
   int rc = zd__shm_map(s->fds[0], total * zd_dtype_size(spec->param_dtype), "param buffer",
@@ -445,63 +480,135 @@ static int map_host_buffers(zd__session_t *s, const zd__model_spec_t *spec, zd__
                      &s->buffers.grads, err);
 }
 
-/* CUDA buffers: IPC handles of device memory on the rank's GPU, and the two IPC events. Checked
- * before anything is opened, then opened on the rank's GPU (shm_cuda.c checks place and size). */
+/* The form of a register's CudaBuffers, checked before anything else about them (before the
+ * backend, so that a client learns it from any zerod): every field present with its size, one
+ * event handle of each kind per event slot. (Handles are not compared with each other: nothing
+ * documents that distinct events have byte-distinct handles, and a client that sent one event
+ * twice only orders itself too strictly.) */
+static int check_cuda_form(const Zerod__V1__CudaBuffers *cb, zd__err_t *err) {
+  if (!cb->has_device_uuid || cb->device_uuid.len != 16)
+    return zd__errf(err, ZD_EBUFFER,
+                    "cuda.device_uuid is %zu bytes; expected 16 "
+                    "(cudaDeviceProp.uuid of the buffers' GPU)",
+                    cb->has_device_uuid ? cb->device_uuid.len : 0);
+  struct {
+    const char *name;
+    protobuf_c_boolean has;
+    ProtobufCBinaryData data;
+  } mem[] = {{"cuda.param_handle", cb->has_param_handle, cb->param_handle},
+             {"cuda.grad_handle", cb->has_grad_handle, cb->grad_handle}};
+  for (size_t i = 0; i < sizeof mem / sizeof mem[0]; i++)
+    if (!mem[i].has || mem[i].data.len != ZD__CUDA_IPC_HANDLE_BYTES)
+      return zd__errf(err, ZD_EBUFFER, "%s is %zu bytes; expected %d (a CUDA IPC handle)",
+                      mem[i].name, mem[i].has ? mem[i].data.len : 0, ZD__CUDA_IPC_HANDLE_BYTES);
+  struct {
+    const char *name;
+    size_t n;
+    const ProtobufCBinaryData *h;
+  } ev[] = {{"cuda.grads_ready", cb->n_grads_ready, cb->grads_ready},
+            {"cuda.params_ready", cb->n_params_ready, cb->params_ready}};
+  for (size_t i = 0; i < 2; i++) {
+    if (ev[i].n != ZD__EVENT_SLOTS)
+      return zd__errf(err, ZD_EBUFFER,
+                      "%s carries %zu event handles; expected %d (one per event "
+                      "slot 0..%d)",
+                      ev[i].name, ev[i].n, ZD__EVENT_SLOTS, ZD__EVENT_SLOTS - 1);
+    for (size_t k = 0; k < ev[i].n; k++)
+      if (ev[i].h[k].len != ZD__CUDA_IPC_HANDLE_BYTES)
+        return zd__errf(err, ZD_EBUFFER,
+                        "%s[%zu] is %zu bytes; expected %d (a CUDA IPC event "
+                        "handle)",
+                        ev[i].name, k, ev[i].h[k].len, ZD__CUDA_IPC_HANDLE_BYTES);
+  }
+  return ZD_OK;
+}
+
+/* The event slot of a request that lets zerod touch the client's buffers (register, step,
+ * scatter, gather; docs/protocol.md, "CUDA buffers"). With CUDA buffers (cuda): one of the
+ * ZD__EVENT_SLOTS pairs that no job of the session in flight uses, since the rank's stream waits
+ * on a slot's latest record: a slot shared by two requests in flight would make the first wait
+ * for the second's. With host buffers: none (*slot is then 0). */
+static int check_event_slot(const zd__session_t *s, int cuda, const char *what,
+                            protobuf_c_boolean has, uint32_t want, uint32_t *slot, zd__err_t *err) {
+  *slot = 0;
+  if (!cuda)
+    return has ? zd__errf(err, -EINVAL,
+                          "%s carries event_slot %u, but this client's buffers are "
+                          "host memory: event slots are for CUDA buffers (leave the field out)",
+                          what, want)
+               : ZD_OK;
+  if (!has)
+    return zd__errf(err, -EINVAL,
+                    "%s carries no event_slot; a client with CUDA buffers names "
+                    "one in 0..%d",
+                    what, ZD__EVENT_SLOTS - 1);
+  if (want >= ZD__EVENT_SLOTS)
+    return zd__errf(err, -EINVAL,
+                    "%s: event_slot is %u; expected 0..%d (one of the %d event "
+                    "pairs sent at register)",
+                    what, want, ZD__EVENT_SLOTS - 1, ZD__EVENT_SLOTS);
+  if (s->slots_inflight & (1ull << want))
+    return zd__errf(err, -EINVAL,
+                    "%s: event_slot %u belongs to a request still in flight; a "
+                    "slot is free again once its request's reply has been read",
+                    what, want);
+  *slot = want;
+  return ZD_OK;
+}
+
+/* CUDA buffers (form checked): IPC handles of device memory on the rank's GPU, and the ring of
+ * IPC event pairs, opened on the rank's GPU (shm_cuda.c checks place and size). What was opened
+ * before a failure is in s->buffers, for release_buffers. */
 static int open_cuda_buffers(zd__session_t *s, const Zerod__V1__CudaBuffers *cb,
                              const zd__model_spec_t *spec, zd__err_t *err) {
   zd__daemon_t *d = s->daemon;
   uint32_t local = zd__rank_local(s->rank);
   if (d->backend != ZD__BACKEND_CUDA)
-    return zd__errf(err, ZD_EBACKEND, "this zerod runs the CPU backend (%s): it takes host "
+    return zd__errf(err, ZD_EBACKEND,
+                    "this zerod runs the CPU backend (%s): it takes host "
                     "buffers (memfds) only; CUDA device buffers need a zerod with backend cuda on "
-                    "the trainer's node", d->backend_note[0] ? d->backend_note : "backend cpu");
+                    "the trainer's node",
+                    d->backend_note[0] ? d->backend_note : "backend cpu");
   if (s->nfds > 0)
-    return zd__errf(err, ZD_EBUFFER, "register with CUDA buffers carries %d file descriptors; "
-                    "expected none", s->nfds);
+    return zd__errf(err, ZD_EBUFFER,
+                    "register with CUDA buffers carries %d file descriptors; "
+                    "expected none",
+                    s->nfds);
   const zd__gpu_info_t *gpu = &d->gpus[local];
-  if (!cb->has_device_uuid || cb->device_uuid.len != sizeof gpu->uuid)
-    return zd__errf(err, ZD_EBUFFER, "cuda.device_uuid is %zu bytes; expected %zu "
-                    "(cudaDeviceProp.uuid of the buffers' GPU)",
-                    cb->has_device_uuid ? cb->device_uuid.len : 0, sizeof gpu->uuid);
   if (memcmp(cb->device_uuid.data, gpu->uuid, sizeof gpu->uuid) != 0) {
     char theirs[ZD__GPU_UUID_STR];
     const uint8_t *u = cb->device_uuid.data;
-    snprintf(theirs, sizeof theirs, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
-             "%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8],
-             u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
-    return zd__errf(err, ZD_EBUFFER, "the buffers are on the client's CUDA device %d (%s), but "
+    snprintf(theirs, sizeof theirs,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+             "%02x%02x%02x%02x%02x%02x",
+             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+             u[14], u[15]);
+    return zd__errf(err, ZD_EBUFFER,
+                    "the buffers are on the client's CUDA device %d (%s), but "
                     "local rank %u runs on %s (%s, zerod's device %d); put the trainer of local "
-                    "rank %u on that GPU", cb->has_device ? cb->device : -1, theirs, local,
-                    gpu->uuid_str, gpu->name, gpu->device, local);
+                    "rank %u on that GPU",
+                    cb->has_device ? cb->device : -1, theirs, local, gpu->uuid_str, gpu->name,
+                    gpu->device, local);
   }
-  struct {
-    const char *name;
-    protobuf_c_boolean has;
-    ProtobufCBinaryData data;
-  } handles[] = {{"cuda.param_handle", cb->has_param_handle, cb->param_handle},
-                 {"cuda.grad_handle", cb->has_grad_handle, cb->grad_handle},
-                 {"cuda.grads_ready", cb->has_grads_ready, cb->grads_ready},
-                 {"cuda.params_ready", cb->has_params_ready, cb->params_ready}};
-  for (size_t i = 0; i < sizeof handles / sizeof handles[0]; i++)
-    if (!handles[i].has || handles[i].data.len != ZD__CUDA_IPC_HANDLE_BYTES)
-      return zd__errf(err, ZD_EBUFFER, "%s is %zu bytes; expected %d (a CUDA IPC handle)",
-                      handles[i].name, handles[i].has ? handles[i].data.len : 0,
-                      ZD__CUDA_IPC_HANDLE_BYTES);
   uint64_t total = spec->layout->total_elems;
   zd__buffers_t *b = &s->buffers;
   b->device = gpu->device;
-  int rc = zd__shm_open_cuda(gpu->device, cb->param_handle.data, cb->param_handle.len,
-                             total * zd_dtype_size(spec->param_dtype), "param buffer", &b->params,
-                             err);
+  int rc =
+      zd__shm_open_cuda(gpu->device, cb->param_handle.data, cb->param_handle.len,
+                        total * zd_dtype_size(spec->param_dtype), "param buffer", &b->params, err);
   if (!rc)
     rc = zd__shm_open_cuda(gpu->device, cb->grad_handle.data, cb->grad_handle.len,
                            total * zd_dtype_size(spec->grad_dtype), "grad buffer", &b->grads, err);
-  if (!rc)
-    rc = zd__shm_open_event(gpu->device, cb->grads_ready.data, cb->grads_ready.len,
-                            "grads_ready event", &b->grads_ready, err);
-  if (!rc)
-    rc = zd__shm_open_event(gpu->device, cb->params_ready.data, cb->params_ready.len,
-                            "params_ready event", &b->params_ready, err);
+  for (uint32_t k = 0; k < ZD__EVENT_SLOTS && !rc; k++) {
+    char what[48];
+    snprintf(what, sizeof what, "grads_ready[%u] event", k);
+    rc = zd__shm_open_event(gpu->device, cb->grads_ready[k].data, cb->grads_ready[k].len, what,
+                            &b->grads_ready[k], err);
+    if (rc) break;
+    snprintf(what, sizeof what, "params_ready[%u] event", k);
+    rc = zd__shm_open_event(gpu->device, cb->params_ready[k].data, cb->params_ready[k].len, what,
+                            &b->params_ready[k], err);
+  }
   return rc;
 }
 
@@ -525,6 +632,11 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
   }
   rc = spec_from(s, req, spec, err);
   if (rc) goto fail;
+  if (req->cuda && (rc = check_cuda_form(req->cuda, err))) goto fail;
+  uint32_t slot;
+  rc = check_event_slot(s, req->cuda != NULL, "register", req->has_event_slot, req->event_slot,
+                        &slot, err);
+  if (rc) goto fail;
   rc = req->cuda ? open_cuda_buffers(s, req->cuda, spec, err) : map_host_buffers(s, spec, err);
   if (rc) goto fail;
   uint32_t local = zd__rank_local(s->rank);
@@ -539,6 +651,7 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
     rc = zd__errf(err, -ENOMEM, "out of memory");
     goto fail;
   }
+  job->event_slot = slot;
   s->daemon->attached[local] = s;
   s->buffers.param_dtype = spec->param_dtype;
   s->buffers.grad_dtype = spec->grad_dtype;
@@ -586,11 +699,16 @@ static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint
     rc = groups_from(groups, req->groups, req->n_groups, err);
     if (rc) goto exit;
   }
+  uint32_t slot;
+  rc = check_event_slot(s, s->buffers.device >= 0, "step", req->has_event_slot, req->event_slot,
+                        &slot, err);
+  if (rc) goto exit;
   zd__job_t *job = job_new(s, ZD__JOB_STEP, h);
   if (!job) {
     rc = zd__errf(err, -ENOMEM, "out of memory");
     goto exit;
   }
+  job->event_slot = slot;
   job->in.step.groups = groups;
   job->in.step.ngroups = (uint32_t)req->n_groups;
   job->in.step.scatter = req->scatter;
@@ -608,11 +726,15 @@ static int handle_scatter(zd__session_t *s, const zd__frame_header_t *h, const u
   Zerod__V1__ScatterRequest *req = zerod__v1__scatter_request__unpack(NULL, h->length, body);
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed scatter body (%u bytes)", h->length);
   int32_t bucket = req->bucket;
+  uint32_t slot;
+  int rc = check_event_slot(s, s->buffers.device >= 0, "scatter", req->has_event_slot,
+                            req->event_slot, &slot, err);
   zerod__v1__scatter_request__free_unpacked(req, NULL);
-  int rc = check_bucket(s, bucket, err);
+  if (!rc) rc = check_bucket(s, bucket, err);
   if (rc) return rc;
   zd__job_t *job = job_new(s, ZD__JOB_SCATTER, h);
   if (!job) return zd__errf(err, -ENOMEM, "out of memory");
+  job->event_slot = slot;
   job->in.bucket = bucket;
   submit(s, job);
   return ZD_OK;
@@ -623,11 +745,15 @@ static int handle_gather(zd__session_t *s, const zd__frame_header_t *h, const ui
   Zerod__V1__GatherRequest *req = zerod__v1__gather_request__unpack(NULL, h->length, body);
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed gather body (%u bytes)", h->length);
   int32_t bucket = req->bucket;
+  uint32_t slot;
+  int rc = check_event_slot(s, s->buffers.device >= 0, "gather", req->has_event_slot,
+                            req->event_slot, &slot, err);
   zerod__v1__gather_request__free_unpacked(req, NULL);
-  int rc = check_bucket(s, bucket, err);
+  if (!rc) rc = check_bucket(s, bucket, err);
   if (rc) return rc;
   zd__job_t *job = job_new(s, ZD__JOB_GATHER, h);
   if (!job) return zd__errf(err, -ENOMEM, "out of memory");
+  job->event_slot = slot;
   job->in.bucket = bucket;
   submit(s, job);
   return ZD_OK;
@@ -724,6 +850,8 @@ static void reply_bye(zd__session_t *s, uint64_t id) {
   detach(s); /* before the reply, so the client can reattach as soon as it reads it */
   s->bye_pending = 0;
   Zerod__V1__ByeReply rep = ZEROD__V1__BYE_REPLY__INIT;
+  rep.has_cuda_mappings_kept = 1; /* of this connection: the client frees its memory only if 0 */
+  rep.cuda_mappings_kept = s->mappings_kept != 0;
   send_reply(s, ZD__MSG_BYE, id, &rep.base);
 }
 
@@ -734,31 +862,34 @@ static void dispatch(zd__session_t *s, const zd__frame_header_t *h, const uint8_
   zd__err_t err = {0};
   const command_t *cmd = find_command(h->type);
   if (!cmd) {
-    send_errorf(s, h->request_id, ZD_ETYPE, "unknown message type %u; expected one of hello (1), "
-                "register (2), step (3), scatter (4), gather (5), status (6), bye (7)", h->type);
+    refusef(s, h, ZD_ETYPE,
+            "unknown message type %u; expected one of hello (1), "
+            "register (2), step (3), scatter (4), gather (5), status (6), bye (7)",
+            h->type);
     return;
   }
   uint32_t max_body = cmd->max_body ? cmd->max_body : d->cfg->max_frame_bytes;
   if (h->length > max_body) {
-    send_errorf(s, h->request_id, ZD_ETOOBIG, "%s body is %u bytes; at most %u expected", cmd->name,
-                h->length, max_body);
+    refusef(s, h, ZD_ETOOBIG, "%s body is %u bytes; at most %u expected", cmd->name, h->length,
+            max_body);
     return;
   }
   if (d->shutting_down) {
-    send_errorf(s, h->request_id, ZD_ESHUTDOWN, "zerod is shutting down; %s refused", cmd->name);
+    refusef(s, h, ZD_ESHUTDOWN, "zerod is shutting down; %s refused", cmd->name);
     return;
   }
   if (cmd->needs >= CMD_NEEDS_HELLO && s->state == SESSION_NEW) {
-    send_errorf(s, h->request_id, ZD_EORDER, "%s before hello: say hello first", cmd->name);
+    refusef(s, h, ZD_EORDER, "%s before hello: say hello first", cmd->name);
     return;
   }
   if (cmd->needs >= CMD_NEEDS_MODEL && s->state != SESSION_REGISTERED) {
-    send_errorf(s, h->request_id, ZD_EORDER, "%s before register: register a model first",
-                cmd->name);
+    refusef(s, h, ZD_EORDER, "%s before register: register a model first", cmd->name);
     return;
   }
   int rc = cmd->handler(s, h, body, &err);
-  if (rc) send_error(s, h->request_id, rc, err.msg[0] ? err.msg : zd_strerror(rc));
+  if (rc)
+    send_error_kept(s, h->request_id, rc, err.msg[0] ? err.msg : zd_strerror(rc),
+                    kept_if_register(h->type));
 }
 
 /* ---- reading ------------------------------------------------------------------------------- */
@@ -772,8 +903,9 @@ static void on_frame_timeout(uv_timer_t *t) {
     zd__frame_decode(s->rbuf, &h);
     want += h.length;
   }
-  fail_stream(s, h.request_id, ZD_EPROTO, "truncated frame: received %zu of %zu bytes within %u ms",
-              s->rlen, want, s->daemon->cfg->frame_timeout_ms);
+  fail_stream(s, h.request_id, -1, ZD_EPROTO,
+              "truncated frame: received %zu of %zu bytes within %u ms", s->rlen, want,
+              s->daemon->cfg->frame_timeout_ms);
   update_poll(s);
   maybe_teardown(s);
 }
@@ -788,22 +920,25 @@ static void dispatch_frames(zd__session_t *s) {
   while (accepting(s) && s->rlen >= ZD__FRAME_HEADER_SIZE) {
     zd__frame_header_t h;
     if (zd__frame_decode(s->rbuf, &h) != ZD_OK) {
-      fail_stream(s, 0, ZD_EPROTO, "garbage frame: magic is 0x%08x, expected 0x%08x ('ZRD1')",
+      fail_stream(s, 0, -1, ZD_EPROTO, "garbage frame: magic is 0x%08x, expected 0x%08x ('ZRD1')",
                   h.magic, ZD__FRAME_MAGIC);
       break;
     }
     if (h.length > d->cfg->max_frame_bytes) {
-      fail_stream(s, h.request_id, ZD_ETOOBIG, "frame body is %u bytes; max_frame_bytes is %u",
-                  h.length, d->cfg->max_frame_bytes);
+      fail_stream(s, h.request_id, kept_if_register(h.type), ZD_ETOOBIG,
+                  "frame body is %u bytes; max_frame_bytes is %u", h.length,
+                  d->cfg->max_frame_bytes);
       break;
     }
     size_t total = ZD__FRAME_HEADER_SIZE + (size_t)h.length;
     if (s->rlen < total) break;
     if (h.version != ZD_PROTOCOL_VERSION) {
-      send_errorf(s, h.request_id, ZD_EVERSION, "frame has protocol version %u; this zerod speaks "
-                  "version %d", h.version, ZD_PROTOCOL_VERSION);
+      refusef(s, &h, ZD_EVERSION,
+              "frame has protocol version %u; this zerod speaks "
+              "version %d",
+              h.version, ZD_PROTOCOL_VERSION);
     } else if (h.flags != 0) {
-      send_errorf(s, h.request_id, ZD_EPROTO, "frame flags are 0x%x; expected 0", h.flags);
+      refusef(s, &h, ZD_EPROTO, "frame flags are 0x%x; expected 0", h.flags);
     } else {
       dispatch(s, &h, s->rbuf + ZD__FRAME_HEADER_SIZE);
     }
@@ -867,7 +1002,7 @@ static void read_some(zd__session_t *s) {
         want = ZD__FRAME_HEADER_SIZE + (size_t)h.length - s->rlen;
     }
     if (ensure_capacity(s, want) != 0) {
-      fail_stream(s, 0, -ENOMEM, "out of memory reading a frame");
+      fail_stream(s, 0, -1, -ENOMEM, "out of memory reading a frame");
       return;
     }
     union {
@@ -889,14 +1024,16 @@ static void read_some(zd__session_t *s) {
     }
     take_fds(s, &msg);
     if (msg.msg_flags & MSG_CTRUNC) {
-      fail_stream(s, 0, ZD_EPROTO, "too many file descriptors in one message; expected at most %d",
-                  MAX_FDS);
+      fail_stream(s, 0, -1, ZD_EPROTO,
+                  "too many file descriptors in one message; expected at most %d", MAX_FDS);
       return;
     }
     if (n == 0) {
       if (s->rlen > 0)
-        ZD_LOG_WARN("session %u (pid %d): connection closed in the middle of a frame (%zu bytes "
-                    "received)", s->id, (int)s->cred.pid, s->rlen);
+        ZD_LOG_WARN(
+            "session %u (pid %d): connection closed in the middle of a frame (%zu bytes "
+            "received)",
+            s->id, (int)s->cred.pid, s->rlen);
       s->closing = 1;
       return;
     }
@@ -1035,11 +1172,12 @@ int zd__session_create(zd__daemon_t *d, int fd, const struct ucred *cred) {
     format_ids(&d->cfg->allowed_uids, uids, sizeof uids);
     format_ids(&d->cfg->allowed_gids, gids, sizeof gids);
     d->clients_denied++;
-    fail_stream(s, 0, ZD_EDENIED, "uid %d gid %d (pid %d) is not allowed to use zerod; allowed "
-                "uids: %s; allowed gids: %s", (int)cred->uid, (int)cred->gid, (int)cred->pid, uids,
-                gids);
+    fail_stream(s, 0, -1, ZD_EDENIED,
+                "uid %d gid %d (pid %d) is not allowed to use zerod; allowed "
+                "uids: %s; allowed gids: %s",
+                (int)cred->uid, (int)cred->gid, (int)cred->pid, uids, gids);
   } else if (d->nsessions > d->cfg->max_clients) {
-    fail_stream(s, 0, ZD_EBUSY, "zerod has %u clients connected; max_clients is %u",
+    fail_stream(s, 0, -1, ZD_EBUSY, "zerod has %u clients connected; max_clients is %u",
                 d->nsessions - 1, d->cfg->max_clients);
   } else {
     ZD_LOG_DEBUG("session %u: connection from pid %d uid %d", s->id, (int)cred->pid,
@@ -1050,10 +1188,12 @@ int zd__session_create(zd__daemon_t *d, int fd, const struct ucred *cred) {
   return ZD_OK;
 }
 
-static void reply_job(zd__session_t *s, zd__job_t *job) {
+/* kept: for a failed attach, whether its buffers' mappings were left open (release_buffers). */
+static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
   if (job->code != ZD_OK) {
-    send_error(s, job->request_id, job->code, job->err.msg[0] ? job->err.msg
-                                                               : zd_strerror(job->code));
+    send_error_kept(s, job->request_id, job->code,
+                    job->err.msg[0] ? job->err.msg : zd_strerror(job->code),
+                    job->type == ZD__JOB_ATTACH ? kept : -1);
     return;
   }
   switch (job->type) {
@@ -1096,17 +1236,19 @@ static void reply_job(zd__session_t *s, zd__job_t *job) {
 void zd__session_job_done(zd__session_t *s, zd__job_t *job) {
   zd_assert(s->inflight > 0);
   s->inflight--;
+  s->slots_inflight &= ~(1ull << job->event_slot); /* only CUDA buffers' jobs set theirs */
+  int kept = 0;
   if (job->type == ZD__JOB_ATTACH) {
     if (job->code == ZD_OK) {
       s->state = SESSION_REGISTERED;
     } else {
       uint32_t local = zd__rank_local(s->rank);
       if (s->daemon->attached[local] == s) s->daemon->attached[local] = NULL;
-      release_buffers(s);
+      kept = release_buffers(s); /* before the answer, which says what it did */
       if (s->state == SESSION_REGISTERING) s->state = SESSION_READY;
     }
   }
-  reply_job(s, job);
+  reply_job(s, job, kept);
   zd__job_free(job);
   if (!s->closing && !s->dispatching) process_frames(s); /* frames held back by max_inflight */
   update_poll(s);
@@ -1119,6 +1261,12 @@ void zd__session_drain(zd__session_t *s) {
   maybe_teardown(s);
 }
 
-zd__session_t *zd__session_next(const zd__session_t *s) { return s->next; }
-pid_t zd__session_pid(const zd__session_t *s) { return s->cred.pid; }
-const char *zd__session_name(const zd__session_t *s) { return s->name; }
+zd__session_t *zd__session_next(const zd__session_t *s) {
+  return s->next;
+}
+pid_t zd__session_pid(const zd__session_t *s) {
+  return s->cred.pid;
+}
+const char *zd__session_name(const zd__session_t *s) {
+  return s->name;
+}

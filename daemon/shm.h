@@ -9,10 +9,13 @@
  * Device memory (CUDA backend, shm_cuda.c): cudaMalloc'd buffers the client exports with
  * cudaIpcGetMemHandle and zerod opens on the rank's GPU (cudaIpcOpenMemHandle), checked to be on
  * that GPU and at least as large as the layout needs (the allocation's real extent, from the
- * driver, not the client's word); and the two IPC events that order the client's stream and the
- * rank's (cudaIpcOpenEventHandle). Opened by the loop thread at register, closed at detach, when
- * no job of the session is left (each job waited for its GPU work). In a build without CUDA the
- * open functions refuse with ZD_EBACKEND.
+ * driver, not the client's word); and the client's ring of IPC event pairs that order its
+ * stream and the rank's (cudaIpcOpenEventHandle, ZD__EVENT_SLOTS pairs). A handle must be the
+ * base of its allocation (there is no offset field): CUDA exports a whole allocation, and the
+ * opened pointer is its base. Opened by the loop thread at register, with the rank's device made
+ * current; closed at detach, when no job of the session is left, unless the rank's stream may
+ * still have work on them (session.c, release_buffers). In a build without CUDA the open
+ * functions refuse with ZD_EBACKEND.
  */
 #ifndef ZD_DAEMON_SHM_H
 #define ZD_DAEMON_SHM_H

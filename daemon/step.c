@@ -149,13 +149,15 @@ static void *param_at(const zd__model_t *m, const zd__buffers_t *buf, uint64_t e
 /* The edges of a job (compute.h): begin orders the job after the client's work on its buffers;
  * end waits for everything the job queued, also after a failure (whose error is kept: err keeps
  * the first failure's message). */
-static int job_begin(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, zd__err_t *err) {
-  return ctx->compute->ops->begin(ctx->compute, buf, err);
+static int job_begin(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, uint32_t slot,
+                     zd__err_t *err) {
+  return ctx->compute->ops->begin(ctx->compute, buf, slot, err);
 }
 
-static int job_end(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, int rc, zd__err_t *err) {
+static int job_end(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, uint32_t slot, int rc,
+                   zd__err_t *err) {
   zd__err_t end_err = {0};
-  int end = ctx->compute->ops->finish(ctx->compute, ctx->comm, buf, &end_err);
+  int end = ctx->compute->ops->finish(ctx->compute, ctx->comm, buf, slot, &end_err);
   if (rc) return rc;
   if (end) *err = end_err;
   return end;
@@ -263,7 +265,7 @@ exit:
 }
 
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
-                     const zd__buffers_t *buf, int *resumed, zd__err_t *err) {
+                     const zd__buffers_t *buf, uint32_t slot, int *resumed, zd__err_t *err) {
   /* Trainers may register minutes apart; the agreement below is a collective bounded by the
    * collective timeout. Wait for every rank through the rendezvous store first, which may take
    * as long as a world takes to form, and can be cancelled by a shutdown. */
@@ -301,7 +303,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   /* The client's initial values (or its buffers' last use) come before anything reads or writes
    * them. */
   zd__err_t begin_err = {0};
-  int rc = job_begin(ctx, buf, &begin_err);
+  int rc = job_begin(ctx, buf, slot, &begin_err);
   if (rc && !rec.code) {
     rec.code = rc;
     *err = begin_err;
@@ -309,7 +311,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   /* Every rank takes part even when it refuses, so that all fail together instead of leaving the
    * others waiting in the collective. */
   rc = agree_attach(ctx, &rec, spec->layout, err);
-  if (rc) return job_end(ctx, buf, rc, err);
+  if (rc) return job_end(ctx, buf, slot, rc, err);
 
   *resumed = same;
   if (same) {
@@ -323,7 +325,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   } else {
     zd__model_t *fresh = NULL;
     rc = model_create(ctx, spec, &fresh, err);
-    if (rc) return job_end(ctx, buf, rc, err);
+    if (rc) return job_end(ctx, buf, slot, rc, err);
     model_configure(fresh, spec, 0);
     rc = ctx->compute->ops->exchange(ctx->compute, fresh, buf, ctx->rank, 0, err);
     if (m) ZD_LOG_WARN("replacing model at step %" PRIu64 " (%u parameters)", m->step,
@@ -334,7 +336,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   /* Every client starts from the same full model: each rank's slice came from (or was written
    * into) its own client's buffer. */
   if (!rc) rc = gather_buckets(ctx, m, buf, -1, err);
-  return job_end(ctx, buf, rc, err);
+  return job_end(ctx, buf, slot, rc, err);
 }
 
 /* ---- scatter, step, gather ----------------------------------------------------------------- */
@@ -374,17 +376,17 @@ static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
 }
 
 int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
-                      int32_t bucket, zd__err_t *err) {
-  int rc = job_begin(ctx, buf, err);
+                      uint32_t slot, int32_t bucket, zd__err_t *err) {
+  int rc = job_begin(ctx, buf, slot, err);
   if (!rc) rc = scatter_buckets(ctx, m, buf, bucket, err);
-  return job_end(ctx, buf, rc, err);
+  return job_end(ctx, buf, slot, rc, err);
 }
 
 int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
-                     int32_t bucket, zd__err_t *err) {
-  int rc = job_begin(ctx, buf, err);
+                     uint32_t slot, int32_t bucket, zd__err_t *err) {
+  int rc = job_begin(ctx, buf, slot, err);
   if (!rc) rc = gather_buckets(ctx, m, buf, bucket, err);
-  return job_end(ctx, buf, rc, err);
+  return job_end(ctx, buf, slot, rc, err);
 }
 
 /* Checks the records of every rank (all) against this rank's: every rank must be about to apply
@@ -435,8 +437,8 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
 }
 
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
-                   const zd_group_t *groups, int scatter, int gather, zd__step_out_t *out,
-                   zd__err_t *err) {
+                   uint32_t slot, const zd_group_t *groups, int scatter, int gather,
+                   zd__step_out_t *out, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   uint64_t t0 = zd__now_us();
   if (!scatter)
@@ -444,9 +446,9 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
       if (!m->scattered[b])
         return zd__errf(err, ZD_EORDER, "bucket %u was not scattered since step %" PRIu64
                         "; scatter every bucket or step with scatter", b, m->step);
-  int rc = job_begin(ctx, buf, err);
+  int rc = job_begin(ctx, buf, slot, err);
   if (!rc && scatter) rc = scatter_buckets(ctx, m, buf, -1, err);
-  if (rc) return job_end(ctx, buf, rc, err);
+  if (rc) return job_end(ctx, buf, slot, rc, err);
   /* The step's hyperparameters become the model's only once every rank has agreed to them. */
   if (!groups) groups = m->groups;
 
@@ -454,7 +456,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   double sumsq = 0;
   uint64_t nonfinite = 0;
   rc = commit_point(ctx, m, groups, need_stats, &sumsq, &nonfinite, err);
-  if (rc) return job_end(ctx, buf, rc, err);
+  if (rc) return job_end(ctx, buf, slot, rc, err);
 
   /* Committed: every rank takes the same decision from the same global statistics (the same
    * function as the CUDA backend's decide kernel). */
@@ -475,7 +477,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (dec.skip) {
     m->scaler = st.scaler;
     m->steps_skipped = st.steps_skipped;
-    rc = job_end(ctx, buf, ZD_OK, err); /* skipped: parameters unchanged, nothing to gather */
+    rc = job_end(ctx, buf, slot, ZD_OK, err); /* skipped: parameters unchanged, nothing to gather */
     out->duration_us = zd__now_us() - t0;
     return rc;
   }
@@ -487,12 +489,12 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
                                    err);
   if (rc) { /* only the device fails here, and its rank is then degraded (rank.c) */
     ZD_LOG_ERROR("step %" PRIu64 ": the update could not be queued: %s", dec.step, err->msg);
-    return job_end(ctx, buf, rc, err);
+    return job_end(ctx, buf, slot, rc, err);
   }
   m->step = st.step;
   m->scaler = st.scaler;
   if (gather) rc = gather_buckets(ctx, m, buf, -1, err);
-  rc = job_end(ctx, buf, rc, err);
+  rc = job_end(ctx, buf, slot, rc, err);
   out->duration_us = zd__now_us() - t0;
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];

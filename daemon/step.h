@@ -13,7 +13,8 @@
  * step is atomic: until every rank has agreed on the statistics (the commit point), a failure
  * leaves master, moments and step counter unchanged on every rank. Each public operation below
  * is one job: it starts with the backend's begin and ends with its finish, so that when it
- * returns nothing it queued is still running (the session may then release the buffers).
+ * returns nothing it queued is still running (the session may then release the buffers); `slot`
+ * is the job's pair of the client's CUDA events (the request's event_slot; 0 with host buffers).
  */
 #ifndef ZD_DAEMON_STEP_H
 #define ZD_DAEMON_STEP_H
@@ -69,19 +70,19 @@ int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err);
  * holds the full model and *resumed says whether state was kept. ZD_ELAYOUT when a different
  * model is held and spec->replace is not set, or when ranks registered different models. */
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
-                     const zd__buffers_t *buf, int *resumed, zd__err_t *err);
+                     const zd__buffers_t *buf, uint32_t slot, int *resumed, zd__err_t *err);
 
 void zd__model_free(zd__model_t *model);
 
 /* bucket: index or -1 for all. ZD_EORDER-free: the session checked the index. */
 int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
-                      int32_t bucket, zd__err_t *err);
+                      uint32_t slot, int32_t bucket, zd__err_t *err);
 int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
-                     int32_t bucket, zd__err_t *err);
+                     uint32_t slot, int32_t bucket, zd__err_t *err);
 
 /* groups: NULL keeps the model's hyperparameters, else ngroups checked entries (copied). */
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
-                   const zd_group_t *groups, int scatter, int gather, zd__step_out_t *out,
-                   zd__err_t *err);
+                   uint32_t slot, const zd_group_t *groups, int scatter, int gather,
+                   zd__step_out_t *out, zd__err_t *err);
 
 #endif /* ZD_DAEMON_STEP_H */

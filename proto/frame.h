@@ -18,6 +18,13 @@
 /* Largest body a peer may send; the daemon's own limit (max_frame_bytes) may be lower. */
 #define ZD__FRAME_MAX_BODY (64u << 20)
 
+/* A client with CUDA buffers shares a ring of this many pairs of IPC events with zerod ("grads
+ * ready", "params ready"; CudaBuffers in zerod.proto): one pair per request it may have
+ * outstanding, named by the request's event_slot. It is therefore also libzerod's limit of
+ * outstanding requests per client (docs/protocol.md, "CUDA buffers"). At most 64: both sides keep
+ * the slots in use as bits of a uint64_t. */
+#define ZD__EVENT_SLOTS 64
+
 /* Message types: XX(constant suffix, value, name). A successful reply has the request's type with
  * ZD__FRAME_REPLY set; a failed request is answered by an ERROR frame with the same request id. */
 #define ZD__MSG_MAP(XX) \

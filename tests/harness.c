@@ -237,6 +237,11 @@ int zdt_raw_recv(int fd, zd__frame_header_t *h, uint8_t **body, int timeout_ms) 
 }
 
 const char *zdt_expect_error(int fd, uint64_t id, int code, const char *substr) {
+  return zdt_expect_error_kept(fd, id, code, substr, -2);
+}
+
+/* kept -2: not checked */
+const char *zdt_expect_error_kept(int fd, uint64_t id, int code, const char *substr, int kept) {
   static char msg[1024];
   zd__frame_header_t h;
   uint8_t *body;
@@ -251,6 +256,11 @@ const char *zdt_expect_error(int fd, uint64_t id, int code, const char *substr) 
   CHECK_MSG(e->code == code, "expected %s, got %s: %s", zd_err_name(code), zd_err_name(e->code),
             e->message);
   CHECK_CONTAINS(msg, substr);
+  if (kept != -2) {
+    int got = e->has_cuda_mappings_kept ? e->cuda_mappings_kept != 0 : -1;
+    CHECK_MSG(got == kept, "error '%s': cuda_mappings_kept is %d, expected %d (-1: absent)", msg,
+              got, kept);
+  }
   zerod__v1__error__free_unpacked(e, NULL);
   free(body);
   return msg;

@@ -43,6 +43,9 @@ int zdt_raw_recv(int fd, zd__frame_header_t *h, uint8_t **body, int timeout_ms);
 /* Reads one frame and checks that it is an error for id with code and a message containing
  * substr; returns the message (static buffer). */
 const char *zdt_expect_error(int fd, uint64_t id, int code, const char *substr);
+/* The same, and checks Error.cuda_mappings_kept: kept 0 or 1, or -1 for absent (zerod sets it
+ * on every error answering a register, and only there). */
+const char *zdt_expect_error_kept(int fd, uint64_t id, int code, const char *substr, int kept);
 /* Whether the peer closed the connection within timeout_ms. */
 int zdt_raw_closed(int fd, int timeout_ms);
 /* Says hello (protocol version 1, local rank 0) and checks the reply. */

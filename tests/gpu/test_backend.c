@@ -6,21 +6,28 @@
  *     (hello, status, a register and a step with host buffers);
  *   - backend cuda exits with status 1 and the same reason;
  *   - device buffers are refused with ZD_EBACKEND: by libzerod (zd_layout with ZD_MEMORY_CUDA,
- *     zd_cuda_device) and by the daemon (a register frame carrying forged CUDA IPC handles).
+ *     zd_cuda_device) and by the daemon (a register frame carrying forged CUDA IPC handles);
+ *   - a CUDA register of the wrong form is refused with its own error before the backend is
+ *     looked at: event handles other than one per event slot or of the wrong size, an
+ *     event_slot out of range or missing (so these checks of the real daemon run without a GPU).
  * With a usable GPU:
  *   - backend auto picks CUDA: hello and status say cuda, the device and its UUID;
  *   - host buffers are refused with ZD_EBACKEND (libzerod, and a raw register with memfds);
- *   - forged device buffers are refused with ZD_EBUFFER naming the problem: another GPU's UUID,
- *     handles of the wrong size, handles CUDA cannot open, real memory with forged events; the
- *     rank then still takes a real registration and steps;
+ *   - the same form checks; forged device buffers are refused with ZD_EBUFFER naming the
+ *     problem: another GPU's UUID, handles of the wrong size, handles CUDA cannot open, real
+ *     memory with forged events; the rank then still takes a real registration and steps;
  *   - backend cuda with more local ranks than GPUs exits with status 1 naming the missing GPU.
  * Either way, libzerod's own CUDA side against a fake zerod (a thread of this test) that says it
  * runs the CUDA backend:
  *   - without a GPU: zd_cuda_device and zd_layout(ZD_MEMORY_CUDA) fail with ZD_EBACKEND and the
  *     reason (no driver), host buffers are refused, and nothing crashes at close;
- *   - with one: a GPU this process does not see is -ENODEV / ZD_EBUFFER; device buffers whose
- *     handles zerod may still hold (a register never answered, or answered while the rank is
- *     degraded) are left allocated by zd_close, the others are freed.
+ *   - with one: a GPU this process does not see is -ENODEV / ZD_EBUFFER; the register carries
+ *     one event handle per slot and an event_slot; pipelined requests each name a slot that no
+ *     other outstanding request holds, a 65th outstanding request is refused (-EBUSY), and a slot
+ *     is reused only after zd_wait() gave it back; zd_close frees device buffers only when zerod
+ *     said it holds none of their handles (Error.cuda_mappings_kept of a refused register,
+ *     ByeReply.cuda_mappings_kept), and leaves them allocated when it said it keeps some, said
+ *     nothing, or never answered.
  */
 #include <cuda_runtime_api.h>
 #include <errno.h>
@@ -110,9 +117,10 @@ static char *slurp(const char *path) {
 }
 
 /* A raw register of the example MLP: f32 params and grads, two groups, bucket size BUCKET_ELEMS,
- * world size 1; with cuda set, the given CUDA buffers (and no descriptors), else fds. */
-static void send_register(int fd, uint64_t id, Zerod__V1__CudaBuffers *cuda, const int *fds,
-                          int nfds) {
+ * world size 1; with cuda set, the given CUDA buffers (and no descriptors), else fds; event_slot
+ * when slot >= 0. */
+static void send_register(int fd, uint64_t id, Zerod__V1__CudaBuffers *cuda, int slot,
+                          const int *fds, int nfds) {
   zd__layout_t *l = NULL;
   zd__err_t err = {0};
   CHECK_MSG(zd__layout_build(mlp_params, MLP_NPARAMS, 2, 1, BUCKET_ELEMS, &l, &err) == ZD_OK, "%s",
@@ -141,7 +149,10 @@ static void send_register(int fd, uint64_t id, Zerod__V1__CudaBuffers *cuda, con
   req.grad_dtype = ZEROD__V1__DTYPE__F32;
   req.layout_hash = l->hash;
   req.cuda = cuda;
-  uint8_t buf[8192];
+  req.has_event_slot = slot >= 0;
+  req.event_slot = slot >= 0 ? (uint32_t)slot : 0;
+  uint8_t *buf = malloc(zerod__v1__register_request__get_packed_size(&req));
+  CHECK(buf);
   size_t len = zerod__v1__register_request__pack(&req, buf);
   zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
                           .version = ZD_PROTOCOL_VERSION,
@@ -149,11 +160,16 @@ static void send_register(int fd, uint64_t id, Zerod__V1__CudaBuffers *cuda, con
                           .length = (uint32_t)len,
                           .request_id = id};
   zdt_raw_send(fd, &h, buf, fds, nfds);
+  free(buf);
   zd__layout_free(l);
 }
 
-/* CUDA buffers with every field present: uuid 16 bytes, handles 64 bytes each (zeros). */
+/* CUDA buffers with every field present: uuid 16 bytes, memory handles 64 bytes of zeros, and
+ * one event handle per slot of each kind, 64 bytes each, all different (forged: byte 0 says the
+ * kind, byte 1 the slot). */
 static uint8_t zeros[64];
+static uint8_t forged_events[2][ZD__EVENT_SLOTS][64];
+static ProtobufCBinaryData forged_ev[2][ZD__EVENT_SLOTS];
 static void forge(Zerod__V1__CudaBuffers *cb, const uint8_t uuid[16]) {
   zerod__v1__cuda_buffers__init(cb);
   cb->has_device = 1;
@@ -161,8 +177,61 @@ static void forge(Zerod__V1__CudaBuffers *cb, const uint8_t uuid[16]) {
   cb->has_device_uuid = 1;
   cb->device_uuid = (ProtobufCBinaryData){16, (uint8_t *)uuid};
   ProtobufCBinaryData h = {64, zeros};
-  cb->has_param_handle = cb->has_grad_handle = cb->has_grads_ready = cb->has_params_ready = 1;
-  cb->param_handle = cb->grad_handle = cb->grads_ready = cb->params_ready = h;
+  cb->has_param_handle = cb->has_grad_handle = 1;
+  cb->param_handle = cb->grad_handle = h;
+  for (int i = 0; i < 2; i++)
+    for (int k = 0; k < ZD__EVENT_SLOTS; k++) {
+      memset(forged_events[i][k], 0, 64);
+      forged_events[i][k][0] = (uint8_t)(i + 1);
+      forged_events[i][k][1] = (uint8_t)k;
+      forged_ev[i][k] = (ProtobufCBinaryData){64, forged_events[i][k]};
+    }
+  cb->n_grads_ready = cb->n_params_ready = ZD__EVENT_SLOTS;
+  cb->grads_ready = forged_ev[0];
+  cb->params_ready = forged_ev[1];
+}
+
+/* A CUDA register of the wrong form: refused for that, whatever the backend (zerod checks the
+ * form first), on the session fd (hello done); request ids from id. */
+static void form_checks(int fd, uint64_t id, const uint8_t uuid[16]) {
+  Zerod__V1__CudaBuffers cb;
+  forge(&cb, uuid);
+  cb.n_grads_ready = 1;
+  send_register(fd, id, &cb, 0, NULL, 0);
+  printf("  one grads_ready handle: %s\n",
+         zdt_expect_error_kept(fd, id, ZD_EBUFFER,
+                               "cuda.grads_ready carries 1 event handles; expected 64 (one per "
+                               "event slot 0..63)",
+                               0));
+  forge(&cb, uuid);
+  cb.n_params_ready = 0;
+  send_register(fd, id + 1, &cb, 0, NULL, 0);
+  printf("  no params_ready handles: %s\n",
+         zdt_expect_error_kept(fd, id + 1, ZD_EBUFFER, "cuda.params_ready carries 0 event handles",
+                               0));
+  forge(&cb, uuid);
+  forged_ev[1][5].len = 12;
+  send_register(fd, id + 2, &cb, 0, NULL, 0);
+  printf("  a short event handle: %s\n",
+         zdt_expect_error_kept(fd, id + 2, ZD_EBUFFER,
+                               "cuda.params_ready[5] is 12 bytes; expected 64", 0));
+  forge(&cb, uuid);
+  cb.n_grads_ready = 1;
+  send_register(fd, id + 3, &cb, 0, NULL, 0);
+  printf("  one grads_ready handle: %s\n",
+         zdt_expect_error_kept(fd, id + 3, ZD_EBUFFER,
+                               "cuda.grads_ready carries 1 event handles; expected 64", 0));
+  forge(&cb, uuid);
+  send_register(fd, id + 4, &cb, ZD__EVENT_SLOTS, NULL, 0);
+  printf(
+      "  event_slot 64: %s\n",
+      zdt_expect_error_kept(fd, id + 4, -EINVAL, "register: event_slot is 64; expected 0..63", 0));
+  send_register(fd, id + 5, &cb, -1, NULL, 0);
+  printf("  no event_slot: %s\n",
+         zdt_expect_error_kept(fd, id + 5, -EINVAL,
+                               "register carries no event_slot; a client with CUDA buffers "
+                               "names one in 0..63",
+                               0));
 }
 
 static int memfd(size_t bytes) {
@@ -189,15 +258,24 @@ static zd_model_desc_t mlp_desc(zd_group_t *g, zd_memory_t memory, int device) {
 
 /* ---- a fake zerod that says it runs the CUDA backend ----------------------------------------- */
 
-typedef enum { FAKE_REFUSE, FAKE_DROP } fake_register_t;
+typedef enum { FAKE_REFUSE, FAKE_DROP, FAKE_ACCEPT } fake_register_t;
+
+#define FAKE_MAX_SEEN 256
 
 typedef struct fake {
   int lfd;
   char dir[64], path[108];
   uint8_t uuid[16];    /* the rank's GPU, as hello says */
-  fake_register_t reg; /* register: refused with an error, or the connection dropped */
-  const char *health;  /* what status says of rank 0 */
+  fake_register_t reg; /* register: refused with an error, the connection dropped, or accepted */
+  int refuse_kept;     /* a refused register's Error.cuda_mappings_kept: -1 absent, 0, 1 */
+  int bye_kept;        /* ByeReply.cuda_mappings_kept: -1 absent, 0, 1 */
   pthread_t thread;
+  /* What the client sent (read after fake_stop): the register's event handles, and the
+   * event_slot of every register, scatter, step and gather in order (-1: none). */
+  size_t n_grads_ready, n_params_ready;
+  int nseen;
+  int seen_slot[FAKE_MAX_SEEN];
+  uint16_t seen_type[FAKE_MAX_SEEN];
 } fake_t;
 
 static void fake_reply(int fd, uint16_t type, uint64_t id, const ProtobufCMessage *msg) {
@@ -211,6 +289,12 @@ static void fake_reply(int fd, uint16_t type, uint64_t id, const ProtobufCMessag
   zdt_raw_send(fd, &h, buf, NULL, 0);
 }
 
+static void fake_seen(fake_t *f, uint16_t type, protobuf_c_boolean has, uint32_t slot) {
+  if (f->nseen == FAKE_MAX_SEEN) return;
+  f->seen_type[f->nseen] = type;
+  f->seen_slot[f->nseen++] = has ? (int)slot : -1;
+}
+
 static void *fake_main(void *arg) {
   fake_t *f = arg;
   for (;;) {
@@ -220,6 +304,23 @@ static void *fake_main(void *arg) {
       zd__frame_header_t h;
       uint8_t *body;
       if (zdt_raw_recv(fd, &h, &body, 10000) != 0) break;
+      if (h.type == ZD__MSG_REGISTER) {
+        Zerod__V1__RegisterRequest *r = zerod__v1__register_request__unpack(NULL, h.length, body);
+        if (r) {
+          f->n_grads_ready = r->cuda ? r->cuda->n_grads_ready : 0;
+          f->n_params_ready = r->cuda ? r->cuda->n_params_ready : 0;
+          fake_seen(f, h.type, r->has_event_slot, r->event_slot);
+          zerod__v1__register_request__free_unpacked(r, NULL);
+        }
+      } else if (h.type == ZD__MSG_SCATTER) {
+        Zerod__V1__ScatterRequest *r = zerod__v1__scatter_request__unpack(NULL, h.length, body);
+        if (r) fake_seen(f, h.type, r->has_event_slot, r->event_slot);
+        zerod__v1__scatter_request__free_unpacked(r, NULL);
+      } else if (h.type == ZD__MSG_GATHER) {
+        Zerod__V1__GatherRequest *r = zerod__v1__gather_request__unpack(NULL, h.length, body);
+        if (r) fake_seen(f, h.type, r->has_event_slot, r->event_slot);
+        zerod__v1__gather_request__free_unpacked(r, NULL);
+      }
       free(body);
       if (h.type == ZD__MSG_HELLO) {
         Zerod__V1__HelloReply r = ZEROD__V1__HELLO_REPLY__INIT;
@@ -231,28 +332,30 @@ static void *fake_main(void *arg) {
         r.has_device = r.has_device_uuid = 1;
         r.device_uuid = (ProtobufCBinaryData){16, f->uuid};
         fake_reply(fd, ZD__MSG_HELLO | ZD__FRAME_REPLY, h.request_id, &r.base);
-      } else if (h.type == ZD__MSG_STATUS) {
-        Zerod__V1__StatusEntry e = ZEROD__V1__STATUS_ENTRY__INIT, *ep = &e;
-        e.key = (char *)"health";
-        e.value = (char *)f->health;
-        Zerod__V1__StatusSection sec = ZEROD__V1__STATUS_SECTION__INIT, *sp = &sec;
-        sec.name = (char *)"rank 0";
-        sec.n_entries = 1;
-        sec.entries = &ep;
-        Zerod__V1__StatusReply r = ZEROD__V1__STATUS_REPLY__INIT;
-        r.n_sections = 1;
-        r.sections = &sp;
-        fake_reply(fd, ZD__MSG_STATUS | ZD__FRAME_REPLY, h.request_id, &r.base);
       } else if (h.type == ZD__MSG_BYE) {
         Zerod__V1__ByeReply r = ZEROD__V1__BYE_REPLY__INIT;
+        r.has_cuda_mappings_kept = f->bye_kept >= 0;
+        r.cuda_mappings_kept = f->bye_kept > 0;
         fake_reply(fd, ZD__MSG_BYE | ZD__FRAME_REPLY, h.request_id, &r.base);
         break;
       } else if (h.type == ZD__MSG_REGISTER && f->reg == FAKE_DROP) {
         break;
+      } else if (h.type == ZD__MSG_REGISTER && f->reg == FAKE_ACCEPT) {
+        Zerod__V1__RegisterReply r = ZEROD__V1__REGISTER_REPLY__INIT;
+        r.nbuckets = 1;
+        r.loss_scale = 1;
+        fake_reply(fd, ZD__MSG_REGISTER | ZD__FRAME_REPLY, h.request_id, &r.base);
+      } else if ((h.type == ZD__MSG_SCATTER || h.type == ZD__MSG_GATHER) && f->reg == FAKE_ACCEPT) {
+        Zerod__V1__ScatterReply r = ZEROD__V1__SCATTER_REPLY__INIT; /* both are empty */
+        fake_reply(fd, h.type | ZD__FRAME_REPLY, h.request_id, &r.base);
       } else {
         Zerod__V1__Error r = ZEROD__V1__ERROR__INIT;
         r.code = h.type == ZD__MSG_REGISTER ? ZD_EBUFFER : ZD_EINTERNAL;
         r.message = (char *)"fake zerod: refused";
+        if (h.type == ZD__MSG_REGISTER && f->refuse_kept >= 0) {
+          r.has_cuda_mappings_kept = 1;
+          r.cuda_mappings_kept = f->refuse_kept > 0;
+        }
         fake_reply(fd, ZD__MSG_ERROR, h.request_id, &r.base);
       }
     }
@@ -260,14 +363,16 @@ static void *fake_main(void *arg) {
   }
 }
 
-static void fake_start(fake_t *f, const uint8_t uuid[16], fake_register_t reg, const char *health) {
+static void fake_start(fake_t *f, const uint8_t uuid[16], fake_register_t reg, int refuse_kept,
+                       int bye_kept) {
   memset(f, 0, sizeof *f);
   snprintf(f->dir, sizeof f->dir, "/tmp/zerod-fake-XXXXXX");
   CHECK(mkdtemp(f->dir) != NULL);
   snprintf(f->path, sizeof f->path, "%s/zerod.sock", f->dir);
   memcpy(f->uuid, uuid, 16);
   f->reg = reg;
-  f->health = health;
+  f->refuse_kept = refuse_kept;
+  f->bye_kept = bye_kept;
   f->lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   CHECK(f->lfd >= 0);
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
@@ -290,7 +395,7 @@ static void fake_without_gpu(const char *why) {
   printf("libzerod against a fake CUDA zerod, without a GPU\n");
   uint8_t uuid[16] = {0xde, 0xad};
   fake_t f;
-  fake_start(&f, uuid, FAKE_REFUSE, "ok");
+  fake_start(&f, uuid, FAKE_REFUSE, 0, 0);
   zd_client_t *c;
   CHECK_MSG(zd_connect(f.path, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
   int dev = 7;
@@ -327,7 +432,7 @@ static void fake_with_gpu(const struct cudaDeviceProp *prop) {
   memcpy(other, prop->uuid.bytes, 16);
   other[15] ^= 0xff;
   fake_t f;
-  fake_start(&f, other, FAKE_REFUSE, "ok");
+  fake_start(&f, other, FAKE_REFUSE, 0, 0);
   zd_client_t *c;
   CHECK_MSG(zd_connect(f.path, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
   int dev = 7;
@@ -340,17 +445,29 @@ static void fake_with_gpu(const struct cudaDeviceProp *prop) {
   zd_close(c);
   fake_stop(&f);
 
-  /* The rank's GPU is device 0: the buffers are made, the register fails in three ways. */
+  /* The rank's GPU is device 0: the buffers are made; the register fails, or succeeds and the
+   * bye answers, in several ways. zd_close frees the buffers only when zerod said it holds none
+   * of their handles. */
   struct {
     fake_register_t reg;
-    const char *health;
+    int refuse_kept, bye_kept;
+    int pipeline; /* requests outstanding on every event slot */
     int kept;
     const char *what;
-  } cases[] = {{FAKE_REFUSE, "ok", 0, "register refused, rank healthy: freed"},
-               {FAKE_REFUSE, "degraded", 1, "register refused, rank degraded: left allocated"},
-               {FAKE_DROP, "ok", 1, "register never answered: left allocated"}};
+  } cases[] = {
+      {FAKE_REFUSE, 0, -1, 0, 0, "register refused, zerod says it closed the handles: freed"},
+      {FAKE_REFUSE, 1, 1, 0, 1, "register refused, zerod kept the handles: left allocated"},
+      {FAKE_REFUSE, -1, -1, 0, 1,
+       "register refused and bye answered without saying what zerod holds: left allocated"},
+      {FAKE_REFUSE, -1, 0, 0, 0,
+       "register refused without saying, then bye says nothing kept: freed"},
+      {FAKE_DROP, 0, 0, 0, 1, "register never answered: left allocated"},
+      {FAKE_ACCEPT, 0, 0, 1, 0, "registered, 66 requests, bye says nothing kept: freed"},
+      {FAKE_ACCEPT, 0, 1, 0, 1, "registered, bye says mappings kept: left allocated"},
+      {FAKE_ACCEPT, 0, -1, 0, 1, "registered, bye says nothing about mappings: left allocated"}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    fake_start(&f, (const uint8_t *)prop->uuid.bytes, cases[i].reg, cases[i].health);
+    fake_start(&f, (const uint8_t *)prop->uuid.bytes, cases[i].reg, cases[i].refuse_kept,
+               cases[i].bye_kept);
     CHECK_MSG(zd_connect(f.path, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
     CHECK_MSG(zd_cuda_device(c, &dev) == ZD_OK, "%s", zd_last_error());
     CHECK_INT_EQ(dev, 0);
@@ -359,14 +476,61 @@ static void fake_with_gpu(const struct cudaDeviceProp *prop) {
     void *p = zd_param_buffer(c, NULL), *q = zd_grad_buffer(c, NULL);
     CHECK(still_allocated(p) && still_allocated(q));
     int rc = zd_register(c);
-    CHECK_MSG(rc == (cases[i].reg == FAKE_DROP ? ZD_ECLOSED : ZD_EBUFFER),
-              "register returned %d (%s): %s", rc, zd_err_name(rc), zd_last_error());
+    int want = cases[i].reg == FAKE_DROP     ? ZD_ECLOSED
+               : cases[i].reg == FAKE_REFUSE ? ZD_EBUFFER
+                                             : ZD_OK;
+    CHECK_MSG(rc == want, "register returned %d (%s): %s", rc, zd_err_name(rc), zd_last_error());
+    int nreq = 0, reused = -1;
+    if (cases[i].pipeline) {
+      /* As many requests outstanding as there are event slots, then one more (refused); a slot
+       * freed by zd_wait is the one the next request takes. */
+      zd_request_t req[ZD__EVENT_SLOTS], extra;
+      for (int k = 0; k < ZD__EVENT_SLOTS; k++)
+        CHECK_MSG(zd_scatter_start(c, k % 2 ? ZD_ALL_BUCKETS : 0, &req[k]) == ZD_OK,
+                  "request %d: %s", k, zd_last_error());
+      CHECK_INT_EQ(zd_gather_start(c, 0, &extra), -EBUSY);
+      printf("  request %d outstanding: %s\n", ZD__EVENT_SLOTS + 1, zd_last_error());
+      CHECK_MSG(zd_wait(c, req[10], NULL) == ZD_OK, "%s", zd_last_error());
+      CHECK_MSG(zd_gather_start(c, 0, &extra) == ZD_OK, "%s", zd_last_error());
+      reused = 10;
+      for (int k = 0; k < ZD__EVENT_SLOTS; k++)
+        if (k != 10) CHECK_MSG(zd_wait(c, req[k], NULL) == ZD_OK, "%s", zd_last_error());
+      CHECK_MSG(zd_wait(c, extra, NULL) == ZD_OK, "%s", zd_last_error());
+      CHECK_MSG(zd_gather(c, 0) == ZD_OK, "%s", zd_last_error());
+      nreq = ZD__EVENT_SLOTS + 2;
+    }
     zd_close(c);
+    fake_stop(&f);
     CHECK_MSG(still_allocated(p) == cases[i].kept && still_allocated(q) == cases[i].kept,
               "%s: param buffer allocated %d, grad buffer %d", cases[i].what, still_allocated(p),
               still_allocated(q));
     printf("  %s\n", cases[i].what);
-    fake_stop(&f);
+    /* What went over the wire: a ring of 64 event pairs, and a slot with every request. */
+    CHECK_MSG(f.n_grads_ready == ZD__EVENT_SLOTS && f.n_params_ready == ZD__EVENT_SLOTS,
+              "register carried %zu + %zu event handles; expected %d + %d", f.n_grads_ready,
+              f.n_params_ready, ZD__EVENT_SLOTS, ZD__EVENT_SLOTS);
+    CHECK_INT_EQ(f.nseen, 1 + nreq);
+    for (int k = 0; k < f.nseen; k++)
+      CHECK_MSG(f.seen_slot[k] >= 0 && f.seen_slot[k] < ZD__EVENT_SLOTS,
+                "request %d (%s) carries event_slot %d; expected 0..%d", k,
+                zd__msg_name(f.seen_type[k]), f.seen_slot[k], ZD__EVENT_SLOTS - 1);
+    if (nreq) {
+      /* seen: the register (its slot free again once answered), 64 scatters outstanding
+       * together, the gather sent after req[10] was waited for, then one more gather */
+      uint64_t used = 0;
+      for (int k = 1; k <= ZD__EVENT_SLOTS; k++) {
+        CHECK_MSG(!(used & (1ull << f.seen_slot[k])),
+                  "outstanding requests share event slot %d (request %d)", f.seen_slot[k], k - 1);
+        used |= 1ull << f.seen_slot[k];
+      }
+      CHECK_MSG(f.seen_slot[1 + ZD__EVENT_SLOTS] == f.seen_slot[1 + reused],
+                "the request sent after zd_wait() freed slot %d took slot %d",
+                f.seen_slot[1 + reused], f.seen_slot[1 + ZD__EVENT_SLOTS]);
+      printf(
+          "  %d requests outstanding held %d distinct event slots; a slot is reused only after "
+          "zd_wait()\n",
+          ZD__EVENT_SLOTS, ZD__EVENT_SLOTS);
+    }
   }
 }
 
@@ -413,11 +577,15 @@ static void without_gpu(const char *why) {
   zdt_raw_hello(fd, 1);
   Zerod__V1__CudaBuffers cb;
   uint8_t uuid[16] = {1, 2, 3};
+  form_checks(fd, 10, uuid);
   forge(&cb, uuid);
-  send_register(fd, 2, &cb, NULL, 0);
+  send_register(fd, 2, &cb, 0, NULL, 0);
   const char *msg = zdt_expect_error(fd, 2, ZD_EBACKEND, "this zerod runs the CPU backend");
   CHECK_CONTAINS(msg, why);
   printf("  forged CUDA register: %s\n", msg);
+  send_register(fd, 3, &cb, 0, NULL, 0);
+  printf("  ... and says it holds none of the register's handles: %s\n",
+         zdt_expect_error_kept(fd, 3, ZD_EBACKEND, "this zerod runs the CPU backend", 0));
   close(fd);
   int st = zdt_stop(&d, SIGTERM, 0);
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
@@ -466,7 +634,7 @@ static void with_gpu(int ngpus) {
   CHECK(fd >= 0);
   zdt_raw_hello(fd, 1);
   int fds[2] = {memfd(1 << 20), memfd(1 << 20)};
-  send_register(fd, 2, NULL, fds, 2);
+  send_register(fd, 2, NULL, -1, fds, 2);
   printf("  host register: %s\n",
          zdt_expect_error(fd, 2, ZD_EBACKEND, "this zerod runs the CUDA backend"));
   close(fds[0]);
@@ -476,23 +644,19 @@ static void with_gpu(int ngpus) {
   memcpy(other, prop.uuid.bytes, 16);
   other[15] ^= 0xff;
   forge(&cb, other);
-  send_register(fd, 3, &cb, NULL, 0);
+  send_register(fd, 3, &cb, 0, NULL, 0);
   printf("  another GPU: %s\n", zdt_expect_error(fd, 3, ZD_EBUFFER, "local rank 0 runs on GPU-"));
   forge(&cb, (const uint8_t *)prop.uuid.bytes);
   cb.param_handle.len = 12;
-  send_register(fd, 4, &cb, NULL, 0);
+  send_register(fd, 4, &cb, 0, NULL, 0);
   printf("  short handle: %s\n",
          zdt_expect_error(fd, 4, ZD_EBUFFER, "cuda.param_handle is 12 bytes; expected 64"));
+  form_checks(fd, 20, (const uint8_t *)prop.uuid.bytes);
   forge(&cb, (const uint8_t *)prop.uuid.bytes);
-  cb.has_params_ready = 0;
-  send_register(fd, 5, &cb, NULL, 0);
-  printf("  no event: %s\n",
-         zdt_expect_error(fd, 5, ZD_EBUFFER, "cuda.params_ready is 0 bytes; expected 64"));
-  forge(&cb, (const uint8_t *)prop.uuid.bytes);
-  send_register(fd, 6, &cb, NULL, 0);
+  send_register(fd, 6, &cb, 0, NULL, 0);
   printf("  zero handles: %s\n", zdt_expect_error(fd, 6, ZD_EBUFFER, "param buffer: "));
   /* Real memory of this GPU, forged events: refused after the memory was opened (zerod closes
-   * it again before it answers, so the memory may be freed after the answer). */
+   * it again before it answers, and says so, so the memory may be freed after the answer). */
   void *pm, *gm;
   CHECK(cudaSetDevice(0) == cudaSuccess);
   CHECK(cudaMalloc(&pm, 2u << 20) == cudaSuccess);
@@ -503,8 +667,9 @@ static void with_gpu(int ngpus) {
   forge(&cb, (const uint8_t *)prop.uuid.bytes);
   cb.param_handle = (ProtobufCBinaryData){sizeof ph, (uint8_t *)&ph};
   cb.grad_handle = (ProtobufCBinaryData){sizeof gh, (uint8_t *)&gh};
-  send_register(fd, 7, &cb, NULL, 0);
-  printf("  forged events: %s\n", zdt_expect_error(fd, 7, ZD_EBUFFER, "grads_ready event: "));
+  send_register(fd, 7, &cb, 0, NULL, 0);
+  printf("  forged events (zerod closed the memory it opened: cuda_mappings_kept false): %s\n",
+         zdt_expect_error_kept(fd, 7, ZD_EBUFFER, "grads_ready[0] event: ", 0));
   close(fd);
   CHECK(cudaFree(pm) == cudaSuccess);
   CHECK(cudaFree(gm) == cudaSuccess);

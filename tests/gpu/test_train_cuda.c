@@ -13,9 +13,12 @@
  * 2. Pipelined requests (per-bucket scatters, a step without scatter and gather, per-bucket
  *    gathers, waited for in reverse order) on three streams: each bucket's gradients are uploaded
  *    on another stream, behind host callbacks of 100 and 300 ms on some steps, and the client
- *    switches streams between requests while they are in flight. zerod waits on the one "grads
- *    ready" event when it starts a request, after the later requests' records: the library must
- *    keep each record a superset of the earlier ones across stream switches.
+ *    switches streams between requests while they are in flight: each request's own "grads
+ *    ready" slot must cover its own stream's work. On other steps zerod is held 200 ms by the
+ *    first scatter while the client sends the rest, the step and the gathers behind a host
+ *    callback on their stream that waits for the reply of an earlier scatter: zerod's wait for
+ *    that scatter must cover its own request's record only (the ring of event pairs), or it
+ *    deadlocks until the callback gives up (10 s) and the test fails.
  * 3. Clipping and loss scaling (the statistics, the step record all-gathered by NCCL, the host
  *    decision), in lockstep against a zerod running its CPU backend on the same gradients: every
  *    step's result (applied, grad_norm, loss_scale, clip_coef, bit for bit) and every parameter
@@ -38,6 +41,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -380,6 +384,19 @@ static void train_vs_reference(const char *socket, zd_dtype_t pdt, zd_dtype_t gd
 
 /* ---- 2. pipelined requests on several streams ------------------------------------------------ */
 
+/* A host function that holds its stream until the host opens it (at most 10 s, then it gives up
+ * and says so). */
+typedef struct gate {
+  atomic_int open;
+  atomic_int timed_out;
+} gate_t;
+
+static void gate_cb(void *arg) {
+  gate_t *g = arg;
+  for (int i = 0; i < 10000 && !atomic_load(&g->open); i++) sleep_ms(1);
+  if (!atomic_load(&g->open)) atomic_store(&g->timed_out, 1);
+}
+
 static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) {
   printf("pipelined: %s params, %s grads, per-bucket scatters and gathers on 3 streams\n",
          zd_dtype_name(pdt), zd_dtype_name(gdt));
@@ -393,28 +410,50 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
   zd_get_info(t.c, &info);
   uint32_t nb = info.nbuckets;
   CHECK_MSG(nb >= 2 && nb <= 16, "%u buckets", nb);
+  static gate_t gate; /* read by a host callback later: not on the stack */
+  int ngated = 0;
   for (int step = 0; step < PIPE_STEPS; step++) {
     make_grads(&t, step, 1.0, 0);
-    /* On slow steps: the last bucket on s2 behind 100 ms, then (20 ms later, when zerod has begun
+    /* Slow steps: the last bucket on s2 behind 100 ms, then (20 ms later, when zerod has begun
      * that scatter) bucket 0 on s1 behind 300 ms, the others on s0; the step and the gathers on
-     * s2. zerod starts bucket 0's scatter and the step after the last request's record on s2: if
-     * that record did not cover s1's work, the step would read bucket 0's old gradients. */
-    int slow = step % 4 == 1;
-    static int d_last = 100, d_first = 300; /* read by host callbacks later: not on the stack */
+     * s2. Each scatter must wait for its own stream's upload, whatever stream the requests after
+     * it use, or the step reads a bucket's old gradients.
+     * Gated steps (the ring of event pairs): the last bucket on s1 behind 200 ms, the others on
+     * s0 without delay, then on s2 a host callback that holds s2 until the host has the reply of
+     * bucket 0's scatter, and the step and the gathers on s2 behind it. zerod begins bucket 0's
+     * scatter 200 ms late, when the step's and the gathers' records exist: its wait must be on
+     * its own request's record only. A wait on a later record (one event for every request)
+     * waits for the gate, which waits for that scatter's reply: a deadlock, broken only by the
+     * gate's 10 s timeout. */
+    int slow = step % 4 == 1, gated = step % 4 == 3;
+    static int d_last = 100, d_first = 300, d_gated = 200; /* read by host callbacks later */
     zd_request_t req[64];
-    int nreq = 0;
+    int nreq = 0, bucket0_req = -1;
     for (uint32_t k = 0; k < nb; k++) {
       uint32_t b = k == 0 ? nb - 1 : k - 1; /* the last bucket first, then 0, 1, ... */
-      cudaStream_t s = b == nb - 1 ? s2 : b == 0 ? s1 : s0;
-      int *delay = !slow ? NULL : b == nb - 1 ? &d_last : b == 0 ? &d_first : NULL;
+      cudaStream_t s;
+      int *delay = NULL;
+      if (gated) {
+        s = b == nb - 1 ? s1 : s0;
+        delay = b == nb - 1 ? &d_gated : NULL;
+      } else {
+        s = b == nb - 1 ? s2 : b == 0 ? s1 : s0;
+        delay = !slow ? NULL : b == nb - 1 ? &d_last : b == 0 ? &d_first : NULL;
+      }
       zd_bucket_info_t bi;
       CHECK_INT_EQ(zd_bucket_info(t.c, b, &bi), ZD_OK);
       push_range(&t, s, delay, bi.offset, bi.elems);
       if (dev_memory == ZD_MEMORY_CUDA)
         CHECK_MSG(zd_set_stream(t.c, s) == ZD_OK, "zd_set_stream: %s", zd_last_error());
+      if (b == 0) bucket0_req = nreq;
       CHECK_MSG(zd_scatter_start(t.c, (int)b, &req[nreq++]) == ZD_OK, "step %d: scatter %u: %s",
                 step, b, zd_last_error());
       if (k == 0 && slow) sleep_ms(20);
+    }
+    if (gated) {
+      atomic_store(&gate.open, 0);
+      atomic_store(&gate.timed_out, 0);
+      if (dev_memory == ZD_MEMORY_CUDA) CUDA_OK(cudaLaunchHostFunc(s2, gate_cb, &gate));
     }
     if (dev_memory == ZD_MEMORY_CUDA)
       CHECK_MSG(zd_set_stream(t.c, s2) == ZD_OK, "zd_set_stream: %s", zd_last_error());
@@ -428,7 +467,15 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
     for (int b = (int)nb - 1; b >= 0; b--)
       CHECK_MSG(zd_gather_start(t.c, b, &req[nreq++]) == ZD_OK, "step %d: gather %d: %s", step, b,
                 zd_last_error());
+    int waited = -1;
+    if (gated) { /* bucket 0's scatter first: its reply opens the gate */
+      CHECK_MSG(zd_wait(t.c, req[bucket0_req], NULL) == ZD_OK, "step %d: scatter 0: %s", step,
+                zd_last_error());
+      atomic_store(&gate.open, 1);
+      waited = bucket0_req;
+    }
     for (int i = nreq - 1; i >= 0; i--) { /* the reverse order of the requests */
+      if (i == waited) continue;
       zd_step_result_t res;
       int rc = zd_wait(t.c, req[i], &res);
       CHECK_MSG(rc == ZD_OK, "step %d: request %d of %d: %s", step, i, nreq, zd_last_error());
@@ -436,6 +483,14 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
         CHECK_U64_EQ(res.step, (uint64_t)step + 1);
         CHECK_INT_EQ(res.applied, 1);
       }
+    }
+    if (gated) {
+      CHECK_MSG(!atomic_load(&gate.timed_out),
+                "step %d: the gate on s2 (before the step and the gathers) was not opened within "
+                "10 s: zerod's scatter of bucket 0 waited for work queued after that request, "
+                "behind the gate (the requests do not have event slots of their own)",
+                step);
+      ngated++;
     }
     ref_step(&ref, &t, groups, step);
     t.stream = s2; /* the stream of the replies */
@@ -446,8 +501,8 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
       CUDA_OK(cudaStreamSynchronize(s1));
     }
   }
-  printf("  %d steps, %u buckets, every parameter bitwise equal to the reference\n", PIPE_STEPS,
-         nb);
+  printf("  %d steps (%d gated), %u buckets, every parameter bitwise equal to the reference\n",
+         PIPE_STEPS, ngated, nb);
   check_status(t.c, PIPE_STEPS);
   detach(&t);
   free_stream(s0);
@@ -630,15 +685,18 @@ static void raw_register(const char *socket, int device, uint64_t n, void *p, vo
   int rank_device = 0; /* zerod's rank 0: device 0 in this process too (same environment) */
   CUDA_OK(cudaGetDeviceProperties(&prop, rank_device));
   cudaIpcMemHandle_t ph, gh;
-  cudaIpcEventHandle_t e1h, e2h;
-  cudaEvent_t e1, e2;
+  /* the ring of event pairs, one per event slot: [0..63] grads ready, [64..127] params ready */
+  static cudaIpcEventHandle_t eh[2 * ZD__EVENT_SLOTS];
+  static cudaEvent_t ev[2 * ZD__EVENT_SLOTS];
+  static ProtobufCBinaryData ehd[2 * ZD__EVENT_SLOTS];
   CUDA_OK(cudaSetDevice(device));
   CUDA_OK(cudaIpcGetMemHandle(&ph, p));
   CUDA_OK(cudaIpcGetMemHandle(&gh, g));
-  CUDA_OK(cudaEventCreateWithFlags(&e1, cudaEventDisableTiming | cudaEventInterprocess));
-  CUDA_OK(cudaEventCreateWithFlags(&e2, cudaEventDisableTiming | cudaEventInterprocess));
-  CUDA_OK(cudaIpcGetEventHandle(&e1h, e1));
-  CUDA_OK(cudaIpcGetEventHandle(&e2h, e2));
+  for (int k = 0; k < 2 * ZD__EVENT_SLOTS; k++) {
+    CUDA_OK(cudaEventCreateWithFlags(&ev[k], cudaEventDisableTiming | cudaEventInterprocess));
+    CUDA_OK(cudaIpcGetEventHandle(&eh[k], ev[k]));
+    ehd[k] = (ProtobufCBinaryData){sizeof eh[k], (uint8_t *)&eh[k]};
+  }
   CUDA_OK(cudaSetDevice(0));
 
   zd_param_t param = {.name = "w", .ndim = 1, .shape = {n}, .group = 0};
@@ -656,13 +714,13 @@ static void raw_register(const char *socket, int device, uint64_t n, void *p, vo
   grp.eps = 1e-8;
   Zerod__V1__CudaBuffers cb = ZEROD__V1__CUDA_BUFFERS__INIT;
   cb.has_device = cb.has_device_uuid = cb.has_param_handle = cb.has_grad_handle = 1;
-  cb.has_grads_ready = cb.has_params_ready = 1;
   cb.device = rank_device;
   cb.device_uuid = (ProtobufCBinaryData){16, (uint8_t *)prop.uuid.bytes};
   cb.param_handle = (ProtobufCBinaryData){sizeof ph, (uint8_t *)&ph};
   cb.grad_handle = (ProtobufCBinaryData){sizeof gh, (uint8_t *)&gh};
-  cb.grads_ready = (ProtobufCBinaryData){sizeof e1h, (uint8_t *)&e1h};
-  cb.params_ready = (ProtobufCBinaryData){sizeof e2h, (uint8_t *)&e2h};
+  cb.n_grads_ready = cb.n_params_ready = ZD__EVENT_SLOTS;
+  cb.grads_ready = ehd;
+  cb.params_ready = ehd + ZD__EVENT_SLOTS;
   Zerod__V1__RegisterRequest req = ZEROD__V1__REGISTER_REQUEST__INIT;
   req.n_params = 1;
   req.params = &wpp;
@@ -674,7 +732,10 @@ static void raw_register(const char *socket, int device, uint64_t n, void *p, vo
   req.has_replace = 1;
   req.replace = 1;
   req.cuda = &cb;
-  uint8_t buf[4096];
+  req.has_event_slot = 1;
+  req.event_slot = 0;
+  static uint8_t buf[32768];
+  CHECK(zerod__v1__register_request__get_packed_size(&req) <= sizeof buf);
   size_t len = zerod__v1__register_request__pack(&req, buf);
   int fd = zdt_raw_connect(socket);
   CHECK(fd >= 0);
@@ -683,8 +744,7 @@ static void raw_register(const char *socket, int device, uint64_t n, void *p, vo
   printf("  %s\n", zdt_expect_error(fd, 2, expect, substr));
   close(fd);
   zd__layout_free(l);
-  CUDA_OK(cudaEventDestroy(e1));
-  CUDA_OK(cudaEventDestroy(e2));
+  for (int k = 0; k < 2 * ZD__EVENT_SLOTS; k++) CUDA_OK(cudaEventDestroy(ev[k]));
 }
 
 static void bad_buffers(const char *socket, int ngpus) {

@@ -122,8 +122,8 @@ static void expect_register_error(reg_t *r, int code, const char *substr, const 
 
 static void test_version(void) {
   int fd = zdt_raw_connect(daemon_.socket);
-  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC, .version = 9, .type = ZD__MSG_HELLO,
-                          .request_id = 3};
+  zd__frame_header_t h = {
+      .magic = ZD__FRAME_MAGIC, .version = 9, .type = ZD__MSG_HELLO, .request_id = 3};
   zdt_raw_send(fd, &h, NULL, NULL, 0);
   printf("  frame version 9 -> %s\n",
          zdt_expect_error(fd, 3, ZD_EVERSION, "protocol version 9; this zerod speaks version 1"));
@@ -135,7 +135,8 @@ static void test_version(void) {
   size_t len = zerod__v1__hello_request__pack(&req, buf);
   zdt_raw_request(fd, ZD__MSG_HELLO, 4, buf, (uint32_t)len);
   printf("  hello versions 2..3 -> %s\n",
-         zdt_expect_error(fd, 4, ZD_EVERSION, "client speaks protocol versions 2..3; this zerod "
+         zdt_expect_error(fd, 4, ZD_EVERSION,
+                          "client speaks protocol versions 2..3; this zerod "
                           "speaks 1"));
   zdt_raw_hello(fd, 5);
   close(fd);
@@ -145,12 +146,16 @@ static void test_version(void) {
 static void test_truncated(void) {
   int fd = zdt_raw_connect(daemon_.socket);
   uint8_t buf[ZD__FRAME_HEADER_SIZE + 10] = {0};
-  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC, .version = 1, .type = ZD__MSG_HELLO,
-                          .length = 100, .request_id = 11};
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
+                          .version = 1,
+                          .type = ZD__MSG_HELLO,
+                          .length = 100,
+                          .request_id = 11};
   zd__frame_encode(&h, buf);
   CHECK_INT_EQ(send(fd, buf, sizeof buf, MSG_NOSIGNAL), (long long)sizeof buf);
   printf("  truncated frame -> %s\n",
-         zdt_expect_error(fd, 11, ZD_EPROTO, "truncated frame: received 34 of 124 bytes within "
+         zdt_expect_error(fd, 11, ZD_EPROTO,
+                          "truncated frame: received 34 of 124 bytes within "
                           "500 ms"));
   CHECK(zdt_raw_closed(fd, 2000));
   close(fd);
@@ -160,12 +165,16 @@ static void test_truncated(void) {
 static void test_oversized(void) {
   int fd = zdt_raw_connect(daemon_.socket);
   uint8_t buf[ZD__FRAME_HEADER_SIZE];
-  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC, .version = 1, .type = ZD__MSG_REGISTER,
-                          .length = 10u << 20, .request_id = 12};
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
+                          .version = 1,
+                          .type = ZD__MSG_REGISTER,
+                          .length = 10u << 20,
+                          .request_id = 12};
   zd__frame_encode(&h, buf);
   CHECK_INT_EQ(send(fd, buf, sizeof buf, MSG_NOSIGNAL), (long long)sizeof buf);
   printf("  oversized frame -> %s\n",
-         zdt_expect_error(fd, 12, ZD_ETOOBIG, "frame body is 10485760 bytes; max_frame_bytes is "
+         zdt_expect_error(fd, 12, ZD_ETOOBIG,
+                          "frame body is 10485760 bytes; max_frame_bytes is "
                           "65536"));
   CHECK(zdt_raw_closed(fd, 2000));
   close(fd);
@@ -190,7 +199,8 @@ static void test_garbage(void) {
   int fd = zdt_raw_connect(daemon_.socket);
   const char junk[] = "GET / HTTP/1.1\r\nHost: zerod\r\n\r\n";
   CHECK_INT_EQ(send(fd, junk, sizeof junk - 1, MSG_NOSIGNAL), (long long)sizeof junk - 1);
-  printf("  garbage -> %s\n", zdt_expect_error(fd, 0, ZD_EPROTO, "garbage frame: magic is "
+  printf("  garbage -> %s\n", zdt_expect_error(fd, 0, ZD_EPROTO,
+                                               "garbage frame: magic is "
                                                "0x20544547, expected 0x3144525a"));
   CHECK(zdt_raw_closed(fd, 2000));
   close(fd);
@@ -208,7 +218,8 @@ static void test_garbage(void) {
 static void test_unknown_type(void) {
   int fd = connect_hello();
   zdt_raw_request(fd, 99, 31, NULL, 0);
-  printf("  type 99 -> %s\n", zdt_expect_error(fd, 31, ZD_ETYPE, "unknown message type 99; "
+  printf("  type 99 -> %s\n", zdt_expect_error(fd, 31, ZD_ETYPE,
+                                               "unknown message type 99; "
                                                "expected one of hello (1)"));
   zdt_raw_request(fd, ZD__MSG_STATUS, 32, NULL, 0); /* the session goes on */
   zd__frame_header_t h;
@@ -274,8 +285,10 @@ static void test_register_fields(void) {
                         "unknown grad dtype");
   reg_init(&r, 1);
   r.params[2].group = 5;
-  expect_register_error(&r, ZD_EGROUP, "parameter 2 'fc2.weight' is in group 5; expected a group "
-                        "below 2", "unknown parameter group");
+  expect_register_error(&r, ZD_EGROUP,
+                        "parameter 2 'fc2.weight' is in group 5; expected a group "
+                        "below 2",
+                        "unknown parameter group");
   reg_init(&r, 1);
   r.groups[1].lr = NAN;
   expect_register_error(&r, ZD_EHPARAM, "group 1: lr is nan; expected a finite value >= 0",
@@ -325,6 +338,172 @@ static void test_step_fields(void) {
   bystander_step("bad step hyperparameters");
 }
 
+/* Event slots and IPC mappings (docs/protocol.md, "CUDA buffers"), on this CPU zerod: a client
+ * with host buffers names no event slot; a CUDA register's event handles and slot are checked
+ * for form before the backend is looked at, so any zerod refuses a malformed one with its own
+ * error; every error answering a register says zerod holds none of its handles
+ * (cuda_mappings_kept false), other errors leave the field out; and bye says whether zerod kept
+ * any mapping of the connection. */
+static uint8_t ev_bytes[2][ZD__EVENT_SLOTS][64];
+static ProtobufCBinaryData ev_handles[2][ZD__EVENT_SLOTS];
+
+static void cuda_buffers(Zerod__V1__CudaBuffers *cb) {
+  static uint8_t uuid[16] = {7}, mem[64];
+  zerod__v1__cuda_buffers__init(cb);
+  cb->has_device_uuid = cb->has_param_handle = cb->has_grad_handle = 1;
+  cb->device_uuid = (ProtobufCBinaryData){16, uuid};
+  cb->param_handle = cb->grad_handle = (ProtobufCBinaryData){64, mem};
+  for (int i = 0; i < 2; i++)
+    for (int k = 0; k < ZD__EVENT_SLOTS; k++) {
+      ev_bytes[i][k][0] = (uint8_t)(i + 1); /* all different */
+      ev_bytes[i][k][1] = (uint8_t)k;
+      ev_handles[i][k] = (ProtobufCBinaryData){64, ev_bytes[i][k]};
+    }
+  cb->n_grads_ready = cb->n_params_ready = ZD__EVENT_SLOTS;
+  cb->grads_ready = ev_handles[0];
+  cb->params_ready = ev_handles[1];
+}
+
+static void send_raw_register(int fd, uint64_t id, reg_t *r) {
+  uint8_t *buf = malloc(zerod__v1__register_request__get_packed_size(&r->req));
+  CHECK(buf);
+  size_t len = zerod__v1__register_request__pack(&r->req, buf);
+  zdt_raw_request(fd, ZD__MSG_REGISTER, id, buf, (uint32_t)len);
+  free(buf);
+}
+
+static void send_bucket_request(int fd, uint16_t type, uint64_t id, int slot) {
+  uint8_t buf[64];
+  size_t len;
+  if (type == ZD__MSG_STEP) {
+    Zerod__V1__StepRequest req = ZEROD__V1__STEP_REQUEST__INIT;
+    req.has_event_slot = slot >= 0;
+    req.event_slot = slot >= 0 ? (uint32_t)slot : 0;
+    len = zerod__v1__step_request__pack(&req, buf);
+  } else if (type == ZD__MSG_SCATTER) {
+    Zerod__V1__ScatterRequest req = ZEROD__V1__SCATTER_REQUEST__INIT;
+    req.has_event_slot = slot >= 0;
+    req.event_slot = slot >= 0 ? (uint32_t)slot : 0;
+    len = zerod__v1__scatter_request__pack(&req, buf);
+  } else {
+    Zerod__V1__GatherRequest req = ZEROD__V1__GATHER_REQUEST__INIT;
+    req.has_event_slot = slot >= 0;
+    req.event_slot = slot >= 0 ? (uint32_t)slot : 0;
+    len = zerod__v1__gather_request__pack(&req, buf);
+  }
+  zdt_raw_request(fd, type, id, buf, (uint32_t)len);
+}
+
+static void expect_reply(int fd, uint16_t type, uint64_t id) {
+  zd__frame_header_t h;
+  uint8_t *body;
+  CHECK_MSG(zdt_raw_recv(fd, &h, &body, 5000) == 0, "no reply to %s %llu", zd__msg_name(type),
+            (unsigned long long)id);
+  CHECK_MSG(h.type == (type | ZD__FRAME_REPLY), "%s %llu answered by %s (0x%x)", zd__msg_name(type),
+            (unsigned long long)id, zd__msg_name(h.type), h.type);
+  CHECK_U64_EQ(h.request_id, id);
+  if (type == ZD__MSG_BYE) {
+    Zerod__V1__ByeReply *rep = zerod__v1__bye_reply__unpack(NULL, h.length, body);
+    CHECK(rep);
+    CHECK_MSG(rep->has_cuda_mappings_kept && !rep->cuda_mappings_kept,
+              "bye of a host client: cuda_mappings_kept has %d value %d; expected false",
+              rep->has_cuda_mappings_kept, rep->cuda_mappings_kept);
+    zerod__v1__bye_reply__free_unpacked(rep, NULL);
+  }
+  free(body);
+}
+
+static void test_event_slots(void) {
+  reg_t r;
+  reg_init(&r, 1);
+  r.req.has_event_slot = 1;
+  r.req.event_slot = 3;
+  size_t bytes = r.total_elems * 4;
+  int fd = send_register(&r, bytes, bytes, 1);
+  printf("  host register with an event slot -> %s\n",
+         zdt_expect_error_kept(fd, 7, -EINVAL,
+                               "register carries event_slot 3, but this client's buffers are host "
+                               "memory: event slots are for CUDA buffers",
+                               0));
+  close(fd);
+  /* CUDA registers of the wrong form, to a CPU zerod: the form is checked first */
+  Zerod__V1__CudaBuffers cb;
+  fd = connect_hello();
+  reg_init(&r, 1);
+  cuda_buffers(&cb);
+  cb.n_grads_ready = 63;
+  r.req.cuda = &cb;
+  r.req.has_event_slot = 1;
+  r.req.event_slot = 0;
+  send_raw_register(fd, 8, &r);
+  printf("  63 grads_ready handles -> %s\n",
+         zdt_expect_error_kept(fd, 8, ZD_EBUFFER,
+                               "cuda.grads_ready carries 63 event handles; expected 64", 0));
+  cuda_buffers(&cb);
+  cb.grads_ready[40].len = 63;
+  send_raw_register(fd, 9, &r);
+  printf(
+      "  a short event handle -> %s\n",
+      zdt_expect_error_kept(fd, 9, ZD_EBUFFER, "cuda.grads_ready[40] is 63 bytes; expected 64", 0));
+  cuda_buffers(&cb);
+  r.req.event_slot = 64;
+  send_raw_register(fd, 10, &r);
+  printf("  event_slot 64 -> %s\n",
+         zdt_expect_error_kept(fd, 10, -EINVAL, "register: event_slot is 64; expected 0..63", 0));
+  r.req.event_slot = 63;
+  send_raw_register(fd, 11, &r);
+  printf("  well-formed CUDA register -> %s\n",
+         zdt_expect_error_kept(fd, 11, ZD_EBACKEND, "this zerod runs the CPU backend", 0));
+  uint8_t *big = calloc(1, 100); /* not a register: no cuda_mappings_kept */
+  zdt_raw_request(fd, ZD__MSG_SCATTER, 12, big, 100);
+  zdt_expect_error_kept(fd, 12, ZD_ETOOBIG, "scatter body is 100 bytes", -1);
+  free(big);
+  close(fd);
+  bystander_step("event slots of registers");
+
+  /* A registered client with host buffers, on a zerod of its own (the bystander holds rank 0
+   * here): its scatter, step and gather name no event slot. */
+  zdt_daemon_t d;
+  zdt_start(&d, NULL);
+  fd = zdt_raw_connect(d.socket);
+  CHECK(fd >= 0);
+  zdt_raw_hello(fd, 1);
+  reg_init(&r, 1);
+  uint8_t *buf = malloc(zerod__v1__register_request__get_packed_size(&r.req));
+  size_t len = zerod__v1__register_request__pack(&r.req, buf);
+  int fds[2] = {make_memfd(bytes, 1), make_memfd(bytes, 1)};
+  zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
+                          .version = ZD_PROTOCOL_VERSION,
+                          .type = ZD__MSG_REGISTER,
+                          .length = (uint32_t)len,
+                          .request_id = 2};
+  zdt_raw_send(fd, &h, buf, fds, 2);
+  close(fds[0]);
+  close(fds[1]);
+  free(buf);
+  expect_reply(fd, ZD__MSG_REGISTER, 2);
+  send_bucket_request(fd, ZD__MSG_SCATTER, 3, 5);
+  printf("  host client's scatter with an event slot -> %s\n",
+         zdt_expect_error_kept(fd, 3, -EINVAL,
+                               "scatter carries event_slot 5, but this client's buffers are host "
+                               "memory",
+                               -1));
+  send_bucket_request(fd, ZD__MSG_STEP, 4, 0);
+  zdt_expect_error_kept(fd, 4, -EINVAL, "step carries event_slot 0, but", -1);
+  send_bucket_request(fd, ZD__MSG_GATHER, 5, 63);
+  zdt_expect_error_kept(fd, 5, -EINVAL, "gather carries event_slot 63, but", -1);
+  send_bucket_request(fd, ZD__MSG_SCATTER, 6, -1);
+  expect_reply(fd, ZD__MSG_SCATTER, 6);
+  send_bucket_request(fd, ZD__MSG_STEP, 7, -1);
+  expect_reply(fd, ZD__MSG_STEP, 7);
+  zdt_raw_request(fd, ZD__MSG_BYE, 8, NULL, 0);
+  expect_reply(fd, ZD__MSG_BYE, 8); /* cuda_mappings_kept: false */
+  close(fd);
+  printf("  then scatter and step without one, and bye says no mappings kept\n");
+  int st = zdt_stop(&d, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
+}
+
 static long rss_kb(pid_t pid) {
   char path[64], line[256];
   snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
@@ -346,8 +525,8 @@ static void test_unread_replies(void) {
   uint8_t frame[ZD__FRAME_HEADER_SIZE];
   uint64_t sent = 0;
   for (int i = 0; i < 200000; i++) {
-    zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC, .version = 1, .type = ZD__MSG_STATUS,
-                            .request_id = 1000 + sent};
+    zd__frame_header_t h = {
+        .magic = ZD__FRAME_MAGIC, .version = 1, .type = ZD__MSG_STATUS, .request_id = 1000 + sent};
     zd__frame_encode(&h, frame);
     ssize_t n = send(fd, frame, sizeof frame, MSG_NOSIGNAL);
     if (n < 0) { /* the socket is full: give zerod time to read, unless it stopped reading */
@@ -390,7 +569,8 @@ static void test_denied(void) {
   char want[128];
   snprintf(want, sizeof want, "uid %d gid %d", (int)geteuid(), (int)getegid());
   CHECK_CONTAINS(zd_last_error(), want);
-  CHECK_CONTAINS(zd_last_error(), "is not allowed to use zerod; allowed uids: 4242; allowed gids: "
+  CHECK_CONTAINS(zd_last_error(),
+                 "is not allowed to use zerod; allowed uids: 4242; allowed gids: "
                  "4243");
   printf("  uid not allowed -> %s: %s\n", zd_err_name(rc), zd_last_error());
   CHECK(zdt_log_contains(&d, "is not allowed to use zerod"));
@@ -423,8 +603,12 @@ int main(void) {
   int rc = zd_connect(daemon_.socket, ZD_ANY_RANK, 0, &bystander);
   CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
   zd_group_t groups[2] = {zd_group_default(), zd_group_default()};
-  zd_model_desc_t desc = {.params = mlp_params, .nparams = MLP_NPARAMS, .groups = groups,
-                          .ngroups = 2, .param_dtype = ZD_F32, .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = {.params = mlp_params,
+                          .nparams = MLP_NPARAMS,
+                          .groups = groups,
+                          .ngroups = 2,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32};
   CHECK_INT_EQ(zd_layout(bystander, &desc), ZD_OK);
   CHECK_INT_EQ(zd_register(bystander), ZD_OK);
 
@@ -437,6 +621,7 @@ int main(void) {
   test_buffers();
   test_register_fields();
   test_step_fields();
+  test_event_slots();
   test_unread_replies();
   test_denied();
 

@@ -199,9 +199,9 @@ ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms
  *                       shared memory, or with desc->memory ZD_MEMORY_CUDA device memory
  *                       (cudaMalloc on desc->device, never a stream-ordered pool, which CUDA IPC
  *                       cannot export; sizes rounded up to 2 MiB so that no other allocation
- *                       shares their IPC-exported block) and the two IPC events; the zeroing is
- *                       complete when it returns, so the initial values may be written on any
- *                       stream;
+ *                       shares their IPC-exported block) and 64 pairs of IPC events
+ *                       (zd_set_stream()); the zeroing is complete when it returns, so the
+ *                       initial values may be written on any stream;
  *   zd_register(c)      sends them to zerod, which takes the buffer's contents as the initial
  *                       weights of a new model, or overwrites them with its master weights when it
  *                       already holds this model (reattach: same layout hash; info.resumed = 1).
@@ -209,7 +209,9 @@ ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms
  * same layout, and the param buffer then holds the full model.
  * With device buffers, initial values written by kernels or copies on the client's stream
  * (zd_set_stream()) before zd_register() are seen by zerod; the param buffer's contents after
- * zd_register() are ordered before the stream's later work.
+ * zd_register() are ordered before the stream's later work. A register that fails makes no
+ * stream wait: zerod's work on the buffers is over when it closed their handles, and when it
+ * keeps them (zd_close()) that work may never end.
  * Errors: ZD_EDTYPE, ZD_EGROUP, ZD_EHPARAM, -EINVAL (bad description), ZD_ELAYOUT (zerod holds a
  * different model on this rank; pass ZD_REGISTER_REPLACE to discard it, or ranks disagree),
  * ZD_EBUFFER (also: device buffers on another GPU than the rank's), ZD_EBACKEND (device buffers
@@ -239,24 +241,33 @@ ZD_EXPORT int zd_bucket_info(const zd_client_t *client, size_t index, zd_bucket_
 ZD_EXPORT int zd_get_info(const zd_client_t *client, zd_info_t *out);
 
 /* Device buffers only: the CUDA stream (a cudaStream_t of the buffers' GPU) on which the trainer
- * writes gradients and reads parameters. Before each register, scatter, step or gather request the
- * library records an IPC event ("grads ready") on it, on which zerod's stream waits before it
- * touches the buffers; when the request's reply has arrived, it makes the stream wait on the
- * event zerod recorded after the request's work ("params ready"). Work queued on the stream
- * before a request is thus seen by zerod, and work queued after the reply sees zerod's results,
- * with no host synchronisation. NULL (the default) is the legacy default stream of the buffers'
- * GPU. Set it before the requests it should order; it may change between requests (the stream
- * of a request's reply is the one current when zd_wait() returns it): the first request on a new
- * stream makes that stream wait for the previous stream's work up to its last request, so that
- * requests still in flight keep seeing it. zd_layout() resets it to NULL.
+ * writes gradients and reads parameters; NULL (the default) is the legacy default stream of the
+ * buffers' GPU. zd_layout() resets it to NULL. It may change between any two calls; each call
+ * uses the stream current at that call.
  *
- * With several requests in flight there is one "grads ready" event for all of them, and zerod
- * waits on it when it starts a request's work, on the latest record: a request may then wait
- * for work queued after it, up to a later request (never for less than its own). It follows
- * that (1) per-bucket scatters overlap the trainer's later work only where zerod starts them
- * before the next request is sent, and (2) work queued before a request must never wait for the
- * reply of an earlier request still in flight (a host callback or an event the host records
- * after zd_wait()): zerod could wait for it while running that earlier request, a deadlock.
+ * The library shares a ring of 64 pairs of IPC events with zerod, one pair per request that may
+ * be outstanding. Each register, scatter, step or gather request takes a free pair ("slot") and:
+ *   - when it is sent, records the slot's "grads ready" on the current stream; zerod's stream
+ *     waits on exactly that record before the request's work. So zerod sees the work queued on
+ *     the current stream before the request, and does not wait for anything queued after it
+ *     (whichever stream later requests use): per-bucket scatters sent from backward overlap the
+ *     backward of the buckets that follow. Work on other streams is not covered: order it before
+ *     the request on the current stream yourself (an event between your streams). zerod runs a
+ *     client's requests in the order they were sent, on one stream of its own, so a request's
+ *     work also comes after every earlier request's work, and after what those requests covered;
+ *   - when its reply is processed (zd_wait(); zd_step(), zd_scatter(), zd_gather() and a
+ *     successful zd_register() do it themselves), makes the current stream wait on the slot's
+ *     "params ready", which zerod recorded after the request's work: work queued on that stream
+ *     afterwards sees the results of that request and, zerod's stream being in order, of every
+ *     earlier one. Other streams are not ordered: wait with the stream that reads the results
+ *     current (zd_set_stream() before zd_wait()), or order your streams yourself. The slot is
+ *     then free for another request.
+ * Nothing is synchronised on the host. Since zerod's wait for a request covers only that
+ * request's own record, work queued before a request may wait for the host (a host callback, a
+ * stream wait on an event the host records) until the host has the reply of an earlier request:
+ * zerod runs that earlier request without waiting for it. It must not wait for the reply of the
+ * request itself or of a later one (zerod runs them in order): that is a deadlock, which zerod
+ * breaks only at its collective timeout by failing the request and degrading the rank.
  * Requests cannot be sent while the stream is being captured into a CUDA graph (-EINVAL from
  * the request). Errors: -EINVAL (no client; the stream is on another GPU than the buffers),
  * ZD_EORDER (no device buffers: call zd_layout() with ZD_MEMORY_CUDA first), ZD_EBACKEND (CUDA
@@ -286,29 +297,36 @@ ZD_EXPORT int zd_scatter(zd_client_t *client, int bucket);
 ZD_EXPORT int zd_gather(zd_client_t *client, int bucket);
 
 /* Pipelined forms: send the request and return at once with a handle for zd_wait(). Requests
- * run in the order they were sent. At most 64 may be outstanding per client. */
+ * run in the order they were sent. At most 64 may be outstanding per client (-EBUSY beyond: a
+ * request is outstanding until zd_wait() returned it); with device buffers each holds one of the
+ * 64 event pairs until then (zd_set_stream()). */
 ZD_EXPORT int zd_scatter_start(zd_client_t *client, int bucket, zd_request_t *req);
 ZD_EXPORT int zd_gather_start(zd_client_t *client, int bucket, zd_request_t *req);
 ZD_EXPORT int zd_step_start(zd_client_t *client, const zd_step_opts_t *opts, zd_request_t *req);
 
 /* Waits for a request sent with a *_start function; result is filled for a step request and may
  * be NULL. Returns the request's own status. Each request is waited for once. With device buffers
- * it then makes the stream given to zd_set_stream() wait on "params ready", also after a failed
- * request (zerod records it after whatever work of the request ran); after ZD_EDEGRADED,
- * ZD_EPEER or -ETIMEDOUT that wait may not end if zerod's stream is stuck. */
+ * it then makes the current stream (zd_set_stream()) wait on the request's "params ready" event,
+ * also after a failed request (zerod records it after whatever work of the request ran; a request
+ * refused before any work leaves the event at its previous record, already waited for), and
+ * frees the request's event pair. After ZD_EDEGRADED, ZD_EPEER or -ETIMEDOUT that wait may not
+ * end if zerod's stream is stuck. */
 ZD_EXPORT int zd_wait(zd_client_t *client, zd_request_t req, zd_step_result_t *result);
 
 /* The daemon's status as text: "# Section" lines followed by "key:value" lines (units in the key
  * names). *text is allocated; release it with free(). */
 ZD_EXPORT int zd_status(zd_client_t *client, char **text);
 
-/* Says bye and closes the connection; zerod keeps the rank's state for a later client. Unmaps (or,
- * device buffers, frees) the buffers: zerod closed its handles before answering the bye. Work on
- * the trainer's stream that still uses device buffers must be complete. Device buffers and events
- * that zerod may still have open are not freed but left allocated until the process exits (CUDA
- * leaves freeing them under an importer undefined): when no bye was answered (connection lost,
- * zerod shutting down, a register never answered), or when zerod reports the rank degraded
- * (it then keeps its mappings, work may still be queued on them). Accepts NULL. */
+/* Says bye and closes the connection; zerod keeps the rank's state for a later client. Requests
+ * still outstanding are answered first (without any stream wait). Unmaps host buffers. Device
+ * buffers and their events are freed only when zerod said it holds none of their IPC handles:
+ * its answer to the bye says whether it closed every handle of the connection (it does, unless
+ * its stream may still have work on them: a rank whose work could not drain after a failure),
+ * and its refusal of a register says whether it closed that register's handles. Otherwise they
+ * are left allocated until the process exits (CUDA leaves freeing them under an importer
+ * undefined): when zerod said it keeps them, or did not answer (connection lost, zerod shutting
+ * down, a register never answered). Work on the trainer's streams that still uses device buffers
+ * must be complete. Accepts NULL. */
 ZD_EXPORT void zd_close(zd_client_t *client);
 
 /* Message of the last failing call on this thread ("" if none). Valid until the next call. */
