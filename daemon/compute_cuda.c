@@ -356,9 +356,10 @@ int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd_
                "GPU %d: cudaStreamCreate", device);
   ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming),
                "GPU %d: cudaEventCreate", device);
-  /* Nothing is queued yet: load the kernels this file launches now, not at their first launch
-   * behind a wait for the client (exchange_cuda.h). */
+  /* Nothing is queued yet: load every kernel the rank launches now, not at its first launch
+   * behind a wait for the client or a peer (exchange_cuda.h, adam_cuda.h). */
   if ((rc = zd__cuda_exchange_preload(err))) goto fail;
+  if ((rc = zd__cuda_kernels_preload(err))) goto fail;
   *out = &c->base;
   return ZD_OK;
 fail:

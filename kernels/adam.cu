@@ -12,7 +12,10 @@
  * four of the sixteen lanes and reading one 16-byte (or 8-byte) vector per 16 elements, lanes
  * added in increasing element order, then the lanes' binary tree through warp shuffles. A
  * second, single-block kernel adds the block sums in increasing order (the chain is inherently
- * serial: one double add per 2048 gradients, fed through shared memory by the other warps).
+ * serial: one double add per 2048 gradients, fed through shared memory by the other warps, the
+ * next sums loaded while the current ones are added). Its latency is a cost of the specified
+ * order: at a few cycles per add it is of the order of the statistics pass itself for 16-bit
+ * grads (unmeasured; bench_adam_cuda's stats columns include it).
  *
  * Arithmetic: see adam.cuh (explicit _rn intrinsics, FMA exactly where adam.h has it). Doubles in
  * the statistics use __dmul_rn/__dadd_rn so that `lane += x * x` is never fused either.
@@ -63,12 +66,14 @@ static int cuda_errf(zd__err_t *err, cudaError_t e, const char *what) {
     }                                \
   } while (0)
 
+/* NULL and cudaStreamLegacy both name the legacy default stream. cudaStreamPerThread is a
+ * stream of the calling thread's own and is accepted. */
 static int check_stream(cudaStream_t stream, const char *who, zd__err_t *err) {
-  if (stream) return ZD_OK;
+  if (stream && stream != cudaStreamLegacy) return ZD_OK;
   return errf(err, -EINVAL,
-              "%s: stream is the legacy default stream (NULL), which serialises with "
+              "%s: stream is the legacy default stream (%s), which serialises with "
               "every other stream; pass a stream of your own (cudaStreamNonBlocking)",
-              who);
+              who, stream ? "cudaStreamLegacy" : "NULL");
 }
 
 /* ---- availability -------------------------------------------------------------------------- */
@@ -175,6 +180,7 @@ int zd__cuda_device_check(int device, zd__err_t *err) {
 #define STATS_BLOCKS_PER_SM 8
 #define FIN_THREADS         256
 #define FIN_CHUNK           2048
+#define FIN_UNROLL          8 /* block sums in flight ahead of the serial chain */
 
 typedef struct tile {
   uint64_t start; /* offset in the range */
@@ -350,6 +356,11 @@ uint64_t zd__cuda_layout_stats_blocks(const zd__cuda_layout_t *l) {
 }
 uint32_t zd__cuda_layout_groups(const zd__cuda_layout_t *l) {
   return l->ngroups;
+}
+void zd__cuda_layout_grids(const zd__cuda_layout_t *l, unsigned *adam_blocks,
+                           uint64_t *stats_per_pass) {
+  if (adam_blocks) *adam_blocks = l->adam_grid;
+  if (stats_per_pass) *stats_per_pass = (uint64_t)l->stats_grid * STATS_PER_BLOCK;
 }
 const double *zd__cuda_layout_block_sums(const zd__cuda_layout_t *l) {
   return l->d_sums;
@@ -655,9 +666,10 @@ __global__ void __launch_bounds__(STATS_THREADS)
 #pragma unroll
             for (int c = 0; c < 4; c++) stats_add(acc[c], bad, x[u][c]);
         }
-      } else {
+      } else if (slo < bhi) {
         /* Segment edges inside the block: walk the segments along with the elements (each
-         * thread's elements increase, so the walk only moves forward). */
+         * thread's elements increase, so the walk only moves forward). A block that no segment
+         * reaches (padding only) reads nothing and sums to 0. */
         for (uint64_t pos = blo + 4 * t; pos < bhi; pos += 16) {
           float x[4];
           load_grad4<GDT>(grad, pos, bhi, vec, x);
@@ -730,10 +742,29 @@ __global__ void __launch_bounds__(FIN_THREADS) stats_finalize(const fin_kargs_t 
     }
     if (threadIdx.x == 0) {
       const double *b = buf[c & 1];
-      const uint64_t len =
-          a.nblocks - c * FIN_CHUNK < FIN_CHUNK ? a.nblocks - c * FIN_CHUNK : FIN_CHUNK;
-#pragma unroll 8
-      for (uint64_t j = 0; j < len; j++) s = __dadd_rn(s, b[j]);
+      const uint32_t len =
+          (uint32_t)(a.nblocks - c * FIN_CHUNK < FIN_CHUNK ? a.nblocks - c * FIN_CHUNK : FIN_CHUNK);
+      /* The chain is latency-bound: the next eight sums are loaded before the current eight are
+       * added, so that it waits on the adder, not on shared memory. The order is unchanged. */
+      uint32_t j = 0;
+      if (len >= FIN_UNROLL) {
+        double cur[FIN_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FIN_UNROLL; u++) cur[u] = b[u];
+        for (; j + 2 * FIN_UNROLL <= len; j += FIN_UNROLL) {
+          double nxt[FIN_UNROLL];
+#pragma unroll
+          for (int u = 0; u < FIN_UNROLL; u++) nxt[u] = b[j + FIN_UNROLL + u];
+#pragma unroll
+          for (int u = 0; u < FIN_UNROLL; u++) s = __dadd_rn(s, cur[u]);
+#pragma unroll
+          for (int u = 0; u < FIN_UNROLL; u++) cur[u] = nxt[u];
+        }
+#pragma unroll
+        for (int u = 0; u < FIN_UNROLL; u++) s = __dadd_rn(s, cur[u]);
+        j += FIN_UNROLL;
+      }
+      for (; j < len; j++) s = __dadd_rn(s, b[j]);
     }
     __syncthreads();
   }
@@ -847,4 +878,37 @@ int zd__cuda_decide(const zd__cuda_stats_t *d_all, uint32_t nranks, uint32_t sel
   decide_kernel<<<1, 32, 0, stream>>>(d_all, nranks, self, *cfg, d_state, d_out);
   LAUNCH_CHECK(err, "CUDA decide: kernel launch");
   return ZD_OK;
+}
+
+/* ---- loading ------------------------------------------------------------------------------- */
+
+/* cudaFuncGetAttributes loads a kernel's module. With lazy loading (the default since CUDA 12.2)
+ * a kernel is otherwise loaded at its first launch, which takes the context's lock and waits for
+ * the device's queued work: behind a wait for a client's event or a peer's collective, the first
+ * step could stall (and the loop thread's IPC calls on that GPU with it). */
+template <typename F>
+static cudaError_t load(F *fn) {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, fn);
+}
+
+template <int GDT>
+static cudaError_t load_adam() {
+  cudaError_t e = load(adam_kernel<GDT, ZD_F32>);
+  if (e == cudaSuccess) e = load(adam_kernel<GDT, ZD_BF16>);
+  if (e == cudaSuccess) e = load(adam_kernel<GDT, 0>);
+  if (e == cudaSuccess) e = load(stats_kernel<GDT>);
+  return e;
+}
+
+int zd__cuda_kernels_preload(zd__err_t *err) {
+  cudaError_t e = load_adam<ZD_F32>();
+  if (e == cudaSuccess) e = load_adam<ZD_BF16>();
+  if (e == cudaSuccess) e = load_adam<ZD_F16>();
+  if (e == cudaSuccess) e = load(groups_kernel);
+  if (e == cudaSuccess) e = load(stats_finalize);
+  if (e == cudaSuccess) e = load(decide_kernel);
+  if (e == cudaSuccess) return ZD_OK;
+  (void)cudaGetLastError();
+  return cuda_errf(err, e, "loading the optimizer kernels (cudaFuncGetAttributes)");
 }

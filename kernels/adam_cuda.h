@@ -60,6 +60,11 @@ int zd__cuda_available(char *why, size_t len);
 /* ZD_OK if `device` can run the kernels, else ZD_EBACKEND with the reason in *err. */
 int zd__cuda_device_check(int device, zd__err_t *err);
 
+/* Loads every kernel of this file on the current device now (cudaFuncGetAttributes), rather than
+ * at its first launch: a lazy load waits for the device's queued work, which in zerod may be a
+ * wait for a client's event or a peer. Call while nothing is queued (a rank's start). */
+int zd__cuda_kernels_preload(zd__err_t *err);
+
 /* ---- layouts --------------------------------------------------------------------------------- */
 
 /* Tiles of at most this many elements, cut at multiples of it and at segment boundaries, are
@@ -89,6 +94,12 @@ uint64_t zd__cuda_layout_elems(const zd__cuda_layout_t *l);
 uint64_t zd__cuda_layout_tiles(const zd__cuda_layout_t *l);
 uint64_t zd__cuda_layout_stats_blocks(const zd__cuda_layout_t *l);
 uint32_t zd__cuda_layout_groups(const zd__cuda_layout_t *l);
+
+/* How the kernels cover the layout, for tests that must make blocks stride (and diagnostics):
+ * the update kernel's grid (blocks; each takes tiles blockIdx.x, + grid, ...) and the number of
+ * statistics blocks one pass of the statistics kernel's grid covers. */
+void zd__cuda_layout_grids(const zd__cuda_layout_t *l, unsigned *adam_blocks,
+                           uint64_t *stats_per_pass);
 
 /* The per-block sums (zd__cuda_layout_stats_blocks doubles, device memory) the last
  * zd__cuda_grad_stats call on this layout left: block k is zd__grad_stats_ref's sums[k]. For
