@@ -1229,7 +1229,8 @@ static void test_huge(void) {
 
 int main(void) {
   gpu_or_skip("test_adam_cuda");
-  zd__err_t perr = {0};
+  zd__err_t perr;
+  memset(&perr, 0, sizeof perr);
   if (zd__cuda_kernels_preload(&perr) != ZD_OK) {
     fprintf(stderr, "FAIL: zd__cuda_kernels_preload: %s\n", perr.msg);
     return 1;
