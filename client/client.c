@@ -82,17 +82,17 @@ struct zd_client {
 
   /* Device buffers (ZD_MEMORY_CUDA) */
   zd_memory_t memory;
-  int device;                  /* this process's ordinal of the buffers' GPU */
-  void *stream;                /* zd_set_stream(): cudaStream_t; NULL: the legacy default stream */
-  int exported;                /* the handles went to zerod, which may have them open: the buffers
-                                  and events must then outlive the process's use of them */
-  int kept;                    /* zerod said it keeps (or may keep) handles of these buffers open:
-                                  only a bye saying otherwise lets them be freed */
-  uint64_t slots_busy;         /* bit k: event slot k belongs to an outstanding request */
-  uint32_t next_slot;          /* where the search for a free slot starts (round robin) */
+  int device;          /* this process's ordinal of the buffers' GPU */
+  void *stream;        /* zd_set_stream(): cudaStream_t; NULL: the legacy default stream */
+  int exported;        /* the handles went to zerod, which may have them open: the buffers
+                          and events must then outlive the process's use of them */
+  int kept;            /* zerod said it keeps (or may keep) handles of these buffers open:
+                          only a bye saying otherwise lets them be freed */
+  uint64_t slots_busy; /* bit k: event slot k belongs to an outstanding request */
+  uint32_t next_slot;  /* where the search for a free slot starts (round robin) */
   void *grads_ready[ZD__EVENT_SLOTS];  /* cudaEvent_t, recorded here, waited on by zerod */
   void *params_ready[ZD__EVENT_SLOTS]; /* cudaEvent_t, recorded by zerod, waited on here */
-  uint8_t uuid[16];            /* of the buffers' GPU */
+  uint8_t uuid[16];                    /* of the buffers' GPU */
   uint8_t param_handle[64], grad_handle[64];
   uint8_t grads_ready_handle[ZD__EVENT_SLOTS][64], params_ready_handle[ZD__EVENT_SLOTS][64];
   /* From hello, with zerod's CUDA backend: its ordinal and the UUID of the rank's GPU. */
@@ -103,9 +103,13 @@ struct zd_client {
 
 static __thread char last_error[ZD__ERR_MSG_MAX];
 
-const char *zd_last_error(void) { return last_error; }
+const char *zd_last_error(void) {
+  return last_error;
+}
 
-const char *zd_version(void) { return ZD_VERSION_STRING; }
+const char *zd_version(void) {
+  return ZD_VERSION_STRING;
+}
 
 static int fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int fail(int code, const char *fmt, ...) {
@@ -401,8 +405,10 @@ int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_clien
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path);
   if (connect(c->fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
-    rc = fail(-errno, "cannot connect to zerod at %s: %s (is zerod running, and is this the "
-              "socket it listens on?)", path, strerror(errno));
+    rc = fail(-errno,
+              "cannot connect to zerod at %s: %s (is zerod running, and is this the "
+              "socket it listens on?)",
+              path, strerror(errno));
     goto fail;
   }
   Zerod__V1__HelloRequest req = ZEROD__V1__HELLO_REQUEST__INIT;
@@ -474,10 +480,9 @@ static int create_buffer(const char *name, size_t bytes, int *fd, void **addr) {
 
 #ifdef ZD_HAVE_CUDA
 static void uuid_str(const uint8_t u[16], char *buf, size_t len) {
-  snprintf(buf, len,
-           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
-           u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14],
-           u[15]);
+  snprintf(buf, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+           u[14], u[15]);
 }
 
 /* A failed CUDA call: ZD_EBACKEND (-ENOMEM when out of device memory) with what and CUDA's word. */
@@ -502,13 +507,17 @@ static int cuda_devices(int *count) {
   (void)cudaDriverGetVersion(&drv);
   (void)cudaGetLastError();
   if (e == cudaErrorInsufficientDriver && drv == 0)
-    return fail(ZD_EBACKEND, "device buffers need CUDA, but no NVIDIA driver is loaded in this "
-                "process's machine (cudaGetDeviceCount: %s)", cudaGetErrorString(e));
+    return fail(ZD_EBACKEND,
+                "device buffers need CUDA, but no NVIDIA driver is loaded in this "
+                "process's machine (cudaGetDeviceCount: %s)",
+                cudaGetErrorString(e));
   if (e == cudaErrorInsufficientDriver)
-    return fail(ZD_EBACKEND, "device buffers need CUDA, but the NVIDIA driver supports CUDA %d.%d "
+    return fail(ZD_EBACKEND,
+                "device buffers need CUDA, but the NVIDIA driver supports CUDA %d.%d "
                 "and libzerod's CUDA runtime is %d.%d: it needs a driver of CUDA %d or newer "
-                "(cudaGetDeviceCount: %s)", drv / 1000, drv % 1000 / 10, CUDART_VERSION / 1000,
-                CUDART_VERSION % 1000 / 10, CUDART_VERSION / 1000, cudaGetErrorString(e));
+                "(cudaGetDeviceCount: %s)",
+                drv / 1000, drv % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10,
+                CUDART_VERSION / 1000, cudaGetErrorString(e));
   if (e == cudaSuccess || e == cudaErrorNoDevice)
     return fail(ZD_EBACKEND, "device buffers need CUDA, but no CUDA device is visible");
   return cuda_fail(e, "device buffers need CUDA, which cannot start: cudaGetDeviceCount");
@@ -558,7 +567,8 @@ static int enter_device(int device, device_scope_t *s) {
   s->restore = 0;
   pthread_once(&ctx_once, find_ctx_fns);
   if (!ctx_get || !ctx_set)
-    return fail(ZD_EBACKEND, "the CUDA driver does not provide cuCtxGetCurrent/cuCtxSetCurrent "
+    return fail(ZD_EBACKEND,
+                "the CUDA driver does not provide cuCtxGetCurrent/cuCtxSetCurrent "
                 "(cudaGetDriverEntryPointByVersion)");
   CUresult r = ctx_get(&s->prev);
   if (r != CUDA_SUCCESS) return fail(ZD_EBACKEND, "cuCtxGetCurrent: CUresult %d", (int)r);
@@ -624,9 +634,10 @@ static int create_cuda_buffers(zd_client_t *c, int device) {
     char mine[48], theirs[48];
     uuid_str(uuid, mine, sizeof mine);
     uuid_str(c->rank_uuid, theirs, sizeof theirs);
-    return fail(ZD_EBUFFER, "CUDA device %d (%s) is not the GPU of local rank %u, %s (zerod's "
-                "device %d); put the buffers there (zd_cuda_device())", device, mine,
-                c->info.local_rank, theirs, c->rank_device);
+    return fail(ZD_EBUFFER,
+                "CUDA device %d (%s) is not the GPU of local rank %u, %s (zerod's "
+                "device %d); put the buffers there (zd_cuda_device())",
+                device, mine, c->info.local_rank, theirs, c->rank_device);
   }
   device_scope_t ds;
   if ((rc = enter_device(device, &ds))) return rc;
@@ -732,7 +743,8 @@ static int cuda_before_request(zd_client_t *c, int *slot) {
     goto exit;
   }
   if (capture != cudaStreamCaptureStatusNone) {
-    rc = fail(-EINVAL, "the client's CUDA stream is being captured into a graph: zerod's "
+    rc = fail(-EINVAL,
+              "the client's CUDA stream is being captured into a graph: zerod's "
               "requests cannot be captured (send them outside the capture)");
     goto exit;
   }
@@ -777,12 +789,16 @@ static int check_stream(const zd_client_t *c, void *stream) {
   leave_device(&ds);
   if (e != cudaSuccess) return cuda_fail(e, "zd_set_stream: cudaStreamGetDevice of the stream");
   if (dev != c->device)
-    return fail(-EINVAL, "zd_set_stream: the stream is on CUDA device %d; the buffers are on "
-                "device %d", dev, c->device);
+    return fail(-EINVAL,
+                "zd_set_stream: the stream is on CUDA device %d; the buffers are on "
+                "device %d",
+                dev, c->device);
   return ZD_OK;
 }
 #else
-static void release_cuda(zd_client_t *c) { (void)c; }
+static void release_cuda(zd_client_t *c) {
+  (void)c;
+}
 static int cuda_before_request(zd_client_t *c, int *slot) {
   (void)c;
   *slot = -1;
@@ -801,7 +817,8 @@ static int check_stream(const zd_client_t *c, void *stream) {
 int zd_set_stream(zd_client_t *c, void *stream) {
   if (!c) return fail(-EINVAL, "zd_set_stream: client is NULL");
   if (c->memory != ZD_MEMORY_CUDA)
-    return fail(ZD_EORDER, "zd_set_stream: the client has no device buffers (zd_layout with "
+    return fail(ZD_EORDER,
+                "zd_set_stream: the client has no device buffers (zd_layout with "
                 "ZD_MEMORY_CUDA first)");
   if (stream == c->stream) return ZD_OK;
   int rc = stream ? check_stream(c, stream) : ZD_OK;
@@ -813,8 +830,8 @@ int zd_set_stream(zd_client_t *c, void *stream) {
 int zd_cuda_device(const zd_client_t *c, int *device) {
   if (!c || !device) return fail(-EINVAL, "zd_cuda_device: client and device are required");
   if (!c->has_rank_gpu)
-    return fail(ZD_EBACKEND, "zerod runs the %s backend: local rank %u has no GPU",
-                c->info.backend, c->info.local_rank);
+    return fail(ZD_EBACKEND, "zerod runs the %s backend: local rank %u has no GPU", c->info.backend,
+                c->info.local_rank);
 #ifdef ZD_HAVE_CUDA
   int count, rc = cuda_devices(&count);
   if (rc) return rc;
@@ -828,9 +845,10 @@ int zd_cuda_device(const zd_client_t *c, int *device) {
   }
   char theirs[48];
   uuid_str(c->rank_uuid, theirs, sizeof theirs);
-  return fail(-ENODEV, "local rank %u runs on %s (zerod's device %d), which this process does not "
-              "see among its %d CUDA devices (CUDA_VISIBLE_DEVICES?)", c->info.local_rank, theirs,
-              c->rank_device, count);
+  return fail(-ENODEV,
+              "local rank %u runs on %s (zerod's device %d), which this process does not "
+              "see among its %d CUDA devices (CUDA_VISIBLE_DEVICES?)",
+              c->info.local_rank, theirs, c->rank_device, count);
 #else
   return fail(ZD_EBACKEND, "this libzerod was built without CUDA");
 #endif
@@ -869,15 +887,19 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
   if (desc->nparams > UINT32_MAX || desc->ngroups > UINT32_MAX)
     return fail(-EINVAL, "too many parameters or groups");
   if (desc->memory != ZD_MEMORY_HOST && desc->memory != ZD_MEMORY_CUDA)
-    return fail(-EINVAL, "zd_model_desc_t.memory is %d; expected ZD_MEMORY_HOST (0) or "
-                "ZD_MEMORY_CUDA (1)", (int)desc->memory);
+    return fail(-EINVAL,
+                "zd_model_desc_t.memory is %d; expected ZD_MEMORY_HOST (0) or "
+                "ZD_MEMORY_CUDA (1)",
+                (int)desc->memory);
   int cuda = desc->memory == ZD_MEMORY_CUDA;
   if (cuda != (strcmp(c->info.backend, "cuda") == 0))
-    return fail(ZD_EBACKEND, cuda ? "zerod runs its %s backend, which takes host buffers only: "
-                "device buffers (ZD_MEMORY_CUDA) need a zerod with backend cuda"
-                                  : "zerod runs its %s backend, which takes CUDA device buffers "
-                "only: set zd_model_desc_t.memory = ZD_MEMORY_CUDA (the device: zd_cuda_device())",
-                c->info.backend);
+    return fail(
+        ZD_EBACKEND,
+        cuda ? "zerod runs its %s backend, which takes host buffers only: "
+               "device buffers (ZD_MEMORY_CUDA) need a zerod with backend cuda"
+             : "zerod runs its %s backend, which takes CUDA device buffers "
+               "only: set zd_model_desc_t.memory = ZD_MEMORY_CUDA (the device: zd_cuda_device())",
+        c->info.backend);
 #ifndef ZD_HAVE_CUDA
   if (cuda) return fail(ZD_EBACKEND, "this libzerod was built without CUDA: no device buffers");
 #endif
@@ -909,8 +931,8 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
     }
   } else
 #endif
-  if ((rc = create_buffer("zerod-params", c->param_bytes, &c->param_fd, &c->params)) ||
-      (rc = create_buffer("zerod-grads", c->grad_bytes, &c->grad_fd, &c->grads))) {
+      if ((rc = create_buffer("zerod-params", c->param_bytes, &c->param_fd, &c->params)) ||
+          (rc = create_buffer("zerod-grads", c->grad_bytes, &c->grad_fd, &c->grads))) {
     release_buffers(c);
     return rc;
   }
@@ -920,7 +942,9 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
   return ZD_OK;
 }
 
-static Zerod__V1__DType wire_dtype(zd_dtype_t d) { return (Zerod__V1__DType)d; }
+static Zerod__V1__DType wire_dtype(zd_dtype_t d) {
+  return (Zerod__V1__DType)d;
+}
 
 static void group_to_wire(Zerod__V1__Group *w, const zd_group_t *g) {
   zerod__v1__group__init(w);

@@ -11,6 +11,8 @@ static inline uint64_t zd__now_us(void) {
   return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
 
-static inline uint64_t zd__now_ms(void) { return zd__now_us() / 1000u; }
+static inline uint64_t zd__now_ms(void) {
+  return zd__now_us() / 1000u;
+}
 
 #endif /* ZD_DAEMON_CLOCK_H */

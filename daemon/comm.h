@@ -91,9 +91,9 @@ int zd__comm_gloo_create(const struct zd__gloo_opts *opts, zd__comm_t **out, zd_
 /* An NCCL communicator (comm_nccl.c) on `device` (the calling thread's current device) whose
  * operations run on `stream` (a cudaStream_t, the rank's). id: the ncclUniqueId (128 bytes) every
  * rank of the world got from rank 0; NULL with world_size 1 (a one-rank communicator, no peers).
- * Initialisation is non-blocking and polled: bounded by connect_timeout_ms and cancelled (-ECANCELED)
- * when *stop becomes non-zero. Every later wait is bounded by collective_timeout_ms. Errors:
- * -ETIMEDOUT, -ECANCELED, ZD_EPEER (NCCL failed: the message says why), ZD_EBACKEND. */
+ * Initialisation is non-blocking and polled: bounded by connect_timeout_ms and cancelled
+ * (-ECANCELED) when *stop becomes non-zero. Every later wait is bounded by collective_timeout_ms.
+ * Errors: -ETIMEDOUT, -ECANCELED, ZD_EPEER (NCCL failed: the message says why), ZD_EBACKEND. */
 int zd__comm_nccl_create(const void *id, uint32_t rank, uint32_t world_size, int device,
                          void *stream, int connect_timeout_ms, int collective_timeout_ms,
                          const atomic_int *stop, zd__comm_t **out, zd__err_t *err);

@@ -29,7 +29,9 @@ static int local_allgather_bytes(zd__comm_t *comm, const void *send, size_t byte
   return ZD_OK;
 }
 
-static void local_destroy(zd__comm_t *comm) { free(comm); }
+static void local_destroy(zd__comm_t *comm) {
+  free(comm);
+}
 
 static const zd__comm_ops_t local_ops = {
     .reduce_scatter = local_reduce_scatter,

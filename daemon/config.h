@@ -15,7 +15,7 @@
 
 #include "error.h"
 
-#define ZD__MAX_IDS 32
+#define ZD__MAX_IDS             32
 #define ZD__CONFIG_MAX_SETTINGS 32 /* rows the table in config.c may have */
 
 typedef struct zd__idlist {
@@ -25,8 +25,8 @@ typedef struct zd__idlist {
 
 typedef struct zd__config {
   /* local protocol */
-  char *socket_path;        /* socket; "" resolved to the default path at load */
-  uint32_t socket_mode;     /* socket_mode, octal */
+  char *socket_path;         /* socket; "" resolved to the default path at load */
+  uint32_t socket_mode;      /* socket_mode, octal */
   zd__idlist_t allowed_uids; /* allowed_uids; default: the daemon's uid and 0 */
   zd__idlist_t allowed_gids; /* allowed_gids; default: none */
   uint32_t max_clients;
@@ -34,23 +34,23 @@ typedef struct zd__config {
   uint32_t frame_timeout_ms; /* a frame started must be complete within this */
   uint32_t max_inflight;     /* pipelined requests per client */
   /* compute */
-  char *backend;             /* auto | cpu | cuda */
-  uint32_t threads;          /* kernel threads; 0: one per CPU */
-  char *kernel_isa;          /* auto | avx512 | avx2 | scalar */
+  char *backend;    /* auto | cpu | cuda */
+  uint32_t threads; /* kernel threads; 0: one per CPU */
+  char *kernel_isa; /* auto | avx512 | avx2 | scalar */
   /* world */
-  uint32_t local_ranks;      /* R */
-  uint32_t world_size;       /* W; 0: local_ranks (a single-node world) */
-  uint32_t first_rank;       /* global rank of local rank 0 */
-  uint64_t bucket_elems;     /* 0: max(40M, 1M * W) */
-  char *control_address;     /* gRPC control service listen address */
-  char *rendezvous_address;  /* rank 0's control service; "": control_address */
+  uint32_t local_ranks;     /* R */
+  uint32_t world_size;      /* W; 0: local_ranks (a single-node world) */
+  uint32_t first_rank;      /* global rank of local rank 0 */
+  uint64_t bucket_elems;    /* 0: max(40M, 1M * W) */
+  char *control_address;    /* gRPC control service listen address */
+  char *rendezvous_address; /* rank 0's control service; "": control_address */
   uint32_t collective_timeout_ms;
   uint32_t connect_timeout_ms; /* peers must join the world within this at start */
   char *collective_host;       /* Gloo's listen/connect address of this node */
   /* operations */
   uint32_t shutdown_timeout_ms; /* then abort collectives still running */
-  char *log_level;           /* error | warn | info | debug */
-  char *config_file;         /* --config / ZEROD_CONFIG */
+  char *log_level;              /* error | warn | info | debug */
+  char *config_file;            /* --config / ZEROD_CONFIG */
   /* Where each setting came from, indexed like the table in config.c; read it through
    * zd__config_visit(). Kept in the instance so two loads (tests, reload) do not share it. */
   unsigned char source[ZD__CONFIG_MAX_SETTINGS];

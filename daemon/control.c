@@ -54,7 +54,7 @@
 #define MAX_STORE_BYTES   (64u << 20) /* keys and values together */
 #define MAX_WAIT_KEYS     65536
 #define MAX_WAITERS       4096 /* KvWait calls held at once */
-#define SHUTDOWN_GRACE_MS 500 /* calls still running this long after shutdown are cancelled */
+#define SHUTDOWN_GRACE_MS 500  /* calls still running this long after shutdown are cancelled */
 
 /* ---- types --------------------------------------------------------------------------------- */
 
@@ -690,8 +690,10 @@ static int handle_kv_set(zd__control_t *c, call_t *k, ProtobufCMessage **req, zd
    * value again is a retry. */
   const kv_t *old = kv_find(c, r->key);
   if (old && (old->len != r->value.len || memcmp(old->value, r->value.data, old->len) != 0))
-    return zd__errf(err, -EEXIST, "KvSet: '%s' is already set to another value; rendezvous keys "
-                    "are written once (restart the whole world to rejoin it)", r->key);
+    return zd__errf(err, -EEXIST,
+                    "KvSet: '%s' is already set to another value; rendezvous keys "
+                    "are written once (restart the whole world to rejoin it)",
+                    r->key);
   if (!old && (rc = kv_put(c, r->key, r->value.data, r->value.len, err))) return rc;
   ZD_LOG_DEBUG("control: rendezvous set '%s' (%zu bytes)", r->key, r->value.len);
   for (call_t *w = c->waiters, *next; w; w = next) {
@@ -760,8 +762,8 @@ static int handle_kv_wait(zd__control_t *c, call_t *k, ProtobufCMessage **req, z
   }
   if (c->stopping) return zd__errf(err, ZD_ESHUTDOWN, "zerod at %s is shutting down", c->address);
   if (c->nwaiters >= MAX_WAITERS)
-    return zd__errf(err, -ENOSPC, "KvWait: %u calls are waiting already; at most %d",
-                    c->nwaiters, MAX_WAITERS);
+    return zd__errf(err, -ENOSPC, "KvWait: %u calls are waiting already; at most %d", c->nwaiters,
+                    MAX_WAITERS);
   if (r->timeout_ms == 0) {
     reply_wait(k, 0);
     return ZD_OK;

@@ -22,7 +22,8 @@
 #include "cuda_check.h"
 #endif
 
-/* systemd's readiness protocol (Type=notify): one datagram to $NOTIFY_SOCKET; nothing without it. */
+/* systemd's readiness protocol (Type=notify): one datagram to $NOTIFY_SOCKET; nothing without it.
+ */
 static void sd_notify(const char *state) {
   const char *path = getenv("NOTIFY_SOCKET");
   if (!path || (path[0] != '/' && path[0] != '@')) return;
@@ -106,8 +107,10 @@ static void control_stopped(zd__daemon_t *d) {
  * that stays silent. Abort the collectives; their steps fail, their sessions close. */
 static void on_shutdown_timeout(uv_timer_t *t) {
   zd__daemon_t *d = t->data;
-  ZD_LOG_WARN("still waiting for %u session(s) %u ms after the shutdown began: aborting the "
-              "collectives in progress", d->nsessions, d->cfg->shutdown_timeout_ms);
+  ZD_LOG_WARN(
+      "still waiting for %u session(s) %u ms after the shutdown began: aborting the "
+      "collectives in progress",
+      d->nsessions, d->cfg->shutdown_timeout_ms);
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_abort(d->ranks[i]);
 }
 
@@ -140,10 +143,10 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   d->attached = calloc(cfg->local_ranks, sizeof *d->attached);
   if (!d->ranks || !d->attached) return zd__errf(err, -ENOMEM, "out of memory");
   /* On rank 0's node the store is our own control service, at the address it actually bound. */
-  const char *rendezvous = cfg->first_rank == 0 &&
-                                   strcmp(cfg->rendezvous_address, cfg->control_address) == 0
-                               ? zd__control_address(d->control)
-                               : cfg->rendezvous_address;
+  const char *rendezvous =
+      cfg->first_rank == 0 && strcmp(cfg->rendezvous_address, cfg->control_address) == 0
+          ? zd__control_address(d->control)
+          : cfg->rendezvous_address;
   d->world = (zd__world_t){.world_size = d->world_size,
                            .first_rank = cfg->first_rank,
                            .local_ranks = cfg->local_ranks,
@@ -152,14 +155,13 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   snprintf(d->world.rendezvous_address, sizeof d->world.rendezvous_address, "%s", rendezvous);
   snprintf(d->world.control_address, sizeof d->world.control_address, "%s",
            zd__control_address(d->control));
-  snprintf(d->world.collective_host, sizeof d->world.collective_host, "%s",
-           cfg->collective_host);
+  snprintf(d->world.collective_host, sizeof d->world.collective_host, "%s", cfg->collective_host);
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */
     zd__comm_t *comm = NULL;
-    int rc = d->world_size == 1 && d->backend == ZD__BACKEND_CPU ? zd__comm_local_create(&comm)
-                                                                 : ZD_OK;
+    int rc =
+        d->world_size == 1 && d->backend == ZD__BACKEND_CPU ? zd__comm_local_create(&comm) : ZD_OK;
     if (rc) return zd__errf(err, rc, "cannot create the communicator of local rank %u", i);
     zd__rank_env_t env = {
         .local_rank = i,
@@ -188,11 +190,15 @@ static int choose_isa(const zd__config_t *cfg, int *isa, zd__err_t *err) {
   int want = zd__isa_parse(cfg->kernel_isa);
   zd__isa_t best = zd__isa_detect();
   if (want < 0)
-    return zd__errf(err, ZD_ECONFIG, "kernel_isa '%s' unknown; expected auto, avx512, avx2 or "
-                    "scalar", cfg->kernel_isa);
+    return zd__errf(err, ZD_ECONFIG,
+                    "kernel_isa '%s' unknown; expected auto, avx512, avx2 or "
+                    "scalar",
+                    cfg->kernel_isa);
   if (want > (int)best)
-    return zd__errf(err, ZD_ECONFIG, "kernel_isa %s is not supported by this CPU; the best it "
-                    "runs is %s", cfg->kernel_isa, zd__isa_name(best));
+    return zd__errf(err, ZD_ECONFIG,
+                    "kernel_isa %s is not supported by this CPU; the best it "
+                    "runs is %s",
+                    cfg->kernel_isa, zd__isa_name(best));
   *isa = want;
   return ZD_OK;
 }
@@ -215,8 +221,10 @@ static int cuda_usable(zd__daemon_t *d, char *why, size_t len, int *visible) {
   zd__err_t e = {0};
   for (uint32_t i = 0; i < n; i++) {
     if (zd__cuda_device_check((int)i, &e) != ZD_OK) {
-      snprintf(why, len, "local rank %u needs GPU %u (one GPU per local rank; local_ranks is %u): "
-               "%.150s", i, i, n, e.msg);
+      snprintf(why, len,
+               "local rank %u needs GPU %u (one GPU per local rank; local_ranks is %u): "
+               "%.150s",
+               i, i, n, e.msg);
       return 0;
     }
   }
@@ -302,12 +310,13 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
   uv_signal_start(&d->sigint, on_signal, SIGINT);
   if (d->backend == ZD__BACKEND_CUDA)
-    ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, CUDA backend (one GPU per local rank, "
-                "NCCL)", d->nranks, d->world_size);
+    ZD_LOG_INFO(
+        "ready: %u local rank(s) of a world of %u, CUDA backend (one GPU per local rank, "
+        "NCCL)",
+        d->nranks, d->world_size);
   else
     ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, CPU backend, %s kernels on %u threads",
-                d->nranks, d->world_size, zd__isa_name((zd__isa_t)d->isa),
-                zd__pool_size(d->pool));
+                d->nranks, d->world_size, zd__isa_name((zd__isa_t)d->isa), zd__pool_size(d->pool));
   sd_notify("READY=1");
   *out = d;
   return ZD_OK;

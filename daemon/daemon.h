@@ -40,7 +40,7 @@ typedef struct zd__daemon {
    * by configuration): for the start-up log and the status. */
   char backend_note[ZD__ERR_MSG_MAX];
   zd__gpu_info_t *gpus; /* CUDA backend: the GPU of each local rank (local rank i: device i) */
-  zd__world_t world; /* how ranks join a multi-rank world */
+  zd__world_t world;    /* how ranks join a multi-rank world */
   uint32_t nranks;
   zd__rank_t **ranks;
   zd__session_t **attached; /* per local rank: the session attached to it, or NULL */
@@ -93,7 +93,6 @@ void zd__daemon_session_gone(zd__daemon_t *d);
 
 /* "cpu" or "cuda". */
 const char *zd__backend_name(zd__backend_t backend);
-
 
 /* server.c: listening socket. */
 int zd__server_start(zd__daemon_t *d, zd__err_t *err);

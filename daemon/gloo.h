@@ -30,8 +30,7 @@ extern "C" {
 typedef struct zd__kv {
   void *ctx;
   int (*set)(void *ctx, const char *key, const void *value, size_t len, zd__err_t *err);
-  int (*get)(void *ctx, const char *key, void **value, size_t *len, int timeout_ms,
-             zd__err_t *err);
+  int (*get)(void *ctx, const char *key, void **value, size_t *len, int timeout_ms, zd__err_t *err);
   int (*wait)(void *ctx, const char *const *keys, size_t nkeys, int timeout_ms, zd__err_t *err);
 } zd__kv_t;
 
@@ -39,7 +38,7 @@ typedef struct zd__gloo zd__gloo_t;
 
 typedef struct zd__gloo_opts {
   const zd__kv_t *kv;
-  const char *prefix;     /* key prefix of this world (fresh per world instance) */
+  const char *prefix; /* key prefix of this world (fresh per world instance) */
   uint32_t rank;
   uint32_t world_size;
   const char *host;       /* address to listen on and advertise */

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #define FNV_OFFSET 0xcbf29ce484222325ull
-#define FNV_PRIME 0x100000001b3ull
+#define FNV_PRIME  0x100000001b3ull
 
 static uint64_t fnv_bytes(uint64_t h, const void *data, size_t len) {
   const uint8_t *p = data;
@@ -21,7 +21,9 @@ static uint64_t fnv_u64(uint64_t h, uint64_t v) {
   return fnv_bytes(h, le, sizeof le);
 }
 
-static uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
+static uint64_t round_up(uint64_t v, uint64_t m) {
+  return (v + m - 1) / m * m;
+}
 
 uint64_t zd__layout_default_bucket_elems(uint32_t world_size) {
   uint64_t per_rank = (uint64_t)world_size * 1000000u;
@@ -45,15 +47,18 @@ static int name_cmp(const void *a, const void *b) {
 static int check_unique_names(zd__layout_t *l, zd__err_t *err) {
   if (l->nparams < 2) return ZD_OK;
   zd__layout_param_t **sorted = malloc(l->nparams * sizeof *sorted);
-  if (!sorted) return zd__errf(err, -ENOMEM, "out of memory checking %u parameter names", l->nparams);
+  if (!sorted)
+    return zd__errf(err, -ENOMEM, "out of memory checking %u parameter names", l->nparams);
   for (uint32_t i = 0; i < l->nparams; i++) sorted[i] = &l->params[i];
   qsort(sorted, l->nparams, sizeof *sorted, name_cmp);
   int rc = ZD_OK;
   for (uint32_t i = 1; i < l->nparams; i++) {
     if (strcmp(sorted[i - 1]->name, sorted[i]->name) == 0) {
-      rc = zd__errf(err, -EINVAL, "parameter name '%s' is used twice (parameters %ld and %ld); "
-                    "names must be unique", sorted[i]->name,
-                    (long)(sorted[i - 1] - l->params), (long)(sorted[i] - l->params));
+      rc = zd__errf(err, -EINVAL,
+                    "parameter name '%s' is used twice (parameters %ld and %ld); "
+                    "names must be unique",
+                    sorted[i]->name, (long)(sorted[i - 1] - l->params),
+                    (long)(sorted[i] - l->params));
       break;
     }
   }
@@ -63,17 +68,17 @@ static int check_unique_names(zd__layout_t *l, zd__err_t *err) {
 
 static int add_param(zd__layout_param_t *dst, const zd_param_t *src, uint32_t index,
                      uint32_t ngroups, zd__err_t *err) {
-  if (!src->name || !src->name[0])
-    return zd__errf(err, -EINVAL, "parameter %u has no name", index);
+  if (!src->name || !src->name[0]) return zd__errf(err, -EINVAL, "parameter %u has no name", index);
   size_t name_len = strnlen(src->name, ZD__MAX_NAME + 1);
   if (name_len > ZD__MAX_NAME)
     return zd__errf(err, -EINVAL, "parameter %u: name is longer than %d bytes", index,
                     ZD__MAX_NAME);
   for (size_t i = 0; i < name_len; i++) /* names travel in messages and parameter tables */
     if ((unsigned char)src->name[i] < 0x20 || src->name[i] == 0x7f)
-      return zd__errf(err, -EINVAL, "parameter %u: name has a control character (0x%02x at "
-                      "byte %zu); expected printable characters", index,
-                      (unsigned char)src->name[i], i);
+      return zd__errf(err, -EINVAL,
+                      "parameter %u: name has a control character (0x%02x at "
+                      "byte %zu); expected printable characters",
+                      index, (unsigned char)src->name[i], i);
   if (src->ndim > ZD_MAX_DIMS)
     return zd__errf(err, -EINVAL, "parameter %u '%s' has %u dimensions; at most %d supported",
                     index, src->name, src->ndim, ZD_MAX_DIMS);

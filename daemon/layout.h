@@ -19,10 +19,10 @@
 #include "segment.h"
 #include "zerod/zerod.h"
 
-#define ZD__ALIGN 64 /* elements: every parameter and every shard slice starts at a multiple */
-#define ZD__MAX_NAME 255
+#define ZD__ALIGN      64 /* elements: every parameter and every shard slice starts at a multiple */
+#define ZD__MAX_NAME   255
 #define ZD__MAX_PARAMS (1u << 20)
-#define ZD__MAX_ELEMS (1ull << 40)
+#define ZD__MAX_ELEMS  (1ull << 40)
 
 typedef struct zd__layout_param {
   char *name;
@@ -35,10 +35,10 @@ typedef struct zd__layout_param {
 } zd__layout_param_t;
 
 typedef struct zd__bucket {
-  uint64_t offset;       /* absolute element offset of the bucket */
-  uint64_t elems;        /* padded to a multiple of ZD__ALIGN * world_size */
-  uint64_t shard_elems;  /* elems / world_size: one rank's slice */
-  uint64_t shard_base;   /* offset of this bucket's slice within a rank's shard */
+  uint64_t offset;      /* absolute element offset of the bucket */
+  uint64_t elems;       /* padded to a multiple of ZD__ALIGN * world_size */
+  uint64_t shard_elems; /* elems / world_size: one rank's slice */
+  uint64_t shard_base;  /* offset of this bucket's slice within a rank's shard */
   uint32_t first_param;
   uint32_t nparams;
 } zd__bucket_t;

@@ -23,18 +23,18 @@ void zd__log_write(int level, const char *fmt, ...) __attribute__((format(printf
 void zd__panic(const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 3, 4), noreturn));
 
-#define ZD_LOG(level, ...)                                      \
-  do {                                                          \
+#define ZD_LOG(level, ...)                                           \
+  do {                                                               \
     if ((level) <= zd__log_level) zd__log_write(level, __VA_ARGS__); \
   } while (0)
 #define ZD_LOG_ERROR(...) ZD_LOG(ZD__LOG_ERROR, __VA_ARGS__)
-#define ZD_LOG_WARN(...) ZD_LOG(ZD__LOG_WARN, __VA_ARGS__)
-#define ZD_LOG_INFO(...) ZD_LOG(ZD__LOG_INFO, __VA_ARGS__)
+#define ZD_LOG_WARN(...)  ZD_LOG(ZD__LOG_WARN, __VA_ARGS__)
+#define ZD_LOG_INFO(...)  ZD_LOG(ZD__LOG_INFO, __VA_ARGS__)
 #define ZD_LOG_DEBUG(...) ZD_LOG(ZD__LOG_DEBUG, __VA_ARGS__)
 
-#define zd_panic(...) zd__panic(__FILE__, __LINE__, __VA_ARGS__)
-#define zd_assert(cond) \
-  do {                  \
+#define zd_panic(...)     zd__panic(__FILE__, __LINE__, __VA_ARGS__)
+#define zd_assert(cond)                                                        \
+  do {                                                                         \
     if (!(cond)) zd__panic(__FILE__, __LINE__, "assertion failed: %s", #cond); \
   } while (0)
 

@@ -92,7 +92,9 @@ void zd__pool_destroy(zd__pool_t *pool) {
   free(pool);
 }
 
-unsigned zd__pool_size(const zd__pool_t *pool) { return pool->nthreads; }
+unsigned zd__pool_size(const zd__pool_t *pool) {
+  return pool->nthreads;
+}
 
 void zd__pool_run(zd__pool_t *pool, unsigned ntasks, zd__pool_fn fn, void *arg) {
   if (ntasks == 0) return;

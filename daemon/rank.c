@@ -23,10 +23,10 @@ struct zd__rank {
   pthread_cond_t cond;
   zd__job_t *head, *tail;
   int stop;
-  int busy;                  /* under lock: a job is running (on the worker or inline) */
-  atomic_int inline_ok;      /* the model is small enough to step on the loop thread */
-  atomic_int cancel;         /* shutdown: stop waiting for peers (bootstrap, barriers) */
-  zd__model_t *model; /* the thread running a job only */
+  int busy;             /* under lock: a job is running (on the worker or inline) */
+  atomic_int inline_ok; /* the model is small enough to step on the loop thread */
+  atomic_int cancel;    /* shutdown: stop waiting for peers (bootstrap, barriers) */
+  zd__model_t *model;   /* the thread running a job only */
   pthread_mutex_t stats_lock;
   zd__rank_stats_t stats;
   zd__shard_range_t *ranges; /* under stats_lock: the model's shard, for status */
@@ -60,8 +60,7 @@ static void publish_ranges(zd__rank_t *r, const zd__model_t *m) {
   for (uint32_t b = 0; b < l->nbuckets; b++) {
     const zd__bucket_t *bk = &l->buckets[b];
     uint64_t begin = bk->offset + (uint64_t)r->env.rank * bk->shard_elems;
-    r->ranges[b] = (zd__shard_range_t){.bucket = b, .begin = begin,
-                                       .end = begin + bk->shard_elems};
+    r->ranges[b] = (zd__shard_range_t){.bucket = b, .begin = begin, .end = begin + bk->shard_elems};
   }
   r->nranges = l->nbuckets;
 }
@@ -102,8 +101,7 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
    * state in doubt: the rank is degraded. (A registration barrier that timed out, or a peer that
    * refused a step, leaves the communicator healthy: not degraded.) */
   if (job->code && (job->code == ZD_EBACKEND || zd__comm_failed(r->ctx.comm))) {
-    if (s->health != ZD__HEALTH_DEGRADED)
-      ZD_LOG_ERROR("rank degraded: %s", job->err.msg);
+    if (s->health != ZD__HEALTH_DEGRADED) ZD_LOG_ERROR("rank degraded: %s", job->err.msg);
     s->health = ZD__HEALTH_DEGRADED;
     snprintf(s->degraded_reason, sizeof s->degraded_reason, "%s", job->err.msg);
   }
@@ -113,8 +111,8 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
 static int degraded(zd__rank_t *r, zd__err_t *err) {
   pthread_mutex_lock(&r->stats_lock);
   int bad = r->stats.health == ZD__HEALTH_DEGRADED;
-  if (bad) zd__errf(err, ZD_EDEGRADED, "rank %u is degraded: %s", r->env.rank,
-                    r->stats.degraded_reason);
+  if (bad)
+    zd__errf(err, ZD_EDEGRADED, "rank %u is degraded: %s", r->env.rank, r->stats.degraded_reason);
   pthread_mutex_unlock(&r->stats_lock);
   return bad ? ZD_EDEGRADED : ZD_OK;
 }
@@ -142,8 +140,9 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
         job->out.attach.nbuckets = l->nbuckets;
         job->out.attach.shard_elems = l->shard_elems;
         ZD_LOG_INFO("%s model: %u parameters, %" PRIu64 " elements in %u buckets, shard %" PRIu64
-                    " elements, step %" PRIu64, resumed ? "resumed" : "registered", l->nparams,
-                    l->total_elems, l->nbuckets, l->shard_elems, r->model->step);
+                    " elements, step %" PRIu64,
+                    resumed ? "resumed" : "registered", l->nparams, l->total_elems, l->nbuckets,
+                    l->shard_elems, r->model->step);
       }
       break;
     }
@@ -175,8 +174,7 @@ const char *zd__health_name(zd__health_t health) {
   return "unknown";
 }
 
-static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix,
-                       const char *reason) {
+static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix, const char *reason) {
   pthread_mutex_lock(&r->stats_lock);
   r->stats.health = health;
   char *out = r->stats.degraded_reason; /* prefix + reason, truncated to fit */
@@ -199,8 +197,8 @@ static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
 static void join_world(zd__rank_t *r) {
   zd__err_t err = {0};
   zd__comm_t *comm = NULL;
-  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, &comm,
-                             &r->ctx.member, &err);
+  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, &comm, &r->ctx.member,
+                             &err);
   publish_comm(r, comm);
   if (rc == ZD_OK) {
     set_health(r, ZD__HEALTH_OK, "", "");
@@ -237,8 +235,8 @@ static void start_cuda(zd__rank_t *r) {
     rc = zd__comm_nccl_create(NULL, 0, 1, r->env.device, stream, w->connect_timeout_ms,
                               w->collective_timeout_ms, &r->cancel, &comm, &err);
   else
-    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, &comm,
-                           &r->ctx.member, &err);
+    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, &comm, &r->ctx.member,
+                           &err);
   publish_comm(r, comm);
   if (rc == ZD_OK) {
     ZD_LOG_INFO("CUDA backend on GPU %d, NCCL communicator of %u rank(s) ready", r->env.device,
@@ -345,7 +343,9 @@ void zd__rank_destroy(zd__rank_t *r) {
   free(r);
 }
 
-void zd__rank_cancel(zd__rank_t *r) { atomic_store(&r->cancel, 1); }
+void zd__rank_cancel(zd__rank_t *r) {
+  atomic_store(&r->cancel, 1);
+}
 
 void zd__rank_abort(zd__rank_t *r) {
   zd__rank_cancel(r);
@@ -420,8 +420,18 @@ int zd__rank_shard_ranges(zd__rank_t *r, zd__shard_range_t **out, uint32_t *n) {
   return rc;
 }
 
-uint32_t zd__rank_local(const zd__rank_t *r) { return r->env.local_rank; }
-int zd__rank_device(const zd__rank_t *r) { return r->env.device; }
-uint32_t zd__rank_global(const zd__rank_t *r) { return r->env.rank; }
-uint32_t zd__rank_world_size(const zd__rank_t *r) { return r->env.world_size; }
-uint64_t zd__rank_bucket_elems(const zd__rank_t *r) { return r->env.bucket_elems; }
+uint32_t zd__rank_local(const zd__rank_t *r) {
+  return r->env.local_rank;
+}
+int zd__rank_device(const zd__rank_t *r) {
+  return r->env.device;
+}
+uint32_t zd__rank_global(const zd__rank_t *r) {
+  return r->env.rank;
+}
+uint32_t zd__rank_world_size(const zd__rank_t *r) {
+  return r->env.world_size;
+}
+uint64_t zd__rank_bucket_elems(const zd__rank_t *r) {
+  return r->env.bucket_elems;
+}

@@ -161,9 +161,9 @@ typedef struct zd__rank_env {
   uint32_t rank; /* global */
   uint32_t world_size;
   uint64_t bucket_elems;
-  zd__comm_t *comm;             /* taken over by the rank; NULL: join `world` first */
+  zd__comm_t *comm;              /* taken over by the rank; NULL: join `world` first */
   const struct zd__world *world; /* how to join a multi-rank world (world.h); outlives the rank */
-  struct zd__pool *pool; /* CPU backend: the kernel pool and ISA (zd__isa_t) */
+  struct zd__pool *pool;         /* CPU backend: the kernel pool and ISA (zd__isa_t) */
   int isa;
   int device; /* CUDA backend: this rank's CUDA device; -1: the CPU backend */
   zd__job_done_fn done;

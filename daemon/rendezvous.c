@@ -114,7 +114,8 @@ int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, 
   char what[MAX_KEY_BYTES + 16];
   snprintf(what, sizeof what, "set '%s'", key);
   rc = call_retry(rdv, "/zerod.v1.Control/KvSet", what, &req.base, NULL,
-                  &zerod__v1__kv_set_reply__descriptor, &reply, (int64_t)zd__now_ms() + timeout_ms, err);
+                  &zerod__v1__kv_set_reply__descriptor, &reply, (int64_t)zd__now_ms() + timeout_ms,
+                  err);
   if (reply) protobuf_c_message_free_unpacked(reply, NULL);
   return rc;
 }
@@ -128,7 +129,8 @@ int zd__rdv_delete(zd__rdv_t *rdv, const char *key, int timeout_ms, zd__err_t *e
   char what[MAX_KEY_BYTES + 16];
   snprintf(what, sizeof what, "delete '%s'", key);
   rc = call_retry(rdv, "/zerod.v1.Control/KvDelete", what, &req.base, NULL,
-                  &zerod__v1__kv_delete_reply__descriptor, &reply, (int64_t)zd__now_ms() + timeout_ms, err);
+                  &zerod__v1__kv_delete_reply__descriptor, &reply,
+                  (int64_t)zd__now_ms() + timeout_ms, err);
   if (reply) protobuf_c_message_free_unpacked(reply, NULL);
   return rc;
 }
@@ -163,7 +165,8 @@ int zd__rdv_wait(zd__rdv_t *rdv, const char *const *keys, size_t nkeys, int time
   snprintf(what, sizeof what, "wait for %s", names);
   ProtobufCMessage *reply = NULL;
   int rc = call_retry(rdv, "/zerod.v1.Control/KvWait", what, &req.base, &req.timeout_ms,
-                      &zerod__v1__kv_wait_reply__descriptor, &reply, (int64_t)zd__now_ms() + timeout_ms, err);
+                      &zerod__v1__kv_wait_reply__descriptor, &reply,
+                      (int64_t)zd__now_ms() + timeout_ms, err);
   if (rc) goto exit;
   Zerod__V1__KvWaitReply *rep = (Zerod__V1__KvWaitReply *)reply;
   if (!rep->ok) {

@@ -90,15 +90,15 @@ static int socket_in_use(const char *path) {
 static int take_lock(const char *path, zd__err_t *err) {
   snprintf(lock_path, sizeof lock_path, "%s.lock", path);
   lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (lock_fd < 0)
-    return zd__errf(err, -errno, "cannot open %s: %s", lock_path, strerror(errno));
+  if (lock_fd < 0) return zd__errf(err, -errno, "cannot open %s: %s", lock_path, strerror(errno));
   if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
     int e = errno;
     close(lock_fd);
     lock_fd = -1;
     return zd__errf(err, e == EWOULDBLOCK ? -EADDRINUSE : -e, "%s: %s", lock_path,
                     e == EWOULDBLOCK ? "another zerod holds it (running or starting on this "
-                                       "socket)" : strerror(e));
+                                       "socket)"
+                                     : strerror(e));
   }
   return ZD_OK;
 }

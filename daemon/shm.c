@@ -33,7 +33,9 @@ int zd__shm_map(int fd, size_t needed, const char *what, zd__shm_t *out, zd__err
 }
 
 #ifndef ZD_HAVE_CUDA
-void zd__shm_close_cuda(zd__shm_t *shm) { (void)shm; }
+void zd__shm_close_cuda(zd__shm_t *shm) {
+  (void)shm;
+}
 
 int zd__shm_open_cuda(int device, const void *handle, size_t len, size_t needed, const char *what,
                       zd__shm_t *out, zd__err_t *err) {
@@ -49,7 +51,9 @@ int zd__shm_open_event(int device, const void *handle, size_t len, const char *w
   return zd__errf(err, ZD_EBACKEND, "%s: this zerod was built without CUDA", what);
 }
 
-void zd__shm_close_event(int device, void *event) { (void)device, (void)event; }
+void zd__shm_close_event(int device, void *event) {
+  (void)device, (void)event;
+}
 #endif
 
 void zd__shm_unmap(zd__shm_t *shm) {

@@ -32,7 +32,9 @@ struct zd__status {
   int oom;
 };
 
-zd__status_t *zd__status_new(void) { return calloc(1, sizeof(zd__status_t)); }
+zd__status_t *zd__status_new(void) {
+  return calloc(1, sizeof(zd__status_t));
+}
 
 void zd__status_free(zd__status_t *st) {
   if (!st) return;
@@ -93,9 +95,15 @@ oom:
   return -ENOMEM;
 }
 
-size_t zd__status_nsections(const zd__status_t *st) { return st->n; }
-size_t zd__status_nentries(const zd__status_t *st, size_t i) { return st->sections[i].n; }
-size_t zd__status_nentries_total(const zd__status_t *st) { return st->total; }
+size_t zd__status_nsections(const zd__status_t *st) {
+  return st->n;
+}
+size_t zd__status_nentries(const zd__status_t *st, size_t i) {
+  return st->sections[i].n;
+}
+size_t zd__status_nentries_total(const zd__status_t *st) {
+  return st->total;
+}
 const char *zd__status_section_name(const zd__status_t *st, size_t i) {
   return st->sections[i].name;
 }

@@ -27,8 +27,8 @@ int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err) {
     return zd__errf(err, ZD_EHPARAM, "%s: beta2 is %g; expected a value in [0, 1)", where,
                     g->beta2);
   if (!isfinite(g->weight_decay) || g->weight_decay < 0)
-    return zd__errf(err, ZD_EHPARAM, "%s: weight_decay is %g; expected a finite value >= 0",
-                    where, g->weight_decay);
+    return zd__errf(err, ZD_EHPARAM, "%s: weight_decay is %g; expected a finite value >= 0", where,
+                    g->weight_decay);
   if (g->optimizer != ZD_ADAMW && g->optimizer != ZD_ADAM)
     return zd__errf(err, ZD_EHPARAM, "%s: optimizer %d unknown; expected ADAMW (0) or ADAM (1)",
                     where, (int)g->optimizer);
@@ -203,8 +203,8 @@ static int describe_mismatch(const zd__step_ctx_t *ctx, const zd__layout_t *mine
   char *theirs_text = tables + (size_t)other * (max + 1);
   char diff[512] = "the parameter tables could not be compared";
   if (zd__layout_parse(theirs_text, all[other].table_bytes, &params, &n) == 0 &&
-      zd__layout_build(params, n, UINT32_MAX, ctx->world_size, mine->bucket_elems, &theirs,
-                       NULL) == 0)
+      zd__layout_build(params, n, UINT32_MAX, ctx->world_size, mine->bucket_elems, &theirs, NULL) ==
+          0)
     zd__layout_diff(mine, theirs, diff, sizeof diff);
   rc = zd__errf(err, ZD_ELAYOUT, "ranks registered different models; rank %u vs rank %u: %s",
                 ctx->rank, other, diff);
@@ -236,17 +236,20 @@ static int agree_attach(const zd__step_ctx_t *ctx, const attach_record_t *mine,
     if (mine->code) { /* our own refusal, with its message already in err */
       rc = mine->code;
     } else if (all[r].code) {
-      rc = zd__errf(err, all[r].code, "rank %u refused the registration (%s); every rank must "
-                    "register the same model", r, zd_err_name(all[r].code));
+      rc = zd__errf(err, all[r].code,
+                    "rank %u refused the registration (%s); every rank must "
+                    "register the same model",
+                    r, zd_err_name(all[r].code));
     }
   }
   for (uint32_t r = 0; r < w && !rc; r++) {
     if (all[r].layout_hash != mine->layout_hash) {
       rc = describe_mismatch(ctx, layout, all, r, err);
     } else if (all[r].param_dtype != mine->param_dtype || all[r].grad_dtype != mine->grad_dtype) {
-      rc = zd__errf(err, ZD_EDTYPE, "rank %u registered %s params and %s grads, rank %u %s and %s; "
-                    "every rank must use the same dtypes", r,
-                    zd_dtype_name((zd_dtype_t)all[r].param_dtype),
+      rc = zd__errf(err, ZD_EDTYPE,
+                    "rank %u registered %s params and %s grads, rank %u %s and %s; "
+                    "every rank must use the same dtypes",
+                    r, zd_dtype_name((zd_dtype_t)all[r].param_dtype),
                     zd_dtype_name((zd_dtype_t)all[r].grad_dtype), ctx->rank,
                     zd_dtype_name((zd_dtype_t)mine->param_dtype),
                     zd_dtype_name((zd_dtype_t)mine->grad_dtype));
@@ -254,9 +257,10 @@ static int agree_attach(const zd__step_ctx_t *ctx, const attach_record_t *mine,
       char theirs[64], ours[64];
       describe_state(&all[r], theirs, sizeof theirs);
       describe_state(mine, ours, sizeof ours);
-      rc = zd__errf(err, ZD_ESTEP, "ranks are out of step: rank %u %s, rank %u %s; every rank "
-                    "must resume the same step (or all register with replace)", r, theirs,
-                    ctx->rank, ours);
+      rc = zd__errf(err, ZD_ESTEP,
+                    "ranks are out of step: rank %u %s, rank %u %s; every rank "
+                    "must resume the same step (or all register with replace)",
+                    r, theirs, ctx->rank, ours);
     }
   }
 exit:
@@ -274,8 +278,10 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
     if (rc) {
       char cause[ZD__ERR_MSG_MAX];
       snprintf(cause, sizeof cause, "%s", err->msg);
-      return zd__errf(err, rc, "registration on rank %u: waiting for the other ranks' clients to "
-                      "register: %s", ctx->rank, cause);
+      return zd__errf(err, rc,
+                      "registration on rank %u: waiting for the other ranks' clients to "
+                      "register: %s",
+                      ctx->rank, cause);
     }
   }
   zd__model_t *m = *model;
@@ -328,8 +334,9 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
     if (rc) return job_end(ctx, buf, slot, rc, err);
     model_configure(fresh, spec, 0);
     rc = ctx->compute->ops->exchange(ctx->compute, fresh, buf, ctx->rank, 0, err);
-    if (m) ZD_LOG_WARN("replacing model at step %" PRIu64 " (%u parameters)", m->step,
-                       m->layout->nparams);
+    if (m)
+      ZD_LOG_WARN("replacing model at step %" PRIu64 " (%u parameters)", m->step,
+                  m->layout->nparams);
     zd__model_free(m);
     *model = m = fresh;
   }
@@ -353,9 +360,9 @@ static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__
     const zd__bucket_t *bk = &l->buckets[b];
     const void *send = (const char *)buf->grads.addr + bk->offset * gsize;
     float *scratch = m->grad_shard ? m->grad_shard + bk->shard_base : NULL;
-    int rc = ctx->comm->ops->reduce_scatter(ctx->comm, b, send, m->grad_dtype, bk->shard_elems,
-                                            scratch, &m->shard_grad[b], &m->shard_grad_dtype[b],
-                                            err);
+    int rc =
+        ctx->comm->ops->reduce_scatter(ctx->comm, b, send, m->grad_dtype, bk->shard_elems, scratch,
+                                       &m->shard_grad[b], &m->shard_grad_dtype[b], err);
     if (rc) return rc;
     m->scattered[b] = 1;
   }
@@ -368,8 +375,8 @@ static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   uint32_t b0 = bucket < 0 ? 0 : (uint32_t)bucket, b1 = bucket < 0 ? l->nbuckets : b0 + 1;
   for (uint32_t b = b0; b < b1; b++) {
     const zd__bucket_t *bk = &l->buckets[b];
-    int rc = ctx->comm->ops->all_gather(ctx->comm, b, param_at(m, buf, bk->offset),
-                                        m->param_dtype, bk->shard_elems, err);
+    int rc = ctx->comm->ops->all_gather(ctx->comm, b, param_at(m, buf, bk->offset), m->param_dtype,
+                                        bk->shard_elems, err);
     if (rc) return rc;
   }
   return ZD_OK;
@@ -393,23 +400,28 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffer
  * the same step of the same model with the same hyperparameters. Sums the statistics in rank
  * order. */
 static int agree(const zd__step_ctx_t *ctx, const zd__step_record_t *mine,
-                 const zd__step_record_t *all, double *sumsq, uint64_t *nonfinite,
-                 zd__err_t *err) {
+                 const zd__step_record_t *all, double *sumsq, uint64_t *nonfinite, zd__err_t *err) {
   *sumsq = 0;
   *nonfinite = 0;
   for (uint32_t r = 0; r < ctx->world_size; r++) {
     if (all[r].layout_hash != mine->layout_hash)
-      return zd__errf(err, ZD_ELAYOUT, "rank %u has layout hash %016" PRIx64 ", this rank %u has "
-                      "%016" PRIx64, r, all[r].layout_hash, ctx->rank, mine->layout_hash);
+      return zd__errf(err, ZD_ELAYOUT,
+                      "rank %u has layout hash %016" PRIx64
+                      ", this rank %u has "
+                      "%016" PRIx64,
+                      r, all[r].layout_hash, ctx->rank, mine->layout_hash);
     if (all[r].step != mine->step)
-      return zd__errf(err, ZD_ESTEP, "rank %u is at step %" PRIu64 ", rank %u at step %" PRIu64
-                      "; every rank must step together (step not applied)", r, all[r].step - 1,
-                      ctx->rank, mine->step - 1);
+      return zd__errf(err, ZD_ESTEP,
+                      "rank %u is at step %" PRIu64 ", rank %u at step %" PRIu64
+                      "; every rank must step together (step not applied)",
+                      r, all[r].step - 1, ctx->rank, mine->step - 1);
     if (all[r].hparam_hash != mine->hparam_hash)
-      return zd__errf(err, ZD_EHPARAM, "rank %u steps with other hyperparameters than rank %u "
-                      "(hash %016" PRIx64 " vs %016" PRIx64 "); every rank must use the same "
-                      "groups, clipping and loss scaling (step not applied)", r, ctx->rank,
-                      all[r].hparam_hash, mine->hparam_hash);
+      return zd__errf(err, ZD_EHPARAM,
+                      "rank %u steps with other hyperparameters than rank %u "
+                      "(hash %016" PRIx64 " vs %016" PRIx64
+                      "); every rank must use the same "
+                      "groups, clipping and loss scaling (step not applied)",
+                      r, ctx->rank, all[r].hparam_hash, mine->hparam_hash);
     *sumsq += all[r].sumsq;
     *nonfinite += all[r].nonfinite;
   }
@@ -421,8 +433,8 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
                         int need_stats, double *sumsq, uint64_t *nonfinite, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   zd__compute_t *c = ctx->compute;
-  zd__step_record_t rec = {.step = m->step + 1, .layout_hash = l->hash,
-                           .hparam_hash = hparam_hash(m, groups)};
+  zd__step_record_t rec = {
+      .step = m->step + 1, .layout_hash = l->hash, .hparam_hash = hparam_hash(m, groups)};
   int rc = ZD_OK;
   for (uint32_t b = 0; need_stats && b < l->nbuckets && !rc; b++)
     rc = c->ops->grad_stats(c, m, b, b == 0, &rec, err);
@@ -444,8 +456,10 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (!scatter)
     for (uint32_t b = 0; b < l->nbuckets; b++)
       if (!m->scattered[b])
-        return zd__errf(err, ZD_EORDER, "bucket %u was not scattered since step %" PRIu64
-                        "; scatter every bucket or step with scatter", b, m->step);
+        return zd__errf(err, ZD_EORDER,
+                        "bucket %u was not scattered since step %" PRIu64
+                        "; scatter every bucket or step with scatter",
+                        b, m->step);
   int rc = job_begin(ctx, buf, slot, err);
   if (!rc && scatter) rc = scatter_buckets(ctx, m, buf, -1, err);
   if (rc) return job_end(ctx, buf, slot, rc, err);
@@ -485,8 +499,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   for (uint32_t g = 0; g < m->ngroups; g++)
     zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
   for (uint32_t b = 0; b < l->nbuckets && !rc; b++)
-    rc = ctx->compute->ops->update(ctx->compute, m, b, buf, ctx->rank, consts, dec.grad_scale,
-                                   err);
+    rc = ctx->compute->ops->update(ctx->compute, m, b, buf, ctx->rank, consts, dec.grad_scale, err);
   if (rc) { /* only the device fails here, and its rank is then degraded (rank.c) */
     ZD_LOG_ERROR("step %" PRIu64 ": the update could not be queued: %s", dec.step, err->msg);
     return job_end(ctx, buf, slot, rc, err);

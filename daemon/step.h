@@ -41,12 +41,12 @@ typedef struct zd__model {
   float *master;          /* in the backend's memory (host, or device with CUDA) */
   float *exp_avg;
   float *exp_avg_sq;
-  float *grad_shard; /* world size > 1: reduced gradients of the whole shard */
+  float *grad_shard;    /* world size > 1: reduced gradients of the whole shard */
   uint64_t array_elems; /* elements of each array above */
   zd__segment_t **segs; /* per bucket: this rank's segments (host memory) */
   uint32_t *nsegs;
-  uint8_t *scattered;          /* per bucket: reduced since the last step */
-  const void **shard_grad;     /* per bucket: where the reduced gradients are */
+  uint8_t *scattered;      /* per bucket: reduced since the last step */
+  const void **shard_grad; /* per bucket: where the reduced gradients are */
   zd_dtype_t *shard_grad_dtype;
   void *cdata; /* the backend's per-model data (model_init/model_fini) */
 } zd__model_t;

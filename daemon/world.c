@@ -13,7 +13,7 @@
 #include "rendezvous.h"
 
 #define WORLD_KEY "zerod/world"
-#define SLICE_MS 1000 /* long waits are cut into slices so that a shutdown can cancel them */
+#define SLICE_MS  1000 /* long waits are cut into slices so that a shutdown can cancel them */
 
 typedef struct kv_ctx {
   zd__rdv_t *rdv;
@@ -91,8 +91,8 @@ static int nccl_connect(const zd__world_t *w, const zd__kv_t *kv, const char *wo
     if ((rc = kv->get(kv->ctx, key, &value, &len, 0, err))) return rc;
     if (len != sizeof id) {
       free(value);
-      return zd__errf(err, ZD_EPEER, "the NCCL unique id under %s is %zu bytes; expected %zu",
-                      key, len, sizeof id);
+      return zd__errf(err, ZD_EPEER, "the NCCL unique id under %s is %zu bytes; expected %zu", key,
+                      len, sizeof id);
     }
     memcpy(id, value, sizeof id);
     free(value);
@@ -103,11 +103,11 @@ static int nccl_connect(const zd__world_t *w, const zd__kv_t *kv, const char *wo
 #endif
 
 struct zd__world_member {
-  kv_ctx_t kv;        /* the rendezvous connection, kept for barriers */
-  char id[32];        /* the world instance */
+  kv_ctx_t kv; /* the rendezvous connection, kept for barriers */
+  char id[32]; /* the world instance */
   uint32_t rank;
   uint32_t world_size;
-  uint64_t barriers;  /* barriers passed: every rank counts the same */
+  uint64_t barriers; /* barriers passed: every rank counts the same */
 };
 
 int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
@@ -128,9 +128,8 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
   rc = world_id(&kv, rank, id, sizeof id, err);
   if (rc) goto exit;
   /* Local rank 0 of each node tells the registry where the node's control service is. */
-  if (rank == w->first_rank &&
-      (rc = zd__rdv_register_node(k.rdv, w->first_rank, w->local_ranks, w->control_address,
-                                  SLICE_MS * 10, err)))
+  if (rank == w->first_rank && (rc = zd__rdv_register_node(k.rdv, w->first_rank, w->local_ranks,
+                                                           w->control_address, SLICE_MS * 10, err)))
     goto exit;
 #ifdef ZD_HAVE_CUDA
   if (device >= 0) {
@@ -175,7 +174,7 @@ int zd__world_barrier(zd__world_member_t *m, const char *name, zd__err_t *err) {
   snprintf(mine, sizeof mine, "barrier/%s/%s/%" PRIu64 "/%u", m->id, name, epoch, m->rank);
   int rc = kv_set(&m->kv, mine, "", 0, err);
   if (rc) return rc;
-  char (*keys)[128] = calloc(w, sizeof *keys);
+  char(*keys)[128] = calloc(w, sizeof *keys);
   const char **names = calloc(w, sizeof *names);
   if (!keys || !names) {
     rc = zd__errf(err, -ENOMEM, "out of memory");

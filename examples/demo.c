@@ -65,8 +65,7 @@ int main(int argc, char **argv) {
   zd_get_info(c, &info);
   printf("zerod %s: rank %u of %u, %llu elements in %u bucket(s), %s at step %llu\n",
          info.daemon_version, info.rank, info.world_size, (unsigned long long)info.total_elems,
-         info.nbuckets, info.resumed ? "resumed" : "new model",
-         (unsigned long long)info.step);
+         info.nbuckets, info.resumed ? "resumed" : "new model", (unsigned long long)info.step);
 
   float loss = 0;
   for (int s = 0; s < steps; s++) {

@@ -14,10 +14,10 @@
 
 #include "zerod/zerod.h"
 
-#define MLP_IN 16
-#define MLP_HIDDEN 32
-#define MLP_OUT 4
-#define MLP_BATCH 32
+#define MLP_IN      16
+#define MLP_HIDDEN  32
+#define MLP_OUT     4
+#define MLP_BATCH   32
 #define MLP_NPARAMS 4
 
 /* fc1.weight [32, 16] g0, fc1.bias [32] g1, fc2.weight [4, 32] g0, fc2.bias [4] g1 */

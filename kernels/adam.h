@@ -72,8 +72,8 @@ typedef struct zd__adam_args {
   float *exp_avg;
   float *exp_avg_sq;
   const void *grad;
-  zd_dtype_t grad_dtype; /* ZD_F32, ZD_BF16, ZD_F16 */
-  void *param;           /* working parameters written back; NULL: none */
+  zd_dtype_t grad_dtype;  /* ZD_F32, ZD_BF16, ZD_F16 */
+  void *param;            /* working parameters written back; NULL: none */
   zd_dtype_t param_dtype; /* ZD_F32, ZD_BF16 */
   float grad_scale;
   const zd__segment_t *segs;

@@ -67,7 +67,8 @@ typedef struct zd__decision {
   uint32_t disagree_tag;  /* ... and the index of the first differing tag */
 } zd__decision_t;
 
-/* One step of the loss scaler (scaler.h; Megatron's DynamicGradScaler.update()), on host or device. */
+/* One step of the loss scaler (scaler.h; Megatron's DynamicGradScaler.update()), on host or device.
+ */
 ZD__HD static inline void zd__scaler_advance(zd__scaler_t *s, int found_inf) {
   if (!s->enabled) return;
   if (found_inf) {

@@ -19,11 +19,17 @@ static void put64(uint8_t *p, uint64_t v) {
   put32(p + 4, (uint32_t)(v >> 32));
 }
 
-static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static uint16_t get16(const uint8_t *p) {
+  return (uint16_t)(p[0] | (p[1] << 8));
+}
 
-static uint32_t get32(const uint8_t *p) { return get16(p) | ((uint32_t)get16(p + 2) << 16); }
+static uint32_t get32(const uint8_t *p) {
+  return get16(p) | ((uint32_t)get16(p + 2) << 16);
+}
 
-static uint64_t get64(const uint8_t *p) { return get32(p) | ((uint64_t)get32(p + 4) << 32); }
+static uint64_t get64(const uint8_t *p) {
+  return get32(p) | ((uint64_t)get32(p + 4) << 32);
+}
 
 void zd__frame_encode(const zd__frame_header_t *h, uint8_t out[ZD__FRAME_HEADER_SIZE]) {
   put32(out, h->magic);

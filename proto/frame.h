@@ -12,9 +12,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define ZD__FRAME_MAGIC 0x3144525au /* "ZRD1" on the wire */
+#define ZD__FRAME_MAGIC       0x3144525au /* "ZRD1" on the wire */
 #define ZD__FRAME_HEADER_SIZE 24
-#define ZD__FRAME_REPLY 0x8000u /* set in the type of a successful reply */
+#define ZD__FRAME_REPLY       0x8000u /* set in the type of a successful reply */
 /* Largest body a peer may send; the daemon's own limit (max_frame_bytes) may be lower. */
 #define ZD__FRAME_MAX_BODY (64u << 20)
 
@@ -27,14 +27,14 @@
 
 /* Message types: XX(constant suffix, value, name). A successful reply has the request's type with
  * ZD__FRAME_REPLY set; a failed request is answered by an ERROR frame with the same request id. */
-#define ZD__MSG_MAP(XX) \
-  XX(HELLO, 1, "hello")         \
-  XX(REGISTER, 2, "register")   \
-  XX(STEP, 3, "step")           \
-  XX(SCATTER, 4, "scatter")     \
-  XX(GATHER, 5, "gather")       \
-  XX(STATUS, 6, "status")       \
-  XX(BYE, 7, "bye")             \
+#define ZD__MSG_MAP(XX)       \
+  XX(HELLO, 1, "hello")       \
+  XX(REGISTER, 2, "register") \
+  XX(STEP, 3, "step")         \
+  XX(SCATTER, 4, "scatter")   \
+  XX(GATHER, 5, "gather")     \
+  XX(STATUS, 6, "status")     \
+  XX(BYE, 7, "bye")           \
   XX(ERROR, 0x7fff, "error")
 
 enum {

@@ -12,11 +12,12 @@ cd "$(dirname "$0")/.."
 sudo_cmd=()
 [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
 
+# Extra packages as arguments (the tests add clang-format for the formatting check).
 install_deps() {
   "${sudo_cmd[@]}" apt-get update -q
   "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
     gcc g++ meson ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
-    libgrpc-dev libgloo-dev python3 python3-numpy python3-torch
+    libgrpc-dev libgloo-dev python3 python3-numpy python3-torch "$@"
 }
 
 build() {
@@ -37,7 +38,7 @@ run_tests() {
 
 case "${1:-}" in
   demo) install_deps; build; demo ;;
-  test) install_deps; build; run_tests ;;
+  test) install_deps clang-format git; build; run_tests ;;
   build) install_deps; build ;;
   *) echo "usage: $0 demo|test|build" >&2; exit 2 ;;
 esac

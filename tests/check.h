@@ -11,32 +11,32 @@
 
 #define ZD_TEST_SKIP 77
 
-#define CHECK(cond)                                                      \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
       fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
-      exit(1);                                                           \
-    }                                                                    \
+      exit(1);                                                                 \
+    }                                                                          \
   } while (0)
 
-#define CHECK_MSG(cond, ...)                                             \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
+#define CHECK_MSG(cond, ...)                                                   \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
       fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                      \
-      fputc('\n', stderr);                                               \
-      exit(1);                                                           \
-    }                                                                    \
+      fprintf(stderr, __VA_ARGS__);                                            \
+      fputc('\n', stderr);                                                     \
+      exit(1);                                                                 \
+    }                                                                          \
   } while (0)
 
-#define CHECK_OP_(a, op, b, type, fmt)                                   \
-  do {                                                                   \
-    type a_ = (a), b_ = (b);                                             \
-    if (!(a_ op b_)) {                                                   \
+#define CHECK_OP_(a, op, b, type, fmt)                                                           \
+  do {                                                                                           \
+    type a_ = (a), b_ = (b);                                                                     \
+    if (!(a_ op b_)) {                                                                           \
       fprintf(stderr, "%s:%d: CHECK(%s %s %s) failed: " fmt " vs " fmt "\n", __FILE__, __LINE__, \
-              #a, #op, #b, a_, b_);                                      \
-      exit(1);                                                           \
-    }                                                                    \
+              #a, #op, #b, a_, b_);                                                              \
+      exit(1);                                                                                   \
+    }                                                                                            \
   } while (0)
 
 #define CHECK_INT_EQ(a, b) CHECK_OP_(a, ==, b, long long, "%lld")
@@ -47,25 +47,25 @@
 #define CHECK_U64_EQ(a, b) CHECK_OP_(a, ==, b, unsigned long long, "%llu")
 #define CHECK_DBL_EQ(a, b) CHECK_OP_(a, ==, b, double, "%.17g")
 
-#define CHECK_STR_EQ(a, b)                                               \
-  do {                                                                   \
-    const char *a_ = (a), *b_ = (b);                                     \
-    if (!a_ || !b_ || strcmp(a_, b_) != 0) {                             \
-      fprintf(stderr, "%s:%d: CHECK(%s == %s) failed: \"%s\" vs \"%s\"\n", __FILE__, __LINE__, \
-              #a, #b, a_ ? a_ : "(null)", b_ ? b_ : "(null)");           \
-      exit(1);                                                           \
-    }                                                                    \
+#define CHECK_STR_EQ(a, b)                                                                         \
+  do {                                                                                             \
+    const char *a_ = (a), *b_ = (b);                                                               \
+    if (!a_ || !b_ || strcmp(a_, b_) != 0) {                                                       \
+      fprintf(stderr, "%s:%d: CHECK(%s == %s) failed: \"%s\" vs \"%s\"\n", __FILE__, __LINE__, #a, \
+              #b, a_ ? a_ : "(null)", b_ ? b_ : "(null)");                                         \
+      exit(1);                                                                                     \
+    }                                                                                              \
   } while (0)
 
 /* Checks that haystack contains needle (for error messages). */
-#define CHECK_CONTAINS(haystack, needle)                                 \
-  do {                                                                   \
-    const char *h_ = (haystack), *n_ = (needle);                         \
-    if (!h_ || !strstr(h_, n_)) {                                        \
+#define CHECK_CONTAINS(haystack, needle)                                                \
+  do {                                                                                  \
+    const char *h_ = (haystack), *n_ = (needle);                                        \
+    if (!h_ || !strstr(h_, n_)) {                                                       \
       fprintf(stderr, "%s:%d: expected \"%s\" to contain \"%s\"\n", __FILE__, __LINE__, \
-              h_ ? h_ : "(null)", n_);                                   \
-      exit(1);                                                           \
-    }                                                                    \
+              h_ ? h_ : "(null)", n_);                                                  \
+      exit(1);                                                                          \
+    }                                                                                   \
   } while (0)
 
 #endif /* ZD_TESTS_CHECK_H */

@@ -47,9 +47,16 @@ static inline void zdt_ref_step(float *master, float *m, float *v, const float *
   zd__adam_group_t consts;
   zd__adam_group_init(&consts, g, step);
   zd__segment_t seg = {.offset = 0, .length = n, .group = 0};
-  zd__adam_args_t a = {.master = master, .exp_avg = m, .exp_avg_sq = v, .grad = grad,
-                       .grad_dtype = ZD_F32, .param_dtype = ZD_F32, .grad_scale = grad_scale,
-                       .segs = &seg, .nsegs = 1, .groups = &consts};
+  zd__adam_args_t a = {.master = master,
+                       .exp_avg = m,
+                       .exp_avg_sq = v,
+                       .grad = grad,
+                       .grad_dtype = ZD_F32,
+                       .param_dtype = ZD_F32,
+                       .grad_scale = grad_scale,
+                       .segs = &seg,
+                       .nsegs = 1,
+                       .groups = &consts};
   zd__adam_step_ref(&a, 0, n);
 }
 

@@ -81,8 +81,9 @@ static void track(pid_t pid, pid_t untrack) {
       live[i] = pid;
       return;
     }
-  if (pid) fprintf(stderr, "harness: more than %d daemons at once; pid %d not tracked\n", MAX_LIVE,
-                   (int)pid);
+  if (pid)
+    fprintf(stderr, "harness: more than %d daemons at once; pid %d not tracked\n", MAX_LIVE,
+            (int)pid);
 }
 
 void zdt_start(zdt_daemon_t *d, const char *const *extra) {
@@ -173,8 +174,7 @@ int zdt_stop(zdt_daemon_t *d, int sig, int keep) {
   return status;
 }
 
-void zdt_raw_send(int fd, const zd__frame_header_t *h, const void *body, const int *fds,
-                  int nfds) {
+void zdt_raw_send(int fd, const zd__frame_header_t *h, const void *body, const int *fds, int nfds) {
   uint8_t *buf = malloc(ZD__FRAME_HEADER_SIZE + h->length);
   CHECK(buf);
   zd__frame_encode(h, buf);

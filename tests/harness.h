@@ -11,16 +11,16 @@
 
 typedef struct zdt_daemon {
   pid_t pid;
-  char dir[64];     /* temporary directory, removed by zdt_stop */
-  char socket[108]; /* dir/zerod.sock */
-  char log[160];    /* dir/zerod.log: the daemon's stderr */
+  char dir[64];      /* temporary directory, removed by zdt_stop */
+  char socket[108];  /* dir/zerod.sock */
+  char log[160];     /* dir/zerod.log: the daemon's stderr */
   char control[128]; /* unix:dir/control.sock: the gRPC control service */
 } zdt_daemon_t;
 
-/* Starts zerod with --socket, --control_address and --log_level debug plus extra (NULL-terminated, may be NULL) and
- * waits until the socket accepts connections. Exits the test on failure, printing the log.
- * The backend is cpu (ZEROD_BACKEND, unless the environment sets it) so that host-buffer tests
- * also pass on a machine with a GPU; extra may pass --backend. */
+/* Starts zerod with --socket, --control_address and --log_level debug plus extra (NULL-terminated,
+ * may be NULL) and waits until the socket accepts connections. Exits the test on failure, printing
+ * the log. The backend is cpu (ZEROD_BACKEND, unless the environment sets it) so that host-buffer
+ * tests also pass on a machine with a GPU; extra may pass --backend. */
 void zdt_start(zdt_daemon_t *d, const char *const *extra);
 
 /* Sends sig (SIGTERM normally), waits up to 20 s and returns the exit status as

@@ -27,7 +27,9 @@ typedef struct {
   uint64_t n;
 } bench_t;
 
-static size_t dtype_size(zd_dtype_t t) { return t == ZD_F32 ? 4 : 2; }
+static size_t dtype_size(zd_dtype_t t) {
+  return t == ZD_F32 ? 4 : 2;
+}
 
 static const char *dtype_name(int t) {
   return t == ZD_F32 ? "f32" : t == ZD_BF16 ? "bf16" : t == ZD_F16 ? "f16" : "none";
@@ -134,7 +136,8 @@ int main(int argc, char **argv) {
   /* Buffers for the largest size; smaller rows use their prefix. */
   uint64_t nmax = 1ull << max_log2;
   size_t gsz = dtype_size(gdt), psz = pdt ? dtype_size(pdt) : 0;
-  float *master = zd_bench_alloc(nmax * 4), *m = zd_bench_alloc(nmax * 4), *v = zd_bench_alloc(nmax * 4);
+  float *master = zd_bench_alloc(nmax * 4), *m = zd_bench_alloc(nmax * 4),
+        *v = zd_bench_alloc(nmax * 4);
   void *grad = zd_bench_alloc(nmax * gsz), *param = pdt ? zd_bench_alloc(nmax * psz) : NULL;
   for (uint64_t i = 0; i < nmax; i++) {
     float g = rnd_unit() * 1e-2f;

@@ -37,8 +37,12 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n) {
   }
   zd_param_t p = {.name = "weights", .ndim = 1, .shape = {n}, .group = 0};
   zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p, .nparams = 1, .groups = &g, .ngroups = 1,
-                          .param_dtype = ZD_F32, .grad_dtype = ZD_F32,
+  zd_model_desc_t desc = {.params = &p,
+                          .nparams = 1,
+                          .groups = &g,
+                          .ngroups = 1,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32,
                           .flags = ZD_REGISTER_REPLACE};
   if (zd_layout(c, &desc) != ZD_OK || zd_register(c) != ZD_OK) {
     fprintf(stderr, "bench_step: register %llu params: %s\n", (unsigned long long)n,
@@ -90,8 +94,7 @@ int main(int argc, char **argv) {
     else
       usage();
   }
-  if (min_log2 < 10 || max_log2 > 30 || min_log2 > max_log2 || iters < 1 || tiny_iters < 1)
-    usage();
+  if (min_log2 < 10 || max_log2 > 30 || min_log2 > max_log2 || iters < 1 || tiny_iters < 1) usage();
   setenv("ZEROD_BIN", zerod, 1);
 
   zd__pool_t *pool;
@@ -111,11 +114,14 @@ int main(int argc, char **argv) {
   memset(m, 0, nmax * 4);
   memset(v, 0, nmax * 4);
 
-  printf("# bench_step: zd_step() round trips through zerod (f32 params and grads, AdamW, world "
-         "size 1, %s kernels, %u threads)\n", zd__isa_name(isa), zd__pool_size(pool));
-  printf("# 32 bytes moved per param; pass: the same loads and stores over this process's state "
-         "arrays and the client's shared buffers; medians of %d steps after 3 warm-up\n#\n",
-         iters);
+  printf(
+      "# bench_step: zd_step() round trips through zerod (f32 params and grads, AdamW, world "
+      "size 1, %s kernels, %u threads)\n",
+      zd__isa_name(isa), zd__pool_size(pool));
+  printf(
+      "# 32 bytes moved per param; pass: the same loads and stores over this process's state "
+      "arrays and the client's shared buffers; medians of %d steps after 3 warm-up\n#\n",
+      iters);
   printf("# %10s %10s %10s %9s %8s %10s %10s %8s\n", "params", "step_ms", "daemon_ms", "Gparam/s",
          "GB/s", "pass_ms", "pass_GB/s", "%pass");
   double *ts = calloc((size_t)iters, sizeof *ts), *tp = calloc((size_t)iters, sizeof *tp);
@@ -127,10 +133,17 @@ int main(int argc, char **argv) {
     zd__adam_group_t consts;
     zd_group_t g = zd_group_default();
     zd__adam_group_init(&consts, &g, 1);
-    zd__adam_args_t pass = {.master = master, .exp_avg = m, .exp_avg_sq = v,
-                            .grad = zd_grad_buffer(c, NULL), .grad_dtype = ZD_F32,
-                            .param = zd_param_buffer(c, NULL), .param_dtype = ZD_F32,
-                            .grad_scale = 1.0f, .segs = &seg, .nsegs = 1, .groups = &consts};
+    zd__adam_args_t pass = {.master = master,
+                            .exp_avg = m,
+                            .exp_avg_sq = v,
+                            .grad = zd_grad_buffer(c, NULL),
+                            .grad_dtype = ZD_F32,
+                            .param = zd_param_buffer(c, NULL),
+                            .param_dtype = ZD_F32,
+                            .grad_scale = 1.0f,
+                            .segs = &seg,
+                            .nsegs = 1,
+                            .groups = &consts};
     for (int it = 0; it < 3 + iters; it++) {
       uint64_t dus;
       double s, p;
@@ -168,7 +181,8 @@ int main(int argc, char **argv) {
     rt[it] = step_seconds(c, &dus);
   }
   zd_close(c);
-  double p50 = zd_bench_percentile(rt, tiny_iters, 0.5), p90 = zd_bench_percentile(rt, tiny_iters, 0.9);
+  double p50 = zd_bench_percentile(rt, tiny_iters, 0.5),
+         p90 = zd_bench_percentile(rt, tiny_iters, 0.9);
   double p99 = zd_bench_percentile(rt, tiny_iters, 0.99);
   printf("#\n# step round trip, %llu params, %d steps\n", (unsigned long long)tiny_params,
          tiny_iters);

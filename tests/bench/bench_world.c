@@ -21,7 +21,7 @@
 #include "zerod/zerod.h"
 
 #define MAX_WORLD 8
-#define WARMUP 3
+#define WARMUP    3
 
 typedef struct run {
   const zdt_daemon_t *d;
@@ -44,8 +44,13 @@ static void *client_main(void *arg) {
   if (zd_connect(r->d->socket, (int)r->rank, 0, &c) != ZD_OK) die("connect");
   zd_param_t p = {.name = "weights", .ndim = 1, .shape = {r->n}, .group = 0};
   zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p, .nparams = 1, .groups = &g, .ngroups = 1,
-                          .param_dtype = ZD_F32, .grad_dtype = ZD_F32, .grad_mean = 1,
+  zd_model_desc_t desc = {.params = &p,
+                          .nparams = 1,
+                          .groups = &g,
+                          .ngroups = 1,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32,
+                          .grad_mean = 1,
                           .flags = ZD_REGISTER_REPLACE};
   if (zd_layout(c, &desc) != ZD_OK) die("layout");
   float *grad = zd_grad_buffer(c, NULL);
@@ -77,8 +82,7 @@ static double run_world(uint32_t w, uint64_t n, int iters, double *daemon_ms) {
   run_t runs[MAX_WORLD];
   pthread_t threads[MAX_WORLD];
   for (uint32_t q = 0; q < w; q++) {
-    runs[q] = (run_t){.d = &d, .n = n, .iters = iters, .rank = q, .ready = &ready,
-                      .times = times};
+    runs[q] = (run_t){.d = &d, .n = n, .iters = iters, .rank = q, .ready = &ready, .times = times};
     pthread_create(&threads[q], NULL, client_main, &runs[q]);
   }
   for (uint32_t q = 0; q < w; q++) pthread_join(threads[q], NULL);
@@ -115,16 +119,19 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--iters"))
       iters = atoi(argv[i + 1]);
     else {
-      fprintf(stderr, "usage: bench_world [--zerod PATH] [--worlds 1,2,4] [--log2 22,24] "
+      fprintf(stderr,
+              "usage: bench_world [--zerod PATH] [--worlds 1,2,4] [--log2 22,24] "
               "[--iters N]\n");
       return 2;
     }
   }
   setenv("ZEROD_BIN", zerod, 1);
-  printf("# bench_world: zd_step() at world size W (one zerod, W local ranks, Gloo on loopback), "
-         "f32, AdamW; median of %d steps after %d warm-up\n#\n", iters, WARMUP);
-  printf("# %10s %5s %12s %10s %12s %10s\n", "params", "W", "shard_elems", "step_ms",
-         "daemon_ms", "vs_W=1");
+  printf(
+      "# bench_world: zd_step() at world size W (one zerod, W local ranks, Gloo on loopback), "
+      "f32, AdamW; median of %d steps after %d warm-up\n#\n",
+      iters, WARMUP);
+  printf("# %10s %5s %12s %10s %12s %10s\n", "params", "W", "shard_elems", "step_ms", "daemon_ms",
+         "vs_W=1");
   for (int s = 0; s < nsizes; s++) {
     uint64_t n = 1ull << sizes[s];
     double base = 0;

@@ -12,7 +12,9 @@
 
 #define CHUNK 64 /* elements: tasks start on multiples of this (a cache line of every stream) */
 
-static size_t dtype_size(zd_dtype_t t) { return t == ZD_F32 ? 4 : 2; }
+static size_t dtype_size(zd_dtype_t t) {
+  return t == ZD_F32 ? 4 : 2;
+}
 
 /* Zero at run time, unknown to the compiler: the pass XORs it into every value it stores, so no
  * load or store can be optimized away (GCC drops the store of a vector just loaded from the same
@@ -69,7 +71,7 @@ __attribute__((target("avx512f"))) static void pass_avx512(const zd__adam_args_t
 }
 
 __attribute__((target("avx2"))) static void pass_avx2(const zd__adam_args_t *a, uint64_t lo,
-                                                       uint64_t hi) {
+                                                      uint64_t hi) {
   __m256i key = _mm256_set1_epi32((int)pass_key);
   size_t gsz = dtype_size(a->grad_dtype), psz = dtype_size(a->param_dtype);
   int nt = a->param && hi - lo >= ZD__ADAM_NT_MIN;
@@ -144,8 +146,7 @@ void zd_bench_split(uint64_t n, unsigned task, unsigned ntasks, uint64_t *lo, ui
   if (*lo > n) *lo = n;
 }
 
-double zd_bench_mempass(zd__pool_t *pool, zd__isa_t isa, const zd__adam_args_t *args,
-                        uint64_t n) {
+double zd_bench_mempass(zd__pool_t *pool, zd__isa_t isa, const zd__adam_args_t *args, uint64_t n) {
   pass_run_t r = {.args = args, .isa = isa, .n = n};
   double t0 = zd_bench_now();
   zd__pool_run(pool, zd__pool_size(pool), pass_task, &r);

@@ -17,7 +17,7 @@ double zd_bench_mempass(zd__pool_t *pool, zd__isa_t isa, const zd__adam_args_t *
 void zd_bench_split(uint64_t n, unsigned task, unsigned ntasks, uint64_t *lo, uint64_t *hi);
 
 double zd_bench_now(void);
-double zd_bench_median(double *t, int n); /* sorts t */
+double zd_bench_median(double *t, int n);               /* sorts t */
 double zd_bench_percentile(double *t, int n, double q); /* sorts t; q in [0, 1] */
 void *zd_bench_alloc(size_t bytes); /* 2 MiB aligned, huge pages advised; exits on failure */
 

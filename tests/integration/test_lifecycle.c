@@ -52,10 +52,19 @@ static int run_zerod(const char *const *args, const char **output) {
 static void test_command_line(void) {
   const char *out;
   CHECK_INT_EQ(run_zerod((const char *[]){"--help", NULL}, &out), 0);
-  const char *expect[] = {"Usage: zerod", "--socket", "ZEROD_SOCKET", "--allowed_uids",
-                          "--max_frame_bytes", "--kernel_isa", "--local_ranks", "--world_size",
-                          "--control_address", "--collective_timeout_ms", "--log_level",
-                          "--config", "0660"};
+  const char *expect[] = {"Usage: zerod",
+                          "--socket",
+                          "ZEROD_SOCKET",
+                          "--allowed_uids",
+                          "--max_frame_bytes",
+                          "--kernel_isa",
+                          "--local_ranks",
+                          "--world_size",
+                          "--control_address",
+                          "--collective_timeout_ms",
+                          "--log_level",
+                          "--config",
+                          "0660"};
   for (size_t i = 0; i < sizeof expect / sizeof expect[0]; i++) CHECK_CONTAINS(out, expect[i]);
   CHECK_INT_EQ(run_zerod((const char *[]){"--version", NULL}, &out), 0);
   CHECK_CONTAINS(out, "zerod " ZD_VERSION_STRING);
@@ -71,8 +80,12 @@ static zd_client_t *connect_register(const char *socket, const zd_param_t *param
   zd_client_t *c;
   int rc = zd_connect(socket, rank, 0, &c);
   CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
-  zd_model_desc_t desc = {.params = params, .nparams = MLP_NPARAMS, .groups = groups,
-                          .ngroups = 2, .param_dtype = ZD_F32, .grad_dtype = ZD_F32,
+  zd_model_desc_t desc = {.params = params,
+                          .nparams = MLP_NPARAMS,
+                          .groups = groups,
+                          .ngroups = 2,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32,
                           .flags = flags};
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float *p = zd_param_buffer(c, NULL);
@@ -237,8 +250,12 @@ static void test_sigterm_in_flight(void) {
   zd_param_t big = {.name = "big", .ndim = 1, .shape = {1u << 24}, .group = 0};
   zd_client_t *c;
   CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
-  zd_model_desc_t desc = {.params = &big, .nparams = 1, .groups = groups, .ngroups = 1,
-                          .param_dtype = ZD_F32, .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = {.params = &big,
+                          .nparams = 1,
+                          .groups = groups,
+                          .ngroups = 1,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32};
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   CHECK_INT_EQ(zd_register(c), ZD_OK);
   enum { N = 6 };

@@ -22,8 +22,12 @@ static zd_client_t *start_client(const zdt_daemon_t *d) {
   CHECK_INT_EQ(zd_connect(d->socket, ZD_ANY_RANK, 0, &c), ZD_OK);
   zd_group_t groups[2] = {zd_group_default(), zd_group_default()};
   groups[1].weight_decay = 0;
-  zd_model_desc_t desc = {.params = mlp_params, .nparams = MLP_NPARAMS, .groups = groups,
-                          .ngroups = 2, .param_dtype = ZD_F32, .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = {.params = mlp_params,
+                          .nparams = MLP_NPARAMS,
+                          .groups = groups,
+                          .ngroups = 2,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32};
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
   float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};
@@ -90,8 +94,10 @@ int main(void) {
     CHECK_MSG(memcmp(zd_param_buffer(a, NULL), zd_param_buffer(b, NULL), bytes) == 0,
               "step %d: pipelined training differs from plain training", step + 1);
   }
-  printf("  %d steps with %u buckets scattered and gathered one by one, pipelined: bitwise equal "
-         "to plain steps\n", STEPS, nb);
+  printf(
+      "  %d steps with %u buckets scattered and gathered one by one, pipelined: bitwise equal "
+      "to plain steps\n",
+      STEPS, nb);
 
   /* Claiming scattered gradients that were not: refused, nothing applied. */
   zd_step_opts_t opts = {.flags = ZD_STEP_NO_SCATTER};

@@ -17,7 +17,7 @@
 #include "mlp.h"
 #include "zerod/zerod.h"
 
-#define STEPS 120
+#define STEPS       120
 #define REATTACH_AT 60
 
 typedef struct reference {
@@ -34,8 +34,12 @@ static zd_group_t groups_at(int step, zd_group_t out[2]) {
                         .eps = 1e-8,
                         .weight_decay = 0.01,
                         .optimizer = ZD_ADAMW};
-  out[1] = (zd_group_t){.lr = 1e-3, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6,
-                        .weight_decay = 0.1, .optimizer = ZD_ADAM};
+  out[1] = (zd_group_t){.lr = 1e-3,
+                        .beta1 = 0.8,
+                        .beta2 = 0.99,
+                        .eps = 1e-6,
+                        .weight_decay = 0.1,
+                        .optimizer = ZD_ADAM};
   return out[0];
 }
 
@@ -186,8 +190,12 @@ static void run_many_threads(void) {
   CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
   zd_param_t p = {.name = "w", .ndim = 1, .shape = {N}, .group = 0};
   zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p, .nparams = 1, .groups = &g, .ngroups = 1,
-                          .param_dtype = ZD_F32, .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = {.params = &p,
+                          .nparams = 1,
+                          .groups = &g,
+                          .ngroups = 1,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32};
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float *param = zd_param_buffer(c, NULL), *grad = zd_grad_buffer(c, NULL);
   float *master = calloc(N, 4), *m = calloc(N, 4), *v = calloc(N, 4);
@@ -200,8 +208,10 @@ static void run_many_threads(void) {
     zdt_ref_step(master, m, v, grad, N, &g, (uint64_t)step, 1.0f);
   }
   for (uint32_t i = 0; i < N; i++)
-    CHECK_MSG(memcmp(&param[i], &master[i], 4) == 0, "element %u of %u: %.9g through zerod, "
-              "%.9g in the reference", i, (unsigned)N, param[i], master[i]);
+    CHECK_MSG(memcmp(&param[i], &master[i], 4) == 0,
+              "element %u of %u: %.9g through zerod, "
+              "%.9g in the reference",
+              i, (unsigned)N, param[i], master[i]);
   printf("training %u params on 128 kernel threads: every element bitwise equal\n", (unsigned)N);
   free(master);
   free(m);

@@ -31,7 +31,7 @@
 #include "mlp.h"
 #include "zerod/zerod.h"
 
-#define MAX_RANKS 4
+#define MAX_RANKS             4
 #define COLLECTIVE_TIMEOUT_MS "3000"
 
 typedef struct world {
@@ -52,12 +52,25 @@ static void start_world(world_t *w, uint32_t world_size, uint32_t ndaemons) {
     snprintf(ws, sizeof ws, "%u", world_size);
     snprintf(lr, sizeof lr, "%u", per);
     snprintf(fr, sizeof fr, "%u", i * per);
-    const char *args[] = {"--world_size", ws, "--local_ranks", lr, "--first_rank", fr,
-                          "--collective_timeout_ms", collective_timeout_ms,
-                          "--shutdown_timeout_ms", "1000",
-                          "--connect_timeout_ms", connect_timeout_ms, "--bucket_elems", "256",
-                          "--threads", "1",
-                          i ? "--rendezvous_address" : NULL, w->daemons[0].control, NULL};
+    const char *args[] = {"--world_size",
+                          ws,
+                          "--local_ranks",
+                          lr,
+                          "--first_rank",
+                          fr,
+                          "--collective_timeout_ms",
+                          collective_timeout_ms,
+                          "--shutdown_timeout_ms",
+                          "1000",
+                          "--connect_timeout_ms",
+                          connect_timeout_ms,
+                          "--bucket_elems",
+                          "256",
+                          "--threads",
+                          "1",
+                          i ? "--rendezvous_address" : NULL,
+                          w->daemons[0].control,
+                          NULL};
     zdt_start(&w->daemons[i], args);
   }
 }
@@ -88,15 +101,26 @@ typedef struct run_cfg {
   const int *overflow_steps; /* steps at which rank 1 puts an inf into its gradient (-1 ends) */
 } run_cfg_t;
 
-static const zd_loss_scaler_t scaler_cfg = {.enabled = 1, .initial_scale = 1024,
-                                            .growth_factor = 2, .backoff_factor = 0.5,
-                                            .growth_interval = 10, .hysteresis = 2,
+static const zd_loss_scaler_t scaler_cfg = {.enabled = 1,
+                                            .initial_scale = 1024,
+                                            .growth_factor = 2,
+                                            .backoff_factor = 0.5,
+                                            .growth_interval = 10,
+                                            .hysteresis = 2,
                                             .min_scale = 1};
 
 static zd_group_t groups_at(int step, zd_group_t g[2]) {
-  g[0] = (zd_group_t){.lr = 2e-3 * (1.0 - 0.5 * step / 200.0), .beta1 = 0.9, .beta2 = 0.999,
-                      .eps = 1e-8, .weight_decay = 0.01, .optimizer = ZD_ADAMW};
-  g[1] = (zd_group_t){.lr = 1e-3, .beta1 = 0.85, .beta2 = 0.99, .eps = 1e-7, .weight_decay = 0.05,
+  g[0] = (zd_group_t){.lr = 2e-3 * (1.0 - 0.5 * step / 200.0),
+                      .beta1 = 0.9,
+                      .beta2 = 0.999,
+                      .eps = 1e-8,
+                      .weight_decay = 0.01,
+                      .optimizer = ZD_ADAMW};
+  g[1] = (zd_group_t){.lr = 1e-3,
+                      .beta1 = 0.85,
+                      .beta2 = 0.99,
+                      .eps = 1e-7,
+                      .weight_decay = 0.05,
                       .optimizer = ZD_ADAM};
   return g[0];
 }
@@ -132,9 +156,15 @@ static zd_client_t *register_rank(const zdt_daemon_t *d, uint32_t local, const r
   CHECK_MSG(*rc == ZD_OK, "connect: %s", zd_last_error());
   zd_group_t g[2];
   groups_at(0, g);
-  zd_model_desc_t desc = {.params = params, .nparams = MLP_NPARAMS, .groups = g, .ngroups = 2,
-                          .param_dtype = cfg->param_dtype, .grad_dtype = cfg->grad_dtype,
-                          .max_grad_norm = cfg->max_grad_norm, .grad_mean = 1, .flags = flags};
+  zd_model_desc_t desc = {.params = params,
+                          .nparams = MLP_NPARAMS,
+                          .groups = g,
+                          .ngroups = 2,
+                          .param_dtype = cfg->param_dtype,
+                          .grad_dtype = cfg->grad_dtype,
+                          .max_grad_norm = cfg->max_grad_norm,
+                          .grad_mean = 1,
+                          .flags = flags};
   if (cfg->loss_scaling) desc.loss_scaler = scaler_cfg;
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
@@ -144,7 +174,8 @@ static zd_client_t *register_rank(const zdt_daemon_t *d, uint32_t local, const r
   for (int i = 0; i < MLP_NPARAMS; i++) {
     zd_param_info_t info;
     zd_param_info(c, (size_t)i, &info);
-    for (uint64_t k = 0; k < info.numel; k++) zdt_store(buf, cfg->param_dtype, info.offset + k, init[i][k]);
+    for (uint64_t k = 0; k < info.numel; k++)
+      zdt_store(buf, cfg->param_dtype, info.offset + k, init[i][k]);
   }
   *rc = zd_register(c);
   return c;
@@ -176,7 +207,8 @@ static void *client_main(void *arg) {
       zd_param_info(c, (size_t)i, &pi);
       p[i] = work[i];
       g[i] = grad[i];
-      for (uint64_t k = 0; k < pi.numel; k++) work[i][k] = zdt_load(pb, cfg->param_dtype, pi.offset + k);
+      for (uint64_t k = 0; k < pi.numel; k++)
+        work[i][k] = zdt_load(pb, cfg->param_dtype, pi.offset + k);
     }
     mlp_loss_grad((const float *const *)p, g, (uint64_t)step, t->rank);
     for (int i = 0; i < MLP_NPARAMS; i++) {
@@ -327,9 +359,8 @@ static void ref_step(reference_t *r, const run_cfg_t *cfg, uint32_t w, int step,
   groups_at(step, g);
   for (uint32_t i = 0; i < l->nparams; i++) {
     const zd__layout_param_t *p = &l->params[i];
-    zdt_ref_step(r->master + p->offset, r->m + p->offset, r->v + p->offset,
-                 r->reduced + p->offset, p->numel, &g[p->group], r->step + 1,
-                 (float)(pre_scale * expect->clip_coef));
+    zdt_ref_step(r->master + p->offset, r->m + p->offset, r->v + p->offset, r->reduced + p->offset,
+                 p->numel, &g[p->group], r->step + 1, (float)(pre_scale * expect->clip_coef));
   }
   r->step++;
   ref_scaler_update(&r->scaler, 0);
@@ -390,26 +421,29 @@ static void train(world_t *w, const run_cfg_t *cfg) {
       CHECK_INT_EQ(got->applied, expect.applied);
       CHECK_DBL_EQ(got->loss_scale, expect.loss_scale);
       CHECK_DBL_EQ(got->clip_coef, expect.clip_coef);
-      CHECK_MSG(got->grad_norm == expect.grad_norm || (isnan(got->grad_norm) && isnan(expect.grad_norm)),
-                "step %d rank %u: grad norm %.17g, reference %.17g", step, q, got->grad_norm,
-                expect.grad_norm);
+      CHECK_MSG(
+          got->grad_norm == expect.grad_norm || (isnan(got->grad_norm) && isnan(expect.grad_norm)),
+          "step %d rank %u: grad norm %.17g, reference %.17g", step, q, got->grad_norm,
+          expect.grad_norm);
       compare_params(&ref, sh.clients[q], cfg->param_dtype, q, step + 1);
     }
     skipped += !expect.applied;
     clipped += expect.clip_coef < 1.0;
     if (cfg->loss_scaling && (step < 3 || !expect.applied || expect.loss_scale != sh.scale)) {
       size_t used = strlen(trajectory);
-      snprintf(trajectory + used, sizeof trajectory - used, " %d:%g%s", step + 1,
-               expect.loss_scale, expect.applied ? "" : "(skip)");
+      snprintf(trajectory + used, sizeof trajectory - used, " %d:%g%s", step + 1, expect.loss_scale,
+               expect.applied ? "" : "(skip)");
     }
     sh.scale = expect.loss_scale;
     pthread_barrier_wait(&sh.barrier); /* compared */
   }
   for (uint32_t q = 0; q < n; q++) pthread_join(threads[q], NULL);
-  printf("  %s: %d steps, every parameter of all %u ranks bitwise equal to the ring-order "
-         "reference", cfg->name, cfg->steps, n);
-  if (n > 2) printf(" (a rank-order sum differs from the ring's by up to %.3g)",
-                    ref.max_abs_vs_rank_order);
+  printf(
+      "  %s: %d steps, every parameter of all %u ranks bitwise equal to the ring-order "
+      "reference",
+      cfg->name, cfg->steps, n);
+  if (n > 2)
+    printf(" (a rank-order sum differs from the ring's by up to %.3g)", ref.max_abs_vs_rank_order);
   if (cfg->max_grad_norm > 0) printf("; %d steps clipped", clipped);
   if (cfg->loss_scaling) printf("; %d skipped; loss scale step:value%s", skipped, trajectory);
   printf("\n");
@@ -580,8 +614,9 @@ static void test_registration_timing(void) {
   step_arg_t s[2];
   step_both(c, 2e-3, s);
   for (int q = 0; q < 2; q++) CHECK_MSG(s[q].rc == ZD_OK, "rank %d: %s", q, s[q].err);
-  printf("  a client registering 4.5 s after its peer (collective timeout 3 s): registered, "
-         "stepped\n");
+  printf(
+      "  a client registering 4.5 s after its peer (collective timeout 3 s): registered, "
+      "stepped\n");
   zd_close(c[0]);
   zd_close(c[1]);
   stop_world(&w);
@@ -598,8 +633,10 @@ static void test_registration_timing(void) {
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
   CHECK_MSG(took < 3.0, "shutdown took %.1f s with a registration waiting", took);
   CHECK_MSG(r[0].rc != ZD_OK, "the waiting registration succeeded without its peer");
-  printf("  SIGTERM with a registration waiting: zerod exited 0 in %.2f s; the client got %s: "
-         "%s\n", took, zd_err_name(r[0].rc), r[0].err);
+  printf(
+      "  SIGTERM with a registration waiting: zerod exited 0 in %.2f s; the client got %s: "
+      "%s\n",
+      took, zd_err_name(r[0].rc), r[0].err);
   zd_close(r[0].c);
   stop_world(&w);
 }
@@ -629,8 +666,9 @@ static void test_registration_gives_up(void) {
   CHECK_CONTAINS(status, "health:ok\n");
   free(status);
   for (int q = 0; q < 2; q++) zd_close(r[q].c);
-  printf("  registrations that gave up one after the other leave the world healthy; together they "
-         "register\n");
+  printf(
+      "  registrations that gave up one after the other leave the world healthy; together they "
+      "register\n");
   stop_world(&w);
   connect_timeout_ms = "20000";
 }
@@ -657,8 +695,10 @@ static void test_shutdown_aborts(void) {
   CHECK_MSG(took < 5.0, "shutdown took %.1f s with a collective waiting", took);
   CHECK_INT_EQ(s.rc, -ECANCELED);
   CHECK_CONTAINS(s.err, "aborted (zerod is shutting down)");
-  printf("  SIGTERM with a step waiting for a silent peer: aborted after the shutdown timeout, "
-         "zerod exited 0 in %.2f s; the client got %s\n", took, zd_err_name(s.rc));
+  printf(
+      "  SIGTERM with a step waiting for a silent peer: aborted after the shutdown timeout, "
+      "zerod exited 0 in %.2f s; the client got %s\n",
+      took, zd_err_name(s.rc));
   zd_close(r[0].c);
   zd_close(r[1].c);
   stop_world(&w);
@@ -700,11 +740,15 @@ static void test_peer_killed(void) {
 int main(void) {
   world_t w;
   start_world(&w, 2, 2);
-  run_cfg_t f32 = {.name = "W=2 (2 zerods x 1 rank), f32", .param_dtype = ZD_F32,
-                   .grad_dtype = ZD_F32, .steps = 120};
+  run_cfg_t f32 = {.name = "W=2 (2 zerods x 1 rank), f32",
+                   .param_dtype = ZD_F32,
+                   .grad_dtype = ZD_F32,
+                   .steps = 120};
   train(&w, &f32);
-  run_cfg_t bf16 = {.name = "W=2, bf16 params and grads", .param_dtype = ZD_BF16,
-                    .grad_dtype = ZD_BF16, .steps = 60};
+  run_cfg_t bf16 = {.name = "W=2, bf16 params and grads",
+                    .param_dtype = ZD_BF16,
+                    .grad_dtype = ZD_BF16,
+                    .steps = 60};
   stop_world(&w);
   start_world(&w, 2, 2);
   train(&w, &bf16);
@@ -713,14 +757,20 @@ int main(void) {
   start_world(&w, 2, 2);
   static const int overflows[] = {14, 15, 31, 50, 51, 52, -1};
   run_cfg_t scaled = {.name = "W=2, fp16 grads, loss scaling, clipping at 0.05",
-                      .param_dtype = ZD_F32, .grad_dtype = ZD_F16, .steps = 80,
-                      .max_grad_norm = 0.05, .loss_scaling = 1, .overflow_steps = overflows};
+                      .param_dtype = ZD_F32,
+                      .grad_dtype = ZD_F16,
+                      .steps = 80,
+                      .max_grad_norm = 0.05,
+                      .loss_scaling = 1,
+                      .overflow_steps = overflows};
   train(&w, &scaled);
   stop_world(&w);
 
   start_world(&w, 4, 2);
-  run_cfg_t w4 = {.name = "W=4 (2 zerods x 2 ranks), f32", .param_dtype = ZD_F32,
-                  .grad_dtype = ZD_F32, .steps = 100};
+  run_cfg_t w4 = {.name = "W=4 (2 zerods x 2 ranks), f32",
+                  .param_dtype = ZD_F32,
+                  .grad_dtype = ZD_F32,
+                  .steps = 100};
   train(&w, &w4);
   stop_world(&w);
 

@@ -474,7 +474,8 @@ static void loop_until_failure(const world_t *wd, zd__comm_t *c, uint32_t rank) 
     zd_dtype_t sdt;
     int k = it % 3;
     double t0 = now_ms();
-    int rc = k == 0 ? c->ops->reduce_scatter(c, 0, grads, ZD_BF16, count, scratch, &shard, &sdt, &err)
+    int rc = k == 0
+                 ? c->ops->reduce_scatter(c, 0, grads, ZD_BF16, count, scratch, &shard, &sdt, &err)
              : k == 1 ? c->ops->all_gather(c, 0, params, ZD_BF16, count, &err)
                       : c->ops->allgather_bytes(c, rec, sizeof rec, recs, &err);
     double ms = now_ms() - t0;

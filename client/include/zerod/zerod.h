@@ -39,17 +39,17 @@
 extern "C" {
 #endif
 
-#define ZD_VERSION_MAJOR 0
-#define ZD_VERSION_MINOR 1
-#define ZD_VERSION_PATCH 0
+#define ZD_VERSION_MAJOR  0
+#define ZD_VERSION_MINOR  1
+#define ZD_VERSION_PATCH  0
 #define ZD_VERSION_STRING "0.1.0"
 
 /* Highest local protocol version this library speaks (DESIGN §5, docs/protocol.md). */
 #define ZD_PROTOCOL_VERSION 1
 
-#define ZD_MAX_DIMS 8
-#define ZD_ALL_BUCKETS (-1)
-#define ZD_ANY_RANK (-1)
+#define ZD_MAX_DIMS         8
+#define ZD_ALL_BUCKETS      (-1)
+#define ZD_ANY_RANK         (-1)
 
 /* Element types. Values match proto/zerod.proto. */
 typedef enum zd_dtype { ZD_F32 = 1, ZD_BF16 = 2, ZD_F16 = 3 } zd_dtype_t;
@@ -87,12 +87,12 @@ typedef struct zd_param {
  * min_scale); after growth_interval clean steps in a row it multiplies it by growth_factor. */
 typedef struct zd_loss_scaler {
   int enabled;
-  double initial_scale;   /* e.g. 65536 */
-  double growth_factor;   /* e.g. 2 */
-  double backoff_factor;  /* e.g. 0.5 */
+  double initial_scale;     /* e.g. 65536 */
+  double growth_factor;     /* e.g. 2 */
+  double backoff_factor;    /* e.g. 0.5 */
   uint32_t growth_interval; /* e.g. 1000 */
-  uint32_t hysteresis;    /* e.g. 2 */
-  double min_scale;       /* e.g. 1 */
+  uint32_t hysteresis;      /* e.g. 2 */
+  double min_scale;         /* e.g. 1 */
 } zd_loss_scaler_t;
 
 /* Where the shared buffers live. */
@@ -103,8 +103,9 @@ typedef enum zd_memory {
 } zd_memory_t;
 
 /* Register flags. */
-#define ZD_REGISTER_REPLACE 0x1u /* start afresh: discard any state zerod holds on this rank, for
-                                    this model or another (at world size > 1: on every rank) */
+#define ZD_REGISTER_REPLACE                                             \
+  0x1u /* start afresh: discard any state zerod holds on this rank, for \
+          this model or another (at world size > 1: on every rank) */
 
 typedef struct zd_model_desc {
   const zd_param_t *params;
@@ -116,7 +117,7 @@ typedef struct zd_model_desc {
   double max_grad_norm;   /* clip by global L2 norm; 0 disables clipping */
   int grad_mean;          /* 1: gradients are averaged over ranks; 0: summed */
   zd_loss_scaler_t loss_scaler;
-  unsigned flags; /* ZD_REGISTER_* */
+  unsigned flags;     /* ZD_REGISTER_* */
   zd_memory_t memory; /* ZD_MEMORY_HOST (0, the default) or ZD_MEMORY_CUDA */
   int device;         /* ZD_MEMORY_CUDA: this process's CUDA ordinal of the GPU the buffers go on;
                          it must be the GPU of the client's local rank (zd_cuda_device()) */
@@ -131,13 +132,13 @@ typedef struct zd_info {
   uint32_t rank;       /* global rank */
   uint32_t local_rank; /* rank index within this zerod */
   uint64_t bucket_elems;
-  char backend[16];    /* "cpu" or "cuda" */
+  char backend[16]; /* "cpu" or "cuda" */
   char daemon_version[32];
   /* Valid after zd_register(): */
-  uint64_t step;          /* steps applied so far to the registered model */
-  int resumed;            /* 1 if zerod already held state for this model (reattach) */
+  uint64_t step; /* steps applied so far to the registered model */
+  int resumed;   /* 1 if zerod already held state for this model (reattach) */
   uint64_t layout_hash;
-  uint64_t total_elems;   /* elements in the flat buffers, padding included */
+  uint64_t total_elems; /* elements in the flat buffers, padding included */
   uint32_t nbuckets;
   double loss_scale;
 } zd_info_t;
@@ -161,7 +162,7 @@ typedef struct zd_bucket_info {
 
 /* Step options: zero-initialise; NULL means all defaults. */
 #define ZD_STEP_NO_SCATTER 0x1u /* gradients already scattered with zd_scatter() */
-#define ZD_STEP_NO_GATHER 0x2u  /* parameters gathered later with zd_gather() */
+#define ZD_STEP_NO_GATHER  0x2u /* parameters gathered later with zd_gather() */
 typedef struct zd_step_opts {
   const zd_group_t *groups; /* per-group hyperparameters for this and later steps (schedulers);
                                NULL keeps the current ones */
@@ -170,12 +171,12 @@ typedef struct zd_step_opts {
 } zd_step_opts_t;
 
 typedef struct zd_step_result {
-  uint64_t step;       /* steps applied after this one */
-  int applied;         /* 0 if skipped because of an overflow (loss scaling) */
-  double grad_norm;    /* global L2 norm of the (unscaled, reduced) gradient; NaN when not
-                          computed (world size 1 with no clipping and no loss scaling) */
-  double loss_scale;   /* scale to use for the next step's loss */
-  double clip_coef;    /* factor applied to the gradient by clipping (1 if none) */
+  uint64_t step;        /* steps applied after this one */
+  int applied;          /* 0 if skipped because of an overflow (loss scaling) */
+  double grad_norm;     /* global L2 norm of the (unscaled, reduced) gradient; NaN when not
+                           computed (world size 1 with no clipping and no loss scaling) */
+  double loss_scale;    /* scale to use for the next step's loss */
+  double clip_coef;     /* factor applied to the gradient by clipping (1 if none) */
   uint64_t duration_us; /* time zerod spent on the step */
 } zd_step_result_t;
 
