@@ -903,7 +903,7 @@ static void on_frame_timeout(uv_timer_t *t) {
     zd__frame_decode(s->rbuf, &h);
     want += h.length;
   }
-  fail_stream(s, h.request_id, -1, ZD_EPROTO,
+  fail_stream(s, h.request_id, kept_if_register(h.type), ZD_EPROTO,
               "truncated frame: received %zu of %zu bytes within %u ms", s->rlen, want,
               s->daemon->cfg->frame_timeout_ms);
   update_poll(s);

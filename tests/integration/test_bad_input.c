@@ -159,6 +159,17 @@ static void test_truncated(void) {
                           "500 ms"));
   CHECK(zdt_raw_closed(fd, 2000));
   close(fd);
+  /* a truncated register is answered like every refused register: zerod holds none of its IPC
+   * handles (docs/protocol.md, "Releasing the handles") */
+  fd = connect_hello();
+  h.type = ZD__MSG_REGISTER;
+  h.request_id = 15;
+  zd__frame_encode(&h, buf);
+  CHECK_INT_EQ(send(fd, buf, sizeof buf, MSG_NOSIGNAL), (long long)sizeof buf);
+  printf("  truncated register -> %s\n",
+         zdt_expect_error_kept(fd, 15, ZD_EPROTO, "truncated frame: received 34 of 124 bytes", 0));
+  CHECK(zdt_raw_closed(fd, 2000));
+  close(fd);
   bystander_step("truncated frame");
 }
 
