@@ -49,6 +49,11 @@ typedef struct cuda_compute {
   cudaEvent_t done;    /* before freeing: waits until the stream ran out */
   int timeout_ms;
   int stuck; /* the stream did not run out within timeout_ms: leave memory to the exit */
+  /* The stream may have work on the client's buffers: set by begin, cleared when a job's wait
+   * saw the stream run out. Written by the worker, read by the loop thread (stream_idle) with
+   * atomics, so that the loop thread asks the worker's record, not CUDA: a query could block
+   * behind a driver lock that a stuck teardown holds. */
+  int busy;
 } cuda_compute_t;
 
 typedef struct cuda_model {
@@ -65,19 +70,26 @@ typedef struct cuda_model {
  * cudaFree waits for the whole device without a bound. A model replaced at registration is freed
  * while the new one's set-up is still queued; that completes. 0 when the stream is stuck (a
  * failure left work that does not complete): the memory is then left to the process's exit. */
+static void set_busy(cuda_compute_t *c, int busy) {
+  __atomic_store_n(&c->busy, busy, __ATOMIC_RELEASE);
+}
+
 static int drained(cuda_compute_t *c) {
   cudaError_t e = cudaStreamQuery(c->stream);
   (void)cudaGetLastError();
   if (e != cudaErrorNotReady) { /* idle, or the context failed and nothing will run */
     c->stuck = 0;
+    set_busy(c, 0);
     return 1;
   }
   if (c->stuck) return 0; /* waited in vain once already: do not wait again for each array */
   zd__err_t err = {0};
   e = cudaEventRecord(c->done, c->stream);
   if (e == cudaSuccess && zd__cuda_event_wait(c->done, c->timeout_ms, NULL, NULL,
-                                              "the rank's queued GPU work", &err) == ZD_OK)
+                                              "the rank's queued GPU work", &err) == ZD_OK) {
+    set_busy(c, 0);
     return 1;
+  }
   (void)cudaGetLastError();
   c->stuck = 1;
   return 0;
@@ -90,6 +102,7 @@ static void note_failed_wait(cuda_compute_t *c) {
   cudaError_t e = cudaStreamQuery(c->stream);
   (void)cudaGetLastError();
   if (e == cudaErrorNotReady) c->stuck = 1;
+  set_busy(c, e == cudaErrorNotReady);
 }
 
 static void leak_warning(const cuda_compute_t *c, const char *what) {
@@ -184,6 +197,7 @@ static int cuda_begin(zd__compute_t *base, const zd__buffers_t *buf, uint32_t sl
   cuda_compute_t *c = (cuda_compute_t *)base;
   if (buf->device < 0) return ZD_OK;                           /* host buffers: nothing to order */
   zd_assert(slot < ZD__EVENT_SLOTS && buf->grads_ready[slot]); /* checked by the session */
+  set_busy(c, 1); /* until finish sees the stream run out */
   cudaError_t e = cudaStreamWaitEvent(c->stream, (cudaEvent_t)buf->grads_ready[slot], 0);
   if (e == cudaSuccess) return ZD_OK;
   (void)cudaGetLastError();
@@ -218,6 +232,7 @@ static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_
     *err = werr;
     return wrc;
   }
+  set_busy(c, 0); /* everything the job queued has run */
   return rc;
 }
 
@@ -308,10 +323,7 @@ static int cuda_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd
 /* Loop thread, between jobs (compute.h): c->device and c->stream are set once at create. */
 static int cuda_stream_idle(zd__compute_t *base) {
   cuda_compute_t *c = (cuda_compute_t *)base;
-  cudaError_t e = cudaSetDevice(c->device); /* as the loop thread does for every CUDA call */
-  if (e == cudaSuccess) e = cudaStreamQuery(c->stream);
-  (void)cudaGetLastError();
-  return e != cudaErrorNotReady; /* idle, or the context failed and nothing more will run */
+  return !__atomic_load_n(&c->busy, __ATOMIC_ACQUIRE); /* no CUDA call: see busy */
 }
 
 static void cuda_destroy(zd__compute_t *base) {
