@@ -6,10 +6,14 @@ zerod running its CPU backend, fed the very gradients the GPU model computed (co
 after each backward). The CPU path is itself bitwise equal to torch.optim.AdamW on torch 1.13
 (test_conformance); comparing against it rather than against torch's optimizer keeps this test
 independent of the torch version a CUDA machine has (torch 2's AdamW rounds differently). Every
-parameter must be bitwise equal after every step: fp32, and bf16 params with bf16 grads; part of
-the training runs on a side stream (torch.cuda.stream) to check that the stream handed to
-libzerod orders the work. Also: the errors for a model on the wrong kind of memory, and a model
-that stays usable after close().
+parameter must be bitwise equal after every step: fp32, and bf16 params with bf16 grads. Every
+third step runs on a side stream (torch.cuda.stream): step()'s request then names the side
+stream, while the hooks' scatters name the stream autograd accumulates on (that of the
+AccumulateGrad nodes the optimizer keeps: the default stream it was built under). A spin kernel
+ahead of backward and of step() keeps the GPU busy while the host sends the requests, so a
+request that zerod ran without waiting for the stream, or parameters read before zerod's update,
+fail the comparison instead of losing a race to the small MLP's microsecond kernels. Also: the
+errors for a model on the wrong kind of memory, and a model that stays usable after close().
 
 Skipped (77) where torch has no CUDA or no GPU is visible (Debian's python3-torch is CPU-only).
 """
@@ -34,6 +38,7 @@ from zerod.torch import ZeroOptimizer  # noqa: E402
 STEPS = 60
 LR = 3e-3
 BUCKET_ELEMS = "2048"  # the MLP spans several buckets: per-bucket scatter from the hooks
+SPIN_CYCLES = 20_000_000  # torch.cuda._sleep: about 10 ms at 2 GHz
 
 
 def grads_of(opt: ZeroOptimizer) -> List[torch.Tensor]:
@@ -69,6 +74,9 @@ class TorchCudaTest(unittest.TestCase):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, sched_fn)
         ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, sched_fn)
         side = torch.cuda.Stream(dev)
+        # The side stream's gradients are accumulated on the default stream, on purpose.
+        if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
+            torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
         try:
             for p in model.parameters():  # views of device buffers, on the model's GPU
                 self.assertEqual(p.device, dev)
@@ -79,8 +87,10 @@ class TorchCudaTest(unittest.TestCase):
                     x, y = models.batch("mlp", step, 0, dtype)
                     opt.zero_grad()
                     loss = models.loss_fn(model, x.to(dev), y.to(dev))
+                    torch.cuda._sleep(SPIN_CYCLES)  # backward's kernels wait; its hooks do not
                     loss.backward()
                     gpu_grads = [g.to("cpu") for g in grads_of(opt)]  # before the step
+                    torch.cuda._sleep(SPIN_CYCLES)  # zerod's step waits for it, then we for zerod
                     opt.step()
                     sched.step()
                 ref_opt.zero_grad()

@@ -295,10 +295,10 @@ class Request:
         """Whether the request was waited for."""
         return self._done
 
-    def wait(self) -> Optional[StepResult]:
+    def wait(self, *, stream: Optional[int] = None) -> Optional[StepResult]:
         """Blocks until zerod answered; returns the StepResult of a step request, None for the
-        others; raises ZerodError with the request's own error."""
-        return self._client.wait(self)
+        others; raises ZerodError with the request's own error. stream: as Client.wait()."""
+        return self._client.wait(self, stream=stream)
 
     def __repr__(self) -> str:
         return f"<zerod.Request {self.kind} id={self.id}{' done' if self._done else ''}>"
@@ -802,10 +802,12 @@ class Client:
                    "zd_step_start")
         return Request(self, int(req.value), "step")
 
-    def wait(self, request: Request) -> Optional[StepResult]:
+    def wait(self, request: Request, *, stream: Optional[int] = None) -> Optional[StepResult]:
         """Waits for a request sent with a *_start method (zd_wait); returns its StepResult for
         a step, None otherwise; raises ZerodError with the request's own error. Each request is
-        waited for once."""
+        waited for once. stream (device buffers): the stream that is to wait for the request's
+        results, set under the same lock as the wait (as for scatter_start()); None keeps the
+        client's stream."""
         if request._client is not self:
             raise ValueError("the request belongs to another client")
         if request._done:
@@ -814,6 +816,8 @@ class Client:
             return request._result
         res = _lib.zd_step_result_t()
         with self._lock:
+            if stream is not None:
+                self._set_stream_locked(stream)
             rc = self._lib.zd_wait(self._h(), request.id, ctypes.byref(res))
             request._done = True
             if rc != 0:

@@ -57,9 +57,16 @@ libzerod allocates and shares with zerod's CUDA backend through CUDA IPC; the vi
 from them through ``__cuda_array_interface__``. Before each request the optimizer hands libzerod
 torch's current stream (``zd_set_stream``): zerod's stream waits for what the trainer queued
 before the request (the gradients), and the trainer's stream waits for zerod's results before
-its later work, with no host synchronisation. The GPU must be the one zerod gives the rank
-(``Client.cuda_device()``; the error says which); close() synchronises the device before the
-buffers are freed. CPU parameters need zerod's CPU backend, CUDA parameters its CUDA backend.
+its later work, with no host synchronisation. Only that stream (the one current at step())
+waits: work moved to another stream afterwards must be ordered by the trainer, as with torch's
+own optimizers. The hooks keep each parameter's AccumulateGrad node alive, so autograd adds the
+gradients on the stream current when the optimizer was built (after waiting for the stream that
+produced them; the scatters name that stream): build it under the stream you train on, or
+torch >= 2.10 warns once about the mismatch. The GPU must be the one zerod gives the rank
+(``Client.cuda_device()``; the error says which); close() synchronises the device before it
+copies the parameters out and before the buffers are freed. torch.as_tensor needs NumPy to
+read ``__cuda_array_interface__``. CPU parameters need zerod's CPU backend, CUDA parameters its
+CUDA backend.
 
 Limits: parameters must all be on one device (the CPU, or the rank's GPU) and of one dtype,
 float32 or bfloat16. The parameter list is fixed at
@@ -233,6 +240,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.client.set_stream(self._stream()["stream"])
             self.info = self.client.register()
         except BaseException:
+            if self._cuda:  # the copies into the device buffers are done before they are freed
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(self.device)
             if self._owns_client:
                 self.client.close()
             raise
@@ -328,14 +338,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return torch.frombuffer(arr, dtype=dtype, count=n)
         arr = (self.client.param_device_array() if which == "param"
                else self.client.grad_device_array())
-        t = torch.as_tensor(arr, device=self.device)  # keeps arr, which keeps the client
+        try:
+            t = torch.as_tensor(arr, device=self.device)  # keeps arr, which keeps the client
+        except RuntimeError as e:
+            if "numpy" not in str(e).lower():
+                raise
+            # torch parses __cuda_array_interface__'s typestr with NumPy, which torch 2's
+            # wheels do not install.
+            raise RuntimeError(f"zerod's CUDA buffers need NumPy: torch.as_tensor reads "
+                               f"__cuda_array_interface__ through it ({e}); pip install "
+                               f"numpy") from e
+        if t.data_ptr() != arr.address:  # a copy (device mismatch) would detach the model
+            raise RuntimeError(f"torch.as_tensor copied zerod's {which} buffer (at "
+                               f"0x{arr.address:x}) instead of wrapping it, on {t.device}")
         return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
     def _stream(self) -> Dict[str, int]:
         """Device buffers: the keyword that hands torch's current stream to a request, which
         libzerod orders after the work queued on it so far (asked from the thread about to send
-        it: backward's hooks run on autograd's device thread with the forward's stream
-        current). Host buffers: no keyword."""
+        it). backward's hooks run on autograd's device thread with the stream of the
+        parameter's AccumulateGrad node current, the stream on which autograd added the
+        gradient into the buffer (after making it wait for the stream that produced it): the
+        one current when this optimizer was built, since it keeps those nodes alive. Host
+        buffers: no keyword."""
         return {"stream": torch.cuda.current_stream(self.device).cuda_stream} if self._cuda else {}
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -413,7 +438,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _start_scatter(self, bucket: int) -> None:
         while len(self._inflight) >= _MAX_INFLIGHT:
-            self._inflight.pop(0).wait()
+            self._inflight.pop(0).wait(**self._stream())
         self._inflight.append(self.client.scatter_start(bucket, **self._stream()))
         self._scattered[bucket] = True
 
@@ -425,10 +450,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _wait_inflight(self) -> None:
         first: Optional[BaseException] = None
+        stream = self._stream()  # the stream that reads zerod's results next
         while self._inflight:
             req = self._inflight.pop(0)
             try:
-                req.wait()
+                req.wait(**stream)
             except Exception as e:  # wait for every request once, then raise the first error
                 first = first or e
         if first is not None:
@@ -601,6 +627,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for h in self._hook_handles:
             h.remove()
         self._hook_handles, self._grad_accs = [], []
+        if self._cuda:
+            # Only the stream current at the last request waited for zerod's results: the
+            # copies below, on today's current stream, must not read the buffers before them.
+            torch.cuda.synchronize(self.device)
         with torch.no_grad():
             for p, gv in zip(self._params, self._gviews):
                 p.data = p.data.clone()
