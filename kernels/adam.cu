@@ -21,7 +21,6 @@
  * the statistics use __dmul_rn/__dadd_rn so that `lane += x * x` is never fused either.
  */
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,22 +31,9 @@
 
 /* ---- errors -------------------------------------------------------------------------------- */
 
-/* zd__errf's contract (proto/error.h), kept local so that this library links on its own. */
-__attribute__((format(printf, 3, 4))) static int errf(zd__err_t *err, int code, const char *fmt,
-                                                      ...) {
-  if (err) {
-    va_list ap;
-    va_start(ap, fmt);
-    err->code = code;
-    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
-
 static int cuda_errf(zd__err_t *err, cudaError_t e, const char *what) {
   int code = e == cudaErrorMemoryAllocation ? -ENOMEM : ZD_EBACKEND;
-  return errf(err, code, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  return zd__errf(err, code, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
 /* After every launch: configuration errors show here, the kernel's own errors later. */
@@ -70,10 +56,10 @@ static int cuda_errf(zd__err_t *err, cudaError_t e, const char *what) {
  * stream of the calling thread's own and is accepted. */
 static int check_stream(cudaStream_t stream, const char *who, zd__err_t *err) {
   if (stream && stream != cudaStreamLegacy) return ZD_OK;
-  return errf(err, -EINVAL,
-              "%s: stream is the legacy default stream (%s), which serialises with "
-              "every other stream; pass a stream of your own (cudaStreamNonBlocking)",
-              who, stream ? "cudaStreamLegacy" : "NULL");
+  return zd__errf(err, -EINVAL,
+                  "%s: stream is the legacy default stream (%s), which serialises with "
+                  "every other stream; pass a stream of your own (cudaStreamNonBlocking)",
+                  who, stream ? "cudaStreamLegacy" : "NULL");
 }
 
 /* ---- availability -------------------------------------------------------------------------- */
@@ -161,12 +147,12 @@ int zd__cuda_device_check(int device, zd__err_t *err) {
   if (cudaGetDeviceCount(&total) != cudaSuccess) {
     (void)cudaGetLastError();
     zd__cuda_available(why, sizeof why); /* says why CUDA cannot start */
-    return errf(err, ZD_EBACKEND, "%s", why);
+    return zd__errf(err, ZD_EBACKEND, "%s", why);
   }
   if (device < 0 || device >= total)
-    return errf(err, ZD_EBACKEND, "GPU %d does not exist: %d CUDA device%s visible", device, total,
-                total == 1 ? " is" : "s are");
-  if (!device_usable(device, why, sizeof why)) return errf(err, ZD_EBACKEND, "%s", why);
+    return zd__errf(err, ZD_EBACKEND, "GPU %d does not exist: %d CUDA device%s visible", device,
+                    total, total == 1 ? " is" : "s are");
+  if (!device_usable(device, why, sizeof why)) return zd__errf(err, ZD_EBACKEND, "%s", why);
   return ZD_OK;
 }
 
@@ -209,23 +195,23 @@ struct zd__cuda_layout {
 
 static int check_segments(const zd__segment_t *segs, uint32_t nsegs, uint64_t n, zd__err_t *err) {
   if (nsegs && !segs)
-    return errf(err, -EINVAL, "CUDA layout: %u segments but no segment list", nsegs);
+    return zd__errf(err, -EINVAL, "CUDA layout: %u segments but no segment list", nsegs);
   uint64_t end = 0;
   for (uint32_t s = 0; s < nsegs; s++) {
     const zd__segment_t *g = &segs[s];
     if (g->offset > n || g->length > n - g->offset)
-      return errf(err, -EINVAL,
-                  "CUDA layout: segment %u [%llu, +%llu) ends past the range of %llu "
-                  "elements",
-                  s, (unsigned long long)g->offset, (unsigned long long)g->length,
-                  (unsigned long long)n);
+      return zd__errf(err, -EINVAL,
+                      "CUDA layout: segment %u [%llu, +%llu) ends past the range of %llu "
+                      "elements",
+                      s, (unsigned long long)g->offset, (unsigned long long)g->length,
+                      (unsigned long long)n);
     if (g->group == UINT32_MAX)
-      return errf(err, -EINVAL, "CUDA layout: segment %u has group %u", s, g->group);
+      return zd__errf(err, -EINVAL, "CUDA layout: segment %u has group %u", s, g->group);
     if (g->offset < end)
-      return errf(err, -EINVAL,
-                  "CUDA layout: segment %u starts at %llu, before the end %llu of "
-                  "segment %u; segments must be sorted and disjoint",
-                  s, (unsigned long long)g->offset, (unsigned long long)end, s - 1);
+      return zd__errf(err, -EINVAL,
+                      "CUDA layout: segment %u starts at %llu, before the end %llu of "
+                      "segment %u; segments must be sorted and disjoint",
+                      s, (unsigned long long)g->offset, (unsigned long long)end, s - 1);
     end = g->offset + g->length;
   }
   return ZD_OK;
@@ -233,7 +219,7 @@ static int check_segments(const zd__segment_t *segs, uint32_t nsegs, uint64_t n,
 
 int zd__cuda_layout_create(const zd__segment_t *segs, uint32_t nsegs, uint64_t n,
                            cudaStream_t stream, zd__cuda_layout_t **out, zd__err_t *err) {
-  if (!out) return errf(err, -EINVAL, "CUDA layout: no result pointer");
+  if (!out) return zd__errf(err, -EINVAL, "CUDA layout: no result pointer");
   *out = NULL;
   int rc = check_stream(stream, "CUDA layout", err);
   if (rc) return rc;
@@ -244,7 +230,7 @@ int zd__cuda_layout_create(const zd__segment_t *segs, uint32_t nsegs, uint64_t n
   tile_t *tiles = NULL;
   seg_t *hsegs = NULL;
   uint32_t *first = NULL;
-  if (!l) return errf(err, -ENOMEM, "CUDA layout: out of memory");
+  if (!l) return zd__errf(err, -ENOMEM, "CUDA layout: out of memory");
   l->n = n;
   l->nsegs = nsegs;
   l->nblocks = zd__stats_blocks(n);
@@ -258,8 +244,8 @@ int zd__cuda_layout_create(const zd__segment_t *segs, uint32_t nsegs, uint64_t n
   hsegs = (seg_t *)malloc((nsegs ? nsegs : 1) * sizeof *hsegs);
   first = (uint32_t *)malloc((l->nblocks ? l->nblocks : 1) * sizeof *first);
   if (!tiles || !hsegs || !first) {
-    rc = errf(err, -ENOMEM, "CUDA layout: out of memory for %llu tiles",
-              (unsigned long long)l->ntiles);
+    rc = zd__errf(err, -ENOMEM, "CUDA layout: out of memory for %llu tiles",
+                  (unsigned long long)l->ntiles);
     goto fail;
   }
   {
@@ -520,27 +506,28 @@ static int grad_dtype_ok(zd_dtype_t t) {
 
 int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
                        cudaStream_t stream, zd__err_t *err) {
-  if (!l || !a) return errf(err, -EINVAL, "CUDA adam: no layout or no arguments");
+  if (!l || !a) return zd__errf(err, -EINVAL, "CUDA adam: no layout or no arguments");
   int rc = check_stream(stream, "CUDA adam", err);
   if (rc) return rc;
   if (!a->master || !a->exp_avg || !a->exp_avg_sq || !a->grad)
-    return errf(err, -EINVAL, "CUDA adam: master, exp_avg, exp_avg_sq and grad are required");
+    return zd__errf(err, -EINVAL, "CUDA adam: master, exp_avg, exp_avg_sq and grad are required");
   if (!grad_dtype_ok(a->grad_dtype))
-    return errf(err, ZD_EDTYPE, "CUDA adam: grad dtype %d; expected f32, bf16 or f16",
-                (int)a->grad_dtype);
+    return zd__errf(err, ZD_EDTYPE, "CUDA adam: grad dtype %d; expected f32, bf16 or f16",
+                    (int)a->grad_dtype);
   if (a->param && a->param_dtype != ZD_F32 && a->param_dtype != ZD_BF16)
-    return errf(err, ZD_EDTYPE, "CUDA adam: param dtype %d; expected f32 or bf16",
-                (int)a->param_dtype);
+    return zd__errf(err, ZD_EDTYPE, "CUDA adam: param dtype %d; expected f32 or bf16",
+                    (int)a->param_dtype);
   if (a->ngroups < l->ngroups)
-    return errf(err, -EINVAL, "CUDA adam: the segments use %u groups, %u given", l->ngroups,
-                a->ngroups);
+    return zd__errf(err, -EINVAL, "CUDA adam: the segments use %u groups, %u given", l->ngroups,
+                    a->ngroups);
   if (!a->d_groups && a->ngroups > ZD__CUDA_GROUPS_INLINE)
-    return errf(err, -EINVAL,
-                "CUDA adam: %u groups; at most %d travel with the launch, pass more "
-                "in d_groups (zd__cuda_groups_upload)",
-                a->ngroups, ZD__CUDA_GROUPS_INLINE);
+    return zd__errf(err, -EINVAL,
+                    "CUDA adam: %u groups; at most %d travel with the launch, pass more "
+                    "in d_groups (zd__cuda_groups_upload)",
+                    a->ngroups, ZD__CUDA_GROUPS_INLINE);
   if (!a->d_groups && a->ngroups && !a->groups)
-    return errf(err, -EINVAL, "CUDA adam: %u groups but neither groups nor d_groups", a->ngroups);
+    return zd__errf(err, -EINVAL, "CUDA adam: %u groups but neither groups nor d_groups",
+                    a->ngroups);
   if (l->ntiles == 0) return ZD_OK; /* nothing covered */
 
   adam_kargs_t k;
@@ -583,7 +570,7 @@ int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *g
   int rc = check_stream(stream, "CUDA groups upload", err);
   if (rc) return rc;
   if (n && (!d_groups || !groups))
-    return errf(err, -EINVAL, "CUDA groups upload: %u groups but no source or destination", n);
+    return zd__errf(err, -EINVAL, "CUDA groups upload: %u groups but no source or destination", n);
   for (uint32_t done = 0; done < n; done += ZD__CUDA_GROUPS_INLINE) {
     groups_kargs_t k;
     memset(&k, 0, sizeof k);
@@ -786,13 +773,13 @@ __global__ void __launch_bounds__(FIN_THREADS) stats_finalize(const fin_kargs_t 
 int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_dtype,
                         zd__cuda_stats_t *d_out, int accumulate, const uint64_t *tags,
                         cudaStream_t stream, zd__err_t *err) {
-  if (!l || !d_out) return errf(err, -EINVAL, "CUDA grad stats: no layout or no output");
+  if (!l || !d_out) return zd__errf(err, -EINVAL, "CUDA grad stats: no layout or no output");
   int rc = check_stream(stream, "CUDA grad stats", err);
   if (rc) return rc;
   if (!grad_dtype_ok(grad_dtype))
-    return errf(err, ZD_EDTYPE, "CUDA grad stats: grad dtype %d; expected f32, bf16 or f16",
-                (int)grad_dtype);
-  if (l->nblocks && !grad) return errf(err, -EINVAL, "CUDA grad stats: no gradients");
+    return zd__errf(err, ZD_EDTYPE, "CUDA grad stats: grad dtype %d; expected f32, bf16 or f16",
+                    (int)grad_dtype);
+  if (l->nblocks && !grad) return zd__errf(err, -EINVAL, "CUDA grad stats: no gradients");
   if (l->nblocks) {
     int vec = grad_dtype == ZD_F32 ? aligned16(grad) : ((uintptr_t)grad & 7u) == 0;
     switch (grad_dtype) {
@@ -872,9 +859,10 @@ int zd__cuda_decide(const zd__cuda_stats_t *d_all, uint32_t nranks, uint32_t sel
   int rc = check_stream(stream, "CUDA decide", err);
   if (rc) return rc;
   if (!d_all || !cfg || !d_state || !d_out)
-    return errf(err, -EINVAL, "CUDA decide: records, configuration, state and output are required");
+    return zd__errf(err, -EINVAL,
+                    "CUDA decide: records, configuration, state and output are required");
   if (nranks == 0 || self >= nranks)
-    return errf(err, -EINVAL, "CUDA decide: rank %u of %u ranks", self, nranks);
+    return zd__errf(err, -EINVAL, "CUDA decide: rank %u of %u ranks", self, nranks);
   decide_kernel<<<1, 32, 0, stream>>>(d_all, nranks, self, *cfg, d_state, d_out);
   LAUNCH_CHECK(err, "CUDA decide: kernel launch");
   return ZD_OK;

@@ -1,8 +1,7 @@
 /* What a step decides from its global gradient statistics: skip on overflow (loss scaling),
  * the loss-scaler update, the clip coefficient, and the factor the optimizer kernel multiplies
- * every gradient by. The same code for both backends: the CPU step (daemon/step.c with
- * daemon/scaler.c) and the CUDA decide kernel (kernels/adam.cu), which runs it on the device so
- * that the daemon never waits for the statistics on the host.
+ * every gradient by. The same code for both backends: the CPU step (daemon/step/step.c) and the
+ * CUDA decide kernel (kernels/adam.cu), which runs it on the device.
  *
  * Plain C, header only; each function is __host__ __device__ when compiled by nvcc. Everything is
  * double, as the CPU step computes it, and every operation rounds on its own: the host build has
@@ -16,21 +15,51 @@
  * moments and step counter unchanged) and backs the scale off; otherwise clip_coef =
  * max_grad_norm / (norm + 1e-6) when max_grad_norm > 0, the norm is finite and the coefficient is
  * below 1 (torch.nn.utils.clip_grad_norm_); grad_scale = (float)(pre_scale * clip_coef); the step
- * counter advances and the scaler counts a clean step (Megatron's DynamicGradScaler, scaler.h).
+ * counter advances and the scaler counts a clean step (Megatron's DynamicGradScaler).
+ *
+ * The dynamic loss scaler for fp16 gradients has the semantics Megatron-LM and DeepSpeed share.
+ * The client multiplies its loss by `scale`; zerod unscales the gradients by 1/scale. A step whose
+ * gradients hold an inf or NaN is skipped; after `hysteresis` such steps (not necessarily in a
+ * row; the counter refills on growth) the scale is multiplied by backoff_factor, never below
+ * min_scale. After growth_interval consecutive clean steps it is multiplied by growth_factor and
+ * the hysteresis counter refills. zd__scaler_advance is a pure function of (config, state,
+ * found_inf), so every rank of a world computes the same trajectory from the same global
+ * found_inf.
  */
 #ifndef ZD_KERNELS_STEP_DECIDE_H
 #define ZD_KERNELS_STEP_DECIDE_H
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-#include "scaler.h"
+#include "zerod/zerod.h"
 
 #ifdef __CUDACC__
 #define ZD__HD __host__ __device__
 #else
 #define ZD__HD
 #endif
+
+/* The loss scaler's state. */
+typedef struct zd__scaler {
+  int enabled;
+  zd_loss_scaler_t cfg;
+  double scale;
+  uint32_t growth_tracker;     /* clean steps since the last growth or overflow */
+  uint32_t hysteresis_tracker; /* overflows left before the next backoff */
+} zd__scaler_t;
+
+/* Starts a scaler from its configuration (NULL or disabled: none, scale 1). */
+static inline void zd__scaler_init(zd__scaler_t *s, const zd_loss_scaler_t *cfg) {
+  memset(s, 0, sizeof *s);
+  s->scale = 1.0;
+  if (!cfg || !cfg->enabled) return;
+  s->enabled = 1;
+  s->cfg = *cfg;
+  s->scale = cfg->initial_scale;
+  s->hysteresis_tracker = cfg->hysteresis;
+}
 
 /* Per-step configuration of the decision (host values; by value into the CUDA kernel). */
 typedef struct zd__decide_cfg {
@@ -67,7 +96,7 @@ typedef struct zd__decision {
   uint32_t disagree_tag;  /* ... and the index of the first differing tag */
 } zd__decision_t;
 
-/* One step of the loss scaler (scaler.h; Megatron's DynamicGradScaler.update()), on host or device.
+/* One step of the loss scaler (Megatron's DynamicGradScaler.update()), on host or device.
  */
 ZD__HD static inline void zd__scaler_advance(zd__scaler_t *s, int found_inf) {
   if (!s->enabled) return;

@@ -19,7 +19,7 @@ fi
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   mapfile -t files < <(git ls-files '*.c' '*.h' '*.cu' '*.cuh' '*.cc')
 else
-  mapfile -t files < <(find client daemon kernels proto tests examples -type f \
+  mapfile -t files < <(find client common daemon kernels proto tests examples -type f \
     \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.cc' \) | sort)
 fi
 echo "checking ${#files[@]} files with $("$cf" --version)"

@@ -4,8 +4,8 @@
  * The level is checked before the arguments are evaluated; formats are checked by the compiler.
  * Never log secrets or bulk data.
  */
-#ifndef ZD_DAEMON_LOG_H
-#define ZD_DAEMON_LOG_H
+#ifndef ZD_COMMON_LOG_H
+#define ZD_COMMON_LOG_H
 
 enum { ZD__LOG_ERROR = 0, ZD__LOG_WARN = 1, ZD__LOG_INFO = 2, ZD__LOG_DEBUG = 3 };
 
@@ -38,4 +38,4 @@ void zd__panic(const char *file, int line, const char *fmt, ...)
     if (!(cond)) zd__panic(__FILE__, __LINE__, "assertion failed: %s", #cond); \
   } while (0)
 
-#endif /* ZD_DAEMON_LOG_H */
+#endif /* ZD_COMMON_LOG_H */

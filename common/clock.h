@@ -1,6 +1,6 @@
 /* The daemon's one clock: monotonic time for deadlines, timeouts and durations. */
-#ifndef ZD_DAEMON_CLOCK_H
-#define ZD_DAEMON_CLOCK_H
+#ifndef ZD_COMMON_CLOCK_H
+#define ZD_COMMON_CLOCK_H
 
 #include <stdint.h>
 #include <time.h>
@@ -15,4 +15,4 @@ static inline uint64_t zd__now_ms(void) {
   return zd__now_us() / 1000u;
 }
 
-#endif /* ZD_DAEMON_CLOCK_H */
+#endif /* ZD_COMMON_CLOCK_H */

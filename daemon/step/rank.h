@@ -22,7 +22,7 @@
 #include "error.h"
 #include "frame.h"
 #include "layout.h"
-#include "scaler.h"
+#include "step_decide.h"
 #include "shm.h"
 #include "zerod/zerod.h"
 

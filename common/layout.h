@@ -9,8 +9,8 @@
  *
  * Used by the daemon and by libzerod, which sizes the shared buffers with it.
  */
-#ifndef ZD_DAEMON_LAYOUT_H
-#define ZD_DAEMON_LAYOUT_H
+#ifndef ZD_COMMON_LAYOUT_H
+#define ZD_COMMON_LAYOUT_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -89,4 +89,4 @@ int zd__layout_parse(char *buf, size_t len, zd_param_t **params, uint32_t *npara
 /* Formats a shape as "[32, 16]". */
 void zd__shape_format(const uint64_t *shape, uint32_t ndim, char *buf, size_t len);
 
-#endif /* ZD_DAEMON_LAYOUT_H */
+#endif /* ZD_COMMON_LAYOUT_H */

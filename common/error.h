@@ -6,12 +6,16 @@
  * `return zd__errf(err, ZD_EBUFFER, "...", ...)`. The message reaches the user unchanged: in an
  * Error reply from the daemon, in zd_last_error() in the client.
  */
-#ifndef ZD_PROTO_ERROR_H
-#define ZD_PROTO_ERROR_H
+#ifndef ZD_COMMON_ERROR_H
+#define ZD_COMMON_ERROR_H
 
 #include "zerod/errors.h"
 
 #define ZD__ERR_MSG_MAX 512
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 typedef struct zd__err {
   int code;
@@ -21,4 +25,8 @@ typedef struct zd__err {
 /* Stores code and the formatted message in err (which may be NULL) and returns code. */
 int zd__errf(zd__err_t *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
-#endif /* ZD_PROTO_ERROR_H */
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZD_COMMON_ERROR_H */

@@ -6,8 +6,8 @@
  * kernels leave them untouched. Per-group constants are looked up once per segment, never per
  * element.
  */
-#ifndef ZD_KERNELS_SEGMENT_H
-#define ZD_KERNELS_SEGMENT_H
+#ifndef ZD_COMMON_SEGMENT_H
+#define ZD_COMMON_SEGMENT_H
 
 #include <stdint.h>
 
@@ -17,4 +17,4 @@ typedef struct zd__segment {
   uint32_t group;
 } zd__segment_t;
 
-#endif /* ZD_KERNELS_SEGMENT_H */
+#endif /* ZD_COMMON_SEGMENT_H */

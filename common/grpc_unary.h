@@ -7,8 +7,8 @@
  * and maps between gRPC status codes and zerod's error space (zerod/errors.h). Every error comes
  * back as a zd__err_t whose message names the address, the method and what went wrong.
  */
-#ifndef ZD_PROTO_GRPC_UNARY_H
-#define ZD_PROTO_GRPC_UNARY_H
+#ifndef ZD_COMMON_GRPC_UNARY_H
+#define ZD_COMMON_GRPC_UNARY_H
 
 #include <grpc/grpc.h>
 #include <protobuf-c/protobuf-c.h>
@@ -77,4 +77,4 @@ grpc_status_code zd__grpc_status_of(int code);
 /* "UNAVAILABLE", "NOT_FOUND", ... ("UNKNOWN_STATUS" for values outside the enum). */
 const char *zd__grpc_status_name(grpc_status_code status);
 
-#endif /* ZD_PROTO_GRPC_UNARY_H */
+#endif /* ZD_COMMON_GRPC_UNARY_H */
