@@ -1,4 +1,4 @@
-/* zeroctl: the operator's command line for zerod's control service (DESIGN §6).
+/* zeroctl: the operator's command line for zerod's control service (docs/design.md).
  *
  *   zeroctl [--address ADDR] [--timeout-ms N] status [--world] [--json]
  *   zeroctl [--address ADDR] [--timeout-ms N] health [--service NAME]

@@ -1,4 +1,4 @@
-/* Layout of the flat parameter and gradient buffers (layout.h, DESIGN §4). */
+/* Layout of the flat parameter and gradient buffers (layout.h, docs/design.md). */
 #include "layout.h"
 
 #include <errno.h>

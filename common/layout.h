@@ -1,11 +1,12 @@
 /* Layout: where each parameter lives in the flat buffers, and which part each rank owns.
  *
- * DESIGN §4. Parameters are placed in registration order, each at a multiple of ZD__ALIGN
- * elements. The flat buffer is cut into buckets: a bucket takes parameters until it holds at least
- * bucket_elems elements (a parameter is never split between buckets). Each bucket is padded to a
- * multiple of ZD__ALIGN * world_size and split into world_size equal slices; rank r's shard is its
- * slice of every bucket, and a parameter may straddle slices. The layout is a pure function of
- * (parameter list, world size, bucket size), and its hash is what clients and peers compare.
+ * docs/design.md, "Layout". Parameters are placed in registration order, each at a multiple of
+ * ZD__ALIGN elements. The flat buffer is cut into buckets: a bucket takes parameters until it holds
+ * at least bucket_elems elements (a parameter is never split between buckets). Each bucket is
+ * padded to a multiple of ZD__ALIGN * world_size and split into world_size equal slices; rank r's
+ * shard is its slice of every bucket, and a parameter may straddle slices. The layout is a pure
+ * function of (parameter list, world size, bucket size), and its hash is what clients and peers
+ * compare.
  *
  * Used by the daemon and by libzerod, which sizes the shared buffers with it.
  */

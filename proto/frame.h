@@ -1,4 +1,4 @@
-/* Frame codec of the local protocol (DESIGN §5, docs/protocol.md).
+/* Frame codec of the local protocol (docs/protocol.md).
  *
  * Every message on the Unix socket is one frame: a fixed 24-byte little-endian header followed by
  * a protobuf-c body (proto/zerod.proto). The header carries what the receiver needs before it can

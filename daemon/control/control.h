@@ -1,4 +1,4 @@
-/* gRPC control service (DESIGN §6, proto/control.proto): node status, the rendezvous key-value
+/* gRPC control service (proto/control.proto): node status, the rendezvous key-value
  * store (served by the node that hosts global rank 0), the node registry behind `zeroctl status
  * --world`, and grpc.health.v1.Health/Check for Kubernetes probes.
  *

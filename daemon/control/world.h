@@ -1,4 +1,4 @@
-/* World bootstrap: how a local rank joins a multi-rank world (DESIGN §2, §6).
+/* World bootstrap: how a local rank joins a multi-rank world (docs/design.md, "Worlds").
  *
  * Runs on the rank's worker thread when the daemon starts. Through the rendezvous store of the
  * node that hosts global rank 0 (rendezvous.h): rank 0 publishes a fresh world id (every

@@ -22,7 +22,7 @@
 #include "rank.h"
 #include "world.h"
 
-/* The compute backend the daemon runs (DESIGN §7), chosen once at start. */
+/* The compute backend the daemon runs, chosen once at start. */
 typedef enum zd__backend { ZD__BACKEND_CPU = 0, ZD__BACKEND_CUDA = 1 } zd__backend_t;
 
 typedef struct zd__session zd__session_t;

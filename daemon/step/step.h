@@ -1,4 +1,4 @@
-/* Step logic: the model state of a rank and the operations a client drives on it (DESIGN §3).
+/* Step logic: the model state of a rank and the operations a client drives on it.
  *
  *   attach   create the model from the client's parameters, or resume the one held (same layout)
  *   scatter  reduce-scatter the gradients of a bucket into this rank's shard

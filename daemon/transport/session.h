@@ -1,4 +1,4 @@
-/* Client sessions: one per connection on the local socket (DESIGN §5).
+/* Client sessions: one per connection on the local socket (docs/protocol.md).
  *
  * A session reads frames (24-byte header + protobuf body, with file descriptors riding along a
  * register frame), validates the envelope, dispatches each request through one command table to

@@ -16,7 +16,7 @@
  */
 #include <cuda_runtime.h>
 
-#include "../gpu/gpu_check.h"
+#include "gpu_check.h"
 
 static int cmp_float(const void *a, const void *b) {
   float x = *(const float *)a, y = *(const float *)b;

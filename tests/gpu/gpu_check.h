@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "adam_cuda.h"
-#include "../check.h"
+#include "check.h"
 
 #define CUDA_CHECK(call)                                                                         \
   do {                                                                                           \

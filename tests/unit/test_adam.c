@@ -13,7 +13,7 @@
 #include <math.h>
 
 #include "adam.h"
-#include "../check.h"
+#include "check.h"
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 

@@ -13,7 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../check.h"
+#include "check.h"
 #include "config.h"
 #include "log.h"
 

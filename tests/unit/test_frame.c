@@ -1,4 +1,4 @@
-/* Unit test of the frame header codec (proto/frame.c, DESIGN §5) and the error space
+/* Unit test of the frame header codec (proto/frame.c, docs/protocol.md) and the error space
  * (proto/error.c, zerod/errors.h): the exact 24-byte little-endian wire layout, encode/decode
  * round trips of random headers, rejection of a bad magic, message type names, error names and
  * descriptions for zerod's codes, ZD_OK and negated errno values, and zd__errf.
@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../check.h"
+#include "check.h"
 #include "error.h"
 #include "frame.h"
 

@@ -28,7 +28,7 @@
 #include <unistd.h>
 
 #include "adam.h"
-#include "../check.h"
+#include "check.h"
 #include "comm.h"
 #include "gloo.h"
 

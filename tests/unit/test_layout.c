@@ -1,4 +1,4 @@
-/* Unit test of the layout (daemon/layout.c, DESIGN §4): where each parameter lives in the flat
+/* Unit test of the layout (common/layout.c, docs/design.md): where each parameter lives in the flat
  * buffer, how the buffer is cut into buckets and slices, the segments of each rank's slice, the
  * layout hash and diff, validation errors, the default bucket size and shape formatting.
  *
@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../check.h"
+#include "check.h"
 #include "error.h"
 #include "layout.h"
 
@@ -123,7 +123,7 @@ static zd__layout_t *build_ok(const tcase_t *t) {
   return l;
 }
 
-/* ---- the placement rule, written again from DESIGN §4 ---- */
+/* ---- the placement rule, written again from docs/design.md ---- */
 
 typedef struct ref {
   uint64_t numel[MAXP], offset[MAXP];

@@ -44,7 +44,7 @@ extern "C" {
 #define ZD_VERSION_PATCH  0
 #define ZD_VERSION_STRING "0.1.0"
 
-/* Highest local protocol version this library speaks (DESIGN §5, docs/protocol.md). */
+/* Highest local protocol version this library speaks (docs/protocol.md). */
 #define ZD_PROTOCOL_VERSION 1
 
 #define ZD_MAX_DIMS         8
