@@ -78,7 +78,7 @@ class Progress:
         rate = done / max(1e-9, time.monotonic() - self.t0)
         fill = int(self.width * done / self.total)
         text = (f"[{'#' * fill}{'.' * (self.width - fill)}] step {done:>5}/{self.total} "
-                f"loss {loss:.4f}  {rate:6.1f} steps/s")
+                f"rank-0 loss {loss:.4f}  {rate:6.1f} steps/s")
         if self.tty:
             sys.stdout.write("\r" + text + ("\n" if done == self.total else ""))
             sys.stdout.flush()
@@ -208,10 +208,11 @@ def main() -> int:
     losses = [sum(results[r]["losses"][s] for r in range(world)) / world for s in range(a.steps)]
     same = all(torch.equal(torch.from_numpy(results[0]["params"][n]), p)
                for n, p in ref_params.items())
-    print(f"\n{'step':>6} {'loss zerod':>12} {'loss torch':>12}")
+    print(f"\nmean loss over the {world} ranks' batches:")
+    print(f"{'step':>6} {'zerod':>12} {'torch-only':>12}")
     for s in sorted({0, a.steps // 4, a.steps // 2, 3 * a.steps // 4, a.steps - 1}):
         print(f"{s + 1:>6} {losses[s]:>12.6f} {ref_losses[s]:>12.6f}")
-    print(f"\nfinal loss: zerod {losses[-1]:.6f}   torch-only baseline {ref_losses[-1]:.6f}")
+    print(f"\nfinal mean loss: zerod {losses[-1]:.6f}   torch-only baseline {ref_losses[-1]:.6f}")
     print(f"parameters bitwise identical to the baseline: {'yes' if same else 'NO'}")
     print(f"time: {t_zerod:.1f} s through zerod ({world} trainer process(es), zerod step "
           f"{results[0]['step_us']} us mean, {results[0]['buckets']} buckets), "

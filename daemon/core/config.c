@@ -376,6 +376,7 @@ static int scan_flags(zd__config_t *cfg, int argc, char **argv, int apply, const
     int idx;
     if (!strcmp(arg, "-h") || !strcmp(arg, "--help")) return ZD__CONFIG_HELP;
     if (!strcmp(arg, "-V") || !strcmp(arg, "--version")) return ZD__CONFIG_VERSION;
+    if (!strcmp(arg, "--help-markdown")) return ZD__CONFIG_HELP_MARKDOWN;
     if (strncmp(arg, "--", 2) != 0 || !arg[2]) {
       if (arg[0] == '-' && arg[1])
         return zd__errf(err, ZD_ECONFIG, "unknown flag %.*s (see zerod --help)", QUOTE_MAX, arg);
@@ -582,7 +583,8 @@ void zd__config_print_help(FILE *out) {
           "environment, which overrides the file, which overrides the defaults.\n"
           "\n"
           "  -h, --help     print this help and exit\n"
-          "  -V, --version  print the version and exit\n");
+          "  -V, --version  print the version and exit\n"
+          "  --help-markdown  print the settings as the README's Markdown table and exit\n");
   for (size_t i = 0; i < NSETTINGS; i++) {
     const setting_t *s = &settings[i];
     if (!section || strcmp(section, s->section)) {
@@ -620,5 +622,29 @@ void zd__config_print_help(FILE *out) {
     if (s->type == T_U32 || s->type == T_U64)
       fprintf(out, "; %llu..%llu", (unsigned long long)s->min, (unsigned long long)s->max);
     fprintf(out, ")\n      %s\n", s->help);
+  }
+}
+
+/* The README's settings table is this output (a lint test compares them), so the README cannot
+ * fall behind the table either. '|' in help texts would break a row: there is none. */
+void zd__config_print_markdown(FILE *out) {
+  char var[64];
+  fprintf(out,
+          "| setting | environment | default | meaning |\n"
+          "|---|---|---|---|\n");
+  for (size_t i = 0; i < NSETTINGS; i++) {
+    const setting_t *s = &settings[i];
+    env_name(s, var, sizeof var);
+    fprintf(out, "| `%s` | `%s` | %s%s%s | %s", s->name, var, s->def[0] ? "`" : "",
+            s->def[0] ? s->def : "(see meaning)", s->def[0] ? "`" : "", s->help);
+    if (s->type == T_U32 || s->type == T_U64)
+      fprintf(out, " (%llu..%llu)", (unsigned long long)s->min, (unsigned long long)s->max);
+    if (s->type == T_ENUM) {
+      fprintf(out, " (");
+      for (const char *const *v = s->values; *v; v++)
+        fprintf(out, "%s`%s`", v == s->values ? "" : ", ", *v);
+      fprintf(out, ")");
+    }
+    fprintf(out, " |\n");
   }
 }

@@ -57,11 +57,17 @@ typedef struct zd__config {
 } zd__config_t;
 
 /* Result of zd__config_load() besides errors. */
-enum { ZD__CONFIG_RUN = 0, ZD__CONFIG_HELP = 1, ZD__CONFIG_VERSION = 2 };
+enum {
+  ZD__CONFIG_RUN = 0,
+  ZD__CONFIG_HELP = 1,
+  ZD__CONFIG_VERSION = 2,
+  ZD__CONFIG_HELP_MARKDOWN = 3
+};
 
 /* Fills cfg from defaults, the config file (--config FILE or ZEROD_CONFIG), ZEROD_* variables of
  * envp (NULL: environ) and argv flags (--name VALUE or --name=VALUE; setting names with '-' or
  * '_'). Returns ZD__CONFIG_RUN, ZD__CONFIG_HELP (--help/-h), ZD__CONFIG_VERSION (--version/-V),
+ * ZD__CONFIG_HELP_MARKDOWN (--help-markdown),
  * or a negative code with a message naming the setting, its source (file:line, variable or
  * flag), the bad value and what is expected (ZD_ECONFIG, -ENOENT for a missing file).
  * cfg is overwritten, not freed: pass a zeroed or freed one. On any result but ZD__CONFIG_RUN it
@@ -74,6 +80,9 @@ void zd__config_free(zd__config_t *cfg);
 
 /* `zerod --help`: usage and every setting with its type, default and meaning. */
 void zd__config_print_help(FILE *out);
+
+/* `zerod --help-markdown`: every setting as a row of the README's Markdown table. */
+void zd__config_print_markdown(FILE *out);
 
 /* Calls fn for each setting in table order with its name, effective value as text and source
  * ("default", "file", "env" or "flag"). */

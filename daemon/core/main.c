@@ -22,6 +22,10 @@ int main(int argc, char **argv) {
     zd__config_print_help(stdout);
     return 0;
   }
+  if (rc == ZD__CONFIG_HELP_MARKDOWN) {
+    zd__config_print_markdown(stdout);
+    return 0;
+  }
   if (rc == ZD__CONFIG_VERSION) {
 #ifdef ZD_HAVE_CUDA
     const char *backends = "cpu, cuda";

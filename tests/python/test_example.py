@@ -25,8 +25,8 @@ def main() -> None:
     print(f"example ran in {time.monotonic() - t0:.1f} s (exit status {r.returncode})")
     checks = {
         "exit status 0": r.returncode == 0,
-        "progress bar": "step    60/60" in out,
-        "final loss next to the baseline": "final loss: zerod" in out
+        "progress bar, labelled rank-0 loss": "step    60/60 rank-0 loss" in out,
+        "final mean loss next to the baseline": "final mean loss: zerod" in out
         and "torch-only baseline" in out,
         "bitwise identical": "parameters bitwise identical to the baseline: yes" in out,
     }
