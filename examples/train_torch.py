@@ -11,6 +11,10 @@ Run from the repository root after a build (ninja -C build):
 
     /usr/bin/python3 examples/train_torch.py [--world-size N] [--steps N]
 
+With --socket PATH it starts no zerod and trains against the one listening there instead (it must
+serve --world-size local ranks, e.g. `zerod --local_ranks 2`); the model's state there is
+replaced at the start, so every run begins afresh.
+
 The zerod binary and libzerod come from ./build unless ZEROD_BIN / ZEROD_LIBRARY say otherwise.
 """
 
@@ -87,13 +91,15 @@ class Progress:
             self.next_line = done + max(1, self.total // 10)
 
 
-def trainer(rank: int, world: int, endpoint: Tuple[str, int], steps: int, queue: Any) -> None:
+def trainer(rank: int, world: int, endpoint: Tuple[str, int], steps: int, queue: Any,
+            replace: bool) -> None:
     """One rank: train through zerod, report losses and (rank 0) the final parameters."""
     try:
         torch.set_num_threads(1)
         model = make_model()
         opt = ZeroOptimizer(model.named_parameters(), socket=endpoint[0],
-                            local_rank=endpoint[1], **make_optimizer_args(steps))
+                            local_rank=endpoint[1], replace=replace,
+                            **make_optimizer_args(steps))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps))
         if opt.resumed:  # a rerun against a daemon that still holds this model
             print(f"rank {rank}: resumed at step {opt.step_count}", flush=True)
@@ -169,29 +175,54 @@ def collect(procs: List[Any], queue: Any) -> Dict[int, Dict[str, Any]]:
     return results
 
 
+class RunningZerod:
+    """A zerod started by someone else: trainer r attaches to its local rank r."""
+
+    def __init__(self, socket: str) -> None:
+        self.socket = socket
+
+    def __enter__(self) -> "RunningZerod":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def endpoint(self, rank: int) -> Tuple[str, int]:
+        return self.socket, rank
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", type=int, default=2,
                     help="ranks, one trainer process each (default 2)")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--socket", help="train against the zerod listening on this socket (serving "
+                    "--world-size local ranks) instead of starting one")
     a = ap.parse_args()
     torch.set_num_threads(1)
 
     for what, path in (("zerod", os.environ["ZEROD_BIN"]), ("libzerod", os.environ["ZEROD_LIBRARY"])):
+        if what == "zerod" and a.socket:
+            continue
         if not os.path.exists(path):
             print(f"{what} not found at {path}: build first (ninja -C build), or set "
                   f"{'ZEROD_BIN' if what == 'zerod' else 'ZEROD_LIBRARY'}", file=sys.stderr)
             return 2
     world = a.world_size
-    # a few buckets, so that the scatter of one overlaps the backward of the next
-    world_procs = zerod.testing.LocalWorld(world, args=["--bucket_elems", "16384"],
-                                           log_level="info")
-    print(f"zerod: {world} rank(s), {zerod.library_path()}", flush=True)
+    if a.socket:
+        world_procs = RunningZerod(a.socket)
+        print(f"zerod at {a.socket}: {world} local rank(s), {zerod.library_path()}", flush=True)
+    else:
+        # a few buckets, so that the scatter of one overlaps the backward of the next
+        world_procs = zerod.testing.LocalWorld(world, args=["--bucket_elems", "16384"],
+                                               log_level="info")
+        print(f"zerod: {world} rank(s), {zerod.library_path()}", flush=True)
     t0 = time.monotonic()
     with world_procs as w:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        procs = [ctx.Process(target=trainer, args=(r, world, w.endpoint(r), a.steps, queue))
+        procs = [ctx.Process(target=trainer,
+                             args=(r, world, w.endpoint(r), a.steps, queue, bool(a.socket)))
                  for r in range(world)]
         for p in procs:
             p.start()
