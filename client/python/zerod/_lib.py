@@ -7,8 +7,11 @@ zerod.h field for field: the header is the contract, and a change there is a cha
 
 Where the library comes from, in order:
   1. ``$ZEROD_LIBRARY``: a path to libzerod.so (an error if it does not exist);
-  2. a ``libzerod.so*`` next to this package (a wheel that bundles it);
-  3. ``ctypes.util.find_library("zerod")``: the system's library path (``meson install``).
+  2. a ``libzerod.so*`` next to this package: `pip install ./client/python` from a built checkout
+     bundles the build tree's library (client/python/setup.py);
+  3. the build tree, when this package is used from a checkout (PYTHONPATH=client/python):
+     ``build/client/libzerod.so`` at the checkout's root;
+  4. ``ctypes.util.find_library("zerod")``: the system's library path (``meson install``).
 """
 
 from __future__ import annotations
@@ -230,6 +233,10 @@ def _candidates() -> list:
     bundled = sorted(glob.glob(os.path.join(here, "libzerod.so*")), key=len)
     if bundled:
         return bundled[:1]
+    tree = os.path.join(here, "..", "..", "..", "build", "client", "libzerod.so")
+    if os.path.exists(os.path.join(here, "..", "..", "include", "zerod", "zerod.h")) and \
+            os.path.exists(tree):
+        return [os.path.normpath(tree)]
     found = ctypes.util.find_library("zerod")
     return [found] if found else []
 
@@ -245,9 +252,10 @@ def load() -> ctypes.CDLL:
         candidates = _candidates()
         if not candidates:
             raise LibraryNotFoundError(
-                "libzerod not found: set ZEROD_LIBRARY to the path of libzerod.so (a build "
-                "leaves it at build/client/libzerod.so), or install it with `meson install` so "
-                "that ctypes.util.find_library('zerod') finds it")
+                "libzerod not found: build it (ninja -C build) and install this package from the "
+                "checkout (pip install ./client/python bundles build/client/libzerod.so), or "
+                "install it with `meson install` so that ctypes.util.find_library('zerod') "
+                "finds it, or set ZEROD_LIBRARY to the path of libzerod.so")
         try:
             lib = ctypes.CDLL(candidates[0])
         except OSError as e:

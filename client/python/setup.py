@@ -1,0 +1,43 @@
+"""Build hook of the zerod package: bundle libzerod into the package when installed from a
+checkout, so that `pip install ./client/python` gives a package that works with no environment
+variable (zerod._lib loads the bundled copy).
+
+Where the library is taken from, at install time: $ZEROD_LIBRARY if set, else the checkout's
+build tree (build/client/libzerod.so, next to this file's ../../). If neither exists, nothing is
+bundled and the package uses the system's libzerod at run time (`meson install`). A bundled copy
+is a snapshot: after rebuilding libzerod, install the package again.
+"""
+
+import os
+import shutil
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def library_to_bundle():
+    env = os.environ.get("ZEROD_LIBRARY")
+    if env:
+        if not os.path.exists(env):
+            raise SystemExit(f"ZEROD_LIBRARY is {env!r}, which does not exist")
+        return env
+    tree = os.path.join(HERE, "..", "..", "build", "client", "libzerod.so")
+    return tree if os.path.exists(tree) else None
+
+
+class BuildPyWithLibrary(build_py):
+    def run(self):
+        super().run()
+        lib = library_to_bundle()
+        dest = os.path.join(self.build_lib, "zerod", "libzerod.so")
+        if lib:
+            shutil.copyfile(os.path.realpath(lib), dest)  # the file, not the symlink
+            print(f"zerod: bundled {os.path.realpath(lib)} as {dest}")
+        else:
+            print("zerod: no libzerod to bundle (no $ZEROD_LIBRARY, no build/client/libzerod.so): "
+                  "the package will load the system's libzerod")
+
+
+setup(cmdclass={"build_py": BuildPyWithLibrary})
