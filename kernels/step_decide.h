@@ -1,7 +1,10 @@
 /* What a step decides from its global gradient statistics: skip on overflow (loss scaling),
  * the loss-scaler update, the clip coefficient, and the factor the optimizer kernel multiplies
- * every gradient by. The same code for both backends: the CPU step (daemon/step/step.c) and the
- * CUDA decide kernel (kernels/adam.cu), which runs it on the device.
+ * every gradient by. The daemon takes it on the host for both backends (daemon/step/step.c; the
+ * CUDA backend reads the ranks' records back first: docs/design.md, "Where the host waits").
+ * zd__cuda_decide (kernels/adam.cu) runs the same function on the device; the daemon does not
+ * use it yet, and the gpu suite keeps it bit-identical to the host decision so that a step
+ * without a mid-step host wait can adopt it.
  *
  * Plain C, header only; each function is __host__ __device__ when compiled by nvcc. Everything is
  * double, as the CPU step computes it, and every operation rounds on its own: the host build has
