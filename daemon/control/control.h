@@ -6,6 +6,9 @@
  * loop thread (uv_async_send); the loop thread runs the handlers and starts every gRPC batch, so
  * the daemon state the handlers read is the loop's, as everywhere else. KvWait requests that
  * cannot be answered yet wait on the loop (a timer each) until a KvSet satisfies them.
+ *
+ * Serving gRPC is grpc_server.h's and keeping the store kvstore.h's; this module gives them the
+ * methods and their meaning.
  */
 #ifndef ZD_DAEMON_CONTROL_H
 #define ZD_DAEMON_CONTROL_H

@@ -1,0 +1,618 @@
+/* The unary gRPC server (grpc_server.h): a completion-queue thread, the tag state machine of a
+ * call, the method table's dispatch, binding the address, and the shutdown sequence.
+ *
+ * gRPC's completion queue has no descriptor libuv could poll, so one thread blocks in
+ * grpc_completion_queue_next() and hands each completed tag to the loop through a locked list and
+ * uv_async_send(). Everything else happens on the loop thread: handlers read the daemon's state
+ * there like the rest of the daemon, and every grpc_call_start_batch() is made there. A tag is
+ * embedded in the object it completes (a call, or the server's shutdown), so the hand-over
+ * allocates nothing; a call object is reference counted by its outstanding batches and the
+ * handler's holds.
+ *
+ * A call's life: a slot per method waits for a new call (request_registered_call); when one
+ * arrives the slot is re-armed, the payload is decoded against the method's request type, and
+ * the handler answers with one batch (initial metadata, message, status, receive close). A
+ * deferred call instead starts its receive-close batch at once, to learn of a client that gives
+ * up, and is answered later without it.
+ *
+ * Shutdown: the server is shut down (calls still being answered are cancelled if they have not
+ * finished after a grace period), the queue is shut down and drained by its thread, the thread is
+ * joined, and once no call object is left the server and queue are destroyed and the handles
+ * closed; only then is the owner told.
+ */
+#include "grpc_server.h"
+
+#include <errno.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/log.h>
+#include <grpc/support/time.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "grpc_unary.h"
+#include "log.h"
+
+#define SLOTS_PER_METHOD  2   /* calls of one method gRPC can hand us without waiting */
+#define SHUTDOWN_GRACE_MS 500 /* calls still running this long after shutdown are cancelled */
+
+typedef enum tag_kind { TAG_CALL, TAG_CLOSE, TAG_SHUTDOWN } tag_kind_t;
+
+/* What the queue thread hands to the loop: embedded in its owner, one completion at a time. */
+typedef struct tag {
+  tag_kind_t kind;
+  int ok;           /* the event's success flag */
+  struct tag *next; /* in the hand-over list */
+} tag_t;
+
+typedef enum call_stage { STAGE_REQUESTED, STAGE_REPLYING } call_stage_t;
+
+typedef zd__gsrv_call_t call_t;
+
+struct zd__gsrv_call {
+  tag_t tag;       /* the new call, then the reply batch */
+  tag_t close_tag; /* receive-close of a deferred call */
+  zd__gsrv_t *s;
+  int method; /* index in the table; -1: a method not in it */
+  call_stage_t stage;
+  int refs; /* the tag's operation, the close batch, the handler's holds */
+  int replied;
+  int deferred;
+  int cancelled; /* out-parameter of receive-close */
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array md;
+  grpc_call_details details; /* calls of unknown methods */
+  grpc_byte_buffer *payload;
+  grpc_byte_buffer *reply;
+  grpc_slice status_details;
+  void (*on_cancel)(void *arg); /* a deferred call's */
+  void *cancel_arg;
+};
+
+struct zd__gsrv {
+  uv_loop_t *loop;
+  const zd__gsrv_method_t *methods;
+  size_t nmethods;
+  void *ctx;
+  char log_name[32];
+  char address[256];   /* as bound: a port 0 replaced */
+  char unix_path[108]; /* "" unless a unix: address */
+  ino_t unix_inode;
+
+  grpc_server *server;
+  grpc_completion_queue *cq;
+  void **registered; /* per method */
+  pthread_t thread;
+  int thread_started;
+
+  uv_async_t async;
+  uv_timer_t grace;
+  int open_handles;
+  pthread_mutex_t lock; /* the hand-over list and cq_drained */
+  tag_t *head, *tail;
+  int cq_drained; /* the thread saw GRPC_QUEUE_SHUTDOWN and is exiting */
+
+  tag_t shutdown_tag;
+  int stopping;
+  int server_down; /* the shutdown tag came back */
+  int thread_joined;
+  int destroyed;
+  uint32_t ncalls; /* call objects alive */
+  void (*done)(void *arg);
+  void *done_arg;
+};
+
+/* ---- completion-queue thread ----------------------------------------------------------------- */
+
+static void *cq_main(void *arg) {
+  zd__gsrv_t *s = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    tag_t *t = ev.tag;
+    t->ok = ev.success;
+    t->next = NULL;
+    pthread_mutex_lock(&s->lock);
+    if (s->tail)
+      s->tail->next = t;
+    else
+      s->head = t;
+    s->tail = t;
+    pthread_mutex_unlock(&s->lock);
+    uv_async_send(&s->async);
+  }
+  pthread_mutex_lock(&s->lock);
+  s->cq_drained = 1;
+  pthread_mutex_unlock(&s->lock);
+  uv_async_send(&s->async);
+  return NULL;
+}
+
+/* ---- calls ----------------------------------------------------------------------------------- */
+
+static void maybe_destroy(zd__gsrv_t *s);
+
+static const char *method_path(const zd__gsrv_t *s, int i) {
+  return i >= 0 ? s->methods[i].path : "unknown methods";
+}
+
+static call_t *call_new(zd__gsrv_t *s, int method) {
+  call_t *k = calloc(1, sizeof *k);
+  if (!k) return NULL;
+  k->tag.kind = TAG_CALL;
+  k->close_tag.kind = TAG_CLOSE;
+  k->s = s;
+  k->method = method;
+  k->refs = 1;
+  k->status_details = grpc_empty_slice();
+  grpc_metadata_array_init(&k->md);
+  grpc_call_details_init(&k->details);
+  s->ncalls++;
+  return k;
+}
+
+void zd__gsrv_call_ref(call_t *k) {
+  k->refs++;
+}
+
+void zd__gsrv_call_unref(call_t *k) {
+  if (--k->refs > 0) return;
+  zd__gsrv_t *s = k->s;
+  if (k->call) grpc_call_unref(k->call);
+  grpc_metadata_array_destroy(&k->md);
+  grpc_call_details_destroy(&k->details);
+  if (k->payload) grpc_byte_buffer_destroy(k->payload);
+  if (k->reply) grpc_byte_buffer_destroy(k->reply);
+  grpc_slice_unref(k->status_details);
+  free(k);
+  s->ncalls--;
+  maybe_destroy(s);
+}
+
+/* Arms a slot for the next call of method i (-1: any method not in the table). */
+static void request_call(zd__gsrv_t *s, int i) {
+  call_t *k = call_new(s, i);
+  if (!k) {
+    ZD_LOG_ERROR("%s: out of memory; one slot of %s stays empty", s->log_name, method_path(s, i));
+    return;
+  }
+  grpc_call_error e;
+  if (i >= 0)
+    e = grpc_server_request_registered_call(s->server, s->registered[i], &k->call, &k->deadline,
+                                            &k->md, &k->payload, s->cq, s->cq, &k->tag);
+  else
+    e = grpc_server_request_call(s->server, &k->call, &k->details, &k->md, s->cq, s->cq, &k->tag);
+  if (e != GRPC_CALL_OK) {
+    ZD_LOG_ERROR("%s: cannot wait for calls of %s (grpc_call_error %d)", s->log_name,
+                 method_path(s, i), (int)e);
+    zd__gsrv_call_unref(k);
+  }
+}
+
+const char *zd__gsrv_call_path(const call_t *k) {
+  return k->method >= 0 ? k->s->methods[k->method].path : "?";
+}
+
+/* The one batch that ends a call. payload may be NULL (an error status). The call's reference
+ * passes from the request to this batch. */
+static void send_reply(call_t *k, grpc_status_code status, const char *msg,
+                       grpc_byte_buffer *payload) {
+  zd_assert(!k->replied);
+  k->replied = 1;
+  k->stage = STAGE_REPLYING;
+  k->reply = payload;
+  if (status != GRPC_STATUS_OK) {
+    k->status_details = grpc_slice_from_copied_string(msg);
+    ZD_LOG_DEBUG("%s: %s: %s: %s", k->s->log_name, zd__gsrv_call_path(k),
+                 zd__grpc_status_name(status), msg);
+  }
+  grpc_op ops[4];
+  memset(ops, 0, sizeof ops);
+  size_t n = 0;
+  ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+  if (payload) {
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n++].data.send_message.send_message = payload;
+  }
+  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n].data.send_status_from_server.status = status;
+  ops[n++].data.send_status_from_server.status_details =
+      status != GRPC_STATUS_OK ? &k->status_details : NULL;
+  if (!k->deferred) { /* a deferred call's receive-close is already pending */
+    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    ops[n++].data.recv_close_on_server.cancelled = &k->cancelled;
+  }
+  grpc_call_error e = grpc_call_start_batch(k->call, ops, n, &k->tag, NULL);
+  if (e != GRPC_CALL_OK) {
+    ZD_LOG_ERROR("%s: cannot send a reply (grpc_call_error %d)", k->s->log_name, (int)e);
+    zd__gsrv_call_unref(k);
+  }
+}
+
+void zd__gsrv_reply(call_t *k, const ProtobufCMessage *msg) {
+  send_reply(k, GRPC_STATUS_OK, NULL, zd__grpc_pack(msg));
+}
+
+void zd__gsrv_reply_error(call_t *k, grpc_status_code status, const char *fmt, ...) {
+  char msg[ZD__ERR_MSG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  send_reply(k, status, msg, NULL);
+}
+
+grpc_call_error zd__gsrv_defer(call_t *k, void (*on_cancel)(void *arg), void *arg) {
+  grpc_op op = {.op = GRPC_OP_RECV_CLOSE_ON_SERVER};
+  op.data.recv_close_on_server.cancelled = &k->cancelled;
+  grpc_call_error e = grpc_call_start_batch(k->call, &op, 1, &k->close_tag, NULL);
+  if (e != GRPC_CALL_OK) return e;
+  k->deferred = 1;
+  k->refs++; /* the close batch */
+  k->on_cancel = on_cancel;
+  k->cancel_arg = arg;
+  return GRPC_CALL_OK;
+}
+
+/* The receive-close of a deferred call: a client that cancelled (deadline, disconnect) before
+ * its answer ends the call, and no reply is sent. */
+static void on_close_event(call_t *k) {
+  if (!k->replied && k->cancelled) {
+    k->replied = 1;
+    k->on_cancel(k->cancel_arg);
+    zd__gsrv_call_unref(k); /* the reference the reply would have held */
+  }
+  zd__gsrv_call_unref(k);
+}
+
+/* Validates the envelope (payload, size, request type) and runs the handler. */
+static void dispatch(call_t *k) {
+  zd__gsrv_t *s = k->s;
+  if (k->method < 0) {
+    char name[256];
+    size_t n = GRPC_SLICE_LENGTH(k->details.method);
+    if (n >= sizeof name) n = sizeof name - 1;
+    memcpy(name, GRPC_SLICE_START_PTR(k->details.method), n);
+    name[n] = '\0';
+    zd__gsrv_reply_error(k, GRPC_STATUS_UNIMPLEMENTED, "zerod does not serve method %s", name);
+    return;
+  }
+  const zd__gsrv_method_t *m = &s->methods[k->method];
+  zd__err_t err = {0};
+  ProtobufCMessage *req = NULL;
+  void *data = NULL;
+  size_t len = 0;
+  int rc;
+  if (!k->payload) {
+    rc = zd__errf(&err, -EINVAL, "%s: the call carried no request message", m->path);
+    goto exit;
+  }
+  if ((rc = zd__grpc_read(k->payload, &data, &len))) {
+    zd__errf(&err, rc, "%s: out of memory reading the request", m->path);
+    goto exit;
+  }
+  if (len > m->max_bytes) {
+    rc = zd__errf(&err, ZD_ETOOBIG, "%s: the request is %zu bytes; at most %u are accepted",
+                  m->path, len, m->max_bytes);
+    goto exit;
+  }
+  req = protobuf_c_message_unpack(m->request, NULL, len, data);
+  if (!req) {
+    rc = zd__errf(&err, -EINVAL, "%s: the %zu-byte request is not a valid %s", m->path, len,
+                  m->request->name);
+    goto exit;
+  }
+  rc = m->handler(s->ctx, k, &req, &err);
+exit:
+  if (rc) send_reply(k, zd__grpc_status_of(rc), err.msg, NULL);
+  if (req) protobuf_c_message_free_unpacked(req, NULL);
+  free(data);
+}
+
+/* ---- the loop side of the queue -------------------------------------------------------------- */
+
+static void on_handle_closed(uv_handle_t *h) {
+  zd__gsrv_t *s = h->data;
+  if (--s->open_handles > 0) return;
+  void (*done)(void *) = s->done;
+  void *arg = s->done_arg;
+  pthread_mutex_destroy(&s->lock);
+  free(s->registered);
+  free(s);
+  if (done) done(arg);
+}
+
+static void remove_unix_socket(zd__gsrv_t *s) {
+  struct stat st;
+  if (s->unix_path[0] && lstat(s->unix_path, &st) == 0 && st.st_ino == s->unix_inode)
+    unlink(s->unix_path);
+}
+
+/* The end, once the queue thread is joined and no call object is left. */
+static void maybe_destroy(zd__gsrv_t *s) {
+  if (!s->thread_joined || s->ncalls > 0 || s->destroyed) return;
+  s->destroyed = 1;
+  grpc_server_destroy(s->server);
+  grpc_completion_queue_destroy(s->cq);
+  grpc_shutdown();
+  remove_unix_socket(s);
+  uv_close((uv_handle_t *)&s->async, on_handle_closed);
+  uv_close((uv_handle_t *)&s->grace, on_handle_closed);
+}
+
+static void handle_tag(zd__gsrv_t *s, tag_t *t) {
+  switch (t->kind) {
+    case TAG_SHUTDOWN:
+      s->server_down = 1;
+      uv_timer_stop(&s->grace);
+      grpc_completion_queue_shutdown(s->cq); /* the thread drains it and exits */
+      break;
+    case TAG_CLOSE:
+      on_close_event((call_t *)((char *)t - offsetof(call_t, close_tag)));
+      break;
+    case TAG_CALL: {
+      call_t *k = (call_t *)t;
+      if (k->stage == STAGE_REPLYING || !t->ok) { /* reply sent, or a slot the shutdown ended */
+        zd__gsrv_call_unref(k);
+        break;
+      }
+      if (!s->stopping) request_call(s, k->method);
+      dispatch(k);
+      break;
+    }
+  }
+}
+
+static void on_async(uv_async_t *h) {
+  zd__gsrv_t *s = h->data;
+  pthread_mutex_lock(&s->lock);
+  tag_t *t = s->head;
+  s->head = s->tail = NULL;
+  int drained = s->cq_drained;
+  pthread_mutex_unlock(&s->lock);
+  while (t) {
+    tag_t *next = t->next;
+    handle_tag(s, t);
+    t = next;
+  }
+  if (drained && !s->thread_joined) {
+    pthread_join(s->thread, NULL);
+    s->thread_joined = 1;
+    maybe_destroy(s);
+  }
+}
+
+static void on_grace(uv_timer_t *t) {
+  zd__gsrv_t *s = t->data;
+  if (s->server_down) return;
+  ZD_LOG_INFO("%s: cancelling the calls still running %d ms into the shutdown", s->log_name,
+              SHUTDOWN_GRACE_MS);
+  grpc_server_cancel_all_calls(s->server);
+}
+
+void zd__gsrv_stop(zd__gsrv_t *s, void (*done)(void *arg), void *arg) {
+  if (s->stopping) return;
+  s->stopping = 1;
+  s->done = done;
+  s->done_arg = arg;
+  grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+  uv_timer_start(&s->grace, on_grace, SHUTDOWN_GRACE_MS, 0);
+}
+
+const char *zd__gsrv_address(const zd__gsrv_t *s) {
+  return s->address;
+}
+
+/* ---- start ----------------------------------------------------------------------------------- */
+
+/* gRPC's own log lines, into the daemon's log. gRPC filters by GRPC_VERBOSITY (default: errors)
+ * before calling this. */
+static void grpc_log(gpr_log_func_args *a) {
+  if (a->severity == GPR_LOG_SEVERITY_ERROR)
+    ZD_LOG_WARN("grpc: %s (%s:%d)", a->message, a->file, a->line);
+  else
+    ZD_LOG_DEBUG("grpc: %s", a->message);
+}
+
+static int unix_in_use(const char *path) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
+  int in_use = connect(fd, (struct sockaddr *)&addr, sizeof addr) == 0;
+  close(fd);
+  return in_use;
+}
+
+/* A unix: address: gRPC would unlink whatever socket is at the path, a live zerod's included,
+ * so look first, as server.c does for the client socket. */
+static int prepare_unix(zd__gsrv_t *s, const zd__gsrv_config_t *cfg, zd__err_t *err) {
+  const char *addr = cfg->address, *path = addr + 5;
+  if (strncmp(path, "//", 2) == 0) path += 2; /* unix:///abs/path */
+  if (!path[0] || strlen(path) >= sizeof s->unix_path)
+    return zd__errf(err, ZD_ECONFIG, "%s %s: the socket path must have 1..%zu bytes",
+                    cfg->address_name, addr, sizeof s->unix_path - 1);
+  snprintf(s->unix_path, sizeof s->unix_path, "%s", path);
+  struct stat st;
+  if (lstat(path, &st) != 0) return ZD_OK;
+  if (!S_ISSOCK(st.st_mode))
+    return zd__errf(err, -EEXIST, "%s %s: %s exists and is not a socket", cfg->address_name, addr,
+                    path);
+  if (unix_in_use(path))
+    return zd__errf(err, -EADDRINUSE, "%s %s: another process is listening on %s",
+                    cfg->address_name, addr, path);
+  return ZD_OK;
+}
+
+/* Why a TCP address could not be bound, found by trying it the way gRPC does (gRPC itself says
+ * nothing for an address in use). Called only after gRPC failed, so it races with nothing that
+ * matters: at worst the diagnosis is vaguer. */
+static void diagnose_tcp(const char *addr, char *why, size_t len) {
+  snprintf(why, len, "malformed: expected host:port or unix:/path");
+  const char *colon = strrchr(addr, ':');
+  if (!colon || !colon[1]) return;
+  char host[256];
+  snprintf(host, sizeof host, "%.*s", (int)(colon - addr), addr);
+  size_t hl = strlen(host);
+  if (hl >= 2 && host[0] == '[' && host[hl - 1] == ']') { /* [::1]:7070 */
+    memmove(host, host + 1, hl - 2);
+    host[hl - 2] = '\0';
+  }
+  struct addrinfo hints = {
+      .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+  struct addrinfo *res = NULL;
+  int gai = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &res);
+  if (gai) {
+    snprintf(why, len, "cannot resolve '%s' port '%s': %s", host, colon + 1, gai_strerror(gai));
+    return;
+  }
+  snprintf(why, len, "gRPC refused it; see the grpc line above");
+  for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+      int e = errno;
+      snprintf(why, len, "%s",
+               e == EADDRINUSE      ? "another process is listening on it"
+               : e == EADDRNOTAVAIL ? "not an address of this host"
+                                    : strerror(e));
+      close(fd);
+      break;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+}
+
+/* The address as bound: "host:0" gets the port the kernel chose. */
+static void set_bound_address(zd__gsrv_t *s, const char *addr, int port) {
+  const char *colon = strrchr(addr, ':');
+  if (!s->unix_path[0] && colon && strcmp(colon, ":0") == 0)
+    snprintf(s->address, sizeof s->address, "%.*s:%d", (int)(colon - addr), addr, port);
+  else
+    snprintf(s->address, sizeof s->address, "%s", addr);
+}
+
+/* Undoes a start that failed after the server and queue were created. */
+static void abort_start(zd__gsrv_t *s) {
+  grpc_completion_queue_shutdown(s->cq);
+  if (s->thread_started) {
+    pthread_join(s->thread, NULL);
+  } else {
+    while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+  }
+  grpc_server_destroy(s->server);
+  grpc_completion_queue_destroy(s->cq);
+  grpc_shutdown();
+  s->done = NULL;
+  uv_close((uv_handle_t *)&s->async, on_handle_closed);
+  uv_close((uv_handle_t *)&s->grace, on_handle_closed);
+}
+
+int zd__gsrv_start(const zd__gsrv_config_t *cfg, zd__gsrv_t **out, zd__err_t *err) {
+  const char *addr = cfg->address;
+  *out = NULL;
+  zd__gsrv_t *s = calloc(1, sizeof *s);
+  void **registered = calloc(cfg->nmethods ? cfg->nmethods : 1, sizeof *registered);
+  if (!s || !registered) {
+    free(s);
+    free(registered);
+    return zd__errf(err, -ENOMEM, "out of memory starting the %s service", cfg->log_name);
+  }
+  s->loop = cfg->loop;
+  s->methods = cfg->methods;
+  s->nmethods = cfg->nmethods;
+  s->ctx = cfg->ctx;
+  s->registered = registered;
+  snprintf(s->log_name, sizeof s->log_name, "%s", cfg->log_name);
+  s->shutdown_tag.kind = TAG_SHUTDOWN;
+  pthread_mutex_init(&s->lock, NULL);
+  int rc = strncmp(addr, "unix:", 5) == 0 ? prepare_unix(s, cfg, err) : ZD_OK;
+  if (!rc && !addr[0]) rc = zd__errf(err, ZD_ECONFIG, "%s is empty", cfg->address_name);
+  if (!rc && (rc = uv_async_init(s->loop, &s->async, on_async)))
+    zd__errf(err, rc, "uv_async_init: %s", uv_strerror(rc));
+  if (rc) {
+    pthread_mutex_destroy(&s->lock);
+    free(s->registered);
+    free(s);
+    return rc;
+  }
+  uv_timer_init(s->loop, &s->grace);
+  s->async.data = s->grace.data = s;
+  s->open_handles = 2;
+
+  gpr_set_log_function(grpc_log);
+  grpc_init();
+  s->cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_arg args[] = {
+      {.type = GRPC_ARG_INTEGER,
+       .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+       .value.integer = (int)ZD__GRPC_MAX_MESSAGE},
+      {.type = GRPC_ARG_INTEGER,
+       .key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
+       .value.integer = (int)ZD__GRPC_MAX_MESSAGE},
+      /* gRPC sets SO_REUSEPORT by default: a second zerod on the same port would silently share
+       * the calls instead of failing to start. */
+      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_ALLOW_REUSEPORT, .value.integer = 0},
+  };
+  grpc_channel_args chargs = {.num_args = sizeof args / sizeof args[0], .args = args};
+  s->server = grpc_server_create(&chargs, NULL);
+  for (size_t i = 0; i < s->nmethods; i++) {
+    s->registered[i] = grpc_server_register_method(s->server, s->methods[i].path, NULL,
+                                                   GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+    if (!s->registered[i]) {
+      rc = zd__errf(err, ZD_EINTERNAL, "cannot register gRPC method %s", s->methods[i].path);
+      goto fail;
+    }
+  }
+  grpc_server_register_completion_queue(s->server, s->cq, NULL);
+  if ((rc = pthread_create(&s->thread, NULL, cq_main, s))) {
+    rc = zd__errf(err, -rc, "cannot start the %s service's thread: %s", s->log_name, strerror(rc));
+    goto fail;
+  }
+  s->thread_started = 1;
+
+  /* A unix socket is created with the mode asked for: the umask keeps any wider access from
+   * existing even for a moment. */
+  mode_t old_mask = 0;
+  if (s->unix_path[0]) old_mask = umask(~(mode_t)cfg->socket_mode & 0777);
+  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  int port = grpc_server_add_http2_port(s->server, addr, creds);
+  grpc_server_credentials_release(creds);
+  if (s->unix_path[0]) umask(old_mask);
+  if (port <= 0) {
+    char why[256];
+    if (s->unix_path[0])
+      snprintf(why, sizeof why, "see the grpc line above");
+    else
+      diagnose_tcp(addr, why, sizeof why);
+    rc = zd__errf(err, -EADDRNOTAVAIL, "cannot listen on %s %s: %s", cfg->address_name, addr, why);
+    goto fail;
+  }
+  struct stat st;
+  if (s->unix_path[0] && lstat(s->unix_path, &st) == 0) s->unix_inode = st.st_ino;
+  set_bound_address(s, addr, port);
+  grpc_server_start(s->server);
+  for (size_t i = 0; i < s->nmethods; i++)
+    for (int slot = 0; slot < SLOTS_PER_METHOD; slot++) request_call(s, (int)i);
+  request_call(s, -1);
+  *out = s;
+  return ZD_OK;
+
+fail:
+  abort_start(s);
+  return rc;
+}
