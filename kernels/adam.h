@@ -26,7 +26,8 @@
  *   d  = sqrt(v) / bc2s + e
  *   p  = p + (nss * m) / d
  *   param_out = p as f32, or as bf16 rounded to nearest even (NaN -> 0x7fc0, as torch)
- * grad is f32, bf16 (upper half of an f32) or f16 (IEEE binary16, converted exactly).
+ * grad is f32, bf16 (upper half of an f32) or f16 (IEEE binary16, converted exactly); the
+ * conversions are common/dtype.h's.
  *
  * Gradient statistics (zd__grad_stats_*): the sum of squares of to_f32(grad) (before grad_scale)
  * and the count of non-finite values, over the elements covered by segments. The sum is in double
@@ -44,6 +45,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dtype.h"
 #include "segment.h"
 #include "zerod/zerod.h"
 
@@ -114,26 +116,6 @@ static inline uint64_t zd__stats_blocks(uint64_t n) {
 
 /* Adds block sums in order (the fixed order above). */
 double zd__grad_stats_sum(const double *sums, uint64_t nblocks);
-
-/* Scalar conversions shared by every path. */
-static inline float zd__bf16_to_f32(uint16_t h) {
-  union {
-    uint32_t u;
-    float f;
-  } x = {.u = (uint32_t)h << 16};
-  return x.f;
-}
-
-static inline uint16_t zd__f32_to_bf16(float f) {
-  union {
-    float f;
-    uint32_t u;
-  } x = {.f = f};
-  if (f != f) return 0x7fc0;
-  return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
-
-float zd__f16_to_f32(uint16_t h);
 
 /* Internals shared by adam.c and the wide paths (adam_avx2.c, adam_avx512.c), which are built with
  * their ISA's flags and must only be called through zd__adam_impl / zd__grad_stats_impl. */

@@ -47,12 +47,9 @@ static float u2f(uint32_t u) {
   return f;
 }
 
-static size_t dtype_size(zd_dtype_t t) {
-  return t == ZD_F32 ? 4 : 2;
-}
-
+/* A shard's dtype, or "none" for no param output (pdt 0). */
 static const char *dtype_name(zd_dtype_t t) {
-  return t == ZD_F32 ? "f32" : t == ZD_BF16 ? "bf16" : t == ZD_F16 ? "f16" : "none";
+  return t ? zd_dtype_name(t) : "none";
 }
 
 static float to_f32(const void *buf, zd_dtype_t t, uint64_t i) {
@@ -244,7 +241,7 @@ static void *guarded_alloc(uint64_t n, size_t size) {
 }
 
 static void state_init(state_t *s, const shard_t *sh, unsigned shift) {
-  size_t psz = sh->pdt ? dtype_size(sh->pdt) : 0;
+  size_t psz = sh->pdt ? zd_dtype_size(sh->pdt) : 0;
   uint64_t total = sh->n + 2 * GUARD + 16;
   for (int k = 0; k < 3; k++) {
     s->buf[k] = guarded_alloc(sh->n, 4);
@@ -269,7 +266,7 @@ static void state_init(state_t *s, const shard_t *sh, unsigned shift) {
 }
 
 static void state_copy(state_t *dst, const state_t *src, const shard_t *sh) {
-  size_t psz = sh->pdt ? dtype_size(sh->pdt) : 0;
+  size_t psz = sh->pdt ? zd_dtype_size(sh->pdt) : 0;
   uint64_t total = sh->n + 2 * GUARD + 16;
   for (int k = 0; k < 3; k++) {
     dst->buf[k] = guarded_alloc(sh->n, 4);
@@ -341,7 +338,7 @@ static void make_grads(void *g, const shard_t *sh) {
  * payload of a NaN may depend on operand order; bf16 output has one NaN, 0x7fc0). */
 static void expect_same(const void *want, const void *got, zd_dtype_t t, uint64_t n,
                         const char *isa, const char *what, const shard_t *sh, int step) {
-  size_t sz = dtype_size(t);
+  size_t sz = zd_dtype_size(t);
   if (memcmp(want, got, n * sz) == 0) return;
   uint64_t bad = 0, first = UINT64_MAX;
   double max_abs = 0, max_rel = 0;
@@ -381,7 +378,7 @@ static void expect_padding(const state_t *s, const state_t *s0, const shard_t *s
     }
   }
   if (!sh->pdt) return;
-  size_t psz = dtype_size(sh->pdt);
+  size_t psz = zd_dtype_size(sh->pdt);
   int64_t base = ((char *)s->param - (char *)s->pbuf) / (int64_t)psz;
   for (uint64_t j = 0; j < total; j++) {
     int64_t i = (int64_t)j - base;
