@@ -38,7 +38,8 @@
   X(beta2, DOUBLE, v >= 0 && v < 1, "a value in [0, 1)", 0.999) \
   X(eps, DOUBLE, v > 0, "a finite value > 0", 1e-8) \
   X(weight_decay, DOUBLE, v >= 0, "a finite value >= 0", 1e-2) \
-  X(optimizer, ENUM, v == ZD_ADAMW || v == ZD_ADAM, "ADAMW (0) or ADAM (1)", ZD_ADAMW)
+  X(optimizer, ENUM, v == ZD_ADAMW || v == ZD_ADAM, "ADAMW (0) or ADAM (1)", ZD_ADAMW) \
+  X(maximize, BOOL, v == 0 || v == 1, "0 or 1", 0)
 /* clang-format on */
 
 /* Checks every field of g against its row: ZD_OK, or ZD_EHPARAM for the first field that fails,

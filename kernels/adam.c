@@ -27,6 +27,10 @@ void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t ste
   c->bias_correction2_sqrt = (float)sqrt(1 - pow(hp->beta2, t));
   c->neg_step_size = (float)(-(hp->lr / (1 - pow(hp->beta1, t))));
   c->eps = (float)hp->eps;
+  if (hp->maximize) { /* torch's negated gradient, folded into the constants (adam.h) */
+    c->one_minus_beta1 = -c->one_minus_beta1;
+    c->weight_decay = -c->weight_decay;
+  }
 }
 
 uint32_t zd__segs_find(const zd__segment_t *segs, uint32_t nsegs, uint64_t begin) {

@@ -23,7 +23,7 @@ static const char *const table_names[] = {
 };
 #define NFIELDS (sizeof table_names / sizeof table_names[0])
 
-/* Every field set away from its default. */
+/* Every field set away from its default (maximize, optimizer included). */
 static zd_group_t unusual(void) {
   zd_group_t g = zd_group_default();
   g.lr = 3.25e-4;
@@ -32,6 +32,7 @@ static zd_group_t unusual(void) {
   g.eps = 1e-6;
   g.weight_decay = 0.125;
   g.optimizer = ZD_ADAM;
+  g.maximize = 1;
   return g;
 }
 
@@ -103,14 +104,20 @@ static void test_group_wire(void) {
   Zerod__V1__Group w;
   zd__wire_group_to(&w, &g);
   CHECK_INT_EQ(w.has_optimizer, 1);
+  CHECK_INT_EQ(w.has_maximize, 1);
   zd_group_t back = round_trip(&w);
   CHECK(same_group(&back, &g));
   /* An older client: only the required fields. */
-  w.has_optimizer = 0;
+  w.has_optimizer = w.has_maximize = 0;
   back = round_trip(&w);
   zd_group_t def = zd_group_default();
   CHECK_INT_EQ(back.optimizer, def.optimizer);
+  CHECK_INT_EQ(back.maximize, def.maximize);
   CHECK_DBL_EQ(back.lr, g.lr);
+  /* A boolean travels as 0 or 1. */
+  g.maximize = 7;
+  zd__wire_group_to(&w, &g);
+  CHECK_INT_EQ(round_trip(&w).maximize, 1);
   printf("group wire: every field round-trips; absent optional fields take the defaults\n");
 }
 
@@ -141,6 +148,9 @@ static void test_group_check(void) {
   g = zd_group_default();
   g.optimizer = (zd_optimizer_t)7;
   expect_refused(g, "group 3: optimizer 7 unknown; expected ADAMW (0) or ADAM (1)");
+  g = zd_group_default();
+  g.maximize = 2;
+  expect_refused(g, "group 3: maximize is 2; expected 0 or 1");
   printf("group check: each field refused with the table's message\n");
 }
 
@@ -148,6 +158,9 @@ static void test_group_hash(void) {
   zd_group_t a = zd_group_default(), b = a;
   uint64_t h0 = 0xcbf29ce484222325ull;
   CHECK_U64_EQ(zd__group_hash(h0, &a), zd__group_hash(h0, &b));
+  b.maximize = 1;
+  CHECK_INT_NE(zd__group_hash(h0, &a), zd__group_hash(h0, &b));
+  b = a;
   b.optimizer = ZD_ADAM;
   CHECK_INT_NE(zd__group_hash(h0, &a), zd__group_hash(h0, &b));
   b = a;

@@ -60,8 +60,10 @@ typedef enum zd_optimizer { ZD_ADAMW = 0, ZD_ADAM = 1 } zd_optimizer_t;
 
 /* Hyperparameters of one parameter group. Doubles, as Python floats are: zerod derives the fp32
  * constants of the update exactly as torch does (kernels/adam.h). lr >= 0, eps > 0,
- * 0 <= beta < 1, weight_decay >= 0, all finite. zerod keeps the fields in one table
- * (common/group.h): zd_group_fields() describes them to bindings. */
+ * 0 <= beta < 1, weight_decay >= 0, all finite. maximize: 1 maximizes the objective, as
+ * torch.optim.AdamW/Adam's maximize=True (the update follows the negated gradient); 0 (the
+ * default) minimizes it. zerod keeps the fields in one table (common/group.h): zd_group_fields()
+ * describes them to bindings. */
 typedef struct zd_group {
   double lr;
   double beta1;
@@ -69,10 +71,11 @@ typedef struct zd_group {
   double eps;
   double weight_decay;
   zd_optimizer_t optimizer;
+  int maximize; /* 0 or 1 */
 } zd_group_t;
 
-/* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2;
- * optimizer ZD_ADAMW. */
+/* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2,
+ * maximize 0; optimizer ZD_ADAMW. */
 ZD_EXPORT zd_group_t zd_group_default(void);
 
 /* How a field of zd_group_t is stored: a double, an enum (int-sized), or an int used as a boolean
