@@ -35,10 +35,12 @@
 #include <pthread.h>
 #endif
 
+#include "dtype.h"
 #include "endpoint.h"
 #include "error.h"
 #include "frame.h"
 #include "layout.h"
+#include "wire.h"
 #include "zerod.pb-c.h"
 #include "zerod/zerod.h"
 
@@ -118,15 +120,6 @@ static int fail(int code, const char *fmt, ...) {
   vsnprintf(last_error, sizeof last_error, fmt, ap);
   va_end(ap);
   return code;
-}
-
-zd_group_t zd_group_default(void) {
-  return (zd_group_t){.lr = 1e-3,
-                      .beta1 = 0.9,
-                      .beta2 = 0.999,
-                      .eps = 1e-8,
-                      .weight_decay = 1e-2,
-                      .optimizer = ZD_ADAMW};
 }
 
 /* ---- frames -------------------------------------------------------------------------------- */
@@ -876,12 +869,10 @@ static void release_buffers(zd_client_t *c) {
 int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
   if (!c || !desc) return fail(-EINVAL, "zd_layout: client and desc are required");
   if (c->registered) return fail(ZD_EORDER, "zd_layout after zd_register: the model is fixed");
-  if (desc->param_dtype != ZD_F32 && desc->param_dtype != ZD_BF16)
-    return fail(ZD_EDTYPE, "param dtype %d (%s) not supported; expected f32 or bf16",
-                (int)desc->param_dtype, zd_dtype_name(desc->param_dtype));
-  if (!zd_dtype_size(desc->grad_dtype))
-    return fail(ZD_EDTYPE, "grad dtype %d not supported; expected f32, bf16 or f16",
-                (int)desc->grad_dtype);
+  zd__err_t err = {0};
+  if (zd__dtype_check(desc->param_dtype, ZD__DTYPE_PARAM, &err) ||
+      zd__dtype_check(desc->grad_dtype, ZD__DTYPE_GRAD, &err))
+    return fail(err.code, "%s", err.msg);
   if (!desc->groups || desc->ngroups == 0)
     return fail(ZD_EGROUP, "model has no parameter groups; expected at least 1");
   if (desc->nparams > UINT32_MAX || desc->ngroups > UINT32_MAX)
@@ -904,7 +895,6 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
   if (cuda) return fail(ZD_EBACKEND, "this libzerod was built without CUDA: no device buffers");
 #endif
   release_buffers(c);
-  zd__err_t err = {0};
   int rc = zd__layout_build(desc->params, (uint32_t)desc->nparams, (uint32_t)desc->ngroups,
                             c->info.world_size, c->info.bucket_elems, &c->layout, &err);
   if (rc) return fail(rc, "%s", err.msg);
@@ -942,21 +932,6 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
   return ZD_OK;
 }
 
-static Zerod__V1__DType wire_dtype(zd_dtype_t d) {
-  return (Zerod__V1__DType)d;
-}
-
-static void group_to_wire(Zerod__V1__Group *w, const zd_group_t *g) {
-  zerod__v1__group__init(w);
-  w->lr = g->lr;
-  w->beta1 = g->beta1;
-  w->beta2 = g->beta2;
-  w->eps = g->eps;
-  w->weight_decay = g->weight_decay;
-  w->has_optimizer = 1;
-  w->optimizer = (Zerod__V1__Optimizer)g->optimizer;
-}
-
 int zd_register(zd_client_t *c) {
   if (!c) return fail(-EINVAL, "zd_register: client is NULL");
   if (!c->layout) return fail(ZD_EORDER, "zd_register before zd_layout");
@@ -980,17 +955,17 @@ int zd_register(zd_client_t *c) {
     pp[i] = &params[i];
   }
   for (uint32_t g = 0; g < c->ngroups; g++) {
-    group_to_wire(&groups[g], &c->groups[g]);
+    zd__wire_group_to(&groups[g], &c->groups[g]);
     gp[g] = &groups[g];
   }
   Zerod__V1__RegisterRequest req = ZEROD__V1__REGISTER_REQUEST__INIT;
-  Zerod__V1__LossScaler scaler = ZEROD__V1__LOSS_SCALER__INIT;
+  Zerod__V1__LossScaler scaler;
   req.n_params = l->nparams;
   req.params = pp;
   req.n_groups = c->ngroups;
   req.groups = gp;
-  req.param_dtype = wire_dtype(c->param_dtype);
-  req.grad_dtype = wire_dtype(c->grad_dtype);
+  req.param_dtype = zd__wire_dtype_to(c->param_dtype);
+  req.grad_dtype = zd__wire_dtype_to(c->grad_dtype);
   req.layout_hash = l->hash;
   req.has_max_grad_norm = 1;
   req.max_grad_norm = c->max_grad_norm;
@@ -998,15 +973,7 @@ int zd_register(zd_client_t *c) {
   req.grad_mean = c->grad_mean != 0;
   req.has_replace = 1;
   req.replace = (c->flags & ZD_REGISTER_REPLACE) != 0;
-  if (c->loss_scaler.enabled) {
-    scaler.initial_scale = c->loss_scaler.initial_scale;
-    scaler.growth_factor = c->loss_scaler.growth_factor;
-    scaler.backoff_factor = c->loss_scaler.backoff_factor;
-    scaler.growth_interval = c->loss_scaler.growth_interval;
-    scaler.hysteresis = c->loss_scaler.hysteresis;
-    scaler.min_scale = c->loss_scaler.min_scale;
-    req.loss_scaler = &scaler;
-  }
+  req.loss_scaler = zd__wire_scaler_to(&scaler, &c->loss_scaler);
   int fds[2] = {c->param_fd, c->grad_fd}, nfds = 2, slot = -1;
   Zerod__V1__CudaBuffers cb = ZEROD__V1__CUDA_BUFFERS__INIT;
   ProtobufCBinaryData grh[ZD__EVENT_SLOTS], prh[ZD__EVENT_SLOTS];
@@ -1135,7 +1102,7 @@ int zd_step_start(zd_client_t *c, const zd_step_opts_t *opts, zd_request_t *req_
   Zerod__V1__Group groups[ng ? ng : 1];
   Zerod__V1__Group *gp[ng ? ng : 1];
   for (size_t g = 0; g < ng; g++) {
-    group_to_wire(&groups[g], &opts->groups[g]);
+    zd__wire_group_to(&groups[g], &opts->groups[g]);
     gp[g] = &groups[g];
   }
   req.n_groups = ng;

@@ -1,5 +1,5 @@
 /* The scalar reference of the optimizer kernels (adam.h), the host-side derivation of a group's
- * per-step constants, the exact f16 conversion, and the run-time choice of a wide path.
+ * per-step constants, and the run-time choice of a wide path.
  *
  * The reference is the specification the AVX2 and AVX-512 paths are tested against bit for bit,
  * so it is written for reading, not speed: one element at a time, each operation of the formula
@@ -27,33 +27,10 @@ void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t ste
   c->bias_correction2_sqrt = (float)sqrt(1 - pow(hp->beta2, t));
   c->neg_step_size = (float)(-(hp->lr / (1 - pow(hp->beta1, t))));
   c->eps = (float)hp->eps;
-}
-
-float zd__f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    /* Inf keeps its sign; NaN keeps sign and payload and comes out quiet, as vcvtph2ps does. */
-    bits = sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13); /* rebias 15 -> 127 */
-  } else if (mant == 0) {
-    bits = sign;
-  } else {
-    /* Subnormal: mant * 2^-24 is a normal float. Shift the leading one up to the implicit bit,
-     * lowering the exponent as we go (an f16 subnormal has the exponent of exp field 1). */
-    int e = 1;
-    while (!(mant & 0x400u)) {
-      mant <<= 1;
-      e--;
-    }
-    bits = sign | ((uint32_t)(e + 112) << 23) | ((mant & 0x3ffu) << 13);
+  if (hp->maximize) { /* torch's negated gradient, folded into the constants (adam.h) */
+    c->one_minus_beta1 = -c->one_minus_beta1;
+    c->weight_decay = -c->weight_decay;
   }
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
 }
 
 uint32_t zd__segs_find(const zd__segment_t *segs, uint32_t nsegs, uint64_t begin) {

@@ -500,10 +500,6 @@ static int aligned16(const void *p) {
   return ((uintptr_t)p & 15u) == 0;
 }
 
-static int grad_dtype_ok(zd_dtype_t t) {
-  return t == ZD_F32 || t == ZD_BF16 || t == ZD_F16;
-}
-
 int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
                        cudaStream_t stream, zd__err_t *err) {
   if (!l || !a) return zd__errf(err, -EINVAL, "CUDA adam: no layout or no arguments");
@@ -511,10 +507,10 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   if (rc) return rc;
   if (!a->master || !a->exp_avg || !a->exp_avg_sq || !a->grad)
     return zd__errf(err, -EINVAL, "CUDA adam: master, exp_avg, exp_avg_sq and grad are required");
-  if (!grad_dtype_ok(a->grad_dtype))
+  if (!zd__dtype_ok(a->grad_dtype, ZD__DTYPE_GRAD))
     return zd__errf(err, ZD_EDTYPE, "CUDA adam: grad dtype %d; expected f32, bf16 or f16",
                     (int)a->grad_dtype);
-  if (a->param && a->param_dtype != ZD_F32 && a->param_dtype != ZD_BF16)
+  if (a->param && !zd__dtype_ok(a->param_dtype, ZD__DTYPE_PARAM))
     return zd__errf(err, ZD_EDTYPE, "CUDA adam: param dtype %d; expected f32 or bf16",
                     (int)a->param_dtype);
   if (a->ngroups < l->ngroups)
@@ -776,7 +772,7 @@ int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_
   if (!l || !d_out) return zd__errf(err, -EINVAL, "CUDA grad stats: no layout or no output");
   int rc = check_stream(stream, "CUDA grad stats", err);
   if (rc) return rc;
-  if (!grad_dtype_ok(grad_dtype))
+  if (!zd__dtype_ok(grad_dtype, ZD__DTYPE_GRAD))
     return zd__errf(err, ZD_EDTYPE, "CUDA grad stats: grad dtype %d; expected f32, bf16 or f16",
                     (int)grad_dtype);
   if (l->nblocks && !grad) return zd__errf(err, -EINVAL, "CUDA grad stats: no gradients");

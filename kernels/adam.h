@@ -15,6 +15,7 @@
  *   bc2s   = (float)sqrt(1 - pow(beta2, t))          t: this step's number, from 1
  *   nss    = (float)(-(lr / (1 - pow(beta1, t))))
  *   e      = (float)eps
+ * and with maximize (torch's maximize=True: the update follows -grad), a1 = -a1 and wd = -wd.
  *
  * Per element, in fp32 with round-to-nearest-even; fma() is one fused multiply-add (one
  * rounding), every other operation rounds on its own (kernels are built with -ffp-contract=off):
@@ -26,7 +27,19 @@
  *   d  = sqrt(v) / bc2s + e
  *   p  = p + (nss * m) / d
  *   param_out = p as f32, or as bf16 rounded to nearest even (NaN -> 0x7fc0, as torch)
- * grad is f32, bf16 (upper half of an f32) or f16 (IEEE binary16, converted exactly).
+ * grad is f32, bf16 (upper half of an f32) or f16 (IEEE binary16, converted exactly); the
+ * conversions are common/dtype.h's.
+ *
+ * maximize needs no per-element code: negating a1 and wd is torch's negated gradient, exactly.
+ * torch computes m = fma(-g, a1, m * b1), and fma(-g, a1, x) == fma(g, -a1, x) (the product's sign
+ * is the same, and fma rounds once); v = fma(a2 * -g, -g, v * b2) is v with g (the signs cancel).
+ * Adam adds the penalty to the negated gradient: g' = fma(p, wd, -g); zerod's x = fma(p, -wd, g)
+ * is -g' (rounding to nearest is symmetric), and m = fma(x, -a1, m * b1), v = fma(a2 * x, x,
+ * v * b2) are torch's. One case differs, in the sign of a zero only: when -g and wd * p cancel
+ * exactly (two zeros of opposite signs included), g' and x are both +0, so x * -a1 is -0 where
+ * g' * a1 is +0; if m * b1 is -0 too (which takes an underflow or an earlier -0 moment), torch's m
+ * is +0 and zerod's -0 (and, through it, the sign of a parameter that is itself a zero may
+ * differ). tests/unit/test_adam.c checks the folding bit for bit, that case included.
  *
  * Gradient statistics (zd__grad_stats_*): the sum of squares of to_f32(grad) (before grad_scale)
  * and the count of non-finite values, over the elements covered by segments. The sum is in double
@@ -44,6 +57,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dtype.h"
 #include "segment.h"
 #include "zerod/zerod.h"
 
@@ -54,8 +68,8 @@ typedef struct zd__adam_group {
   int optimizer;        /* ZD_ADAMW or ZD_ADAM */
   int has_weight_decay; /* weight_decay != 0: apply decay (AdamW) or wd (Adam) */
   float decay;
-  float weight_decay;
-  float beta1, one_minus_beta1;
+  float weight_decay;           /* negated with maximize */
+  float beta1, one_minus_beta1; /* one_minus_beta1 negated with maximize */
   float beta2, one_minus_beta2;
   float bias_correction2_sqrt;
   float neg_step_size;
@@ -114,26 +128,6 @@ static inline uint64_t zd__stats_blocks(uint64_t n) {
 
 /* Adds block sums in order (the fixed order above). */
 double zd__grad_stats_sum(const double *sums, uint64_t nblocks);
-
-/* Scalar conversions shared by every path. */
-static inline float zd__bf16_to_f32(uint16_t h) {
-  union {
-    uint32_t u;
-    float f;
-  } x = {.u = (uint32_t)h << 16};
-  return x.f;
-}
-
-static inline uint16_t zd__f32_to_bf16(float f) {
-  union {
-    float f;
-    uint32_t u;
-  } x = {.f = f};
-  if (f != f) return 0x7fc0;
-  return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
-
-float zd__f16_to_f32(uint16_t h);
 
 /* Internals shared by adam.c and the wide paths (adam_avx2.c, adam_avx512.c), which are built with
  * their ISA's flags and must only be called through zd__adam_impl / zd__grad_stats_impl. */

@@ -36,7 +36,7 @@ static void launch(float *master, void *param, uint64_t begin, uint64_t end, cud
 extern "C" int zd__cuda_exchange(float *master, void *param, zd_dtype_t param_dtype,
                                  const zd__segment_t *segs, uint32_t nsegs, int to_client,
                                  cudaStream_t stream, zd__err_t *err) {
-  if (param_dtype != ZD_F32 && param_dtype != ZD_BF16)
+  if (!zd__dtype_ok(param_dtype, ZD__DTYPE_PARAM))
     return zd__errf(err, ZD_EDTYPE, "exchange: param dtype %d; expected f32 or bf16",
                     (int)param_dtype);
   bool bf16 = param_dtype == ZD_BF16;

@@ -575,7 +575,7 @@ extern "C" void zd__gloo_abort(zd__gloo_t *g) {
 
 extern "C" int zd__gloo_reduce_scatter(zd__gloo_t *g, const void *send, zd_dtype_t dtype,
                                        float *recv, uint64_t count, uint32_t tag, zd__err_t *err) {
-  if (dtype != ZD_F32 && dtype != ZD_BF16 && dtype != ZD_F16)
+  if (!zd__dtype_ok(dtype, ZD__DTYPE_GRAD))
     return zd__errf(err, ZD_EDTYPE, "reduce-scatter: dtype %d is not f32, bf16 or f16", (int)dtype);
   return run(g, "reduce-scatter", err, [&] { reduce_scatter(g, send, dtype, recv, count, tag); });
 }

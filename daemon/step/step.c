@@ -11,29 +11,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "group.h"
 #include "log.h"
 #include "step_decide.h"
 #include "world.h"
-
-int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err) {
-  if (!isfinite(g->lr) || g->lr < 0)
-    return zd__errf(err, ZD_EHPARAM, "%s: lr is %g; expected a finite value >= 0", where, g->lr);
-  if (!isfinite(g->eps) || g->eps <= 0)
-    return zd__errf(err, ZD_EHPARAM, "%s: eps is %g; expected a finite value > 0", where, g->eps);
-  if (!(g->beta1 >= 0 && g->beta1 < 1))
-    return zd__errf(err, ZD_EHPARAM, "%s: beta1 is %g; expected a value in [0, 1)", where,
-                    g->beta1);
-  if (!(g->beta2 >= 0 && g->beta2 < 1))
-    return zd__errf(err, ZD_EHPARAM, "%s: beta2 is %g; expected a value in [0, 1)", where,
-                    g->beta2);
-  if (!isfinite(g->weight_decay) || g->weight_decay < 0)
-    return zd__errf(err, ZD_EHPARAM, "%s: weight_decay is %g; expected a finite value >= 0", where,
-                    g->weight_decay);
-  if (g->optimizer != ZD_ADAMW && g->optimizer != ZD_ADAM)
-    return zd__errf(err, ZD_EHPARAM, "%s: optimizer %d unknown; expected ADAMW (0) or ADAM (1)",
-                    where, (int)g->optimizer);
-  return ZD_OK;
-}
 
 static uint64_t hash_mix(uint64_t h, const void *data, size_t len) {
   const uint8_t *p = data;
@@ -41,15 +22,11 @@ static uint64_t hash_mix(uint64_t h, const void *data, size_t len) {
   return h;
 }
 
+/* What the ranks must agree on before a step: every group (the table's fields, common/group.h),
+ * clipping, averaging and loss scaling. */
 static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups) {
   uint64_t h = 0xcbf29ce484222325ull;
-  for (uint32_t i = 0; i < m->ngroups; i++) {
-    const zd_group_t *g = &groups[i];
-    double v[5] = {g->lr, g->beta1, g->beta2, g->eps, g->weight_decay};
-    int32_t opt = (int32_t)g->optimizer;
-    h = hash_mix(h, v, sizeof v);
-    h = hash_mix(h, &opt, sizeof opt);
-  }
+  for (uint32_t i = 0; i < m->ngroups; i++) h = zd__group_hash(h, &groups[i]);
   int32_t flags[2] = {m->grad_mean, m->scaler.enabled};
   h = hash_mix(h, &m->max_grad_norm, sizeof m->max_grad_norm);
   return hash_mix(h, flags, sizeof flags);

@@ -60,10 +60,6 @@ typedef struct zd__step_ctx {
   struct zd__world_member *member; /* world size > 1: for the registration barrier */
 } zd__step_ctx_t;
 
-/* Checks one group's hyperparameters: all finite, lr >= 0, eps > 0, 0 <= betas < 1,
- * weight_decay >= 0, optimizer known. `where` prefixes the message ("group 1"). */
-int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err);
-
 /* Register, collectively: every rank must register the same model, and all resume the same
  * step or all start afresh. *model is the rank's model (NULL if none) and is resumed (same
  * layout, spec->replace not set) or replaced; takes spec. On success the client's param buffer

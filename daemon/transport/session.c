@@ -10,10 +10,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "dtype.h"
 #include "frame.h"
 #include "log.h"
 #include "status.h"
 #include "step.h"
+#include "wire.h"
 #include "zerod.pb-c.h"
 
 #define MAX_FDS    8     /* descriptors held per session before a register consumes them */
@@ -296,86 +298,21 @@ exit:
   return rc;
 }
 
-static zd_dtype_t dtype_of(Zerod__V1__DType t) {
-  switch (t) {
-    case ZEROD__V1__DTYPE__F32:
-      return ZD_F32;
-    case ZEROD__V1__DTYPE__BF16:
-      return ZD_BF16;
-    case ZEROD__V1__DTYPE__F16:
-      return ZD_F16;
-    default:
-      return 0;
-  }
-}
-
-static int groups_from(zd_group_t *out, Zerod__V1__Group **in, size_t n, zd__err_t *err) {
-  for (size_t i = 0; i < n; i++) {
-    out[i] = (zd_group_t){
-        .lr = in[i]->lr,
-        .beta1 = in[i]->beta1,
-        .beta2 = in[i]->beta2,
-        .eps = in[i]->eps,
-        .weight_decay = in[i]->weight_decay,
-        .optimizer = (zd_optimizer_t)in[i]->optimizer,
-    };
-    char where[32];
-    snprintf(where, sizeof where, "group %zu", i);
-    int rc = zd__group_check(&out[i], where, err);
-    if (rc) return rc;
-  }
-  return ZD_OK;
-}
-
-static int scaler_from(zd_loss_scaler_t *out, const Zerod__V1__LossScaler *in, zd__err_t *err) {
-  *out = (zd_loss_scaler_t){0};
-  if (!in) return ZD_OK;
-  if (!isfinite(in->initial_scale) || in->initial_scale <= 0)
-    return zd__errf(err, ZD_EHPARAM, "loss scaler initial_scale is %g; expected a finite value > 0",
-                    in->initial_scale);
-  if (!isfinite(in->growth_factor) || in->growth_factor < 1)
-    return zd__errf(err, ZD_EHPARAM,
-                    "loss scaler growth_factor is %g; expected a finite value >= 1",
-                    in->growth_factor);
-  if (!(in->backoff_factor > 0 && in->backoff_factor < 1))
-    return zd__errf(err, ZD_EHPARAM, "loss scaler backoff_factor is %g; expected a value in (0, 1)",
-                    in->backoff_factor);
-  if (in->growth_interval < 1 || in->hysteresis < 1)
-    return zd__errf(err, ZD_EHPARAM,
-                    "loss scaler growth_interval %u and hysteresis %u; both must "
-                    "be >= 1",
-                    in->growth_interval, in->hysteresis);
-  if (!isfinite(in->min_scale) || in->min_scale <= 0)
-    return zd__errf(err, ZD_EHPARAM, "loss scaler min_scale is %g; expected a finite value > 0",
-                    in->min_scale);
-  *out = (zd_loss_scaler_t){.enabled = 1,
-                            .initial_scale = in->initial_scale,
-                            .growth_factor = in->growth_factor,
-                            .backoff_factor = in->backoff_factor,
-                            .growth_interval = in->growth_interval,
-                            .hysteresis = in->hysteresis,
-                            .min_scale = in->min_scale};
-  return ZD_OK;
-}
-
 /* Builds the model spec of a register request; validates everything that does not need state. */
 static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
                      zd__model_spec_t *spec, zd__err_t *err) {
   zd__daemon_t *d = s->daemon;
-  spec->param_dtype = dtype_of(req->param_dtype);
-  if (spec->param_dtype != ZD_F32 && spec->param_dtype != ZD_BF16)
-    return zd__errf(err, ZD_EDTYPE, "param dtype %d (%s) not supported; expected f32 or bf16",
-                    (int)req->param_dtype, zd_dtype_name(spec->param_dtype));
-  spec->grad_dtype = dtype_of(req->grad_dtype);
-  if (!spec->grad_dtype)
-    return zd__errf(err, ZD_EDTYPE, "grad dtype %d not supported; expected f32, bf16 or f16",
-                    (int)req->grad_dtype);
+  spec->param_dtype = zd__wire_dtype_from(req->param_dtype);
+  spec->grad_dtype = zd__wire_dtype_from(req->grad_dtype);
+  int rc = zd__dtype_check(spec->param_dtype, ZD__DTYPE_PARAM, err);
+  if (!rc) rc = zd__dtype_check(spec->grad_dtype, ZD__DTYPE_GRAD, err);
+  if (rc) return rc;
   if (req->n_groups == 0)
     return zd__errf(err, ZD_EGROUP, "register carries no parameter groups; expected at least 1");
   spec->groups = calloc(req->n_groups, sizeof *spec->groups);
   if (!spec->groups) return zd__errf(err, -ENOMEM, "out of memory");
   spec->ngroups = (uint32_t)req->n_groups;
-  int rc = groups_from(spec->groups, req->groups, req->n_groups, err);
+  rc = zd__wire_groups_from(spec->groups, req->groups, req->n_groups, err);
   if (rc) return rc;
   if (!isfinite(req->max_grad_norm) || req->max_grad_norm < 0)
     return zd__errf(err, ZD_EHPARAM, "max_grad_norm is %g; expected a finite value >= 0 (0: off)",
@@ -383,7 +320,7 @@ static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
   spec->max_grad_norm = req->max_grad_norm;
   spec->grad_mean = req->grad_mean;
   spec->replace = req->replace;
-  rc = scaler_from(&spec->scaler, req->loss_scaler, err);
+  rc = zd__wire_scaler_from(&spec->scaler, req->loss_scaler, err);
   if (rc) return rc;
   if (spec->scaler.enabled && spec->grad_dtype != ZD_F16 && spec->grad_dtype != ZD_F32 &&
       spec->grad_dtype != ZD_BF16)
@@ -696,7 +633,7 @@ static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint
       rc = zd__errf(err, -ENOMEM, "out of memory");
       goto exit;
     }
-    rc = groups_from(groups, req->groups, req->n_groups, err);
+    rc = zd__wire_groups_from(groups, req->groups, req->n_groups, err);
     if (rc) goto exit;
   }
   uint32_t slot;

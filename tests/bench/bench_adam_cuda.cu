@@ -154,8 +154,12 @@ int main(int argc, char **argv) {
     zd__cuda_layout_t *l = NULL;
     ZD_CHECK(zd__cuda_layout_create(segs, nsegs, n, stream, &l, &gpu_err));
     zd__adam_group_t groups[2];
-    zd_group_t hp[2] = {{1e-4, 0.9, 0.95, 1e-8, 0.1, ZD_ADAMW},
-                        {1e-4, 0.9, 0.95, 1e-8, 0, ZD_ADAMW}};
+    zd_group_t hp[2] = {zd_group_default(), zd_group_default()}; /* AdamW */
+    for (int k = 0; k < 2; k++) {
+      hp[k].lr = 1e-4;
+      hp[k].beta2 = 0.95;
+      hp[k].weight_decay = k ? 0 : 0.1;
+    }
     zd__adam_group_init(&groups[0], &hp[0], 10);
     zd__adam_group_init(&groups[1], &hp[1], 10);
     zd__cuda_adam_args_t a;

@@ -44,11 +44,25 @@
 
 static cudaStream_t stream;
 
+/* A group with these fields and zerod's defaults for the others (no positional initializer:
+ * zd_group_t may grow). */
+static zd_group_t group_of(double lr, double beta1, double beta2, double eps, double wd,
+                           zd_optimizer_t optimizer) {
+  zd_group_t g = zd_group_default();
+  g.lr = lr;
+  g.beta1 = beta1;
+  g.beta2 = beta2;
+  g.eps = eps;
+  g.weight_decay = wd;
+  g.optimizer = optimizer;
+  return g;
+}
+
 /* lr, beta1, beta2, eps, weight_decay, optimizer: both optimizers, with and without decay. */
 static const zd_group_t hps[NGROUPS] = {
-    {1e-3, 0.9, 0.999, 1e-8, 0.01, ZD_ADAMW}, {3e-4, 0.9, 0.95, 1e-8, 0, ZD_ADAMW},
-    {1e-2, 0.8, 0.99, 1e-6, 0.1, ZD_ADAM},    {5e-4, 0.9, 0.999, 1e-8, 0, ZD_ADAM},
-    {0.1, 0.5, 0.6, 1e-3, 0.5, ZD_ADAMW},
+    group_of(1e-3, 0.9, 0.999, 1e-8, 0.01, ZD_ADAMW), group_of(3e-4, 0.9, 0.95, 1e-8, 0, ZD_ADAMW),
+    group_of(1e-2, 0.8, 0.99, 1e-6, 0.1, ZD_ADAM),    group_of(5e-4, 0.9, 0.999, 1e-8, 0, ZD_ADAM),
+    group_of(0.1, 0.5, 0.6, 1e-3, 0.5, ZD_ADAMW),
 };
 
 static size_t dtype_size(int t) {

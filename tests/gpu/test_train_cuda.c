@@ -52,7 +52,7 @@
 
 #include "adam_cuda.h"
 #include "check.h"
-#include "dtype.h"
+#include "dtype_ref.h"
 #include "harness.h"
 #include "layout.h"
 #include "mlp.h"

@@ -12,7 +12,7 @@
 
 #include "adam.h"
 #include "check.h"
-#include "dtype.h"
+#include "dtype_ref.h"
 #include "harness.h"
 #include "mlp.h"
 #include "zerod/zerod.h"

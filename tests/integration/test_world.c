@@ -25,7 +25,7 @@
 
 #include "adam.h"
 #include "check.h"
-#include "dtype.h"
+#include "dtype_ref.h"
 #include "harness.h"
 #include "layout.h"
 #include "mlp.h"

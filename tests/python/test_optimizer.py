@@ -1,9 +1,9 @@
 """Tests of zerod.torch.ZeroOptimizer's behaviour against a real zerod: parameters and gradients
 as views of the shared buffers (and autograd accumulating into them in place), per-bucket
 scatter from the backward hooks, gradient accumulation with no_sync(), hyperparameters sent only
-when they change, Adam (L2), clipping, bf16 params with fp32 main grads, fp16 grads with loss
-scaling, state_dict/load_state_dict with reattach, close(), and the errors. Every training check
-is bitwise against torch's own optimizer on a copy of the model.
+when they change, Adam (L2), maximize, clipping, bf16 params with fp32 main grads, fp16 grads
+with loss scaling, state_dict/load_state_dict with reattach, close(), and the errors. Every
+training check is bitwise against torch's own optimizer on a copy of the model.
 """
 
 from __future__ import annotations
@@ -314,6 +314,41 @@ class OptimizerTest(unittest.TestCase):
             self.assertIsInstance(loss, torch.Tensor)
             self.assert_equal_params(model, ref, f"Adam step {step + 1}")
 
+    def test_maximize_adamw(self) -> None:
+        # torch's maximize=True (the update follows -grad), as a constructor keyword.
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2, weight_decay=0.1, maximize=True)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, maximize=True,
+                                 foreach=False)
+        self.assertIs(opt.param_groups[0]["maximize"], True)
+        for step in range(8):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss_of(m, step).backward()
+                o.step()
+            self.assert_equal_params(model, ref, f"AdamW maximize step {step + 1}")
+
+    def test_maximize_adam_per_group(self) -> None:
+        # maximize as a key of one parameter group (Adam, L2 penalty), then switched on for the
+        # other group between steps: sent to zerod with the changed hyperparameters.
+        model, ref = small_model(), small_model()
+        named = self.named(model)
+        opt = self.make(model, [{"params": named[:2], "maximize": True}, {"params": named[2:]}],
+                        lr=2e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, optimizer="adam")
+        rparams = list(ref.parameters())
+        ropt = torch.optim.Adam([{"params": rparams[:2], "maximize": True},
+                                 {"params": rparams[2:]}], lr=2e-3, betas=(0.8, 0.99), eps=1e-6,
+                                weight_decay=0.05, foreach=False)
+        self.assertEqual([g["maximize"] for g in opt.param_groups], [True, False])
+        for step in range(10):
+            if step == 5:
+                opt.param_groups[1]["maximize"] = ropt.param_groups[1]["maximize"] = True
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss_of(m, step).backward()
+                o.step()
+            self.assert_equal_params(model, ref, f"Adam maximize step {step + 1}")
+
     def test_clipping(self) -> None:
         model, ref = small_model(), small_model()
         max_norm = 0.05
@@ -480,6 +515,13 @@ class OptimizerTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             ZeroOptimizer([{"params": small_model().parameters(), "amsgrad": True}],
                           socket=self.daemon.socket)
+        with self.assertRaises(ValueError) as cm:  # torch's keyword, but not honoured
+            ZeroOptimizer(small_model().parameters(), amsgrad=True, socket=self.daemon.socket)
+        self.assertIn("amsgrad=True is not supported", str(cm.exception))
+        with self.assertRaises(ValueError):
+            ZeroOptimizer(small_model().parameters(), maximize="yes", socket=self.daemon.socket)
+        with self.assertRaises(TypeError):
+            ZeroOptimizer(small_model().parameters(), momentum=0.9, socket=self.daemon.socket)
         with self.assertRaises(zerod.ZerodError) as cm:
             ZeroOptimizer(small_model().parameters(), socket="/nonexistent/zerod.sock")
         self.assertEqual(cm.exception.name, "ENOENT")

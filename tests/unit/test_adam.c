@@ -47,12 +47,9 @@ static float u2f(uint32_t u) {
   return f;
 }
 
-static size_t dtype_size(zd_dtype_t t) {
-  return t == ZD_F32 ? 4 : 2;
-}
-
+/* A shard's dtype, or "none" for no param output (pdt 0). */
 static const char *dtype_name(zd_dtype_t t) {
-  return t == ZD_F32 ? "f32" : t == ZD_BF16 ? "bf16" : t == ZD_F16 ? "f16" : "none";
+  return t ? zd_dtype_name(t) : "none";
 }
 
 static float to_f32(const void *buf, zd_dtype_t t, uint64_t i) {
@@ -206,14 +203,20 @@ static void test_golden(int optimizer, double wd, const uint32_t want[3][GOLDEN_
 /* ---- random shards ------------------------------------------------------------------------- */
 
 #define GUARD   24 /* sentinel elements on each side of a range */
-#define NGROUPS 5
+#define NGROUPS 8
 
-/* Hyperparameters: both optimizers, with and without weight decay. */
+/* Hyperparameters: both optimizers, with and without weight decay, minimizing and maximizing (the
+ * wide paths must match the reference with maximize's negated constants too). */
+#define HP(lr_, b1, b2, eps_, wd, opt, max)                                                 \
+  {                                                                                         \
+    .lr = lr_, .beta1 = b1, .beta2 = b2, .eps = eps_, .weight_decay = wd, .optimizer = opt, \
+    .maximize = max                                                                         \
+  }
 static const zd_group_t hps[NGROUPS] = {
-    /* lr, beta1, beta2, eps, weight_decay, optimizer */
-    {1e-3, 0.9, 0.999, 1e-8, 0.01, ZD_ADAMW}, {3e-4, 0.9, 0.95, 1e-8, 0, ZD_ADAMW},
-    {1e-2, 0.8, 0.99, 1e-6, 0.1, ZD_ADAM},    {5e-4, 0.9, 0.999, 1e-8, 0, ZD_ADAM},
-    {0.1, 0.5, 0.6, 1e-3, 0.5, ZD_ADAMW},
+    HP(1e-3, 0.9, 0.999, 1e-8, 0.01, ZD_ADAMW, 0), HP(3e-4, 0.9, 0.95, 1e-8, 0, ZD_ADAMW, 0),
+    HP(1e-2, 0.8, 0.99, 1e-6, 0.1, ZD_ADAM, 0),    HP(5e-4, 0.9, 0.999, 1e-8, 0, ZD_ADAM, 0),
+    HP(0.1, 0.5, 0.6, 1e-3, 0.5, ZD_ADAMW, 0),     HP(1e-3, 0.9, 0.999, 1e-8, 0.01, ZD_ADAMW, 1),
+    HP(1e-2, 0.8, 0.99, 1e-6, 0.1, ZD_ADAM, 1),    HP(5e-4, 0.9, 0.999, 1e-8, 0, ZD_ADAM, 1),
 };
 
 typedef struct {
@@ -244,7 +247,7 @@ static void *guarded_alloc(uint64_t n, size_t size) {
 }
 
 static void state_init(state_t *s, const shard_t *sh, unsigned shift) {
-  size_t psz = sh->pdt ? dtype_size(sh->pdt) : 0;
+  size_t psz = sh->pdt ? zd_dtype_size(sh->pdt) : 0;
   uint64_t total = sh->n + 2 * GUARD + 16;
   for (int k = 0; k < 3; k++) {
     s->buf[k] = guarded_alloc(sh->n, 4);
@@ -269,7 +272,7 @@ static void state_init(state_t *s, const shard_t *sh, unsigned shift) {
 }
 
 static void state_copy(state_t *dst, const state_t *src, const shard_t *sh) {
-  size_t psz = sh->pdt ? dtype_size(sh->pdt) : 0;
+  size_t psz = sh->pdt ? zd_dtype_size(sh->pdt) : 0;
   uint64_t total = sh->n + 2 * GUARD + 16;
   for (int k = 0; k < 3; k++) {
     dst->buf[k] = guarded_alloc(sh->n, 4);
@@ -341,7 +344,7 @@ static void make_grads(void *g, const shard_t *sh) {
  * payload of a NaN may depend on operand order; bf16 output has one NaN, 0x7fc0). */
 static void expect_same(const void *want, const void *got, zd_dtype_t t, uint64_t n,
                         const char *isa, const char *what, const shard_t *sh, int step) {
-  size_t sz = dtype_size(t);
+  size_t sz = zd_dtype_size(t);
   if (memcmp(want, got, n * sz) == 0) return;
   uint64_t bad = 0, first = UINT64_MAX;
   double max_abs = 0, max_rel = 0;
@@ -381,7 +384,7 @@ static void expect_padding(const state_t *s, const state_t *s0, const shard_t *s
     }
   }
   if (!sh->pdt) return;
-  size_t psz = dtype_size(sh->pdt);
+  size_t psz = zd_dtype_size(sh->pdt);
   int64_t base = ((char *)s->param - (char *)s->pbuf) / (int64_t)psz;
   for (uint64_t j = 0; j < total; j++) {
     int64_t i = (int64_t)j - base;
@@ -638,7 +641,121 @@ static void test_group_init(void) {
   zd__adam_group_t c;
   zd__adam_group_init(&c, &hp, 1);
   CHECK_INT_EQ(c.has_weight_decay, 0);
+  /* maximize negates exactly two constants (adam.h) and leaves the rest alone. */
+  hp.weight_decay = 0.1;
+  for (int opt = ZD_ADAMW; opt <= ZD_ADAM; opt++) {
+    hp.optimizer = (zd_optimizer_t)opt;
+    zd__adam_group_t lo, hi;
+    hp.maximize = 0;
+    zd__adam_group_init(&lo, &hp, 7);
+    hp.maximize = 1;
+    zd__adam_group_init(&hi, &hp, 7);
+    CHECK(hi.one_minus_beta1 == -lo.one_minus_beta1 && hi.weight_decay == -lo.weight_decay);
+    hi.one_minus_beta1 = lo.one_minus_beta1;
+    hi.weight_decay = lo.weight_decay;
+    CHECK(memcmp(&hi, &lo, sizeof hi) == 0);
+  }
   printf("group_init: ok\n");
+}
+
+/* ---- maximize ------------------------------------------------------------------------------ */
+
+/* torch's maximize=True spelled out: the gradient negated, then the usual update with the
+ * constants of the same group without maximize. What the folded constants must reproduce. */
+static void maximize_explicit(float *p, float *m, float *v, const float *grad, float grad_scale,
+                              uint64_t n, const zd__adam_group_t *c) {
+  int decay = c->has_weight_decay && c->optimizer == ZD_ADAMW;
+  int l2 = c->has_weight_decay && c->optimizer == ZD_ADAM;
+  for (uint64_t i = 0; i < n; i++) {
+    float g = -(grad[i] * grad_scale);
+    if (decay) p[i] = p[i] * c->decay;
+    if (l2) g = fmaf(p[i], c->weight_decay, g);
+    m[i] = fmaf(g, c->one_minus_beta1, m[i] * c->beta1);
+    v[i] = fmaf(c->one_minus_beta2 * g, g, v[i] * c->beta2);
+    float d = sqrtf(v[i]) / c->bias_correction2_sqrt + c->eps;
+    p[i] = p[i] + (c->neg_step_size * m[i]) / d;
+  }
+}
+
+/* Bitwise equal, or NaN on both sides (negating a NaN flips its sign bit, which fma passes on). */
+static int same_f32(float a, float b) {
+  return f2u(a) == f2u(b) || (isnan(a) && isnan(b));
+}
+
+static void test_maximize(void) {
+  enum { N = 4096, STEPS = 4 };
+  static float p[2][N], m[2][N], v[2][N], g[N];
+  static const zd_group_t cases[] = {
+      HP(1e-3, 0.9, 0.999, 1e-8, 0.01, ZD_ADAMW, 1), HP(3e-4, 0.9, 0.95, 1e-8, 0, ZD_ADAMW, 1),
+      HP(1e-2, 0.8, 0.99, 1e-6, 0.1, ZD_ADAM, 1),    HP(5e-4, 0.9, 0.999, 1e-8, 0, ZD_ADAM, 1),
+      HP(0.1, 0.5, 0.6, 1e-3, 2.5, ZD_ADAM, 1),
+  };
+  static const uint32_t specials[] = {0x00000000, 0x80000000, 0x00000001, 0x807fffff,
+                                      0x7f800000, 0xff800000, 0x7fc00000, 0x7f7fffff};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    for (int i = 0; i < N; i++) {
+      p[0][i] = p[1][i] = rnd_unit();
+      m[0][i] = m[1][i] = rnd_unit() * 1e-2f;
+      v[0][i] = v[1][i] = fabsf(rnd_unit()) * 1e-4f;
+    }
+    zd__segment_t seg = {.offset = 0, .length = N, .group = 0};
+    for (int t = 1; t <= STEPS; t++) {
+      for (int i = 0; i < N; i++)
+        g[i] = rnd_below(50) == 0 ? u2f(specials[rnd_below(8)])
+                                  : rnd_unit() * ldexpf(1.0f, -(int)rnd_below(12));
+      float scale = t % 2 ? 1.0f : 0.37f;
+      zd_group_t hp = cases[k];
+      zd__adam_group_t folded, plain;
+      zd__adam_group_init(&folded, &hp, (uint64_t)t);
+      hp.maximize = 0;
+      zd__adam_group_init(&plain, &hp, (uint64_t)t);
+      zd__adam_args_t a = {.master = p[0],
+                           .exp_avg = m[0],
+                           .exp_avg_sq = v[0],
+                           .grad = g,
+                           .grad_dtype = ZD_F32,
+                           .grad_scale = scale,
+                           .segs = &seg,
+                           .nsegs = 1,
+                           .groups = &folded};
+      zd__adam_step_ref(&a, 0, N);
+      maximize_explicit(p[1], m[1], v[1], g, scale, N, &plain);
+      for (int i = 0; i < N; i++)
+        CHECK_MSG(
+            same_f32(p[0][i], p[1][i]) && same_f32(m[0][i], m[1][i]) && same_f32(v[0][i], v[1][i]),
+            "maximize, case %zu, step %d, element %d: folded p %08x m %08x v %08x, negated "
+            "grad p %08x m %08x v %08x",
+            k, t, i, f2u(p[0][i]), f2u(m[0][i]), f2u(v[0][i]), f2u(p[1][i]), f2u(m[1][i]),
+            f2u(v[1][i]));
+    }
+  }
+  /* The one case adam.h documents: Adam's -g and wd * p cancel exactly and m * b1 is -0. torch's
+   * first moment is then +0, zerod's -0; everything else is equal. */
+  zd_group_t hp = HP(1e-3, 0.5, 0.999, 1e-8, 0.5, ZD_ADAM, 1);
+  zd__adam_group_t folded, plain;
+  zd__adam_group_init(&folded, &hp, 1);
+  hp.maximize = 0;
+  zd__adam_group_init(&plain, &hp, 1);
+  float p0 = 1.0f, m0 = -0.0f, v0 = 0.0f, g0 = 0.5f, p1 = p0, m1 = m0, v1 = v0;
+  zd__segment_t seg = {.offset = 0, .length = 1, .group = 0};
+  zd__adam_args_t a = {.master = &p0,
+                       .exp_avg = &m0,
+                       .exp_avg_sq = &v0,
+                       .grad = &g0,
+                       .grad_dtype = ZD_F32,
+                       .grad_scale = 1.0f,
+                       .segs = &seg,
+                       .nsegs = 1,
+                       .groups = &folded};
+  zd__adam_step_ref(&a, 0, 1);
+  maximize_explicit(&p1, &m1, &v1, &g0, 1.0f, 1, &plain);
+  CHECK_MSG(f2u(m0) == 0x80000000u && f2u(m1) == 0, "cancellation: m %08x, negated grad %08x",
+            f2u(m0), f2u(m1));
+  CHECK(f2u(p0) == f2u(p1) && f2u(v0) == f2u(v1));
+  printf(
+      "maximize: folded constants equal the negated gradient bit for bit (%zu groups x %d "
+      "steps x %d elements; the documented -0 moment checked)\n",
+      sizeof cases / sizeof cases[0], STEPS, N);
 }
 
 int main(void) {
@@ -646,6 +763,7 @@ int main(void) {
   test_f16();
   test_bf16();
   test_group_init();
+  test_maximize();
   test_golden(ZD_ADAMW, 0.01, golden_adamw);
   test_golden(ZD_ADAM, 0.1, golden_adam);
   printf("golden: reference equals torch 1.13.1 AdamW and Adam over 5 steps\n");

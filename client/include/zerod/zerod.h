@@ -60,7 +60,10 @@ typedef enum zd_optimizer { ZD_ADAMW = 0, ZD_ADAM = 1 } zd_optimizer_t;
 
 /* Hyperparameters of one parameter group. Doubles, as Python floats are: zerod derives the fp32
  * constants of the update exactly as torch does (kernels/adam.h). lr >= 0, eps > 0,
- * 0 <= beta < 1, weight_decay >= 0, all finite. */
+ * 0 <= beta < 1, weight_decay >= 0, all finite. maximize: 1 maximizes the objective, as
+ * torch.optim.AdamW/Adam's maximize=True (the update follows the negated gradient); 0 (the
+ * default) minimizes it. zerod keeps the fields in one table (common/group.h): zd_group_fields()
+ * describes them to bindings. */
 typedef struct zd_group {
   double lr;
   double beta1;
@@ -68,10 +71,34 @@ typedef struct zd_group {
   double eps;
   double weight_decay;
   zd_optimizer_t optimizer;
+  int maximize; /* 0 or 1 */
 } zd_group_t;
 
-/* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2. */
+/* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2,
+ * maximize 0; optimizer ZD_ADAMW. */
 ZD_EXPORT zd_group_t zd_group_default(void);
+
+/* How a field of zd_group_t is stored: a double, an enum (int-sized), or an int used as a boolean
+ * (0 or 1). */
+typedef enum zd_field_kind {
+  ZD_FIELD_DOUBLE = 0,
+  ZD_FIELD_ENUM = 1,
+  ZD_FIELD_BOOL = 2
+} zd_field_kind_t;
+
+/* One field of zd_group_t, as zd_group_fields() describes it. */
+typedef struct zd_group_field {
+  const char *name;     /* the C name ("lr"), also the field's name in the wire format */
+  zd_field_kind_t kind; /* its type */
+  size_t offset;        /* offsetof(zd_group_t, <name>) */
+  double default_value; /* its value in zd_group_default() (an enum's or boolean's as a double) */
+} zd_group_field_t;
+
+/* The fields of zd_group_t in declaration order, for bindings that build the structure at run
+ * time instead of copying this header (the Python package does): *fields (if not NULL) receives a
+ * static array of the returned count, valid for the life of the library; *group_size (if not NULL)
+ * receives sizeof(zd_group_t). Never fails; thread-safe. */
+ZD_EXPORT size_t zd_group_fields(const zd_group_field_t **fields, size_t *group_size);
 
 /* One parameter of the model, in registration order. name: unique, at most 255 bytes. */
 typedef struct zd_param {

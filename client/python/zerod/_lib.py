@@ -3,7 +3,9 @@
 This module finds and loads the shared library, mirrors the C structures of the public header and
 declares every function with its argument and return types. Nothing else in the package calls
 the library without going through the prototypes declared here. The structures must match
-zerod.h field for field: the header is the contract, and a change there is a change here.
+zerod.h field for field: the header is the contract, and a change there is a change here; except
+zd_group_t, whose fields load() takes from the library itself (zd_group_fields), so that a
+hyperparameter added to zerod's table needs no edit in this package.
 
 Where the library comes from, in order:
   1. ``$ZEROD_LIBRARY``: a path to libzerod.so (an error if it does not exist);
@@ -21,9 +23,9 @@ import ctypes.util
 import glob
 import os
 import threading
-from typing import Optional
+from typing import List, Optional
 
-__all__ = ["lib", "load", "library_path"]
+__all__ = ["GroupField", "group_fields", "lib", "load", "library_path"]
 
 ZD_MAX_DIMS = 8
 ZD_ALL_BUCKETS = -1
@@ -69,15 +71,41 @@ ZD_ECONFIG = -4021
 ZD_EAPPLIED = -4022
 
 
-class zd_group_t(ctypes.Structure):
+# zd_field_kind_t
+ZD_FIELD_DOUBLE = 0
+ZD_FIELD_ENUM = 1
+ZD_FIELD_BOOL = 2
+_FIELD_CTYPES = {ZD_FIELD_DOUBLE: ctypes.c_double, ZD_FIELD_ENUM: ctypes.c_int,
+                 ZD_FIELD_BOOL: ctypes.c_int}
+
+
+class zd_group_field_t(ctypes.Structure):
     _fields_ = [
-        ("lr", ctypes.c_double),
-        ("beta1", ctypes.c_double),
-        ("beta2", ctypes.c_double),
-        ("eps", ctypes.c_double),
-        ("weight_decay", ctypes.c_double),
-        ("optimizer", ctypes.c_int),  # zd_optimizer_t
+        ("name", ctypes.c_char_p),
+        ("kind", ctypes.c_int),  # zd_field_kind_t
+        ("offset", ctypes.c_size_t),
+        ("default_value", ctypes.c_double),
     ]
+
+
+class zd_group_t(ctypes.Structure):
+    """zd_group_t. Its _fields_ are set by load(), from libzerod's own description of the
+    structure (zd_group_fields): usable once the library is loaded."""
+
+
+class GroupField:
+    """One field of zd_group_t as libzerod describes it: its C name, kind (ZD_FIELD_*) and
+    default (zd_group_default()'s value)."""
+
+    __slots__ = ("name", "kind", "default")
+
+    def __init__(self, name: str, kind: int, default: float) -> None:
+        self.name = name
+        self.kind = kind
+        self.default = default
+
+    def __repr__(self) -> str:
+        return f"GroupField({self.name!r}, kind={self.kind}, default={self.default!r})"
 
 
 class zd_param_t(ctypes.Structure):
@@ -215,6 +243,7 @@ _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _path: Optional[str] = None
 _libc_free = None
+_group_fields: List[GroupField] = []
 
 
 class LibraryNotFoundError(OSError):
@@ -260,6 +289,7 @@ def load() -> ctypes.CDLL:
             lib = ctypes.CDLL(candidates[0])
         except OSError as e:
             raise LibraryNotFoundError(f"cannot load libzerod from {candidates[0]}: {e}") from e
+        _define_group(lib, candidates[0])
         for name, (restype, argtypes) in _PROTOTYPES.items():
             try:
                 fn = getattr(lib, name)
@@ -276,6 +306,40 @@ def load() -> ctypes.CDLL:
         _path = candidates[0]
         _lib = lib
         return lib
+
+
+def _define_group(lib: ctypes.CDLL, path: str) -> None:
+    """Gives zd_group_t the fields the library describes, in its order, and checks that ctypes
+    lays them out where the C compiler did."""
+    try:
+        describe = lib.zd_group_fields
+    except AttributeError as e:
+        raise LibraryNotFoundError(f"{path} has no symbol zd_group_fields: not a libzerod this "
+                                   f"package supports") from e
+    describe.restype = ctypes.c_size_t
+    describe.argtypes = [ctypes.POINTER(ctypes.POINTER(zd_group_field_t)),
+                         ctypes.POINTER(ctypes.c_size_t)]
+    table = ctypes.POINTER(zd_group_field_t)()
+    size = ctypes.c_size_t()
+    n = describe(ctypes.byref(table), ctypes.byref(size))
+    fields = [table[i] for i in range(n)]
+    if any(f.kind not in _FIELD_CTYPES for f in fields):
+        raise LibraryNotFoundError(f"{path} describes a zd_group_t field of an unknown kind: a "
+                                   f"newer libzerod than this package")
+    layout = [(f.name.decode(), _FIELD_CTYPES[f.kind]) for f in fields]
+    if "_fields_" not in zd_group_t.__dict__:  # set once: ctypes refuses to change it
+        zd_group_t._fields_ = layout
+    placed = [(name, getattr(zd_group_t, name).offset) for name, _ in layout]
+    if placed != [(f.name.decode(), f.offset) for f in fields] or \
+            ctypes.sizeof(zd_group_t) != size.value:
+        raise LibraryNotFoundError(f"{path}: zd_group_t does not lay out as described")
+    _group_fields[:] = [GroupField(f.name.decode(), f.kind, f.default_value) for f in fields]
+
+
+def group_fields() -> List[GroupField]:
+    """The fields of zd_group_t in declaration order (loading the library on first use)."""
+    load()
+    return _group_fields
 
 
 def lib() -> ctypes.CDLL:

@@ -134,44 +134,128 @@ def dtype_of(value: Any) -> int:
     raise ValueError(f"unsupported dtype {value!r}; expected f32, bf16 or f16")
 
 
-_OPTIMIZERS = {"adamw": _lib.ZD_ADAMW, "adam": _lib.ZD_ADAM}
+# Where the Python spelling of a zd_group_t field differs from its C name: torch's pairs (betas
+# for beta1 and beta2) and the names of enum values. Every other field is passed by its C name, as
+# a float or, for a boolean field, a bool.
+_PAIRS = {"betas": ("beta1", "beta2")}
+_ENUMS = {"optimizer": {"adamw": _lib.ZD_ADAMW, "adam": _lib.ZD_ADAM}}
 
 
-@dataclass
 class Group:
     """Hyperparameters of one parameter group (zd_group_t).
 
-    optimizer: "adamw" (decoupled weight decay, torch.optim.AdamW) or "adam" (L2 penalty added to
-    the gradient, torch.optim.Adam). Defaults are torch.optim.AdamW's.
+    Its fields are zd_group_t's as libzerod describes them (zd_group_fields): lr, beta1, beta2,
+    eps, weight_decay, optimizer, maximize, and whichever zerod adds later, with no change to this
+    package. Keywords and attributes name them as torch.optim.AdamW does: ``betas=(beta1, beta2)``
+    (beta1 and beta2 work too); optimizer is "adamw" (decoupled weight decay,
+    torch.optim.AdamW) or "adam" (L2 penalty added to the gradient, torch.optim.Adam); a boolean
+    field takes a bool. Fields not given keep zerod's defaults (zd_group_default():
+    torch.optim.AdamW's). Building a Group loads libzerod.
+
+    Raises:
+        TypeError: a keyword that names no field of zd_group_t.
+        ValueError: a value the field cannot take (an unknown optimizer, betas not a pair).
     """
 
-    lr: float = 1e-3
-    betas: Tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 1e-2
-    optimizer: str = "adamw"
+    def __init__(self, **hparams: Any) -> None:
+        fields = {f.name: f for f in _lib.group_fields()}
+        object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "_values", {})
+        for f in fields.values():  # zerod's defaults
+            setattr(self, f.name, int(f.default) if f.kind != _lib.ZD_FIELD_DOUBLE else f.default)
+        for key, value in hparams.items():
+            setattr(self, key, value)
+
+    @staticmethod
+    def names() -> List[str]:
+        """The keywords a Group takes, as torch spells them (betas for beta1 and beta2), in
+        zd_group_t's order."""
+        out: List[str] = []
+        for f in _lib.group_fields():
+            pair = next((p for p, members in _PAIRS.items() if f.name in members), None)
+            if pair is None:
+                out.append(f.name)
+            elif pair not in out:
+                out.append(pair)
+        return out
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key in _PAIRS:
+            members = _PAIRS[key]
+            value = tuple(value)
+            if len(value) != len(members):
+                raise ValueError(f"{key} is {value!r}; expected {len(members)} values")
+            for name, v in zip(members, value):
+                setattr(self, name, v)
+            return
+        f = self._fields.get(key)
+        if f is None:
+            raise TypeError(f"{key!r} is not a hyperparameter of zerod's groups; expected one of "
+                            f"{', '.join(self.names())}")
+        if f.kind == _lib.ZD_FIELD_DOUBLE:
+            value = float(value)
+        elif f.kind == _lib.ZD_FIELD_BOOL:
+            if value not in (0, 1):
+                raise ValueError(f"{key} is {value!r}; expected True or False")
+            value = bool(value)
+        elif key in _ENUMS:  # by name, or by value
+            if isinstance(value, int):
+                value = _enum_name(key, value)
+            if str(value).lower() not in _ENUMS[key]:
+                raise ValueError(f"{key} {value!r} is not supported; expected "
+                                 f"{' or '.join(repr(n) for n in _ENUMS[key])}")
+            value = str(value).lower()
+        else:
+            value = int(value)
+        self._values[key] = value
+
+    def __getattr__(self, key: str) -> Any:
+        values = self.__dict__.get("_values")
+        if values is not None:
+            if key in _PAIRS:
+                return tuple(values[name] for name in _PAIRS[key])
+            if key in values:
+                return values[key]
+        raise AttributeError(f"'Group' object has no attribute {key!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Group) and other._values == self._values
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return "Group(" + ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items()) + ")"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The fields by the names of `names()`, as a torch parameter group holds them."""
+        return {name: getattr(self, name) for name in self.names()}
 
     def _to_c(self, out: _lib.zd_group_t) -> None:
-        kind = self.optimizer.lower()
-        if kind not in _OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r} is not supported; expected 'adamw' "
-                             f"or 'adam'")
-        out.lr = float(self.lr)
-        out.beta1 = float(self.betas[0])
-        out.beta2 = float(self.betas[1])
-        out.eps = float(self.eps)
-        out.weight_decay = float(self.weight_decay)
-        out.optimizer = _OPTIMIZERS[kind]
+        for name, f in self._fields.items():
+            value = self._values[name]
+            if f.kind == _lib.ZD_FIELD_DOUBLE:
+                setattr(out, name, value)
+            elif f.kind == _lib.ZD_FIELD_BOOL:
+                setattr(out, name, int(value))
+            else:
+                setattr(out, name, _ENUMS[name][value] if name in _ENUMS else int(value))
 
     @classmethod
     def coerce(cls, g: Union["Group", Mapping[str, Any]]) -> "Group":
-        """A Group from a Group or a dict with the same keys (extra keys are ignored)."""
+        """A Group from a Group or a dict (a torch parameter group): every field of `names()`
+        found in it by name (beta1/beta2 too); other keys are ignored."""
         if isinstance(g, Group):
             return g
-        known = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "optimizer") if k in g}
-        if "betas" in known:
-            known["betas"] = tuple(known["betas"])
-        return cls(**known)
+        known = set(cls.names()) | {f.name for f in _lib.group_fields()}
+        return cls(**{k: v for k, v in g.items() if k in known})
+
+
+def _enum_name(field: str, value: int) -> Any:
+    """The name of an enum field's value ("adamw"), or the value when it has none here."""
+    for name, v in _ENUMS.get(field, {}).items():
+        if v == value:
+            return name
+    return value
 
 
 @dataclass

@@ -89,8 +89,11 @@ from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult
 
 __all__ = ["ZeroOptimizer"]
 
-_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
-                "fused": False}
+# Options of torch.optim.AdamW/Adam, at the value that means "off". One that is also a field of
+# zerod's groups (Group.names(): maximize) is passed to zerod like lr; the others are refused when
+# turned on, since zerod cannot honour them.
+_TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False,
+                  "differentiable": False, "fused": False}
 _MAX_INFLIGHT = 48  # below libzerod's 64 outstanding requests per client
 
 
@@ -116,6 +119,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: defaults of the groups, as torch.optim.AdamW.
         optimizer: "adamw" (decoupled weight decay) or "adam" (L2); a group may override it with
             an "optimizer" key.
+        **hparams: defaults of the groups' other hyperparameters, by torch's names: every field
+            of zerod's groups (zerod.Group.names(), e.g. maximize=True) is accepted, here or as a
+            key of a parameter group, and passed to zerod. torch's amsgrad, capturable,
+            differentiable and fused are accepted only at their default (off).
         max_grad_norm: clip the gradient by its global L2 norm over all ranks (0: off); zerod
             applies it inside the step, as torch.nn.utils.clip_grad_norm_ would.
         loss_scaler: dynamic loss scaling (zerod.LossScaler, a dict of its fields, True for the
@@ -148,11 +155,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  grad_mean: bool = True, grad_dtype: Optional[torch.dtype] = None,
                  overlap: bool = True, socket: Optional[str] = None,
                  local_rank: int = ANY_RANK, timeout_ms: int = 0,
-                 client: Optional[Client] = None, replace: bool = False) -> None:
+                 client: Optional[Client] = None, replace: bool = False,
+                 **hparams: Any) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors or dicts, not a tensor")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        defaults = Group().to_dict()  # every field of zerod's groups, as torch names it
+        defaults.update(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         optimizer=optimizer)
+        for key, value in hparams.items():
+            if key not in defaults and key not in _TORCH_OPTIONS:
+                raise TypeError(f"ZeroOptimizer got an unexpected keyword argument {key!r}")
+            defaults[key] = value
         self._check_hparams(defaults, "defaults")
 
         # torch's Optimizer takes tensors; pull names out of (name, tensor) pairs first.
@@ -291,6 +304,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _check_hparams(g: Mapping[str, Any], where: str) -> None:
+        # torch.optim.AdamW's own checks, which torch users expect at construction; zerod checks
+        # every field again with its table's rules (ZD_EHPARAM).
         lr, eps, wd, betas = g["lr"], g["eps"], g["weight_decay"], tuple(g["betas"])
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             raise ValueError(f"{where}: invalid learning rate {lr!r}; expected a finite value >= 0")
@@ -300,12 +315,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where}: invalid betas {betas!r}; expected two values in [0, 1)")
         if not (math.isfinite(wd) and wd >= 0):
             raise ValueError(f"{where}: invalid weight_decay {wd!r}; expected a finite value >= 0")
-        if str(g.get("optimizer", "adamw")).lower() not in ("adamw", "adam"):
-            raise ValueError(f"{where}: optimizer {g.get('optimizer')!r} is not supported; "
-                             f"expected 'adamw' or 'adam'")
-        for key, off in _UNSUPPORTED.items():
-            if g.get(key, off) not in (off, None):
+        supported = Group.names()
+        for key, off in _TORCH_OPTIONS.items():
+            if key not in supported and g.get(key, off) not in (off, None):
                 raise ValueError(f"{where}: {key}={g[key]!r} is not supported by zerod")
+        try:
+            Group.coerce(g)  # every field of zerod's groups it holds must convert
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
 
     @staticmethod
     def _validate_param(p: torch.Tensor, name: str) -> None:
@@ -472,10 +489,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ---- hyperparameters ------------------------------------------------------------------------
 
-    def _current_hparams(self) -> List[Tuple[Any, ...]]:
-        return [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-                 float(g["weight_decay"]), str(g.get("optimizer", "adamw")).lower())
-                for g in self.param_groups]
+    def _current_hparams(self) -> List[Group]:
+        return [Group.coerce(g) for g in self.param_groups]
 
     # ---- optimizer API -------------------------------------------------------------------------
 
@@ -506,7 +521,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups = None
         if hp != self._sent_hparams:
             self._check_all_groups()
-            groups = [Group.coerce(g) for g in self.param_groups]
+            groups = hp
         try:
             if not self._overlap:
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,

@@ -1,9 +1,9 @@
 /* Element access by dtype for the tests: read and write one element of an f32, bf16 or f16 buffer
- * as a float, with the same conversions as zerod (kernels/adam.h). Writing f16 rounds to nearest
+ * as a float, with the same conversions as zerod (common/dtype.h). Writing f16 rounds to nearest
  * even; values beyond the f16 range become inf, which the loss-scaling tests rely on. And the
  * reference step the training tests compare zerod with. */
-#ifndef ZD_TESTS_DTYPE_H
-#define ZD_TESTS_DTYPE_H
+#ifndef ZD_TESTS_DTYPE_REF_H
+#define ZD_TESTS_DTYPE_REF_H
 
 #include <math.h>
 #include <stdint.h>
@@ -60,4 +60,4 @@ static inline void zdt_ref_step(float *master, float *m, float *v, const float *
   zd__adam_step_ref(&a, 0, n);
 }
 
-#endif /* ZD_TESTS_DTYPE_H */
+#endif /* ZD_TESTS_DTYPE_REF_H */
