@@ -99,8 +99,13 @@ void zdt_start(zdt_daemon_t *d, const char *const *extra) {
   argv[n++] = bin;
   argv[n++] = "--socket";
   argv[n++] = d->socket;
-  argv[n++] = "--log_level";
-  argv[n++] = "debug";
+  int own_level = 0; /* extra sets the level, or leaves it to a config file (--config) */
+  for (int i = 0; extra && extra[i]; i++)
+    own_level |= !strcmp(extra[i], "--log_level") || !strcmp(extra[i], "--config");
+  if (!own_level) {
+    argv[n++] = "--log_level";
+    argv[n++] = "debug";
+  }
   argv[n++] = "--control_address";
   argv[n++] = d->control;
   for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];

@@ -74,6 +74,11 @@ static const setting_t settings[] = {
     IDS(S_PROTO, "allowed_gids", T_GIDS, allowed_gids,
         "groups whose members may connect, by gid or name (default: none)"),
     U32(S_PROTO, "max_clients", max_clients, "64", 1, 4096, "simultaneous client connections"),
+    U32(S_PROTO, "max_clients_per_uid", max_clients_per_uid, "32", 1, 4096,
+        "simultaneous client connections of one user, so that one user's idle or stray "
+        "connections cannot lock the others out"),
+    U32(S_PROTO, "hello_timeout_ms", hello_timeout_ms, "10000", 100, 600000,
+        "a connection that has not said hello within this time is closed"),
     U32(S_PROTO, "max_frame_bytes", max_frame_bytes, "16777216", 4096, 67108864,
         "largest request or reply frame, in bytes"),
     U32(S_PROTO, "frame_timeout_ms", frame_timeout_ms, "10000", 100, 600000,
@@ -110,7 +115,8 @@ static const setting_t settings[] = {
     U32(S_OPS, "shutdown_timeout_ms", shutdown_timeout_ms, "10000", 0, 3600000,
         "after SIGTERM, collectives still waiting for a peer this long are aborted so that "
         "zerod exits (0: wait for them, up to collective_timeout_ms)"),
-    ENUM(S_OPS, "log_level", log_level, "info", levels, "least severe level logged"),
+    ENUM(S_OPS, "log_level", log_level, "info", levels,
+         "least severe level logged (re-read from the config file on SIGHUP)"),
     STR(S_OPS, "config", config_file, "", "FILE",
         "file of `name = value` lines, read before the environment and flags"),
 };
@@ -484,6 +490,8 @@ int zd__config_load(zd__config_t *cfg, int argc, char **argv, char **envp, zd__e
   int rc, i_config = setting_index("config");
 
   memset(cfg, 0, sizeof *cfg);
+  cfg->argc = argc;
+  cfg->argv = argv;
   if (!envp) envp = environ;
   for (size_t i = 0; i < NSETTINGS; i++) {
     rc = set_value(cfg, (int)i, settings[i].def, "default", SRC_DEFAULT, err);

@@ -30,6 +30,8 @@ typedef struct zd__config {
   zd__idlist_t allowed_uids; /* allowed_uids; default: the daemon's uid and 0 */
   zd__idlist_t allowed_gids; /* allowed_gids; default: none */
   uint32_t max_clients;
+  uint32_t max_clients_per_uid;
+  uint32_t hello_timeout_ms; /* a connection must say hello within this */
   uint32_t max_frame_bytes;
   uint32_t frame_timeout_ms; /* a frame started must be complete within this */
   uint32_t max_inflight;     /* pipelined requests per client */
@@ -54,6 +56,9 @@ typedef struct zd__config {
   /* Where each setting came from, indexed like the table in config.c; read it through
    * zd__config_visit(). Kept in the instance so two loads (tests, reload) do not share it. */
   unsigned char source[ZD__CONFIG_MAX_SETTINGS];
+  /* The command line it was loaded from, for a reload (SIGHUP); not owned. */
+  int argc;
+  char **argv;
 } zd__config_t;
 
 /* Result of zd__config_load() besides errors. */

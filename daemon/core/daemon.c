@@ -77,6 +77,84 @@ static void on_signal(uv_signal_t *handle, int signum) {
   zd__daemon_shutdown(d);
 }
 
+/* SIGHUP (a closed terminal, an operator's `systemctl reload`): never fatal, since the optimizer
+ * state lives only here. zerod re-reads its configuration the way it was loaded and applies what
+ * can change at run time (log_level); a changed setting that needs a restart is named in the log.
+ * The log is stderr, which journald or the container runtime owns: there is no file to reopen. */
+typedef struct setting_values {
+  const char *names[ZD__CONFIG_MAX_SETTINGS];
+  char *values[ZD__CONFIG_MAX_SETTINGS];
+  size_t n;
+} setting_values_t;
+
+static void collect_setting(void *ctx, const char *name, const char *value, const char *source) {
+  setting_values_t *sv = ctx;
+  (void)source;
+  if (sv->n < ZD__CONFIG_MAX_SETTINGS) {
+    sv->names[sv->n] = name;
+    sv->values[sv->n++] = strdup(value);
+  }
+}
+
+static void reload_config(zd__daemon_t *d) {
+  zd__config_t next;
+  zd__err_t err = {0};
+  int rc = zd__config_load(&next, d->cfg->argc, d->cfg->argv, NULL, &err);
+  if (rc != ZD__CONFIG_RUN) {
+    ZD_LOG_WARN("SIGHUP: configuration not reloaded, the running one stays: %s",
+                rc < 0 ? err.msg : "unexpected --help or --version");
+    return;
+  }
+  setting_values_t before = {0}, after = {0};
+  zd__config_visit(d->cfg, collect_setting, &before);
+  zd__config_visit(&next, collect_setting, &after);
+  int changed = 0;
+  for (size_t i = 0; i < before.n && i < after.n; i++) {
+    if (!before.values[i] || !after.values[i] || !strcmp(before.values[i], after.values[i]))
+      continue;
+    changed++;
+    if (!strcmp(before.names[i], "log_level")) {
+      zd__log_level = zd__log_parse_level(after.values[i]);
+      ZD_LOG_WARN("SIGHUP: log_level is now %s (was %s)", after.values[i], before.values[i]);
+    } else {
+      ZD_LOG_WARN("SIGHUP: %s changed to %s (running with %s until a restart)", before.names[i],
+                  after.values[i], before.values[i]);
+    }
+  }
+  if (!changed) ZD_LOG_INFO("SIGHUP: configuration re-read, nothing changed");
+  for (size_t i = 0; i < before.n; i++) free(before.values[i]);
+  for (size_t i = 0; i < after.n; i++) free(after.values[i]);
+  zd__config_free(&next);
+}
+
+static void on_sighup(uv_signal_t *handle, int signum) {
+  (void)signum;
+  reload_config(handle->data);
+}
+
+/* Connections are logged at debug only (any local process can open thousands): this line says at
+ * info, at most once a minute and only when something happened, how many came and how many
+ * zerod closed, with the last reason. */
+#define SUMMARY_MS 60000
+
+static void connection_summary(uv_timer_t *t) {
+  zd__daemon_t *d = t->data;
+  uint64_t came = d->clients_total - d->summary_clients;
+  uint64_t dropped = d->connections_dropped - d->summary_dropped;
+  if (!came && !dropped) return;
+  if (dropped)
+    ZD_LOG_INFO("connections in the last %d s: %" PRIu64 " new, %" PRIu64
+                " closed by zerod after an error (totals: %" PRIu64 " denied, %" PRIu64
+                " over a limit, %" PRIu64 " without hello); last: %s",
+                SUMMARY_MS / 1000, came, dropped, d->clients_denied, d->clients_refused,
+                d->clients_timed_out, d->last_drop);
+  else
+    ZD_LOG_INFO("connections in the last %d s: %" PRIu64 " new, %u open", SUMMARY_MS / 1000, came,
+                d->nsessions);
+  d->summary_clients = d->clients_total;
+  d->summary_dropped = d->connections_dropped;
+}
+
 static void stop_ranks(zd__daemon_t *d) {
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_destroy(d->ranks[i]);
   d->nranks = 0;
@@ -91,11 +169,14 @@ static void finish(zd__daemon_t *d) {
   uv_close((uv_handle_t *)&d->shutdown_timer, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
   uv_close((uv_handle_t *)&d->sigint, NULL);
+  uv_close((uv_handle_t *)&d->sighup, NULL);
+  uv_close((uv_handle_t *)&d->summary_timer, NULL);
   uv_close((uv_handle_t *)&d->done_async, NULL);
   /* Closing the handles restored the default action; a repeated signal now must not turn a clean
    * exit into a death by signal. Nothing is left to wait for. */
   signal(SIGTERM, SIG_IGN);
   signal(SIGINT, SIG_IGN);
+  signal(SIGHUP, SIG_IGN);
 }
 
 static void control_stopped(zd__daemon_t *d) {
@@ -294,7 +375,10 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_timer_init(&d->loop, &d->shutdown_timer);
   uv_signal_init(&d->loop, &d->sigterm);
   uv_signal_init(&d->loop, &d->sigint);
+  uv_signal_init(&d->loop, &d->sighup);
+  uv_timer_init(&d->loop, &d->summary_timer);
   d->done_async.data = d->sigterm.data = d->sigint.data = d->shutdown_timer.data = d;
+  d->sighup.data = d->summary_timer.data = d;
 
   if ((rc = choose_backend(d, err)) || (rc = choose_isa(cfg, &d->isa, err))) goto fail;
   rc = zd__pool_create(cfg->threads, &d->pool);
@@ -309,6 +393,8 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   if ((rc = zd__server_start(d, err))) goto fail;
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
   uv_signal_start(&d->sigint, on_signal, SIGINT);
+  uv_signal_start(&d->sighup, on_sighup, SIGHUP);
+  uv_timer_start(&d->summary_timer, connection_summary, SUMMARY_MS, SUMMARY_MS);
   if (d->backend == ZD__BACKEND_CUDA)
     ZD_LOG_INFO(
         "ready: %u local rank(s) of a world of %u, CUDA backend (one GPU per local rank, "

@@ -68,9 +68,18 @@ typedef struct zd__daemon {
   int shutting_down;
   int handles_closed;
 
+  uv_signal_t sighup;
+  uv_timer_t summary_timer; /* the connection summary (connection_summary) */
+  uint64_t summary_clients; /* clients_total at the last summary */
+  uint64_t summary_dropped; /* connections_dropped at the last summary */
+
   uint64_t start_us;
   uint64_t clients_total;
   uint64_t clients_denied;
+  uint64_t clients_refused;     /* max_clients or max_clients_per_uid reached */
+  uint64_t clients_timed_out;   /* no hello within hello_timeout_ms */
+  uint64_t connections_dropped; /* closed by zerod after an error reply (all of the above too) */
+  char last_drop[ZD__ERR_MSG_MAX + 64];
   uint64_t requests_total;
   uint64_t errors_total;
 } zd__daemon_t;

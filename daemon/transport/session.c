@@ -42,7 +42,8 @@ struct zd__session {
   int fd;
   uv_poll_t poll;
   uv_timer_t frame_timer;
-  int open_handles; /* poll and timer, until their close callbacks ran */
+  uv_timer_t hello_timer; /* a connection must say hello within hello_timeout_ms */
+  int open_handles;       /* poll and timers, until their close callbacks ran */
   struct ucred cred;
   char name[64];
   session_state_t state;
@@ -202,7 +203,13 @@ static void fail_stream(zd__session_t *s, uint64_t id, int kept, int code, const
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  ZD_LOG_WARN("session %u (pid %d): %s; closing the connection", s->id, (int)s->cred.pid, msg);
+  /* Any local process can cause this as often as it likes: one line per event at debug, and the
+   * daemon's summary (connection_summary) counts them at info with the last reason. */
+  ZD_LOG_DEBUG("session %u (pid %d): %s; closing the connection", s->id, (int)s->cred.pid, msg);
+  zd__daemon_t *d = s->daemon;
+  d->connections_dropped++;
+  snprintf(d->last_drop, sizeof d->last_drop, "pid %d uid %d: %s", (int)s->cred.pid,
+           (int)s->cred.uid, msg);
   send_error_kept(s, id, code, msg, kept);
   s->rlen = 0;
   s->closing = 1;
@@ -274,8 +281,9 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
     snprintf(s->name, sizeof s->name, "%s", req->client_name);
   s->rank = d->ranks[local];
   s->state = SESSION_READY;
-  ZD_LOG_INFO("session %u: client '%s' (pid %d, uid %d) for local rank %u (rank %u)", s->id,
-              s->name, (int)s->cred.pid, (int)s->cred.uid, local, zd__rank_global(s->rank));
+  uv_timer_stop(&s->hello_timer);
+  ZD_LOG_DEBUG("session %u: client '%s' (pid %d, uid %d) for local rank %u (rank %u)", s->id,
+               s->name, (int)s->cred.pid, (int)s->cred.uid, local, zd__rank_global(s->rank));
 
   Zerod__V1__HelloReply rep = ZEROD__V1__HELLO_REPLY__INIT;
   rep.version = ZD_PROTOCOL_VERSION;
@@ -1042,9 +1050,31 @@ static void maybe_teardown(zd__session_t *s) {
   d->nsessions--;
   uv_poll_stop(&s->poll);
   uv_timer_stop(&s->frame_timer);
+  uv_timer_stop(&s->hello_timer);
   close(s->fd);
   uv_close((uv_handle_t *)&s->poll, on_handle_closed);
   uv_close((uv_handle_t *)&s->frame_timer, on_handle_closed);
+  uv_close((uv_handle_t *)&s->hello_timer, on_handle_closed);
+}
+
+/* A connection that has not said hello in time holds a slot of max_clients for nothing: idle
+ * connections must not be able to lock trainers out. */
+static void on_hello_timeout(uv_timer_t *t) {
+  zd__session_t *s = t->data;
+  if (s->state != SESSION_NEW || s->closing) return;
+  s->daemon->clients_timed_out++;
+  fail_stream(s, 0, -1, ZD_EPROTO, "no hello within %u ms (hello_timeout_ms); closing",
+              s->daemon->cfg->hello_timeout_ms);
+  update_poll(s);
+  maybe_teardown(s);
+}
+
+/* Connections of this uid, this one included. */
+static uint32_t sessions_of_uid(const zd__daemon_t *d, uid_t uid) {
+  uint32_t n = 0;
+  for (const zd__session_t *x = d->sessions; x; x = x->next)
+    if (!x->closing && x->cred.uid == uid) n++;
+  return n;
 }
 
 static int gid_allowed(const zd__config_t *cfg, uint32_t gid) {
@@ -1095,9 +1125,11 @@ int zd__session_create(zd__daemon_t *d, int fd, const struct ucred *cred) {
     return rc;
   }
   uv_timer_init(&d->loop, &s->frame_timer);
+  uv_timer_init(&d->loop, &s->hello_timer);
   s->poll.data = s;
   s->frame_timer.data = s;
-  s->open_handles = 2;
+  s->hello_timer.data = s;
+  s->open_handles = 3;
   s->next = d->sessions;
   if (d->sessions) d->sessions->prev = s;
   d->sessions = s;
@@ -1114,11 +1146,17 @@ int zd__session_create(zd__daemon_t *d, int fd, const struct ucred *cred) {
                 "uids: %s; allowed gids: %s",
                 (int)cred->uid, (int)cred->gid, (int)cred->pid, uids, gids);
   } else if (d->nsessions > d->cfg->max_clients) {
+    d->clients_refused++;
     fail_stream(s, 0, -1, ZD_EBUSY, "zerod has %u clients connected; max_clients is %u",
                 d->nsessions - 1, d->cfg->max_clients);
+  } else if (sessions_of_uid(d, cred->uid) > d->cfg->max_clients_per_uid) {
+    d->clients_refused++;
+    fail_stream(s, 0, -1, ZD_EBUSY, "uid %d has %u connections to zerod; max_clients_per_uid is %u",
+                (int)cred->uid, sessions_of_uid(d, cred->uid) - 1, d->cfg->max_clients_per_uid);
   } else {
     ZD_LOG_DEBUG("session %u: connection from pid %d uid %d", s->id, (int)cred->pid,
                  (int)cred->uid);
+    uv_timer_start(&s->hello_timer, on_hello_timeout, d->cfg->hello_timeout_ms, 0);
   }
   update_poll(s);
   maybe_teardown(s);

@@ -75,6 +75,8 @@ static const char *const all_names[] = {"socket",
                                         "allowed_uids",
                                         "allowed_gids",
                                         "max_clients",
+                                        "max_clients_per_uid",
+                                        "hello_timeout_ms",
                                         "max_frame_bytes",
                                         "frame_timeout_ms",
                                         "max_inflight",
@@ -109,6 +111,8 @@ static void test_defaults(void) {
   if (self) CHECK_INT_EQ(cfg.allowed_uids.ids[1], 0);
   CHECK_INT_EQ(cfg.allowed_gids.n, 0);
   CHECK_INT_EQ(cfg.max_clients, 64);
+  CHECK_INT_EQ(cfg.max_clients_per_uid, 32);
+  CHECK_INT_EQ(cfg.hello_timeout_ms, 10000);
   CHECK_INT_EQ(cfg.max_frame_bytes, 16777216);
   CHECK_INT_EQ(cfg.frame_timeout_ms, 10000);
   CHECK_INT_EQ(cfg.max_inflight, 64);

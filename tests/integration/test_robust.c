@@ -1,0 +1,170 @@
+/* zerod against clients that misbehave or crowd it, and against stray signals: connections that
+ * never say hello are closed after hello_timeout_ms, so idle connections cannot lock a trainer
+ * out of max_clients; one user's connections are capped by max_clients_per_uid; connecting
+ * clients are not logged one line each at info; SIGHUP neither kills zerod nor loses its state,
+ * and re-reads log_level from the config file. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "harness.h"
+#include "zerod/zerod.h"
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* A client of one f32 parameter of n elements on local rank 0. */
+static zd_client_t *attach(const char *socket, uint64_t n) {
+  zd_client_t *c;
+  int rc = zd_connect(socket, 0, 5000, &c);
+  CHECK_MSG(rc == ZD_OK, "connect: %s (%s)", zd_err_name(rc), zd_last_error());
+  zd_param_t p = {.name = "w", .ndim = 1, .shape = {n}, .group = 0};
+  zd_group_t g = zd_group_default();
+  zd_model_desc_t desc = {.params = &p,
+                          .nparams = 1,
+                          .groups = &g,
+                          .ngroups = 1,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32};
+  CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "layout: %s", zd_last_error());
+  CHECK_MSG(zd_register(c) == ZD_OK, "register: %s", zd_last_error());
+  float *grad = zd_grad_buffer(c, NULL);
+  for (uint64_t i = 0; i < n; i++) grad[i] = 0.01f * (float)(i % 5);
+  return c;
+}
+
+static uint64_t step(zd_client_t *c) {
+  zd_step_result_t r;
+  CHECK_MSG(zd_step(c, NULL, &r) == ZD_OK, "step: %s", zd_last_error());
+  return r.step;
+}
+
+static void test_hello_timeout_frees_slots(void) {
+  zdt_daemon_t d;
+  const char *extra[] = {"--max_clients", "4", "--hello_timeout_ms", "300", NULL};
+  zdt_start(&d, extra);
+  sleep_ms(200); /* zdt_start's probe connection is gone */
+  int idle[4];
+  for (int i = 0; i < 4; i++) idle[i] = zdt_raw_connect(d.socket);
+  sleep_ms(50);
+  /* Every slot is taken by a connection that says nothing: a trainer is refused for now... */
+  zd_client_t *c;
+  int rc = zd_connect(d.socket, 0, 2000, &c);
+  CHECK_MSG(rc == ZD_EBUSY, "connect with 4 idle connections: %s, expected ZD_EBUSY",
+            zd_err_name(rc));
+  CHECK_CONTAINS(zd_last_error(), "max_clients is 4");
+  /* ... and the idle ones are closed once hello_timeout_ms has passed, with a reason. */
+  for (int i = 0; i < 4; i++) {
+    zdt_expect_error(idle[i], 0, ZD_EPROTO, "no hello within 300 ms (hello_timeout_ms)");
+    CHECK_MSG(zdt_raw_closed(idle[i], 3000), "idle connection %d still open", i);
+    close(idle[i]);
+  }
+  zd_client_t *t = attach(d.socket, 4096);
+  CHECK_U64_EQ(step(t), 1);
+  zd_close(t);
+  /* A client that said hello in time is not timed out: it may stay idle between requests. */
+  int fd = zdt_raw_connect(d.socket);
+  zdt_raw_hello(fd, 1);
+  sleep_ms(600);
+  CHECK_MSG(!zdt_raw_closed(fd, 100), "a connection that said hello was closed while idle");
+  close(fd);
+  CHECK_INT_EQ(zdt_stop(&d, SIGTERM, 0), 0);
+}
+
+static void test_per_uid_limit(void) {
+  zdt_daemon_t d;
+  const char *extra[] = {"--max_clients_per_uid", "2", NULL};
+  zdt_start(&d, extra);
+  sleep_ms(200); /* zdt_start's probe connection is gone */
+  int a = zdt_raw_connect(d.socket), b = zdt_raw_connect(d.socket);
+  zdt_raw_hello(a, 1);
+  zdt_raw_hello(b, 1);
+  int c = zdt_raw_connect(d.socket);
+  char want[64];
+  snprintf(want, sizeof want, "uid %d has 2 connections", (int)getuid());
+  zdt_expect_error(c, 0, ZD_EBUSY, want);
+  CHECK(zdt_raw_closed(c, 2000));
+  close(c);
+  close(a); /* a slot frees when a connection goes */
+  sleep_ms(100);
+  int e = zdt_raw_connect(d.socket);
+  zdt_raw_hello(e, 2);
+  close(e);
+  close(b);
+  CHECK_INT_EQ(zdt_stop(&d, SIGTERM, 0), 0);
+}
+
+/* 200 connect/status/bye rounds at log level info write no line per connection. */
+static void test_connection_log_volume(void) {
+  zdt_daemon_t d;
+  const char *extra[] = {"--log_level", "info", NULL};
+  zdt_start(&d, extra);
+  for (int i = 0; i < 200; i++) {
+    zd_client_t *c;
+    CHECK_MSG(zd_connect(d.socket, 0, 2000, &c) == ZD_OK, "connect: %s", zd_last_error());
+    char *text = NULL;
+    CHECK(zd_status(c, &text) == ZD_OK);
+    free(text);
+    zd_close(c);
+  }
+  CHECK_MSG(!zdt_log_contains(&d, "session "), "connections were logged one by one at info");
+  CHECK_INT_EQ(zdt_stop(&d, SIGTERM, 0), 0);
+}
+
+static void write_file(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  CHECK(f != NULL);
+  fputs(text, f);
+  fclose(f);
+}
+
+static void test_sighup_keeps_state(void) {
+  char conf[] = "/tmp/zerod-hup-XXXXXX";
+  int fd = mkstemp(conf);
+  CHECK(fd >= 0);
+  close(fd);
+  write_file(conf, "log_level = info\n");
+  zdt_daemon_t d;
+  const char *extra[] = {"--config", conf, NULL};
+  zdt_start(&d, extra);
+  zd_client_t *c = attach(d.socket, 4096);
+  CHECK_U64_EQ(step(c), 1);
+  CHECK_U64_EQ(step(c), 2);
+
+  write_file(conf, "log_level = warn\nmax_clients = 7\n");
+  CHECK(kill(d.pid, SIGHUP) == 0);
+  sleep_ms(300);
+  CHECK_MSG(waitpid(d.pid, NULL, WNOHANG) == 0, "zerod died of SIGHUP");
+  CHECK_MSG(zdt_log_contains(&d, "SIGHUP: log_level is now warn (was info)"),
+            "log_level not re-read");
+  CHECK_MSG(zdt_log_contains(&d, "SIGHUP: max_clients changed to 7 (running with 64"),
+            "a setting that needs a restart is not named");
+  /* The same client and state: the step counter goes on. */
+  CHECK_U64_EQ(step(c), 3);
+  /* A broken file keeps the running configuration. */
+  write_file(conf, "log_level = loud\n");
+  CHECK(kill(d.pid, SIGHUP) == 0);
+  sleep_ms(300);
+  CHECK_MSG(waitpid(d.pid, NULL, WNOHANG) == 0, "zerod died of a SIGHUP with a broken file");
+  CHECK_MSG(zdt_log_contains(&d, "configuration not reloaded"), "a bad reload is not reported");
+  CHECK_U64_EQ(step(c), 4);
+  zd_close(c);
+  CHECK_INT_EQ(zdt_stop(&d, SIGTERM, 0), 0);
+  unlink(conf);
+}
+
+int main(void) {
+  test_hello_timeout_frees_slots();
+  test_per_uid_limit();
+  test_connection_log_volume();
+  test_sighup_keeps_state();
+  printf("robust: ok\n");
+  return 0;
+}
