@@ -106,6 +106,12 @@ static const setting_t settings[] = {
         "a collective not complete within this time marks the world degraded (a dead peer is "
         "noticed at once; this bounds a silent one, so leave room for a rank's checkpoint or "
         "evaluation between steps: torch.distributed's default is 30 minutes too)"),
+    U32(S_WORLD, "heartbeat_ms", heartbeat_ms, "1000", 50, 60000,
+        "how often each node's health service is checked by the other nodes of the world"),
+    U32(S_WORLD, "peer_timeout_ms", peer_timeout_ms, "10000", 200, 86400000,
+        "a node whose health service has not answered for this long is declared dead: the "
+        "collectives waiting for it fail and the ranks are degraded (a busy node still "
+        "answers; only a stopped process, host or network stays silent)"),
     U32(S_WORLD, "connect_timeout_ms", connect_timeout_ms, "600000", 1000, 86400000,
         "how long a rank waits for its peers to join the world at start"),
     STR(S_WORLD, "collective_host", collective_host, "127.0.0.1", "HOST",

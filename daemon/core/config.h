@@ -48,6 +48,8 @@ typedef struct zd__config {
   char *rendezvous_address; /* rank 0's control service; "": control_address */
   uint32_t collective_timeout_ms;
   uint32_t connect_timeout_ms; /* peers must join the world within this at start */
+  uint32_t heartbeat_ms;       /* other nodes' health checked this often */
+  uint32_t peer_timeout_ms;    /* a node silent this long is dead */
   char *collective_host;       /* Gloo's listen/connect address of this node */
   /* operations */
   uint32_t shutdown_timeout_ms; /* then abort collectives still running */

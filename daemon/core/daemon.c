@@ -15,6 +15,7 @@
 #include "adam.h"
 #include "comm.h"
 #include "control.h"
+#include "liveness.h"
 #include "log.h"
 #include "session.h"
 #ifdef ZD_HAVE_CUDA
@@ -156,6 +157,8 @@ static void connection_summary(uv_timer_t *t) {
 }
 
 static void stop_ranks(zd__daemon_t *d) {
+  zd__liveness_stop(d->peers); /* it may call into the ranks */
+  d->peers = NULL;
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_destroy(d->ranks[i]);
   d->nranks = 0;
 }
@@ -265,6 +268,22 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
     d->nranks++;
   }
   return ZD_OK;
+}
+
+/* The heartbeat thread found a node dead: fail the collectives that wait for it, now. */
+static void peer_dead(void *ctx, const char *reason) {
+  zd__daemon_t *d = ctx;
+  for (uint32_t i = 0; i < d->nranks; i++) zd__rank_peer_dead(d->ranks[i], reason);
+}
+
+/* Other nodes of the world are watched by a heartbeat (liveness.h); a one-node world has none. */
+static int watch_peers(zd__daemon_t *d, zd__err_t *err) {
+  if (d->world_size <= d->cfg->local_ranks) return ZD_OK;
+  zd__liveness_cfg_t cfg = {.rendezvous_address = d->world.rendezvous_address,
+                            .first_rank = d->cfg->first_rank,
+                            .heartbeat_ms = d->cfg->heartbeat_ms,
+                            .peer_timeout_ms = d->cfg->peer_timeout_ms};
+  return zd__liveness_start(&cfg, peer_dead, d, &d->peers, err);
 }
 
 static int choose_isa(const zd__config_t *cfg, int *isa, zd__err_t *err) {
@@ -389,7 +408,7 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   /* The control service first: ranks joining a world register its bound address (a ":0" port
    * gets its real number) and, on rank 0's node, need its rendezvous store. */
   if ((rc = zd__control_start(d, &d->control, err))) goto fail;
-  if ((rc = create_ranks(d, err))) goto fail;
+  if ((rc = create_ranks(d, err)) || (rc = watch_peers(d, err))) goto fail;
   if ((rc = zd__server_start(d, err))) goto fail;
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
   uv_signal_start(&d->sigint, on_signal, SIGINT);

@@ -56,7 +56,8 @@ typedef struct zd__daemon {
   uint32_t nsessions;
   uint32_t next_session_id;
 
-  zd__control_t *control; /* gRPC control service; NULL once stopped */
+  zd__control_t *control;     /* gRPC control service; NULL once stopped */
+  struct zd__liveness *peers; /* the heartbeat of the other nodes; NULL in a one-node world */
 
   uv_timer_t shutdown_timer; /* aborts collectives that hold a shutdown too long */
   uv_signal_t sigterm;

@@ -350,7 +350,13 @@ void zd__rank_cancel(zd__rank_t *r) {
 void zd__rank_abort(zd__rank_t *r) {
   zd__rank_cancel(r);
   pthread_mutex_lock(&r->lock);
-  zd__comm_abort(r->ctx.comm);
+  zd__comm_abort(r->ctx.comm, -ECANCELED, "zerod is shutting down");
+  pthread_mutex_unlock(&r->lock);
+}
+
+void zd__rank_peer_dead(zd__rank_t *r, const char *why) {
+  pthread_mutex_lock(&r->lock);
+  zd__comm_abort(r->ctx.comm, ZD_EPEER, why);
   pthread_mutex_unlock(&r->lock);
 }
 

@@ -185,6 +185,11 @@ void zd__rank_cancel(zd__rank_t *rank);
  * thread. */
 void zd__rank_abort(zd__rank_t *rank);
 
+/* A peer of the world was found dead (the heartbeat, liveness.h): the collective in progress, and
+ * every later one, fails at once with ZD_EPEER and `why`, which then degrades the rank, instead
+ * of waiting for the collective timeout. Any thread. */
+void zd__rank_peer_dead(zd__rank_t *rank, const char *why);
+
 /* Stops the worker after the queued jobs have run (cancelling a world bootstrap still waiting
  * for peers), joins it and frees the rank and its model; accepts NULL. */
 void zd__rank_destroy(zd__rank_t *rank);

@@ -2,7 +2,9 @@
  * never say hello are closed after hello_timeout_ms, so idle connections cannot lock a trainer
  * out of max_clients; one user's connections are capped by max_clients_per_uid; connecting
  * clients are not logged one line each at info; SIGHUP neither kills zerod nor loses its state,
- * and re-reads log_level from the config file. */
+ * and re-reads log_level from the config file; a peer node that stops (SIGSTOP) is noticed by the
+ * heartbeat within peer_timeout_ms, while a peer that is only slow is waited for. */
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -160,11 +162,114 @@ static void test_sighup_keeps_state(void) {
   unlink(conf);
 }
 
+/* ---- the heartbeat: two zerods of one rank each ---- */
+
+typedef struct peer_client {
+  const char *socket;
+  uint32_t rank;
+  zd_client_t *c;
+  int delay_ms; /* before the step */
+  int rc;
+  uint64_t step;
+  char msg[512];
+} peer_client_t;
+
+static void *peer_attach(void *arg) {
+  peer_client_t *p = arg;
+  int rc = zd_connect(p->socket, 0, 5000, &p->c);
+  CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
+  zd_param_t prm = {.name = "w", .ndim = 1, .shape = {4096}, .group = 0};
+  zd_group_t g = zd_group_default();
+  zd_model_desc_t desc = {.params = &prm,
+                          .nparams = 1,
+                          .groups = &g,
+                          .ngroups = 1,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32};
+  CHECK_MSG(zd_layout(p->c, &desc) == ZD_OK, "layout: %s", zd_last_error());
+  CHECK_MSG(zd_register(p->c) == ZD_OK, "register rank %u: %s", p->rank, zd_last_error());
+  return NULL;
+}
+
+static void *peer_step(void *arg) {
+  peer_client_t *p = arg;
+  sleep_ms(p->delay_ms);
+  zd_step_result_t r = {0};
+  p->rc = zd_step(p->c, NULL, &r);
+  p->step = r.step;
+  snprintf(p->msg, sizeof p->msg, "%s", p->rc ? zd_last_error() : "");
+  return NULL;
+}
+
+static void both(void *(*fn)(void *), peer_client_t *a, peer_client_t *b) {
+  pthread_t ta, tb;
+  pthread_create(&ta, NULL, fn, a);
+  pthread_create(&tb, NULL, fn, b);
+  pthread_join(ta, NULL);
+  pthread_join(tb, NULL);
+}
+
+static uint64_t ms_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void test_heartbeat(void) {
+  zdt_daemon_t da, db;
+  const char *common[] = {
+      "--world_size",      "2",    "--local_ranks",           "1",     "--heartbeat_ms", "200",
+      "--peer_timeout_ms", "1500", "--collective_timeout_ms", "60000", "--threads",      "1",
+      "--first_rank"};
+  const char *args_a[16], *args_b[18];
+  size_t n = sizeof common / sizeof common[0];
+  memcpy(args_a, common, sizeof common);
+  memcpy(args_b, common, sizeof common);
+  args_a[n] = "0";
+  args_a[n + 1] = NULL;
+  zdt_start(&da, args_a);
+  args_b[n] = "1";
+  args_b[n + 1] = "--rendezvous_address";
+  args_b[n + 2] = da.control;
+  args_b[n + 3] = NULL;
+  zdt_start(&db, args_b);
+  peer_client_t a = {.socket = da.socket, .rank = 0}, b = {.socket = db.socket, .rank = 1};
+  both(peer_attach, &a, &b);
+  both(peer_step, &a, &b);
+  CHECK_MSG(a.rc == ZD_OK && b.rc == ZD_OK, "steps: %s / %s", a.msg, b.msg);
+
+  /* Slow, not dead: rank 1's trainer steps 3 s after rank 0's, twice peer_timeout_ms. */
+  b.delay_ms = 3000;
+  uint64_t t0 = ms_now();
+  both(peer_step, &a, &b);
+  CHECK_MSG(a.rc == ZD_OK && b.rc == ZD_OK, "a slow peer was taken for dead: %s / %s", a.msg,
+            b.msg);
+  CHECK_U64_EQ(a.step, 2);
+  CHECK_INT_GE((long long)(ms_now() - t0), 2900);
+
+  /* Stopped: rank 0's step fails soon after peer_timeout_ms, naming the silent node. */
+  CHECK(kill(db.pid, SIGSTOP) == 0);
+  t0 = ms_now();
+  peer_step(&a);
+  uint64_t took = ms_now() - t0;
+  printf("step with a stopped peer failed after %llu ms: %s\n", (unsigned long long)took, a.msg);
+  CHECK_MSG(a.rc == ZD_EPEER, "step with a stopped peer: %s (%s), expected ZD_EPEER",
+            zd_err_name(a.rc), a.msg);
+  CHECK_CONTAINS(a.msg, "has not answered for");
+  CHECK_INT_LT((long long)took, 8000);
+  CHECK(kill(db.pid, SIGCONT) == 0);
+  zd_close(a.c);
+  zd_close(b.c);
+  CHECK_INT_EQ(WEXITSTATUS(zdt_stop(&db, SIGTERM, 0)), 0);
+  CHECK_INT_EQ(WEXITSTATUS(zdt_stop(&da, SIGTERM, 0)), 0);
+}
+
 int main(void) {
   test_hello_timeout_frees_slots();
   test_per_uid_limit();
   test_connection_log_volume();
   test_sighup_keeps_state();
+  test_heartbeat();
   printf("robust: ok\n");
   return 0;
 }

@@ -90,6 +90,8 @@ static const char *const all_names[] = {"socket",
                                         "control_address",
                                         "rendezvous_address",
                                         "collective_timeout_ms",
+                                        "heartbeat_ms",
+                                        "peer_timeout_ms",
                                         "connect_timeout_ms",
                                         "collective_host",
                                         "shutdown_timeout_ms",
@@ -113,6 +115,8 @@ static void test_defaults(void) {
   CHECK_INT_EQ(cfg.max_clients, 64);
   CHECK_INT_EQ(cfg.max_clients_per_uid, 32);
   CHECK_INT_EQ(cfg.hello_timeout_ms, 10000);
+  CHECK_INT_EQ(cfg.heartbeat_ms, 1000);
+  CHECK_INT_EQ(cfg.peer_timeout_ms, 10000);
   CHECK_INT_EQ(cfg.max_frame_bytes, 16777216);
   CHECK_INT_EQ(cfg.frame_timeout_ms, 10000);
   CHECK_INT_EQ(cfg.max_inflight, 64);
