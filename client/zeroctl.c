@@ -8,7 +8,8 @@
  * (Nodes, on rank 0's node: zeroctl follows the node's rendezvous_address if it is not that node)
  * and then every node (up to FETCH_THREADS at a time, so that N unreachable nodes cost one timeout,
  * not N), merging the rows by global rank. A node that cannot be reached is a row of its own with
- * the error, and the exit status is 1. health is the standard gRPC health check:
+ * the error; status exits 1 when a node cannot be reached or a rank is degraded or missing, so
+ * that scripts and cron checks notice. health is the standard gRPC health check:
  * exit 0 when serving, 1 otherwise, so it fits scripts and probes.
  *
  * Every call has a timeout and fails fast when nothing listens (no WAIT_FOR_READY): an operator
@@ -69,7 +70,8 @@ static void usage(FILE *out) {
       "  status [--world] [--json]  ranks of a zerod: shard, step, loss scale, last grad norm,\n"
       "                             last step time, attached client, health (and why not ok);\n"
       "                             --world: every node of the world, through rank 0's node;\n"
-      "                             --json: machine-readable output\n"
+      "                             --json: machine-readable output; exit status 1 when\n"
+      "                             a node is unreachable or a rank degraded or missing\n"
       "  health [--service NAME]    gRPC health check (service \"\" by default; \"zerod.ranks\"\n"
       "                             is serving only while every local rank is healthy);\n"
       "                             exit status 0 when serving, 1 otherwise\n"
@@ -82,7 +84,8 @@ static void usage(FILE *out) {
       "  -h, --help        this text\n"
       "  -V, --version     zeroctl's version\n"
       "\n"
-      "Exit status: 0 success, 1 failure (a node unreachable, not serving), 2 bad usage.\n",
+      "Exit status: 0 success, 1 failure (a node unreachable, a rank degraded or missing, not\n"
+      "serving), 2 bad usage.\n",
       DEFAULT_TIMEOUT_MS);
 }
 
@@ -567,8 +570,8 @@ static int cmd_status(const options_t *o) {
     rc = EXIT_FAIL;
     goto exit;
   }
-  for (size_t r = 0; r < nrows; r++)
-    if (!rows[r].node) rc = EXIT_FAIL;
+  for (size_t r = 0; r < nrows; r++) /* a missing or degraded rank is a failure for scripts */
+    if (!rows[r].node || (rows[r].stat && rows[r].stat->degraded_reason)) rc = EXIT_FAIL;
   if (o->json)
     print_json(nodes, nnodes, rows, nrows, world_size ? world_size : nodes[0].status->world_size);
   else

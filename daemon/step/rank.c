@@ -100,7 +100,10 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
   /* A failed collective breaks the communicator for good, and a failure of the device leaves its
    * state in doubt: the rank is degraded. (A registration barrier that timed out, or a peer that
    * refused a step, leaves the communicator healthy: not degraded.) */
-  if (job->code && (job->code == ZD_EBACKEND || zd__comm_failed(r->ctx.comm))) {
+  /* The first failure is the reason: a job refused because the rank was degraded already must not
+   * wrap it again ("rank 0 is degraded: rank 0 is degraded: ..."). */
+  if (job->code && job->code != ZD_EDEGRADED &&
+      (job->code == ZD_EBACKEND || zd__comm_failed(r->ctx.comm))) {
     if (s->health != ZD__HEALTH_DEGRADED) ZD_LOG_ERROR("rank degraded: %s", job->err.msg);
     s->health = ZD__HEALTH_DEGRADED;
     snprintf(s->degraded_reason, sizeof s->degraded_reason, "%s", job->err.msg);

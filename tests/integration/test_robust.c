@@ -215,6 +215,24 @@ static uint64_t ms_now(void) {
   return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+/* `zeroctl --address ADDR status`: exit status, output in out. */
+static int zeroctl_status(const char *address, char *out, size_t len) {
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "'%s' --address '%s' status 2>&1", getenv("ZEROCTL_BIN"), address);
+  FILE *p = popen(cmd, "r");
+  CHECK(p != NULL);
+  size_t n = fread(out, 1, len - 1, p);
+  out[n] = '\0';
+  int st = pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static int count(const char *hay, const char *needle) {
+  int n = 0;
+  for (const char *p = hay; (p = strstr(p, needle)); p += strlen(needle)) n++;
+  return n;
+}
+
 static void test_heartbeat(void) {
   zdt_daemon_t da, db;
   const char *common[] = {
@@ -257,6 +275,15 @@ static void test_heartbeat(void) {
             zd_err_name(a.rc), a.msg);
   CHECK_CONTAINS(a.msg, "has not answered for");
   CHECK_INT_LT((long long)took, 8000);
+  /* Degraded now: later steps fail at once, and the reason is said once, not wrapped again. */
+  peer_step(&a);
+  CHECK_INT_EQ(a.rc, ZD_EDEGRADED);
+  peer_step(&a);
+  CHECK_INT_EQ(count(a.msg, "is degraded"), 1);
+  char out[8192];
+  CHECK_INT_EQ(zeroctl_status(da.control, out, sizeof out), 1); /* a degraded rank: exit 1 */
+  CHECK_CONTAINS(out, "has not answered for");
+  CHECK_INT_EQ(count(out, "is degraded"), 0);
   CHECK(kill(db.pid, SIGCONT) == 0);
   zd_close(a.c);
   zd_close(b.c);
