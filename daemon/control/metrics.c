@@ -17,12 +17,12 @@
 #include "metrics.h"
 
 #include <errno.h>
-#include <inttypes.h>
 #include <math.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
