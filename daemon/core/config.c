@@ -123,6 +123,10 @@ static const setting_t settings[] = {
         "zerod exits (0: wait for them, up to collective_timeout_ms)"),
     ENUM(S_OPS, "log_level", log_level, "info", levels,
          "least severe level logged (re-read from the config file on SIGHUP)"),
+    STR(S_OPS, "metrics_address", metrics_address, "", "ADDR",
+        "listen address of the Prometheus endpoint http://ADDR/metrics, e.g. 127.0.0.1:9400 "
+        "(\"\": off; port 0: a free port, logged). It serves numbers only, no secrets, but "
+        "anyone who reaches it sees them"),
     STR(S_OPS, "config", config_file, "", "FILE",
         "file of `name = value` lines, read before the environment and flags"),
 };

@@ -54,6 +54,7 @@ typedef struct zd__config {
   /* operations */
   uint32_t shutdown_timeout_ms; /* then abort collectives still running */
   char *log_level;              /* error | warn | info | debug */
+  char *metrics_address;        /* Prometheus endpoint (metrics.h); "": off */
   char *config_file;            /* --config / ZEROD_CONFIG */
   /* Where each setting came from, indexed like the table in config.c; read it through
    * zd__config_visit(). Kept in the instance so two loads (tests, reload) do not share it. */

@@ -17,6 +17,7 @@
 #include "control.h"
 #include "liveness.h"
 #include "log.h"
+#include "metrics.h"
 #include "session.h"
 #ifdef ZD_HAVE_CUDA
 #include "adam_cuda.h"
@@ -202,6 +203,7 @@ void zd__daemon_shutdown(zd__daemon_t *d) {
   if (d->shutting_down) return;
   d->shutting_down = 1;
   sd_notify("STOPPING=1");
+  zd__metrics_stop(&d->metrics);
   zd__server_stop(d);
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_cancel(d->ranks[i]); /* no long waits now */
   if (d->cfg->shutdown_timeout_ms)
@@ -408,6 +410,7 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   /* The control service first: ranks joining a world register its bound address (a ":0" port
    * gets its real number) and, on rank 0's node, need its rendezvous store. */
   if ((rc = zd__control_start(d, &d->control, err))) goto fail;
+  if ((rc = zd__metrics_start(&d->loop, cfg->metrics_address, d, &d->metrics, err))) goto fail;
   if ((rc = create_ranks(d, err)) || (rc = watch_peers(d, err))) goto fail;
   if ((rc = zd__server_start(d, err))) goto fail;
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);

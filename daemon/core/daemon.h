@@ -59,6 +59,8 @@ typedef struct zd__daemon {
   zd__control_t *control;     /* gRPC control service; NULL once stopped */
   struct zd__liveness *peers; /* the heartbeat of the other nodes; NULL in a one-node world */
 
+  struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
+
   uv_timer_t shutdown_timer; /* aborts collectives that hold a shutdown too long */
   uv_signal_t sigterm;
   uv_signal_t sigint;

@@ -53,7 +53,7 @@ def tracked_files(root):
     try:
         out = subprocess.run(['git', 'ls-files'], cwd=root, check=True, capture_output=True,
                              text=True).stdout.split('\n')
-        return [f for f in out if f]
+        return sorted({f for f in out if f})  # a file in a merge conflict is listed per stage
     except (OSError, subprocess.CalledProcessError):
         files = []
         for top, dirs, names in os.walk(root):

@@ -96,6 +96,7 @@ static const char *const all_names[] = {"socket",
                                         "collective_host",
                                         "shutdown_timeout_ms",
                                         "log_level",
+                                        "metrics_address",
                                         "config"};
 #define NNAMES (int)(sizeof all_names / sizeof all_names[0])
 
@@ -131,6 +132,7 @@ static void test_defaults(void) {
   CHECK_STR_EQ(cfg.rendezvous_address, "127.0.0.1:7070");
   CHECK_INT_EQ(cfg.collective_timeout_ms, 1800000);
   CHECK_STR_EQ(cfg.log_level, "info");
+  CHECK_STR_EQ(cfg.metrics_address, ""); /* off */
   CHECK_STR_EQ(cfg.config_file, "");
 
   /* Every row, in table order, once, all from the defaults. */
