@@ -48,7 +48,7 @@ struct zd_client {
   uint32_t ngroups;
   zd_dtype_t param_dtype, grad_dtype;
   double max_grad_norm;
-  int grad_mean;
+  zd_grad_reduce_t grad_reduce;
   zd_loss_scaler_t loss_scaler;
   unsigned flags;
   int param_fd, grad_fd;

@@ -74,6 +74,11 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
                     "zd_model_desc_t.memory is %d; expected ZD_MEMORY_HOST (0) or "
                     "ZD_MEMORY_CUDA (1)",
                     (int)desc->memory);
+  if (desc->grad_reduce != ZD_GRAD_MEAN && desc->grad_reduce != ZD_GRAD_SUM)
+    return zd__fail(-EINVAL,
+                    "zd_model_desc_t.grad_reduce is %d; expected ZD_GRAD_MEAN (0) or "
+                    "ZD_GRAD_SUM (1)",
+                    (int)desc->grad_reduce);
   int cuda = desc->memory == ZD_MEMORY_CUDA;
   if (cuda != (strcmp(c->info.backend, "cuda") == 0))
     return zd__fail(
@@ -99,7 +104,7 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
   c->param_dtype = desc->param_dtype;
   c->grad_dtype = desc->grad_dtype;
   c->max_grad_norm = desc->max_grad_norm;
-  c->grad_mean = desc->grad_mean;
+  c->grad_reduce = desc->grad_reduce;
   c->loss_scaler = desc->loss_scaler;
   c->flags = desc->flags;
   c->param_bytes = c->layout->total_elems * zd_dtype_size(desc->param_dtype);
@@ -156,7 +161,7 @@ int zd_register(zd_client_t *c) {
   req.has_max_grad_norm = 1;
   req.max_grad_norm = c->max_grad_norm;
   req.has_grad_mean = 1;
-  req.grad_mean = c->grad_mean != 0;
+  req.grad_mean = c->grad_reduce != ZD_GRAD_SUM; /* the wire keeps its boolean */
   req.has_replace = 1;
   req.replace = (c->flags & ZD_REGISTER_REPLACE) != 0;
   req.loss_scaler = zd__wire_scaler_to(&scaler, &c->loss_scaler);
