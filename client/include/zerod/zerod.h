@@ -134,15 +134,23 @@ typedef enum zd_memory {
   0x1u /* start afresh: discard any state zerod holds on this rank, for \
           this model or another (at world size > 1: on every rank) */
 
+/* How the ranks' gradients are combined before the step. The zero value is the mean, as in
+ * PyTorch's DistributedDataParallel and the Python client (grad_mean=True): a zero-initialised
+ * zd_model_desc_t averages. Sum when each rank's loss is already divided by the world's batch. */
+typedef enum zd_grad_reduce {
+  ZD_GRAD_MEAN = 0, /* the sum over ranks divided by the world size (the default) */
+  ZD_GRAD_SUM = 1   /* the sum over ranks */
+} zd_grad_reduce_t;
+
 typedef struct zd_model_desc {
   const zd_param_t *params;
   size_t nparams;
   const zd_group_t *groups;
   size_t ngroups;
-  zd_dtype_t param_dtype; /* working params: ZD_F32 or ZD_BF16 */
-  zd_dtype_t grad_dtype;  /* ZD_F32, ZD_BF16 or ZD_F16 */
-  double max_grad_norm;   /* clip by global L2 norm; 0 disables clipping */
-  int grad_mean;          /* 1: gradients are averaged over ranks; 0: summed */
+  zd_dtype_t param_dtype;       /* working params: ZD_F32 or ZD_BF16 */
+  zd_dtype_t grad_dtype;        /* ZD_F32, ZD_BF16 or ZD_F16 */
+  double max_grad_norm;         /* clip by global L2 norm; 0 disables clipping */
+  zd_grad_reduce_t grad_reduce; /* ZD_GRAD_MEAN (0, the default) or ZD_GRAD_SUM */
   zd_loss_scaler_t loss_scaler;
   unsigned flags;     /* ZD_REGISTER_* */
   zd_memory_t memory; /* ZD_MEMORY_HOST (0, the default) or ZD_MEMORY_CUDA */

@@ -45,6 +45,9 @@ ZD_STEP_NO_GATHER = 0x2
 ZD_MEMORY_HOST = 0
 ZD_MEMORY_CUDA = 1
 
+ZD_GRAD_MEAN = 0
+ZD_GRAD_SUM = 1
+
 # zerod/errors.h: values are part of the wire protocol and never renumbered.
 ZD_OK = 0
 ZD_EPROTO = -4001
@@ -138,7 +141,7 @@ class zd_model_desc_t(ctypes.Structure):
         ("param_dtype", ctypes.c_int),
         ("grad_dtype", ctypes.c_int),
         ("max_grad_norm", ctypes.c_double),
-        ("grad_mean", ctypes.c_int),
+        ("grad_reduce", ctypes.c_int),  # zd_grad_reduce_t: ZD_GRAD_MEAN (0) or ZD_GRAD_SUM
         ("loss_scaler", zd_loss_scaler_t),
         ("flags", ctypes.c_uint),
         ("memory", ctypes.c_int),  # zd_memory_t: ZD_MEMORY_HOST or ZD_MEMORY_CUDA

@@ -605,7 +605,7 @@ class Client:
         desc.param_dtype = pdt
         desc.grad_dtype = gdt
         desc.max_grad_norm = float(max_grad_norm)
-        desc.grad_mean = 1 if grad_mean else 0
+        desc.grad_reduce = _lib.ZD_GRAD_MEAN if grad_mean else _lib.ZD_GRAD_SUM
         if scaler is not None:
             desc.loss_scaler.enabled = 1
             desc.loss_scaler.initial_scale = float(scaler.initial_scale)
