@@ -68,16 +68,16 @@ typedef struct kv_wait {
 
 static int not_rank0(zd__control_t *c, const char *what, zd__err_t *err) {
   const zd__daemon_t *d = c->d;
-  uint32_t first = d->cfg->first_rank;
+  uint32_t first = zd__daemon_config(d)->first_rank;
   char ranks[48];
-  if (d->nranks > 1)
-    snprintf(ranks, sizeof ranks, "ranks %u..%u", first, first + d->nranks - 1);
+  if (zd__daemon_nranks(d) > 1)
+    snprintf(ranks, sizeof ranks, "ranks %u..%u", first, first + zd__daemon_nranks(d) - 1);
   else
     snprintf(ranks, sizeof ranks, "rank %u", first);
   return zd__errf(err, ZD_EORDER,
                   "%s is served by the zerod that hosts rank 0, at %s "
                   "(rendezvous_address); this one hosts %s of %u",
-                  what, d->cfg->rendezvous_address, ranks, d->world_size);
+                  what, zd__daemon_config(d)->rendezvous_address, ranks, zd__daemon_world_size(d));
 }
 
 /* Methods of the rendezvous store begin with this: other nodes say where rank 0's node is. */
@@ -97,7 +97,7 @@ typedef struct rank_msg {
 
 static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *err) {
   zd__daemon_t *d = c->d;
-  zd__rank_t *r = d->ranks[i];
+  zd__rank_t *r = zd__daemon_rank(d, i);
   Zerod__V1__RankStatus *m = &rm->msg;
   zd__rank_stats_t *s = &rm->stats;
   zerod__v1__rank_status__init(m);
@@ -106,7 +106,7 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
   m->local_rank = i;
   m->health = (char *)zd__health_name(s->health);
   if (s->health != ZD__HEALTH_OK) m->degraded_reason = s->degraded_reason;
-  zd__session_t *client = d->attached[i];
+  const zd__session_t *client = zd__sessions_attached(zd__daemon_sessions(d), i);
   if (client) {
     m->client = (char *)zd__session_name(client);
     m->has_client_pid = 1;
@@ -152,7 +152,7 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   (void)req;
   zd__control_t *c = ctx;
   zd__daemon_t *d = c->d;
-  uint32_t n = d->nranks;
+  uint32_t n = zd__daemon_nranks(d);
   rank_msg_t *rms = calloc(n ? n : 1, sizeof *rms);
   Zerod__V1__RankStatus **ptrs = calloc(n ? n : 1, sizeof *ptrs);
   int rc = ZD_OK;
@@ -168,12 +168,12 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   st.version = (char *)ZD_VERSION;
   st.pid = (int32_t)getpid();
   st.control_address = (char *)zd__control_address(c);
-  st.world_size = d->world_size;
-  st.first_rank = d->cfg->first_rank;
+  st.world_size = zd__daemon_world_size(d);
+  st.first_rank = zd__daemon_config(d)->first_rank;
   st.local_ranks = n;
-  st.backend = (char *)zd__backend_name(d->backend); /* daemon.c, choose_backend */
-  st.uptime_s = (zd__now_us() - d->start_us) / 1000000u;
-  st.rendezvous_address = d->cfg->rendezvous_address;
+  st.backend = (char *)zd__backend_name(zd__daemon_backend(d)); /* daemon.c, choose_backend */
+  st.uptime_s = (zd__now_us() - zd__daemon_start_us(d)) / 1000000u;
+  st.rendezvous_address = zd__daemon_config(d)->rendezvous_address;
   st.n_ranks = n;
   st.ranks = ptrs;
   zd__gsrv_reply(k, &st.base);
@@ -221,17 +221,17 @@ static int handle_nodes(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
                   len);
       continue;
     }
-    self_listed |= info->first_rank == d->cfg->first_rank;
+    self_listed |= info->first_rank == zd__daemon_config(d)->first_rank;
     nodes[n++] = info;
   }
   Zerod__V1__NodeInfo self = ZEROD__V1__NODE_INFO__INIT;
-  self.first_rank = d->cfg->first_rank;
-  self.local_ranks = d->nranks;
+  self.first_rank = zd__daemon_config(d)->first_rank;
+  self.local_ranks = zd__daemon_nranks(d);
   self.control_address = (char *)zd__control_address(c);
   if (!self_listed) nodes[n++] = &self;
   qsort(nodes, n, sizeof *nodes, cmp_node);
   Zerod__V1__NodesReply rep = ZEROD__V1__NODES_REPLY__INIT;
-  rep.world_size = d->world_size;
+  rep.world_size = zd__daemon_world_size(d);
   rep.n_nodes = n;
   rep.nodes = nodes;
   zd__gsrv_reply(k, &rep.base);
@@ -362,11 +362,11 @@ static int handle_health(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   Grpc__Health__V1__HealthCheckRequest *r = (Grpc__Health__V1__HealthCheckRequest *)*req;
   const char *svc = r->service ? r->service : "";
   zd__daemon_t *d = c->d;
-  int serving = !c->stopping && !d->shutting_down;
+  int serving = !c->stopping && !zd__daemon_shutting_down(d);
   if (!strcmp(svc, "zerod.ranks")) {
-    for (uint32_t i = 0; i < d->nranks && serving; i++) {
+    for (uint32_t i = 0; i < zd__daemon_nranks(d) && serving; i++) {
       zd__rank_stats_t s;
-      zd__rank_stats(d->ranks[i], &s);
+      zd__rank_stats(zd__daemon_rank(d, i), &s);
       serving = s.health == ZD__HEALTH_OK;
     }
   } else if (svc[0] && strcmp(svc, "zerod.v1.Control") != 0) {
@@ -428,23 +428,23 @@ const char *zd__control_address(const zd__control_t *c) {
 }
 
 int zd__control_start(zd__daemon_t *d, zd__control_t **out, zd__err_t *err) {
-  const char *addr = d->cfg->control_address;
+  const char *addr = zd__daemon_config(d)->control_address;
   *out = NULL;
   zd__control_t *c = calloc(1, sizeof *c);
   if (!c) return zd__errf(err, -ENOMEM, "out of memory starting the control service");
   c->d = d;
-  c->serves_kv = d->cfg->first_rank == 0;
+  c->serves_kv = zd__daemon_config(d)->first_rank == 0;
   int rc;
-  if (!(c->store = zd__kvstore_new(&d->loop, &kv_limits))) {
+  if (!(c->store = zd__kvstore_new(zd__daemon_loop(d), &kv_limits))) {
     rc = zd__errf(err, -ENOMEM, "out of memory starting the control service");
     goto fail;
   }
   /* A unix socket is created with the client socket's mode (socket_mode). */
-  zd__gsrv_config_t cfg = {.loop = &d->loop,
+  zd__gsrv_config_t cfg = {.loop = zd__daemon_loop(d),
                            .address = addr,
                            .address_name = "control_address",
                            .log_name = "control",
-                           .socket_mode = d->cfg->socket_mode,
+                           .socket_mode = zd__daemon_config(d)->socket_mode,
                            .methods = methods,
                            .nmethods = NMETHODS,
                            .ctx = c};

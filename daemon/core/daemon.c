@@ -1,8 +1,9 @@
-/* The daemon's loop, start-up and shutdown (daemon.h). */
+/* The daemon's state, loop, start-up and shutdown (daemon.h). */
 #include "daemon.h"
 
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,16 +14,59 @@
 #include <unistd.h>
 
 #include "adam.h"
+#include "clock.h"
 #include "comm.h"
 #include "control.h"
 #include "liveness.h"
 #include "log.h"
 #include "metrics.h"
+#include "server.h"
 #include "session.h"
+#include "world.h"
 #ifdef ZD_HAVE_CUDA
 #include "adam_cuda.h"
 #include "cuda_check.h"
 #endif
+
+struct zd__daemon {
+  uv_loop_t loop;
+  const zd__config_t *cfg;
+  uint32_t world_size;
+  uint64_t bucket_elems;
+  int isa; /* zd__isa_t of the CPU kernels */
+  zd__pool_t *pool;
+  zd__backend_t backend;
+  /* Why the CUDA backend is not used when it was not asked for ("" when it is, or was refused
+   * by configuration): for the start-up log and the status. */
+  char backend_note[ZD__ERR_MSG_MAX];
+  zd__gpu_info_t *gpus; /* CUDA backend: the GPU of each local rank (local rank i: device i) */
+  zd__world_t world;    /* how ranks join a multi-rank world */
+  uint32_t nranks;
+  zd__rank_t **ranks;
+
+  zd__sessions_t *sessions;    /* the clients, and which one holds each local rank */
+  zd__server_t *server;        /* the listening socket */
+  zd__control_t *control;      /* gRPC control service; NULL once stopped */
+  struct zd__liveness *peers;  /* the heartbeat of the other nodes; NULL in a one-node world */
+  struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
+
+  uv_timer_t shutdown_timer; /* aborts collectives that hold a shutdown too long */
+  uv_signal_t sigterm;
+  uv_signal_t sigint;
+  uv_async_t done_async;
+  pthread_mutex_t done_lock;
+  zd__job_t *done_head; /* finished jobs from the workers, in completion order */
+  zd__job_t *done_tail;
+  int shutting_down;
+  int handles_closed;
+
+  uv_signal_t sighup;
+  uv_timer_t summary_timer; /* the connection summary (connection_summary) */
+  uint64_t summary_clients; /* clients_total at the last summary */
+  uint64_t summary_dropped; /* connections_dropped at the last summary */
+
+  uint64_t start_us;
+};
 
 /* systemd's readiness protocol (Type=notify): one datagram to $NOTIFY_SOCKET; nothing without it.
  */
@@ -72,7 +116,7 @@ static void on_signal(uv_signal_t *handle, int signum) {
   zd__daemon_t *d = handle->data;
   if (d->shutting_down) {
     ZD_LOG_WARN("%s again: still waiting for %u sessions to finish their jobs", strsignal(signum),
-                d->nsessions);
+                zd__sessions_open(d->sessions));
     return;
   }
   ZD_LOG_INFO("%s: shutting down", strsignal(signum));
@@ -141,20 +185,21 @@ static void on_sighup(uv_signal_t *handle, int signum) {
 
 static void connection_summary(uv_timer_t *t) {
   zd__daemon_t *d = t->data;
-  uint64_t came = d->clients_total - d->summary_clients;
-  uint64_t dropped = d->connections_dropped - d->summary_dropped;
+  const zd__session_counters_t *n = zd__sessions_counters(d->sessions);
+  uint64_t came = n->clients_total - d->summary_clients;
+  uint64_t dropped = n->connections_dropped - d->summary_dropped;
   if (!came && !dropped) return;
   if (dropped)
     ZD_LOG_INFO("connections in the last %d s: %" PRIu64 " new, %" PRIu64
                 " closed by zerod after an error (totals: %" PRIu64 " denied, %" PRIu64
                 " over a limit, %" PRIu64 " without hello); last: %s",
-                SUMMARY_MS / 1000, came, dropped, d->clients_denied, d->clients_refused,
-                d->clients_timed_out, d->last_drop);
+                SUMMARY_MS / 1000, came, dropped, n->clients_denied, n->clients_refused,
+                n->clients_timed_out, n->last_drop);
   else
     ZD_LOG_INFO("connections in the last %d s: %" PRIu64 " new, %u open", SUMMARY_MS / 1000, came,
-                d->nsessions);
-  d->summary_clients = d->clients_total;
-  d->summary_dropped = d->connections_dropped;
+                zd__sessions_open(d->sessions));
+  d->summary_clients = n->clients_total;
+  d->summary_dropped = n->connections_dropped;
 }
 
 static void stop_ranks(zd__daemon_t *d) {
@@ -167,7 +212,8 @@ static void stop_ranks(zd__daemon_t *d) {
 /* The last step of a shutdown: no session, so no job is left anywhere, and the control service
  * is down. */
 static void finish(zd__daemon_t *d) {
-  if (d->handles_closed || d->nsessions > 0 || d->control) return;
+  if (d->handles_closed || (d->sessions && zd__sessions_open(d->sessions) > 0) || d->control)
+    return;
   d->handles_closed = 1;
   stop_ranks(d);
   uv_close((uv_handle_t *)&d->shutdown_timer, NULL);
@@ -195,7 +241,7 @@ static void on_shutdown_timeout(uv_timer_t *t) {
   ZD_LOG_WARN(
       "still waiting for %u session(s) %u ms after the shutdown began: aborting the "
       "collectives in progress",
-      d->nsessions, d->cfg->shutdown_timeout_ms);
+      zd__sessions_open(d->sessions), d->cfg->shutdown_timeout_ms);
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_abort(d->ranks[i]);
 }
 
@@ -204,17 +250,12 @@ void zd__daemon_shutdown(zd__daemon_t *d) {
   d->shutting_down = 1;
   sd_notify("STOPPING=1");
   zd__metrics_stop(&d->metrics);
-  zd__server_stop(d);
+  if (d->server) zd__server_stop(d->server);
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_cancel(d->ranks[i]); /* no long waits now */
   if (d->cfg->shutdown_timeout_ms)
     uv_timer_start(&d->shutdown_timer, on_shutdown_timeout, d->cfg->shutdown_timeout_ms, 0);
   if (d->control) zd__control_stop(d->control, control_stopped);
-  zd__session_t *s = d->sessions;
-  while (s) {
-    zd__session_t *next = zd__session_next(s);
-    zd__session_drain(s); /* may free s */
-    s = next;
-  }
+  if (d->sessions) zd__sessions_drain(d->sessions);
   finish(d);
 }
 
@@ -226,8 +267,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   const zd__config_t *cfg = d->cfg;
   d->nranks = 0;
   d->ranks = calloc(cfg->local_ranks, sizeof *d->ranks);
-  d->attached = calloc(cfg->local_ranks, sizeof *d->attached);
-  if (!d->ranks || !d->attached) return zd__errf(err, -ENOMEM, "out of memory");
+  if (!d->ranks) return zd__errf(err, -ENOMEM, "out of memory");
   /* On rank 0's node the store is our own control service, at the address it actually bound. */
   const char *rendezvous =
       cfg->first_rank == 0 && strcmp(cfg->rendezvous_address, cfg->control_address) == 0
@@ -381,7 +421,6 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   zd__daemon_t *d = calloc(1, sizeof *d);
   if (!d) return zd__errf(err, -ENOMEM, "out of memory");
   d->cfg = cfg;
-  d->listen_fd = -1;
   d->start_us = zd__now_us();
   d->world_size = cfg->world_size ? cfg->world_size : cfg->local_ranks;
   d->bucket_elems = cfg->bucket_elems;
@@ -412,7 +451,11 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   if ((rc = zd__control_start(d, &d->control, err))) goto fail;
   if ((rc = zd__metrics_start(&d->loop, cfg->metrics_address, d, &d->metrics, err))) goto fail;
   if ((rc = create_ranks(d, err)) || (rc = watch_peers(d, err))) goto fail;
-  if ((rc = zd__server_start(d, err))) goto fail;
+  if ((rc = zd__sessions_create(d, d->nranks, &d->sessions))) {
+    zd__errf(err, rc, "out of memory");
+    goto fail;
+  }
+  if ((rc = zd__server_start(&d->loop, cfg, d->sessions, &d->server, err))) goto fail;
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
   uv_signal_start(&d->sigint, on_signal, SIGINT);
   uv_signal_start(&d->sighup, on_sighup, SIGHUP);
@@ -447,9 +490,61 @@ void zd__daemon_destroy(zd__daemon_t *d) {
   if (!d) return;
   stop_ranks(d);
   zd__pool_destroy(d->pool);
+  zd__server_destroy(d->server);
+  zd__sessions_destroy(d->sessions);
   free(d->ranks);
-  free(d->attached);
   free(d->gpus);
   pthread_mutex_destroy(&d->done_lock);
   free(d);
+}
+
+/* ---- accessors ------------------------------------------------------------------------------ */
+
+uv_loop_t *zd__daemon_loop(zd__daemon_t *d) {
+  return &d->loop;
+}
+const zd__config_t *zd__daemon_config(const zd__daemon_t *d) {
+  return d->cfg;
+}
+uint32_t zd__daemon_world_size(const zd__daemon_t *d) {
+  return d->world_size;
+}
+uint64_t zd__daemon_bucket_elems(const zd__daemon_t *d) {
+  return d->bucket_elems;
+}
+uint64_t zd__daemon_start_us(const zd__daemon_t *d) {
+  return d->start_us;
+}
+zd__backend_t zd__daemon_backend(const zd__daemon_t *d) {
+  return d->backend;
+}
+const char *zd__daemon_backend_note(const zd__daemon_t *d) {
+  return d->backend_note;
+}
+const zd__gpu_info_t *zd__daemon_gpu(const zd__daemon_t *d, uint32_t local) {
+  if (d->backend != ZD__BACKEND_CUDA) return NULL;
+  zd_assert(local < d->cfg->local_ranks);
+  return &d->gpus[local];
+}
+int zd__daemon_isa(const zd__daemon_t *d) {
+  return d->isa;
+}
+zd__pool_t *zd__daemon_pool(const zd__daemon_t *d) {
+  return d->pool;
+}
+uint32_t zd__daemon_nranks(const zd__daemon_t *d) {
+  return d->nranks;
+}
+zd__rank_t *zd__daemon_rank(const zd__daemon_t *d, uint32_t local) {
+  zd_assert(local < d->nranks);
+  return d->ranks[local];
+}
+int zd__daemon_shutting_down(const zd__daemon_t *d) {
+  return d->shutting_down;
+}
+zd__sessions_t *zd__daemon_sessions(const zd__daemon_t *d) {
+  return d->sessions;
+}
+const zd__server_t *zd__daemon_server(const zd__daemon_t *d) {
+  return d->server;
 }

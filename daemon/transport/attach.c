@@ -1,0 +1,49 @@
+/* The rank attachment table (attach.h). */
+#include "attach.h"
+
+#include <stdlib.h>
+
+#include "log.h"
+
+typedef struct slot {
+  zd__session_t *holder; /* NULL: free */
+  int attached;          /* holder registered */
+} slot_t;
+
+struct zd__attach {
+  uint32_t nranks;
+  slot_t slots[];
+};
+
+zd__attach_t *zd__attach_new(uint32_t nranks) {
+  zd__attach_t *a = calloc(1, sizeof *a + nranks * sizeof a->slots[0]);
+  if (a) a->nranks = nranks;
+  return a;
+}
+
+void zd__attach_free(zd__attach_t *a) {
+  free(a);
+}
+
+zd__session_t *zd__attach_take(zd__attach_t *a, zd__session_t *s, uint32_t local) {
+  zd_assert(local < a->nranks);
+  slot_t *slot = &a->slots[local];
+  if (slot->holder && slot->holder != s) return slot->holder;
+  *slot = (slot_t){.holder = s, .attached = 1};
+  return NULL;
+}
+
+int zd__attach_release(zd__attach_t *a, const zd__session_t *s, uint32_t local) {
+  zd_assert(local < a->nranks);
+  slot_t *slot = &a->slots[local];
+  if (slot->holder != s) return 0;
+  int attached = slot->attached;
+  *slot = (slot_t){0};
+  return attached;
+}
+
+zd__session_t *zd__attach_holder(const zd__attach_t *a, uint32_t local, int *attached) {
+  zd_assert(local < a->nranks);
+  *attached = a->slots[local].attached;
+  return a->slots[local].holder;
+}
