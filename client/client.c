@@ -326,7 +326,7 @@ int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_clien
   req.min_version = ZD_PROTOCOL_VERSION;
   req.max_version = ZD_PROTOCOL_VERSION;
   req.has_local_rank = 1;
-  req.local_rank = local_rank < 0 ? -1 : local_rank;
+  req.local_rank = local_rank; /* zerod refuses negatives other than ZD_ANY_RANK */
   char name[64];
   snprintf(name, sizeof name, "%s[%d]", program_invocation_short_name, (int)getpid());
   req.client_name = name;

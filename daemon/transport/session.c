@@ -270,6 +270,13 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
   int32_t want = req->local_rank;
   uint32_t nranks = zd__daemon_nranks(d);
   uint32_t local = 0;
+  if (want < -1) {
+    rc = zd__errf(err, ZD_ERANK,
+                  "local rank %d is not valid; expected 0..%u, or -1 (ZD_ANY_RANK) for the "
+                  "first free one",
+                  want, nranks - 1);
+    goto exit;
+  }
   if (want >= 0) {
     if ((uint32_t)want >= nranks) {
       rc = zd__errf(err, ZD_ERANK,

@@ -135,6 +135,8 @@ static void test_clients_and_state(void) {
   CHECK_CONTAINS(zd_last_error(), "all 1 local ranks have a client attached");
   CHECK_INT_EQ(zd_connect(d.socket, 3, 0, &b), ZD_ERANK);
   CHECK_CONTAINS(zd_last_error(), "local rank 3 does not exist; this zerod hosts local ranks 0..0");
+  CHECK_INT_EQ(zd_connect(d.socket, -5, 0, &b), ZD_ERANK); /* not taken for ZD_ANY_RANK */
+  CHECK_CONTAINS(zd_last_error(), "local rank -5 is not valid; expected 0..0, or -1 (ZD_ANY_RANK)");
   connect_register(d.socket, mlp_params, 0, 0, ZD_EBUSY);
   CHECK_CONTAINS(zd_last_error(), "local rank 0 is attached to client");
   printf("  second client refused: %s\n", zd_last_error());
