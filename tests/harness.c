@@ -282,7 +282,7 @@ void zdt_raw_hello(int fd, uint64_t id) {
   Zerod__V1__HelloRequest req = ZEROD__V1__HELLO_REQUEST__INIT;
   req.min_version = req.max_version = ZD_PROTOCOL_VERSION;
   req.has_local_rank = 1;
-  req.local_rank = 0; /* a rank is taken only at register: hello works while a client holds it */
+  req.local_rank = 0; /* named: hello works while another client holds it (register would not) */
   uint8_t buf[256];
   size_t len = zerod__v1__hello_request__pack(&req, buf);
   zdt_raw_request(fd, ZD__MSG_HELLO, id, buf, (uint32_t)len);

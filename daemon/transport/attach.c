@@ -7,7 +7,7 @@
 
 typedef struct slot {
   zd__session_t *holder; /* NULL: free */
-  int attached;          /* holder registered */
+  int attached;          /* 0: reserved by holder's hello; 1: holder registered */
 } slot_t;
 
 struct zd__attach {
@@ -25,12 +25,34 @@ void zd__attach_free(zd__attach_t *a) {
   free(a);
 }
 
+int zd__attach_reserve_any(zd__attach_t *a, zd__session_t *s, uint32_t *local) {
+  for (uint32_t i = 0; i < a->nranks; i++) {
+    if (a->slots[i].holder) continue;
+    a->slots[i] = (slot_t){.holder = s};
+    *local = i;
+    return 0;
+  }
+  return -1;
+}
+
+int zd__attach_reserve(zd__attach_t *a, zd__session_t *s, uint32_t local) {
+  zd_assert(local < a->nranks);
+  slot_t *slot = &a->slots[local];
+  if (!slot->holder) *slot = (slot_t){.holder = s};
+  return slot->holder == s;
+}
+
 zd__session_t *zd__attach_take(zd__attach_t *a, zd__session_t *s, uint32_t local) {
   zd_assert(local < a->nranks);
   slot_t *slot = &a->slots[local];
   if (slot->holder && slot->holder != s) return slot->holder;
   *slot = (slot_t){.holder = s, .attached = 1};
   return NULL;
+}
+
+void zd__attach_unattach(zd__attach_t *a, const zd__session_t *s, uint32_t local) {
+  zd_assert(local < a->nranks && a->slots[local].holder == s);
+  a->slots[local].attached = 0;
 }
 
 int zd__attach_release(zd__attach_t *a, const zd__session_t *s, uint32_t local) {

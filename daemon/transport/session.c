@@ -285,13 +285,15 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
                     want, nranks - 1);
       goto exit;
     }
-    local = (uint32_t)want; /* attached at register, where a busy rank is refused */
-  } else {
-    while (local < nranks && zd__sessions_attached(s->ss, local)) local++;
-    if (local == nranks) {
-      rc = zd__errf(err, ZD_EBUSY, "all %u local ranks have a client attached", nranks);
-      goto exit;
-    }
+    local = (uint32_t)want;
+    /* Held by another session: this one competes for it at register (ZD_EBUSY there). */
+    zd__attach_reserve(s->ss->attach, s, local);
+  } else if (zd__attach_reserve_any(s->ss->attach, s, &local) != 0) {
+    rc = zd__errf(err, ZD_EBUSY,
+                  "all %u local ranks have a client attached or reserved (a client holds the "
+                  "rank it got at hello until it disconnects)",
+                  nranks);
+    goto exit;
   }
   if (req->client_name && req->client_name[0])
     snprintf(s->name, sizeof s->name, "%s", req->client_name);
@@ -422,8 +424,14 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
   int attached;
   zd__session_t *holder = zd__attach_holder(s->ss->attach, local, &attached);
   if (holder && holder != s) {
-    rc = zd__errf(err, ZD_EBUSY, "local rank %u is attached to client '%s' (pid %d)", local,
-                  holder->name, (int)holder->cred.pid);
+    if (attached)
+      rc = zd__errf(err, ZD_EBUSY, "local rank %u is attached to client '%s' (pid %d)", local,
+                    holder->name, (int)holder->cred.pid);
+    else
+      rc = zd__errf(err, ZD_EBUSY,
+                    "local rank %u is reserved by client '%s' (pid %d), which said hello for "
+                    "it first and holds it until it disconnects",
+                    local, holder->name, (int)holder->cred.pid);
     goto fail;
   }
   job = job_new(s, ZD__JOB_ATTACH, h);
@@ -612,7 +620,7 @@ static const command_t *find_command(uint16_t type) {
   return NULL;
 }
 
-/* Releases the rank and the buffers once nothing uses them. */
+/* Releases the rank (attached or reserved) and the buffers once nothing uses them. */
 static void detach(zd__session_t *s) {
   zd__buffers_release(&s->buf, s->rank, s->id); /* while s->rank still says whose they were */
   if (s->rank) {
@@ -1056,7 +1064,7 @@ void zd__session_job_done(zd__session_t *s, zd__job_t *job) {
     if (job->code == ZD_OK) {
       s->state = SESSION_REGISTERED;
     } else {
-      zd__attach_release(s->ss->attach, s, zd__rank_local(s->rank));
+      zd__attach_unattach(s->ss->attach, s, zd__rank_local(s->rank)); /* still reserved */
       kept = zd__buffers_release(&s->buf, s->rank, s->id); /* before the answer: it says so */
       if (s->state == SESSION_REGISTERING) s->state = SESSION_READY;
     }

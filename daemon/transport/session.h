@@ -50,8 +50,8 @@ uint32_t zd__sessions_open(const zd__sessions_t *ss);
 
 const zd__session_counters_t *zd__sessions_counters(const zd__sessions_t *ss);
 
-/* The session attached (registered) to local rank `local`, or NULL. The pointer is for
- * zd__session_pid/name, now. */
+/* The session attached (registered) to local rank `local`, or NULL: one that only reserved it at
+ * hello is not attached yet. The pointer is for zd__session_pid/name, now. */
 const zd__session_t *zd__sessions_attached(const zd__sessions_t *ss, uint32_t local);
 
 /* Takes ownership of fd (a connected, non-blocking Unix socket) and starts serving it. A peer

@@ -221,12 +221,15 @@ typedef uint64_t zd_request_t;
 /* Connects to zerod and attaches to a local rank.
  * socket_path: NULL for the default ($ZEROD_SOCKET, else $XDG_RUNTIME_DIR/zerod.sock, else
  *   /run/zerod/zerod.sock). local_rank: index of the rank within that zerod, or ZD_ANY_RANK for
- *   the first one with no client attached.
+ *   the first one no other client holds.
  * On success *out is a new client; close it with zd_close(). Blocks for at most timeout_ms
- * milliseconds waiting for the daemon's hello (0: 30 s). The rank is taken by zd_register():
- * a rank named explicitly may still be busy then (ZD_EBUSY from zd_register). Errors:
- * -ENOENT/-ECONNREFUSED (no daemon), ZD_EVERSION, ZD_EBUSY (ZD_ANY_RANK and every rank taken),
- * ZD_ERANK, ZD_EDENIED. */
+ * milliseconds waiting for the daemon's hello (0: 30 s). The rank is reserved for this client
+ * from its hello until zd_close() or a disconnect, so that trainers started together with
+ * ZD_ANY_RANK each get their own; zd_register() attaches to it. A rank named explicitly that
+ * another client holds is not refused here (that client may leave first): zd_register() returns
+ * ZD_EBUSY if it still holds it. Errors: -ENOENT/-ECONNREFUSED (no daemon), ZD_EVERSION, ZD_EBUSY
+ * (ZD_ANY_RANK and every rank held), ZD_ERANK (no such rank, or negative other than ZD_ANY_RANK),
+ * ZD_EDENIED. */
 ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms,
                          zd_client_t **out);
 
