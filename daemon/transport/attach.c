@@ -8,6 +8,7 @@
 typedef struct slot {
   zd__session_t *holder; /* NULL: free */
   int attached;          /* 0: reserved by holder's hello; 1: holder registered */
+  int named;             /* reserved by a hello that named the rank (a weak reservation) */
 } slot_t;
 
 struct zd__attach {
@@ -38,15 +39,23 @@ int zd__attach_reserve_any(zd__attach_t *a, zd__session_t *s, uint32_t *local) {
 int zd__attach_reserve(zd__attach_t *a, zd__session_t *s, uint32_t local) {
   zd_assert(local < a->nranks);
   slot_t *slot = &a->slots[local];
-  if (!slot->holder) *slot = (slot_t){.holder = s};
+  if (!slot->holder) *slot = (slot_t){.holder = s, .named = 1};
   return slot->holder == s;
 }
 
-zd__session_t *zd__attach_take(zd__attach_t *a, zd__session_t *s, uint32_t local) {
+zd__session_t *zd__attach_blocker(const zd__attach_t *a, const zd__session_t *s, uint32_t local,
+                                  int named) {
   zd_assert(local < a->nranks);
-  slot_t *slot = &a->slots[local];
-  if (slot->holder && slot->holder != s) return slot->holder;
-  *slot = (slot_t){.holder = s, .attached = 1};
+  const slot_t *slot = &a->slots[local];
+  if (!slot->holder || slot->holder == s) return NULL;
+  if (named && slot->named && !slot->attached) return NULL; /* a weak reservation yields */
+  return slot->holder;
+}
+
+zd__session_t *zd__attach_take(zd__attach_t *a, zd__session_t *s, uint32_t local, int named) {
+  zd__session_t *blocker = zd__attach_blocker(a, s, local, named);
+  if (blocker) return blocker;
+  a->slots[local] = (slot_t){.holder = s, .attached = 1, .named = named};
   return NULL;
 }
 

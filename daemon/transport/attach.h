@@ -6,10 +6,14 @@
  *     answers it, so that trainers started together never get the same rank (and a client gets
  *     ZD_EBUSY at hello, not at register, when every rank is held);
  *   - hello naming a rank reserves it if no session holds it; if one does, the hello still
- *     succeeds and the session competes for the rank at register;
- *   - register attaches the session to its rank if it holds it or nobody does, and is refused
- *     (ZD_EBUSY, naming the holder) otherwise; an attach job that fails leaves the rank reserved
- *     for the session, which may register again;
+ *     succeeds and the session competes for the rank at register. Such a reservation is weak:
+ *     ZD_ANY_RANK hellos skip the rank, but a register from another session that named the rank
+ *     too takes it (a client that names a rank to read the status, or a trainer's hello whose
+ *     register has not come yet, must not lock a restarted trainer of that rank out);
+ *   - register attaches the session to its rank if it holds it or nobody does, or if both named
+ *     it and the holder only reserved it, and is refused (ZD_EBUSY, naming the holder)
+ *     otherwise; an attach job that fails leaves the rank reserved for the session, which may
+ *     register again;
  *   - the session's end (bye, disconnect, after its jobs in flight) releases the rank.
  * Loop thread only.
  */
@@ -33,9 +37,14 @@ int zd__attach_reserve_any(zd__attach_t *a, zd__session_t *s, uint32_t *local);
  * now, 0 if another session does. s holds no rank yet. */
 int zd__attach_reserve(zd__attach_t *a, zd__session_t *s, uint32_t local);
 
-/* register: attaches s to `local` if s holds it or no session does, and returns NULL; otherwise
- * returns the session that holds it, and nothing changes. */
-zd__session_t *zd__attach_take(zd__attach_t *a, zd__session_t *s, uint32_t local);
+/* The session that keeps s (whose hello named `local` if named) from registering on `local`, or
+ * NULL when s may: s holds it, nobody does, or both named it and the holder only reserved it. */
+zd__session_t *zd__attach_blocker(const zd__attach_t *a, const zd__session_t *s, uint32_t local,
+                                  int named);
+
+/* register: attaches s to `local` unless zd__attach_blocker names a session, which it returns
+ * (nothing changes then); NULL on success. */
+zd__session_t *zd__attach_take(zd__attach_t *a, zd__session_t *s, uint32_t local, int named);
 
 /* The attach job failed: s, attached to `local`, keeps it reserved. */
 void zd__attach_unattach(zd__attach_t *a, const zd__session_t *s, uint32_t local);

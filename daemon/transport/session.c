@@ -61,6 +61,7 @@ struct zd__session {
   struct ucred cred;
   char name[64];
   session_state_t state;
+  int named_rank;  /* its hello named the rank (a weak reservation: attach.h) */
   int closing;     /* read no more; tear down once idle */
   int dispatching; /* in process_frames: a job done inline must not re-enter it */
   int torn_down;   /* handles closing */
@@ -286,6 +287,7 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
       goto exit;
     }
     local = (uint32_t)want;
+    s->named_rank = 1;
     /* Held by another session: this one competes for it at register (ZD_EBUSY there). */
     zd__attach_reserve(s->ss->attach, s, local);
   } else if (zd__attach_reserve_any(s->ss->attach, s, &local) != 0) {
@@ -422,8 +424,9 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
                  : zd__buffers_map_host(&s->buf, s->daemon, local, s->fds, s->nfds, spec, err);
   if (rc) goto fail;
   int attached;
-  zd__session_t *holder = zd__attach_holder(s->ss->attach, local, &attached);
-  if (holder && holder != s) {
+  zd__session_t *holder = zd__attach_blocker(s->ss->attach, s, local, s->named_rank);
+  if (holder) {
+    zd__attach_holder(s->ss->attach, local, &attached);
     if (attached)
       rc = zd__errf(err, ZD_EBUSY, "local rank %u is attached to client '%s' (pid %d)", local,
                     holder->name, (int)holder->cred.pid);
@@ -440,7 +443,7 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
     goto fail;
   }
   job->event_slot = slot;
-  holder = zd__attach_take(s->ss->attach, s, local);
+  holder = zd__attach_take(s->ss->attach, s, local, s->named_rank);
   zd_assert(!holder);
   s->buf.bufs.param_dtype = spec->param_dtype;
   s->buf.bufs.grad_dtype = spec->grad_dtype;

@@ -103,6 +103,23 @@ static void test_per_uid_limit(void) {
   CHECK_INT_EQ(zdt_stop(&d, SIGTERM, 0), 0);
 }
 
+/* A client that names a rank only to read the status (or a trainer's hello before its register)
+ * reserves it weakly: a restarted trainer of that rank, naming it too, still registers. */
+static void test_named_reader_yields(void) {
+  zdt_daemon_t d;
+  zdt_start(&d, NULL);
+  zd_client_t *reader;
+  CHECK(zd_connect(d.socket, 0, 2000, &reader) == ZD_OK);
+  zd_client_t *t = attach(d.socket, 4096); /* names local rank 0 too */
+  CHECK_U64_EQ(step(t), 1);
+  char *text = NULL;
+  CHECK(zd_status(reader, &text) == ZD_OK); /* the reader goes on reading */
+  free(text);
+  zd_close(reader);
+  zd_close(t);
+  CHECK_INT_EQ(zdt_stop(&d, SIGTERM, 0), 0);
+}
+
 /* 200 connect/status/bye rounds at log level info write no line per connection. */
 static void test_connection_log_volume(void) {
   zdt_daemon_t d;
@@ -294,6 +311,7 @@ static void test_heartbeat(void) {
 int main(void) {
   test_hello_timeout_frees_slots();
   test_per_uid_limit();
+  test_named_reader_yields();
   test_connection_log_volume();
   test_sighup_keeps_state();
   test_heartbeat();

@@ -225,9 +225,11 @@ typedef uint64_t zd_request_t;
  * On success *out is a new client; close it with zd_close(). Blocks for at most timeout_ms
  * milliseconds waiting for the daemon's hello (0: 30 s). The rank is reserved for this client
  * from its hello until zd_close() or a disconnect, so that trainers started together with
- * ZD_ANY_RANK each get their own; zd_register() attaches to it. A rank named explicitly that
- * another client holds is not refused here (that client may leave first): zd_register() returns
- * ZD_EBUSY if it still holds it. Errors: -ENOENT/-ECONNREFUSED (no daemon), ZD_EVERSION, ZD_EBUSY
+ * ZD_ANY_RANK each get their own; zd_register() attaches to it. A rank named explicitly is held
+ * weakly: ZD_ANY_RANK clients skip it, but another client that names it too may register on it
+ * first. A rank named explicitly that another client holds is not refused here (that client may
+ * leave first): zd_register() returns ZD_EBUSY if it is still attached, or reserved by a
+ * ZD_ANY_RANK hello. Errors: -ENOENT/-ECONNREFUSED (no daemon), ZD_EVERSION, ZD_EBUSY
  * (ZD_ANY_RANK and every rank held), ZD_ERANK (no such rank, or negative other than ZD_ANY_RANK),
  * ZD_EDENIED. */
 ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms,
