@@ -148,6 +148,19 @@ void zdt_start(zdt_daemon_t *d, const char *const *extra) {
   exit(1);
 }
 
+/* In a sanitizer build (scripts/sanitize.sh) zerod reports to its stderr, the log that zdt_stop
+ * deletes, and not every test looks at how each zerod exited: a report fails the test here. */
+static void check_sanitizer_report(const zdt_daemon_t *d) {
+  static const char *const marks[] = {"runtime error:", "ERROR: AddressSanitizer",
+                                      "ERROR: LeakSanitizer", "WARNING: ThreadSanitizer"};
+  for (size_t i = 0; i < sizeof marks / sizeof marks[0]; i++) {
+    if (!zdt_log_contains(d, marks[i])) continue;
+    zdt_dump_log(d);
+    fprintf(stderr, "zerod's log has a sanitizer report (\"%s\")\n", marks[i]);
+    exit(1);
+  }
+}
+
 int zdt_stop(zdt_daemon_t *d, int sig, int keep) {
   int status = -1;
   if (d->pid > 0) {
@@ -166,6 +179,7 @@ int zdt_stop(zdt_daemon_t *d, int sig, int keep) {
     }
     track(0, d->pid);
     d->pid = 0;
+    check_sanitizer_report(d);
   }
   if (!keep) {
     char lock[sizeof d->socket + 8];

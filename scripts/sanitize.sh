@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# zerod under AddressSanitizer + UndefinedBehaviorSanitizer (and LeakSanitizer, part of ASan):
+# configures build-asan once, builds it and runs the unit and integration suites there. CI runs it
+# after the normal tests (scripts/quickstart.sh test).
+#
+# Any report fails the run, not just the test that hit it: a zerod started by a test writes its
+# stderr to a log the test deletes, and not every test checks how each zerod exited. So every
+# report (halt_on_error, abort_on_error) also goes to a file under build-asan/sanitizer-logs, and
+# this script fails, printing them, when there is any. Suppressions: tests/sanitizers/*.supp,
+# third-party code only.
+#
+#   scripts/sanitize.sh            build, run the unit and integration suites
+#   scripts/sanitize.sh python     the same plus the python suite (libasan preloaded into python3)
+#   scripts/sanitize.sh packages   prints the apt packages it needs besides scripts/quickstart.sh's
+#
+# Installs nothing. gcc's sanitizer runtimes (libasan8, libubsan1) come with gcc.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD=build-asan
+
+packages() {
+  : # none: gcc depends on libasan8 and libubsan1 (through libgcc-12-dev)
+}
+
+configure_and_build() {
+  # No CUDA: the sanitizers do not see into device code, and nvcc's host compiler would need the
+  # same flags. debugoptimized: -O2 as shipped (the kernels' wide paths included), with symbols.
+  if [ ! -f "$BUILD/build.ninja" ]; then
+    CC=gcc CXX=g++ meson setup "$BUILD" -Db_sanitize=address,undefined -Db_lundef=false \
+      -Dcuda=disabled -Dbuildtype=debugoptimized
+  fi
+  ninja -C "$BUILD"
+}
+
+# Options shared by every process of the run: the tests, the zerods they start, python3.
+export_options() {
+  local supp logs
+  supp="$PWD/tests/sanitizers"
+  logs="$PWD/$BUILD/sanitizer-logs"
+  rm -rf "$logs"
+  mkdir -p "$logs"
+  export ASAN_OPTIONS="halt_on_error=1:abort_on_error=1:detect_leaks=1:\
+detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1:\
+suppressions=$supp/asan.supp:log_path=$logs/asan"
+  export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+  export UBSAN_OPTIONS="halt_on_error=1:abort_on_error=1:print_stacktrace=1:report_error_type=1:\
+suppressions=$supp/ubsan.supp:log_path=$logs/ubsan"
+}
+
+# Prints every report written during the run; fails if there is one.
+check_logs() {
+  local logs="$BUILD/sanitizer-logs" f found=0
+  for f in "$logs"/*; do
+    [ -e "$f" ] || continue
+    found=1
+    echo "==== sanitizer report: $f ====" >&2
+    cat "$f" >&2
+  done
+  return "$found"
+}
+
+run_suites() {
+  local rc=0
+  export_options
+  meson test -C "$BUILD" --suite unit --suite integration --print-errorlogs || rc=$?
+  if [ "${1:-}" = python ]; then
+    # /usr/bin/python3 is not instrumented and loads libzerod.so (instrumented) with ctypes: the
+    # ASan runtime must come first in the process, so it is preloaded into the test command only
+    # (not into meson). Python's own allocations are not leaks to report (tests/sanitizers/lsan.supp).
+    local preload
+    preload="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
+    meson test -C "$BUILD" --suite python --print-errorlogs \
+      --wrapper "env LD_PRELOAD=$preload ASAN_OPTIONS=$ASAN_OPTIONS:detect_stack_use_after_return=0" ||
+      rc=$?
+  fi
+  check_logs || rc=1
+  return "$rc"
+}
+
+case "${1:-}" in
+  packages) packages ;;
+  "" | python)
+    configure_and_build
+    run_suites "${1:-}"
+    ;;
+  *)
+    echo "usage: $0 [python|packages]" >&2
+    exit 2
+    ;;
+esac
