@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BUILD=build-fuzz
+BUILD="build-fuzz"
 HARNESSES=(frame layout config control)
 
 packages() {
