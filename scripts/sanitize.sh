@@ -3,15 +3,16 @@
 # configures build-asan once, builds it and runs the unit and integration suites there. CI runs it
 # after the normal tests (scripts/quickstart.sh test).
 #
-# Any report fails the run, not just the test that hit it: a zerod started by a test writes its
-# stderr to a log the test deletes, and not every test checks how each zerod exited. So every
-# report (halt_on_error, abort_on_error) also goes to a file under build-asan/sanitizer-logs, and
-# this script fails, printing them, when there is any. Suppressions: tests/sanitizers/*.supp,
+# Any report fails the run (halt_on_error, abort_on_error), not just the test that hit it: a zerod
+# started by a test writes its stderr to a log the test deletes, and not every test checks how
+# each zerod exited. So ASan and LSan reports also go to files under build-asan/sanitizer-logs,
+# and this script fails, printing them, when there is any; gcc's UBSan writes only to stderr, and
+# tests/harness.c fails a test whose zerod logged a report. Suppressions: tests/sanitizers/*.supp,
 # third-party code only.
 #
 #   scripts/sanitize.sh            build, run the unit and integration suites
-#   scripts/sanitize.sh python     the same plus the python suite (libasan preloaded into python3,
-#                                  leak detection off there)
+#   scripts/sanitize.sh python     the same plus the python suite (tests/sanitizers/wrap.sh
+#                                  preloads the ASan runtime into python3, leak checks off there)
 #   scripts/sanitize.sh tsan       ThreadSanitizer (build-tsan) over the world integration test:
 #                                  an experiment, not CI (uninstrumented gRPC makes it report)
 #   scripts/sanitize.sh packages   prints the apt packages it needs besides scripts/quickstart.sh's
@@ -64,21 +65,13 @@ check_logs() {
 }
 
 run_suites() {
-  local rc=0
+  local rc=0 suites=(--suite unit --suite integration)
+  [ "${1:-}" != python ] || suites+=(--suite python)
   export_options
-  meson test -C "$BUILD" --suite unit --suite integration --print-errorlogs || rc=$?
-  if [ "${1:-}" = python ]; then
-    # /usr/bin/python3 is not instrumented and loads libzerod.so (instrumented) with ctypes: the
-    # ASan runtime must come first in the process, so it is preloaded into the test command only
-    # (not into meson). Every program a test starts inherits it, zerod and pip included; python3,
-    # numpy and torch keep memory until exit by design, so leaks are not looked for here (the
-    # integration suite looks for zerod's and libzerod's).
-    local preload
-    preload="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
-    meson test -C "$BUILD" --suite python --print-errorlogs --wrapper \
-      "env LD_PRELOAD=$preload ASAN_OPTIONS=$ASAN_OPTIONS:detect_leaks=0" ||
-      rc=$?
-  fi
+  # The wrapper preloads the ASan runtime into the Python tests (integration/metrics and the
+  # python suite), which load libzerod.so into /usr/bin/python3.
+  meson test -C "$BUILD" "${suites[@]}" --print-errorlogs --wrapper "$PWD/tests/sanitizers/wrap.sh" ||
+    rc=$?
   check_logs || rc=1
   return "$rc"
 }

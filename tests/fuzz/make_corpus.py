@@ -180,6 +180,8 @@ def configs():
         'allowed_uids = 0, root',
         'allowed_gids = 0',
         'max_clients = 8',
+        'max_clients_per_uid = 4',
+        'hello_timeout_ms = 500',
         'max_frame_bytes = 65536',
         'frame_timeout_ms = 1000',
         'max_inflight = 4',
@@ -193,10 +195,13 @@ def configs():
         'control_address = 127.0.0.1:7070',
         'rendezvous_address = "10.0.0.1:7070"',
         'collective_timeout_ms = 60000',
+        'heartbeat_ms = 100',
+        'peer_timeout_ms = 2000',
         'connect_timeout_ms = 60000',
         'collective_host = 127.0.0.1',
         'shutdown_timeout_ms = 0',
         'log_level = debug',
+        'metrics_address = 127.0.0.1:9400',
         '',
     ])
     return {
