@@ -479,6 +479,10 @@ static int append(char **buf, size_t *len, size_t *cap, const char *fmt, ...) {
   }
 }
 
+void zd_free(void *ptr) {
+  free(ptr);
+}
+
 int zd_status(zd_client_t *c, char **text) {
   if (!c || !text) return zd__fail(-EINVAL, "zd_status: client and text are required");
   *text = NULL;

@@ -4,7 +4,8 @@
 # baseline) or every test suite.
 #
 #   scripts/quickstart.sh demo    install, build, run the demo
-#   scripts/quickstart.sh test    install, build, run all tests (what CI runs)
+#   scripts/quickstart.sh test    install, build, run all tests, then the unit and integration
+#                                 suites under sanitizers and the fuzz harnesses (what CI runs)
 #   scripts/quickstart.sh build   install and build only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +53,16 @@ run_tests() {
 
 case "${1:-}" in
   demo) install_deps; build; demo ;;
-  test) install_deps clang-format git yamllint systemd; install_promtool; build; run_tests ;;
+  test)
+    # shellcheck disable=SC2046 # one package name per word
+    install_deps clang-format git yamllint systemd $(scripts/sanitize.sh packages) \
+      $(scripts/fuzz.sh packages)
+    install_promtool
+    build
+    run_tests
+    scripts/sanitize.sh # unit and integration suites under ASan + UBSan + LSan
+    scripts/fuzz.sh ci  # each libFuzzer harness over its corpus and a fixed number of inputs
+    ;;
   build) install_deps; build ;;
   *) echo "usage: $0 demo|test|build" >&2; exit 2 ;;
 esac

@@ -369,7 +369,8 @@ static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
     }
     params[i].name = p->name;
     params[i].ndim = (uint32_t)p->n_shape;
-    memcpy(params[i].shape, p->shape, p->n_shape * sizeof *p->shape);
+    if (p->n_shape) /* a scalar's shape is NULL: memcpy from NULL is undefined even for 0 bytes */
+      memcpy(params[i].shape, p->shape, p->n_shape * sizeof *p->shape);
     params[i].group = p->group;
   }
   uint32_t world_size = zd__daemon_world_size(d);

@@ -355,8 +355,13 @@ ZD_EXPORT int zd_step_start(zd_client_t *client, const zd_step_opts_t *opts, zd_
 ZD_EXPORT int zd_wait(zd_client_t *client, zd_request_t req, zd_step_result_t *result);
 
 /* The daemon's status as text: "# Section" lines followed by "key:value" lines (units in the key
- * names). *text is allocated; release it with free(). */
+ * names). *text is allocated; release it with zd_free() (or free() from C linked with the same C
+ * library). */
 ZD_EXPORT int zd_status(zd_client_t *client, char **text);
+
+/* Releases memory libzerod allocated for the caller (zd_status's text). Accepts NULL. For
+ * bindings (ctypes, FFI) whose own free() may not be the allocator libzerod used. */
+ZD_EXPORT void zd_free(void *ptr);
 
 /* Says bye and closes the connection; zerod keeps the rank's state for a later client. Requests
  * still outstanding are answered first (without any stream wait). Unmaps host buffers. Device

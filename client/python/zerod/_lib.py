@@ -236,6 +236,7 @@ _PROTOTYPES = {
                                      ctypes.POINTER(zd_request_t)]),
     "zd_wait": (ctypes.c_int, [zd_client_p, zd_request_t, ctypes.POINTER(zd_step_result_t)]),
     "zd_status": (ctypes.c_int, [zd_client_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "zd_free": (None, [ctypes.c_void_p]),
     "zd_close": (None, [zd_client_p]),
     "zd_last_error": (ctypes.c_char_p, []),
     "zd_dtype_size": (ctypes.c_size_t, [ctypes.c_int]),
@@ -245,7 +246,6 @@ _PROTOTYPES = {
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _path: Optional[str] = None
-_libc_free = None
 _group_fields: List[GroupField] = []
 
 
@@ -275,7 +275,7 @@ def _candidates() -> list:
 
 def load() -> ctypes.CDLL:
     """Loads libzerod once (thread-safe) and returns it with every prototype declared."""
-    global _lib, _path, _libc_free
+    global _lib, _path
     if _lib is not None:
         return _lib
     with _lock:
@@ -302,10 +302,6 @@ def load() -> ctypes.CDLL:
                     f"supports") from e
             fn.restype = restype
             fn.argtypes = argtypes
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.free.restype = None
-        libc.free.argtypes = [ctypes.c_void_p]
-        _libc_free = libc.free
         _path = candidates[0]
         _lib = lib
         return lib
@@ -358,6 +354,6 @@ def library_path() -> str:
 
 
 def free(ptr: int) -> None:
-    """Releases memory the library allocated with malloc() (zd_status's text)."""
-    load()
-    _libc_free(ptr)
+    """Releases memory the library allocated (zd_status's text), with the library's own free:
+    a libc looked up here may not be the allocator libzerod used (an ASan runtime preloaded)."""
+    load().zd_free(ptr)
