@@ -250,6 +250,23 @@ static int count(const char *hay, const char *needle) {
   return n;
 }
 
+/* zeroctl status --watch redraws the table until it is stopped. */
+static void test_zeroctl_watch(void) {
+  zdt_daemon_t d;
+  zdt_start(&d, NULL);
+  char cmd[512], out[16384];
+  snprintf(cmd, sizeof cmd, "timeout 2.5 '%s' --address '%s' status --watch 1 2>&1",
+           getenv("ZEROCTL_BIN"), d.control);
+  FILE *p = popen(cmd, "r");
+  CHECK(p != NULL);
+  size_t n = fread(out, 1, sizeof out - 1, p);
+  out[n] = '\0';
+  pclose(p);
+  CHECK_MSG(count(out, "zeroctl status, every 1 s") >= 2, "--watch did not redraw: %s", out);
+  CHECK_MSG(count(out, "HEALTH") >= 2, "--watch did not draw the table: %s", out);
+  CHECK_INT_EQ(zdt_stop(&d, SIGTERM, 0), 0);
+}
+
 static void test_heartbeat(void) {
   zdt_daemon_t da, db;
   const char *common[] = {
@@ -314,6 +331,7 @@ int main(void) {
   test_named_reader_yields();
   test_connection_log_volume();
   test_sighup_keeps_state();
+  test_zeroctl_watch();
   test_heartbeat();
   printf("robust: ok\n");
   return 0;
