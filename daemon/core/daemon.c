@@ -64,6 +64,8 @@ struct zd__daemon {
   uv_timer_t summary_timer; /* the connection summary (connection_summary) */
   uint64_t summary_clients; /* clients_total at the last summary */
   uint64_t summary_dropped; /* connections_dropped at the last summary */
+  uv_timer_t notify_timer;  /* systemd: WATCHDOG=1 and STATUS= (notify_systemd) */
+  int watchdog;             /* the unit has WatchdogSec: send WATCHDOG=1 too */
 
   uint64_t start_us;
 };
@@ -202,6 +204,43 @@ static void connection_summary(uv_timer_t *t) {
   d->summary_dropped = n->connections_dropped;
 }
 
+/* Under systemd (Type=notify): STATUS= with the step and health of the ranks, for `systemctl
+ * status`, and WATCHDOG=1 when the unit has WatchdogSec. Both are sent from the loop, so a loop
+ * that hangs stops them and systemd restarts zerod; a rank busy for minutes does not. */
+static void notify_systemd(uv_timer_t *t) {
+  zd__daemon_t *d = t->data;
+  uint32_t ok = 0, degraded = 0;
+  uint64_t step = 0;
+  for (uint32_t i = 0; i < d->nranks; i++) {
+    zd__rank_stats_t s;
+    zd__rank_stats(d->ranks[i], &s);
+    ok += s.health == ZD__HEALTH_OK;
+    degraded += s.health == ZD__HEALTH_DEGRADED;
+    if (s.has_model && s.step > step) step = s.step;
+  }
+  char msg[256];
+  snprintf(msg, sizeof msg, "%sSTATUS=%u of %u local rank(s) ok%s, step %" PRIu64,
+           d->watchdog ? "WATCHDOG=1\n" : "", ok, d->nranks,
+           degraded ? " (degraded: see zeroctl status)" : "", step);
+  sd_notify(msg);
+}
+
+/* The period of notify_systemd: half the watchdog interval systemd gives (WATCHDOG_USEC, for this
+ * process: WATCHDOG_PID), else 10 s for STATUS= alone; 0 outside systemd. *watchdog says which. */
+static uint64_t notify_period_ms(int *watchdog) {
+  *watchdog = 0;
+  if (!getenv("NOTIFY_SOCKET")) return 0;
+  const char *usec = getenv("WATCHDOG_USEC"), *pid = getenv("WATCHDOG_PID");
+  if (usec && (!pid || strtol(pid, NULL, 10) == (long)getpid())) {
+    unsigned long long us = strtoull(usec, NULL, 10);
+    if (us >= 2000) {
+      *watchdog = 1;
+      return us / 2000;
+    }
+  }
+  return 10000;
+}
+
 static void stop_ranks(zd__daemon_t *d) {
   zd__liveness_stop(d->peers); /* it may call into the ranks */
   d->peers = NULL;
@@ -221,6 +260,7 @@ static void finish(zd__daemon_t *d) {
   uv_close((uv_handle_t *)&d->sigint, NULL);
   uv_close((uv_handle_t *)&d->sighup, NULL);
   uv_close((uv_handle_t *)&d->summary_timer, NULL);
+  uv_close((uv_handle_t *)&d->notify_timer, NULL);
   uv_close((uv_handle_t *)&d->done_async, NULL);
   /* Closing the handles restored the default action; a repeated signal now must not turn a clean
    * exit into a death by signal. Nothing is left to wait for. */
@@ -437,6 +477,8 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_signal_init(&d->loop, &d->sigint);
   uv_signal_init(&d->loop, &d->sighup);
   uv_timer_init(&d->loop, &d->summary_timer);
+  uv_timer_init(&d->loop, &d->notify_timer);
+  d->notify_timer.data = d;
   d->done_async.data = d->sigterm.data = d->sigint.data = d->shutdown_timer.data = d;
   d->sighup.data = d->summary_timer.data = d;
 
@@ -460,6 +502,8 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_signal_start(&d->sigint, on_signal, SIGINT);
   uv_signal_start(&d->sighup, on_sighup, SIGHUP);
   uv_timer_start(&d->summary_timer, connection_summary, SUMMARY_MS, SUMMARY_MS);
+  uint64_t period = notify_period_ms(&d->watchdog);
+  if (period) uv_timer_start(&d->notify_timer, notify_systemd, period, period);
   if (d->backend == ZD__BACKEND_CUDA)
     ZD_LOG_INFO(
         "ready: %u local rank(s) of a world of %u, CUDA backend (one GPU per local rank, "

@@ -5,6 +5,8 @@
  * and re-reads log_level from the config file; a peer node that stops (SIGSTOP) is noticed by the
  * heartbeat within peer_timeout_ms, while a peer that is only slow is waited for. */
 #include <pthread.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -250,6 +252,50 @@ static int count(const char *hay, const char *needle) {
   return n;
 }
 
+/* Under systemd (a NOTIFY_SOCKET of our own here): READY=1, then WATCHDOG=1 with a STATUS= line
+ * every half WATCHDOG_USEC, from the loop; STOPPING=1 at SIGTERM. */
+static void test_systemd_notify(void) {
+  char path[] = "/tmp/zerod-notify-XXXXXX";
+  CHECK(mkdtemp(path) != NULL);
+  char sock[sizeof path + 8];
+  snprintf(sock, sizeof sock, "%s/notify", path);
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", sock);
+  CHECK(bind(fd, (struct sockaddr *)&addr, sizeof addr) == 0);
+  setenv("NOTIFY_SOCKET", sock, 1);
+  setenv("WATCHDOG_USEC", "200000", 1); /* 0.2 s: a ping every 0.1 s */
+  zdt_daemon_t d;
+  zdt_start(&d, NULL);
+  unsetenv("NOTIFY_SOCKET");
+  unsetenv("WATCHDOG_USEC");
+  struct timeval tv = {.tv_sec = 2};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char msg[512];
+  int ready = 0, pings = 0;
+  for (int i = 0; i < 20 && pings < 3; i++) {
+    ssize_t n = recv(fd, msg, sizeof msg - 1, 0);
+    CHECK_MSG(n > 0, "no notification from zerod (%d pings so far)", pings);
+    msg[n] = '\0';
+    ready |= !strcmp(msg, "READY=1");
+    if (strstr(msg, "WATCHDOG=1\nSTATUS=1 of 1 local rank(s) ok, step ")) pings++;
+  }
+  CHECK_MSG(ready && pings >= 3, "READY %d, watchdog pings %d; last: %s", ready, pings, msg);
+  CHECK_INT_EQ(zdt_stop(&d, SIGTERM, 0), 0);
+  int stopping = 0;
+  tv.tv_sec = 0;
+  tv.tv_usec = 200000;
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  for (ssize_t n; (n = recv(fd, msg, sizeof msg - 1, 0)) > 0;) {
+    msg[n] = '\0';
+    stopping |= !strcmp(msg, "STOPPING=1");
+  }
+  CHECK_MSG(stopping, "no STOPPING=1 at SIGTERM");
+  close(fd);
+  unlink(sock);
+  rmdir(path);
+}
+
 /* zeroctl status --watch redraws the table until it is stopped. */
 static void test_zeroctl_watch(void) {
   zdt_daemon_t d;
@@ -332,6 +378,7 @@ int main(void) {
   test_connection_log_volume();
   test_sighup_keeps_state();
   test_zeroctl_watch();
+  test_systemd_notify();
   test_heartbeat();
   printf("robust: ok\n");
   return 0;
