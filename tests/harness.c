@@ -86,6 +86,34 @@ static void track(pid_t pid, pid_t untrack) {
             (int)pid);
 }
 
+/* zdt_run (harness.h). */
+int zdt_run(const char *const *args, const char **output) {
+  static char out[65536];
+  int fds[2];
+  CHECK(pipe(fds) == 0);
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    dup2(fds[1], 2);
+    close(fds[0]);
+    const char *argv[16] = {getenv("ZEROD_BIN")};
+    for (int i = 0; args[i] && i < 14; i++) argv[i + 1] = args[i];
+    execv(argv[0], (char *const *)argv);
+    _exit(127);
+  }
+  close(fds[1]);
+  size_t n = 0;
+  ssize_t r;
+  while ((r = read(fds[0], out + n, sizeof out - 1 - n)) > 0) n += (size_t)r;
+  out[n] = '\0';
+  close(fds[0]);
+  int status;
+  waitpid(pid, &status, 0);
+  *output = out;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 void zdt_start(zdt_daemon_t *d, const char *const *extra) {
   const char *bin = getenv("ZEROD_BIN");
   CHECK_MSG(bin && bin[0], "ZEROD_BIN is not set (run the tests with meson test)");

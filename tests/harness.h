@@ -24,6 +24,11 @@ typedef struct zdt_daemon {
  * tests also pass on a machine with a GPU; extra may pass --backend. */
 void zdt_start(zdt_daemon_t *d, const char *const *extra);
 
+/* Runs $ZEROD_BIN with args (NULL-terminated, at most 14) to its end: for command lines and
+ * start-up refusals. Returns its exit status (-1: killed) and its stdout and stderr together in
+ * *output (a static buffer, valid until the next call). */
+int zdt_run(const char *const *args, const char **output);
+
 /* Sends sig (SIGTERM normally), waits up to 20 s and returns the exit status as
  * waitpid reports it. Removes the directory unless keep. */
 int zdt_stop(zdt_daemon_t *d, int sig, int keep);

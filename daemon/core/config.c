@@ -100,6 +100,12 @@ static const setting_t settings[] = {
         "target elements per gradient bucket (0: max(40M, 1M * world_size))"),
     STR(S_WORLD, "control_address", control_address, "127.0.0.1:7070", "ADDR",
         "listen address of the gRPC control service"),
+    STR(S_WORLD, "control_token_file", control_token_file, "", "FILE",
+        "file (mode 0600) holding the world's control token, which the rendezvous store's calls "
+        "must carry (\"\": none; every zerod of a world and zeroctl use the same)"),
+    U32(S_WORLD, "control_insecure", control_insecure, "0", 0, 1,
+        "1: serve the control service on an address other hosts reach although it has no TLS "
+        "(use a control_token_file and a network only the job's nodes reach)"),
     STR(S_WORLD, "rendezvous_address", rendezvous_address, "", "ADDR",
         "control service of the daemon holding rank 0 (\"\": control_address)"),
     U32(S_WORLD, "collective_timeout_ms", collective_timeout_ms, "1800000", 100, 86400000,

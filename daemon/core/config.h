@@ -40,12 +40,14 @@ typedef struct zd__config {
   uint32_t threads; /* kernel threads; 0: one per CPU */
   char *kernel_isa; /* auto | avx512 | avx2 | scalar */
   /* world */
-  uint32_t local_ranks;     /* R */
-  uint32_t world_size;      /* W; 0: local_ranks (a single-node world) */
-  uint32_t first_rank;      /* global rank of local rank 0 */
-  uint64_t bucket_elems;    /* 0: max(40M, 1M * W) */
-  char *control_address;    /* gRPC control service listen address */
-  char *rendezvous_address; /* rank 0's control service; "": control_address */
+  uint32_t local_ranks;      /* R */
+  uint32_t world_size;       /* W; 0: local_ranks (a single-node world) */
+  uint32_t first_rank;       /* global rank of local rank 0 */
+  uint64_t bucket_elems;     /* 0: max(40M, 1M * W) */
+  char *control_address;     /* gRPC control service listen address */
+  char *rendezvous_address;  /* rank 0's control service; "": control_address */
+  char *control_token_file;  /* the store's calls need its token; "": none */
+  uint32_t control_insecure; /* 1: a control_address beyond loopback is allowed without TLS */
   uint32_t collective_timeout_ms;
   uint32_t connect_timeout_ms; /* peers must join the world within this at start */
   uint32_t heartbeat_ms;       /* other nodes' health checked this often */

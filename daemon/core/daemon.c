@@ -322,6 +322,8 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   snprintf(d->world.control_address, sizeof d->world.control_address, "%s",
            zd__control_address(d->control));
   snprintf(d->world.collective_host, sizeof d->world.collective_host, "%s", cfg->collective_host);
+  snprintf(d->world.control_token, sizeof d->world.control_token, "%s",
+           zd__control_token(d->control));
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */

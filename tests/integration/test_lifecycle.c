@@ -23,37 +23,9 @@ static const zd_group_t groups[2] = {
     {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01},
     {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0}};
 
-/* Runs zerod with args, returns its exit status and its output (static buffer). */
-static int run_zerod(const char *const *args, const char **output) {
-  static char out[65536];
-  int fds[2];
-  CHECK(pipe(fds) == 0);
-  pid_t pid = fork();
-  CHECK(pid >= 0);
-  if (pid == 0) {
-    dup2(fds[1], 1);
-    dup2(fds[1], 2);
-    close(fds[0]);
-    const char *argv[16] = {getenv("ZEROD_BIN")};
-    for (int i = 0; args[i] && i < 14; i++) argv[i + 1] = args[i];
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  close(fds[1]);
-  size_t n = 0;
-  ssize_t r;
-  while ((r = read(fds[0], out + n, sizeof out - 1 - n)) > 0) n += (size_t)r;
-  out[n] = '\0';
-  close(fds[0]);
-  int status;
-  waitpid(pid, &status, 0);
-  *output = out;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
 static void test_command_line(void) {
   const char *out;
-  CHECK_INT_EQ(run_zerod((const char *[]){"--help", NULL}, &out), 0);
+  CHECK_INT_EQ(zdt_run((const char *[]){"--help", NULL}, &out), 0);
   const char *expect[] = {"Usage: zerod",
                           "--socket",
                           "ZEROD_SOCKET",
@@ -68,11 +40,11 @@ static void test_command_line(void) {
                           "--config",
                           "0660"};
   for (size_t i = 0; i < sizeof expect / sizeof expect[0]; i++) CHECK_CONTAINS(out, expect[i]);
-  CHECK_INT_EQ(run_zerod((const char *[]){"--version", NULL}, &out), 0);
+  CHECK_INT_EQ(zdt_run((const char *[]){"--version", NULL}, &out), 0);
   CHECK_CONTAINS(out, "zerod " ZD_VERSION_STRING);
-  CHECK_INT_EQ(run_zerod((const char *[]){"--threads", "many", NULL}, &out), 2);
+  CHECK_INT_EQ(zdt_run((const char *[]){"--threads", "many", NULL}, &out), 2);
   CHECK_CONTAINS(out, "threads");
-  CHECK_INT_EQ(run_zerod((const char *[]){"--no-such-setting", "1", NULL}, &out), 2);
+  CHECK_INT_EQ(zdt_run((const char *[]){"--no-such-setting", "1", NULL}, &out), 2);
   CHECK_CONTAINS(out, "no-such-setting");
   printf("  command line: --help, --version, bad flags\n");
 }

@@ -6,6 +6,7 @@
  * heartbeat within peer_timeout_ms, while a peer that is only slow is waited for. */
 #include <pthread.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <signal.h>
 #include <stdio.h>
@@ -17,6 +18,7 @@
 
 #include "check.h"
 #include "harness.h"
+#include "rendezvous.h"
 #include "zerod/zerod.h"
 
 static void sleep_ms(int ms) {
@@ -296,6 +298,69 @@ static void test_systemd_notify(void) {
   rmdir(path);
 }
 
+/* A token file of mode `mode` holding `token`; path in buf. */
+static void token_file(char *buf, size_t len, const char *token, int mode) {
+  snprintf(buf, len, "/tmp/zerod-token-XXXXXX");
+  int fd = mkstemp(buf);
+  CHECK(fd >= 0);
+  CHECK(write(fd, token, strlen(token)) == (ssize_t)strlen(token));
+  CHECK(write(fd, "\n", 1) == 1);
+  close(fd);
+  CHECK(chmod(buf, (mode_t)mode) == 0);
+}
+
+#define TOKEN "0123456789abcdef0123456789abcdef"
+
+/* With control_token_file, the rendezvous store refuses calls without the token, and with a
+ * wrong one, logging the peer but never the token; loose token files and a control address other
+ * hosts reach (without control_insecure) are refused at start. */
+static void test_control_token(void) {
+  char tok[64], loose[64];
+  token_file(tok, sizeof tok, TOKEN, 0600);
+  zdt_daemon_t d;
+  const char *extra[] = {"--control_token_file", tok, NULL};
+  zdt_start(&d, extra);
+  zd__err_t err = {0};
+  zd__rdv_t *rdv;
+  CHECK_INT_EQ(zd__rdv_open(d.control, &rdv, &err), ZD_OK);
+  int rc = zd__rdv_set(rdv, "k", "v", 1, 2000, &err);
+  CHECK_MSG(rc == ZD_EDENIED, "KvSet without the token: %s (%s)", zd_err_name(rc), err.msg);
+  CHECK_CONTAINS(err.msg, "no control token");
+  CHECK_INT_EQ(zd__rdv_set_token(rdv, "fedcba9876543210fedcba9876543210", &err), ZD_OK);
+  void *value = NULL;
+  size_t n = 0;
+  rc = zd__rdv_get(rdv, "k", &value, &n, 500, &err);
+  CHECK_MSG(rc == ZD_EDENIED, "KvGet with a wrong token: %s (%s)", zd_err_name(rc), err.msg);
+  CHECK_CONTAINS(err.msg, "a wrong control token");
+  CHECK_INT_EQ(zd__rdv_set_token(rdv, TOKEN, &err), ZD_OK);
+  CHECK_MSG(zd__rdv_set(rdv, "k", "v", 1, 2000, &err) == ZD_OK, "KvSet with the token: %s",
+            err.msg);
+  CHECK_MSG(zd__rdv_get(rdv, "k", &value, &n, 2000, &err) == ZD_OK, "KvGet: %s", err.msg);
+  CHECK(n == 1 && !memcmp(value, "v", 1));
+  free(value);
+  zd__rdv_close(rdv);
+  CHECK_MSG(zdt_log_contains(&d, "control: refused /zerod.v1.Control/KvSet from unix:"),
+            "a refused call is not logged with its peer");
+  CHECK_MSG(!zdt_log_contains(&d, TOKEN) && !zdt_log_contains(&d, "fedcba98"),
+            "a token appears in the log");
+  CHECK_INT_EQ(zdt_stop(&d, SIGTERM, 0), 0);
+
+  const char *out;
+  token_file(loose, sizeof loose, TOKEN, 0644);
+  CHECK_INT_EQ(zdt_run((const char *[]){"--control_token_file", loose, "--control_address",
+                                        "127.0.0.1:0", "--socket", "/tmp/zerod-loose.sock", NULL},
+                       &out),
+               1);
+  CHECK_CONTAINS(out, "has mode 0644; expected no access for others");
+  CHECK_INT_EQ(zdt_run((const char *[]){"--control_address", "0.0.0.0:0", "--socket",
+                                        "/tmp/zerod-open.sock", NULL},
+                       &out),
+               1);
+  CHECK_CONTAINS(out, "set control_insecure = 1");
+  unlink(loose);
+  unlink(tok);
+}
+
 /* zeroctl status --watch redraws the table until it is stopped. */
 static void test_zeroctl_watch(void) {
   zdt_daemon_t d;
@@ -315,11 +380,24 @@ static void test_zeroctl_watch(void) {
 
 static void test_heartbeat(void) {
   zdt_daemon_t da, db;
-  const char *common[] = {
-      "--world_size",      "2",    "--local_ranks",           "1",     "--heartbeat_ms", "200",
-      "--peer_timeout_ms", "1500", "--collective_timeout_ms", "60000", "--threads",      "1",
-      "--first_rank"};
-  const char *args_a[16], *args_b[18];
+  char tok[64];
+  token_file(tok, sizeof tok, TOKEN, 0600); /* the world forms through a store that needs it */
+  const char *common[] = {"--world_size",
+                          "2",
+                          "--local_ranks",
+                          "1",
+                          "--heartbeat_ms",
+                          "200",
+                          "--peer_timeout_ms",
+                          "1500",
+                          "--collective_timeout_ms",
+                          "60000",
+                          "--threads",
+                          "1",
+                          "--control_token_file",
+                          tok,
+                          "--first_rank"};
+  const char *args_a[18], *args_b[20];
   size_t n = sizeof common / sizeof common[0];
   memcpy(args_a, common, sizeof common);
   memcpy(args_b, common, sizeof common);
@@ -369,6 +447,7 @@ static void test_heartbeat(void) {
   zd_close(b.c);
   CHECK_INT_EQ(WEXITSTATUS(zdt_stop(&db, SIGTERM, 0)), 0);
   CHECK_INT_EQ(WEXITSTATUS(zdt_stop(&da, SIGTERM, 0)), 0);
+  unlink(tok);
 }
 
 int main(void) {
@@ -379,6 +458,7 @@ int main(void) {
   test_sighup_keeps_state();
   test_zeroctl_watch();
   test_systemd_notify();
+  test_control_token();
   test_heartbeat();
   printf("robust: ok\n");
   return 0;
