@@ -77,12 +77,12 @@ enum {
 /* Fills cfg from defaults, the config file (--config FILE or ZEROD_CONFIG), ZEROD_* variables of
  * envp (NULL: environ) and argv flags (--name VALUE or --name=VALUE; setting names with '-' or
  * '_'). Returns ZD__CONFIG_RUN, ZD__CONFIG_HELP (--help/-h), ZD__CONFIG_VERSION (--version/-V),
- * ZD__CONFIG_HELP_MARKDOWN (--help-markdown),
- * or a negative code with a message naming the setting, its source (file:line, variable or
- * flag), the bad value and what is expected (ZD_ECONFIG, -ENOENT for a missing file).
- * cfg is overwritten, not freed: pass a zeroed or freed one. On any result but ZD__CONFIG_RUN it
- * is left released (zd__config_free() on it is still fine). Start-up only: not thread-safe
- * (getpwnam, getgrnam, getenv). */
+ * ZD__CONFIG_HELP_MARKDOWN (--help-markdown), or a negative code with a message naming the
+ * setting, its source (file:line, variable or flag), the bad value and what is expected
+ * (ZD_ECONFIG, -ENOENT for a missing file). cfg is overwritten, not freed: pass a zeroed or freed
+ * one. On any result but ZD__CONFIG_RUN it is left released (zd__config_free() on it is still
+ * fine). Start-up and the loop thread's SIGHUP reload only, where no other thread calls
+ * getpwnam, getgrnam or setenv: not thread-safe. */
 int zd__config_load(zd__config_t *cfg, int argc, char **argv, char **envp, zd__err_t *err);
 
 /* Releases the strings; accepts a zeroed or partly loaded cfg. */
