@@ -53,6 +53,7 @@ void zd__model_free(zd__model_t *m) {
   free(m->segs);
   free(m->nsegs);
   free(m->scattered);
+  free(m->attempted);
   free(m->ungathered);
   free(m->shard_grad);
   free(m->shard_grad_dtype);
@@ -91,10 +92,11 @@ static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__m
   m->segs = calloc(nb, sizeof *m->segs);
   m->nsegs = calloc(nb, sizeof *m->nsegs);
   m->scattered = calloc(nb, 1);
+  m->attempted = calloc(nb, 1);
   m->ungathered = calloc(nb, 1);
   m->shard_grad = calloc(nb, sizeof *m->shard_grad);
   m->shard_grad_dtype = calloc(nb, sizeof *m->shard_grad_dtype);
-  if (!m->segs || !m->nsegs || !m->scattered || !m->ungathered || !m->shard_grad ||
+  if (!m->segs || !m->nsegs || !m->scattered || !m->attempted || !m->ungathered || !m->shard_grad ||
       !m->shard_grad_dtype) {
     zd__model_free(m);
     return zd__errf(err, -ENOMEM, "out of memory for the state of %" PRIu64 " shard elements",
@@ -262,6 +264,7 @@ static void model_resume(zd__model_t *m, zd__model_spec_t *spec) {
   spec->groups = NULL;
   model_configure(m, spec, 1);
   memset(m->scattered, 0, m->layout->nbuckets);
+  memset(m->attempted, 0, m->layout->nbuckets);
   memset(m->ungathered, 0, m->layout->nbuckets);
   m->abandoned = 0;
 }
@@ -391,7 +394,7 @@ static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__
         ctx->comm->ops->reduce_scatter(ctx->comm, b, send, m->grad_dtype, bk->shard_elems, scratch,
                                        &m->shard_grad[b], &m->shard_grad_dtype[b], err);
     if (rc) return rc;
-    m->scattered[b] = 1;
+    m->scattered[b] = m->attempted[b] = 1;
     m->abandoned = 0; /* a new attempt */
   }
   return ZD_OK;
@@ -490,6 +493,7 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   zd__step_record_t stack[8], *all = w <= 8 ? stack : calloc(w, sizeof *all);
   if (!all) return zd__errf(err, -ENOMEM, "out of memory");
   rc = c->ops->gather_records(c, ctx->comm, m, &rec, need_stats, all, err);
+  if (!rc) memset(m->attempted, 0, l->nbuckets); /* the attempt is over on every rank */
   if (!rc) rc = agree(ctx, m->step + 1, &rec, all, sumsq, nonfinite, err);
   if (all != stack) free(all);
   return rc;
@@ -577,15 +581,15 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
 int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                        int abrupt, int *kept, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
-  uint32_t nb = l->nbuckets, scattered = 0, ungathered = 0, gathers = 0, scatters = 0;
+  uint32_t nb = l->nbuckets, attempted = 0, ungathered = 0, gathers = 0, scatters = 0;
   for (uint32_t b = 0; b < nb; b++) {
-    scattered += m->scattered[b];
+    attempted += m->attempted[b];
     ungathered += m->ungathered[b];
   }
   /* At a step's edge the other ranks' clients may be in the next step already (waiting for this
    * rank in its first scatter), or not: a client that disconnected there gets them out of it, as
    * one that left in the middle must; one that said bye did not leave a step. */
-  int step = scattered > 0 || (abrupt && !m->abandoned);
+  int step = attempted > 0 || (abrupt && !m->abandoned);
   uint64_t n = m->step + (ungathered ? 0 : 1);
   *kept = 0;
   /* Nothing is left to order this work after: the client's CUDA events are not waited on. */
@@ -597,7 +601,7 @@ int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buff
   if (!rc && step) {
     n = m->step + 1;
     for (uint32_t b = nb; b-- > 0 && !rc;)
-      if (!m->scattered[b] && !(rc = scatter_buckets(ctx, m, &own, (int32_t)b, err))) scatters++;
+      if (!m->attempted[b] && !(rc = scatter_buckets(ctx, m, &own, (int32_t)b, err))) scatters++;
     double sumsq;
     uint64_t nonfinite;
     if (!rc) rc = commit_point(ctx, m, m->groups, needs_stats(ctx, m), 1, &sumsq, &nonfinite, err);

@@ -51,6 +51,8 @@ typedef struct zd__model {
   zd__segment_t **segs; /* per bucket: this rank's segments (host memory) */
   uint32_t *nsegs;
   uint8_t *scattered;      /* per bucket: reduced since the last step */
+  uint8_t *attempted;      /* per bucket: reduced in the step attempt in progress (cleared by
+                              every exchange of step records, whatever its verdict) */
   uint8_t *ungathered;     /* per bucket: a step without gather came since its last gather */
   int abandoned;           /* the last step attempt was abandoned, and no scatter came since */
   zd__shm_t kept;          /* W > 1, host memory: the last client's param buffer (the full
@@ -102,9 +104,10 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buff
  * this rank, in the order they do it, so that none of them waits for it:
  *   - the gathers of every bucket left ungathered since a step without gather (ascending, as
  *     a gather of all buckets goes), from and into the client's param buffer;
- *   - the step in progress when this rank scattered some of its buckets, or when the client
- *     disconnected at a step's edge (unless this rank's last step attempt was abandoned: every
- *     surviving client knows then): the buckets not scattered yet (descending, as scatters go),
+ *   - the step in progress when this rank scattered some of its buckets in the current
+ *     attempt (since the last exchange of step records), or when the client disconnected at a
+ *     step's edge (unless this rank's last step attempt was abandoned: every surviving client
+ *     knows then): the buckets not scattered in this attempt (descending, as scatters go),
  *     sending the client's grad buffer, then the step record, marked abandoned, which makes
  *     every rank refuse the step with ZD_EABORTED.
  * A bye at a step's edge needs nothing. Then, with host buffers, the model keeps the client's

@@ -352,13 +352,20 @@ static void all_die(world_t *w, const char *name, const float *ref) {
 
 /* ---- a bye in the middle of a step; a stand-in that waits ----------------------------------- */
 
-/* A trainer of its own process: registers on local rank 0 of a W=2 zerod, steps `steps` times,
- * and then dies (SIGKILL), or scatters its highest bucket and says bye (half_step). */
-static void lone_trainer(const char *socket, int steps, int half_step) {
+/* How rank 0's trainer of test_bye_and_waiting_stand_in leaves after its steps. */
+typedef enum lone_end {
+  DIES,          /* SIGKILL at the step's edge */
+  BYE_HALF_STEP, /* scatters its highest bucket, then says bye */
+  REFUSED_DIES,  /* steps with another learning rate than rank 1 (refused), then SIGKILL */
+} lone_end_t;
+
+/* A trainer of its own process: registers on local rank 0 of a W=2 zerod, steps `steps` times
+ * and leaves as `end` says. */
+static void lone_trainer(const char *socket, int steps, lone_end_t end) {
   zd_client_t *c;
   CHECK_INT_EQ(zd_connect(socket, 0, 0, &c), ZD_OK);
-  static const zd_group_t g[2] = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8},
-                                  {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8}};
+  zd_group_t g[2] = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8},
+                     {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8}};
   zd_model_desc_t desc = {.params = mlp_params,
                           .nparams = MLP_NPARAMS,
                           .groups = g,
@@ -372,7 +379,12 @@ static void lone_trainer(const char *socket, int steps, int half_step) {
     int rc = zd_step(c, NULL, NULL);
     CHECK_MSG(rc == ZD_OK, "step: %s: %s", zd_err_name(rc), zd_last_error());
   }
-  if (!half_step) raise(SIGKILL);
+  if (end == REFUSED_DIES) {
+    g[0].lr = 5e-3;
+    zd_step_opts_t opts = {.groups = g, .ngroups = 2};
+    CHECK_INT_EQ(zd_step(c, &opts, NULL), ZD_EHPARAM);
+  }
+  if (end != BYE_HALF_STEP) raise(SIGKILL);
   zd_info_t info;
   zd_get_info(c, &info);
   CHECK_INT_EQ(zd_scatter(c, (int)info.nbuckets - 1), ZD_OK);
@@ -380,12 +392,12 @@ static void lone_trainer(const char *socket, int steps, int half_step) {
   exit(0);
 }
 
-static pid_t spawn_lone(const char *socket, int steps, int half_step) {
+static pid_t spawn_lone(const char *socket, int steps, lone_end_t end) {
   rep->lone_registered = 0;
   fflush(NULL);
   pid_t pid = fork();
   CHECK(pid >= 0);
-  if (pid == 0) lone_trainer(socket, steps, half_step);
+  if (pid == 0) lone_trainer(socket, steps, end);
   return pid;
 }
 
@@ -400,6 +412,8 @@ static void reap(pid_t pid, int killed) {
 
 /* Rank 1's trainer is this process; rank 0's come and go:
  *   - one says bye in the middle of a step (a bucket scattered): the step is abandoned too;
+ *   - one dies right after a step both ranks refused (other hyperparameters): rank 1 scatters
+ *     every bucket again in its next step, and the stand-in with it;
  *   - one dies at a step's edge while rank 1 is not stepping: its rank's stand-in waits for rank 1
  *     in the next step, and a restarted trainer registering meanwhile waits behind it until
  *     rank 1 steps (abandoned: ZD_EABORTED) and retries; then both train on;
@@ -423,7 +437,7 @@ static void test_bye_and_waiting_stand_in(void) {
                         "info",
                         NULL};
   zdt_start(&d, args);
-  pid_t a = spawn_lone(d.socket, 1, 1);
+  pid_t a = spawn_lone(d.socket, 1, BYE_HALF_STEP);
   zd_client_t *b;
   CHECK_INT_EQ(zd_connect(d.socket, 1, 0, &b), ZD_OK);
   static const zd_group_t g[2] = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8},
@@ -441,25 +455,36 @@ static void test_bye_and_waiting_stand_in(void) {
   CHECK_INT_EQ(zd_step(b, NULL, &res), ZD_EABORTED);
   CHECK_CONTAINS(zd_last_error(), "step 2 abandoned: rank 0's trainer disconnected");
   reap(a, 0);
-  printf("  a bye in the middle of a step (one bucket scattered): step abandoned: %s\n",
-         zd_last_error());
+  printf("  a bye in the middle of a step (one bucket scattered): %s\n", zd_last_error());
 
-  a = spawn_lone(d.socket, 1, 0); /* resumes, steps with b's retry, dies at the step's edge */
+  /* resumes, steps with b's retry, is refused with b, dies at the refused step's edge */
+  a = spawn_lone(d.socket, 1, REFUSED_DIES);
   CHECK_MSG(zd_step(b, NULL, &res) == ZD_OK, "retried step: %s", zd_last_error());
   CHECK_U64_EQ(res.step, 2);
+  CHECK_INT_EQ(zd_step(b, NULL, &res), ZD_EHPARAM);
   reap(a, 1);
-  a = spawn_lone(d.socket, 1, 0);
+  CHECK_INT_EQ(zd_step(b, NULL, &res), ZD_EABORTED);
+  CHECK_CONTAINS(zd_last_error(), "step 3 abandoned: rank 0's trainer disconnected");
+  printf(
+      "  a trainer killed after a refused step: the next one abandoned (every bucket "
+      "scattered again)\n");
+
+  a = spawn_lone(d.socket, 1, DIES); /* steps with b's retry, dies at the step's edge */
+  CHECK_MSG(zd_step(b, NULL, &res) == ZD_OK, "retried step: %s", zd_last_error());
+  CHECK_U64_EQ(res.step, 3);
+  reap(a, 1);
+  a = spawn_lone(d.socket, 1, DIES);
   nanosleep(&(struct timespec){.tv_nsec = 300000000}, NULL);
   CHECK_MSG(!rep->lone_registered, "a trainer registered while its rank stood in for the last");
   double t0 = now_s();
   CHECK_INT_EQ(zd_step(b, NULL, &res), ZD_EABORTED);
-  CHECK_CONTAINS(zd_last_error(), "step 3 abandoned: rank 0's trainer disconnected");
+  CHECK_CONTAINS(zd_last_error(), "step 4 abandoned: rank 0's trainer disconnected");
   CHECK_MSG(zd_step(b, NULL, &res) == ZD_OK, "retried step: %s", zd_last_error());
-  CHECK_U64_EQ(res.step, 3);
+  CHECK_U64_EQ(res.step, 4);
   reap(a, 1); /* registered, stepped with b, died: its rank's stand-in waits again */
   printf(
       "  a restarted trainer waited behind its rank's stand-in until rank 1 stepped (abandoned, "
-      "retried: step 3 done %.0f ms later)\n",
+      "retried: step 4 done %.0f ms later)\n",
       1e3 * (now_s() - t0));
   nanosleep(&(struct timespec){.tv_nsec = 200000000}, NULL);
   t0 = now_s();
