@@ -26,6 +26,7 @@ struct zd__rank {
   int busy;             /* under lock: a job is running (on the worker or inline) */
   atomic_int inline_ok; /* the model is small enough to step on the loop thread */
   atomic_int cancel;    /* shutdown: stop waiting for peers (bootstrap, barriers) */
+  int standing_in;      /* under lock: a ZD__JOB_STAND_IN is running */
   zd__model_t *model;   /* the thread running a job only */
   pthread_mutex_t stats_lock;
   zd__rank_stats_t stats;
@@ -120,10 +121,28 @@ static int degraded(zd__rank_t *r, zd__err_t *err) {
   return bad ? ZD_EDEGRADED : ZD_OK;
 }
 
+/* Shutdown aborts a stand-in at once (zd__rank_cancel): nobody waits for its answer, and its
+ * peers may never come. */
+static void stand_in(zd__rank_t *r, zd__job_t *job) {
+  pthread_mutex_lock(&r->lock);
+  r->standing_in = !atomic_load(&r->cancel);
+  pthread_mutex_unlock(&r->lock);
+  if (r->standing_in)
+    job->code = zd__model_stand_in(&r->ctx, r->model, job->buffers, job->in.abrupt, &job->out.kept,
+                                   &job->err);
+  pthread_mutex_lock(&r->lock);
+  r->standing_in = 0;
+  pthread_mutex_unlock(&r->lock);
+}
+
 static void run_job(zd__rank_t *r, zd__job_t *job) {
   zd__err_t *err = &job->err;
   job->code = degraded(r, err);
   if (job->code) return;
+  if (job->type == ZD__JOB_STAND_IN) {
+    if (r->model) stand_in(r, job);
+    return;
+  }
   if (job->type != ZD__JOB_ATTACH && !r->model) {
     job->code = zd__errf(err, ZD_EORDER, "no model registered on rank %u", r->env.rank);
     return;
@@ -161,6 +180,8 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
       job->code =
           zd__model_step(&r->ctx, r->model, job->buffers, job->event_slot, job->in.step.groups,
                          job->in.step.scatter, job->in.step.gather, &job->out.step, err);
+      break;
+    case ZD__JOB_STAND_IN: /* above */
       break;
   }
 }
@@ -348,6 +369,9 @@ void zd__rank_destroy(zd__rank_t *r) {
 
 void zd__rank_cancel(zd__rank_t *r) {
   atomic_store(&r->cancel, 1);
+  pthread_mutex_lock(&r->lock);
+  if (r->standing_in) zd__comm_abort(r->ctx.comm, -ECANCELED, "zerod is shutting down");
+  pthread_mutex_unlock(&r->lock);
 }
 
 void zd__rank_abort(zd__rank_t *r) {

@@ -83,6 +83,7 @@ struct zd__session {
   zd__job_t *pending_bye; /* bye waits for the jobs in flight; holds its request id */
   uint64_t bye_id;
   int bye_pending;
+  int stood_in; /* W > 1: its rank was released at its end, and the rank stands in for it */
 };
 
 typedef int (*handler_fn)(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
@@ -100,6 +101,7 @@ typedef struct command {
 
 static void update_poll(zd__session_t *s);
 static void maybe_teardown(zd__session_t *s);
+static void stand_in(zd__session_t *s);
 
 /* Whether to take more requests from this client now. Backpressure: a client that pipelines up
  * to max_inflight, or sends without reading its replies (more than max_frame_bytes of them
@@ -604,6 +606,7 @@ static int handle_bye(zd__session_t *s, const zd__frame_header_t *h, const uint8
   s->closing = 1; /* read nothing after bye */
   s->bye_pending = 1;
   s->bye_id = h->request_id;
+  stand_in(s);
   if (s->inflight == 0) reply_bye(s, h->request_id);
   return ZD_OK;
 }
@@ -872,7 +875,27 @@ static void on_handle_closed(uv_handle_t *h) {
   zd__daemon_session_gone(d);
 }
 
+/* The registered client of a rank of a multi-rank world is leaving (docs/design.md, "When a
+ * trainer dies"): its rank is free at once for a restarted trainer, and its last job, after those
+ * in flight, stands in for it where the world still needs this rank (ZD__JOB_STAND_IN). */
+static void stand_in(zd__session_t *s) {
+  if (!s->closing || s->state != SESSION_REGISTERED || s->stood_in ||
+      zd__rank_world_size(s->rank) < 2 || zd__daemon_shutting_down(s->daemon))
+    return;
+  zd__job_t *job = job_new(s, ZD__JOB_STAND_IN, &(zd__frame_header_t){0});
+  if (!job) return; /* then released at the end, as at world size 1 */
+  s->stood_in = 1;
+  job->in.abrupt = !s->bye_pending;
+  zd__attach_release(s->ss->attach, s, zd__rank_local(s->rank));
+  ZD_LOG_INFO("session %u: client '%s' (pid %d) %s; local rank %u released", s->id, s->name,
+              (int)s->cred.pid, s->bye_pending ? "said bye" : "disconnected",
+              zd__rank_local(s->rank));
+  s->inflight++;
+  zd__rank_submit(s->rank, job);
+}
+
 static void maybe_teardown(zd__session_t *s) {
+  stand_in(s);
   if (s->torn_down || !s->closing || s->inflight > 0 || s->wq_head) return;
   if (s->bye_pending) {
     reply_bye(s, s->bye_id);
@@ -1016,6 +1039,7 @@ int zd__session_create(zd__sessions_t *ss, int fd, const struct ucred *cred) {
 /* kept: for a failed attach, whether its buffers' mappings were left open
  * (zd__buffers_release). */
 static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
+  if (job->type == ZD__JOB_STAND_IN) return; /* no request: nothing to answer */
   if (job->code != ZD_OK) {
     send_error_kept(s, job->request_id, job->code,
                     job->err.msg[0] ? job->err.msg : zd_strerror(job->code),
@@ -1056,6 +1080,8 @@ static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
       send_reply(s, job->msg_type, job->request_id, &rep.base);
       break;
     }
+    case ZD__JOB_STAND_IN: /* returned above */
+      break;
   }
 }
 
@@ -1073,6 +1099,8 @@ void zd__session_job_done(zd__session_t *s, zd__job_t *job) {
       if (s->state == SESSION_REGISTERING) s->state = SESSION_READY;
     }
   }
+  if (job->type == ZD__JOB_STAND_IN && job->out.kept) /* the rank holds the param buffer now */
+    s->buf.bufs.params = (zd__shm_t){0};
   reply_job(s, job, kept);
   zd__job_free(job);
   if (!s->closing && !s->dispatching) process_frames(s); /* frames held back by max_inflight */

@@ -246,8 +246,11 @@ ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms
  *   zd_register(c)      sends them to zerod, which takes the buffer's contents as the initial
  *                       weights of a new model, or overwrites them with its master weights when it
  *                       already holds this model (reattach: same layout hash; info.resumed = 1).
- * At world size > 1 zd_register() is collective: it returns when every rank has registered the
- * same layout, and the param buffer then holds the full model.
+ * At world size > 1 zd_register() of a new model (or with ZD_REGISTER_REPLACE) is collective: it
+ * returns when every rank has registered the same layout, and the param buffer then holds the
+ * full model. A reattach there is not: a restarted trainer resumes alone, at the step its rank
+ * holds (info.step), with the full model its rank's last client left (host buffers; with device
+ * buffers every rank registers again, collectively).
  * With device buffers, initial values written by kernels or copies on the client's stream
  * (zd_set_stream()) before zd_register() are seen by zerod; the param buffer's contents after
  * zd_register() are ordered before the stream's later work. A register that fails makes no
@@ -328,7 +331,9 @@ ZD_EXPORT int zd_cuda_device(const zd_client_t *client, int *device);
  * ZD_ESTEP (ranks out of step), ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT/-ECANCELED (a peer failed, or
  * zerod is shutting down: the step was not applied), ZD_EAPPLIED (the step was applied to the
  * master weights, but the updated parameters could not be gathered into the param buffer; the
- * rank is degraded). */
+ * rank is degraded), ZD_EABORTED (another rank's trainer left in the middle of this step: no
+ * rank applied it, every rank's scatters of it are void; scatter again and retry, with the same
+ * gradients, once that rank's trainer is back). */
 ZD_EXPORT int zd_step(zd_client_t *client, const zd_step_opts_t *opts, zd_step_result_t *result);
 
 /* Reduce-scatter of one bucket (or ZD_ALL_BUCKETS) of the grad buffer into this rank's shard. */
