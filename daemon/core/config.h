@@ -16,7 +16,7 @@
 #include "error.h"
 
 #define ZD__MAX_IDS             32
-#define ZD__CONFIG_MAX_SETTINGS 32 /* rows the table in config.c may have */
+#define ZD__CONFIG_MAX_SETTINGS 64 /* rows the table in config.c may have */
 
 typedef struct zd__idlist {
   uint32_t n;
