@@ -527,7 +527,7 @@ int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__e
   bad |= json_object_set_new(root, "files", files);
   groups = params = files = NULL; /* the root owns them now, set or not */
   if (bad) goto oom;
-  char *text = json_dumps(root, JSON_FLAGS | JSON_INDENT(1));
+  char *text = json_dumps(root, JSON_REAL_PRECISION(17) | JSON_INDENT(1));
   json_decref(root);
   if (!text) return zd__errf(err, -ENOMEM, "%s: out of memory", path);
   afile_t f;
