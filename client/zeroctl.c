@@ -2,6 +2,8 @@
  *
  *   zeroctl [--address ADDR] [--timeout-ms N] status [--world] [--json] [--watch SECONDS]
  *   zeroctl [--address ADDR] [--timeout-ms N] health [--service NAME]
+ *   zeroctl verify CKPT_DIR
+ *   zeroctl export CKPT_DIR --out FILE [--moments]
  *
  * status asks one node for its ranks (shard, step, loss scale, grad norm, step time, client,
  * health) and prints a table, or JSON for scripts; --world asks that node for the node registry
@@ -11,6 +13,11 @@
  * the error; status exits 1 when a node cannot be reached or a rank is degraded or missing, so
  * that scripts and cron checks notice. health is the standard gRPC health check:
  * exit 0 when serving, 1 otherwise, so it fits scripts and probes.
+ *
+ * verify and export work offline on a checkpoint directory (common/checkpoint_format.h), no
+ * zerod involved: verify checks every rank file's size, checksum and header against the manifest;
+ * export writes the fp32 master weights (and with --moments Adam's moments) as one safetensors
+ * file by parameter name, for the rest of the ecosystem.
  *
  * Every call has a timeout and fails fast when nothing listens (no WAIT_FOR_READY): an operator
  * wants "cannot reach zerod control service at X: connection refused" at once, not a hang.
@@ -28,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkpoint_format.h"
 #include "control.pb-c.h"
 #include "error.h"
 #include "grpc_unary.h"
@@ -46,6 +54,9 @@ typedef struct options {
   int json;
   int watch_s; /* status --watch: refresh every this many seconds; 0: once */
   const char *service;
+  const char *ckpt_dir; /* verify, export */
+  const char *out;      /* export --out */
+  int moments;          /* export --moments */
 } options_t;
 
 /* One node as zeroctl saw it: its status, or why there is none. */
@@ -80,6 +91,13 @@ static void usage(FILE *out) {
       "  health [--service NAME]    gRPC health check (service \"\" by default; \"zerod.ranks\"\n"
       "                             is serving only while every local rank is healthy);\n"
       "                             exit status 0 when serving, 1 otherwise\n"
+      "  verify CKPT_DIR            check a checkpoint offline: every rank file's size, XXH3\n"
+      "                             checksum and header against its manifest; exit status 1\n"
+      "                             when it is incomplete or corrupt\n"
+      "  export CKPT_DIR --out FILE [--moments]\n"
+      "                             write a checkpoint's fp32 master weights as one safetensors\n"
+      "                             file, a tensor per parameter name (--moments: also\n"
+      "                             NAME.exp_avg and NAME.exp_avg_sq); verifies it first\n"
       "\n"
       "Options:\n"
       "  --address ADDR    control service: host:port or unix:/path (default:\n"
@@ -90,7 +108,7 @@ static void usage(FILE *out) {
       "  -V, --version     zeroctl's version\n"
       "\n"
       "Exit status: 0 success, 1 failure (a node unreachable, a rank degraded or missing, not\n"
-      "serving), 2 bad usage.\n",
+      "serving, a checkpoint incomplete or corrupt), 2 bad usage.\n",
       DEFAULT_TIMEOUT_MS);
 }
 
@@ -154,23 +172,42 @@ static int parse(int argc, char **argv, options_t *o) {
       o->watch_s = (int)t;
     } else if ((v = flag_value(argc, argv, &i, "--service", &missing))) {
       o->service = v;
+    } else if ((v = flag_value(argc, argv, &i, "--out", &missing))) {
+      if (!v[0]) return usage_error("--out is empty");
+      o->out = v;
     } else if (missing) {
       return usage_error("%s needs a value", a);
     } else if (!strcmp(a, "--world")) {
       o->world = 1;
     } else if (!strcmp(a, "--json")) {
       o->json = 1;
+    } else if (!strcmp(a, "--moments")) {
+      o->moments = 1;
     } else if (a[0] == '-') {
       return usage_error("unknown option '%s'", a);
     } else if (!o->command) {
       o->command = a;
+    } else if (!o->ckpt_dir && (!strcmp(o->command, "verify") || !strcmp(o->command, "export"))) {
+      o->ckpt_dir = a;
     } else {
       return usage_error("unexpected argument '%s'", a);
     }
   }
-  if (!o->command) return usage_error("no command given: status or health");
-  if (strcmp(o->command, "status") != 0 && strcmp(o->command, "health") != 0)
-    return usage_error("unknown command '%s': expected status or health", o->command);
+  if (!o->command) return usage_error("no command given: status, health, verify or export");
+  int offline = !strcmp(o->command, "verify") || !strcmp(o->command, "export");
+  if (strcmp(o->command, "status") != 0 && strcmp(o->command, "health") != 0 && !offline)
+    return usage_error("unknown command '%s': expected status, health, verify or export",
+                       o->command);
+  if (offline) {
+    if (!o->ckpt_dir) return usage_error("%s needs a checkpoint directory", o->command);
+    if (!strcmp(o->command, "export") && !o->out) return usage_error("export needs --out FILE");
+    if (o->world || o->json || o->watch_s || o->service[0] ||
+        (!strcmp(o->command, "verify") && (o->out || o->moments)))
+      return usage_error("%s takes %s", o->command,
+                         !strcmp(o->command, "export") ? "--out and --moments only" : "no options");
+  } else if (o->out || o->moments) {
+    return usage_error("--out and --moments are options of export");
+  }
   if (!strcmp(o->command, "health") && (o->world || o->json || o->watch_s))
     return usage_error("health takes --service only");
   if (o->watch_s && o->json) return usage_error("--watch draws the table: it takes no --json");
@@ -625,6 +662,43 @@ static int cmd_health(const options_t *o) {
   return serving ? EXIT_OK : EXIT_FAIL;
 }
 
+/* ---- checkpoints, offline ------------------------------------------------------------------ */
+
+static int cmd_verify(const options_t *o) {
+  zd__ckpt_manifest_t *m = NULL;
+  zd__err_t err = {0};
+  if (zd__ckpt_read_manifest(o->ckpt_dir, &m, &err) != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  printf("%s: step %" PRIu64 ", world size %u, %u parameters, layout 0x%016" PRIx64 "\n",
+         o->ckpt_dir, m->step, m->world_size, m->layout->nparams, m->layout_hash);
+  for (uint32_t r = 0; r < m->nfiles; r++) {
+    char size[32];
+    human_bytes(m->files[r].bytes, size, sizeof size);
+    printf("  %s  %" PRIu64 " bytes (%s)  xxh3 0x%016" PRIx64 "\n", m->files[r].name,
+           m->files[r].bytes, size, m->files[r].xxh3);
+  }
+  int rc = zd__ckpt_verify(o->ckpt_dir, m, &err);
+  zd__ckpt_manifest_free(m);
+  if (rc != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  printf("ok\n");
+  return EXIT_OK;
+}
+
+static int cmd_export(const options_t *o) {
+  zd__err_t err = {0};
+  if (zd__ckpt_export(o->ckpt_dir, o->out, o->moments, &err) != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  printf("%s: exported to %s%s\n", o->ckpt_dir, o->out, o->moments ? " (with moments)" : "");
+  return EXIT_OK;
+}
+
 /* gRPC's log lines are for developers; zeroctl reports the outcome of each call itself. */
 static void quiet_log(gpr_log_func_args *a) {
   if (getenv("ZEROCTL_GRPC_LOG"))
@@ -635,6 +709,8 @@ int main(int argc, char **argv) {
   options_t o;
   int rc = parse(argc, argv, &o);
   if (rc >= 0) return rc;
+  if (!strcmp(o.command, "verify")) return cmd_verify(&o);
+  if (!strcmp(o.command, "export")) return cmd_export(&o);
   gpr_set_log_function(quiet_log);
   /* One library reference for the whole run: each call's channel then reuses the library
    * instead of starting and tearing down gRPC's threads around every call. */

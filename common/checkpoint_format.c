@@ -466,6 +466,14 @@ int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__e
                       r, m->files[r].rank, m->files[r].name, r, want);
   }
   if (m->ngroups == 0) return zd__errf(err, -EINVAL, "%s: no groups", path);
+  for (uint32_t i = 0; i < l->nparams; i++)
+    if (l->params[i].group >= m->ngroups)
+      return zd__errf(err, -EINVAL, "%s: parameter %u '%s' is in group %u of %u", path, i,
+                      l->params[i].name, l->params[i].group, m->ngroups);
+  zd__err_t derr;
+  if (zd__dtype_check(m->param_dtype, ZD__DTYPE_PARAM, &derr) ||
+      zd__dtype_check(m->grad_dtype, ZD__DTYPE_GRAD, &derr))
+    return zd__errf(err, -EINVAL, "%s: %s", path, derr.msg);
   for (uint32_t g = 0; g < m->ngroups; g++) {
     zd__err_t gerr;
     snprintf(where, sizeof where, "group %u", g);
@@ -527,7 +535,7 @@ int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__e
   bad |= json_object_set_new(root, "files", files);
   groups = params = files = NULL; /* the root owns them now, set or not */
   if (bad) goto oom;
-  char *text = json_dumps(root, JSON_FLAGS | JSON_INDENT(1));
+  char *text = json_dumps(root, JSON_REAL_PRECISION(17) | JSON_INDENT(1));
   json_decref(root);
   if (!text) return zd__errf(err, -ENOMEM, "%s: out of memory", path);
   afile_t f;
@@ -539,6 +547,12 @@ int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__e
       afile_abort(&f);
   }
   free(text);
+  /* The step directory's own entry too: a prune that trusts this checkpoint must not outlive
+   * it. */
+  char parent[PATH_MAX];
+  snprintf(parent, sizeof parent, "%s/..", dir);
+  if (!rc && (rc = fsync_dir(parent)))
+    zd__errf(err, rc, "cannot fsync directory %s: %s", parent, strerror(-rc));
   return rc;
 oom:
   json_decref(root);

@@ -78,8 +78,8 @@ typedef struct zd__ckpt_shard {
   const float *master, *exp_avg, *exp_avg_sq;
 } zd__ckpt_shard_t;
 
-/* Writes "<root>/step-%012llu" into buf: ZD_OK, or -ENAMETOOLONG (message in nothing: the caller
- * knows the root) when it does not fit. */
+/* Writes "<root>/step-%012llu" into buf: ZD_OK, or -ENAMETOOLONG when it does not fit (no
+ * message: the caller knows the root). */
 int zd__ckpt_dir_name(const char *root, uint64_t step, char *buf, size_t len);
 
 /* rank-<rank %05u>-of-<world_size %05u>.safetensors into buf (at least 64 bytes). */
@@ -95,11 +95,13 @@ int zd__ckpt_write_shard(const char *dir, const zd__ckpt_shard_t *shard,
                          uint64_t throttle_bytes_per_s, zd__ckpt_file_t *out, zd__err_t *err);
 
 /* Writes dir/manifest.json atomically: the last step of a checkpoint, once every rank file is
- * written (m->files, one per rank of m->world_size). The parameter table and layout hash come from
- * m->layout, which must be the layout the shards were written with; m->world_size, bucket_elems and
- * layout_hash must agree with it. Doubles are written with 17 significant digits: they read back
- * bit for bit. -EINVAL for a manifest that cannot be written (a non-finite double, a name that is
- * not UTF-8, a file list that is not one file per rank). */
+ * written (m->files: files[r] is rank r's, one per rank of the layout's world). The parameter
+ * table, world size, bucket size and layout hash are taken from m->layout, which must be the layout
+ * the shards were written with (m's own fields of those names are ignored); the version written is
+ * ZD__CKPT_VERSION; created_ms 0 means now. Doubles are written with 17 significant digits: they
+ * read back bit for bit. Fsyncs the file, dir and dir's parent: the checkpoint is durable on
+ * return. -EINVAL for a manifest that could not be read back (a non-finite double, an invalid group
+ * or dtype, a name that is not UTF-8, a file list that is not one file per rank). */
 int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__err_t *err);
 
 /* Reads dir/manifest.json and validates it: the format version, every field present and of its

@@ -365,6 +365,14 @@ static void test_manifest_fields(void) {
   in.max_grad_norm = 1.0 / 0.0;
   CHECK_INT_EQ(zd__ckpt_write_manifest(dir, &in, &err), -EINVAL);
   CHECK_CONTAINS(err.msg, "finite");
+  in.max_grad_norm = 1;
+  in.ngroups = 1;
+  CHECK_INT_EQ(zd__ckpt_write_manifest(dir, &in, &err), -EINVAL);
+  CHECK_CONTAINS(err.msg, "parameter 1 'embed.bias' is in group 1 of 1");
+  in.ngroups = NGROUPS;
+  in.param_dtype = ZD_F16;
+  CHECK_INT_EQ(zd__ckpt_write_manifest(dir, &in, &err), -EINVAL);
+  CHECK_CONTAINS(err.msg, "f16");
   zd__ckpt_manifest_free(m);
   zd__layout_free(l);
 }
