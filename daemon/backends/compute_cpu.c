@@ -2,16 +2,17 @@
  * the daemon's fork-join pool. Every operation is complete when it returns, so begin and finish
  * have nothing to do and the step record is all-gathered from host memory.
  *
- * This is the code step.c ran before the backends were split, unchanged: one pass over the shard
- * per kernel, tiny buckets inline on the worker (no wake-ups), statistics in the fixed block order
- * of adam.h.
+ * One pass over the shard per kernel, tiny buckets inline on the worker (no wake-ups), statistics
+ * in the fixed block order of adam.h. The state arrays are placed by common/placement.h, each at
+ * its own colour, so that a step's streams never start at the same address modulo a large power
+ * of two (at 2^25 parameters that halved the step on the machine of issue 16).
  */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "compute.h"
+#include "placement.h"
 #include "pool.h"
 #include "step.h"
 
@@ -23,6 +24,7 @@ typedef struct cpu_compute {
   zd__pool_t *pool;
   zd__adam_fn adam;
   zd__stats_fn stats;
+  unsigned next_colour; /* the next state array's colour (placement.h) */
 } cpu_compute_t;
 
 /* Per model: scratch for the statistics' block sums, as many as the largest bucket has. */
@@ -38,19 +40,23 @@ static unsigned tasks_for(const cpu_compute_t *c, uint64_t n) {
 
 /* ---- state --------------------------------------------------------------------------------- */
 
+/* A model's arrays (master, exp_avg, exp_avg_sq, then the gradient shard) are allocated one after
+ * the other by one thread, so handing out the four state colours in turn gives each its own. */
 static int cpu_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
-  (void)base;
+  cpu_compute_t *c = (cpu_compute_t *)base;
   size_t bytes = (size_t)n * sizeof(float);
-  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return zd__errf(err, -ENOMEM, "mmap of %zu bytes failed", bytes);
-  madvise(p, bytes, MADV_HUGEPAGE); /* streaming over GBs: fewer TLB misses */
+  unsigned colour = ZD__COLOUR_STATE + c->next_colour;
+  c->next_colour = (c->next_colour + 1) % 4;
+  void *p;
+  int rc = zd__place_anon(bytes, colour, &p);
+  if (rc) return zd__errf(err, rc, "cannot map %zu bytes of optimizer state", bytes);
   *out = p;
   return ZD_OK;
 }
 
 static void cpu_release(zd__compute_t *base, float *p, uint64_t n) {
   (void)base;
-  if (p) munmap(p, (size_t)n * sizeof(float));
+  zd__place_release(p, (size_t)n * sizeof(float));
 }
 
 static int cpu_model_init(zd__compute_t *base, zd__model_t *m, uint32_t world_size,
