@@ -37,17 +37,17 @@ static const char *dtype_name(int t) {
 
 /* ---- runs ---------------------------------------------------------------------------------- */
 
-static void task(void *arg, unsigned t, unsigned ntasks) {
+static void chunk(void *arg, uint64_t lo, uint64_t hi, unsigned thread) {
+  (void)thread;
   const bench_t *b = arg;
-  uint64_t lo, hi;
-  zd_bench_split(b->n, t, ntasks, &lo, &hi);
-  if (lo < hi) b->kernel(&b->args, lo, hi);
+  b->kernel(&b->args, lo, hi);
 }
 
+/* The kernel split as the daemon splits it (compute_cpu.c). */
 static double timed_run(zd__pool_t *pool, bench_t *b, int run_pass) {
   if (run_pass) return zd_bench_mempass(pool, b->isa, &b->args, b->n);
   double t0 = zd_bench_now();
-  zd__pool_run(pool, zd__pool_size(pool), task, b);
+  zd__pool_for(pool, b->n, ZD__POOL_STREAM_GRAIN, ZD__POOL_STREAM_MIN_PER_THREAD, chunk, b);
   return zd_bench_now() - t0;
 }
 

@@ -10,8 +10,6 @@
 #include <sys/mman.h>
 #include <time.h>
 
-#define CHUNK 64 /* elements: tasks start on multiples of this (a cache line of every stream) */
-
 static size_t dtype_size(zd_dtype_t t) {
   return t == ZD_F32 ? 4 : 2;
 }
@@ -33,10 +31,11 @@ static inline void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
 /* Elements [lo, hi) (multiples of 16): p, m, v, g loaded, p, m, v stored back and the working
  * params stored from p, 64 bytes per f32 stream and 32 per 16-bit stream at a time, exactly the
  * kernel's accesses. Like the kernel, it prefetches ZD__ADAM_PREFETCH elements ahead and streams
- * the working params when the call is large enough (ZD__ADAM_NT_MIN); tasks start on 64-element
- * boundaries of 2 MiB-aligned buffers, so the streaming stores are aligned. Both made the pass
- * faster on the machine this was tuned on; streaming the in-place streams too, unrolling, other
- * prefetch distances, and one stream at a time over tiles of 64..4096 elements were slower. */
+ * the working params when the call is large enough (ZD__ADAM_NT_MIN); chunks start on
+ * ZD__POOL_STREAM_GRAIN boundaries of 2 MiB-aligned buffers, so the streaming stores are aligned.
+ * Both made the pass faster on the machine this was tuned on; streaming the in-place streams too,
+ * unrolling, other prefetch distances, and one stream at a time over tiles of 64..4096 elements
+ * were slower. */
 __attribute__((target("avx512f"))) static void pass_avx512(const zd__adam_args_t *a, uint64_t lo,
                                                            uint64_t hi) {
   __m512i key = _mm512_set1_epi32((int)pass_key);
@@ -123,14 +122,11 @@ static void pass_plain(const zd__adam_args_t *a, uint64_t lo, uint64_t hi) {
 typedef struct pass_run {
   const zd__adam_args_t *args;
   zd__isa_t isa;
-  uint64_t n;
 } pass_run_t;
 
-static void pass_task(void *arg, unsigned t, unsigned ntasks) {
+static void pass_chunk(void *arg, uint64_t lo, uint64_t hi, unsigned thread) {
+  (void)thread;
   const pass_run_t *r = arg;
-  uint64_t lo, hi;
-  zd_bench_split(r->n, t, ntasks, &lo, &hi);
-  if (lo >= hi) return;
   if (r->isa == ZD__ISA_AVX512)
     pass_avx512(r->args, lo, hi);
   else if (r->isa == ZD__ISA_AVX2)
@@ -139,17 +135,10 @@ static void pass_task(void *arg, unsigned t, unsigned ntasks) {
     pass_plain(r->args, lo, hi);
 }
 
-void zd_bench_split(uint64_t n, unsigned task, unsigned ntasks, uint64_t *lo, uint64_t *hi) {
-  uint64_t per = (n / CHUNK + ntasks - 1) / ntasks * CHUNK;
-  *lo = task * per;
-  *hi = *lo + per < n ? *lo + per : n;
-  if (*lo > n) *lo = n;
-}
-
 double zd_bench_mempass(zd__pool_t *pool, zd__isa_t isa, const zd__adam_args_t *args, uint64_t n) {
-  pass_run_t r = {.args = args, .isa = isa, .n = n};
+  pass_run_t r = {.args = args, .isa = isa};
   double t0 = zd_bench_now();
-  zd__pool_run(pool, zd__pool_size(pool), pass_task, &r);
+  zd__pool_for(pool, n, ZD__POOL_STREAM_GRAIN, ZD__POOL_STREAM_MIN_PER_THREAD, pass_chunk, &r);
   return zd_bench_now() - t0;
 }
 

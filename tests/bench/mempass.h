@@ -10,11 +10,9 @@
 #include "pool.h"
 
 /* One pass over elements [0, n) of args' streams (read master, exp_avg, exp_avg_sq, grad; write
- * them back and the working params), split over the pool like the kernel; returns seconds. */
+ * them back and the working params), split over the pool exactly as the daemon splits the kernel
+ * (ZD__POOL_STREAM_*); returns seconds. n: a multiple of 16. */
 double zd_bench_mempass(zd__pool_t *pool, zd__isa_t isa, const zd__adam_args_t *args, uint64_t n);
-
-/* Task t's elements of n: 64-element aligned chunks. */
-void zd_bench_split(uint64_t n, unsigned task, unsigned ntasks, uint64_t *lo, uint64_t *hi);
 
 double zd_bench_now(void);
 double zd_bench_median(double *t, int n);               /* sorts t */
