@@ -1,6 +1,6 @@
 /* zeroctl: the operator's command line for zerod's control service (docs/design.md).
  *
- *   zeroctl [--address ADDR] [--timeout-ms N] status [--world] [--json]
+ *   zeroctl [--address ADDR] [--timeout-ms N] status [--world] [--json] [--watch SECONDS]
  *   zeroctl [--address ADDR] [--timeout-ms N] health [--service NAME]
  *
  * status asks one node for its ranks (shard, step, loss scale, grad norm, step time, client,
@@ -8,7 +8,8 @@
  * (Nodes, on rank 0's node: zeroctl follows the node's rendezvous_address if it is not that node)
  * and then every node (up to FETCH_THREADS at a time, so that N unreachable nodes cost one timeout,
  * not N), merging the rows by global rank. A node that cannot be reached is a row of its own with
- * the error, and the exit status is 1. health is the standard gRPC health check:
+ * the error; status exits 1 when a node cannot be reached or a rank is degraded or missing, so
+ * that scripts and cron checks notice. health is the standard gRPC health check:
  * exit 0 when serving, 1 otherwise, so it fits scripts and probes.
  *
  * Every call has a timeout and fails fast when nothing listens (no WAIT_FOR_READY): an operator
@@ -18,6 +19,8 @@
 #include <grpc/grpc.h>
 #include <grpc/support/log.h>
 #include <inttypes.h>
+#include <time.h>
+#include <unistd.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -41,6 +44,7 @@ typedef struct options {
   const char *command;
   int world;
   int json;
+  int watch_s; /* status --watch: refresh every this many seconds; 0: once */
   const char *service;
 } options_t;
 
@@ -69,7 +73,10 @@ static void usage(FILE *out) {
       "  status [--world] [--json]  ranks of a zerod: shard, step, loss scale, last grad norm,\n"
       "                             last step time, attached client, health (and why not ok);\n"
       "                             --world: every node of the world, through rank 0's node;\n"
-      "                             --json: machine-readable output\n"
+      "                             --json: machine-readable output; exit status 1 when\n"
+      "                             a node is unreachable or a rank degraded or missing;\n"
+      "                             --watch SECONDS: redraw the table every SECONDS until\n"
+      "                             interrupted (step, step time, loss scale, clients, health)\n"
       "  health [--service NAME]    gRPC health check (service \"\" by default; \"zerod.ranks\"\n"
       "                             is serving only while every local rank is healthy);\n"
       "                             exit status 0 when serving, 1 otherwise\n"
@@ -82,7 +89,8 @@ static void usage(FILE *out) {
       "  -h, --help        this text\n"
       "  -V, --version     zeroctl's version\n"
       "\n"
-      "Exit status: 0 success, 1 failure (a node unreachable, not serving), 2 bad usage.\n",
+      "Exit status: 0 success, 1 failure (a node unreachable, a rank degraded or missing, not\n"
+      "serving), 2 bad usage.\n",
       DEFAULT_TIMEOUT_MS);
 }
 
@@ -137,6 +145,13 @@ static int parse(int argc, char **argv, options_t *o) {
       if (errno || *end || t < 1 || t > 3600000)
         return usage_error("--timeout-ms '%s': expected milliseconds, 1..3600000", v);
       o->timeout_ms = (int)t;
+    } else if ((v = flag_value(argc, argv, &i, "--watch", &missing))) {
+      char *end;
+      errno = 0;
+      long t = strtol(v, &end, 10);
+      if (errno || *end || t < 1 || t > 86400)
+        return usage_error("--watch '%s': expected seconds, 1..86400", v);
+      o->watch_s = (int)t;
     } else if ((v = flag_value(argc, argv, &i, "--service", &missing))) {
       o->service = v;
     } else if (missing) {
@@ -156,8 +171,9 @@ static int parse(int argc, char **argv, options_t *o) {
   if (!o->command) return usage_error("no command given: status or health");
   if (strcmp(o->command, "status") != 0 && strcmp(o->command, "health") != 0)
     return usage_error("unknown command '%s': expected status or health", o->command);
-  if (!strcmp(o->command, "health") && (o->world || o->json))
+  if (!strcmp(o->command, "health") && (o->world || o->json || o->watch_s))
     return usage_error("health takes --service only");
+  if (o->watch_s && o->json) return usage_error("--watch draws the table: it takes no --json");
   return -1;
 }
 
@@ -567,8 +583,8 @@ static int cmd_status(const options_t *o) {
     rc = EXIT_FAIL;
     goto exit;
   }
-  for (size_t r = 0; r < nrows; r++)
-    if (!rows[r].node) rc = EXIT_FAIL;
+  for (size_t r = 0; r < nrows; r++) /* a missing or degraded rank is a failure for scripts */
+    if (!rows[r].node || (rows[r].stat && rows[r].stat->degraded_reason)) rc = EXIT_FAIL;
   if (o->json)
     print_json(nodes, nnodes, rows, nrows, world_size ? world_size : nodes[0].status->world_size);
   else
@@ -623,6 +639,20 @@ int main(int argc, char **argv) {
   /* One library reference for the whole run: each call's channel then reuses the library
    * instead of starting and tearing down gRPC's threads around every call. */
   grpc_init();
+  if (!strcmp(o.command, "status") && o.watch_s) {
+    /* top-style: clear the screen (on a terminal) and redraw, until interrupted; the exit
+     * status is the last round's. */
+    for (;;) {
+      if (isatty(STDOUT_FILENO)) fputs("\033[H\033[2J", stdout);
+      time_t now = time(NULL);
+      char when[32];
+      strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", localtime(&now));
+      printf("zeroctl status, every %d s (%s); Ctrl-C to stop\n", o.watch_s, when);
+      rc = cmd_status(&o);
+      fflush(stdout);
+      sleep((unsigned)o.watch_s);
+    }
+  }
   rc = !strcmp(o.command, "status") ? cmd_status(&o) : cmd_health(&o);
   grpc_shutdown();
   return rc;

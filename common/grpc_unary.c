@@ -20,6 +20,7 @@
 struct zd__grpc_channel {
   grpc_channel *channel;
   char *address;
+  char *authorization; /* "Bearer <token>" sent with every call; NULL: none */
 };
 
 int zd__grpc_channel_open(const char *address, zd__grpc_channel_t **out, zd__err_t *err) {
@@ -62,8 +63,19 @@ void zd__grpc_channel_close(zd__grpc_channel_t *ch) {
   if (!ch) return;
   grpc_channel_destroy(ch->channel);
   free(ch->address);
+  free(ch->authorization);
   free(ch);
   grpc_shutdown();
+}
+
+int zd__grpc_channel_set_token(zd__grpc_channel_t *ch, const char *token) {
+  free(ch->authorization);
+  ch->authorization = NULL;
+  if (!token || !token[0]) return ZD_OK;
+  size_t n = strlen(token) + sizeof "Bearer ";
+  if (!(ch->authorization = malloc(n))) return -ENOMEM;
+  snprintf(ch->authorization, n, "Bearer %s", token);
+  return ZD_OK;
 }
 
 const char *zd__grpc_channel_address(const zd__grpc_channel_t *ch) {
@@ -272,6 +284,14 @@ int zd__grpc_call_raw(zd__grpc_channel_t *ch, const char *method, const void *re
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
   if (flags & ZD__GRPC_WAIT_FOR_READY) ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY;
+  grpc_metadata auth;
+  if (ch->authorization) {
+    memset(&auth, 0, sizeof auth);
+    auth.key = grpc_slice_from_static_string(ZD__GRPC_AUTH_KEY);
+    auth.value = grpc_slice_from_static_string(ch->authorization);
+    ops[0].data.send_initial_metadata.count = 1;
+    ops[0].data.send_initial_metadata.metadata = &auth;
+  }
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = send;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;

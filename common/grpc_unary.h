@@ -41,6 +41,14 @@ void zd__grpc_channel_close(zd__grpc_channel_t *ch);
 /* The address the channel was opened with. */
 const char *zd__grpc_channel_address(const zd__grpc_channel_t *ch);
 
+/* The metadata key of the control token ("authorization: Bearer <token>"). */
+#define ZD__GRPC_AUTH_KEY "authorization"
+
+/* Sends "authorization: Bearer <token>" with every later call on the channel (NULL or "": none),
+ * for the control service's calls that need the token (control_token_file). Not while a call is in
+ * progress. Errors: -ENOMEM. */
+int zd__grpc_channel_set_token(zd__grpc_channel_t *ch, const char *token);
+
 /* Whether the channel is connected now (does not try to connect). */
 int zd__grpc_channel_ready(zd__grpc_channel_t *ch);
 

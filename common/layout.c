@@ -268,12 +268,19 @@ int zd__layout_serialize(const zd__layout_t *layout, char **out, size_t *len) {
   return fclose(f) == 0 ? 0 : -ENOMEM;
 }
 
-/* Reads an unsigned number and the space after it. */
+/* Reads an unsigned decimal number and the space after it, within [*pos, end): the table comes
+ * from a peer and need not be NUL-terminated, so strtoull (which reads on to the first non-digit,
+ * and skips leading blanks, newlines included) must not see it. */
 static int read_u64(char **pos, const char *end, uint64_t *v) {
-  char *q;
-  errno = 0;
-  unsigned long long x = strtoull(*pos, &q, 10);
-  if (q == *pos || q >= end || *q != ' ' || errno) return -EINVAL;
+  char *q = *pos;
+  uint64_t x = 0;
+  if (q >= end || *q < '0' || *q > '9') return -EINVAL;
+  for (; q < end && *q >= '0' && *q <= '9'; q++) {
+    unsigned digit = (unsigned)(*q - '0');
+    if (x > (UINT64_MAX - digit) / 10) return -EINVAL;
+    x = x * 10 + digit;
+  }
+  if (q >= end || *q != ' ') return -EINVAL;
   *v = x;
   *pos = q + 1;
   return 0;

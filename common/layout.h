@@ -84,7 +84,8 @@ int zd__layout_segments(const zd__layout_t *layout, uint32_t rank, uint32_t buck
 int zd__layout_serialize(const zd__layout_t *layout, char **out, size_t *len);
 
 /* Parses a table from zd__layout_serialize; the names of *params point into buf, which must stay
- * alive. *params is allocated (free()). -EINVAL for a malformed table. */
+ * alive. Reads buf[0, len) only: a peer's table need not be NUL-terminated. *params is allocated
+ * (free()). -EINVAL for a malformed table (numbers are plain decimal digits, one blank apart). */
 int zd__layout_parse(char *buf, size_t len, zd_param_t **params, uint32_t *nparams);
 
 /* Formats a shape as "[32, 16]". */

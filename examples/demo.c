@@ -46,7 +46,6 @@ int main(int argc, char **argv) {
                           .ngroups = 2,
                           .param_dtype = ZD_F32,
                           .grad_dtype = ZD_F32,
-                          .grad_mean = 1,
                           .flags = fresh ? ZD_REGISTER_REPLACE : 0};
   if (zd_layout(c, &desc) != ZD_OK) return fail("layout");
 

@@ -3,6 +3,7 @@
 #include "mlp.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 const zd_param_t mlp_params[MLP_NPARAMS] = {
@@ -41,7 +42,16 @@ void mlp_init(float *const p[MLP_NPARAMS], uint64_t seed) {
 }
 
 static float teacher[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
-static int teacher_ready;
+static pthread_once_t teacher_once = PTHREAD_ONCE_INIT;
+
+/* Made once per process, also when trainers run as threads of one process
+ * (tests/integration/test_world.c): a plain flag let a thread read a half-made teacher. */
+static void make_teacher(void) {
+  float *t[MLP_NPARAMS] = {teacher[0], teacher[1], teacher[2], teacher[3]};
+  mlp_init(t, 0x7eac4e5ull);
+  for (int i = 0; i < MLP_NPARAMS; i++)
+    for (uint64_t k = 0; k < mlp_numel(i); k++) t[i][k] *= 2.0f;
+}
 
 static void forward(const float *const p[MLP_NPARAMS], const float *x, float *h, float *y) {
   for (int j = 0; j < MLP_HIDDEN; j++) {
@@ -58,13 +68,7 @@ static void forward(const float *const p[MLP_NPARAMS], const float *x, float *h,
 
 float mlp_loss_grad(const float *const p[MLP_NPARAMS], float *const g[MLP_NPARAMS], uint64_t step,
                     uint32_t rank) {
-  if (!teacher_ready) {
-    float *t[MLP_NPARAMS] = {teacher[0], teacher[1], teacher[2], teacher[3]};
-    mlp_init(t, 0x7eac4e5ull);
-    for (int i = 0; i < MLP_NPARAMS; i++)
-      for (uint64_t k = 0; k < mlp_numel(i); k++) t[i][k] *= 2.0f;
-    teacher_ready = 1;
-  }
+  pthread_once(&teacher_once, make_teacher);
   const float *t[MLP_NPARAMS] = {teacher[0], teacher[1], teacher[2], teacher[3]};
   for (int i = 0; i < MLP_NPARAMS; i++) memset(g[i], 0, mlp_numel(i) * sizeof(float));
   uint64_t s = mix(step * 0x100000001b3ull + rank);

@@ -29,7 +29,8 @@ uint64_t mlp_numel(int i);
 /* Initial weights (scaled uniform), deterministic in seed. */
 void mlp_init(float *const p[MLP_NPARAMS], uint64_t seed);
 
-/* Loss of the batch of (step, rank) and its gradient with respect to every parameter. */
+/* Loss of the batch of (step, rank) and its gradient with respect to every parameter.
+ * Thread-safe. */
 float mlp_loss_grad(const float *const p[MLP_NPARAMS], float *const g[MLP_NPARAMS], uint64_t step,
                     uint32_t rank);
 

@@ -4,7 +4,8 @@
 # baseline) or every test suite.
 #
 #   scripts/quickstart.sh demo    install, build, run the demo
-#   scripts/quickstart.sh test    install, build, run all tests (what CI runs)
+#   scripts/quickstart.sh test    install, build, run all tests, then the unit and integration
+#                                 suites under sanitizers and the fuzz harnesses (what CI runs)
 #   scripts/quickstart.sh build   install and build only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,13 +13,26 @@ cd "$(dirname "$0")/.."
 sudo_cmd=()
 [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
 
-# Extra packages as arguments (the tests add clang-format for the formatting check).
+# Extra packages as arguments (the tests add clang-format, yamllint and systemd-analyze for the
+# lint suite).
 install_deps() {
   "${sudo_cmd[@]}" apt-get update -q
   "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
     gcc g++ meson ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
-    libgrpc-dev libgloo-dev python3 python3-numpy python3-torch python3-venv python3-pip \
-    python3-wheel "$@"
+    libgrpc-dev libgloo-dev libmicrohttpd-dev libjansson-dev libxxhash-dev python3 python3-numpy python3-torch python3-venv \
+    python3-pip python3-wheel "$@"
+}
+
+# promtool (checks the metrics exposition) without the rest of Debian's prometheus package (its
+# dependencies are about 320 MB and its postinst starts a Prometheus server): the binary only.
+install_promtool() {
+  command -v promtool >/dev/null && return
+  local tmp
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download prometheus >/dev/null &&
+    dpkg-deb --fsys-tarfile prometheus_*.deb | tar -xO ./usr/bin/promtool >promtool)
+  "${sudo_cmd[@]}" install -m 755 "$tmp/promtool" /usr/local/bin/promtool
+  rm -rf "$tmp"
 }
 
 build() {
@@ -39,7 +53,16 @@ run_tests() {
 
 case "${1:-}" in
   demo) install_deps; build; demo ;;
-  test) install_deps clang-format git; build; run_tests ;;
+  test)
+    # shellcheck disable=SC2046 # one package name per word
+    install_deps clang-format git yamllint systemd $(scripts/sanitize.sh packages) \
+      $(scripts/fuzz.sh packages)
+    install_promtool
+    build
+    run_tests
+    scripts/sanitize.sh # unit and integration suites under ASan + UBSan + LSan
+    scripts/fuzz.sh ci  # each libFuzzer harness over its corpus and a fixed number of inputs
+    ;;
   build) install_deps; build ;;
   *) echo "usage: $0 demo|test|build" >&2; exit 2 ;;
 esac

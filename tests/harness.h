@@ -17,11 +17,17 @@ typedef struct zdt_daemon {
   char control[128]; /* unix:dir/control.sock: the gRPC control service */
 } zdt_daemon_t;
 
-/* Starts zerod with --socket, --control_address and --log_level debug plus extra (NULL-terminated,
- * may be NULL) and waits until the socket accepts connections. Exits the test on failure, printing
+/* Starts zerod with --socket, --control_address and --log_level debug (unless extra has
+ * --log_level or --config) plus extra (NULL-terminated, may be NULL) and waits until the socket
+ * accepts connections. Exits the test on failure, printing
  * the log. The backend is cpu (ZEROD_BACKEND, unless the environment sets it) so that host-buffer
  * tests also pass on a machine with a GPU; extra may pass --backend. */
 void zdt_start(zdt_daemon_t *d, const char *const *extra);
+
+/* Runs $ZEROD_BIN with args (NULL-terminated, at most 14) to its end: for command lines and
+ * start-up refusals. Returns its exit status (-1: killed) and its stdout and stderr together in
+ * *output (a static buffer, valid until the next call). */
+int zdt_run(const char *const *args, const char **output);
 
 /* Sends sig (SIGTERM normally), waits up to 20 s and returns the exit status as
  * waitpid reports it. Removes the directory unless keep. */

@@ -63,12 +63,13 @@ typedef struct zd__comm_ops {
   int (*sync)(zd__comm_t *comm, zd__err_t *err);
   /* Non-zero once a failure made the communicator unusable (NULL: it never fails). */
   int (*failed)(const zd__comm_t *comm);
-  /* From any thread: the collective in progress, and every later one, fails soon with
-   * -ECANCELED (shutdown, when a silent peer would hold it for the collective timeout). It only
-   * asks: Gloo's waits are interrupted; NCCL's polling waits on the worker see a flag, fail, and
-   * hand the communicator to its teardown thread for ncclCommAbort (the caller's thread makes no
-   * NCCL or CUDA call). NULL: nothing can block. */
-  void (*abort)(zd__comm_t *comm);
+  /* From any thread: the collective in progress, and every later one, fails soon with `code`
+   * and a message ending in `why` (shutdown: -ECANCELED, when a silent peer would hold it for the
+   * collective timeout; a peer found dead by the heartbeat: ZD_EPEER). The first abort's reason
+   * stays. It only asks: Gloo's waits are interrupted; NCCL's polling waits on the worker see a
+   * flag, fail, and hand the communicator to its teardown thread for ncclCommAbort (the caller's
+   * thread makes no NCCL or CUDA call). NULL: nothing can block. */
+  void (*abort)(zd__comm_t *comm, int code, const char *why);
   void (*destroy)(zd__comm_t *comm);
 } zd__comm_ops_t;
 
@@ -105,8 +106,8 @@ static inline int zd__comm_failed(const zd__comm_t *comm) {
   return comm && comm->ops->failed && comm->ops->failed(comm);
 }
 
-static inline void zd__comm_abort(zd__comm_t *comm) {
-  if (comm && comm->ops->abort) comm->ops->abort(comm);
+static inline void zd__comm_abort(zd__comm_t *comm, int code, const char *why) {
+  if (comm && comm->ops->abort) comm->ops->abort(comm, code, why);
 }
 
 static inline void zd__comm_destroy(zd__comm_t *comm) {

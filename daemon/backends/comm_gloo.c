@@ -43,8 +43,8 @@ static int gloo_failed(const zd__comm_t *comm) {
   return zd__gloo_failed(((const gloo_comm_t *)comm)->gloo);
 }
 
-static void gloo_abort(zd__comm_t *comm) {
-  zd__gloo_abort(((gloo_comm_t *)comm)->gloo);
+static void gloo_abort(zd__comm_t *comm, int code, const char *why) {
+  zd__gloo_abort(((gloo_comm_t *)comm)->gloo, code, why);
 }
 
 static void gloo_destroy(zd__comm_t *comm) {

@@ -58,6 +58,8 @@ typedef struct nccl_comm {
   int timeout_ms;
   int code;                   /* non-zero: broken, for the reason below */
   atomic_int abort_requested; /* set from another thread: the waits give up, the comm aborts */
+  int abort_code;             /* written before abort_requested is set, read after */
+  char abort_why[ZD__ERR_MSG_MAX / 2];
   char reason[ZD__ERR_MSG_MAX];
   void *d_stage, *h_stage; /* allgather_bytes: device and pinned host staging */
   size_t stage_bytes;
@@ -152,7 +154,7 @@ static int settle(nccl_comm_t *c, ncclResult_t r, int timeout_ms, const char *wh
   long sleep_us = 1;
   while (r == ncclInProgress) {
     if (atomic_load(&c->abort_requested)) {
-      abort_comm(c, -ECANCELED, "%s: aborted (zerod is shutting down)", what);
+      abort_comm(c, c->abort_code, "%s: aborted (%s)", what, c->abort_why);
       return broken(c, err);
     }
     if (zd__now_ms() > deadline) {
@@ -189,7 +191,7 @@ static ncclDataType_t nccl_type(zd_dtype_t t) {
 static int probe(void *ctx, zd__err_t *err) {
   nccl_comm_t *c = ctx;
   if (atomic_load(&c->abort_requested))
-    return zd__errf(err, -ECANCELED, "aborted (zerod is shutting down)");
+    return zd__errf(err, c->abort_code, "aborted (%s)", c->abort_why);
   ncclResult_t st = ncclSuccess;
   ncclResult_t r = ncclCommGetAsyncError(c->nccl, &st);
   if (r != ncclSuccess) st = r;
@@ -358,8 +360,16 @@ static int nccl_failed(const zd__comm_t *comm) {
 
 /* Only a flag: the worker's waits poll it and abort the communicator themselves (on the teardown
  * thread, start_teardown), so the caller's thread makes no NCCL or CUDA call. */
-static void nccl_abort(zd__comm_t *comm) {
-  atomic_store(&((nccl_comm_t *)comm)->abort_requested, 1);
+static void nccl_abort(zd__comm_t *comm, int code, const char *why) {
+  nccl_comm_t *c = (nccl_comm_t *)comm;
+  static pthread_mutex_t first = PTHREAD_MUTEX_INITIALIZER; /* two aborters: the first wins */
+  pthread_mutex_lock(&first);
+  if (!atomic_load(&c->abort_requested)) {
+    c->abort_code = code;
+    snprintf(c->abort_why, sizeof c->abort_why, "%s", why ? why : "aborted");
+    atomic_store(&c->abort_requested, 1);
+  }
+  pthread_mutex_unlock(&first);
 }
 
 /* A healthy communicator at shutdown (nothing in flight: every job waited for its work):

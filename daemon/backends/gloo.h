@@ -59,9 +59,10 @@ void zd__gloo_destroy(zd__gloo_t *g);
 /* Non-zero once a failure made the context unusable. */
 int zd__gloo_failed(const zd__gloo_t *g);
 
-/* From any thread: makes the collective in progress (and every later one) fail at once with
- * -ECANCELED, and the context unusable. For shutdowns that cannot wait for a silent peer. */
-void zd__gloo_abort(zd__gloo_t *g);
+/* From any thread: makes the collective in progress (and every later one) fail at once with code
+ * and a message ending in why, and the context unusable (the first abort's reason stays). For
+ * shutdowns that cannot wait for a silent peer, and peers found dead by the heartbeat. */
+void zd__gloo_abort(zd__gloo_t *g, int code, const char *why);
 
 /* The collectives block until done or failed. Every rank must make the same calls in the same
  * order with the same sizes; a rank that calls something else waits on different message tags and

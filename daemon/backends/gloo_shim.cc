@@ -198,6 +198,8 @@ struct zd__gloo {
    * abortWaitRecv/abortWaitSend; the flag refuses the waits that had not started yet. */
   std::mutex abort_mu;
   bool aborted = false;
+  int abort_code = -ECANCELED; /* the first abort's, under abort_mu */
+  std::string abort_why;
   std::vector<gloo::transport::UnboundBuffer *> waiting;
   std::unique_ptr<float[]> scratch; /* reduce-scatter: kLanes lanes of 2 pieces, on first use */
 };
@@ -473,7 +475,14 @@ int run(zd__gloo *g, const char *op, zd__err_t *err, Body body) {
     return fail(g, ZD_EPEER, format("%s: %s rank %d failed: %s", op, e.dir, e.peer, cause.c_str()),
                 err);
   } catch (const Aborted &) {
-    return fail(g, -ECANCELED, format("%s: aborted (zerod is shutting down)", op), err);
+    int code;
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(g->abort_mu);
+      code = g->abort_code;
+      why = g->abort_why;
+    }
+    return fail(g, code, format("%s: aborted (%s)", op, why.c_str()), err);
   } catch (const Failure &e) {
     return fail(g, e.code, format("%s: %s", op, e.what()), err);
   } catch (const std::bad_alloc &) {
@@ -564,8 +573,12 @@ extern "C" int zd__gloo_failed(const zd__gloo_t *g) {
   return g->broken != 0;
 }
 
-extern "C" void zd__gloo_abort(zd__gloo_t *g) {
+extern "C" void zd__gloo_abort(zd__gloo_t *g, int code, const char *why) {
   std::lock_guard<std::mutex> lock(g->abort_mu);
+  if (!g->aborted) {
+    g->abort_code = code;
+    g->abort_why = why ? why : "aborted";
+  }
   g->aborted = true;
   for (gloo::transport::UnboundBuffer *b : g->waiting) {
     b->abortWaitRecv();

@@ -16,6 +16,7 @@
 #include "control.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +32,7 @@
 #include "log.h"
 #include "rendezvous.h"
 #include "session.h"
+#include "token.h"
 
 #define MAX_KEY_BYTES   1024
 #define MAX_VALUE_BYTES (1u << 20)  /* a rendezvous value: an address, an id; never tensors */
@@ -48,7 +50,9 @@ static const zd__kvstore_limits_t kv_limits = {
 
 struct zd__control {
   zd__daemon_t *d;
-  int serves_kv; /* this node hosts global rank 0 */
+  int serves_kv;             /* this node hosts global rank 0 */
+  char token[ZD__TOKEN_MAX]; /* control_token_file's token; "": none required */
+  uint64_t refused;          /* store calls refused for their token */
   int stopping;
   zd__gsrv_t *server;
   zd__kvstore_t *store;
@@ -68,21 +72,50 @@ typedef struct kv_wait {
 
 static int not_rank0(zd__control_t *c, const char *what, zd__err_t *err) {
   const zd__daemon_t *d = c->d;
-  uint32_t first = d->cfg->first_rank;
+  uint32_t first = zd__daemon_config(d)->first_rank;
   char ranks[48];
-  if (d->nranks > 1)
-    snprintf(ranks, sizeof ranks, "ranks %u..%u", first, first + d->nranks - 1);
+  if (zd__daemon_nranks(d) > 1)
+    snprintf(ranks, sizeof ranks, "ranks %u..%u", first, first + zd__daemon_nranks(d) - 1);
   else
     snprintf(ranks, sizeof ranks, "rank %u", first);
   return zd__errf(err, ZD_EORDER,
                   "%s is served by the zerod that hosts rank 0, at %s "
                   "(rendezvous_address); this one hosts %s of %u",
-                  what, d->cfg->rendezvous_address, ranks, d->world_size);
+                  what, zd__daemon_config(d)->rendezvous_address, ranks, zd__daemon_world_size(d));
 }
 
-/* Methods of the rendezvous store begin with this: other nodes say where rank 0's node is. */
+/* With a control token, the store's calls must carry it ("authorization: Bearer <token>"): they
+ * write the world's bootstrap or read its secrets (collective addresses, NCCL's id). A refusal
+ * is logged with the peer, never with the token. */
+static int token_ok(zd__control_t *c, const zd__gsrv_call_t *k, zd__err_t *err) {
+  if (!c->token[0]) return ZD_OK;
+  char got[ZD__TOKEN_MAX + 16], peer[128];
+  int found = zd__gsrv_call_metadata(k, ZD__GRPC_AUTH_KEY, got, sizeof got);
+  const char *why = found <= 0                            ? "no control token"
+                    : strncmp(got, "Bearer ", 7) != 0     ? "a malformed authorization"
+                    : !zd__token_equal(got + 7, c->token) ? "a wrong control token"
+                                                          : NULL;
+  if (!why) return ZD_OK;
+  zd__gsrv_call_peer(k, peer, sizeof peer);
+  c->refused++;
+  ZD_LOG_WARN("control: refused %s from %s: %s (%" PRIu64 " refused so far)", zd__gsrv_call_path(k),
+              peer, why, c->refused);
+  return zd__errf(err, ZD_EDENIED,
+                  "%s needs this world's control token (control_token_file): the call came with "
+                  "%s",
+                  zd__gsrv_call_path(k), why);
+}
+
+/* Methods served by rank 0's node (Nodes, the store) begin with this: other nodes say where it
+ * is. */
 static int rank0_only(zd__control_t *c, const zd__gsrv_call_t *k, zd__err_t *err) {
   return c->serves_kv ? ZD_OK : not_rank0(c, zd__gsrv_call_path(k), err);
+}
+
+/* Methods of the rendezvous store: only members of the world (the token) are served. */
+static int store_call(zd__control_t *c, const zd__gsrv_call_t *k, zd__err_t *err) {
+  int rc = token_ok(c, k, err);
+  return rc ? rc : rank0_only(c, k, err);
 }
 
 /* ---- node status and the registry ------------------------------------------------------------ */
@@ -97,7 +130,7 @@ typedef struct rank_msg {
 
 static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *err) {
   zd__daemon_t *d = c->d;
-  zd__rank_t *r = d->ranks[i];
+  zd__rank_t *r = zd__daemon_rank(d, i);
   Zerod__V1__RankStatus *m = &rm->msg;
   zd__rank_stats_t *s = &rm->stats;
   zerod__v1__rank_status__init(m);
@@ -106,7 +139,7 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
   m->local_rank = i;
   m->health = (char *)zd__health_name(s->health);
   if (s->health != ZD__HEALTH_OK) m->degraded_reason = s->degraded_reason;
-  zd__session_t *client = d->attached[i];
+  const zd__session_t *client = zd__sessions_attached(zd__daemon_sessions(d), i);
   if (client) {
     m->client = (char *)zd__session_name(client);
     m->has_client_pid = 1;
@@ -152,7 +185,7 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   (void)req;
   zd__control_t *c = ctx;
   zd__daemon_t *d = c->d;
-  uint32_t n = d->nranks;
+  uint32_t n = zd__daemon_nranks(d);
   rank_msg_t *rms = calloc(n ? n : 1, sizeof *rms);
   Zerod__V1__RankStatus **ptrs = calloc(n ? n : 1, sizeof *ptrs);
   int rc = ZD_OK;
@@ -168,12 +201,12 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   st.version = (char *)ZD_VERSION;
   st.pid = (int32_t)getpid();
   st.control_address = (char *)zd__control_address(c);
-  st.world_size = d->world_size;
-  st.first_rank = d->cfg->first_rank;
+  st.world_size = zd__daemon_world_size(d);
+  st.first_rank = zd__daemon_config(d)->first_rank;
   st.local_ranks = n;
-  st.backend = (char *)zd__backend_name(d->backend); /* daemon.c, choose_backend */
-  st.uptime_s = (zd__now_us() - d->start_us) / 1000000u;
-  st.rendezvous_address = d->cfg->rendezvous_address;
+  st.backend = (char *)zd__backend_name(zd__daemon_backend(d)); /* daemon.c, choose_backend */
+  st.uptime_s = (zd__now_us() - zd__daemon_start_us(d)) / 1000000u;
+  st.rendezvous_address = zd__daemon_config(d)->rendezvous_address;
   st.n_ranks = n;
   st.ranks = ptrs;
   zd__gsrv_reply(k, &st.base);
@@ -221,17 +254,17 @@ static int handle_nodes(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
                   len);
       continue;
     }
-    self_listed |= info->first_rank == d->cfg->first_rank;
+    self_listed |= info->first_rank == zd__daemon_config(d)->first_rank;
     nodes[n++] = info;
   }
   Zerod__V1__NodeInfo self = ZEROD__V1__NODE_INFO__INIT;
-  self.first_rank = d->cfg->first_rank;
-  self.local_ranks = d->nranks;
+  self.first_rank = zd__daemon_config(d)->first_rank;
+  self.local_ranks = zd__daemon_nranks(d);
   self.control_address = (char *)zd__control_address(c);
   if (!self_listed) nodes[n++] = &self;
   qsort(nodes, n, sizeof *nodes, cmp_node);
   Zerod__V1__NodesReply rep = ZEROD__V1__NODES_REPLY__INIT;
-  rep.world_size = d->world_size;
+  rep.world_size = zd__daemon_world_size(d);
   rep.n_nodes = n;
   rep.nodes = nodes;
   zd__gsrv_reply(k, &rep.base);
@@ -247,7 +280,7 @@ exit:
 static int handle_kv_set(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
   zd__control_t *c = ctx;
   Zerod__V1__KvSetRequest *r = (Zerod__V1__KvSetRequest *)*req;
-  int rc = rank0_only(c, k, err);
+  int rc = store_call(c, k, err);
   if (rc || (rc = zd__kvstore_set(c->store, r->key, r->value.data, r->value.len, "KvSet", err)))
     return rc;
   ZD_LOG_DEBUG("control: rendezvous set '%s' (%zu bytes)", r->key, r->value.len);
@@ -259,7 +292,7 @@ static int handle_kv_set(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
 static int handle_kv_delete(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
   zd__control_t *c = ctx;
   Zerod__V1__KvDeleteRequest *r = (Zerod__V1__KvDeleteRequest *)*req;
-  int found, rc = rank0_only(c, k, err);
+  int found, rc = store_call(c, k, err);
   if (rc || (rc = zd__kvstore_delete(c->store, r->key, &found, "KvDelete", err))) return rc;
   if (found) ZD_LOG_DEBUG("control: rendezvous deleted '%s'", r->key);
   Zerod__V1__KvDeleteReply rep = ZEROD__V1__KV_DELETE_REPLY__INIT;
@@ -274,7 +307,7 @@ static int handle_kv_get(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   Zerod__V1__KvGetReply rep = ZEROD__V1__KV_GET_REPLY__INIT;
   const uint8_t *value;
   size_t len;
-  int found, rc = rank0_only(c, k, err);
+  int found, rc = store_call(c, k, err);
   if (rc || (rc = zd__kvstore_get(c->store, r->key, &value, &len, &found, "KvGet", err))) return rc;
   rep.found = found;
   if (found) {
@@ -332,7 +365,7 @@ static void on_wait_closed(void *arg) {
 static int handle_kv_wait(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
   zd__control_t *c = ctx;
   Zerod__V1__KvWaitRequest *r = (Zerod__V1__KvWaitRequest *)*req;
-  int ready, rc = rank0_only(c, k, err);
+  int ready, rc = store_call(c, k, err);
   if (rc) return rc;
   kv_wait_t *kw = calloc(1, sizeof *kw);
   if (!kw) return zd__errf(err, -ENOMEM, "KvWait: out of memory for a wait on %zu keys", r->n_keys);
@@ -362,11 +395,11 @@ static int handle_health(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   Grpc__Health__V1__HealthCheckRequest *r = (Grpc__Health__V1__HealthCheckRequest *)*req;
   const char *svc = r->service ? r->service : "";
   zd__daemon_t *d = c->d;
-  int serving = !c->stopping && !d->shutting_down;
+  int serving = !c->stopping && !zd__daemon_shutting_down(d);
   if (!strcmp(svc, "zerod.ranks")) {
-    for (uint32_t i = 0; i < d->nranks && serving; i++) {
+    for (uint32_t i = 0; i < zd__daemon_nranks(d) && serving; i++) {
       zd__rank_stats_t s;
-      zd__rank_stats(d->ranks[i], &s);
+      zd__rank_stats(zd__daemon_rank(d, i), &s);
       serving = s.health == ZD__HEALTH_OK;
     }
   } else if (svc[0] && strcmp(svc, "zerod.v1.Control") != 0) {
@@ -427,24 +460,52 @@ const char *zd__control_address(const zd__control_t *c) {
   return zd__gsrv_address(c->server);
 }
 
+const char *zd__control_token(const zd__control_t *c) {
+  return c->token;
+}
+
+/* Loopback or a unix: socket: reachable from this host only. */
+static int local_address(const char *addr) {
+  if (!strncmp(addr, "unix:", 5)) return 1;
+  const char *host = addr;
+  if (!strncmp(host, "ipv4:", 5) || !strncmp(host, "ipv6:", 5)) host += 5;
+  return !strncmp(host, "127.", 4) || !strncmp(host, "localhost:", 10) ||
+         !strncmp(host, "[::1]:", 6);
+}
+
 int zd__control_start(zd__daemon_t *d, zd__control_t **out, zd__err_t *err) {
-  const char *addr = d->cfg->control_address;
+  const zd__config_t *conf = zd__daemon_config(d);
+  const char *addr = conf->control_address;
   *out = NULL;
+  /* Without TLS (not built yet) anyone who reaches the address can call it: beyond this host
+   * only when the operator says so, knowing it. */
+  if (!local_address(addr) && !conf->control_insecure)
+    return zd__errf(err, ZD_ECONFIG,
+                    "control_address %s is reachable from other hosts, and the control service "
+                    "has no TLS yet: set control_insecure = 1 to serve it anyway (with a "
+                    "control_token_file, on a network only the job's nodes reach), or listen on "
+                    "127.0.0.1 or a unix: socket",
+                    addr);
   zd__control_t *c = calloc(1, sizeof *c);
   if (!c) return zd__errf(err, -ENOMEM, "out of memory starting the control service");
   c->d = d;
-  c->serves_kv = d->cfg->first_rank == 0;
+  c->serves_kv = conf->first_rank == 0;
   int rc;
-  if (!(c->store = zd__kvstore_new(&d->loop, &kv_limits))) {
+  if (conf->control_token_file[0] &&
+      (rc = zd__token_load(conf->control_token_file, c->token, err))) {
+    free(c);
+    return rc;
+  }
+  if (!(c->store = zd__kvstore_new(zd__daemon_loop(d), &kv_limits))) {
     rc = zd__errf(err, -ENOMEM, "out of memory starting the control service");
     goto fail;
   }
   /* A unix socket is created with the client socket's mode (socket_mode). */
-  zd__gsrv_config_t cfg = {.loop = &d->loop,
+  zd__gsrv_config_t cfg = {.loop = zd__daemon_loop(d),
                            .address = addr,
                            .address_name = "control_address",
                            .log_name = "control",
-                           .socket_mode = d->cfg->socket_mode,
+                           .socket_mode = zd__daemon_config(d)->socket_mode,
                            .methods = methods,
                            .nmethods = NMETHODS,
                            .ctx = c};

@@ -27,6 +27,10 @@ int zd__control_start(struct zd__daemon *d, zd__control_t **out, zd__err_t *err)
  * handle of the control service is closed. */
 void zd__control_stop(zd__control_t *c, void (*done)(struct zd__daemon *d));
 
+/* The control token the store's calls need ("" when control_token_file is not set), for this
+ * node's own rendezvous client. */
+const char *zd__control_token(const zd__control_t *c);
+
 /* The address actually bound (a "host:0" address gets its port), for logs and the node
  * registry. */
 const char *zd__control_address(const zd__control_t *c);

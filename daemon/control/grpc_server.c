@@ -24,6 +24,7 @@
 
 #include <errno.h>
 #include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
 #include <grpc/support/log.h>
 #include <grpc/support/time.h>
 #include <netdb.h>
@@ -200,6 +201,26 @@ static void request_call(zd__gsrv_t *s, int i) {
 
 const char *zd__gsrv_call_path(const call_t *k) {
   return k->method >= 0 ? k->s->methods[k->method].path : "?";
+}
+
+int zd__gsrv_call_metadata(const call_t *k, const char *key, char *buf, size_t len) {
+  buf[0] = '\0';
+  for (size_t i = 0; i < k->md.count; i++) {
+    const grpc_metadata *m = &k->md.metadata[i];
+    size_t kl = GRPC_SLICE_LENGTH(m->key), vl = GRPC_SLICE_LENGTH(m->value);
+    if (kl != strlen(key) || memcmp(GRPC_SLICE_START_PTR(m->key), key, kl) != 0) continue;
+    if (vl >= len) return -1;
+    memcpy(buf, GRPC_SLICE_START_PTR(m->value), vl);
+    buf[vl] = '\0';
+    return 1;
+  }
+  return 0;
+}
+
+void zd__gsrv_call_peer(const call_t *k, char *buf, size_t len) {
+  char *peer = grpc_call_get_peer(k->call);
+  snprintf(buf, len, "%s", peer ? peer : "unknown peer");
+  gpr_free(peer);
 }
 
 /* The one batch that ends a call. payload may be NULL (an error status). The call's reference

@@ -68,6 +68,13 @@ const char *zd__gsrv_address(const zd__gsrv_t *s);
 /* The call's method path, for messages. */
 const char *zd__gsrv_call_path(const zd__gsrv_call_t *call);
 
+/* The value of the call's request metadata `key` (lower case), copied into buf (len bytes) with a
+ * NUL. Returns 1 if found, 0 if absent, -1 if it does not fit. */
+int zd__gsrv_call_metadata(const zd__gsrv_call_t *call, const char *key, char *buf, size_t len);
+
+/* Who called ("ipv4:127.0.0.1:51234", "unix:..."), for logging a refused call. */
+void zd__gsrv_call_peer(const zd__gsrv_call_t *call, char *buf, size_t len);
+
 /* Answers the call with msg (packed now: msg may go when this returns). */
 void zd__gsrv_reply(zd__gsrv_call_t *call, const ProtobufCMessage *msg);
 

@@ -48,6 +48,12 @@ int zd__rdv_open(const char *address, zd__rdv_t **out, zd__err_t *err) {
   return ZD_OK;
 }
 
+int zd__rdv_set_token(zd__rdv_t *rdv, const char *token, zd__err_t *err) {
+  if (zd__grpc_channel_set_token(rdv->ch, token))
+    return zd__errf(err, -ENOMEM, "out of memory for the control token");
+  return ZD_OK;
+}
+
 void zd__rdv_close(zd__rdv_t *rdv) {
   if (!rdv) return;
   zd__grpc_channel_close(rdv->ch);

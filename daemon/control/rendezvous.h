@@ -23,6 +23,10 @@ typedef struct zd__rdv zd__rdv_t;
 int zd__rdv_open(const char *address, zd__rdv_t **out, zd__err_t *err);
 void zd__rdv_close(zd__rdv_t *rdv);
 
+/* The store's calls need the world's control token when zerod has a control_token_file: every
+ * call from now on carries it (NULL or "": none). Errors: -ENOMEM. */
+int zd__rdv_set_token(zd__rdv_t *rdv, const char *token, zd__err_t *err);
+
 int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, int timeout_ms,
                 zd__err_t *err);
 

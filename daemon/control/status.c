@@ -1,4 +1,5 @@
-/* Status sections (status.h). */
+/* Status sections (status.h): the builder, and the daemon's sections, read through the daemon's,
+ * the sessions' and the server's accessors. */
 #include "status.h"
 
 #include <errno.h>
@@ -11,7 +12,9 @@
 #include <unistd.h>
 
 #include "adam.h"
+#include "clock.h"
 #include "daemon.h"
+#include "server.h"
 #include "session.h"
 
 typedef struct entry {
@@ -118,8 +121,8 @@ static void add_config(void *ctx, const char *name, const char *value, const cha
   zd__status_add(ctx, name, "%s (%s)", value, source);
 }
 
-static void add_rank(zd__status_t *st, zd__daemon_t *d, uint32_t local) {
-  zd__rank_t *r = d->ranks[local];
+static void add_rank(zd__status_t *st, const zd__daemon_t *d, uint32_t local) {
+  zd__rank_t *r = zd__daemon_rank(d, local);
   zd__rank_stats_t s;
   zd__rank_stats(r, &s);
   char name[32];
@@ -128,15 +131,15 @@ static void add_rank(zd__status_t *st, zd__daemon_t *d, uint32_t local) {
   zd__status_add(st, "rank", "%u", zd__rank_global(r));
   zd__status_add(st, "local_rank", "%u", local);
   zd__status_add(st, "health", "%s", zd__health_name(s.health));
-  if (d->backend == ZD__BACKEND_CUDA) {
-    const zd__gpu_info_t *g = &d->gpus[local];
+  const zd__gpu_info_t *g = zd__daemon_gpu(d, local);
+  if (g) {
     zd__status_add(st, "device", "%d", g->device);
     zd__status_add(st, "gpu", "%s", g->name);
     zd__status_add(st, "gpu_uuid", "%s", g->uuid_str);
   }
   if (s.health == ZD__HEALTH_DEGRADED)
     zd__status_add(st, "degraded_reason", "%s", s.degraded_reason);
-  zd__session_t *c = d->attached[local];
+  const zd__session_t *c = zd__sessions_attached(zd__daemon_sessions(d), local);
   zd__status_add(st, "client", "%s", c ? zd__session_name(c) : "none");
   zd__status_add(st, "client_pid", "%d", c ? (int)zd__session_pid(c) : 0);
   zd__status_add(st, "model", "%s", s.has_model ? "registered" : "none");
@@ -162,35 +165,40 @@ static void add_rank(zd__status_t *st, zd__daemon_t *d, uint32_t local) {
 }
 
 zd__status_t *zd__status_collect(zd__daemon_t *d) {
+  const zd__config_t *cfg = zd__daemon_config(d);
+  const zd__sessions_t *ss = zd__daemon_sessions(d);
+  const zd__session_counters_t *n = zd__sessions_counters(ss);
+  zd__backend_t backend = zd__daemon_backend(d);
+  const char *note = zd__daemon_backend_note(d);
   zd__status_t *st = zd__status_new();
   if (!st) return NULL;
   zd__status_section(st, "server");
   zd__status_add(st, "version", "%s", ZD_VERSION);
   zd__status_add(st, "pid", "%d", (int)getpid());
-  zd__status_add(st, "uptime_s", "%" PRIu64, (zd__now_us() - d->start_us) / 1000000u);
-  zd__status_add(st, "socket", "%s", d->socket_path);
-  zd__status_add(st, "backend", "%s", zd__backend_name(d->backend));
-  if (d->backend_note[0]) zd__status_add(st, "backend_note", "%s", d->backend_note);
-  if (d->backend == ZD__BACKEND_CPU) {
-    zd__status_add(st, "kernel_isa", "%s", zd__isa_name((zd__isa_t)d->isa));
-    zd__status_add(st, "kernel_threads", "%u", zd__pool_size(d->pool));
+  zd__status_add(st, "uptime_s", "%" PRIu64, (zd__now_us() - zd__daemon_start_us(d)) / 1000000u);
+  zd__status_add(st, "socket", "%s", zd__server_socket_path(zd__daemon_server(d)));
+  zd__status_add(st, "backend", "%s", zd__backend_name(backend));
+  if (note[0]) zd__status_add(st, "backend_note", "%s", note);
+  if (backend == ZD__BACKEND_CPU) {
+    zd__status_add(st, "kernel_isa", "%s", zd__isa_name((zd__isa_t)zd__daemon_isa(d)));
+    zd__status_add(st, "kernel_threads", "%u", zd__pool_size(zd__daemon_pool(d)));
   } else {
     zd__status_add(st, "state_memory", "%s", "device");
   }
-  zd__status_add(st, "clients_connected", "%u", d->nsessions);
-  zd__status_add(st, "clients_total", "%" PRIu64, d->clients_total);
-  zd__status_add(st, "clients_denied", "%" PRIu64, d->clients_denied);
-  zd__status_add(st, "requests_total", "%" PRIu64, d->requests_total);
-  zd__status_add(st, "errors_total", "%" PRIu64, d->errors_total);
-  zd__status_add(st, "shutting_down", "%d", d->shutting_down);
+  zd__status_add(st, "clients_connected", "%u", zd__sessions_open(ss));
+  zd__status_add(st, "clients_total", "%" PRIu64, n->clients_total);
+  zd__status_add(st, "clients_denied", "%" PRIu64, n->clients_denied);
+  zd__status_add(st, "requests_total", "%" PRIu64, n->requests_total);
+  zd__status_add(st, "errors_total", "%" PRIu64, n->errors_total);
+  zd__status_add(st, "shutting_down", "%d", zd__daemon_shutting_down(d));
   zd__status_section(st, "world");
-  zd__status_add(st, "world_size", "%u", d->world_size);
-  zd__status_add(st, "local_ranks", "%u", d->nranks);
-  zd__status_add(st, "first_rank", "%u", d->cfg->first_rank);
-  zd__status_add(st, "bucket_elems", "%" PRIu64, d->bucket_elems);
-  for (uint32_t i = 0; i < d->nranks; i++) add_rank(st, d, i);
+  zd__status_add(st, "world_size", "%u", zd__daemon_world_size(d));
+  zd__status_add(st, "local_ranks", "%u", zd__daemon_nranks(d));
+  zd__status_add(st, "first_rank", "%u", cfg->first_rank);
+  zd__status_add(st, "bucket_elems", "%" PRIu64, zd__daemon_bucket_elems(d));
+  for (uint32_t i = 0; i < zd__daemon_nranks(d); i++) add_rank(st, d, i);
   zd__status_section(st, "config");
-  zd__config_visit(d->cfg, add_config, st);
+  zd__config_visit(cfg, add_config, st);
   if (st->oom) {
     zd__status_free(st);
     return NULL;

@@ -122,6 +122,10 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
   kv_ctx_t k = {.stop = stop, .timeout_ms = w->connect_timeout_ms};
   int rc = zd__rdv_open(w->rendezvous_address, &k.rdv, err);
   if (rc) return rc;
+  if ((rc = zd__rdv_set_token(k.rdv, w->control_token, err))) {
+    zd__rdv_close(k.rdv);
+    return rc;
+  }
   zd__kv_t kv = {.ctx = &k, .set = kv_set, .get = kv_get, .wait = kv_wait};
   char id[32], prefix[64];
   ZD_LOG_INFO("joining a world of %u ranks through %s", w->world_size, w->rendezvous_address);

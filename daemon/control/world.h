@@ -18,6 +18,7 @@
 
 #include "comm.h"
 #include "error.h"
+#include "token.h"
 
 #define ZD__ADDRESS_MAX 256
 
@@ -27,6 +28,7 @@ typedef struct zd__world {
   char rendezvous_address[ZD__ADDRESS_MAX]; /* control service of the node hosting rank 0 */
   char control_address[ZD__ADDRESS_MAX];    /* this node's, for the node registry */
   char collective_host[ZD__ADDRESS_MAX];    /* this node's address for collectives */
+  char control_token[ZD__TOKEN_MAX];        /* sent to the store; "": none */
   uint32_t world_size;
   uint32_t first_rank;
   uint32_t local_ranks;

@@ -74,6 +74,11 @@ static const setting_t settings[] = {
     IDS(S_PROTO, "allowed_gids", T_GIDS, allowed_gids,
         "groups whose members may connect, by gid or name (default: none)"),
     U32(S_PROTO, "max_clients", max_clients, "64", 1, 4096, "simultaneous client connections"),
+    U32(S_PROTO, "max_clients_per_uid", max_clients_per_uid, "32", 1, 4096,
+        "simultaneous client connections of one user, so that one user's idle or stray "
+        "connections cannot lock the others out"),
+    U32(S_PROTO, "hello_timeout_ms", hello_timeout_ms, "10000", 100, 600000,
+        "a connection that has not said hello within this time is closed"),
     U32(S_PROTO, "max_frame_bytes", max_frame_bytes, "16777216", 4096, 67108864,
         "largest request or reply frame, in bytes"),
     U32(S_PROTO, "frame_timeout_ms", frame_timeout_ms, "10000", 100, 600000,
@@ -95,12 +100,24 @@ static const setting_t settings[] = {
         "target elements per gradient bucket (0: max(40M, 1M * world_size))"),
     STR(S_WORLD, "control_address", control_address, "127.0.0.1:7070", "ADDR",
         "listen address of the gRPC control service"),
+    STR(S_WORLD, "control_token_file", control_token_file, "", "FILE",
+        "file (mode 0600) holding the world's control token, which the rendezvous store's calls "
+        "must carry (\"\": none; every zerod of a world and zeroctl use the same)"),
+    U32(S_WORLD, "control_insecure", control_insecure, "0", 0, 1,
+        "1: serve the control service on an address other hosts reach although it has no TLS "
+        "(use a control_token_file and a network only the job's nodes reach)"),
     STR(S_WORLD, "rendezvous_address", rendezvous_address, "", "ADDR",
         "control service of the daemon holding rank 0 (\"\": control_address)"),
     U32(S_WORLD, "collective_timeout_ms", collective_timeout_ms, "1800000", 100, 86400000,
         "a collective not complete within this time marks the world degraded (a dead peer is "
         "noticed at once; this bounds a silent one, so leave room for a rank's checkpoint or "
         "evaluation between steps: torch.distributed's default is 30 minutes too)"),
+    U32(S_WORLD, "heartbeat_ms", heartbeat_ms, "1000", 50, 60000,
+        "how often each node's health service is checked by the other nodes of the world"),
+    U32(S_WORLD, "peer_timeout_ms", peer_timeout_ms, "10000", 200, 86400000,
+        "a node whose health service has not answered for this long is declared dead: the "
+        "collectives waiting for it fail and the ranks are degraded (a busy node still "
+        "answers; only a stopped process, host or network stays silent)"),
     U32(S_WORLD, "connect_timeout_ms", connect_timeout_ms, "600000", 1000, 86400000,
         "how long a rank waits for its peers to join the world at start"),
     STR(S_WORLD, "collective_host", collective_host, "127.0.0.1", "HOST",
@@ -110,7 +127,12 @@ static const setting_t settings[] = {
     U32(S_OPS, "shutdown_timeout_ms", shutdown_timeout_ms, "10000", 0, 3600000,
         "after SIGTERM, collectives still waiting for a peer this long are aborted so that "
         "zerod exits (0: wait for them, up to collective_timeout_ms)"),
-    ENUM(S_OPS, "log_level", log_level, "info", levels, "least severe level logged"),
+    ENUM(S_OPS, "log_level", log_level, "info", levels,
+         "least severe level logged (re-read from the config file on SIGHUP)"),
+    STR(S_OPS, "metrics_address", metrics_address, "", "ADDR",
+        "listen address of the Prometheus endpoint http://ADDR/metrics, e.g. 127.0.0.1:9400 "
+        "(\"\": off; port 0: a free port, logged). It serves numbers only, no secrets, but "
+        "anyone who reaches it sees them"),
     STR(S_OPS, "config", config_file, "", "FILE",
         "file of `name = value` lines, read before the environment and flags"),
 };
@@ -484,6 +506,8 @@ int zd__config_load(zd__config_t *cfg, int argc, char **argv, char **envp, zd__e
   int rc, i_config = setting_index("config");
 
   memset(cfg, 0, sizeof *cfg);
+  cfg->argc = argc;
+  cfg->argv = argv;
   if (!envp) envp = environ;
   for (size_t i = 0; i < NSETTINGS; i++) {
     rc = set_value(cfg, (int)i, settings[i].def, "default", SRC_DEFAULT, err);

@@ -16,7 +16,7 @@
 #include "error.h"
 
 #define ZD__MAX_IDS             32
-#define ZD__CONFIG_MAX_SETTINGS 32 /* rows the table in config.c may have */
+#define ZD__CONFIG_MAX_SETTINGS 64 /* rows the table in config.c may have */
 
 typedef struct zd__idlist {
   uint32_t n;
@@ -30,6 +30,8 @@ typedef struct zd__config {
   zd__idlist_t allowed_uids; /* allowed_uids; default: the daemon's uid and 0 */
   zd__idlist_t allowed_gids; /* allowed_gids; default: none */
   uint32_t max_clients;
+  uint32_t max_clients_per_uid;
+  uint32_t hello_timeout_ms; /* a connection must say hello within this */
   uint32_t max_frame_bytes;
   uint32_t frame_timeout_ms; /* a frame started must be complete within this */
   uint32_t max_inflight;     /* pipelined requests per client */
@@ -38,22 +40,30 @@ typedef struct zd__config {
   uint32_t threads; /* kernel threads; 0: one per CPU */
   char *kernel_isa; /* auto | avx512 | avx2 | scalar */
   /* world */
-  uint32_t local_ranks;     /* R */
-  uint32_t world_size;      /* W; 0: local_ranks (a single-node world) */
-  uint32_t first_rank;      /* global rank of local rank 0 */
-  uint64_t bucket_elems;    /* 0: max(40M, 1M * W) */
-  char *control_address;    /* gRPC control service listen address */
-  char *rendezvous_address; /* rank 0's control service; "": control_address */
+  uint32_t local_ranks;      /* R */
+  uint32_t world_size;       /* W; 0: local_ranks (a single-node world) */
+  uint32_t first_rank;       /* global rank of local rank 0 */
+  uint64_t bucket_elems;     /* 0: max(40M, 1M * W) */
+  char *control_address;     /* gRPC control service listen address */
+  char *rendezvous_address;  /* rank 0's control service; "": control_address */
+  char *control_token_file;  /* the store's calls need its token; "": none */
+  uint32_t control_insecure; /* 1: a control_address beyond loopback is allowed without TLS */
   uint32_t collective_timeout_ms;
   uint32_t connect_timeout_ms; /* peers must join the world within this at start */
+  uint32_t heartbeat_ms;       /* other nodes' health checked this often */
+  uint32_t peer_timeout_ms;    /* a node silent this long is dead */
   char *collective_host;       /* Gloo's listen/connect address of this node */
   /* operations */
   uint32_t shutdown_timeout_ms; /* then abort collectives still running */
   char *log_level;              /* error | warn | info | debug */
+  char *metrics_address;        /* Prometheus endpoint (metrics.h); "": off */
   char *config_file;            /* --config / ZEROD_CONFIG */
   /* Where each setting came from, indexed like the table in config.c; read it through
    * zd__config_visit(). Kept in the instance so two loads (tests, reload) do not share it. */
   unsigned char source[ZD__CONFIG_MAX_SETTINGS];
+  /* The command line it was loaded from, for a reload (SIGHUP); not owned. */
+  int argc;
+  char **argv;
 } zd__config_t;
 
 /* Result of zd__config_load() besides errors. */
@@ -67,12 +77,12 @@ enum {
 /* Fills cfg from defaults, the config file (--config FILE or ZEROD_CONFIG), ZEROD_* variables of
  * envp (NULL: environ) and argv flags (--name VALUE or --name=VALUE; setting names with '-' or
  * '_'). Returns ZD__CONFIG_RUN, ZD__CONFIG_HELP (--help/-h), ZD__CONFIG_VERSION (--version/-V),
- * ZD__CONFIG_HELP_MARKDOWN (--help-markdown),
- * or a negative code with a message naming the setting, its source (file:line, variable or
- * flag), the bad value and what is expected (ZD_ECONFIG, -ENOENT for a missing file).
- * cfg is overwritten, not freed: pass a zeroed or freed one. On any result but ZD__CONFIG_RUN it
- * is left released (zd__config_free() on it is still fine). Start-up only: not thread-safe
- * (getpwnam, getgrnam, getenv). */
+ * ZD__CONFIG_HELP_MARKDOWN (--help-markdown), or a negative code with a message naming the
+ * setting, its source (file:line, variable or flag), the bad value and what is expected
+ * (ZD_ECONFIG, -ENOENT for a missing file). cfg is overwritten, not freed: pass a zeroed or freed
+ * one. On any result but ZD__CONFIG_RUN it is left released (zd__config_free() on it is still
+ * fine). Start-up and the loop thread's SIGHUP reload only, where no other thread calls
+ * getpwnam, getgrnam or setenv: not thread-safe. */
 int zd__config_load(zd__config_t *cfg, int argc, char **argv, char **envp, zd__err_t *err);
 
 /* Releases the strings; accepts a zeroed or partly loaded cfg. */

@@ -1,8 +1,9 @@
-/* The daemon's loop, start-up and shutdown (daemon.h). */
+/* The daemon's state, loop, start-up and shutdown (daemon.h). */
 #include "daemon.h"
 
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,14 +14,61 @@
 #include <unistd.h>
 
 #include "adam.h"
+#include "clock.h"
 #include "comm.h"
 #include "control.h"
+#include "liveness.h"
 #include "log.h"
+#include "metrics.h"
+#include "server.h"
 #include "session.h"
+#include "world.h"
 #ifdef ZD_HAVE_CUDA
 #include "adam_cuda.h"
 #include "cuda_check.h"
 #endif
+
+struct zd__daemon {
+  uv_loop_t loop;
+  const zd__config_t *cfg;
+  uint32_t world_size;
+  uint64_t bucket_elems;
+  int isa; /* zd__isa_t of the CPU kernels */
+  zd__pool_t *pool;
+  zd__backend_t backend;
+  /* Why the CUDA backend is not used when it was not asked for ("" when it is, or was refused
+   * by configuration): for the start-up log and the status. */
+  char backend_note[ZD__ERR_MSG_MAX];
+  zd__gpu_info_t *gpus; /* CUDA backend: the GPU of each local rank (local rank i: device i) */
+  zd__world_t world;    /* how ranks join a multi-rank world */
+  uint32_t nranks;
+  zd__rank_t **ranks;
+
+  zd__sessions_t *sessions;    /* the clients, and which one holds each local rank */
+  zd__server_t *server;        /* the listening socket */
+  zd__control_t *control;      /* gRPC control service; NULL once stopped */
+  struct zd__liveness *peers;  /* the heartbeat of the other nodes; NULL in a one-node world */
+  struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
+
+  uv_timer_t shutdown_timer; /* aborts collectives that hold a shutdown too long */
+  uv_signal_t sigterm;
+  uv_signal_t sigint;
+  uv_async_t done_async;
+  pthread_mutex_t done_lock;
+  zd__job_t *done_head; /* finished jobs from the workers, in completion order */
+  zd__job_t *done_tail;
+  int shutting_down;
+  int handles_closed;
+
+  uv_signal_t sighup;
+  uv_timer_t summary_timer; /* the connection summary (connection_summary) */
+  uint64_t summary_clients; /* clients_total at the last summary */
+  uint64_t summary_dropped; /* connections_dropped at the last summary */
+  uv_timer_t notify_timer;  /* systemd: WATCHDOG=1 and STATUS= (notify_systemd) */
+  int watchdog;             /* the unit has WatchdogSec: send WATCHDOG=1 too */
+
+  uint64_t start_us;
+};
 
 /* systemd's readiness protocol (Type=notify): one datagram to $NOTIFY_SOCKET; nothing without it.
  */
@@ -70,14 +118,132 @@ static void on_signal(uv_signal_t *handle, int signum) {
   zd__daemon_t *d = handle->data;
   if (d->shutting_down) {
     ZD_LOG_WARN("%s again: still waiting for %u sessions to finish their jobs", strsignal(signum),
-                d->nsessions);
+                zd__sessions_open(d->sessions));
     return;
   }
   ZD_LOG_INFO("%s: shutting down", strsignal(signum));
   zd__daemon_shutdown(d);
 }
 
+/* SIGHUP (a closed terminal, an operator's `systemctl reload`): never fatal, since the optimizer
+ * state lives only here. zerod re-reads its configuration the way it was loaded and applies what
+ * can change at run time (log_level); a changed setting that needs a restart is named in the log.
+ * The log is stderr, which journald or the container runtime owns: there is no file to reopen. */
+typedef struct setting_values {
+  const char *names[ZD__CONFIG_MAX_SETTINGS];
+  char *values[ZD__CONFIG_MAX_SETTINGS];
+  size_t n;
+} setting_values_t;
+
+static void collect_setting(void *ctx, const char *name, const char *value, const char *source) {
+  setting_values_t *sv = ctx;
+  (void)source;
+  if (sv->n < ZD__CONFIG_MAX_SETTINGS) {
+    sv->names[sv->n] = name;
+    sv->values[sv->n++] = strdup(value);
+  }
+}
+
+static void reload_config(zd__daemon_t *d) {
+  zd__config_t next;
+  zd__err_t err = {0};
+  int rc = zd__config_load(&next, d->cfg->argc, d->cfg->argv, NULL, &err);
+  if (rc != ZD__CONFIG_RUN) {
+    ZD_LOG_WARN("SIGHUP: configuration not reloaded, the running one stays: %s",
+                rc < 0 ? err.msg : "unexpected --help or --version");
+    return;
+  }
+  setting_values_t before = {0}, after = {0};
+  zd__config_visit(d->cfg, collect_setting, &before);
+  zd__config_visit(&next, collect_setting, &after);
+  int changed = 0;
+  for (size_t i = 0; i < before.n && i < after.n; i++) {
+    if (!before.values[i] || !after.values[i] || !strcmp(before.values[i], after.values[i]))
+      continue;
+    changed++;
+    if (!strcmp(before.names[i], "log_level")) {
+      zd__log_level = zd__log_parse_level(after.values[i]);
+      ZD_LOG_WARN("SIGHUP: log_level is now %s (was %s)", after.values[i], before.values[i]);
+    } else {
+      ZD_LOG_WARN("SIGHUP: %s changed to %s (running with %s until a restart)", before.names[i],
+                  after.values[i], before.values[i]);
+    }
+  }
+  if (!changed) ZD_LOG_INFO("SIGHUP: configuration re-read, nothing changed");
+  for (size_t i = 0; i < before.n; i++) free(before.values[i]);
+  for (size_t i = 0; i < after.n; i++) free(after.values[i]);
+  zd__config_free(&next);
+}
+
+static void on_sighup(uv_signal_t *handle, int signum) {
+  (void)signum;
+  reload_config(handle->data);
+}
+
+/* Connections are logged at debug only (any local process can open thousands): this line says at
+ * info, at most once a minute and only when something happened, how many came and how many
+ * zerod closed, with the last reason. */
+#define SUMMARY_MS 60000
+
+static void connection_summary(uv_timer_t *t) {
+  zd__daemon_t *d = t->data;
+  const zd__session_counters_t *n = zd__sessions_counters(d->sessions);
+  uint64_t came = n->clients_total - d->summary_clients;
+  uint64_t dropped = n->connections_dropped - d->summary_dropped;
+  if (!came && !dropped) return;
+  if (dropped)
+    ZD_LOG_INFO("connections in the last %d s: %" PRIu64 " new, %" PRIu64
+                " closed by zerod after an error (totals: %" PRIu64 " denied, %" PRIu64
+                " over a limit, %" PRIu64 " without hello); last: %s",
+                SUMMARY_MS / 1000, came, dropped, n->clients_denied, n->clients_refused,
+                n->clients_timed_out, n->last_drop);
+  else
+    ZD_LOG_INFO("connections in the last %d s: %" PRIu64 " new, %u open", SUMMARY_MS / 1000, came,
+                zd__sessions_open(d->sessions));
+  d->summary_clients = n->clients_total;
+  d->summary_dropped = n->connections_dropped;
+}
+
+/* Under systemd (Type=notify): STATUS= with the step and health of the ranks, for `systemctl
+ * status`, and WATCHDOG=1 when the unit has WatchdogSec. Both are sent from the loop, so a loop
+ * that hangs stops them and systemd restarts zerod; a rank busy for minutes does not. */
+static void notify_systemd(uv_timer_t *t) {
+  zd__daemon_t *d = t->data;
+  uint32_t ok = 0, degraded = 0;
+  uint64_t step = 0;
+  for (uint32_t i = 0; i < d->nranks; i++) {
+    zd__rank_stats_t s;
+    zd__rank_stats(d->ranks[i], &s);
+    ok += s.health == ZD__HEALTH_OK;
+    degraded += s.health == ZD__HEALTH_DEGRADED;
+    if (s.has_model && s.step > step) step = s.step;
+  }
+  char msg[256];
+  snprintf(msg, sizeof msg, "%sSTATUS=%u of %u local rank(s) ok%s, step %" PRIu64,
+           d->watchdog ? "WATCHDOG=1\n" : "", ok, d->nranks,
+           degraded ? " (degraded: see zeroctl status)" : "", step);
+  sd_notify(msg);
+}
+
+/* The period of notify_systemd: half the watchdog interval systemd gives (WATCHDOG_USEC, for this
+ * process: WATCHDOG_PID), else 10 s for STATUS= alone; 0 outside systemd. *watchdog says which. */
+static uint64_t notify_period_ms(int *watchdog) {
+  *watchdog = 0;
+  if (!getenv("NOTIFY_SOCKET")) return 0;
+  const char *usec = getenv("WATCHDOG_USEC"), *pid = getenv("WATCHDOG_PID");
+  if (usec && (!pid || strtol(pid, NULL, 10) == (long)getpid())) {
+    unsigned long long us = strtoull(usec, NULL, 10);
+    if (us >= 2000) {
+      *watchdog = 1;
+      return us / 2000;
+    }
+  }
+  return 10000;
+}
+
 static void stop_ranks(zd__daemon_t *d) {
+  zd__liveness_stop(d->peers); /* it may call into the ranks */
+  d->peers = NULL;
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_destroy(d->ranks[i]);
   d->nranks = 0;
 }
@@ -85,17 +251,22 @@ static void stop_ranks(zd__daemon_t *d) {
 /* The last step of a shutdown: no session, so no job is left anywhere, and the control service
  * is down. */
 static void finish(zd__daemon_t *d) {
-  if (d->handles_closed || d->nsessions > 0 || d->control) return;
+  if (d->handles_closed || (d->sessions && zd__sessions_open(d->sessions) > 0) || d->control)
+    return;
   d->handles_closed = 1;
   stop_ranks(d);
   uv_close((uv_handle_t *)&d->shutdown_timer, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
   uv_close((uv_handle_t *)&d->sigint, NULL);
+  uv_close((uv_handle_t *)&d->sighup, NULL);
+  uv_close((uv_handle_t *)&d->summary_timer, NULL);
+  uv_close((uv_handle_t *)&d->notify_timer, NULL);
   uv_close((uv_handle_t *)&d->done_async, NULL);
   /* Closing the handles restored the default action; a repeated signal now must not turn a clean
    * exit into a death by signal. Nothing is left to wait for. */
   signal(SIGTERM, SIG_IGN);
   signal(SIGINT, SIG_IGN);
+  signal(SIGHUP, SIG_IGN);
 }
 
 static void control_stopped(zd__daemon_t *d) {
@@ -110,7 +281,7 @@ static void on_shutdown_timeout(uv_timer_t *t) {
   ZD_LOG_WARN(
       "still waiting for %u session(s) %u ms after the shutdown began: aborting the "
       "collectives in progress",
-      d->nsessions, d->cfg->shutdown_timeout_ms);
+      zd__sessions_open(d->sessions), d->cfg->shutdown_timeout_ms);
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_abort(d->ranks[i]);
 }
 
@@ -118,17 +289,13 @@ void zd__daemon_shutdown(zd__daemon_t *d) {
   if (d->shutting_down) return;
   d->shutting_down = 1;
   sd_notify("STOPPING=1");
-  zd__server_stop(d);
+  zd__metrics_stop(&d->metrics);
+  if (d->server) zd__server_stop(d->server);
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_cancel(d->ranks[i]); /* no long waits now */
   if (d->cfg->shutdown_timeout_ms)
     uv_timer_start(&d->shutdown_timer, on_shutdown_timeout, d->cfg->shutdown_timeout_ms, 0);
   if (d->control) zd__control_stop(d->control, control_stopped);
-  zd__session_t *s = d->sessions;
-  while (s) {
-    zd__session_t *next = zd__session_next(s);
-    zd__session_drain(s); /* may free s */
-    s = next;
-  }
+  if (d->sessions) zd__sessions_drain(d->sessions);
   finish(d);
 }
 
@@ -140,8 +307,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   const zd__config_t *cfg = d->cfg;
   d->nranks = 0;
   d->ranks = calloc(cfg->local_ranks, sizeof *d->ranks);
-  d->attached = calloc(cfg->local_ranks, sizeof *d->attached);
-  if (!d->ranks || !d->attached) return zd__errf(err, -ENOMEM, "out of memory");
+  if (!d->ranks) return zd__errf(err, -ENOMEM, "out of memory");
   /* On rank 0's node the store is our own control service, at the address it actually bound. */
   const char *rendezvous =
       cfg->first_rank == 0 && strcmp(cfg->rendezvous_address, cfg->control_address) == 0
@@ -156,6 +322,8 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   snprintf(d->world.control_address, sizeof d->world.control_address, "%s",
            zd__control_address(d->control));
   snprintf(d->world.collective_host, sizeof d->world.collective_host, "%s", cfg->collective_host);
+  snprintf(d->world.control_token, sizeof d->world.control_token, "%s",
+           zd__control_token(d->control));
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */
@@ -184,6 +352,22 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
     d->nranks++;
   }
   return ZD_OK;
+}
+
+/* The heartbeat thread found a node dead: fail the collectives that wait for it, now. */
+static void peer_dead(void *ctx, const char *reason) {
+  zd__daemon_t *d = ctx;
+  for (uint32_t i = 0; i < d->nranks; i++) zd__rank_peer_dead(d->ranks[i], reason);
+}
+
+/* Other nodes of the world are watched by a heartbeat (liveness.h); a one-node world has none. */
+static int watch_peers(zd__daemon_t *d, zd__err_t *err) {
+  if (d->world_size <= d->cfg->local_ranks) return ZD_OK;
+  zd__liveness_cfg_t cfg = {.rendezvous_address = d->world.rendezvous_address,
+                            .first_rank = d->cfg->first_rank,
+                            .heartbeat_ms = d->cfg->heartbeat_ms,
+                            .peer_timeout_ms = d->cfg->peer_timeout_ms};
+  return zd__liveness_start(&cfg, peer_dead, d, &d->peers, err);
 }
 
 static int choose_isa(const zd__config_t *cfg, int *isa, zd__err_t *err) {
@@ -279,7 +463,6 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   zd__daemon_t *d = calloc(1, sizeof *d);
   if (!d) return zd__errf(err, -ENOMEM, "out of memory");
   d->cfg = cfg;
-  d->listen_fd = -1;
   d->start_us = zd__now_us();
   d->world_size = cfg->world_size ? cfg->world_size : cfg->local_ranks;
   d->bucket_elems = cfg->bucket_elems;
@@ -294,7 +477,12 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_timer_init(&d->loop, &d->shutdown_timer);
   uv_signal_init(&d->loop, &d->sigterm);
   uv_signal_init(&d->loop, &d->sigint);
+  uv_signal_init(&d->loop, &d->sighup);
+  uv_timer_init(&d->loop, &d->summary_timer);
+  uv_timer_init(&d->loop, &d->notify_timer);
+  d->notify_timer.data = d;
   d->done_async.data = d->sigterm.data = d->sigint.data = d->shutdown_timer.data = d;
+  d->sighup.data = d->summary_timer.data = d;
 
   if ((rc = choose_backend(d, err)) || (rc = choose_isa(cfg, &d->isa, err))) goto fail;
   rc = zd__pool_create(cfg->threads, &d->pool);
@@ -305,10 +493,19 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   /* The control service first: ranks joining a world register its bound address (a ":0" port
    * gets its real number) and, on rank 0's node, need its rendezvous store. */
   if ((rc = zd__control_start(d, &d->control, err))) goto fail;
-  if ((rc = create_ranks(d, err))) goto fail;
-  if ((rc = zd__server_start(d, err))) goto fail;
+  if ((rc = zd__metrics_start(&d->loop, cfg->metrics_address, d, &d->metrics, err))) goto fail;
+  if ((rc = create_ranks(d, err)) || (rc = watch_peers(d, err))) goto fail;
+  if ((rc = zd__sessions_create(d, d->nranks, &d->sessions))) {
+    zd__errf(err, rc, "out of memory");
+    goto fail;
+  }
+  if ((rc = zd__server_start(&d->loop, cfg, d->sessions, &d->server, err))) goto fail;
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
   uv_signal_start(&d->sigint, on_signal, SIGINT);
+  uv_signal_start(&d->sighup, on_sighup, SIGHUP);
+  uv_timer_start(&d->summary_timer, connection_summary, SUMMARY_MS, SUMMARY_MS);
+  uint64_t period = notify_period_ms(&d->watchdog);
+  if (period) uv_timer_start(&d->notify_timer, notify_systemd, period, period);
   if (d->backend == ZD__BACKEND_CUDA)
     ZD_LOG_INFO(
         "ready: %u local rank(s) of a world of %u, CUDA backend (one GPU per local rank, "
@@ -339,9 +536,61 @@ void zd__daemon_destroy(zd__daemon_t *d) {
   if (!d) return;
   stop_ranks(d);
   zd__pool_destroy(d->pool);
+  zd__server_destroy(d->server);
+  zd__sessions_destroy(d->sessions);
   free(d->ranks);
-  free(d->attached);
   free(d->gpus);
   pthread_mutex_destroy(&d->done_lock);
   free(d);
+}
+
+/* ---- accessors ------------------------------------------------------------------------------ */
+
+uv_loop_t *zd__daemon_loop(zd__daemon_t *d) {
+  return &d->loop;
+}
+const zd__config_t *zd__daemon_config(const zd__daemon_t *d) {
+  return d->cfg;
+}
+uint32_t zd__daemon_world_size(const zd__daemon_t *d) {
+  return d->world_size;
+}
+uint64_t zd__daemon_bucket_elems(const zd__daemon_t *d) {
+  return d->bucket_elems;
+}
+uint64_t zd__daemon_start_us(const zd__daemon_t *d) {
+  return d->start_us;
+}
+zd__backend_t zd__daemon_backend(const zd__daemon_t *d) {
+  return d->backend;
+}
+const char *zd__daemon_backend_note(const zd__daemon_t *d) {
+  return d->backend_note;
+}
+const zd__gpu_info_t *zd__daemon_gpu(const zd__daemon_t *d, uint32_t local) {
+  if (d->backend != ZD__BACKEND_CUDA) return NULL;
+  zd_assert(local < d->cfg->local_ranks);
+  return &d->gpus[local];
+}
+int zd__daemon_isa(const zd__daemon_t *d) {
+  return d->isa;
+}
+zd__pool_t *zd__daemon_pool(const zd__daemon_t *d) {
+  return d->pool;
+}
+uint32_t zd__daemon_nranks(const zd__daemon_t *d) {
+  return d->nranks;
+}
+zd__rank_t *zd__daemon_rank(const zd__daemon_t *d, uint32_t local) {
+  zd_assert(local < d->nranks);
+  return d->ranks[local];
+}
+int zd__daemon_shutting_down(const zd__daemon_t *d) {
+  return d->shutting_down;
+}
+zd__sessions_t *zd__daemon_sessions(const zd__daemon_t *d) {
+  return d->sessions;
+}
+const zd__server_t *zd__daemon_server(const zd__daemon_t *d) {
+  return d->server;
 }

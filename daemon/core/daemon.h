@@ -1,8 +1,12 @@
 /* The daemon: the libuv loop and everything it owns.
  *
- * One zd__daemon_t per process. The loop thread owns it: the listening socket (server.c), the
- * client sessions (session.c), the local ranks (rank.c) as far as attaching clients goes, signals
- * and the completion queue through which rank workers hand finished jobs back (uv_async_send).
+ * One zd__daemon_t per process, opaque: its fields are daemon.c's. The loop thread owns it and
+ * what hangs from it: the listening socket (server.h), the client sessions with the table of which
+ * session holds which local rank (session.h), the local ranks (rank.h), the control service
+ * (control.h), signals, and the completion queue through which rank workers hand finished jobs
+ * back (uv_async_send). The other modules read what they need through the accessors below; none
+ * writes the daemon's state.
+ *
  * Shutdown (SIGTERM/SIGINT): stop accepting and remove the socket, stop reading requests, let the
  * jobs in flight finish and their replies go out, close the sessions, join the rank workers,
  * close every handle; the loop then closes with nothing open.
@@ -10,72 +14,24 @@
 #ifndef ZD_DAEMON_DAEMON_H
 #define ZD_DAEMON_DAEMON_H
 
-#include <pthread.h>
 #include <stdint.h>
 #include <uv.h>
 
-#include "compute.h"
 #include "clock.h"
+#include "compute.h"
 #include "config.h"
 #include "error.h"
 #include "pool.h"
 #include "rank.h"
-#include "world.h"
 
 /* The compute backend the daemon runs, chosen once at start. */
 typedef enum zd__backend { ZD__BACKEND_CPU = 0, ZD__BACKEND_CUDA = 1 } zd__backend_t;
 
-typedef struct zd__session zd__session_t;
-typedef struct zd__control zd__control_t;
+typedef struct zd__daemon zd__daemon_t;
+typedef struct zd__sessions zd__sessions_t;
+typedef struct zd__server zd__server_t;
 
-typedef struct zd__daemon {
-  uv_loop_t loop;
-  const zd__config_t *cfg;
-  uint32_t world_size;
-  uint64_t bucket_elems;
-  int isa; /* zd__isa_t of the CPU kernels */
-  zd__pool_t *pool;
-  zd__backend_t backend;
-  /* Why the CUDA backend is not used when it was not asked for ("" when it is, or was refused
-   * by configuration): for the start-up log and the status. */
-  char backend_note[ZD__ERR_MSG_MAX];
-  zd__gpu_info_t *gpus; /* CUDA backend: the GPU of each local rank (local rank i: device i) */
-  zd__world_t world;    /* how ranks join a multi-rank world */
-  uint32_t nranks;
-  zd__rank_t **ranks;
-  zd__session_t **attached; /* per local rank: the session attached to it, or NULL */
-
-  /* server.c */
-  int listen_fd;
-  uv_poll_t listen_poll;
-  int listening;
-  char socket_path[108];
-
-  /* session.c */
-  zd__session_t *sessions; /* all open sessions, linked through the session */
-  uint32_t nsessions;
-  uint32_t next_session_id;
-
-  zd__control_t *control; /* gRPC control service; NULL once stopped */
-
-  uv_timer_t shutdown_timer; /* aborts collectives that hold a shutdown too long */
-  uv_signal_t sigterm;
-  uv_signal_t sigint;
-  uv_async_t done_async;
-  pthread_mutex_t done_lock;
-  zd__job_t *done_head; /* finished jobs from the workers, in completion order */
-  zd__job_t *done_tail;
-  int shutting_down;
-  int handles_closed;
-
-  uint64_t start_us;
-  uint64_t clients_total;
-  uint64_t clients_denied;
-  uint64_t requests_total;
-  uint64_t errors_total;
-} zd__daemon_t;
-
-/* Sets up the loop, pool, ranks and socket from cfg (which must outlive the daemon).
+/* Sets up the loop, pool, ranks, sessions and socket from cfg (which must outlive the daemon).
  * Errors with a message: socket in use, bad path, no memory. */
 int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *err);
 
@@ -85,17 +41,48 @@ int zd__daemon_run(zd__daemon_t *d);
 /* Frees what zd__daemon_run left (nothing, after a clean shutdown); accepts NULL. */
 void zd__daemon_destroy(zd__daemon_t *d);
 
-/* Starts the shutdown sequence (signals; idempotent). */
+/* Starts the shutdown sequence (signals; idempotent). Loop thread. */
 void zd__daemon_shutdown(zd__daemon_t *d);
 
-/* Called by session.c when a session is gone, to finish a shutdown. */
+/* Called by session.c when a session's handles are closed, to finish a shutdown. Loop thread. */
 void zd__daemon_session_gone(zd__daemon_t *d);
 
 /* "cpu" or "cuda". */
 const char *zd__backend_name(zd__backend_t backend);
 
-/* server.c: listening socket. */
-int zd__server_start(zd__daemon_t *d, zd__err_t *err);
-void zd__server_stop(zd__daemon_t *d);
+/* ---- accessors -------------------------------------------------------------------------------
+ * What is fixed once zd__daemon_create has returned (configuration, world and bucket sizes,
+ * backend, GPUs, kernel pool, start time) may be read from any thread for the daemon's lifetime;
+ * the rest is the loop thread's. */
+
+uv_loop_t *zd__daemon_loop(zd__daemon_t *d);
+const zd__config_t *zd__daemon_config(const zd__daemon_t *d);
+uint32_t zd__daemon_world_size(const zd__daemon_t *d); /* world_size, or local_ranks if 0 */
+uint64_t zd__daemon_bucket_elems(const zd__daemon_t *d);
+uint64_t zd__daemon_start_us(const zd__daemon_t *d); /* zd__now_us() at create */
+
+zd__backend_t zd__daemon_backend(const zd__daemon_t *d);
+/* Why the CUDA backend is not used although it was not refused by configuration ("CUDA not used:
+ * ..."), for messages and status; "" otherwise. */
+const char *zd__daemon_backend_note(const zd__daemon_t *d);
+/* CUDA backend: the GPU of local rank `local` (< the configured local_ranks); NULL with the CPU
+ * backend. */
+const zd__gpu_info_t *zd__daemon_gpu(const zd__daemon_t *d, uint32_t local);
+/* CPU backend: the kernels' ISA (zd__isa_t) and their thread pool. */
+int zd__daemon_isa(const zd__daemon_t *d);
+zd__pool_t *zd__daemon_pool(const zd__daemon_t *d);
+
+/* The local ranks: their number, and rank `local` (< that number). Loop thread; the ranks live
+ * until the shutdown's last step, when the number drops to 0. */
+uint32_t zd__daemon_nranks(const zd__daemon_t *d);
+zd__rank_t *zd__daemon_rank(const zd__daemon_t *d, uint32_t local);
+
+/* Whether the shutdown has begun (requests are refused from then on). Loop thread. */
+int zd__daemon_shutting_down(const zd__daemon_t *d);
+
+/* The client sessions and the listener (session.h, server.h). Loop thread; valid until
+ * zd__daemon_destroy. */
+zd__sessions_t *zd__daemon_sessions(const zd__daemon_t *d);
+const zd__server_t *zd__daemon_server(const zd__daemon_t *d);
 
 #endif /* ZD_DAEMON_DAEMON_H */

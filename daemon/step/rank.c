@@ -26,6 +26,7 @@ struct zd__rank {
   int busy;             /* under lock: a job is running (on the worker or inline) */
   atomic_int inline_ok; /* the model is small enough to step on the loop thread */
   atomic_int cancel;    /* shutdown: stop waiting for peers (bootstrap, barriers) */
+  int standing_in;      /* under lock: a ZD__JOB_STAND_IN is running */
   zd__model_t *model;   /* the thread running a job only */
   pthread_mutex_t stats_lock;
   zd__rank_stats_t stats;
@@ -100,7 +101,10 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
   /* A failed collective breaks the communicator for good, and a failure of the device leaves its
    * state in doubt: the rank is degraded. (A registration barrier that timed out, or a peer that
    * refused a step, leaves the communicator healthy: not degraded.) */
-  if (job->code && (job->code == ZD_EBACKEND || zd__comm_failed(r->ctx.comm))) {
+  /* The first failure is the reason: a job refused because the rank was degraded already must not
+   * wrap it again ("rank 0 is degraded: rank 0 is degraded: ..."). */
+  if (job->code && job->code != ZD_EDEGRADED &&
+      (job->code == ZD_EBACKEND || zd__comm_failed(r->ctx.comm))) {
     if (s->health != ZD__HEALTH_DEGRADED) ZD_LOG_ERROR("rank degraded: %s", job->err.msg);
     s->health = ZD__HEALTH_DEGRADED;
     snprintf(s->degraded_reason, sizeof s->degraded_reason, "%s", job->err.msg);
@@ -117,10 +121,28 @@ static int degraded(zd__rank_t *r, zd__err_t *err) {
   return bad ? ZD_EDEGRADED : ZD_OK;
 }
 
+/* Shutdown aborts a stand-in at once (zd__rank_cancel): nobody waits for its answer, and its
+ * peers may never come. */
+static void stand_in(zd__rank_t *r, zd__job_t *job) {
+  pthread_mutex_lock(&r->lock);
+  r->standing_in = !atomic_load(&r->cancel);
+  pthread_mutex_unlock(&r->lock);
+  if (r->standing_in)
+    job->code = zd__model_stand_in(&r->ctx, r->model, job->buffers, job->in.abrupt, &job->out.kept,
+                                   &job->err);
+  pthread_mutex_lock(&r->lock);
+  r->standing_in = 0;
+  pthread_mutex_unlock(&r->lock);
+}
+
 static void run_job(zd__rank_t *r, zd__job_t *job) {
   zd__err_t *err = &job->err;
   job->code = degraded(r, err);
   if (job->code) return;
+  if (job->type == ZD__JOB_STAND_IN) {
+    if (r->model) stand_in(r, job);
+    return;
+  }
   if (job->type != ZD__JOB_ATTACH && !r->model) {
     job->code = zd__errf(err, ZD_EORDER, "no model registered on rank %u", r->env.rank);
     return;
@@ -158,6 +180,8 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
       job->code =
           zd__model_step(&r->ctx, r->model, job->buffers, job->event_slot, job->in.step.groups,
                          job->in.step.scatter, job->in.step.gather, &job->out.step, err);
+      break;
+    case ZD__JOB_STAND_IN: /* above */
       break;
   }
 }
@@ -345,12 +369,21 @@ void zd__rank_destroy(zd__rank_t *r) {
 
 void zd__rank_cancel(zd__rank_t *r) {
   atomic_store(&r->cancel, 1);
+  pthread_mutex_lock(&r->lock);
+  if (r->standing_in) zd__comm_abort(r->ctx.comm, -ECANCELED, "zerod is shutting down");
+  pthread_mutex_unlock(&r->lock);
 }
 
 void zd__rank_abort(zd__rank_t *r) {
   zd__rank_cancel(r);
   pthread_mutex_lock(&r->lock);
-  zd__comm_abort(r->ctx.comm);
+  zd__comm_abort(r->ctx.comm, -ECANCELED, "zerod is shutting down");
+  pthread_mutex_unlock(&r->lock);
+}
+
+void zd__rank_peer_dead(zd__rank_t *r, const char *why) {
+  pthread_mutex_lock(&r->lock);
+  zd__comm_abort(r->ctx.comm, ZD_EPEER, why);
   pthread_mutex_unlock(&r->lock);
 }
 

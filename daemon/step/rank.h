@@ -66,6 +66,7 @@ typedef enum zd__job_type {
   ZD__JOB_SCATTER, /* reduce-scatter one bucket or all */
   ZD__JOB_STEP,    /* [scatter], optimizer step, [gather] */
   ZD__JOB_GATHER,  /* all-gather one bucket or all */
+  ZD__JOB_STAND_IN /* the client left (W > 1): stand in for it where the world is (step.h) */
 } zd__job_type_t;
 
 typedef struct zd__step_out {
@@ -81,7 +82,8 @@ typedef struct zd__job {
   struct zd__job *next;
   zd__job_type_t type;
   zd__rank_t *rank;
-  void *session; /* the requester, for the reply; NULL for internal jobs */
+  void *session; /* the requester, for the reply (STAND_IN: the session that left, which waits
+                    for it before it ends) */
   uint64_t request_id;
   uint16_t msg_type;
   const zd__buffers_t *buffers;
@@ -96,6 +98,7 @@ typedef struct zd__job {
       int scatter;
       int gather;
     } step;
+    int abrupt; /* STAND_IN: the client disconnected (else it said bye) */
   } in;
   int code; /* result */
   zd__err_t err;
@@ -110,6 +113,7 @@ typedef struct zd__job {
       uint64_t shard_elems;
     } attach;
     zd__step_out_t step;
+    int kept; /* STAND_IN: the rank took over the client's param buffer (the session forgets it) */
   } out;
 } zd__job_t;
 
@@ -177,13 +181,20 @@ typedef struct zd__rank_env {
 int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out);
 
 /* Shutdown has begun: waits for peers (the world's bootstrap, registration barriers) give up
- * with -ECANCELED from now on, so that the jobs in flight finish soon. Any thread. */
+ * with -ECANCELED from now on, so that the jobs in flight finish soon, and a stand-in for a
+ * client that left (ZD__JOB_STAND_IN, whose answer nobody waits for) is aborted at once. Any
+ * thread. */
 void zd__rank_cancel(zd__rank_t *rank);
 
 /* Shutdown is taking too long: the collective in progress fails now (-ECANCELED) instead of
  * waiting for a silent peer up to the collective timeout; the rank is then degraded. Any
  * thread. */
 void zd__rank_abort(zd__rank_t *rank);
+
+/* A peer of the world was found dead (the heartbeat, liveness.h): the collective in progress, and
+ * every later one, fails at once with ZD_EPEER and `why`, which then degrades the rank, instead
+ * of waiting for the collective timeout. Any thread. */
+void zd__rank_peer_dead(zd__rank_t *rank, const char *why);
 
 /* Stops the worker after the queued jobs have run (cancelling a world bootstrap still waiting
  * for peers), joins it and frees the rank and its model; accepts NULL. */

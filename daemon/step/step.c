@@ -1,5 +1,6 @@
-/* Step logic (step.h): model state, register/resume, scatter, step, gather. Runs on a rank's
- * worker thread; the backend's pieces go through zd__compute_t (compute.h). */
+/* Step logic (step.h): model state, register/resume, scatter, step, gather, and the stand-in for
+ * a client that left. Runs on a rank's worker thread; the backend's pieces go through
+ * zd__compute_t (compute.h). */
 #include "clock.h"
 #include "step.h"
 
@@ -15,6 +16,10 @@
 #include "log.h"
 #include "step_decide.h"
 #include "world.h"
+
+/* The step number in the record of a rank that stands in for its client (zd__model_stand_in): no
+ * step ever gets this far, and the record's layout stays the one the CUDA kernels write. */
+#define ABANDONED_STEP UINT64_MAX
 
 static uint64_t hash_mix(uint64_t h, const void *data, size_t len) {
   const uint8_t *p = data;
@@ -48,9 +53,12 @@ void zd__model_free(zd__model_t *m) {
   free(m->segs);
   free(m->nsegs);
   free(m->scattered);
+  free(m->attempted);
+  free(m->ungathered);
   free(m->shard_grad);
   free(m->shard_grad_dtype);
   free(m->groups);
+  zd__shm_unmap(&m->kept);
   zd__layout_free(m->layout);
   free(m);
 }
@@ -84,9 +92,12 @@ static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__m
   m->segs = calloc(nb, sizeof *m->segs);
   m->nsegs = calloc(nb, sizeof *m->nsegs);
   m->scattered = calloc(nb, 1);
+  m->attempted = calloc(nb, 1);
+  m->ungathered = calloc(nb, 1);
   m->shard_grad = calloc(nb, sizeof *m->shard_grad);
   m->shard_grad_dtype = calloc(nb, sizeof *m->shard_grad_dtype);
-  if (!m->segs || !m->nsegs || !m->scattered || !m->shard_grad || !m->shard_grad_dtype) {
+  if (!m->segs || !m->nsegs || !m->scattered || !m->attempted || !m->ungathered || !m->shard_grad ||
+      !m->shard_grad_dtype) {
     zd__model_free(m);
     return zd__errf(err, -ENOMEM, "out of memory for the state of %" PRIu64 " shard elements",
                     l->shard_elems);
@@ -245,8 +256,54 @@ exit:
   return rc;
 }
 
+/* A resumed model starts a fresh run of steps with its new client. */
+static void model_resume(zd__model_t *m, zd__model_spec_t *spec) {
+  free(m->groups);
+  m->groups = spec->groups;
+  m->ngroups = spec->ngroups;
+  spec->groups = NULL;
+  model_configure(m, spec, 1);
+  memset(m->scattered, 0, m->layout->nbuckets);
+  memset(m->attempted, 0, m->layout->nbuckets);
+  memset(m->ungathered, 0, m->layout->nbuckets);
+  m->abandoned = 0;
+}
+
+/* A reattach at world size > 1 (zd__model_attach): the other ranks may be training, and their
+ * clients are not asked, so nothing here waits for them. The full model comes from the param
+ * buffer the rank kept from its last client, whose gathers were all done (by it, or by the
+ * stand-in that took its place); this rank's slice is written from the master weights, as at any
+ * resume. */
+static int resume_alone(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spec_t *spec,
+                        const zd__buffers_t *buf, uint32_t slot, zd__err_t *err) {
+  if (spec->param_dtype != m->param_dtype || spec->grad_dtype != m->grad_dtype)
+    return zd__errf(err, ZD_EDTYPE,
+                    "rank %u holds this model with %s params and %s grads, as every rank of the "
+                    "world does; a client that reattaches alone registers %s and %s: use the "
+                    "model's dtypes, or register on every rank with replace",
+                    ctx->rank, zd_dtype_name(m->param_dtype), zd_dtype_name(m->grad_dtype),
+                    zd_dtype_name(spec->param_dtype), zd_dtype_name(spec->grad_dtype));
+  int rc = job_begin(ctx, buf, slot, err);
+  if (rc) return job_end(ctx, buf, slot, rc, err);
+  size_t bytes = m->layout->total_elems * zd_dtype_size(m->param_dtype);
+  zd_assert(m->kept.bytes >= bytes && buf->params.bytes >= bytes); /* both checked at register */
+  memcpy(buf->params.addr, m->kept.addr, bytes);
+  model_resume(m, spec);
+  rc = ctx->compute->ops->exchange(ctx->compute, m, buf, ctx->rank, 1, err);
+  if (!rc) zd__shm_unmap(&m->kept); /* the new client's buffer is the model's copy from now on */
+  return job_end(ctx, buf, slot, rc, err);
+}
+
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                      const zd__buffers_t *buf, uint32_t slot, int *resumed, zd__err_t *err) {
+  zd__model_t *m = *model;
+  char diff[512] = "";
+  int same = m && m->layout->hash == spec->layout->hash &&
+             zd__layout_diff(m->layout, spec->layout, diff, sizeof diff) == 0;
+  if (same && !spec->replace && m->kept.kind == ZD__SHM_HOST && buf->params.kind == ZD__SHM_HOST) {
+    *resumed = 1;
+    return resume_alone(ctx, m, spec, buf, slot, err);
+  }
   /* Trainers may register minutes apart; the agreement below is a collective bounded by the
    * collective timeout. Wait for every rank through the rendezvous store first, which may take
    * as long as a world takes to form, and can be cancelled by a shutdown. */
@@ -257,14 +314,14 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
       snprintf(cause, sizeof cause, "%s", err->msg);
       return zd__errf(err, rc,
                       "registration on rank %u: waiting for the other ranks' clients to "
-                      "register: %s",
-                      ctx->rank, cause);
+                      "register: %s%s",
+                      ctx->rank, cause,
+                      rc == -ETIMEDOUT ? " (a client of a rank that holds this model resumes "
+                                         "alone and is not waited for: a new model takes "
+                                         "replace on every rank)"
+                                       : "");
     }
   }
-  zd__model_t *m = *model;
-  char diff[512] = "";
-  int same = m && m->layout->hash == spec->layout->hash &&
-             zd__layout_diff(m->layout, spec->layout, diff, sizeof diff) == 0;
   if (m && !same && !diff[0]) zd__layout_diff(m->layout, spec->layout, diff, sizeof diff);
   if (spec->replace) same = 0; /* start afresh even with the same model */
   attach_record_t rec = {.param_dtype = spec->param_dtype,
@@ -298,12 +355,8 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
 
   *resumed = same;
   if (same) {
-    free(m->groups);
-    m->groups = spec->groups;
-    m->ngroups = spec->ngroups;
-    spec->groups = NULL;
-    model_configure(m, spec, 1);
-    memset(m->scattered, 0, m->layout->nbuckets);
+    model_resume(m, spec);
+    zd__shm_unmap(&m->kept);
     rc = ctx->compute->ops->exchange(ctx->compute, m, buf, ctx->rank, 1, err);
   } else {
     zd__model_t *fresh = NULL;
@@ -341,7 +394,8 @@ static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__
         ctx->comm->ops->reduce_scatter(ctx->comm, b, send, m->grad_dtype, bk->shard_elems, scratch,
                                        &m->shard_grad[b], &m->shard_grad_dtype[b], err);
     if (rc) return rc;
-    m->scattered[b] = 1;
+    m->scattered[b] = m->attempted[b] = 1;
+    m->abandoned = 0; /* a new attempt */
   }
   return ZD_OK;
 }
@@ -355,6 +409,7 @@ static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
     int rc = ctx->comm->ops->all_gather(ctx->comm, b, param_at(m, buf, bk->offset), m->param_dtype,
                                         bk->shard_elems, err);
     if (rc) return rc;
+    m->ungathered[b] = 0;
   }
   return ZD_OK;
 }
@@ -375,11 +430,20 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffer
 
 /* Checks the records of every rank (all) against this rank's: every rank must be about to apply
  * the same step of the same model with the same hyperparameters. Sums the statistics in rank
- * order. */
-static int agree(const zd__step_ctx_t *ctx, const zd__step_record_t *mine,
+ * order. A record marked abandoned (a rank standing in for its client) comes first, so that
+ * every rank reaches the same verdict: step `step` is refused everywhere. */
+static int agree(const zd__step_ctx_t *ctx, uint64_t step, const zd__step_record_t *mine,
                  const zd__step_record_t *all, double *sumsq, uint64_t *nonfinite, zd__err_t *err) {
   *sumsq = 0;
   *nonfinite = 0;
+  for (uint32_t r = 0; r < ctx->world_size; r++)
+    if (all[r].step == ABANDONED_STEP)
+      return zd__errf(err, ZD_EABORTED,
+                      "step %" PRIu64
+                      " abandoned: rank %u's trainer disconnected in the middle "
+                      "of it; no rank applied it (retry it, scattering every bucket again, once "
+                      "that rank's trainer is back)",
+                      step, r);
   for (uint32_t r = 0; r < ctx->world_size; r++) {
     if (all[r].layout_hash != mine->layout_hash)
       return zd__errf(err, ZD_ELAYOUT,
@@ -405,13 +469,22 @@ static int agree(const zd__step_ctx_t *ctx, const zd__step_record_t *mine,
   return ZD_OK;
 }
 
-/* Statistics, the records' exchange and their check: everything before the commit point. */
+/* Whether a step needs the gradient statistics; the same for a rank standing in, so that every
+ * rank exchanges its record the same way (CUDA: from device memory when they are needed). */
+static int needs_stats(const zd__step_ctx_t *ctx, const zd__model_t *m) {
+  return ctx->world_size > 1 || m->max_grad_norm > 0 || m->scaler.enabled;
+}
+
+/* Statistics, the records' exchange and their check: everything before the commit point.
+ * abandon: this rank stands in for its client, and its record says so. */
 static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_group_t *groups,
-                        int need_stats, double *sumsq, uint64_t *nonfinite, zd__err_t *err) {
+                        int need_stats, int abandon, double *sumsq, uint64_t *nonfinite,
+                        zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   zd__compute_t *c = ctx->compute;
-  zd__step_record_t rec = {
-      .step = m->step + 1, .layout_hash = l->hash, .hparam_hash = hparam_hash(m, groups)};
+  zd__step_record_t rec = {.step = abandon ? ABANDONED_STEP : m->step + 1,
+                           .layout_hash = l->hash,
+                           .hparam_hash = hparam_hash(m, groups)};
   int rc = ZD_OK;
   for (uint32_t b = 0; need_stats && b < l->nbuckets && !rc; b++)
     rc = c->ops->grad_stats(c, m, b, b == 0, &rec, err);
@@ -420,7 +493,8 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   zd__step_record_t stack[8], *all = w <= 8 ? stack : calloc(w, sizeof *all);
   if (!all) return zd__errf(err, -ENOMEM, "out of memory");
   rc = c->ops->gather_records(c, ctx->comm, m, &rec, need_stats, all, err);
-  if (!rc) rc = agree(ctx, &rec, all, sumsq, nonfinite, err);
+  if (!rc) memset(m->attempted, 0, l->nbuckets); /* the attempt is over on every rank */
+  if (!rc) rc = agree(ctx, m->step + 1, &rec, all, sumsq, nonfinite, err);
   if (all != stack) free(all);
   return rc;
 }
@@ -443,16 +517,22 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   /* The step's hyperparameters become the model's only once every rank has agreed to them. */
   if (!groups) groups = m->groups;
 
-  int need_stats = ctx->world_size > 1 || m->max_grad_norm > 0 || m->scaler.enabled;
+  int need_stats = needs_stats(ctx, m);
   double sumsq = 0;
   uint64_t nonfinite = 0;
-  rc = commit_point(ctx, m, groups, need_stats, &sumsq, &nonfinite, err);
+  rc = commit_point(ctx, m, groups, need_stats, 0, &sumsq, &nonfinite, err);
+  if (rc == ZD_EABORTED) { /* the whole attempt is void on every rank: scatter again */
+    memset(m->scattered, 0, l->nbuckets);
+    m->abandoned = 1;
+  }
   if (rc) return job_end(ctx, buf, slot, rc, err);
 
   /* Committed: every rank takes the same decision from the same global statistics (the same
    * function as the CUDA backend's decide kernel). */
   if (groups != m->groups) memcpy(m->groups, groups, m->ngroups * sizeof *groups);
   memset(m->scattered, 0, l->nbuckets);
+  /* Its client gathers every bucket before its next scatter, the update applied or skipped. */
+  if (!gather) memset(m->ungathered, 1, l->nbuckets);
   zd__decide_cfg_t cfg = {.world_size = ctx->world_size,
                           .grad_mean = m->grad_mean,
                           .need_stats = need_stats,
@@ -492,6 +572,59 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     /* A distinct code: the client must not take this step for one that was not applied. */
     return zd__errf(err, ZD_EAPPLIED, "step %" PRIu64 " was applied, but %s failed (%s): %s",
                     m->step, gather ? "the gather" : "completing it", zd_err_name(rc), cause);
+  }
+  return ZD_OK;
+}
+
+/* ---- a client that left ---------------------------------------------------------------------- */
+
+int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                       int abrupt, int *kept, zd__err_t *err) {
+  const zd__layout_t *l = m->layout;
+  uint32_t nb = l->nbuckets, attempted = 0, ungathered = 0, gathers = 0, scatters = 0;
+  for (uint32_t b = 0; b < nb; b++) {
+    attempted += m->attempted[b];
+    ungathered += m->ungathered[b];
+  }
+  /* At a step's edge the other ranks' clients may be in the next step already (waiting for this
+   * rank in its first scatter), or not: a client that disconnected there gets them out of it, as
+   * one that left in the middle must; one that said bye did not leave a step. */
+  int step = attempted > 0 || (abrupt && !m->abandoned);
+  uint64_t n = m->step + (ungathered ? 0 : 1);
+  *kept = 0;
+  /* Nothing is left to order this work after: the client's CUDA events are not waited on. */
+  zd__buffers_t own = *buf;
+  own.device = -1;
+  int rc = job_begin(ctx, &own, 0, err);
+  for (uint32_t b = 0; b < nb && !rc; b++)
+    if (m->ungathered[b] && !(rc = gather_buckets(ctx, m, &own, (int32_t)b, err))) gathers++;
+  if (!rc && step) {
+    n = m->step + 1;
+    for (uint32_t b = nb; b-- > 0 && !rc;)
+      if (!m->attempted[b] && !(rc = scatter_buckets(ctx, m, &own, (int32_t)b, err))) scatters++;
+    double sumsq;
+    uint64_t nonfinite;
+    if (!rc) rc = commit_point(ctx, m, m->groups, needs_stats(ctx, m), 1, &sumsq, &nonfinite, err);
+    if (rc == ZD_EABORTED) { /* as intended: every rank refuses the step */
+      rc = ZD_OK;
+      memset(m->scattered, 0, nb);
+      m->abandoned = 1;
+    }
+  }
+  rc = job_end(ctx, &own, 0, rc, err);
+  if (rc) {
+    ZD_LOG_ERROR("standing in for the client that left in step %" PRIu64 " failed: %s", n,
+                 err->msg);
+    return rc;
+  }
+  if (gathers || step)
+    ZD_LOG_WARN("the client %s in step %" PRIu64 ": stood in for it (%u gathers, %u scatters%s)",
+                abrupt ? "disconnected" : "said bye", n, gathers, scatters,
+                step ? ", the step abandoned on every rank" : "");
+  if (buf->params.kind == ZD__SHM_HOST) { /* for the next client, which resumes alone */
+    zd__shm_unmap(&m->kept);
+    m->kept = buf->params;
+    *kept = 1;
   }
   return ZD_OK;
 }

@@ -15,6 +15,11 @@
  * is one job: it starts with the backend's begin and ends with its finish, so that when it
  * returns nothing it queued is still running (the session may then release the buffers); `slot`
  * is the job's pair of the client's CUDA events (the request's event_slot; 0 with host buffers).
+ *
+ * At world size > 1 a client may leave in the middle of a step (docs/design.md, "When a trainer
+ * dies"): its rank's worker then stands in for it (zd__model_stand_in) and the step is abandoned
+ * on every rank (ZD_EABORTED) at the commit point, so that no rank applies it; the rank keeps the
+ * client's param buffer, the full model, for the next client, which resumes alone.
  */
 #ifndef ZD_DAEMON_STEP_H
 #define ZD_DAEMON_STEP_H
@@ -46,6 +51,12 @@ typedef struct zd__model {
   zd__segment_t **segs; /* per bucket: this rank's segments (host memory) */
   uint32_t *nsegs;
   uint8_t *scattered;      /* per bucket: reduced since the last step */
+  uint8_t *attempted;      /* per bucket: reduced in the step attempt in progress (cleared by
+                              every exchange of step records, whatever its verdict) */
+  uint8_t *ungathered;     /* per bucket: a step without gather came since its last gather */
+  int abandoned;           /* the last step attempt was abandoned, and no scatter came since */
+  zd__shm_t kept;          /* W > 1, host memory: the last client's param buffer (the full
+                              model as of its last gather), for the next client; else none */
   const void **shard_grad; /* per bucket: where the reduced gradients are */
   zd_dtype_t *shard_grad_dtype;
   void *cdata; /* the backend's per-model data (model_init/model_fini) */
@@ -60,11 +71,16 @@ typedef struct zd__step_ctx {
   struct zd__world_member *member; /* world size > 1: for the registration barrier */
 } zd__step_ctx_t;
 
-/* Register, collectively: every rank must register the same model, and all resume the same
- * step or all start afresh. *model is the rank's model (NULL if none) and is resumed (same
- * layout, spec->replace not set) or replaced; takes spec. On success the client's param buffer
- * holds the full model and *resumed says whether state was kept. ZD_ELAYOUT when a different
- * model is held and spec->replace is not set, or when ranks registered different models. */
+/* Register. *model is the rank's model (NULL if none) and is resumed (same layout, spec->replace
+ * not set) or replaced; takes spec. On success the client's param buffer holds the full model
+ * and *resumed says whether state was kept.
+ * A resume at world size > 1 with host buffers is local: the rank's kept param buffer (the last
+ * client's) is copied into the client's, with no barrier and no collective, so that a restarted
+ * trainer rejoins a world whose other ranks are training; it must use the model's dtypes
+ * (ZD_EDTYPE otherwise: the other ranks' clients were not asked).
+ * Everything else is collective: every rank must register the same model, and all resume the
+ * same step or all start afresh. ZD_ELAYOUT when a different model is held and spec->replace is
+ * not set, or when ranks registered different models. */
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                      const zd__buffers_t *buf, uint32_t slot, int *resumed, zd__err_t *err);
 
@@ -76,9 +92,28 @@ int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__b
 int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
                      uint32_t slot, int32_t bucket, zd__err_t *err);
 
-/* groups: NULL keeps the model's hyperparameters, else ngroups checked entries (copied). */
+/* groups: NULL keeps the model's hyperparameters, else ngroups checked entries (copied).
+ * ZD_EABORTED when a rank's worker stood in for its client (zd__model_stand_in): nothing
+ * applied, and every bucket must be scattered again. */
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
                    uint32_t slot, const zd_group_t *groups, int scatter, int gather,
                    zd__step_out_t *out, zd__err_t *err);
+
+/* The rank's client left (abrupt: it disconnected, else it said bye), after its requests in
+ * flight had run; world size > 1. Stands in for it in whatever the other ranks still do with
+ * this rank, in the order they do it, so that none of them waits for it:
+ *   - the gathers of every bucket left ungathered since a step without gather (ascending, as
+ *     a gather of all buckets goes), from and into the client's param buffer;
+ *   - the step in progress when this rank scattered some of its buckets in the current
+ *     attempt (since the last exchange of step records), or when the client disconnected at a
+ *     step's edge (unless this rank's last step attempt was abandoned: every surviving client
+ *     knows then): the buckets not scattered in this attempt (descending, as scatters go),
+ *     sending the client's grad buffer, then the step record, marked abandoned, which makes
+ *     every rank refuse the step with ZD_EABORTED.
+ * A bye at a step's edge needs nothing. Then, with host buffers, the model keeps the client's
+ * param buffer (*kept = 1: the caller must forget it, not unmap it) for the next client's local
+ * resume. Bounded like any collective; fails as they do (the rank is then degraded). */
+int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
+                       int abrupt, int *kept, zd__err_t *err);
 
 #endif /* ZD_DAEMON_STEP_H */

@@ -1,4 +1,5 @@
-/* Client sessions (session.h): frame reading, the command table, handlers and replies. */
+/* Client sessions (session.h): connections, frame reading, the command table, handlers and
+ * replies; the set of sessions with its counters and the rank attachment table it drives. */
 #include "session.h"
 
 #include <errno.h>
@@ -10,6 +11,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "attach.h"
+#include "buffers.h"
 #include "dtype.h"
 #include "frame.h"
 #include "log.h"
@@ -35,17 +38,30 @@ typedef struct out_buf {
   uint8_t data[];
 } out_buf_t;
 
+struct zd__sessions {
+  zd__daemon_t *d;
+  zd__session_t *head; /* open sessions, linked through the session */
+  uint32_t n;
+  uint32_t next_id;
+  zd__session_counters_t counters;
+  zd__attach_t *attach; /* which session holds each local rank; written only through here */
+};
+
 struct zd__session {
+  zd__sessions_t *ss;
   zd__daemon_t *daemon;
+  const zd__config_t *cfg;
   zd__session_t *next, *prev;
   uint32_t id;
   int fd;
   uv_poll_t poll;
   uv_timer_t frame_timer;
-  int open_handles; /* poll and timer, until their close callbacks ran */
+  uv_timer_t hello_timer; /* a connection must say hello within hello_timeout_ms */
+  int open_handles;       /* poll and timers, until their close callbacks ran */
   struct ucred cred;
   char name[64];
   session_state_t state;
+  int named_rank;  /* its hello named the rank (a weak reservation: attach.h) */
   int closing;     /* read no more; tear down once idle */
   int dispatching; /* in process_frames: a job done inline must not re-enter it */
   int torn_down;   /* handles closing */
@@ -59,17 +75,15 @@ struct zd__session {
   out_buf_t *wq_head, *wq_tail;
   size_t wq_bytes; /* replies not yet written: reading stops above max_frame_bytes */
 
-  zd__rank_t *rank;
-  zd__buffers_t buffers;
+  zd__rank_t *rank; /* from hello on; held in the attachment table, or competed for at register */
+  zd__session_buffers_t buf;
   uint32_t nbuckets;
   uint32_t ngroups;
-  uint32_t inflight;       /* jobs queued on the rank */
-  uint64_t slots_inflight; /* CUDA buffers: bit k set while a job of event slot k is in flight */
-  int buffers_used;        /* CUDA buffers: a job that may queue work on them was submitted */
-  int mappings_kept;       /* CUDA IPC handles of this connection were left open (bye says so) */
-  zd__job_t *pending_bye;  /* bye waits for the jobs in flight; holds its request id */
+  uint32_t inflight;      /* jobs queued on the rank */
+  zd__job_t *pending_bye; /* bye waits for the jobs in flight; holds its request id */
   uint64_t bye_id;
   int bye_pending;
+  int stood_in; /* W > 1: its rank was released at its end, and the rank stands in for it */
 };
 
 typedef int (*handler_fn)(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
@@ -87,12 +101,13 @@ typedef struct command {
 
 static void update_poll(zd__session_t *s);
 static void maybe_teardown(zd__session_t *s);
+static void stand_in(zd__session_t *s);
 
 /* Whether to take more requests from this client now. Backpressure: a client that pipelines up
  * to max_inflight, or sends without reading its replies (more than max_frame_bytes of them
  * unsent), is not read until it catches up, so it cannot make zerod hold unbounded memory. */
 static int accepting(const zd__session_t *s) {
-  const zd__config_t *cfg = s->daemon->cfg;
+  const zd__config_t *cfg = s->cfg;
   return !s->closing && s->inflight < cfg->max_inflight && s->wq_bytes < cfg->max_frame_bytes;
 }
 static void process_frames(zd__session_t *s);
@@ -170,7 +185,7 @@ static void send_error_kept(zd__session_t *s, uint64_t id, int code, const char 
   e.message = (char *)msg;
   e.has_cuda_mappings_kept = kept >= 0;
   e.cuda_mappings_kept = kept > 0;
-  s->daemon->errors_total++;
+  s->ss->counters.errors_total++;
   ZD_LOG_DEBUG("session %u: request %" PRIu64 " failed: %s: %s", s->id, id, zd_err_name(code), msg);
   send_frame(s, ZD__MSG_ERROR, id, &e.base);
 }
@@ -202,7 +217,13 @@ static void fail_stream(zd__session_t *s, uint64_t id, int kept, int code, const
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  ZD_LOG_WARN("session %u (pid %d): %s; closing the connection", s->id, (int)s->cred.pid, msg);
+  /* Any local process can cause this as often as it likes: one line per event at debug, and the
+   * daemon's summary (connection_summary) counts them at info with the last reason. */
+  ZD_LOG_DEBUG("session %u (pid %d): %s; closing the connection", s->id, (int)s->cred.pid, msg);
+  zd__session_counters_t *n = &s->ss->counters;
+  n->connections_dropped++;
+  snprintf(n->last_drop, sizeof n->last_drop, "pid %d uid %d: %s", (int)s->cred.pid,
+           (int)s->cred.uid, msg);
   send_error_kept(s, id, code, msg, kept);
   s->rlen = 0;
   s->closing = 1;
@@ -217,7 +238,7 @@ static zd__job_t *job_new(zd__session_t *s, zd__job_type_t type, const zd__frame
   job->session = s;
   job->request_id = h->request_id;
   job->msg_type = h->type;
-  job->buffers = &s->buffers;
+  job->buffers = &s->buf.bufs;
   return job;
 }
 
@@ -226,10 +247,7 @@ static void submit(zd__session_t *s, zd__job_t *job) {
    * may still wait in the completion queue, and its reply must go out first. */
   int idle = s->inflight == 0;
   s->inflight++;
-  if (s->buffers.device >= 0) { /* CUDA buffers: the slot is taken until the job is done */
-    s->slots_inflight |= 1ull << job->event_slot;
-    s->buffers_used = 1;
-  }
+  zd__buffers_job_queued(&s->buf, job->event_slot); /* CUDA: the slot is taken until it is done */
   if (idle && zd__rank_run_inline(s->rank, job))
     zd__session_job_done(s, job);
   else
@@ -253,44 +271,57 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
     goto exit;
   }
   int32_t want = req->local_rank;
+  uint32_t nranks = zd__daemon_nranks(d);
   uint32_t local = 0;
+  if (want < -1) {
+    rc = zd__errf(err, ZD_ERANK,
+                  "local rank %d is not valid; expected 0..%u, or -1 (ZD_ANY_RANK) for the "
+                  "first free one",
+                  want, nranks - 1);
+    goto exit;
+  }
   if (want >= 0) {
-    if ((uint32_t)want >= d->nranks) {
+    if ((uint32_t)want >= nranks) {
       rc = zd__errf(err, ZD_ERANK,
                     "local rank %d does not exist; this zerod hosts local ranks "
                     "0..%u",
-                    want, d->nranks - 1);
+                    want, nranks - 1);
       goto exit;
     }
-    local = (uint32_t)want; /* attached at register, where a busy rank is refused */
-  } else {
-    while (local < d->nranks && d->attached[local]) local++;
-    if (local == d->nranks) {
-      rc = zd__errf(err, ZD_EBUSY, "all %u local ranks have a client attached", d->nranks);
-      goto exit;
-    }
+    local = (uint32_t)want;
+    s->named_rank = 1;
+    /* Held by another session: this one competes for it at register (ZD_EBUSY there). */
+    zd__attach_reserve(s->ss->attach, s, local);
+  } else if (zd__attach_reserve_any(s->ss->attach, s, &local) != 0) {
+    rc = zd__errf(err, ZD_EBUSY,
+                  "all %u local ranks have a client attached or reserved (a client holds the "
+                  "rank it got at hello until it disconnects)",
+                  nranks);
+    goto exit;
   }
   if (req->client_name && req->client_name[0])
     snprintf(s->name, sizeof s->name, "%s", req->client_name);
-  s->rank = d->ranks[local];
+  s->rank = zd__daemon_rank(d, local);
   s->state = SESSION_READY;
-  ZD_LOG_INFO("session %u: client '%s' (pid %d, uid %d) for local rank %u (rank %u)", s->id,
-              s->name, (int)s->cred.pid, (int)s->cred.uid, local, zd__rank_global(s->rank));
+  uv_timer_stop(&s->hello_timer);
+  ZD_LOG_DEBUG("session %u: client '%s' (pid %d, uid %d) for local rank %u (rank %u)", s->id,
+               s->name, (int)s->cred.pid, (int)s->cred.uid, local, zd__rank_global(s->rank));
 
   Zerod__V1__HelloReply rep = ZEROD__V1__HELLO_REPLY__INIT;
   rep.version = ZD_PROTOCOL_VERSION;
   rep.daemon_version = (char *)ZD_VERSION;
-  rep.world_size = d->world_size;
+  rep.world_size = zd__daemon_world_size(d);
   rep.rank = zd__rank_global(s->rank);
   rep.local_rank = local;
-  rep.bucket_elems = d->bucket_elems;
-  rep.backend = (char *)zd__backend_name(d->backend);
-  if (d->backend == ZD__BACKEND_CUDA) { /* the client checks its buffers' GPU against this one */
+  rep.bucket_elems = zd__daemon_bucket_elems(d);
+  rep.backend = (char *)zd__backend_name(zd__daemon_backend(d));
+  const zd__gpu_info_t *gpu = zd__daemon_gpu(d, local);
+  if (gpu) { /* CUDA backend: the client checks its buffers' GPU against this one */
     rep.has_device = 1;
-    rep.device = d->gpus[local].device;
+    rep.device = gpu->device;
     rep.has_device_uuid = 1;
-    rep.device_uuid.data = d->gpus[local].uuid;
-    rep.device_uuid.len = sizeof d->gpus[local].uuid;
+    rep.device_uuid.data = (uint8_t *)gpu->uuid;
+    rep.device_uuid.len = sizeof gpu->uuid;
   }
   send_reply(s, h->type, h->request_id, &rep.base);
 exit:
@@ -340,12 +371,15 @@ static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
     }
     params[i].name = p->name;
     params[i].ndim = (uint32_t)p->n_shape;
-    memcpy(params[i].shape, p->shape, p->n_shape * sizeof *p->shape);
+    if (p->n_shape) /* a scalar's shape is NULL: memcpy from NULL is undefined even for 0 bytes */
+      memcpy(params[i].shape, p->shape, p->n_shape * sizeof *p->shape);
     params[i].group = p->group;
   }
+  uint32_t world_size = zd__daemon_world_size(d);
+  uint64_t bucket_elems = zd__daemon_bucket_elems(d);
   if (rc == ZD_OK)
-    rc = zd__layout_build(params, (uint32_t)req->n_params, spec->ngroups, d->world_size,
-                          d->bucket_elems, &spec->layout, err);
+    rc = zd__layout_build(params, (uint32_t)req->n_params, spec->ngroups, world_size, bucket_elems,
+                          &spec->layout, err);
   free(params);
   if (rc) return rc;
   if (spec->layout->hash != req->layout_hash)
@@ -354,199 +388,13 @@ static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
                     " for world size %u and bucket size %" PRIu64
                     "; client and daemon "
                     "disagree on the layout",
-                    req->layout_hash, spec->layout->hash, d->world_size, d->bucket_elems);
+                    req->layout_hash, spec->layout->hash, world_size, bucket_elems);
   return ZD_OK;
 }
 
 static void close_fds(zd__session_t *s) {
   for (int i = 0; i < s->nfds; i++) close(s->fds[i]);
   s->nfds = 0;
-}
-
-/* Unmaps or closes the client's buffers and events; no job of the session may be in flight.
- * Returns 1 when it left CUDA IPC mappings open instead: the rank's stream may still have work on
- * them (a job that could not drain after a failure), and closing an IPC mapping under running
- * work is undefined behaviour. Such mappings are forgotten (a leak of mappings in zerod; the
- * client keeps its memory, told so by Error/ByeReply.cuda_mappings_kept). Mappings no job ever
- * used, or used by jobs whose work has run out, are closed. */
-static int release_buffers(zd__session_t *s) {
-  zd__buffers_t *b = &s->buffers;
-  int kept = b->params.kind == ZD__SHM_CUDA && s->buffers_used && s->rank &&
-             !zd__rank_stream_idle(s->rank);
-  if (kept) {
-    ZD_LOG_WARN(
-        "session %u: local rank %u's stream still has work queued after a failure: "
-        "leaving the client's CUDA IPC mappings open (the client is told to keep its "
-        "buffers)",
-        s->id, zd__rank_local(s->rank));
-    s->mappings_kept = 1;
-  } else {
-    zd__shm_unmap(&b->params);
-    zd__shm_unmap(&b->grads);
-    for (uint32_t k = 0; k < ZD__EVENT_SLOTS; k++) {
-      zd__shm_close_event(b->device, b->grads_ready[k]);
-      zd__shm_close_event(b->device, b->params_ready[k]);
-    }
-  }
-  *b = (zd__buffers_t){.device = -1};
-  s->buffers_used = 0;
-  return kept;
-}
-
-/* Host buffers: two sealed memfds rode along the frame. */
-static int map_host_buffers(zd__session_t *s, const zd__model_spec_t *spec, zd__err_t *err) {
-  zd__daemon_t *d = s->daemon;
-  if (d->backend == ZD__BACKEND_CUDA)
-    return zd__errf(err, ZD_EBACKEND,
-                    "this zerod runs the CUDA backend (local rank %u on GPU %d, "
-                    "%s): register CUDA device buffers (zd_model_desc_t.memory = "
-                    "ZD_MEMORY_CUDA); host buffers need a zerod with backend cpu",
-                    zd__rank_local(s->rank), d->gpus[zd__rank_local(s->rank)].device,
-                    d->gpus[zd__rank_local(s->rank)].uuid_str);
-  if (s->nfds < 2)
-    return zd__errf(err, ZD_EBUFFER,
-                    "register needs 2 file descriptors (param and grad buffers) "
-                    "sent with the frame; got %d",
-                    s->nfds);
-  uint64_t total = spec->layout->total_elems;
-  s->buffers.device = -1;
-  int rc = zd__shm_map(s->fds[0], total * zd_dtype_size(spec->param_dtype), "param buffer",
-                       &s->buffers.params, err);
-  if (rc) return rc;
-  return zd__shm_map(s->fds[1], total * zd_dtype_size(spec->grad_dtype), "grad buffer",
-                     &s->buffers.grads, err);
-}
-
-/* The form of a register's CudaBuffers, checked before anything else about them (before the
- * backend, so that a client learns it from any zerod): every field present with its size, one
- * event handle of each kind per event slot. (Handles are not compared with each other: nothing
- * documents that distinct events have byte-distinct handles, and a client that sent one event
- * twice only orders itself too strictly.) */
-static int check_cuda_form(const Zerod__V1__CudaBuffers *cb, zd__err_t *err) {
-  if (!cb->has_device_uuid || cb->device_uuid.len != 16)
-    return zd__errf(err, ZD_EBUFFER,
-                    "cuda.device_uuid is %zu bytes; expected 16 "
-                    "(cudaDeviceProp.uuid of the buffers' GPU)",
-                    cb->has_device_uuid ? cb->device_uuid.len : 0);
-  struct {
-    const char *name;
-    protobuf_c_boolean has;
-    ProtobufCBinaryData data;
-  } mem[] = {{"cuda.param_handle", cb->has_param_handle, cb->param_handle},
-             {"cuda.grad_handle", cb->has_grad_handle, cb->grad_handle}};
-  for (size_t i = 0; i < sizeof mem / sizeof mem[0]; i++)
-    if (!mem[i].has || mem[i].data.len != ZD__CUDA_IPC_HANDLE_BYTES)
-      return zd__errf(err, ZD_EBUFFER, "%s is %zu bytes; expected %d (a CUDA IPC handle)",
-                      mem[i].name, mem[i].has ? mem[i].data.len : 0, ZD__CUDA_IPC_HANDLE_BYTES);
-  struct {
-    const char *name;
-    size_t n;
-    const ProtobufCBinaryData *h;
-  } ev[] = {{"cuda.grads_ready", cb->n_grads_ready, cb->grads_ready},
-            {"cuda.params_ready", cb->n_params_ready, cb->params_ready}};
-  for (size_t i = 0; i < 2; i++) {
-    if (ev[i].n != ZD__EVENT_SLOTS)
-      return zd__errf(err, ZD_EBUFFER,
-                      "%s carries %zu event handles; expected %d (one per event "
-                      "slot 0..%d)",
-                      ev[i].name, ev[i].n, ZD__EVENT_SLOTS, ZD__EVENT_SLOTS - 1);
-    for (size_t k = 0; k < ev[i].n; k++)
-      if (ev[i].h[k].len != ZD__CUDA_IPC_HANDLE_BYTES)
-        return zd__errf(err, ZD_EBUFFER,
-                        "%s[%zu] is %zu bytes; expected %d (a CUDA IPC event "
-                        "handle)",
-                        ev[i].name, k, ev[i].h[k].len, ZD__CUDA_IPC_HANDLE_BYTES);
-  }
-  return ZD_OK;
-}
-
-/* The event slot of a request that lets zerod touch the client's buffers (register, step,
- * scatter, gather; docs/protocol.md, "CUDA buffers"). With CUDA buffers (cuda): one of the
- * ZD__EVENT_SLOTS pairs that no job of the session in flight uses, since the rank's stream waits
- * on a slot's latest record: a slot shared by two requests in flight would make the first wait
- * for the second's. With host buffers: none (*slot is then 0). */
-static int check_event_slot(const zd__session_t *s, int cuda, const char *what,
-                            protobuf_c_boolean has, uint32_t want, uint32_t *slot, zd__err_t *err) {
-  *slot = 0;
-  if (!cuda)
-    return has ? zd__errf(err, -EINVAL,
-                          "%s carries event_slot %u, but this client's buffers are "
-                          "host memory: event slots are for CUDA buffers (leave the field out)",
-                          what, want)
-               : ZD_OK;
-  if (!has)
-    return zd__errf(err, -EINVAL,
-                    "%s carries no event_slot; a client with CUDA buffers names "
-                    "one in 0..%d",
-                    what, ZD__EVENT_SLOTS - 1);
-  if (want >= ZD__EVENT_SLOTS)
-    return zd__errf(err, -EINVAL,
-                    "%s: event_slot is %u; expected 0..%d (one of the %d event "
-                    "pairs sent at register)",
-                    what, want, ZD__EVENT_SLOTS - 1, ZD__EVENT_SLOTS);
-  if (s->slots_inflight & (1ull << want))
-    return zd__errf(err, -EINVAL,
-                    "%s: event_slot %u belongs to a request still in flight; a "
-                    "slot is free again once its request's reply has been read",
-                    what, want);
-  *slot = want;
-  return ZD_OK;
-}
-
-/* CUDA buffers (form checked): IPC handles of device memory on the rank's GPU, and the ring of
- * IPC event pairs, opened on the rank's GPU (shm_cuda.c checks place and size). What was opened
- * before a failure is in s->buffers, for release_buffers. */
-static int open_cuda_buffers(zd__session_t *s, const Zerod__V1__CudaBuffers *cb,
-                             const zd__model_spec_t *spec, zd__err_t *err) {
-  zd__daemon_t *d = s->daemon;
-  uint32_t local = zd__rank_local(s->rank);
-  if (d->backend != ZD__BACKEND_CUDA)
-    return zd__errf(err, ZD_EBACKEND,
-                    "this zerod runs the CPU backend (%s): it takes host "
-                    "buffers (memfds) only; CUDA device buffers need a zerod with backend cuda on "
-                    "the trainer's node",
-                    d->backend_note[0] ? d->backend_note : "backend cpu");
-  if (s->nfds > 0)
-    return zd__errf(err, ZD_EBUFFER,
-                    "register with CUDA buffers carries %d file descriptors; "
-                    "expected none",
-                    s->nfds);
-  const zd__gpu_info_t *gpu = &d->gpus[local];
-  if (memcmp(cb->device_uuid.data, gpu->uuid, sizeof gpu->uuid) != 0) {
-    char theirs[ZD__GPU_UUID_STR];
-    const uint8_t *u = cb->device_uuid.data;
-    snprintf(theirs, sizeof theirs,
-             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
-             "%02x%02x%02x%02x%02x%02x",
-             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-             u[14], u[15]);
-    return zd__errf(err, ZD_EBUFFER,
-                    "the buffers are on the client's CUDA device %d (%s), but "
-                    "local rank %u runs on %s (%s, zerod's device %d); put the trainer of local "
-                    "rank %u on that GPU",
-                    cb->has_device ? cb->device : -1, theirs, local, gpu->uuid_str, gpu->name,
-                    gpu->device, local);
-  }
-  uint64_t total = spec->layout->total_elems;
-  zd__buffers_t *b = &s->buffers;
-  b->device = gpu->device;
-  int rc =
-      zd__shm_open_cuda(gpu->device, cb->param_handle.data, cb->param_handle.len,
-                        total * zd_dtype_size(spec->param_dtype), "param buffer", &b->params, err);
-  if (!rc)
-    rc = zd__shm_open_cuda(gpu->device, cb->grad_handle.data, cb->grad_handle.len,
-                           total * zd_dtype_size(spec->grad_dtype), "grad buffer", &b->grads, err);
-  for (uint32_t k = 0; k < ZD__EVENT_SLOTS && !rc; k++) {
-    char what[48];
-    snprintf(what, sizeof what, "grads_ready[%u] event", k);
-    rc = zd__shm_open_event(gpu->device, cb->grads_ready[k].data, cb->grads_ready[k].len, what,
-                            &b->grads_ready[k], err);
-    if (rc) break;
-    snprintf(what, sizeof what, "params_ready[%u] event", k);
-    rc = zd__shm_open_event(gpu->device, cb->params_ready[k].data, cb->params_ready[k].len, what,
-                            &b->params_ready[k], err);
-  }
-  return rc;
 }
 
 static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
@@ -569,18 +417,27 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
   }
   rc = spec_from(s, req, spec, err);
   if (rc) goto fail;
-  if (req->cuda && (rc = check_cuda_form(req->cuda, err))) goto fail;
+  if (req->cuda && (rc = zd__buffers_check_cuda_form(req->cuda, err))) goto fail;
   uint32_t slot;
-  rc = check_event_slot(s, req->cuda != NULL, "register", req->has_event_slot, req->event_slot,
-                        &slot, err);
-  if (rc) goto fail;
-  rc = req->cuda ? open_cuda_buffers(s, req->cuda, spec, err) : map_host_buffers(s, spec, err);
+  rc = zd__buffers_event_slot(&s->buf, req->cuda != NULL, "register", req->has_event_slot,
+                              req->event_slot, &slot, err);
   if (rc) goto fail;
   uint32_t local = zd__rank_local(s->rank);
-  zd__session_t *holder = s->daemon->attached[local];
-  if (holder && holder != s) {
-    rc = zd__errf(err, ZD_EBUSY, "local rank %u is attached to client '%s' (pid %d)", local,
-                  holder->name, (int)holder->cred.pid);
+  rc = req->cuda ? zd__buffers_open_cuda(&s->buf, s->daemon, local, req->cuda, s->nfds, spec, err)
+                 : zd__buffers_map_host(&s->buf, s->daemon, local, s->fds, s->nfds, spec, err);
+  if (rc) goto fail;
+  int attached;
+  zd__session_t *holder = zd__attach_blocker(s->ss->attach, s, local, s->named_rank);
+  if (holder) {
+    zd__attach_holder(s->ss->attach, local, &attached);
+    if (attached)
+      rc = zd__errf(err, ZD_EBUSY, "local rank %u is attached to client '%s' (pid %d)", local,
+                    holder->name, (int)holder->cred.pid);
+    else
+      rc = zd__errf(err, ZD_EBUSY,
+                    "local rank %u is reserved by client '%s' (pid %d), which said hello for "
+                    "it first and holds it until it disconnects",
+                    local, holder->name, (int)holder->cred.pid);
     goto fail;
   }
   job = job_new(s, ZD__JOB_ATTACH, h);
@@ -589,9 +446,10 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
     goto fail;
   }
   job->event_slot = slot;
-  s->daemon->attached[local] = s;
-  s->buffers.param_dtype = spec->param_dtype;
-  s->buffers.grad_dtype = spec->grad_dtype;
+  holder = zd__attach_take(s->ss->attach, s, local, s->named_rank);
+  zd_assert(!holder);
+  s->buf.bufs.param_dtype = spec->param_dtype;
+  s->buf.bufs.grad_dtype = spec->grad_dtype;
   s->nbuckets = spec->layout->nbuckets;
   s->ngroups = spec->ngroups;
   job->in.spec = spec;
@@ -602,7 +460,7 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
   return ZD_OK;
 
 fail:
-  release_buffers(s);
+  zd__buffers_release(&s->buf, s->rank, s->id);
   zd__model_spec_free(spec);
   close_fds(s);
   zerod__v1__register_request__free_unpacked(req, NULL);
@@ -637,8 +495,8 @@ static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint
     if (rc) goto exit;
   }
   uint32_t slot;
-  rc = check_event_slot(s, s->buffers.device >= 0, "step", req->has_event_slot, req->event_slot,
-                        &slot, err);
+  rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "step", req->has_event_slot,
+                              req->event_slot, &slot, err);
   if (rc) goto exit;
   zd__job_t *job = job_new(s, ZD__JOB_STEP, h);
   if (!job) {
@@ -664,8 +522,8 @@ static int handle_scatter(zd__session_t *s, const zd__frame_header_t *h, const u
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed scatter body (%u bytes)", h->length);
   int32_t bucket = req->bucket;
   uint32_t slot;
-  int rc = check_event_slot(s, s->buffers.device >= 0, "scatter", req->has_event_slot,
-                            req->event_slot, &slot, err);
+  int rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "scatter",
+                                  req->has_event_slot, req->event_slot, &slot, err);
   zerod__v1__scatter_request__free_unpacked(req, NULL);
   if (!rc) rc = check_bucket(s, bucket, err);
   if (rc) return rc;
@@ -683,8 +541,8 @@ static int handle_gather(zd__session_t *s, const zd__frame_header_t *h, const ui
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed gather body (%u bytes)", h->length);
   int32_t bucket = req->bucket;
   uint32_t slot;
-  int rc = check_event_slot(s, s->buffers.device >= 0, "gather", req->has_event_slot,
-                            req->event_slot, &slot, err);
+  int rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "gather", req->has_event_slot,
+                                  req->event_slot, &slot, err);
   zerod__v1__gather_request__free_unpacked(req, NULL);
   if (!rc) rc = check_bucket(s, bucket, err);
   if (rc) return rc;
@@ -748,6 +606,7 @@ static int handle_bye(zd__session_t *s, const zd__frame_header_t *h, const uint8
   s->closing = 1; /* read nothing after bye */
   s->bye_pending = 1;
   s->bye_id = h->request_id;
+  stand_in(s);
   if (s->inflight == 0) reply_bye(s, h->request_id);
   return ZD_OK;
 }
@@ -768,13 +627,12 @@ static const command_t *find_command(uint16_t type) {
   return NULL;
 }
 
-/* Releases the rank and the buffers once nothing uses them. */
+/* Releases the rank (attached or reserved) and the buffers once nothing uses them. */
 static void detach(zd__session_t *s) {
-  release_buffers(s); /* while s->rank still says whose they were */
+  zd__buffers_release(&s->buf, s->rank, s->id); /* while s->rank still says whose they were */
   if (s->rank) {
     uint32_t local = zd__rank_local(s->rank);
-    if (s->daemon->attached[local] == s) {
-      s->daemon->attached[local] = NULL;
+    if (zd__attach_release(s->ss->attach, s, local)) {
       ZD_LOG_INFO("session %u: client '%s' (pid %d) detached from local rank %u", s->id, s->name,
                   (int)s->cred.pid, local);
     }
@@ -788,14 +646,13 @@ static void reply_bye(zd__session_t *s, uint64_t id) {
   s->bye_pending = 0;
   Zerod__V1__ByeReply rep = ZEROD__V1__BYE_REPLY__INIT;
   rep.has_cuda_mappings_kept = 1; /* of this connection: the client frees its memory only if 0 */
-  rep.cuda_mappings_kept = s->mappings_kept != 0;
+  rep.cuda_mappings_kept = s->buf.mappings_kept != 0;
   send_reply(s, ZD__MSG_BYE, id, &rep.base);
 }
 
 /* Validates the envelope and runs the command. The handler replies, queues a job, or fails. */
 static void dispatch(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body) {
-  zd__daemon_t *d = s->daemon;
-  d->requests_total++;
+  s->ss->counters.requests_total++;
   zd__err_t err = {0};
   const command_t *cmd = find_command(h->type);
   if (!cmd) {
@@ -805,13 +662,13 @@ static void dispatch(zd__session_t *s, const zd__frame_header_t *h, const uint8_
             h->type);
     return;
   }
-  uint32_t max_body = cmd->max_body ? cmd->max_body : d->cfg->max_frame_bytes;
+  uint32_t max_body = cmd->max_body ? cmd->max_body : s->cfg->max_frame_bytes;
   if (h->length > max_body) {
     refusef(s, h, ZD_ETOOBIG, "%s body is %u bytes; at most %u expected", cmd->name, h->length,
             max_body);
     return;
   }
-  if (d->shutting_down) {
+  if (zd__daemon_shutting_down(s->daemon)) {
     refusef(s, h, ZD_ESHUTDOWN, "zerod is shutting down; %s refused", cmd->name);
     return;
   }
@@ -842,7 +699,7 @@ static void on_frame_timeout(uv_timer_t *t) {
   }
   fail_stream(s, h.request_id, kept_if_register(h.type), ZD_EPROTO,
               "truncated frame: received %zu of %zu bytes within %u ms", s->rlen, want,
-              s->daemon->cfg->frame_timeout_ms);
+              s->cfg->frame_timeout_ms);
   update_poll(s);
   maybe_teardown(s);
 }
@@ -853,7 +710,7 @@ static void consume(zd__session_t *s, size_t n) {
 }
 
 static void dispatch_frames(zd__session_t *s) {
-  zd__daemon_t *d = s->daemon;
+  const zd__config_t *cfg = s->cfg;
   while (accepting(s) && s->rlen >= ZD__FRAME_HEADER_SIZE) {
     zd__frame_header_t h;
     if (zd__frame_decode(s->rbuf, &h) != ZD_OK) {
@@ -861,10 +718,9 @@ static void dispatch_frames(zd__session_t *s) {
                   h.magic, ZD__FRAME_MAGIC);
       break;
     }
-    if (h.length > d->cfg->max_frame_bytes) {
+    if (h.length > cfg->max_frame_bytes) {
       fail_stream(s, h.request_id, kept_if_register(h.type), ZD_ETOOBIG,
-                  "frame body is %u bytes; max_frame_bytes is %u", h.length,
-                  d->cfg->max_frame_bytes);
+                  "frame body is %u bytes; max_frame_bytes is %u", h.length, cfg->max_frame_bytes);
       break;
     }
     size_t total = ZD__FRAME_HEADER_SIZE + (size_t)h.length;
@@ -892,12 +748,11 @@ static void process_frames(zd__session_t *s) {
   dispatch_frames(s);
   s->dispatching = 0;
   if (s->torn_down) return;
-  zd__daemon_t *d = s->daemon;
   /* A partial frame must complete within frame_timeout_ms, counted while we read: a session held
    * back by backpressure is not the client's delay. */
   if (s->rlen > 0 && accepting(s)) {
     if (!uv_is_active((uv_handle_t *)&s->frame_timer))
-      uv_timer_start(&s->frame_timer, on_frame_timeout, d->cfg->frame_timeout_ms, 0);
+      uv_timer_start(&s->frame_timer, on_frame_timeout, s->cfg->frame_timeout_ms, 0);
   } else {
     uv_timer_stop(&s->frame_timer);
   }
@@ -934,7 +789,7 @@ static void read_some(zd__session_t *s) {
     size_t want = READ_CHUNK;
     if (s->rlen >= ZD__FRAME_HEADER_SIZE) {
       zd__frame_header_t h;
-      if (zd__frame_decode(s->rbuf, &h) == ZD_OK && h.length <= s->daemon->cfg->max_frame_bytes &&
+      if (zd__frame_decode(s->rbuf, &h) == ZD_OK && h.length <= s->cfg->max_frame_bytes &&
           ZD__FRAME_HEADER_SIZE + (size_t)h.length > s->rlen + want)
         want = ZD__FRAME_HEADER_SIZE + (size_t)h.length - s->rlen;
     }
@@ -1020,7 +875,27 @@ static void on_handle_closed(uv_handle_t *h) {
   zd__daemon_session_gone(d);
 }
 
+/* The registered client of a rank of a multi-rank world is leaving (docs/design.md, "When a
+ * trainer dies"): its rank is free at once for a restarted trainer, and its last job, after those
+ * in flight, stands in for it where the world still needs this rank (ZD__JOB_STAND_IN). */
+static void stand_in(zd__session_t *s) {
+  if (!s->closing || s->state != SESSION_REGISTERED || s->stood_in ||
+      zd__rank_world_size(s->rank) < 2 || zd__daemon_shutting_down(s->daemon))
+    return;
+  zd__job_t *job = job_new(s, ZD__JOB_STAND_IN, &(zd__frame_header_t){0});
+  if (!job) return; /* then released at the end, as at world size 1 */
+  s->stood_in = 1;
+  job->in.abrupt = !s->bye_pending;
+  zd__attach_release(s->ss->attach, s, zd__rank_local(s->rank));
+  ZD_LOG_INFO("session %u: client '%s' (pid %d) %s; local rank %u released", s->id, s->name,
+              (int)s->cred.pid, s->bye_pending ? "said bye" : "disconnected",
+              zd__rank_local(s->rank));
+  s->inflight++;
+  zd__rank_submit(s->rank, job);
+}
+
 static void maybe_teardown(zd__session_t *s) {
+  stand_in(s);
   if (s->torn_down || !s->closing || s->inflight > 0 || s->wq_head) return;
   if (s->bye_pending) {
     reply_bye(s, s->bye_id);
@@ -1033,18 +908,40 @@ static void maybe_teardown(zd__session_t *s) {
   detach(s);
   close_fds(s);
   drop_writes(s);
-  zd__daemon_t *d = s->daemon;
+  zd__sessions_t *ss = s->ss;
   if (s->prev)
     s->prev->next = s->next;
   else
-    d->sessions = s->next;
+    ss->head = s->next;
   if (s->next) s->next->prev = s->prev;
-  d->nsessions--;
+  ss->n--;
   uv_poll_stop(&s->poll);
   uv_timer_stop(&s->frame_timer);
+  uv_timer_stop(&s->hello_timer);
   close(s->fd);
   uv_close((uv_handle_t *)&s->poll, on_handle_closed);
   uv_close((uv_handle_t *)&s->frame_timer, on_handle_closed);
+  uv_close((uv_handle_t *)&s->hello_timer, on_handle_closed);
+}
+
+/* A connection that has not said hello in time holds a slot of max_clients for nothing: idle
+ * connections must not be able to lock trainers out. */
+static void on_hello_timeout(uv_timer_t *t) {
+  zd__session_t *s = t->data;
+  if (s->state != SESSION_NEW || s->closing) return;
+  s->ss->counters.clients_timed_out++;
+  fail_stream(s, 0, -1, ZD_EPROTO, "no hello within %u ms (hello_timeout_ms); closing",
+              s->cfg->hello_timeout_ms);
+  update_poll(s);
+  maybe_teardown(s);
+}
+
+/* Connections of this uid, this one included. */
+static uint32_t sessions_of_uid(const zd__sessions_t *ss, uid_t uid) {
+  uint32_t n = 0;
+  for (const zd__session_t *x = ss->head; x; x = x->next)
+    if (!x->closing && x->cred.uid == uid) n++;
+  return n;
 }
 
 static int gid_allowed(const zd__config_t *cfg, uint32_t gid) {
@@ -1076,57 +973,73 @@ static void format_ids(const zd__idlist_t *ids, char *buf, size_t len) {
   if (ids->n == 0) snprintf(buf, len, "none");
 }
 
-int zd__session_create(zd__daemon_t *d, int fd, const struct ucred *cred) {
+int zd__session_create(zd__sessions_t *ss, int fd, const struct ucred *cred) {
   zd__session_t *s = calloc(1, sizeof *s);
   if (!s) {
     close(fd);
     return -ENOMEM;
   }
+  zd__daemon_t *d = ss->d;
+  const zd__config_t *cfg = zd__daemon_config(d);
+  uv_loop_t *loop = zd__daemon_loop(d);
+  s->ss = ss;
   s->daemon = d;
+  s->cfg = cfg;
   s->fd = fd;
   s->cred = *cred;
-  s->buffers.device = -1;
-  s->id = ++d->next_session_id;
+  zd__buffers_init(&s->buf);
+  s->id = ++ss->next_id;
   snprintf(s->name, sizeof s->name, "pid %d", (int)cred->pid);
-  int rc = uv_poll_init(&d->loop, &s->poll, fd);
+  int rc = uv_poll_init(loop, &s->poll, fd);
   if (rc) {
     close(fd);
     free(s);
     return rc;
   }
-  uv_timer_init(&d->loop, &s->frame_timer);
+  uv_timer_init(loop, &s->frame_timer);
+  uv_timer_init(loop, &s->hello_timer);
   s->poll.data = s;
   s->frame_timer.data = s;
-  s->open_handles = 2;
-  s->next = d->sessions;
-  if (d->sessions) d->sessions->prev = s;
-  d->sessions = s;
-  d->nsessions++;
-  d->clients_total++;
+  s->hello_timer.data = s;
+  s->open_handles = 3;
+  s->next = ss->head;
+  if (ss->head) ss->head->prev = s;
+  ss->head = s;
+  ss->n++;
+  zd__session_counters_t *n = &ss->counters;
+  n->clients_total++;
 
-  if (!peer_allowed(d->cfg, fd, cred)) {
+  if (!peer_allowed(cfg, fd, cred)) {
     char uids[256], gids[256];
-    format_ids(&d->cfg->allowed_uids, uids, sizeof uids);
-    format_ids(&d->cfg->allowed_gids, gids, sizeof gids);
-    d->clients_denied++;
+    format_ids(&cfg->allowed_uids, uids, sizeof uids);
+    format_ids(&cfg->allowed_gids, gids, sizeof gids);
+    n->clients_denied++;
     fail_stream(s, 0, -1, ZD_EDENIED,
                 "uid %d gid %d (pid %d) is not allowed to use zerod; allowed "
                 "uids: %s; allowed gids: %s",
                 (int)cred->uid, (int)cred->gid, (int)cred->pid, uids, gids);
-  } else if (d->nsessions > d->cfg->max_clients) {
-    fail_stream(s, 0, -1, ZD_EBUSY, "zerod has %u clients connected; max_clients is %u",
-                d->nsessions - 1, d->cfg->max_clients);
+  } else if (ss->n > cfg->max_clients) {
+    n->clients_refused++;
+    fail_stream(s, 0, -1, ZD_EBUSY, "zerod has %u clients connected; max_clients is %u", ss->n - 1,
+                cfg->max_clients);
+  } else if (sessions_of_uid(ss, cred->uid) > cfg->max_clients_per_uid) {
+    n->clients_refused++;
+    fail_stream(s, 0, -1, ZD_EBUSY, "uid %d has %u connections to zerod; max_clients_per_uid is %u",
+                (int)cred->uid, sessions_of_uid(ss, cred->uid) - 1, cfg->max_clients_per_uid);
   } else {
     ZD_LOG_DEBUG("session %u: connection from pid %d uid %d", s->id, (int)cred->pid,
                  (int)cred->uid);
+    uv_timer_start(&s->hello_timer, on_hello_timeout, cfg->hello_timeout_ms, 0);
   }
   update_poll(s);
   maybe_teardown(s);
   return ZD_OK;
 }
 
-/* kept: for a failed attach, whether its buffers' mappings were left open (release_buffers). */
+/* kept: for a failed attach, whether its buffers' mappings were left open
+ * (zd__buffers_release). */
 static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
+  if (job->type == ZD__JOB_STAND_IN) return; /* no request: nothing to answer */
   if (job->code != ZD_OK) {
     send_error_kept(s, job->request_id, job->code,
                     job->err.msg[0] ? job->err.msg : zd_strerror(job->code),
@@ -1167,24 +1080,27 @@ static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
       send_reply(s, job->msg_type, job->request_id, &rep.base);
       break;
     }
+    case ZD__JOB_STAND_IN: /* returned above */
+      break;
   }
 }
 
 void zd__session_job_done(zd__session_t *s, zd__job_t *job) {
   zd_assert(s->inflight > 0);
   s->inflight--;
-  s->slots_inflight &= ~(1ull << job->event_slot); /* only CUDA buffers' jobs set theirs */
+  zd__buffers_job_done(&s->buf, job->event_slot);
   int kept = 0;
   if (job->type == ZD__JOB_ATTACH) {
     if (job->code == ZD_OK) {
       s->state = SESSION_REGISTERED;
     } else {
-      uint32_t local = zd__rank_local(s->rank);
-      if (s->daemon->attached[local] == s) s->daemon->attached[local] = NULL;
-      kept = release_buffers(s); /* before the answer, which says what it did */
+      zd__attach_unattach(s->ss->attach, s, zd__rank_local(s->rank)); /* still reserved */
+      kept = zd__buffers_release(&s->buf, s->rank, s->id); /* before the answer: it says so */
       if (s->state == SESSION_REGISTERING) s->state = SESSION_READY;
     }
   }
+  if (job->type == ZD__JOB_STAND_IN && job->out.kept) /* the rank holds the param buffer now */
+    s->buf.bufs.params = (zd__shm_t){0};
   reply_job(s, job, kept);
   zd__job_free(job);
   if (!s->closing && !s->dispatching) process_frames(s); /* frames held back by max_inflight */
@@ -1192,18 +1108,54 @@ void zd__session_job_done(zd__session_t *s, zd__job_t *job) {
   maybe_teardown(s);
 }
 
-void zd__session_drain(zd__session_t *s) {
-  s->closing = 1;
-  update_poll(s);
-  maybe_teardown(s);
-}
-
-zd__session_t *zd__session_next(const zd__session_t *s) {
-  return s->next;
-}
 pid_t zd__session_pid(const zd__session_t *s) {
   return s->cred.pid;
 }
 const char *zd__session_name(const zd__session_t *s) {
   return s->name;
+}
+
+/* ---- the set of sessions ------------------------------------------------------------------- */
+
+int zd__sessions_create(zd__daemon_t *d, uint32_t nranks, zd__sessions_t **out) {
+  zd__sessions_t *ss = calloc(1, sizeof *ss);
+  if (!ss || !(ss->attach = zd__attach_new(nranks))) {
+    free(ss);
+    return -ENOMEM;
+  }
+  ss->d = d;
+  *out = ss;
+  return ZD_OK;
+}
+
+void zd__sessions_destroy(zd__sessions_t *ss) {
+  if (!ss) return;
+  zd_assert(!ss->head);
+  zd__attach_free(ss->attach);
+  free(ss);
+}
+
+void zd__sessions_drain(zd__sessions_t *ss) {
+  zd__session_t *s = ss->head;
+  while (s) {
+    zd__session_t *next = s->next;
+    s->closing = 1;
+    update_poll(s);
+    maybe_teardown(s); /* may free s */
+    s = next;
+  }
+}
+
+uint32_t zd__sessions_open(const zd__sessions_t *ss) {
+  return ss->n;
+}
+
+const zd__session_counters_t *zd__sessions_counters(const zd__sessions_t *ss) {
+  return &ss->counters;
+}
+
+const zd__session_t *zd__sessions_attached(const zd__sessions_t *ss, uint32_t local) {
+  int attached;
+  const zd__session_t *s = zd__attach_holder(ss->attach, local, &attached);
+  return attached ? s : NULL;
 }

@@ -14,7 +14,7 @@
  * base of its allocation (there is no offset field): CUDA exports a whole allocation, and the
  * opened pointer is its base. Opened by the loop thread at register, with the rank's device made
  * current; closed at detach, when no job of the session is left, unless the rank's stream may
- * still have work on them (session.c, release_buffers). In a build without CUDA the open
+ * still have work on them (buffers.c, zd__buffers_release). In a build without CUDA the open
  * functions refuse with ZD_EBACKEND.
  */
 #ifndef ZD_DAEMON_SHM_H

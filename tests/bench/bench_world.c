@@ -50,7 +50,7 @@ static void *client_main(void *arg) {
                           .ngroups = 1,
                           .param_dtype = ZD_F32,
                           .grad_dtype = ZD_F32,
-                          .grad_mean = 1,
+                          .grad_reduce = ZD_GRAD_MEAN,
                           .flags = ZD_REGISTER_REPLACE};
   if (zd_layout(c, &desc) != ZD_OK) die("layout");
   float *grad = zd_grad_buffer(c, NULL);

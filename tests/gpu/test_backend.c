@@ -251,7 +251,7 @@ static zd_model_desc_t mlp_desc(zd_group_t *g, zd_memory_t memory, int device) {
                            .ngroups = 2,
                            .param_dtype = ZD_F32,
                            .grad_dtype = ZD_F32,
-                           .grad_mean = 1,
+                           .grad_reduce = ZD_GRAD_MEAN,
                            .memory = memory,
                            .device = device};
 }

@@ -144,7 +144,7 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
       .ngroups = 2,
       .param_dtype = o->pdt,
       .grad_dtype = o->gdt,
-      .grad_mean = 1,
+      .grad_reduce = ZD_GRAD_MEAN,
       .max_grad_norm = o->max_grad_norm,
       .loss_scaler = o->scaler,
       .flags = expect_resumed ? 0 : ZD_REGISTER_REPLACE, /* daemons are reused */

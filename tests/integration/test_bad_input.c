@@ -138,9 +138,18 @@ static void test_version(void) {
          zdt_expect_error(fd, 4, ZD_EVERSION,
                           "client speaks protocol versions 2..3; this zerod "
                           "speaks 1"));
+  /* a negative local rank other than -1 (ZD_ANY_RANK) is a mistake, not "any rank" */
+  req.min_version = req.max_version = ZD_PROTOCOL_VERSION;
+  req.has_local_rank = 1;
+  req.local_rank = -5;
+  len = zerod__v1__hello_request__pack(&req, buf);
+  zdt_raw_request(fd, ZD__MSG_HELLO, 6, buf, (uint32_t)len);
+  printf("  hello local rank -5 -> %s\n",
+         zdt_expect_error(fd, 6, ZD_ERANK,
+                          "local rank -5 is not valid; expected 0..0, or -1 (ZD_ANY_RANK)"));
   zdt_raw_hello(fd, 5);
   close(fd);
-  bystander_step("wrong protocol version");
+  bystander_step("wrong protocol version, bad local rank");
 }
 
 static void test_truncated(void) {

@@ -1,8 +1,10 @@
 /* zerod's life around its clients: command line (--help, --version, bad flags), start with no
- * configuration at all, one client per rank, state held across clients (clean and abrupt
- * disconnects, a different model refused unless replaced), and SIGTERM while steps are in
- * flight: they complete, the socket file is removed and zerod exits 0 with its loop closed. */
+ * configuration at all, one client per rank, trainers started together with ZD_ANY_RANK getting
+ * a rank each, state held across clients (clean and abrupt disconnects, a different model
+ * refused unless replaced), and SIGTERM while steps are in flight: they complete, the socket file
+ * is removed and zerod exits 0 with its loop closed. */
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,37 +23,9 @@ static const zd_group_t groups[2] = {
     {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01},
     {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0}};
 
-/* Runs zerod with args, returns its exit status and its output (static buffer). */
-static int run_zerod(const char *const *args, const char **output) {
-  static char out[65536];
-  int fds[2];
-  CHECK(pipe(fds) == 0);
-  pid_t pid = fork();
-  CHECK(pid >= 0);
-  if (pid == 0) {
-    dup2(fds[1], 1);
-    dup2(fds[1], 2);
-    close(fds[0]);
-    const char *argv[16] = {getenv("ZEROD_BIN")};
-    for (int i = 0; args[i] && i < 14; i++) argv[i + 1] = args[i];
-    execv(argv[0], (char *const *)argv);
-    _exit(127);
-  }
-  close(fds[1]);
-  size_t n = 0;
-  ssize_t r;
-  while ((r = read(fds[0], out + n, sizeof out - 1 - n)) > 0) n += (size_t)r;
-  out[n] = '\0';
-  close(fds[0]);
-  int status;
-  waitpid(pid, &status, 0);
-  *output = out;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
 static void test_command_line(void) {
   const char *out;
-  CHECK_INT_EQ(run_zerod((const char *[]){"--help", NULL}, &out), 0);
+  CHECK_INT_EQ(zdt_run((const char *[]){"--help", NULL}, &out), 0);
   const char *expect[] = {"Usage: zerod",
                           "--socket",
                           "ZEROD_SOCKET",
@@ -66,11 +40,11 @@ static void test_command_line(void) {
                           "--config",
                           "0660"};
   for (size_t i = 0; i < sizeof expect / sizeof expect[0]; i++) CHECK_CONTAINS(out, expect[i]);
-  CHECK_INT_EQ(run_zerod((const char *[]){"--version", NULL}, &out), 0);
+  CHECK_INT_EQ(zdt_run((const char *[]){"--version", NULL}, &out), 0);
   CHECK_CONTAINS(out, "zerod " ZD_VERSION_STRING);
-  CHECK_INT_EQ(run_zerod((const char *[]){"--threads", "many", NULL}, &out), 2);
+  CHECK_INT_EQ(zdt_run((const char *[]){"--threads", "many", NULL}, &out), 2);
   CHECK_CONTAINS(out, "threads");
-  CHECK_INT_EQ(run_zerod((const char *[]){"--no-such-setting", "1", NULL}, &out), 2);
+  CHECK_INT_EQ(zdt_run((const char *[]){"--no-such-setting", "1", NULL}, &out), 2);
   CHECK_CONTAINS(out, "no-such-setting");
   printf("  command line: --help, --version, bad flags\n");
 }
@@ -135,6 +109,8 @@ static void test_clients_and_state(void) {
   CHECK_CONTAINS(zd_last_error(), "all 1 local ranks have a client attached");
   CHECK_INT_EQ(zd_connect(d.socket, 3, 0, &b), ZD_ERANK);
   CHECK_CONTAINS(zd_last_error(), "local rank 3 does not exist; this zerod hosts local ranks 0..0");
+  CHECK_INT_EQ(zd_connect(d.socket, -5, 0, &b), ZD_ERANK); /* not taken for ZD_ANY_RANK */
+  CHECK_CONTAINS(zd_last_error(), "local rank -5 is not valid; expected 0..0, or -1 (ZD_ANY_RANK)");
   connect_register(d.socket, mlp_params, 0, 0, ZD_EBUSY);
   CHECK_CONTAINS(zd_last_error(), "local rank 0 is attached to client");
   printf("  second client refused: %s\n", zd_last_error());
@@ -196,6 +172,155 @@ static void test_clients_and_state(void) {
   CHECK_INT_EQ(info.resumed, 0);
   CHECK_U64_EQ(info.step, 0);
   zd_close(r);
+  int st = zdt_stop(&d, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
+}
+
+/* One trainer of several started at once with ZD_ANY_RANK: every hello is answered before any
+ * register is sent, the moment a rank taken only at register would be handed out twice. */
+typedef struct any_trainer {
+  const char *socket;
+  pthread_barrier_t *hellos_done;
+  int connect_rc;
+  int register_rc;
+  uint32_t local_rank;
+  char err[512];
+  zd_client_t *c;
+} any_trainer_t;
+
+static void *any_trainer_main(void *arg) {
+  any_trainer_t *t = arg;
+  t->connect_rc = zd_connect(t->socket, ZD_ANY_RANK, 0, &t->c);
+  if (t->connect_rc == ZD_OK) {
+    zd_info_t info;
+    zd_get_info(t->c, &info);
+    t->local_rank = info.local_rank;
+  } else {
+    snprintf(t->err, sizeof t->err, "%s", zd_last_error());
+  }
+  pthread_barrier_wait(t->hellos_done);
+  if (t->connect_rc != ZD_OK) return NULL;
+  zd_model_desc_t desc = {.params = mlp_params,
+                          .nparams = MLP_NPARAMS,
+                          .groups = groups,
+                          .ngroups = 2,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32};
+  t->register_rc = zd_layout(t->c, &desc);
+  if (t->register_rc == ZD_OK) t->register_rc = zd_register(t->c);
+  if (t->register_rc != ZD_OK) snprintf(t->err, sizeof t->err, "%s", zd_last_error());
+  return NULL;
+}
+
+/* The rank a ZD_ANY_RANK hello gets is held for its client from that hello on: clients started
+ * together each get their own, a client beyond the ranks is refused at hello, and a rank goes
+ * back to the pool when its client leaves (bye or a killed process). */
+static void test_any_rank_at_once(void) {
+  enum { N = 4 };
+  zdt_daemon_t d;
+  /* a world of 4 local ranks: a register waits for all four, at most connect_timeout_ms */
+  const char *args[] = {
+      "--local_ranks", "4", "--connect_timeout_ms", "5000", "--threads", "1", NULL};
+  zdt_start(&d, args);
+  pthread_barrier_t hellos_done;
+  pthread_barrier_init(&hellos_done, NULL, N);
+  any_trainer_t t[N];
+  pthread_t th[N];
+  for (int i = 0; i < N; i++) {
+    t[i] = (any_trainer_t){.socket = d.socket, .hellos_done = &hellos_done};
+    pthread_create(&th[i], NULL, any_trainer_main, &t[i]);
+  }
+  for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
+  pthread_barrier_destroy(&hellos_done);
+  int seen[N] = {0};
+  for (int i = 0; i < N; i++) {
+    CHECK_MSG(t[i].connect_rc == ZD_OK, "trainer %d: connect returned %s: %s", i,
+              zd_err_name(t[i].connect_rc), t[i].err);
+    CHECK_MSG(t[i].register_rc == ZD_OK, "trainer %d (local rank %u): register returned %s: %s", i,
+              t[i].local_rank, zd_err_name(t[i].register_rc), t[i].err);
+    CHECK_MSG(t[i].local_rank < N && !seen[t[i].local_rank]++,
+              "trainer %d got local rank %u, which another trainer has too", i, t[i].local_rank);
+  }
+  printf("  %d trainers with ZD_ANY_RANK at once: local ranks %u %u %u %u, all registered\n", N,
+         t[0].local_rank, t[1].local_rank, t[2].local_rank, t[3].local_rank);
+
+  /* a fifth is refused at hello, not later at register */
+  zd_client_t *c;
+  CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_EBUSY);
+  CHECK_CONTAINS(zd_last_error(), "all 4 local ranks have a client attached");
+
+  /* one leaves (bye): the next ZD_ANY_RANK client gets its rank, and holds it from its hello */
+  uint32_t freed = t[2].local_rank;
+  zd_close(t[2].c);
+  zd_info_t info;
+  CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
+  zd_get_info(c, &info);
+  CHECK_U64_EQ(info.local_rank, freed);
+  zd_client_t *other;
+  CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &other), ZD_EBUSY);
+  CHECK_CONTAINS(zd_last_error(), "reserved");
+  /* a rank named explicitly may be held by another hello: hello works, register is refused */
+  CHECK_INT_EQ(zd_connect(d.socket, (int)freed, 0, &other), ZD_OK);
+  zd_model_desc_t desc = {.params = mlp_params,
+                          .nparams = MLP_NPARAMS,
+                          .groups = groups,
+                          .ngroups = 2,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32};
+  CHECK_INT_EQ(zd_layout(other, &desc), ZD_OK);
+  CHECK_INT_EQ(zd_register(other), ZD_EBUSY);
+  char want[64];
+  snprintf(want, sizeof want, "local rank %u is reserved by client", freed);
+  CHECK_CONTAINS(zd_last_error(), want);
+  zd_close(other);
+  zd_close(c);
+  printf("  a rank freed by bye went to the next ZD_ANY_RANK hello, which holds it: %s\n", want);
+
+  /* a client killed after its hello: the rank is free again once zerod sees the hang-up */
+  int fds[2];
+  CHECK(pipe(fds) == 0);
+  pid_t pid = fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    zd_client_t *k;
+    uint32_t got = UINT32_MAX;
+    if (zd_connect(d.socket, ZD_ANY_RANK, 0, &k) == ZD_OK) {
+      zd_get_info(k, &info);
+      got = info.local_rank;
+    }
+    CHECK(write(fds[1], &got, sizeof got) == (ssize_t)sizeof got);
+    kill(getpid(), SIGKILL);
+  }
+  close(fds[1]);
+  uint32_t got = UINT32_MAX;
+  CHECK(read(fds[0], &got, sizeof got) == (ssize_t)sizeof got);
+  close(fds[0]);
+  CHECK_U64_EQ(got, freed);
+  int status;
+  waitpid(pid, &status, 0);
+  c = NULL;
+  for (int i = 0; i < 200 && !c; i++) { /* the daemon notices the hang-up asynchronously */
+    int rc = zd_connect(d.socket, ZD_ANY_RANK, 0, &c);
+    if (rc == ZD_EBUSY) {
+      nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
+      continue;
+    }
+    CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
+  }
+  CHECK(c);
+  zd_get_info(c, &info);
+  CHECK_U64_EQ(info.local_rank, freed);
+  zd_close(c);
+
+  /* a rank named at hello is skipped by ZD_ANY_RANK hellos too */
+  zd_client_t *named;
+  CHECK_INT_EQ(zd_connect(d.socket, (int)freed, 0, &named), ZD_OK);
+  CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_EBUSY);
+  zd_close(named);
+  printf("  a killed client's rank and a named one: free again, and held from hello\n");
+
+  for (int i = 0; i < N; i++)
+    if (i != 2) zd_close(t[i].c);
   int st = zdt_stop(&d, SIGTERM, 0);
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
 }
@@ -281,6 +406,7 @@ static void test_sigterm_in_flight(void) {
 int main(void) {
   test_command_line();
   test_clients_and_state();
+  test_any_rank_at_once();
   test_no_configuration();
   test_sigterm_in_flight();
   printf("test_lifecycle: ok\n");

@@ -2,7 +2,9 @@
  * reference kernel; after every step every working parameter must be bitwise equal. Covers fp32
  * and bf16 working params, fp32/bf16/fp16 gradients, AdamW and Adam groups, an lr schedule, a
  * small bucket size (several buckets), and a client that disconnects halfway and reattaches: the
- * daemon must resume at the same step with the same master weights and moments. */
+ * daemon must resume at the same step with the same master weights and moments. A grad_reduce
+ * that is neither mean nor sum is refused by zd_layout. */
+#include <errno.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -56,7 +58,11 @@ static zd_client_t *attach(const zdt_daemon_t *d, zd_dtype_t pdt, zd_dtype_t gdt
                           .ngroups = 2,
                           .param_dtype = pdt,
                           .grad_dtype = gdt,
-                          .grad_mean = 1};
+                          .grad_reduce = ZD_GRAD_MEAN};
+  desc.grad_reduce = (zd_grad_reduce_t)2; /* neither ZD_GRAD_MEAN nor ZD_GRAD_SUM: refused */
+  CHECK_INT_EQ(zd_layout(c, &desc), -EINVAL);
+  CHECK_CONTAINS(zd_last_error(), "grad_reduce is 2");
+  desc.grad_reduce = ZD_GRAD_MEAN;
   rc = zd_layout(c, &desc);
   CHECK_MSG(rc == ZD_OK, "layout: %s", zd_last_error());
   if (!expect_resumed) {

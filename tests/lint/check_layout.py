@@ -16,7 +16,7 @@ allowed to depend on the folder of the included one:
 
 Also refused: relative includes ("../x.h"), a file name used twice, an include that names no file
 of the tree and is not generated (*.pb-c.h), and citations of a design document outside the
-repository ("DESIGN §"). Prints every violation with file:line; exits 1 if there is any.
+repository (the word DESIGN, a space and a section sign). Prints every violation with file:line; exits 1 if there is any.
 """
 import os
 import re
@@ -53,7 +53,7 @@ def tracked_files(root):
     try:
         out = subprocess.run(['git', 'ls-files'], cwd=root, check=True, capture_output=True,
                              text=True).stdout.split('\n')
-        return [f for f in out if f]
+        return sorted({f for f in out if f})  # a file in a merge conflict is listed per stage
     except (OSError, subprocess.CalledProcessError):
         files = []
         for top, dirs, names in os.walk(root):

@@ -75,6 +75,8 @@ static const char *const all_names[] = {"socket",
                                         "allowed_uids",
                                         "allowed_gids",
                                         "max_clients",
+                                        "max_clients_per_uid",
+                                        "hello_timeout_ms",
                                         "max_frame_bytes",
                                         "frame_timeout_ms",
                                         "max_inflight",
@@ -86,12 +88,17 @@ static const char *const all_names[] = {"socket",
                                         "first_rank",
                                         "bucket_elems",
                                         "control_address",
+                                        "control_token_file",
+                                        "control_insecure",
                                         "rendezvous_address",
                                         "collective_timeout_ms",
+                                        "heartbeat_ms",
+                                        "peer_timeout_ms",
                                         "connect_timeout_ms",
                                         "collective_host",
                                         "shutdown_timeout_ms",
                                         "log_level",
+                                        "metrics_address",
                                         "config"};
 #define NNAMES (int)(sizeof all_names / sizeof all_names[0])
 
@@ -109,6 +116,10 @@ static void test_defaults(void) {
   if (self) CHECK_INT_EQ(cfg.allowed_uids.ids[1], 0);
   CHECK_INT_EQ(cfg.allowed_gids.n, 0);
   CHECK_INT_EQ(cfg.max_clients, 64);
+  CHECK_INT_EQ(cfg.max_clients_per_uid, 32);
+  CHECK_INT_EQ(cfg.hello_timeout_ms, 10000);
+  CHECK_INT_EQ(cfg.heartbeat_ms, 1000);
+  CHECK_INT_EQ(cfg.peer_timeout_ms, 10000);
   CHECK_INT_EQ(cfg.max_frame_bytes, 16777216);
   CHECK_INT_EQ(cfg.frame_timeout_ms, 10000);
   CHECK_INT_EQ(cfg.max_inflight, 64);
@@ -123,6 +134,7 @@ static void test_defaults(void) {
   CHECK_STR_EQ(cfg.rendezvous_address, "127.0.0.1:7070");
   CHECK_INT_EQ(cfg.collective_timeout_ms, 1800000);
   CHECK_STR_EQ(cfg.log_level, "info");
+  CHECK_STR_EQ(cfg.metrics_address, ""); /* off */
   CHECK_STR_EQ(cfg.config_file, "");
 
   /* Every row, in table order, once, all from the defaults. */

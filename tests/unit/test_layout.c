@@ -1,6 +1,7 @@
 /* Unit test of the layout (common/layout.c, docs/design.md): where each parameter lives in the flat
  * buffer, how the buffer is cut into buckets and slices, the segments of each rank's slice, the
- * layout hash and diff, validation errors, the default bucket size and shape formatting.
+ * layout hash and diff, validation errors, the default bucket size, shape formatting and the
+ * parameter table ranks exchange (serialized, parsed back, and malformed).
  *
  * Random parameter lists (fixed seed, world sizes 1..8, small bucket sizes so that many buckets
  * occur) are checked against a separate re-implementation of the placement rule and against
@@ -13,6 +14,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "error.h"
@@ -802,6 +805,71 @@ static void test_diff(void) {
 
 /* ---- shape formatting ---- */
 
+/* Parses text (without its NUL) from just before an inaccessible page, as a table received from
+ * a peer: a read past its end faults. */
+static int parse_guarded(const char *text, zd_param_t **params, uint32_t *n) {
+  size_t len = strlen(text), page = (size_t)sysconf(_SC_PAGESIZE);
+  CHECK(len <= page);
+  char *map = mmap(NULL, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(map != MAP_FAILED);
+  CHECK_INT_EQ(mprotect(map + page, page, PROT_NONE), 0);
+  memcpy(map + page - len, text, len);
+  int rc = zd__layout_parse(map + page - len, len, params, n);
+  /* The names point into the buffer: keep them for the caller's checks. */
+  if (rc == 0)
+    for (uint32_t i = 0; i < *n; i++) (*params)[i].name = strdup((*params)[i].name);
+  munmap(map, 2 * page);
+  return rc;
+}
+
+static void test_table(void) {
+  set_ctx("zd__layout_serialize and zd__layout_parse");
+  zd_param_t a[] = {
+      {.name = "emb", .ndim = 2, .shape = {100, 16}, .group = 0},
+      {.name = "a name with spaces", .ndim = 0, .group = 1},
+      {.name = "fc.bias", .ndim = 1, .shape = {4294967296ull}, .group = 1},
+  };
+  zd__layout_t *l;
+  CHECK_INT_EQ(zd__layout_build(a, 3, 2, 1, 0, &l, NULL), ZD_OK);
+  char *table;
+  size_t len;
+  CHECK_INT_EQ(zd__layout_serialize(l, &table, &len), 0);
+  CHECK_STR_EQ(table, "0 2 100 16 3 emb\n1 0 18 a name with spaces\n1 1 4294967296 7 fc.bias\n");
+  zd_param_t *p;
+  uint32_t n;
+  CHECK_INT_EQ(parse_guarded(table, &p, &n), 0);
+  CHECK_INT_EQ(n, 3);
+  for (uint32_t i = 0; i < n; i++) {
+    CHECK_STR_EQ(p[i].name, a[i].name);
+    CHECK_INT_EQ(p[i].ndim, a[i].ndim);
+    CHECK_INT_EQ(p[i].group, a[i].group);
+    for (uint32_t d = 0; d < a[i].ndim; d++) CHECK_U64_EQ(p[i].shape[d], a[i].shape[d]);
+    free((char *)p[i].name);
+  }
+  free(p);
+  free(table);
+  zd__layout_free(l);
+
+  /* Malformed tables: -EINVAL, without reading past the end (a blank line once made the number
+   * reader skip to the end of the buffer and beyond; found by tests/fuzz/fuzz_layout.c). */
+  static const char *const bad[] = {
+      "0 1 4 1 a\n\n",                  /* a blank line */
+      "0 1 4 1 a\n\n1 1 4 1 b\n",       /* a blank line between two parameters */
+      "\n0 1 4",                        /* a blank line, then a line cut in a number */
+      "0  1 4 1 a\n",                   /* two blanks */
+      "+0 1 4 1 a\n",                   /* a sign */
+      "0 9 1 1 1 1 1 1 1 1 1 a\n",      /* more than ZD_MAX_DIMS dimensions */
+      "0 1 18446744073709551616 1 a\n", /* a dimension past 2^64 - 1 */
+      "0 1 4 2 a\n",                    /* the name is shorter than its length */
+      "0 1 4 1 ab\n",                   /* or longer */
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    set_ctx("malformed table %zu: \"%s\"", i, bad[i]);
+    CHECK_INT_EQ(parse_guarded(bad[i], &p, &n), -EINVAL);
+  }
+  set_ctx("%s", "");
+}
+
 static void test_shape_format(void) {
   set_ctx("zd__shape_format");
   char buf[200];
@@ -852,6 +920,7 @@ int main(void) {
   test_merging();
   test_errors();
   test_diff();
+  test_table();
   test_random();
   test_default_bucket();
   printf("test_layout: ok\n");

@@ -21,29 +21,30 @@ extern "C" {
 #endif
 
 /* XX(name, value, description). Values are part of the wire protocol: never renumber. */
-#define ZD_ERROR_MAP(XX)                                       \
-  XX(EPROTO, -4001, "malformed frame or message")              \
-  XX(EVERSION, -4002, "protocol version not supported")        \
-  XX(ETOOBIG, -4003, "frame larger than the limit")            \
-  XX(ETYPE, -4004, "unknown message type")                     \
-  XX(EORDER, -4005, "request not valid in this session state") \
-  XX(EBUFFER, -4006, "buffer does not match the layout")       \
-  XX(EDTYPE, -4007, "unsupported dtype")                       \
-  XX(EGROUP, -4008, "unknown parameter group")                 \
-  XX(EHPARAM, -4009, "invalid hyperparameter")                 \
-  XX(ELAYOUT, -4010, "layout mismatch")                        \
-  XX(ERANK, -4011, "no such rank")                             \
-  XX(EBUSY, -4012, "rank already attached to another client")  \
-  XX(ESTEP, -4013, "ranks disagree on the step")               \
-  XX(EPEER, -4014, "peer failed")                              \
-  XX(EDEGRADED, -4015, "rank degraded")                        \
-  XX(ESHUTDOWN, -4016, "daemon shutting down")                 \
-  XX(EDENIED, -4017, "peer credentials not allowed")           \
-  XX(EBACKEND, -4018, "backend unavailable")                   \
-  XX(ECLOSED, -4019, "connection closed")                      \
-  XX(EINTERNAL, -4020, "internal error")                       \
-  XX(ECONFIG, -4021, "invalid configuration")                  \
-  XX(EAPPLIED, -4022, "step applied, but its parameters were not gathered")
+#define ZD_ERROR_MAP(XX)                                                    \
+  XX(EPROTO, -4001, "malformed frame or message")                           \
+  XX(EVERSION, -4002, "protocol version not supported")                     \
+  XX(ETOOBIG, -4003, "frame larger than the limit")                         \
+  XX(ETYPE, -4004, "unknown message type")                                  \
+  XX(EORDER, -4005, "request not valid in this session state")              \
+  XX(EBUFFER, -4006, "buffer does not match the layout")                    \
+  XX(EDTYPE, -4007, "unsupported dtype")                                    \
+  XX(EGROUP, -4008, "unknown parameter group")                              \
+  XX(EHPARAM, -4009, "invalid hyperparameter")                              \
+  XX(ELAYOUT, -4010, "layout mismatch")                                     \
+  XX(ERANK, -4011, "no such rank")                                          \
+  XX(EBUSY, -4012, "rank already attached to another client")               \
+  XX(ESTEP, -4013, "ranks disagree on the step")                            \
+  XX(EPEER, -4014, "peer failed")                                           \
+  XX(EDEGRADED, -4015, "rank degraded")                                     \
+  XX(ESHUTDOWN, -4016, "daemon shutting down")                              \
+  XX(EDENIED, -4017, "peer credentials not allowed")                        \
+  XX(EBACKEND, -4018, "backend unavailable")                                \
+  XX(ECLOSED, -4019, "connection closed")                                   \
+  XX(EINTERNAL, -4020, "internal error")                                    \
+  XX(ECONFIG, -4021, "invalid configuration")                               \
+  XX(EAPPLIED, -4022, "step applied, but its parameters were not gathered") \
+  XX(EABORTED, -4023, "step abandoned: a rank's trainer left; retry it")
 
 typedef enum zd_error {
   ZD_OK = 0,

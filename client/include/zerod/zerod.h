@@ -134,15 +134,23 @@ typedef enum zd_memory {
   0x1u /* start afresh: discard any state zerod holds on this rank, for \
           this model or another (at world size > 1: on every rank) */
 
+/* How the ranks' gradients are combined before the step. The zero value is the mean, as in
+ * PyTorch's DistributedDataParallel and the Python client (grad_mean=True): a zero-initialised
+ * zd_model_desc_t averages. Sum when each rank's loss is already divided by the world's batch. */
+typedef enum zd_grad_reduce {
+  ZD_GRAD_MEAN = 0, /* the sum over ranks divided by the world size (the default) */
+  ZD_GRAD_SUM = 1   /* the sum over ranks */
+} zd_grad_reduce_t;
+
 typedef struct zd_model_desc {
   const zd_param_t *params;
   size_t nparams;
   const zd_group_t *groups;
   size_t ngroups;
-  zd_dtype_t param_dtype; /* working params: ZD_F32 or ZD_BF16 */
-  zd_dtype_t grad_dtype;  /* ZD_F32, ZD_BF16 or ZD_F16 */
-  double max_grad_norm;   /* clip by global L2 norm; 0 disables clipping */
-  int grad_mean;          /* 1: gradients are averaged over ranks; 0: summed */
+  zd_dtype_t param_dtype;       /* working params: ZD_F32 or ZD_BF16 */
+  zd_dtype_t grad_dtype;        /* ZD_F32, ZD_BF16 or ZD_F16 */
+  double max_grad_norm;         /* clip by global L2 norm; 0 disables clipping */
+  zd_grad_reduce_t grad_reduce; /* ZD_GRAD_MEAN (0, the default) or ZD_GRAD_SUM */
   zd_loss_scaler_t loss_scaler;
   unsigned flags;     /* ZD_REGISTER_* */
   zd_memory_t memory; /* ZD_MEMORY_HOST (0, the default) or ZD_MEMORY_CUDA */
@@ -213,12 +221,17 @@ typedef uint64_t zd_request_t;
 /* Connects to zerod and attaches to a local rank.
  * socket_path: NULL for the default ($ZEROD_SOCKET, else $XDG_RUNTIME_DIR/zerod.sock, else
  *   /run/zerod/zerod.sock). local_rank: index of the rank within that zerod, or ZD_ANY_RANK for
- *   the first one with no client attached.
+ *   the first one no other client holds.
  * On success *out is a new client; close it with zd_close(). Blocks for at most timeout_ms
- * milliseconds waiting for the daemon's hello (0: 30 s). The rank is taken by zd_register():
- * a rank named explicitly may still be busy then (ZD_EBUSY from zd_register). Errors:
- * -ENOENT/-ECONNREFUSED (no daemon), ZD_EVERSION, ZD_EBUSY (ZD_ANY_RANK and every rank taken),
- * ZD_ERANK, ZD_EDENIED. */
+ * milliseconds waiting for the daemon's hello (0: 30 s). The rank is reserved for this client
+ * from its hello until zd_close() or a disconnect, so that trainers started together with
+ * ZD_ANY_RANK each get their own; zd_register() attaches to it. A rank named explicitly is held
+ * weakly: ZD_ANY_RANK clients skip it, but another client that names it too may register on it
+ * first. A rank named explicitly that another client holds is not refused here (that client may
+ * leave first): zd_register() returns ZD_EBUSY if it is still attached, or reserved by a
+ * ZD_ANY_RANK hello. Errors: -ENOENT/-ECONNREFUSED (no daemon), ZD_EVERSION, ZD_EBUSY
+ * (ZD_ANY_RANK and every rank held), ZD_ERANK (no such rank, or negative other than ZD_ANY_RANK),
+ * ZD_EDENIED. */
 ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms,
                          zd_client_t **out);
 
@@ -233,8 +246,11 @@ ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms
  *   zd_register(c)      sends them to zerod, which takes the buffer's contents as the initial
  *                       weights of a new model, or overwrites them with its master weights when it
  *                       already holds this model (reattach: same layout hash; info.resumed = 1).
- * At world size > 1 zd_register() is collective: it returns when every rank has registered the
- * same layout, and the param buffer then holds the full model.
+ * At world size > 1 zd_register() of a new model (or with ZD_REGISTER_REPLACE) is collective: it
+ * returns when every rank has registered the same layout, and the param buffer then holds the
+ * full model. A reattach there is not: a restarted trainer resumes alone, at the step its rank
+ * holds (info.step), with the full model its rank's last client left (host buffers; with device
+ * buffers every rank registers again, collectively).
  * With device buffers, initial values written by kernels or copies on the client's stream
  * (zd_set_stream()) before zd_register() are seen by zerod; the param buffer's contents after
  * zd_register() are ordered before the stream's later work. A register that fails makes no
@@ -315,7 +331,9 @@ ZD_EXPORT int zd_cuda_device(const zd_client_t *client, int *device);
  * ZD_ESTEP (ranks out of step), ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT/-ECANCELED (a peer failed, or
  * zerod is shutting down: the step was not applied), ZD_EAPPLIED (the step was applied to the
  * master weights, but the updated parameters could not be gathered into the param buffer; the
- * rank is degraded). */
+ * rank is degraded), ZD_EABORTED (another rank's trainer left in the middle of this step: no
+ * rank applied it, every rank's scatters of it are void; scatter again and retry, with the same
+ * gradients, once that rank's trainer is back). */
 ZD_EXPORT int zd_step(zd_client_t *client, const zd_step_opts_t *opts, zd_step_result_t *result);
 
 /* Reduce-scatter of one bucket (or ZD_ALL_BUCKETS) of the grad buffer into this rank's shard. */
@@ -342,8 +360,13 @@ ZD_EXPORT int zd_step_start(zd_client_t *client, const zd_step_opts_t *opts, zd_
 ZD_EXPORT int zd_wait(zd_client_t *client, zd_request_t req, zd_step_result_t *result);
 
 /* The daemon's status as text: "# Section" lines followed by "key:value" lines (units in the key
- * names). *text is allocated; release it with free(). */
+ * names). *text is allocated; release it with zd_free() (or free() from C linked with the same C
+ * library). */
 ZD_EXPORT int zd_status(zd_client_t *client, char **text);
+
+/* Releases memory libzerod allocated for the caller (zd_status's text). Accepts NULL. For
+ * bindings (ctypes, FFI) whose own free() may not be the allocator libzerod used. */
+ZD_EXPORT void zd_free(void *ptr);
 
 /* Says bye and closes the connection; zerod keeps the rank's state for a later client. Requests
  * still outstanding are answered first (without any stream wait). Unmaps host buffers. Device

@@ -45,6 +45,9 @@ ZD_STEP_NO_GATHER = 0x2
 ZD_MEMORY_HOST = 0
 ZD_MEMORY_CUDA = 1
 
+ZD_GRAD_MEAN = 0
+ZD_GRAD_SUM = 1
+
 # zerod/errors.h: values are part of the wire protocol and never renumbered.
 ZD_OK = 0
 ZD_EPROTO = -4001
@@ -69,6 +72,7 @@ ZD_ECLOSED = -4019
 ZD_EINTERNAL = -4020
 ZD_ECONFIG = -4021
 ZD_EAPPLIED = -4022
+ZD_EABORTED = -4023
 
 
 # zd_field_kind_t
@@ -138,7 +142,7 @@ class zd_model_desc_t(ctypes.Structure):
         ("param_dtype", ctypes.c_int),
         ("grad_dtype", ctypes.c_int),
         ("max_grad_norm", ctypes.c_double),
-        ("grad_mean", ctypes.c_int),
+        ("grad_reduce", ctypes.c_int),  # zd_grad_reduce_t: ZD_GRAD_MEAN (0) or ZD_GRAD_SUM
         ("loss_scaler", zd_loss_scaler_t),
         ("flags", ctypes.c_uint),
         ("memory", ctypes.c_int),  # zd_memory_t: ZD_MEMORY_HOST or ZD_MEMORY_CUDA
@@ -233,6 +237,7 @@ _PROTOTYPES = {
                                      ctypes.POINTER(zd_request_t)]),
     "zd_wait": (ctypes.c_int, [zd_client_p, zd_request_t, ctypes.POINTER(zd_step_result_t)]),
     "zd_status": (ctypes.c_int, [zd_client_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "zd_free": (None, [ctypes.c_void_p]),
     "zd_close": (None, [zd_client_p]),
     "zd_last_error": (ctypes.c_char_p, []),
     "zd_dtype_size": (ctypes.c_size_t, [ctypes.c_int]),
@@ -242,7 +247,6 @@ _PROTOTYPES = {
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _path: Optional[str] = None
-_libc_free = None
 _group_fields: List[GroupField] = []
 
 
@@ -272,7 +276,7 @@ def _candidates() -> list:
 
 def load() -> ctypes.CDLL:
     """Loads libzerod once (thread-safe) and returns it with every prototype declared."""
-    global _lib, _path, _libc_free
+    global _lib, _path
     if _lib is not None:
         return _lib
     with _lock:
@@ -299,10 +303,6 @@ def load() -> ctypes.CDLL:
                     f"supports") from e
             fn.restype = restype
             fn.argtypes = argtypes
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.free.restype = None
-        libc.free.argtypes = [ctypes.c_void_p]
-        _libc_free = libc.free
         _path = candidates[0]
         _lib = lib
         return lib
@@ -355,6 +355,6 @@ def library_path() -> str:
 
 
 def free(ptr: int) -> None:
-    """Releases memory the library allocated with malloc() (zd_status's text)."""
-    load()
-    _libc_free(ptr)
+    """Releases memory the library allocated (zd_status's text), with the library's own free:
+    a libc looked up here may not be the allocator libzerod used (an ASan runtime preloaded)."""
+    load().zd_free(ptr)

@@ -85,6 +85,13 @@ class ZerodError(Exception):
         """The generic description of the code (zd_strerror())."""
         return _lib.lib().zd_strerror(self.code).decode(errors="replace")
 
+    @property
+    def retryable(self) -> bool:
+        """Whether the same call may simply be made again: ZD_EABORTED, a step that another
+        rank's trainer left in the middle of. No rank applied it and the gradients are still in
+        the grad buffer; scatter every bucket again and step (zerod.torch.ZeroOptimizer does)."""
+        return self.code == _lib.ZD_EABORTED
+
 
 def _error(code: int, call: str) -> ZerodError:
     lib = _lib.lib()
@@ -605,7 +612,7 @@ class Client:
         desc.param_dtype = pdt
         desc.grad_dtype = gdt
         desc.max_grad_norm = float(max_grad_norm)
-        desc.grad_mean = 1 if grad_mean else 0
+        desc.grad_reduce = _lib.ZD_GRAD_MEAN if grad_mean else _lib.ZD_GRAD_SUM
         if scaler is not None:
             desc.loss_scaler.enabled = 1
             desc.loss_scaler.initial_scale = float(scaler.initial_scale)

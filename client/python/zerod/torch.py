@@ -52,6 +52,15 @@ with zerod's weights at registration; ``resumed`` is then True). ``state_dict()`
 only the hyperparameters (for schedulers and bookkeeping) and zerod's step number, not the
 moments.
 
+Another trainer's death. At world size > 1 the trainers step together. When one of them dies
+in the middle of a step, zerod abandons that step on every rank (nothing applied anywhere) and
+the others get ZD_EABORTED; step() then retries it by itself, with the same gradients (a
+warning says so), up to ``abort_retries`` times: the retry waits in zerod, up to its
+``collective_timeout_ms``, for the dead trainer's replacement, which reattaches alone
+(``resumed``, at ``step_count``: the steps applied) and steps from there. Past that many
+retries step() raises the ZerodError (``retryable`` is true): calling step() again retries once
+more.
+
 CUDA. With the model on a GPU (every parameter on one device) the buffers are device memory that
 libzerod allocates and shares with zerod's CUDA backend through CUDA IPC; the views are made
 from them through ``__cuda_array_interface__``. Before each request the optimizer hands libzerod
@@ -85,7 +94,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
-from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult
+from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult, ZerodError
 
 __all__ = ["ZeroOptimizer"]
 
@@ -140,6 +149,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         replace: start afresh: discard any state zerod holds on this rank (for this model or
             another; at world size > 1 every rank must pass it). Without it, zerod resumes the
             state it holds for the same model, and refuses a different one.
+        abort_retries: how many times step() retries a step that another rank's trainer
+            abandoned by dying in it (ZD_EABORTED, module docstring); 0 raises at once.
 
     Raises:
         zerod.ZerodError: from the daemon (no daemon, rank busy, layout mismatch, bad
@@ -156,7 +167,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap: bool = True, socket: Optional[str] = None,
                  local_rank: int = ANY_RANK, timeout_ms: int = 0,
                  client: Optional[Client] = None, replace: bool = False,
-                 **hparams: Any) -> None:
+                 abort_retries: int = 3, **hparams: Any) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors or dicts, not a tensor")
         defaults = Group().to_dict()  # every field of zerod's groups, as torch names it
@@ -225,6 +236,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_dtype: torch.dtype = grad_dtype if grad_dtype is not None else self.param_dtype
         self._grad_views = self.grad_dtype == self.param_dtype  # False: main_grad mode
         self._overlap = overlap
+        if abort_retries < 0:
+            raise ValueError(f"abort_retries is {abort_retries}; expected 0 or more")
+        self._abort_retries = int(abort_retries)
         self._names = [s[0] for s in specs]
 
         self._owns_client = client is None
@@ -503,7 +517,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         and steps with ZD_STEP_NO_SCATTER (scatter + update + gather at world size > 1). The
         model's parameters are updated in place (they are views of the param buffer).
         `last_result` holds zerod's StepResult (applied, grad_norm, clip_coef, loss_scale);
-        a step skipped because of an fp16 overflow leaves the parameters unchanged.
+        a step skipped because of an fp16 overflow leaves the parameters unchanged. A step
+        another rank's trainer abandoned by dying in it (ZD_EABORTED) is sent again, up to
+        `abort_retries` times (module docstring).
         """
         self._check_open()
         loss = None
@@ -522,6 +538,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if hp != self._sent_hparams:
             self._check_all_groups()
             groups = hp
+        for attempt in range(self._abort_retries + 1):
+            try:
+                step_req = self._send_step(groups)
+                break
+            except ZerodError as e:
+                if not e.retryable or attempt == self._abort_retries:
+                    raise
+                # Nothing was applied on any rank and the gradients are still in the buffer:
+                # the same step again, every bucket scattered again.
+                warnings.warn(f"{e.message}; retrying the step "
+                              f"({attempt + 1} of {self._abort_retries})", stacklevel=2)
+        result = step_req.wait()  # already waited for: its stored result
+        assert result is not None
+        if groups is not None:
+            self._sent_hparams = hp
+        self.last_result = result
+        self.loss_scale = result.loss_scale
+        return loss
+
+    def _send_step(self, groups: Optional[List[Group]]) -> Request:
+        """The requests of one step attempt; returns the step's, waited for."""
         try:
             if not self._overlap:
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,
@@ -546,13 +583,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     pass
             self._inflight.clear()
             self._reset_iteration()
-        result = step_req.wait()  # already waited for: its stored result
-        assert result is not None
-        if groups is not None:
-            self._sent_hparams = hp
-        self.last_result = result
-        self.loss_scale = result.loss_scale
-        return loss
+        return step_req
 
     def _check_all_groups(self) -> None:
         for i, g in enumerate(self.param_groups):

@@ -1,0 +1,193 @@
+/* Peer liveness (liveness.h): the heartbeat thread. */
+#include "liveness.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "clock.h"
+#include "control.pb-c.h"
+#include "grpc_unary.h"
+#include "health.pb-c.h"
+#include "log.h"
+
+typedef struct node {
+  uint32_t first_rank;
+  uint32_t local_ranks;
+  char *address;
+  zd__grpc_channel_t *channel;
+  uint64_t last_ok_ms; /* last answer (or when the node was first seen) */
+  int reported;        /* dead() was called for this silence */
+} node_t;
+
+struct zd__liveness {
+  zd__liveness_cfg_t cfg;
+  char *rendezvous;
+  zd__peer_dead_fn dead;
+  void *ctx;
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int stop;
+  node_t *nodes;
+  size_t nnodes;
+};
+
+/* One call may take this long: short enough that a round over a few silent nodes stays near the
+ * heartbeat, long enough for a loaded but live node to answer. */
+static int call_timeout_ms(const zd__liveness_t *l) {
+  uint32_t t = l->cfg.peer_timeout_ms / 2;
+  if (t > 2000) t = 2000;
+  return t < 50 ? 50 : (int)t;
+}
+
+static node_t *find_node(zd__liveness_t *l, uint32_t first_rank) {
+  for (size_t i = 0; i < l->nnodes; i++)
+    if (l->nodes[i].first_rank == first_rank) return &l->nodes[i];
+  return NULL;
+}
+
+/* Adds the nodes of the registry not known yet (a node's entry never changes in a world). */
+static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
+  Zerod__V1__NodesRequest req = ZEROD__V1__NODES_REQUEST__INIT;
+  ProtobufCMessage *reply = NULL;
+  zd__err_t err = {0};
+  if (zd__grpc_call(rdv, "/zerod.v1.Control/Nodes", &req.base, &zerod__v1__nodes_reply__descriptor,
+                    &reply, call_timeout_ms(l), 0, NULL, &err) != ZD_OK) {
+    ZD_LOG_DEBUG("heartbeat: no node registry yet: %s", err.msg);
+    return;
+  }
+  Zerod__V1__NodesReply *rep = (Zerod__V1__NodesReply *)reply;
+  for (size_t i = 0; i < rep->n_nodes; i++) {
+    const Zerod__V1__NodeInfo *n = rep->nodes[i];
+    if (n->first_rank == l->cfg.first_rank || find_node(l, n->first_rank)) continue;
+    node_t *grown = realloc(l->nodes, (l->nnodes + 1) * sizeof *grown);
+    if (!grown) break;
+    l->nodes = grown;
+    node_t *nd = &l->nodes[l->nnodes];
+    *nd = (node_t){.first_rank = n->first_rank,
+                   .local_ranks = n->local_ranks,
+                   .address = strdup(n->control_address),
+                   .last_ok_ms = zd__now_ms()};
+    if (!nd->address || zd__grpc_channel_open(nd->address, &nd->channel, &err) != ZD_OK) {
+      free(nd->address);
+      break;
+    }
+    l->nnodes++;
+    ZD_LOG_DEBUG("heartbeat: watching node %s (ranks %u..%u)", nd->address, nd->first_rank,
+                 nd->first_rank + nd->local_ranks - 1);
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+}
+
+static void check_node(zd__liveness_t *l, node_t *n) {
+  Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  req.service = (char *)"";
+  ProtobufCMessage *reply = NULL;
+  zd__err_t err = {0};
+  int rc = zd__grpc_call(n->channel, "/grpc.health.v1.Health/Check", &req.base,
+                         &grpc__health__v1__health_check_response__descriptor, &reply,
+                         call_timeout_ms(l), 0, NULL, &err);
+  if (reply) protobuf_c_message_free_unpacked(reply, NULL);
+  uint64_t now = zd__now_ms();
+  if (rc == ZD_OK) { /* any answer is life; NOT_SERVING is a node shutting down, still alive */
+    if (n->reported) ZD_LOG_WARN("heartbeat: node %s answers again", n->address);
+    n->last_ok_ms = now;
+    n->reported = 0;
+    return;
+  }
+  if (n->reported || now - n->last_ok_ms < l->cfg.peer_timeout_ms) return;
+  n->reported = 1;
+  char reason[ZD__ERR_MSG_MAX];
+  snprintf(reason, sizeof reason,
+           "node %.120s (ranks %u..%u) has not answered for %llu ms; peer_timeout_ms is %u: %.100s",
+           n->address, n->first_rank, n->first_rank + n->local_ranks - 1,
+           (unsigned long long)(now - n->last_ok_ms), l->cfg.peer_timeout_ms, err.msg);
+  ZD_LOG_ERROR("heartbeat: %s", reason);
+  l->dead(l->ctx, reason);
+}
+
+/* Sleeps ms unless stopped; returns whether to go on. */
+static int pause_ms(zd__liveness_t *l, uint32_t ms) {
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += ms / 1000;
+  until.tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (until.tv_nsec >= 1000000000L) {
+    until.tv_sec++;
+    until.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&l->mu);
+  while (!l->stop && pthread_cond_timedwait(&l->cv, &l->mu, &until) != ETIMEDOUT) {
+  }
+  int go_on = !l->stop;
+  pthread_mutex_unlock(&l->mu);
+  return go_on;
+}
+
+static void *liveness_main(void *arg) {
+  zd__liveness_t *l = arg;
+  zd__log_set_rank(-1);
+  zd__grpc_channel_t *rdv = NULL;
+  zd__err_t err = {0};
+  if (zd__grpc_channel_open(l->rendezvous, &rdv, &err) != ZD_OK) {
+    ZD_LOG_ERROR("heartbeat: cannot reach the rendezvous service: %s; peers are not watched",
+                 err.msg);
+    return NULL;
+  }
+  while (pause_ms(l, l->cfg.heartbeat_ms)) {
+    refresh_nodes(l, rdv);
+    for (size_t i = 0; i < l->nnodes; i++) {
+      pthread_mutex_lock(&l->mu);
+      int stop = l->stop;
+      pthread_mutex_unlock(&l->mu);
+      if (stop) break;
+      check_node(l, &l->nodes[i]);
+    }
+  }
+  zd__grpc_channel_close(rdv);
+  return NULL;
+}
+
+int zd__liveness_start(const zd__liveness_cfg_t *cfg, zd__peer_dead_fn dead, void *ctx,
+                       zd__liveness_t **out, zd__err_t *err) {
+  zd__liveness_t *l = calloc(1, sizeof *l);
+  if (!l) return zd__errf(err, -ENOMEM, "out of memory");
+  l->cfg = *cfg;
+  l->rendezvous = strdup(cfg->rendezvous_address);
+  l->dead = dead;
+  l->ctx = ctx;
+  pthread_mutex_init(&l->mu, NULL);
+  pthread_cond_init(&l->cv, NULL);
+  if (!l->rendezvous || pthread_create(&l->thread, NULL, liveness_main, l) != 0) {
+    int rc = l->rendezvous ? -EAGAIN : -ENOMEM;
+    free(l->rendezvous);
+    pthread_cond_destroy(&l->cv);
+    pthread_mutex_destroy(&l->mu);
+    free(l);
+    return zd__errf(err, rc, "cannot start the heartbeat thread");
+  }
+  *out = l;
+  return ZD_OK;
+}
+
+void zd__liveness_stop(zd__liveness_t *l) {
+  if (!l) return;
+  pthread_mutex_lock(&l->mu);
+  l->stop = 1;
+  pthread_cond_signal(&l->cv);
+  pthread_mutex_unlock(&l->mu);
+  pthread_join(l->thread, NULL);
+  for (size_t i = 0; i < l->nnodes; i++) {
+    zd__grpc_channel_close(l->nodes[i].channel);
+    free(l->nodes[i].address);
+  }
+  free(l->nodes);
+  free(l->rendezvous);
+  pthread_cond_destroy(&l->cv);
+  pthread_mutex_destroy(&l->mu);
+  free(l);
+}

@@ -1,0 +1,44 @@
+/* Peer liveness: notices in seconds that another node of the world has stopped answering (a
+ * SIGSTOPped or wedged zerod, a hung host, a partition), where a collective alone would wait for
+ * collective_timeout_ms (30 minutes by default, since a live peer may legitimately be slow).
+ *
+ * A thread of its own asks rank 0's node for the node registry (Nodes) and checks every other
+ * node's gRPC health service (grpc.health.v1.Health/Check) every heartbeat_ms. A node that has
+ * not answered for peer_timeout_ms is declared dead once: dead(ctx, reason) is called on this
+ * thread, and the daemon fails its ranks' collectives with that reason (zd__rank_peer_dead).
+ *
+ * How a slow peer is told from a dead one: the health service runs on the node's loop and gRPC
+ * threads, which no step, collective or kernel occupies, so a node whose ranks are busy (a long
+ * step, a checkpoint, a trainer evaluating between steps) still answers within milliseconds; only
+ * a node whose whole process or host is stopped, or that the network no longer reaches, stays
+ * silent. A node that answers again is watched again (a later silence is reported again). A
+ * single-node world has no peer to watch: the thread then only sleeps.
+ */
+#ifndef ZD_DAEMON_LIVENESS_H
+#define ZD_DAEMON_LIVENESS_H
+
+#include <stdint.h>
+
+#include "error.h"
+
+typedef struct zd__liveness zd__liveness_t;
+
+typedef struct zd__liveness_cfg {
+  const char *rendezvous_address; /* rank 0's control service (copied) */
+  uint32_t first_rank;            /* this node's, to skip itself in the registry */
+  uint32_t heartbeat_ms;          /* between two rounds of checks */
+  uint32_t peer_timeout_ms;       /* silence that makes a node dead */
+} zd__liveness_cfg_t;
+
+/* Called on the liveness thread, once per node that went silent, with a message naming it. */
+typedef void (*zd__peer_dead_fn)(void *ctx, const char *reason);
+
+/* Starts the thread. Errors: -ENOMEM, -EAGAIN (no thread). */
+int zd__liveness_start(const zd__liveness_cfg_t *cfg, zd__peer_dead_fn dead, void *ctx,
+                       zd__liveness_t **out, zd__err_t *err);
+
+/* Stops and joins the thread (within about one call's deadline) and frees it; accepts NULL.
+ * dead() is not called after it returns. */
+void zd__liveness_stop(zd__liveness_t *l);
+
+#endif /* ZD_DAEMON_LIVENESS_H */
