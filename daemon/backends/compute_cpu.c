@@ -50,6 +50,13 @@ static void cpu_release(zd__compute_t *base, float *p, uint64_t n) {
   zd__place_release(p, (size_t)n * sizeof(float));
 }
 
+static int cpu_copy_state(zd__compute_t *base, float *state, float *host, uint64_t n, int to_host,
+                          zd__err_t *err) {
+  (void)base, (void)err;
+  memcpy(to_host ? host : state, to_host ? state : host, (size_t)n * sizeof(float));
+  return ZD_OK;
+}
+
 static int cpu_model_init(zd__compute_t *base, zd__model_t *m, uint32_t world_size,
                           zd__err_t *err) {
   (void)base, (void)world_size;
@@ -219,6 +226,7 @@ static void cpu_destroy(zd__compute_t *base) {
 static const zd__compute_ops_t cpu_ops = {
     .alloc = cpu_alloc,
     .release = cpu_release,
+    .copy_state = cpu_copy_state,
     .model_init = cpu_model_init,
     .model_fini = cpu_model_fini,
     .begin = cpu_begin,
