@@ -50,7 +50,28 @@ static node_t *find_node(zd__liveness_t *l, uint32_t first_rank) {
   return NULL;
 }
 
-/* Adds the nodes of the registry not known yet (a node's entry never changes in a world). */
+/* A node registered again with another address (a restarted zerod that rejoined the world):
+ * watch the new address, with a fresh timer. */
+static void readdress(node_t *nd, const char *address) {
+  zd__grpc_channel_t *ch = NULL;
+  zd__err_t err = {0};
+  char *copy = strdup(address);
+  if (!copy || zd__grpc_channel_open(copy, &ch, &err) != ZD_OK) {
+    free(copy);
+    return; /* keep watching the old one; the next round tries again */
+  }
+  ZD_LOG_INFO("heartbeat: node of ranks %u..%u is now at %s", nd->first_rank,
+              nd->first_rank + nd->local_ranks - 1, copy);
+  zd__grpc_channel_close(nd->channel);
+  free(nd->address);
+  nd->channel = ch;
+  nd->address = copy;
+  nd->last_ok_ms = zd__now_ms();
+  nd->reported = 0;
+}
+
+/* Adds the nodes of the registry not known yet, and follows a node that registered again at
+ * another address (a zerod restarted elsewhere rejoins the world under the same ranks). */
 static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
   Zerod__V1__NodesRequest req = ZEROD__V1__NODES_REQUEST__INIT;
   ProtobufCMessage *reply = NULL;
@@ -63,7 +84,12 @@ static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
   Zerod__V1__NodesReply *rep = (Zerod__V1__NodesReply *)reply;
   for (size_t i = 0; i < rep->n_nodes; i++) {
     const Zerod__V1__NodeInfo *n = rep->nodes[i];
-    if (n->first_rank == l->cfg.first_rank || find_node(l, n->first_rank)) continue;
+    if (n->first_rank == l->cfg.first_rank) continue;
+    node_t *known = find_node(l, n->first_rank);
+    if (known) {
+      if (strcmp(known->address, n->control_address) != 0) readdress(known, n->control_address);
+      continue;
+    }
     node_t *grown = realloc(l->nodes, (l->nnodes + 1) * sizeof *grown);
     if (!grown) break;
     l->nodes = grown;

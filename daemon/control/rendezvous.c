@@ -235,6 +235,12 @@ int zd__rdv_register_node(zd__rdv_t *rdv, uint32_t first_rank, uint32_t local_ra
   char key[32];
   snprintf(key, sizeof key, ZD__RDV_NODE_PREFIX "%u", first_rank);
   int rc = zd__rdv_set(rdv, key, buf, len, timeout_ms, err);
+  if (rc == -EEXIST) { /* a restarted zerod rejoining: its entry is its own to replace */
+    zd__err_t derr = {0};
+    rc = zd__rdv_delete(rdv, key, timeout_ms, &derr);
+    if (rc) *err = derr;
+    if (!rc) rc = zd__rdv_set(rdv, key, buf, len, timeout_ms, err);
+  }
   free(buf);
   return rc;
 }

@@ -138,7 +138,7 @@ static void add_rank(zd__status_t *st, const zd__daemon_t *d, uint32_t local) {
     zd__status_add(st, "gpu", "%s", g->name);
     zd__status_add(st, "gpu_uuid", "%s", g->uuid_str);
   }
-  if (s.health == ZD__HEALTH_DEGRADED)
+  if (s.health == ZD__HEALTH_DEGRADED || s.health == ZD__HEALTH_REJOINING)
     zd__status_add(st, "degraded_reason", "%s", s.degraded_reason);
   const zd__session_t *c = zd__sessions_attached(zd__daemon_sessions(d), local);
   zd__status_add(st, "client", "%s", c ? zd__session_name(c) : "none");
@@ -163,6 +163,8 @@ static void add_rank(zd__status_t *st, const zd__daemon_t *d, uint32_t local) {
   zd__status_add(st, "mean_step_us", "%" PRIu64, s.steps_run ? s.total_step_us / s.steps_run : 0);
   zd__status_add(st, "scatters", "%" PRIu64, s.scatters);
   zd__status_add(st, "gathers", "%" PRIu64, s.gathers);
+  zd__status_add(st, "heals", "%" PRIu64, s.heals);
+  if (s.resume_pending) zd__status_add(st, "resume_pending", "%s", "newest complete checkpoint");
 }
 
 /* "never" rather than 0 for a checkpoint not taken: status and zeroctl show it to operators. */

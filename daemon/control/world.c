@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 
 #include "gloo.h"
 #include "log.h"
@@ -26,9 +27,17 @@ static int cancelled(const kv_ctx_t *k, zd__err_t *err) {
   return zd__errf(err, -ECANCELED, "cancelled: zerod is shutting down");
 }
 
+/* In slices too: with rank 0's node gone the store does not answer, and a shutdown must not wait
+ * for the whole timeout. */
 static int kv_set(void *ctx, const char *key, const void *value, size_t len, zd__err_t *err) {
   kv_ctx_t *k = ctx;
-  return zd__rdv_set(k->rdv, key, value, len, SLICE_MS * 10, err);
+  for (int waited = 0;; waited += SLICE_MS) {
+    int rc = cancelled(k, err);
+    if (rc) return rc;
+    rc = zd__rdv_set(k->rdv, key, value, len, SLICE_MS, err);
+    if (rc != -ETIMEDOUT && rc != ZD_EPEER) return rc;
+    if (waited + SLICE_MS >= SLICE_MS * 10) return rc;
+  }
 }
 
 /* Waits in slices until the keys exist, the overall timeout passes, or a stop is asked for. */
@@ -53,22 +62,44 @@ static int kv_get(void *ctx, const char *key, void **value, size_t *len, int tim
   return zd__rdv_get(k->rdv, key, value, len, SLICE_MS * 10, err);
 }
 
-/* Rank 0 names the world instance; the others learn the name. */
-static int world_id(const zd__kv_t *kv, uint32_t rank, char *id, size_t idlen, zd__err_t *err) {
+/* Rank 0 names the world instance; the others learn the name (one other than `stale`: a rank
+ * re-forming a broken world must not take the broken instance's name, still in the store until
+ * rank 0 names the new one). */
+static int world_id(const zd__kv_t *kv, uint32_t rank, const char *stale, char *id, size_t idlen,
+                    zd__err_t *err) {
   if (rank == 0) {
     uint64_t r = 0;
     if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r)
       return zd__errf(err, -errno, "getrandom failed: %s", strerror(errno));
     snprintf(id, idlen, "%016" PRIx64, r);
-    return kv->set(kv->ctx, WORLD_KEY, id, strlen(id), err);
+    int rc = kv->set(kv->ctx, WORLD_KEY, id, strlen(id), err);
+    if (rc == -EEXIST) { /* re-forming: the broken instance's name is replaced, not kept */
+      const kv_ctx_t *k = kv->ctx;
+      zd__err_t derr = {0};
+      rc = zd__rdv_delete(k->rdv, WORLD_KEY, SLICE_MS * 10, &derr);
+      if (rc) *err = derr;
+      if (!rc) rc = kv->set(kv->ctx, WORLD_KEY, id, strlen(id), err);
+    }
+    return rc;
   }
-  void *value = NULL;
-  size_t len = 0;
-  int rc = kv->get(kv->ctx, WORLD_KEY, &value, &len, 0, err);
-  if (rc) return rc;
-  snprintf(id, idlen, "%.*s", (int)(len < idlen ? len : idlen - 1), (const char *)value);
-  free(value);
-  return ZD_OK;
+  const kv_ctx_t *k = kv->ctx;
+  for (int waited = 0;; waited += SLICE_MS / 4) {
+    void *value = NULL;
+    size_t len = 0;
+    int rc = kv->get(kv->ctx, WORLD_KEY, &value, &len, 0, err);
+    if (rc) return rc;
+    snprintf(id, idlen, "%.*s", (int)(len < idlen ? len : idlen - 1), (const char *)value);
+    free(value);
+    if (!stale || strcmp(id, stale) != 0) return ZD_OK;
+    if ((rc = cancelled(k, err))) return rc;
+    if (waited >= k->timeout_ms)
+      return zd__errf(err, -ETIMEDOUT,
+                      "rank 0 named no new world instance within %d ms (the store still names "
+                      "the broken one, %s)",
+                      k->timeout_ms, stale);
+    struct timespec ts = {0, (SLICE_MS / 4) * 1000000L};
+    nanosleep(&ts, NULL);
+  }
 }
 
 #ifdef ZD_HAVE_CUDA
@@ -111,8 +142,8 @@ struct zd__world_member {
 };
 
 int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
-                      atomic_int *stop, zd__comm_t **out, zd__world_member_t **member,
-                      zd__err_t *err) {
+                      atomic_int *stop, const char *stale, zd__comm_t **out,
+                      zd__world_member_t **member, zd__err_t *err) {
   *member = NULL;
 #ifndef ZD_HAVE_CUDA
   (void)stream;
@@ -128,8 +159,9 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
   }
   zd__kv_t kv = {.ctx = &k, .set = kv_set, .get = kv_get, .wait = kv_wait};
   char id[32], prefix[64];
-  ZD_LOG_INFO("joining a world of %u ranks through %s", w->world_size, w->rendezvous_address);
-  rc = world_id(&kv, rank, id, sizeof id, err);
+  ZD_LOG_INFO("%s a world of %u ranks through %s", stale ? "re-forming" : "joining", w->world_size,
+              w->rendezvous_address);
+  rc = world_id(&kv, rank, stale, id, sizeof id, err);
   if (rc) goto exit;
   /* Local rank 0 of each node tells the registry where the node's control service is. */
   if (rank == w->first_rank && (rc = zd__rdv_register_node(k.rdv, w->first_rank, w->local_ranks,
@@ -206,6 +238,10 @@ exit:
   free(names);
   free(keys);
   return rc;
+}
+
+const char *zd__world_member_id(const zd__world_member_t *m) {
+  return m->id;
 }
 
 void zd__world_member_free(zd__world_member_t *m) {

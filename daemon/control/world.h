@@ -43,10 +43,16 @@ typedef struct zd__world_member zd__world_member_t;
  * host memory when device is -1, else NCCL on that CUDA device (the calling thread's current one)
  * queuing its operations on `stream` (a cudaStream_t). Errors: -ETIMEDOUT (peers did not join
  * within connect_timeout_ms), -ECANCELED (*stop was set), ZD_EPEER, ZD_EBACKEND (a CUDA device in
- * a build without CUDA). */
+ * a build without CUDA).
+ * stale: NULL at start; when re-forming a world whose communicator broke, the instance that
+ * broke (zd__world_member_id of the old membership): rank 0 names a new instance, and the other
+ * ranks wait until the store names one other than `stale` instead of joining the dead one. */
 int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
-                      atomic_int *stop, zd__comm_t **out, zd__world_member_t **member,
-                      zd__err_t *err);
+                      atomic_int *stop, const char *stale, zd__comm_t **out,
+                      zd__world_member_t **member, zd__err_t *err);
+
+/* The name of the world instance the member joined (rank 0 draws one at each bootstrap). */
+const char *zd__world_member_id(const zd__world_member_t *m);
 
 /* Waits until every rank of the world has called the barrier `name` as many times as this one,
  * through the rendezvous store: for waits that may last much longer than a collective's timeout

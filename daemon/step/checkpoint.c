@@ -36,6 +36,7 @@ typedef struct write_job {
   uint64_t step;
   uint64_t snapshot_us;
   uint64_t t0_ms;
+  uint64_t generation;           /* the world instance it was taken in (zd__ckptr_world_broke) */
   zd__ckpt_manifest_t *manifest; /* global rank 0 only: what the manifest says but the files */
 } write_job_t;
 
@@ -55,7 +56,9 @@ struct zd__ckptr {
   int has_world;
   zd__world_t world;
   uint32_t local_ranks;
-  atomic_int requested; /* the next step checkpoints */
+  atomic_int requested;            /* the next step checkpoints */
+  atomic_uint_fast64_t generation; /* bumped when the world breaks: older checkpoints cannot
+                                      complete any more */
   uint64_t last_request_ms;
 
   pthread_mutex_t lock;
@@ -129,7 +132,15 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
       snprintf(entry, sizeof entry, "%s %" PRIu64 " %016" PRIx64, file.name, file.bytes, file.xxh3);
     zd__err_t serr = {0};
     int src = open_store(c, &c->rdv, &serr);
-    if (!src) src = zd__rdv_set(c->rdv, key, entry, strlen(entry), c->set.timeout_ms, &serr);
+    for (int waited = 0; !src; waited += 1000) { /* in slices: a shutdown does not wait */
+      src = zd__rdv_set(c->rdv, key, entry, strlen(entry), 1000, &serr);
+      if (src != -ETIMEDOUT && src != ZD_EPEER) break;
+      pthread_mutex_lock(&c->lock);
+      int stop = c->stop;
+      pthread_mutex_unlock(&c->lock);
+      if (stop || waited + 1000 >= c->set.timeout_ms) break;
+      src = ZD_OK;
+    }
     if (src && !rc)
       rc = zd__errf(&err, src, "telling rank 0 that the file is written: %s", serr.msg);
   }
@@ -197,8 +208,26 @@ static int parse_entry(const char *entry, uint32_t rank, zd__ckpt_file_t *f, zd_
   return ZD_OK;
 }
 
+/* Waits for one entry in slices of a second, so that a shutdown or a broken world ends the wait
+ * (a rank that died never writes its entry). */
+static int wait_entry(zd__ckptr_t *c, const write_job_t *j, const char *key, void **value,
+                      size_t *len, zd__err_t *err) {
+  for (int waited = 0;; waited += 1000) {
+    int rc = zd__rdv_get(c->rdv_fin, key, value, len, 1000, err);
+    if (rc != -ETIMEDOUT) return rc;
+    if (atomic_load(&c->generation) != j->generation)
+      return zd__errf(err, ZD_EPEER, "the world broke while it was written");
+    pthread_mutex_lock(&c->lock);
+    int stop = c->stop;
+    pthread_mutex_unlock(&c->lock);
+    if (stop) return zd__errf(err, -ECANCELED, "zerod is shutting down");
+    if (waited + 1000 >= c->set.timeout_ms) return rc;
+  }
+}
+
 /* The other ranks' entries (W > 1), into m->files[1..W-1]; removes them from the store. */
-static int collect_entries(zd__ckptr_t *c, zd__ckpt_manifest_t *m, zd__err_t *err) {
+static int collect_entries(zd__ckptr_t *c, const write_job_t *j, zd__ckpt_manifest_t *m,
+                           zd__err_t *err) {
   uint32_t w = c->world.world_size;
   int rc = open_store(c, &c->rdv_fin, err);
   for (uint32_t r = 1; r < w && !rc; r++) {
@@ -206,7 +235,7 @@ static int collect_entries(zd__ckptr_t *c, zd__ckpt_manifest_t *m, zd__err_t *er
     entry_key(key, sizeof key, m->step, r);
     void *value = NULL;
     size_t len = 0;
-    rc = zd__rdv_get(c->rdv_fin, key, &value, &len, c->set.timeout_ms, err);
+    rc = wait_entry(c, j, key, &value, &len, err);
     if (rc == -ETIMEDOUT)
       rc = zd__errf(err, rc, "rank %u's file was not written within %d ms", r, c->set.timeout_ms);
     if (!rc) {
@@ -232,7 +261,7 @@ static void finish_one(zd__ckptr_t *c, write_job_t *j) {
   char dir[4096];
   zd__ckpt_dir_name(c->dir, m->step, dir, sizeof dir);
   int rc = m->nfiles ? ZD_OK : ZD_ECHECKPOINT; /* rank 0's own file failed: already reported */
-  if (!rc && c->has_world) rc = collect_entries(c, m, &err);
+  if (!rc && c->has_world) rc = collect_entries(c, j, m, &err);
   if (!rc) rc = zd__ckpt_write_manifest(dir, m, &err);
   uint64_t bytes = 0;
   for (uint32_t i = 0; !rc && i < m->nfiles; i++) bytes += m->files[i].bytes;
@@ -354,6 +383,14 @@ static int need_dir(const zd__ckptr_t *c, zd__err_t *err) {
                   "checkpoints are off: set checkpoint_dir (--checkpoint-dir DIR) to take one");
 }
 
+void zd__ckptr_world_broke(zd__ckptr_t *c) {
+  if (c) atomic_fetch_add(&c->generation, 1);
+}
+
+int zd__ckptr_enabled(const zd__ckptr_t *c) {
+  return c && c->stats.enabled;
+}
+
 int zd__ckptr_request(zd__ckptr_t *c, zd__err_t *err) {
   int rc = need_dir(c, err);
   if (rc) return rc;
@@ -447,6 +484,7 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   j->rank = ctx->rank;
   j->step = m->step;
   j->t0_ms = zd__unix_ms();
+  j->generation = atomic_load(&c->generation);
   if (ctx->rank == 0 && (rc = prepare_manifest(c, m, &j->manifest, err)) != 0) {
     job_free(j);
     return rc;
@@ -542,11 +580,11 @@ static int agree_loaded(const zd__step_ctx_t *ctx, uint64_t mine, zd__err_t *err
 int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, int *loaded,
                      zd__err_t *err) {
   *loaded = 0;
-  if (!c || !c->resume[0]) return ZD_OK;
+  if (!c || (!c->resume[0] && !ctx->resume_latest)) return ZD_OK;
   char *dir = NULL;
   zd__ckpt_manifest_t *mf = NULL;
   int rc;
-  if (strcmp(c->resume, "latest") == 0) {
+  if (ctx->resume_latest || strcmp(c->resume, "latest") == 0) {
     if (!c->dir[0])
       return zd__errf(err, ZD_ECONFIG, "resume is 'latest' but checkpoint_dir is not set");
     rc = zd__ckpt_find_latest(c->dir, m->layout, log_reject, NULL, &dir, &mf, err);

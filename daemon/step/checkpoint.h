@@ -72,6 +72,13 @@ int zd__ckptr_create(const zd__ckpt_settings_t *settings, const struct zd__world
  * frees everything; accepts NULL. */
 void zd__ckptr_destroy(zd__ckptr_t *c);
 
+/* Any thread: the world broke (a peer died). A checkpoint still waiting for the other ranks'
+ * files gives up at once: a dead rank never writes its file. Accepts NULL. */
+void zd__ckptr_world_broke(zd__ckptr_t *c);
+
+/* Whether checkpoint_dir is set (accepts NULL: no). */
+int zd__ckptr_enabled(const zd__ckptr_t *c);
+
 /* Any thread: the next step of every rank of the world takes a checkpoint. ZD_ECONFIG (message
  * says so) when checkpoint_dir is not set. */
 int zd__ckptr_request(zd__ckptr_t *c, zd__err_t *err);
@@ -93,11 +100,12 @@ int zd__ckptr_take(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__mo
 
 /* The worker of a rank registering a model it does not hold (a fresh model m, its arrays zeroed):
  * per the resume setting, loads the newest complete checkpoint whose parameter table matches m's
- * (world size and bucket size may differ). *loaded = 1 and m's state, step, skipped steps and
- * loss-scaler state are the checkpoint's; 0 when resume is off or, with "latest", there is none
- * yet. Every rank of the world then checks that all loaded the same step. Errors: ZD_ECHECKPOINT
- * (an explicit resume directory that does not load, ranks that loaded different steps),
- * -ENOMEM, the backend's copy errors. */
+ * (world size and bucket size may differ); with ctx->resume_latest (the rank healed: every rank
+ * of the world rolls back) the newest one even when resume is off. *loaded = 1 and m's state, step,
+ * skipped steps and loss-scaler state are the checkpoint's; 0 when resume is off or, with "latest",
+ * there is none yet. Every rank of the world then checks that all loaded the same step. Errors:
+ * ZD_ECHECKPOINT (an explicit resume directory that does not load, ranks that loaded different
+ * steps), -ENOMEM, the backend's copy errors. */
 int zd__ckptr_resume(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__model *m,
                      int *loaded, zd__err_t *err);
 

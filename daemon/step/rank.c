@@ -7,8 +7,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "adam.h"
+#include "checkpoint.h"
+#include "clock.h"
 #include "compute.h"
 #include "log.h"
 #include "pool.h"
@@ -27,6 +30,7 @@ struct zd__rank {
   atomic_int inline_ok; /* the model is small enough to step on the loop thread */
   atomic_int cancel;    /* shutdown: stop waiting for peers (bootstrap, barriers) */
   int standing_in;      /* under lock: a ZD__JOB_STAND_IN is running */
+  int peer_failed;      /* under lock: the heartbeat found a peer dead (wakes an idle worker) */
   zd__model_t *model;   /* the thread running a job only */
   pthread_mutex_t stats_lock;
   zd__rank_stats_t stats;
@@ -154,6 +158,10 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
                                    &resumed, err);
       if (job->code == ZD_OK) {
         const zd__layout_t *l = r->model->layout;
+        r->ctx.resume_latest = 0; /* rolled back (or resumed): done */
+        pthread_mutex_lock(&r->stats_lock);
+        r->stats.resume_pending = 0;
+        pthread_mutex_unlock(&r->stats_lock);
         job->out.attach.step = r->model->step;
         job->out.attach.resumed = resumed;
         job->out.attach.loss_scale = r->model->scaler.scale;
@@ -199,6 +207,8 @@ const char *zd__health_name(zd__health_t health) {
       return "degraded";
     case ZD__HEALTH_CONNECTING:
       return "connecting";
+    case ZD__HEALTH_REJOINING:
+      return "rejoining";
   }
   return "unknown";
 }
@@ -226,8 +236,8 @@ static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
 static void join_world(zd__rank_t *r) {
   zd__err_t err = {0};
   zd__comm_t *comm = NULL;
-  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, &comm, &r->ctx.member,
-                             &err);
+  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, NULL, &comm,
+                             &r->ctx.member, &err);
   publish_comm(r, comm);
   if (rc == ZD_OK) {
     set_health(r, ZD__HEALTH_OK, "", "");
@@ -264,8 +274,8 @@ static void start_cuda(zd__rank_t *r) {
     rc = zd__comm_nccl_create(NULL, 0, 1, r->env.device, stream, w->connect_timeout_ms,
                               w->collective_timeout_ms, &r->cancel, &comm, &err);
   else
-    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, &comm, &r->ctx.member,
-                           &err);
+    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, NULL, &comm,
+                           &r->ctx.member, &err);
   publish_comm(r, comm);
   if (rc == ZD_OK) {
     ZD_LOG_INFO("CUDA backend on GPU %d, NCCL communicator of %u rank(s) ready", r->env.device,
@@ -285,6 +295,85 @@ static void start_cuda(zd__rank_t *r) {
 #endif
 }
 
+/* ---- a world that heals ------------------------------------------------------------------- */
+
+static int can_heal(const zd__rank_t *r) {
+  return r->env.world_size > 1 && zd__ckptr_enabled(r->env.ckpt) && !atomic_load(&r->cancel);
+}
+
+/* The communicator failed (a collective found a peer gone, or the heartbeat declared a node
+ * dead). With checkpoints, the world re-forms: the broken communicator is released, the rank
+ * rejoins a new instance of the world (every surviving rank does the same, and a restarted zerod
+ * joins it), and the model is dropped, so that the next registration on every rank resumes the
+ * newest complete checkpoint: all ranks roll back to the same step. Without checkpoints there is
+ * nothing consistent to roll back to, and the rank stays degraded, as before. The worker waits
+ * here (jobs queue behind it) until the world is whole again or zerod shuts down. */
+static void heal(zd__rank_t *r) {
+  zd__rank_stats_t st;
+  zd__rank_stats(r, &st);
+  if (st.health != ZD__HEALTH_DEGRADED) { /* only a comm failure the jobs noticed degrades */
+    set_health(r, ZD__HEALTH_DEGRADED, "", "a peer was declared dead by the heartbeat");
+    zd__rank_stats(r, &st);
+  }
+  if (!can_heal(r)) return;
+  char reason[ZD__ERR_MSG_MAX], stale[64] = "";
+  snprintf(reason, sizeof reason, "%s", st.degraded_reason);
+  if (r->ctx.member) snprintf(stale, sizeof stale, "%s", zd__world_member_id(r->ctx.member));
+  ZD_LOG_WARN(
+      "re-forming the world after: %s (the model is dropped: every rank resumes the "
+      "newest complete checkpoint at its next registration)",
+      reason);
+  set_health(r, ZD__HEALTH_REJOINING, "re-forming the world after: ", reason);
+  zd__ckptr_world_broke(r->env.ckpt);
+  uint64_t t0 = zd__now_ms();
+  zd__model_free(r->model);
+  r->model = NULL;
+  zd__comm_t *old = r->ctx.comm;
+  publish_comm(r, NULL);
+  zd__comm_destroy(old);
+  zd__world_member_free(r->ctx.member);
+  r->ctx.member = NULL;
+  pthread_mutex_lock(&r->stats_lock);
+  r->stats.has_model = 0;
+  r->stats.resume_pending = 1;
+  pthread_mutex_unlock(&r->stats_lock);
+  r->ctx.resume_latest = 1;
+  for (int attempt = 1; !atomic_load(&r->cancel); attempt++) {
+    zd__err_t err = {0};
+    zd__comm_t *comm = NULL;
+    void *stream = NULL;
+#ifdef ZD_HAVE_CUDA
+    if (r->env.device >= 0) stream = zd__compute_cuda_stream(r->ctx.compute);
+#endif
+    int rc = zd__world_connect(r->env.world, r->env.rank, r->env.device, stream, &r->cancel,
+                               stale[0] ? stale : NULL, &comm, &r->ctx.member, &err);
+    if (rc == ZD_OK) {
+      publish_comm(r, comm);
+      pthread_mutex_lock(&r->lock);
+      r->peer_failed = 0; /* the heartbeat's verdict was about the old instance */
+      pthread_mutex_unlock(&r->lock);
+      pthread_mutex_lock(&r->stats_lock);
+      r->stats.heals++;
+      pthread_mutex_unlock(&r->stats_lock);
+      set_health(r, ZD__HEALTH_OK, "", "");
+      ZD_LOG_INFO("world re-formed in %" PRIu64
+                  " ms; waiting for the trainers to register "
+                  "(they resume the newest complete checkpoint)",
+                  zd__now_ms() - t0);
+      return;
+    }
+    ZD_LOG_WARN("re-forming the world, attempt %d: %s", attempt, err.msg);
+    for (int i = 0; i < 10 && !atomic_load(&r->cancel); i++) { /* 1 s, cancellable */
+      struct timespec ts = {0, 100 * 1000000L};
+      nanosleep(&ts, NULL);
+    }
+  }
+}
+
+static void peer_lost(zd__rank_t *r) {
+  if (r->env.world_size > 1) heal(r);
+}
+
 static void *worker_main(void *arg) {
   zd__rank_t *r = arg;
   zd__log_set_rank((int)r->env.rank);
@@ -294,7 +383,14 @@ static void *worker_main(void *arg) {
     join_world(r);
   pthread_mutex_lock(&r->lock);
   for (;;) {
-    while (!r->head && !r->stop) pthread_cond_wait(&r->cond, &r->lock);
+    while (!r->head && !r->stop && !r->peer_failed) pthread_cond_wait(&r->cond, &r->lock);
+    if (r->peer_failed && !r->stop) {
+      r->peer_failed = 0;
+      pthread_mutex_unlock(&r->lock);
+      if (zd__comm_failed(r->ctx.comm)) peer_lost(r);
+      pthread_mutex_lock(&r->lock);
+      continue;
+    }
     zd__job_t *job = r->head;
     if (!job) break; /* stop requested and the queue is drained */
     r->head = job->next;
@@ -304,7 +400,9 @@ static void *worker_main(void *arg) {
     job->next = NULL;
     run_job(r, job);
     publish(r, job);
+    int broken = r->env.world_size > 1 && zd__comm_failed(r->ctx.comm);
     r->env.done(r->env.done_ctx, job);
+    if (broken) heal(r); /* jobs queued meanwhile wait for it */
     pthread_mutex_lock(&r->lock);
     r->busy = 0;
   }
@@ -391,6 +489,10 @@ void zd__rank_abort(zd__rank_t *r) {
 void zd__rank_peer_dead(zd__rank_t *r, const char *why) {
   pthread_mutex_lock(&r->lock);
   zd__comm_abort(r->ctx.comm, ZD_EPEER, why);
+  if (r->ctx.comm && !r->peer_failed) {
+    r->peer_failed = 1;
+    pthread_cond_signal(&r->cond); /* an idle worker degrades and heals at once */
+  }
   pthread_mutex_unlock(&r->lock);
 }
 

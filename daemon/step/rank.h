@@ -128,12 +128,13 @@ void zd__job_free(zd__job_t *job);
 
 typedef enum zd__health {
   ZD__HEALTH_OK = 0,
-  ZD__HEALTH_DEGRADED = 1,  /* a collective or the world's bootstrap failed; see the reason */
-  ZD__HEALTH_CONNECTING = 2 /* joining the world: waiting for peers */
+  ZD__HEALTH_DEGRADED = 1,   /* a collective or the world's bootstrap failed; see the reason */
+  ZD__HEALTH_CONNECTING = 2, /* joining the world: waiting for peers */
+  ZD__HEALTH_REJOINING = 3   /* a peer failed: re-forming the world (checkpoints on: rank.c) */
 } zd__health_t;
 
 /* "ok", "degraded", "connecting". */
-const char *zd__health_name(zd__health_t health);
+const char *zd__health_name(zd__health_t health); /* ... "rejoining" */
 
 /* What the loop may read about a rank at any time. */
 typedef struct zd__rank_stats {
@@ -157,6 +158,8 @@ typedef struct zd__rank_stats {
   uint64_t steps_run; /* step jobs that ran the update or a skip */
   uint64_t scatters;
   uint64_t gathers;
+  uint64_t heals;     /* times the world was re-formed around this rank after a peer failed */
+  int resume_pending; /* healed: the next registration resumes the newest checkpoint */
   zd__health_t health;
   char degraded_reason[ZD__ERR_MSG_MAX];
 } zd__rank_stats_t;

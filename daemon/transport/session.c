@@ -897,6 +897,12 @@ static void stand_in(zd__session_t *s) {
   if (!s->closing || s->state != SESSION_REGISTERED || s->stood_in ||
       zd__rank_world_size(s->rank) < 2 || zd__daemon_shutting_down(s->daemon))
     return;
+  /* A rank whose world broke (degraded, or re-forming it: its worker may wait minutes for a
+   * restarted peer) has no step left to stand in for, and its model is dropped or frozen: the
+   * client leaves at once. */
+  zd__rank_stats_t st;
+  zd__rank_stats(s->rank, &st);
+  if (st.health != ZD__HEALTH_OK) return;
   zd__job_t *job = job_new(s, ZD__JOB_STAND_IN, &(zd__frame_header_t){0});
   if (!job) return; /* then released at the end, as at world size 1 */
   s->stood_in = 1;

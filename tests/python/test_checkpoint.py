@@ -13,7 +13,12 @@ world size must produce the same bits. Covered:
   - a flipped byte and a truncated file: detected by the checksum, reported with the file and
     both checksums, and the previous checkpoint loaded instead;
   - disk faults: a missing directory and a file-size limit (RLIMIT_FSIZE) fail the checkpoint
-    with a clear error while training goes on, and leave no directory that looks complete.
+    with a clear error while training goes on, and leave no directory that looks complete;
+  - a world that heals: of two zerods, one is SIGKILLed mid-training; the survivor goes
+    degraded, then rejoining, without a restart of its own; the killed one is restarted with
+    --resume latest; every trainer registers again, all ranks resume the newest complete
+    checkpoint and the run continues bit-identically. The times from the kill to degraded and
+    from the restart to training again are printed.
 """
 
 from __future__ import annotations
@@ -107,8 +112,11 @@ def on_all(trainers: List[Trainer], fn) -> list:
     return out
 
 
-def start(world_size: int, args: List[str], init: Optional[float] = 0.25):
-    world = zerod.testing.LocalWorld(world_size, args=["--bucket_elems", BUCKET] + args)
+def start(world_size: int, args: List[str], init: Optional[float] = 0.25, daemons: int = 1,
+          world: Optional[zerod.testing.LocalWorld] = None):
+    if world is None:
+        world = zerod.testing.LocalWorld(world_size, daemons=daemons,
+                                         args=["--bucket_elems", BUCKET] + args)
     def attach(rank: int) -> Trainer:
         t = Trainer(world, rank, init)
         t.info = t.client.register()
@@ -177,12 +185,21 @@ def read_safetensors(path: str) -> Dict[str, np.ndarray]:
     return out
 
 
+def rank_health(daemon: zerod.testing.LocalZerod) -> dict:
+    """Local rank 0's row of `zeroctl status --json` (the control service: attaches no rank)."""
+    zeroctl = os.environ.get("ZEROCTL_BIN", "build/client/zeroctl")
+    out = subprocess.run([zeroctl, "--address", daemon.control_address, "status", "--json"],
+                         capture_output=True, text=True, timeout=30)
+    return json.loads(out.stdout)["ranks"][0]
+
+
 _REFERENCE: Dict[int, Dict[str, np.ndarray]] = {}
 
 
 def reference(steps: int = 12) -> Dict[int, Dict[str, np.ndarray]]:
     """The uninterrupted run at W=1 (computed once)."""
-    if not _REFERENCE:
+    if max(_REFERENCE, default=-1) < steps:
+        _REFERENCE.clear()
         world, trainers = start(1, [])
         _REFERENCE[0] = trainers[0].snapshot()
         _REFERENCE.update(train(trainers, range(1, steps + 1)))
@@ -274,6 +291,70 @@ class CheckpointTest(unittest.TestCase):
             self.assert_same({n: tensors[n] for n, _ in PARAMS}, reference()[3], "exported")
             self.assertIn(name + ".exp_avg", tensors)
             self.assertIn(name + ".exp_avg_sq", tensors)
+
+    def test_world_heals_around_a_restarted_zerod(self) -> None:
+        ref = reference(220)
+        args = ["--checkpoint-dir", self.dir, "--checkpoint-every-steps", "3",
+                "--heartbeat_ms", "100", "--peer_timeout_ms", "1000"]
+        world, trainers = start(2, args, daemons=2)
+        survivor, victim = world.daemons
+        try:
+            train(trainers, range(1, 8))
+            wait_complete(self.dir, 6)
+            # SIGKILL the zerod of rank 1 while rank 0's trainer is inside a step
+            t_kill = time.monotonic()
+            killer = threading.Timer(0.05, lambda: victim.stop(signal.SIGKILL, check=False))
+            killer.start()
+            with self.assertRaises(ZerodError):
+                on_all(trainers, lambda t: [t.step(s) for s in range(8, 200)])
+            killer.join()
+            phases, t_degraded = [], None
+            deadline = time.monotonic() + 30
+            while "rejoining" not in phases:
+                self.assertLess(time.monotonic(), deadline, f"phases seen: {phases}")
+                health = rank_health(survivor)["health"]
+                if not phases or phases[-1] != health:
+                    phases.append(health)
+                    if health in ("degraded", "rejoining") and t_degraded is None:
+                        t_degraded = time.monotonic() - t_kill
+                time.sleep(0.02)
+            for t in trainers:
+                try:
+                    t.client.close()
+                except ZerodError:
+                    pass
+            # systemd or Kubernetes would restart it; the survivor is not restarted
+            t_restart = time.monotonic()
+            restarted = zerod.testing.LocalZerod(
+                victim.args + ["--resume", "latest"], log_level="debug")
+            world.daemons[1] = restarted
+            world._endpoints[1] = (restarted.socket, 0)
+            world2, trainers = start(2, [], init=-7.0, world=world)
+            # the newest complete checkpoint when rank 1 died (steps went on until the kill)
+            newest = max(int(d[5:]) for d in os.listdir(self.dir)
+                         if os.path.exists(os.path.join(self.dir, d, "manifest.json")))
+            self.assertGreaterEqual(newest, 6)
+            for t in trainers:
+                self.assertTrue(t.info.resumed)
+                self.assertEqual(t.info.step, newest, f"rank {t.rank} resumed the newest one")
+                self.assert_same(t.snapshot(), ref[newest], f"rank {t.rank} after the heal")
+            seen = train(trainers, range(newest + 1, newest + 7))
+            t_training = time.monotonic() - t_restart
+            for s, params in seen.items():
+                self.assert_same(params, ref[s], f"healed world, step {s}")
+            status = trainers[0].client.rank_status()
+            self.assertEqual(status["health"], "ok")
+            self.assertEqual(status["heals"], "1")
+            print(f"\n    heal: SIGKILL -> survivor {phases[0]} in {t_degraded * 1000:.0f} ms"
+                  f" (phases {' -> '.join(phases)}); restart (from the process start) -> 6 "
+                  f"steps trained again in {t_training * 1000:.0f} ms", flush=True)
+        finally:
+            for t in trainers:
+                try:
+                    t.client.close()
+                except ZerodError:
+                    pass
+            world.stop(check=False)
 
     def test_sigkill_every_zerod_then_resume_is_bit_identical(self) -> None:
         ref = reference(12)
