@@ -11,6 +11,7 @@
  *
  *   bench_adam [--min-log2 20] [--max-log2 26] [--threads N] [--isa auto|scalar|avx2|avx512]
  *              [--iters 20] [--warmup 3] [--grad f32|bf16|f16] [--param f32|bf16|none]
+ *              [--update torch113|torch2] [--sqrt exact|mkl_ex]
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -78,7 +79,8 @@ static void usage(void) {
   fprintf(stderr,
           "usage: bench_adam [--min-log2 N] [--max-log2 N] [--threads N] [--isa NAME]\n"
           "                  [--iters N] [--warmup N] [--grad f32|bf16|f16] "
-          "[--param f32|bf16|none]\n");
+          "[--param f32|bf16|none]\n"
+          "                  [--update torch113|torch2] [--sqrt exact|mkl_ex]\n");
   exit(2);
 }
 
@@ -96,6 +98,8 @@ int main(int argc, char **argv) {
   unsigned nthreads = 0;
   const char *isa_name = "auto";
   int gdt = ZD_F32, pdt = ZD_F32;
+  zd_update_t update = ZD_UPDATE_TORCH113;
+  zd_sqrt_mode_t sqrt_mode = ZD_SQRT_EXACT;
   for (int i = 1; i < argc; i++) {
     const char *opt = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
     if (!val) usage();
@@ -115,6 +119,10 @@ int main(int argc, char **argv) {
       gdt = parse_dtype(val, 0);
     else if (!strcmp(opt, "--param"))
       pdt = parse_dtype(val, 1);
+    else if (!strcmp(opt, "--update") && (!strcmp(val, "torch113") || !strcmp(val, "torch2")))
+      update = !strcmp(val, "torch2") ? ZD_UPDATE_TORCH2 : ZD_UPDATE_TORCH113;
+    else if (!strcmp(opt, "--sqrt") && (!strcmp(val, "exact") || !strcmp(val, "mkl_ex")))
+      sqrt_mode = !strcmp(val, "mkl_ex") ? ZD_SQRT_MKL_EX : ZD_SQRT_EXACT;
     else
       usage();
     i++;
@@ -156,12 +164,16 @@ int main(int argc, char **argv) {
       {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 1e-2},
       {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0},
   };
+  for (int k = 0; k < 2; k++) hp[k].update = update, hp[k].sqrt_mode = sqrt_mode;
   zd__adam_group_t groups[2];
   /* Bytes per element: read master, m, v, grad; write master, m, v, working param. */
   double elem_bytes = 4 * 6 + (double)gsz + (double)psz;
 
-  printf("# bench_adam: AdamW step over an fp32 master shard, grad %s, working params %s\n",
-         dtype_name(gdt), dtype_name(pdt));
+  printf(
+      "# bench_adam: AdamW step over an fp32 master shard, grad %s, working params %s, update %s, "
+      "sqrt %s\n",
+      dtype_name(gdt), dtype_name(pdt), update == ZD_UPDATE_TORCH2 ? "torch2" : "torch113",
+      sqrt_mode == ZD_SQRT_MKL_EX ? "mkl_ex" : "exact");
   printf(
       "# %.0f bytes moved per param; pass: the same loads and stores, no arithmetic; "
       "medians of %d runs after %d warm-up\n",
