@@ -457,6 +457,29 @@ int zd_gather(zd_client_t *c, int bucket) {
   return rc ? rc : zd_wait(c, req, NULL);
 }
 
+int zd_checkpoint(zd_client_t *c, uint32_t flags, uint64_t *step, char *dir, size_t len) {
+  int rc = check_registered(c, "zd_checkpoint");
+  if (rc) return rc;
+  Zerod__V1__CheckpointRequest req = ZEROD__V1__CHECKPOINT_REQUEST__INIT;
+  req.has_wait = 1;
+  req.wait = !(flags & ZD_CHECKPOINT_NO_WAIT);
+  uint64_t id;
+  if ((rc = zd__start(c, ZD__MSG_CHECKPOINT, &req.base, NULL, 0, -1, &id))) return rc;
+  uint8_t *body = NULL;
+  uint32_t body_len = 0;
+  rc = zd__await(c, id, &body, &body_len, -1);
+  zd__pending_t *p = zd__find_pending(c, id);
+  if (p && p->done) zd__forget_pending(c, p);
+  if (rc) return rc;
+  Zerod__V1__CheckpointReply *rep = zerod__v1__checkpoint_reply__unpack(NULL, body_len, body);
+  free(body);
+  if (!rep) return zd__fail(ZD_EPROTO, "zd_checkpoint: malformed reply from zerod");
+  if (step) *step = rep->step;
+  if (dir && len) snprintf(dir, len, "%s", rep->dir);
+  zerod__v1__checkpoint_reply__free_unpacked(rep, NULL);
+  return ZD_OK;
+}
+
 /* Appends to a growing string; returns -ENOMEM on failure. */
 static int append(char **buf, size_t *len, size_t *cap, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));

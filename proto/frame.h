@@ -27,14 +27,15 @@
 
 /* Message types: XX(constant suffix, value, name). A successful reply has the request's type with
  * ZD__FRAME_REPLY set; a failed request is answered by an ERROR frame with the same request id. */
-#define ZD__MSG_MAP(XX)       \
-  XX(HELLO, 1, "hello")       \
-  XX(REGISTER, 2, "register") \
-  XX(STEP, 3, "step")         \
-  XX(SCATTER, 4, "scatter")   \
-  XX(GATHER, 5, "gather")     \
-  XX(STATUS, 6, "status")     \
-  XX(BYE, 7, "bye")           \
+#define ZD__MSG_MAP(XX)           \
+  XX(HELLO, 1, "hello")           \
+  XX(REGISTER, 2, "register")     \
+  XX(STEP, 3, "step")             \
+  XX(SCATTER, 4, "scatter")       \
+  XX(GATHER, 5, "gather")         \
+  XX(STATUS, 6, "status")         \
+  XX(BYE, 7, "bye")               \
+  XX(CHECKPOINT, 8, "checkpoint") \
   XX(ERROR, 0x7fff, "error")
 
 enum {

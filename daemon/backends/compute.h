@@ -97,6 +97,11 @@ typedef struct zd__compute_ops {
    * the elements the segments cover. */
   int (*exchange)(zd__compute_t *c, struct zd__model *m, const struct zd__buffers *buf,
                   uint32_t rank, int to_client, zd__err_t *err);
+  /* Copies n elements of one of the model's state arrays (state: in the backend's memory) to
+   * host memory (to_host: a checkpoint's snapshot) or back (a resume); complete when it returns,
+   * after the work queued before it. */
+  int (*copy_state)(zd__compute_t *c, float *state, float *host, uint64_t n, int to_host,
+                    zd__err_t *err);
   /* Adds bucket b's statistics into this rank's record (first: b is the first bucket of the
    * step; rec carries the tags). */
   int (*grad_stats)(zd__compute_t *c, struct zd__model *m, uint32_t b, int first,

@@ -141,6 +141,23 @@ static int cuda_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *e
   return ZD_OK;
 }
 
+/* A checkpoint's snapshot or a resume: on the rank's stream, after the step's work, then a
+ * bounded wait. Pageable host memory: the copy is staged by the driver (a pinned, asynchronous
+ * snapshot buffer would shorten the stall; see docs/design.md). */
+static int cuda_copy_state(zd__compute_t *base, float *state, float *host, uint64_t n, int to_host,
+                           zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  size_t bytes = (size_t)n * sizeof(float);
+  ZD_CUDA_TRY(err,
+              cudaMemcpyAsync(to_host ? (void *)host : (void *)state,
+                              to_host ? (const void *)state : (const void *)host, bytes,
+                              to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, c->stream),
+              "GPU %d: copying %zu bytes of state %s the host", c->device, bytes,
+              to_host ? "to" : "from");
+  ZD_CUDA_TRY(err, cudaEventRecord(c->done, c->stream), "GPU %d: recording an event", c->device);
+  return zd__cuda_event_wait(c->done, c->timeout_ms, NULL, NULL, "a copy of the state", err);
+}
+
 static void cuda_model_fini(zd__compute_t *base, zd__model_t *m) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_model_t *cm = m->cdata;
@@ -338,6 +355,7 @@ static void cuda_destroy(zd__compute_t *base) {
 static const zd__compute_ops_t cuda_ops = {
     .alloc = cuda_alloc,
     .release = cuda_release,
+    .copy_state = cuda_copy_state,
     .model_init = cuda_model_init,
     .model_fini = cuda_model_fini,
     .begin = cuda_begin,

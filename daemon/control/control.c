@@ -32,6 +32,7 @@
 #include "log.h"
 #include "rendezvous.h"
 #include "session.h"
+#include "checkpoint.h"
 #include "token.h"
 
 #define MAX_KEY_BYTES   1024
@@ -209,6 +210,21 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   st.rendezvous_address = zd__daemon_config(d)->rendezvous_address;
   st.n_ranks = n;
   st.ranks = ptrs;
+  Zerod__V1__CheckpointStatus cks = ZEROD__V1__CHECKPOINT_STATUS__INIT;
+  zd__ckpt_stats_t s;
+  if (zd__daemon_checkpointer(d)) {
+    zd__ckptr_stats(zd__daemon_checkpointer(d), &s);
+    cks.enabled = s.enabled;
+    cks.completed = s.completed;
+    cks.failures = s.failures;
+    cks.in_progress = s.in_progress;
+    cks.has_last_step = cks.has_last_age_s = s.completed > 0;
+    cks.last_step = s.last_ok_step;
+    cks.last_dir = s.completed ? s.last_dir : NULL;
+    cks.last_age_s = (zd__unix_ms() - s.last_ok_unix_ms) / 1000u;
+    cks.last_error = s.last_error[0] ? s.last_error : NULL;
+    st.checkpoint = &cks;
+  }
   zd__gsrv_reply(k, &st.base);
 exit:
   for (uint32_t i = 0; rms && i < n; i++) {
@@ -219,6 +235,28 @@ exit:
   free(rms);
   free(ptrs);
   return rc;
+}
+
+/* A write: the control token, where there is one, as for the store. */
+static int handle_checkpoint(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req,
+                             zd__err_t *err) {
+  (void)req;
+  zd__control_t *c = ctx;
+  zd__ckptr_t *ck = zd__daemon_checkpointer(c->d);
+  int rc = token_ok(c, k, err);
+  if (!rc && !ck) rc = zd__errf(err, ZD_EORDER, "this zerod has no ranks yet");
+  if (!rc) rc = zd__ckptr_request(ck, err);
+  if (rc) return rc;
+  zd__ckpt_stats_t s;
+  zd__ckptr_stats(ck, &s);
+  char peer[128];
+  zd__gsrv_call_peer(k, peer, sizeof peer);
+  ZD_LOG_INFO("control: checkpoint requested by %s; taken after the next step", peer);
+  Zerod__V1__RequestCheckpointReply rep = ZEROD__V1__REQUEST_CHECKPOINT_REPLY__INIT;
+  rep.has_last_step = s.completed > 0;
+  rep.last_step = s.last_ok_step;
+  zd__gsrv_reply(k, &rep.base);
+  return ZD_OK;
 }
 
 static int cmp_node(const void *a, const void *b) {
@@ -430,6 +468,8 @@ static const zd__gsrv_method_t methods[] = {
      ZD__GRPC_MAX_MESSAGE},
     {"/zerod.v1.Control/KvDelete", &zerod__v1__kv_delete_request__descriptor, handle_kv_delete,
      MAX_KEY_BYTES + 64},
+    {"/zerod.v1.Control/Checkpoint", &zerod__v1__request_checkpoint_request__descriptor,
+     handle_checkpoint, 1024},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor,
      handle_health, 1024},
 };

@@ -1,5 +1,6 @@
 /* Status sections (status.h): the builder, and the daemon's sections, read through the daemon's,
  * the sessions' and the server's accessors. */
+#include "checkpoint.h"
 #include "status.h"
 
 #include <errno.h>
@@ -164,6 +165,35 @@ static void add_rank(zd__status_t *st, const zd__daemon_t *d, uint32_t local) {
   zd__status_add(st, "gathers", "%" PRIu64, s.gathers);
 }
 
+/* "never" rather than 0 for a checkpoint not taken: status and zeroctl show it to operators. */
+static void add_checkpoints(zd__status_t *st, zd__daemon_t *d) {
+  zd__ckptr_t *c = zd__daemon_checkpointer(d);
+  if (!c) return;
+  zd__ckpt_stats_t s;
+  zd__ckptr_stats(c, &s);
+  zd__status_section(st, "checkpoint");
+  zd__status_add(st, "enabled", "%d", s.enabled);
+  zd__status_add(st, "requested", "%" PRIu64, s.requested);
+  zd__status_add(st, "completed", "%" PRIu64, s.completed);
+  zd__status_add(st, "failures", "%" PRIu64, s.failures);
+  zd__status_add(st, "in_progress", "%" PRIu64, s.in_progress);
+  if (s.completed) {
+    zd__status_add(st, "last_step", "%" PRIu64, s.last_ok_step);
+    zd__status_add(st, "last_dir", "%s", s.last_dir);
+    zd__status_add(st, "last_age_s", "%" PRIu64, (zd__unix_ms() - s.last_ok_unix_ms) / 1000u);
+    zd__status_add(st, "last_duration_ms", "%" PRIu64, s.last_duration_ms);
+    zd__status_add(st, "last_bytes", "%" PRIu64, s.last_bytes);
+    zd__status_add(st, "last_snapshot_us", "%" PRIu64, s.last_snapshot_us);
+  } else {
+    zd__status_add(st, "last_step", "never");
+  }
+  if (s.last_error[0]) zd__status_add(st, "last_error", "%s", s.last_error);
+  if (s.resumed_dir[0]) {
+    zd__status_add(st, "resumed_step", "%" PRIu64, s.resumed_step);
+    zd__status_add(st, "resumed_dir", "%s", s.resumed_dir);
+  }
+}
+
 zd__status_t *zd__status_collect(zd__daemon_t *d) {
   const zd__config_t *cfg = zd__daemon_config(d);
   const zd__sessions_t *ss = zd__daemon_sessions(d);
@@ -197,6 +227,7 @@ zd__status_t *zd__status_collect(zd__daemon_t *d) {
   zd__status_add(st, "first_rank", "%u", cfg->first_rank);
   zd__status_add(st, "bucket_elems", "%" PRIu64, zd__daemon_bucket_elems(d));
   for (uint32_t i = 0; i < zd__daemon_nranks(d); i++) add_rank(st, d, i);
+  add_checkpoints(st, d);
   zd__status_section(st, "config");
   zd__config_visit(cfg, add_config, st);
   if (st->oom) {

@@ -60,6 +60,7 @@ typedef struct setting {
 #define S_COMPUTE "Compute"
 #define S_WORLD   "World"
 #define S_OPS     "Operations"
+#define S_CKPT    "Checkpoints"
 
 static const char *const backends[] = {"auto", "cpu", "cuda", NULL};
 static const char *const isas[] = {"auto", "avx512", "avx2", "scalar", NULL};
@@ -123,6 +124,26 @@ static const setting_t settings[] = {
     STR(S_WORLD, "collective_host", collective_host, "127.0.0.1", "HOST",
         "address this node's collectives listen on and peers connect to (multi-node: the "
         "node's own address)"),
+
+    STR(S_CKPT, "checkpoint_dir", checkpoint_dir, "", "DIR",
+        "directory of the checkpoints (one step-N directory each; shared by every node of a "
+        "multi-node world; it must exist). \"\": no checkpoints"),
+    U32(S_CKPT, "checkpoint_every_steps", checkpoint_every_steps, "0", 0, 4000000000u,
+        "checkpoint after every N-th step (0: not by steps)"),
+    U32(S_CKPT, "checkpoint_every_seconds", checkpoint_every_seconds, "0", 0, 31536000,
+        "checkpoint after the first step once N seconds have passed since the last request "
+        "(0: not by time)"),
+    U32(S_CKPT, "checkpoint_keep", checkpoint_keep, "3", 0, 1000000,
+        "complete checkpoints kept; older ones, and incomplete leftovers older than the newest "
+        "complete one, are deleted (0: keep all)"),
+    STR(S_CKPT, "resume", resume, "", "latest|DIR",
+        "a rank registering a model it does not hold loads \"latest\" (the newest complete "
+        "checkpoint in checkpoint_dir whose parameters match, at any world size) or the "
+        "checkpoint DIR (\"\": start from the trainer's values)"),
+    U64(S_CKPT, "checkpoint_throttle_bytes_per_s", checkpoint_throttle_bytes_per_s, "0", 0,
+        1ull << 40,
+        "TESTING ONLY: write checkpoint files no faster than this (0: full speed), so that "
+        "kill trials land in the middle of a file"),
 
     U32(S_OPS, "shutdown_timeout_ms", shutdown_timeout_ms, "10000", 0, 3600000,
         "after SIGTERM, collectives still waiting for a peer this long are aborted so that "

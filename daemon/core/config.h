@@ -53,6 +53,13 @@ typedef struct zd__config {
   uint32_t heartbeat_ms;       /* other nodes' health checked this often */
   uint32_t peer_timeout_ms;    /* a node silent this long is dead */
   char *collective_host;       /* Gloo's listen/connect address of this node */
+  /* checkpoints */
+  char *checkpoint_dir; /* "": off */
+  uint32_t checkpoint_every_steps;
+  uint32_t checkpoint_every_seconds;
+  uint32_t checkpoint_keep;
+  char *resume; /* "", "latest" or a checkpoint directory */
+  uint64_t checkpoint_throttle_bytes_per_s;
   /* operations */
   uint32_t shutdown_timeout_ms; /* then abort collectives still running */
   char *log_level;              /* error | warn | info | debug */

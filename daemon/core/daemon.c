@@ -9,11 +9,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "adam.h"
+#include "checkpoint.h"
 #include "clock.h"
 #include "comm.h"
 #include "control.h"
@@ -49,6 +51,8 @@ struct zd__daemon {
   zd__control_t *control;      /* gRPC control service; NULL once stopped */
   struct zd__liveness *peers;  /* the heartbeat of the other nodes; NULL in a one-node world */
   struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
+  zd__ckptr_t *ckpt;           /* checkpoints (checkpoint.h); outlives the ranks */
+  uv_timer_t ckpt_timer;       /* checkpoint_every_seconds */
 
   uv_timer_t shutdown_timer; /* aborts collectives that hold a shutdown too long */
   uv_signal_t sigterm;
@@ -246,6 +250,35 @@ static void stop_ranks(zd__daemon_t *d) {
   d->peers = NULL;
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_destroy(d->ranks[i]);
   d->nranks = 0;
+  zd__ckptr_destroy(d->ckpt); /* after the ranks: their snapshots are queued, then written */
+  d->ckpt = NULL;
+}
+
+static void checkpoint_tick(uv_timer_t *t) {
+  zd__daemon_t *d = t->data;
+  zd__ckptr_tick(d->ckpt, zd__now_ms());
+}
+
+static int create_checkpointer(zd__daemon_t *d, zd__err_t *err) {
+  const zd__config_t *cfg = d->cfg;
+  zd__ckpt_settings_t set = {.dir = cfg->checkpoint_dir,
+                             .every_steps = cfg->checkpoint_every_steps,
+                             .every_seconds = cfg->checkpoint_every_seconds,
+                             .keep = cfg->checkpoint_keep,
+                             .resume = cfg->resume,
+                             .throttle_bytes_per_s = cfg->checkpoint_throttle_bytes_per_s,
+                             .timeout_ms = (int)cfg->collective_timeout_ms};
+  if (cfg->checkpoint_dir[0]) {
+    struct stat st;
+    if (stat(cfg->checkpoint_dir, &st) != 0 || !S_ISDIR(st.st_mode))
+      ZD_LOG_WARN("checkpoint_dir %s is not a directory (yet): checkpoints fail until it is",
+                  cfg->checkpoint_dir);
+  }
+  int rc =
+      zd__ckptr_create(&set, d->world_size > 1 ? &d->world : NULL, cfg->local_ranks, &d->ckpt, err);
+  if (!rc && cfg->checkpoint_dir[0] && cfg->checkpoint_every_seconds)
+    uv_timer_start(&d->ckpt_timer, checkpoint_tick, 1000, 1000);
+  return rc;
 }
 
 /* The last step of a shutdown: no session, so no job is left anywhere, and the control service
@@ -261,6 +294,7 @@ static void finish(zd__daemon_t *d) {
   uv_close((uv_handle_t *)&d->sighup, NULL);
   uv_close((uv_handle_t *)&d->summary_timer, NULL);
   uv_close((uv_handle_t *)&d->notify_timer, NULL);
+  uv_close((uv_handle_t *)&d->ckpt_timer, NULL);
   uv_close((uv_handle_t *)&d->done_async, NULL);
   /* Closing the handles restored the default action; a repeated signal now must not turn a clean
    * exit into a death by signal. Nothing is left to wait for. */
@@ -324,6 +358,8 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   snprintf(d->world.collective_host, sizeof d->world.collective_host, "%s", cfg->collective_host);
   snprintf(d->world.control_token, sizeof d->world.control_token, "%s",
            zd__control_token(d->control));
+  int crc = create_checkpointer(d, err);
+  if (crc) return crc;
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */
@@ -339,6 +375,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
         .comm = comm,
         .world = &d->world,
         .pool = d->pool,
+        .ckpt = d->ckpt,
         .isa = d->isa,
         .device = d->backend == ZD__BACKEND_CUDA ? d->gpus[i].device : -1,
         .done = job_done,
@@ -480,7 +517,8 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_signal_init(&d->loop, &d->sighup);
   uv_timer_init(&d->loop, &d->summary_timer);
   uv_timer_init(&d->loop, &d->notify_timer);
-  d->notify_timer.data = d;
+  uv_timer_init(&d->loop, &d->ckpt_timer);
+  d->notify_timer.data = d->ckpt_timer.data = d;
   d->done_async.data = d->sigterm.data = d->sigint.data = d->shutdown_timer.data = d;
   d->sighup.data = d->summary_timer.data = d;
 
@@ -551,6 +589,9 @@ uv_loop_t *zd__daemon_loop(zd__daemon_t *d) {
 }
 const zd__config_t *zd__daemon_config(const zd__daemon_t *d) {
   return d->cfg;
+}
+zd__ckptr_t *zd__daemon_checkpointer(const zd__daemon_t *d) {
+  return d->ckpt;
 }
 uint32_t zd__daemon_world_size(const zd__daemon_t *d) {
   return d->world_size;

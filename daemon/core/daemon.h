@@ -58,6 +58,7 @@ const char *zd__backend_name(zd__backend_t backend);
 uv_loop_t *zd__daemon_loop(zd__daemon_t *d);
 const zd__config_t *zd__daemon_config(const zd__daemon_t *d);
 uint32_t zd__daemon_world_size(const zd__daemon_t *d); /* world_size, or local_ranks if 0 */
+struct zd__ckptr *zd__daemon_checkpointer(const zd__daemon_t *d); /* NULL before the ranks */
 uint64_t zd__daemon_bucket_elems(const zd__daemon_t *d);
 uint64_t zd__daemon_start_us(const zd__daemon_t *d); /* zd__now_us() at create */
 

@@ -43,6 +43,9 @@ int main(int argc, char **argv) {
   zd__log_level = zd__log_parse_level(cfg.log_level);
   signal(SIGPIPE, SIG_IGN);
   signal(SIGHUP, SIG_IGN); /* until the loop handles it: a daemon starting up must not die of it */
+  /* A checkpoint write past RLIMIT_FSIZE must fail with EFBIG (the checkpoint fails, training
+   * goes on), not kill the process that holds the only copy of the optimizer state. */
+  signal(SIGXFSZ, SIG_IGN);
   ZD_LOG_INFO("zerod %s starting (pid %d)", ZD_VERSION, (int)getpid());
   zd__config_visit(&cfg, log_setting, NULL);
 

@@ -181,6 +181,11 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
           zd__model_step(&r->ctx, r->model, job->buffers, job->event_slot, job->in.step.groups,
                          job->in.step.scatter, job->in.step.gather, &job->out.step, err);
       break;
+    case ZD__JOB_CHECKPOINT:
+      job->code =
+          zd__model_checkpoint(&r->ctx, r->model, job->in.wait, job->out.checkpoint.dir,
+                               sizeof job->out.checkpoint.dir, &job->out.checkpoint.step, err);
+      break;
     case ZD__JOB_STAND_IN: /* above */
       break;
   }
@@ -325,8 +330,10 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
   r->env = *env;
   r->ctx = (zd__step_ctx_t){
       .rank = env->rank,
+      .local_rank = env->local_rank,
       .world_size = env->world_size,
       .comm = env->comm,
+      .ckpt = env->ckpt,
   };
   if (env->device < 0 && zd__compute_cpu_create(env->pool, env->isa, &r->ctx.compute) != 0) {
     free(r);
@@ -388,7 +395,8 @@ void zd__rank_peer_dead(zd__rank_t *r, const char *why) {
 }
 
 int zd__rank_run_inline(zd__rank_t *r, zd__job_t *job) {
-  if (!atomic_load(&r->inline_ok) || job->type == ZD__JOB_ATTACH) return 0;
+  if (!atomic_load(&r->inline_ok) || job->type == ZD__JOB_ATTACH || job->type == ZD__JOB_CHECKPOINT)
+    return 0; /* may wait for the disk: never on the loop thread */
   pthread_mutex_lock(&r->lock);
   int idle = !r->head && !r->busy && !r->stop;
   if (idle) r->busy = 1;

@@ -62,11 +62,12 @@ typedef struct zd__buffers {
 } zd__buffers_t;
 
 typedef enum zd__job_type {
-  ZD__JOB_ATTACH,  /* register: create or resume the model, fill the client's param buffer */
-  ZD__JOB_SCATTER, /* reduce-scatter one bucket or all */
-  ZD__JOB_STEP,    /* [scatter], optimizer step, [gather] */
-  ZD__JOB_GATHER,  /* all-gather one bucket or all */
-  ZD__JOB_STAND_IN /* the client left (W > 1): stand in for it where the world is (step.h) */
+  ZD__JOB_ATTACH,    /* register: create or resume the model, fill the client's param buffer */
+  ZD__JOB_SCATTER,   /* reduce-scatter one bucket or all */
+  ZD__JOB_STEP,      /* [scatter], optimizer step, [gather] */
+  ZD__JOB_GATHER,    /* all-gather one bucket or all */
+  ZD__JOB_STAND_IN,  /* the client left (W > 1): stand in for it where the world is (step.h) */
+  ZD__JOB_CHECKPOINT /* checkpoint the state between steps (zd_checkpoint; step.h) */
 } zd__job_type_t;
 
 typedef struct zd__step_out {
@@ -99,6 +100,7 @@ typedef struct zd__job {
       int gather;
     } step;
     int abrupt; /* STAND_IN: the client disconnected (else it said bye) */
+    int wait;   /* CHECKPOINT: answer once it is written */
   } in;
   int code; /* result */
   zd__err_t err;
@@ -114,6 +116,10 @@ typedef struct zd__job {
     } attach;
     zd__step_out_t step;
     int kept; /* STAND_IN: the rank took over the client's param buffer (the session forgets it) */
+    struct {
+      uint64_t step;
+      char dir[512];
+    } checkpoint;
   } out;
 } zd__job_t;
 
@@ -168,6 +174,7 @@ typedef struct zd__rank_env {
   zd__comm_t *comm;              /* taken over by the rank; NULL: join `world` first */
   const struct zd__world *world; /* how to join a multi-rank world (world.h); outlives the rank */
   struct zd__pool *pool;         /* CPU backend: the kernel pool and ISA (zd__isa_t) */
+  struct zd__ckptr *ckpt;        /* the daemon's checkpointer; outlives the rank */
   int isa;
   int device; /* CUDA backend: this rank's CUDA device; -1: the CPU backend */
   zd__job_done_fn done;

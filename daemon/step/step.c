@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "checkpoint.h"
 #include "group.h"
 #include "log.h"
 #include "step_decide.h"
@@ -20,6 +21,9 @@
 /* The step number in the record of a rank that stands in for its client (zd__model_stand_in): no
  * step ever gets this far, and the record's layout stays the one the CUDA kernels write. */
 #define ABANDONED_STEP UINT64_MAX
+/* A record's step with this bit set asks every rank to checkpoint after the step (checkpoint.h):
+ * the ranks compare steps without it and OR it. No step number comes near it. */
+#define CHECKPOINT_BIT (1ull << 62)
 
 static uint64_t hash_mix(uint64_t h, const void *data, size_t len) {
   const uint8_t *p = data;
@@ -363,7 +367,15 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
     rc = model_create(ctx, spec, &fresh, err);
     if (rc) return job_end(ctx, buf, slot, rc, err);
     model_configure(fresh, spec, 0);
-    rc = ctx->compute->ops->exchange(ctx->compute, fresh, buf, ctx->rank, 0, err);
+    int loaded = 0;
+    if (!spec->replace) rc = zd__ckptr_resume(ctx->ckpt, ctx, fresh, &loaded, err);
+    if (rc) {
+      zd__model_free(fresh);
+      return job_end(ctx, buf, slot, rc, err);
+    }
+    /* From a checkpoint the master weights are the model's, else the client's initial values. */
+    rc = ctx->compute->ops->exchange(ctx->compute, fresh, buf, ctx->rank, loaded, err);
+    *resumed = loaded;
     if (m)
       ZD_LOG_WARN("replacing model at step %" PRIu64 " (%u parameters)", m->step,
                   m->layout->nparams);
@@ -433,9 +445,11 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffer
  * order. A record marked abandoned (a rank standing in for its client) comes first, so that
  * every rank reaches the same verdict: step `step` is refused everywhere. */
 static int agree(const zd__step_ctx_t *ctx, uint64_t step, const zd__step_record_t *mine,
-                 const zd__step_record_t *all, double *sumsq, uint64_t *nonfinite, zd__err_t *err) {
+                 const zd__step_record_t *all, double *sumsq, uint64_t *nonfinite, int *checkpoint,
+                 zd__err_t *err) {
   *sumsq = 0;
   *nonfinite = 0;
+  *checkpoint = 0;
   for (uint32_t r = 0; r < ctx->world_size; r++)
     if (all[r].step == ABANDONED_STEP)
       return zd__errf(err, ZD_EABORTED,
@@ -451,11 +465,13 @@ static int agree(const zd__step_ctx_t *ctx, uint64_t step, const zd__step_record
                       ", this rank %u has "
                       "%016" PRIx64,
                       r, all[r].layout_hash, ctx->rank, mine->layout_hash);
-    if (all[r].step != mine->step)
+    if ((all[r].step & ~CHECKPOINT_BIT) != (mine->step & ~CHECKPOINT_BIT))
       return zd__errf(err, ZD_ESTEP,
                       "rank %u is at step %" PRIu64 ", rank %u at step %" PRIu64
                       "; every rank must step together (step not applied)",
-                      r, all[r].step - 1, ctx->rank, mine->step - 1);
+                      r, (uint64_t)((all[r].step & ~CHECKPOINT_BIT) - 1), ctx->rank,
+                      (uint64_t)((mine->step & ~CHECKPOINT_BIT) - 1));
+    if (all[r].step & CHECKPOINT_BIT) *checkpoint = 1;
     if (all[r].hparam_hash != mine->hparam_hash)
       return zd__errf(err, ZD_EHPARAM,
                       "rank %u steps with other hyperparameters than rank %u "
@@ -479,10 +495,11 @@ static int needs_stats(const zd__step_ctx_t *ctx, const zd__model_t *m) {
  * abandon: this rank stands in for its client, and its record says so. */
 static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_group_t *groups,
                         int need_stats, int abandon, double *sumsq, uint64_t *nonfinite,
-                        zd__err_t *err) {
+                        int *checkpoint, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   zd__compute_t *c = ctx->compute;
-  zd__step_record_t rec = {.step = abandon ? ABANDONED_STEP : m->step + 1,
+  uint64_t flag = !abandon && zd__ckptr_wants(ctx->ckpt, m->step + 1) ? CHECKPOINT_BIT : 0;
+  zd__step_record_t rec = {.step = abandon ? ABANDONED_STEP : (m->step + 1) | flag,
                            .layout_hash = l->hash,
                            .hparam_hash = hparam_hash(m, groups)};
   int rc = ZD_OK;
@@ -494,8 +511,40 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   if (!all) return zd__errf(err, -ENOMEM, "out of memory");
   rc = c->ops->gather_records(c, ctx->comm, m, &rec, need_stats, all, err);
   if (!rc) memset(m->attempted, 0, l->nbuckets); /* the attempt is over on every rank */
-  if (!rc) rc = agree(ctx, m->step + 1, &rec, all, sumsq, nonfinite, err);
+  if (!rc) rc = agree(ctx, m->step + 1, &rec, all, sumsq, nonfinite, checkpoint, err);
   if (all != stack) free(all);
+  zd__err_t ignored;
+  if (rc && flag) zd__ckptr_request(ctx->ckpt, &ignored); /* not committed: ask again next step */
+  return rc;
+}
+
+/* Every rank of the world agreed to checkpoint after this step. A failure to snapshot costs this
+ * checkpoint only (the checkpointer reports it), never the step. */
+static void snapshot_after_step(const zd__step_ctx_t *ctx, zd__model_t *m) {
+  zd__err_t err = {0};
+  if (zd__ckptr_take(ctx->ckpt, ctx, m, 0, NULL, 0, &err) != ZD_OK)
+    ZD_LOG_ERROR("checkpoint of step %" PRIu64 ": no snapshot taken: %s", m->step, err.msg);
+}
+
+int zd__model_checkpoint(const zd__step_ctx_t *ctx, zd__model_t *m, int wait, char *dir, size_t len,
+                         uint64_t *step, zd__err_t *err) {
+  if (!ctx->ckpt) return zd__errf(err, ZD_ECONFIG, "this daemon takes no checkpoints");
+  /* Every trainer of the world asks at the same point between steps: agree on which. */
+  struct {
+    uint64_t step, layout_hash;
+  } mine = {m->step, m->layout->hash}, stack[8], *all = stack;
+  uint32_t w = ctx->world_size;
+  if (w > 8 && !(all = calloc(w, sizeof *all))) return zd__errf(err, -ENOMEM, "out of memory");
+  int rc = ctx->comm->ops->allgather_bytes(ctx->comm, &mine, sizeof mine, all, err);
+  for (uint32_t r = 0; !rc && r < w; r++)
+    if (all[r].step != mine.step || all[r].layout_hash != mine.layout_hash)
+      rc = zd__errf(err, ZD_ESTEP,
+                    "checkpoint: rank %u is at step %" PRIu64 ", rank %u at step %" PRIu64
+                    "; every trainer must ask for it at the same step",
+                    r, all[r].step, ctx->rank, mine.step);
+  if (all != stack) free(all);
+  if (!rc) rc = zd__ckptr_take(ctx->ckpt, ctx, m, wait, dir, len, err);
+  *step = m->step;
   return rc;
 }
 
@@ -520,7 +569,8 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   int need_stats = needs_stats(ctx, m);
   double sumsq = 0;
   uint64_t nonfinite = 0;
-  rc = commit_point(ctx, m, groups, need_stats, 0, &sumsq, &nonfinite, err);
+  int checkpoint = 0;
+  rc = commit_point(ctx, m, groups, need_stats, 0, &sumsq, &nonfinite, &checkpoint, err);
   if (rc == ZD_EABORTED) { /* the whole attempt is void on every rank: scatter again */
     memset(m->scattered, 0, l->nbuckets);
     m->abandoned = 1;
@@ -549,6 +599,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     m->scaler = st.scaler;
     m->steps_skipped = st.steps_skipped;
     rc = job_end(ctx, buf, slot, ZD_OK, err); /* skipped: parameters unchanged, nothing to gather */
+    if (!rc && checkpoint) snapshot_after_step(ctx, m);
     out->duration_us = zd__now_us() - t0;
     return rc;
   }
@@ -565,6 +616,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   m->scaler = st.scaler;
   if (gather) rc = gather_buckets(ctx, m, buf, -1, err);
   rc = job_end(ctx, buf, slot, rc, err);
+  if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
   out->duration_us = zd__now_us() - t0;
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];
@@ -604,7 +656,10 @@ int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buff
       if (!m->attempted[b] && !(rc = scatter_buckets(ctx, m, &own, (int32_t)b, err))) scatters++;
     double sumsq;
     uint64_t nonfinite;
-    if (!rc) rc = commit_point(ctx, m, m->groups, needs_stats(ctx, m), 1, &sumsq, &nonfinite, err);
+    int checkpoint;
+    if (!rc)
+      rc = commit_point(ctx, m, m->groups, needs_stats(ctx, m), 1, &sumsq, &nonfinite, &checkpoint,
+                        err);
     if (rc == ZD_EABORTED) { /* as intended: every rank refuses the step */
       rc = ZD_OK;
       memset(m->scattered, 0, nb);

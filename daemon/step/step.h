@@ -65,10 +65,12 @@ typedef struct zd__model {
 /* What the step logic needs from its rank. */
 typedef struct zd__step_ctx {
   uint32_t rank;
+  uint32_t local_rank;
   uint32_t world_size;
   zd__comm_t *comm;
   zd__compute_t *compute;
   struct zd__world_member *member; /* world size > 1: for the registration barrier */
+  struct zd__ckptr *ckpt;          /* the daemon's checkpointer (checkpoint.h); NULL: none */
 } zd__step_ctx_t;
 
 /* Register. *model is the rank's model (NULL if none) and is resumed (same layout, spec->replace
@@ -98,6 +100,14 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__bu
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
                    uint32_t slot, const zd_group_t *groups, int scatter, int gather,
                    zd__step_out_t *out, zd__err_t *err);
+
+/* A checkpoint of the state as of the last step, asked by the client of every rank of the world
+ * between the same two steps (zd_checkpoint: a collective, which first checks that every rank is
+ * at the same step). wait: returns once the checkpoint is written (checkpoint.h); dir (len bytes)
+ * names its directory; *step is its step. Errors: ZD_ECONFIG (no checkpoint_dir), ZD_ESTEP,
+ * ZD_ECHECKPOINT, the communicator's. */
+int zd__model_checkpoint(const zd__step_ctx_t *ctx, zd__model_t *model, int wait, char *dir,
+                         size_t len, uint64_t *step, zd__err_t *err);
 
 /* The rank's client left (abrupt: it disconnected, else it said bye), after its requests in
  * flight had run; world size > 1. Stands in for it in whatever the other ranks still do with

@@ -554,6 +554,19 @@ static int handle_gather(zd__session_t *s, const zd__frame_header_t *h, const ui
   return ZD_OK;
 }
 
+static int handle_checkpoint(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                             zd__err_t *err) {
+  Zerod__V1__CheckpointRequest *req = zerod__v1__checkpoint_request__unpack(NULL, h->length, body);
+  if (!req) return zd__errf(err, ZD_EPROTO, "malformed checkpoint body (%u bytes)", h->length);
+  int wait = req->wait;
+  zerod__v1__checkpoint_request__free_unpacked(req, NULL);
+  zd__job_t *job = job_new(s, ZD__JOB_CHECKPOINT, h);
+  if (!job) return zd__errf(err, -ENOMEM, "out of memory");
+  job->in.wait = wait;
+  submit(s, job);
+  return ZD_OK;
+}
+
 static int handle_status(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
                          zd__err_t *err) {
   (void)body;
@@ -619,6 +632,7 @@ static const command_t commands[] = {
     {ZD__MSG_GATHER, "gather", handle_gather, CMD_NEEDS_MODEL, 64},
     {ZD__MSG_STATUS, "status", handle_status, CMD_ANY, 64},
     {ZD__MSG_BYE, "bye", handle_bye, CMD_ANY, 64},
+    {ZD__MSG_CHECKPOINT, "checkpoint", handle_checkpoint, CMD_NEEDS_MODEL, 64},
 };
 
 static const command_t *find_command(uint16_t type) {
@@ -658,7 +672,8 @@ static void dispatch(zd__session_t *s, const zd__frame_header_t *h, const uint8_
   if (!cmd) {
     refusef(s, h, ZD_ETYPE,
             "unknown message type %u; expected one of hello (1), "
-            "register (2), step (3), scatter (4), gather (5), status (6), bye (7)",
+            "register (2), step (3), scatter (4), gather (5), status (6), bye (7), "
+            "checkpoint (8)",
             h->type);
     return;
   }
@@ -1077,6 +1092,13 @@ static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
     }
     case ZD__JOB_GATHER: {
       Zerod__V1__GatherReply rep = ZEROD__V1__GATHER_REPLY__INIT;
+      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      break;
+    }
+    case ZD__JOB_CHECKPOINT: {
+      Zerod__V1__CheckpointReply rep = ZEROD__V1__CHECKPOINT_REPLY__INIT;
+      rep.step = job->out.checkpoint.step;
+      rep.dir = job->out.checkpoint.dir;
       send_reply(s, job->msg_type, job->request_id, &rep.base);
       break;
     }

@@ -43,13 +43,14 @@ static const char *write_file(const char *text) {
 
 typedef struct visit {
   int count;
-  int seen[32];
-  char names[32][32], values[32][400], sources[32][16];
+  int seen[ZD__CONFIG_MAX_SETTINGS];
+  char names[ZD__CONFIG_MAX_SETTINGS][40], values[ZD__CONFIG_MAX_SETTINGS][400],
+      sources[ZD__CONFIG_MAX_SETTINGS][16];
 } visit_t;
 
 static void record(void *ctx, const char *name, const char *value, const char *source) {
   visit_t *v = ctx;
-  CHECK(v->count < 32);
+  CHECK(v->count < ZD__CONFIG_MAX_SETTINGS);
   snprintf(v->names[v->count], sizeof v->names[0], "%s", name);
   snprintf(v->values[v->count], sizeof v->values[0], "%s", value);
   snprintf(v->sources[v->count], sizeof v->sources[0], "%s", source);
@@ -96,6 +97,12 @@ static const char *const all_names[] = {"socket",
                                         "peer_timeout_ms",
                                         "connect_timeout_ms",
                                         "collective_host",
+                                        "checkpoint_dir",
+                                        "checkpoint_every_steps",
+                                        "checkpoint_every_seconds",
+                                        "checkpoint_keep",
+                                        "resume",
+                                        "checkpoint_throttle_bytes_per_s",
                                         "shutdown_timeout_ms",
                                         "log_level",
                                         "metrics_address",

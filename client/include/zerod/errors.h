@@ -44,7 +44,8 @@ extern "C" {
   XX(EINTERNAL, -4020, "internal error")                                    \
   XX(ECONFIG, -4021, "invalid configuration")                               \
   XX(EAPPLIED, -4022, "step applied, but its parameters were not gathered") \
-  XX(EABORTED, -4023, "step abandoned: a rank's trainer left; retry it")
+  XX(EABORTED, -4023, "step abandoned: a rank's trainer left; retry it")    \
+  XX(ECHECKPOINT, -4024, "checkpoint failed or not loadable")
 
 typedef enum zd_error {
   ZD_OK = 0,

@@ -367,6 +367,19 @@ ZD_EXPORT int zd_scatter(zd_client_t *client, int bucket);
 /* All-gather of one bucket (or ZD_ALL_BUCKETS) of updated parameters into the param buffer. */
 ZD_EXPORT int zd_gather(zd_client_t *client, int bucket);
 
+/* A checkpoint of this rank's optimizer state as of the last step (master weights, both moments,
+ * loss scaler; docs/design.md, "Checkpoints"), written by zerod to a new directory under its
+ * checkpoint_dir. At world size > 1 every trainer of the world calls it between the same two
+ * steps (a collective, like torch.distributed.checkpoint). With ZD_CHECKPOINT_NO_WAIT it returns
+ * once the state is snapshotted and zerod writes in the background; otherwise once this rank's
+ * file is written and, on rank 0, the checkpoint complete. step (may be NULL) receives the step,
+ * dir (may be NULL, len bytes) its directory. Errors: ZD_ECONFIG (zerod has no checkpoint_dir),
+ * ZD_EORDER (not registered), ZD_ESTEP (ranks at different steps), ZD_ECHECKPOINT (writing failed:
+ * the message names the file and the cause; training is unharmed). */
+#define ZD_CHECKPOINT_NO_WAIT 0x1u
+ZD_EXPORT int zd_checkpoint(zd_client_t *client, uint32_t flags, uint64_t *step, char *dir,
+                            size_t len);
+
 /* Pipelined forms: send the request and return at once with a handle for zd_wait(). Requests
  * run in the order they were sent. At most 64 may be outstanding per client (-EBUSY beyond: a
  * request is outstanding until zd_wait() returned it); with device buffers each holds one of the

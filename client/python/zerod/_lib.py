@@ -79,6 +79,7 @@ ZD_EINTERNAL = -4020
 ZD_ECONFIG = -4021
 ZD_EAPPLIED = -4022
 ZD_EABORTED = -4023
+ZD_ECHECKPOINT = -4024
 
 
 # zd_field_kind_t
@@ -237,6 +238,8 @@ _PROTOTYPES = {
                                ctypes.POINTER(zd_step_result_t)]),
     "zd_scatter": (ctypes.c_int, [zd_client_p, ctypes.c_int]),
     "zd_gather": (ctypes.c_int, [zd_client_p, ctypes.c_int]),
+    "zd_checkpoint": (ctypes.c_int, [zd_client_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64),
+                                     ctypes.c_char_p, ctypes.c_size_t]),
     "zd_scatter_start": (ctypes.c_int, [zd_client_p, ctypes.c_int, ctypes.POINTER(zd_request_t)]),
     "zd_gather_start": (ctypes.c_int, [zd_client_p, ctypes.c_int, ctypes.POINTER(zd_request_t)]),
     "zd_step_start": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_step_opts_t),

@@ -857,6 +857,17 @@ class Client:
         with self._lock:
             _check(self._lib.zd_gather(self._h(), int(bucket)), "zd_gather")
 
+    def checkpoint(self, *, wait: bool = True) -> Tuple[int, str]:
+        """A checkpoint of this rank's state as of the last step, written by zerod under its
+        checkpoint_dir; every trainer of the world calls it between the same two steps. wait:
+        return once written (else once snapshotted). Returns (step, directory)."""
+        step = ctypes.c_uint64(0)
+        path = ctypes.create_string_buffer(512)
+        with self._lock:
+            _check(self._lib.zd_checkpoint(self._h(), 0 if wait else 1, ctypes.byref(step), path,
+                                           len(path)), "zd_checkpoint")
+        return step.value, path.value.decode()
+
     def _set_stream_locked(self, stream: Optional[int]) -> None:
         _check(self._lib.zd_set_stream(self._h(), ctypes.c_void_p(stream or None)),
                "zd_set_stream")

@@ -776,6 +776,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Steps zerod has applied to this model (survives the trainer)."""
         return self.client.info.step
 
+    def checkpoint(self, *, wait: bool = True) -> Tuple[int, str]:
+        """Has zerod write a checkpoint of the master weights, moments and loss scaler as of
+        the last step (its checkpoint_dir must be set). At world size > 1 every trainer calls it
+        at the same step. Returns (step, checkpoint directory); with wait=False it returns once
+        zerod has snapshotted the state, which it then writes in the background."""
+        self._check_open()
+        return self.client.checkpoint(wait=wait)
+
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state_dict format, with what can honestly be provided: the groups'
         hyperparameters (and scheduler keys such as initial_lr), an empty per-parameter state,

@@ -1,0 +1,609 @@
+/* Checkpointer (checkpoint.h): requests, snapshots, the background writer, the completion of a
+ * checkpoint across the world and the resume.
+ *
+ * Threads: the workers of the local ranks call wants/take/resume; the loop calls request/tick
+ * (and gRPC handlers request through the loop); the writer thread writes rank files in the order
+ * they were snapshotted; the finisher thread (only where global rank 0 lives) waits for every
+ * rank's entry and writes the manifest. Everything shared is under `lock`.
+ */
+#include "checkpoint.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "checkpoint_format.h"
+#include "clock.h"
+#include "compute.h"
+#include "log.h"
+#include "rendezvous.h"
+#include "step.h"
+#include "world.h"
+
+#define ENTRY_MAX 256 /* "<name> <bytes> <xxh3 hex>" or "ERR <message>" in the store */
+
+/* One rank's snapshot on its way to disk. */
+typedef struct write_job {
+  struct write_job *next;
+  uint32_t local;
+  uint32_t rank;
+  uint64_t step;
+  uint64_t snapshot_us;
+  uint64_t t0_ms;
+  zd__ckpt_manifest_t *manifest; /* global rank 0 only: what the manifest says but the files */
+} write_job_t;
+
+typedef struct slot {
+  float *snap; /* master, exp_avg, exp_avg_sq back to back */
+  uint64_t elems;
+  int busy;      /* a write of this snapshot is queued or running */
+  uint64_t done; /* last step whose file this rank wrote (or failed: see failed) */
+  int failed;    /* that write failed */
+  char error[ZD__ERR_MSG_MAX];
+} slot_t;
+
+struct zd__ckptr {
+  zd__ckpt_settings_t set;
+  char *dir;
+  char *resume;
+  int has_world;
+  zd__world_t world;
+  uint32_t local_ranks;
+  atomic_int requested; /* the next step checkpoints */
+  uint64_t last_request_ms;
+
+  pthread_mutex_t lock;
+  pthread_cond_t cond; /* queues changed, a write or a checkpoint finished */
+  int stop;
+  write_job_t *head, *tail;         /* to the writer */
+  write_job_t *fin_head, *fin_tail; /* to the finisher */
+  slot_t *slots;                    /* per local rank */
+  uint64_t complete_step;           /* the last checkpoint this daemon completed */
+  int complete_failed;
+  zd__ckpt_stats_t stats;
+  pthread_t writer, finisher;
+  int have_writer, have_finisher;
+  zd__rdv_t *rdv;     /* writer's connection to the store (W > 1) */
+  zd__rdv_t *rdv_fin; /* finisher's */
+};
+
+static void job_free(write_job_t *j) {
+  if (!j) return;
+  zd__ckpt_manifest_free(j->manifest);
+  free(j);
+}
+
+static void note_failure(zd__ckptr_t *c, uint64_t step, const char *msg) {
+  ZD_LOG_ERROR("checkpoint of step %" PRIu64 " failed: %s", step, msg);
+  c->stats.failures++;
+  snprintf(c->stats.last_error, sizeof c->stats.last_error, "step %" PRIu64 ": %.440s", step, msg);
+}
+
+static int open_store(zd__ckptr_t *c, zd__rdv_t **out, zd__err_t *err) {
+  if (*out) return ZD_OK;
+  int rc = zd__rdv_open(c->world.rendezvous_address, out, err);
+  if (!rc) rc = zd__rdv_set_token(*out, c->world.control_token, err);
+  if (rc) {
+    zd__rdv_close(*out);
+    *out = NULL;
+  }
+  return rc;
+}
+
+static void entry_key(char *buf, size_t len, uint64_t step, uint32_t rank) {
+  snprintf(buf, len, "ckpt/%" PRIu64 "/%u", step, rank);
+}
+
+/* ---- the writer ------------------------------------------------------------------------------ */
+
+static void write_one(zd__ckptr_t *c, write_job_t *j) {
+  slot_t *s = &c->slots[j->local];
+  zd__err_t err = {0};
+  char dir[4096];
+  zd__ckpt_file_t file;
+  memset(&file, 0, sizeof file);
+  int rc = zd__ckpt_dir_name(c->dir, j->step, dir, sizeof dir) == 0 ? ZD_OK : -ENAMETOOLONG;
+  if (rc) zd__errf(&err, rc, "checkpoint directory name too long under %s", c->dir);
+  if (!rc) {
+    zd__ckpt_shard_t shard = {.rank = j->rank,
+                              .world_size = c->has_world ? c->world.world_size : 1,
+                              .step = j->step,
+                              .elems = s->elems,
+                              .master = s->snap,
+                              .exp_avg = s->snap + s->elems,
+                              .exp_avg_sq = s->snap + 2 * s->elems};
+    rc = zd__ckpt_write_shard(dir, &shard, c->set.throttle_bytes_per_s, &file, &err);
+  }
+  if (c->has_world) { /* tell rank 0, success or not, so that it does not wait in vain */
+    char key[64], entry[ENTRY_MAX];
+    entry_key(key, sizeof key, j->step, j->rank);
+    if (rc)
+      snprintf(entry, sizeof entry, "ERR rank %u: %.200s", j->rank, err.msg);
+    else
+      snprintf(entry, sizeof entry, "%s %" PRIu64 " %016" PRIx64, file.name, file.bytes, file.xxh3);
+    zd__err_t serr = {0};
+    int src = open_store(c, &c->rdv, &serr);
+    if (!src) src = zd__rdv_set(c->rdv, key, entry, strlen(entry), c->set.timeout_ms, &serr);
+    if (src && !rc)
+      rc = zd__errf(&err, src, "telling rank 0 that the file is written: %s", serr.msg);
+  }
+  pthread_mutex_lock(&c->lock);
+  s->busy = 0;
+  s->done = j->step;
+  s->failed = rc != 0;
+  snprintf(s->error, sizeof s->error, "%s", rc ? err.msg : "");
+  c->stats.in_progress--;
+  if (rc) note_failure(c, j->step, err.msg);
+  if (!rc) c->stats.last_bytes = file.bytes;
+  if (j->manifest) { /* global rank 0: complete it */
+    j->manifest->files[0] = file;
+    if (rc) j->manifest->nfiles = 0; /* failed: the finisher only cleans up */
+    j->next = NULL;
+    if (c->fin_tail)
+      c->fin_tail->next = j;
+    else
+      c->fin_head = j;
+    c->fin_tail = j;
+  } else if (!c->have_finisher && !rc) { /* no rank 0 here: this daemon's part is done */
+    c->stats.completed++;
+    c->stats.last_ok_step = j->step;
+    c->stats.last_ok_unix_ms = zd__unix_ms();
+    c->stats.last_duration_ms = zd__unix_ms() - j->t0_ms;
+    c->stats.last_error[0] = '\0';
+    snprintf(c->stats.last_dir, sizeof c->stats.last_dir, "%.500s", dir);
+  }
+  pthread_cond_broadcast(&c->cond);
+  pthread_mutex_unlock(&c->lock);
+  if (!j->manifest) job_free(j);
+}
+
+static void *writer_main(void *arg) {
+  zd__ckptr_t *c = arg;
+  pthread_mutex_lock(&c->lock);
+  for (;;) {
+    while (!c->head && !c->stop) pthread_cond_wait(&c->cond, &c->lock);
+    write_job_t *j = c->head;
+    if (!j) break; /* stop, and nothing left */
+    c->head = j->next;
+    if (!c->head) c->tail = NULL;
+    pthread_mutex_unlock(&c->lock);
+    write_one(c, j);
+    pthread_mutex_lock(&c->lock);
+  }
+  pthread_mutex_unlock(&c->lock);
+  return NULL;
+}
+
+/* ---- the finisher (daemon of global rank 0) ----------------------------------------------------
+ */
+
+static int parse_entry(const char *entry, uint32_t rank, zd__ckpt_file_t *f, zd__err_t *err) {
+  if (strncmp(entry, "ERR ", 4) == 0) return zd__errf(err, ZD_ECHECKPOINT, "%s", entry + 4);
+  char name[sizeof f->name];
+  uint64_t bytes, sum;
+  if (sscanf(entry, "%63s %" SCNu64 " %" SCNx64, name, &bytes, &sum) != 3)
+    return zd__errf(err, ZD_EPROTO, "rank %u's checkpoint entry is malformed: '%.80s'", rank,
+                    entry);
+  snprintf(f->name, sizeof f->name, "%s", name);
+  f->rank = rank;
+  f->bytes = bytes;
+  f->xxh3 = sum;
+  return ZD_OK;
+}
+
+/* The other ranks' entries (W > 1), into m->files[1..W-1]; removes them from the store. */
+static int collect_entries(zd__ckptr_t *c, zd__ckpt_manifest_t *m, zd__err_t *err) {
+  uint32_t w = c->world.world_size;
+  int rc = open_store(c, &c->rdv_fin, err);
+  for (uint32_t r = 1; r < w && !rc; r++) {
+    char key[64];
+    entry_key(key, sizeof key, m->step, r);
+    void *value = NULL;
+    size_t len = 0;
+    rc = zd__rdv_get(c->rdv_fin, key, &value, &len, c->set.timeout_ms, err);
+    if (rc == -ETIMEDOUT)
+      rc = zd__errf(err, rc, "rank %u's file was not written within %d ms", r, c->set.timeout_ms);
+    if (!rc) {
+      char entry[ENTRY_MAX];
+      snprintf(entry, sizeof entry, "%.*s", (int)(len < ENTRY_MAX ? len : ENTRY_MAX - 1),
+               (const char *)value);
+      rc = parse_entry(entry, r, &m->files[r], err);
+    }
+    free(value);
+  }
+  for (uint32_t r = 1; r < w && c->rdv_fin; r++) { /* the store keeps no finished checkpoint */
+    char key[64];
+    zd__err_t derr = {0};
+    entry_key(key, sizeof key, m->step, r);
+    zd__rdv_delete(c->rdv_fin, key, 1000, &derr);
+  }
+  return rc;
+}
+
+static void finish_one(zd__ckptr_t *c, write_job_t *j) {
+  zd__ckpt_manifest_t *m = j->manifest;
+  zd__err_t err = {0};
+  char dir[4096];
+  zd__ckpt_dir_name(c->dir, m->step, dir, sizeof dir);
+  int rc = m->nfiles ? ZD_OK : ZD_ECHECKPOINT; /* rank 0's own file failed: already reported */
+  if (!rc && c->has_world) rc = collect_entries(c, m, &err);
+  if (!rc) rc = zd__ckpt_write_manifest(dir, m, &err);
+  uint64_t bytes = 0;
+  for (uint32_t i = 0; !rc && i < m->nfiles; i++) bytes += m->files[i].bytes;
+  zd__err_t perr = {0};
+  if (!rc && c->set.keep && zd__ckpt_prune(c->dir, c->set.keep, &perr) != 0)
+    ZD_LOG_WARN("checkpoint retention (keep %u) in %s: %s", c->set.keep, c->dir, perr.msg);
+  pthread_mutex_lock(&c->lock);
+  c->complete_step = m->step;
+  c->complete_failed = rc != 0;
+  if (rc && m->nfiles) note_failure(c, m->step, err.msg);
+  if (!rc) {
+    c->stats.completed++;
+    c->stats.last_ok_step = m->step;
+    c->stats.last_ok_unix_ms = zd__unix_ms();
+    c->stats.last_duration_ms = c->stats.last_ok_unix_ms - j->t0_ms;
+    c->stats.last_bytes = bytes;
+    c->stats.last_error[0] = '\0';
+    snprintf(c->stats.last_dir, sizeof c->stats.last_dir, "%.500s", dir);
+    ZD_LOG_INFO("checkpoint of step %" PRIu64 " complete: %s (%" PRIu64 " bytes, %" PRIu64 " ms)",
+                m->step, dir, bytes, c->stats.last_duration_ms);
+  }
+  pthread_cond_broadcast(&c->cond);
+  pthread_mutex_unlock(&c->lock);
+  job_free(j);
+}
+
+static void *finisher_main(void *arg) {
+  zd__ckptr_t *c = arg;
+  pthread_mutex_lock(&c->lock);
+  for (;;) {
+    while (!c->fin_head && !(c->stop && !c->head && !c->stats.in_progress))
+      pthread_cond_wait(&c->cond, &c->lock);
+    write_job_t *j = c->fin_head;
+    if (!j) break;
+    c->fin_head = j->next;
+    if (!c->fin_head) c->fin_tail = NULL;
+    pthread_mutex_unlock(&c->lock);
+    finish_one(c, j);
+    pthread_mutex_lock(&c->lock);
+  }
+  pthread_mutex_unlock(&c->lock);
+  return NULL;
+}
+
+/* ---- lifecycle ------------------------------------------------------------------------------- */
+
+int zd__ckptr_create(const zd__ckpt_settings_t *settings, const zd__world_t *world,
+                     uint32_t local_ranks, zd__ckptr_t **out, zd__err_t *err) {
+  zd__ckptr_t *c = calloc(1, sizeof *c);
+  if (!c) return zd__errf(err, -ENOMEM, "out of memory");
+  c->set = *settings;
+  c->dir = strdup(settings->dir ? settings->dir : "");
+  c->resume = strdup(settings->resume ? settings->resume : "");
+  c->slots = calloc(local_ranks ? local_ranks : 1, sizeof *c->slots);
+  c->local_ranks = local_ranks;
+  if (world && world->world_size > 1) {
+    c->has_world = 1;
+    c->world = *world;
+  }
+  c->stats.enabled = c->dir && c->dir[0];
+  c->last_request_ms = zd__now_ms();
+  pthread_mutex_init(&c->lock, NULL);
+  pthread_cond_init(&c->cond, NULL);
+  if (!c->dir || !c->resume || !c->slots) {
+    zd__ckptr_destroy(c);
+    return zd__errf(err, -ENOMEM, "out of memory");
+  }
+  int first = world ? (int)world->first_rank : 0;
+  if (c->stats.enabled) {
+    if (pthread_create(&c->writer, NULL, writer_main, c) != 0) {
+      zd__ckptr_destroy(c);
+      return zd__errf(err, -EAGAIN, "cannot start the checkpoint writer thread");
+    }
+    c->have_writer = 1;
+    if (first == 0) { /* global rank 0 lives here: it completes every checkpoint */
+      if (pthread_create(&c->finisher, NULL, finisher_main, c) != 0) {
+        zd__ckptr_destroy(c);
+        return zd__errf(err, -EAGAIN, "cannot start the checkpoint finisher thread");
+      }
+      c->have_finisher = 1;
+    }
+  }
+  *out = c;
+  return ZD_OK;
+}
+
+void zd__ckptr_destroy(zd__ckptr_t *c) {
+  if (!c) return;
+  pthread_mutex_lock(&c->lock);
+  c->stop = 1;
+  pthread_cond_broadcast(&c->cond);
+  pthread_mutex_unlock(&c->lock);
+  if (c->have_writer) pthread_join(c->writer, NULL);
+  pthread_mutex_lock(&c->lock);
+  pthread_cond_broadcast(&c->cond); /* the finisher sees the writer's queue drained */
+  pthread_mutex_unlock(&c->lock);
+  if (c->have_finisher) pthread_join(c->finisher, NULL);
+  while (c->head) {
+    write_job_t *j = c->head;
+    c->head = j->next;
+    job_free(j);
+  }
+  for (uint32_t i = 0; c->slots && i < c->local_ranks; i++) free(c->slots[i].snap);
+  free(c->slots);
+  zd__rdv_close(c->rdv);
+  zd__rdv_close(c->rdv_fin);
+  pthread_cond_destroy(&c->cond);
+  pthread_mutex_destroy(&c->lock);
+  free(c->dir);
+  free(c->resume);
+  free(c);
+}
+
+/* ---- requests -------------------------------------------------------------------------------- */
+
+static int need_dir(const zd__ckptr_t *c, zd__err_t *err) {
+  if (c->stats.enabled) return ZD_OK;
+  return zd__errf(err, ZD_ECONFIG,
+                  "checkpoints are off: set checkpoint_dir (--checkpoint-dir DIR) to take one");
+}
+
+int zd__ckptr_request(zd__ckptr_t *c, zd__err_t *err) {
+  int rc = need_dir(c, err);
+  if (rc) return rc;
+  atomic_store(&c->requested, 1);
+  return ZD_OK;
+}
+
+void zd__ckptr_tick(zd__ckptr_t *c, uint64_t now_ms) {
+  if (!c->stats.enabled || !c->set.every_seconds) return;
+  if (now_ms - c->last_request_ms < (uint64_t)c->set.every_seconds * 1000) return;
+  c->last_request_ms = now_ms;
+  atomic_store(&c->requested, 1);
+}
+
+int zd__ckptr_wants(zd__ckptr_t *c, uint64_t step) {
+  if (!c || !c->stats.enabled) return 0;
+  int want = atomic_exchange(&c->requested, 0);
+  return want || (c->set.every_steps && step % c->set.every_steps == 0);
+}
+
+/* The manifest's fields but the files (global rank 0's job); its layout is a copy, the model's
+ * may be replaced while the files are written. */
+static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt_manifest_t **out,
+                            zd__err_t *err) {
+  const zd__layout_t *l = m->layout;
+  uint32_t w = c->has_world ? c->world.world_size : 1;
+  zd__ckpt_manifest_t *mf = calloc(1, sizeof *mf);
+  zd_param_t *params = calloc(l->nparams ? l->nparams : 1, sizeof *params);
+  if (mf) mf->groups = malloc(m->ngroups * sizeof *mf->groups);
+  if (mf) mf->files = calloc(w, sizeof *mf->files);
+  int rc = mf && params && mf->groups && mf->files ? ZD_OK : -ENOMEM;
+  if (rc) zd__errf(err, rc, "out of memory");
+  for (uint32_t i = 0; !rc && i < l->nparams; i++) {
+    const zd__layout_param_t *p = &l->params[i];
+    params[i] = (zd_param_t){.name = p->name, .ndim = p->ndim, .group = p->group};
+    memcpy(params[i].shape, p->shape, sizeof p->shape);
+  }
+  if (!rc)
+    rc = zd__layout_build(params, l->nparams, m->ngroups, l->world_size, l->bucket_elems,
+                          &mf->layout, err);
+  free(params);
+  if (rc) {
+    zd__ckpt_manifest_free(mf);
+    return rc;
+  }
+  mf->version = ZD__CKPT_VERSION;
+  mf->step = m->step;
+  mf->steps_skipped = m->steps_skipped;
+  mf->world_size = w;
+  mf->bucket_elems = l->bucket_elems;
+  mf->layout_hash = l->hash;
+  memcpy(mf->groups, m->groups, m->ngroups * sizeof *mf->groups);
+  mf->ngroups = m->ngroups;
+  mf->param_dtype = m->param_dtype;
+  mf->grad_dtype = m->grad_dtype;
+  mf->max_grad_norm = m->max_grad_norm;
+  mf->grad_mean = m->grad_mean;
+  mf->scaler = (zd__ckpt_scaler_t){.enabled = m->scaler.enabled,
+                                   .cfg = m->scaler.cfg,
+                                   .scale = m->scaler.scale,
+                                   .growth_tracker = m->scaler.growth_tracker,
+                                   .hysteresis_tracker = m->scaler.hysteresis_tracker};
+  mf->created_ms = zd__unix_ms();
+  mf->nfiles = w;
+  *out = mf;
+  return ZD_OK;
+}
+
+static int copy_arrays(const zd__step_ctx_t *ctx, zd__model_t *m, float *host, int to_host,
+                       zd__err_t *err) {
+  zd__compute_t *cp = ctx->compute;
+  uint64_t n = m->layout->shard_elems;
+  if (!n) return ZD_OK;
+  int rc = cp->ops->copy_state(cp, m->master, host, n, to_host, err);
+  if (!rc) rc = cp->ops->copy_state(cp, m->exp_avg, host + n, n, to_host, err);
+  if (!rc) rc = cp->ops->copy_state(cp, m->exp_avg_sq, host + 2 * n, n, to_host, err);
+  return rc;
+}
+
+int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, int wait, char *dir,
+                   size_t len, zd__err_t *err) {
+  int rc = need_dir(c, err);
+  if (rc) return rc;
+  uint32_t local = ctx->local_rank;
+  zd_assert(local < c->local_ranks);
+  slot_t *s = &c->slots[local];
+  uint64_t t0 = zd__now_us();
+  write_job_t *j = calloc(1, sizeof *j);
+  if (!j) return zd__errf(err, -ENOMEM, "out of memory");
+  j->local = local;
+  j->rank = ctx->rank;
+  j->step = m->step;
+  j->t0_ms = zd__unix_ms();
+  if (ctx->rank == 0 && (rc = prepare_manifest(c, m, &j->manifest, err)) != 0) {
+    job_free(j);
+    return rc;
+  }
+  pthread_mutex_lock(&c->lock);
+  while (s->busy) pthread_cond_wait(&c->cond, &c->lock); /* the previous write of this rank */
+  pthread_mutex_unlock(&c->lock);
+  uint64_t n = m->layout->shard_elems;
+  if (s->elems != n) {
+    free(s->snap);
+    s->elems = 0;
+    s->snap = malloc(3 * (n ? n : 1) * sizeof(float));
+    if (!s->snap) {
+      job_free(j);
+      return zd__errf(err, -ENOMEM, "no host memory for a snapshot of %" PRIu64 " elements", 3 * n);
+    }
+    s->elems = n;
+  }
+  rc = copy_arrays(ctx, m, s->snap, 1, err);
+  if (rc) {
+    job_free(j);
+    return rc;
+  }
+  uint64_t snapshot_us = j->snapshot_us = zd__now_us() - t0;
+  pthread_mutex_lock(&c->lock);
+  s->busy = 1;
+  c->stats.requested++;
+  c->stats.in_progress++;
+  c->stats.last_snapshot_us = j->snapshot_us;
+  if (c->tail)
+    c->tail->next = j;
+  else
+    c->head = j;
+  c->tail = j;
+  pthread_cond_broadcast(&c->cond);
+  uint64_t step = m->step;
+  if (wait) {
+    while (s->busy) pthread_cond_wait(&c->cond, &c->lock);
+    if (s->failed) rc = zd__errf(err, ZD_ECHECKPOINT, "%s", s->error);
+    while (!rc && ctx->rank == 0 && c->complete_step < step) pthread_cond_wait(&c->cond, &c->lock);
+    if (!rc && ctx->rank == 0 && c->complete_failed)
+      rc = zd__errf(err, ZD_ECHECKPOINT, "%s", c->stats.last_error);
+  }
+  pthread_mutex_unlock(&c->lock);
+  if (dir && len) zd__ckpt_dir_name(c->dir, step, dir, len);
+  ZD_LOG_DEBUG("rank %u: snapshot of step %" PRIu64 " taken in %" PRIu64 " us", ctx->rank, step,
+               snapshot_us);
+  return rc;
+}
+
+/* ---- resume ---------------------------------------------------------------------------------- */
+
+static void log_reject(void *ctx, const char *dir, const char *reason) {
+  (void)ctx;
+  ZD_LOG_WARN("checkpoint %s passed over (falling back to the previous one): %s", dir, reason);
+}
+
+/* What a rank loaded, as the ranks compare it. */
+#define LOADED_NONE   UINT64_MAX       /* nothing to resume: a fresh start */
+#define LOADED_FAILED (UINT64_MAX - 1) /* the load failed: every rank fails the registration */
+
+static void describe_loaded(uint64_t v, char *buf, size_t len) {
+  if (v == LOADED_NONE)
+    snprintf(buf, len, "no checkpoint");
+  else if (v == LOADED_FAILED)
+    snprintf(buf, len, "a checkpoint that failed to load");
+  else
+    snprintf(buf, len, "step %" PRIu64, v);
+}
+
+/* Every rank must have loaded the same step (or none); a rank whose load failed fails them all,
+ * so that no rank waits for it in a collective. */
+static int agree_loaded(const zd__step_ctx_t *ctx, uint64_t mine, zd__err_t *err) {
+  uint32_t w = ctx->world_size;
+  if (w == 1) return ZD_OK;
+  uint64_t *all = calloc(w, sizeof *all);
+  if (!all) return zd__errf(err, -ENOMEM, "out of memory");
+  int rc = ctx->comm->ops->allgather_bytes(ctx->comm, &mine, sizeof mine, all, err);
+  for (uint32_t r = 0; !rc && r < w; r++) {
+    if (all[r] == mine) continue;
+    char theirs[64], ours[64];
+    describe_loaded(all[r], theirs, sizeof theirs);
+    describe_loaded(mine, ours, sizeof ours);
+    rc = zd__errf(err, ZD_ECHECKPOINT,
+                  "resume: rank %u loaded %s, rank %u %s; every rank must see the same "
+                  "checkpoints (one checkpoint_dir shared by every node)",
+                  r, theirs, ctx->rank, ours);
+  }
+  free(all);
+  return rc;
+}
+
+int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, int *loaded,
+                     zd__err_t *err) {
+  *loaded = 0;
+  if (!c || !c->resume[0]) return ZD_OK;
+  char *dir = NULL;
+  zd__ckpt_manifest_t *mf = NULL;
+  int rc;
+  if (strcmp(c->resume, "latest") == 0) {
+    if (!c->dir[0])
+      return zd__errf(err, ZD_ECONFIG, "resume is 'latest' but checkpoint_dir is not set");
+    rc = zd__ckpt_find_latest(c->dir, m->layout, log_reject, NULL, &dir, &mf, err);
+    if (rc == -ENOENT) {
+      ZD_LOG_INFO("resume: no complete checkpoint of this model in %s; starting afresh", c->dir);
+      rc = ZD_OK;
+    }
+  } else {
+    dir = strdup(c->resume);
+    rc = dir ? zd__ckpt_read_manifest(dir, &mf, err) : zd__errf(err, -ENOMEM, "out of memory");
+    if (!rc) rc = zd__ckpt_verify(dir, mf, err);
+    if (rc) {
+      char cause[ZD__ERR_MSG_MAX];
+      snprintf(cause, sizeof cause, "%s", err->msg);
+      rc = zd__errf(err, ZD_ECHECKPOINT, "resume %s: %s", c->resume, cause);
+    }
+  }
+  uint64_t n = m->layout->shard_elems;
+  float *host = NULL;
+  if (!rc && mf) {
+    host = malloc(3 * (n ? n : 1) * sizeof(float));
+    rc = host
+             ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, host, host + n, host + 2 * n, err)
+             : zd__errf(err, -ENOMEM, "no host memory to load %" PRIu64 " elements", 3 * n);
+    if (!rc) rc = copy_arrays(ctx, m, host, 0, err);
+  }
+  uint64_t step = rc ? LOADED_FAILED : mf ? mf->step : LOADED_NONE;
+  zd__err_t aerr = {0};
+  int arc = agree_loaded(ctx, step, &aerr);
+  if (!rc && arc) {
+    rc = arc;
+    *err = aerr;
+  }
+  if (!rc && mf) {
+    m->step = mf->step;
+    m->steps_skipped = mf->steps_skipped;
+    if (mf->scaler.enabled && m->scaler.enabled) {
+      m->scaler.scale = mf->scaler.scale;
+      m->scaler.growth_tracker = mf->scaler.growth_tracker;
+      m->scaler.hysteresis_tracker = mf->scaler.hysteresis_tracker;
+    }
+    *loaded = 1;
+    ZD_LOG_INFO("rank %u resumed step %" PRIu64 " from %s (written at world size %u)", ctx->rank,
+                mf->step, dir, mf->world_size);
+    pthread_mutex_lock(&c->lock);
+    c->stats.resumed_step = mf->step;
+    snprintf(c->stats.resumed_dir, sizeof c->stats.resumed_dir, "%.500s", dir);
+    pthread_mutex_unlock(&c->lock);
+  }
+  free(host);
+  free(dir);
+  zd__ckpt_manifest_free(mf);
+  return rc;
+}
+
+void zd__ckptr_stats(zd__ckptr_t *c, zd__ckpt_stats_t *out) {
+  pthread_mutex_lock(&c->lock);
+  *out = c->stats;
+  pthread_mutex_unlock(&c->lock);
+}

@@ -1,0 +1,107 @@
+/* Checkpointer: when a rank's optimizer state is written to disk, and how it is read back.
+ *
+ * One per daemon, shared by its local ranks (docs/design.md, "Checkpoints"). The files and their
+ * format are common/checkpoint_format's; this module decides when, snapshots, writes in the
+ * background and completes a checkpoint across the world:
+ *
+ *   when     a request (zeroctl or the gRPC Checkpoint call, the checkpoint_every_seconds timer)
+ *            sets a flag that the next step's record carries; every rank ORs the flags of all
+ *            records, so every rank of the world checkpoints the same step. checkpoint_every_steps
+ *            needs no flag (every rank counts the same steps). A client's zd_checkpoint is a job
+ *            of its own between steps, which every trainer of the world calls (a collective).
+ *   snapshot the worker that ran the step copies master, exp_avg and exp_avg_sq into host memory
+ *            (the compute backend's copy_state: from the GPU a device-to-host copy) and goes on;
+ *            a checkpoint requested while this rank's previous one is still being written waits
+ *            for it, so that every rank writes every checkpoint.
+ *   write    a background thread writes the rank's file; with W > 1 its name, size and checksum go
+ *            to the rendezvous store under "ckpt/<step>/<rank>" (or the error that stopped it).
+ *   complete the daemon of global rank 0 waits for every rank's entry (at most the collective
+ *            timeout), writes the manifest last, then applies the retention (checkpoint_keep).
+ *   resume   a rank registering a model it does not hold loads the newest complete checkpoint
+ *            whose parameter table matches (any world size: resharding), per the resume setting.
+ */
+#ifndef ZD_DAEMON_CHECKPOINT_H
+#define ZD_DAEMON_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "error.h"
+
+struct zd__model;
+struct zd__step_ctx;
+struct zd__world;
+
+typedef struct zd__ckptr zd__ckptr_t;
+
+typedef struct zd__ckpt_settings {
+  const char *dir;        /* checkpoint_dir: the step-* directories go here; "": checkpoints off */
+  uint32_t every_steps;   /* 0: no periodic checkpoint by steps */
+  uint32_t every_seconds; /* 0: none by time */
+  uint32_t keep;          /* complete checkpoints kept; 0: all */
+  const char *resume;     /* "": never; "latest": newest matching in dir; else a checkpoint dir */
+  uint64_t throttle_bytes_per_s; /* test-only: write no faster (kill trials) */
+  int timeout_ms;                /* rank 0 waits this long for the other ranks' files */
+} zd__ckpt_settings_t;
+
+/* What status and metrics show. */
+typedef struct zd__ckpt_stats {
+  int enabled;
+  uint64_t requested; /* checkpoints this daemon's ranks snapshotted */
+  uint64_t completed; /* complete ones (manifest written here) or, on a daemon without
+                         rank 0, files written */
+  uint64_t failures;
+  uint64_t last_ok_step; /* valid when completed > 0 */
+  uint64_t last_ok_unix_ms;
+  uint64_t last_duration_ms; /* snapshot to manifest */
+  uint64_t last_bytes;       /* bytes this daemon wrote for it */
+  uint64_t last_snapshot_us; /* the stall of the step it was taken at (slowest local rank) */
+  uint64_t in_progress;      /* writes queued or running */
+  char last_dir[512];
+  char last_error[ZD__ERR_MSG_MAX]; /* "" when the last checkpoint succeeded */
+  uint64_t resumed_step;            /* step the last resume loaded */
+  char resumed_dir[512];            /* "": none */
+} zd__ckpt_stats_t;
+
+/* world: NULL at world size 1 (no store to exchange file entries). Starts the writer threads.
+ * Errors: -ENOMEM, -EAGAIN. */
+int zd__ckptr_create(const zd__ckpt_settings_t *settings, const struct zd__world *world,
+                     uint32_t local_ranks, zd__ckptr_t **out, zd__err_t *err);
+
+/* Finishes the writes queued (they are short: the data is in memory), joins the threads and
+ * frees everything; accepts NULL. */
+void zd__ckptr_destroy(zd__ckptr_t *c);
+
+/* Any thread: the next step of every rank of the world takes a checkpoint. ZD_ECONFIG (message
+ * says so) when checkpoint_dir is not set. */
+int zd__ckptr_request(zd__ckptr_t *c, zd__err_t *err);
+
+/* Loop thread, about once a second: requests a checkpoint when checkpoint_every_seconds have
+ * passed since the last one was requested. */
+void zd__ckptr_tick(zd__ckptr_t *c, uint64_t now_ms);
+
+/* The worker of a rank, building the record of step `step`: whether this rank asks for a
+ * checkpoint after it (takes the pending request). */
+int zd__ckptr_wants(zd__ckptr_t *c, uint64_t step);
+
+/* The worker of a rank, between steps or right after one: snapshots the model's state and queues
+ * its write. wait: returns only once this rank's file is written and, on the daemon of rank 0,
+ * the checkpoint is complete; dir (len bytes) then names it. Errors: ZD_ECONFIG (no
+ * checkpoint_dir), -ENOMEM, the backend's copy errors, and with wait the write's error. */
+int zd__ckptr_take(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__model *m, int wait,
+                   char *dir, size_t len, zd__err_t *err);
+
+/* The worker of a rank registering a model it does not hold (a fresh model m, its arrays zeroed):
+ * per the resume setting, loads the newest complete checkpoint whose parameter table matches m's
+ * (world size and bucket size may differ). *loaded = 1 and m's state, step, skipped steps and
+ * loss-scaler state are the checkpoint's; 0 when resume is off or, with "latest", there is none
+ * yet. Every rank of the world then checks that all loaded the same step. Errors: ZD_ECHECKPOINT
+ * (an explicit resume directory that does not load, ranks that loaded different steps),
+ * -ENOMEM, the backend's copy errors. */
+int zd__ckptr_resume(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__model *m,
+                     int *loaded, zd__err_t *err);
+
+/* Any thread. */
+void zd__ckptr_stats(zd__ckptr_t *c, zd__ckpt_stats_t *out);
+
+#endif /* ZD_DAEMON_CHECKPOINT_H */

@@ -1,0 +1,387 @@
+"""Checkpoints, resume and resharding against real zerod processes (no torch needed).
+
+Every run trains the same model on the same gradients: the gradient of step s is drawn from a
+generator seeded with s, rank 0 sends it and the other ranks send zeros, and gradients are summed
+(grad_mean=False), so the reduced gradient is exactly step s's at every world size and every
+world size must produce the same bits. Covered:
+  - periodic (checkpoint_every_steps) and explicit (Client.checkpoint) checkpoints: the files,
+    the manifest, retention (checkpoint_keep) and the status section;
+  - every zerod SIGKILLed mid-training, restarted with --resume latest: the trainers resume at the
+    checkpoint's step and the continued run is bit-identical to an uninterrupted one;
+  - resharding: a checkpoint written at W=4 resumed at W=2 and W=1, one written at W=1 resumed
+    at W=4, each continuing bit-identically;
+  - a flipped byte and a truncated file: detected by the checksum, reported with the file and
+    both checksums, and the previous checkpoint loaded instead;
+  - disk faults: a missing directory and a file-size limit (RLIMIT_FSIZE) fail the checkpoint
+    with a clear error while training goes on, and leave no directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import unittest
+from typing import Dict, List, Optional
+
+import common  # noqa: F401  (sets up sys.path and the library)
+
+import numpy as np
+
+import zerod.testing  # noqa: E402
+from zerod import ZerodError  # noqa: E402
+
+PARAMS = [("ck.w", (37, 29)), ("ck.b", (29,)), ("ck.v", (300,)), ("ck.s", ())]
+BUCKET = "512"  # several buckets: parameters straddle buckets and rank slices
+
+
+def numel() -> int:
+    n = 0
+    for _, shape in PARAMS:
+        k = 1
+        for d in shape:
+            k *= d
+        n += k
+    return n
+
+
+def step_grads(step: int) -> Dict[str, np.ndarray]:
+    rng = np.random.default_rng(1000 + step)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in PARAMS}
+
+
+class Trainer:
+    """One rank's client with numpy views of each parameter in the shared buffers."""
+
+    def __init__(self, world: zerod.testing.LocalWorld, rank: int, init: Optional[float]) -> None:
+        self.rank = rank
+        self.client = world.connect(rank)
+        self.client.layout([(n, s) for n, s in PARAMS], grad_mean=False)
+        params = np.frombuffer(self.client.param_buffer, dtype=np.float32)
+        grads = np.frombuffer(self.client.grad_buffer, dtype=np.float32)
+        self.p: Dict[str, np.ndarray] = {}
+        self.g: Dict[str, np.ndarray] = {}
+        for i, (name, shape) in enumerate(PARAMS):
+            info = self.client.param_info(i)
+            self.p[name] = params[info.offset:info.offset + info.numel].reshape(shape)
+            self.g[name] = grads[info.offset:info.offset + info.numel].reshape(shape)
+        if init is not None:
+            for name, _ in PARAMS:
+                self.p[name][...] = init
+        self.info = None
+
+    def snapshot(self) -> Dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.p.items()}
+
+    def step(self, s: int) -> None:
+        grads = step_grads(s)
+        for name, _ in PARAMS:
+            self.g[name][...] = grads[name] if self.rank == 0 else 0.0
+        self.client.step()
+
+
+def on_all(trainers: List[Trainer], fn) -> list:
+    """fn(trainer) on every trainer at once (collectives need every rank); results in rank order."""
+    out: list = [None] * len(trainers)
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fn(trainers[i])
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(trainers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def start(world_size: int, args: List[str], init: Optional[float] = 0.25):
+    world = zerod.testing.LocalWorld(world_size, args=["--bucket_elems", BUCKET] + args)
+    def attach(rank: int) -> Trainer:
+        t = Trainer(world, rank, init)
+        t.info = t.client.register()
+        return t
+
+    out: list = [None] * world_size
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = attach(r)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        world.stop(check=False)
+        raise errors[0]
+    return world, out
+
+
+def train(trainers: List[Trainer], steps: range) -> Dict[int, Dict[str, np.ndarray]]:
+    """Runs the steps on every rank; the full model after each, from rank 0's buffer."""
+    seen = {}
+    for s in steps:
+        on_all(trainers, lambda t: t.step(s))
+        seen[s] = trainers[0].snapshot()
+    return seen
+
+
+def close(world, trainers: List[Trainer]) -> None:
+    for t in trainers:
+        t.client.close()
+    world.stop()
+
+
+def wait_complete(root: str, step: int, timeout: float = 30.0) -> str:
+    path = os.path.join(root, f"step-{step:012d}")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(path, "manifest.json")):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"checkpoint of step {step} not complete in {timeout} s")
+        time.sleep(0.02)
+    return path
+
+
+def read_safetensors(path: str) -> Dict[str, np.ndarray]:
+    """A safetensors file of F32 tensors, read by the format's definition (8-byte header length,
+    JSON header, raw data): the test does not trust zerod's own reader."""
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        assert t["dtype"] == "F32", t
+        begin, end = t["data_offsets"]
+        out[name] = np.frombuffer(data[8 + n + begin:8 + n + end], dtype=np.float32).reshape(
+            t["shape"])
+    return out
+
+
+_REFERENCE: Dict[int, Dict[str, np.ndarray]] = {}
+
+
+def reference(steps: int = 12) -> Dict[int, Dict[str, np.ndarray]]:
+    """The uninterrupted run at W=1 (computed once)."""
+    if not _REFERENCE:
+        world, trainers = start(1, [])
+        _REFERENCE[0] = trainers[0].snapshot()
+        _REFERENCE.update(train(trainers, range(1, steps + 1)))
+        close(world, trainers)
+    return _REFERENCE
+
+
+class CheckpointTest(unittest.TestCase):
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="zerod-ckpt-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+
+    def assert_same(self, got: Dict[str, np.ndarray], want: Dict[str, np.ndarray], what: str):
+        for name, _ in PARAMS:
+            g, w = got[name].view(np.uint32), want[name].view(np.uint32)
+            diff = np.flatnonzero(g.ravel() != w.ravel())
+            self.assertEqual(diff.size, 0, f"{what}: {name} differs at {diff.size} elements, "
+                             f"first {diff[:5].tolist()}")
+
+    def continue_and_compare(self, world_size: int, resume_step: int, last: int, args: List[str],
+                             what: str) -> List[Trainer]:
+        ref = reference(last)
+        world, trainers = start(world_size, ["--checkpoint-dir", self.dir] + args, init=-7.0)
+        try:
+            for t in trainers:
+                self.assertTrue(t.info.resumed, f"{what}: rank {t.rank} did not resume")
+                self.assertEqual(t.info.step, resume_step, f"{what}: rank {t.rank}")
+                self.assert_same(t.snapshot(), ref[resume_step],
+                                 f"{what}: rank {t.rank}'s parameters at the resume")
+            seen = train(trainers, range(resume_step + 1, last + 1))
+            for s, params in seen.items():
+                self.assert_same(params, ref[s], f"{what}: step {s}")
+        finally:
+            close(world, trainers)
+        return trainers
+
+    def test_periodic_explicit_and_retention(self) -> None:
+        world, trainers = start(2, ["--checkpoint-dir", self.dir, "--checkpoint-every-steps", "2",
+                                    "--checkpoint-keep", "2"])
+        try:
+            train(trainers, range(1, 8))
+            wait_complete(self.dir, 6)
+            got = on_all(trainers, lambda t: t.client.checkpoint())
+            self.assertEqual(got[0][0], 7)
+            self.assertEqual(got[0][1], os.path.join(self.dir, "step-000000000007"))
+            path = wait_complete(self.dir, 7)
+            with open(os.path.join(path, "manifest.json")) as f:
+                manifest = json.load(f)
+            self.assertEqual(manifest["step"], 7)
+            self.assertEqual(manifest["world_size"], 2)
+            self.assertEqual([p["name"] for p in manifest["params"]], [n for n, _ in PARAMS])
+            self.assertEqual(sorted(f["name"] for f in manifest["files"]),
+                             ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"])
+            # keep 2: steps 6 and 7 remain
+            time.sleep(0.2)
+            self.assertEqual(sorted(os.listdir(self.dir)),
+                             ["step-000000000006", "step-000000000007"])
+            status = trainers[0].client.status_dict()
+            self.assertEqual(status["checkpoint"]["last_step"], "7")
+            self.assertNotIn("last_error", status["checkpoint"])
+        finally:
+            close(world, trainers)
+
+    def test_zeroctl_checkpoint_and_export(self) -> None:
+        zeroctl = os.environ.get("ZEROCTL_BIN", "build/client/zeroctl")
+        world, trainers = start(2, ["--checkpoint-dir", self.dir])
+        try:
+            train(trainers, range(1, 3))
+            address = world.daemons[0].control_address
+            ask = subprocess.Popen([zeroctl, "--address", address, "checkpoint", "--wait", "60"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            time.sleep(0.5)  # requested before step 3: taken after it, on both ranks
+            train(trainers, range(3, 4))
+            out, _ = ask.communicate(timeout=60)
+            self.assertEqual(ask.returncode, 0, out)
+            self.assertIn("complete: step 3", out)
+        finally:
+            close(world, trainers)
+        path = os.path.join(self.dir, "step-000000000003")
+        out = subprocess.run([zeroctl, "verify", path], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        export = os.path.join(self.dir, "model.safetensors")
+        out = subprocess.run([zeroctl, "export", path, "--out", export, "--moments"],
+                             capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        tensors = read_safetensors(export)
+        for name, shape in PARAMS:
+            self.assertEqual(tensors[name].shape, shape)
+            self.assert_same({n: tensors[n] for n, _ in PARAMS}, reference()[3], "exported")
+            self.assertIn(name + ".exp_avg", tensors)
+            self.assertIn(name + ".exp_avg_sq", tensors)
+
+    def test_sigkill_every_zerod_then_resume_is_bit_identical(self) -> None:
+        ref = reference(12)
+        world, trainers = start(2, ["--checkpoint-dir", self.dir, "--checkpoint-every-steps", "4"])
+        seen = train(trainers, range(1, 11))
+        for s in range(1, 11):
+            self.assert_same(seen[s], ref[s], f"W=2 before the kill, step {s}")
+        wait_complete(self.dir, 8)
+        world.stop(signal.SIGKILL, check=False)
+        for t in trainers:
+            try:
+                t.client.close()
+            except ZerodError:
+                pass
+        self.continue_and_compare(2, 8, 12, ["--resume", "latest"], "W=2 after SIGKILL")
+
+    def test_reshard_4_to_2_and_1(self) -> None:
+        world, trainers = start(4, ["--checkpoint-dir", self.dir, "--checkpoint-every-steps", "6"])
+        train(trainers, range(1, 7))
+        wait_complete(self.dir, 6)
+        close(world, trainers)
+        self.continue_and_compare(2, 6, 10, ["--resume", "latest"], "written at W=4, W=2")
+        self.continue_and_compare(1, 6, 10, ["--resume", "latest"], "written at W=4, W=1")
+
+    def test_reshard_1_to_4(self) -> None:
+        world, trainers = start(1, ["--checkpoint-dir", self.dir, "--checkpoint-every-steps", "5"])
+        train(trainers, range(1, 6))
+        wait_complete(self.dir, 5)
+        close(world, trainers)
+        self.continue_and_compare(4, 5, 9, ["--resume", "latest"], "written at W=1, W=4")
+
+    def corrupt_and_resume(self, damage) -> str:
+        world, trainers = start(1, ["--checkpoint-dir", self.dir, "--checkpoint-every-steps", "3"])
+        train(trainers, range(1, 7))
+        wait_complete(self.dir, 6)
+        close(world, trainers)
+        shard = os.path.join(self.dir, "step-000000000006", "rank-00000-of-00001.safetensors")
+        damage(shard)
+        world, trainers = start(1, ["--checkpoint-dir", self.dir, "--resume", "latest"], init=-7.0)
+        try:
+            self.assertEqual(trainers[0].info.step, 3, "the previous checkpoint is loaded")
+            self.assert_same(trainers[0].snapshot(), reference()[3], "fallback to step 3")
+            log = world.log()
+        finally:
+            close(world, trainers)
+        self.assertIn("step-000000000006", log)
+        self.assertIn("falling back to the previous", log)
+        return log
+
+    def test_flipped_byte_falls_back(self) -> None:
+        def flip(path: str) -> None:
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) - 100)
+                b = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([b[0] ^ 0x10]))
+
+        log = self.corrupt_and_resume(flip)
+        self.assertIn("rank-00000-of-00001.safetensors", log)
+        self.assertRegex(log, r"checksum [0-9a-fx]+.*expected [0-9a-fx]+")
+
+    def test_truncated_file_falls_back(self) -> None:
+        def truncate(path: str) -> None:
+            os.truncate(path, os.path.getsize(path) // 2)
+
+        log = self.corrupt_and_resume(truncate)
+        self.assertIn("rank-00000-of-00001.safetensors", log)
+
+    def test_missing_directory_fails_clearly_and_training_goes_on(self) -> None:
+        missing = os.path.join(self.dir, "not-there")
+        world, trainers = start(1, ["--checkpoint-dir", missing])
+        try:
+            train(trainers, range(1, 3))
+            with self.assertRaises(ZerodError) as cm:
+                trainers[0].client.checkpoint()
+            self.assertIn("not-there", str(cm.exception))
+            seen = train(trainers, range(3, 5))
+            self.assert_same(seen[4], reference()[4], "training after the failed checkpoint")
+            status = trainers[0].client.status_dict()["checkpoint"]
+            self.assertEqual(status["failures"], "1")
+            self.assertIn("not-there", status["last_error"])
+            self.assertEqual(status["last_step"], "never")
+        finally:
+            close(world, trainers)
+
+    def test_file_size_limit_fails_clearly_and_leaves_nothing_complete(self) -> None:
+        world, trainers = start(1, ["--checkpoint-dir", self.dir])
+        try:
+            train(trainers, range(1, 3))
+            trainers[0].client.checkpoint()  # a good one first
+            pid = world.daemons[0].pid
+            subprocess.run(["prlimit", f"--pid={pid}", "--fsize=4096"], check=True)
+            train(trainers, range(3, 4))
+            with self.assertRaises(ZerodError) as cm:
+                trainers[0].client.checkpoint()
+            self.assertIn("File too large", str(cm.exception))
+            seen = train(trainers, range(4, 6))
+            self.assert_same(seen[5], reference()[5], "training after the failed checkpoint")
+            status = trainers[0].client.status_dict()["checkpoint"]
+            self.assertEqual(status["last_step"], "2")
+            self.assertIn("step 3", status["last_error"])
+        finally:
+            close(world, trainers)
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "step-000000000003",
+                                                     "manifest.json")))
+        leftovers = glob.glob(os.path.join(self.dir, "step-000000000003", "*.safetensors"))
+        self.assertEqual(leftovers, [], "only temporary files may be left of a failed write")
+
+
+if __name__ == "__main__":
+    common.run(CheckpointTest)

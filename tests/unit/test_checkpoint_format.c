@@ -1,0 +1,732 @@
+/* Unit test of the checkpoint files (common/checkpoint_format.c): rank files and manifest written
+ * and read back at world sizes 1, 2 and 4 (values bit for bit), every manifest field round-tripped,
+ * corruption (a flipped byte, a truncated file) reported with the file and both checksums, an
+ * incomplete checkpoint, find_latest falling back past broken ones, resharding loads between world
+ * and bucket sizes, retention, export (its safetensors header parsed back and its values checked)
+ * and the throttled writer.
+ *
+ * Values are a function of (parameter, element, tensor) drawn from a fixed seed, so any rank of any
+ * layout knows what each of its elements must hold; where an element goes is computed here from
+ * the layout rule (docs/design.md, "Layout"), not by the code under test. Padding is written as
+ * garbage and must load as 0. Everything happens under a temporary directory, removed at exit.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "check.h"
+#include "checkpoint_format.h"
+#include "error.h"
+#include "group.h"
+#include "layout.h"
+
+static char tmp_root[64];
+
+static int rm_one(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st, (void)flag, (void)ftw;
+  return remove(path);
+}
+
+static void cleanup(void) {
+  if (tmp_root[0]) nftw(tmp_root, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* ---- the model and its values ---- */
+
+static const zd_param_t model[] = {
+    {"embed.weight", 2, {13, 11}, 0}, {"embed.bias", 1, {11}, 1},   {"scale", 0, {0}, 1},
+    {"block.0.w", 2, {40, 9}, 0},     {"block.0.b", 1, {9}, 1},     {"block.1.w", 3, {4, 5, 7}, 0},
+    {"empty", 2, {0, 5}, 0},          {"head.weight", 1, {300}, 0}, {"head.bias", 1, {1}, 1},
+};
+#define NPARAMS (sizeof model / sizeof model[0])
+#define NGROUPS 2
+
+/* The value of element i of parameter p in tensor t: random bits, every float but NaN. */
+static float value(uint32_t p, uint64_t i, int t) {
+  uint64_t x = 0x5eed5eedull ^ (p * 0x9e3779b97f4a7c15ull) ^ (i * 0xbf58476d1ce4e5b9ull) ^
+               ((uint64_t)t << 56);
+  x ^= x >> 31;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 29;
+  union {
+    uint32_t u;
+    float f;
+  } v = {.u = (uint32_t)x};
+  if (v.f != v.f) v.u &= 0xff7fffffu; /* NaN has many payloads: keep comparisons simple */
+  return v.f;
+}
+
+static zd__layout_t *build(uint32_t world, uint64_t bucket) {
+  zd__layout_t *l;
+  zd__err_t err = {0};
+  int rc = zd__layout_build(model, NPARAMS, NGROUPS, world, bucket, &l, &err);
+  CHECK_MSG(rc == 0, "layout: %s", err.msg);
+  return l;
+}
+
+/* Rank r's three arrays for layout l as the writer holds them: each parameter's elements where the
+ * layout rule puts them, padding filled with `pad`. */
+static float *shard_arrays(const zd__layout_t *l, uint32_t r, float pad) {
+  uint64_t n = l->shard_elems;
+  float *a = malloc(3 * n * sizeof *a);
+  CHECK(a);
+  for (uint64_t k = 0; k < 3 * n; k++) a[k] = pad;
+  for (uint32_t p = 0; p < l->nparams; p++) {
+    const zd__layout_param_t *lp = &l->params[p];
+    const zd__bucket_t *b = &l->buckets[lp->bucket];
+    for (uint64_t i = 0; i < lp->numel; i++) {
+      uint64_t rel = lp->offset + i - b->offset;
+      if (rel / b->shard_elems != r) continue;
+      uint64_t pos = b->shard_base + rel % b->shard_elems;
+      for (int t = 0; t < 3; t++) a[t * n + pos] = value(p, i, t);
+    }
+  }
+  return a;
+}
+
+static zd_group_t groups[NGROUPS];
+
+static void fill_manifest(zd__ckpt_manifest_t *m, const zd__layout_t *l, uint64_t step) {
+  memset(m, 0, sizeof *m);
+  m->version = ZD__CKPT_VERSION;
+  m->step = step;
+  m->steps_skipped = 3;
+  m->world_size = l->world_size;
+  m->bucket_elems = l->bucket_elems;
+  m->layout_hash = l->hash;
+  m->layout = (zd__layout_t *)l;
+  groups[0] = zd_group_default();
+  groups[1] = zd_group_default();
+  groups[1].weight_decay = 0;
+  m->groups = groups;
+  m->ngroups = NGROUPS;
+  m->param_dtype = ZD_BF16;
+  m->grad_dtype = ZD_F16;
+  m->max_grad_norm = 1.0;
+  m->grad_mean = 1;
+  m->scaler.enabled = 1;
+  m->scaler.cfg = (zd_loss_scaler_t){1, 65536, 2, 0.5, 1000, 2, 1};
+  m->scaler.scale = 32768;
+  m->created_ms = 1700000000123ull;
+}
+
+/* Writes a complete checkpoint of step at layout l under root; returns its directory (static). */
+static const char *write_ckpt(const char *root, const zd__layout_t *l, uint64_t step,
+                              zd__ckpt_manifest_t *m_out) {
+  static char dir[512];
+  CHECK_INT_EQ(zd__ckpt_dir_name(root, step, dir, sizeof dir), 0);
+  zd__ckpt_file_t *files = calloc(l->world_size, sizeof *files);
+  zd__err_t err = {0};
+  for (uint32_t r = 0; r < l->world_size; r++) {
+    float *a = shard_arrays(l, r, 1234.5f);
+    uint64_t n = l->shard_elems;
+    zd__ckpt_shard_t s = {r, l->world_size, step, n, a, a + n, a + 2 * n};
+    int rc = zd__ckpt_write_shard(dir, &s, 0, &files[r], &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    CHECK_U64_EQ(files[r].rank, r);
+    free(a);
+  }
+  zd__ckpt_manifest_t m;
+  fill_manifest(&m, l, step);
+  m.files = files;
+  m.nfiles = l->world_size;
+  int rc = zd__ckpt_write_manifest(dir, &m, &err);
+  CHECK_MSG(rc == 0, "%s", err.msg);
+  if (m_out) {
+    *m_out = m;
+    m_out->files = NULL; /* freed here */
+  }
+  free(files);
+  return dir;
+}
+
+static char *subroot(const char *name) {
+  static char buf[256];
+  snprintf(buf, sizeof buf, "%s/%s", tmp_root, name);
+  CHECK_INT_EQ(mkdir(buf, 0755), 0);
+  return buf;
+}
+
+static uint64_t file_xxh3(const char *path, uint64_t *bytes) {
+  FILE *f = fopen(path, "rb");
+  CHECK(f);
+  XXH3_state_t *s = XXH3_createState();
+  XXH3_64bits_reset(s);
+  char buf[65536];
+  size_t n;
+  *bytes = 0;
+  while ((n = fread(buf, 1, sizeof buf, f)) > 0) {
+    XXH3_64bits_update(s, buf, n);
+    *bytes += n;
+  }
+  fclose(f);
+  uint64_t h = XXH3_64bits_digest(s);
+  XXH3_freeState(s);
+  return h;
+}
+
+/* Loads every rank of layout `to` from dir and compares with shard_arrays(to, r, 0): every element
+ * bit for bit, padding 0. */
+static void check_load(const char *dir, const zd__layout_t *to) {
+  zd__ckpt_manifest_t *m;
+  zd__err_t err = {0};
+  int rc = zd__ckpt_read_manifest(dir, &m, &err);
+  CHECK_MSG(rc == 0, "%s", err.msg);
+  rc = zd__ckpt_verify(dir, m, &err);
+  CHECK_MSG(rc == 0, "%s", err.msg);
+  for (uint32_t r = 0; r < to->world_size; r++) {
+    uint64_t n = to->shard_elems;
+    float *want = shard_arrays(to, r, 0.0f), *got = malloc(3 * n * sizeof *got);
+    for (uint64_t k = 0; k < 3 * n; k++) got[k] = -7.0f; /* must be overwritten */
+    rc = zd__ckpt_load_shard(dir, m, to, r, got, got + n, got + 2 * n, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    for (uint64_t k = 0; k < 3 * n; k++) {
+      uint32_t a, b;
+      memcpy(&a, &got[k], 4);
+      memcpy(&b, &want[k], 4);
+      CHECK_MSG(a == b,
+                "%s: loaded at W=%u bucket %" PRIu64 " (written at W=%u bucket %" PRIu64
+                "), rank %u tensor %" PRIu64 " element %" PRIu64 ": 0x%08x vs 0x%08x",
+                dir, to->world_size, to->bucket_elems, m->world_size, m->bucket_elems, r, k / n,
+                k % n, a, b);
+    }
+    free(want);
+    free(got);
+  }
+  zd__ckpt_manifest_free(m);
+}
+
+/* ---- tests ---- */
+
+static void test_roundtrip(void) {
+  const uint32_t worlds[] = {1, 2, 4};
+  for (size_t w = 0; w < 3; w++) {
+    char name[32];
+    snprintf(name, sizeof name, "roundtrip-%u", worlds[w]);
+    const char *root = subroot(name);
+    zd__layout_t *l = build(worlds[w], 200);
+    const char *dir = write_ckpt(root, l, 42, NULL);
+    char expect_dir[512];
+    snprintf(expect_dir, sizeof expect_dir, "%s/step-000000000042", root);
+    CHECK_STR_EQ(dir, expect_dir);
+
+    zd__ckpt_manifest_t *m;
+    zd__err_t err = {0};
+    CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+    CHECK_INT_EQ(m->nfiles, worlds[w]);
+    for (uint32_t r = 0; r < m->nfiles; r++) {
+      char want[64], path[600];
+      snprintf(want, sizeof want, "rank-%05u-of-%05u.safetensors", r, worlds[w]);
+      CHECK_STR_EQ(m->files[r].name, want);
+      snprintf(path, sizeof path, "%s/%s", dir, want);
+      uint64_t bytes, h = file_xxh3(path, &bytes);
+      CHECK_U64_EQ(m->files[r].bytes, bytes);
+      CHECK_U64_EQ(m->files[r].xxh3, h);
+      CHECK_INT_EQ(bytes % 8, 0); /* header padded to 8, then 3 x shard_elems floats */
+      CHECK(bytes > 12 * l->shard_elems);
+      snprintf(path, sizeof path, "%s/%s.tmp", dir, want);
+      CHECK_INT_EQ(access(path, F_OK), -1); /* no temporary left behind */
+    }
+    zd__ckpt_manifest_free(m);
+    check_load(dir, l);
+    zd__layout_free(l);
+  }
+}
+
+static void test_manifest_fields(void) {
+  const char *root = subroot("fields");
+  zd__layout_t *l = build(3, 100);
+  zd__ckpt_manifest_t w;
+  const char *dir = write_ckpt(root, l, 0, &w);
+  /* Rewrite the manifest with awkward values: doubles whose shortest form is long. */
+  zd__ckpt_manifest_t *m;
+  zd__err_t err = {0};
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+  zd_group_t g[NGROUPS] = {zd_group_default(), zd_group_default()};
+  g[0].lr = 0.1 / 3;
+  g[0].beta1 = 0.8999999999999999;
+  g[0].beta2 = 1 - 1e-16;
+  g[0].eps = 4.9406564584124654e-324; /* the smallest subnormal */
+  g[0].weight_decay = 1e300;
+  g[0].optimizer = ZD_ADAM;
+  g[0].maximize = 1;
+  g[1].lr = 3e-4;
+  zd__ckpt_manifest_t in = *m;
+  in.step = 1ull << 53;
+  in.steps_skipped = 123456789012ull;
+  in.groups = g;
+  in.param_dtype = ZD_F32;
+  in.grad_dtype = ZD_BF16;
+  in.max_grad_norm = 0.7071067811865476;
+  in.grad_mean = 0;
+  in.scaler = (zd__ckpt_scaler_t){
+      .enabled = 0,
+      .cfg = {1, 1.0 / 7, 2.000000000000001, 0.3333333333333333, 4294967295u, 7, 1e-30},
+      .scale = 6.02214076e23,
+      .growth_tracker = 999,
+      .hysteresis_tracker = 4294967295u};
+  in.created_ms = 1234567890123ull;
+  CHECK_INT_EQ(zd__ckpt_write_manifest(dir, &in, &err), 0);
+  zd__ckpt_manifest_t *out;
+  int rc = zd__ckpt_read_manifest(dir, &out, &err);
+  CHECK_MSG(rc == 0, "%s", err.msg);
+  CHECK_INT_EQ(out->version, ZD__CKPT_VERSION);
+  CHECK_U64_EQ(out->step, in.step);
+  CHECK_U64_EQ(out->steps_skipped, in.steps_skipped);
+  CHECK_INT_EQ(out->world_size, 3);
+  CHECK_U64_EQ(out->bucket_elems, 100);
+  CHECK_U64_EQ(out->layout_hash, l->hash);
+  CHECK_U64_EQ(out->layout->hash, l->hash);
+  char diff[256];
+  CHECK_MSG(zd__layout_diff(out->layout, l, diff, sizeof diff) == 0, "%s", diff);
+  for (uint32_t p = 0; p < l->nparams; p++)
+    CHECK_U64_EQ(out->layout->params[p].offset, l->params[p].offset);
+  CHECK_INT_EQ(out->ngroups, NGROUPS);
+  for (uint32_t k = 0; k < NGROUPS; k++) {
+    /* Every field of the table, bit for bit: a new hyperparameter is covered without a change. */
+#define SAME(name, kind, valid, expected, dflt)                                   \
+  CHECK_MSG(memcmp(&out->groups[k].name, &g[k].name, sizeof g[k].name) == 0,      \
+            "group %u " #name ": %.17g vs %.17g", k, (double)out->groups[k].name, \
+            (double)g[k].name);
+    ZD__GROUP_FIELDS(SAME)
+#undef SAME
+  }
+  CHECK_INT_EQ(out->param_dtype, ZD_F32);
+  CHECK_INT_EQ(out->grad_dtype, ZD_BF16);
+  CHECK(memcmp(&out->max_grad_norm, &in.max_grad_norm, sizeof(double)) == 0);
+  CHECK_INT_EQ(out->grad_mean, 0);
+  CHECK_INT_EQ(out->scaler.enabled, 0);
+  CHECK_INT_EQ(out->scaler.cfg.enabled, 1);
+  CHECK_DBL_EQ(out->scaler.cfg.initial_scale, in.scaler.cfg.initial_scale);
+  CHECK_DBL_EQ(out->scaler.cfg.growth_factor, in.scaler.cfg.growth_factor);
+  CHECK_DBL_EQ(out->scaler.cfg.backoff_factor, in.scaler.cfg.backoff_factor);
+  CHECK_U64_EQ(out->scaler.cfg.growth_interval, 4294967295u);
+  CHECK_U64_EQ(out->scaler.cfg.hysteresis, 7);
+  CHECK_DBL_EQ(out->scaler.cfg.min_scale, 1e-30);
+  CHECK_DBL_EQ(out->scaler.scale, 6.02214076e23);
+  CHECK_U64_EQ(out->scaler.growth_tracker, 999);
+  CHECK_U64_EQ(out->scaler.hysteresis_tracker, 4294967295u);
+  CHECK_U64_EQ(out->created_ms, 1234567890123ull);
+  CHECK_INT_EQ(out->nfiles, 3);
+  for (uint32_t r = 0; r < 3; r++) {
+    CHECK_STR_EQ(out->files[r].name, m->files[r].name);
+    CHECK_U64_EQ(out->files[r].bytes, m->files[r].bytes);
+    CHECK_U64_EQ(out->files[r].xxh3, m->files[r].xxh3);
+  }
+  zd__ckpt_manifest_free(out);
+
+  /* The text: the hash is a string of 16 hex digits, doubles in 17 digits. */
+  char path[600], hex[32];
+  snprintf(path, sizeof path, "%s/manifest.json", dir);
+  json_error_t jerr;
+  json_t *root_j = json_load_file(path, 0, &jerr);
+  CHECK_MSG(root_j, "%s", jerr.text);
+  snprintf(hex, sizeof hex, "%016" PRIx64, l->hash);
+  CHECK_STR_EQ(json_string_value(json_object_get(root_j, "layout_hash")), hex);
+  CHECK_INT_EQ(json_integer_value(json_object_get(root_j, "format_version")), 1);
+
+  /* A version this build does not read; a missing field; a bad file name. */
+  json_object_set_new(root_j, "format_version", json_integer(2));
+  CHECK_INT_EQ(json_dump_file(root_j, path, 0), 0);
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &out, &err), ZD_EVERSION);
+  CHECK_CONTAINS(err.msg, "format_version 2");
+  json_object_set_new(root_j, "format_version", json_integer(1));
+  json_object_del(json_array_get(json_object_get(root_j, "groups"), 1), "eps");
+  CHECK_INT_EQ(json_dump_file(root_j, path, 0), 0);
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &out, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "groups[1] eps is missing");
+  CHECK_CONTAINS(err.msg, "manifest.json");
+  json_object_set_new(json_array_get(json_object_get(root_j, "groups"), 1), "eps", json_real(1e-8));
+  json_object_set_new(json_array_get(json_object_get(root_j, "files"), 1), "name",
+                      json_string("../../etc/passwd"));
+  CHECK_INT_EQ(json_dump_file(root_j, path, 0), 0);
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &out, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "expected rank 1 'rank-00001-of-00003.safetensors'");
+  /* A parameter table that is not the one the hash was taken of. */
+  json_object_set_new(json_array_get(json_object_get(root_j, "files"), 1), "name",
+                      json_string("rank-00001-of-00003.safetensors"));
+  json_object_set_new(json_array_get(json_object_get(root_j, "params"), 2), "group",
+                      json_integer(0));
+  CHECK_INT_EQ(json_dump_file(root_j, path, 0), 0);
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &out, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "hashes to layout");
+  json_decref(root_j);
+
+  /* The writer refuses what it could not read back. */
+  in.max_grad_norm = 1.0 / 0.0;
+  CHECK_INT_EQ(zd__ckpt_write_manifest(dir, &in, &err), -EINVAL);
+  CHECK_CONTAINS(err.msg, "finite");
+  in.max_grad_norm = 1;
+  in.ngroups = 1;
+  CHECK_INT_EQ(zd__ckpt_write_manifest(dir, &in, &err), -EINVAL);
+  CHECK_CONTAINS(err.msg, "parameter 1 'embed.bias' is in group 1 of 1");
+  in.ngroups = NGROUPS;
+  in.param_dtype = ZD_F16;
+  CHECK_INT_EQ(zd__ckpt_write_manifest(dir, &in, &err), -EINVAL);
+  CHECK_CONTAINS(err.msg, "f16");
+  zd__ckpt_manifest_free(m);
+  zd__layout_free(l);
+}
+
+static void flip_byte(const char *path, off_t at) {
+  int fd = open(path, O_RDWR);
+  CHECK(fd >= 0);
+  unsigned char c;
+  CHECK_INT_EQ(pread(fd, &c, 1, at), 1);
+  c ^= 0x10;
+  CHECK_INT_EQ(pwrite(fd, &c, 1, at), 1);
+  close(fd);
+}
+
+static void test_corruption(void) {
+  const char *root = subroot("corrupt");
+  zd__layout_t *l = build(2, 200);
+  const char *dir = write_ckpt(root, l, 7, NULL);
+  zd__ckpt_manifest_t *m;
+  zd__err_t err = {0};
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+  CHECK_INT_EQ(zd__ckpt_verify(dir, m, &err), 0);
+  char path[600], want[64], got[64];
+  snprintf(path, sizeof path, "%s/rank-00001-of-00002.safetensors", dir);
+  snprintf(want, sizeof want, "0x%016" PRIx64, m->files[1].xxh3);
+
+  flip_byte(path, (off_t)m->files[1].bytes - 100);
+  uint64_t bytes, h = file_xxh3(path, &bytes);
+  snprintf(got, sizeof got, "checksum 0x%016" PRIx64, h);
+  CHECK_INT_EQ(zd__ckpt_verify(dir, m, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "rank-00001-of-00002.safetensors");
+  CHECK_CONTAINS(err.msg, got);
+  CHECK_CONTAINS(err.msg, want);
+  flip_byte(path, (off_t)m->files[1].bytes - 100);
+  CHECK_INT_EQ(zd__ckpt_verify(dir, m, &err), 0);
+
+  CHECK_INT_EQ(truncate(path, (off_t)m->files[1].bytes - 64), 0);
+  h = file_xxh3(path, &bytes);
+  snprintf(got, sizeof got, "%" PRIu64 " bytes, checksum 0x%016" PRIx64, bytes, h);
+  CHECK_INT_EQ(zd__ckpt_verify(dir, m, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "rank-00001-of-00002.safetensors");
+  CHECK_CONTAINS(err.msg, got);
+  CHECK_CONTAINS(err.msg, want);
+  snprintf(got, sizeof got, "expected %" PRIu64 " bytes", m->files[1].bytes);
+  CHECK_CONTAINS(err.msg, got);
+
+  /* A truncated file also fails a load (which does not checksum) rather than reading garbage. */
+  uint64_t n = l->shard_elems;
+  float *a = malloc(3 * n * sizeof *a);
+  CHECK_INT_EQ(zd__ckpt_load_shard(dir, m, l, 1, a, a + n, a + 2 * n, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "rank-00001-of-00002.safetensors");
+  free(a);
+
+  /* A missing rank file. */
+  CHECK_INT_EQ(unlink(path), 0);
+  CHECK_INT_EQ(zd__ckpt_verify(dir, m, &err), -ENOENT);
+  CHECK_CONTAINS(err.msg, "rank-00001-of-00002.safetensors");
+  zd__ckpt_manifest_free(m);
+
+  /* No manifest: incomplete. */
+  snprintf(path, sizeof path, "%s/manifest.json", dir);
+  CHECK_INT_EQ(unlink(path), 0);
+  m = (zd__ckpt_manifest_t *)1;
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), -ENOENT);
+  CHECK(m == NULL);
+  CHECK_CONTAINS(err.msg, "manifest.json");
+  zd__layout_free(l);
+}
+
+typedef struct rejects {
+  int n;
+  char dir[4][512];
+  char reason[4][ZD__ERR_MSG_MAX];
+} rejects_t;
+
+static void on_reject(void *ctx, const char *dir, const char *reason) {
+  rejects_t *r = ctx;
+  CHECK(r->n < 4);
+  snprintf(r->dir[r->n], sizeof r->dir[0], "%s", dir);
+  snprintf(r->reason[r->n], sizeof r->reason[0], "%s", reason);
+  r->n++;
+}
+
+static void test_find_latest(void) {
+  const char *root = subroot("latest");
+  char rootbuf[256];
+  snprintf(rootbuf, sizeof rootbuf, "%s", root);
+  zd__layout_t *l = build(2, 200);
+  char d10[512], d20[512], d30[512];
+  snprintf(d10, sizeof d10, "%s", write_ckpt(rootbuf, l, 10, NULL));
+  snprintf(d20, sizeof d20, "%s", write_ckpt(rootbuf, l, 20, NULL));
+  snprintf(d30, sizeof d30, "%s", write_ckpt(rootbuf, l, 30, NULL));
+  char path[600];
+  snprintf(path, sizeof path, "%s/rank-00000-of-00002.safetensors", d20);
+  flip_byte(path, 200);
+  snprintf(path, sizeof path, "%s/manifest.json", d30);
+  CHECK_INT_EQ(unlink(path), 0);
+
+  uint64_t *steps;
+  size_t n;
+  zd__err_t err = {0};
+  CHECK_INT_EQ(zd__ckpt_list(rootbuf, &steps, &n, &err), 0);
+  CHECK_U64_EQ(n, 3);
+  CHECK_U64_EQ(steps[0], 30);
+  CHECK_U64_EQ(steps[1], 20);
+  CHECK_U64_EQ(steps[2], 10);
+  free(steps);
+
+  rejects_t rj = {0};
+  char *dir;
+  zd__ckpt_manifest_t *m;
+  zd__layout_t *other_world = build(3, 64); /* same parameters, another topology: acceptable */
+  int rc = zd__ckpt_find_latest(rootbuf, other_world, on_reject, &rj, &dir, &m, &err);
+  CHECK_MSG(rc == 0, "%s", err.msg);
+  CHECK_STR_EQ(dir, d10);
+  CHECK_U64_EQ(m->step, 10);
+  CHECK_INT_EQ(rj.n, 2);
+  CHECK_STR_EQ(rj.dir[0], d30);
+  CHECK_CONTAINS(rj.reason[0], "no manifest");
+  CHECK_STR_EQ(rj.dir[1], d20);
+  CHECK_CONTAINS(rj.reason[1], "rank-00000-of-00002.safetensors");
+  CHECK_CONTAINS(rj.reason[1], "checksum");
+  free(dir);
+  zd__ckpt_manifest_free(m);
+
+  /* A model with another parameter table matches none. */
+  zd_param_t p2[NPARAMS];
+  memcpy(p2, model, sizeof p2);
+  p2[3].shape[0] = 41;
+  zd__layout_t *other;
+  CHECK_INT_EQ(zd__layout_build(p2, NPARAMS, NGROUPS, 2, 200, &other, &err), 0);
+  rj.n = 0;
+  CHECK_INT_EQ(zd__ckpt_find_latest(rootbuf, other, on_reject, &rj, &dir, &m, &err), -ENOENT);
+  CHECK(dir == NULL && m == NULL);
+  CHECK_INT_EQ(rj.n, 3);
+  CHECK_CONTAINS(rj.reason[2],
+                 "parameter 3: 'block.0.w' [40, 9] group 0 in the checkpoint vs "
+                 "'block.0.w' [41, 9] group 0");
+  CHECK_CONTAINS(err.msg, "3 passed over");
+  /* Nor does a load into its layout. */
+  zd__ckpt_manifest_t *m10;
+  CHECK_INT_EQ(zd__ckpt_read_manifest(d10, &m10, &err), 0);
+  float *a = malloc(3 * other->shard_elems * sizeof *a);
+  CHECK_INT_EQ(zd__ckpt_load_shard(d10, m10, other, 0, a, a, a, &err), ZD_ELAYOUT);
+  CHECK_CONTAINS(err.msg, "'block.0.w' [41, 9]");
+  free(a);
+  zd__ckpt_manifest_free(m10);
+
+  /* No checkpoint at all, and no root at all. */
+  CHECK_INT_EQ(zd__ckpt_find_latest("/nonexistent/zerod-ckpt", NULL, NULL, NULL, &dir, &m, &err),
+               -ENOENT);
+  zd__layout_free(other);
+  zd__layout_free(other_world);
+  zd__layout_free(l);
+}
+
+static void test_reshard(void) {
+  /* (from W, bucket) -> (to W, bucket): small buckets, so that parameters straddle slices and
+   * buckets differently on each side. */
+  const struct {
+    uint32_t w0;
+    uint64_t b0;
+    uint32_t w1;
+    uint64_t b1;
+  } cases[] = {
+      {4, 150, 2, 90}, {4, 150, 1, 1000}, {1, 1000, 4, 70}, {2, 100, 3, 130}, {3, 1, 5, 333},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    char name[32];
+    snprintf(name, sizeof name, "reshard-%zu", c);
+    const char *root = subroot(name);
+    zd__layout_t *from = build(cases[c].w0, cases[c].b0), *to = build(cases[c].w1, cases[c].b1);
+    CHECK(from->nbuckets > 1 || cases[c].b0 >= 1000);
+    const char *dir = write_ckpt(root, from, 5, NULL);
+    check_load(dir, to);
+    zd__layout_free(from);
+    zd__layout_free(to);
+  }
+}
+
+static void test_prune(void) {
+  char root[256];
+  snprintf(root, sizeof root, "%s", subroot("prune"));
+  zd__layout_t *l = build(1, 1000);
+  const uint64_t complete[] = {10, 20, 30, 40, 50, 60};
+  for (size_t i = 0; i < 6; i++) write_ckpt(root, l, complete[i], NULL);
+  /* Crash leftovers: 25 (older than the newest complete one) and 70 (newer: in progress). */
+  char dir[512];
+  zd__ckpt_dir_name(root, 25, dir, sizeof dir);
+  CHECK_INT_EQ(mkdir(dir, 0755), 0);
+  zd__ckpt_dir_name(root, 70, dir, sizeof dir);
+  CHECK_INT_EQ(mkdir(dir, 0755), 0);
+  snprintf(dir + strlen(dir), sizeof dir - strlen(dir), "/rank-00000-of-00001.safetensors.tmp");
+  FILE *f = fopen(dir, "w");
+  CHECK(f);
+  fclose(f);
+  zd__err_t err = {0};
+  CHECK_INT_EQ(zd__ckpt_prune(root, 0, &err), 0); /* keep all */
+  uint64_t *steps;
+  size_t n;
+  CHECK_INT_EQ(zd__ckpt_list(root, &steps, &n, &err), 0);
+  CHECK_U64_EQ(n, 8);
+  free(steps);
+  int rc = zd__ckpt_prune(root, 2, &err);
+  CHECK_MSG(rc == 0, "%s", err.msg);
+  CHECK_INT_EQ(zd__ckpt_list(root, &steps, &n, &err), 0);
+  CHECK_U64_EQ(n, 3);
+  CHECK_U64_EQ(steps[0], 70);
+  CHECK_U64_EQ(steps[1], 60);
+  CHECK_U64_EQ(steps[2], 50);
+  free(steps);
+  CHECK_INT_EQ(zd__ckpt_prune(root, 1, &err), 0);
+  CHECK_INT_EQ(zd__ckpt_list(root, &steps, &n, &err), 0);
+  CHECK_U64_EQ(n, 2);
+  CHECK_U64_EQ(steps[0], 70);
+  CHECK_U64_EQ(steps[1], 60);
+  free(steps);
+  zd__ckpt_dir_name(root, 60, dir, sizeof dir);
+  check_load(dir, l);
+  zd__layout_free(l);
+}
+
+/* Reads an exported file's header back; *data_start is where the tensors begin. */
+static json_t *read_export_header(const char *path, FILE **fp, uint64_t *data_start) {
+  FILE *f = fopen(path, "rb");
+  CHECK(f);
+  unsigned char lenb[8];
+  CHECK_INT_EQ(fread(lenb, 1, 8, f), 8);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; i++) n |= (uint64_t)lenb[i] << (8 * i);
+  CHECK_INT_EQ(n % 8, 0);
+  char *text = malloc(n);
+  CHECK_U64_EQ(fread(text, 1, n, f), n);
+  CHECK(text[0] == '{');
+  json_error_t jerr;
+  json_t *hdr = json_loadb(text, n, 0, &jerr);
+  CHECK_MSG(hdr, "%s", jerr.text);
+  free(text);
+  *fp = f;
+  *data_start = 8 + n;
+  return hdr;
+}
+
+static void test_export(void) {
+  const char *root = subroot("export");
+  zd__layout_t *l = build(2, 120);
+  const char *dir = write_ckpt(root, l, 99, NULL);
+  char out[300];
+  for (int moments = 0; moments <= 1; moments++) {
+    snprintf(out, sizeof out, "%s/model-%d.safetensors", tmp_root, moments);
+    zd__err_t err = {0};
+    int rc = zd__ckpt_export(dir, out, moments, &err);
+    CHECK_MSG(rc == 0, "%s", err.msg);
+    FILE *f;
+    uint64_t data_start;
+    json_t *hdr = read_export_header(out, &f, &data_start);
+    json_t *meta = json_object_get(hdr, "__metadata__");
+    CHECK_STR_EQ(json_string_value(json_object_get(meta, "format")), "pt");
+    CHECK_STR_EQ(json_string_value(json_object_get(meta, "step")), "99");
+    CHECK_STR_EQ(json_string_value(json_object_get(meta, "world_size")), "2");
+    CHECK_INT_EQ(json_object_size(hdr), 1 + (moments ? 3 : 1) * NPARAMS);
+    static const char *const suffix[3] = {"", ".exp_avg", ".exp_avg_sq"};
+    uint64_t total = 0;
+    for (int t = 0; t < (moments ? 3 : 1); t++) {
+      for (uint32_t p = 0; p < NPARAMS; p++) {
+        char name[300];
+        snprintf(name, sizeof name, "%s%s", model[p].name, suffix[t]);
+        json_t *e = json_object_get(hdr, name), *shape = json_object_get(e, "shape");
+        CHECK_MSG(e, "no tensor '%s'", name);
+        CHECK_STR_EQ(json_string_value(json_object_get(e, "dtype")), "F32");
+        CHECK_U64_EQ(json_array_size(shape), model[p].ndim);
+        uint64_t numel = 1;
+        for (uint32_t d = 0; d < model[p].ndim; d++) {
+          CHECK_U64_EQ(json_integer_value(json_array_get(shape, d)), model[p].shape[d]);
+          numel *= model[p].shape[d];
+        }
+        json_t *offs = json_object_get(e, "data_offsets");
+        uint64_t begin = (uint64_t)json_integer_value(json_array_get(offs, 0));
+        uint64_t end = (uint64_t)json_integer_value(json_array_get(offs, 1));
+        CHECK_U64_EQ(end - begin, numel * 4);
+        total += numel * 4;
+        float *v = malloc(numel * 4 + 4);
+        CHECK_INT_EQ(fseek(f, (long)(data_start + begin), SEEK_SET), 0);
+        CHECK_U64_EQ(fread(v, 4, numel, f), numel);
+        for (uint64_t i = 0; i < numel; i++) {
+          float want = value(p, i, t);
+          CHECK_MSG(memcmp(&v[i], &want, 4) == 0, "%s[%" PRIu64 "]: %.9g vs %.9g", name, i, v[i],
+                    want);
+        }
+        free(v);
+      }
+    }
+    struct stat st;
+    CHECK_INT_EQ(stat(out, &st), 0);
+    CHECK_U64_EQ((uint64_t)st.st_size, data_start + total); /* tensors fill the data exactly */
+    fclose(f);
+    json_decref(hdr);
+  }
+  /* A corrupt checkpoint is not exported, and nothing is left at out. */
+  zd__ckpt_manifest_t *m;
+  zd__err_t err = {0};
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+  char path[600];
+  snprintf(path, sizeof path, "%s/rank-00000-of-00002.safetensors", dir);
+  flip_byte(path, (off_t)m->files[0].bytes - 4);
+  zd__ckpt_manifest_free(m);
+  snprintf(out, sizeof out, "%s/corrupt.safetensors", tmp_root);
+  CHECK_INT_EQ(zd__ckpt_export(dir, out, 1, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "checksum");
+  CHECK_INT_EQ(access(out, F_OK), -1);
+  zd__layout_free(l);
+}
+
+static void test_throttle(void) {
+  const char *root = subroot("throttle");
+  uint64_t n = 20000; /* 240 KB at 2 MB/s: about 0.1 s */
+  float *a = malloc(3 * n * sizeof *a);
+  for (uint64_t k = 0; k < 3 * n; k++) a[k] = value(0, k, 0);
+  char dir[512];
+  zd__ckpt_dir_name(root, 1, dir, sizeof dir);
+  zd__ckpt_shard_t s = {0, 1, 1, n, a, a + n, a + 2 * n};
+  zd__ckpt_file_t f;
+  zd__err_t err = {0};
+  int rc = zd__ckpt_write_shard(dir, &s, 2000000, &f, &err);
+  CHECK_MSG(rc == 0, "%s", err.msg);
+  char path[600];
+  snprintf(path, sizeof path, "%s/%s", dir, f.name);
+  uint64_t bytes, h = file_xxh3(path, &bytes);
+  CHECK_U64_EQ(f.bytes, bytes);
+  CHECK_U64_EQ(f.xxh3, h);
+  /* The tensors are the arrays, byte for byte, after the header. */
+  FILE *fp = fopen(path, "rb");
+  CHECK(fp);
+  CHECK_INT_EQ(fseek(fp, (long)(bytes - 3 * n * 4), SEEK_SET), 0);
+  float *back = malloc(3 * n * sizeof *back);
+  CHECK_U64_EQ(fread(back, 4, 3 * n, fp), 3 * n);
+  CHECK(memcmp(back, a, 3 * n * 4) == 0);
+  fclose(fp);
+  free(back);
+  free(a);
+}
+
+int main(void) {
+  snprintf(tmp_root, sizeof tmp_root, "/tmp/zd-ckpt-test-XXXXXX");
+  CHECK(mkdtemp(tmp_root));
+  atexit(cleanup);
+  test_roundtrip();
+  test_manifest_fields();
+  test_corruption();
+  test_find_latest();
+  test_reshard();
+  test_prune();
+  test_export();
+  test_throttle();
+  printf("checkpoint_format: ok\n");
+  return 0;
+}
