@@ -1,10 +1,14 @@
 /* Functions generated from the group table (group.h), shared by the daemon and libzerod
- * (zd_group_default and zd_group_fields are part of the public API). */
+ * (zd_group_default and zd_group_fields are part of the public API), and zd_sqrt, which shows
+ * bindings what a group's sqrt_mode computes. */
 #include "group.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
+
+#include "sqrt_mode.h"
 
 /* The C type of each kind. */
 #define CTYPE_DOUBLE double
@@ -99,4 +103,12 @@ uint64_t zd__group_hash(uint64_t h, const zd_group_t *g) {
   ZD__GROUP_FIELDS(HASH)
 #undef HASH
   return h;
+}
+
+int zd_sqrt(zd_sqrt_mode_t sqrt_mode, const float *x, float *y, size_t n) {
+  if (sqrt_mode != ZD_SQRT_EXACT && sqrt_mode != ZD_SQRT_MKL_EX) return -EINVAL;
+  if (n && (!x || !y)) return -EINVAL;
+  for (size_t i = 0; i < n; i++)
+    y[i] = sqrt_mode == ZD_SQRT_EXACT ? sqrtf(x[i]) : zd__sqrt_mkl_ex(x[i]);
+  return ZD_OK;
 }

@@ -27,7 +27,19 @@ void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t ste
   c->bias_correction2_sqrt = (float)sqrt(1 - pow(hp->beta2, t));
   c->neg_step_size = (float)(-(hp->lr / (1 - pow(hp->beta1, t))));
   c->eps = (float)hp->eps;
-  if (hp->maximize) { /* torch's negated gradient, folded into the constants (adam.h) */
+  c->update = (uint8_t)hp->update;
+  c->sqrt_mode = (uint8_t)hp->sqrt_mode;
+  c->lerp_from_grad = 0;
+  c->negate_grad = 0;
+  c->lerp_weight = c->one_minus_beta1;
+  if (hp->update == ZD_UPDATE_TORCH2) {
+    /* torch's lerp_ takes the weight as an fp32 scalar and picks its form by |w| < 0.5. */
+    if (!(fabsf(c->lerp_weight) < 0.5f)) {
+      c->lerp_weight = c->lerp_weight - 1.0f; /* exact: w is in [0.5, 1] */
+      c->lerp_from_grad = 1;
+    }
+    c->negate_grad = (uint8_t)(hp->maximize != 0);
+  } else if (hp->maximize) { /* torch's negated gradient, folded into the constants (adam.h) */
     c->one_minus_beta1 = -c->one_minus_beta1;
     c->weight_decay = -c->weight_decay;
   }
@@ -67,12 +79,18 @@ void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
     int l2 = c->has_weight_decay && c->optimizer == ZD_ADAM;
     for (uint64_t i = lo; i < hi; i++) {
       float g = grad_at(a->grad, a->grad_dtype, i) * a->grad_scale;
+      if (c->negate_grad) g = -g;
       float p = a->master[i];
       if (decay) p = p * c->decay;
       if (l2) g = fmaf(p, c->weight_decay, g);
-      float m = fmaf(g, c->one_minus_beta1, a->exp_avg[i] * c->beta1);
+      float m = a->exp_avg[i];
+      if (c->update == ZD_UPDATE_TORCH2)
+        m = fmaf(c->lerp_weight, g - m, c->lerp_from_grad ? g : m);
+      else
+        m = fmaf(g, c->one_minus_beta1, m * c->beta1);
       float v = fmaf(c->one_minus_beta2 * g, g, a->exp_avg_sq[i] * c->beta2);
-      float d = sqrtf(v) / c->bias_correction2_sqrt + c->eps;
+      float s = c->sqrt_mode == ZD_SQRT_MKL_EX ? zd__sqrt_mkl_ex(v) : sqrtf(v);
+      float d = s / c->bias_correction2_sqrt + c->eps;
       p = p + (c->neg_step_size * m) / d;
       a->master[i] = p;
       a->exp_avg[i] = m;

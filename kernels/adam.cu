@@ -500,6 +500,18 @@ static int aligned16(const void *p) {
   return ((uintptr_t)p & 15u) == 0;
 }
 
+/* The GPU has no rsqrtps: ZD_SQRT_MKL_EX, whose bits are an x86 CPU's, cannot run here. */
+static int check_sqrt_modes(const zd__adam_group_t *groups, uint32_t n, const char *what,
+                            zd__err_t *err) {
+  for (uint32_t i = 0; groups && i < n; i++)
+    if (groups[i].sqrt_mode != ZD_SQRT_EXACT)
+      return zd__errf(err, ZD_EHPARAM,
+                      "%s: group %u has sqrt_mode MKL_EX, the rsqrtps approximation of an x86 "
+                      "CPU, which a GPU cannot reproduce; expected EXACT",
+                      what, i);
+  return ZD_OK;
+}
+
 int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
                        cudaStream_t stream, zd__err_t *err) {
   if (!l || !a) return zd__errf(err, -EINVAL, "CUDA adam: no layout or no arguments");
@@ -524,6 +536,10 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   if (!a->d_groups && a->ngroups && !a->groups)
     return zd__errf(err, -EINVAL, "CUDA adam: %u groups but neither groups nor d_groups",
                     a->ngroups);
+  if (!a->d_groups) {
+    rc = check_sqrt_modes(a->groups, a->ngroups, "CUDA adam", err);
+    if (rc) return rc;
+  }
   if (l->ntiles == 0) return ZD_OK; /* nothing covered */
 
   adam_kargs_t k;
@@ -567,6 +583,8 @@ int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *g
   if (rc) return rc;
   if (n && (!d_groups || !groups))
     return zd__errf(err, -EINVAL, "CUDA groups upload: %u groups but no source or destination", n);
+  rc = check_sqrt_modes(groups, n, "CUDA groups upload", err);
+  if (rc) return rc;
   for (uint32_t done = 0; done < n; done += ZD__CUDA_GROUPS_INLINE) {
     groups_kargs_t k;
     memset(&k, 0, sizeof k);

@@ -2,8 +2,8 @@
  * the conversions it needs, written so that nvcc can neither fuse nor approximate anything.
  *
  * Every floating-point operation is an explicit IEEE round-to-nearest intrinsic: __fmaf_rn
- * exactly where adam.h's formula has fma(), __fmul_rn/__fadd_rn/__fdiv_rn/__fsqrt_rn for every
- * other operation (a plain `a * b + c` may become an FMA under nvcc's default -fmad=true; the
+ * exactly where adam.h's formula has fma(), __fmul_rn/__fadd_rn/__fsub_rn/__fdiv_rn/__fsqrt_rn for
+ * every other operation (a plain `a * b + c` may become an FMA under nvcc's default -fmad=true; the
  * intrinsics are never contracted). Subnormals are kept as long as the file is built without
  * -ftz=true / --use_fast_math (the build passes -ftz=false -fmad=false explicitly). With those,
  * each element's result has exactly the bits of zd__adam_step_ref on x86-64, except that a NaN
@@ -49,11 +49,12 @@ static __device__ __forceinline__ float zd__dev_grad_to_f32(uint16_t h) {
   return GDT == ZD_BF16 ? zd__dev_bf16_to_f32(h) : zd__dev_f16_to_f32(h);
 }
 
-/* One group's constants with the two flags the update branches on. */
+/* One group's constants with the flags the update branches on. */
 typedef struct zd__dev_group {
   zd__adam_group_t c;
-  bool decay; /* AdamW with weight decay: p = p * decay */
-  bool l2;    /* Adam with weight decay: g = fma(p, wd, g) */
+  bool decay;  /* AdamW with weight decay: p = p * decay */
+  bool l2;     /* Adam with weight decay: g = fma(p, wd, g) */
+  bool torch2; /* ZD_UPDATE_TORCH2: the first moment by lerp */
 } zd__dev_group_t;
 
 static __device__ __forceinline__ zd__dev_group_t zd__dev_group(const zd__adam_group_t &c) {
@@ -61,18 +62,25 @@ static __device__ __forceinline__ zd__dev_group_t zd__dev_group(const zd__adam_g
   g.c = c;
   g.decay = c.has_weight_decay && c.optimizer == ZD_ADAMW;
   g.l2 = c.has_weight_decay && c.optimizer == ZD_ADAM;
+  g.torch2 = c.update == ZD_UPDATE_TORCH2;
   return g;
 }
 
-/* The update of one element, operation for operation as zd__adam_step_ref. */
+/* The update of one element, operation for operation as zd__adam_step_ref. The sqrt is the
+ * correctly rounded one: a group with ZD_SQRT_MKL_EX (an x86 instruction's approximation) is
+ * refused by the launchers before it gets here. */
 static __device__ __forceinline__ void zd__dev_adam(float graw, float grad_scale,
                                                     const zd__dev_group_t &k, float &p, float &m,
                                                     float &v) {
   const zd__adam_group_t &c = k.c;
   float g = __fmul_rn(graw, grad_scale);
+  if (c.negate_grad) g = -g;
   if (k.decay) p = __fmul_rn(p, c.decay);
   if (k.l2) g = __fmaf_rn(p, c.weight_decay, g);
-  m = __fmaf_rn(g, c.one_minus_beta1, __fmul_rn(m, c.beta1));
+  if (k.torch2)
+    m = __fmaf_rn(c.lerp_weight, __fsub_rn(g, m), c.lerp_from_grad ? g : m);
+  else
+    m = __fmaf_rn(g, c.one_minus_beta1, __fmul_rn(m, c.beta1));
   v = __fmaf_rn(__fmul_rn(c.one_minus_beta2, g), g, __fmul_rn(v, c.beta2));
   float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bias_correction2_sqrt), c.eps);
   p = __fadd_rn(p, __fdiv_rn(__fmul_rn(c.neg_step_size, m), d));

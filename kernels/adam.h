@@ -1,9 +1,12 @@
 /* AdamW / Adam update of an fp32 master shard, and the gradient statistics a step needs.
  *
  * The scalar reference (zd__adam_step_ref) is the specification; the AVX2 and AVX-512 paths and
- * the CUDA kernel reproduce it bit for bit. It reproduces torch.optim.AdamW and torch.optim.Adam
- * (foreach=False, the single-tensor path of torch 1.13) bit for bit on x86-64, checked against
- * Debian's python3-torch 1.13.1.
+ * the CUDA kernel reproduce it bit for bit. Each group names the torch formula it follows
+ * (zd_group_t.update, .sqrt_mode): ZD_UPDATE_TORCH113 reproduces torch.optim.AdamW and
+ * torch.optim.Adam of torch 1.13 (the single-tensor path) bit for bit on x86-64, checked against
+ * Debian's python3-torch 1.13.1; ZD_UPDATE_TORCH2 those of torch 2.x on CPU (the default
+ * single-tensor path, which foreach=True equals on CPU), checked against PyPI's 2.6 and 2.15,
+ * with ZD_SQRT_MKL_EX where that torch's sqrt is MKL's (docs/torch2/README.md).
  *
  * Per-step constants of a group, computed once on the host in double precision and rounded to
  * float, exactly as torch turns its Python-float hyperparameters into fp32 scalars
@@ -15,31 +18,46 @@
  *   bc2s   = (float)sqrt(1 - pow(beta2, t))          t: this step's number, from 1
  *   nss    = (float)(-(lr / (1 - pow(beta1, t))))
  *   e      = (float)eps
- * and with maximize (torch's maximize=True: the update follows -grad), a1 = -a1 and wd = -wd.
+ * and with maximize (torch's maximize=True: the update follows -grad), a1 = -a1 and wd = -wd
+ * for ZD_UPDATE_TORCH113; ZD_UPDATE_TORCH2 negates the gradient itself (below). For
+ * ZD_UPDATE_TORCH2 also the weight of torch's lerp, w = (float)(1 - beta1), as
+ *   lerp_weight = w, lerp_from_grad = 0   if w < 0.5
+ *   lerp_weight = w - 1 (exact), lerp_from_grad = 1   otherwise
  *
  * Per element, in fp32 with round-to-nearest-even; fma() is one fused multiply-add (one
  * rounding), every other operation rounds on its own (kernels are built with -ffp-contract=off):
  *   g  = to_f32(grad) * grad_scale                   (grad_scale: unscale / mean / clip factor)
+ *   TORCH2 with maximize:      g = -g
  *   AdamW, weight_decay != 0:  p = p * decay
  *   Adam,  weight_decay != 0:  g = fma(p, wd, g)
- *   m  = fma(g, a1, m * b1)
+ *   TORCH113:  m = fma(g, a1, m * b1)
+ *   TORCH2:    m = fma(lerp_weight, g - m, lerp_from_grad ? g : m)
  *   v  = fma(a2 * g, g, v * b2)
- *   d  = sqrt(v) / bc2s + e
+ *   d  = SQRT(v) / bc2s + e                          SQRT: sqrtf, or zd__sqrt_mkl_ex (sqrt_mode.h)
  *   p  = p + (nss * m) / d
  *   param_out = p as f32, or as bf16 rounded to nearest even (NaN -> 0x7fc0, as torch)
  * grad is f32, bf16 (upper half of an f32) or f16 (IEEE binary16, converted exactly); the
  * conversions are common/dtype.h's.
  *
- * maximize needs no per-element code: negating a1 and wd is torch's negated gradient, exactly.
- * torch computes m = fma(-g, a1, m * b1), and fma(-g, a1, x) == fma(g, -a1, x) (the product's sign
- * is the same, and fma rounds once); v = fma(a2 * -g, -g, v * b2) is v with g (the signs cancel).
- * Adam adds the penalty to the negated gradient: g' = fma(p, wd, -g); zerod's x = fma(p, -wd, g)
- * is -g' (rounding to nearest is symmetric), and m = fma(x, -a1, m * b1), v = fma(a2 * x, x,
- * v * b2) are torch's. One case differs, in the sign of a zero only: when -g and wd * p cancel
- * exactly (two zeros of opposite signs included), g' and x are both +0, so x * -a1 is -0 where
- * g' * a1 is +0; if m * b1 is -0 too (which takes an underflow or an earlier -0 moment), torch's m
- * is +0 and zerod's -0 (and, through it, the sign of a parameter that is itself a zero may
- * differ). tests/unit/test_adam.c checks the folding bit for bit, that case included.
+ * torch 2.x's lerp (aten/src/ATen/native/Lerp.h, vectorised with fma on AVX2 and AVX-512 builds)
+ * computes m + w * (g - m) for |w| < 0.5 and g - (g - m) * (1 - w) otherwise; its vector body
+ * fuses both into the two fma above. Its scalar tail (the last n % 16 elements of a tensor)
+ * computes the second form unfused, which gives the same value except for the sign of a zero
+ * result (seen only with beta1 = 0 and a zero gradient): the one known difference from torch 2.x.
+ * ZD_UPDATE_TORCH2 negates g for maximize as torch does instead of folding the sign into the
+ * constants: folded, the lerp's second form would be -fma(w - 1, x + m, x), whose exact zeros have
+ * the other sign than torch's. The negation is exact and costs one xor.
+ *
+ * ZD_UPDATE_TORCH113's maximize needs no per-element code: negating a1 and wd is torch's negated
+ * gradient, exactly. torch computes m = fma(-g, a1, m * b1), and fma(-g, a1, x) == fma(g, -a1, x)
+ * (the product's sign is the same, and fma rounds once); v = fma(a2 * -g, -g, v * b2) is v with g
+ * (the signs cancel). Adam adds the penalty to the negated gradient: g' = fma(p, wd, -g); zerod's x
+ * = fma(p, -wd, g) is -g' (rounding to nearest is symmetric), and m = fma(x, -a1, m * b1), v =
+ * fma(a2 * x, x, v * b2) are torch's. One case differs, in the sign of a zero only: when -g and wd
+ * * p cancel exactly (two zeros of opposite signs included), g' and x are both +0, so x * -a1 is -0
+ * where g' * a1 is +0; if m * b1 is -0 too (which takes an underflow or an earlier -0 moment),
+ * torch's m is +0 and zerod's -0 (and, through it, the sign of a parameter that is itself a zero
+ * may differ). tests/unit/test_adam.c checks the folding bit for bit, that case included.
  *
  * Gradient statistics (zd__grad_stats_*): the sum of squares of to_f32(grad) (before grad_scale)
  * and the count of non-finite values, over the elements covered by segments. The sum is in double
@@ -59,6 +77,7 @@
 
 #include "dtype.h"
 #include "segment.h"
+#include "sqrt_mode.h"
 #include "zerod/zerod.h"
 
 #define ZD__STATS_BLOCK 2048
@@ -74,6 +93,11 @@ typedef struct zd__adam_group {
   float bias_correction2_sqrt;
   float neg_step_size;
   float eps;
+  float lerp_weight;      /* TORCH2 */
+  uint8_t update;         /* zd_update_t */
+  uint8_t sqrt_mode;      /* zd_sqrt_mode_t */
+  uint8_t lerp_from_grad; /* TORCH2: the lerp's second form (w >= 0.5) */
+  uint8_t negate_grad;    /* TORCH2 with maximize */
 } zd__adam_group_t;
 
 /* Computes the constants of `hp` for step number `step` (1 for the first step). */

@@ -21,8 +21,17 @@ enum { WD_NONE, WD_DECAY, WD_L2 };
 /* Working-parameter output: none, or the dtype written. */
 enum { OUT_NONE = 0 };
 
+/* The formula of a group (adam.h): update (TORCH113 or TORCH2) times sqrt mode, one compiled
+ * loop each. */
+enum { F113 = 0, F113_MKL = 1, F2 = 2, F2_MKL = 3 };
+#define FORM_TORCH2(f) ((f) >= F2)
+#define FORM_MKL_EX(f) ((f)&1)
+
 typedef struct {
   __m256 scale, decay, wd, b1, a1, b2, a2, bc2s, nss, eps;
+  __m256 lw;    /* TORCH2: lerp_weight */
+  __m256 lbase; /* TORCH2: all ones where the lerp starts from g (lerp_from_grad), else zero */
+  __m256 neg;   /* TORCH2: the sign bit where the gradient is negated (maximize), else zero */
 } consts_t;
 
 /* 8 grads of dtype gdt at g, as f32 (exact for every dtype). */
@@ -45,18 +54,43 @@ AI __m128i f32_to_bf16(__m256 x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+/* zd__sqrt_mkl_ex on 8 lanes. vrsqrtps gives rsqrtss's bits lane by lane (the same table on one
+ * CPU); the special lanes take the correctly rounded sqrt, as MKL's scalar path does. */
+AI __m256 sqrt_mkl_ex(__m256 x) {
+  const __m256 half = _mm256_set1_ps(0.5f);
+  __m256 r = _mm256_rsqrt_ps(x);
+  __m256 s = _mm256_mul_ps(x, r);
+  __m256 h = _mm256_mul_ps(r, half);
+  __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
+  __m256 s1 = _mm256_add_ps(_mm256_mul_ps(s, e), s);
+  __m256 h1 = _mm256_add_ps(_mm256_mul_ps(h, e), h);
+  __m256 d = _mm256_sub_ps(x, _mm256_mul_ps(s1, s1));
+  __m256 y = _mm256_add_ps(_mm256_mul_ps(d, h1), s1);
+  __m256i t = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32((int)ZD__MKL_EX_BIAS));
+  __m256i special = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(ZD__MKL_EX_LIMIT));
+  /* Special lanes are rare in training (a zero second moment): the sqrt only when one is here. */
+  if (_mm256_testz_si256(special, special)) return y;
+  return _mm256_blendv_ps(y, _mm256_sqrt_ps(x), _mm256_castsi256_ps(special));
+}
+
 /* The update of 8 consecutive elements; the formula and its order are adam.h's. The dtype,
- * decay and nt arguments are constants at every call, so each combination compiles to its own
- * branch-free loop. nt: stream the working params (`out` aligned to the vector). */
+ * decay, form and nt arguments are constants at every call, so each combination compiles to its
+ * own branch-free loop. nt: stream the working params (`out` aligned to the vector). */
 AI void step8(float *mp, float *mm, float *mv, const void *gp, void *out, const consts_t *c,
-              int gdt, int pdt, int wdm, int nt) {
+              int gdt, int pdt, int wdm, int form, int nt) {
   __m256 g = _mm256_mul_ps(load_grad(gp, gdt), c->scale);
+  if (FORM_TORCH2(form)) g = _mm256_xor_ps(g, c->neg);
   __m256 p = _mm256_loadu_ps(mp);
   if (wdm == WD_DECAY) p = _mm256_mul_ps(p, c->decay);
   if (wdm == WD_L2) g = _mm256_fmadd_ps(p, c->wd, g);
-  __m256 m = _mm256_fmadd_ps(g, c->a1, _mm256_mul_ps(_mm256_loadu_ps(mm), c->b1));
+  __m256 m = _mm256_loadu_ps(mm);
+  if (FORM_TORCH2(form))
+    m = _mm256_fmadd_ps(c->lw, _mm256_sub_ps(g, m), _mm256_blendv_ps(m, g, c->lbase));
+  else
+    m = _mm256_fmadd_ps(g, c->a1, _mm256_mul_ps(m, c->b1));
   __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c->a2, g), g, _mm256_mul_ps(_mm256_loadu_ps(mv), c->b2));
-  __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c->bc2s), c->eps);
+  __m256 sq = FORM_MKL_EX(form) ? sqrt_mkl_ex(v) : _mm256_sqrt_ps(v);
+  __m256 d = _mm256_add_ps(_mm256_div_ps(sq, c->bc2s), c->eps);
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->nss, m), d));
   _mm256_storeu_ps(mp, p);
   _mm256_storeu_ps(mm, m);
@@ -73,14 +107,14 @@ AI void step8(float *mp, float *mm, float *mv, const void *gp, void *out, const 
 
 /* Fewer than 8 elements starting at i, through zero-padded copies (zeros compute harmlessly). */
 AI void step_part(const zd__adam_args_t *a, const consts_t *c, uint64_t i, uint64_t r, int gdt,
-                  int pdt, int wdm) {
+                  int pdt, int wdm, int form) {
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
   float p[8] = {0}, m[8] = {0}, v[8] = {0}, g[8] = {0}, out[8];
   memcpy(p, a->master + i, r * sizeof(float));
   memcpy(m, a->exp_avg + i, r * sizeof(float));
   memcpy(v, a->exp_avg_sq + i, r * sizeof(float));
   memcpy(g, (const char *)a->grad + i * gsz, r * gsz);
-  step8(p, m, v, g, out, c, gdt, pdt, wdm, 0);
+  step8(p, m, v, g, out, c, gdt, pdt, wdm, form, 0);
   memcpy(a->master + i, p, r * sizeof(float));
   memcpy(a->exp_avg + i, m, r * sizeof(float));
   memcpy(a->exp_avg_sq + i, v, r * sizeof(float));
@@ -101,7 +135,7 @@ AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
  * so with equally aligned buffers the main loop's accesses never straddle cache lines, and the
  * working params can be streamed. */
 AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t hi, int gdt, int pdt,
-            int wdm, int nt) {
+            int wdm, int form, int nt) {
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
   const char *g = a->grad;
   char *out = a->param;
@@ -109,33 +143,45 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
   uint64_t head = (uint64_t)(-(uintptr_t)(a->master + lo) / sizeof(float)) & 7;
   if (head > hi - lo) head = hi - lo;
   if (head) {
-    step_part(a, c, i, head, gdt, pdt, wdm);
+    step_part(a, c, i, head, gdt, pdt, wdm, form);
     i += head;
   }
   if (nt && (uintptr_t)(out + i * psz) % (8 * psz) == 0) {
     for (; i + 8 <= hi; i += 8) {
       prefetch(a, i, gsz);
       step8(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, gdt,
-            pdt, wdm, 1);
+            pdt, wdm, form, 1);
     }
   }
   for (; i + 8 <= hi; i += 8) {
     prefetch(a, i, gsz);
     step8(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, gdt, pdt,
-          wdm, 0);
+          wdm, form, 0);
   }
-  if (i < hi) step_part(a, c, i, hi - i, gdt, pdt, wdm);
+  if (i < hi) step_part(a, c, i, hi - i, gdt, pdt, wdm, form);
 }
 
-/* One instantiation of run() per (grad dtype, output, decay) so the inner loop has no branches. */
-#define RUN_WD(gdt, pdt)                          \
-  do {                                            \
-    if (wdm == WD_DECAY)                          \
-      run(a, &c, lo, hi, gdt, pdt, WD_DECAY, nt); \
-    else if (wdm == WD_L2)                        \
-      run(a, &c, lo, hi, gdt, pdt, WD_L2, nt);    \
-    else                                          \
-      run(a, &c, lo, hi, gdt, pdt, WD_NONE, nt);  \
+/* One instantiation of run() per (grad dtype, output, decay, form) so the inner loop has no
+ * branches. */
+#define RUN_FORM(gdt, pdt, wdm)                        \
+  do {                                                 \
+    if (form == F113)                                  \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F113, nt);     \
+    else if (form == F113_MKL)                         \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F113_MKL, nt); \
+    else if (form == F2)                               \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F2, nt);       \
+    else                                               \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F2_MKL, nt);   \
+  } while (0)
+#define RUN_WD(gdt, pdt)            \
+  do {                              \
+    if (wdm == WD_DECAY)            \
+      RUN_FORM(gdt, pdt, WD_DECAY); \
+    else if (wdm == WD_L2)          \
+      RUN_FORM(gdt, pdt, WD_L2);    \
+    else                            \
+      RUN_FORM(gdt, pdt, WD_NONE);  \
   } while (0)
 #define RUN_OUT(gdt)         \
   do {                       \
@@ -157,6 +203,7 @@ void zd__adam_step_avx2(const zd__adam_args_t *a, uint64_t begin, uint64_t end) 
     uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
     const zd__adam_group_t *gc = &a->groups[seg->group];
     int wdm = !gc->has_weight_decay ? WD_NONE : gc->optimizer == ZD_ADAMW ? WD_DECAY : WD_L2;
+    int form = (gc->update == ZD_UPDATE_TORCH2 ? F2 : F113) | (gc->sqrt_mode == ZD_SQRT_MKL_EX);
     consts_t c = {
         .scale = _mm256_set1_ps(a->grad_scale),
         .decay = _mm256_set1_ps(gc->decay),
@@ -168,6 +215,9 @@ void zd__adam_step_avx2(const zd__adam_args_t *a, uint64_t begin, uint64_t end) 
         .bc2s = _mm256_set1_ps(gc->bias_correction2_sqrt),
         .nss = _mm256_set1_ps(gc->neg_step_size),
         .eps = _mm256_set1_ps(gc->eps),
+        .lw = _mm256_set1_ps(gc->lerp_weight),
+        .lbase = _mm256_castsi256_ps(_mm256_set1_epi32(gc->lerp_from_grad ? -1 : 0)),
+        .neg = _mm256_castsi256_ps(_mm256_set1_epi32(gc->negate_grad ? INT32_MIN : 0)),
     };
     if (a->grad_dtype == ZD_BF16)
       RUN_OUT(ZD_BF16);

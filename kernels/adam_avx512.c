@@ -20,8 +20,17 @@ enum { WD_NONE, WD_DECAY, WD_L2 };
 /* Working-parameter output: none, or the dtype written. */
 enum { OUT_NONE = 0 };
 
+/* The formula of a group (adam.h): update (TORCH113 or TORCH2) times sqrt mode, one compiled
+ * loop each. */
+enum { F113 = 0, F113_MKL = 1, F2 = 2, F2_MKL = 3 };
+#define FORM_TORCH2(f) ((f) >= F2)
+#define FORM_MKL_EX(f) ((f)&1)
+
 typedef struct {
   __m512 scale, decay, wd, b1, a1, b2, a2, bc2s, nss, eps;
+  __m512 lw;       /* TORCH2: lerp_weight */
+  __mmask16 lbase; /* TORCH2: all lanes where the lerp starts from g (lerp_from_grad), else none */
+  __m512i neg;     /* TORCH2: the sign bit where the gradient is negated (maximize), else zero */
 } consts_t;
 
 AI __m512 load_f32(const float *p, __mmask16 k, int full) {
@@ -54,19 +63,47 @@ AI __m256i f32_to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+/* zd__sqrt_mkl_ex on 16 lanes. The approximation is vrsqrtps on each 256-bit half, which gives
+ * rsqrtss's bits lane by lane; AVX-512's vrsqrt14ps is another approximation and must not stand in
+ * for it. The special lanes take the correctly rounded sqrt, as MKL's scalar path does. */
+AI __m512 sqrt_mkl_ex(__m512 x) {
+  const __m512 half = _mm512_set1_ps(0.5f);
+  __m256 r0 = _mm256_rsqrt_ps(_mm512_castps512_ps256(x));
+  __m256 r1 = _mm256_rsqrt_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  __m512 r = _mm512_insertf32x8(_mm512_castps256_ps512(r0), r1, 1);
+  __m512 s = _mm512_mul_ps(x, r);
+  __m512 h = _mm512_mul_ps(r, half);
+  __m512 e = _mm512_sub_ps(half, _mm512_mul_ps(s, h));
+  __m512 s1 = _mm512_add_ps(_mm512_mul_ps(s, e), s);
+  __m512 h1 = _mm512_add_ps(_mm512_mul_ps(h, e), h);
+  __m512 d = _mm512_sub_ps(x, _mm512_mul_ps(s1, s1));
+  __m512 y = _mm512_add_ps(_mm512_mul_ps(d, h1), s1);
+  __m512i t = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32((int)ZD__MKL_EX_BIAS));
+  __mmask16 special = _mm512_cmpgt_epi32_mask(t, _mm512_set1_epi32(ZD__MKL_EX_LIMIT));
+  /* Special lanes are rare in training (a zero second moment): the sqrt only when one is here. */
+  return special ? _mm512_mask_sqrt_ps(y, special, x) : y;
+}
+
 /* The update of 16 consecutive elements; the formula and its order are adam.h's. The dtype,
- * decay, full and nt arguments are constants at every call, so each combination compiles to its
- * own branch-free loop. nt: stream the working params (full vectors at an aligned `out` only). */
+ * decay, form, full and nt arguments are constants at every call, so each combination compiles
+ * to its own branch-free loop. nt: stream the working params (full vectors at an aligned `out`
+ * only). */
 AI void step16(float *mp, float *mm, float *mv, const void *gp, void *out, const consts_t *c,
-               __mmask16 k, int full, int gdt, int pdt, int wdm, int nt) {
+               __mmask16 k, int full, int gdt, int pdt, int wdm, int form, int nt) {
   __m512 g = _mm512_mul_ps(load_grad(gp, k, full, gdt), c->scale);
+  if (FORM_TORCH2(form)) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), c->neg));
   __m512 p = load_f32(mp, k, full);
   if (wdm == WD_DECAY) p = _mm512_mul_ps(p, c->decay);
   if (wdm == WD_L2) g = _mm512_fmadd_ps(p, c->wd, g);
-  __m512 m = _mm512_fmadd_ps(g, c->a1, _mm512_mul_ps(load_f32(mm, k, full), c->b1));
+  __m512 m = load_f32(mm, k, full);
+  if (FORM_TORCH2(form))
+    m = _mm512_fmadd_ps(c->lw, _mm512_sub_ps(g, m), _mm512_mask_mov_ps(m, c->lbase, g));
+  else
+    m = _mm512_fmadd_ps(g, c->a1, _mm512_mul_ps(m, c->b1));
   __m512 v =
       _mm512_fmadd_ps(_mm512_mul_ps(c->a2, g), g, _mm512_mul_ps(load_f32(mv, k, full), c->b2));
-  __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bc2s), c->eps);
+  __m512 sq = FORM_MKL_EX(form) ? sqrt_mkl_ex(v) : _mm512_sqrt_ps(v);
+  __m512 d = _mm512_add_ps(_mm512_div_ps(sq, c->bc2s), c->eps);
   p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->nss, m), d));
   store_f32(mp, p, k, full);
   store_f32(mm, m, k, full);
@@ -97,7 +134,7 @@ AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
  * boundary, so with equally aligned buffers (the usual case: page-aligned shards) the main loop
  * neither loads nor stores across cache lines, and the working params can be streamed. */
 AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t hi, int gdt, int pdt,
-            int wdm, int nt) {
+            int wdm, int form, int nt) {
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
   const char *g = a->grad;
   char *out = a->param;
@@ -107,37 +144,49 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
   if (head) {
     __mmask16 k = (__mmask16)((1u << head) - 1);
     step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, k, 0,
-           gdt, pdt, wdm, 0);
+           gdt, pdt, wdm, form, 0);
     i += head;
   }
   if (nt && (uintptr_t)(out + i * psz) % (16 * psz) == 0) {
     for (; i + 16 <= hi; i += 16) {
       prefetch(a, i, gsz);
       step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c,
-             0xffff, 1, gdt, pdt, wdm, 1);
+             0xffff, 1, gdt, pdt, wdm, form, 1);
     }
   }
   for (; i + 16 <= hi; i += 16) {
     prefetch(a, i, gsz);
     step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, 0xffff,
-           1, gdt, pdt, wdm, 0);
+           1, gdt, pdt, wdm, form, 0);
   }
   if (i < hi) {
     __mmask16 k = (__mmask16)((1u << (hi - i)) - 1);
     step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, k, 0,
-           gdt, pdt, wdm, 0);
+           gdt, pdt, wdm, form, 0);
   }
 }
 
-/* One instantiation of run() per (grad dtype, output, decay) so the inner loop has no branches. */
-#define RUN_WD(gdt, pdt)                          \
-  do {                                            \
-    if (wdm == WD_DECAY)                          \
-      run(a, &c, lo, hi, gdt, pdt, WD_DECAY, nt); \
-    else if (wdm == WD_L2)                        \
-      run(a, &c, lo, hi, gdt, pdt, WD_L2, nt);    \
-    else                                          \
-      run(a, &c, lo, hi, gdt, pdt, WD_NONE, nt);  \
+/* One instantiation of run() per (grad dtype, output, decay, form) so the inner loop has no
+ * branches. */
+#define RUN_FORM(gdt, pdt, wdm)                        \
+  do {                                                 \
+    if (form == F113)                                  \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F113, nt);     \
+    else if (form == F113_MKL)                         \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F113_MKL, nt); \
+    else if (form == F2)                               \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F2, nt);       \
+    else                                               \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F2_MKL, nt);   \
+  } while (0)
+#define RUN_WD(gdt, pdt)            \
+  do {                              \
+    if (wdm == WD_DECAY)            \
+      RUN_FORM(gdt, pdt, WD_DECAY); \
+    else if (wdm == WD_L2)          \
+      RUN_FORM(gdt, pdt, WD_L2);    \
+    else                            \
+      RUN_FORM(gdt, pdt, WD_NONE);  \
   } while (0)
 #define RUN_OUT(gdt)         \
   do {                       \
@@ -159,6 +208,7 @@ void zd__adam_step_avx512(const zd__adam_args_t *a, uint64_t begin, uint64_t end
     uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
     const zd__adam_group_t *gc = &a->groups[seg->group];
     int wdm = !gc->has_weight_decay ? WD_NONE : gc->optimizer == ZD_ADAMW ? WD_DECAY : WD_L2;
+    int form = (gc->update == ZD_UPDATE_TORCH2 ? F2 : F113) | (gc->sqrt_mode == ZD_SQRT_MKL_EX);
     consts_t c = {
         .scale = _mm512_set1_ps(a->grad_scale),
         .decay = _mm512_set1_ps(gc->decay),
@@ -170,6 +220,9 @@ void zd__adam_step_avx512(const zd__adam_args_t *a, uint64_t begin, uint64_t end
         .bc2s = _mm512_set1_ps(gc->bias_correction2_sqrt),
         .nss = _mm512_set1_ps(gc->neg_step_size),
         .eps = _mm512_set1_ps(gc->eps),
+        .lw = _mm512_set1_ps(gc->lerp_weight),
+        .lbase = (__mmask16)(gc->lerp_from_grad ? 0xffff : 0),
+        .neg = _mm512_set1_epi32(gc->negate_grad ? INT32_MIN : 0),
     };
     if (a->grad_dtype == ZD_BF16)
       RUN_OUT(ZD_BF16);

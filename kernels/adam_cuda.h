@@ -141,13 +141,15 @@ typedef struct zd__cuda_adam_args {
 
 /* Queues the update of every element the layout's segments cover; other elements (padding) are
  * not read or written, in any array. The arrays must not overlap one another. Errors: -EINVAL,
- * ZD_EDTYPE, ZD_EBACKEND (launch failed). */
+ * ZD_EDTYPE, ZD_EHPARAM (a group of `groups` with sqrt_mode ZD_SQRT_MKL_EX, whose rsqrtps bits
+ * the GPU cannot reproduce), ZD_EBACKEND (launch failed). */
 int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
                        cudaStream_t stream, zd__err_t *err);
 
 /* Queues a copy of n group constants from host memory into d_groups (device), carried in the
  * arguments of small kernels: stream-ordered, no pinned memory, the host array reusable on
- * return. For more than ZD__CUDA_GROUPS_INLINE groups. */
+ * return. For more than ZD__CUDA_GROUPS_INLINE groups. Errors: -EINVAL, ZD_EHPARAM (as
+ * zd__cuda_adam_step), ZD_EBACKEND. */
 int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *groups, uint32_t n,
                            cudaStream_t stream, zd__err_t *err);
 

@@ -7,7 +7,8 @@
  * without a mid-step host wait can adopt it.
  *
  * Plain C, header only; each function is __host__ __device__ when compiled by nvcc. Everything is
- * double, as the CPU step computes it, and every operation rounds on its own: the host build has
+ * double as the CPU step computes it (the clip coefficient fp32, as torch computes it), and every
+ * operation rounds on its own: the host build has
  * -ffp-contract=off and CUDA code -fmad=false, division and sqrt are IEEE-correct on both sides,
  * and there is no a*b+c that a compiler could fuse anyway. So a GPU and a CPU (or two ranks)
  * given the same statistics and state take the same decision, bit for bit.
@@ -15,10 +16,14 @@
  * The semantics are step.c's: pre_scale = (grad_mean ? 1/world_size : 1) / loss_scale; the
  * norm of the unscaled, averaged gradient is sqrt(sumsq) * pre_scale (NaN when statistics are
  * not gathered); with the scaler on, any non-finite gradient skips the step (parameters,
- * moments and step counter unchanged) and backs the scale off; otherwise clip_coef =
- * max_grad_norm / (norm + 1e-6) when max_grad_norm > 0, the norm is finite and the coefficient is
- * below 1 (torch.nn.utils.clip_grad_norm_); grad_scale = (float)(pre_scale * clip_coef); the step
- * counter advances and the scaler counts a clean step (Megatron's DynamicGradScaler).
+ * moments and step counter unchanged) and backs the scale off; otherwise, when max_grad_norm >
+ * 0, clip_coef = (1 / ((float)norm + 1e-6)) * max_grad_norm in fp32 (torch.nn.utils.
+ * clip_grad_norm_'s operations) where that is below 1 or NaN (a NaN or infinite norm: the
+ * gradients become NaN or 0, as torch's do); grad_scale = (float)(pre_scale * clip_coef); the
+ * step counter advances and the scaler counts a clean step (Megatron's DynamicGradScaler).
+ * torch's total norm is an fp32 reduction of fp32 per-tensor norms; zerod's is the double sum of
+ * squares above, so the coefficients are equal only where torch's total rounds to zerod's
+ * (docs/torch2/README.md, "Clipping": within 4 ULP of torch's, equal in about half the steps).
  *
  * The dynamic loss scaler for fp16 gradients has the semantics Megatron-LM and DeepSpeed share.
  * The client multiplies its loss by `scale`; zerod unscales the gradients by 1/scale. A step whose
@@ -159,9 +164,14 @@ ZD__HD static inline void zd__step_decide(const zd__decide_cfg_t *cfg, double su
     out->applied = 0;
     out->overflow = 1;
   } else {
-    if (cfg->max_grad_norm > 0 && zd__decide_finite(norm)) {
-      double coef = cfg->max_grad_norm / (norm + 1e-6); /* torch.nn.utils.clip_grad_norm_ */
-      if (coef < 1.0) out->clip_coef = coef;
+    if (cfg->max_grad_norm > 0) {
+      /* torch.nn.utils.clip_grad_norm_'s coefficient, in fp32 as torch computes it from its fp32
+       * total norm: max_norm / (total + 1e-6) is Tensor.__rtruediv__, a reciprocal times
+       * max_norm; clamp(max=1) keeps a NaN. A NaN norm makes every gradient NaN, an infinite
+       * one every finite gradient 0 (and the infinite ones NaN), as in torch. */
+      float total = (float)norm;
+      float coef = (1.0f / (total + (float)1e-6)) * (float)cfg->max_grad_norm;
+      if (!(coef >= 1.0f)) out->clip_coef = coef;
     }
     out->grad_scale = (float)(pre_scale * out->clip_coef);
     st->step++;

@@ -13,6 +13,14 @@
 ZD__DTYPES(SAME_DTYPE)
 _Static_assert((int)ZEROD__V1__OPTIMIZER__ADAMW == (int)ZD_ADAMW, "wire ADAMW != ZD_ADAMW");
 _Static_assert((int)ZEROD__V1__OPTIMIZER__ADAM == (int)ZD_ADAM, "wire ADAM != ZD_ADAM");
+_Static_assert((int)ZEROD__V1__UPDATE__UPDATE_TORCH113 == (int)ZD_UPDATE_TORCH113,
+               "wire UPDATE_TORCH113 != ZD_UPDATE_TORCH113");
+_Static_assert((int)ZEROD__V1__UPDATE__UPDATE_TORCH2 == (int)ZD_UPDATE_TORCH2,
+               "wire UPDATE_TORCH2 != ZD_UPDATE_TORCH2");
+_Static_assert((int)ZEROD__V1__SQRT_MODE__SQRT_EXACT == (int)ZD_SQRT_EXACT,
+               "wire SQRT_EXACT != ZD_SQRT_EXACT");
+_Static_assert((int)ZEROD__V1__SQRT_MODE__SQRT_MKL_EX == (int)ZD_SQRT_MKL_EX,
+               "wire SQRT_MKL_EX != ZD_SQRT_MKL_EX");
 
 /* A kind's value as the wire holds it: a bool is 0 or 1. */
 #define WIRE_DOUBLE(x) (x)

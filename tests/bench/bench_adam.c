@@ -26,7 +26,9 @@
  *   bench_adam [--min-log2 16] [--max-log2 25] [--odd 123456] [--threads N]
  *              [--isa auto|scalar|avx2|avx512] [--iters 15] [--warmup 3]
  *              [--grad f32|bf16|f16] [--param f32|bf16|none] [--placement zerod|plain]
- *              [--gpt2 0|1|only]
+ *              [--gpt2 0|1|only] [--update torch113|torch2] [--sqrt exact|mkl_ex]
+ *
+ * --update and --sqrt pick the formula of every group (zd_group_t.update, .sqrt_mode).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -212,8 +214,9 @@ static void kernel_split(const cfg_t *c, const zd__adam_args_t *a, uint64_t n,
   zd__pool_for(c->pool, n, ZD__POOL_STREAM_GRAIN, min_per_thread, kernel_chunk, &r);
 }
 
-/* torch.optim.AdamW's defaults; the small vectors without weight decay. */
-static const zd_group_t hparams[2] = {
+/* torch.optim.AdamW's defaults; the small vectors without weight decay. main() sets the formula
+ * (--update, --sqrt). */
+static zd_group_t hparams[2] = {
     {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 1e-2},
     {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0},
 };
@@ -477,7 +480,8 @@ static void usage(void) {
           "usage: bench_adam [--min-log2 N] [--max-log2 N] [--odd N] [--threads N] [--isa NAME]\n"
           "                  [--iters N] [--warmup N] [--grad f32|bf16|f16] "
           "[--param f32|bf16|none]\n"
-          "                  [--placement zerod|plain] [--gpt2 0|1|only]\n");
+          "                  [--placement zerod|plain] [--gpt2 0|1|only]\n"
+          "                  [--update torch113|torch2] [--sqrt exact|mkl_ex]\n");
   exit(2);
 }
 
@@ -523,6 +527,12 @@ int main(int argc, char **argv) {
       gpt2 = atoi(val);
     else if (!strcmp(opt, "--gpt2") && !strcmp(val, "only"))
       gpt2 = 2;
+    else if (!strcmp(opt, "--update") && (!strcmp(val, "torch113") || !strcmp(val, "torch2")))
+      for (int k = 0; k < 2; k++)
+        hparams[k].update = !strcmp(val, "torch2") ? ZD_UPDATE_TORCH2 : ZD_UPDATE_TORCH113;
+    else if (!strcmp(opt, "--sqrt") && (!strcmp(val, "exact") || !strcmp(val, "mkl_ex")))
+      for (int k = 0; k < 2; k++)
+        hparams[k].sqrt_mode = !strcmp(val, "mkl_ex") ? ZD_SQRT_MKL_EX : ZD_SQRT_EXACT;
     else
       usage();
     i++;
@@ -546,9 +556,11 @@ int main(int argc, char **argv) {
   double elem_bytes = 4 * 6 + (double)dtype_size(c.gdt) + (double)dtype_size(c.pdt);
   printf(
       "# bench_adam: AdamW step over an fp32 master shard, grad %s, working params %s, "
-      "arrays placed %s\n",
+      "arrays placed %s, update %s, sqrt %s\n",
       dtype_name(c.gdt), dtype_name(c.pdt),
-      c.plain ? "plainly (back to back)" : "as zerod places them");
+      c.plain ? "plainly (back to back)" : "as zerod places them",
+      hparams[0].update == ZD_UPDATE_TORCH2 ? "torch2" : "torch113",
+      hparams[0].sqrt_mode == ZD_SQRT_MKL_EX ? "mkl_ex" : "exact");
   printf(
       "# %.0f bytes moved per param; pass: the same loads and stores, no arithmetic, over "
       "padded buffers; medians of %d runs after %d warm-up\n",

@@ -51,9 +51,9 @@ static void cpu_step(const zd__decide_cfg_t *cfg, double max_grad_norm, const do
     out->skip = 1;
     out->overflow = 1;
   } else {
-    if (max_grad_norm > 0 && isfinite(norm)) {
-      double coef = max_grad_norm / (norm + 1e-6);
-      if (coef < 1.0) out->clip_coef = coef;
+    if (max_grad_norm > 0) { /* torch's clip_grad_norm_ coefficient, fp32 */
+      float coef = (1.0f / ((float)norm + (float)1e-6)) * (float)max_grad_norm;
+      if (!(coef >= 1.0f)) out->clip_coef = coef;
     }
     out->grad_scale = (float)(pre_scale * out->clip_coef);
     *step += 1;

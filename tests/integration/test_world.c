@@ -353,9 +353,9 @@ static void ref_step(reference_t *r, const run_cfg_t *cfg, uint32_t w, int step,
     expect->loss_scale = r->scaler.scale;
     return;
   }
-  if (cfg->max_grad_norm > 0 && isfinite(norm)) {
-    double coef = cfg->max_grad_norm / (norm + 1e-6);
-    if (coef < 1.0) expect->clip_coef = coef;
+  if (cfg->max_grad_norm > 0) { /* torch's clip_grad_norm_ coefficient, fp32 */
+    float coef = (1.0f / ((float)norm + (float)1e-6)) * (float)cfg->max_grad_norm;
+    if (!(coef >= 1.0f)) expect->clip_coef = coef;
   }
   zd_group_t g[2];
   groups_at(step, g);

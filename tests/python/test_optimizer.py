@@ -376,6 +376,28 @@ class OptimizerTest(unittest.TestCase):
             self.assert_equal_params(model, ref, f"clipped step {step + 1}")
         self.assertGreater(clipped, 0, "max_norm should have clipped some steps")
 
+    def test_clipping_nonfinite_as_torch(self) -> None:
+        # clip_grad_norm_ with a NaN gradient makes every gradient NaN (total NaN); with an inf
+        # one, every finite gradient 0 and the inf NaN. zerod applies the step the same way.
+        for bad in (float("nan"), float("inf")):
+            model, ref = small_model(), small_model()
+            opt = self.make(model, lr=1e-2, max_grad_norm=1.0)
+            ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss_of(m, 0).backward()
+                with torch.no_grad():
+                    m[0].weight.grad[0, 0] = bad
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            ropt.step()
+            self.assertTrue(math.isnan(opt.last_result.clip_coef) if bad != bad
+                            else opt.last_result.clip_coef == 0.0, opt.last_result.clip_coef)
+            for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                self.assertTrue(torch.equal(p.isnan(), q.isnan()), f"{bad}: NaNs of {n}")
+                self.assertTrue(torch.equal(p[~p.isnan()], q[~q.isnan()]), f"{bad}: {n}")
+            opt.close()
+
     def test_bf16_params_fp32_main_grads(self) -> None:
         model = small_model().to(torch.bfloat16)
         ref = copy.deepcopy(model)
@@ -568,6 +590,119 @@ class OptimizerTest(unittest.TestCase):
         self.assertEqual(cm.exception.name, "ZD_ELAYOUT")
         opt2 = self.make(other, other.parameters(), replace=True)
         self.assertFalse(opt2.resumed)
+
+
+    # ---- the formula of the running torch ------------------------------------------------------
+
+    def train_against(self, model: nn.Module, ref: nn.Module, ropt: Any, opt: ZeroOptimizer,
+                      steps: int = 4) -> None:
+        for step in range(steps):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss_of(m, step).backward()
+                o.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+
+    def test_formula_follows_the_running_torch(self) -> None:
+        import zerod.torch as zt
+        model = small_model()
+        opt = self.make(model)
+        g = opt.param_groups[0]
+        self.assertEqual(g["update"], "torch2" if zt._torch_major() >= 2 else "torch113")
+        self.assertEqual(g["sqrt_mode"], zt._probe_sqrt()[0])
+        opt.close()  # one rank: the next optimizer takes it
+        # named explicitly, a formula is kept (and zerod follows it, so torch is not matched in
+        # general; only that it is sent is checked here)
+        model2 = small_model()
+        opt2 = self.make(model2, update="torch113", sqrt_mode="exact")
+        self.assertEqual((opt2.param_groups[0]["update"], opt2.param_groups[0]["sqrt_mode"]),
+                         ("torch113", "exact"))
+        with self.assertRaises(ValueError):
+            self.make(small_model(), update="torch3")
+
+    def test_sqrt_probe_matches_torch(self) -> None:
+        # the mode the probe picked reproduces torch.sqrt on fresh values too, through libzerod
+        import zerod._lib as zl
+        import zerod.torch as zt
+        mode, note = zt._probe_sqrt()
+        x = torch.rand(100000).mul_(torch.empty(100000).uniform_(-30, 30).exp2())
+        y = torch.empty_like(x)
+        code = zl.ZD_SQRT_MKL_EX if mode == "mkl_ex" else zl.ZD_SQRT_EXACT
+        self.assertEqual(zl.load().zd_sqrt(code, x.data_ptr(), y.data_ptr(), x.numel()), 0)
+        diff = int((torch.sqrt(x).view(torch.int32) != y.view(torch.int32)).sum())
+        if note:  # neither mode matches this torch: the warning says so; nothing to assert
+            print(f"    sqrt probe: {note}")
+            return
+        self.assertEqual(diff, 0, f"sqrt mode {mode}: {diff} of {x.numel()} differ from torch")
+
+    def test_foreach_is_the_default_on_cpu(self) -> None:
+        model, ref = small_model(), small_model()
+        with self.assertWarnsRegex(UserWarning, "foreach=True changes nothing"):
+            opt = self.make(model, lr=1e-2, foreach=True)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
+        self.train_against(model, ref, ropt, opt)
+
+    def test_fused_on_cpu(self) -> None:
+        if int(torch.__version__.split(".")[0]) < 2:
+            with self.assertRaisesRegex(ValueError, "fused=True needs torch >= 2"):
+                self.make(small_model(), fused=True)
+            return
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 24))
+        ref = copy.deepcopy(model)
+        opt = self.make(model, lr=1e-2, fused=True, optimizer="adam", weight_decay=0.1)
+        self.assertEqual(opt.param_groups[0]["sqrt_mode"], "exact")
+        ropt = torch.optim.Adam(ref.parameters(), lr=1e-2, fused=True, weight_decay=0.1)
+        for step in range(4):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                x, y = data(step)
+                F.mse_loss(m(x)[:, :3], y).backward()
+                o.step()
+            self.assert_equal_params(model, ref, f"fused step {step + 1}")
+        # a 3-element bias: torch's fused kernel computes it with its own scalar formula
+        with self.assertRaisesRegex(ValueError, "fewer than"):
+            self.make(small_model(), fused=True)
+
+    # ---- pickling and interpreter exit ---------------------------------------------------------
+
+    def test_scheduler_state_dict_saves(self) -> None:
+        import io
+        import pickle
+        model = small_model()
+        opt = self.make(model, lr=1e-2)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=20)
+        loss_of(model, 0).backward()
+        opt.step()
+        sched.step()
+        buf = io.BytesIO()
+        torch.save(sched.state_dict(), buf)  # torch 1.13's holds a bound method of sched
+        buf.seek(0)
+        kw = {"weights_only": False} if int(torch.__version__.split(".")[0]) >= 2 else {}
+        sched.load_state_dict(torch.load(buf, **kw))
+        self.assertEqual(sched.last_epoch, 1)
+        stub = pickle.loads(pickle.dumps(opt))
+        self.assertIsInstance(stub, zerod.torch.PickledZeroOptimizer)
+        with self.assertRaisesRegex(AttributeError, "was pickled"):
+            stub.step()
+        with self.assertRaises(TypeError):
+            copy.deepcopy(opt)
+
+    def test_exit_without_close(self) -> None:
+        import subprocess
+        import sys
+        code = (f"import torch\n"
+                f"from zerod.torch import ZeroOptimizer\n"
+                f"m = torch.nn.Linear(4, 4)\n"
+                f"opt = ZeroOptimizer(m.parameters(), socket={self.daemon.socket!r}, "
+                f"replace=True)\n"
+                f"m(torch.ones(4)).sum().backward()\n"
+                f"opt.step()\n"
+                f"print('stepped', flush=True)\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+        self.assertEqual((r.returncode, r.stdout.strip()), (0, "stepped"),
+                         f"exit without close(): {r.stderr[-2000:]}")
 
 
 class _null:

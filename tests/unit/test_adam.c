@@ -9,6 +9,7 @@
  * The gradient statistics must be bitwise equal across ISAs and across block splits. All inputs
  * come from a fixed-seed PRNG, so a failure reproduces.
  */
+#include <errno.h>
 #include <immintrin.h>
 #include <math.h>
 
@@ -203,10 +204,12 @@ static void test_golden(int optimizer, double wd, const uint32_t want[3][GOLDEN_
 /* ---- random shards ------------------------------------------------------------------------- */
 
 #define GUARD   24 /* sentinel elements on each side of a range */
-#define NGROUPS 8
+#define NGROUPS 10
 
 /* Hyperparameters: both optimizers, with and without weight decay, minimizing and maximizing (the
- * wide paths must match the reference with maximize's negated constants too). */
+ * wide paths must match the reference with maximize's negated constants too), beta1 on either side
+ * of TORCH2's lerp switch (1 - beta1 < 0.5 or not) and beta1 = 0. run_shard gives each group one of
+ * the four formulas (update x sqrt_mode), a different one at each step. */
 #define HP(lr_, b1, b2, eps_, wd, opt, max)                                                 \
   {                                                                                         \
     .lr = lr_, .beta1 = b1, .beta2 = b2, .eps = eps_, .weight_decay = wd, .optimizer = opt, \
@@ -217,7 +220,15 @@ static const zd_group_t hps[NGROUPS] = {
     HP(1e-2, 0.8, 0.99, 1e-6, 0.1, ZD_ADAM, 0),    HP(5e-4, 0.9, 0.999, 1e-8, 0, ZD_ADAM, 0),
     HP(0.1, 0.5, 0.6, 1e-3, 0.5, ZD_ADAMW, 0),     HP(1e-3, 0.9, 0.999, 1e-8, 0.01, ZD_ADAMW, 1),
     HP(1e-2, 0.8, 0.99, 1e-6, 0.1, ZD_ADAM, 1),    HP(5e-4, 0.9, 0.999, 1e-8, 0, ZD_ADAM, 1),
+    HP(1e-3, 0.0, 0.0, 1e-8, 0.01, ZD_ADAMW, 1),   HP(1e-3, 0.3, 0.5, 1e-8, 0.5, ZD_ADAM, 0),
 };
+
+/* The formula of group k at step t of a shard whose draw is r: every (update, sqrt_mode). */
+static void set_variant(zd_group_t *hp, int k, int t, unsigned r) {
+  unsigned f = ((unsigned)k + (unsigned)t + r) % 4;
+  hp->update = f & 2 ? ZD_UPDATE_TORCH2 : ZD_UPDATE_TORCH113;
+  hp->sqrt_mode = f & 1 ? ZD_SQRT_MKL_EX : ZD_SQRT_EXACT;
+}
 
 typedef struct {
   uint64_t n;
@@ -442,7 +453,7 @@ static void compare_states(const state_t *want, const state_t *got, const shard_
 /* One shard through `steps` steps: the reference in one call per step, each wide path in random
  * splits; states compared after every step. */
 static void run_shard(shard_t *sh, int steps) {
-  unsigned shift = (unsigned)rnd_below(16);
+  unsigned shift = (unsigned)rnd_below(16), variant = (unsigned)rnd_below(4);
   snprintf(sh->desc, sizeof sh->desc, "n=%llu nsegs=%u grad=%s param=%s scale=%g shift=%u",
            (unsigned long long)sh->n, sh->nsegs, dtype_name(sh->gdt), dtype_name(sh->pdt),
            sh->grad_scale, shift);
@@ -457,6 +468,7 @@ static void run_shard(shard_t *sh, int steps) {
     for (int k = 0; k < NGROUPS; k++) {
       zd_group_t hp = hps[k];
       hp.lr *= 1.0 + 0.25 * t; /* a scheduler: lr changes every step */
+      set_variant(&hp, k, t, variant);
       zd__adam_group_init(&groups[k], &hp, (uint64_t)t);
     }
     make_grads(grad, sh);
@@ -520,8 +532,10 @@ static void test_step(void) {
         cases++;
         elems += large[li];
       }
-  printf("step: %llu shards (%llu elements), every path bitwise equal to the reference\n",
-         (unsigned long long)cases, (unsigned long long)elems);
+  printf(
+      "step: %llu shards (%llu elements), every path bitwise equal to the reference, "
+      "every update x sqrt_mode\n",
+      (unsigned long long)cases, (unsigned long long)elems);
 }
 
 /* ---- gradient statistics ------------------------------------------------------------------- */
@@ -618,6 +632,8 @@ static void test_stats(void) {
       (unsigned long long)cases);
 }
 
+static int same_f32(float a, float b);
+
 static void test_group_init(void) {
   /* The contract: each constant derived in double from the double hyperparameters, then rounded
    * to float once (what torch does with Python floats). */
@@ -655,7 +671,85 @@ static void test_group_init(void) {
     hi.weight_decay = lo.weight_decay;
     CHECK(memcmp(&hi, &lo, sizeof hi) == 0);
   }
+  /* TORCH2: the lerp's weight and form from w = (float)(1 - beta1), maximize as a negated
+   * gradient with the constants left positive. */
+  static const struct {
+    double beta1;
+    float weight;
+    int from_grad;
+  } lerps[] = {{0.9, (float)(1 - 0.9), 0},
+               {0.5000001, (float)(1 - 0.5000001), 0},
+               {0.5, -0.5f, 1},
+               {0.3, (float)(1 - 0.3) - 1.0f, 1},
+               {0.0, 0.0f, 1}};
+  for (size_t i = 0; i < sizeof lerps / sizeof lerps[0]; i++) {
+    zd_group_t h2 = hp;
+    h2.update = ZD_UPDATE_TORCH2;
+    h2.beta1 = lerps[i].beta1;
+    h2.maximize = (int)(i % 2);
+    zd__adam_group_init(&c, &h2, 3);
+    CHECK_MSG(c.lerp_weight == lerps[i].weight && c.lerp_from_grad == lerps[i].from_grad,
+              "beta1 %g: lerp weight %.9g from_grad %d; expected %.9g %d", lerps[i].beta1,
+              c.lerp_weight, c.lerp_from_grad, lerps[i].weight, lerps[i].from_grad);
+    CHECK_INT_EQ(c.negate_grad, h2.maximize);
+    CHECK(c.one_minus_beta1 > 0 || h2.beta1 == 0);
+    CHECK(c.weight_decay == (float)0.1);
+  }
   printf("group_init: ok\n");
+}
+
+/* ---- sqrt modes ---------------------------------------------------------------------------- */
+
+/* 8 lanes of vrsqrtps against rsqrtss, lane by lane: the wide paths' MKL_EX sqrt rests on the two
+ * instructions sharing one table on a CPU. */
+__attribute__((target("avx"))) static int rsqrt_lanes_agree(const float *x) {
+  float y[8];
+  _mm256_storeu_ps(y, _mm256_rsqrt_ps(_mm256_loadu_ps(x)));
+  for (int j = 0; j < 8; j++)
+    if (f2u(y[j]) != f2u(_mm_cvtss_f32(_mm_rsqrt_ss(_mm_set_ss(x[j]))))) return 0;
+  return 1;
+}
+
+static void test_sqrt_modes(void) {
+  /* Inputs the scalar path takes (correctly rounded) and the edges of the main path. */
+  static const uint32_t specials[] = {0x00000000, 0x80000000, 0x00000001, 0x007fffff, 0x7f7ff001,
+                                      0x7f7fffff, 0x7f800000, 0x7fc00000, 0xbf800000, 0xff800000};
+  for (size_t i = 0; i < sizeof specials / sizeof specials[0]; i++) {
+    float x = u2f(specials[i]), y;
+    CHECK_INT_EQ(zd_sqrt(ZD_SQRT_MKL_EX, &x, &y, 1), ZD_OK);
+    CHECK_MSG(same_f32(y, sqrtf(x)), "MKL_EX sqrt of %08x: %08x, correctly rounded %08x",
+              specials[i], f2u(y), f2u(sqrtf(x)));
+  }
+  float one = 1.0f;
+  CHECK_INT_EQ(zd_sqrt((zd_sqrt_mode_t)7, &one, &one, 1), -EINVAL);
+  CHECK_INT_EQ(zd_sqrt(ZD_SQRT_EXACT, NULL, &one, 1), -EINVAL);
+  /* A sweep of the main path, every 61st positive normal float: MKL_EX within 1 ULP of the
+   * correctly rounded sqrt, and vrsqrtps equal to rsqrtss on this CPU (if it has AVX). */
+  __builtin_cpu_init();
+  int avx = __builtin_cpu_supports("avx");
+  uint64_t n = 0, off = 0, lanes_bad = 0;
+  float batch[8];
+  int nb = 0;
+  for (uint32_t u = 0x00800000; u <= 0x7f7ff000; u += 61) {
+    float x = u2f(u), e, y;
+    CHECK_INT_EQ(zd_sqrt(ZD_SQRT_EXACT, &x, &e, 1), ZD_OK);
+    CHECK_INT_EQ(zd_sqrt(ZD_SQRT_MKL_EX, &x, &y, 1), ZD_OK);
+    CHECK(f2u(e) == f2u(sqrtf(x)));
+    uint32_t d = f2u(y) > f2u(e) ? f2u(y) - f2u(e) : f2u(e) - f2u(y);
+    CHECK_MSG(d <= 1, "MKL_EX sqrt of %08x: %08x, %u ULP from %08x", u, f2u(y), d, f2u(e));
+    off += d;
+    n++;
+    batch[nb++] = x;
+    if (nb == 8) {
+      if (avx && !rsqrt_lanes_agree(batch)) lanes_bad++;
+      nb = 0;
+    }
+  }
+  CHECK_MSG(lanes_bad == 0, "vrsqrtps and rsqrtss differ in %llu batches of 8",
+            (unsigned long long)lanes_bad);
+  printf("sqrt modes: MKL_EX within 1 ULP of sqrt over %llu normal floats (%.2f%% off by 1)%s\n",
+         (unsigned long long)n, 100.0 * (double)off / (double)n,
+         avx ? ", vrsqrtps == rsqrtss lane by lane" : "");
 }
 
 /* ---- maximize ------------------------------------------------------------------------------ */
@@ -763,6 +857,7 @@ int main(void) {
   test_f16();
   test_bf16();
   test_group_init();
+  test_sqrt_modes();
   test_maximize();
   test_golden(ZD_ADAMW, 0.01, golden_adamw);
   test_golden(ZD_ADAM, 0.1, golden_adam);

@@ -58,12 +58,27 @@ typedef enum zd_dtype { ZD_F32 = 1, ZD_BF16 = 2, ZD_F16 = 3 } zd_dtype_t;
  * (L2 penalty added to the gradient, as torch.optim.Adam). */
 typedef enum zd_optimizer { ZD_ADAMW = 0, ZD_ADAM = 1 } zd_optimizer_t;
 
+/* Which torch release's formula a group's update follows, bit for bit (kernels/adam.h):
+ * ZD_UPDATE_TORCH113, torch 1.13's (first moment m = m * beta1 + (1 - beta1) * g, one fma), the
+ * default; ZD_UPDATE_TORCH2, torch 2.x's single-tensor path (m = m.lerp(g, 1 - beta1)). The two
+ * differ in the last bit of about a quarter of the moments. */
+typedef enum zd_update { ZD_UPDATE_TORCH113 = 0, ZD_UPDATE_TORCH2 = 1 } zd_update_t;
+
+/* How the update takes the square root of the second moment: ZD_SQRT_EXACT, correctly rounded
+ * (torch without MKL, e.g. Debian's, and torch's fused=True CPU kernel), the default;
+ * ZD_SQRT_MKL_EX, the sequence of MKL's SSE4.2 vsSqrt kernel (rsqrtps and two Newton steps, not
+ * always correctly rounded) that PyPI's torch wheels run on x86-64 CPUs MKL does not treat as
+ * Intel's. rsqrtps is approximate and its bits are the CPU's: ZD_SQRT_MKL_EX reproduces torch only
+ * where torch runs on the CPU zerod runs on. Compare on the spot with zd_sqrt(). */
+typedef enum zd_sqrt_mode { ZD_SQRT_EXACT = 0, ZD_SQRT_MKL_EX = 1 } zd_sqrt_mode_t;
+
 /* Hyperparameters of one parameter group. Doubles, as Python floats are: zerod derives the fp32
  * constants of the update exactly as torch does (kernels/adam.h). lr >= 0, eps > 0,
  * 0 <= beta < 1, weight_decay >= 0, all finite. maximize: 1 maximizes the objective, as
  * torch.optim.AdamW/Adam's maximize=True (the update follows the negated gradient); 0 (the
- * default) minimizes it. zerod keeps the fields in one table (common/group.h): zd_group_fields()
- * describes them to bindings. */
+ * default) minimizes it. update and sqrt_mode: the formula of the torch being matched (above;
+ * the Python package picks them from the running torch). zerod keeps the fields in one table
+ * (common/group.h): zd_group_fields() describes them to bindings. */
 typedef struct zd_group {
   double lr;
   double beta1;
@@ -72,11 +87,21 @@ typedef struct zd_group {
   double weight_decay;
   zd_optimizer_t optimizer;
   int maximize; /* 0 or 1 */
+  zd_update_t update;
+  zd_sqrt_mode_t sqrt_mode;
 } zd_group_t;
 
 /* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2,
- * maximize 0; optimizer ZD_ADAMW. */
+ * maximize 0; optimizer ZD_ADAMW; update ZD_UPDATE_TORCH113; sqrt_mode ZD_SQRT_EXACT. */
 ZD_EXPORT zd_group_t zd_group_default(void);
+
+/* y[i] = the square root of x[i] as sqrt_mode computes it in zerod's update, on this CPU, for
+ * i < n: for a binding to compare with the sqrt of the framework it runs under (the Python
+ * package compares torch.sqrt on a set of probes and picks the mode that matches). zerod computes
+ * the same bits on the same CPU; ZD_SQRT_MKL_EX's may differ on another CPU model. x and y may be
+ * the same array. Returns ZD_OK, or -EINVAL for an unknown mode or NULL arrays with n > 0.
+ * Thread-safe. */
+ZD_EXPORT int zd_sqrt(zd_sqrt_mode_t sqrt_mode, const float *x, float *y, size_t n);
 
 /* How a field of zd_group_t is stored: a double, an enum (int-sized), or an int used as a boolean
  * (0 or 1). */

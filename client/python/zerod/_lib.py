@@ -38,6 +38,12 @@ ZD_F16 = 3
 ZD_ADAMW = 0
 ZD_ADAM = 1
 
+ZD_UPDATE_TORCH113 = 0
+ZD_UPDATE_TORCH2 = 1
+
+ZD_SQRT_EXACT = 0
+ZD_SQRT_MKL_EX = 1
+
 ZD_REGISTER_REPLACE = 0x1
 ZD_STEP_NO_SCATTER = 0x1
 ZD_STEP_NO_GATHER = 0x2
@@ -245,6 +251,7 @@ _PROTOTYPES = {
     "zd_last_error": (ctypes.c_char_p, []),
     "zd_dtype_size": (ctypes.c_size_t, [ctypes.c_int]),
     "zd_dtype_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "zd_sqrt": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
 }
 
 _lock = threading.Lock()

@@ -145,7 +145,9 @@ def dtype_of(value: Any) -> int:
 # for beta1 and beta2) and the names of enum values. Every other field is passed by its C name, as
 # a float or, for a boolean field, a bool.
 _PAIRS = {"betas": ("beta1", "beta2")}
-_ENUMS = {"optimizer": {"adamw": _lib.ZD_ADAMW, "adam": _lib.ZD_ADAM}}
+_ENUMS = {"optimizer": {"adamw": _lib.ZD_ADAMW, "adam": _lib.ZD_ADAM},
+          "update": {"torch113": _lib.ZD_UPDATE_TORCH113, "torch2": _lib.ZD_UPDATE_TORCH2},
+          "sqrt_mode": {"exact": _lib.ZD_SQRT_EXACT, "mkl_ex": _lib.ZD_SQRT_MKL_EX}}
 
 
 class Group:

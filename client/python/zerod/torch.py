@@ -77,6 +77,21 @@ copies the parameters out and before the buffers are freed. torch.as_tensor need
 read ``__cuda_array_interface__``. CPU parameters need zerod's CPU backend, CUDA parameters its
 CUDA backend.
 
+Which torch. zerod's update reproduces torch.optim.AdamW/Adam bit for bit as the running torch
+computes it (docs/torch2/README.md): each group's ``update`` is "torch113" under torch 1.x and
+"torch2" under torch 2.x (the first moment by lerp), and its ``sqrt_mode`` is what torch.sqrt
+does on this machine, measured once per process on 65,536 probes against zerod's own
+(zd_sqrt): "exact" (correctly rounded: Debian's torch, builds without MKL) or "mkl_ex" (MKL's
+SSE4.2 kernel, which PyPI's wheels run on AMD and other non-Intel x86 CPUs); when torch matches
+neither (MKL's kernels for Intel CPUs), a warning gives the measured mismatch and "exact" is
+used. On CPU, foreach=True computes the same bits as torch's default (a warning says it changes
+nothing); fused=True (torch 2.x) takes a correctly rounded sqrt ("exact"), and is refused with a
+parameter smaller than one of its vectors, which its kernel computes by another formula. With
+CUDA parameters the sqrt is "exact", and foreach=True or fused=True are refused: zerod's CUDA
+update is not torch's foreach or fused CUDA kernel. A group may name update and sqrt_mode
+itself. A pickled ZeroOptimizer (e.g. inside torch 1.13's scheduler state_dict) becomes a
+PickledZeroOptimizer placeholder; one never closed is closed at interpreter exit.
+
 Limits: parameters must all be on one device (the CPU, or the rank's GPU) and of one dtype,
 float32 or bfloat16. The parameter list is fixed at
 registration: add_param_group() after construction is refused. A parameter that got no gradient
@@ -87,23 +102,115 @@ requires_grad=False are kept in param_groups but not registered, and never chang
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 
+from . import _lib
 from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult, ZerodError
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["PickledZeroOptimizer", "ZeroOptimizer"]
 
 # Options of torch.optim.AdamW/Adam, at the value that means "off". One that is also a field of
 # zerod's groups (Group.names(): maximize) is passed to zerod like lr; the others are refused when
-# turned on, since zerod cannot honour them.
+# turned on, since zerod cannot honour them. foreach and fused (torch's implementation choice) pick
+# the formula zerod follows instead (_choose_formula).
 _TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False,
-                  "differentiable": False, "fused": False}
+                  "differentiable": False}
+_IMPL_OPTIONS = ("foreach", "fused")
 _MAX_INFLIGHT = 48  # below libzerod's 64 outstanding requests per client
+
+# Optimizers not closed yet. torch 2.15 (not 2.6) aborts the interpreter (c10::Error "use_count() == 1"
+# in python_variable.cpp) when the reference cycle through the gradient hooks is collected during
+# its shutdown with the parameters still views of zerod's buffers; closing them before shutdown
+# begins (atexit handlers run first) breaks the cycle while torch is whole.
+_open_optimizers: "weakref.WeakSet[ZeroOptimizer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_optimizers() -> None:
+    for opt in list(_open_optimizers):
+        with contextlib.suppress(Exception):
+            opt.close()
+
+
+def _torch_major() -> int:
+    return int(torch.__version__.split(".")[0])
+
+
+_sqrt_probe: Optional[Tuple[str, str]] = None
+
+
+def _probe_sqrt() -> Tuple[str, str]:
+    """Which of zerod's sqrt modes torch.sqrt on CPU float32 tensors matches on this machine:
+    ("exact" | "mkl_ex", "") when one matches every probe, else ("exact", what was measured).
+
+    Measured, not assumed: PyPI's wheels compute Tensor.sqrt with MKL, whose kernel (and its
+    rounding) depends on the CPU's vendor and model (docs/torch2/README.md); builds without MKL
+    round correctly. The probes are 65,536 normal floats spread over the whole exponent range
+    plus the inputs MKL handles apart (zeros, subnormals, the largest floats); zerod's own sqrt
+    of each mode comes from libzerod (zd_sqrt), computed on this CPU as zerod computes it."""
+    global _sqrt_probe
+    if _sqrt_probe is not None:
+        return _sqrt_probe
+    bits = torch.arange(0x00800000, 0x7f7ff000, (0x7f7ff000 - 0x00800000) // 65536 + 1,
+                        dtype=torch.int64)
+    extra = torch.tensor([0, 1, 0x007fffff, 0x7f7ff000, 0x7f7ff001, 0x7f7fffff], dtype=torch.int64)
+    x = torch.cat([bits, extra]).to(torch.int32).view(torch.float32).contiguous()
+    want = torch.sqrt(x).view(torch.int32)
+    lib = _lib.load()
+    counts = {}
+    for name, mode in (("exact", _lib.ZD_SQRT_EXACT), ("mkl_ex", _lib.ZD_SQRT_MKL_EX)):
+        y = torch.empty_like(x)
+        if lib.zd_sqrt(mode, x.data_ptr(), y.data_ptr(), x.numel()) != 0:
+            raise RuntimeError(f"libzerod's zd_sqrt refused sqrt mode {name}")
+        counts[name] = int((y.view(torch.int32) != want).sum())
+        if counts[name] == 0:
+            _sqrt_probe = (name, "")
+            return _sqrt_probe
+    _sqrt_probe = ("exact", f"torch.sqrt matches none of zerod's sqrt modes on this CPU: of "
+                            f"{x.numel()} probes it differs from the correctly rounded sqrt in "
+                            f"{counts['exact']} and from MKL's SSE4.2 kernel as zerod reproduces "
+                            f"it in {counts['mkl_ex']} (1 ULP each, e.g. MKL's AVX2/AVX-512 "
+                            f"kernels on an Intel CPU); zerod uses the exact sqrt, so about "
+                            f"{100.0 * counts['exact'] / x.numel():.2g}% of torch's square "
+                            f"roots differ from zerod's by 1 ULP and updates are not "
+                            f"bit-identical to torch's")
+    return _sqrt_probe
+
+
+def _choose_formula(g: Mapping[str, Any], cuda: bool, where: str) -> Tuple[str, str]:
+    """The (update, sqrt_mode) of zerod's groups that reproduces what the running torch's
+    AdamW/Adam would compute for group g, given its foreach/fused choice; ValueError for a choice
+    zerod cannot reproduce.
+
+    On CPU (measured, docs/torch2/README.md): torch 1.13 updates the first moment with a
+    multiply-add, torch 2.x with lerp; foreach=True gives the same bits as the default on both
+    (it batches the same per-element kernels); fused=True (torch >= 2.x) has a correctly rounded
+    sqrt where the default takes torch.sqrt's, which the probe decides. On CUDA zerod computes the
+    single-tensor formula with a correctly rounded sqrt; torch's foreach and fused CUDA kernels
+    order their operations differently and are refused when asked for."""
+    update = "torch2" if _torch_major() >= 2 else "torch113"
+    foreach, fused = g.get("foreach"), g.get("fused")
+    if cuda:
+        for key, value in (("foreach", foreach), ("fused", fused)):
+            if value:
+                raise ValueError(f"{where}: {key}=True is not supported with CUDA parameters: "
+                                 f"zerod's CUDA update is torch's single-tensor formula, not "
+                                 f"the {key} CUDA kernel's, whose results differ; leave {key} "
+                                 f"unset or False")
+        return update, "exact"
+    if fused:
+        if update == "torch113":
+            raise ValueError(f"{where}: fused=True needs torch >= 2.0 (running "
+                             f"{torch.__version__})")
+        return update, "exact"
+    return update, _probe_sqrt()[0]
 
 
 def _split_named(items: Iterable[Any]) -> Tuple[List[torch.Tensor], List[Optional[str]]]:
@@ -130,8 +237,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             an "optimizer" key.
         **hparams: defaults of the groups' other hyperparameters, by torch's names: every field
             of zerod's groups (zerod.Group.names(), e.g. maximize=True) is accepted, here or as a
-            key of a parameter group, and passed to zerod. torch's amsgrad, capturable,
-            differentiable and fused are accepted only at their default (off).
+            key of a parameter group, and passed to zerod. torch's amsgrad, capturable and
+            differentiable are accepted only at their default (off). foreach and fused (torch's
+            implementation) are accepted and choose, with the running torch's version, the
+            formula zerod follows (groups' update and sqrt_mode; module docstring "Which
+            torch"); a choice zerod cannot reproduce is refused.
         max_grad_norm: clip the gradient by its global L2 norm over all ranks (0: off); zerod
             applies it inside the step, as torch.nn.utils.clip_grad_norm_ would.
         loss_scaler: dynamic loss scaling (zerod.LossScaler, a dict of its fields, True for the
@@ -173,6 +283,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         defaults = Group().to_dict()  # every field of zerod's groups, as torch names it
         defaults.update(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         optimizer=optimizer)
+        # The formula follows the running torch unless a group names one (_choose_formula).
+        defaults.update(update=None, sqrt_mode=None, foreach=None, fused=None)
         for key, value in hparams.items():
             if key not in defaults and key not in _TORCH_OPTIONS:
                 raise TypeError(f"ZeroOptimizer got an unexpected keyword argument {key!r}")
@@ -202,6 +314,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructing = False
         for i, g in enumerate(self.param_groups):
             self._check_hparams(g, f"param group {i}")
+        self._cuda = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
+        self._choose_formulas()
 
         # Which parameters zerod owns: every one that requires grad, in group order.
         self._params: List[torch.Tensor] = []
@@ -227,7 +341,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"parameters are on several devices ({sorted(map(str, devices))}); "
                              f"zerod's buffers are on one: move the model to one device first")
         self.device: torch.device = devices.pop()
-        self._cuda = self.device.type == "cuda"
         dtypes = {p.dtype for p in self._params}
         if len(dtypes) != 1:
             raise ValueError(f"parameters have several dtypes ({sorted(map(str, dtypes))}); "
@@ -313,6 +426,52 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._grad_accs.append(acc)  # the node lives only while someone holds it
         self._sent_hparams = self._current_hparams()
         self._closed = False
+        _open_optimizers.add(self)
+
+    # ---- formula -------------------------------------------------------------------------------
+
+    def _choose_formulas(self) -> None:
+        """Fills each group's update and sqrt_mode left unset (None) with what reproduces the
+        running torch (_choose_formula), and says once what foreach=True does on CPU."""
+        told = set()
+        for i, g in enumerate(self.param_groups):
+            update, sqrt_mode = _choose_formula(g, self._cuda, f"param group {i}")
+            if g.get("update") is None:
+                g["update"] = update
+            if g.get("sqrt_mode") is None:
+                g["sqrt_mode"] = sqrt_mode
+                note = _probe_sqrt()[1] if not self._cuda and not g.get("fused") else ""
+                if note and "sqrt" not in told:
+                    told.add("sqrt")
+                    warnings.warn(note, stacklevel=3)
+            if g.get("fused") and not self._cuda:
+                self._check_fused_sizes(g, f"param group {i}")
+            if g.get("foreach") and not self._cuda and "foreach" not in told:
+                told.add("foreach")
+                warnings.warn("foreach=True changes nothing here: on CPU torch's foreach "
+                              "implementation computes the same bits as its default one (it "
+                              "batches the same per-element kernels), and zerod reproduces "
+                              "both", stacklevel=3)
+
+    @staticmethod
+    def _check_fused_sizes(g: Mapping[str, Any], where: str) -> None:
+        """torch's fused CPU kernel computes a tensor smaller than one of its vectors with a scalar
+        formula of its own (measured on 2.6 and 2.15: 7- and 15-element tensors up to 32 ULP
+        apart after 20 steps with betas (0.5, 0.999), equal elsewhere), which zerod does not
+        reproduce: such a parameter in a fused group is refused."""
+        try:
+            capability = torch.backends.cpu.get_cpu_capability()
+        except AttributeError:
+            capability = "AVX512"
+        width = 16 if capability.startswith("AVX512") else 8
+        for p in g["params"]:
+            if p.requires_grad and p.numel() < width:
+                raise ValueError(f"{where}: fused=True with a parameter of {p.numel()} elements "
+                                 f"(shape {tuple(p.shape)}): torch's fused CPU kernel computes "
+                                 f"tensors of fewer than {width} elements ({capability} build) "
+                                 f"with a scalar formula zerod does not reproduce; leave fused "
+                                 f"unset (torch's default implementation, which zerod "
+                                 f"reproduces), or put such parameters in a group without it")
 
     # ---- validation ----------------------------------------------------------------------------
 
@@ -333,8 +492,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for key, off in _TORCH_OPTIONS.items():
             if key not in supported and g.get(key, off) not in (off, None):
                 raise ValueError(f"{where}: {key}={g[key]!r} is not supported by zerod")
+        for key in _IMPL_OPTIONS:
+            if g.get(key) not in (None, True, False):
+                raise ValueError(f"{where}: {key} is {g[key]!r}; expected True, False or None")
         try:
-            Group.coerce(g)  # every field of zerod's groups it holds must convert
+            # every field of zerod's groups it holds must convert; None: chosen later
+            Group.coerce({k: v for k, v in g.items() if v is not None})
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
 
@@ -642,9 +805,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Restores the groups' hyperparameters (sent to zerod at the next step). Warns when
         the saved step differs from zerod's: the master weights and moments are zerod's, at its
         own step, and are not rolled back."""
+        formulas = [(g["update"], g["sqrt_mode"]) for g in self.param_groups]
         super().load_state_dict(state_dict)
         for i, g in enumerate(self.param_groups):
             g["betas"] = tuple(g["betas"])
+            # A state saved before zerod had formulas keeps the one chosen for this torch.
+            if g.get("update") is None and i < len(formulas):
+                g["update"] = formulas[i][0]
+            if g.get("sqrt_mode") is None and i < len(formulas):
+                g["sqrt_mode"] = formulas[i][1]
             self._check_hparams(g, f"param group {i} of the loaded state")
         self._sent_hparams = None  # send them at the next step
         z = state_dict.get("zerod")
@@ -674,6 +843,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        _open_optimizers.discard(self)
         try:
             self._wait_inflight()
         except Exception:
@@ -713,12 +883,48 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __getstate__(self) -> Dict[str, Any]:
-        raise TypeError("a ZeroOptimizer is attached to a zerod rank and cannot be pickled; "
-                        "save state_dict() instead")
+    def __reduce_ex__(self, protocol: Any) -> Tuple[Any, Tuple[str]]:
+        # Pickled, an optimizer attached to a zerod rank becomes a PickledZeroOptimizer: torch
+        # 1.13's schedulers keep bound methods in their state_dict, which pickle the scheduler
+        # and, through it, its optimizer (torch.save(OneCycleLR(...).state_dict())).
+        return (PickledZeroOptimizer, (self._describe(),))
+
+    def __copy__(self) -> None:
+        raise TypeError("a ZeroOptimizer is attached to a zerod rank and cannot be copied")
+
+    def __deepcopy__(self, memo: Any) -> None:
+        raise TypeError("a ZeroOptimizer is attached to a zerod rank and cannot be copied")
+
+    def _describe(self) -> str:
+        info = getattr(self, "info", None)
+        where = f" of zerod rank {info.rank}/{info.world_size}" if info is not None else ""
+        return f"a ZeroOptimizer{where} ({len(getattr(self, '_params', []))} parameters)"
 
     def __repr__(self) -> str:
         head = super().__repr__()
         return head.replace("ZeroOptimizer (", f"ZeroOptimizer (zerod rank "
                             f"{self.info.rank}/{self.info.world_size}, {self.param_dtype} params, "
                             f"{self.grad_dtype} grads, {self._nbuckets} buckets;", 1)
+
+
+class PickledZeroOptimizer:
+    """What a ZeroOptimizer becomes when pickled (e.g. inside a torch 1.13 scheduler's
+    state_dict): a placeholder that says what it was. It holds no state and no connection; any
+    attribute raises AttributeError saying so. Save and restore the optimizer itself with
+    state_dict() / load_state_dict()."""
+
+    def __init__(self, description: str) -> None:
+        self._description = description
+
+    def __reduce__(self) -> Tuple[Any, Tuple[str]]:
+        return (PickledZeroOptimizer, (self._description,))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_description":
+            raise AttributeError(name)
+        raise AttributeError(f"{self._description} was pickled; the copy is a placeholder with "
+                             f"no {name!r}: rebuild the optimizer and load its state_dict()")
+
+    def __repr__(self) -> str:
+        return f"PickledZeroOptimizer({self._description!r})"
+

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# A virtual environment with a torch 2.x from PyPI that works on CPU, for the python-torch2 test
+# suite (tests/python/meson.build): zerod's update must be bit-identical to the torch users run,
+# and CI's Debian python3-torch is 1.13.
+#
+# Made as cheaply as possible: PyPI's Linux x86-64 torch wheel is the CUDA build (about 0.5 GB)
+# and depends on about 2.5 GB of nvidia-* packages, cuda-* and triton, none of which CPU use
+# loads. So the wheel is installed with --no-deps, and only its pure-Python dependencies next to
+# it (plus numpy, which torch.as_tensor and the examples use). The result is checked by importing
+# torch and running a CPU AdamW step; if that fails, the venv is left for inspection and the
+# script fails.
+#
+#   scripts/torch2_venv.sh [DIR]
+#
+# DIR: the venv (default $ZEROD_TORCH2_VENV, else .venv/torch2 at the repository root). Idempotent:
+# a DIR whose torch already passes the check is kept as it is. $ZEROD_TORCH2_SPEC is the pip
+# requirement for torch (default "torch": the newest release; e.g. "torch==2.6.0"). Prints the
+# venv's python on its last line of output, for ZEROD_TORCH2_PYTHON:
+#
+#   export ZEROD_TORCH2_PYTHON="$(scripts/torch2_venv.sh | tail -n 1)"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${1:-${ZEROD_TORCH2_VENV:-.venv/torch2}}
+spec=${ZEROD_TORCH2_SPEC:-torch}
+python=$venv/bin/python
+
+# torch >= 2 imports and steps an AdamW on CPU: what the tests need.
+check() {
+  "$python" - <<'EOF'
+import torch
+assert int(torch.__version__.split(".")[0]) >= 2, f"torch {torch.__version__} is not 2.x"
+p = torch.nn.Parameter(torch.ones(4))
+opt = torch.optim.AdamW([p], lr=0.1)
+p.sum().backward()
+opt.step()
+assert float(p.detach()[0]) < 1.0
+print(f"torch {torch.__version__} works on CPU", flush=True)
+EOF
+}
+
+if [ -x "$python" ] && check >&2 2>/dev/null; then
+  echo "$(cd "$venv" && pwd)/bin/python"
+  exit 0
+fi
+
+start=$(date +%s)
+/usr/bin/python3 -m venv "$venv" >&2
+"$python" -m pip install -q --disable-pip-version-check --no-deps "$spec" >&2
+# torch's requirements that are plain Python, with their own (mpmath for sympy, MarkupSafe for
+# jinja2); pip resolves their versions against what is installed.
+"$python" -m pip install -q --disable-pip-version-check filelock typing-extensions sympy networkx \
+  jinja2 fsspec numpy >&2
+"$python" scripts/torch2_stubs.py "$("$python" -c "import importlib.util as u; print(u.find_spec('torch').submodule_search_locations[0])")" >&2
+check >&2
+echo "torch2_venv: $venv ready in $(($(date +%s) - start)) s ($(du -sh "$venv" | cut -f1))" >&2
+echo "$(cd "$venv" && pwd)/bin/python"
