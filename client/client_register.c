@@ -14,11 +14,15 @@
 
 #include "client_internal.h"
 #include "dtype.h"
+#include "placement.h"
 #include "wire.h"
 
 /* ---- buffers and layout -------------------------------------------------------------------- */
 
-static int create_buffer(const char *name, size_t bytes, int *fd, void **addr) {
+/* Mapped at `colour` (placement.h): the trainer streams the two buffers together (its optimizer
+ * hook copies grads in while zerod's params are read out), and zerod maps them at the same colours
+ * for its step. */
+static int create_buffer(const char *name, size_t bytes, unsigned colour, int *fd, void **addr) {
   *fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (*fd < 0) return zd__fail(-errno, "memfd_create(%s): %s", name, strerror(errno));
   if (ftruncate(*fd, (off_t)bytes) != 0 ||
@@ -28,13 +32,11 @@ static int create_buffer(const char *name, size_t bytes, int *fd, void **addr) {
     *fd = -1;
     return zd__fail(-e, "cannot size %s to %zu bytes: %s", name, bytes, strerror(e));
   }
-  *addr = mmap(NULL, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
-  if (*addr == MAP_FAILED) {
-    int e = errno;
+  int rc = zd__place_fd(*fd, bytes ? bytes : 1, colour, addr);
+  if (rc) {
     close(*fd);
     *fd = -1;
-    *addr = NULL;
-    return zd__fail(-e, "cannot map %s (%zu bytes): %s", name, bytes, strerror(e));
+    return zd__fail(rc, "cannot map %s (%zu bytes): %s", name, bytes, strerror(-rc));
   }
   return ZD_OK;
 }
@@ -43,8 +45,8 @@ void zd__release_buffers(zd_client_t *c) {
   if (c->memory == ZD_MEMORY_CUDA) {
     zd__cuda_release(c);
   } else {
-    if (c->params) munmap(c->params, c->param_bytes ? c->param_bytes : 1);
-    if (c->grads) munmap(c->grads, c->grad_bytes ? c->grad_bytes : 1);
+    zd__place_release(c->params, c->param_bytes);
+    zd__place_release(c->grads, c->grad_bytes);
   }
   c->memory = ZD_MEMORY_HOST;
   c->stream = NULL;
@@ -111,8 +113,9 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
   c->grad_bytes = c->layout->total_elems * zd_dtype_size(desc->grad_dtype);
   if (cuda)
     rc = zd__cuda_create_buffers(c, desc->device);
-  else if (!(rc = create_buffer("zerod-params", c->param_bytes, &c->param_fd, &c->params)))
-    rc = create_buffer("zerod-grads", c->grad_bytes, &c->grad_fd, &c->grads);
+  else if (!(rc = create_buffer("zerod-params", c->param_bytes, ZD__COLOUR_PARAMS, &c->param_fd,
+                                &c->params)))
+    rc = create_buffer("zerod-grads", c->grad_bytes, ZD__COLOUR_GRADS, &c->grad_fd, &c->grads);
   if (rc) {
     zd__release_buffers(c);
     return rc;

@@ -2,6 +2,7 @@
  *
  *   zeroctl [--address ADDR] [--timeout-ms N] status [--world] [--json] [--watch SECONDS]
  *   zeroctl [--address ADDR] [--timeout-ms N] health [--service NAME]
+ *   zeroctl [--address ADDR] [--timeout-ms N] [--token-file FILE] checkpoint [--wait SECONDS]
  *   zeroctl verify CKPT_DIR
  *   zeroctl export CKPT_DIR --out FILE [--moments]
  *
@@ -13,6 +14,11 @@
  * the error; status exits 1 when a node cannot be reached or a rank is degraded or missing, so
  * that scripts and cron checks notice. health is the standard gRPC health check:
  * exit 0 when serving, 1 otherwise, so it fits scripts and probes.
+ *
+ * checkpoint asks a node for a checkpoint after the next step of every rank of the world (the
+ * ranks agree through the step, so any node will do); with --wait it then polls the node's status
+ * until a newer checkpoint is complete (exit 0) or a failure is reported (exit 1). The call
+ * carries the control token of --token-file (or $ZEROD_CONTROL_TOKEN_FILE) where zerod has one.
  *
  * verify and export work offline on a checkpoint directory (common/checkpoint_format.h), no
  * zerod involved: verify checks every rank file's size, checksum and header against the manifest;
@@ -36,6 +42,7 @@
 #include <string.h>
 
 #include "checkpoint_format.h"
+#include "token.h"
 #include "control.pb-c.h"
 #include "error.h"
 #include "grpc_unary.h"
@@ -54,9 +61,11 @@ typedef struct options {
   int json;
   int watch_s; /* status --watch: refresh every this many seconds; 0: once */
   const char *service;
-  const char *ckpt_dir; /* verify, export */
-  const char *out;      /* export --out */
-  int moments;          /* export --moments */
+  const char *ckpt_dir;   /* verify, export */
+  const char *out;        /* export --out */
+  int moments;            /* export --moments */
+  int wait_s;             /* checkpoint --wait: seconds to wait for it to be complete; 0: do not */
+  const char *token_file; /* --token-file: the control token for calls that write */
 } options_t;
 
 /* One node as zeroctl saw it: its status, or why there is none. */
@@ -91,6 +100,10 @@ static void usage(FILE *out) {
       "  health [--service NAME]    gRPC health check (service \"\" by default; \"zerod.ranks\"\n"
       "                             is serving only while every local rank is healthy);\n"
       "                             exit status 0 when serving, 1 otherwise\n"
+      "  checkpoint [--wait SECONDS]\n"
+      "                             ask for a checkpoint after the next step of every rank\n"
+      "                             of the world (zerod's checkpoint_dir must be set); --wait:\n"
+      "                             until it is complete (exit 0) or failed (exit 1)\n"
       "  verify CKPT_DIR            check a checkpoint offline: every rank file's size, XXH3\n"
       "                             checksum and header against its manifest; exit status 1\n"
       "                             when it is incomplete or corrupt\n"
@@ -104,6 +117,8 @@ static void usage(FILE *out) {
       "                    $ZEROD_CONTROL_ADDRESS, else " DEFAULT_ADDRESS
       ")\n"
       "  --timeout-ms N    per call (default %d)\n"
+      "  --token-file FILE control token (zerod's control_token_file) for calls that write\n"
+      "                    (default: $ZEROD_CONTROL_TOKEN_FILE)\n"
       "  -h, --help        this text\n"
       "  -V, --version     zeroctl's version\n"
       "\n"
@@ -139,7 +154,9 @@ static const char *flag_value(int argc, char **argv, int *i, const char *name, i
 /* Returns -1 to go on, else an exit status (help, version, bad usage). */
 static int parse(int argc, char **argv, options_t *o) {
   const char *env = getenv("ZEROD_CONTROL_ADDRESS");
+  const char *token_env = getenv("ZEROD_CONTROL_TOKEN_FILE");
   *o = (options_t){.address = env && env[0] ? env : DEFAULT_ADDRESS,
+                   .token_file = token_env && token_env[0] ? token_env : NULL,
                    .timeout_ms = DEFAULT_TIMEOUT_MS,
                    .service = ""};
   for (int i = 1; i < argc; i++) {
@@ -170,6 +187,16 @@ static int parse(int argc, char **argv, options_t *o) {
       if (errno || *end || t < 1 || t > 86400)
         return usage_error("--watch '%s': expected seconds, 1..86400", v);
       o->watch_s = (int)t;
+    } else if ((v = flag_value(argc, argv, &i, "--wait", &missing))) {
+      char *end;
+      errno = 0;
+      long t = strtol(v, &end, 10);
+      if (errno || *end || t < 1 || t > 86400)
+        return usage_error("--wait '%s': expected seconds, 1..86400", v);
+      o->wait_s = (int)t;
+    } else if ((v = flag_value(argc, argv, &i, "--token-file", &missing))) {
+      if (!v[0]) return usage_error("--token-file is empty");
+      o->token_file = v;
     } else if ((v = flag_value(argc, argv, &i, "--service", &missing))) {
       o->service = v;
     } else if ((v = flag_value(argc, argv, &i, "--out", &missing))) {
@@ -193,11 +220,17 @@ static int parse(int argc, char **argv, options_t *o) {
       return usage_error("unexpected argument '%s'", a);
     }
   }
-  if (!o->command) return usage_error("no command given: status, health, verify or export");
+  if (!o->command)
+    return usage_error("no command given: status, health, checkpoint, verify or export");
   int offline = !strcmp(o->command, "verify") || !strcmp(o->command, "export");
-  if (strcmp(o->command, "status") != 0 && strcmp(o->command, "health") != 0 && !offline)
-    return usage_error("unknown command '%s': expected status, health, verify or export",
-                       o->command);
+  if (strcmp(o->command, "status") != 0 && strcmp(o->command, "health") != 0 &&
+      strcmp(o->command, "checkpoint") != 0 && !offline)
+    return usage_error(
+        "unknown command '%s': expected status, health, checkpoint, verify or export", o->command);
+  if (o->wait_s && strcmp(o->command, "checkpoint") != 0)
+    return usage_error("--wait is an option of checkpoint");
+  if (!strcmp(o->command, "checkpoint") && (o->world || o->json || o->watch_s || o->service[0]))
+    return usage_error("checkpoint takes --wait only");
   if (offline) {
     if (!o->ckpt_dir) return usage_error("%s needs a checkpoint directory", o->command);
     if (!strcmp(o->command, "export") && !o->out) return usage_error("export needs --out FILE");
@@ -225,6 +258,81 @@ static int call(const char *address, const char *method, const ProtobufCMessage 
   rc = zd__grpc_call(ch, method, req, reply_desc, reply, timeout_ms, 0, status, err);
   zd__grpc_channel_close(ch);
   return rc;
+}
+
+/* ---- checkpoint ----------------------------------------------------------------------------- */
+
+/* The node's checkpoint status; dir and error (ZD__ERR_MSG_MAX bytes each) get the last complete
+ * one's directory and the last failure ("" when none). */
+static int node_checkpoint(const options_t *o, Zerod__V1__CheckpointStatus *out, char *dir,
+                           char *error, zd__err_t *err) {
+  Zerod__V1__NodeStatusRequest req = ZEROD__V1__NODE_STATUS_REQUEST__INIT;
+  ProtobufCMessage *reply = NULL;
+  int rc = call(o->address, "/zerod.v1.Control/Status", &req.base,
+                &zerod__v1__node_status__descriptor, &reply, o->timeout_ms, NULL, err);
+  if (rc) return rc;
+  Zerod__V1__NodeStatus *st = (Zerod__V1__NodeStatus *)reply;
+  if (!st->checkpoint) {
+    protobuf_c_message_free_unpacked(reply, NULL);
+    return zd__errf(err, ZD_EVERSION, "%s reports no checkpoints (an older zerod)", o->address);
+  }
+  *out = *st->checkpoint;
+  snprintf(dir, ZD__ERR_MSG_MAX, "%s", out->last_dir ? out->last_dir : "");
+  snprintf(error, ZD__ERR_MSG_MAX, "%s", out->last_error ? out->last_error : "");
+  out->last_dir = out->last_error = NULL; /* freed with the reply */
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return ZD_OK;
+}
+
+static int cmd_checkpoint(const options_t *o) {
+  zd__err_t err = {0};
+  char token[ZD__TOKEN_MAX] = "";
+  if (o->token_file && zd__token_load(o->token_file, token, &err) != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  Zerod__V1__CheckpointStatus before = ZEROD__V1__CHECKPOINT_STATUS__INIT, now;
+  char dir[ZD__ERR_MSG_MAX], error[ZD__ERR_MSG_MAX];
+  if (o->wait_s && node_checkpoint(o, &before, dir, error, &err) != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  zd__grpc_channel_t *ch;
+  Zerod__V1__RequestCheckpointRequest req = ZEROD__V1__REQUEST_CHECKPOINT_REQUEST__INIT;
+  ProtobufCMessage *reply = NULL;
+  int rc = zd__grpc_channel_open(o->address, &ch, &err);
+  if (!rc && token[0] && zd__grpc_channel_set_token(ch, token))
+    rc = zd__errf(&err, -ENOMEM, "out of memory");
+  if (!rc)
+    rc = zd__grpc_call(ch, "/zerod.v1.Control/Checkpoint", &req.base,
+                       &zerod__v1__request_checkpoint_reply__descriptor, &reply, o->timeout_ms, 0,
+                       NULL, &err);
+  if (!rc) zd__grpc_channel_close(ch);
+  if (rc) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  printf("%s: checkpoint requested; taken after the next step of every rank\n", o->address);
+  if (!o->wait_s) return EXIT_OK;
+  for (int waited_ms = 0; waited_ms < o->wait_s * 1000; waited_ms += 200) {
+    usleep(200000);
+    if (node_checkpoint(o, &now, dir, error, &err) != 0) {
+      fprintf(stderr, "zeroctl: %s\n", err.msg);
+      return EXIT_FAIL;
+    }
+    if (now.failures > before.failures) {
+      fprintf(stderr, "zeroctl: checkpoint failed: %s\n", error);
+      return EXIT_FAIL;
+    }
+    if (now.completed > before.completed) {
+      printf("complete: step %" PRIu64 " in %s\n", now.last_step, dir);
+      return EXIT_OK;
+    }
+  }
+  fprintf(stderr, "zeroctl: no checkpoint complete within %d s (no step taken meanwhile?)\n",
+          o->wait_s);
+  return EXIT_FAIL;
 }
 
 static void fetch_status(node_t *n, int timeout_ms) {
@@ -729,7 +837,9 @@ int main(int argc, char **argv) {
       sleep((unsigned)o.watch_s);
     }
   }
-  rc = !strcmp(o.command, "status") ? cmd_status(&o) : cmd_health(&o);
+  rc = !strcmp(o.command, "status")       ? cmd_status(&o)
+       : !strcmp(o.command, "checkpoint") ? cmd_checkpoint(&o)
+                                          : cmd_health(&o);
   grpc_shutdown();
   return rc;
 }

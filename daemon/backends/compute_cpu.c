@@ -2,27 +2,26 @@
  * the daemon's fork-join pool. Every operation is complete when it returns, so begin and finish
  * have nothing to do and the step record is all-gathered from host memory.
  *
- * This is the code step.c ran before the backends were split, unchanged: one pass over the shard
- * per kernel, tiny buckets inline on the worker (no wake-ups), statistics in the fixed block order
- * of adam.h.
+ * The state arrays are placed by common/placement.h, each at its own colour, so that a step's
+ * streams never start at the same address modulo a large power of two (at 2^25 parameters that
+ * halved the step). Statistics are summed in the fixed block order of adam.h whatever the split.
  */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "compute.h"
+#include "placement.h"
 #include "pool.h"
 #include "step.h"
-
-/* Below this many elements per task, splitting a kernel over threads costs more than it saves. */
-#define MIN_TASK_ELEMS 32768u
 
 typedef struct cpu_compute {
   zd__compute_t base;
   zd__pool_t *pool;
   zd__adam_fn adam;
   zd__stats_fn stats;
+  unsigned next_colour; /* the next state array's colour (placement.h) */
+  uint64_t *nonfinite;  /* per pool thread, for the statistics */
 } cpu_compute_t;
 
 /* Per model: scratch for the statistics' block sums, as many as the largest bucket has. */
@@ -30,27 +29,25 @@ typedef struct cpu_model {
   double *block_sums;
 } cpu_model_t;
 
-static unsigned tasks_for(const cpu_compute_t *c, uint64_t n) {
-  uint64_t t = n / MIN_TASK_ELEMS;
-  unsigned max = zd__pool_size(c->pool);
-  return t < 1 ? 1 : (t > max ? max : (unsigned)t);
-}
-
 /* ---- state --------------------------------------------------------------------------------- */
 
+/* A model's arrays (master, exp_avg, exp_avg_sq, then the gradient shard) are allocated one after
+ * the other by one thread, so handing out the four state colours in turn gives each its own. */
 static int cpu_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
-  (void)base;
+  cpu_compute_t *c = (cpu_compute_t *)base;
   size_t bytes = (size_t)n * sizeof(float);
-  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return zd__errf(err, -ENOMEM, "mmap of %zu bytes failed", bytes);
-  madvise(p, bytes, MADV_HUGEPAGE); /* streaming over GBs: fewer TLB misses */
+  unsigned colour = ZD__COLOUR_STATE + c->next_colour;
+  c->next_colour = (c->next_colour + 1) % 4;
+  void *p;
+  int rc = zd__place_anon(bytes, colour, &p);
+  if (rc) return zd__errf(err, rc, "cannot map %zu bytes of optimizer state", bytes);
   *out = p;
   return ZD_OK;
 }
 
 static void cpu_release(zd__compute_t *base, float *p, uint64_t n) {
   (void)base;
-  if (p) munmap(p, (size_t)n * sizeof(float));
+  zd__place_release(p, (size_t)n * sizeof(float));
 }
 
 static int cpu_copy_state(zd__compute_t *base, float *state, float *host, uint64_t n, int to_host,
@@ -139,18 +136,13 @@ typedef struct stats_run {
   const zd__segment_t *segs;
   uint32_t nsegs;
   uint64_t n;
-  uint64_t nblocks;
   double *sums;
-  uint64_t nonfinite[64]; /* per task; summed afterwards */
 } stats_run_t;
 
-static void stats_task(void *arg, unsigned task, unsigned ntasks) {
+static void stats_chunk(void *arg, uint64_t b0, uint64_t b1, unsigned thread) {
   stats_run_t *r = arg;
-  uint64_t per = (r->nblocks + ntasks - 1) / ntasks;
-  uint64_t b0 = per * task, b1 = b0 + per < r->nblocks ? b0 + per : r->nblocks;
-  if (b0 < b1)
-    r->c->stats(r->grad, r->dtype, r->segs, r->nsegs, r->n, b0, b1, r->sums + b0,
-                &r->nonfinite[task]);
+  r->c->stats(r->grad, r->dtype, r->segs, r->nsegs, r->n, b0, b1, r->sums + b0,
+              &r->c->nonfinite[thread]);
 }
 
 /* Sum of squares and non-finite count of this rank's reduced gradients of bucket b. */
@@ -166,13 +158,16 @@ static int cpu_grad_stats(zd__compute_t *base, zd__model_t *m, uint32_t b, int f
                    .segs = m->segs[b],
                    .nsegs = m->nsegs[b],
                    .n = bk->shard_elems,
-                   .nblocks = zd__stats_blocks(bk->shard_elems),
                    .sums = cm->block_sums};
-  unsigned ntasks = tasks_for(c, bk->shard_elems);
-  if (ntasks > 64) ntasks = 64;
-  zd__pool_run(c->pool, ntasks, stats_task, &r);
-  rec->sumsq += zd__grad_stats_sum(r.sums, r.nblocks);
-  for (unsigned t = 0; t < ntasks; t++) rec->nonfinite += r.nonfinite[t];
+  unsigned nthreads = zd__pool_size(c->pool);
+  memset(c->nonfinite, 0, nthreads * sizeof *c->nonfinite);
+  /* The statistics read one stream where the update moves eight: a thread pays off only over
+   * proportionally more elements. */
+  uint64_t nblocks = zd__stats_blocks(bk->shard_elems);
+  zd__pool_for(c->pool, nblocks, 1, 8 * ZD__POOL_STREAM_MIN_PER_THREAD / ZD__STATS_BLOCK,
+               stats_chunk, &r);
+  rec->sumsq += zd__grad_stats_sum(r.sums, nblocks);
+  for (unsigned t = 0; t < nthreads; t++) rec->nonfinite += c->nonfinite[t];
   return ZD_OK;
 }
 
@@ -188,15 +183,12 @@ static int cpu_gather_records(zd__compute_t *base, zd__comm_t *comm, zd__model_t
 typedef struct adam_run {
   const zd__adam_args_t *args;
   zd__adam_fn fn;
-  uint64_t n;
 } adam_run_t;
 
-static void adam_task(void *arg, unsigned task, unsigned ntasks) {
+static void adam_chunk(void *arg, uint64_t begin, uint64_t end, unsigned thread) {
+  (void)thread;
   const adam_run_t *r = arg;
-  /* ceil(n / ntasks), rounded up to whole cache lines of every stream: the tasks cover n. */
-  uint64_t chunk = ((r->n + ntasks - 1) / ntasks + ZD__ALIGN - 1) / ZD__ALIGN * ZD__ALIGN;
-  uint64_t begin = chunk * task, end = begin + chunk < r->n ? begin + chunk : r->n;
-  if (begin < end) r->fn(r->args, begin, end);
+  r->fn(r->args, begin, end);
 }
 
 static int cpu_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd__buffers_t *buf,
@@ -219,13 +211,16 @@ static int cpu_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd_
       .nsegs = m->nsegs[b],
       .groups = consts,
   };
-  adam_run_t run = {.args = &args, .fn = c->adam, .n = bk->shard_elems};
-  zd__pool_run(c->pool, tasks_for(c, bk->shard_elems), adam_task, &run);
+  adam_run_t run = {.args = &args, .fn = c->adam};
+  zd__pool_for(c->pool, bk->shard_elems, ZD__POOL_STREAM_GRAIN, ZD__POOL_STREAM_MIN_PER_THREAD,
+               adam_chunk, &run);
   return ZD_OK;
 }
 
 static void cpu_destroy(zd__compute_t *base) {
-  free(base);
+  cpu_compute_t *c = (cpu_compute_t *)base;
+  free(c->nonfinite);
+  free(c);
 }
 
 static const zd__compute_ops_t cpu_ops = {
@@ -245,7 +240,11 @@ static const zd__compute_ops_t cpu_ops = {
 
 int zd__compute_cpu_create(zd__pool_t *pool, int isa, zd__compute_t **out) {
   cpu_compute_t *c = calloc(1, sizeof *c);
-  if (!c) return -ENOMEM;
+  if (c) c->nonfinite = calloc(zd__pool_size(pool), sizeof *c->nonfinite);
+  if (!c || !c->nonfinite) {
+    free(c);
+    return -ENOMEM;
+  }
   c->base.ops = &cpu_ops;
   c->base.name = "cpu";
   c->pool = pool;

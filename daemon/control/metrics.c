@@ -38,6 +38,7 @@
 typedef enum {
   V_NUMBER, /* the value as it is */
   V_MICROS, /* whole microseconds, exported in seconds */
+  V_MILLIS, /* whole milliseconds, exported in seconds */
   V_IS,     /* 1 when the value is arg, else 0 */
   V_ISNT,   /* 1 when the value is not arg, else 0 */
   V_ONE,    /* 1: an _info family, whose labels are the information */
@@ -47,7 +48,7 @@ typedef struct family {
   const char *name;
   const char *type; /* "gauge" or "counter" */
   const char *help;
-  const char *section; /* "server", "world", or "rank" for every "rank N" section */
+  const char *section; /* "server", "world", "checkpoint", or "rank" for every "rank N" section */
   const char *key;     /* a section without this key gives no sample */
   conv_t conv;
   const char *arg;    /* V_IS, V_ISNT */
@@ -135,6 +136,25 @@ static const family_t families[] = {
      "rank", "scatters", V_NUMBER, NULL, NULL, NULL},
     {"zerod_rank_gathers_total", "counter", "parameter all-gathers completed by the rank", "rank",
      "gathers", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_checkpoints_total", "counter",
+     "checkpoints completed (on rank 0's zerod; elsewhere: this zerod's files written)",
+     "checkpoint", "completed", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_checkpoint_failures_total", "counter", "checkpoints that failed to be written",
+     "checkpoint", "failures", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_checkpoint_in_progress", "gauge", "checkpoint files queued or being written",
+     "checkpoint", "in_progress", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_checkpoint_last_step", "gauge", "step of the last complete checkpoint", "checkpoint",
+     "last_step", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_checkpoint_age_seconds", "gauge", "seconds since the last complete checkpoint",
+     "checkpoint", "last_age_s", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_checkpoint_duration_seconds", "gauge",
+     "last complete checkpoint: from the snapshot to the manifest", "checkpoint",
+     "last_duration_ms", V_MILLIS, NULL, NULL, NULL},
+    {"zerod_checkpoint_snapshot_seconds", "gauge",
+     "last checkpoint: the stall of its step (copying the shard aside)", "checkpoint",
+     "last_snapshot_us", V_MICROS, NULL, NULL, NULL},
+    {"zerod_checkpoint_bytes", "gauge", "bytes of the last complete checkpoint", "checkpoint",
+     "last_bytes", V_NUMBER, NULL, NULL, NULL},
 };
 #define NFAMILIES (sizeof families / sizeof families[0])
 
@@ -177,12 +197,16 @@ static const char *sample_value(const family_t *fm, const char *text, char *buf,
       return strcmp(text, fm->arg) ? "0" : "1";
     case V_ISNT:
       return strcmp(text, fm->arg) ? "1" : "0";
-    case V_MICROS: {
+    case V_MICROS:
+    case V_MILLIS: {
       char *end;
       errno = 0;
-      unsigned long long us = strtoull(text, &end, 10);
+      unsigned long long v = strtoull(text, &end, 10);
       if (errno || end == text || *end || text[0] == '-') return NULL;
-      snprintf(buf, len, "%llu.%06llu", us / 1000000u, us % 1000000u);
+      if (fm->conv == V_MICROS)
+        snprintf(buf, len, "%llu.%06llu", v / 1000000u, v % 1000000u);
+      else
+        snprintf(buf, len, "%llu.%03llu", v / 1000u, v % 1000u);
       return buf;
     }
     case V_NUMBER: {

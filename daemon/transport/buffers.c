@@ -7,6 +7,7 @@
 
 #include "dtype.h"
 #include "log.h"
+#include "placement.h"
 
 void zd__buffers_init(zd__session_buffers_t *sb) {
   *sb = (zd__session_buffers_t){.bufs.device = -1};
@@ -57,11 +58,11 @@ int zd__buffers_map_host(zd__session_buffers_t *sb, const zd__daemon_t *d, uint3
                     nfds);
   uint64_t total = spec->layout->total_elems;
   sb->bufs.device = -1;
-  int rc = zd__shm_map(fds[0], total * zd_dtype_size(spec->param_dtype), "param buffer",
-                       &sb->bufs.params, err);
+  int rc = zd__shm_map(fds[0], total * zd_dtype_size(spec->param_dtype), ZD__COLOUR_PARAMS,
+                       "param buffer", &sb->bufs.params, err);
   if (rc) return rc;
-  return zd__shm_map(fds[1], total * zd_dtype_size(spec->grad_dtype), "grad buffer",
-                     &sb->bufs.grads, err);
+  return zd__shm_map(fds[1], total * zd_dtype_size(spec->grad_dtype), ZD__COLOUR_GRADS,
+                     "grad buffer", &sb->bufs.grads, err);
 }
 
 /* (Handles are not compared with each other: nothing documents that distinct events have

@@ -1,13 +1,18 @@
-/* Client buffers in host shared memory (shm.h); CUDA IPC buffers are in shm_cuda.c. */
+/* Client buffers in host shared memory (shm.h); CUDA IPC buffers are in shm_cuda.c. A host
+ * buffer is mapped at the colour its caller names (placement.h), so that zerod's mappings of the
+ * grad and param buffers never start at the same address modulo a large power of two as each
+ * other or as the state arrays the step streams with them. */
 #include "shm.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 
-int zd__shm_map(int fd, size_t needed, const char *what, zd__shm_t *out, zd__err_t *err) {
+#include "placement.h"
+
+int zd__shm_map(int fd, size_t needed, unsigned colour, const char *what, zd__shm_t *out,
+                zd__err_t *err) {
   struct stat st;
   *out = (zd__shm_t){0};
   if (fstat(fd, &st) != 0)
@@ -23,9 +28,9 @@ int zd__shm_map(int fd, size_t needed, const char *what, zd__shm_t *out, zd__err
     return zd__errf(err, ZD_EBUFFER, "%s is %lld bytes, layout needs %zu", what,
                     (long long)st.st_size, needed);
   size_t bytes = (size_t)st.st_size;
-  void *addr = mmap(NULL, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (addr == MAP_FAILED)
-    return zd__errf(err, -errno, "%s: mmap of %zu bytes failed: %s", what, bytes, strerror(errno));
+  void *addr;
+  int rc = zd__place_fd(fd, bytes ? bytes : 1, colour, &addr);
+  if (rc) return zd__errf(err, rc, "%s: mmap of %zu bytes failed: %s", what, bytes, strerror(-rc));
   out->addr = addr;
   out->bytes = bytes;
   out->kind = ZD__SHM_HOST;
@@ -59,7 +64,7 @@ void zd__shm_close_event(int device, void *event) {
 void zd__shm_unmap(zd__shm_t *shm) {
   if (shm->kind == ZD__SHM_CUDA)
     zd__shm_close_cuda(shm);
-  else if (shm->addr)
-    munmap(shm->addr, shm->bytes ? shm->bytes : 1);
+  else
+    zd__place_release(shm->addr, shm->bytes);
   *shm = (zd__shm_t){0};
 }

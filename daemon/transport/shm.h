@@ -34,10 +34,12 @@ typedef struct zd__shm {
   int device;   /* ZD__SHM_CUDA: the GPU it was opened on */
 } zd__shm_t;
 
-/* Checks fd and maps it read-write. `what` names the buffer in messages ("grad buffer").
- * Does not take ownership of fd. Errors: ZD_EBUFFER (not a sealed regular file, too small), or a
- * system error. */
-int zd__shm_map(int fd, size_t needed, const char *what, zd__shm_t *out, zd__err_t *err);
+/* Checks fd and maps it read-write, whole, at `colour` (ZD__COLOUR_PARAMS or ZD__COLOUR_GRADS of
+ * placement.h: one per buffer a step streams, so that the mappings never start at the same address
+ * modulo a large power of two). `what` names the buffer in messages ("grad buffer"). Does not take
+ * ownership of fd. Errors: ZD_EBUFFER (not a sealed regular file, too small), or a system error. */
+int zd__shm_map(int fd, size_t needed, unsigned colour, const char *what, zd__shm_t *out,
+                zd__err_t *err);
 
 /* Unmaps (host) or closes (CUDA); accepts a zeroed zd__shm_t. For CUDA the GPU work using the
  * buffer must be complete. */

@@ -1,7 +1,9 @@
 /* The memory pass of the benchmarks: the loads and stores of the AdamW kernel (kernels/adam.h)
  * with no arithmetic, so that a benchmark can print the kernel's speed next to the limit the
- * memory bus sets, measured in the same run on the same buffers. Used by bench_adam (the kernel
- * alone) and bench_step (a whole step through zerod). */
+ * memory bus sets, measured in the same run. Used by bench_adam (the kernel alone) and bench_step
+ * (a whole step through zerod). The pass runs over padded buffers of its own (zd_bench_alloc), so
+ * that its number is the bus's limit and not that of some placement: a step over arrays that
+ * collide shows as a step below its pass. */
 #include "mempass.h"
 
 #include <immintrin.h>
@@ -9,8 +11,6 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <time.h>
-
-#define CHUNK 64 /* elements: tasks start on multiples of this (a cache line of every stream) */
 
 static size_t dtype_size(zd_dtype_t t) {
   return t == ZD_F32 ? 4 : 2;
@@ -33,10 +33,11 @@ static inline void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
 /* Elements [lo, hi) (multiples of 16): p, m, v, g loaded, p, m, v stored back and the working
  * params stored from p, 64 bytes per f32 stream and 32 per 16-bit stream at a time, exactly the
  * kernel's accesses. Like the kernel, it prefetches ZD__ADAM_PREFETCH elements ahead and streams
- * the working params when the call is large enough (ZD__ADAM_NT_MIN); tasks start on 64-element
- * boundaries of 2 MiB-aligned buffers, so the streaming stores are aligned. Both made the pass
- * faster on the machine this was tuned on; streaming the in-place streams too, unrolling, other
- * prefetch distances, and one stream at a time over tiles of 64..4096 elements were slower. */
+ * the working params when the call is large enough (ZD__ADAM_NT_MIN); chunks start on
+ * ZD__POOL_STREAM_GRAIN boundaries of page-aligned buffers, so the streaming stores are aligned.
+ * Both made the pass faster on the machine this was tuned on; streaming the in-place streams too,
+ * unrolling, other prefetch distances, and one stream at a time over tiles of 64..4096 elements
+ * were slower. */
 __attribute__((target("avx512f"))) static void pass_avx512(const zd__adam_args_t *a, uint64_t lo,
                                                            uint64_t hi) {
   __m512i key = _mm512_set1_epi32((int)pass_key);
@@ -123,14 +124,11 @@ static void pass_plain(const zd__adam_args_t *a, uint64_t lo, uint64_t hi) {
 typedef struct pass_run {
   const zd__adam_args_t *args;
   zd__isa_t isa;
-  uint64_t n;
 } pass_run_t;
 
-static void pass_task(void *arg, unsigned t, unsigned ntasks) {
+static void pass_chunk(void *arg, uint64_t lo, uint64_t hi, unsigned thread) {
+  (void)thread;
   const pass_run_t *r = arg;
-  uint64_t lo, hi;
-  zd_bench_split(r->n, t, ntasks, &lo, &hi);
-  if (lo >= hi) return;
   if (r->isa == ZD__ISA_AVX512)
     pass_avx512(r->args, lo, hi);
   else if (r->isa == ZD__ISA_AVX2)
@@ -139,18 +137,16 @@ static void pass_task(void *arg, unsigned t, unsigned ntasks) {
     pass_plain(r->args, lo, hi);
 }
 
-void zd_bench_split(uint64_t n, unsigned task, unsigned ntasks, uint64_t *lo, uint64_t *hi) {
-  uint64_t per = (n / CHUNK + ntasks - 1) / ntasks * CHUNK;
-  *lo = task * per;
-  *hi = *lo + per < n ? *lo + per : n;
-  if (*lo > n) *lo = n;
+double zd_bench_mempass(zd__pool_t *pool, zd__isa_t isa, const zd__adam_args_t *args, uint64_t n) {
+  pass_run_t r = {.args = args, .isa = isa};
+  double t0 = zd_bench_now();
+  zd__pool_for(pool, n, ZD__POOL_STREAM_GRAIN, ZD__POOL_STREAM_MIN_PER_THREAD, pass_chunk, &r);
+  return zd_bench_now() - t0;
 }
 
-double zd_bench_mempass(zd__pool_t *pool, zd__isa_t isa, const zd__adam_args_t *args, uint64_t n) {
-  pass_run_t r = {.args = args, .isa = isa, .n = n};
-  double t0 = zd_bench_now();
-  zd__pool_run(pool, zd__pool_size(pool), pass_task, &r);
-  return zd_bench_now() - t0;
+void zd_bench_settle(void) {
+  double until = zd_bench_now() + 200e-6; /* well past the pool's spin (pool.c) */
+  while (zd_bench_now() < until) continue;
 }
 
 double zd_bench_now(void) {
@@ -175,16 +171,28 @@ double zd_bench_percentile(double *t, int n, double q) {
   return t[i < 0 ? 0 : i >= n ? n - 1 : i];
 }
 
-/* Large buffers on 2 MiB boundaries with transparent huge pages asked for, as the daemon maps its
- * shards: TLB misses are not what is being measured. */
-void *zd_bench_alloc(size_t bytes) {
-  size_t align = 2u << 20;
-  bytes = (bytes + align - 1) / align * align;
-  void *p = aligned_alloc(align, bytes);
-  if (!p) {
-    fprintf(stderr, "benchmark: cannot allocate %zu bytes\n", bytes);
-    exit(1);
-  }
+void *zd_bench_alloc(size_t bytes, int fd) {
+  static unsigned count;
+  size_t align = 2u << 20, page = 4096;
+  size_t pad = align + (count * (page + (320u << 10))) % align;
+  count++;
+  bytes = (bytes + page - 1) / page * page;
+  char *res = mmap(NULL, bytes + pad + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (res == MAP_FAILED) goto fail;
+  char *at = (char *)(((uintptr_t)res + align - 1) & ~(uintptr_t)(align - 1)) + pad;
+  void *p = fd < 0 ? mmap(at, bytes, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+                   : mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+  if (p == MAP_FAILED) goto fail;
+  munmap(res, (size_t)(at - res));
+  munmap(at + bytes, (size_t)(res + bytes + pad + align - (at + bytes)));
   madvise(p, bytes, MADV_HUGEPAGE);
   return p;
+fail:
+  fprintf(stderr, "benchmark: cannot map %zu bytes\n", bytes);
+  exit(1);
+}
+
+void zd_bench_free(void *p, size_t bytes) {
+  if (p) munmap(p, bytes);
 }

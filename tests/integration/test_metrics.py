@@ -22,8 +22,10 @@ import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
+import time
 import unittest
 import urllib.error
 import urllib.request
@@ -84,9 +86,11 @@ def one(samples: List[Sample], name: str, **labels: str) -> float:
 class MetricsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls) -> None:
+        cls.checkpoints = tempfile.mkdtemp(prefix="zerod-metrics-")
         cls.daemon = zerod.testing.LocalZerod(
             ["--local_ranks", str(RANKS), "--bucket_elems", "256", "--metrics_address",
-             "127.0.0.1:0"], log_level="info")
+             "127.0.0.1:0", "--checkpoint_dir", cls.checkpoints, "--checkpoint_every_steps",
+             "2"], log_level="info")
         m = re.search(r"metrics on http://(127\.0\.0\.1:\d+)/metrics", cls.daemon.log())
         if not m:
             cls.daemon.stop()
@@ -101,6 +105,7 @@ class MetricsTest(unittest.TestCase):
         for c in cls.clients:
             c.close()
         assert cls.daemon.stop() == 0
+        shutil.rmtree(cls.checkpoints, ignore_errors=True)
 
     @classmethod
     def train(cls) -> List[zerod.StepResult]:
@@ -192,6 +197,23 @@ class MetricsTest(unittest.TestCase):
         self.assertAlmostEqual(one(s, "zerod_rank_grad_norm", rank="0"),
                                self.results[-1].grad_norm, delta=1e-5 * self.results[-1].grad_norm)
         self.assertGreater(self.results[-1].grad_norm, 0)
+
+    def test_checkpoint_values(self) -> None:
+        # every 2nd step; the last one may still be being written when the scrape comes
+        want = STEPS // 2 * 2
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(self.checkpoints, f"step-{want:012d}",
+                                              "manifest.json")):
+            self.assertLess(time.monotonic(), deadline, "the last checkpoint never completed")
+            time.sleep(0.05)
+        time.sleep(0.1)  # the finisher updates its counters right after the manifest
+        _, s, _ = self.scrape()
+        self.assertEqual(one(s, "zerod_checkpoints_total"), STEPS // 2)
+        self.assertEqual(one(s, "zerod_checkpoint_failures_total"), 0)
+        self.assertEqual(one(s, "zerod_checkpoint_last_step"), want)
+        self.assertGreater(one(s, "zerod_checkpoint_bytes"), 2 * 3 * 4 * (30 * 40 + 40) // RANKS)
+        self.assertGreaterEqual(one(s, "zerod_checkpoint_age_seconds"), 0)
+        self.assertGreaterEqual(one(s, "zerod_checkpoint_snapshot_seconds"), 0)  # present
 
     def test_connected_not_attached(self) -> None:
         # Both ranks are taken: a client naming one connects, but is not attached until it

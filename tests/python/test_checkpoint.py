@@ -159,6 +159,24 @@ def wait_complete(root: str, step: int, timeout: float = 30.0) -> str:
     return path
 
 
+def read_safetensors(path: str) -> Dict[str, np.ndarray]:
+    """A safetensors file of F32 tensors, read by the format's definition (8-byte header length,
+    JSON header, raw data): the test does not trust zerod's own reader."""
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        assert t["dtype"] == "F32", t
+        begin, end = t["data_offsets"]
+        out[name] = np.frombuffer(data[8 + n + begin:8 + n + end], dtype=np.float32).reshape(
+            t["shape"])
+    return out
+
+
 _REFERENCE: Dict[int, Dict[str, np.ndarray]] = {}
 
 
@@ -227,6 +245,35 @@ class CheckpointTest(unittest.TestCase):
             self.assertNotIn("last_error", status["checkpoint"])
         finally:
             close(world, trainers)
+
+    def test_zeroctl_checkpoint_and_export(self) -> None:
+        zeroctl = os.environ.get("ZEROCTL_BIN", "build/client/zeroctl")
+        world, trainers = start(2, ["--checkpoint-dir", self.dir])
+        try:
+            train(trainers, range(1, 3))
+            address = world.daemons[0].control_address
+            ask = subprocess.Popen([zeroctl, "--address", address, "checkpoint", "--wait", "60"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            time.sleep(0.5)  # requested before step 3: taken after it, on both ranks
+            train(trainers, range(3, 4))
+            out, _ = ask.communicate(timeout=60)
+            self.assertEqual(ask.returncode, 0, out)
+            self.assertIn("complete: step 3", out)
+        finally:
+            close(world, trainers)
+        path = os.path.join(self.dir, "step-000000000003")
+        out = subprocess.run([zeroctl, "verify", path], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        export = os.path.join(self.dir, "model.safetensors")
+        out = subprocess.run([zeroctl, "export", path, "--out", export, "--moments"],
+                             capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        tensors = read_safetensors(export)
+        for name, shape in PARAMS:
+            self.assertEqual(tensors[name].shape, shape)
+            self.assert_same({n: tensors[n] for n, _ in PARAMS}, reference()[3], "exported")
+            self.assertIn(name + ".exp_avg", tensors)
+            self.assertIn(name + ".exp_avg_sq", tensors)
 
     def test_sigkill_every_zerod_then_resume_is_bit_identical(self) -> None:
         ref = reference(12)
