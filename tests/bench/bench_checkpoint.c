@@ -230,7 +230,7 @@ int main(int argc, char **argv) {
   /* src also feeds the plain write, which writes as many bytes as a checkpoint file: the arrays
    * and the safetensors header. */
   uint64_t src_bytes = max_bytes + (1u << 20);
-  char *src = zd_bench_alloc(src_bytes), *dst = zd_bench_alloc(max_bytes);
+  char *src = zd_bench_alloc(src_bytes, -1), *dst = zd_bench_alloc(max_bytes, -1);
   for (uint64_t i = 0; i < src_bytes; i++) src[i] = (char)(i * 131 + (i >> 12));
   memset(dst, 0, max_bytes);
 
@@ -358,7 +358,7 @@ int main(int argc, char **argv) {
   free(pw);
   free(ckrate);
   free(prate);
-  free(src);
-  free(dst);
+  zd_bench_free(src, src_bytes);
+  zd_bench_free(dst, max_bytes);
   return failed;
 }
