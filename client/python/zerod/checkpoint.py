@@ -443,7 +443,8 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         if g.get("amsgrad"):
             raise ValueError(f"param group {gi}: amsgrad=True keeps state zerod has no place for")
         hp = {k: v for k, v in g.items() if k != "params"}
-        hp["optimizer"] = kind
+        # torch >= 2.7's Adam(decoupled_weight_decay=True) is AdamW.
+        hp["optimizer"] = "adamw" if g.get("decoupled_weight_decay") else kind
         try:
             groups.append(_c_group(Group.coerce(hp)))
         except (TypeError, ValueError) as e:
