@@ -5,6 +5,7 @@
  *   zeroctl [--address ADDR] [--timeout-ms N] [--token-file FILE] checkpoint [--wait SECONDS]
  *   zeroctl verify CKPT_DIR
  *   zeroctl export CKPT_DIR --out FILE [--moments]
+ *   zeroctl import FILE --out ROOT
  *
  * status asks one node for its ranks (shard, step, loss scale, grad norm, step time, client,
  * health) and prints a table, or JSON for scripts; --world asks that node for the node registry
@@ -23,7 +24,8 @@
  * verify and export work offline on a checkpoint directory (common/checkpoint_format.h), no
  * zerod involved: verify checks every rank file's size, checksum and header against the manifest;
  * export writes the fp32 master weights (and with --moments Adam's moments) as one safetensors
- * file by parameter name, for the rest of the ecosystem.
+ * file by parameter name, for the rest of the ecosystem. import goes the other way: optimizer state
+ * saved from torch (zerod.checkpoint.save_torch_state) becomes a checkpoint that zerod resumes.
  *
  * Every call has a timeout and fails fast when nothing listens (no WAIT_FOR_READY): an operator
  * wants "cannot reach zerod control service at X: connection refused" at once, not a hang.
@@ -32,6 +34,7 @@
 #include <grpc/grpc.h>
 #include <grpc/support/log.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <time.h>
 #include <unistd.h>
 #include <math.h>
@@ -111,6 +114,10 @@ static void usage(FILE *out) {
       "                             write a checkpoint's fp32 master weights as one safetensors\n"
       "                             file, a tensor per parameter name (--moments: also\n"
       "                             NAME.exp_avg and NAME.exp_avg_sq); verifies it first\n"
+      "  import FILE --out ROOT     make optimizer state saved from torch (Python:\n"
+      "                             zerod.checkpoint.save_torch_state) a checkpoint under ROOT\n"
+      "                             that zerod resumes (--resume DIR) at any world size; prints\n"
+      "                             its directory (offline: no options before the command)\n"
       "\n"
       "Options:\n"
       "  --address ADDR    control service: host:port or unix:/path (default:\n"
@@ -807,6 +814,43 @@ static int cmd_export(const options_t *o) {
   return EXIT_OK;
 }
 
+/* ---- import, offline ------------------------------------------------------------------------ */
+
+/* zeroctl import FILE --out ROOT. It talks to no zerod, so it has its own arguments, all after
+ * the command. */
+static int cmd_import(int argc, char **argv) {
+  const char *file = NULL, *root = NULL;
+  for (int i = 1; i < argc; i++) {
+    int missing = 0;
+    const char *v = flag_value(argc, argv, &i, "--out", &missing);
+    if (v) {
+      if (!v[0]) return usage_error("--out is empty");
+      root = v;
+    } else if (missing) {
+      return usage_error("--out needs a value");
+    } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+      usage(stdout);
+      return EXIT_OK;
+    } else if (argv[i][0] == '-') {
+      return usage_error("import takes --out ROOT only, not '%s'", argv[i]);
+    } else if (!file) {
+      file = argv[i];
+    } else {
+      return usage_error("unexpected argument '%s'", argv[i]);
+    }
+  }
+  if (!file) return usage_error("import needs a file (zerod.checkpoint.save_torch_state's)");
+  if (!root) return usage_error("import needs --out ROOT: where the checkpoint goes");
+  char dir[PATH_MAX];
+  zd__err_t err = {0};
+  if (zd__ckpt_import(file, root, dir, sizeof dir, &err) != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  printf("%s: imported as %s\nresume it with: zerod --resume %s\n", file, dir, dir);
+  return EXIT_OK;
+}
+
 /* gRPC's log lines are for developers; zeroctl reports the outcome of each call itself. */
 static void quiet_log(gpr_log_func_args *a) {
   if (getenv("ZEROCTL_GRPC_LOG"))
@@ -814,6 +858,7 @@ static void quiet_log(gpr_log_func_args *a) {
 }
 
 int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "import")) return cmd_import(argc - 1, argv + 1);
   options_t o;
   int rc = parse(argc, argv, &o);
   if (rc >= 0) return rc;

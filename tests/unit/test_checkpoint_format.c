@@ -2,8 +2,9 @@
  * and read back at world sizes 1, 2 and 4 (values bit for bit), every manifest field round-tripped,
  * corruption (a flipped byte, a truncated file) reported with the file and both checksums, an
  * incomplete checkpoint, find_latest falling back past broken ones, resharding loads between world
- * and bucket sizes, retention, export (its safetensors header parsed back and its values checked)
- * and the throttled writer.
+ * and bucket sizes, retention, export (its safetensors header parsed back and its values checked),
+ * the throttled writer, and import (a torch-state file and an export back in, every element checked
+ * after loads at two topologies; malformed files refused with their cause).
  *
  * Values are a function of (parameter, element, tensor) drawn from a fixed seed, so any rank of any
  * layout knows what each of its elements must hold; where an element goes is computed here from
@@ -715,6 +716,271 @@ static void test_throttle(void) {
   free(a);
 }
 
+/* ---- import ---- */
+
+#define J_DOUBLE(v) json_real(v)
+#define J_ENUM(v)   json_integer(v)
+#define J_BOOL(v)   json_boolean(v)
+
+/* The groups as the manifest and the imported files write them (every field by its C name). */
+static char *groups_text(const zd_group_t *gs, uint32_t n) {
+  json_t *arr = json_array();
+  for (uint32_t g = 0; g < n; g++) {
+    json_t *o = json_object();
+#define PUT(name, kind, valid, expected, dflt) json_object_set_new(o, #name, J_##kind(gs[g].name));
+    ZD__GROUP_FIELDS(PUT)
+#undef PUT
+    json_array_append_new(arr, o);
+  }
+  char *text = json_dumps(arr, JSON_COMPACT | JSON_REAL_PRECISION(17));
+  json_decref(arr);
+  return text;
+}
+
+static void set_meta(json_t *hdr, const char *key, const char *value) {
+  json_object_set_new(json_object_get(hdr, "__metadata__"), key, json_string(value));
+}
+
+/* A file as zerod.checkpoint.save_torch_state writes it, of the test model at `step`: the header,
+ * and the data in *data. The tensors lie in the data in reverse parameter order, so that the
+ * parameter order can only come from the "params" metadata. */
+static json_t *state_file(uint64_t step, char **data, uint64_t *data_bytes) {
+  static const char *const suffix[3] = {"", ".exp_avg", ".exp_avg_sq"};
+  json_t *hdr = json_object(), *meta = json_object(), *names = json_array(), *pg = json_array();
+  uint64_t total = 0;
+  for (uint32_t p = 0; p < NPARAMS; p++) {
+    uint64_t numel = 1;
+    for (uint32_t d = 0; d < model[p].ndim; d++) numel *= model[p].shape[d];
+    total += 3 * numel * 4;
+  }
+  char *buf = malloc(total + 1);
+  uint64_t off = 0;
+  for (int t = 0; t < 3; t++) {
+    for (uint32_t q = NPARAMS; q-- > 0;) {
+      const zd_param_t *mp = &model[q];
+      json_t *shape = json_array(), *e = json_object();
+      uint64_t numel = 1;
+      for (uint32_t d = 0; d < mp->ndim; d++) {
+        json_array_append_new(shape, json_integer((json_int_t)mp->shape[d]));
+        numel *= mp->shape[d];
+      }
+      for (uint64_t i = 0; i < numel; i++) {
+        float v = value(q, i, t);
+        memcpy(buf + off + i * 4, &v, 4);
+      }
+      json_object_set_new(e, "dtype", json_string("F32"));
+      json_object_set_new(e, "shape", shape);
+      json_object_set_new(e, "data_offsets",
+                          json_pack("[I, I]", (json_int_t)off, (json_int_t)(off + numel * 4)));
+      char name[300];
+      snprintf(name, sizeof name, "%s%s", mp->name, suffix[t]);
+      json_object_set_new(hdr, name, e);
+      off += numel * 4;
+    }
+  }
+  for (uint32_t p = 0; p < NPARAMS; p++) {
+    json_array_append_new(names, json_string(model[p].name));
+    json_array_append_new(pg, json_integer(model[p].group));
+  }
+  char num[24], *names_text = json_dumps(names, JSON_COMPACT), *pg_text = json_dumps(pg, 0);
+  zd_group_t gs[NGROUPS] = {zd_group_default(), zd_group_default()};
+  gs[1].weight_decay = 0;
+  gs[1].lr = 0.25;
+  char *g_text = groups_text(gs, NGROUPS);
+  snprintf(num, sizeof num, "%" PRIu64, step);
+  json_object_set_new(meta, "format", json_string("pt"));
+  json_object_set_new(meta, "zerod_format", json_string("zerod-torch-state"));
+  json_object_set_new(meta, "zerod_version", json_string("1"));
+  json_object_set_new(meta, "step", json_string(num));
+  json_object_set_new(meta, "params", json_string(names_text));
+  json_object_set_new(meta, "param_groups", json_string(pg_text));
+  json_object_set_new(meta, "groups", json_string(g_text));
+  json_object_set_new(hdr, "__metadata__", meta);
+  free(names_text);
+  free(pg_text);
+  free(g_text);
+  json_decref(names);
+  json_decref(pg);
+  *data = buf;
+  *data_bytes = total;
+  return hdr;
+}
+
+static void write_file(const char *path, json_t *hdr, const char *data, uint64_t data_bytes) {
+  char *text = json_dumps(hdr, JSON_COMPACT);
+  size_t n = strlen(text), padded = (n + 7) / 8 * 8;
+  FILE *f = fopen(path, "wb");
+  CHECK(f);
+  unsigned char lenb[8];
+  for (int i = 0; i < 8; i++) lenb[i] = (unsigned char)((uint64_t)padded >> (8 * i));
+  CHECK_INT_EQ(fwrite(lenb, 1, 8, f), 8);
+  CHECK_U64_EQ(fwrite(text, 1, n, f), n);
+  for (size_t i = n; i < padded; i++) fputc(' ', f);
+  CHECK_U64_EQ(fwrite(data, 1, data_bytes, f), data_bytes);
+  CHECK_INT_EQ(fclose(f), 0);
+  free(text);
+}
+
+/* Imports path under a new root; returns its rc, the directory in dir. */
+static int import_into(const char *path, const char *root_name, char *dir, size_t len,
+                       zd__err_t *err) {
+  char root[300];
+  snprintf(root, sizeof root, "%s/%s", tmp_root, root_name);
+  return zd__ckpt_import(path, root, dir, len, err);
+}
+
+static void mut_missing(json_t *h) {
+  json_object_set(h, "stray", json_object_get(h, "head.bias.exp_avg_sq"));
+  json_object_del(h, "head.bias.exp_avg_sq");
+}
+static void mut_extra(json_t *h) {
+  json_object_set(h, "stray", json_object_get(h, "head.bias"));
+}
+static void mut_dtype(json_t *h) {
+  json_object_set_new(json_object_get(h, "embed.bias"), "dtype", json_string("F16"));
+}
+static void mut_shape(json_t *h) {
+  json_object_set_new(json_object_get(h, "block.0.w.exp_avg"), "shape", json_pack("[I, I]", 9, 40));
+}
+static void mut_offsets(json_t *h) {
+  json_t *e = json_object_get(h, "embed.weight");
+  json_object_set_new(
+      e, "data_offsets",
+      json_pack("[I, I]", (json_int_t)1 << 30, ((json_int_t)1 << 30) + 13 * 11 * 4));
+}
+static void mut_version(json_t *h) {
+  set_meta(h, "zerod_version", "2");
+}
+static void mut_step(json_t *h) {
+  set_meta(h, "step", "-1");
+}
+static void mut_group_field(json_t *h) { /* a hyperparameter this build does not know */
+  json_t *meta = json_object_get(h, "__metadata__");
+  json_t *gs = json_loads(json_string_value(json_object_get(meta, "groups")), 0, NULL);
+  json_object_set_new(json_array_get(gs, 1), "nesterov", json_true());
+  char *text = json_dumps(gs, JSON_COMPACT);
+  set_meta(h, "groups", text);
+  free(text);
+  json_decref(gs);
+}
+static void mut_param_group(json_t *h) {
+  set_meta(h, "param_groups", "[0, 1, 1, 0, 1, 0, 0, 0, 5]");
+}
+static void mut_no_meta(json_t *h) {
+  json_object_del(h, "__metadata__");
+}
+static void mut_names(json_t *h) {
+  set_meta(h, "params", "[\"embed.weight\"]");
+}
+static void mut_format(json_t *h) {
+  set_meta(h, "zerod_format", "zerod-shard");
+}
+
+static void test_import(void) {
+  char path[300], dir[512], root[300];
+  snprintf(path, sizeof path, "%s/state.safetensors", tmp_root);
+  char *data;
+  uint64_t data_bytes;
+  json_t *hdr = state_file(42, &data, &data_bytes);
+  write_file(path, hdr, data, data_bytes);
+  json_decref(hdr);
+  free(data);
+
+  /* The root does not exist yet: import creates it. */
+  zd__err_t err = {0};
+  int rc = import_into(path, "import-a", dir, sizeof dir, &err);
+  CHECK_MSG(rc == 0, "%s", err.msg);
+  snprintf(root, sizeof root, "%s/import-a/step-000000000042", tmp_root);
+  CHECK_STR_EQ(dir, root);
+  zd__ckpt_manifest_t *m;
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+  CHECK_U64_EQ(m->step, 42);
+  CHECK_U64_EQ(m->steps_skipped, 0);
+  CHECK_U64_EQ(m->world_size, 1);
+  CHECK_U64_EQ(m->ngroups, NGROUPS);
+  CHECK_DBL_EQ(m->groups[1].lr, 0.25);
+  CHECK_DBL_EQ(m->groups[1].weight_decay, 0);
+  CHECK_DBL_EQ(m->groups[0].weight_decay, zd_group_default().weight_decay);
+  CHECK_INT_EQ(m->scaler.enabled, 0);
+  for (uint32_t p = 0; p < NPARAMS; p++) {
+    CHECK_STR_EQ(m->layout->params[p].name, model[p].name);
+    CHECK_U64_EQ(m->layout->params[p].group, model[p].group);
+  }
+  zd__ckpt_manifest_free(m);
+  /* Every element where the layout rule puts it, at the writer's topology and resharded. */
+  zd__layout_t *l1 = build(1, 1000), *l4 = build(4, 70);
+  check_load(dir, l1);
+  check_load(dir, l4);
+
+  /* A second import of the same step does not replace the checkpoint. */
+  CHECK_INT_EQ(import_into(path, "import-a", dir, sizeof dir, &err), -EEXIST);
+  CHECK_CONTAINS(err.msg, "step-000000000042");
+
+  /* An export goes back in unchanged (its parameter order from its data). */
+  zd__layout_t *l2 = build(2, 120);
+  const char *src = write_ckpt(subroot("import-src"), l2, 99, NULL);
+  zd__layout_free(l2);
+  char exported[300];
+  snprintf(exported, sizeof exported, "%s/exported.safetensors", tmp_root);
+  CHECK_INT_EQ(zd__ckpt_export(src, exported, 1, &err), 0);
+  rc = import_into(exported, "import-b", dir, sizeof dir, &err);
+  CHECK_MSG(rc == 0, "%s", err.msg);
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+  CHECK_U64_EQ(m->step, 99);
+  CHECK_U64_EQ(m->steps_skipped, 3);
+  zd__ckpt_manifest_free(m);
+  check_load(dir, l4);
+  CHECK_INT_EQ(zd__ckpt_export(src, exported, 0, &err), 0);
+  CHECK_INT_EQ(import_into(exported, "import-c", dir, sizeof dir, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "without moments");
+
+  /* Malformed files: refused with what is wrong, and no checkpoint left that looks complete. */
+  static const struct {
+    void (*mutate)(json_t *);
+    int rc;
+    const char *msg;
+  } bad[] = {
+      {mut_missing, -EBADMSG, "no tensor \"head.bias.exp_avg_sq\""},
+      {mut_extra, -EBADMSG, "expected 3 per parameter"},
+      {mut_dtype, -EBADMSG, "\"embed.bias\" is not F32"},
+      {mut_shape, -EBADMSG, "\"block.0.w.exp_avg\" is not of its parameter's shape"},
+      {mut_offsets, -EBADMSG, "\"embed.weight\": data_offsets"},
+      {mut_version, ZD_EVERSION, "zerod_version \"2\""},
+      {mut_step, -EBADMSG, "\"step\" is \"-1\""},
+      {mut_group_field, -EBADMSG, "nesterov"},
+      {mut_param_group, -EBADMSG, "\"param_groups\"[8] ('head.bias')"},
+      {mut_no_meta, -EBADMSG, "no __metadata__"},
+      {mut_names, -EBADMSG, "\"params\" names 1 parameters"},
+      {mut_format, -EBADMSG, "zerod_format is \"zerod-shard\""},
+  };
+  for (size_t c = 0; c < sizeof bad / sizeof bad[0]; c++) {
+    hdr = state_file(7, &data, &data_bytes);
+    bad[c].mutate(hdr);
+    snprintf(path, sizeof path, "%s/bad-%zu.safetensors", tmp_root, c);
+    write_file(path, hdr, data, data_bytes);
+    json_decref(hdr);
+    free(data);
+    char name[32];
+    snprintf(name, sizeof name, "import-bad-%zu", c);
+    err = (zd__err_t){0};
+    rc = import_into(path, name, dir, sizeof dir, &err);
+    CHECK_MSG(rc == bad[c].rc, "case %zu: rc %d (%s); expected %d", c, rc, err.msg, bad[c].rc);
+    CHECK_CONTAINS(err.msg, bad[c].msg);
+    CHECK_CONTAINS(err.msg, path);
+    snprintf(root, sizeof root, "%s/%s/step-000000000007/manifest.json", tmp_root, name);
+    CHECK_INT_EQ(access(root, F_OK), -1);
+  }
+  /* Not a safetensors file at all. */
+  FILE *f = fopen(path, "wb");
+  CHECK(f);
+  fputs("hello", f);
+  fclose(f);
+  CHECK_INT_EQ(import_into(path, "import-junk", dir, sizeof dir, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "not a safetensors file");
+  zd__layout_free(l1);
+  zd__layout_free(l4);
+}
+
 int main(void) {
   snprintf(tmp_root, sizeof tmp_root, "/tmp/zd-ckpt-test-XXXXXX");
   CHECK(mkdtemp(tmp_root));
@@ -727,6 +993,7 @@ int main(void) {
   test_prune();
   test_export();
   test_throttle();
+  test_import();
   printf("checkpoint_format: ok\n");
   return 0;
 }

@@ -1,0 +1,528 @@
+"""Moving optimizer state between zerod and plain torch: out of a checkpoint into a
+``torch.optim.AdamW`` state_dict, and from a torch optimizer into a checkpoint zerod resumes.
+
+Out::
+
+    state = zerod.checkpoint.torch_state_dict(ckpt_dir, model.named_parameters())
+    state.load_params(model.named_parameters())       # the fp32 master weights
+    opt = torch.optim.AdamW(groups_as_registered, ...)  # same groups, same order
+    opt.load_state_dict(state.state_dict)
+
+In::
+
+    zerod.checkpoint.save_torch_state(opt, model.named_parameters(), "state.safetensors")
+    ckpt = zerod.checkpoint.import_checkpoint("state.safetensors", "/ckpt")  # zeroctl import
+    # zerod --resume <ckpt>; the trainer builds its ZeroOptimizer with the same groups and
+    # names, registers, and continues at the torch optimizer's step.
+
+Both directions go through one file format, safetensors by its definition (an 8-byte
+little-endian header length, a JSON header, raw little-endian data): an F32 tensor per parameter
+name holding its master weights, "<name>.exp_avg" and "<name>.exp_avg_sq" with the moments, and
+metadata strings: zerod_format ("zerod-export" from ``zeroctl export``, "zerod-torch-state" from
+save_torch_state), zerod_version "1", step, the groups (JSON, zerod's fields by their C names),
+each parameter's group and, in save_torch_state's files, the parameter names in registration
+order. Any safetensors reader opens these files; this module reads and writes them with the
+standard library and torch (or NumPy) only.
+
+A checkpoint directory is turned into such a file by ``zeroctl export --moments`` ($ZEROCTL_BIN,
+else zeroctl on PATH) in a temporary directory, rather than by reading the rank files here: where
+each element of a parameter lies in the rank files follows the layout rule (buckets, padding,
+each rank's slice of every bucket) at the world and bucket size the checkpoint was written with,
+and zeroctl applies it with the code zerod resumes with, after checking every file's checksum. A
+second implementation here could drift from it without any test noticing until a resharded
+checkpoint came out wrong. The cost is a temporary file of 12 bytes per parameter element.
+
+What carries over: the step (torch's per-parameter ``step``, stored as the running torch stores
+it: a float tensor in 1.12 and later), the moments, the master weights and the groups' lr,
+betas, eps, weight_decay and maximize. Bitwise continuation needs the same update formula on
+both sides: zerod's default is torch 1.13's. zerod keeps one step count for the whole model,
+so a torch optimizer whose parameters are at different steps (one that got no gradient for a
+while) is refused, as are amsgrad (its extra state has no place in zerod) and optimizers other
+than torch.optim.AdamW and torch.optim.Adam (zerod's "adam": L2 weight decay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
+
+__all__ = ["Export", "TorchState", "import_checkpoint", "load_export", "save_torch_state",
+           "torch_state_dict"]
+
+EXPORT_FORMAT = "zerod-export"
+TORCH_STATE_FORMAT = "zerod-torch-state"
+_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")
+_MAX_HEADER = 1 << 31
+
+NamedParams = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
+
+
+@dataclass
+class Export:
+    """A zerod state file, read (load_export).
+
+    step: the Adam steps applied. names: the parameters in zerod's registration order.
+    param_groups: each parameter's group (index into groups), in that order. groups: zerod's
+    groups, each a dict of zd_group_t's fields by their C names (lr, beta1, beta2, eps,
+    weight_decay, optimizer as zerod's enum value, maximize as a bool, ...). master, exp_avg,
+    exp_avg_sq: the tensors by parameter name (NumPy arrays or torch tensors, per
+    load_export's framework); the moments are empty for an export written without --moments.
+    metadata: the file's metadata strings as they are.
+    """
+
+    step: int
+    steps_skipped: int
+    names: List[str]
+    param_groups: List[int]
+    groups: List[Dict[str, Any]]
+    master: Dict[str, Any]
+    exp_avg: Dict[str, Any] = field(default_factory=dict)
+    exp_avg_sq: Dict[str, Any] = field(default_factory=dict)
+    metadata: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_moments(self) -> bool:
+        return len(self.exp_avg) == len(self.names)
+
+
+class TorchState(NamedTuple):
+    """What torch_state_dict returns.
+
+    state_dict: for ``optimizer_class(...).load_state_dict``: per parameter ``step``,
+    ``exp_avg`` and ``exp_avg_sq`` (no state at all at step 0, as torch before its first step),
+    and param_groups with the checkpoint's hyperparameters and the running torch's defaults for
+    the rest (amsgrad False, foreach, capturable, ...). Parameters are numbered group by group,
+    each group's in zerod's registration order: build the torch optimizer with the groups the
+    ZeroOptimizer had, in the same order.
+    master: each parameter's fp32 master weights by name (load_params copies them into a model).
+    step: the Adam steps applied. optimizer_class: torch.optim.AdamW, or torch.optim.Adam for
+    zerod's "adam" groups.
+    """
+
+    state_dict: Dict[str, Any]
+    master: Dict[str, Any]
+    step: int
+    optimizer_class: type
+
+    def load_params(self, params: NamedParams) -> None:
+        """Copies the master weights into the model's parameters of the same names (cast to
+        each parameter's dtype and device). Raises ValueError for a name the checkpoint lacks
+        or a shape that differs; parameters that do not require grad are left alone when the
+        checkpoint does not hold them (zerod never held them)."""
+        import torch
+
+        with torch.no_grad():
+            for name, p in _named(params):
+                w = self.master.get(name)
+                if w is None:
+                    if p.requires_grad:
+                        raise ValueError(f"parameter {name!r} is not in the checkpoint")
+                    continue
+                if tuple(w.shape) != tuple(p.shape):
+                    raise ValueError(f"parameter {name!r}: shape {tuple(p.shape)} in the model, "
+                                     f"{tuple(w.shape)} in the checkpoint")
+                p.copy_(w)
+
+
+def _named(params: NamedParams) -> List[Tuple[str, Any]]:
+    if isinstance(params, Mapping):
+        return list(params.items())
+    out = []
+    for item in params:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError("expected (name, parameter) pairs, as model.named_parameters() "
+                            "yields, or a mapping of names to parameters")
+        out.append(item)
+    return out
+
+
+def _check_host() -> None:
+    if sys.byteorder != "little":  # the files hold little-endian floats, as zerod writes them
+        raise RuntimeError("zerod state files are little-endian; this host is not")
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+def _json_meta(path: str, meta: Mapping[str, str], key: str) -> Any:
+    try:
+        return json.loads(meta[key])
+    except KeyError:
+        raise ValueError(f"{path}: metadata {key!r} is missing") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: metadata {key!r} is not JSON: {e}") from None
+
+
+def _int_meta(path: str, meta: Mapping[str, str], key: str, default: Optional[int] = None) -> int:
+    v = meta.get(key)
+    if v is None and default is not None:
+        return default
+    if v is None or not v.isdigit():
+        raise ValueError(f"{path}: metadata {key!r} is {v!r}; expected a decimal integer")
+    return int(v)
+
+
+def load_export(path: str, *, framework: str = "np") -> Export:
+    """Reads a zerod state file: ``zeroctl export`` output (with or without --moments) or
+    save_torch_state's. framework "np" gives NumPy arrays, "pt" torch tensors (CPU, float32);
+    either way each tensor is its own copy of the file's bytes.
+
+    Raises ValueError naming the file and what is wrong (not safetensors, not a zerod state
+    file, a tensor that is not F32 or lies outside the data, a parameter without its tensors)."""
+    if framework not in ("np", "pt"):
+        raise ValueError(f"framework {framework!r}; expected 'np' (NumPy) or 'pt' (torch)")
+    _check_host()
+    if framework == "np":
+        import numpy as np
+    else:
+        import torch
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > _MAX_HEADER or 8 + n > size:
+            raise ValueError(f"{path}: not a safetensors file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{path}: the safetensors header is not JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: the safetensors header is not a JSON object")
+        meta = header.pop("__metadata__", None)
+        if not isinstance(meta, dict):
+            raise ValueError(f"{path}: no __metadata__: not a zerod state file")
+        fmt = meta.get("zerod_format")
+        if fmt not in (EXPORT_FORMAT, TORCH_STATE_FORMAT):
+            raise ValueError(f"{path}: zerod_format is {fmt!r}; expected {EXPORT_FORMAT!r} or "
+                             f"{TORCH_STATE_FORMAT!r}")
+        if meta.get("zerod_version") != "1":
+            raise ValueError(f"{path}: zerod_version {meta.get('zerod_version')!r}; this "
+                             f"package reads '1'")
+        data_start, data_bytes = 8 + n, size - 8 - n
+        entries = []  # (begin, header order, name, shape, end)
+        for k, (name, t) in enumerate(header.items()):
+            shape, offs = t.get("shape"), t.get("data_offsets")
+            ok = (t.get("dtype") == "F32" and isinstance(shape, list)
+                  and all(isinstance(d, int) and d >= 0 for d in shape)
+                  and isinstance(offs, list) and len(offs) == 2
+                  and all(isinstance(o, int) for o in offs) and 0 <= offs[0] <= offs[1] <= data_bytes
+                  and offs[1] - offs[0] == 4 * math.prod(shape))
+            if not ok:
+                raise ValueError(f"{path}: tensor {name!r} is not F32 within the "
+                                 f"{data_bytes} bytes of data ({t!r})")
+            entries.append((offs[0], k, name, tuple(shape), offs[1]))
+
+        param_groups = _json_meta(path, meta, "param_groups")
+        groups = _json_meta(path, meta, "groups")
+        nparams = len(param_groups)
+        moments = len(entries) == 3 * nparams
+        if not moments and len(entries) != nparams:
+            raise ValueError(f"{path}: {len(entries)} tensors for {nparams} parameters; expected "
+                             f"1 or 3 per parameter")
+        if "params" in meta:
+            names = _json_meta(path, meta, "params")
+        else:  # an export: its master tensors come first in the data, in registration order
+            names = [e[2] for e in sorted(entries)[:nparams]]
+        if len(names) != nparams or len(set(names)) != nparams:
+            raise ValueError(f"{path}: metadata 'params' does not name {nparams} distinct "
+                             f"parameters")
+        by_name = {e[2]: e for e in entries}
+
+        def read(name: str) -> Any:
+            e = by_name.get(name)
+            if e is None:
+                raise ValueError(f"{path}: no tensor {name!r}")
+            begin, _, _, shape, end = e
+            buf = bytearray(end - begin)
+            f.seek(data_start + begin)
+            if f.readinto(buf) != len(buf):
+                raise ValueError(f"{path}: ends inside tensor {name!r}")
+            if framework == "np":
+                return np.frombuffer(buf, dtype="<f4").reshape(shape)
+            if not buf:  # torch.frombuffer refuses an empty buffer
+                return torch.zeros(shape, dtype=torch.float32)
+            return torch.frombuffer(buf, dtype=torch.float32).reshape(shape)
+
+        out = Export(step=_int_meta(path, meta, "step"),
+                     steps_skipped=_int_meta(path, meta, "steps_skipped", 0), names=list(names),
+                     param_groups=[int(g) for g in param_groups], groups=groups,
+                     master={name: read(name) for name in names}, metadata=dict(meta))
+        if moments:
+            out.exp_avg = {name: read(name + ".exp_avg") for name in names}
+            out.exp_avg_sq = {name: read(name + ".exp_avg_sq") for name in names}
+            for name in names:
+                if (tuple(out.exp_avg[name].shape) != tuple(out.master[name].shape)
+                        or tuple(out.exp_avg_sq[name].shape) != tuple(out.master[name].shape)):
+                    raise ValueError(f"{path}: the moments of {name!r} are not of its shape")
+    return out
+
+
+def _zeroctl(zeroctl: Optional[str]) -> str:
+    path = zeroctl or os.environ.get("ZEROCTL_BIN") or shutil.which("zeroctl")
+    if not path:
+        raise FileNotFoundError("zeroctl not found: set $ZEROCTL_BIN or put zeroctl on PATH "
+                                "(it ships with zerod)")
+    return path
+
+
+def _run_zeroctl(zeroctl: Optional[str], args: List[str]) -> str:
+    exe = _zeroctl(zeroctl)
+    proc = subprocess.run([exe] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(exe)} {' '.join(args[:1])} failed "
+                           f"(exit {proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _torch_step(cls: type, step: int) -> Any:
+    """The per-parameter step as this torch's optimizer stores it: the type (a tensor since
+    1.12, an int before) taken from a throwaway step of a one-element optimizer, not from a
+    version table."""
+    import torch
+
+    p = torch.zeros(1, requires_grad=True)
+    opt = cls([p])
+    p.grad = torch.zeros(1)
+    opt.step()
+    sample = opt.state[p]["step"]
+    if isinstance(sample, torch.Tensor):
+        return torch.full_like(sample, float(step))
+    return type(sample)(step)
+
+
+def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
+                     zeroctl: Optional[str] = None) -> TorchState:
+    """A plain torch.optim.AdamW (or Adam) state_dict and the master weights, from a zerod
+    checkpoint directory (exported through ``zeroctl export --moments``, module docstring) or
+    from a file of load_export's formats holding the moments.
+
+    params: the model's named parameters (model.named_parameters(), or a mapping), or None.
+    When given, every parameter of the checkpoint must be there with its shape (ValueError
+    otherwise): the check that the state is put back into the model it belongs to.
+
+    Raises RuntimeError when zeroctl fails (an incomplete or corrupt checkpoint: its message
+    says which file), ValueError for a file without moments, groups that mix "adamw" and "adam",
+    or a zerod hyperparameter torch has no place for that is not at its default.
+    """
+    import torch
+
+    from .client import Group
+
+    if os.path.isdir(source):
+        with tempfile.TemporaryDirectory(prefix="zerod-export-") as tmp:
+            out = os.path.join(tmp, "export.safetensors")
+            _run_zeroctl(zeroctl, ["export", source, "--out", out, "--moments"])
+            exp = load_export(out, framework="pt")
+    else:
+        exp = load_export(source, framework="pt")
+    if not exp.has_moments:
+        raise ValueError(f"{source}: no moments (export with zeroctl export --moments)")
+    if params is not None:
+        model = {name: p for name, p in _named(params)}
+        for name in exp.names:
+            p = model.get(name)
+            if p is None:
+                raise ValueError(f"{source}: parameter {name!r} is not in the model")
+            if tuple(p.shape) != tuple(exp.master[name].shape):
+                raise ValueError(f"{source}: parameter {name!r} has shape "
+                                 f"{tuple(exp.master[name].shape)}; the model's is "
+                                 f"{tuple(p.shape)}")
+
+    zgroups = [Group(**g) for g in exp.groups]
+    kinds = {g.optimizer for g in zgroups}
+    if len(kinds) != 1:
+        raise ValueError(f"{source}: groups of both {sorted(kinds)}: one torch optimizer "
+                         f"cannot hold them")
+    cls = torch.optim.Adam if kinds.pop() == "adam" else torch.optim.AdamW
+    defaults = cls([torch.zeros(1, requires_grad=True)]).defaults
+    zdefaults = Group().to_dict()
+    param_groups = []
+    for gi, g in enumerate(zgroups):
+        pg = dict(defaults)
+        for key, value in g.to_dict().items():
+            if key == "optimizer":
+                continue
+            if key in pg:
+                pg[key] = tuple(value) if key == "betas" else value
+            elif value != zdefaults[key]:
+                raise ValueError(f"{source}: group {gi} has {key}={value!r}, which "
+                                 f"torch.optim.{cls.__name__} has no place for")
+        pg["params"] = []
+        param_groups.append(pg)
+    order = []  # parameter names, group by group: torch numbers them so
+    for gi, pg in enumerate(param_groups):
+        for name, g in zip(exp.names, exp.param_groups):
+            if g == gi:
+                pg["params"].append(len(order))
+                order.append(name)
+    state: Dict[int, Dict[str, Any]] = {}
+    if exp.step > 0:  # torch has no state before the first step
+        step = _torch_step(cls, exp.step)
+        for i, name in enumerate(order):
+            state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                        "exp_avg": exp.exp_avg[name], "exp_avg_sq": exp.exp_avg_sq[name]}
+    return TorchState(state_dict={"state": state, "param_groups": param_groups},
+                      master=dict(exp.master), step=exp.step, optimizer_class=cls)
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def _c_group(group: Any) -> Dict[str, Any]:
+    """A Group's fields by their C names and JSON kinds, as zerod's manifest writes them."""
+    from . import _lib
+
+    c = _lib.zd_group_t()
+    group._to_c(c)  # the package's one conversion from torch names to zd_group_t
+    out: Dict[str, Any] = {}
+    for f in _lib.group_fields():
+        v = getattr(c, f.name)
+        out[f.name] = (float(v) if f.kind == _lib.ZD_FIELD_DOUBLE
+                       else bool(v) if f.kind == _lib.ZD_FIELD_BOOL else int(v))
+    return out
+
+
+def _tensor_bytes(t: Any) -> bytes:
+    import ctypes
+
+    import torch
+
+    t = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    n = t.numel() * 4
+    return ctypes.string_at(t.data_ptr(), n) if n else b""
+
+
+def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: str) -> None:
+    """Writes a torch optimizer's state, with its parameters as the master weights, to `path`
+    for ``zeroctl import`` (module docstring: the format).
+
+    optimizer: a torch.optim.AdamW or torch.optim.Adam (amsgrad off). named_params: the names of
+    its parameters (model.named_parameters(), or a mapping), which zerod's registration must
+    use too; None names them "param<i>", as ZeroOptimizer does for unnamed parameters.
+    Parameters are taken group by group in the optimizer's order, skipping those that do not
+    require grad: the order and groups in which a ZeroOptimizer built with the same groups
+    registers them. Values are converted to float32 (exact from bfloat16 and float16).
+    The file is written under a temporary name and renamed into place.
+
+    Raises TypeError for another optimizer, ValueError for amsgrad, an unnamed parameter,
+    parameters at different steps (zerod has one step count per model) or a hyperparameter
+    zerod does not take.
+    """
+    import torch
+
+    from .client import Group
+
+    if isinstance(optimizer, torch.optim.AdamW):
+        kind = "adamw"
+    elif isinstance(optimizer, torch.optim.Adam):
+        kind = "adam"
+    else:
+        raise TypeError(f"{type(optimizer).__name__}: zerod imports the state of "
+                        f"torch.optim.AdamW and torch.optim.Adam (a ZeroOptimizer's state is "
+                        f"in zerod already: use its checkpoint())")
+    _check_host()
+    names_by_id = None
+    if named_params is not None:
+        names_by_id = {id(p): name for name, p in _named(named_params)}
+    names: List[str] = []
+    pgroups: List[int] = []
+    groups: List[Dict[str, Any]] = []
+    tensors: List[List[Any]] = [[], [], []]
+    steps = {}
+    index = 0
+    for gi, g in enumerate(optimizer.param_groups):
+        if g.get("amsgrad"):
+            raise ValueError(f"param group {gi}: amsgrad=True keeps state zerod has no place for")
+        hp = {k: v for k, v in g.items() if k != "params"}
+        # torch >= 2.7's Adam(decoupled_weight_decay=True) is AdamW.
+        hp["optimizer"] = "adamw" if g.get("decoupled_weight_decay") else kind
+        try:
+            groups.append(_c_group(Group.coerce(hp)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"param group {gi}: {e}") from None
+        for p in g["params"]:
+            i, index = index, index + 1
+            if not p.requires_grad:
+                continue
+            name = f"param{i}" if names_by_id is None else names_by_id.get(id(p))
+            if name is None:
+                raise ValueError(f"param group {gi}: parameter {i} (shape {tuple(p.shape)}) is "
+                                 f"not among named_params")
+            st = optimizer.state.get(p, {})
+            if st:
+                s = st["step"]
+                steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
+                moments = [st["exp_avg"], st["exp_avg_sq"]]
+            else:
+                steps[name] = 0
+                moments = [torch.zeros_like(p, dtype=torch.float32)] * 2
+            if any(tuple(m.shape) != tuple(p.shape) for m in moments):
+                raise ValueError(f"the moments of {name!r} are not of its shape")
+            names.append(name)
+            pgroups.append(gi)
+            for t, v in enumerate([p] + moments):
+                tensors[t].append(v)
+    if not names:
+        raise ValueError("the optimizer holds no parameter that requires grad")
+    if len(set(names)) != len(names):
+        raise ValueError("two parameters have the same name")
+    if len(set(steps.values())) > 1:
+        lo = min(steps, key=steps.get)
+        hi = max(steps, key=steps.get)
+        raise ValueError(f"parameters are at different steps ({lo!r} at {steps[lo]}, {hi!r} at "
+                         f"{steps[hi]}: one got no gradient in some steps); zerod keeps one step "
+                         f"count per model")
+    step = next(iter(steps.values()))
+
+    header: Dict[str, Any] = {"__metadata__": {
+        "format": "pt", "zerod_format": TORCH_STATE_FORMAT, "zerod_version": "1",
+        "step": str(step), "steps_skipped": "0", "moments": "1",
+        "params": json.dumps(names), "param_groups": json.dumps(pgroups),
+        "groups": json.dumps(groups), "optimizer": type(optimizer).__name__,
+        "torch_version": str(torch.__version__)}}
+    off = 0
+    for t, suffix in enumerate(_SUFFIXES):
+        for name, v in zip(names, tensors[t]):
+            nbytes = 4 * v.numel()
+            header[name + suffix] = {"dtype": "F32", "shape": list(v.shape),
+                                     "data_offsets": [off, off + nbytes]}
+            off += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            for t in range(3):
+                for v in tensors[t]:
+                    f.write(_tensor_bytes(v))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def import_checkpoint(path: str, root: str, *, zeroctl: Optional[str] = None) -> str:
+    """Runs ``zeroctl import path --out root``: the file (save_torch_state's, or an export with
+    moments) becomes a complete checkpoint under root, of world size 1, which a zerod of any
+    world size resumes (``zerod --resume DIR``). Returns its directory. Raises RuntimeError with
+    zeroctl's message when the import fails."""
+    out = _run_zeroctl(zeroctl, ["import", path, "--out", root])
+    prefix = "resume it with: zerod --resume "
+    for line in out.splitlines():
+        if line.startswith(prefix):
+            return line[len(prefix):]
+    raise RuntimeError(f"zeroctl import printed no directory: {out.strip()}")
