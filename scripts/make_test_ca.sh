@@ -65,7 +65,7 @@ for name in "$@"; do
   if [[ $name =~ ^[0-9.]+$ || $name == *:* ]]; then san+=",IP:$name"; else san+=",DNS:$name"; fi
 done
 
-[ -f ca.pem ] && [ -f ca.key ] || make_ca ca.key ca.pem "zerod test CA"
+if [ ! -f ca.pem ] || [ ! -f ca.key ]; then make_ca ca.key ca.pem "zerod test CA"; fi
 make_leaf node.key node.pem "zerod node" ca.pem ca.key "serverAuth,clientAuth" "$san"
 make_leaf client.key client.pem "zeroctl" ca.pem ca.key "clientAuth"
 make_ca other-ca.key other-ca.pem "another CA"
