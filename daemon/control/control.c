@@ -532,7 +532,7 @@ int zd__control_start(zd__daemon_t *d, zd__control_t **out, zd__err_t *err) {
   if (!local_address(addr) && !conf->control_insecure && !zd__grpc_tls_enabled())
     return zd__errf(err, ZD_ECONFIG,
                     "control_address %s is reachable from other hosts, and the control service "
-                    "has no TLS: set tls_cert, tls_key and tls_ca (mutual TLS), or "
+                    "has no TLS: set tls_cert, tls_key and tls_ca (mutual TLS), or set "
                     "control_insecure = 1 to serve it anyway (with a control_token_file, on a "
                     "network only the job's nodes reach), or listen on 127.0.0.1 or a unix: "
                     "socket",
