@@ -29,6 +29,9 @@
  *
  * Every call has a timeout and fails fast when nothing listens (no WAIT_FOR_READY): an operator
  * wants "cannot reach zerod control service at X: connection refused" at once, not a hang.
+ *
+ * Where zerod has mutual TLS (tls_cert), zeroctl connects with --tls-cert, --tls-key and --tls-ca
+ * (or $ZEROCTL_TLS_CERT, _KEY, _CA: zeroctl's own certificate, not the node's ZEROD_TLS_*).
  */
 #include <errno.h>
 #include <grpc/grpc.h>
@@ -69,6 +72,7 @@ typedef struct options {
   int moments;            /* export --moments */
   int wait_s;             /* checkpoint --wait: seconds to wait for it to be complete; 0: do not */
   const char *token_file; /* --token-file: the control token for calls that write */
+  const char *tls_cert, *tls_key, *tls_ca; /* --tls-*: mutual TLS; NULL: plaintext */
 } options_t;
 
 /* One node as zeroctl saw it: its status, or why there is none. */
@@ -126,6 +130,11 @@ static void usage(FILE *out) {
       "  --timeout-ms N    per call (default %d)\n"
       "  --token-file FILE control token (zerod's control_token_file) for calls that write\n"
       "                    (default: $ZEROD_CONTROL_TOKEN_FILE)\n"
+      "  --tls-cert FILE   mutual TLS, for a zerod with tls_cert: zeroctl's certificate (PEM),\n"
+      "                    signed by zerod's tls_ca (default: $ZEROCTL_TLS_CERT); with:\n"
+      "  --tls-key FILE    its private key (default: $ZEROCTL_TLS_KEY)\n"
+      "  --tls-ca FILE     the CA that signed zerod's certificates; zerod's certificate must\n"
+      "                    name the host of --address (default: $ZEROCTL_TLS_CA)\n"
       "  -h, --help        this text\n"
       "  -V, --version     zeroctl's version\n"
       "\n"
@@ -158,6 +167,11 @@ static const char *flag_value(int argc, char **argv, int *i, const char *name, i
   return argv[++*i];
 }
 
+static const char *env_or_null(const char *name) {
+  const char *v = getenv(name);
+  return v && v[0] ? v : NULL;
+}
+
 /* Returns -1 to go on, else an exit status (help, version, bad usage). */
 static int parse(int argc, char **argv, options_t *o) {
   const char *env = getenv("ZEROD_CONTROL_ADDRESS");
@@ -165,7 +179,10 @@ static int parse(int argc, char **argv, options_t *o) {
   *o = (options_t){.address = env && env[0] ? env : DEFAULT_ADDRESS,
                    .token_file = token_env && token_env[0] ? token_env : NULL,
                    .timeout_ms = DEFAULT_TIMEOUT_MS,
-                   .service = ""};
+                   .service = "",
+                   .tls_cert = env_or_null("ZEROCTL_TLS_CERT"),
+                   .tls_key = env_or_null("ZEROCTL_TLS_KEY"),
+                   .tls_ca = env_or_null("ZEROCTL_TLS_CA")};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v;
     int missing = 0;
@@ -204,6 +221,12 @@ static int parse(int argc, char **argv, options_t *o) {
     } else if ((v = flag_value(argc, argv, &i, "--token-file", &missing))) {
       if (!v[0]) return usage_error("--token-file is empty");
       o->token_file = v;
+    } else if ((v = flag_value(argc, argv, &i, "--tls-cert", &missing))) {
+      o->tls_cert = v;
+    } else if ((v = flag_value(argc, argv, &i, "--tls-key", &missing))) {
+      o->tls_key = v;
+    } else if ((v = flag_value(argc, argv, &i, "--tls-ca", &missing))) {
+      o->tls_ca = v;
     } else if ((v = flag_value(argc, argv, &i, "--service", &missing))) {
       o->service = v;
     } else if ((v = flag_value(argc, argv, &i, "--out", &missing))) {
@@ -864,6 +887,17 @@ int main(int argc, char **argv) {
   if (rc >= 0) return rc;
   if (!strcmp(o.command, "verify")) return cmd_verify(&o);
   if (!strcmp(o.command, "export")) return cmd_export(&o);
+  zd__grpc_tls_files_t tls = {.cert = o.tls_cert,
+                              .key = o.tls_key,
+                              .ca = o.tls_ca,
+                              .cert_name = "--tls-cert",
+                              .key_name = "--tls-key",
+                              .ca_name = "--tls-ca"};
+  zd__err_t err = {0};
+  if (zd__grpc_tls_load(&tls, &err) != ZD_OK) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
   gpr_set_log_function(quiet_log);
   /* One library reference for the whole run: each call's channel then reuses the library
    * instead of starting and tearing down gRPC's threads around every call. */

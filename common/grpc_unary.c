@@ -9,6 +9,7 @@
 #include "grpc_unary.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
@@ -16,6 +17,123 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define PEM_MAX (1u << 20) /* a CA bundle is a few hundred kB at most */
+
+/* The process's TLS identity (zd__grpc_tls_load): PEM text, NULL while none is loaded. Written
+ * only at start, before any thread reads it. */
+static struct {
+  char *cert, *key, *ca;
+  char cert_name[32], key_name[32]; /* for messages */
+} tls;
+
+/* Reads one PEM file into a NUL-terminated string that must contain marker. A secret (a private
+ * key) must not be readable by others. */
+static int read_pem(const char *path, const char *name, const char *marker, int secret, char **out,
+                    zd__err_t *err) {
+  *out = NULL;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return zd__errf(err, -errno, "%s %s: %s", name, path, strerror(errno));
+  struct stat st;
+  char *text = NULL;
+  int rc = ZD_OK;
+  if (fstat(fd, &st) != 0) {
+    rc = zd__errf(err, -errno, "%s %s: %s", name, path, strerror(errno));
+  } else if (!S_ISREG(st.st_mode)) {
+    rc = zd__errf(err, ZD_ECONFIG, "%s %s is not a regular file", name, path);
+  } else if (st.st_size == 0 || (uint64_t)st.st_size > PEM_MAX) {
+    rc = zd__errf(err, ZD_ECONFIG, "%s %s has %lld bytes; a PEM file has 1 to %u", name, path,
+                  (long long)st.st_size, PEM_MAX);
+  } else if (secret && (st.st_mode & 027)) {
+    rc = zd__errf(err, ZD_ECONFIG,
+                  "%s %s has mode %04o; a private key must have no access for others and no "
+                  "write for the group (chmod 600, or 640 for a Kubernetes secret's fsGroup)",
+                  name, path, (unsigned)(st.st_mode & 07777));
+  } else if (!(text = malloc((size_t)st.st_size + 1))) {
+    rc = zd__errf(err, -ENOMEM, "out of memory reading %s %s", name, path);
+  }
+  size_t n = 0;
+  while (!rc && n < (size_t)st.st_size) {
+    ssize_t got = read(fd, text + n, (size_t)st.st_size - n);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) rc = zd__errf(err, -errno, "%s %s: %s", name, path, strerror(errno));
+    if (got <= 0) break;
+    n += (size_t)got;
+  }
+  close(fd);
+  if (!rc) {
+    text[n] = '\0';
+    /* Enough to catch a swapped, truncated or encrypted file with a message naming it, rather
+     * than gRPC's later "invalid private key"; the full parse is OpenSSL's. */
+    if (secret && strstr(text, "ENCRYPTED PRIVATE KEY"))
+      rc = zd__errf(err, ZD_ECONFIG,
+                    "%s %s is encrypted; gRPC needs a key without a passphrase (openssl pkey -in "
+                    "KEY -out PLAIN)",
+                    name, path);
+    else if (!strstr(text, "-----BEGIN ") || !strstr(text, marker))
+      rc = zd__errf(err, ZD_ECONFIG, "%s %s is not a PEM file holding %s", name, path,
+                    secret ? "a private key" : "certificates");
+  }
+  if (rc) {
+    free(text);
+    return rc;
+  }
+  *out = text;
+  return ZD_OK;
+}
+
+int zd__grpc_tls_load(const zd__grpc_tls_files_t *f, zd__err_t *err) {
+  int have_cert = f->cert && f->cert[0], have_key = f->key && f->key[0],
+      have_ca = f->ca && f->ca[0];
+  if (!have_cert && !have_key && !have_ca) return ZD_OK;
+  if (!have_cert || !have_key || !have_ca)
+    return zd__errf(err, ZD_ECONFIG,
+                    "%s, %s and %s go together (mutual TLS needs this node's certificate, its "
+                    "key and the CA that signs every member's); %s is not set",
+                    f->cert_name, f->key_name, f->ca_name,
+                    !have_cert  ? f->cert_name
+                    : !have_key ? f->key_name
+                                : f->ca_name);
+  char *cert = NULL, *key = NULL, *ca = NULL;
+  int rc = read_pem(f->cert, f->cert_name, "-----BEGIN CERTIFICATE-----", 0, &cert, err);
+  if (!rc) rc = read_pem(f->key, f->key_name, "PRIVATE KEY-----", 1, &key, err);
+  if (!rc) rc = read_pem(f->ca, f->ca_name, "-----BEGIN CERTIFICATE-----", 0, &ca, err);
+  if (rc) {
+    free(cert);
+    free(key);
+    free(ca);
+    return rc;
+  }
+  free(tls.cert);
+  free(tls.key);
+  free(tls.ca);
+  tls.cert = cert;
+  tls.key = key;
+  tls.ca = ca;
+  snprintf(tls.cert_name, sizeof tls.cert_name, "%s", f->cert_name);
+  snprintf(tls.key_name, sizeof tls.key_name, "%s", f->key_name);
+  return ZD_OK;
+}
+
+int zd__grpc_tls_enabled(void) {
+  return tls.cert != NULL;
+}
+
+grpc_server_credentials *zd__grpc_server_credentials(void) {
+  if (!tls.cert) return grpc_insecure_server_credentials_create();
+  grpc_ssl_pem_key_cert_pair pair = {.private_key = tls.key, .cert_chain = tls.cert};
+  return grpc_ssl_server_credentials_create_ex(
+      tls.ca, &pair, 1, GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY, NULL);
+}
+
+/* The channel's credentials: this process's identity, or none. */
+static grpc_channel_credentials *channel_credentials(void) {
+  if (!tls.cert) return grpc_insecure_credentials_create();
+  grpc_ssl_pem_key_cert_pair pair = {.private_key = tls.key, .cert_chain = tls.cert};
+  return grpc_ssl_credentials_create_ex(tls.ca, &pair, NULL, NULL);
+}
 
 struct zd__grpc_channel {
   grpc_channel *channel;
@@ -50,7 +168,7 @@ int zd__grpc_channel_open(const char *address, zd__grpc_channel_t **out, zd__err
       {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, .value.integer = 1000},
   };
   grpc_channel_args chargs = {.num_args = sizeof args / sizeof args[0], .args = args};
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  grpc_channel_credentials *creds = channel_credentials();
   ch->channel = grpc_channel_create(address, creds, &chargs);
   grpc_channel_credentials_release(creds);
   /* grpc_channel_create never returns NULL: a bad target gives a "lame" channel whose calls
@@ -234,6 +352,19 @@ static int call_error(zd__grpc_channel_t *ch, const char *method, grpc_status_co
   int code = zd__grpc_code_of(status);
   const char *slash = strrchr(method, '/');
   const char *name = slash ? slash + 1 : method;
+  /* gRPC cannot make a TLS connection from a key that is not the certificate's; it logs "Invalid
+   * private key" and the call sees no address to connect to. */
+  if (status == GRPC_STATUS_UNAVAILABLE && tls.cert && strstr(details, "empty address list"))
+    return zd__errf(err, code,
+                    "cannot connect to %s: gRPC refused this process's TLS identity (is %s the "
+                    "key of %s?)",
+                    ch->address, tls.key_name, tls.cert_name);
+  /* A TLS server closes a plaintext connection at once, which is all gRPC reports. */
+  if (status == GRPC_STATUS_UNAVAILABLE && !tls.cert && strstr(details, "Socket closed"))
+    return zd__errf(err, code,
+                    "cannot reach zerod control service at %s: %s (a zerod with mutual TLS, "
+                    "tls_cert, closes connections that bring no client certificate)",
+                    ch->address, details);
   if (status == GRPC_STATUS_UNAVAILABLE)
     return zd__errf(err, code, "cannot reach zerod control service at %s: %s", ch->address,
                     details[0] ? details : "unavailable");

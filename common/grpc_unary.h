@@ -5,12 +5,14 @@
  * The client half makes blocking calls on a channel (a pluck completion queue per call, so a
  * channel may be shared by threads); the common half packs and unpacks messages to byte buffers
  * and maps between gRPC status codes and zerod's error space (zerod/errors.h). Every error comes
- * back as a zd__err_t whose message names the address, the method and what went wrong.
+ * back as a zd__err_t whose message names the address, the method and what went wrong. The
+ * process's mutual-TLS identity lives here too, so that every channel and server uses it.
  */
 #ifndef ZD_COMMON_GRPC_UNARY_H
 #define ZD_COMMON_GRPC_UNARY_H
 
 #include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
 #include <protobuf-c/protobuf-c.h>
 #include <stddef.h>
 
@@ -28,10 +30,50 @@ enum {
   ZD__GRPC_WAIT_FOR_READY = 1,
 };
 
+/* ---- mutual TLS --------------------------------------------------------------------------------
+ * A process has one TLS identity (a zerod node's tls_cert, tls_key and tls_ca; zeroctl's
+ * --tls-cert, --tls-key and --tls-ca): once it is loaded, every channel the process opens and
+ * every server it starts use it. One identity per process rather than one per channel because
+ * every channel of a node speaks for the node, and because channels are opened late (a rank's
+ * rendezvous client, a checkpoint's, the heartbeat's) by code that outlives the control service
+ * which read the settings. */
+
+/* The three PEM files, and what the user calls them, for messages ("tls_cert" or "--tls-cert"). */
+typedef struct zd__grpc_tls_files {
+  const char *cert, *key, *ca; /* NULL or "": not set */
+  const char *cert_name, *key_name, *ca_name;
+} zd__grpc_tls_files_t;
+
+/* Reads and checks the three files and makes them this process's identity; does nothing when
+ * none is set. All three or none: a partial set is an error. Checked now: each file is readable,
+ * not over 1 MiB and PEM of the right kind (certificates, a private key), and the key is
+ * readable by no one but its owner and group (as control_token_file). Whether the key belongs
+ * to the certificate, and whether the CA signed it, gRPC finds when a server or channel first
+ * uses them. Call at start, before any channel is opened or thread started: not thread-safe
+ * against itself or zd__grpc_channel_open(). The identity is held until the process exits.
+ * Errors: -errno (a file that cannot be opened or read), ZD_ECONFIG, -ENOMEM; the message names
+ * the setting and the path. */
+int zd__grpc_tls_load(const zd__grpc_tls_files_t *files, zd__err_t *err);
+
+/* Whether a TLS identity is loaded. */
+int zd__grpc_tls_enabled(void);
+
+/* Server credentials for this process's identity: SSL with its certificate and key, requiring
+ * every client to present a certificate that the CA signed (GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_
+ * CERTIFICATE_AND_VERIFY); insecure credentials when no identity is loaded. Release with
+ * grpc_server_credentials_release(). Needs grpc_init(). */
+grpc_server_credentials *zd__grpc_server_credentials(void);
+
+/* ---- channels ----------------------------------------------------------------------------------
+ */
+
 typedef struct zd__grpc_channel zd__grpc_channel_t;
 
-/* Opens an insecure channel to address ("host:port" or "unix:/path"); takes a grpc_init()
- * reference that zd__grpc_channel_close() gives back. Does not connect yet. Errors: -EINVAL
+/* Opens a channel to address ("host:port" or "unix:/path"); takes a grpc_init() reference that
+ * zd__grpc_channel_close() gives back. Does not connect yet. With a TLS identity loaded
+ * (zd__grpc_tls_load) the channel is SSL: it trusts only the identity's CA, presents the
+ * identity's certificate, and checks that the server's certificate names the host of address
+ * (a subjectAltName DNS name or IP address; "localhost" for a unix: address). Errors: -EINVAL
  * (empty address), -ENOMEM. Thread-safe. */
 int zd__grpc_channel_open(const char *address, zd__grpc_channel_t **out, zd__err_t *err);
 

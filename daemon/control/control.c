@@ -517,20 +517,30 @@ int zd__control_start(zd__daemon_t *d, zd__control_t **out, zd__err_t *err) {
   const zd__config_t *conf = zd__daemon_config(d);
   const char *addr = conf->control_address;
   *out = NULL;
-  /* Without TLS (not built yet) anyone who reaches the address can call it: beyond this host
-   * only when the operator says so, knowing it. */
-  if (!local_address(addr) && !conf->control_insecure)
+  /* The node's TLS identity serves this service and every channel the node opens later (the
+   * ranks' rendezvous clients, the heartbeat): load it before any of them exists. */
+  zd__grpc_tls_files_t tls = {.cert = conf->tls_cert,
+                              .key = conf->tls_key,
+                              .ca = conf->tls_ca,
+                              .cert_name = "tls_cert",
+                              .key_name = "tls_key",
+                              .ca_name = "tls_ca"};
+  int rc = zd__grpc_tls_load(&tls, err);
+  if (rc) return rc;
+  /* Without TLS anyone who reaches the address can call it: beyond this host only when the
+   * operator says so, knowing it. */
+  if (!local_address(addr) && !conf->control_insecure && !zd__grpc_tls_enabled())
     return zd__errf(err, ZD_ECONFIG,
                     "control_address %s is reachable from other hosts, and the control service "
-                    "has no TLS yet: set control_insecure = 1 to serve it anyway (with a "
-                    "control_token_file, on a network only the job's nodes reach), or listen on "
-                    "127.0.0.1 or a unix: socket",
+                    "has no TLS: set tls_cert, tls_key and tls_ca (mutual TLS), or set "
+                    "control_insecure = 1 to serve it anyway (with a control_token_file, on a "
+                    "network only the job's nodes reach), or listen on 127.0.0.1 or a unix: "
+                    "socket",
                     addr);
   zd__control_t *c = calloc(1, sizeof *c);
   if (!c) return zd__errf(err, -ENOMEM, "out of memory starting the control service");
   c->d = d;
   c->serves_kv = conf->first_rank == 0;
-  int rc;
   if (conf->control_token_file[0] &&
       (rc = zd__token_load(conf->control_token_file, c->token, err))) {
     free(c);
@@ -550,7 +560,8 @@ int zd__control_start(zd__daemon_t *d, zd__control_t **out, zd__err_t *err) {
                            .nmethods = NMETHODS,
                            .ctx = c};
   if ((rc = zd__gsrv_start(&cfg, &c->server, err))) goto fail;
-  ZD_LOG_INFO("control service on %s%s (gRPC %s)", zd__control_address(c),
+  ZD_LOG_INFO("control service on %s%s%s (gRPC %s)", zd__control_address(c),
+              zd__grpc_tls_enabled() ? ", mutual TLS" : "",
               c->serves_kv ? ", with the rendezvous store" : "", grpc_version_string());
   *out = c;
   return ZD_OK;

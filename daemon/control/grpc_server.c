@@ -219,7 +219,16 @@ int zd__gsrv_call_metadata(const call_t *k, const char *key, char *buf, size_t l
 
 void zd__gsrv_call_peer(const call_t *k, char *buf, size_t len) {
   char *peer = grpc_call_get_peer(k->call);
-  snprintf(buf, len, "%s", peer ? peer : "unknown peer");
+  char subject[160] = "";
+  grpc_auth_context *auth = grpc_call_auth_context(k->call);
+  if (auth) { /* with mutual TLS, who the CA says the caller is */
+    grpc_auth_property_iterator it =
+        grpc_auth_context_find_properties_by_name(auth, GRPC_X509_SUBJECT_PROPERTY_NAME);
+    const grpc_auth_property *p = grpc_auth_property_iterator_next(&it);
+    if (p) snprintf(subject, sizeof subject, " (certificate %.*s)", (int)p->value_length, p->value);
+    grpc_auth_context_release(auth);
+  }
+  snprintf(buf, len, "%s%s", peer ? peer : "unknown peer", subject);
   gpr_free(peer);
 }
 
@@ -435,13 +444,40 @@ const char *zd__gsrv_address(const zd__gsrv_t *s) {
 
 /* ---- start ----------------------------------------------------------------------------------- */
 
+/* What OpenSSL's reason for a failed handshake means here. */
+static const char *tls_refusal_meaning(const char *msg) {
+  if (strstr(msg, "peer did not return a certificate"))
+    return "the client presented no certificate (zeroctl: --tls-cert)";
+  if (strstr(msg, "certificate verify failed"))
+    return "a certificate not signed by tls_ca (the client's, or a server's this zerod called)";
+  if (strstr(msg, "wrong version number") || strstr(msg, "http request"))
+    return "the other end does not speak TLS (a plaintext client or server)";
+  if (strstr(msg, "certificate expired")) return "a certificate has expired";
+  return "see OpenSSL's reason";
+}
+
 /* gRPC's own log lines, into the daemon's log. gRPC filters by GRPC_VERBOSITY (default: errors)
- * before calling this. */
+ * before calling this. A refused TLS handshake is said in the daemon's words: it is a refusal of
+ * the control plane, which operators look for. gRPC reports it without the peer's address (the C
+ * core exposes none for a connection whose handshake failed), so the line cannot name it. */
 static void grpc_log(gpr_log_func_args *a) {
-  if (a->severity == GPR_LOG_SEVERITY_ERROR)
+  const char *tls = strstr(a->message, "Handshake failed with fatal error");
+  if (tls && a->severity == GPR_LOG_SEVERITY_ERROR) {
+    /* "Handshake failed with fatal error SSL_ERROR_SSL: error:0A000086:SSL routines::certificate
+     * verify failed." */
+    const char *why = strrchr(a->message, ':');
+    why = why ? why + 1 : a->message;
+    size_t n = strlen(why);
+    if (n && why[n - 1] == '.') n--;
+    ZD_LOG_WARN(
+        "control: refused a TLS connection (gRPC does not report the peer's address): "
+        "%.*s: %s",
+        (int)n, why, tls_refusal_meaning(a->message));
+  } else if (a->severity == GPR_LOG_SEVERITY_ERROR) {
     ZD_LOG_WARN("grpc: %s (%s:%d)", a->message, a->file, a->line);
-  else
+  } else {
     ZD_LOG_DEBUG("grpc: %s", a->message);
+  }
 }
 
 static int unix_in_use(const char *path) {
@@ -474,6 +510,17 @@ static int prepare_unix(zd__gsrv_t *s, const zd__gsrv_config_t *cfg, zd__err_t *
   return ZD_OK;
 }
 
+/* gRPC refused the address for its own reasons, which it logged. With TLS, the likely one is the
+ * credentials, of which gRPC says only "Invalid private key" or that a PEM did not parse. */
+static void grpc_refused(char *why, size_t len) {
+  if (zd__grpc_tls_enabled())
+    snprintf(why, len,
+             "gRPC refused the TLS identity: tls_key is not the key of tls_cert, or a PEM file "
+             "does not parse (the grpc line above says which)");
+  else
+    snprintf(why, len, "gRPC refused it; see the grpc line above");
+}
+
 /* Why a TCP address could not be bound, found by trying it the way gRPC does (gRPC itself says
  * nothing for an address in use). Called only after gRPC failed, so it races with nothing that
  * matters: at worst the diagnosis is vaguer. */
@@ -496,7 +543,7 @@ static void diagnose_tcp(const char *addr, char *why, size_t len) {
     snprintf(why, len, "cannot resolve '%s' port '%s': %s", host, colon + 1, gai_strerror(gai));
     return;
   }
-  snprintf(why, len, "gRPC refused it; see the grpc line above");
+  grpc_refused(why, len);
   for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
     int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) continue;
@@ -610,14 +657,14 @@ int zd__gsrv_start(const zd__gsrv_config_t *cfg, zd__gsrv_t **out, zd__err_t *er
    * existing even for a moment. */
   mode_t old_mask = 0;
   if (s->unix_path[0]) old_mask = umask(~(mode_t)cfg->socket_mode & 0777);
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  grpc_server_credentials *creds = zd__grpc_server_credentials();
   int port = grpc_server_add_http2_port(s->server, addr, creds);
   grpc_server_credentials_release(creds);
   if (s->unix_path[0]) umask(old_mask);
   if (port <= 0) {
     char why[256];
     if (s->unix_path[0])
-      snprintf(why, sizeof why, "see the grpc line above");
+      grpc_refused(why, sizeof why);
     else
       diagnose_tcp(addr, why, sizeof why);
     rc = zd__errf(err, -EADDRNOTAVAIL, "cannot listen on %s %s: %s", cfg->address_name, addr, why);

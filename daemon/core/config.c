@@ -105,8 +105,17 @@ static const setting_t settings[] = {
         "file (mode 0600) holding the world's control token, which the rendezvous store's calls "
         "must carry (\"\": none; every zerod of a world and zeroctl use the same)"),
     U32(S_WORLD, "control_insecure", control_insecure, "0", 0, 1,
-        "1: serve the control service on an address other hosts reach although it has no TLS "
+        "1: serve the control service on an address other hosts reach without TLS "
         "(use a control_token_file and a network only the job's nodes reach)"),
+    STR(S_WORLD, "tls_cert", tls_cert, "", "FILE",
+        "PEM certificate of this node for mutual TLS on the control service and on every call "
+        "to other nodes; its subjectAltName names the host peers dial (control_address). Set "
+        "with tls_key and tls_ca (\"\": no TLS)"),
+    STR(S_WORLD, "tls_key", tls_key, "", "FILE",
+        "PEM private key of tls_cert, without a passphrase (mode 0600)"),
+    STR(S_WORLD, "tls_ca", tls_ca, "", "FILE",
+        "PEM certificate of the CA that signs every member's certificate (zerods and zeroctl): "
+        "a call without a certificate it signed is refused"),
     STR(S_WORLD, "rendezvous_address", rendezvous_address, "", "ADDR",
         "control service of the daemon holding rank 0 (\"\": control_address)"),
     U32(S_WORLD, "collective_timeout_ms", collective_timeout_ms, "1800000", 100, 86400000,

@@ -48,6 +48,9 @@ typedef struct zd__config {
   char *rendezvous_address;  /* rank 0's control service; "": control_address */
   char *control_token_file;  /* the store's calls need its token; "": none */
   uint32_t control_insecure; /* 1: a control_address beyond loopback is allowed without TLS */
+  char *tls_cert;            /* mutual TLS: this node's certificate; "": no TLS */
+  char *tls_key;             /* its private key */
+  char *tls_ca;              /* the CA every member's certificate is signed by */
   uint32_t collective_timeout_ms;
   uint32_t connect_timeout_ms; /* peers must join the world within this at start */
   uint32_t heartbeat_ms;       /* other nodes' health checked this often */
