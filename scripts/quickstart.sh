@@ -55,10 +55,14 @@ case "${1:-}" in
   demo) install_deps; build; demo ;;
   test)
     # shellcheck disable=SC2046 # one package name per word
-    install_deps clang-format git yamllint systemd $(scripts/sanitize.sh packages) \
+    install_deps clang-format git yamllint systemd openssl $(scripts/sanitize.sh packages) \
       $(scripts/fuzz.sh packages)
     install_promtool
     build
+    # The torch tests again under a torch 2.x from PyPI (suite python-torch2), next to Debian's
+    # 1.13: a CPU-only venv of about 1.4 GB, made in about 30 s and kept between runs.
+    ZEROD_TORCH2_PYTHON=$(scripts/torch2_venv.sh | tail -n 1)
+    export ZEROD_TORCH2_PYTHON
     run_tests
     scripts/sanitize.sh # unit and integration suites under ASan + UBSan + LSan
     scripts/fuzz.sh ci  # each libFuzzer harness over its corpus and a fixed number of inputs

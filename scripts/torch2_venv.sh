@@ -6,7 +6,8 @@
 # Made as cheaply as possible: PyPI's Linux x86-64 torch wheel is the CUDA build (about 0.5 GB)
 # and depends on about 2.5 GB of nvidia-* packages, cuda-* and triton, none of which CPU use
 # loads. So the wheel is installed with --no-deps, and only its pure-Python dependencies next to
-# it (plus numpy, which torch.as_tensor and the examples use). The result is checked by importing
+# it (plus numpy, which torch.as_tensor and the examples use, and safetensors, whose reader the
+# checkpoint tests open zerod's files with). The result is checked by importing
 # torch and running a CPU AdamW step; if that fails, the venv is left for inspection and the
 # script fails.
 #
@@ -28,6 +29,7 @@ python=$venv/bin/python
 # torch >= 2 imports and steps an AdamW on CPU: what the tests need.
 check() {
   "$python" - <<'EOF'
+import safetensors  # the checkpoint export is checked with the ecosystem's own reader
 import torch
 assert int(torch.__version__.split(".")[0]) >= 2, f"torch {torch.__version__} is not 2.x"
 p = torch.nn.Parameter(torch.ones(4))
@@ -50,7 +52,7 @@ start=$(date +%s)
 # torch's requirements that are plain Python, with their own (mpmath for sympy, MarkupSafe for
 # jinja2); pip resolves their versions against what is installed.
 "$python" -m pip install -q --disable-pip-version-check filelock typing-extensions sympy networkx \
-  jinja2 fsspec numpy >&2
+  jinja2 fsspec numpy safetensors >&2
 "$python" scripts/torch2_stubs.py "$("$python" -c "import importlib.util as u; print(u.find_spec('torch').submodule_search_locations[0])")" >&2
 check >&2
 echo "torch2_venv: $venv ready in $(($(date +%s) - start)) s ($(du -sh "$venv" | cut -f1))" >&2
