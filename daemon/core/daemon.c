@@ -326,6 +326,7 @@ void zd__daemon_shutdown(zd__daemon_t *d) {
   zd__metrics_stop(&d->metrics);
   if (d->server) zd__server_stop(d->server);
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_cancel(d->ranks[i]); /* no long waits now */
+  zd__ckptr_cancel(d->ckpt);
   if (d->cfg->shutdown_timeout_ms)
     uv_timer_start(&d->shutdown_timer, on_shutdown_timeout, d->cfg->shutdown_timeout_ms, 0);
   if (d->control) zd__control_stop(d->control, control_stopped);

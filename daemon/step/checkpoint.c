@@ -57,6 +57,7 @@ struct zd__ckptr {
   zd__world_t world;
   uint32_t local_ranks;
   atomic_int requested;            /* the next step checkpoints */
+  atomic_int cancel;               /* shutdown: waits for the store give up (zd__ckptr_cancel) */
   atomic_uint_fast64_t generation; /* bumped when the world breaks: older checkpoints cannot
                                       complete any more */
   uint64_t last_request_ms;
@@ -135,10 +136,7 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
     for (int waited = 0; !src; waited += 1000) { /* in slices: a shutdown does not wait */
       src = zd__rdv_set(c->rdv, key, entry, strlen(entry), 1000, &serr);
       if (src != -ETIMEDOUT && src != ZD_EPEER) break;
-      pthread_mutex_lock(&c->lock);
-      int stop = c->stop;
-      pthread_mutex_unlock(&c->lock);
-      if (stop || waited + 1000 >= c->set.timeout_ms) break;
+      if (atomic_load(&c->cancel) || waited + 1000 >= c->set.timeout_ms) break;
       src = ZD_OK;
     }
     if (src && !rc)
@@ -217,10 +215,7 @@ static int wait_entry(zd__ckptr_t *c, const write_job_t *j, const char *key, voi
     if (rc != -ETIMEDOUT) return rc;
     if (atomic_load(&c->generation) != j->generation)
       return zd__errf(err, ZD_EPEER, "the world broke while it was written");
-    pthread_mutex_lock(&c->lock);
-    int stop = c->stop;
-    pthread_mutex_unlock(&c->lock);
-    if (stop) return zd__errf(err, -ECANCELED, "zerod is shutting down");
+    if (atomic_load(&c->cancel)) return zd__errf(err, -ECANCELED, "zerod is shutting down");
     if (waited + 1000 >= c->set.timeout_ms) return rc;
   }
 }
@@ -350,6 +345,7 @@ int zd__ckptr_create(const zd__ckpt_settings_t *settings, const zd__world_t *wor
 
 void zd__ckptr_destroy(zd__ckptr_t *c) {
   if (!c) return;
+  atomic_store(&c->cancel, 1);
   pthread_mutex_lock(&c->lock);
   c->stop = 1;
   pthread_cond_broadcast(&c->cond);
@@ -381,6 +377,10 @@ static int need_dir(const zd__ckptr_t *c, zd__err_t *err) {
   if (c->stats.enabled) return ZD_OK;
   return zd__errf(err, ZD_ECONFIG,
                   "checkpoints are off: set checkpoint_dir (--checkpoint-dir DIR) to take one");
+}
+
+void zd__ckptr_cancel(zd__ckptr_t *c) {
+  if (c) atomic_store(&c->cancel, 1);
 }
 
 void zd__ckptr_world_broke(zd__ckptr_t *c) {

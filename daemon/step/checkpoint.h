@@ -72,6 +72,12 @@ int zd__ckptr_create(const zd__ckpt_settings_t *settings, const struct zd__world
  * frees everything; accepts NULL. */
 void zd__ckptr_destroy(zd__ckptr_t *c);
 
+/* Any thread, at the start of a shutdown: the files still queued are written, but their
+ * exchanges with the store (which may be going away with rank 0's zerod) give up at once, so
+ * that a rank waiting to snapshot, and the shutdown, are not held for a store that is gone.
+ * Accepts NULL. */
+void zd__ckptr_cancel(zd__ckptr_t *c);
+
 /* Any thread: the world broke (a peer died). A checkpoint still waiting for the other ranks'
  * files gives up at once: a dead rank never writes its file. Accepts NULL. */
 void zd__ckptr_world_broke(zd__ckptr_t *c);
