@@ -1244,30 +1244,75 @@ int zd__ckpt_list(const char *root, uint64_t **steps, size_t *n, zd__err_t *err)
   return ZD_OK;
 }
 
+/* A checkpoint directory as choosing and pruning see it. */
+typedef struct entry {
+  uint64_t step;
+  uint64_t created_ms; /* the manifest's; 0 when it has none that reads */
+  int complete;        /* a manifest that reads (its files are checked later) */
+} entry_t;
+
+/* Most recently completed first: the newest checkpoint is the one written last, not the one with
+ * the highest step (a fresh run in a directory that holds an older run's checkpoints must not
+ * lose its own to the retention, nor resume the old run's). Then the ones without a readable
+ * manifest, highest step first. */
+static int cmp_entry(const void *a, const void *b) {
+  const entry_t *x = a, *y = b;
+  if (x->complete != y->complete) return x->complete ? -1 : 1;
+  if (x->complete && x->created_ms != y->created_ms) return x->created_ms < y->created_ms ? 1 : -1;
+  return x->step < y->step ? 1 : x->step > y->step ? -1 : 0;
+}
+
+static int list_entries(const char *root, entry_t **out, size_t *n, zd__err_t *err) {
+  uint64_t *steps;
+  int rc = zd__ckpt_list(root, &steps, n, err);
+  if (rc) return rc;
+  entry_t *v = calloc(*n ? *n : 1, sizeof *v);
+  if (!v) {
+    free(steps);
+    return zd__errf(err, -ENOMEM, "out of memory listing %s", root);
+  }
+  for (size_t i = 0; i < *n; i++) {
+    char dir[PATH_MAX];
+    zd__err_t e = {0};
+    zd__ckpt_manifest_t *m = NULL;
+    v[i].step = steps[i];
+    if (zd__ckpt_dir_name(root, steps[i], dir, sizeof dir) == 0 &&
+        zd__ckpt_read_manifest(dir, &m, &e) == 0) {
+      v[i].complete = 1;
+      v[i].created_ms = m->created_ms;
+    }
+    zd__ckpt_manifest_free(m);
+  }
+  free(steps);
+  if (*n) qsort(v, *n, sizeof *v, cmp_entry);
+  *out = v;
+  return ZD_OK;
+}
+
 int zd__ckpt_find_latest(const char *root, const zd__layout_t *want, zd__ckpt_reject_fn reject,
                          void *ctx, char **dir_out, zd__ckpt_manifest_t **m_out, zd__err_t *err) {
   *dir_out = NULL;
   *m_out = NULL;
-  uint64_t *steps;
+  entry_t *entries;
   size_t n;
-  int rc = zd__ckpt_list(root, &steps, &n, err);
+  int rc = list_entries(root, &entries, &n, err);
   if (rc) return rc;
   size_t passed = 0;
   for (size_t i = 0; i < n; i++) {
     char dir[PATH_MAX], diff[ZD__ERR_MSG_MAX - 64];
     zd__err_t e = {0};
     zd__ckpt_manifest_t *m = NULL;
-    if (zd__ckpt_dir_name(root, steps[i], dir, sizeof dir)) continue;
+    if (zd__ckpt_dir_name(root, entries[i].step, dir, sizeof dir)) continue;
     if (!zd__ckpt_read_manifest(dir, &m, &e) && !zd__ckpt_verify(dir, m, &e)) {
       if (!want || same_params(m->layout, want, diff, sizeof diff)) {
         *dir_out = strdup(dir);
         if (!*dir_out) {
           zd__ckpt_manifest_free(m);
-          free(steps);
+          free(entries);
           return zd__errf(err, -ENOMEM, "out of memory");
         }
         *m_out = m;
-        free(steps);
+        free(entries);
         return ZD_OK;
       }
       zd__errf(&e, ZD_ELAYOUT, "the model differs from the checkpoint's: %s", diff);
@@ -1276,7 +1321,7 @@ int zd__ckpt_find_latest(const char *root, const zd__layout_t *want, zd__ckpt_re
     passed++;
     if (reject) reject(ctx, dir, e.msg);
   }
-  free(steps);
+  free(entries);
   return zd__errf(err, -ENOENT, "no complete checkpoint under %s (%zu passed over)", root, passed);
 }
 
@@ -1311,27 +1356,23 @@ static int remove_ckpt(const char *root, const char *dir, zd__err_t *err) {
 
 int zd__ckpt_prune(const char *root, uint32_t keep, zd__err_t *err) {
   if (keep == 0) return ZD_OK;
-  uint64_t *steps;
+  entry_t *entries;
   size_t n;
-  int rc = zd__ckpt_list(root, &steps, &n, err);
+  int rc = list_entries(root, &entries, &n, err);
   if (rc) return rc;
+  /* The newest complete one (entries[0] when there is one) bounds the leftovers: a directory
+   * without a manifest at a higher step may be being written now. */
+  uint64_t newest_step = n && entries[0].complete ? entries[0].step : UINT64_MAX;
   uint32_t kept = 0;
-  int seen_complete = 0;
   for (size_t i = 0; i < n && !rc; i++) {
-    char dir[PATH_MAX], manifest[PATH_MAX];
-    if (zd__ckpt_dir_name(root, steps[i], dir, sizeof dir) ||
-        join(manifest, sizeof manifest, dir, ZD__CKPT_MANIFEST))
+    char dir[PATH_MAX];
+    if (zd__ckpt_dir_name(root, entries[i].step, dir, sizeof dir)) continue;
+    if (entries[i].complete ? kept++ < keep
+                            : newest_step == UINT64_MAX || entries[i].step >= newest_step)
       continue;
-    int complete = access(manifest, F_OK) == 0;
-    if (complete) {
-      seen_complete = 1;
-      if (kept++ < keep) continue;
-    } else if (!seen_complete) {
-      continue; /* newer than every complete one: perhaps being written now */
-    }
     rc = remove_ckpt(root, dir, err);
   }
-  free(steps);
+  free(entries);
   return rc;
 }
 

@@ -96,6 +96,9 @@ static float *shard_arrays(const zd__layout_t *l, uint32_t r, float pad) {
 
 static zd_group_t groups[NGROUPS];
 
+/* The manifests' creation time when not 0 (tests of what "newest" means). */
+static uint64_t created_ms;
+
 static void fill_manifest(zd__ckpt_manifest_t *m, const zd__layout_t *l, uint64_t step) {
   memset(m, 0, sizeof *m);
   m->version = ZD__CKPT_VERSION;
@@ -117,7 +120,7 @@ static void fill_manifest(zd__ckpt_manifest_t *m, const zd__layout_t *l, uint64_
   m->scaler.enabled = 1;
   m->scaler.cfg = (zd_loss_scaler_t){1, 65536, 2, 0.5, 1000, 2, 1};
   m->scaler.scale = 32768;
-  m->created_ms = 1700000000123ull;
+  m->created_ms = created_ms ? created_ms : 1700000000123ull;
 }
 
 /* Writes a complete checkpoint of step at layout l under root; returns its directory (static). */
@@ -490,12 +493,11 @@ static void test_find_latest(void) {
   CHECK_MSG(rc == 0, "%s", err.msg);
   CHECK_STR_EQ(dir, d10);
   CHECK_U64_EQ(m->step, 10);
-  CHECK_INT_EQ(rj.n, 2);
-  CHECK_STR_EQ(rj.dir[0], d30);
-  CHECK_CONTAINS(rj.reason[0], "no manifest");
-  CHECK_STR_EQ(rj.dir[1], d20);
-  CHECK_CONTAINS(rj.reason[1], "rank-00000-of-00002.safetensors");
-  CHECK_CONTAINS(rj.reason[1], "checksum");
+  /* 30 has no manifest: incomplete, not a checkpoint passed over */
+  CHECK_INT_EQ(rj.n, 1);
+  CHECK_STR_EQ(rj.dir[0], d20);
+  CHECK_CONTAINS(rj.reason[0], "rank-00000-of-00002.safetensors");
+  CHECK_CONTAINS(rj.reason[0], "checksum");
   free(dir);
   zd__ckpt_manifest_free(m);
 
@@ -508,8 +510,9 @@ static void test_find_latest(void) {
   rj.n = 0;
   CHECK_INT_EQ(zd__ckpt_find_latest(rootbuf, other, on_reject, &rj, &dir, &m, &err), -ENOENT);
   CHECK(dir == NULL && m == NULL);
-  CHECK_INT_EQ(rj.n, 3);
-  CHECK_CONTAINS(rj.reason[2],
+  CHECK_INT_EQ(rj.n, 3); /* complete ones first (20, 10), then 30 without a manifest */
+  CHECK_CONTAINS(rj.reason[2], "no manifest");
+  CHECK_CONTAINS(rj.reason[1],
                  "parameter 3: 'block.0.w' [40, 9] group 0 in the checkpoint vs "
                  "'block.0.w' [41, 9] group 0");
   CHECK_CONTAINS(err.msg, "3 passed over");
@@ -593,6 +596,46 @@ static void test_prune(void) {
   free(steps);
   zd__ckpt_dir_name(root, 60, dir, sizeof dir);
   check_load(dir, l);
+  zd__layout_free(l);
+}
+
+/* A fresh run in a directory holding an older run's checkpoints at higher steps: its own are the
+ * newest (written last), for the resume and for the retention. */
+static void test_newest_is_written_last(void) {
+  char root[256];
+  snprintf(root, sizeof root, "%s", subroot("newest"));
+  zd__layout_t *l = build(1, 1000);
+  created_ms = 1700000000000ull; /* run A, steps 60 and 80 */
+  write_ckpt(root, l, 60, NULL);
+  created_ms += 10;
+  write_ckpt(root, l, 80, NULL);
+  created_ms += 1000; /* run B, from scratch: steps 20 and 40 */
+  write_ckpt(root, l, 20, NULL);
+  created_ms += 10;
+  write_ckpt(root, l, 40, NULL);
+  char dir[512], *found;
+  zd__ckpt_manifest_t *m;
+  zd__err_t err = {0};
+  CHECK_INT_EQ(zd__ckpt_find_latest(root, l, NULL, NULL, &found, &m, &err), 0);
+  CHECK_U64_EQ(m->step, 40);
+  free(found);
+  zd__ckpt_manifest_free(m);
+  CHECK_INT_EQ(zd__ckpt_prune(root, 2, &err), 0); /* keeps run B's two */
+  uint64_t *steps;
+  size_t n;
+  CHECK_INT_EQ(zd__ckpt_list(root, &steps, &n, &err), 0);
+  CHECK_U64_EQ(n, 2);
+  CHECK_U64_EQ(steps[0], 40);
+  CHECK_U64_EQ(steps[1], 20);
+  free(steps);
+  /* run B's next one, in progress at step 60 again (no manifest yet): never pruned */
+  zd__ckpt_dir_name(root, 60, dir, sizeof dir);
+  CHECK_INT_EQ(mkdir(dir, 0755), 0);
+  CHECK_INT_EQ(zd__ckpt_prune(root, 2, &err), 0);
+  CHECK_INT_EQ(zd__ckpt_list(root, &steps, &n, &err), 0);
+  CHECK_U64_EQ(n, 3);
+  free(steps);
+  created_ms = 0;
   zd__layout_free(l);
 }
 
@@ -989,6 +1032,7 @@ int main(void) {
   test_manifest_fields();
   test_corruption();
   test_find_latest();
+  test_newest_is_written_last();
   test_reshard();
   test_prune();
   test_export();
