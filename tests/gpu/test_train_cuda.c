@@ -29,6 +29,10 @@
  *    on a stream being captured into a graph, are refused.
  * 5. Bad device buffers with real IPC handles: a param or grad buffer smaller than the layout, a
  *    buffer on another GPU (with 2 GPUs or more).
+ * 6. Checkpoints from the GPU: 30 steps, zd_checkpoint (the shard copied from device memory),
+ *    two steps more, zerod SIGKILLed; a new zerod with --resume latest loads the checkpoint into
+ *    device memory, the reattached client's buffer holds the reference's parameters of step 30,
+ *    and ten more steps stay bitwise equal to the reference.
  * Every failure prints the step, the parameter and both values.
  *
  * Without a usable GPU, 1-3 run against zerods running the CPU backend with host buffers (what
@@ -380,6 +384,66 @@ static void train_vs_reference(const char *socket, zd_dtype_t pdt, zd_dtype_t gd
   check_status(t.c, STEPS);
   detach(&t);
   free_stream(stream);
+}
+
+/* ---- 6. checkpoint and resume ------------------------------------------------------------------
+ */
+
+static void step_vs_reference(trainer_t *t, reference_t *ref, const options_t *o, int step) {
+  make_grads(t, step, 1.0, 0);
+  push_grads(t);
+  zd_group_t groups[2];
+  groups_at(step, o->steps, groups);
+  zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
+  zd_step_result_t res;
+  CHECK_MSG(zd_step(t->c, &opts, &res) == ZD_OK, "step %d: %s", step, zd_last_error());
+  ref_step(ref, t, groups, step);
+  fetch_params(t);
+  compare_ref(t, ref, step + 1);
+}
+
+static void checkpoint_and_resume(const char *backend) {
+  enum { AT = 30, AFTER = 10 };
+  printf("checkpoint at step %d on the %s backend, SIGKILL, resume\n", AT, backend);
+  char dir[] = "/tmp/zd-gpu-ckpt-XXXXXX";
+  CHECK(mkdtemp(dir) != NULL);
+  const char *args[] = {
+      "--backend", backend, "--bucket_elems", "256", "--checkpoint-dir", dir, NULL, NULL, NULL};
+  zdt_daemon_t d;
+  zdt_start(&d, args);
+  options_t o = {.pdt = ZD_F32, .gdt = ZD_F32, .steps = STEPS};
+  trainer_t t;
+  attach(&t, d.socket, dev_memory, &o, 0, 0, NULL, 0);
+  static reference_t ref, at;
+  ref_init(&ref, &t);
+  for (int step = 0; step < AT; step++) step_vs_reference(&t, &ref, &o, step);
+  uint64_t cstep = 0;
+  char cdir[512];
+  CHECK_MSG(zd_checkpoint(t.c, 0, &cstep, cdir, sizeof cdir) == ZD_OK, "zd_checkpoint: %s",
+            zd_last_error());
+  CHECK_U64_EQ(cstep, AT);
+  CHECK_CONTAINS(cdir, dir);
+  at = ref;
+  for (int step = AT; step < AT + 2; step++) step_vs_reference(&t, &ref, &o, step); /* lost */
+  int st = zdt_stop(&d, SIGKILL, 0);
+  CHECK_MSG(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "zerod exit status 0x%x", st);
+  detach(&t);
+  args[6] = "--resume";
+  args[7] = "latest";
+  zdt_start(&d, args);
+  attach(&t, d.socket, dev_memory, &o, AT, 1, NULL, 0); /* resumed, at step AT */
+  fetch_params(&t);
+  compare_ref(&t, &at, AT);
+  for (int step = AT; step < AT + AFTER; step++) step_vs_reference(&t, &at, &o, step);
+  CHECK_MSG(zdt_log_contains(&d, "resumed step 30"), "zerod did not log the resume");
+  detach(&t);
+  st = zdt_stop(&d, SIGTERM, 0);
+  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  char rm[128];
+  snprintf(rm, sizeof rm, "rm -rf %s", dir);
+  CHECK_INT_EQ(system(rm), 0);
+  printf("  resumed at step %d from %s; %d more steps bitwise equal to the reference\n", AT, cdir,
+         AFTER);
 }
 
 /* ---- 2. pipelined requests on several streams ------------------------------------------------ */
@@ -819,6 +883,7 @@ static void rehearse(const char *why) {
   train_vs_reference(gd.socket, ZD_BF16, ZD_F16, 0, 0);
   train_pipelined(gd.socket, ZD_BF16, ZD_BF16);
   lockstep_all(gd.socket, cd.socket);
+  checkpoint_and_resume("cpu");
   int st = zdt_stop(&gd, SIGTERM, 0);
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
   st = zdt_stop(&cd, SIGTERM, 0);
@@ -857,6 +922,7 @@ int main(void) {
   lockstep_all(gd.socket, cd.socket);
   manners(gd.socket, ngpus);
   bad_buffers(gd.socket, ngpus);
+  checkpoint_and_resume("cuda");
 
   char *status;
   zd_client_t *c;
