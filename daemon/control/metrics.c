@@ -17,6 +17,7 @@
 #include "metrics.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -30,6 +31,7 @@
 #include <time.h>
 
 #include "log.h"
+#include "rank.h"
 
 #define CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
 
@@ -136,6 +138,19 @@ static const family_t families[] = {
      "rank", "scatters", V_NUMBER, NULL, NULL, NULL},
     {"zerod_rank_gathers_total", "counter", "parameter all-gathers completed by the rank", "rank",
      "gathers", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_rank_phase_seconds_total", "counter",
+     "host time of each phase of the rank's steps and requests (CUDA: the time to queue it)",
+     "rank", "scatter_us", V_MICROS, NULL, NULL, "phase=\"scatter\""},
+    {"zerod_rank_phase_seconds_total", NULL, NULL, "rank", "update_us", V_MICROS, NULL, NULL,
+     "phase=\"update\""},
+    {"zerod_rank_phase_seconds_total", NULL, NULL, "rank", "gather_us", V_MICROS, NULL, NULL,
+     "phase=\"gather\""},
+    {"zerod_rank_collective_bytes_total", "counter",
+     "bytes given to the rank's reduce-scatters and all-gathers", "rank", "collective_bytes",
+     V_NUMBER, NULL, NULL, NULL},
+    {"zerod_rank_collective_seconds_total", "counter",
+     "time in the rank's reduce-scatters and all-gathers (CUDA: to queue them)", "rank",
+     "collective_us", V_MICROS, NULL, NULL, NULL},
     {"zerod_checkpoints_total", "counter",
      "checkpoints completed (on rank 0's zerod; elsewhere: this zerod's files written)",
      "checkpoint", "completed", V_NUMBER, NULL, NULL, NULL},
@@ -244,6 +259,56 @@ static void put_sample(FILE *f, const zd__status_t *st, size_t sec, const family
   fprintf(f, " %s\n", value);
 }
 
+/* zerod_rank_step_duration_seconds, a histogram: the status's "step_histogram" (a count per
+ * bucket of ZD__STEP_HIST_BOUNDS_US, then the longer ones) made cumulative, with the steps' total
+ * time and count. */
+static void put_step_histogram(FILE *f, const zd__status_t *st) {
+  static const uint64_t bounds[ZD__STEP_HIST_BUCKETS] = ZD__STEP_HIST_BOUNDS_US;
+  int head = 0;
+  for (size_t sec = 0; sec < zd__status_nsections(st); sec++) {
+    if (!section_matches(st, sec, "rank")) continue;
+    const char *hist = lookup(st, sec, "step_histogram"), *sum = lookup(st, sec, "total_step_us");
+    const char *rank = lookup(st, sec, "rank"), *local = lookup(st, sec, "local_rank");
+    if (!hist || !sum || !rank || !local) continue;
+    uint64_t counts[ZD__STEP_HIST_BUCKETS + 1], total = 0;
+    const char *p = hist;
+    int ok = 1;
+    for (uint32_t h = 0; h <= ZD__STEP_HIST_BUCKETS && ok; h++) {
+      char *end;
+      counts[h] = strtoull(p, &end, 10);
+      ok = end != p;
+      p = end;
+      total += counts[h];
+    }
+    if (!ok) continue;
+    if (!head) {
+      fputs(
+          "# HELP zerod_rank_step_duration_seconds duration of the rank's optimizer steps in "
+          "zerod\n# TYPE zerod_rank_step_duration_seconds histogram\n",
+          f);
+      head = 1;
+    }
+    uint64_t cum = 0;
+    for (uint32_t h = 0; h <= ZD__STEP_HIST_BUCKETS; h++) {
+      cum += counts[h];
+      char le[32];
+      if (h < ZD__STEP_HIST_BUCKETS)
+        snprintf(le, sizeof le, "%g", (double)bounds[h] / 1e6);
+      else
+        snprintf(le, sizeof le, "+Inf");
+      fprintf(f,
+              "zerod_rank_step_duration_seconds_bucket{rank=\"%s\",local_rank=\"%s\",le=\"%s\"} "
+              "%" PRIu64 "\n",
+              rank, local, le, cum);
+    }
+    fprintf(f, "zerod_rank_step_duration_seconds_sum{rank=\"%s\",local_rank=\"%s\"} %.6f\n", rank,
+            local, (double)strtoull(sum, NULL, 10) / 1e6);
+    fprintf(f,
+            "zerod_rank_step_duration_seconds_count{rank=\"%s\",local_rank=\"%s\"} %" PRIu64 "\n",
+            rank, local, total);
+  }
+}
+
 int zd__metrics_render(const zd__status_t *st, char **text, size_t *len) {
   *text = NULL;
   *len = 0;
@@ -266,6 +331,7 @@ int zd__metrics_render(const zd__status_t *st, char **text, size_t *len) {
       put_sample(f, st, sec, &families[i], value);
     }
   }
+  put_step_histogram(f, st);
   if (fclose(f) != 0 || !*text) {
     free(*text);
     *text = NULL;

@@ -164,6 +164,19 @@ static void add_rank(zd__status_t *st, const zd__daemon_t *d, uint32_t local) {
   zd__status_add(st, "scatters", "%" PRIu64, s.scatters);
   zd__status_add(st, "gathers", "%" PRIu64, s.gathers);
   zd__status_add(st, "heals", "%" PRIu64, s.heals);
+  zd__status_add(st, "total_step_us", "%" PRIu64, s.total_step_us);
+  zd__status_add(st, "scatter_us", "%" PRIu64, s.scatter_us);
+  zd__status_add(st, "update_us", "%" PRIu64, s.update_us);
+  zd__status_add(st, "gather_us", "%" PRIu64, s.gather_us);
+  zd__status_add(st, "collective_bytes", "%" PRIu64, s.collective_bytes);
+  zd__status_add(st, "collective_us", "%" PRIu64, s.collective_us);
+  /* "count count ..." per bucket of ZD__STEP_HIST_BOUNDS_US, then the longer ones */
+  char hist[ZD__STEP_HIST_BUCKETS * 21 + 1];
+  size_t used = 0;
+  for (uint32_t h = 0; h <= ZD__STEP_HIST_BUCKETS; h++)
+    used += (size_t)snprintf(hist + used, sizeof hist - used, "%s%" PRIu64, h ? " " : "",
+                             s.step_hist[h]);
+  zd__status_add(st, "step_histogram", "%s", hist);
   if (s.resume_pending) zd__status_add(st, "resume_pending", "%s", "newest complete checkpoint");
 }
 

@@ -92,6 +92,11 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->step = m->step;
     s->steps_skipped = m->steps_skipped;
     s->loss_scale = m->scaler.scale;
+    s->scatter_us = m->scatter_us;
+    s->update_us = m->update_us;
+    s->gather_us = m->gather_us;
+    s->collective_bytes = m->collective_bytes;
+    s->collective_us = m->collective_us;
   }
   if (job->type == ZD__JOB_STEP && job->code == ZD_OK) {
     s->last_grad_norm = job->out.step.grad_norm;
@@ -99,6 +104,10 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->last_step_us = job->out.step.duration_us;
     s->total_step_us += job->out.step.duration_us;
     s->steps_run++;
+    static const uint64_t bounds[ZD__STEP_HIST_BUCKETS] = ZD__STEP_HIST_BOUNDS_US;
+    uint32_t h = 0;
+    while (h < ZD__STEP_HIST_BUCKETS && job->out.step.duration_us > bounds[h]) h++;
+    s->step_hist[h]++;
   }
   if (job->type == ZD__JOB_SCATTER && job->code == ZD_OK) s->scatters++;
   if (job->type == ZD__JOB_GATHER && job->code == ZD_OK) s->gathers++;

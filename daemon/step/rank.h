@@ -136,6 +136,14 @@ typedef enum zd__health {
 /* "ok", "degraded", "connecting". */
 const char *zd__health_name(zd__health_t health); /* ... "rejoining" */
 
+/* Upper bounds (microseconds) of the step-duration histogram's buckets, as Prometheus' "le". */
+#define ZD__STEP_HIST_BOUNDS_US                                                            \
+  {                                                                                        \
+    100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1000000, \
+        2500000, 10000000                                                                  \
+  }
+#define ZD__STEP_HIST_BUCKETS 15
+
 /* What the loop may read about a rank at any time. */
 typedef struct zd__rank_stats {
   int has_model;
@@ -158,7 +166,11 @@ typedef struct zd__rank_stats {
   uint64_t steps_run; /* step jobs that ran the update or a skip */
   uint64_t scatters;
   uint64_t gathers;
-  uint64_t heals;     /* times the world was re-formed around this rank after a peer failed */
+  uint64_t heals; /* times the world was re-formed around this rank after a peer failed */
+  /* the model's phase and collective counters (zd__model_t), and the step durations in the
+   * buckets of ZD__STEP_HIST_BOUNDS_US (the last one: longer), for the metrics' histogram */
+  uint64_t scatter_us, update_us, gather_us, collective_bytes, collective_us;
+  uint64_t step_hist[ZD__STEP_HIST_BUCKETS + 1];
   int resume_pending; /* healed: the next registration resumes the newest checkpoint */
   zd__health_t health;
   char degraded_reason[ZD__ERR_MSG_MAX];

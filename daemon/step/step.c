@@ -398,6 +398,7 @@ static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__
    * step then still run the same sequence of collectives. */
   uint32_t hi = bucket < 0 ? l->nbuckets : (uint32_t)bucket + 1, lo = bucket < 0 ? 0 : hi - 1;
   size_t gsize = zd_dtype_size(m->grad_dtype);
+  uint64_t t0 = zd__now_us();
   for (uint32_t b = hi; b-- > lo;) {
     const zd__bucket_t *bk = &l->buckets[b];
     const void *send = (const char *)buf->grads.addr + bk->offset * gsize;
@@ -408,7 +409,11 @@ static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__
     if (rc) return rc;
     m->scattered[b] = m->attempted[b] = 1;
     m->abandoned = 0; /* a new attempt */
+    m->collective_bytes += bk->elems * gsize;
   }
+  uint64_t us = zd__now_us() - t0;
+  m->scatter_us += us;
+  m->collective_us += us;
   return ZD_OK;
 }
 
@@ -416,13 +421,18 @@ static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
                           int32_t bucket, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   uint32_t b0 = bucket < 0 ? 0 : (uint32_t)bucket, b1 = bucket < 0 ? l->nbuckets : b0 + 1;
+  uint64_t t0 = zd__now_us();
   for (uint32_t b = b0; b < b1; b++) {
     const zd__bucket_t *bk = &l->buckets[b];
     int rc = ctx->comm->ops->all_gather(ctx->comm, b, param_at(m, buf, bk->offset), m->param_dtype,
                                         bk->shard_elems, err);
     if (rc) return rc;
     m->ungathered[b] = 0;
+    m->collective_bytes += bk->elems * zd_dtype_size(m->param_dtype);
   }
+  uint64_t us = zd__now_us() - t0;
+  m->gather_us += us;
+  m->collective_us += us;
   return ZD_OK;
 }
 
@@ -606,8 +616,10 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   zd__adam_group_t consts[m->ngroups];
   for (uint32_t g = 0; g < m->ngroups; g++)
     zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
+  uint64_t t_update = zd__now_us();
   for (uint32_t b = 0; b < l->nbuckets && !rc; b++)
     rc = ctx->compute->ops->update(ctx->compute, m, b, buf, ctx->rank, consts, dec.grad_scale, err);
+  m->update_us += zd__now_us() - t_update;
   if (rc) { /* only the device fails here, and its rank is then degraded (rank.c) */
     ZD_LOG_ERROR("step %" PRIu64 ": the update could not be queued: %s", dec.step, err->msg);
     return job_end(ctx, buf, slot, rc, err);

@@ -60,6 +60,10 @@ typedef struct zd__model {
   const void **shard_grad; /* per bucket: where the reduced gradients are */
   zd_dtype_t *shard_grad_dtype;
   void *cdata; /* the backend's per-model data (model_init/model_fini) */
+  /* Where the time goes, for metrics: host time of each phase (CUDA: the time to queue it, the
+   * device runs it later) and the bytes the collectives were given. */
+  uint64_t scatter_us, update_us, gather_us;
+  uint64_t collective_bytes, collective_us;
 } zd__model_t;
 
 /* What the step logic needs from its rank. */

@@ -66,7 +66,11 @@ def parse_exposition(text: str) -> Tuple[Dict[str, str], List[Sample]]:
         m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)", line)
         assert m, f"not a sample line: {line!r}"
         name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        assert name == current, f"sample {name} outside its family block ({current})"
+        family = name
+        if types.get(current) == "histogram" and name in (current + "_bucket", current + "_sum",
+                                                           current + "_count"):
+            family = current
+        assert family == current, f"sample {name} outside its family block ({current})"
         samples.append((name, dict(label.findall(labels)), value))
     return types, samples
 
@@ -197,6 +201,28 @@ class MetricsTest(unittest.TestCase):
         self.assertAlmostEqual(one(s, "zerod_rank_grad_norm", rank="0"),
                                self.results[-1].grad_norm, delta=1e-5 * self.results[-1].grad_norm)
         self.assertGreater(self.results[-1].grad_norm, 0)
+
+    def test_histogram_and_phases(self) -> None:
+        _, s, _ = self.scrape()
+        for r in range(RANKS):
+            rank = {"rank": str(r), "local_rank": str(r)}
+            buckets = [(float(ls["le"]), float(v)) for n, ls, v in s
+                       if n == "zerod_rank_step_duration_seconds_bucket" and ls["rank"] == str(r)]
+            self.assertGreaterEqual(len(buckets), 10)
+            self.assertEqual(buckets[-1], (float("inf"), STEPS))  # every step counted once
+            counts = [c for _, c in buckets]
+            self.assertEqual(counts, sorted(counts), "buckets are cumulative")
+            self.assertEqual(one(s, "zerod_rank_step_duration_seconds_count", **rank), STEPS)
+            self.assertGreater(one(s, "zerod_rank_step_duration_seconds_sum", **rank), 0)
+            # every step scattered and gathered both buckets through Gloo: bytes given to the
+            # collectives = STEPS * (grad + param buffer bytes, padding included)
+            st = self.clients[0].status_dict()[f"rank {r}"]
+            total = int(st["total_elems"])
+            self.assertEqual(one(s, "zerod_rank_collective_bytes_total", **rank),
+                             STEPS * 2 * 4 * total + 4 * total)  # + the register's gather
+            for phase in ("scatter", "update", "gather"):
+                self.assertGreater(one(s, "zerod_rank_phase_seconds_total", phase=phase, **rank), 0)
+            self.assertGreater(one(s, "zerod_rank_collective_seconds_total", **rank), 0)
 
     def test_checkpoint_values(self) -> None:
         # every 2nd step; the last one may still be being written when the scrape comes
