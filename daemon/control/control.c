@@ -330,11 +330,21 @@ static int handle_kv_set(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
 static int handle_kv_delete(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
   zd__control_t *c = ctx;
   Zerod__V1__KvDeleteRequest *r = (Zerod__V1__KvDeleteRequest *)*req;
-  int found, rc = store_call(c, k, err);
-  if (rc || (rc = zd__kvstore_delete(c->store, r->key, &found, "KvDelete", err))) return rc;
-  if (found) ZD_LOG_DEBUG("control: rendezvous deleted '%s'", r->key);
+  int found = 0, rc = store_call(c, k, err);
+  size_t deleted = 0;
+  if (rc) return rc;
+  if (r->has_prefix && r->prefix) {
+    deleted = zd__kvstore_delete_prefix(c->store, r->key);
+    found = deleted > 0;
+    ZD_LOG_INFO("control: rendezvous freed %zu key(s) under '%s'", deleted, r->key);
+  } else {
+    if ((rc = zd__kvstore_delete(c->store, r->key, &found, "KvDelete", err))) return rc;
+    if (found) ZD_LOG_DEBUG("control: rendezvous deleted '%s'", r->key);
+  }
   Zerod__V1__KvDeleteReply rep = ZEROD__V1__KV_DELETE_REPLY__INIT;
   rep.found = found;
+  rep.has_deleted = r->has_prefix && r->prefix;
+  rep.deleted = (uint32_t)deleted;
   zd__gsrv_reply(k, &rep.base);
   return ZD_OK;
 }

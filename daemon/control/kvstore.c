@@ -291,6 +291,19 @@ int zd__kvstore_delete(zd__kvstore_t *s, const char *key, int *found, const char
   return ZD_OK;
 }
 
+size_t zd__kvstore_delete_prefix(zd__kvstore_t *s, const char *prefix) {
+  if (!prefix[0]) return 0;
+  size_t first, n = zd__kvstore_prefix(s, prefix, &first);
+  for (size_t i = first; i < first + n; i++) {
+    s->kv_bytes -= s->kvs[i].len + strlen(s->kvs[i].key) + 1;
+    free(s->kvs[i].key);
+    free(s->kvs[i].value);
+  }
+  memmove(&s->kvs[first], &s->kvs[first + n], (s->nkv - first - n) * sizeof *s->kvs);
+  s->nkv -= n;
+  return n;
+}
+
 size_t zd__kvstore_prefix(const zd__kvstore_t *s, const char *prefix, size_t *first) {
   const size_t plen = strlen(prefix);
   int found;

@@ -58,6 +58,10 @@ int zd__kvstore_has(const zd__kvstore_t *s, const char *key);
 int zd__kvstore_delete(zd__kvstore_t *s, const char *key, int *found, const char *what,
                        zd__err_t *err);
 
+/* Removes every key that begins with prefix (non-empty): what a finished world instance wrote.
+ * Returns how many. */
+size_t zd__kvstore_delete_prefix(zd__kvstore_t *s, const char *prefix);
+
 /* The entries whose keys begin with prefix, in key order: entries *first .. *first + n - 1, n
  * returned. Indices are valid until the next change. */
 size_t zd__kvstore_prefix(const zd__kvstore_t *s, const char *prefix, size_t *first);

@@ -126,11 +126,14 @@ int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, 
   return rc;
 }
 
-int zd__rdv_delete(zd__rdv_t *rdv, const char *key, int timeout_ms, zd__err_t *err) {
+static int delete_keys(zd__rdv_t *rdv, const char *key, int prefix, int timeout_ms,
+                       zd__err_t *err) {
   int rc = check_key(rdv, key, err);
   if (rc) return rc;
   Zerod__V1__KvDeleteRequest req = ZEROD__V1__KV_DELETE_REQUEST__INIT;
   req.key = (char *)key;
+  req.has_prefix = prefix;
+  req.prefix = prefix;
   ProtobufCMessage *reply = NULL;
   char what[MAX_KEY_BYTES + 16];
   snprintf(what, sizeof what, "delete '%s'", key);
@@ -139,6 +142,14 @@ int zd__rdv_delete(zd__rdv_t *rdv, const char *key, int timeout_ms, zd__err_t *e
                   (int64_t)zd__now_ms() + timeout_ms, err);
   if (reply) protobuf_c_message_free_unpacked(reply, NULL);
   return rc;
+}
+
+int zd__rdv_delete(zd__rdv_t *rdv, const char *key, int timeout_ms, zd__err_t *err) {
+  return delete_keys(rdv, key, 0, timeout_ms, err);
+}
+
+int zd__rdv_delete_prefix(zd__rdv_t *rdv, const char *prefix, int timeout_ms, zd__err_t *err) {
+  return delete_keys(rdv, prefix, 1, timeout_ms, err);
 }
 
 /* Names the missing keys for a timeout message: "'a', 'b' and 3 more". */

@@ -33,6 +33,9 @@ int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, 
 /* Removes key (absent is fine). */
 int zd__rdv_delete(zd__rdv_t *rdv, const char *key, int timeout_ms, zd__err_t *err);
 
+/* Removes every key that begins with prefix: what a world instance that broke had written. */
+int zd__rdv_delete_prefix(zd__rdv_t *rdv, const char *prefix, int timeout_ms, zd__err_t *err);
+
 /* Waits until key exists (at most timeout_ms; the store may not be up yet: retried), then
  * returns its value in *value (malloc'd) and *len. */
 int zd__rdv_get(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int timeout_ms,

@@ -62,6 +62,18 @@ static int kv_get(void *ctx, const char *key, void **value, size_t *len, int tim
   return zd__rdv_get(k->rdv, key, value, len, SLICE_MS * 10, err);
 }
 
+/* The store keeps nothing of a world instance that broke: its collective addresses, NCCL id and
+ * barriers go (best effort: a failure only leaves them until the store's node restarts). */
+static void free_instance(const kv_ctx_t *k, const char *stale) {
+  static const char *const kinds[] = {"gloo", "nccl", "barrier"};
+  for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+    char prefix[96];
+    zd__err_t ignored = {0};
+    snprintf(prefix, sizeof prefix, "%s/%s/", kinds[i], stale);
+    zd__rdv_delete_prefix(k->rdv, prefix, SLICE_MS, &ignored);
+  }
+}
+
 /* Rank 0 names the world instance; the others learn the name (one other than `stale`: a rank
  * re-forming a broken world must not take the broken instance's name, still in the store until
  * rank 0 names the new one). */
@@ -80,6 +92,7 @@ static int world_id(const zd__kv_t *kv, uint32_t rank, const char *stale, char *
       if (rc) *err = derr;
       if (!rc) rc = kv->set(kv->ctx, WORLD_KEY, id, strlen(id), err);
     }
+    if (!rc && stale) free_instance(kv->ctx, stale);
     return rc;
   }
   const kv_ctx_t *k = kv->ctx;

@@ -26,6 +26,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -345,6 +346,9 @@ class CheckpointTest(unittest.TestCase):
             status = trainers[0].client.rank_status()
             self.assertEqual(status["health"], "ok")
             self.assertEqual(status["heals"], "1")
+            # the store (rank 0's zerod) freed what the broken world instance had written
+            freed = re.findall(r"rendezvous freed (\d+) key\(s\) under 'gloo/", survivor.log())
+            self.assertTrue(freed and int(freed[0]) >= 2, survivor.log()[-3000:])
             print(f"\n    heal: SIGKILL -> survivor {phases[0]} in {t_degraded * 1000:.0f} ms"
                   f" (phases {' -> '.join(phases)}); restart (from the process start) -> 6 "
                   f"steps trained again in {t_training * 1000:.0f} ms", flush=True)
