@@ -138,7 +138,8 @@ static void add_rank(zd__status_t *st, const zd__daemon_t *d, uint32_t local) {
     zd__status_add(st, "gpu", "%s", g->name);
     zd__status_add(st, "gpu_uuid", "%s", g->uuid_str);
   }
-  if (s.health == ZD__HEALTH_DEGRADED || s.health == ZD__HEALTH_REJOINING)
+  if (s.health == ZD__HEALTH_DEGRADED || s.health == ZD__HEALTH_REJOINING ||
+      s.health == ZD__HEALTH_RESTORING)
     zd__status_add(st, "degraded_reason", "%s", s.degraded_reason);
   const zd__session_t *c = zd__sessions_attached(zd__daemon_sessions(d), local);
   zd__status_add(st, "client", "%s", c ? zd__session_name(c) : "none");

@@ -387,6 +387,10 @@ void zd__ckptr_world_broke(zd__ckptr_t *c) {
   if (c) atomic_fetch_add(&c->generation, 1);
 }
 
+int zd__ckptr_resumes(const zd__ckptr_t *c) {
+  return c && c->resume[0];
+}
+
 int zd__ckptr_enabled(const zd__ckptr_t *c) {
   return c && c->stats.enabled;
 }

@@ -85,6 +85,10 @@ void zd__ckptr_world_broke(zd__ckptr_t *c);
 /* Whether checkpoint_dir is set (accepts NULL: no). */
 int zd__ckptr_enabled(const zd__ckptr_t *c);
 
+/* Whether a registration of a model the rank does not hold may load a checkpoint (the resume
+ * setting; accepts NULL: no). */
+int zd__ckptr_resumes(const zd__ckptr_t *c);
+
 /* Any thread: the next step of every rank of the world takes a checkpoint. ZD_ECONFIG (message
  * says so) when checkpoint_dir is not set. */
 int zd__ckptr_request(zd__ckptr_t *c, zd__err_t *err);

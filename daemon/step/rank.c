@@ -148,6 +148,8 @@ static void stand_in(zd__rank_t *r, zd__job_t *job) {
   pthread_mutex_unlock(&r->lock);
 }
 
+static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix, const char *reason);
+
 static void run_job(zd__rank_t *r, zd__job_t *job) {
   zd__err_t *err = &job->err;
   job->code = degraded(r, err);
@@ -163,8 +165,16 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
   switch (job->type) {
     case ZD__JOB_ATTACH: {
       int resumed = 0;
+      /* zeroctl status shows the load of a checkpoint as its own phase */
+      int restoring = !r->model && !job->in.spec->replace &&
+                      (r->ctx.resume_latest || zd__ckptr_resumes(r->env.ckpt));
+      if (restoring)
+        set_health(r, ZD__HEALTH_RESTORING, "",
+                   r->ctx.resume_latest ? "the world re-formed: loading the newest checkpoint"
+                                        : "loading a checkpoint (resume)");
       job->code = zd__model_attach(&r->ctx, &r->model, job->in.spec, job->buffers, job->event_slot,
                                    &resumed, err);
+      if (restoring) set_health(r, ZD__HEALTH_OK, "", "");
       if (job->code == ZD_OK) {
         const zd__layout_t *l = r->model->layout;
         r->ctx.resume_latest = 0; /* rolled back (or resumed): done */
@@ -218,6 +228,8 @@ const char *zd__health_name(zd__health_t health) {
       return "connecting";
     case ZD__HEALTH_REJOINING:
       return "rejoining";
+    case ZD__HEALTH_RESTORING:
+      return "restoring";
   }
   return "unknown";
 }

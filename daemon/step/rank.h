@@ -130,7 +130,8 @@ typedef enum zd__health {
   ZD__HEALTH_OK = 0,
   ZD__HEALTH_DEGRADED = 1,   /* a collective or the world's bootstrap failed; see the reason */
   ZD__HEALTH_CONNECTING = 2, /* joining the world: waiting for peers */
-  ZD__HEALTH_REJOINING = 3   /* a peer failed: re-forming the world (checkpoints on: rank.c) */
+  ZD__HEALTH_REJOINING = 3,  /* a peer failed: re-forming the world (checkpoints on: rank.c) */
+  ZD__HEALTH_RESTORING = 4   /* a registration is loading a checkpoint (resume, or after a heal) */
 } zd__health_t;
 
 /* "ok", "degraded", "connecting". */
