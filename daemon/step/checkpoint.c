@@ -37,6 +37,8 @@ typedef struct write_job {
   uint64_t snapshot_us;
   uint64_t t0_ms;
   uint64_t generation;           /* the world instance it was taken in (zd__ckptr_world_broke) */
+  uint64_t seq;                  /* this daemon's count of snapshots, for a wait on this one */
+  char instance[32];             /* W > 1: the world instance's name, which scopes store keys */
   zd__ckpt_manifest_t *manifest; /* global rank 0 only: what the manifest says but the files */
 } write_job_t;
 
@@ -47,6 +49,8 @@ typedef struct slot {
   uint64_t done; /* last step whose file this rank wrote (or failed: see failed) */
   int failed;    /* that write failed */
   char error[ZD__ERR_MSG_MAX];
+  uint64_t finished_seq; /* global rank 0's slot: the last of its snapshots the finisher ended */
+  int finished_failed;   /* ... and whether that checkpoint failed */
 } slot_t;
 
 struct zd__ckptr {
@@ -68,8 +72,7 @@ struct zd__ckptr {
   write_job_t *head, *tail;         /* to the writer */
   write_job_t *fin_head, *fin_tail; /* to the finisher */
   slot_t *slots;                    /* per local rank */
-  uint64_t complete_step;           /* the last checkpoint this daemon completed */
-  int complete_failed;
+  uint64_t seq;                     /* snapshots taken by this daemon's ranks */
   zd__ckpt_stats_t stats;
   pthread_t writer, finisher;
   int have_writer, have_finisher;
@@ -100,8 +103,10 @@ static int open_store(zd__ckptr_t *c, zd__rdv_t **out, zd__err_t *err) {
   return rc;
 }
 
-static void entry_key(char *buf, size_t len, uint64_t step, uint32_t rank) {
-  snprintf(buf, len, "ckpt/%" PRIu64 "/%u", step, rank);
+/* Scoped by the world instance: a world that re-formed, or rolled back, reaches the same step
+ * again under another name. */
+static void entry_key(char *buf, size_t len, const write_job_t *j, uint32_t rank) {
+  snprintf(buf, len, "ckpt/%s/%" PRIu64 "/%u", j->instance, j->step, rank);
 }
 
 /* ---- the writer ------------------------------------------------------------------------------ */
@@ -124,9 +129,9 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
                               .exp_avg_sq = s->snap + 2 * s->elems};
     rc = zd__ckpt_write_shard(dir, &shard, c->set.throttle_bytes_per_s, &file, &err);
   }
-  if (c->has_world) { /* tell rank 0, success or not, so that it does not wait in vain */
-    char key[64], entry[ENTRY_MAX];
-    entry_key(key, sizeof key, j->step, j->rank);
+  if (c->has_world && !j->manifest) { /* tell rank 0, success or not: it must not wait in vain */
+    char key[96], entry[ENTRY_MAX];
+    entry_key(key, sizeof key, j, j->rank);
     if (rc)
       snprintf(entry, sizeof entry, "ERR rank %u: %.200s", j->rank, err.msg);
     else
@@ -135,8 +140,14 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
     int src = open_store(c, &c->rdv, &serr);
     for (int waited = 0; !src; waited += 1000) { /* in slices: a shutdown does not wait */
       src = zd__rdv_set(c->rdv, key, entry, strlen(entry), 1000, &serr);
+      if (src == -EEXIST) { /* the same step of a replaced model: this entry is the news */
+        zd__rdv_delete(c->rdv, key, 1000, &serr);
+        src = zd__rdv_set(c->rdv, key, entry, strlen(entry), 1000, &serr);
+      }
       if (src != -ETIMEDOUT && src != ZD_EPEER) break;
-      if (atomic_load(&c->cancel) || waited + 1000 >= c->set.timeout_ms) break;
+      if (atomic_load(&c->cancel) || atomic_load(&c->generation) != j->generation ||
+          waited + 1000 >= c->set.timeout_ms)
+        break;
       src = ZD_OK;
     }
     if (src && !rc)
@@ -220,14 +231,14 @@ static int wait_entry(zd__ckptr_t *c, const write_job_t *j, const char *key, voi
   }
 }
 
-/* The other ranks' entries (W > 1), into m->files[1..W-1]; removes them from the store. */
+/* The other ranks' entries (W > 1), into m->files[1..W-1]. */
 static int collect_entries(zd__ckptr_t *c, const write_job_t *j, zd__ckpt_manifest_t *m,
                            zd__err_t *err) {
   uint32_t w = c->world.world_size;
   int rc = open_store(c, &c->rdv_fin, err);
   for (uint32_t r = 1; r < w && !rc; r++) {
-    char key[64];
-    entry_key(key, sizeof key, m->step, r);
+    char key[96];
+    entry_key(key, sizeof key, j, r);
     void *value = NULL;
     size_t len = 0;
     rc = wait_entry(c, j, key, &value, &len, err);
@@ -241,13 +252,18 @@ static int collect_entries(zd__ckptr_t *c, const write_job_t *j, zd__ckpt_manife
     }
     free(value);
   }
-  for (uint32_t r = 1; r < w && c->rdv_fin; r++) { /* the store keeps no finished checkpoint */
-    char key[64];
-    zd__err_t derr = {0};
-    entry_key(key, sizeof key, m->step, r);
-    zd__rdv_delete(c->rdv_fin, key, 1000, &derr);
-  }
   return rc;
+}
+
+/* The store keeps nothing of a checkpoint that ended, complete or not (best effort). */
+static void forget_entries(zd__ckptr_t *c, const write_job_t *j) {
+  zd__err_t err = {0};
+  if (!c->rdv_fin && open_store(c, &c->rdv_fin, &err)) return;
+  for (uint32_t r = 1; r < c->world.world_size; r++) {
+    char key[96];
+    entry_key(key, sizeof key, j, r);
+    zd__rdv_delete(c->rdv_fin, key, 1000, &err);
+  }
 }
 
 static void finish_one(zd__ckptr_t *c, write_job_t *j) {
@@ -257,6 +273,7 @@ static void finish_one(zd__ckptr_t *c, write_job_t *j) {
   zd__ckpt_dir_name(c->dir, m->step, dir, sizeof dir);
   int rc = m->nfiles ? ZD_OK : ZD_ECHECKPOINT; /* rank 0's own file failed: already reported */
   if (!rc && c->has_world) rc = collect_entries(c, j, m, &err);
+  if (c->has_world) forget_entries(c, j);
   if (!rc) rc = zd__ckpt_write_manifest(dir, m, &err);
   uint64_t bytes = 0;
   for (uint32_t i = 0; !rc && i < m->nfiles; i++) bytes += m->files[i].bytes;
@@ -264,8 +281,8 @@ static void finish_one(zd__ckptr_t *c, write_job_t *j) {
   if (!rc && c->set.keep && zd__ckpt_prune(c->dir, c->set.keep, &perr) != 0)
     ZD_LOG_WARN("checkpoint retention (keep %u) in %s: %s", c->set.keep, c->dir, perr.msg);
   pthread_mutex_lock(&c->lock);
-  c->complete_step = m->step;
-  c->complete_failed = rc != 0;
+  c->slots[j->local].finished_seq = j->seq;
+  c->slots[j->local].finished_failed = rc != 0;
   if (rc && m->nfiles) note_failure(c, m->step, err.msg);
   if (!rc) {
     c->stats.completed++;
@@ -481,7 +498,6 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   uint32_t local = ctx->local_rank;
   zd_assert(local < c->local_ranks);
   slot_t *s = &c->slots[local];
-  uint64_t t0 = zd__now_us();
   write_job_t *j = calloc(1, sizeof *j);
   if (!j) return zd__errf(err, -ENOMEM, "out of memory");
   j->local = local;
@@ -489,6 +505,8 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   j->step = m->step;
   j->t0_ms = zd__unix_ms();
   j->generation = atomic_load(&c->generation);
+  if (ctx->member)
+    snprintf(j->instance, sizeof j->instance, "%s", zd__world_member_id(ctx->member));
   if (ctx->rank == 0 && (rc = prepare_manifest(c, m, &j->manifest, err)) != 0) {
     job_free(j);
     return rc;
@@ -496,6 +514,7 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   pthread_mutex_lock(&c->lock);
   while (s->busy) pthread_cond_wait(&c->cond, &c->lock); /* the previous write of this rank */
   pthread_mutex_unlock(&c->lock);
+  uint64_t t0 = zd__now_us(); /* the stall is the copy, not the wait above (a slow disk's) */
   uint64_t n = m->layout->shard_elems;
   if (s->elems != n) {
     free(s->snap);
@@ -515,6 +534,7 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   uint64_t snapshot_us = j->snapshot_us = zd__now_us() - t0;
   pthread_mutex_lock(&c->lock);
   s->busy = 1;
+  uint64_t seq = j->seq = ++c->seq;
   c->stats.requested++;
   c->stats.in_progress++;
   c->stats.last_snapshot_us = j->snapshot_us;
@@ -528,8 +548,10 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   if (wait) {
     while (s->busy) pthread_cond_wait(&c->cond, &c->lock);
     if (s->failed) rc = zd__errf(err, ZD_ECHECKPOINT, "%s", s->error);
-    while (!rc && ctx->rank == 0 && c->complete_step < step) pthread_cond_wait(&c->cond, &c->lock);
-    if (!rc && ctx->rank == 0 && c->complete_failed)
+    /* Global rank 0 completes the checkpoint: its own, this snapshot's, not an earlier one of
+     * the same step number (a model replaced, a world rolled back). */
+    while (!rc && ctx->rank == 0 && s->finished_seq < seq) pthread_cond_wait(&c->cond, &c->lock);
+    if (!rc && ctx->rank == 0 && s->finished_failed)
       rc = zd__errf(err, ZD_ECHECKPOINT, "%s", c->stats.last_error);
   }
   pthread_mutex_unlock(&c->lock);
@@ -581,17 +603,55 @@ static int agree_loaded(const zd__step_ctx_t *ctx, uint64_t mine, zd__err_t *err
   return rc;
 }
 
-int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, int *loaded,
-                     zd__err_t *err) {
+/* What each rank's registration asks of a resume; the ranks compare it first, so that all take the
+ * same collective path whatever their settings. */
+enum { WANT_NONE = 0, WANT_RESUME = 1, WANT_REPLACE = 2 };
+
+static int agree_wants(const zd__step_ctx_t *ctx, int32_t mine, int *any_resume, zd__err_t *err) {
+  *any_resume = mine == WANT_RESUME;
+  uint32_t w = ctx->world_size;
+  if (w == 1) return ZD_OK;
+  int32_t *all = calloc(w, sizeof *all);
+  if (!all) return zd__errf(err, -ENOMEM, "out of memory");
+  int rc = ctx->comm->ops->allgather_bytes(ctx->comm, &mine, sizeof mine, all, err);
+  int resume = -1, replace = -1;
+  for (uint32_t r = 0; !rc && r < w; r++) {
+    if (all[r] == WANT_RESUME && resume < 0) resume = (int)r;
+    if (all[r] == WANT_REPLACE && replace < 0) replace = (int)r;
+  }
+  if (!rc && resume >= 0 && replace >= 0)
+    rc =
+        zd__errf(err, ZD_ECHECKPOINT,
+                 "rank %d registers with replace (start afresh) while rank %d resumes a checkpoint "
+                 "(its resume setting, or the world re-formed): register the same way on every "
+                 "rank",
+                 replace, resume);
+  if (!rc) *any_resume = resume >= 0;
+  free(all);
+  return rc;
+}
+
+int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, int replace,
+                     int *loaded, zd__err_t *err) {
   *loaded = 0;
-  if (!c || (!c->resume[0] && !ctx->resume_latest)) return ZD_OK;
+  int32_t mine = replace                                     ? WANT_REPLACE
+                 : c && (c->resume[0] || ctx->resume_latest) ? WANT_RESUME
+                                                             : WANT_NONE;
+  int any_resume;
+  int rc = agree_wants(ctx, mine, &any_resume, err);
+  if (rc || !any_resume) return rc;
+  if (!c) return zd__errf(err, ZD_ECONFIG, "resume: this daemon takes no checkpoints");
+  /* Another rank resumes (its resume setting, or a world that re-formed around a zerod restarted
+   * without one): this one loads the newest checkpoint too, so that all continue from the same. */
   char *dir = NULL;
   zd__ckpt_manifest_t *mf = NULL;
-  int rc;
-  if (ctx->resume_latest || strcmp(c->resume, "latest") == 0) {
+  if (mine != WANT_RESUME || ctx->resume_latest || strcmp(c->resume, "latest") == 0) {
     if (!c->dir[0])
-      return zd__errf(err, ZD_ECONFIG, "resume is 'latest' but checkpoint_dir is not set");
-    rc = zd__ckpt_find_latest(c->dir, m->layout, log_reject, NULL, &dir, &mf, err);
+      rc = zd__errf(
+          err, ZD_ECONFIG, "resume: %s but this zerod has no checkpoint_dir",
+          mine == WANT_RESUME ? "resume is 'latest'" : "another rank resumes a checkpoint");
+    else
+      rc = zd__ckpt_find_latest(c->dir, m->layout, log_reject, NULL, &dir, &mf, err);
     if (rc == -ENOENT) {
       ZD_LOG_INFO("resume: no complete checkpoint of this model in %s; starting afresh", c->dir);
       rc = ZD_OK;

@@ -113,11 +113,14 @@ int zd__ckptr_take(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__mo
  * (world size and bucket size may differ); with ctx->resume_latest (the rank healed: every rank
  * of the world rolls back) the newest one even when resume is off. *loaded = 1 and m's state, step,
  * skipped steps and loss-scaler state are the checkpoint's; 0 when resume is off or, with "latest",
- * there is none yet. Every rank of the world then checks that all loaded the same step. Errors:
+ * there is none yet. replace: the registration starts afresh. Collective at world size > 1,
+ * whatever this rank wants: the ranks first compare what each registration asks (a rank that
+ * resumes makes every rank load the newest checkpoint; resume and replace together are refused),
+ * then check that all loaded the same step. Errors:
  * ZD_ECHECKPOINT (an explicit resume directory that does not load, ranks that loaded different
  * steps), -ENOMEM, the backend's copy errors. */
 int zd__ckptr_resume(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__model *m,
-                     int *loaded, zd__err_t *err);
+                     int replace, int *loaded, zd__err_t *err);
 
 /* Any thread. */
 void zd__ckptr_stats(zd__ckptr_t *c, zd__ckpt_stats_t *out);

@@ -369,9 +369,10 @@ static void heal(zd__rank_t *r) {
     int rc = zd__world_connect(r->env.world, r->env.rank, r->env.device, stream, &r->cancel,
                                stale[0] ? stale : NULL, &comm, &r->ctx.member, &err);
     if (rc == ZD_OK) {
-      publish_comm(r, comm);
       pthread_mutex_lock(&r->lock);
-      r->peer_failed = 0; /* the heartbeat's verdict was about the old instance */
+      r->peer_failed = 0; /* the heartbeat's verdicts so far were about the old instance; a new
+                             one from now on aborts the new communicator and is kept */
+      r->ctx.comm = comm;
       pthread_mutex_unlock(&r->lock);
       pthread_mutex_lock(&r->stats_lock);
       r->stats.heals++;
@@ -510,6 +511,7 @@ void zd__rank_abort(zd__rank_t *r) {
 void zd__rank_peer_dead(zd__rank_t *r, const char *why) {
   pthread_mutex_lock(&r->lock);
   zd__comm_abort(r->ctx.comm, ZD_EPEER, why);
+  zd__ckptr_world_broke(r->env.ckpt); /* a checkpoint waiting for the dead node gives up */
   if (r->ctx.comm && !r->peer_failed) {
     r->peer_failed = 1;
     pthread_cond_signal(&r->cond); /* an idle worker degrades and heals at once */
@@ -518,8 +520,11 @@ void zd__rank_peer_dead(zd__rank_t *r, const char *why) {
 }
 
 int zd__rank_run_inline(zd__rank_t *r, zd__job_t *job) {
-  if (!atomic_load(&r->inline_ok) || job->type == ZD__JOB_ATTACH || job->type == ZD__JOB_CHECKPOINT)
-    return 0; /* may wait for the disk: never on the loop thread */
+  /* Jobs that may wait for the disk never run on the loop thread: a checkpoint, and a step when
+   * checkpoints are on (its snapshot waits for the rank's previous write). */
+  if (!atomic_load(&r->inline_ok) || job->type == ZD__JOB_ATTACH ||
+      job->type == ZD__JOB_CHECKPOINT || zd__ckptr_enabled(r->env.ckpt))
+    return 0;
   pthread_mutex_lock(&r->lock);
   int idle = !r->head && !r->busy && !r->stop;
   if (idle) r->busy = 1;

@@ -368,7 +368,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
     if (rc) return job_end(ctx, buf, slot, rc, err);
     model_configure(fresh, spec, 0);
     int loaded = 0;
-    if (!spec->replace) rc = zd__ckptr_resume(ctx->ckpt, ctx, fresh, &loaded, err);
+    rc = zd__ckptr_resume(ctx->ckpt, ctx, fresh, spec->replace, &loaded, err);
     if (rc) {
       zd__model_free(fresh);
       return job_end(ctx, buf, slot, rc, err);

@@ -15,8 +15,8 @@ world size must produce the same bits. Covered:
   - disk faults: a missing directory and a file-size limit (RLIMIT_FSIZE) fail the checkpoint
     with a clear error while training goes on, and leave no directory that looks complete;
   - a world that heals: of two zerods, one is SIGKILLed mid-training; the survivor goes
-    degraded, then rejoining, without a restart of its own; the killed one is restarted with
-    --resume latest; every trainer registers again, all ranks resume the newest complete
+        degraded, then rejoining, without a restart of its own; the killed one is restarted (with
+    its old command line: no --resume); every trainer registers again, all ranks resume the newest complete
     checkpoint and the run continues bit-identically. The times from the kill to degraded and
     from the restart to training again are printed.
 """
@@ -326,8 +326,9 @@ class CheckpointTest(unittest.TestCase):
                     pass
             # systemd or Kubernetes would restart it; the survivor is not restarted
             t_restart = time.monotonic()
-            restarted = zerod.testing.LocalZerod(
-                victim.args + ["--resume", "latest"], log_level="debug")
+                        # restarted with its old command line, without --resume: the survivor's rollback
+            # makes every rank load the newest checkpoint
+            restarted = zerod.testing.LocalZerod(victim.args, log_level="debug")
             world.daemons[1] = restarted
             world._endpoints[1] = (restarted.socket, 0)
             world2, trainers = start(2, [], init=-7.0, world=world)
