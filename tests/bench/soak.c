@@ -5,7 +5,8 @@
  * (another trainer died in it) as the Python ZeroOptimizer does; M client threads connect, ask
  * for the status and leave, over and over. Every --kill-ms a random trainer is SIGKILLed and
  * started again (it reattaches and resumes the model). At the end it prints steps, the errors by
- * code, split into those the kills explain (ZD_EABORTED, at most one per surviving trainer and
+ * code and by who saw them (trainers, status clients), the aborts the kills explain apart
+ * (ZD_EABORTED, at most one per surviving trainer and
  * kill) and the others, zerod's RSS and open descriptors after warm-up, every --sample-s during
  * the run, at the end and after every client left, and the p50/p99/max step latency the
  * trainers saw (successful steps; a retried step counts from its retry).
@@ -40,8 +41,8 @@
 typedef struct shared {
   _Atomic int stop;
   _Atomic uint64_t steps[MAX_WORLD];
-  _Atomic uint64_t errors[NCODES]; /* by code_index(), not counting the aborts below */
-  _Atomic uint64_t aborts;         /* ZD_EABORTED: a step another trainer's kill abandoned */
+  _Atomic uint64_t errors[2][NCODES]; /* [trainer, status client][code_index()], no aborts */
+  _Atomic uint64_t aborts;            /* ZD_EABORTED: a step another trainer's kill abandoned */
   _Atomic uint64_t nlat[MAX_WORLD];
   float lat_us[MAX_WORLD][LAT_CAP];
 } shared_t;
@@ -70,8 +71,9 @@ static const char *index_name(int i, char *buf, size_t len) {
   return "other";
 }
 
-static void count_error(int rc) {
-  atomic_fetch_add(&sh->errors[code_index(rc)], 1);
+/* who: 0 a trainer, 1 a status client (which one saw an error is half of what it means) */
+static void count_error(int who, int rc) {
+  atomic_fetch_add(&sh->errors[who][code_index(rc)], 1);
 }
 
 static int attach(const char *socket, uint32_t rank, uint64_t n, zd_client_t **out) {
@@ -103,7 +105,7 @@ static void trainer_main(const char *socket, uint32_t rank, uint64_t n) {
     if (!c) {
       int rc = attach(socket, rank, n, &c);
       if (rc) {
-        count_error(rc);
+        count_error(0, rc);
         usleep(20000);
         continue;
       }
@@ -115,7 +117,7 @@ static void trainer_main(const char *socket, uint32_t rank, uint64_t n) {
       continue;
     }
     if (rc) {
-      count_error(rc);
+      count_error(0, rc);
       zd_close(c);
       c = NULL;
       continue;
@@ -154,7 +156,7 @@ static void *status_main(void *arg) {
     }
     if (rc) {
       s->errors++;
-      count_error(rc);
+      count_error(1, rc);
       usleep(10000);
     }
     s->rounds++;
@@ -335,9 +337,12 @@ int main(int argc, char **argv) {
   uint64_t errors = 0;
   char buf[64];
   for (int i = 0; i < NCODES; i++) {
-    if (!sh->errors[i]) continue;
-    errors += sh->errors[i];
-    printf("  error %-24s %" PRIu64 "\n", index_name(i, buf, sizeof buf), sh->errors[i]);
+    for (int who = 0; who < 2; who++) {
+      if (!sh->errors[who][i]) continue;
+      errors += sh->errors[who][i];
+      printf("  error %-24s %" PRIu64 " (%s)\n", index_name(i, buf, sizeof buf),
+             (uint64_t)sh->errors[who][i], who ? "status clients" : "trainers");
+    }
   }
   /* a kill abandons at most the step in flight: one retry for each other trainer */
   uint64_t explained = kills * (world - 1);
