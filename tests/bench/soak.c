@@ -5,11 +5,11 @@
  * (another trainer died in it) as the Python ZeroOptimizer does; M client threads connect, ask
  * for the status and leave, over and over. Every --kill-ms a random trainer is SIGKILLed and
  * started again (it reattaches and resumes the model). At the end it prints steps, the errors by
- * code and by who saw them (trainers, status clients), the aborts the kills explain apart
- * (ZD_EABORTED, at most one per surviving trainer and
- * kill) and the others, zerod's RSS and open descriptors after warm-up, every --sample-s during
- * the run, at the end and after every client left, and the p50/p99/max step latency the
- * trainers saw (successful steps; a retried step counts from its retry).
+ * code and by who saw them (trainers, status clients), with the aborts the kills explain
+ * (ZD_EABORTED, at most one per surviving trainer and kill) apart, zerod's RSS and open
+ * descriptors after warm-up, every --sample-s during the run, at the end and after every client
+ * left, and the p50/p99/max step latency the trainers saw (successful steps; a retried step
+ * counts from its retry).
  *
  *   soak [--world 4] [--clients 50] [--seconds 600] [--kill-ms 5000|0] [--elems 65536]
  *        [--sample-s 60]
