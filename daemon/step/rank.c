@@ -390,6 +390,9 @@ static void heal(zd__rank_t *r) {
       nanosleep(&ts, NULL);
     }
   }
+  /* Shut down before the world re-formed: no communicator. The jobs still queued (a trainer's
+   * register) must be refused as degraded, not run against a NULL communicator. */
+  set_health(r, ZD__HEALTH_DEGRADED, "zerod shut down while re-forming the world after: ", reason);
 }
 
 static void peer_lost(zd__rank_t *r) {
