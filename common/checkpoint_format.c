@@ -1248,6 +1248,7 @@ int zd__ckpt_list(const char *root, uint64_t **steps, size_t *n, zd__err_t *err)
 typedef struct entry {
   uint64_t step;
   uint64_t created_ms; /* the manifest's; 0 when it has none that reads */
+  uint64_t mtime_ms;   /* the directory's last change (files created or renamed in it) */
   int complete;        /* a manifest that reads (its files are checked later) */
 } entry_t;
 
@@ -1276,6 +1277,9 @@ static int list_entries(const char *root, entry_t **out, size_t *n, zd__err_t *e
     zd__err_t e = {0};
     zd__ckpt_manifest_t *m = NULL;
     v[i].step = steps[i];
+    struct stat st;
+    if (zd__ckpt_dir_name(root, steps[i], dir, sizeof dir) == 0 && stat(dir, &st) == 0)
+      v[i].mtime_ms = (uint64_t)st.st_mtim.tv_sec * 1000 + (uint64_t)st.st_mtim.tv_nsec / 1000000;
     if (zd__ckpt_dir_name(root, steps[i], dir, sizeof dir) == 0 &&
         zd__ckpt_read_manifest(dir, &m, &e) == 0) {
       v[i].complete = 1;
@@ -1363,12 +1367,17 @@ int zd__ckpt_prune(const char *root, uint32_t keep, zd__err_t *err) {
   /* The newest complete one (entries[0] when there is one) bounds the leftovers: a directory
    * without a manifest at a higher step may be being written now. */
   uint64_t newest_step = n && entries[0].complete ? entries[0].step : UINT64_MAX;
+  uint64_t newest_ms = n && entries[0].complete ? entries[0].created_ms : 0;
   uint32_t kept = 0;
   for (size_t i = 0; i < n && !rc; i++) {
     char dir[PATH_MAX];
     if (zd__ckpt_dir_name(root, entries[i].step, dir, sizeof dir)) continue;
+    /* A directory without a manifest is a crash's leftover only when it is below the newest
+     * complete step and has not changed since that checkpoint was written; else it may be being
+     * written now (by this run, or by a fresh run below an older run's steps). */
     if (entries[i].complete ? kept++ < keep
-                            : newest_step == UINT64_MAX || entries[i].step >= newest_step)
+                            : newest_step == UINT64_MAX || entries[i].step >= newest_step ||
+                                  entries[i].mtime_ms >= newest_ms)
       continue;
     rc = remove_ckpt(root, dir, err);
   }

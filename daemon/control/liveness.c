@@ -19,8 +19,9 @@ typedef struct node {
   uint32_t local_ranks;
   char *address;
   zd__grpc_channel_t *channel;
-  uint64_t last_ok_ms; /* last answer (or when the node was first seen) */
-  int reported;        /* dead() was called for this silence */
+  uint64_t last_ok_ms;  /* last answer (or when the node was first seen) */
+  int reported;         /* dead() was called for this silence */
+  uint64_t incarnation; /* the zerod process registered for these ranks (0: unknown) */
 } node_t;
 
 struct zd__liveness {
@@ -87,7 +88,21 @@ static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
     if (n->first_rank == l->cfg.first_rank) continue;
     node_t *known = find_node(l, n->first_rank);
     if (known) {
-      if (strcmp(known->address, n->control_address) != 0) readdress(known, n->control_address);
+      uint64_t inc = n->has_incarnation ? n->incarnation : 0;
+      int restarted = inc && known->incarnation && inc != known->incarnation;
+      /* a new address, or a new process at the old one: a fresh channel (no reconnect backoff
+       * left from the dead process) and a fresh timer */
+      if (restarted || strcmp(known->address, n->control_address) != 0)
+        readdress(known, n->control_address);
+      if (inc) known->incarnation = inc;
+      if (restarted) {
+        char reason[ZD__ERR_MSG_MAX];
+        snprintf(reason, sizeof reason,
+                 "node of ranks %u..%u restarted (a new zerod process at %.120s)",
+                 known->first_rank, known->first_rank + known->local_ranks - 1, known->address);
+        ZD_LOG_WARN("heartbeat: %s", reason);
+        l->dead(l->ctx, known->first_rank, inc, reason);
+      }
       continue;
     }
     node_t *grown = realloc(l->nodes, (l->nnodes + 1) * sizeof *grown);
@@ -95,6 +110,7 @@ static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
     l->nodes = grown;
     node_t *nd = &l->nodes[l->nnodes];
     *nd = (node_t){.first_rank = n->first_rank,
+                   .incarnation = n->has_incarnation ? n->incarnation : 0,
                    .local_ranks = n->local_ranks,
                    .address = strdup(n->control_address),
                    .last_ok_ms = zd__now_ms()};
@@ -105,6 +121,15 @@ static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
     l->nnodes++;
     ZD_LOG_DEBUG("heartbeat: watching node %s (ranks %u..%u)", nd->address, nd->first_rank,
                  nd->first_rank + nd->local_ranks - 1);
+    if (nd->incarnation) { /* the ranks ignore it unless their world formed with another process
+                              (a restart before this thread first looked) */
+      char reason[ZD__ERR_MSG_MAX];
+      snprintf(reason, sizeof reason,
+               "node of ranks %u..%u runs another zerod process than the one this world formed "
+               "with (restarted, at %.120s)",
+               nd->first_rank, nd->first_rank + nd->local_ranks - 1, nd->address);
+      l->dead(l->ctx, nd->first_rank, nd->incarnation, reason);
+    }
   }
   protobuf_c_message_free_unpacked(reply, NULL);
 }
@@ -133,7 +158,7 @@ static void check_node(zd__liveness_t *l, node_t *n) {
            n->address, n->first_rank, n->first_rank + n->local_ranks - 1,
            (unsigned long long)(now - n->last_ok_ms), l->cfg.peer_timeout_ms, err.msg);
   ZD_LOG_ERROR("heartbeat: %s", reason);
-  l->dead(l->ctx, reason);
+  l->dead(l->ctx, n->first_rank, 0, reason);
 }
 
 /* Sleeps ms unless stopped; returns whether to go on. */

@@ -30,8 +30,11 @@ typedef struct zd__liveness_cfg {
   uint32_t peer_timeout_ms;       /* silence that makes a node dead */
 } zd__liveness_cfg_t;
 
-/* Called on the liveness thread, once per node that went silent, with a message naming it. */
-typedef void (*zd__peer_dead_fn)(void *ctx, const char *reason);
+/* Called on the liveness thread, once per node that went silent (incarnation 0), or that the
+ * registry shows restarted (its new incarnation: the caller ignores it when its world already
+ * formed with that process), with a message naming it. */
+typedef void (*zd__peer_dead_fn)(void *ctx, uint32_t first_rank, uint64_t incarnation,
+                                 const char *reason);
 
 /* Starts the thread. Errors: -ENOMEM, -EAGAIN (no thread). */
 int zd__liveness_start(const zd__liveness_cfg_t *cfg, zd__peer_dead_fn dead, void *ctx,

@@ -235,8 +235,11 @@ exit:
 }
 
 int zd__rdv_register_node(zd__rdv_t *rdv, uint32_t first_rank, uint32_t local_ranks,
-                          const char *control_address, int timeout_ms, zd__err_t *err) {
+                          const char *control_address, uint64_t incarnation, int timeout_ms,
+                          zd__err_t *err) {
   Zerod__V1__NodeInfo info = ZEROD__V1__NODE_INFO__INIT;
+  info.has_incarnation = 1;
+  info.incarnation = incarnation;
   info.first_rank = first_rank;
   info.local_ranks = local_ranks;
   info.control_address = (char *)control_address;

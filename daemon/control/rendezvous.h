@@ -52,6 +52,7 @@ int zd__rdv_wait(zd__rdv_t *rdv, const char *const *keys, size_t nkeys, int time
 /* Registers this node (first_rank, local_ranks, the address of its control service, as
  * zd__control_address() reports it), replacing its earlier entry (a restarted zerod). */
 int zd__rdv_register_node(zd__rdv_t *rdv, uint32_t first_rank, uint32_t local_ranks,
-                          const char *control_address, int timeout_ms, zd__err_t *err);
+                          const char *control_address, uint64_t incarnation, int timeout_ms,
+                          zd__err_t *err);
 
 #endif /* ZD_DAEMON_RENDEZVOUS_H */

@@ -65,13 +65,52 @@ static int kv_get(void *ctx, const char *key, void **value, size_t *len, int tim
 /* The store keeps nothing of a world instance that broke: its collective addresses, NCCL id and
  * barriers go (best effort: a failure only leaves them until the store's node restarts). */
 static void free_instance(const kv_ctx_t *k, const char *stale) {
-  static const char *const kinds[] = {"gloo", "nccl", "barrier"};
+  static const char *const kinds[] = {"gloo", "nccl", "barrier", "member"};
   for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
     char prefix[96];
     zd__err_t ignored = {0};
     snprintf(prefix, sizeof prefix, "%s/%s/", kinds[i], stale);
     zd__rdv_delete_prefix(k->rdv, prefix, SLICE_MS, &ignored);
   }
+}
+
+/* Records that this process (w->incarnation) is rank `rank` of instance `id`: *fresh = 0 when
+ * another incarnation of this rank already was (so the instance is one that broke when this zerod
+ * died), else 1. Rank 0 names every instance afresh and needs no record. */
+static int claim_membership(kv_ctx_t *k, const zd__world_t *w, const char *id, uint32_t rank,
+                            int *fresh, zd__err_t *err) {
+  *fresh = 1;
+  char key[96], mine[24];
+  snprintf(key, sizeof key, "member/%s/%u", id, rank);
+  snprintf(mine, sizeof mine, "%016" PRIx64, w->incarnation);
+  int rc = zd__rdv_set(k->rdv, key, mine, strlen(mine), SLICE_MS * 10, err);
+  if (rc == -EEXIST && rank != 0) { /* the same value again is a retry (ok); another one is an
+                                     earlier life (rank 0 names every instance afresh) */
+    *fresh = 0;
+    return ZD_OK;
+  }
+  return rc;
+}
+
+/* The incarnation of every rank of instance `id` (their membership records, all written before
+ * any of them connected the communicator), for telling a restart of a peer that happened before
+ * this instance formed from one after it. */
+static int read_incarnations(kv_ctx_t *k, const char *id, uint32_t world_size, uint64_t *out,
+                             zd__err_t *err) {
+  for (uint32_t r = 0; r < world_size; r++) {
+    char key[96];
+    snprintf(key, sizeof key, "member/%s/%u", id, r);
+    void *value = NULL;
+    size_t len = 0;
+    int rc = kv_get(k, key, &value, &len, SLICE_MS * 10, err);
+    if (rc) return rc;
+    char text[24];
+    snprintf(text, sizeof text, "%.*s", (int)(len < sizeof text ? len : sizeof text - 1),
+             (const char *)value);
+    free(value);
+    out[r] = strtoull(text, NULL, 16);
+  }
+  return ZD_OK;
 }
 
 /* Rank 0 names the world instance; the others learn the name (one other than `stale`: a rank
@@ -147,8 +186,9 @@ static int nccl_connect(const zd__world_t *w, const zd__kv_t *kv, const char *wo
 #endif
 
 struct zd__world_member {
-  kv_ctx_t kv; /* the rendezvous connection, kept for barriers */
-  char id[32]; /* the world instance */
+  kv_ctx_t kv;            /* the rendezvous connection, kept for barriers */
+  uint64_t *incarnations; /* per global rank: the zerod process it was when the instance formed */
+  char id[32];            /* the world instance */
   uint32_t rank;
   uint32_t world_size;
   uint64_t barriers; /* barriers passed: every rank counts the same */
@@ -174,12 +214,29 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
   char id[32], prefix[64];
   ZD_LOG_INFO("%s a world of %u ranks through %s", stale ? "re-forming" : "joining", w->world_size,
               w->rendezvous_address);
-  rc = world_id(&kv, rank, stale, id, sizeof id, err);
+  /* Local rank 0 of each node tells the registry where the node's control service is, and which
+   * process it is: first, so that the other nodes' heartbeat learns of a restart even while
+   * this rank waits below for them to re-form the world. */
+  rc = rank == w->first_rank
+           ? zd__rdv_register_node(k.rdv, w->first_rank, w->local_ranks, w->control_address,
+                                   w->incarnation, SLICE_MS * 10, err)
+           : ZD_OK;
+  if (!rc) rc = world_id(&kv, rank, stale, id, sizeof id, err);
+  /* A zerod restarted before the others noticed finds the instance it was part of still named
+   * in the store: it waits for the survivors to name a new one (they re-form the world when they
+   * find the old one broken) instead of joining the dead instance. */
+  int fresh;
+  while (!rc && (rc = claim_membership(&k, w, id, rank, &fresh, err)) == ZD_OK && !fresh) {
+    ZD_LOG_INFO(
+        "world %s is the one this rank was part of before zerod restarted; waiting for "
+        "the other ranks to re-form the world",
+        id);
+    char old[32];
+    snprintf(old, sizeof old, "%s", id);
+    rc = world_id(&kv, rank, old, id, sizeof id, err);
+  }
   if (rc) goto exit;
-  /* Local rank 0 of each node tells the registry where the node's control service is. */
-  if (rank == w->first_rank && (rc = zd__rdv_register_node(k.rdv, w->first_rank, w->local_ranks,
-                                                           w->control_address, SLICE_MS * 10, err)))
-    goto exit;
+
 #ifdef ZD_HAVE_CUDA
   if (device >= 0) {
     rc = nccl_connect(w, &kv, id, rank, device, stream, stop, out, err);
@@ -199,11 +256,22 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
                           .connect_timeout_ms = w->connect_timeout_ms};
   rc = zd__comm_gloo_create(&opts, out, err);
   if (rc == ZD_OK) ZD_LOG_INFO("joined world %s as rank %u of %u", id, rank, w->world_size);
-exit:
+exit:;
+  uint64_t *incarnations = NULL;
+  if (rc == ZD_OK) {
+    incarnations = calloc(w->world_size, sizeof *incarnations);
+    rc = incarnations ? read_incarnations(&k, id, w->world_size, incarnations, err)
+                      : zd__errf(err, -ENOMEM, "out of memory");
+    if (rc) {
+      zd__comm_destroy(*out);
+      *out = NULL;
+    }
+  }
   if (rc == ZD_OK) {
     zd__world_member_t *m = calloc(1, sizeof *m);
     if (m) {
-      *m = (zd__world_member_t){.kv = k, .rank = rank, .world_size = w->world_size};
+      *m = (zd__world_member_t){
+          .kv = k, .incarnations = incarnations, .rank = rank, .world_size = w->world_size};
       snprintf(m->id, sizeof m->id, "%s", id);
       *member = m;
       return ZD_OK;
@@ -212,6 +280,7 @@ exit:
     *out = NULL;
     rc = zd__errf(err, -ENOMEM, "out of memory");
   }
+  free(incarnations);
   zd__rdv_close(k.rdv);
   return rc;
 }
@@ -257,8 +326,13 @@ const char *zd__world_member_id(const zd__world_member_t *m) {
   return m->id;
 }
 
+uint64_t zd__world_member_incarnation(const zd__world_member_t *m, uint32_t rank) {
+  return m && rank < m->world_size ? m->incarnations[rank] : 0;
+}
+
 void zd__world_member_free(zd__world_member_t *m) {
   if (!m) return;
   zd__rdv_close(m->kv.rdv);
+  free(m->incarnations);
   free(m);
 }

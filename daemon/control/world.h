@@ -32,6 +32,8 @@ typedef struct zd__world {
   uint32_t world_size;
   uint32_t first_rank;
   uint32_t local_ranks;
+  uint64_t incarnation; /* random, per zerod process: tells a restarted zerod from its earlier
+                           life in the store */
   int collective_timeout_ms;
   int connect_timeout_ms;
 } zd__world_t;
@@ -53,6 +55,10 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
 
 /* The name of the world instance the member joined (rank 0 draws one at each bootstrap). */
 const char *zd__world_member_id(const zd__world_member_t *m);
+
+/* The incarnation (zd__world_t.incarnation) of global rank `rank`'s zerod when the instance
+ * formed; 0 for NULL or a rank out of range. */
+uint64_t zd__world_member_incarnation(const zd__world_member_t *m, uint32_t rank);
 
 /* Waits until every rank of the world has called the barrier `name` as many times as this one,
  * through the rendezvous store: for waits that may last much longer than a collective's timeout

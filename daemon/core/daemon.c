@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -359,6 +360,9 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   snprintf(d->world.collective_host, sizeof d->world.collective_host, "%s", cfg->collective_host);
   snprintf(d->world.control_token, sizeof d->world.control_token, "%s",
            zd__control_token(d->control));
+  if (getrandom(&d->world.incarnation, sizeof d->world.incarnation, 0) !=
+      (ssize_t)sizeof d->world.incarnation)
+    d->world.incarnation = zd__now_us() ^ ((uint64_t)getpid() << 40);
   int crc = create_checkpointer(d, err);
   if (crc) return crc;
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
@@ -393,9 +397,10 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
 }
 
 /* The heartbeat thread found a node dead: fail the collectives that wait for it, now. */
-static void peer_dead(void *ctx, const char *reason) {
+static void peer_dead(void *ctx, uint32_t first_rank, uint64_t incarnation, const char *reason) {
   zd__daemon_t *d = ctx;
-  for (uint32_t i = 0; i < d->nranks; i++) zd__rank_peer_dead(d->ranks[i], reason);
+  for (uint32_t i = 0; i < d->nranks; i++)
+    zd__rank_peer_dead(d->ranks[i], first_rank, incarnation, reason);
 }
 
 /* Other nodes of the world are watched by a heartbeat (liveness.h); a one-node world has none. */

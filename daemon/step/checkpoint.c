@@ -153,6 +153,7 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
     if (src && !rc)
       rc = zd__errf(&err, src, "telling rank 0 that the file is written: %s", serr.msg);
   }
+  write_job_t *mine = j->manifest ? NULL : j; /* else the finisher's from the unlock on */
   pthread_mutex_lock(&c->lock);
   s->busy = 0;
   s->done = j->step;
@@ -180,7 +181,7 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
   }
   pthread_cond_broadcast(&c->cond);
   pthread_mutex_unlock(&c->lock);
-  if (!j->manifest) job_free(j);
+  job_free(mine);
 }
 
 static void *writer_main(void *arg) {

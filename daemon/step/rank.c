@@ -254,11 +254,29 @@ static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
 }
 
 /* Joins the world before the first job runs; jobs queued meanwhile wait (or fail as degraded). */
+static int can_heal(const zd__rank_t *r);
+
+/* With checkpoints, a rank that could not join keeps trying (a zerod restarted before the others
+ * noticed waits for them to re-form the world, which may take longer than one connect timeout);
+ * without, it is degraded after the first failure, as a world that cannot heal. */
 static void join_world(zd__rank_t *r) {
   zd__err_t err = {0};
   zd__comm_t *comm = NULL;
-  int rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, NULL, &comm,
-                             &r->ctx.member, &err);
+  zd__world_member_t *member = NULL;
+  int rc;
+  for (int attempt = 1;; attempt++) {
+    rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, NULL, &comm, &member,
+                           &err);
+    if (rc == ZD_OK || rc == -ECANCELED || !can_heal(r)) break;
+    ZD_LOG_WARN("joining the world, attempt %d: %s; trying again", attempt, err.msg);
+    for (int i = 0; i < 10 && !atomic_load(&r->cancel); i++) {
+      struct timespec ts = {0, 100 * 1000000L};
+      nanosleep(&ts, NULL);
+    }
+  }
+  pthread_mutex_lock(&r->lock);
+  r->ctx.member = member;
+  pthread_mutex_unlock(&r->lock);
   publish_comm(r, comm);
   if (rc == ZD_OK) {
     set_health(r, ZD__HEALTH_OK, "", "");
@@ -294,9 +312,14 @@ static void start_cuda(zd__rank_t *r) {
   if (r->env.world_size == 1)
     rc = zd__comm_nccl_create(NULL, 0, 1, r->env.device, stream, w->connect_timeout_ms,
                               w->collective_timeout_ms, &r->cancel, &comm, &err);
-  else
-    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, NULL, &comm,
-                           &r->ctx.member, &err);
+  else {
+    zd__world_member_t *member = NULL;
+    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, NULL, &comm, &member,
+                           &err);
+    pthread_mutex_lock(&r->lock);
+    r->ctx.member = member;
+    pthread_mutex_unlock(&r->lock);
+  }
   publish_comm(r, comm);
   if (rc == ZD_OK) {
     ZD_LOG_INFO("CUDA backend on GPU %d, NCCL communicator of %u rank(s) ready", r->env.device,
@@ -352,8 +375,11 @@ static void heal(zd__rank_t *r) {
   zd__comm_t *old = r->ctx.comm;
   publish_comm(r, NULL);
   zd__comm_destroy(old);
-  zd__world_member_free(r->ctx.member);
+  pthread_mutex_lock(&r->lock); /* zd__rank_peer_dead reads the membership under it */
+  zd__world_member_t *gone = r->ctx.member;
   r->ctx.member = NULL;
+  pthread_mutex_unlock(&r->lock);
+  zd__world_member_free(gone);
   pthread_mutex_lock(&r->stats_lock);
   r->stats.has_model = 0;
   r->stats.resume_pending = 1;
@@ -362,17 +388,19 @@ static void heal(zd__rank_t *r) {
   for (int attempt = 1; !atomic_load(&r->cancel); attempt++) {
     zd__err_t err = {0};
     zd__comm_t *comm = NULL;
+    zd__world_member_t *member = NULL;
     void *stream = NULL;
 #ifdef ZD_HAVE_CUDA
     if (r->env.device >= 0) stream = zd__compute_cuda_stream(r->ctx.compute);
 #endif
     int rc = zd__world_connect(r->env.world, r->env.rank, r->env.device, stream, &r->cancel,
-                               stale[0] ? stale : NULL, &comm, &r->ctx.member, &err);
+                               stale[0] ? stale : NULL, &comm, &member, &err);
     if (rc == ZD_OK) {
       pthread_mutex_lock(&r->lock);
       r->peer_failed = 0; /* the heartbeat's verdicts so far were about the old instance; a new
                              one from now on aborts the new communicator and is kept */
       r->ctx.comm = comm;
+      r->ctx.member = member;
       pthread_mutex_unlock(&r->lock);
       pthread_mutex_lock(&r->stats_lock);
       r->stats.heals++;
@@ -511,8 +539,13 @@ void zd__rank_abort(zd__rank_t *r) {
   pthread_mutex_unlock(&r->lock);
 }
 
-void zd__rank_peer_dead(zd__rank_t *r, const char *why) {
+void zd__rank_peer_dead(zd__rank_t *r, uint32_t peer_rank, uint64_t incarnation, const char *why) {
   pthread_mutex_lock(&r->lock);
+  if (incarnation &&
+      (!r->ctx.member || zd__world_member_incarnation(r->ctx.member, peer_rank) == incarnation)) {
+    pthread_mutex_unlock(&r->lock); /* re-forming, or formed with that process already */
+    return;
+  }
   zd__comm_abort(r->ctx.comm, ZD_EPEER, why);
   zd__ckptr_world_broke(r->env.ckpt); /* a checkpoint waiting for the dead node gives up */
   if (r->ctx.comm && !r->peer_failed) {

@@ -214,10 +214,12 @@ void zd__rank_cancel(zd__rank_t *rank);
  * thread. */
 void zd__rank_abort(zd__rank_t *rank);
 
-/* A peer of the world was found dead (the heartbeat, liveness.h): the collective in progress, and
- * every later one, fails at once with ZD_EPEER and `why`, which then degrades the rank, instead
- * of waiting for the collective timeout. Any thread. */
-void zd__rank_peer_dead(zd__rank_t *rank, const char *why);
+/* A peer of the world was found dead (the heartbeat, liveness.h), or restarted (incarnation: the
+ * new process of global rank peer_rank; ignored when this rank's world formed with it): the
+ * collective in progress, and every later one, fails at once with ZD_EPEER and `why`, which then
+ * degrades the rank, instead of waiting for the collective timeout. Any thread. */
+void zd__rank_peer_dead(zd__rank_t *rank, uint32_t peer_rank, uint64_t incarnation,
+                        const char *why);
 
 /* Stops the worker after the queued jobs have run (cancelling a world bootstrap still waiting
  * for peers), joins it and frees the rank and its model; accepts NULL. */

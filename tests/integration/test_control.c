@@ -557,8 +557,8 @@ static void test_registry(const zdt_daemon_t *d) {
    * address) is listed, sorted by first rank, and zeroctl --world reports it unreachable. */
   char dead[160];
   snprintf(dead, sizeof dead, "unix:%s/nobody.sock", d->dir);
-  CHECK_MSG(zd__rdv_register_node(rdv, 0, 1, d->control, CALL_MS, &err) == ZD_OK, "%s", err.msg);
-  CHECK_MSG(zd__rdv_register_node(rdv, 10, 2, dead, CALL_MS, &err) == ZD_OK, "%s", err.msg);
+  CHECK_MSG(zd__rdv_register_node(rdv, 0, 1, d->control, 1, CALL_MS, &err) == ZD_OK, "%s", err.msg);
+  CHECK_MSG(zd__rdv_register_node(rdv, 10, 2, dead, 2, CALL_MS, &err) == ZD_OK, "%s", err.msg);
   CHECK_MSG(zd__rdv_set(rdv, "node/9", "junk", 4, CALL_MS, &err) == ZD_OK, "%s", err.msg);
   zd__rdv_close(rdv);
 
