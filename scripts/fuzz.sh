@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUILD="build-fuzz"
-HARNESSES=(frame layout config control)
+HARNESSES=(frame layout config control session)
 
 packages() {
   # clang-14 compiles the harnesses; libclang-rt-14-dev holds libFuzzer and clang's sanitizer

@@ -249,6 +249,89 @@ def controls():
     return {name: bytes([CONTROL.index(name)]) + body for name, body in msgs.items()}
 
 
+# ---- fuzz_session.c's inputs: operations on up to two connections to a live zerod ----
+
+# Opcodes, and FRAME's modifier bits and descriptor kinds (see fuzz_session.c).
+FRAME, RAW, PUMP, SWITCH, CLOSE, CANNED = 0, 1, 2, 3, 4, 5
+ABRUPT = 8
+MOD_VERSION, MOD_MAGIC, MOD_FLAGS, MOD_LENGTH, MOD_HASH = 1, 2, 4, 8, 16
+FD_PARAMS, FD_GRADS, FD_SIZED, FD_PIPE, FD_UNSEALED, FD_SHORT = 0, 1, 2, 3, 4, 8
+# CANNED's request byte: the type in the low 3 bits.
+C_HELLO, C_REGISTER, C_STEP, C_SCATTER, C_GATHER, C_STATUS, C_BYE, C_CHECKPOINT = range(8)
+
+
+def op_frame(type_, body, mod=0, fds=(), declared=None):
+    out = bytes([FRAME, type_ & 0x0f | (0x10 if type_ & REPLY else 0), mod | len(fds) << 5])
+    if mod & MOD_LENGTH:
+        out += struct.pack('<I', declared)
+    return out + bytes(fds) + struct.pack('<H', len(body)) + body
+
+
+def op_raw(data):
+    return bytes([RAW, len(data)]) + data
+
+
+def canned(*ks):
+    return b''.join(bytes([CANNED, k]) for k in ks)
+
+
+def sessions():
+    f = frames()
+    body = {name: data[24:] for name, data in f.items()}
+    hello = op_frame(HELLO, body['hello'])
+    register = op_frame(REGISTER, body['register'], MOD_HASH, (FD_PARAMS, FD_GRADS))
+    ready = canned(C_HELLO) + bytes([PUMP]) + canned(C_REGISTER) + bytes([PUMP])
+    pump = bytes([PUMP])
+    return {
+        # Valid sequences: fuzzed frames with the frame corpus's bodies, then canned requests.
+        'session': (hello + pump + register + pump + op_frame(STEP, body['step']) +
+                    op_frame(SCATTER, body['scatter']) + op_frame(GATHER, s(1, -1)) +
+                    op_frame(STATUS, b'') + op_frame(8, u(1, 1)) + pump + op_frame(BYE, b'')),
+        'canned': (ready + canned(C_STEP, C_SCATTER, C_GATHER, C_STATUS, C_CHECKPOINT) + pump +
+                   canned(C_BYE)),
+        'canned_models': b''.join(
+            canned(C_HELLO) + canned(C_REGISTER | m << 3 | 0x20, C_STEP | 0x08, C_STEP,
+                                     C_CHECKPOINT | 0x08) + pump + bytes([CLOSE])
+            for m in range(4)),
+        'pipelined': ready + canned(*[C_STEP] * 8, C_GATHER | 1 << 3, C_STATUS) + pump,
+        'two_clients': (canned(C_HELLO | 1 << 3) + pump + bytes([SWITCH]) +
+                        canned(C_HELLO | 1 << 3) + pump + canned(C_REGISTER) + pump +
+                        bytes([SWITCH]) + canned(C_REGISTER) + pump + bytes([SWITCH]) +
+                        canned(C_HELLO) + pump + bytes([CLOSE])),
+        'abrupt': ready + canned(C_STEP, C_STEP) + bytes([CLOSE | ABRUPT]) + ready,
+        'split': op_raw(f['hello'][:10]) + pump + op_raw(f['hello'][10:]) + pump,
+        'bye_then_more': canned(C_HELLO, C_BYE, C_STEP) + pump,
+        # Error cases, one each.
+        'before_hello': canned(C_STEP, C_REGISTER, C_STATUS) + pump,
+        'hello_twice': canned(C_HELLO, C_HELLO) + pump,
+        'bad_rank': canned(C_HELLO | 3 << 3, C_HELLO | 2 << 3) + pump,
+        'bad_version': op_frame(HELLO, body['hello'], MOD_VERSION) + pump,
+        'bad_flags': op_frame(HELLO, body['hello'], MOD_FLAGS) + pump,
+        'bad_magic': canned(C_HELLO) + op_frame(STATUS, b'', MOD_MAGIC) + pump,
+        'too_big': canned(C_HELLO) + op_frame(REGISTER, b'', MOD_LENGTH, (), 1 << 20) + pump,
+        'too_big_for_status': op_frame(STATUS, bytes(100)) + pump,
+        'truncated': canned(C_HELLO) + op_frame(STEP, b'\x08\x01', MOD_LENGTH, (), 100),
+        'unknown_types': (op_frame(12, b'') + op_frame(HELLO | REPLY, body['hello_reply']) +
+                          op_frame(ERROR, body['error']) + pump),
+        'malformed': (canned(C_HELLO) + b''.join(op_frame(t, b'\xff\xff') for t in range(1, 9)) +
+                      pump),
+        'register_no_fds': canned(C_HELLO, C_REGISTER | 0x40) + pump,
+        'register_bad_fds': canned(C_HELLO) + b''.join(
+            op_frame(REGISTER, body['register'], MOD_HASH, fds) + pump
+            for fds in [(FD_PARAMS | FD_SHORT, FD_GRADS), (FD_PARAMS, FD_GRADS | FD_UNSEALED),
+                        (FD_PIPE, FD_GRADS), (FD_SIZED | 0x10,), (FD_PARAMS,) * 7]),
+        'register_bad_hash': canned(C_HELLO) + op_frame(REGISTER, body['register'], 0,
+                                                         (FD_PARAMS, FD_GRADS)) + pump,
+        'register_twice': ready + canned(C_REGISTER) + pump,
+        'register_cuda': (canned(C_HELLO) + op_frame(REGISTER, body['register_cuda'], MOD_HASH) +
+                          pump),
+        'step_before_register': canned(C_HELLO, C_STEP, C_SCATTER, C_GATHER, C_CHECKPOINT) + pump,
+        'bad_bucket': ready + canned(C_SCATTER | 7 << 3, C_GATHER | 7 << 3) + pump,
+        'step_groups': (ready + op_frame(STEP, body['step']) + op_frame(STEP, body['step_slot']) +
+                        pump),
+    }
+
+
 def write(harness, files):
     folder = os.path.join(HERE, 'corpus', harness)
     os.makedirs(folder, exist_ok=True)
@@ -265,3 +348,4 @@ if __name__ == '__main__':
     write('layout', layouts())
     write('config', configs())
     write('control', controls())
+    write('session', sessions())
