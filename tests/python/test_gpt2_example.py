@@ -75,7 +75,7 @@ def check_training(r: subprocess.CompletedProcess, exact: bool) -> List[str]:
 def main() -> None:
     failures: Dict[str, List[str]] = {}
     runs = {
-        "W=1": ["--compare", "--batch", "4"],
+        "W=1": ["--compare", "--batch", "4", "--context", "32"],
         "W=2": ["--world", "2", "--compare", "--batch", "2", "--context", "32", "--untied-head"],
     }
     for name, args in runs.items():
