@@ -326,7 +326,7 @@ class CheckpointTest(unittest.TestCase):
                     pass
             # systemd or Kubernetes would restart it; the survivor is not restarted
             t_restart = time.monotonic()
-                        # restarted with its old command line, without --resume: the survivor's rollback
+            # restarted with its old command line, without --resume: the survivor's rollback
             # makes every rank load the newest checkpoint
             restarted = zerod.testing.LocalZerod(victim.args, log_level="debug")
             world.daemons[1] = restarted
