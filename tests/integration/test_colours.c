@@ -16,6 +16,8 @@
 
 #define NPARAM  ((uint64_t)1 << 22)
 #define BIG_MIN ((unsigned long long)NPARAM * 4 - 4096) /* one fp32 array of the model */
+/* ... and at most two of them: not a sanitizer's shadow memory or allocator regions (TiBs) */
+#define BIG_MAX ((unsigned long long)NPARAM * 8)
 
 typedef struct big_map {
   unsigned long long lo, hi;
@@ -34,7 +36,8 @@ static int big_maps(pid_t pid, big_map_t *out, int max) {
     char perms[8];
     if (sscanf(line, "%llx-%llx %7s %*s %*s %*s %127[^\n]", &m.lo, &m.hi, perms, m.path) < 3)
       continue;
-    if (perms[0] != 'r' || perms[1] != 'w' || m.hi - m.lo < BIG_MIN) continue;
+    if (perms[0] != 'r' || perms[1] != 'w' || m.hi - m.lo < BIG_MIN || m.hi - m.lo > BIG_MAX)
+      continue;
     CHECK_MSG(n < max, "more than %d large mappings in zerod", max);
     out[n++] = m;
   }
