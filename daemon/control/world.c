@@ -19,10 +19,13 @@
 typedef struct kv_ctx {
   zd__rdv_t *rdv;
   atomic_int *stop;
-  int timeout_ms; /* a get or wait may last at most this (connect_timeout_ms) */
+  atomic_int *abandon; /* a barrier's: its caller gave up (NULL: none) */
+  int timeout_ms;      /* a get or wait may last at most this (connect_timeout_ms) */
 } kv_ctx_t;
 
 static int cancelled(const kv_ctx_t *k, zd__err_t *err) {
+  if (k->abandon && atomic_load(k->abandon))
+    return zd__errf(err, -ECANCELED, "cancelled: the client that asked for it left");
   if (!atomic_load(k->stop)) return ZD_OK;
   return zd__errf(err, -ECANCELED, "cancelled: zerod is shutting down");
 }
@@ -285,7 +288,9 @@ exit:;
   return rc;
 }
 
-int zd__world_barrier(zd__world_member_t *m, const char *name, zd__err_t *err) {
+int zd__world_barrier(zd__world_member_t *m, const char *name, atomic_int *abandon,
+                      zd__err_t *err) {
+  m->kv.abandon = abandon;
   uint64_t epoch = ++m->barriers;
   uint32_t w = m->world_size;
   char mine[128];
@@ -317,6 +322,7 @@ int zd__world_barrier(zd__world_member_t *m, const char *name, zd__err_t *err) {
                   m->kv.timeout_ms, cause);
   }
 exit:
+  m->kv.abandon = NULL;
   free(names);
   free(keys);
   return rc;

@@ -64,8 +64,10 @@ uint64_t zd__world_member_incarnation(const zd__world_member_t *m, uint32_t rank
  * through the rendezvous store: for waits that may last much longer than a collective's timeout
  * (clients registering minutes apart), at most connect_timeout_ms, cancelled (-ECANCELED) when
  * the stop flag given to zd__world_connect is set. No collective is involved: a timeout here
- * leaves the communicator healthy. -ETIMEDOUT names the ranks' keys that did not arrive. */
-int zd__world_barrier(zd__world_member_t *m, const char *name, zd__err_t *err);
+ * leaves the communicator healthy. -ETIMEDOUT names the ranks' keys that did not arrive.
+ * abandon (may be NULL): set by another thread when the caller's client has left: the wait ends
+ * within a second with -ECANCELED (this rank withdraws from the barrier). */
+int zd__world_barrier(zd__world_member_t *m, const char *name, atomic_int *abandon, zd__err_t *err);
 
 /* Closes the membership's rendezvous connection; accepts NULL. */
 void zd__world_member_free(zd__world_member_t *m);

@@ -31,7 +31,8 @@ struct zd__rank {
   atomic_int cancel;    /* shutdown: stop waiting for peers (bootstrap, barriers) */
   int standing_in;      /* under lock: a ZD__JOB_STAND_IN is running */
   int peer_failed;      /* under lock: the heartbeat found a peer dead (wakes an idle worker) */
-  zd__model_t *model;   /* the thread running a job only */
+  atomic_int attach_abandoned; /* the client of the registration in progress left */
+  zd__model_t *model;          /* the thread running a job only */
   pthread_mutex_t stats_lock;
   zd__rank_stats_t stats;
   zd__shard_range_t *ranges; /* under stats_lock: the model's shard, for status */
@@ -174,6 +175,8 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
                                         : "loading a checkpoint (resume)");
       job->code = zd__model_attach(&r->ctx, &r->model, job->in.spec, job->buffers, job->event_slot,
                                    &resumed, err);
+      atomic_store(&r->attach_abandoned, 0); /* set for this registration only (its client left
+                                                while it was queued or waiting) */
       if (restoring) set_health(r, ZD__HEALTH_OK, "", "");
       if (job->code == ZD_OK) {
         const zd__layout_t *l = r->model->layout;
@@ -486,6 +489,7 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
       .comm = env->comm,
       .ckpt = env->ckpt,
   };
+  r->ctx.attach_abandoned = &r->attach_abandoned;
   if (env->device < 0 && zd__compute_cpu_create(env->pool, env->isa, &r->ctx.compute) != 0) {
     free(r);
     return -ENOMEM;
@@ -525,6 +529,10 @@ void zd__rank_destroy(zd__rank_t *r) {
   free(r);
 }
 
+void zd__rank_abandon_attach(zd__rank_t *r) {
+  atomic_store(&r->attach_abandoned, 1);
+}
+
 void zd__rank_cancel(zd__rank_t *r) {
   atomic_store(&r->cancel, 1);
   pthread_mutex_lock(&r->lock);
@@ -548,6 +556,7 @@ void zd__rank_peer_dead(zd__rank_t *r, uint32_t peer_rank, uint64_t incarnation,
   }
   zd__comm_abort(r->ctx.comm, ZD_EPEER, why);
   zd__ckptr_world_broke(r->env.ckpt); /* a checkpoint waiting for the dead node gives up */
+
   if (r->ctx.comm && !r->peer_failed) {
     r->peer_failed = 1;
     pthread_cond_signal(&r->cond); /* an idle worker degrades and heals at once */

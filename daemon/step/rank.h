@@ -209,6 +209,11 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out);
  * thread. */
 void zd__rank_cancel(zd__rank_t *rank);
 
+/* The client of the registration queued or running on the rank left: a registration still waiting
+ * for the other ranks' clients (the barrier) gives up within a second, so that the rank is
+ * released for the next client. Any thread (the loop). */
+void zd__rank_abandon_attach(zd__rank_t *rank);
+
 /* Shutdown is taking too long: the collective in progress fails now (-ECANCELED) instead of
  * waiting for a silent peer up to the collective timeout; the rank is then degraded. Any
  * thread. */

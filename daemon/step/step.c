@@ -312,7 +312,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
    * collective timeout. Wait for every rank through the rendezvous store first, which may take
    * as long as a world takes to form, and can be cancelled by a shutdown. */
   if (ctx->member) {
-    int rc = zd__world_barrier(ctx->member, "register", err);
+    int rc = zd__world_barrier(ctx->member, "register", ctx->attach_abandoned, err);
     if (rc) {
       char cause[ZD__ERR_MSG_MAX];
       snprintf(cause, sizeof cause, "%s", err->msg);

@@ -76,7 +76,8 @@ typedef struct zd__step_ctx {
   struct zd__world_member *member; /* world size > 1: for the registration barrier */
   struct zd__ckptr *ckpt;          /* the daemon's checkpointer (checkpoint.h); NULL: none */
   int resume_latest;               /* the world re-formed: the next registration resumes the
-                                      newest complete checkpoint (rank.c) */
+                                    newest complete checkpoint (rank.c) */
+  atomic_int *attach_abandoned;    /* set when the client of the registration in progress left */
 } zd__step_ctx_t;
 
 /* Register. *model is the rank's model (NULL if none) and is resumed (same layout, spec->replace

@@ -894,6 +894,8 @@ static void on_handle_closed(uv_handle_t *h) {
  * trainer dies"): its rank is free at once for a restarted trainer, and its last job, after those
  * in flight, stands in for it where the world still needs this rank (ZD__JOB_STAND_IN). */
 static void stand_in(zd__session_t *s) {
+  if (s->closing && s->state == SESSION_REGISTERING && s->rank)
+    zd__rank_abandon_attach(s->rank); /* its registration may wait for the others for minutes */
   if (!s->closing || s->state != SESSION_REGISTERED || s->stood_in ||
       zd__rank_world_size(s->rank) < 2 || zd__daemon_shutting_down(s->daemon))
     return;
