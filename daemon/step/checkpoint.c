@@ -34,7 +34,6 @@ typedef struct write_job {
   uint32_t local;
   uint32_t rank;
   uint64_t step;
-  uint64_t snapshot_us;
   uint64_t t0_ms;
   uint64_t generation;           /* the world instance it was taken in (zd__ckptr_world_broke) */
   uint64_t seq;                  /* this daemon's count of snapshots, for a wait on this one */
@@ -45,9 +44,8 @@ typedef struct write_job {
 typedef struct slot {
   float *snap; /* master, exp_avg, exp_avg_sq back to back */
   uint64_t elems;
-  int busy;      /* a write of this snapshot is queued or running */
-  uint64_t done; /* last step whose file this rank wrote (or failed: see failed) */
-  int failed;    /* that write failed */
+  int busy;   /* a write of this snapshot is queued or running */
+  int failed; /* its last write failed */
   char error[ZD__ERR_MSG_MAX];
   uint64_t finished_seq; /* global rank 0's slot: the last of its snapshots the finisher ended */
   int finished_failed;   /* ... and whether that checkpoint failed */
@@ -156,7 +154,6 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
   write_job_t *mine = j->manifest ? NULL : j; /* else the finisher's from the unlock on */
   pthread_mutex_lock(&c->lock);
   s->busy = 0;
-  s->done = j->step;
   s->failed = rc != 0;
   snprintf(s->error, sizeof s->error, "%s", rc ? err.msg : "");
   c->stats.in_progress--;
@@ -532,13 +529,13 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
     job_free(j);
     return rc;
   }
-  uint64_t snapshot_us = j->snapshot_us = zd__now_us() - t0;
+  uint64_t snapshot_us = zd__now_us() - t0;
   pthread_mutex_lock(&c->lock);
   s->busy = 1;
   uint64_t seq = j->seq = ++c->seq;
   c->stats.requested++;
   c->stats.in_progress++;
-  c->stats.last_snapshot_us = j->snapshot_us;
+  c->stats.last_snapshot_us = snapshot_us;
   if (c->tail)
     c->tail->next = j;
   else
