@@ -47,16 +47,6 @@ PARAMS = [("ck.w", (37, 29)), ("ck.b", (29,)), ("ck.v", (300,)), ("ck.s", ())]
 BUCKET = "512"  # several buckets: parameters straddle buckets and rank slices
 
 
-def numel() -> int:
-    n = 0
-    for _, shape in PARAMS:
-        k = 1
-        for d in shape:
-            k *= d
-        n += k
-    return n
-
-
 def step_grads(step: int) -> Dict[str, np.ndarray]:
     rng = np.random.default_rng(1000 + step)
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in PARAMS}
