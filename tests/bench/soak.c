@@ -247,6 +247,8 @@ int main(int argc, char **argv) {
                          ranks,
                          "--max_clients",
                          maxc,
+                         "--max_clients_per_uid", /* every client here is the same user */
+                         maxc,
                          "--log_level",
                          "warn",
                          "--collective_timeout_ms",
