@@ -21,6 +21,7 @@
 #include "clock.h"
 #include "comm.h"
 #include "control.h"
+#include "grpc_unary.h"
 #include "liveness.h"
 #include "log.h"
 #include "metrics.h"
@@ -150,7 +151,8 @@ static void on_signal(uv_signal_t *handle, int signum) {
 
 /* SIGHUP (a closed terminal, an operator's `systemctl reload`): never fatal, since the optimizer
  * state lives only here. zerod re-reads its configuration the way it was loaded and applies what
- * can change at run time (log_level); a changed setting that needs a restart is named in the log.
+ * can change at run time (log_level, and the contents of the TLS files); a changed setting that
+ * needs a restart is named in the log.
  * The log is stderr, which journald or the container runtime owns: there is no file to reopen. */
 typedef struct setting_values {
   const char *names[ZD__CONFIG_MAX_SETTINGS];
@@ -198,9 +200,30 @@ static void reload_config(zd__daemon_t *d) {
   zd__config_free(&next);
 }
 
+/* Certificates rotated in place (cert-manager renews them every few weeks): the files of tls_cert,
+ * tls_key and tls_ca are read again, and new handshakes and new channels to other zerods use
+ * them. A pair that does not check out keeps the running one. */
+static void reload_tls(zd__daemon_t *d) {
+  const zd__config_t *cfg = d->cfg;
+  zd__grpc_tls_files_t files = {.cert = cfg->tls_cert,
+                                .key = cfg->tls_key,
+                                .ca = cfg->tls_ca,
+                                .cert_name = "tls_cert",
+                                .key_name = "tls_key",
+                                .ca_name = "tls_ca"};
+  zd__err_t err = {0};
+  int changed = 0;
+  if (zd__grpc_tls_reload(&files, &changed, &err) != ZD_OK)
+    ZD_LOG_WARN("SIGHUP: TLS certificates not reloaded, the running ones stay: %s", err.msg);
+  else if (changed)
+    ZD_LOG_WARN("SIGHUP: TLS certificates reloaded from %s, %s and %s: new connections use them",
+                cfg->tls_cert, cfg->tls_key, cfg->tls_ca);
+}
+
 static void on_sighup(uv_signal_t *handle, int signum) {
   (void)signum;
   reload_config(handle->data);
+  reload_tls(handle->data);
 }
 
 /* Connections are logged at debug only (any local process can open thousands): this line says at

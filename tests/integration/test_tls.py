@@ -12,6 +12,9 @@ Certificates come from scripts/make_test_ca.sh (skipped, exit 77, where openssl 
     the control token after TLS is logged with the peer's address and certificate subject;
   - a control_address other hosts reach (0.0.0.0) starts with TLS and no control_insecure, and
     is refused at start without TLS;
+  - rotation: SIGHUP re-reads the files; a key that is not the certificate's keeps the running
+    pair (a WARN naming the file); a certificate of a second CA is then served, so zeroctl
+    trusting the new CA connects and zeroctl trusting only the old one is refused;
   - start-up errors: a partial set, a missing file, a private key readable by others, a key not
     the certificate's: zerod exits with a message naming the setting.
 Run by `meson test` with ZEROD_BIN, ZEROCTL_BIN, ZEROD_LIBRARY and PYTHONPATH set; by hand from
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -226,6 +230,46 @@ class TlsTest(unittest.TestCase):
             wrong = self.zeroctl(f"127.0.0.2:{port}", "health")
             self.assertEqual(wrong.returncode, 1, wrong.stdout + wrong.stderr)
             self.assertIn("Peer name 127.0.0.2 is not in peer certificate", wrong.stderr)
+
+    # ---- rotation -------------------------------------------------------------------------------
+
+    def test_sighup_reloads_certificates(self) -> None:
+        live = tempfile.mkdtemp(dir=self.dir)  # the files zerod reads, rotated in place
+
+        def install(cert: str, key: str, *cas: str) -> None:
+            shutil.copyfile(self.pem(cert), os.path.join(live, "tls.crt"))
+            shutil.copyfile(self.pem(key), os.path.join(live, "tls.key"))
+            os.chmod(os.path.join(live, "tls.key"), 0o600)
+            with open(os.path.join(live, "ca.crt"), "w") as f:
+                for ca in cas:
+                    with open(self.pem(ca)) as g:
+                        f.write(g.read())
+
+        install("node.pem", "node.key", "ca.pem")
+        args = ["--control_address", "127.0.0.1:0", "--tls_cert", os.path.join(live, "tls.crt"),
+                "--tls_key", os.path.join(live, "tls.key"), "--tls_ca",
+                os.path.join(live, "ca.crt")]
+        with zerod.testing.LocalZerod(args, log_level="info") as d:
+            addr = bound_address(d)
+            ok = self.zeroctl(addr, "health")
+            self.assertEqual(ok.returncode, 0, ok.stdout + ok.stderr)
+            # A key that is not the certificate's: the running pair stays, the log names the file.
+            install("node.pem", "other.key", "ca.pem")
+            d.process.send_signal(signal.SIGHUP)
+            wait_log(d, r"WARN SIGHUP: TLS certificates not reloaded, the running ones stay: "
+                        r"tls_key \S*tls\.key is not the private key of tls_cert \S*tls\.crt")
+            ok = self.zeroctl(addr, "health")
+            self.assertEqual(ok.returncode, 0, ok.stdout + ok.stderr)
+            # A certificate of another CA, and a CA bundle that still admits the old clients.
+            install("other.pem", "other.key", "ca.pem", "other-ca.pem")
+            d.process.send_signal(signal.SIGHUP)
+            wait_log(d, r"WARN SIGHUP: TLS certificates reloaded from")
+            new = self.zeroctl(addr, "health", ca="other-ca.pem")
+            self.assertEqual(new.returncode, 0, new.stdout + new.stderr)
+            old = self.zeroctl(addr, "health")
+            self.assertEqual(old.returncode, 1, old.stdout + old.stderr)
+            self.assertIn("certificate verify failed", old.stderr)
+            self.assertIsNone(d.process.poll(), "SIGHUP must not stop zerod")
 
     # ---- start-up errors ------------------------------------------------------------------------
 
