@@ -76,8 +76,15 @@ class DrainTest(unittest.TestCase):
 
         try:
             train(trainers, range(1, 4))
-            stepping = threading.Thread(target=lambda: self.assertRaises(
-                ZerodError, on_all, trainers, run))
+            seen: List[BaseException] = []
+
+            def trainers_step() -> None:
+                try:
+                    on_all(trainers, run)
+                except BaseException as e:  # checked below
+                    seen.append(e)
+
+            stepping = threading.Thread(target=trainers_step)
             stepping.start()
             time.sleep(0.3)
             out = zeroctl(daemon, "drain", "--wait", "60")
@@ -88,6 +95,8 @@ class DrainTest(unittest.TestCase):
             self.assertEqual(daemon.process.wait(30), 0, world.log())
             stepping.join(60)
             self.assertFalse(stepping.is_alive())
+            self.assertEqual(len(seen), 1, "the trainers saw no error")
+            self.assertIsInstance(seen[0], ZerodError)
             self.assertLess(max(done), LAST, "the trainers finished before zerod stopped")
             self.assertGreater(step, 3)
             self.assertEqual(path, os.path.join(self.dir, f"step-{step:012d}"))
