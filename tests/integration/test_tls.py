@@ -15,6 +15,8 @@ Certificates come from scripts/make_test_ca.sh (skipped, exit 77, where openssl 
   - rotation: SIGHUP re-reads the files; a key that is not the certificate's keeps the running
     pair (a WARN naming the file); a certificate of a second CA is then served, so zeroctl
     trusting the new CA connects and zeroctl trusting only the old one is refused;
+    a world of two moved to a second CA by SIGHUP: the channel rank 1's checkpoint writer opens
+    afterwards presents the new certificate (the old CA's are refused by then);
   - start-up errors: a partial set, a missing file, a private key readable by others, a key not
     the certificate's: zerod exits with a message naming the setting.
 Run by `meson test` with ZEROD_BIN, ZEROCTL_BIN, ZEROD_LIBRARY and PYTHONPATH set; by hand from
@@ -270,6 +272,66 @@ class TlsTest(unittest.TestCase):
             self.assertEqual(old.returncode, 1, old.stdout + old.stderr)
             self.assertIn("certificate verify failed", old.stderr)
             self.assertIsNone(d.process.poll(), "SIGHUP must not stop zerod")
+
+    def test_channels_after_a_reload_present_the_new_certificate(self) -> None:
+        """A world of two moves to a second CA: after SIGHUP each node serves and accepts only the
+        new CA's certificates, so the channel that the checkpoint writer of rank 1 opens to rank
+        0's store afterwards works only if it presents the new certificate."""
+        ckpt = tempfile.mkdtemp(dir=self.dir)
+        lives = [tempfile.mkdtemp(dir=self.dir) for _ in range(2)]
+
+        def install(live: str, cert: str, key: str, ca: str) -> List[str]:
+            for src, dst in ((cert, "tls.crt"), (key, "tls.key"), (ca, "ca.crt")):
+                shutil.copyfile(self.pem(src), os.path.join(live, dst))
+            os.chmod(os.path.join(live, "tls.key"), 0o600)
+            return ["--tls_cert", os.path.join(live, "tls.crt"), "--tls_key",
+                    os.path.join(live, "tls.key"), "--tls_ca", os.path.join(live, "ca.crt")]
+
+        world = ["--world_size", "2", "--local_ranks", "1", "--bucket_elems", "256",
+                 "--heartbeat_ms", "100", "--peer_timeout_ms", "5000", "--checkpoint-dir", ckpt,
+                 "--collective_timeout_ms", "10000"]  # a refused channel fails the checkpoint
+        d0 = zerod.testing.LocalZerod(world + ["--first_rank", "0", "--control_address",
+                                               "127.0.0.1:0"] +
+                                      install(lives[0], "node.pem", "node.key", "ca.pem"))
+        daemons = [d0]
+        clients: List[zerod.Client] = []
+        try:
+            rdv = bound_address(d0)
+            daemons.append(zerod.testing.LocalZerod(
+                world + ["--first_rank", "1", "--control_address", "127.0.0.1:0",
+                         "--rendezvous_address", rdv] +
+                install(lives[1], "node.pem", "node.key", "ca.pem")))
+            clients = [d.connect(0) for d in daemons]
+
+            def register_and_step(c: zerod.Client) -> zerod.StepResult:
+                c.layout([("w", (20, 30))], [zerod.Group(lr=0.01)], replace=True)
+                c.register()
+                return c.step()
+
+            with ThreadPoolExecutor(2) as pool:
+                list(pool.map(register_and_step, clients))
+            for i, d in enumerate(daemons):
+                install(lives[i], "other.pem", "other.key", "other-ca.pem")
+                d.process.send_signal(signal.SIGHUP)
+                wait_log(d, r"WARN SIGHUP: TLS certificates reloaded from")
+            # the old CA's certificates are refused now, the new one's accepted
+            old = self.zeroctl(rdv, "health")
+            self.assertEqual(old.returncode, 1, old.stdout + old.stderr)
+            new = self.zeroctl(rdv, "health", cert="other", ca="other-ca.pem")
+            self.assertEqual(new.returncode, 0, new.stdout + new.stderr)
+            # rank 1's checkpoint writer opens its first channel to rank 0's store now
+            with ThreadPoolExecutor(2) as pool:
+                got = list(pool.map(lambda c: c.checkpoint(), clients))
+            self.assertEqual(got[0][0], 1)
+            self.assertTrue(os.path.exists(os.path.join(got[0][1], "manifest.json")))
+            with ThreadPoolExecutor(2) as pool:
+                self.assertEqual([r.step for r in pool.map(lambda c: c.step(), clients)], [2, 2])
+            self.assertIsNone(d0.process.poll())
+        finally:
+            for c in clients:
+                c.close()
+            for d in reversed(daemons):
+                d.stop()
 
     # ---- start-up errors ------------------------------------------------------------------------
 
