@@ -3,6 +3,7 @@
  *   zeroctl [--address ADDR] [--timeout-ms N] status [--world] [--json] [--watch SECONDS]
  *   zeroctl [--address ADDR] [--timeout-ms N] health [--service NAME]
  *   zeroctl [--address ADDR] [--timeout-ms N] [--token-file FILE] checkpoint [--wait SECONDS]
+ *   zeroctl [--address ADDR] [--token-file FILE] drain [--wait SECONDS] [--force]
  *   zeroctl verify CKPT_DIR
  *   zeroctl export CKPT_DIR --out FILE [--moments]
  *   zeroctl import FILE --out ROOT
@@ -20,6 +21,10 @@
  * ranks agree through the step, so any node will do); with --wait it then polls the node's status
  * until a newer checkpoint is complete (exit 0) or a failure is reported (exit 1). The call
  * carries the control token of --token-file (or $ZEROD_CONTROL_TOKEN_FILE) where zerod has one.
+ *
+ * drain readies a node for maintenance (a Kubernetes preStop hook, by hand before a reboot): one
+ * call that zerod answers once the checkpoint it asked for is complete, as that zerod begins to
+ * shut down; the call's deadline is --wait plus a margin, so that zerod's own bound answers first.
  *
  * verify and export work offline on a checkpoint directory (common/checkpoint_format.h), no
  * zerod involved: verify checks every rank file's size, checksum and header against the manifest;
@@ -54,8 +59,10 @@
 #include "grpc_unary.h"
 #include "health.pb-c.h"
 
-#define DEFAULT_ADDRESS    "127.0.0.1:7070"
-#define DEFAULT_TIMEOUT_MS 5000
+#define DEFAULT_ADDRESS      "127.0.0.1:7070"
+#define DEFAULT_TIMEOUT_MS   5000
+#define DEFAULT_DRAIN_WAIT_S 120
+#define DRAIN_MARGIN_MS      10000 /* the call outlives zerod's wait by this much */
 
 enum { EXIT_OK = 0, EXIT_FAIL = 1, EXIT_USAGE = 2 };
 
@@ -70,7 +77,8 @@ typedef struct options {
   const char *ckpt_dir;   /* verify, export */
   const char *out;        /* export --out */
   int moments;            /* export --moments */
-  int wait_s;             /* checkpoint --wait: seconds to wait for it to be complete; 0: do not */
+  int wait_s;             /* checkpoint, drain --wait: seconds to wait for it to be complete */
+  int force;              /* drain --force: stop even without a checkpoint */
   const char *token_file; /* --token-file: the control token for calls that write */
   const char *tls_cert, *tls_key, *tls_ca; /* --tls-*: mutual TLS; NULL: plaintext */
 } options_t;
@@ -111,6 +119,15 @@ static void usage(FILE *out) {
       "                             ask for a checkpoint after the next step of every rank\n"
       "                             of the world (zerod's checkpoint_dir must be set); --wait:\n"
       "                             until it is complete (exit 0) or failed (exit 1)\n"
+      "  drain [--wait SECONDS] [--force]\n"
+      "                             before maintenance: mark the node draining (readiness\n"
+      "                             fails, registrations are refused), checkpoint as above,\n"
+      "                             and once that is complete shut this zerod down as SIGTERM\n"
+      "                             does; prints the checkpoint's step and directory. --wait:\n"
+      "                             for the checkpoint (default %d); exit 1 and zerod goes on\n"
+      "                             serving when it fails or is late, or when there is nothing\n"
+      "                             to checkpoint (no checkpoint_dir, no model). --force: stop\n"
+      "                             anyway (exit 1 if a checkpoint was asked for but failed)\n"
       "  verify CKPT_DIR            check a checkpoint offline: every rank file's size, XXH3\n"
       "                             checksum and header against its manifest; exit status 1\n"
       "                             when it is incomplete or corrupt\n"
@@ -140,7 +157,7 @@ static void usage(FILE *out) {
       "\n"
       "Exit status: 0 success, 1 failure (a node unreachable, a rank degraded or missing, not\n"
       "serving, a checkpoint incomplete or corrupt), 2 bad usage.\n",
-      DEFAULT_TIMEOUT_MS);
+      DEFAULT_DRAIN_WAIT_S, DEFAULT_TIMEOUT_MS);
 }
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -240,6 +257,8 @@ static int parse(int argc, char **argv, options_t *o) {
       o->json = 1;
     } else if (!strcmp(a, "--moments")) {
       o->moments = 1;
+    } else if (!strcmp(a, "--force")) {
+      o->force = 1;
     } else if (a[0] == '-') {
       return usage_error("unknown option '%s'", a);
     } else if (!o->command) {
@@ -251,16 +270,21 @@ static int parse(int argc, char **argv, options_t *o) {
     }
   }
   if (!o->command)
-    return usage_error("no command given: status, health, checkpoint, verify or export");
+    return usage_error("no command given: status, health, checkpoint, drain, verify or export");
   int offline = !strcmp(o->command, "verify") || !strcmp(o->command, "export");
+  int drain = !strcmp(o->command, "drain");
   if (strcmp(o->command, "status") != 0 && strcmp(o->command, "health") != 0 &&
-      strcmp(o->command, "checkpoint") != 0 && !offline)
+      strcmp(o->command, "checkpoint") != 0 && !drain && !offline)
     return usage_error(
-        "unknown command '%s': expected status, health, checkpoint, verify or export", o->command);
-  if (o->wait_s && strcmp(o->command, "checkpoint") != 0)
-    return usage_error("--wait is an option of checkpoint");
+        "unknown command '%s': expected status, health, checkpoint, drain, verify or export",
+        o->command);
+  if (o->wait_s && strcmp(o->command, "checkpoint") != 0 && !drain)
+    return usage_error("--wait is an option of checkpoint and drain");
+  if (o->force && !drain) return usage_error("--force is an option of drain");
   if (!strcmp(o->command, "checkpoint") && (o->world || o->json || o->watch_s || o->service[0]))
     return usage_error("checkpoint takes --wait only");
+  if (drain && (o->world || o->json || o->watch_s || o->service[0]))
+    return usage_error("drain takes --wait and --force only");
   if (offline) {
     if (!o->ckpt_dir) return usage_error("%s needs a checkpoint directory", o->command);
     if (!strcmp(o->command, "export") && !o->out) return usage_error("export needs --out FILE");
@@ -363,6 +387,49 @@ static int cmd_checkpoint(const options_t *o) {
   fprintf(stderr, "zeroctl: no checkpoint complete within %d s (no step taken meanwhile?)\n",
           o->wait_s);
   return EXIT_FAIL;
+}
+
+/* ---- drain --------------------------------------------------------------------------------- */
+
+static int cmd_drain(const options_t *o) {
+  zd__err_t err = {0};
+  char token[ZD__TOKEN_MAX] = "";
+  if (o->token_file && zd__token_load(o->token_file, token, &err) != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  int wait_s = o->wait_s ? o->wait_s : DEFAULT_DRAIN_WAIT_S;
+  Zerod__V1__DrainRequest req = ZEROD__V1__DRAIN_REQUEST__INIT;
+  req.wait_ms = (uint32_t)wait_s * 1000u;
+  req.has_force = 1;
+  req.force = o->force;
+  zd__grpc_channel_t *ch = NULL;
+  ProtobufCMessage *reply = NULL;
+  int rc = zd__grpc_channel_open(o->address, &ch, &err);
+  if (!rc && token[0] && zd__grpc_channel_set_token(ch, token))
+    rc = zd__errf(&err, -ENOMEM, "out of memory");
+  if (!rc)
+    rc =
+        zd__grpc_call(ch, "/zerod.v1.Control/Drain", &req.base, &zerod__v1__drain_reply__descriptor,
+                      &reply, wait_s * 1000 + DRAIN_MARGIN_MS, 0, NULL, &err);
+  if (ch) zd__grpc_channel_close(ch);
+  if (rc) {
+    fprintf(stderr, "zeroctl: drain: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  Zerod__V1__DrainReply *r = (Zerod__V1__DrainReply *)reply;
+  int exit_rc = EXIT_OK;
+  if (r->checkpointed) {
+    printf("%s: drained: checkpoint of step %" PRIu64 " complete in %s; zerod is shutting down\n",
+           o->address, r->step, r->dir ? r->dir : "?");
+  } else {
+    exit_rc = r->has_lost && r->lost ? EXIT_FAIL : EXIT_OK;
+    printf("%s: drained without a checkpoint (--force); zerod is shutting down\n", o->address);
+    fprintf(stderr, "zeroctl: no checkpoint: %s%s\n", r->no_checkpoint ? r->no_checkpoint : "?",
+            exit_rc ? "; the steps since the last complete checkpoint are lost" : "");
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return exit_rc;
 }
 
 static void fetch_status(node_t *n, int timeout_ms) {
@@ -584,6 +651,9 @@ static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, s
            nodes[i].address, st->version, st->pid, st->first_rank,
            st->first_rank + (st->local_ranks ? st->local_ranks - 1 : 0), st->world_size,
            st->backend, st->uptime_s);
+    if (st->has_draining && st->draining)
+      printf("node %s: draining: shutting down once its checkpoint is complete\n",
+             nodes[i].address);
   }
   char(*cells)[NCOLS][CELL] = calloc(nrows ? nrows : 1, sizeof *cells);
   if (!cells) return;
@@ -692,7 +762,8 @@ static void print_json(const node_t *nodes, size_t nnodes, const row_t *rows, si
       printf(", \"world_size\": %u, \"first_rank\": %u, \"local_ranks\": %u, \"backend\": ",
              st->world_size, st->first_rank, st->local_ranks);
       json_string(stdout, st->backend);
-      printf(", \"uptime_s\": %" PRIu64 "}", st->uptime_s);
+      printf(", \"uptime_s\": %" PRIu64 ", \"draining\": %s}", st->uptime_s,
+             st->has_draining && st->draining ? "true" : "false");
     } else {
       printf(", \"ok\": false, \"error\": ");
       json_string(stdout, n->error);
@@ -918,6 +989,7 @@ int main(int argc, char **argv) {
   }
   rc = !strcmp(o.command, "status")       ? cmd_status(&o)
        : !strcmp(o.command, "checkpoint") ? cmd_checkpoint(&o)
+       : !strcmp(o.command, "drain")      ? cmd_drain(&o)
                                           : cmd_health(&o);
   grpc_shutdown();
   return rc;

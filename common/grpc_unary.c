@@ -5,6 +5,11 @@
  * the wait, so the pluck itself needs none. Channels reconnect quickly (100 ms to 1 s backoff,
  * not gRPC's default of 1 s growing to 2 minutes): a peer waiting for rank 0's node to come up
  * must see it within a second, not at the next step of a long backoff.
+ *
+ * The TLS identity can be replaced while the process runs (zd__grpc_tls_reload, on zerod's
+ * SIGHUP): servers get their certificates through gRPC's certificate-config fetcher, which gRPC
+ * asks at each new handshake, and each new channel builds its credentials from the identity of
+ * the moment; connections already made keep theirs.
  */
 #include "grpc_unary.h"
 
@@ -14,6 +19,11 @@
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,12 +32,23 @@
 
 #define PEM_MAX (1u << 20) /* a CA bundle is a few hundred kB at most */
 
-/* The process's TLS identity (zd__grpc_tls_load): PEM text, NULL while none is loaded. Written
- * only at start, before any thread reads it. */
+/* A server's view of the identity: the generation it was last given by the fetcher. Kept in a list
+ * for the process's life (a server's credentials have no destroy hook to free it by). */
+typedef struct served {
+  uint64_t generation;
+  struct served *next;
+} served_t;
+
+/* The process's TLS identity (zd__grpc_tls_load, zd__grpc_tls_reload): PEM text, NULL while none
+ * is loaded. Loaded at start before any thread reads it; replaced under `lock`, which every
+ * reader after the start takes (gRPC's handshake threads through the fetcher, channel opens). */
 static struct {
+  pthread_mutex_t lock;
   char *cert, *key, *ca;
+  uint64_t generation; /* bumped by every replacement */
+  served_t *servers;
   char cert_name[32], key_name[32]; /* for messages */
-} tls;
+} tls = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* Reads one PEM file into a NUL-terminated string that must contain marker. A secret (a private
  * key) must not be readable by others. */
@@ -106,33 +127,144 @@ int zd__grpc_tls_load(const zd__grpc_tls_files_t *f, zd__err_t *err) {
     free(ca);
     return rc;
   }
+  pthread_mutex_lock(&tls.lock);
   free(tls.cert);
   free(tls.key);
   free(tls.ca);
   tls.cert = cert;
   tls.key = key;
   tls.ca = ca;
+  tls.generation++;
   snprintf(tls.cert_name, sizeof tls.cert_name, "%s", f->cert_name);
   snprintf(tls.key_name, sizeof tls.key_name, "%s", f->key_name);
+  pthread_mutex_unlock(&tls.lock);
   return ZD_OK;
 }
 
+/* What OpenSSL says of a file that does not hold what it should, for the caller's message. */
+static void ssl_reason(char *buf, size_t len) {
+  unsigned long e = ERR_peek_last_error();
+  if (e)
+    ERR_error_string_n(e, buf, len);
+  else
+    snprintf(buf, len, "no PEM block of the right kind");
+  ERR_clear_error();
+}
+
+/* What gRPC finds only at a handshake, checked before a replacement is accepted: every PEM
+ * parses, and the key is the certificate's. */
+static int check_pair(const char *cert, const char *key, const char *ca,
+                      const zd__grpc_tls_files_t *f, zd__err_t *err) {
+  char why[256];
+  int rc = ZD_OK;
+  BIO *b = BIO_new_mem_buf(cert, -1);
+  X509 *x = b ? PEM_read_bio_X509(b, NULL, NULL, NULL) : NULL;
+  BIO_free(b);
+  b = BIO_new_mem_buf(key, -1);
+  EVP_PKEY *k = b ? PEM_read_bio_PrivateKey(b, NULL, NULL, NULL) : NULL;
+  BIO_free(b);
+  b = BIO_new_mem_buf(ca, -1);
+  X509 *c = b ? PEM_read_bio_X509(b, NULL, NULL, NULL) : NULL;
+  BIO_free(b);
+  if (!x) {
+    ssl_reason(why, sizeof why);
+    rc = zd__errf(err, ZD_ECONFIG, "%s %s: no certificate parses (%s)", f->cert_name, f->cert, why);
+  } else if (!k) {
+    ssl_reason(why, sizeof why);
+    rc = zd__errf(err, ZD_ECONFIG, "%s %s: no private key parses (%s)", f->key_name, f->key, why);
+  } else if (!c) {
+    ssl_reason(why, sizeof why);
+    rc = zd__errf(err, ZD_ECONFIG, "%s %s: no certificate parses (%s)", f->ca_name, f->ca, why);
+  } else if (X509_check_private_key(x, k) != 1) {
+    ERR_clear_error();
+    rc = zd__errf(err, ZD_ECONFIG, "%s %s is not the private key of %s %s", f->key_name, f->key,
+                  f->cert_name, f->cert);
+  }
+  X509_free(x);
+  EVP_PKEY_free(k);
+  X509_free(c);
+  return rc;
+}
+
+int zd__grpc_tls_reload(const zd__grpc_tls_files_t *f, int *changed, zd__err_t *err) {
+  *changed = 0;
+  if (!zd__grpc_tls_enabled()) return ZD_OK;
+  char *cert = NULL, *key = NULL, *ca = NULL;
+  int rc = read_pem(f->cert, f->cert_name, "-----BEGIN CERTIFICATE-----", 0, &cert, err);
+  if (!rc) rc = read_pem(f->key, f->key_name, "PRIVATE KEY-----", 1, &key, err);
+  if (!rc) rc = read_pem(f->ca, f->ca_name, "-----BEGIN CERTIFICATE-----", 0, &ca, err);
+  if (!rc) rc = check_pair(cert, key, ca, f, err);
+  if (!rc) {
+    pthread_mutex_lock(&tls.lock);
+    if (strcmp(cert, tls.cert) != 0 || strcmp(key, tls.key) != 0 || strcmp(ca, tls.ca) != 0) {
+      char *old[3] = {tls.cert, tls.key, tls.ca};
+      tls.cert = cert;
+      tls.key = key;
+      tls.ca = ca;
+      cert = old[0];
+      key = old[1];
+      ca = old[2];
+      tls.generation++;
+      *changed = 1;
+    }
+    pthread_mutex_unlock(&tls.lock);
+  }
+  free(cert);
+  free(key);
+  free(ca);
+  return rc;
+}
+
 int zd__grpc_tls_enabled(void) {
-  return tls.cert != NULL;
+  pthread_mutex_lock(&tls.lock);
+  int on = tls.cert != NULL;
+  pthread_mutex_unlock(&tls.lock);
+  return on;
+}
+
+/* gRPC's certificate-config fetcher, on its handshake threads: the identity when this server has
+ * not had the current one yet (always, the first time, while the server is set up). */
+static grpc_ssl_certificate_config_reload_status fetch_config(
+    void *arg, grpc_ssl_server_certificate_config **config) {
+  served_t *sv = arg;
+  grpc_ssl_certificate_config_reload_status st = GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_UNCHANGED;
+  pthread_mutex_lock(&tls.lock);
+  if (sv->generation != tls.generation) {
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = tls.key, .cert_chain = tls.cert};
+    *config = grpc_ssl_server_certificate_config_create(tls.ca, &pair, 1); /* copies them */
+    sv->generation = tls.generation;
+    st = *config ? GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_NEW : GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_FAIL;
+  }
+  pthread_mutex_unlock(&tls.lock);
+  return st;
 }
 
 grpc_server_credentials *zd__grpc_server_credentials(void) {
-  if (!tls.cert) return grpc_insecure_server_credentials_create();
-  grpc_ssl_pem_key_cert_pair pair = {.private_key = tls.key, .cert_chain = tls.cert};
-  return grpc_ssl_server_credentials_create_ex(
-      tls.ca, &pair, 1, GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY, NULL);
+  if (!zd__grpc_tls_enabled()) return grpc_insecure_server_credentials_create();
+  served_t *sv = calloc(1, sizeof *sv);
+  if (!sv) return NULL;
+  pthread_mutex_lock(&tls.lock);
+  sv->next = tls.servers;
+  tls.servers = sv;
+  pthread_mutex_unlock(&tls.lock);
+  grpc_ssl_server_credentials_options *opt =
+      grpc_ssl_server_credentials_create_options_using_config_fetcher(
+          GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY, fetch_config, sv);
+  return grpc_ssl_server_credentials_create_with_options(opt); /* takes opt */
 }
 
-/* The channel's credentials: this process's identity, or none. */
+/* The channel's credentials: this process's identity at this moment, or none. */
 static grpc_channel_credentials *channel_credentials(void) {
-  if (!tls.cert) return grpc_insecure_credentials_create();
-  grpc_ssl_pem_key_cert_pair pair = {.private_key = tls.key, .cert_chain = tls.cert};
-  return grpc_ssl_credentials_create_ex(tls.ca, &pair, NULL, NULL);
+  pthread_mutex_lock(&tls.lock);
+  grpc_channel_credentials *creds;
+  if (!tls.cert) {
+    creds = grpc_insecure_credentials_create();
+  } else {
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = tls.key, .cert_chain = tls.cert};
+    creds = grpc_ssl_credentials_create_ex(tls.ca, &pair, NULL, NULL); /* copies them */
+  }
+  pthread_mutex_unlock(&tls.lock);
+  return creds;
 }
 
 struct zd__grpc_channel {

@@ -55,13 +55,24 @@ typedef struct zd__grpc_tls_files {
  * the setting and the path. */
 int zd__grpc_tls_load(const zd__grpc_tls_files_t *files, zd__err_t *err);
 
-/* Whether a TLS identity is loaded. */
+/* Re-reads the files of the identity loaded at start (zerod's SIGHUP: certificates rotated in
+ * place) and, when they differ, makes them the identity: servers present the new certificate and
+ * check clients against the new CA from their next handshake, and channels opened from now on
+ * use them; connections already made keep theirs. Checked first, beyond zd__grpc_tls_load's
+ * checks: each PEM parses and the key is the certificate's; on any error the identity is left
+ * as it was. *changed says whether it was replaced. Nothing to do (ZD_OK) without an identity.
+ * Thread-safe. Errors: as zd__grpc_tls_load, and ZD_ECONFIG naming the file that is wrong. */
+int zd__grpc_tls_reload(const zd__grpc_tls_files_t *files, int *changed, zd__err_t *err);
+
+/* Whether a TLS identity is loaded. Thread-safe. */
 int zd__grpc_tls_enabled(void);
 
 /* Server credentials for this process's identity: SSL with its certificate and key, requiring
  * every client to present a certificate that the CA signed (GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_
- * CERTIFICATE_AND_VERIFY); insecure credentials when no identity is loaded. Release with
- * grpc_server_credentials_release(). Needs grpc_init(). */
+ * CERTIFICATE_AND_VERIFY); insecure credentials when no identity is loaded. The certificates come
+ * through gRPC's certificate-config fetcher, so a zd__grpc_tls_reload reaches the server's next
+ * handshake. Release with grpc_server_credentials_release(). Needs grpc_init(). NULL: out of
+ * memory. */
 grpc_server_credentials *zd__grpc_server_credentials(void);
 
 /* ---- channels ----------------------------------------------------------------------------------

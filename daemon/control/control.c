@@ -8,7 +8,8 @@
  * Nodes and the Kv* methods are served only by the node that hosts global rank 0, which holds the
  * world's rendezvous store; elsewhere they say where that node is. A KvWait that cannot be
  * answered yet becomes a wait of the store and a deferred call: the store's callback answers it,
- * or the client cancelling it ends the wait.
+ * or the client cancelling it ends the wait. Drain is deferred too, answered when the daemon's
+ * drain ends (daemon.h); a caller that leaves does not end the drain.
  *
  * Stop: the pending waits are answered UNAVAILABLE and the store refuses new ones, then the server
  * shuts down; once it is gone, the store is freed and the daemon told.
@@ -55,6 +56,7 @@ struct zd__control {
   char token[ZD__TOKEN_MAX]; /* control_token_file's token; "": none required */
   uint64_t refused;          /* store calls refused for their token */
   int stopping;
+  zd__gsrv_call_t *drain_call; /* the Drain being waited for; NULL once answered or cancelled */
   zd__gsrv_t *server;
   zd__kvstore_t *store;
   void (*done)(zd__daemon_t *d);
@@ -225,6 +227,8 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
     cks.last_error = s.last_error[0] ? s.last_error : NULL;
     st.checkpoint = &cks;
   }
+  st.has_draining = 1;
+  st.draining = zd__daemon_draining(d) != NULL;
   zd__gsrv_reply(k, &st.base);
 exit:
   for (uint32_t i = 0; rms && i < n; i++) {
@@ -256,6 +260,82 @@ static int handle_checkpoint(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **r
   rep.has_last_step = s.completed > 0;
   rep.last_step = s.last_ok_step;
   zd__gsrv_reply(k, &rep.base);
+  return ZD_OK;
+}
+
+/* ---- drain ---------------------------------------------------------------------------------- */
+
+#define MAX_DRAIN_WAIT_MS (24u * 3600 * 1000)
+
+static void drain_answer(void *arg, const zd__drain_result_t *r) {
+  zd__control_t *c = arg;
+  zd__gsrv_call_t *k = c->drain_call;
+  c->drain_call = NULL;
+  if (!k) return; /* the caller left; the drain went on and the log has its end */
+  if (r->rc) {
+    zd__gsrv_reply_error(k, zd__grpc_status_of(r->rc), "%s", r->msg);
+    return;
+  }
+  Zerod__V1__DrainReply rep = ZEROD__V1__DRAIN_REPLY__INIT;
+  rep.checkpointed = r->checkpointed;
+  rep.has_step = r->checkpointed;
+  rep.step = r->step;
+  rep.dir = r->checkpointed ? (char *)r->dir : NULL;
+  rep.no_checkpoint = r->checkpointed ? NULL : (char *)r->msg;
+  rep.has_lost = !r->checkpointed;
+  rep.lost = r->lost;
+  zd__gsrv_reply(k, &rep.base);
+}
+
+static void drain_cancelled(void *arg) {
+  zd__control_t *c = arg;
+  c->drain_call = NULL;
+  ZD_LOG_WARN("control: the caller of Drain left before its answer; the drain goes on");
+}
+
+/* Drain stops this zerod, so it is never open to whoever reaches a TCP port: it needs the control
+ * token where there is one, and without one an authenticated channel (TLS) or a unix: address
+ * (whose file mode, socket_mode, admits only the operator's users). */
+static int drain_allowed(zd__control_t *c, const zd__gsrv_call_t *k, zd__err_t *err) {
+  int rc = token_ok(c, k, err);
+  if (rc || c->token[0] || zd__grpc_tls_enabled() ||
+      !strncmp(zd__daemon_config(c->d)->control_address, "unix:", 5))
+    return rc;
+  char peer[128];
+  zd__gsrv_call_peer(k, peer, sizeof peer);
+  c->refused++;
+  ZD_LOG_WARN(
+      "control: refused %s from %s: no control token is configured on a TCP control "
+      "address without TLS (%" PRIu64 " refused so far)",
+      zd__gsrv_call_path(k), peer, c->refused);
+  return zd__errf(err, ZD_EDENIED,
+                  "%s stops zerod, so over TCP it needs a control token (control_token_file) or "
+                  "mutual TLS (tls_cert); this zerod has neither: set one, or use a unix: "
+                  "control_address",
+                  zd__gsrv_call_path(k));
+}
+
+static int handle_drain(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
+  zd__control_t *c = ctx;
+  Zerod__V1__DrainRequest *r = (Zerod__V1__DrainRequest *)*req;
+  int rc = drain_allowed(c, k, err);
+  if (rc) return rc;
+  if (!r->wait_ms || r->wait_ms > MAX_DRAIN_WAIT_MS)
+    return zd__errf(err, -EINVAL, "Drain: wait_ms is %u; expected 1..%u", r->wait_ms,
+                    MAX_DRAIN_WAIT_MS);
+  const char *by = zd__daemon_draining(c->d);
+  if (by) return zd__errf(err, ZD_EORDER, "a drain asked by %s is already in progress", by);
+  grpc_call_error e = zd__gsrv_defer(k, drain_cancelled, c);
+  if (e != GRPC_CALL_OK)
+    return zd__errf(err, ZD_EINTERNAL, "Drain: cannot watch the call (grpc_call_error %d)", (int)e);
+  char peer[128];
+  zd__gsrv_call_peer(k, peer, sizeof peer);
+  c->drain_call = k;
+  rc = zd__daemon_drain(c->d, peer, r->wait_ms, r->has_force && r->force, drain_answer, c, err);
+  if (rc) { /* deferred already: answered here */
+    c->drain_call = NULL;
+    zd__gsrv_reply_error(k, zd__grpc_status_of(rc), "%s", err->msg);
+  }
   return ZD_OK;
 }
 
@@ -445,6 +525,7 @@ static int handle_health(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   zd__daemon_t *d = c->d;
   int serving = !c->stopping && !zd__daemon_shutting_down(d);
   if (!strcmp(svc, "zerod.ranks")) {
+    serving = serving && !zd__daemon_draining(d); /* readiness: no new trainer during a drain */
     for (uint32_t i = 0; i < zd__daemon_nranks(d) && serving; i++) {
       zd__rank_stats_t s;
       zd__rank_stats(zd__daemon_rank(d, i), &s);
@@ -480,6 +561,7 @@ static const zd__gsrv_method_t methods[] = {
      MAX_KEY_BYTES + 64},
     {"/zerod.v1.Control/Checkpoint", &zerod__v1__request_checkpoint_request__descriptor,
      handle_checkpoint, 1024},
+    {"/zerod.v1.Control/Drain", &zerod__v1__drain_request__descriptor, handle_drain, 1024},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor,
      handle_health, 1024},
 };

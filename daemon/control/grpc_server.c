@@ -658,8 +658,8 @@ int zd__gsrv_start(const zd__gsrv_config_t *cfg, zd__gsrv_t **out, zd__err_t *er
   mode_t old_mask = 0;
   if (s->unix_path[0]) old_mask = umask(~(mode_t)cfg->socket_mode & 0777);
   grpc_server_credentials *creds = zd__grpc_server_credentials();
-  int port = grpc_server_add_http2_port(s->server, addr, creds);
-  grpc_server_credentials_release(creds);
+  int port = creds ? grpc_server_add_http2_port(s->server, addr, creds) : 0;
+  if (creds) grpc_server_credentials_release(creds);
   if (s->unix_path[0]) umask(old_mask);
   if (port <= 0) {
     char why[256];

@@ -79,6 +79,8 @@ static const family_t families[] = {
      "errors_total", V_NUMBER, NULL, NULL, NULL},
     {"zerod_shutting_down", "gauge", "1 once zerod has begun to shut down", "server",
      "shutting_down", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_draining", "gauge", "1 while a drain (zeroctl drain) waits for its checkpoint",
+     "server", "draining", V_NUMBER, NULL, NULL, NULL},
 
     {"zerod_world_size", "gauge", "ranks in the whole job", "world", "world_size", V_NUMBER, NULL,
      NULL, NULL},

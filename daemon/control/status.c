@@ -237,6 +237,7 @@ zd__status_t *zd__status_collect(zd__daemon_t *d) {
   zd__status_add(st, "requests_total", "%" PRIu64, n->requests_total);
   zd__status_add(st, "errors_total", "%" PRIu64, n->errors_total);
   zd__status_add(st, "shutting_down", "%d", zd__daemon_shutting_down(d));
+  zd__status_add(st, "draining", "%d", zd__daemon_draining(d) != NULL);
   zd__status_section(st, "world");
   zd__status_add(st, "world_size", "%u", zd__daemon_world_size(d));
   zd__status_add(st, "local_ranks", "%u", zd__daemon_nranks(d));

@@ -17,9 +17,11 @@
 
 #include "adam.h"
 #include "checkpoint.h"
+#include "checkpoint_format.h"
 #include "clock.h"
 #include "comm.h"
 #include "control.h"
+#include "grpc_unary.h"
 #include "liveness.h"
 #include "log.h"
 #include "metrics.h"
@@ -71,6 +73,23 @@ struct zd__daemon {
   uint64_t summary_dropped; /* connections_dropped at the last summary */
   uv_timer_t notify_timer;  /* systemd: WATCHDOG=1 and STATUS= (notify_systemd) */
   int watchdog;             /* the unit has WatchdogSec: send WATCHDOG=1 too */
+
+  /* zeroctl drain (zd__daemon_drain): one at a time */
+  struct {
+    int active;
+    int force;
+    int want_ckpt;       /* a checkpoint was asked for (else: forced with nothing to save) */
+    uint64_t after_step; /* the newest step when it began: the drain's checkpoint is later */
+    uint64_t failures;   /* the checkpointer's counts when it began */
+    uint64_t completed;
+    uint64_t deadline_ms; /* zd__now_ms() */
+    uint32_t wait_ms;
+    char by[160];
+    char no_ckpt[ZD__ERR_MSG_MAX]; /* forced without a checkpoint to take: why */
+    zd__drain_done_fn done;
+    void *done_arg;
+  } drain;
+  uv_timer_t drain_timer; /* watches the drain's checkpoint */
 
   uint64_t start_us;
 };
@@ -132,7 +151,8 @@ static void on_signal(uv_signal_t *handle, int signum) {
 
 /* SIGHUP (a closed terminal, an operator's `systemctl reload`): never fatal, since the optimizer
  * state lives only here. zerod re-reads its configuration the way it was loaded and applies what
- * can change at run time (log_level); a changed setting that needs a restart is named in the log.
+ * can change at run time (log_level, and the contents of the TLS files); a changed setting that
+ * needs a restart is named in the log.
  * The log is stderr, which journald or the container runtime owns: there is no file to reopen. */
 typedef struct setting_values {
   const char *names[ZD__CONFIG_MAX_SETTINGS];
@@ -180,9 +200,30 @@ static void reload_config(zd__daemon_t *d) {
   zd__config_free(&next);
 }
 
+/* Certificates rotated in place (cert-manager renews them every few weeks): the files of tls_cert,
+ * tls_key and tls_ca are read again, and new handshakes and new channels to other zerods use
+ * them. A pair that does not check out keeps the running one. */
+static void reload_tls(zd__daemon_t *d) {
+  const zd__config_t *cfg = d->cfg;
+  zd__grpc_tls_files_t files = {.cert = cfg->tls_cert,
+                                .key = cfg->tls_key,
+                                .ca = cfg->tls_ca,
+                                .cert_name = "tls_cert",
+                                .key_name = "tls_key",
+                                .ca_name = "tls_ca"};
+  zd__err_t err = {0};
+  int changed = 0;
+  if (zd__grpc_tls_reload(&files, &changed, &err) != ZD_OK)
+    ZD_LOG_WARN("SIGHUP: TLS certificates not reloaded, the running ones stay: %s", err.msg);
+  else if (changed)
+    ZD_LOG_WARN("SIGHUP: TLS certificates reloaded from %s, %s and %s: new connections use them",
+                cfg->tls_cert, cfg->tls_key, cfg->tls_ca);
+}
+
 static void on_sighup(uv_signal_t *handle, int signum) {
   (void)signum;
   reload_config(handle->data);
+  reload_tls(handle->data);
 }
 
 /* Connections are logged at debug only (any local process can open thousands): this line says at
@@ -282,6 +323,147 @@ static int create_checkpointer(zd__daemon_t *d, zd__err_t *err) {
   return rc;
 }
 
+/* ---- drain --------------------------------------------------------------------------------- */
+
+#define DRAIN_POLL_MS 50
+
+/* Why this node has no optimizer state to save (returns the error code a drain without force
+ * gets), or 0 with *step the newest step of its ranks. */
+static int nothing_to_checkpoint(zd__daemon_t *d, uint64_t *step, char *why, size_t len) {
+  *step = 0;
+  if (!zd__ckptr_enabled(d->ckpt)) {
+    snprintf(why, len, "checkpoint_dir is not set: there is nowhere to save the optimizer state");
+    return ZD_ECONFIG;
+  }
+  uint32_t models = 0;
+  for (uint32_t i = 0; i < d->nranks; i++) {
+    zd__rank_stats_t s;
+    zd__rank_stats(d->ranks[i], &s);
+    if (!s.has_model) continue;
+    models++;
+    if (s.step > *step) *step = s.step;
+  }
+  if (models) return 0;
+  snprintf(why, len,
+           "no model is registered on this zerod's ranks: there is no optimizer state to save");
+  return ZD_EORDER;
+}
+
+/* Whether the checkpoint in dir is complete: the daemon of global rank 0 counts only checkpoints
+ * whose manifest it wrote; elsewhere the count is of this node's files, and the manifest, written
+ * by rank 0's node into the shared checkpoint_dir, says the rest. */
+static int checkpoint_complete(const zd__daemon_t *d, const char *dir) {
+  if (d->cfg->first_rank == 0) return 1;
+  char path[600];
+  struct stat st;
+  snprintf(path, sizeof path, "%s/%s", dir, ZD__CKPT_MANIFEST);
+  return stat(path, &st) == 0;
+}
+
+static void drain_end(zd__daemon_t *d, zd__drain_result_t *res) {
+  uv_timer_stop(&d->drain_timer);
+  zd__drain_done_fn done = d->drain.done;
+  void *arg = d->drain.done_arg;
+  d->drain.done = NULL;
+  if (res->rc) {
+    d->drain.active = 0;
+    ZD_LOG_WARN("drain asked by %s given up, zerod goes on serving: %s", d->drain.by, res->msg);
+  }
+  if (done) done(arg, res);
+  if (!res->rc) zd__daemon_shutdown(d);
+}
+
+static void drain_tick(uv_timer_t *t) {
+  zd__daemon_t *d = t->data;
+  zd__drain_result_t res = {0};
+  char why[ZD__ERR_MSG_MAX];
+  if (!d->drain.want_ckpt) {
+    snprintf(res.msg, sizeof res.msg, "%s", d->drain.no_ckpt);
+    ZD_LOG_WARN("drain --force: shutting down without a checkpoint: %s", res.msg);
+    drain_end(d, &res);
+    return;
+  }
+  zd__ckpt_stats_t s;
+  zd__ckptr_stats(d->ckpt, &s);
+  if (s.failures > d->drain.failures) {
+    snprintf(why, sizeof why, "the checkpoint failed: %.400s", s.last_error);
+  } else if (s.completed > d->drain.completed && s.last_ok_step > d->drain.after_step &&
+             checkpoint_complete(d, s.last_dir)) {
+    res.checkpointed = 1;
+    res.step = s.last_ok_step;
+    snprintf(res.dir, sizeof res.dir, "%s", s.last_dir);
+    ZD_LOG_INFO("drain: checkpoint of step %" PRIu64 " complete in %s; shutting down", res.step,
+                res.dir);
+    drain_end(d, &res);
+    return;
+  } else if (zd__now_ms() < d->drain.deadline_ms) {
+    return;
+  } else {
+    snprintf(why, sizeof why,
+             "no checkpoint was complete within %u ms (it is taken after the next step of every "
+             "rank of the world: are the trainers stepping?)",
+             d->drain.wait_ms);
+  }
+  if (d->drain.force) {
+    res.lost = 1;
+    snprintf(res.msg, sizeof res.msg, "%s", why);
+    ZD_LOG_WARN(
+        "drain --force: shutting down without a checkpoint: %s; the steps since the last "
+        "complete checkpoint are lost",
+        why);
+  } else {
+    /* not -ETIMEDOUT, which the caller would take for its own deadline */
+    res.rc = ZD_ECHECKPOINT;
+    snprintf(res.msg, sizeof res.msg, "%s", why);
+  }
+  drain_end(d, &res);
+}
+
+int zd__daemon_drain(zd__daemon_t *d, const char *by, uint32_t wait_ms, int force,
+                     zd__drain_done_fn done, void *arg, zd__err_t *err) {
+  if (d->shutting_down) return zd__errf(err, ZD_ESHUTDOWN, "zerod is already shutting down");
+  if (d->drain.active)
+    return zd__errf(err, ZD_EORDER, "a drain asked by %s is already in progress", d->drain.by);
+  char why[ZD__ERR_MSG_MAX];
+  uint64_t step;
+  int none = nothing_to_checkpoint(d, &step, why, sizeof why);
+  if (none && !force)
+    return zd__errf(err, none,
+                    "nothing to checkpoint: %s (zeroctl drain --force stops zerod without a "
+                    "checkpoint)",
+                    why);
+  int rc = none ? ZD_OK : zd__ckptr_request(d->ckpt, err);
+  if (rc) return rc;
+  zd__ckpt_stats_t s = {0};
+  if (d->ckpt) zd__ckptr_stats(d->ckpt, &s);
+  memset(&d->drain, 0, sizeof d->drain);
+  d->drain.active = 1;
+  d->drain.force = force;
+  d->drain.want_ckpt = !none;
+  d->drain.after_step = step;
+  d->drain.failures = s.failures;
+  d->drain.completed = s.completed;
+  d->drain.wait_ms = wait_ms;
+  d->drain.deadline_ms = zd__now_ms() + wait_ms;
+  d->drain.done = done;
+  d->drain.done_arg = arg;
+  snprintf(d->drain.by, sizeof d->drain.by, "%s", by);
+  if (none) snprintf(d->drain.no_ckpt, sizeof d->drain.no_ckpt, "%s", why);
+  if (none)
+    ZD_LOG_WARN("drain asked by %s (--force): %s", by, why);
+  else
+    ZD_LOG_INFO(
+        "drain asked by %s: refusing registrations, checkpoint requested after step "
+        "%" PRIu64 "; shutting down once it is complete (waiting at most %u ms%s)",
+        by, step, wait_ms, force ? ", then shutting down anyway" : "");
+  uv_timer_start(&d->drain_timer, drain_tick, 0, DRAIN_POLL_MS);
+  return ZD_OK;
+}
+
+const char *zd__daemon_draining(const zd__daemon_t *d) {
+  return d->drain.active ? d->drain.by : NULL;
+}
+
 /* The last step of a shutdown: no session, so no job is left anywhere, and the control service
  * is down. */
 static void finish(zd__daemon_t *d) {
@@ -296,6 +478,7 @@ static void finish(zd__daemon_t *d) {
   uv_close((uv_handle_t *)&d->summary_timer, NULL);
   uv_close((uv_handle_t *)&d->notify_timer, NULL);
   uv_close((uv_handle_t *)&d->ckpt_timer, NULL);
+  uv_close((uv_handle_t *)&d->drain_timer, NULL);
   uv_close((uv_handle_t *)&d->done_async, NULL);
   /* Closing the handles restored the default action; a repeated signal now must not turn a clean
    * exit into a death by signal. Nothing is left to wait for. */
@@ -324,6 +507,17 @@ void zd__daemon_shutdown(zd__daemon_t *d) {
   if (d->shutting_down) return;
   d->shutting_down = 1;
   sd_notify("STOPPING=1");
+  uv_timer_stop(&d->drain_timer);
+  if (d->drain
+          .done) { /* a signal came first: the drain's caller hears it before the service goes */
+    zd__drain_result_t res = {.rc = ZD_ESHUTDOWN};
+    snprintf(res.msg, sizeof res.msg,
+             "zerod began to shut down for another reason (a signal) before the drain's "
+             "checkpoint was complete");
+    zd__drain_done_fn done = d->drain.done;
+    d->drain.done = NULL;
+    done(d->drain.done_arg, &res);
+  }
   zd__metrics_stop(&d->metrics);
   if (d->server) zd__server_stop(d->server);
   for (uint32_t i = 0; i < d->nranks; i++) zd__rank_cancel(d->ranks[i]); /* no long waits now */
@@ -524,7 +718,8 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_timer_init(&d->loop, &d->summary_timer);
   uv_timer_init(&d->loop, &d->notify_timer);
   uv_timer_init(&d->loop, &d->ckpt_timer);
-  d->notify_timer.data = d->ckpt_timer.data = d;
+  uv_timer_init(&d->loop, &d->drain_timer);
+  d->notify_timer.data = d->ckpt_timer.data = d->drain_timer.data = d;
   d->done_async.data = d->sigterm.data = d->sigint.data = d->shutdown_timer.data = d;
   d->sighup.data = d->summary_timer.data = d;
 

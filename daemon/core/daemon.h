@@ -44,6 +44,37 @@ void zd__daemon_destroy(zd__daemon_t *d);
 /* Starts the shutdown sequence (signals; idempotent). Loop thread. */
 void zd__daemon_shutdown(zd__daemon_t *d);
 
+/* ---- drain (zeroctl drain) ------------------------------------------------------------------
+ * Before maintenance: the node is marked draining (readiness fails, registrations are refused), a
+ * checkpoint is requested as zeroctl checkpoint does (taken after the next step of every rank),
+ * and once it is complete (its manifest written, by this node or, where rank 0 lives elsewhere,
+ * seen in the shared checkpoint_dir) the daemon shuts down as on SIGTERM. */
+
+/* How a drain ended. */
+typedef struct zd__drain_result {
+  int rc;           /* ZD_OK: zerod is shutting down now; else the drain was given up and zerod
+                       goes on serving (ZD_ESHUTDOWN: it is shutting down for another reason) */
+  int checkpointed; /* a checkpoint of `step` is complete in `dir` */
+  int lost;         /* forced without a checkpoint although one was asked for (failed, late) */
+  uint64_t step;
+  char dir[512];
+  char msg[ZD__ERR_MSG_MAX]; /* rc != 0: why; ZD_OK without a checkpoint: why there is none */
+} zd__drain_result_t;
+
+typedef void (*zd__drain_done_fn)(void *arg, const zd__drain_result_t *res);
+
+/* Starts a drain asked for by `by` (the caller, for logs and refusals): done(arg, res) runs on
+ * the loop thread once it ends, before the shutdown begins; never when this returns an error.
+ * wait_ms bounds the wait for the checkpoint. force: stop even without a checkpoint (nothing to
+ * checkpoint, or it failed or was late). Errors: ZD_ECONFIG (no checkpoint_dir) and ZD_EORDER
+ * (no model registered), unless force; ZD_EORDER (a drain already in progress), ZD_ESHUTDOWN.
+ * Loop thread. */
+int zd__daemon_drain(zd__daemon_t *d, const char *by, uint32_t wait_ms, int force,
+                     zd__drain_done_fn done, void *arg, zd__err_t *err);
+
+/* Who asked for the drain in progress, or NULL when none is. Loop thread. */
+const char *zd__daemon_draining(const zd__daemon_t *d);
+
 /* Called by session.c when a session's handles are closed, to finish a shutdown. Loop thread. */
 void zd__daemon_session_gone(zd__daemon_t *d);
 

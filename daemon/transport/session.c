@@ -403,6 +403,14 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
     close_fds(s);
     return zd__errf(err, ZD_EORDER, "a model is already registered on this connection");
   }
+  const char *drain = zd__daemon_draining(s->daemon);
+  if (drain) {
+    close_fds(s);
+    return zd__errf(err, ZD_ESHUTDOWN,
+                    "zerod is draining (zeroctl drain from %s): it shuts down once its checkpoint "
+                    "is complete; register with the zerod that replaces it",
+                    drain);
+  }
   Zerod__V1__RegisterRequest *req = zerod__v1__register_request__unpack(NULL, h->length, body);
   if (!req) {
     close_fds(s);

@@ -12,6 +12,11 @@ Certificates come from scripts/make_test_ca.sh (skipped, exit 77, where openssl 
     the control token after TLS is logged with the peer's address and certificate subject;
   - a control_address other hosts reach (0.0.0.0) starts with TLS and no control_insecure, and
     is refused at start without TLS;
+  - rotation: SIGHUP re-reads the files; a key that is not the certificate's keeps the running
+    pair (a WARN naming the file); a certificate of a second CA is then served, so zeroctl
+    trusting the new CA connects and zeroctl trusting only the old one is refused;
+    a world of two moved to a second CA by SIGHUP: the channel rank 1's checkpoint writer opens
+    afterwards presents the new certificate (the old CA's are refused by then);
   - start-up errors: a partial set, a missing file, a private key readable by others, a key not
     the certificate's: zerod exits with a message naming the setting.
 Run by `meson test` with ZEROD_BIN, ZEROCTL_BIN, ZEROD_LIBRARY and PYTHONPATH set; by hand from
@@ -23,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -226,6 +232,106 @@ class TlsTest(unittest.TestCase):
             wrong = self.zeroctl(f"127.0.0.2:{port}", "health")
             self.assertEqual(wrong.returncode, 1, wrong.stdout + wrong.stderr)
             self.assertIn("Peer name 127.0.0.2 is not in peer certificate", wrong.stderr)
+
+    # ---- rotation -------------------------------------------------------------------------------
+
+    def test_sighup_reloads_certificates(self) -> None:
+        live = tempfile.mkdtemp(dir=self.dir)  # the files zerod reads, rotated in place
+
+        def install(cert: str, key: str, *cas: str) -> None:
+            shutil.copyfile(self.pem(cert), os.path.join(live, "tls.crt"))
+            shutil.copyfile(self.pem(key), os.path.join(live, "tls.key"))
+            os.chmod(os.path.join(live, "tls.key"), 0o600)
+            with open(os.path.join(live, "ca.crt"), "w") as f:
+                for ca in cas:
+                    with open(self.pem(ca)) as g:
+                        f.write(g.read())
+
+        install("node.pem", "node.key", "ca.pem")
+        args = ["--control_address", "127.0.0.1:0", "--tls_cert", os.path.join(live, "tls.crt"),
+                "--tls_key", os.path.join(live, "tls.key"), "--tls_ca",
+                os.path.join(live, "ca.crt")]
+        with zerod.testing.LocalZerod(args, log_level="info") as d:
+            addr = bound_address(d)
+            ok = self.zeroctl(addr, "health")
+            self.assertEqual(ok.returncode, 0, ok.stdout + ok.stderr)
+            # A key that is not the certificate's: the running pair stays, the log names the file.
+            install("node.pem", "other.key", "ca.pem")
+            d.process.send_signal(signal.SIGHUP)
+            wait_log(d, r"WARN SIGHUP: TLS certificates not reloaded, the running ones stay: "
+                        r"tls_key \S*tls\.key is not the private key of tls_cert \S*tls\.crt")
+            ok = self.zeroctl(addr, "health")
+            self.assertEqual(ok.returncode, 0, ok.stdout + ok.stderr)
+            # A certificate of another CA, and a CA bundle that still admits the old clients.
+            install("other.pem", "other.key", "ca.pem", "other-ca.pem")
+            d.process.send_signal(signal.SIGHUP)
+            wait_log(d, r"WARN SIGHUP: TLS certificates reloaded from")
+            new = self.zeroctl(addr, "health", ca="other-ca.pem")
+            self.assertEqual(new.returncode, 0, new.stdout + new.stderr)
+            old = self.zeroctl(addr, "health")
+            self.assertEqual(old.returncode, 1, old.stdout + old.stderr)
+            self.assertIn("certificate verify failed", old.stderr)
+            self.assertIsNone(d.process.poll(), "SIGHUP must not stop zerod")
+
+    def test_channels_after_a_reload_present_the_new_certificate(self) -> None:
+        """A world of two moves to a second CA: after SIGHUP each node serves and accepts only the
+        new CA's certificates, so the channel that the checkpoint writer of rank 1 opens to rank
+        0's store afterwards works only if it presents the new certificate."""
+        ckpt = tempfile.mkdtemp(dir=self.dir)
+        lives = [tempfile.mkdtemp(dir=self.dir) for _ in range(2)]
+
+        def install(live: str, cert: str, key: str, ca: str) -> List[str]:
+            for src, dst in ((cert, "tls.crt"), (key, "tls.key"), (ca, "ca.crt")):
+                shutil.copyfile(self.pem(src), os.path.join(live, dst))
+            os.chmod(os.path.join(live, "tls.key"), 0o600)
+            return ["--tls_cert", os.path.join(live, "tls.crt"), "--tls_key",
+                    os.path.join(live, "tls.key"), "--tls_ca", os.path.join(live, "ca.crt")]
+
+        world = ["--world_size", "2", "--local_ranks", "1", "--bucket_elems", "256",
+                 "--heartbeat_ms", "100", "--peer_timeout_ms", "5000", "--checkpoint-dir", ckpt,
+                 "--collective_timeout_ms", "10000"]  # a refused channel fails the checkpoint
+        d0 = zerod.testing.LocalZerod(world + ["--first_rank", "0", "--control_address",
+                                               "127.0.0.1:0"] +
+                                      install(lives[0], "node.pem", "node.key", "ca.pem"))
+        daemons = [d0]
+        clients: List[zerod.Client] = []
+        try:
+            rdv = bound_address(d0)
+            daemons.append(zerod.testing.LocalZerod(
+                world + ["--first_rank", "1", "--control_address", "127.0.0.1:0",
+                         "--rendezvous_address", rdv] +
+                install(lives[1], "node.pem", "node.key", "ca.pem")))
+            clients = [d.connect(0) for d in daemons]
+
+            def register_and_step(c: zerod.Client) -> zerod.StepResult:
+                c.layout([("w", (20, 30))], [zerod.Group(lr=0.01)], replace=True)
+                c.register()
+                return c.step()
+
+            with ThreadPoolExecutor(2) as pool:
+                list(pool.map(register_and_step, clients))
+            for i, d in enumerate(daemons):
+                install(lives[i], "other.pem", "other.key", "other-ca.pem")
+                d.process.send_signal(signal.SIGHUP)
+                wait_log(d, r"WARN SIGHUP: TLS certificates reloaded from")
+            # the old CA's certificates are refused now, the new one's accepted
+            old = self.zeroctl(rdv, "health")
+            self.assertEqual(old.returncode, 1, old.stdout + old.stderr)
+            new = self.zeroctl(rdv, "health", cert="other", ca="other-ca.pem")
+            self.assertEqual(new.returncode, 0, new.stdout + new.stderr)
+            # rank 1's checkpoint writer opens its first channel to rank 0's store now
+            with ThreadPoolExecutor(2) as pool:
+                got = list(pool.map(lambda c: c.checkpoint(), clients))
+            self.assertEqual(got[0][0], 1)
+            self.assertTrue(os.path.exists(os.path.join(got[0][1], "manifest.json")))
+            with ThreadPoolExecutor(2) as pool:
+                self.assertEqual([r.step for r in pool.map(lambda c: c.step(), clients)], [2, 2])
+            self.assertIsNone(d0.process.poll())
+        finally:
+            for c in clients:
+                c.close()
+            for d in reversed(daemons):
+                d.stop()
 
     # ---- start-up errors ------------------------------------------------------------------------
 
