@@ -37,7 +37,11 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 #define F32_BYTES     4u
 #define NTENSORS      3
 
-static const char *const tensor_names[NTENSORS] = {"master", "exp_avg", "exp_avg_sq"};
+/* amsgrad's max_exp_avg_sq is a fourth tensor, in the files of a model that has it (the manifest's
+ * max_exp_avg_sq says so): checkpoints without it keep their three. */
+#define MAX_TENSORS 4
+static const char *const tensor_names[MAX_TENSORS] = {"master", "exp_avg", "exp_avg_sq",
+                                                      "max_exp_avg_sq"};
 
 /* ---- system helpers -------------------------------------------------------------------------- */
 
@@ -228,7 +232,7 @@ static int header_bytes(const json_t *hdr, char **out, size_t *len) {
 /* Where a rank file's three tensors are: data_start plus each tensor's offset, in bytes. */
 typedef struct shard_hdr {
   uint64_t data_start;
-  uint64_t off[NTENSORS];
+  uint64_t off[MAX_TENSORS];
 } shard_hdr_t;
 
 static int meta_is(json_t *meta, const char *key, const char *want) {
@@ -236,11 +240,12 @@ static int meta_is(json_t *meta, const char *key, const char *want) {
   return v && strcmp(v, want) == 0;
 }
 
-/* Reads and checks the header of rank file `name` (open as fd, file_bytes long): the three F32
- * tensors of elems elements filling the data exactly, metadata naming this rank, world and step. */
+/* Reads and checks the header of rank file `name` (open as fd, file_bytes long): the ntensors (3,
+ * or 4 with max_exp_avg_sq) F32 tensors of elems elements filling the data exactly, metadata
+ * naming this rank, world and step. */
 static int read_shard_header(int fd, const char *name, uint64_t file_bytes, uint32_t rank,
-                             uint32_t world_size, uint64_t step, uint64_t elems, shard_hdr_t *h,
-                             zd__err_t *err) {
+                             uint32_t world_size, uint64_t step, uint64_t elems, int ntensors,
+                             shard_hdr_t *h, zd__err_t *err) {
   unsigned char lenb[8];
   ssize_t r = pread_all(fd, lenb, 8, 0);
   if (r < 0) return zd__errf(err, (int)r, "%s: cannot read: %s", name, strerror((int)-r));
@@ -284,14 +289,16 @@ static int read_shard_header(int fd, const char *name, uint64_t file_bytes, uint
       goto exit;
     }
   }
-  if (json_object_size(hdr) != 1 + NTENSORS) {
-    rc = zd__errf(err, -EBADMSG, "%s: %zu tensors; expected %d (master, exp_avg, exp_avg_sq)", name,
-                  json_object_size(hdr) - 1, NTENSORS);
+  if (json_object_size(hdr) != 1 + (size_t)ntensors) {
+    rc =
+        zd__errf(err, -EBADMSG, "%s: %zu tensors; expected %d (master, exp_avg, exp_avg_sq%s)",
+                 name, json_object_size(hdr) - 1, ntensors,
+                 ntensors > NTENSORS ? ", max_exp_avg_sq: the manifest says the model has it" : "");
     goto exit;
   }
   h->data_start = 8 + n;
   uint64_t tbytes = elems * F32_BYTES;
-  for (int t = 0; t < NTENSORS; t++) {
+  for (int t = 0; t < ntensors; t++) {
     json_t *e = json_object_get(hdr, tensor_names[t]);
     json_t *shape = json_object_get(e, "shape"), *offs = json_object_get(e, "data_offsets");
     json_int_t begin = json_integer_value(json_array_get(offs, 0));
@@ -309,11 +316,11 @@ static int read_shard_header(int fd, const char *name, uint64_t file_bytes, uint
     }
     h->off[t] = (uint64_t)begin;
   }
-  if (file_bytes != h->data_start + NTENSORS * tbytes) {
+  if (file_bytes != h->data_start + (uint64_t)ntensors * tbytes) {
     rc = zd__errf(err, -EBADMSG,
-                  "%s: %" PRIu64 " bytes; expected %" PRIu64 " (header and 3 x %" PRIu64
+                  "%s: %" PRIu64 " bytes; expected %" PRIu64 " (header and %d x %" PRIu64
                   " elements)",
-                  name, file_bytes, h->data_start + NTENSORS * tbytes, elems);
+                  name, file_bytes, h->data_start + (uint64_t)ntensors * tbytes, ntensors, elems);
     goto exit;
   }
 exit:
@@ -359,7 +366,8 @@ int zd__ckpt_write_shard(const char *dir, const zd__ckpt_shard_t *s, uint64_t th
   json_object_set_new(meta, "step", json_string(num[2]));
   json_object_set_new(hdr, "__metadata__", meta);
   uint64_t tbytes = s->elems * F32_BYTES;
-  for (int t = 0; t < NTENSORS; t++)
+  int ntensors = s->max_exp_avg_sq ? MAX_TENSORS : NTENSORS;
+  for (int t = 0; t < ntensors; t++)
     json_object_set_new(
         hdr, tensor_names[t],
         tensor_entry(&s->elems, 1, (uint64_t)t * tbytes, (uint64_t)(t + 1) * tbytes));
@@ -377,8 +385,8 @@ int zd__ckpt_write_shard(const char *dir, const zd__ckpt_shard_t *s, uint64_t th
   if (throttle_bytes_per_s && throttle_bytes_per_s / 8 < chunk)
     chunk = throttle_bytes_per_s / 8 > 4096 ? (size_t)(throttle_bytes_per_s / 8) : 4096;
   double start = mono_s();
-  const float *arrays[NTENSORS] = {s->master, s->exp_avg, s->exp_avg_sq};
-  for (int t = 0; t < NTENSORS; t++) {
+  const float *arrays[MAX_TENSORS] = {s->master, s->exp_avg, s->exp_avg_sq, s->max_exp_avg_sq};
+  for (int t = 0; t < ntensors; t++) {
     const char *p = (const char *)arrays[t];
     for (uint64_t done = 0; done < tbytes;) {
       size_t n = tbytes - done < chunk ? (size_t)(tbytes - done) : chunk;
@@ -528,6 +536,8 @@ int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__e
   bad |= json_object_set_new(root, "grad_dtype", json_string(zd_dtype_name(m->grad_dtype)));
   bad |= json_object_set_new(root, "max_grad_norm", json_real(m->max_grad_norm));
   bad |= json_object_set_new(root, "grad_mean", json_boolean(m->grad_mean));
+  if (m->max_exp_avg_sq) /* absent in older checkpoints, which do not have it */
+    bad |= json_object_set_new(root, "max_exp_avg_sq", json_true());
   bad |= json_object_set_new(root, "loss_scaler", scaler_json(s));
   bad |= json_object_set_new(root, "groups", groups);
   bad |= json_object_set_new(root, "params", params);
@@ -649,6 +659,11 @@ static int get_dtype(reader_t *r, json_t *o, const char *key, zd__dtype_use_t us
 #define CTYPE_DOUBLE double
 #define CTYPE_ENUM   int
 #define CTYPE_BOOL   int
+/* The fields after the five doubles came later (as on the wire): a manifest written before one
+ * existed lacks it and means its default (e.g. amsgrad off). */
+#define OPTIONAL_DOUBLE 0
+#define OPTIONAL_ENUM   1
+#define OPTIONAL_BOOL   1
 
 static int read_group(reader_t *r, json_t *o, uint32_t index, zd_group_t *g) {
   char where[32];
@@ -657,7 +672,9 @@ static int read_group(reader_t *r, json_t *o, uint32_t index, zd_group_t *g) {
   size_t nfields = 0;
   int rc;
 #define GET(name, kind, valid, expected, dflt)                \
-  {                                                           \
+  if (OPTIONAL_##kind && !json_object_get(o, #name)) {        \
+    g->name = dflt;                                           \
+  } else {                                                    \
     CTYPE_##kind v = 0;                                       \
     if ((rc = GET_##kind(r, o, where, #name, &v))) return rc; \
     g->name = v;                                              \
@@ -891,7 +908,9 @@ int zd__ckpt_read_manifest(const char *dir, zd__ckpt_manifest_t **out, zd__err_t
       (rc = get_double(&r, root, "", "max_grad_norm", &m->max_grad_norm)) ||
       (rc = get_bool(&r, root, "", "grad_mean", &m->grad_mean)) ||
       (rc = read_scaler(&r, json_object_get(root, "loss_scaler"), &m->scaler)) ||
-      (rc = get_u64(&r, root, "", "created_ms", INT64_MAX, &created)))
+      (rc = get_u64(&r, root, "", "created_ms", INT64_MAX, &created)) ||
+      (json_object_get(root, "max_exp_avg_sq") &&
+       (rc = get_bool(&r, root, "", "max_exp_avg_sq", &m->max_exp_avg_sq))))
     goto fail;
   if (ws == 0 || m->bucket_elems == 0) {
     rc = zd__errf(err, -EBADMSG,
@@ -958,7 +977,7 @@ static int open_rank_file(const char *dir, const zd__ckpt_manifest_t *m, uint32_
                   (long long)st.st_size, f->bytes);
   } else {
     rc = read_shard_header(fd, f->name, f->bytes, r, m->world_size, m->step, m->layout->shard_elems,
-                           h, err);
+                           m->max_exp_avg_sq ? MAX_TENSORS : NTENSORS, h, err);
   }
   if (rc) {
     close(fd);
@@ -1146,10 +1165,16 @@ static int read_elems(sources_t *s, uint32_t r, int t, uint64_t src, uint64_t n,
 
 int zd__ckpt_load_shard(const char *dir, const zd__ckpt_manifest_t *m, const zd__layout_t *layout,
                         uint32_t rank, float *master, float *exp_avg, float *exp_avg_sq,
-                        zd__err_t *err) {
+                        float *max_exp_avg_sq, zd__err_t *err) {
   char diff[ZD__ERR_MSG_MAX - 128];
   if (!same_params(m->layout, layout, diff, sizeof diff))
     return zd__errf(err, ZD_ELAYOUT, "%s: the model differs from the checkpoint's: %s", dir, diff);
+  if (max_exp_avg_sq && !m->max_exp_avg_sq)
+    return zd__errf(err, ZD_ECHECKPOINT,
+                    "%s: the model has amsgrad but the checkpoint has no max_exp_avg_sq (written "
+                    "without amsgrad; torch's load_state_dict would leave the state without it and "
+                    "its step raise KeyError): resume without amsgrad, or start afresh",
+                    dir);
   if (rank >= layout->world_size)
     return zd__errf(err, -EINVAL, "rank %u of a world of %u", rank, layout->world_size);
   runs_t rs = {0};
@@ -1174,8 +1199,8 @@ int zd__ckpt_load_shard(const char *dir, const zd__ckpt_manifest_t *m, const zd_
   }
   if (layout->shard_elems > cursor && runs_add(&zero, 0, 0, cursor, layout->shard_elems - cursor))
     goto oom;
-  float *arrays[NTENSORS] = {master, exp_avg, exp_avg_sq};
-  for (int t = 0; t < NTENSORS; t++) {
+  float *arrays[MAX_TENSORS] = {master, exp_avg, exp_avg_sq, max_exp_avg_sq};
+  for (int t = 0; t < (max_exp_avg_sq ? MAX_TENSORS : NTENSORS); t++) {
     for (size_t i = 0; i < rs.n; i++) {
       const run_t *r = &rs.v[i];
       if ((rc = read_elems(&src, r->file, t, r->src, r->n, arrays[t] + r->dst, err))) goto exit;
@@ -1396,8 +1421,8 @@ int zd__ckpt_export(const char *dir, const char *out_path, int moments, zd__err_
     return rc;
   }
   const zd__layout_t *l = m->layout;
-  int ntensors = moments ? NTENSORS : 1;
-  static const char *const suffix[NTENSORS] = {"", ".exp_avg", ".exp_avg_sq"};
+  int ntensors = !moments ? 1 : m->max_exp_avg_sq ? MAX_TENSORS : NTENSORS;
+  static const char *const suffix[MAX_TENSORS] = {"", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"};
   char *head = NULL, *buf = NULL, num[24], hex[17];
   runs_t rs = {0};
   sources_t src = {0};
@@ -1516,7 +1541,8 @@ typedef struct importer {
   uint32_t ngroups;
   zd_param_t *params;
   uint32_t nparams;
-  const in_tensor_t **by_param; /* nparams x 3: master, exp_avg, exp_avg_sq */
+  int per;                      /* tensors per parameter: 3, or 4 with max_exp_avg_sq */
+  const in_tensor_t **by_param; /* nparams x per: master, exp_avg, exp_avg_sq(, max_exp_avg_sq) */
   zd__layout_t *layout;
   float *arrays;
 } importer_t;
@@ -1699,17 +1725,19 @@ static int import_params(importer_t *im) {
   if (np == 0 || np > ZD__MAX_PARAMS)
     return import_bad(im, "metadata \"param_groups\" lists %zu parameters; expected 1 to %u", np,
                       ZD__MAX_PARAMS);
-  if (im->ntensors != 3 * np)
+  if (im->ntensors != 3 * np && im->ntensors != 4 * np)
     return import_bad(im,
                       "%zu tensors for %zu parameters; expected 3 per parameter (NAME, "
-                      "NAME.exp_avg, NAME.exp_avg_sq) and no other",
+                      "NAME.exp_avg, NAME.exp_avg_sq), or 4 with NAME.max_exp_avg_sq (amsgrad) "
+                      "for every one, and no other",
                       im->ntensors, np);
+  im->per = im->ntensors == 4 * np ? 4 : 3;
   if (im->names_json && json_array_size(im->names_json) != np)
     return import_bad(im, "metadata \"params\" names %zu parameters, \"param_groups\" %zu",
                       json_array_size(im->names_json), np);
   im->nparams = (uint32_t)np;
   im->params = calloc(np, sizeof *im->params);
-  im->by_param = calloc(3 * np, sizeof *im->by_param);
+  im->by_param = calloc((size_t)im->per * np, sizeof *im->by_param);
   if (!im->params || !im->by_param)
     return zd__errf(im->err, -ENOMEM, "%s: out of memory for %zu parameters", im->path, np);
   /* An export lists no names: its master tensors come first in its data, in registration
@@ -1721,7 +1749,8 @@ static int import_params(importer_t *im) {
     memcpy(sorted, im->tensors, im->ntensors * sizeof *sorted);
     qsort(sorted, im->ntensors, sizeof *sorted, by_data);
   }
-  static const char *const suffix[3] = {"", ".exp_avg", ".exp_avg_sq"};
+  static const char *const suffix[MAX_TENSORS] = {"", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"};
+  const int per = im->per;
   rc = 0;
   for (uint32_t i = 0; i < im->nparams && !rc; i++) {
     const char *name =
@@ -1738,18 +1767,18 @@ static int import_params(importer_t *im) {
                       name, im->ngroups);
       break;
     }
-    for (int t = 0; t < 3 && !rc; t++) {
+    for (int t = 0; t < per && !rc; t++) {
       char tname[ZD__MAX_NAME + 16];
       snprintf(tname, sizeof tname, "%s%s", name, suffix[t]);
       const in_tensor_t *found = find_tensor(im, tname);
       if (!found)
         rc = import_bad(im, "no tensor \"%.300s\" for parameter '%.300s'", tname, name);
-      else if (t > 0 && !same_shape(found, im->by_param[3 * i]))
+      else if (t > 0 && !same_shape(found, im->by_param[per * i]))
         rc = import_bad(im, "tensor \"%.300s\" is not of its parameter's shape", tname);
-      im->by_param[3 * i + t] = found;
+      im->by_param[per * i + t] = found;
     }
     if (rc) break;
-    const in_tensor_t *master = im->by_param[3 * i];
+    const in_tensor_t *master = im->by_param[per * i];
     im->params[i] = (zd_param_t){
         .name = master->name, .ndim = master->ndim, .group = (uint32_t)json_integer_value(g)};
     memcpy(im->params[i].shape, master->shape, sizeof master->shape);
@@ -1758,17 +1787,18 @@ static int import_params(importer_t *im) {
   return rc;
 }
 
-/* Reads every parameter's three tensors to where the W=1 layout puts them (padding stays 0). */
+/* Reads every parameter's three (or four) tensors to where the W=1 layout puts them (padding
+ * stays 0). */
 static int import_read(importer_t *im) {
   uint64_t n = im->layout->shard_elems;
-  im->arrays = calloc(3 * (n ? n : 1), sizeof(float));
+  im->arrays = calloc((uint64_t)im->per * (n ? n : 1), sizeof(float));
   if (!im->arrays)
     return zd__errf(im->err, -ENOMEM, "%s: out of memory for %" PRIu64 " elements", im->path,
-                    3 * n);
+                    (uint64_t)im->per * n);
   for (uint32_t i = 0; i < im->nparams; i++) {
     const zd__layout_param_t *p = &im->layout->params[i];
-    for (int t = 0; t < 3; t++) {
-      const in_tensor_t *src = im->by_param[3 * i + t];
+    for (int t = 0; t < im->per; t++) {
+      const in_tensor_t *src = im->by_param[(uint64_t)im->per * i + t];
       /* At world size 1 a rank's shard is the flat buffer: a parameter's offset is its index. */
       float *dst = im->arrays + (uint64_t)t * n + p->offset;
       uint64_t bytes = p->numel * F32_BYTES;
@@ -1803,7 +1833,8 @@ static int import_write(importer_t *im, const char *root, uint64_t step, uint64_
                             .elems = n,
                             .master = im->arrays,
                             .exp_avg = im->arrays + n,
-                            .exp_avg_sq = im->arrays + 2 * n};
+                            .exp_avg_sq = im->arrays + 2 * n,
+                            .max_exp_avg_sq = im->per > 3 ? im->arrays + 3 * n : NULL};
   zd__ckpt_file_t file;
   int rc = zd__ckpt_write_shard(dir, &shard, 0, &file, err);
   if (rc) return rc;
@@ -1816,6 +1847,7 @@ static int import_write(importer_t *im, const char *root, uint64_t step, uint64_
                            .param_dtype = ZD_F32,
                            .grad_dtype = ZD_F32,
                            .grad_mean = 1,
+                           .max_exp_avg_sq = im->per > 3,
                            .files = &file,
                            .nfiles = 1};
   if ((rc = zd__ckpt_write_manifest(dir, &m, err))) return rc;

@@ -3,13 +3,14 @@
  * world size (docs/design.md, "Durability and recovery").
  *
  * A checkpoint is the directory <root>/step-<step, %012llu>/ with one safetensors file per rank,
- * rank-<r %05u>-of-<W %05u>.safetensors (F32 tensors "master", "exp_avg" and "exp_avg_sq", each of
- * the rank's shard elements, padding included; __metadata__ format "zerod-shard", version, rank,
- * world_size, step), and manifest.json, written last: the step, the world and layout it was
- * written at (parameter table, bucket size, hash), the groups, dtypes, clipping and loss-scaler
- * state, and each rank file's size and XXH3 checksum. Every file is written under a ".tmp" name,
- * fsynced, renamed and the directory fsynced, so a checkpoint is complete exactly when its manifest
- * exists, parses, and every file it lists has its size and checksum.
+ * rank-<r %05u>-of-<W %05u>.safetensors (F32 tensors "master", "exp_avg" and "exp_avg_sq", and
+ * "max_exp_avg_sq" for a model with amsgrad, each of the rank's shard elements, padding included;
+ * __metadata__ format "zerod-shard", version, rank, world_size, step), and manifest.json, written
+ * last: the step, the world and layout it was written at (parameter table, bucket size, hash), the
+ * groups, dtypes, clipping and loss-scaler state, and each rank file's size and XXH3 checksum.
+ * Every file is written under a ".tmp" name, fsynced, renamed and the directory fsynced, so a
+ * checkpoint is complete exactly when its manifest exists, parses, and every file it lists has its
+ * size and checksum.
  *
  * The manifest names no topology that a reader must share: zd__ckpt_load_shard fills a rank's
  * arrays for any world size and bucket size from the writer's layout. JSON is built and parsed
@@ -66,6 +67,7 @@ typedef struct zd__ckpt_manifest {
   double max_grad_norm;
   int grad_mean; /* 1: gradients averaged over the world (ZD_GRAD_MEAN); 0: summed */
   zd__ckpt_scaler_t scaler;
+  int max_exp_avg_sq;     /* every rank file has the fourth tensor (amsgrad); 0 when absent */
   uint64_t created_ms;    /* unix time, milliseconds */
   zd__ckpt_file_t *files; /* owned, likewise; files[r] is rank r's */
   uint32_t nfiles;
@@ -76,6 +78,7 @@ typedef struct zd__ckpt_shard {
   uint32_t rank, world_size;
   uint64_t step, elems;
   const float *master, *exp_avg, *exp_avg_sq;
+  const float *max_exp_avg_sq; /* amsgrad's, or NULL: the model has none */
 } zd__ckpt_shard_t;
 
 /* Writes "<root>/step-%012llu" into buf: ZD_OK, or -ENAMETOOLONG when it does not fit (no
@@ -116,7 +119,8 @@ void zd__ckpt_manifest_free(zd__ckpt_manifest_t *m);
 
 /* Reads every rank file m lists: its size and XXH3 must be the manifest's ("rank-00001-of-00002.
  * safetensors: 4160 bytes, checksum 0x...; expected 4224 bytes, checksum 0x..."), and its
- * safetensors header must hold the three F32 tensors of that rank's shard elements, with the
+ * safetensors header must hold the three F32 tensors (four with max_exp_avg_sq: the manifest
+ * says which) of that rank's shard elements, with the
  * manifest's rank, world size and step in its metadata. Blocks while it reads every byte. */
 int zd__ckpt_verify(const char *dir, const zd__ckpt_manifest_t *m, zd__err_t *err);
 
@@ -126,10 +130,13 @@ int zd__ckpt_verify(const char *dir, const zd__ckpt_manifest_t *m, zd__err_t *er
  * else ZD_ELAYOUT naming the first difference. Each array holds layout->shard_elems floats;
  * padding elements are set to 0. Each parameter's element runs are mapped from the new rank's
  * slices to the writer's rank files and read with pread, neighbouring runs merged: a load at the
- * writer's topology is a few large reads per tensor. */
+ * writer's topology is a few large reads per tensor. max_exp_avg_sq: NULL when the model has none
+ * (a checkpoint's is then not read); otherwise the checkpoint must have it, else ZD_ECHECKPOINT:
+ * torch's load_state_dict leaves such a state without the array and its next step raises, so
+ * zerod refuses at once rather than start it at zero. */
 int zd__ckpt_load_shard(const char *dir, const zd__ckpt_manifest_t *m, const zd__layout_t *layout,
                         uint32_t rank, float *master, float *exp_avg, float *exp_avg_sq,
-                        zd__err_t *err);
+                        float *max_exp_avg_sq, zd__err_t *err);
 
 /* The steps of the step-* directories under root, complete or not, newest first. *steps is
  * allocated (free(); NULL when *n is 0). A root that does not exist holds no checkpoint: ZD_OK,
@@ -159,9 +166,10 @@ int zd__ckpt_prune(const char *root, uint32_t keep, zd__err_t *err);
 
 /* Exports the checkpoint in dir (verified first) as one safetensors file at out_path: an F32 tensor
  * per parameter with its name and shape, its master weights; with moments also "<name>.exp_avg" and
- * "<name>.exp_avg_sq". Metadata: format "pt" (what Hugging Face loaders require), zerod_format
- * "zerod-export", step, steps_skipped, world_size, layout_hash, the groups and each parameter's
- * group (JSON strings). Written atomically (.tmp, fsync, rename, fsync of the directory). */
+ * "<name>.exp_avg_sq", and "<name>.max_exp_avg_sq" when the checkpoint has it (amsgrad). Metadata:
+ * format "pt" (what Hugging Face loaders require), zerod_format "zerod-export", step,
+ * steps_skipped, world_size, layout_hash, the groups and each parameter's group (JSON strings).
+ * Written atomically (.tmp, fsync, rename, fsync of the directory). */
 int zd__ckpt_export(const char *dir, const char *out_path, int moments, zd__err_t *err);
 
 /* Imports optimizer state from elsewhere (a torch optimizer, through the Python client's
@@ -169,14 +177,15 @@ int zd__ckpt_export(const char *dir, const char *out_path, int moments, zd__err_
  * checkpoint of world size 1 (default bucket size) under root, which any world size resumes
  * (resharding). root is created if it is missing (its parent must exist); the checkpoint's
  * directory goes into dir_out (dir_len bytes). Blocks for the read, the write and a verification
- * of what was written; holds every parameter's three arrays in memory (12 bytes per element).
+ * of what was written; holds every parameter's arrays in memory (12 or 16 bytes per element).
  *
  * The file: for each parameter an F32 tensor "<name>" (its fp32 master weights, with its shape),
- * "<name>.exp_avg" and "<name>.exp_avg_sq" (same shape), and no other tensor. Metadata (strings,
- * as safetensors requires): zerod_format "zerod-torch-state" or "zerod-export" (a zeroctl export
- * with moments "1": a checkpoint goes back in unchanged), zerod_version "1", step (the Adam steps
- * applied: zerod's next step is step + 1), steps_skipped (optional, default 0), groups (JSON: an
- * array of groups as the manifest writes them: every field of zd_group_t by its C name), params
+ * "<name>.exp_avg" and "<name>.exp_avg_sq" (same shape), for every parameter or none also
+ * "<name>.max_exp_avg_sq" (amsgrad; the checkpoint then has it), and no other tensor. Metadata
+ * (strings, as safetensors requires): zerod_format "zerod-torch-state" or "zerod-export" (a zeroctl
+ * export with moments "1": a checkpoint goes back in unchanged), zerod_version "1", step (the Adam
+ * steps applied: zerod's next step is step + 1), steps_skipped (optional, default 0), groups (JSON:
+ * an array of groups as the manifest writes them: every field of zd_group_t by its C name), params
  * (JSON: the parameter names in registration order; optional in an export, whose master tensors
  * are then taken in the order of their data) and param_groups (JSON: each parameter's group, in
  * that order). The manifest's dtypes are f32, max_grad_norm 0, gradients averaged and no loss

@@ -41,7 +41,8 @@
   X(optimizer, ENUM, v == ZD_ADAMW || v == ZD_ADAM, "ADAMW (0) or ADAM (1)", ZD_ADAMW) \
   X(maximize, BOOL, v == 0 || v == 1, "0 or 1", 0) \
   X(update, ENUM, v == ZD_UPDATE_TORCH113 || v == ZD_UPDATE_TORCH2, "TORCH113 (0) or TORCH2 (1)", ZD_UPDATE_TORCH113) \
-  X(sqrt_mode, ENUM, v == ZD_SQRT_EXACT || v == ZD_SQRT_MKL_EX, "EXACT (0) or MKL_EX (1)", ZD_SQRT_EXACT)
+  X(sqrt_mode, ENUM, v == ZD_SQRT_EXACT || v == ZD_SQRT_MKL_EX, "EXACT (0) or MKL_EX (1)", ZD_SQRT_EXACT) \
+  X(amsgrad, BOOL, v == 0 || v == 1, "0 or 1", 0)
 /* clang-format on */
 
 /* Checks every field of g against its row: ZD_OK, or ZD_EHPARAM for the first field that fails,

@@ -15,7 +15,8 @@
  * Colours in use (one per stream of a step; the set is small so that every pair of colours is at
  * least ZD__PLACE_STRIDE apart modulo ZD__PLACE_ALIGN):
  *   ZD__COLOUR_STATE + 0..3   the daemon's state: master, exp_avg, exp_avg_sq, gradient shard
- *                             (the CPU backend hands them out in turn, compute_cpu.c)
+ *   ZD__COLOUR_STATE_MAX      and amsgrad's max_exp_avg_sq (the CPU backend hands these five
+ *                             out in turn, compute_cpu.c)
  *   ZD__COLOUR_GRADS          the client's grad buffer, in the client and in the daemon
  *   ZD__COLOUR_PARAMS         the client's param buffer, in the client and in the daemon
  *
@@ -46,6 +47,7 @@ enum {
   ZD__COLOUR_STATE = 0, /* .. ZD__COLOUR_STATE + 3 */
   ZD__COLOUR_GRADS = 4,
   ZD__COLOUR_PARAMS = 5,
+  ZD__COLOUR_STATE_MAX = 6,
 };
 
 /* Maps `bytes` (>= 1) of zeroed, private, read-write anonymous memory at colour `colour`

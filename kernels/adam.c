@@ -16,6 +16,7 @@ void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t ste
   /* torch computes these from Python floats (doubles) and hands the result to an fp32 kernel as a
    * scalar, so each is derived in double and rounded to float once. */
   double t = (double)step;
+  memset(c, 0, sizeof *c); /* padding too, so that equal constants compare equal as bytes */
   c->optimizer = hp->optimizer;
   c->has_weight_decay = hp->weight_decay != 0;
   c->decay = (float)(1 - hp->lr * hp->weight_decay);
@@ -31,6 +32,7 @@ void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t ste
   c->sqrt_mode = (uint8_t)hp->sqrt_mode;
   c->lerp_from_grad = 0;
   c->negate_grad = 0;
+  c->amsgrad = (uint8_t)(hp->amsgrad != 0);
   c->lerp_weight = c->one_minus_beta1;
   if (hp->update == ZD_UPDATE_TORCH2) {
     /* torch's lerp_ takes the weight as an fp32 scalar and picks its form by |w| < 0.5. */
@@ -89,7 +91,9 @@ void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
       else
         m = fmaf(g, c->one_minus_beta1, m * c->beta1);
       float v = fmaf(c->one_minus_beta2 * g, g, a->exp_avg_sq[i] * c->beta2);
-      float s = c->sqrt_mode == ZD_SQRT_MKL_EX ? zd__sqrt_mkl_ex(v) : sqrtf(v);
+      float s = v;
+      if (c->amsgrad) s = a->max_exp_avg_sq[i] = zd__amsgrad_max(a->max_exp_avg_sq[i], v);
+      s = c->sqrt_mode == ZD_SQRT_MKL_EX ? zd__sqrt_mkl_ex(s) : sqrtf(s);
       float d = s / c->bias_correction2_sqrt + c->eps;
       p = p + (c->neg_step_size * m) / d;
       a->master[i] = p;

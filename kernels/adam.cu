@@ -354,12 +354,13 @@ const double *zd__cuda_layout_block_sums(const zd__cuda_layout_t *l) {
 
 /* ---- the update ---------------------------------------------------------------------------- */
 
-/* Everything a launch needs, by value (about 2.9 KB: under the classic 4 KB parameter limit).
+/* Everything a launch needs, by value (about 3.7 KB: under the classic 4 KB parameter limit).
  * __grid_constant__ lets threads address it in place, without a per-thread copy. */
 typedef struct adam_kargs {
   float *master;
   float *exp_avg;
   float *exp_avg_sq;
+  float *max_exp_avg_sq; /* NULL: the model has none (AMS = false) */
   const void *grad;
   void *param;
   const tile_t *tiles;
@@ -420,19 +421,23 @@ static __device__ __forceinline__ void store_param8(void *param, uint64_t i, con
   }
 }
 
-template <int GDT, int PDT>
+/* AMS: the model has max_exp_avg_sq; a group without amsgrad still leaves it alone. */
+template <int GDT, int PDT, bool AMS>
 static __device__ __forceinline__ void adam_one(const adam_kargs_t &a, uint64_t i, float scale,
                                                 const zd__dev_group_t &k) {
   float g = load_grad<GDT>(a.grad, i);
   float p = a.master[i], m = a.exp_avg[i], v = a.exp_avg_sq[i];
-  zd__dev_adam(g, scale, k, p, m, v);
+  const bool ams = AMS && k.c.amsgrad;
+  float x = ams ? a.max_exp_avg_sq[i] : 0.0f;
+  zd__dev_adam(g, scale, k, p, m, v, x);
   a.master[i] = p;
   a.exp_avg[i] = m;
   a.exp_avg_sq[i] = v;
+  if (ams) a.max_exp_avg_sq[i] = x;
   store_param<PDT>(a.param, i, p);
 }
 
-template <int GDT, int PDT>
+template <int GDT, int PDT, bool AMS>
 static __device__ __forceinline__ void adam_eight(const adam_kargs_t &a, uint64_t i, float scale,
                                                   const zd__dev_group_t &k) {
   float4 *pq = (float4 *)(a.master + i), *mq = (float4 *)(a.exp_avg + i),
@@ -443,8 +448,20 @@ static __device__ __forceinline__ void adam_eight(const adam_kargs_t &a, uint64_
   float p[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
   float m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
   float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+  float x[8] = {0};
+  const bool ams = AMS && k.c.amsgrad;
+  float4 *xq = ams ? (float4 *)(a.max_exp_avg_sq + i) : NULL;
+  if (ams) {
+    float4 x0 = xq[0], x1 = xq[1];
+    x[0] = x0.x, x[1] = x0.y, x[2] = x0.z, x[3] = x0.w;
+    x[4] = x1.x, x[5] = x1.y, x[6] = x1.z, x[7] = x1.w;
+  }
 #pragma unroll
-  for (int j = 0; j < 8; j++) zd__dev_adam(g[j], scale, k, p[j], m[j], v[j]);
+  for (int j = 0; j < 8; j++) zd__dev_adam(g[j], scale, k, p[j], m[j], v[j], x[j]);
+  if (ams) {
+    xq[0] = make_float4(x[0], x[1], x[2], x[3]);
+    xq[1] = make_float4(x[4], x[5], x[6], x[7]);
+  }
   pq[0] = make_float4(p[0], p[1], p[2], p[3]);
   pq[1] = make_float4(p[4], p[5], p[6], p[7]);
   mq[0] = make_float4(m[0], m[1], m[2], m[3]);
@@ -454,8 +471,9 @@ static __device__ __forceinline__ void adam_eight(const adam_kargs_t &a, uint64_
   store_param8<PDT>(a.param, i, p);
 }
 
-/* GDT: ZD_F32, ZD_BF16, ZD_F16; PDT: 0 (no working parameters), ZD_F32, ZD_BF16. */
-template <int GDT, int PDT>
+/* GDT: ZD_F32, ZD_BF16, ZD_F16; PDT: 0 (no working parameters), ZD_F32, ZD_BF16; AMS: the model
+ * has max_exp_avg_sq (a separate kernel, so that a model without it pays nothing). */
+template <int GDT, int PDT, bool AMS>
 __global__ void __launch_bounds__(ADAM_THREADS)
     adam_kernel(const __grid_constant__ adam_kargs_t a) {
   if (a.d_skip && *a.d_skip) return;
@@ -473,42 +491,53 @@ __global__ void __launch_bounds__(ADAM_THREADS)
       vhi = vlo + ((hi - vlo) & ~(uint64_t)(ADAM_VEC - 1));
     }
     for (uint64_t i = lo + threadIdx.x; i < vlo; i += blockDim.x)
-      adam_one<GDT, PDT>(a, i, scale, k);
+      adam_one<GDT, PDT, AMS>(a, i, scale, k);
     for (uint64_t i = vlo + (uint64_t)threadIdx.x * ADAM_VEC; i < vhi;
          i += (uint64_t)blockDim.x * ADAM_VEC)
-      adam_eight<GDT, PDT>(a, i, scale, k);
+      adam_eight<GDT, PDT, AMS>(a, i, scale, k);
     for (uint64_t i = vhi + threadIdx.x; i < hi; i += blockDim.x)
-      adam_one<GDT, PDT>(a, i, scale, k);
+      adam_one<GDT, PDT, AMS>(a, i, scale, k);
   }
 }
 
 typedef void (*adam_kernel_fn)(adam_kargs_t);
 
-template <int GDT>
+template <int GDT, bool AMS>
 static adam_kernel_fn adam_kernel_for(int pdt) {
   switch (pdt) {
     case ZD_F32:
-      return adam_kernel<GDT, ZD_F32>;
+      return adam_kernel<GDT, ZD_F32, AMS>;
     case ZD_BF16:
-      return adam_kernel<GDT, ZD_BF16>;
+      return adam_kernel<GDT, ZD_BF16, AMS>;
     default:
-      return adam_kernel<GDT, 0>;
+      return adam_kernel<GDT, 0, AMS>;
   }
+}
+
+template <bool AMS>
+static adam_kernel_fn adam_kernel_for(int gdt, int pdt) {
+  return gdt == ZD_F32    ? adam_kernel_for<ZD_F32, AMS>(pdt)
+         : gdt == ZD_BF16 ? adam_kernel_for<ZD_BF16, AMS>(pdt)
+                          : adam_kernel_for<ZD_F16, AMS>(pdt);
 }
 
 static int aligned16(const void *p) {
   return ((uintptr_t)p & 15u) == 0;
 }
 
-/* The GPU has no rsqrtps: ZD_SQRT_MKL_EX, whose bits are an x86 CPU's, cannot run here. */
-static int check_sqrt_modes(const zd__adam_group_t *groups, uint32_t n, const char *what,
-                            zd__err_t *err) {
-  for (uint32_t i = 0; groups && i < n; i++)
+/* The GPU has no rsqrtps: ZD_SQRT_MKL_EX, whose bits are an x86 CPU's, cannot run here. And
+ * amsgrad needs the max_exp_avg_sq array. */
+static int check_groups(const zd__adam_group_t *groups, uint32_t n, int have_max, const char *what,
+                        zd__err_t *err) {
+  for (uint32_t i = 0; groups && i < n; i++) {
     if (groups[i].sqrt_mode != ZD_SQRT_EXACT)
       return zd__errf(err, ZD_EHPARAM,
                       "%s: group %u has sqrt_mode MKL_EX, the rsqrtps approximation of an x86 "
                       "CPU, which a GPU cannot reproduce; expected EXACT",
                       what, i);
+    if (groups[i].amsgrad && !have_max)
+      return zd__errf(err, -EINVAL, "%s: group %u has amsgrad but max_exp_avg_sq is NULL", what, i);
+  }
   return ZD_OK;
 }
 
@@ -537,7 +566,7 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
     return zd__errf(err, -EINVAL, "CUDA adam: %u groups but neither groups nor d_groups",
                     a->ngroups);
   if (!a->d_groups) {
-    rc = check_sqrt_modes(a->groups, a->ngroups, "CUDA adam", err);
+    rc = check_groups(a->groups, a->ngroups, a->max_exp_avg_sq != NULL, "CUDA adam", err);
     if (rc) return rc;
   }
   if (l->ntiles == 0) return ZD_OK; /* nothing covered */
@@ -547,6 +576,7 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   k.master = a->master;
   k.exp_avg = a->exp_avg;
   k.exp_avg_sq = a->exp_avg_sq;
+  k.max_exp_avg_sq = a->max_exp_avg_sq;
   k.grad = a->grad;
   k.param = a->param;
   k.tiles = l->d_tiles;
@@ -557,11 +587,11 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   k.d_groups = a->d_groups;
   if (!a->d_groups && a->ngroups) memcpy(k.groups, a->groups, a->ngroups * sizeof *a->groups);
   k.vec = aligned16(a->master) && aligned16(a->exp_avg) && aligned16(a->exp_avg_sq) &&
-          aligned16(a->grad) && (!a->param || aligned16(a->param));
+          (!a->max_exp_avg_sq || aligned16(a->max_exp_avg_sq)) && aligned16(a->grad) &&
+          (!a->param || aligned16(a->param));
   int pdt = a->param ? (int)a->param_dtype : 0;
-  adam_kernel_fn fn = a->grad_dtype == ZD_F32    ? adam_kernel_for<ZD_F32>(pdt)
-                      : a->grad_dtype == ZD_BF16 ? adam_kernel_for<ZD_BF16>(pdt)
-                                                 : adam_kernel_for<ZD_F16>(pdt);
+  adam_kernel_fn fn = a->max_exp_avg_sq ? adam_kernel_for<true>((int)a->grad_dtype, pdt)
+                                        : adam_kernel_for<false>((int)a->grad_dtype, pdt);
   fn<<<l->adam_grid, ADAM_THREADS, 0, stream>>>(k);
   LAUNCH_CHECK(err, "CUDA adam: kernel launch");
   return ZD_OK;
@@ -583,7 +613,7 @@ int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *g
   if (rc) return rc;
   if (n && (!d_groups || !groups))
     return zd__errf(err, -EINVAL, "CUDA groups upload: %u groups but no source or destination", n);
-  rc = check_sqrt_modes(groups, n, "CUDA groups upload", err);
+  rc = check_groups(groups, n, 1, "CUDA groups upload", err); /* the array is the launch's */
   if (rc) return rc;
   for (uint32_t done = 0; done < n; done += ZD__CUDA_GROUPS_INLINE) {
     groups_kargs_t k;
@@ -896,9 +926,12 @@ static cudaError_t load(F *fn) {
 
 template <int GDT>
 static cudaError_t load_adam() {
-  cudaError_t e = load(adam_kernel<GDT, ZD_F32>);
-  if (e == cudaSuccess) e = load(adam_kernel<GDT, ZD_BF16>);
-  if (e == cudaSuccess) e = load(adam_kernel<GDT, 0>);
+  cudaError_t e = load(adam_kernel<GDT, ZD_F32, false>);
+  if (e == cudaSuccess) e = load(adam_kernel<GDT, ZD_BF16, false>);
+  if (e == cudaSuccess) e = load(adam_kernel<GDT, 0, false>);
+  if (e == cudaSuccess) e = load(adam_kernel<GDT, ZD_F32, true>);
+  if (e == cudaSuccess) e = load(adam_kernel<GDT, ZD_BF16, true>);
+  if (e == cudaSuccess) e = load(adam_kernel<GDT, 0, true>);
   if (e == cudaSuccess) e = load(stats_kernel<GDT>);
   return e;
 }

@@ -66,12 +66,19 @@ static __device__ __forceinline__ zd__dev_group_t zd__dev_group(const zd__adam_g
   return g;
 }
 
+/* zd__amsgrad_max (adam.h): ATen's vectorised torch.maximum, a NaN as all ones. */
+static __device__ __forceinline__ float zd__dev_amsgrad_max(float a, float b) {
+  if (a != a || b != b) return __uint_as_float(0xffffffffu);
+  return a > b ? a : b;
+}
+
 /* The update of one element, operation for operation as zd__adam_step_ref. The sqrt is the
  * correctly rounded one: a group with ZD_SQRT_MKL_EX (an x86 instruction's approximation) is
- * refused by the launchers before it gets here. */
+ * refused by the launchers before it gets here. vmax (max_exp_avg_sq) is read and written only
+ * by a group with amsgrad. */
 static __device__ __forceinline__ void zd__dev_adam(float graw, float grad_scale,
                                                     const zd__dev_group_t &k, float &p, float &m,
-                                                    float &v) {
+                                                    float &v, float &vmax) {
   const zd__adam_group_t &c = k.c;
   float g = __fmul_rn(graw, grad_scale);
   if (c.negate_grad) g = -g;
@@ -82,7 +89,9 @@ static __device__ __forceinline__ void zd__dev_adam(float graw, float grad_scale
   else
     m = __fmaf_rn(g, c.one_minus_beta1, __fmul_rn(m, c.beta1));
   v = __fmaf_rn(__fmul_rn(c.one_minus_beta2, g), g, __fmul_rn(v, c.beta2));
-  float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bias_correction2_sqrt), c.eps);
+  float s = v;
+  if (c.amsgrad) s = vmax = zd__dev_amsgrad_max(vmax, v);
+  float d = __fadd_rn(__fdiv_rn(__fsqrt_rn(s), c.bias_correction2_sqrt), c.eps);
   p = __fadd_rn(p, __fdiv_rn(__fmul_rn(c.neg_step_size, m), d));
 }
 

@@ -33,7 +33,8 @@
  *   TORCH113:  m = fma(g, a1, m * b1)
  *   TORCH2:    m = fma(lerp_weight, g - m, lerp_from_grad ? g : m)
  *   v  = fma(a2 * g, g, v * b2)
- *   d  = SQRT(v) / bc2s + e                          SQRT: sqrtf, or zd__sqrt_mkl_ex (sqrt_mode.h)
+ *   amsgrad:   vmax = MAX(vmax, v), s = vmax;   else s = v
+ *   d  = SQRT(s) / bc2s + e                          SQRT: sqrtf, or zd__sqrt_mkl_ex (sqrt_mode.h)
  *   p  = p + (nss * m) / d
  *   param_out = p as f32, or as bf16 rounded to nearest even (NaN -> 0x7fc0, as torch)
  * grad is f32, bf16 (upper half of an f32) or f16 (IEEE binary16, converted exactly); the
@@ -44,6 +45,15 @@
  * fuses both into the two fma above. Its scalar tail (the last n % 16 elements of a tensor)
  * computes the second form unfused, which gives the same value except for the sign of a zero
  * result (seen only with beta1 = 0 and a zero gradient): the one known difference from torch 2.x.
+ * amsgrad is torch's `torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)` (1.13 and
+ * 2.x alike), whose vector body (ATen's Vectorized<float>::maximum, AVX2 and AVX-512) is
+ * max_ps(vmax, v) OR-ed with the all-ones mask of the unordered lanes: MAX(a, b) = a > b ? a : b,
+ * and 0xffffffff (a NaN) when either is NaN (zd__amsgrad_max). C's fmaxf would drop the NaN.
+ * torch's scalar tail returns 0x7fc00000 for a NaN and a for two zeros, so the two differ only in
+ * a NaN's bits and, for zeros of opposite signs, in a zero's sign: v is never -0 (its product term
+ * is +0 or positive), so only a -0 put into vmax from outside could show it. vmax starts at +0
+ * (torch.zeros_like) and exists only where the model has the array (zd__adam_args_t).
+ *
  * ZD_UPDATE_TORCH2 negates g for maximize as torch does instead of folding the sign into the
  * constants: folded, the lerp's second form would be -fma(w - 1, x + m, x), whose exact zeros have
  * the other sign than torch's. The negation is exact and costs one xor.
@@ -74,6 +84,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "dtype.h"
 #include "segment.h"
@@ -98,7 +109,19 @@ typedef struct zd__adam_group {
   uint8_t sqrt_mode;      /* zd_sqrt_mode_t */
   uint8_t lerp_from_grad; /* TORCH2: the lerp's second form (w >= 0.5) */
   uint8_t negate_grad;    /* TORCH2 with maximize */
+  uint8_t amsgrad;        /* the denominator takes max_exp_avg_sq */
 } zd__adam_group_t;
+
+/* MAX of the amsgrad formula above: ATen's vectorised torch.maximum(a, b), a NaN as all ones. */
+static inline float zd__amsgrad_max(float a, float b) {
+  if (a != a || b != b) {
+    uint32_t ones = 0xffffffffu;
+    float nan;
+    memcpy(&nan, &ones, sizeof nan);
+    return nan;
+  }
+  return a > b ? a : b;
+}
 
 /* Computes the constants of `hp` for step number `step` (1 for the first step). */
 void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step);
@@ -109,6 +132,7 @@ typedef struct zd__adam_args {
   float *master;
   float *exp_avg;
   float *exp_avg_sq;
+  float *max_exp_avg_sq; /* NULL when the model has none; required by a group with amsgrad */
   const void *grad;
   zd_dtype_t grad_dtype;  /* ZD_F32, ZD_BF16, ZD_F16 */
   void *param;            /* working parameters written back; NULL: none */

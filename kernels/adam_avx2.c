@@ -21,11 +21,12 @@ enum { WD_NONE, WD_DECAY, WD_L2 };
 /* Working-parameter output: none, or the dtype written. */
 enum { OUT_NONE = 0 };
 
-/* The formula of a group (adam.h): update (TORCH113 or TORCH2) times sqrt mode, one compiled
- * loop each. */
-enum { F113 = 0, F113_MKL = 1, F2 = 2, F2_MKL = 3 };
-#define FORM_TORCH2(f) ((f) >= F2)
+/* The formula of a group (adam.h): update (TORCH113 or TORCH2) times sqrt mode times amsgrad,
+ * one compiled loop each, so that a group without amsgrad streams no fourth array. */
+enum { F113 = 0, F113_MKL = 1, F2 = 2, F2_MKL = 3, F_AMS = 4 };
+#define FORM_TORCH2(f) ((f)&F2)
 #define FORM_MKL_EX(f) ((f)&1)
+#define FORM_AMS(f)    ((f)&F_AMS)
 
 typedef struct {
   __m256 scale, decay, wd, b1, a1, b2, a2, bc2s, nss, eps;
@@ -73,11 +74,17 @@ AI __m256 sqrt_mkl_ex(__m256 x) {
   return _mm256_blendv_ps(y, _mm256_sqrt_ps(x), _mm256_castsi256_ps(special));
 }
 
+/* zd__amsgrad_max on 8 lanes, as ATen's Vectorized<float>::maximum: all ones where unordered. */
+AI __m256 amsgrad_max(__m256 vmax, __m256 v) {
+  return _mm256_or_ps(_mm256_max_ps(vmax, v), _mm256_cmp_ps(vmax, v, _CMP_UNORD_Q));
+}
+
 /* The update of 8 consecutive elements; the formula and its order are adam.h's. The dtype,
  * decay, form and nt arguments are constants at every call, so each combination compiles to its
- * own branch-free loop. nt: stream the working params (`out` aligned to the vector). */
-AI void step8(float *mp, float *mm, float *mv, const void *gp, void *out, const consts_t *c,
-              int gdt, int pdt, int wdm, int form, int nt) {
+ * own branch-free loop. nt: stream the working params (`out` aligned to the vector). mx: the
+ * max_exp_avg_sq elements (read only with amsgrad). */
+AI void step8(float *mp, float *mm, float *mv, float *mx, const void *gp, void *out,
+              const consts_t *c, int gdt, int pdt, int wdm, int form, int nt) {
   __m256 g = _mm256_mul_ps(load_grad(gp, gdt), c->scale);
   if (FORM_TORCH2(form)) g = _mm256_xor_ps(g, c->neg);
   __m256 p = _mm256_loadu_ps(mp);
@@ -89,7 +96,12 @@ AI void step8(float *mp, float *mm, float *mv, const void *gp, void *out, const 
   else
     m = _mm256_fmadd_ps(g, c->a1, _mm256_mul_ps(m, c->b1));
   __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c->a2, g), g, _mm256_mul_ps(_mm256_loadu_ps(mv), c->b2));
-  __m256 sq = FORM_MKL_EX(form) ? sqrt_mkl_ex(v) : _mm256_sqrt_ps(v);
+  __m256 s = v;
+  if (FORM_AMS(form)) {
+    s = amsgrad_max(_mm256_loadu_ps(mx), v);
+    _mm256_storeu_ps(mx, s);
+  }
+  __m256 sq = FORM_MKL_EX(form) ? sqrt_mkl_ex(s) : _mm256_sqrt_ps(s);
   __m256 d = _mm256_add_ps(_mm256_div_ps(sq, c->bc2s), c->eps);
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->nss, m), d));
   _mm256_storeu_ps(mp, p);
@@ -109,25 +121,35 @@ AI void step8(float *mp, float *mm, float *mv, const void *gp, void *out, const 
 AI void step_part(const zd__adam_args_t *a, const consts_t *c, uint64_t i, uint64_t r, int gdt,
                   int pdt, int wdm, int form) {
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
-  float p[8] = {0}, m[8] = {0}, v[8] = {0}, g[8] = {0}, out[8];
+  float p[8] = {0}, m[8] = {0}, v[8] = {0}, x[8] = {0}, g[8] = {0}, out[8];
   memcpy(p, a->master + i, r * sizeof(float));
   memcpy(m, a->exp_avg + i, r * sizeof(float));
   memcpy(v, a->exp_avg_sq + i, r * sizeof(float));
+  if (FORM_AMS(form)) memcpy(x, a->max_exp_avg_sq + i, r * sizeof(float));
   memcpy(g, (const char *)a->grad + i * gsz, r * gsz);
-  step8(p, m, v, g, out, c, gdt, pdt, wdm, form, 0);
+  step8(p, m, v, x, g, out, c, gdt, pdt, wdm, form, 0);
   memcpy(a->master + i, p, r * sizeof(float));
   memcpy(a->exp_avg + i, m, r * sizeof(float));
   memcpy(a->exp_avg_sq + i, v, r * sizeof(float));
+  if (FORM_AMS(form)) memcpy(a->max_exp_avg_sq + i, x, r * sizeof(float));
   if (pdt != OUT_NONE) memcpy((char *)a->param + i * psz, out, r * psz);
 }
 
-/* Prefetches the four input streams ZD__ADAM_PREFETCH elements past element i. The address is
- * formed as an integer: it may lie past the end of the buffers, which a prefetch tolerates. */
-AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
+/* Element i of max_exp_avg_sq; NULL (never formed from a NULL array) without amsgrad. */
+AI float *max_at(const zd__adam_args_t *a, uint64_t i, int form) {
+  return FORM_AMS(form) ? a->max_exp_avg_sq + i : NULL;
+}
+
+/* Prefetches the four input streams (five with amsgrad) ZD__ADAM_PREFETCH elements past element
+ * i. The address is formed as an integer: it may lie past the end of the buffers, which a
+ * prefetch tolerates. */
+AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz, int form) {
   uint64_t d = ZD__ADAM_PREFETCH;
   _mm_prefetch((const char *)((uintptr_t)(a->master + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)(a->exp_avg + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)(a->exp_avg_sq + i) + d * 4), _MM_HINT_T0);
+  if (FORM_AMS(form))
+    _mm_prefetch((const char *)((uintptr_t)(a->max_exp_avg_sq + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)a->grad + (i + d) * gsz), _MM_HINT_T0);
 }
 
@@ -148,31 +170,38 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
   }
   if (nt && (uintptr_t)(out + i * psz) % (8 * psz) == 0) {
     for (; i + 8 <= hi; i += 8) {
-      prefetch(a, i, gsz);
-      step8(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, gdt,
-            pdt, wdm, form, 1);
+      prefetch(a, i, gsz, form);
+      step8(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
+            out + i * psz, c, gdt, pdt, wdm, form, 1);
     }
   }
   for (; i + 8 <= hi; i += 8) {
-    prefetch(a, i, gsz);
-    step8(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, gdt, pdt,
-          wdm, form, 0);
+    prefetch(a, i, gsz, form);
+    step8(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
+          out + i * psz, c, gdt, pdt, wdm, form, 0);
   }
   if (i < hi) step_part(a, c, i, hi - i, gdt, pdt, wdm, form);
 }
 
 /* One instantiation of run() per (grad dtype, output, decay, form) so the inner loop has no
  * branches. */
-#define RUN_FORM(gdt, pdt, wdm)                        \
-  do {                                                 \
-    if (form == F113)                                  \
-      run(a, &c, lo, hi, gdt, pdt, wdm, F113, nt);     \
-    else if (form == F113_MKL)                         \
-      run(a, &c, lo, hi, gdt, pdt, wdm, F113_MKL, nt); \
-    else if (form == F2)                               \
-      run(a, &c, lo, hi, gdt, pdt, wdm, F2, nt);       \
-    else                                               \
-      run(a, &c, lo, hi, gdt, pdt, wdm, F2_MKL, nt);   \
+#define RUN_SQRT(gdt, pdt, wdm, ams)                         \
+  do {                                                       \
+    if (form == (F113 | ams))                                \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F113 | ams, nt);     \
+    else if (form == (F113_MKL | ams))                       \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F113_MKL | ams, nt); \
+    else if (form == (F2 | ams))                             \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F2 | ams, nt);       \
+    else                                                     \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F2_MKL | ams, nt);   \
+  } while (0)
+#define RUN_FORM(gdt, pdt, wdm)       \
+  do {                                \
+    if (FORM_AMS(form))               \
+      RUN_SQRT(gdt, pdt, wdm, F_AMS); \
+    else                              \
+      RUN_SQRT(gdt, pdt, wdm, 0);     \
   } while (0)
 #define RUN_WD(gdt, pdt)            \
   do {                              \
@@ -203,7 +232,8 @@ void zd__adam_step_avx2(const zd__adam_args_t *a, uint64_t begin, uint64_t end) 
     uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
     const zd__adam_group_t *gc = &a->groups[seg->group];
     int wdm = !gc->has_weight_decay ? WD_NONE : gc->optimizer == ZD_ADAMW ? WD_DECAY : WD_L2;
-    int form = (gc->update == ZD_UPDATE_TORCH2 ? F2 : F113) | (gc->sqrt_mode == ZD_SQRT_MKL_EX);
+    int form = (gc->update == ZD_UPDATE_TORCH2 ? F2 : F113) | (gc->sqrt_mode == ZD_SQRT_MKL_EX) |
+               (gc->amsgrad ? F_AMS : 0);
     consts_t c = {
         .scale = _mm256_set1_ps(a->grad_scale),
         .decay = _mm256_set1_ps(gc->decay),

@@ -20,11 +20,12 @@ enum { WD_NONE, WD_DECAY, WD_L2 };
 /* Working-parameter output: none, or the dtype written. */
 enum { OUT_NONE = 0 };
 
-/* The formula of a group (adam.h): update (TORCH113 or TORCH2) times sqrt mode, one compiled
- * loop each. */
-enum { F113 = 0, F113_MKL = 1, F2 = 2, F2_MKL = 3 };
-#define FORM_TORCH2(f) ((f) >= F2)
+/* The formula of a group (adam.h): update (TORCH113 or TORCH2) times sqrt mode times amsgrad,
+ * one compiled loop each, so that a group without amsgrad streams no fourth array. */
+enum { F113 = 0, F113_MKL = 1, F2 = 2, F2_MKL = 3, F_AMS = 4 };
+#define FORM_TORCH2(f) ((f)&F2)
 #define FORM_MKL_EX(f) ((f)&1)
+#define FORM_AMS(f)    ((f)&F_AMS)
 
 typedef struct {
   __m512 scale, decay, wd, b1, a1, b2, a2, bc2s, nss, eps;
@@ -84,12 +85,20 @@ AI __m512 sqrt_mkl_ex(__m512 x) {
   return special ? _mm512_mask_sqrt_ps(y, special, x) : y;
 }
 
+/* zd__amsgrad_max on 16 lanes, as ATen's Vectorized<float>::maximum: all ones where unordered. */
+AI __m512 amsgrad_max(__m512 vmax, __m512 v) {
+  __mmask16 nan = _mm512_cmp_ps_mask(vmax, v, _CMP_UNORD_Q);
+  return _mm512_or_ps(_mm512_max_ps(vmax, v),
+                      _mm512_castsi512_ps(_mm512_maskz_set1_epi32(nan, -1)));
+}
+
 /* The update of 16 consecutive elements; the formula and its order are adam.h's. The dtype,
  * decay, form, full and nt arguments are constants at every call, so each combination compiles
  * to its own branch-free loop. nt: stream the working params (full vectors at an aligned `out`
- * only). */
-AI void step16(float *mp, float *mm, float *mv, const void *gp, void *out, const consts_t *c,
-               __mmask16 k, int full, int gdt, int pdt, int wdm, int form, int nt) {
+ * only). mx: the max_exp_avg_sq elements (read only with amsgrad). */
+AI void step16(float *mp, float *mm, float *mv, float *mx, const void *gp, void *out,
+               const consts_t *c, __mmask16 k, int full, int gdt, int pdt, int wdm, int form,
+               int nt) {
   __m512 g = _mm512_mul_ps(load_grad(gp, k, full, gdt), c->scale);
   if (FORM_TORCH2(form)) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), c->neg));
   __m512 p = load_f32(mp, k, full);
@@ -102,7 +111,12 @@ AI void step16(float *mp, float *mm, float *mv, const void *gp, void *out, const
     m = _mm512_fmadd_ps(g, c->a1, _mm512_mul_ps(m, c->b1));
   __m512 v =
       _mm512_fmadd_ps(_mm512_mul_ps(c->a2, g), g, _mm512_mul_ps(load_f32(mv, k, full), c->b2));
-  __m512 sq = FORM_MKL_EX(form) ? sqrt_mkl_ex(v) : _mm512_sqrt_ps(v);
+  __m512 s = v;
+  if (FORM_AMS(form)) {
+    s = amsgrad_max(load_f32(mx, k, full), v);
+    store_f32(mx, s, k, full);
+  }
+  __m512 sq = FORM_MKL_EX(form) ? sqrt_mkl_ex(s) : _mm512_sqrt_ps(s);
   __m512 d = _mm512_add_ps(_mm512_div_ps(sq, c->bc2s), c->eps);
   p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->nss, m), d));
   store_f32(mp, p, k, full);
@@ -120,13 +134,21 @@ AI void step16(float *mp, float *mm, float *mv, const void *gp, void *out, const
     _mm256_mask_storeu_epi16(out, k, f32_to_bf16(p));
 }
 
-/* Prefetches the four input streams ZD__ADAM_PREFETCH elements past element i. The address is
- * formed as an integer: it may lie past the end of the buffers, which a prefetch tolerates. */
-AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
+/* Element i of max_exp_avg_sq; NULL (never formed from a NULL array) without amsgrad. */
+AI float *max_at(const zd__adam_args_t *a, uint64_t i, int form) {
+  return FORM_AMS(form) ? a->max_exp_avg_sq + i : NULL;
+}
+
+/* Prefetches the four input streams (five with amsgrad) ZD__ADAM_PREFETCH elements past element
+ * i. The address is formed as an integer: it may lie past the end of the buffers, which a
+ * prefetch tolerates. */
+AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz, int form) {
   uint64_t d = ZD__ADAM_PREFETCH;
   _mm_prefetch((const char *)((uintptr_t)(a->master + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)(a->exp_avg + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)(a->exp_avg_sq + i) + d * 4), _MM_HINT_T0);
+  if (FORM_AMS(form))
+    _mm_prefetch((const char *)((uintptr_t)(a->max_exp_avg_sq + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)a->grad + (i + d) * gsz), _MM_HINT_T0);
 }
 
@@ -143,41 +165,48 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
   if (head > hi - lo) head = hi - lo;
   if (head) {
     __mmask16 k = (__mmask16)((1u << head) - 1);
-    step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, k, 0,
-           gdt, pdt, wdm, form, 0);
+    step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
+           out + i * psz, c, k, 0, gdt, pdt, wdm, form, 0);
     i += head;
   }
   if (nt && (uintptr_t)(out + i * psz) % (16 * psz) == 0) {
     for (; i + 16 <= hi; i += 16) {
-      prefetch(a, i, gsz);
-      step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c,
-             0xffff, 1, gdt, pdt, wdm, form, 1);
+      prefetch(a, i, gsz, form);
+      step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
+             out + i * psz, c, 0xffff, 1, gdt, pdt, wdm, form, 1);
     }
   }
   for (; i + 16 <= hi; i += 16) {
-    prefetch(a, i, gsz);
-    step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, 0xffff,
-           1, gdt, pdt, wdm, form, 0);
+    prefetch(a, i, gsz, form);
+    step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
+           out + i * psz, c, 0xffff, 1, gdt, pdt, wdm, form, 0);
   }
   if (i < hi) {
     __mmask16 k = (__mmask16)((1u << (hi - i)) - 1);
-    step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, g + i * gsz, out + i * psz, c, k, 0,
-           gdt, pdt, wdm, form, 0);
+    step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
+           out + i * psz, c, k, 0, gdt, pdt, wdm, form, 0);
   }
 }
 
 /* One instantiation of run() per (grad dtype, output, decay, form) so the inner loop has no
  * branches. */
-#define RUN_FORM(gdt, pdt, wdm)                        \
-  do {                                                 \
-    if (form == F113)                                  \
-      run(a, &c, lo, hi, gdt, pdt, wdm, F113, nt);     \
-    else if (form == F113_MKL)                         \
-      run(a, &c, lo, hi, gdt, pdt, wdm, F113_MKL, nt); \
-    else if (form == F2)                               \
-      run(a, &c, lo, hi, gdt, pdt, wdm, F2, nt);       \
-    else                                               \
-      run(a, &c, lo, hi, gdt, pdt, wdm, F2_MKL, nt);   \
+#define RUN_SQRT(gdt, pdt, wdm, ams)                         \
+  do {                                                       \
+    if (form == (F113 | ams))                                \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F113 | ams, nt);     \
+    else if (form == (F113_MKL | ams))                       \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F113_MKL | ams, nt); \
+    else if (form == (F2 | ams))                             \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F2 | ams, nt);       \
+    else                                                     \
+      run(a, &c, lo, hi, gdt, pdt, wdm, F2_MKL | ams, nt);   \
+  } while (0)
+#define RUN_FORM(gdt, pdt, wdm)       \
+  do {                                \
+    if (FORM_AMS(form))               \
+      RUN_SQRT(gdt, pdt, wdm, F_AMS); \
+    else                              \
+      RUN_SQRT(gdt, pdt, wdm, 0);     \
   } while (0)
 #define RUN_WD(gdt, pdt)            \
   do {                              \
@@ -208,7 +237,8 @@ void zd__adam_step_avx512(const zd__adam_args_t *a, uint64_t begin, uint64_t end
     uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
     const zd__adam_group_t *gc = &a->groups[seg->group];
     int wdm = !gc->has_weight_decay ? WD_NONE : gc->optimizer == ZD_ADAMW ? WD_DECAY : WD_L2;
-    int form = (gc->update == ZD_UPDATE_TORCH2 ? F2 : F113) | (gc->sqrt_mode == ZD_SQRT_MKL_EX);
+    int form = (gc->update == ZD_UPDATE_TORCH2 ? F2 : F113) | (gc->sqrt_mode == ZD_SQRT_MKL_EX) |
+               (gc->amsgrad ? F_AMS : 0);
     consts_t c = {
         .scale = _mm512_set1_ps(a->grad_scale),
         .decay = _mm512_set1_ps(gc->decay),

@@ -31,13 +31,16 @@ typedef struct cpu_model {
 
 /* ---- state --------------------------------------------------------------------------------- */
 
-/* A model's arrays (master, exp_avg, exp_avg_sq, then the gradient shard) are allocated one after
- * the other by one thread, so handing out the four state colours in turn gives each its own. */
+/* A model's arrays (master, exp_avg, exp_avg_sq, then the gradient shard and max_exp_avg_sq, when
+ * it has them) are allocated one after the other by one thread, so handing out the five state
+ * colours in turn gives each its own. */
 static int cpu_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
   cpu_compute_t *c = (cpu_compute_t *)base;
   size_t bytes = (size_t)n * sizeof(float);
-  unsigned colour = ZD__COLOUR_STATE + c->next_colour;
-  c->next_colour = (c->next_colour + 1) % 4;
+  static const unsigned colours[] = {ZD__COLOUR_STATE, ZD__COLOUR_STATE + 1, ZD__COLOUR_STATE + 2,
+                                     ZD__COLOUR_STATE + 3, ZD__COLOUR_STATE_MAX};
+  unsigned colour = colours[c->next_colour];
+  c->next_colour = (c->next_colour + 1) % (sizeof colours / sizeof colours[0]);
   void *p;
   int rc = zd__place_anon(bytes, colour, &p);
   if (rc) return zd__errf(err, rc, "cannot map %zu bytes of optimizer state", bytes);
@@ -202,6 +205,7 @@ static int cpu_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd_
       .master = m->master + bk->shard_base,
       .exp_avg = m->exp_avg + bk->shard_base,
       .exp_avg_sq = m->exp_avg_sq + bk->shard_base,
+      .max_exp_avg_sq = m->max_exp_avg_sq ? m->max_exp_avg_sq + bk->shard_base : NULL,
       .grad = m->shard_grad[b],
       .grad_dtype = m->shard_grad_dtype[b],
       .param = (char *)buf->params.addr + (bk->offset + (uint64_t)rank * bk->shard_elems) * psize,

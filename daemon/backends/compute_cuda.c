@@ -325,6 +325,7 @@ static int cuda_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd
       .master = m->master + bk->shard_base,
       .exp_avg = m->exp_avg + bk->shard_base,
       .exp_avg_sq = m->exp_avg_sq + bk->shard_base,
+      .max_exp_avg_sq = m->max_exp_avg_sq ? m->max_exp_avg_sq + bk->shard_base : NULL,
       .grad = m->shard_grad[b],
       .grad_dtype = m->shard_grad_dtype[b],
       .param = param_slice(m, buf, b, rank),

@@ -114,10 +114,13 @@ static const family_t families[] = {
      "shard_elems", V_NUMBER, NULL, NULL, NULL},
     {"zerod_rank_state_bytes", "gauge",
      "bytes the rank holds for its shard, by kind: master_and_moments (fp32 master weights, "
-     "exp_avg and exp_avg_sq), grad_shard (the reduced gradients; 0 at world size 1)",
+     "exp_avg and exp_avg_sq), grad_shard (the reduced gradients; 0 at world size 1), "
+     "max_exp_avg_sq (amsgrad's running max of exp_avg_sq; 0 without amsgrad)",
      "rank", "state_bytes", V_NUMBER, NULL, NULL, "kind=\"master_and_moments\""},
     {"zerod_rank_state_bytes", NULL, NULL, "rank", "grad_shard_bytes", V_NUMBER, NULL, NULL,
      "kind=\"grad_shard\""},
+    {"zerod_rank_state_bytes", NULL, NULL, "rank", "max_exp_avg_sq_bytes", V_NUMBER, NULL, NULL,
+     "kind=\"max_exp_avg_sq\""},
     {"zerod_rank_step", "gauge", "optimizer step of the registered model (torch's state['step'])",
      "rank", "step", V_NUMBER, NULL, NULL, NULL},
     {"zerod_rank_steps_skipped_total", "counter",

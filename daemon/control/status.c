@@ -153,6 +153,7 @@ static void add_rank(zd__status_t *st, const zd__daemon_t *d, uint32_t local) {
   zd__status_add(st, "shard_elems", "%" PRIu64, s.shard_elems);
   zd__status_add(st, "state_bytes", "%" PRIu64, s.state_bytes);
   zd__status_add(st, "grad_shard_bytes", "%" PRIu64, s.grad_shard_bytes);
+  zd__status_add(st, "max_exp_avg_sq_bytes", "%" PRIu64, s.max_exp_avg_sq_bytes);
   zd__status_add(st, "param_dtype", "%s", zd_dtype_name(s.param_dtype));
   zd__status_add(st, "grad_dtype", "%s", zd_dtype_name(s.grad_dtype));
   zd__status_add(st, "step", "%" PRIu64, s.step);

@@ -42,8 +42,9 @@ typedef struct write_job {
 } write_job_t;
 
 typedef struct slot {
-  float *snap; /* master, exp_avg, exp_avg_sq back to back */
+  float *snap; /* master, exp_avg, exp_avg_sq (and max_exp_avg_sq) back to back */
   uint64_t elems;
+  int arrays; /* 3, or 4 with max_exp_avg_sq */
   int busy;   /* a write of this snapshot is queued or running */
   int failed; /* its last write failed */
   char error[ZD__ERR_MSG_MAX];
@@ -124,7 +125,8 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
                               .elems = s->elems,
                               .master = s->snap,
                               .exp_avg = s->snap + s->elems,
-                              .exp_avg_sq = s->snap + 2 * s->elems};
+                              .exp_avg_sq = s->snap + 2 * s->elems,
+                              .max_exp_avg_sq = s->arrays > 3 ? s->snap + 3 * s->elems : NULL};
     rc = zd__ckpt_write_shard(dir, &shard, c->set.throttle_bytes_per_s, &file, &err);
   }
   if (c->has_world && !j->manifest) { /* tell rank 0, success or not: it must not wait in vain */
@@ -472,6 +474,7 @@ static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt
                                    .scale = m->scaler.scale,
                                    .growth_tracker = m->scaler.growth_tracker,
                                    .hysteresis_tracker = m->scaler.hysteresis_tracker};
+  mf->max_exp_avg_sq = m->max_exp_avg_sq != NULL;
   mf->created_ms = zd__unix_ms();
   mf->nfiles = w;
   *out = mf;
@@ -486,6 +489,8 @@ static int copy_arrays(const zd__step_ctx_t *ctx, zd__model_t *m, float *host, i
   int rc = cp->ops->copy_state(cp, m->master, host, n, to_host, err);
   if (!rc) rc = cp->ops->copy_state(cp, m->exp_avg, host + n, n, to_host, err);
   if (!rc) rc = cp->ops->copy_state(cp, m->exp_avg_sq, host + 2 * n, n, to_host, err);
+  if (!rc && m->max_exp_avg_sq)
+    rc = cp->ops->copy_state(cp, m->max_exp_avg_sq, host + 3 * n, n, to_host, err);
   return rc;
 }
 
@@ -514,15 +519,18 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   pthread_mutex_unlock(&c->lock);
   uint64_t t0 = zd__now_us(); /* the stall is the copy, not the wait above (a slow disk's) */
   uint64_t n = m->layout->shard_elems;
-  if (s->elems != n) {
+  int arrays = m->max_exp_avg_sq ? 4 : 3;
+  if (s->elems != n || s->arrays != arrays) {
     free(s->snap);
     s->elems = 0;
-    s->snap = malloc(3 * (n ? n : 1) * sizeof(float));
+    s->snap = malloc((size_t)arrays * (n ? n : 1) * sizeof(float));
     if (!s->snap) {
       job_free(j);
-      return zd__errf(err, -ENOMEM, "no host memory for a snapshot of %" PRIu64 " elements", 3 * n);
+      return zd__errf(err, -ENOMEM, "no host memory for a snapshot of %" PRIu64 " elements",
+                      arrays * n);
     }
     s->elems = n;
+    s->arrays = arrays;
   }
   rc = copy_arrays(ctx, m, s->snap, 1, err);
   if (rc) {
@@ -667,10 +675,11 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   uint64_t n = m->layout->shard_elems;
   float *host = NULL;
   if (!rc && mf) {
-    host = malloc(3 * (n ? n : 1) * sizeof(float));
-    rc = host
-             ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, host, host + n, host + 2 * n, err)
-             : zd__errf(err, -ENOMEM, "no host memory to load %" PRIu64 " elements", 3 * n);
+    uint64_t arrays = m->max_exp_avg_sq ? 4 : 3;
+    host = malloc(arrays * (n ? n : 1) * sizeof(float));
+    rc = host ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, host, host + n, host + 2 * n,
+                                    arrays > 3 ? host + 3 * n : NULL, err)
+              : zd__errf(err, -ENOMEM, "no host memory to load %" PRIu64 " elements", arrays * n);
     if (!rc) rc = copy_arrays(ctx, m, host, 0, err);
   }
   uint64_t step = rc ? LOADED_FAILED : mf ? mf->step : LOADED_NONE;

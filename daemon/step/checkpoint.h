@@ -9,7 +9,8 @@
  *            records, so every rank of the world checkpoints the same step. checkpoint_every_steps
  *            needs no flag (every rank counts the same steps). A client's zd_checkpoint is a job
  *            of its own between steps, which every trainer of the world calls (a collective).
- *   snapshot the worker that ran the step copies master, exp_avg and exp_avg_sq into host memory
+ *   snapshot the worker that ran the step copies master, exp_avg, exp_avg_sq (and
+ *            max_exp_avg_sq) into host memory
  *            (the compute backend's copy_state: from the GPU a device-to-host copy) and goes on;
  *            a checkpoint requested while this rank's previous one is still being written waits
  *            for it, so that every rank writes every checkpoint.

@@ -88,6 +88,7 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->shard_elems = m->layout->shard_elems;
     s->state_bytes = 3 * m->layout->shard_elems * sizeof(float);
     s->grad_shard_bytes = m->grad_shard ? m->layout->shard_elems * sizeof(float) : 0;
+    s->max_exp_avg_sq_bytes = m->max_exp_avg_sq ? m->layout->shard_elems * sizeof(float) : 0;
     s->param_dtype = m->param_dtype;
     s->grad_dtype = m->grad_dtype;
     s->step = m->step;

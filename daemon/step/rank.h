@@ -153,8 +153,9 @@ typedef struct zd__rank_stats {
   uint64_t layout_hash;
   uint64_t total_elems;
   uint64_t shard_elems;
-  uint64_t state_bytes;      /* fp32 master + exp_avg + exp_avg_sq */
-  uint64_t grad_shard_bytes; /* reduced-gradient buffer (0 at world size 1: read in place) */
+  uint64_t state_bytes;          /* fp32 master + exp_avg + exp_avg_sq */
+  uint64_t grad_shard_bytes;     /* reduced-gradient buffer (0 at world size 1: read in place) */
+  uint64_t max_exp_avg_sq_bytes; /* amsgrad's running max of exp_avg_sq (0 without amsgrad) */
   zd_dtype_t param_dtype;
   zd_dtype_t grad_dtype;
   uint64_t step;

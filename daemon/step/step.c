@@ -43,12 +43,35 @@ static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups) {
 
 /* ---- state --------------------------------------------------------------------------------- */
 
+/* torch creates max_exp_avg_sq at a parameter's first step when its group has amsgrad, and raises
+ * KeyError when a group turns amsgrad on later: zerod allocates the array at registration when a
+ * group has amsgrad, keeps it for the model's life (a group may turn amsgrad off and on again, as
+ * in torch), and refuses hyperparameters that need it where the model has none. */
+static int any_amsgrad(const zd_group_t *groups, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++)
+    if (groups[i].amsgrad) return 1;
+  return 0;
+}
+
+static int check_amsgrad(const zd__model_t *m, const zd_group_t *groups, const char *what,
+                         zd__err_t *err) {
+  if (m->max_exp_avg_sq) return ZD_OK;
+  for (uint32_t i = 0; i < m->ngroups; i++)
+    if (groups[i].amsgrad)
+      return zd__errf(err, ZD_EHPARAM,
+                      "%s: group %u has amsgrad, but the model was registered without it and "
+                      "has no max_exp_avg_sq (torch raises KeyError likewise); register with "
+                      "replace and amsgrad from the start",
+                      what, i);
+  return ZD_OK;
+}
+
 void zd__model_free(zd__model_t *m) {
   if (!m) return;
   zd__compute_t *c = m->compute;
   if (c) {
     c->ops->model_fini(c, m);
-    float *arrays[] = {m->master, m->exp_avg, m->exp_avg_sq, m->grad_shard};
+    float *arrays[] = {m->master, m->exp_avg, m->exp_avg_sq, m->grad_shard, m->max_exp_avg_sq};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
       c->ops->release(c, arrays[i], m->array_elems);
   }
@@ -85,6 +108,8 @@ static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__m
   if (!rc) rc = c->ops->alloc(c, m->array_elems, &m->exp_avg, err);
   if (!rc) rc = c->ops->alloc(c, m->array_elems, &m->exp_avg_sq, err);
   if (!rc && ctx->world_size > 1) rc = c->ops->alloc(c, m->array_elems, &m->grad_shard, err);
+  if (!rc && any_amsgrad(m->groups, m->ngroups))
+    rc = c->ops->alloc(c, m->array_elems, &m->max_exp_avg_sq, err);
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];
     snprintf(cause, sizeof cause, "%s", err ? err->msg : "");
@@ -287,7 +312,9 @@ static int resume_alone(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spe
                     "model's dtypes, or register on every rank with replace",
                     ctx->rank, zd_dtype_name(m->param_dtype), zd_dtype_name(m->grad_dtype),
                     zd_dtype_name(spec->param_dtype), zd_dtype_name(spec->grad_dtype));
-  int rc = job_begin(ctx, buf, slot, err);
+  int rc = check_amsgrad(m, spec->groups, "resume", err);
+  if (rc) return rc;
+  rc = job_begin(ctx, buf, slot, err);
   if (rc) return job_end(ctx, buf, slot, rc, err);
   size_t bytes = m->layout->total_elems * zd_dtype_size(m->param_dtype);
   zd_assert(m->kept.bytes >= bytes && buf->params.bytes >= bytes); /* both checked at register */
@@ -344,6 +371,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
                         "rank %u holds a different model (%u parameters, layout hash %016" PRIx64
                         ", step %" PRIu64 "): %s; register with replace to discard its state",
                         ctx->rank, m->layout->nparams, m->layout->hash, m->step, diff);
+  if (!rec.code && same) rec.code = check_amsgrad(m, spec->groups, "resume", err);
   /* The client's initial values (or its buffers' last use) come before anything reads or writes
    * them. */
   zd__err_t begin_err = {0};
@@ -570,7 +598,9 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
                         "bucket %u was not scattered since step %" PRIu64
                         "; scatter every bucket or step with scatter",
                         b, m->step);
-  int rc = job_begin(ctx, buf, slot, err);
+  int rc = groups ? check_amsgrad(m, groups, "step", err) : ZD_OK;
+  if (rc) return rc;
+  rc = job_begin(ctx, buf, slot, err);
   if (!rc && scatter) rc = scatter_buckets(ctx, m, buf, -1, err);
   if (rc) return job_end(ctx, buf, slot, rc, err);
   /* The step's hyperparameters become the model's only once every rank has agreed to them. */

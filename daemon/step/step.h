@@ -46,9 +46,10 @@ typedef struct zd__model {
   float *master;          /* in the backend's memory (host, or device with CUDA) */
   float *exp_avg;
   float *exp_avg_sq;
-  float *grad_shard;    /* world size > 1: reduced gradients of the whole shard */
-  uint64_t array_elems; /* elements of each array above */
-  zd__segment_t **segs; /* per bucket: this rank's segments (host memory) */
+  float *max_exp_avg_sq; /* only when a group had amsgrad at registration (else NULL) */
+  float *grad_shard;     /* world size > 1: reduced gradients of the whole shard */
+  uint64_t array_elems;  /* elements of each array above */
+  zd__segment_t **segs;  /* per bucket: this rank's segments (host memory) */
   uint32_t *nsegs;
   uint8_t *scattered;      /* per bucket: reduced since the last step */
   uint8_t *attempted;      /* per bucket: reduced in the step attempt in progress (cleared by

@@ -27,8 +27,11 @@
  *              [--isa auto|scalar|avx2|avx512] [--iters 15] [--warmup 3]
  *              [--grad f32|bf16|f16] [--param f32|bf16|none] [--placement zerod|plain]
  *              [--gpt2 0|1|only] [--update torch113|torch2] [--sqrt exact|mkl_ex]
+ *              [--amsgrad]
  *
- * --update and --sqrt pick the formula of every group (zd_group_t.update, .sqrt_mode).
+ * --update and --sqrt pick the formula of every group (zd_group_t.update, .sqrt_mode). --amsgrad
+ * turns amsgrad on in every group (first table only, with --gpt2 0): one more state array,
+ * max_exp_avg_sq, which its pass moves too.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -51,6 +54,7 @@ typedef struct {
   zd__adam_fn kernel;
   int gdt, pdt; /* pdt 0: no working params */
   int plain;    /* --placement plain */
+  int amsgrad;  /* --amsgrad: max_exp_avg_sq, one more stream */
   int iters, warmup;
 } cfg_t;
 
@@ -71,7 +75,7 @@ static void die(const char *what, int rc) {
 
 /* The five streams of a step over n elements, and how to give them back. */
 typedef struct {
-  float *master, *m, *v;
+  float *master, *m, *v, *x; /* x: max_exp_avg_sq with --amsgrad, else NULL */
   void *grad, *param;
   uint64_t n;
   int kind; /* 0: zerod's placement, 1: plain mmap, 2: padded (the pass) */
@@ -138,6 +142,7 @@ static void streams_fill(const cfg_t *c, streams_t *s) {
     s->master[i] = rnd_unit();
     s->m[i] = rnd_unit() * 1e-3f;
     s->v[i] = (rnd_unit() + 1.0f) * 1e-6f;
+    if (s->x) s->x[i] = (rnd_unit() + 1.0f) * 1e-6f;
     if (c->gdt == ZD_F32) ((float *)s->grad)[i] = g;
     if (c->gdt == ZD_BF16) ((uint16_t *)s->grad)[i] = zd__f32_to_bf16(g);
     /* f16: a random value of about the same size (sign, exponent 2^-10..2^-6, mantissa). */
@@ -154,6 +159,7 @@ static void streams_alloc(const cfg_t *c, uint64_t n, int kind, streams_t *s) {
   s->master = state_array(c, n, kind);
   s->m = state_array(c, n, kind);
   s->v = state_array(c, n, kind);
+  s->x = c->amsgrad ? state_array(c, n, kind) : NULL;
   s->grad = shared_buffer(n * dtype_size(c->gdt), kind, ZD__COLOUR_GRADS);
   s->param = shared_buffer(n * dtype_size(c->pdt), kind, ZD__COLOUR_PARAMS);
 }
@@ -163,13 +169,14 @@ static void streams_copy(const cfg_t *c, streams_t *dst, const streams_t *src) {
   memcpy(dst->master, src->master, src->n * 4);
   memcpy(dst->m, src->m, src->n * 4);
   memcpy(dst->v, src->v, src->n * 4);
+  if (src->x) memcpy(dst->x, src->x, src->n * 4);
   memcpy(dst->grad, src->grad, src->n * dtype_size(c->gdt));
   if (src->param) memcpy(dst->param, src->param, src->n * dtype_size(c->pdt));
 }
 
 static void streams_free(const cfg_t *c, streams_t *s) {
-  float *state[3] = {s->master, s->m, s->v};
-  for (int i = 0; i < 3; i++) {
+  float *state[4] = {s->master, s->m, s->v, s->x};
+  for (int i = 0; i < 4 && state[i]; i++) {
     if (s->kind == 0)
       c->cpu->ops->release(c->cpu, state[i], s->n);
     else
@@ -184,6 +191,7 @@ static zd__adam_args_t args_of(const cfg_t *c, const streams_t *s, const zd__seg
   return (zd__adam_args_t){.master = s->master,
                            .exp_avg = s->m,
                            .exp_avg_sq = s->v,
+                           .max_exp_avg_sq = s->x,
                            .grad = s->grad,
                            .grad_dtype = (zd_dtype_t)c->gdt,
                            .param = s->param,
@@ -481,7 +489,7 @@ static void usage(void) {
           "                  [--iters N] [--warmup N] [--grad f32|bf16|f16] "
           "[--param f32|bf16|none]\n"
           "                  [--placement zerod|plain] [--gpt2 0|1|only]\n"
-          "                  [--update torch113|torch2] [--sqrt exact|mkl_ex]\n");
+          "                  [--update torch113|torch2] [--sqrt exact|mkl_ex] [--amsgrad]\n");
   exit(2);
 }
 
@@ -502,6 +510,10 @@ int main(int argc, char **argv) {
   cfg_t c = {.gdt = ZD_F32, .pdt = ZD_F32, .iters = 15, .warmup = 3};
   for (int i = 1; i < argc; i++) {
     const char *opt = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(opt, "--amsgrad")) { /* takes no value */
+      c.amsgrad = hparams[0].amsgrad = hparams[1].amsgrad = 1;
+      continue;
+    }
     if (!val) usage();
     if (!strcmp(opt, "--min-log2"))
       min_log2 = atoi(val);
@@ -537,6 +549,7 @@ int main(int argc, char **argv) {
       usage();
     i++;
   }
+  if (c.amsgrad && gpt2) usage(); /* the GPT-2 table's per-tensor arrays have no fourth one */
   if (min_log2 < 6 || max_log2 > 34 || min_log2 > max_log2 || c.iters < 1 || c.warmup < 0 ||
       odd % 64)
     usage();
@@ -552,15 +565,17 @@ int main(int argc, char **argv) {
   if (rc) die("zd__pool_create", rc);
   if ((rc = zd__compute_cpu_create(c.pool, isa, &c.cpu))) die("zd__compute_cpu_create", rc);
 
-  /* Bytes per element: read master, m, v, grad; write master, m, v, working param. */
-  double elem_bytes = 4 * 6 + (double)dtype_size(c.gdt) + (double)dtype_size(c.pdt);
+  /* Bytes per element: read master, m, v(, vmax), grad; write master, m, v(, vmax), working
+   * param. */
+  double elem_bytes =
+      4 * (c.amsgrad ? 8 : 6) + (double)dtype_size(c.gdt) + (double)dtype_size(c.pdt);
   printf(
       "# bench_adam: AdamW step over an fp32 master shard, grad %s, working params %s, "
-      "arrays placed %s, update %s, sqrt %s\n",
+      "arrays placed %s, update %s, sqrt %s%s\n",
       dtype_name(c.gdt), dtype_name(c.pdt),
       c.plain ? "plainly (back to back)" : "as zerod places them",
       hparams[0].update == ZD_UPDATE_TORCH2 ? "torch2" : "torch113",
-      hparams[0].sqrt_mode == ZD_SQRT_MKL_EX ? "mkl_ex" : "exact");
+      hparams[0].sqrt_mode == ZD_SQRT_MKL_EX ? "mkl_ex" : "exact", c.amsgrad ? ", amsgrad" : "");
   printf(
       "# %.0f bytes moved per param; pass: the same loads and stores, no arithmetic, over "
       "padded buffers; medians of %d runs after %d warm-up\n",

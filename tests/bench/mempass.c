@@ -27,6 +27,8 @@ static inline void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
   _mm_prefetch((const char *)((uintptr_t)(a->master + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)(a->exp_avg + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)(a->exp_avg_sq + i) + d * 4), _MM_HINT_T0);
+  if (a->max_exp_avg_sq)
+    _mm_prefetch((const char *)((uintptr_t)(a->max_exp_avg_sq + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)a->grad + (i + d) * gsz), _MM_HINT_T0);
 }
 
@@ -57,6 +59,9 @@ __attribute__((target("avx512f"))) static void pass_avx512(const zd__adam_args_t
     _mm512_storeu_si512(a->master + i, p);
     _mm512_storeu_si512(a->exp_avg + i, m);
     _mm512_storeu_si512(a->exp_avg_sq + i, v);
+    if (a->max_exp_avg_sq) /* amsgrad's fifth stream */
+      _mm512_storeu_si512(a->max_exp_avg_sq + i,
+                          _mm512_xor_si512(_mm512_loadu_si512(a->max_exp_avg_sq + i), key));
     if (!a->param) continue;
     char *out = (char *)a->param + i * psz;
     if (psz == 4 && nt)
@@ -90,6 +95,10 @@ __attribute__((target("avx2"))) static void pass_avx2(const zd__adam_args_t *a, 
     _mm256_storeu_si256((__m256i *)(a->master + i), p);
     _mm256_storeu_si256((__m256i *)(a->exp_avg + i), m);
     _mm256_storeu_si256((__m256i *)(a->exp_avg_sq + i), v);
+    if (a->max_exp_avg_sq) { /* amsgrad's fifth stream */
+      __m256i *q = (__m256i *)(a->max_exp_avg_sq + i);
+      _mm256_storeu_si256(q, _mm256_xor_si256(_mm256_loadu_si256(q), key));
+    }
     if (!a->param) continue;
     char *out = (char *)a->param + i * psz;
     if (psz == 4 && nt)
@@ -116,6 +125,7 @@ static void pass_plain(const zd__adam_args_t *a, uint64_t lo, uint64_t hi) {
     p[i] = pi;
     m[i] ^= x & key;
     v[i] ^= key;
+    if (a->max_exp_avg_sq) ((uint32_t *)a->max_exp_avg_sq)[i] ^= key;
     if (a->param && a->param_dtype == ZD_F32) ((uint32_t *)a->param)[i] = pi;
     if (a->param && a->param_dtype == ZD_BF16) ((uint16_t *)a->param)[i] = (uint16_t)pi;
   }

@@ -10,11 +10,11 @@
 #include "adam.h"
 #include "pool.h"
 
-/* One pass over elements [0, n) of args' streams (read master, exp_avg, exp_avg_sq, grad; write
- * them back and the working params), split over the pool exactly as the daemon splits the kernel
- * (ZD__POOL_STREAM_*); returns seconds. n: a multiple of 16. The values are left as they are.
- * Give the pass the values the kernel it is compared with sees: memory may move some data (zeros)
- * faster than other. */
+/* One pass over elements [0, n) of args' streams (read master, exp_avg, exp_avg_sq, grad, and
+ * max_exp_avg_sq when not NULL; write them back and the working params), split over the pool
+ * exactly as the daemon splits the kernel (ZD__POOL_STREAM_*); returns seconds. n: a multiple
+ * of 16. The values are left as they are. Give the pass the values the kernel it is compared with
+ * sees: memory may move some data (zeros) faster than other. */
 double zd_bench_mempass(zd__pool_t *pool, zd__isa_t isa, const zd__adam_args_t *args, uint64_t n);
 
 /* Spins for a while (on the calling thread, which stays awake) before a timed run, so that the

@@ -191,6 +191,8 @@ class MetricsTest(unittest.TestCase):
                              3 * 4 * shard)
             self.assertEqual(one(s, "zerod_rank_state_bytes", **rank, kind="grad_shard"),
                              int(st["grad_shard_bytes"]))
+            # no amsgrad: no max_exp_avg_sq
+            self.assertEqual(one(s, "zerod_rank_state_bytes", **rank, kind="max_exp_avg_sq"), 0)
             self.assertEqual(one(s, "zerod_rank_scatters_total", **rank), int(st["scatters"]))
             self.assertEqual(one(s, "zerod_rank_gathers_total", **rank), int(st["gathers"]))
             self.assertGreater(one(s, "zerod_rank_last_step_duration_seconds", **rank), 0)

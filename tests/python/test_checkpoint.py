@@ -55,10 +55,11 @@ def step_grads(step: int) -> Dict[str, np.ndarray]:
 class Trainer:
     """One rank's client with numpy views of each parameter in the shared buffers."""
 
-    def __init__(self, world: zerod.testing.LocalWorld, rank: int, init: Optional[float]) -> None:
+    def __init__(self, world: zerod.testing.LocalWorld, rank: int, init: Optional[float],
+                 groups: Optional[List[dict]] = None) -> None:
         self.rank = rank
         self.client = world.connect(rank)
-        self.client.layout([(n, s) for n, s in PARAMS], grad_mean=False)
+        self.client.layout([(n, s) for n, s in PARAMS], groups, grad_mean=False)
         params = np.frombuffer(self.client.param_buffer, dtype=np.float32)
         grads = np.frombuffer(self.client.grad_buffer, dtype=np.float32)
         self.p: Dict[str, np.ndarray] = {}
@@ -104,12 +105,12 @@ def on_all(trainers: List[Trainer], fn) -> list:
 
 
 def start(world_size: int, args: List[str], init: Optional[float] = 0.25, daemons: int = 1,
-          world: Optional[zerod.testing.LocalWorld] = None):
+          world: Optional[zerod.testing.LocalWorld] = None, groups: Optional[List[dict]] = None):
     if world is None:
         world = zerod.testing.LocalWorld(world_size, daemons=daemons,
                                          args=["--bucket_elems", BUCKET] + args)
     def attach(rank: int) -> Trainer:
-        t = Trainer(world, rank, init)
+        t = Trainer(world, rank, init, groups)
         t.info = t.client.register()
         return t
 
@@ -373,6 +374,42 @@ class CheckpointTest(unittest.TestCase):
         close(world, trainers)
         self.continue_and_compare(2, 6, 10, ["--resume", "latest"], "written at W=4, W=2")
         self.continue_and_compare(1, 6, 10, ["--resume", "latest"], "written at W=4, W=1")
+
+    def test_amsgrad_resume_and_reshard_is_bit_identical(self) -> None:
+        # max_exp_avg_sq goes through the checkpoint: written at W=2, resumed at W=1 and W=3,
+        # every step after bitwise the uninterrupted run's.
+        ams = [{"amsgrad": True}]
+        world, trainers = start(1, [], groups=ams)
+        ref = {0: trainers[0].snapshot()}
+        ref.update(train(trainers, range(1, 11)))
+        close(world, trainers)
+        self.assertFalse(np.array_equal(ref[10]["ck.w"], reference(10)[10]["ck.w"]))
+        world, trainers = start(2, ["--checkpoint-dir", self.dir, "--checkpoint-every-steps", "6"],
+                                groups=ams)
+        train(trainers, range(1, 7))
+        wait_complete(self.dir, 6)
+        close(world, trainers)
+        for w in (1, 3):
+            world, trainers = start(w, ["--checkpoint-dir", self.dir, "--resume", "latest"],
+                                    init=-7.0, groups=ams)
+            try:
+                for t in trainers:
+                    self.assertTrue(t.info.resumed and t.info.step == 6, f"W={w} rank {t.rank}")
+                    self.assert_same(t.snapshot(), ref[6], f"amsgrad W={w}: at the resume")
+                for s, params in train(trainers, range(7, 11)).items():
+                    self.assert_same(params, ref[s], f"amsgrad, written at W=2, W={w}: step {s}")
+            finally:
+                close(world, trainers)
+        # A checkpoint written without amsgrad has no max_exp_avg_sq: refused, not zeroed.
+        plain = os.path.join(self.dir, "plain")
+        os.mkdir(plain)
+        world, trainers = start(1, ["--checkpoint-dir", plain, "--checkpoint-every-steps", "2"])
+        train(trainers, range(1, 3))
+        wait_complete(plain, 2)
+        close(world, trainers)
+        with self.assertRaises(ZerodError) as cm:
+            start(1, ["--checkpoint-dir", plain, "--resume", "latest"], groups=ams)
+        self.assertIn("has no max_exp_avg_sq", str(cm.exception))
 
     def test_reshard_1_to_4(self) -> None:
         world, trainers = start(1, ["--checkpoint-dir", self.dir, "--checkpoint-every-steps", "5"])

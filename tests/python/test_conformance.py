@@ -63,9 +63,10 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
     else:
         groups = models.param_groups(ref, named=False)
         targets = ref_params
-    ref_opt = torch.optim.AdamW(groups, lr=LR, foreach=False)
+    ams = cfg.get("amsgrad", False)
+    ref_opt = torch.optim.AdamW(groups, lr=LR, foreach=False, amsgrad=ams)
     opt = ZeroOptimizer(models.param_groups(model, named=True), lr=LR, socket=endpoint[0],
-                        local_rank=endpoint[1])
+                        local_rank=endpoint[1], amsgrad=ams)
     sched_fn = models.lr_lambda(steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, sched_fn)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, sched_fn)
@@ -217,6 +218,7 @@ def main() -> None:
                     help="zerod processes: 1, or the world size (default: one per rank)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--check-every", type=int, default=1)
+    ap.add_argument("--amsgrad", action="store_true", help="AdamW(amsgrad=True) on both sides")
     ap.add_argument("--spawn", action="store_true",
                     help="run the trainers in their own processes even at W=1")
     a = ap.parse_args()
@@ -226,7 +228,8 @@ def main() -> None:
     ok = True
     for kind in kinds:
         for dtype in dtypes:
-            cfg = {"model": kind, "dtype": dtype, "steps": a.steps, "check_every": a.check_every}
+            cfg = {"model": kind, "dtype": dtype, "steps": a.steps, "check_every": a.check_every,
+                   "amsgrad": a.amsgrad}
             ok = run_config(cfg, a.world, daemons, a.spawn or a.world > 1) and ok
     sys.exit(0 if ok else 1)
 

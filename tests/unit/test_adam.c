@@ -209,7 +209,8 @@ static void test_golden(int optimizer, double wd, const uint32_t want[3][GOLDEN_
 /* Hyperparameters: both optimizers, with and without weight decay, minimizing and maximizing (the
  * wide paths must match the reference with maximize's negated constants too), beta1 on either side
  * of TORCH2's lerp switch (1 - beta1 < 0.5 or not) and beta1 = 0. run_shard gives each group one of
- * the four formulas (update x sqrt_mode), a different one at each step. */
+ * the four formulas (update x sqrt_mode), a different one at each step, and in half of the shards
+ * also amsgrad on some steps and off on others (max_exp_avg_sq must then be left alone). */
 #define HP(lr_, b1, b2, eps_, wd, opt, max)                                                 \
   {                                                                                         \
     .lr = lr_, .beta1 = b1, .beta2 = b2, .eps = eps_, .weight_decay = wd, .optimizer = opt, \
@@ -223,11 +224,13 @@ static const zd_group_t hps[NGROUPS] = {
     HP(1e-3, 0.0, 0.0, 1e-8, 0.01, ZD_ADAMW, 1),   HP(1e-3, 0.3, 0.5, 1e-8, 0.5, ZD_ADAM, 0),
 };
 
-/* The formula of group k at step t of a shard whose draw is r: every (update, sqrt_mode). */
-static void set_variant(zd_group_t *hp, int k, int t, unsigned r) {
-  unsigned f = ((unsigned)k + (unsigned)t + r) % 4;
+/* The formula of group k at step t of a shard whose draw is r: every (update, sqrt_mode), and
+ * amsgrad too when the shard has max_exp_avg_sq (ams). */
+static void set_variant(zd_group_t *hp, int k, int t, unsigned r, int ams) {
+  unsigned f = ((unsigned)k + (unsigned)t + r) % (ams ? 8 : 4);
   hp->update = f & 2 ? ZD_UPDATE_TORCH2 : ZD_UPDATE_TORCH113;
   hp->sqrt_mode = f & 1 ? ZD_SQRT_MKL_EX : ZD_SQRT_EXACT;
+  hp->amsgrad = (f & 4) != 0;
 }
 
 typedef struct {
@@ -244,9 +247,9 @@ typedef struct {
 /* Optimizer state of a shard, each array with GUARD elements either side and shifted by `shift`
  * elements off 64-byte alignment, so the wide paths' alignment heads see every phase. */
 typedef struct {
-  float *buf[3]; /* master, exp_avg, exp_avg_sq allocations */
+  float *buf[4]; /* master, exp_avg, exp_avg_sq, max_exp_avg_sq allocations */
   void *pbuf;
-  float *x[3];
+  float *x[4];
   void *param;
 } state_t;
 
@@ -260,7 +263,7 @@ static void *guarded_alloc(uint64_t n, size_t size) {
 static void state_init(state_t *s, const shard_t *sh, unsigned shift) {
   size_t psz = sh->pdt ? zd_dtype_size(sh->pdt) : 0;
   uint64_t total = sh->n + 2 * GUARD + 16;
-  for (int k = 0; k < 3; k++) {
+  for (int k = 0; k < 4; k++) {
     s->buf[k] = guarded_alloc(sh->n, 4);
     s->x[k] = s->buf[k] + GUARD + shift;
     /* Sentinels everywhere (signalling NaN bits a computation would change), then values. */
@@ -271,6 +274,8 @@ static void state_init(state_t *s, const shard_t *sh, unsigned shift) {
       if (k == 0) s->x[k][i] = rnd_unit();
       if (k == 1) s->x[k][i] = rnd_unit() * 1e-2f;
       if (k == 2) s->x[k][i] = fabsf(rnd_unit()) * 1e-4f;
+      /* Above or below v (or +0, torch's start), so that both sides of the max are taken. */
+      if (k == 3) s->x[k][i] = rnd_below(4) == 0 ? 0.0f : fabsf(rnd_unit()) * 1e-4f;
     }
   }
   s->pbuf = NULL;
@@ -285,7 +290,7 @@ static void state_init(state_t *s, const shard_t *sh, unsigned shift) {
 static void state_copy(state_t *dst, const state_t *src, const shard_t *sh) {
   size_t psz = sh->pdt ? zd_dtype_size(sh->pdt) : 0;
   uint64_t total = sh->n + 2 * GUARD + 16;
-  for (int k = 0; k < 3; k++) {
+  for (int k = 0; k < 4; k++) {
     dst->buf[k] = guarded_alloc(sh->n, 4);
     memcpy(dst->buf[k], src->buf[k], total * 4);
     dst->x[k] = dst->buf[k] + (src->x[k] - src->buf[k]);
@@ -299,7 +304,7 @@ static void state_copy(state_t *dst, const state_t *src, const shard_t *sh) {
 }
 
 static void state_free(state_t *s) {
-  for (int k = 0; k < 3; k++) free(s->buf[k]);
+  for (int k = 0; k < 4; k++) free(s->buf[k]);
   free(s->pbuf);
 }
 
@@ -382,9 +387,9 @@ static void expect_same(const void *want, const void *got, zd_dtype_t t, uint64_
 /* Padding and guards of s must still hold the sentinels of s0. */
 static void expect_padding(const state_t *s, const state_t *s0, const shard_t *sh,
                            const char *isa) {
-  static const char *names[3] = {"master", "exp_avg", "exp_avg_sq"};
+  static const char *names[4] = {"master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   uint64_t total = sh->n + 2 * GUARD + 16;
-  for (int k = 0; k < 3; k++) {
+  for (int k = 0; k < 4; k++) {
     int64_t base = s->x[k] - s->buf[k];
     for (uint64_t j = 0; j < total; j++) {
       int64_t i = (int64_t)j - base;
@@ -407,10 +412,11 @@ static void expect_padding(const state_t *s, const state_t *s0, const shard_t *s
 }
 
 static void set_args(zd__adam_args_t *a, const state_t *s, const shard_t *sh, const void *grad,
-                     const zd__adam_group_t *groups) {
+                     const zd__adam_group_t *groups, int ams) {
   *a = (zd__adam_args_t){.master = s->x[0],
                          .exp_avg = s->x[1],
                          .exp_avg_sq = s->x[2],
+                         .max_exp_avg_sq = ams ? s->x[3] : NULL,
                          .grad = grad,
                          .grad_dtype = sh->gdt,
                          .param = s->param,
@@ -443,20 +449,25 @@ static void call_split(zd__adam_fn fn, const zd__adam_args_t *a, uint64_t n) {
 
 static void compare_states(const state_t *want, const state_t *got, const shard_t *sh,
                            const char *isa, int step) {
-  static const char *names[3] = {"master", "exp_avg", "exp_avg_sq"};
+  static const char *names[4] = {"master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   uint64_t total = sh->n + 2 * GUARD + 16;
-  for (int k = 0; k < 3; k++)
+  for (int k = 0; k < 4; k++)
     expect_same(want->buf[k], got->buf[k], ZD_F32, total, isa, names[k], sh, step);
+  /* amsgrad's max writes one NaN, all ones, on every path (adam.h): bitwise, NaNs included. */
+  CHECK_MSG(!memcmp(want->buf[3], got->buf[3], total * 4),
+            "%s vs reference, %s, step %d: max_exp_avg_sq differs in a NaN's bits", isa, sh->desc,
+            step);
   if (sh->pdt) expect_same(want->pbuf, got->pbuf, sh->pdt, total, isa, "param", sh, step);
 }
 
 /* One shard through `steps` steps: the reference in one call per step, each wide path in random
  * splits; states compared after every step. */
 static void run_shard(shard_t *sh, int steps) {
-  unsigned shift = (unsigned)rnd_below(16), variant = (unsigned)rnd_below(4);
-  snprintf(sh->desc, sizeof sh->desc, "n=%llu nsegs=%u grad=%s param=%s scale=%g shift=%u",
+  unsigned shift = (unsigned)rnd_below(16), variant = (unsigned)rnd_below(8);
+  int ams = (int)rnd_below(2);
+  snprintf(sh->desc, sizeof sh->desc, "n=%llu nsegs=%u grad=%s param=%s scale=%g shift=%u ams=%d",
            (unsigned long long)sh->n, sh->nsegs, dtype_name(sh->gdt), dtype_name(sh->pdt),
-           sh->grad_scale, shift);
+           sh->grad_scale, shift, ams);
   state_t s0, ref, x[2];
   state_init(&s0, sh, shift);
   state_copy(&ref, &s0, sh);
@@ -468,16 +479,16 @@ static void run_shard(shard_t *sh, int steps) {
     for (int k = 0; k < NGROUPS; k++) {
       zd_group_t hp = hps[k];
       hp.lr *= 1.0 + 0.25 * t; /* a scheduler: lr changes every step */
-      set_variant(&hp, k, t, variant);
+      set_variant(&hp, k, t, variant, ams);
       zd__adam_group_init(&groups[k], &hp, (uint64_t)t);
     }
     make_grads(grad, sh);
     zd__adam_args_t a;
-    set_args(&a, &ref, sh, grad, groups);
+    set_args(&a, &ref, sh, grad, groups, ams);
     zd__adam_step_ref(&a, 0, sh->n);
     expect_padding(&ref, &s0, sh, "scalar");
     for (int i = 0; i < nisas; i++) {
-      set_args(&a, &x[i], sh, grad, groups);
+      set_args(&a, &x[i], sh, grad, groups, ams);
       call_split(zd__adam_impl(isas[i]), &a, sh->n);
       compare_states(&ref, &x[i], sh, zd__isa_name(isas[i]), t);
       expect_padding(&x[i], &s0, sh, zd__isa_name(isas[i]));
@@ -534,7 +545,7 @@ static void test_step(void) {
       }
   printf(
       "step: %llu shards (%llu elements), every path bitwise equal to the reference, "
-      "every update x sqrt_mode\n",
+      "every update x sqrt_mode x amsgrad\n",
       (unsigned long long)cases, (unsigned long long)elems);
 }
 
@@ -698,6 +709,27 @@ static void test_group_init(void) {
   printf("group_init: ok\n");
 }
 
+/* amsgrad's MAX is ATen's vectorised torch.maximum (adam.h), checked against torch 1.13 and 2.15
+ * on an AVX2 and an AVX-512 build: max_ps(a, b) (b unless a > b, so the second zero of two) OR-ed
+ * with all ones where either is NaN. fmaxf would return the number of a number and a NaN. */
+static void test_amsgrad_max(void) {
+  static const struct {
+    uint32_t a, b, want;
+  } cases[] = {
+      {0x3f800000, 0x40000000, 0x40000000}, {0x40000000, 0x3f800000, 0x40000000},
+      {0x00000000, 0x80000000, 0x80000000}, {0x80000000, 0x00000000, 0x00000000},
+      {0x7fc00000, 0x3f800000, 0xffffffff}, {0x3f800000, 0x7fc00000, 0xffffffff},
+      {0xffc12345, 0x7f800000, 0xffffffff}, {0x7f800000, 0x7f7fffff, 0x7f800000},
+      {0x00000001, 0x00000000, 0x00000001},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    float got = zd__amsgrad_max(u2f(cases[i].a), u2f(cases[i].b));
+    CHECK_MSG(f2u(got) == cases[i].want, "amsgrad max(%08x, %08x) = %08x; expected %08x",
+              cases[i].a, cases[i].b, f2u(got), cases[i].want);
+  }
+  printf("amsgrad_max: ok\n");
+}
+
 /* ---- sqrt modes ---------------------------------------------------------------------------- */
 
 /* 8 lanes of vrsqrtps against rsqrtss, lane by lane: the wide paths' MKL_EX sqrt rests on the two
@@ -857,6 +889,7 @@ int main(void) {
   test_f16();
   test_bf16();
   test_group_init();
+  test_amsgrad_max();
   test_sqrt_modes();
   test_maximize();
   test_golden(ZD_ADAMW, 0.01, golden_adamw);

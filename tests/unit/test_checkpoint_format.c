@@ -74,13 +74,14 @@ static zd__layout_t *build(uint32_t world, uint64_t bucket) {
   return l;
 }
 
-/* Rank r's three arrays for layout l as the writer holds them: each parameter's elements where the
- * layout rule puts them, padding filled with `pad`. */
+/* Rank r's four arrays (master, exp_avg, exp_avg_sq, max_exp_avg_sq) for layout l as the writer
+ * holds them: each parameter's elements where the layout rule puts them, padding filled with
+ * `pad`. */
 static float *shard_arrays(const zd__layout_t *l, uint32_t r, float pad) {
   uint64_t n = l->shard_elems;
-  float *a = malloc(3 * n * sizeof *a);
+  float *a = malloc(4 * n * sizeof *a + 1);
   CHECK(a);
-  for (uint64_t k = 0; k < 3 * n; k++) a[k] = pad;
+  for (uint64_t k = 0; k < 4 * n; k++) a[k] = pad;
   for (uint32_t p = 0; p < l->nparams; p++) {
     const zd__layout_param_t *lp = &l->params[p];
     const zd__bucket_t *b = &l->buckets[lp->bucket];
@@ -88,7 +89,7 @@ static float *shard_arrays(const zd__layout_t *l, uint32_t r, float pad) {
       uint64_t rel = lp->offset + i - b->offset;
       if (rel / b->shard_elems != r) continue;
       uint64_t pos = b->shard_base + rel % b->shard_elems;
-      for (int t = 0; t < 3; t++) a[t * n + pos] = value(p, i, t);
+      for (int t = 0; t < 4; t++) a[t * n + pos] = value(p, i, t);
     }
   }
   return a;
@@ -98,6 +99,8 @@ static zd_group_t groups[NGROUPS];
 
 /* The manifests' creation time when not 0 (tests of what "newest" means). */
 static uint64_t created_ms;
+/* write_ckpt writes max_exp_avg_sq too (a model with amsgrad). */
+static int with_max;
 
 static void fill_manifest(zd__ckpt_manifest_t *m, const zd__layout_t *l, uint64_t step) {
   memset(m, 0, sizeof *m);
@@ -133,7 +136,8 @@ static const char *write_ckpt(const char *root, const zd__layout_t *l, uint64_t 
   for (uint32_t r = 0; r < l->world_size; r++) {
     float *a = shard_arrays(l, r, 1234.5f);
     uint64_t n = l->shard_elems;
-    zd__ckpt_shard_t s = {r, l->world_size, step, n, a, a + n, a + 2 * n};
+    zd__ckpt_shard_t s = {r, l->world_size, step,      n,
+                          a, a + n,         a + 2 * n, with_max ? a + 3 * n : NULL};
     int rc = zd__ckpt_write_shard(dir, &s, 0, &files[r], &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
     CHECK_U64_EQ(files[r].rank, r);
@@ -143,6 +147,7 @@ static const char *write_ckpt(const char *root, const zd__layout_t *l, uint64_t 
   fill_manifest(&m, l, step);
   m.files = files;
   m.nfiles = l->world_size;
+  m.max_exp_avg_sq = with_max;
   int rc = zd__ckpt_write_manifest(dir, &m, &err);
   CHECK_MSG(rc == 0, "%s", err.msg);
   if (m_out) {
@@ -179,7 +184,7 @@ static uint64_t file_xxh3(const char *path, uint64_t *bytes) {
 }
 
 /* Loads every rank of layout `to` from dir and compares with shard_arrays(to, r, 0): every element
- * bit for bit, padding 0. */
+ * bit for bit, padding 0; max_exp_avg_sq too when the checkpoint has it. */
 static void check_load(const char *dir, const zd__layout_t *to) {
   zd__ckpt_manifest_t *m;
   zd__err_t err = {0};
@@ -189,11 +194,13 @@ static void check_load(const char *dir, const zd__layout_t *to) {
   CHECK_MSG(rc == 0, "%s", err.msg);
   for (uint32_t r = 0; r < to->world_size; r++) {
     uint64_t n = to->shard_elems;
-    float *want = shard_arrays(to, r, 0.0f), *got = malloc(3 * n * sizeof *got);
-    for (uint64_t k = 0; k < 3 * n; k++) got[k] = -7.0f; /* must be overwritten */
-    rc = zd__ckpt_load_shard(dir, m, to, r, got, got + n, got + 2 * n, &err);
+    uint64_t arrays = m->max_exp_avg_sq ? 4 : 3;
+    float *want = shard_arrays(to, r, 0.0f), *got = malloc(4 * n * sizeof *got + 1);
+    for (uint64_t k = 0; k < arrays * n; k++) got[k] = -7.0f; /* must be overwritten */
+    rc = zd__ckpt_load_shard(dir, m, to, r, got, got + n, got + 2 * n,
+                             arrays > 3 ? got + 3 * n : NULL, &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
-    for (uint64_t k = 0; k < 3 * n; k++) {
+    for (uint64_t k = 0; k < arrays * n; k++) {
       uint32_t a, b;
       memcpy(&a, &got[k], 4);
       memcpy(&b, &want[k], 4);
@@ -426,7 +433,7 @@ static void test_corruption(void) {
   /* A truncated file also fails a load (which does not checksum) rather than reading garbage. */
   uint64_t n = l->shard_elems;
   float *a = malloc(3 * n * sizeof *a);
-  CHECK_INT_EQ(zd__ckpt_load_shard(dir, m, l, 1, a, a + n, a + 2 * n, &err), -EBADMSG);
+  CHECK_INT_EQ(zd__ckpt_load_shard(dir, m, l, 1, a, a + n, a + 2 * n, NULL, &err), -EBADMSG);
   CHECK_CONTAINS(err.msg, "rank-00001-of-00002.safetensors");
   free(a);
 
@@ -520,7 +527,7 @@ static void test_find_latest(void) {
   zd__ckpt_manifest_t *m10;
   CHECK_INT_EQ(zd__ckpt_read_manifest(d10, &m10, &err), 0);
   float *a = malloc(3 * other->shard_elems * sizeof *a);
-  CHECK_INT_EQ(zd__ckpt_load_shard(d10, m10, other, 0, a, a, a, &err), ZD_ELAYOUT);
+  CHECK_INT_EQ(zd__ckpt_load_shard(d10, m10, other, 0, a, a, a, NULL, &err), ZD_ELAYOUT);
   CHECK_CONTAINS(err.msg, "'block.0.w' [41, 9]");
   free(a);
   zd__ckpt_manifest_free(m10);
@@ -555,6 +562,48 @@ static void test_reshard(void) {
     zd__layout_free(from);
     zd__layout_free(to);
   }
+}
+
+/* amsgrad's max_exp_avg_sq: a fourth tensor in every rank file, flagged in the manifest,
+ * resharded like the others; a model without it ignores it, a model with it refuses a checkpoint
+ * that lacks it. */
+static void test_max_exp_avg_sq(void) {
+  zd__err_t err = {0};
+  zd__layout_t *from = build(4, 150), *to = build(3, 130);
+  with_max = 1;
+  const char *dir = write_ckpt(subroot("ams"), from, 5, NULL);
+  with_max = 0;
+  zd__ckpt_manifest_t *m;
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+  CHECK_INT_EQ(m->max_exp_avg_sq, 1);
+  check_load(dir, to); /* all four, resharded */
+  uint64_t n = to->shard_elems;
+  float *a = malloc(4 * n * sizeof *a + 1);
+  CHECK_MSG(zd__ckpt_load_shard(dir, m, to, 1, a, a + n, a + 2 * n, NULL, &err) == 0, "%s",
+            err.msg);
+  zd__ckpt_manifest_free(m);
+  /* Rank files whose tensor count disagrees with the manifest fail verification. */
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+  m->max_exp_avg_sq = 0;
+  CHECK_INT_EQ(zd__ckpt_verify(dir, m, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "tensors; expected 3");
+  zd__ckpt_manifest_free(m);
+
+  const char *old = write_ckpt(subroot("no-ams"), from, 5, NULL);
+  CHECK_INT_EQ(zd__ckpt_read_manifest(old, &m, &err), 0);
+  CHECK_INT_EQ(m->max_exp_avg_sq, 0);
+  m->max_exp_avg_sq = 1;
+  CHECK_INT_EQ(zd__ckpt_verify(old, m, &err), -EBADMSG);
+  CHECK_CONTAINS(err.msg, "max_exp_avg_sq");
+  m->max_exp_avg_sq = 0;
+  CHECK_INT_EQ(zd__ckpt_load_shard(old, m, to, 0, a, a + n, a + 2 * n, a + 3 * n, &err),
+               ZD_ECHECKPOINT);
+  CHECK_CONTAINS(err.msg, "has no max_exp_avg_sq");
+  zd__ckpt_manifest_free(m);
+  free(a);
+  zd__layout_free(from);
+  zd__layout_free(to);
+  printf("max_exp_avg_sq: written, flagged, resharded; refused where missing\n");
 }
 
 static void test_prune(void) {
@@ -740,7 +789,7 @@ static void test_throttle(void) {
   for (uint64_t k = 0; k < 3 * n; k++) a[k] = value(0, k, 0);
   char dir[512];
   zd__ckpt_dir_name(root, 1, dir, sizeof dir);
-  zd__ckpt_shard_t s = {0, 1, 1, n, a, a + n, a + 2 * n};
+  zd__ckpt_shard_t s = {0, 1, 1, n, a, a + n, a + 2 * n, NULL};
   zd__ckpt_file_t f;
   zd__err_t err = {0};
   int rc = zd__ckpt_write_shard(dir, &s, 2000000, &f, &err);
@@ -1037,6 +1086,7 @@ int main(void) {
   test_find_latest();
   test_newest_is_written_last();
   test_reshard();
+  test_max_exp_avg_sq();
   test_prune();
   test_export();
   test_throttle();

@@ -76,9 +76,11 @@ typedef enum zd_sqrt_mode { ZD_SQRT_EXACT = 0, ZD_SQRT_MKL_EX = 1 } zd_sqrt_mode
  * constants of the update exactly as torch does (kernels/adam.h). lr >= 0, eps > 0,
  * 0 <= beta < 1, weight_decay >= 0, all finite. maximize: 1 maximizes the objective, as
  * torch.optim.AdamW/Adam's maximize=True (the update follows the negated gradient); 0 (the
- * default) minimizes it. update and sqrt_mode: the formula of the torch being matched (above;
- * the Python package picks them from the running torch). zerod keeps the fields in one table
- * (common/group.h): zd_group_fields() describes them to bindings. */
+ * default) minimizes it. amsgrad: 1 is torch's amsgrad=True (the denominator uses the running
+ * maximum of the second moment, a fourth state array max_exp_avg_sq). update and sqrt_mode: the
+ * formula of the torch being matched (above; the Python package picks them from the running torch).
+ * zerod keeps the fields in one table (common/group.h): zd_group_fields() describes them to
+ * bindings. */
 typedef struct zd_group {
   double lr;
   double beta1;
@@ -89,10 +91,11 @@ typedef struct zd_group {
   int maximize; /* 0 or 1 */
   zd_update_t update;
   zd_sqrt_mode_t sqrt_mode;
+  int amsgrad; /* 0 or 1 */
 } zd_group_t;
 
 /* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2,
- * maximize 0; optimizer ZD_ADAMW; update ZD_UPDATE_TORCH113; sqrt_mode ZD_SQRT_EXACT. */
+ * maximize 0; optimizer ZD_ADAMW; update ZD_UPDATE_TORCH113; sqrt_mode ZD_SQRT_EXACT; amsgrad 0. */
 ZD_EXPORT zd_group_t zd_group_default(void);
 
 /* y[i] = the square root of x[i] as sqrt_mode computes it in zerod's update, on this CPU, for

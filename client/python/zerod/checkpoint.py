@@ -17,8 +17,8 @@ In::
 
 Both directions go through one file format, safetensors by its definition (an 8-byte
 little-endian header length, a JSON header, raw little-endian data): an F32 tensor per parameter
-name holding its master weights, "<name>.exp_avg" and "<name>.exp_avg_sq" with the moments, and
-metadata strings: zerod_format ("zerod-export" from ``zeroctl export``, "zerod-torch-state" from
+name holding its master weights, "<name>.exp_avg" and "<name>.exp_avg_sq" with the moments
+(and "<name>.max_exp_avg_sq" for every parameter of a model with amsgrad), and metadata strings: zerod_format ("zerod-export" from ``zeroctl export``, "zerod-torch-state" from
 save_torch_state), zerod_version "1", step, the groups (JSON, zerod's fields by their C names),
 each parameter's group and, in save_torch_state's files, the parameter names in registration
 order. Any safetensors reader opens these files; this module reads and writes them with the
@@ -34,11 +34,11 @@ checkpoint came out wrong. The cost is a temporary file of 12 bytes per paramete
 
 What carries over: the step (torch's per-parameter ``step``, stored as the running torch stores
 it: a float tensor in 1.12 and later), the moments, the master weights and the groups' lr,
-betas, eps, weight_decay and maximize. Bitwise continuation needs the same update formula on
-both sides: zerod's default is torch 1.13's. zerod keeps one step count for the whole model,
-so a torch optimizer whose parameters are at different steps (one that got no gradient for a
-while) is refused, as are amsgrad (its extra state has no place in zerod) and optimizers other
-than torch.optim.AdamW and torch.optim.Adam (zerod's "adam": L2 weight decay).
+betas, eps, weight_decay, maximize and amsgrad (with max_exp_avg_sq). Bitwise continuation
+needs the same update formula on both sides: zerod's default is torch 1.13's. zerod keeps one
+step count for the whole model, so a torch optimizer whose parameters are at different steps
+(one that got no gradient for a while) is refused, as are optimizers other than
+torch.optim.AdamW and torch.optim.Adam (zerod's "adam": L2 weight decay).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ __all__ = ["Export", "TorchState", "import_checkpoint", "load_export", "save_tor
 EXPORT_FORMAT = "zerod-export"
 TORCH_STATE_FORMAT = "zerod-torch-state"
 _SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")
+_MAX_SUFFIX = ".max_exp_avg_sq"  # amsgrad's fourth tensor, for every parameter or none
 _MAX_HEADER = 1 << 31
 
 NamedParams = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
@@ -86,6 +87,7 @@ class Export:
     master: Dict[str, Any]
     exp_avg: Dict[str, Any] = field(default_factory=dict)
     exp_avg_sq: Dict[str, Any] = field(default_factory=dict)
+    max_exp_avg_sq: Dict[str, Any] = field(default_factory=dict)  # amsgrad's; empty without
     metadata: Dict[str, str] = field(default_factory=dict)
 
     @property
@@ -97,9 +99,10 @@ class TorchState(NamedTuple):
     """What torch_state_dict returns.
 
     state_dict: for ``optimizer_class(...).load_state_dict``: per parameter ``step``,
-    ``exp_avg`` and ``exp_avg_sq`` (no state at all at step 0, as torch before its first step),
-    and param_groups with the checkpoint's hyperparameters and the running torch's defaults for
-    the rest (amsgrad False, foreach, capturable, ...). Parameters are numbered group by group,
+    ``exp_avg`` and ``exp_avg_sq``, and ``max_exp_avg_sq`` when the checkpoint has it (no
+    state at all at step 0, as torch before its first step), and param_groups with the
+    checkpoint's hyperparameters (amsgrad included) and the running torch's defaults for the
+    rest (foreach, capturable, ...). Parameters are numbered group by group,
     each group's in zerod's registration order: build the torch optimizer with the groups the
     ZeroOptimizer had, in the same order.
     master: each parameter's fp32 master weights by name (load_params copies them into a model).
@@ -223,10 +226,10 @@ def load_export(path: str, *, framework: str = "np") -> Export:
         param_groups = _json_meta(path, meta, "param_groups")
         groups = _json_meta(path, meta, "groups")
         nparams = len(param_groups)
-        moments = len(entries) == 3 * nparams
+        moments = len(entries) in (3 * nparams, 4 * nparams)
         if not moments and len(entries) != nparams:
             raise ValueError(f"{path}: {len(entries)} tensors for {nparams} parameters; expected "
-                             f"1 or 3 per parameter")
+                             f"1, 3 or 4 (amsgrad) per parameter")
         if "params" in meta:
             names = _json_meta(path, meta, "params")
         else:  # an export: its master tensors come first in the data, in registration order
@@ -258,9 +261,12 @@ def load_export(path: str, *, framework: str = "np") -> Export:
         if moments:
             out.exp_avg = {name: read(name + ".exp_avg") for name in names}
             out.exp_avg_sq = {name: read(name + ".exp_avg_sq") for name in names}
+            if len(entries) == 4 * nparams:
+                out.max_exp_avg_sq = {name: read(name + _MAX_SUFFIX) for name in names}
             for name in names:
-                if (tuple(out.exp_avg[name].shape) != tuple(out.master[name].shape)
-                        or tuple(out.exp_avg_sq[name].shape) != tuple(out.master[name].shape)):
+                moments_of = [out.exp_avg[name], out.exp_avg_sq[name]]
+                moments_of += [out.max_exp_avg_sq[name]] if out.max_exp_avg_sq else []
+                if any(tuple(m.shape) != tuple(out.master[name].shape) for m in moments_of):
                     raise ValueError(f"{path}: the moments of {name!r} are not of its shape")
     return out
 
@@ -370,6 +376,8 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
         for i, name in enumerate(order):
             state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
                         "exp_avg": exp.exp_avg[name], "exp_avg_sq": exp.exp_avg_sq[name]}
+            if exp.max_exp_avg_sq:  # torch's key, kept for every parameter as torch would
+                state[i]["max_exp_avg_sq"] = exp.max_exp_avg_sq[name]
     return TorchState(state_dict={"state": state, "param_groups": param_groups},
                       master=dict(exp.master), step=exp.step, optimizer_class=cls)
 
@@ -405,7 +413,7 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     """Writes a torch optimizer's state, with its parameters as the master weights, to `path`
     for ``zeroctl import`` (module docstring: the format).
 
-    optimizer: a torch.optim.AdamW or torch.optim.Adam (amsgrad off). named_params: the names of
+    optimizer: a torch.optim.AdamW or torch.optim.Adam. named_params: the names of
     its parameters (model.named_parameters(), or a mapping), which zerod's registration must
     use too; None names them "param<i>", as ZeroOptimizer does for unnamed parameters.
     Parameters are taken group by group in the optimizer's order, skipping those that do not
@@ -413,7 +421,11 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     registers them. Values are converted to float32 (exact from bfloat16 and float16).
     The file is written under a temporary name and renamed into place.
 
-    Raises TypeError for another optimizer, ValueError for amsgrad, an unnamed parameter,
+    With amsgrad in some group, every parameter's max_exp_avg_sq is written too (zeros for a
+    parameter whose state lacks it, as torch starts it), so that zerod's model, which keeps the
+    array for all parameters, resumes from it.
+
+    Raises TypeError for another optimizer, ValueError for an unnamed parameter,
     parameters at different steps (zerod has one step count per model) or a hyperparameter
     zerod does not take.
     """
@@ -436,12 +448,11 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     names: List[str] = []
     pgroups: List[int] = []
     groups: List[Dict[str, Any]] = []
-    tensors: List[List[Any]] = [[], [], []]
+    tensors: List[List[Any]] = [[], [], [], []]
     steps = {}
+    amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
     index = 0
     for gi, g in enumerate(optimizer.param_groups):
-        if g.get("amsgrad"):
-            raise ValueError(f"param group {gi}: amsgrad=True keeps state zerod has no place for")
         hp = {k: v for k, v in g.items() if k != "params"}
         # torch >= 2.7's Adam(decoupled_weight_decay=True) is AdamW.
         hp["optimizer"] = "adamw" if g.get("decoupled_weight_decay") else kind
@@ -462,9 +473,12 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
                 s = st["step"]
                 steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
                 moments = [st["exp_avg"], st["exp_avg_sq"]]
+                if amsgrad:
+                    moments.append(st.get("max_exp_avg_sq",
+                                          torch.zeros_like(p, dtype=torch.float32)))
             else:
                 steps[name] = 0
-                moments = [torch.zeros_like(p, dtype=torch.float32)] * 2
+                moments = [torch.zeros_like(p, dtype=torch.float32)] * (3 if amsgrad else 2)
             if any(tuple(m.shape) != tuple(p.shape) for m in moments):
                 raise ValueError(f"the moments of {name!r} are not of its shape")
             names.append(name)
@@ -490,7 +504,8 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         "groups": json.dumps(groups), "optimizer": type(optimizer).__name__,
         "torch_version": str(torch.__version__)}}
     off = 0
-    for t, suffix in enumerate(_SUFFIXES):
+    suffixes = _SUFFIXES + ((_MAX_SUFFIX,) if amsgrad else ())
+    for t, suffix in enumerate(suffixes):
         for name, v in zip(names, tensors[t]):
             nbytes = 4 * v.numel()
             header[name + suffix] = {"dtype": "F32", "shape": list(v.shape),
@@ -503,7 +518,7 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         with open(tmp, "wb") as f:
             f.write(len(text).to_bytes(8, "little"))
             f.write(text)
-            for t in range(3):
+            for t in range(len(suffixes)):
                 for v in tensors[t]:
                     f.write(_tensor_bytes(v))
             f.flush()
