@@ -355,7 +355,9 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
     for gi, g in enumerate(zgroups):
         pg = dict(defaults)
         for key, value in g.to_dict().items():
-            if key == "optimizer":
+            # update and sqrt_mode say which torch's arithmetic zerod followed; the state they
+            # leave means the same to every torch, which then steps with its own arithmetic.
+            if key in ("optimizer", "update", "sqrt_mode"):
                 continue
             if key in pg:
                 pg[key] = tuple(value) if key == "betas" else value
