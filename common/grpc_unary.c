@@ -253,11 +253,12 @@ grpc_server_credentials *zd__grpc_server_credentials(void) {
   return grpc_ssl_server_credentials_create_with_options(opt); /* takes opt */
 }
 
-/* The channel's credentials: this process's identity at this moment, or none. */
-static grpc_channel_credentials *channel_credentials(void) {
+/* The channel's credentials: this process's identity at this moment, or none. A unix: address
+ * gets none: zerod checks who connects there by the socket's peer credentials, not TLS. */
+static grpc_channel_credentials *channel_credentials(const char *address) {
   pthread_mutex_lock(&tls.lock);
   grpc_channel_credentials *creds;
-  if (!tls.cert) {
+  if (!tls.cert || !strncmp(address, "unix:", 5)) {
     creds = grpc_insecure_credentials_create();
   } else {
     grpc_ssl_pem_key_cert_pair pair = {.private_key = tls.key, .cert_chain = tls.cert};
@@ -300,7 +301,7 @@ int zd__grpc_channel_open(const char *address, zd__grpc_channel_t **out, zd__err
       {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, .value.integer = 1000},
   };
   grpc_channel_args chargs = {.num_args = sizeof args / sizeof args[0], .args = args};
-  grpc_channel_credentials *creds = channel_credentials();
+  grpc_channel_credentials *creds = channel_credentials(address);
   ch->channel = grpc_channel_create(address, creds, &chargs);
   grpc_channel_credentials_release(creds);
   /* grpc_channel_create never returns NULL: a bad target gives a "lame" channel whose calls
@@ -491,6 +492,15 @@ static int call_error(zd__grpc_channel_t *ch, const char *method, grpc_status_co
                     "cannot connect to %s: gRPC refused this process's TLS identity (is %s the "
                     "key of %s?)",
                     ch->address, tls.key_name, tls.cert_name);
+  /* zerod closes a unix: connection from a process it does not admit at once. */
+  if (status == GRPC_STATUS_UNAVAILABLE && !strncmp(ch->address, "unix:", 5) &&
+      (strstr(details, "Socket closed") || strstr(details, "Broken pipe") ||
+       strstr(details, "Connection reset")))
+    return zd__errf(err, code,
+                    "cannot reach zerod control service at %s: %s (zerod admits only the users "
+                    "and groups of its allowed_uids and allowed_gids there; this process is uid "
+                    "%d)",
+                    ch->address, details, (int)getuid());
   /* A TLS server closes a plaintext connection at once, which is all gRPC reports. */
   if (status == GRPC_STATUS_UNAVAILABLE && !tls.cert && strstr(details, "Socket closed"))
     return zd__errf(err, code,

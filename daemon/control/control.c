@@ -339,6 +339,13 @@ static int handle_drain(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
   return ZD_OK;
 }
 
+/* A unix: control address admits the processes the client socket admits (allowed_uids and
+ * allowed_gids), whatever the socket file's mode. */
+static int unix_peer_allowed(void *ctx, int fd, const struct ucred *cred) {
+  zd__control_t *c = ctx;
+  return zd__peer_allowed(zd__daemon_config(c->d), fd, cred);
+}
+
 static int cmp_node(const void *a, const void *b) {
   const Zerod__V1__NodeInfo *x = *(Zerod__V1__NodeInfo *const *)a;
   const Zerod__V1__NodeInfo *y = *(Zerod__V1__NodeInfo *const *)b;
@@ -650,7 +657,8 @@ int zd__control_start(zd__daemon_t *d, zd__control_t **out, zd__err_t *err) {
                            .socket_mode = zd__daemon_config(d)->socket_mode,
                            .methods = methods,
                            .nmethods = NMETHODS,
-                           .ctx = c};
+                           .ctx = c,
+                           .peer_allowed = unix_peer_allowed};
   if ((rc = zd__gsrv_start(&cfg, &c->server, err))) goto fail;
   ZD_LOG_INFO("control service on %s%s%s (gRPC %s)", zd__control_address(c),
               zd__grpc_tls_enabled() ? ", mutual TLS" : "",

@@ -15,6 +15,11 @@
  * deferred call instead starts its receive-close batch at once, to learn of a client that gives
  * up, and is answered later without it.
  *
+ * A unix: address is bound and accepted here, not by gRPC: each connecting process's credentials
+ * (SO_PEERCRED) are checked as the client socket checks them, which gRPC's own listener cannot
+ * do, and only an admitted connection is handed to gRPC (grpc_server_add_channel_from_fd, plain
+ * HTTP/2: the kernel, not TLS, says who is at the other end of a unix socket).
+ *
  * Shutdown: the server is shut down (calls still being answered are cancelled if they have not
  * finished after a grace period), the queue is shut down and drained by its thread, the thread is
  * joined, and once no call object is left the server and queue are destroyed and the handles
@@ -23,6 +28,8 @@
 #include "grpc_server.h"
 
 #include <errno.h>
+#include <inttypes.h>
+#include <grpc/grpc_posix.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/log.h>
@@ -38,6 +45,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "grpc_unary.h"
 #include "log.h"
 
@@ -87,6 +95,12 @@ struct zd__gsrv {
   char address[256];   /* as bound: a port 0 replaced */
   char unix_path[108]; /* "" unless a unix: address */
   ino_t unix_inode;
+  int unix_fd; /* its listening socket; -1: none */
+  uv_poll_t unix_poll;
+  int (*peer_allowed)(void *ctx, int fd, const struct ucred *cred);
+  struct ucred peers[4096]; /* by descriptor, below 4096: who a "fd:N" peer of gRPC's is */
+  uint64_t refused_peers;
+  uint64_t refused_logged_ms; /* when a refused process was last logged (a flood is summed up) */
 
   grpc_server *server;
   grpc_completion_queue *cq;
@@ -228,7 +242,13 @@ void zd__gsrv_call_peer(const call_t *k, char *buf, size_t len) {
     if (p) snprintf(subject, sizeof subject, " (certificate %.*s)", (int)p->value_length, p->value);
     grpc_auth_context_release(auth);
   }
-  snprintf(buf, len, "%s%s", peer ? peer : "unknown peer", subject);
+  int fd;
+  if (peer && sscanf(peer, "fd:%d", &fd) == 1 && fd >= 0 &&
+      fd < (int)(sizeof k->s->peers / sizeof k->s->peers[0]))
+    snprintf(buf, len, "unix:%s (pid %d uid %d)", k->s->unix_path, (int)k->s->peers[fd].pid,
+             (int)k->s->peers[fd].uid);
+  else
+    snprintf(buf, len, "%s%s", peer ? peer : "unknown peer", subject);
   gpr_free(peer);
 }
 
@@ -367,6 +387,16 @@ static void remove_unix_socket(zd__gsrv_t *s) {
     unlink(s->unix_path);
 }
 
+static void stop_unix_listener(zd__gsrv_t *s) {
+  if (s->unix_fd < 0) return;
+  if (uv_is_active((uv_handle_t *)&s->unix_poll) || s->unix_poll.data) {
+    uv_poll_stop(&s->unix_poll);
+    uv_close((uv_handle_t *)&s->unix_poll, on_handle_closed);
+  }
+  close(s->unix_fd);
+  s->unix_fd = -1;
+}
+
 /* The end, once the queue thread is joined and no call object is left. */
 static void maybe_destroy(zd__gsrv_t *s) {
   if (!s->thread_joined || s->ncalls > 0 || s->destroyed) return;
@@ -434,6 +464,7 @@ void zd__gsrv_stop(zd__gsrv_t *s, void (*done)(void *arg), void *arg) {
   s->stopping = 1;
   s->done = done;
   s->done_arg = arg;
+  stop_unix_listener(s);
   grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
   uv_timer_start(&s->grace, on_grace, SHUTDOWN_GRACE_MS, 0);
 }
@@ -572,6 +603,77 @@ static void set_bound_address(zd__gsrv_t *s, const char *addr, int port) {
     snprintf(s->address, sizeof s->address, "%s", addr);
 }
 
+/* A unix: address, bound here with the mode asked for (the umask keeps any wider access from
+ * existing even for a moment), replacing a stale socket (prepare_unix checked nobody listens). */
+static int listen_unix(zd__gsrv_t *s, const zd__gsrv_config_t *cfg, zd__err_t *err) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", s->unix_path);
+  s->unix_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (s->unix_fd < 0)
+    return zd__errf(err, -errno, "%s %s: socket: %s", cfg->address_name, cfg->address,
+                    strerror(errno));
+  unlink(s->unix_path);
+  mode_t old_mask = umask(~(mode_t)cfg->socket_mode & 0777);
+  int rc = bind(s->unix_fd, (struct sockaddr *)&addr, sizeof addr) ? -errno : 0;
+  umask(old_mask);
+  if (!rc && listen(s->unix_fd, 64)) rc = -errno;
+  if (rc) {
+    close(s->unix_fd);
+    s->unix_fd = -1;
+    return zd__errf(err, rc, "cannot listen on %s %s: %s", cfg->address_name, cfg->address,
+                    strerror(-rc));
+  }
+  struct stat st;
+  if (lstat(s->unix_path, &st) == 0) s->unix_inode = st.st_ino;
+  return ZD_OK;
+}
+
+/* A refused process, logged with who it was; a flood of them is logged once a second with the
+ * count, so that a local user cannot fill the log. */
+static void log_refused_peer(zd__gsrv_t *s, const struct ucred *cred) {
+  s->refused_peers++;
+  uint64_t now = zd__now_ms();
+  if (s->refused_logged_ms && now - s->refused_logged_ms < 1000) return;
+  s->refused_logged_ms = now;
+  ZD_LOG_WARN(
+      "%s: refused a connection to unix:%s from pid %d uid %d gid %d: not in "
+      "allowed_uids or allowed_gids (%" PRIu64 " refused so far)",
+      s->log_name, s->unix_path, (int)cred->pid, (int)cred->uid, (int)cred->gid, s->refused_peers);
+}
+
+static void on_unix_connection(uv_poll_t *h, int status, int events) {
+  zd__gsrv_t *s = h->data;
+  (void)events;
+  if (status < 0) return;
+  for (;;) {
+    int fd = accept4(s->unix_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+        ZD_LOG_WARN("%s: accept on unix:%s: %s", s->log_name, s->unix_path, strerror(errno));
+      if (errno == EINTR) continue;
+      return;
+    }
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      ZD_LOG_WARN("%s: SO_PEERCRED on unix:%s: %s", s->log_name, s->unix_path, strerror(errno));
+      close(fd);
+      continue;
+    }
+    if (s->stopping || (s->peer_allowed && !s->peer_allowed(s->ctx, fd, &cred))) {
+      if (!s->stopping) log_refused_peer(s, &cred);
+      close(fd);
+      continue;
+    }
+    if (fd < (int)(sizeof s->peers / sizeof s->peers[0])) s->peers[fd] = cred;
+    ZD_LOG_DEBUG("%s: connection on unix:%s from pid %d uid %d", s->log_name, s->unix_path,
+                 (int)cred.pid, (int)cred.uid);
+    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    grpc_server_add_channel_from_fd(s->server, fd, creds); /* owns fd from here */
+    grpc_server_credentials_release(creds);
+  }
+}
+
 /* Undoes a start that failed after the server and queue were created. */
 static void abort_start(zd__gsrv_t *s) {
   grpc_completion_queue_shutdown(s->cq);
@@ -585,6 +687,8 @@ static void abort_start(zd__gsrv_t *s) {
   grpc_server_destroy(s->server);
   grpc_completion_queue_destroy(s->cq);
   grpc_shutdown();
+  stop_unix_listener(s);
+  remove_unix_socket(s);
   s->done = NULL;
   uv_close((uv_handle_t *)&s->async, on_handle_closed);
   uv_close((uv_handle_t *)&s->grace, on_handle_closed);
@@ -607,6 +711,8 @@ int zd__gsrv_start(const zd__gsrv_config_t *cfg, zd__gsrv_t **out, zd__err_t *er
   s->registered = registered;
   snprintf(s->log_name, sizeof s->log_name, "%s", cfg->log_name);
   s->shutdown_tag.kind = TAG_SHUTDOWN;
+  s->unix_fd = -1;
+  s->peer_allowed = cfg->peer_allowed;
   pthread_mutex_init(&s->lock, NULL);
   int rc = strncmp(addr, "unix:", 5) == 0 ? prepare_unix(s, cfg, err) : ZD_OK;
   if (!rc && !addr[0]) rc = zd__errf(err, ZD_ECONFIG, "%s is empty", cfg->address_name);
@@ -653,27 +759,29 @@ int zd__gsrv_start(const zd__gsrv_config_t *cfg, zd__gsrv_t **out, zd__err_t *er
   }
   s->thread_started = 1;
 
-  /* A unix socket is created with the mode asked for: the umask keeps any wider access from
-   * existing even for a moment. */
-  mode_t old_mask = 0;
-  if (s->unix_path[0]) old_mask = umask(~(mode_t)cfg->socket_mode & 0777);
-  grpc_server_credentials *creds = zd__grpc_server_credentials();
-  int port = creds ? grpc_server_add_http2_port(s->server, addr, creds) : 0;
-  if (creds) grpc_server_credentials_release(creds);
-  if (s->unix_path[0]) umask(old_mask);
-  if (port <= 0) {
-    char why[256];
-    if (s->unix_path[0])
-      grpc_refused(why, sizeof why);
-    else
+  int port = 0;
+  if (s->unix_path[0]) {
+    if ((rc = listen_unix(s, cfg, err))) goto fail;
+  } else {
+    grpc_server_credentials *creds = zd__grpc_server_credentials();
+    port = creds ? grpc_server_add_http2_port(s->server, addr, creds) : 0;
+    if (creds) grpc_server_credentials_release(creds);
+    if (port <= 0) {
+      char why[256];
       diagnose_tcp(addr, why, sizeof why);
-    rc = zd__errf(err, -EADDRNOTAVAIL, "cannot listen on %s %s: %s", cfg->address_name, addr, why);
-    goto fail;
+      rc =
+          zd__errf(err, -EADDRNOTAVAIL, "cannot listen on %s %s: %s", cfg->address_name, addr, why);
+      goto fail;
+    }
   }
-  struct stat st;
-  if (s->unix_path[0] && lstat(s->unix_path, &st) == 0) s->unix_inode = st.st_ino;
   set_bound_address(s, addr, port);
   grpc_server_start(s->server);
+  if (s->unix_path[0]) {
+    uv_poll_init(s->loop, &s->unix_poll, s->unix_fd);
+    s->unix_poll.data = s;
+    s->open_handles++;
+    uv_poll_start(&s->unix_poll, UV_READABLE, on_unix_connection);
+  }
   for (size_t i = 0; i < s->nmethods; i++)
     for (int slot = 0; slot < SLOTS_PER_METHOD; slot++) request_call(s, (int)i);
   request_call(s, -1);

@@ -16,6 +16,7 @@
 #include <protobuf-c/protobuf-c.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <uv.h>
 
 #include "error.h"
@@ -47,6 +48,9 @@ typedef struct zd__gsrv_config {
   const zd__gsrv_method_t *methods; /* kept, not copied: must outlive the server */
   size_t nmethods;
   void *ctx; /* the handlers' first argument */
+  /* A unix: address: whether the process connecting (fd, its SO_PEERCRED credentials cred) may
+   * call; asked before gRPC sees the connection. NULL: whoever the socket's mode lets connect. */
+  int (*peer_allowed)(void *ctx, int fd, const struct ucred *cred);
 } zd__gsrv_config_t;
 
 /* Binds cfg->address and starts serving. A unix: path where another process listens, or that is

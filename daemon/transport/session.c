@@ -983,7 +983,7 @@ static int gid_allowed(const zd__config_t *cfg, uint32_t gid) {
 
 /* The peer's uid, its primary gid, or any of its supplementary groups (SO_PEERGROUPS: a user
  * added to group zerod is allowed without changing its primary group). */
-static int peer_allowed(const zd__config_t *cfg, int fd, const struct ucred *cred) {
+int zd__peer_allowed(const zd__config_t *cfg, int fd, const struct ucred *cred) {
   for (uint32_t i = 0; i < cfg->allowed_uids.n; i++)
     if (cfg->allowed_uids.ids[i] == (uint32_t)cred->uid) return 1;
   if (gid_allowed(cfg, (uint32_t)cred->gid)) return 1;
@@ -1040,7 +1040,7 @@ int zd__session_create(zd__sessions_t *ss, int fd, const struct ucred *cred) {
   zd__session_counters_t *n = &ss->counters;
   n->clients_total++;
 
-  if (!peer_allowed(cfg, fd, cred)) {
+  if (!zd__peer_allowed(cfg, fd, cred)) {
     char uids[256], gids[256];
     format_ids(&cfg->allowed_uids, uids, sizeof uids);
     format_ids(&cfg->allowed_gids, gids, sizeof gids);

@@ -54,6 +54,11 @@ const zd__session_counters_t *zd__sessions_counters(const zd__sessions_t *ss);
  * hello is not attached yet. The pointer is for zd__session_pid/name, now. */
 const zd__session_t *zd__sessions_attached(const zd__sessions_t *ss, uint32_t local);
 
+/* Whether the process at the other end of the unix socket fd (its SO_PEERCRED credentials: cred)
+ * may use zerod: its uid is in allowed_uids, or its gid or one of its groups in allowed_gids. The
+ * client socket and a unix: control address admit the same processes. */
+int zd__peer_allowed(const zd__config_t *cfg, int fd, const struct ucred *cred);
+
 /* Takes ownership of fd (a connected, non-blocking Unix socket) and starts serving it. A peer
  * whose credentials are not allowed, or past a connection limit, gets an error reply and is
  * disconnected. Errors: -ENOMEM, or libuv's (fd is closed then too). */

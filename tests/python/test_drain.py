@@ -173,8 +173,8 @@ class DrainTest(unittest.TestCase):
             out = zeroctl(d, "drain")
             self.assertEqual(out.returncode, 1)
             self.assertIn("needs this world's control token", out.stderr)
-            self.assertRegex(d.log(), r"refused /zerod.v1.Control/Drain from unix:\S*: no "
-                             r"control token")
+            self.assertRegex(d.log(), r"refused /zerod.v1.Control/Drain from unix:\S+ \(pid \d+ "
+                             r"uid 0\): no control token")
             out = zeroctl(d, "--token-file", token, "drain")
             self.assertEqual(out.returncode, 1)
             self.assertIn("nothing to checkpoint: no model is registered", out.stderr)
