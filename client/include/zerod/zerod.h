@@ -226,7 +226,8 @@ typedef struct zd_bucket_info {
  * build whose fp32 reduction (per-parameter norms, then the norm of those in parameter order) zerod
  * then reproduces bit for bit: Debian's 1.13.1, PyPI's 2.6, PyPI's 2.15. They apply only where the
  * whole gradient is in one place in fp32: the CPU backend, world size 1, ZD_F32 gradients, no loss
- * scaler, max_grad_norm > 0; anywhere else a step uses the double norm. */
+ * scaler, max_grad_norm > 0 (zd_step_result_t.grad_norm is then that fp32 total); anywhere else
+ * a step uses the double norm. */
 typedef enum zd_clip_norm {
   ZD_CLIP_NORM_DOUBLE = 0,
   ZD_CLIP_NORM_TORCH113 = 1,
