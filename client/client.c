@@ -388,6 +388,10 @@ int zd_step_start(zd_client_t *c, const zd_step_opts_t *opts, zd_request_t *req_
   req.has_scatter = req.has_gather = 1;
   req.scatter = !(opts && (opts->flags & ZD_STEP_NO_SCATTER));
   req.gather = !(opts && (opts->flags & ZD_STEP_NO_GATHER));
+  /* Left out when it is the default: a zerod older than the field then reads the same request. */
+  req.has_clip_norm = opts && opts->clip_norm != ZD_CLIP_NORM_DOUBLE;
+  req.clip_norm =
+      opts ? (Zerod__V1__ClipNorm)opts->clip_norm : ZEROD__V1__CLIP_NORM__CLIP_NORM_DOUBLE;
   int slot;
   if ((rc = zd__cuda_before_request(c, &slot))) return rc;
   req.has_event_slot = slot >= 0;

@@ -24,6 +24,9 @@
  * torch's total norm is an fp32 reduction of fp32 per-tensor norms; zerod's is the double sum of
  * squares above, so the coefficients are equal only where torch's total rounds to zerod's
  * (docs/torch2/README.md, "Clipping": within 4 ULP of torch's, equal in about half the steps).
+ * Where the client names a torch build (zd_clip_norm_t) and the CPU backend at world size 1 with
+ * fp32 gradients and no scaler computes that build's fp32 total (kernels/grad_norm.h), the
+ * caller passes it as cfg->total_norm and the coefficient is torch's bit for bit.
  *
  * The dynamic loss scaler for fp16 gradients has the semantics Megatron-LM and DeepSpeed share.
  * The client multiplies its loss by `scale`; zerod unscales the gradients by 1/scale. A step whose
@@ -74,8 +77,9 @@ typedef struct zd__decide_cfg {
   uint32_t world_size; /* ranks whose gradients were summed */
   int32_t grad_mean;   /* gradients were summed; divide by world_size */
   int32_t need_stats;  /* statistics were gathered (world_size > 1, clipping or loss scaling) */
-  int32_t reserved;
+  int32_t torch_total; /* 1: total_norm is the norm (torch's fp32 total: world size 1, no scaler) */
   double max_grad_norm; /* > 0: clip to this global norm */
+  double total_norm;    /* with torch_total: the fp32 norm of the whole gradient */
 } zd__decide_cfg_t;
 
 /* State the decision reads and advances; lives in device memory with the CUDA backend. */
@@ -150,7 +154,9 @@ ZD__HD static inline void zd__step_decide(const zd__decide_cfg_t *cfg, double su
     nonfinite = 0;
   }
   double pre_scale = (cfg->grad_mean ? 1.0 / cfg->world_size : 1.0) / st->scaler.scale;
-  double norm = cfg->need_stats ? sqrt(sumsq) * pre_scale : zd__decide_nan();
+  double norm = !cfg->need_stats   ? zd__decide_nan()
+                : cfg->torch_total ? cfg->total_norm
+                                   : sqrt(sumsq) * pre_scale;
   out->sumsq = sumsq;
   out->nonfinite = nonfinite;
   out->grad_norm = norm;

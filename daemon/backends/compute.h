@@ -17,6 +17,8 @@
  *   exchange          master weights <-> the client's param buffer over this rank's shard
  *   grad_stats        sum of squares and non-finite count of a bucket's reduced gradients, into
  *                     this rank's step record
+ *   torch_norm        (CPU only) the global norm in the fp32 order of a torch build, for clipping
+ *                     bit for bit as that torch does at world size 1
  *   gather_records    all-gather of the step records (the commit point), into host memory
  *   update            the fused AdamW/Adam update of one bucket, writing working parameters
  *
@@ -106,6 +108,13 @@ typedef struct zd__compute_ops {
    * step; rec carries the tags). */
   int (*grad_stats)(zd__compute_t *c, struct zd__model *m, uint32_t b, int first,
                     zd__step_record_t *rec, zd__err_t *err);
+  /* torch.nn.utils.clip_grad_norm_'s total norm of the model's fp32 gradients in the order of
+   * torch build `order` (not ZD_CLIP_NORM_DOUBLE; kernels/grad_norm.h): each parameter's norm,
+   * then the norm of those in parameter order. World size 1 only (every parameter whole in this
+   * rank's shard), after every bucket's scatter. Errors: -ENOMEM. NULL: the backend does not
+   * compute it (CUDA), and steps clip by the double norm. */
+  int (*torch_norm)(zd__compute_t *c, struct zd__model *m, zd_clip_norm_t order, float *total,
+                    zd__err_t *err);
   /* all[r] = rank r's record. stats: grad_stats ran for every bucket of this step; else the
    * statistics are 0. Waits for the result. */
   int (*gather_records)(zd__compute_t *c, zd__comm_t *comm, struct zd__model *m,

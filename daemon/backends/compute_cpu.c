@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "compute.h"
+#include "grad_norm.h"
 #include "placement.h"
 #include "pool.h"
 #include "step.h"
@@ -20,6 +21,7 @@ typedef struct cpu_compute {
   zd__pool_t *pool;
   zd__adam_fn adam;
   zd__stats_fn stats;
+  zd__norm_fn norm;
   unsigned next_colour; /* the next state array's colour (placement.h) */
   uint64_t *nonfinite;  /* per pool thread, for the statistics */
 } cpu_compute_t;
@@ -174,6 +176,29 @@ static int cpu_grad_stats(zd__compute_t *base, zd__model_t *m, uint32_t b, int f
   return ZD_OK;
 }
 
+/* One thread for the whole gradient: each parameter's norm is one chain in torch's order, and a
+ * model clipped bit for bit at world size 1 is one torch would clip on one CPU anyway. */
+static int cpu_torch_norm(zd__compute_t *base, zd__model_t *m, zd_clip_norm_t order, float *total,
+                          zd__err_t *err) {
+  const cpu_compute_t *c = (const cpu_compute_t *)base;
+  const zd__layout_t *l = m->layout;
+  zd__norm_order_t o = order == ZD_CLIP_NORM_TORCH113  ? ZD__NORM_TORCH113
+                       : order == ZD_CLIP_NORM_TORCH26 ? ZD__NORM_TORCH26
+                                                       : ZD__NORM_TORCH215;
+  float *norms = calloc(l->nparams ? l->nparams : 1, sizeof *norms);
+  if (!norms) return zd__errf(err, -ENOMEM, "out of memory for %u parameter norms", l->nparams);
+  for (uint32_t i = 0; i < l->nparams; i++) {
+    const zd__layout_param_t *p = &l->params[i];
+    const zd__bucket_t *bk = &l->buckets[p->bucket];
+    const float *g = (const float *)m->shard_grad[p->bucket] + (p->offset - bk->offset);
+    norms[i] = c->norm(g, p->numel, o);
+  }
+  /* torch stacks the per-parameter norms and takes the same norm of the stack. */
+  *total = c->norm(norms, l->nparams, o);
+  free(norms);
+  return ZD_OK;
+}
+
 static int cpu_gather_records(zd__compute_t *base, zd__comm_t *comm, zd__model_t *m,
                               const zd__step_record_t *mine, int stats, zd__step_record_t *all,
                               zd__err_t *err) {
@@ -237,6 +262,7 @@ static const zd__compute_ops_t cpu_ops = {
     .finish = cpu_finish,
     .exchange = cpu_exchange,
     .grad_stats = cpu_grad_stats,
+    .torch_norm = cpu_torch_norm,
     .gather_records = cpu_gather_records,
     .update = cpu_update,
     .destroy = cpu_destroy,
@@ -254,6 +280,7 @@ int zd__compute_cpu_create(zd__pool_t *pool, int isa, zd__compute_t **out) {
   c->pool = pool;
   c->adam = zd__adam_impl((zd__isa_t)isa);
   c->stats = zd__grad_stats_impl((zd__isa_t)isa);
+  c->norm = zd__torch_norm2_impl((zd__isa_t)isa);
   *out = &c->base;
   return ZD_OK;
 }

@@ -208,9 +208,9 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
           zd__model_gather(&r->ctx, r->model, job->buffers, job->event_slot, job->in.bucket, err);
       break;
     case ZD__JOB_STEP:
-      job->code =
-          zd__model_step(&r->ctx, r->model, job->buffers, job->event_slot, job->in.step.groups,
-                         job->in.step.scatter, job->in.step.gather, &job->out.step, err);
+      job->code = zd__model_step(&r->ctx, r->model, job->buffers, job->event_slot,
+                                 job->in.step.groups, job->in.step.scatter, job->in.step.gather,
+                                 job->in.step.clip_norm, &job->out.step, err);
       break;
     case ZD__JOB_CHECKPOINT:
       job->code =

@@ -98,6 +98,7 @@ typedef struct zd__job {
       uint32_t ngroups;
       int scatter;
       int gather;
+      zd_clip_norm_t clip_norm;
     } step;
     int abrupt; /* STAND_IN: the client disconnected (else it said bye) */
     int wait;   /* CHECKPOINT: answer once it is written */

@@ -586,9 +586,18 @@ int zd__model_checkpoint(const zd__step_ctx_t *ctx, zd__model_t *m, int wait, ch
   return rc;
 }
 
+/* Whether this step clips by torch's fp32 total (zd__model_step): only where one thread sees the
+ * whole unscaled fp32 gradient, as torch's clip_grad_norm_ does. */
+static int uses_torch_norm(const zd__step_ctx_t *ctx, const zd__model_t *m,
+                           zd_clip_norm_t clip_norm) {
+  return clip_norm != ZD_CLIP_NORM_DOUBLE && ctx->compute->ops->torch_norm &&
+         ctx->world_size == 1 && m->max_grad_norm > 0 && !m->scaler.enabled &&
+         m->grad_dtype == ZD_F32;
+}
+
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                    uint32_t slot, const zd_group_t *groups, int scatter, int gather,
-                   zd__step_out_t *out, zd__err_t *err) {
+                   zd_clip_norm_t clip_norm, zd__step_out_t *out, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   uint64_t t0 = zd__now_us();
   if (!scatter)
@@ -605,6 +614,13 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (rc) return job_end(ctx, buf, slot, rc, err);
   /* The step's hyperparameters become the model's only once every rank has agreed to them. */
   if (!groups) groups = m->groups;
+
+  /* Before the commit point, like every other statistic: a failure leaves the step unapplied. */
+  float torch_total = 0;
+  int use_torch_total = uses_torch_norm(ctx, m, clip_norm);
+  if (use_torch_total)
+    rc = ctx->compute->ops->torch_norm(ctx->compute, m, clip_norm, &torch_total, err);
+  if (rc) return job_end(ctx, buf, slot, rc, err);
 
   int need_stats = needs_stats(ctx, m);
   double sumsq = 0;
@@ -627,6 +643,10 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
                           .grad_mean = m->grad_mean,
                           .need_stats = need_stats,
                           .max_grad_norm = m->max_grad_norm};
+  if (use_torch_total) {
+    cfg.torch_total = 1;
+    cfg.total_norm = torch_total;
+  }
   zd__step_state_t st = {.scaler = m->scaler, .step = m->step, .steps_skipped = m->steps_skipped};
   zd__decision_t dec;
   zd__step_decide(&cfg, sumsq, nonfinite, &st, &dec);

@@ -103,11 +103,14 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__bu
                      uint32_t slot, int32_t bucket, zd__err_t *err);
 
 /* groups: NULL keeps the model's hyperparameters, else ngroups checked entries (copied).
+ * clip_norm (checked): the norm this step clips by; a torch order is used where the backend
+ * computes it (compute.h, torch_norm) at world size 1 with fp32 gradients, no loss scaler and
+ * clipping on, else the double norm.
  * ZD_EABORTED when a rank's worker stood in for its client (zd__model_stand_in): nothing
  * applied, and every bucket must be scattered again. */
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
                    uint32_t slot, const zd_group_t *groups, int scatter, int gather,
-                   zd__step_out_t *out, zd__err_t *err);
+                   zd_clip_norm_t clip_norm, zd__step_out_t *out, zd__err_t *err);
 
 /* A checkpoint of the state as of the last step, asked by the client of every rank of the world
  * between the same two steps (zd_checkpoint: a collective, which first checks that every rank is

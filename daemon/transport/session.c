@@ -502,6 +502,14 @@ static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint
     rc = zd__wire_groups_from(groups, req->groups, req->n_groups, err);
     if (rc) goto exit;
   }
+  if ((int)req->clip_norm < ZEROD__V1__CLIP_NORM__CLIP_NORM_DOUBLE ||
+      (int)req->clip_norm > ZEROD__V1__CLIP_NORM__CLIP_NORM_TORCH215) {
+    rc = zd__errf(err, ZD_EHPARAM,
+                  "clip_norm is %d; expected 0 (double), 1 (torch 1.13), 2 (torch 2.6) or 3 "
+                  "(torch 2.15)",
+                  (int)req->clip_norm);
+    goto exit;
+  }
   uint32_t slot;
   rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "step", req->has_event_slot,
                               req->event_slot, &slot, err);
@@ -516,6 +524,7 @@ static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint
   job->in.step.ngroups = (uint32_t)req->n_groups;
   job->in.step.scatter = req->scatter;
   job->in.step.gather = req->gather;
+  job->in.step.clip_norm = (zd_clip_norm_t)req->clip_norm;
   groups = NULL;
   submit(s, job);
 exit:

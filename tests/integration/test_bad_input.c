@@ -355,6 +355,12 @@ static void test_step_fields(void) {
   rc = zd_scatter(bystander, 99);
   CHECK_INT_EQ(rc, -EINVAL);
   CHECK_CONTAINS(zd_last_error(), "bucket 99 does not exist; expected -1 (all) or 0..0");
+  zd_step_opts_t clip = {.clip_norm = (zd_clip_norm_t)4};
+  rc = zd_step(bystander, &clip, NULL);
+  CHECK_INT_EQ(rc, ZD_EHPARAM);
+  CHECK_CONTAINS(zd_last_error(),
+                 "clip_norm is 4; expected 0 (double), 1 (torch 1.13), 2 "
+                 "(torch 2.6) or 3 (torch 2.15)");
   bystander_step("bad step hyperparameters");
 }
 

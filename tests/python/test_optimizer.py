@@ -430,6 +430,57 @@ class OptimizerTest(unittest.TestCase):
             self.assert_equal_params(model, ref, f"clipped step {step + 1}")
         self.assertGreater(clipped, 0, "max_norm should have clipped some steps")
 
+    def clip_run(self, clip_norm: Optional[str] = None) -> List[int]:
+        """10 clipped AdamW steps of zerod (clip_norm: the optimizer's choice, else forced) and of
+        torch.nn.utils.clip_grad_norm_ + AdamW on tensors of 1, 7, 8, 65, 111, 300 and 1031
+        elements; returns the steps whose total norm differs (parameters are asserted equal until
+        one does)."""
+        sizes = [(1,), (7,), (8,), (13, 5), (37, 3), (300,), (1031,)]
+
+        def model(seed: int) -> nn.Module:
+            torch.manual_seed(seed)
+            m = nn.Module()
+            m.ws = nn.ParameterList([nn.Parameter(torch.randn(s)) for s in sizes])
+            return m
+
+        def loss(m: nn.Module, step: int) -> torch.Tensor:
+            g = torch.Generator().manual_seed(1000 + step)
+            return sum((w * torch.randn(w.shape, generator=g) * 3.0 ** (i - 3)).tanh().sum()
+                       for i, w in enumerate(m.ws))
+
+        net, ref = model(11), model(11)
+        max_norm = 0.5
+        opt = self.make(net, lr=1e-2, max_grad_norm=max_norm)
+        if clip_norm is not None:
+            opt._clip_norm = clip_norm
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        differ = []
+        for step in range(10):
+            for m, o in ((net, opt), (ref, ropt)):
+                o.zero_grad()
+                loss(m, step).backward()
+            total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            opt.step()
+            ropt.step()
+            r = opt.last_result
+            self.assertLess(r.clip_coef, 1.0, f"step {step + 1} should clip")
+            if r.grad_norm != float(total):
+                differ.append(step + 1)
+            if not differ:
+                self.assert_equal_params(net, ref, f"clipped step {step + 1}")
+        opt.close()
+        return differ
+
+    def test_clipping_bitwise_as_torch(self) -> None:
+        # the running torch's fp32 clip_grad_norm_ total and coefficient, bit for bit (the CPU
+        # backend at world size 1), for the releases zerod reproduces
+        import zerod.torch as zt
+        if zt._clip_norm_for_torch() == "double":
+            self.skipTest(f"torch {torch.__version__}: zerod clips by its double norm")
+        self.assertEqual(self.clip_run(), [], "steps whose total norm differs from torch's")
+        # the double norm is not torch's in some of the same steps: the order is what matters
+        self.assertNotEqual(self.clip_run("double"), [], "the double norm matched every step")
+
     def test_clipping_nonfinite_as_torch(self) -> None:
         # clip_grad_norm_ with a NaN gradient makes every gradient NaN (total NaN); with an inf
         # one, every finite gradient 0 and the inf NaN. zerod applies the step the same way.

@@ -223,6 +223,21 @@ typedef struct zd_bucket_info {
   uint64_t shard_elems;
 } zd_bucket_info_t;
 
+/* How a step computes the global norm it clips by (zd_step_opts_t.clip_norm). ZD_CLIP_NORM_DOUBLE,
+ * the default: the square root of a double sum of squares, with every backend and world size; its
+ * clip coefficient is within a few ULP of torch.nn.utils.clip_grad_norm_'s. The others name a torch
+ * build whose fp32 reduction (per-parameter norms, then the norm of those in parameter order) zerod
+ * then reproduces bit for bit: Debian's 1.13.1, PyPI's 2.6, PyPI's 2.15. They apply only where the
+ * whole gradient is in one place in fp32: the CPU backend, world size 1, ZD_F32 gradients, no loss
+ * scaler, max_grad_norm > 0 (zd_step_result_t.grad_norm is then that fp32 total); anywhere else
+ * a step uses the double norm. */
+typedef enum zd_clip_norm {
+  ZD_CLIP_NORM_DOUBLE = 0,
+  ZD_CLIP_NORM_TORCH113 = 1,
+  ZD_CLIP_NORM_TORCH26 = 2,
+  ZD_CLIP_NORM_TORCH215 = 3
+} zd_clip_norm_t;
+
 /* Step options: zero-initialise; NULL means all defaults. */
 #define ZD_STEP_NO_SCATTER 0x1u /* gradients already scattered with zd_scatter() */
 #define ZD_STEP_NO_GATHER  0x2u /* parameters gathered later with zd_gather() */
@@ -231,6 +246,7 @@ typedef struct zd_step_opts {
                                NULL keeps the current ones */
   size_t ngroups;           /* must equal the registered number when groups is set */
   unsigned flags;           /* ZD_STEP_* */
+  zd_clip_norm_t clip_norm; /* the norm clipping uses (zd_clip_norm_t); not kept between steps */
 } zd_step_opts_t;
 
 typedef struct zd_step_result {

@@ -44,6 +44,11 @@ ZD_UPDATE_TORCH2 = 1
 ZD_SQRT_EXACT = 0
 ZD_SQRT_MKL_EX = 1
 
+ZD_CLIP_NORM_DOUBLE = 0
+ZD_CLIP_NORM_TORCH113 = 1
+ZD_CLIP_NORM_TORCH26 = 2
+ZD_CLIP_NORM_TORCH215 = 3
+
 ZD_REGISTER_REPLACE = 0x1
 ZD_STEP_NO_SCATTER = 0x1
 ZD_STEP_NO_GATHER = 0x2
@@ -199,6 +204,7 @@ class zd_step_opts_t(ctypes.Structure):
         ("groups", ctypes.POINTER(zd_group_t)),
         ("ngroups", ctypes.c_size_t),
         ("flags", ctypes.c_uint),
+        ("clip_norm", ctypes.c_int),
     ]
 
 

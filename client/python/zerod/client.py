@@ -150,6 +150,11 @@ _ENUMS = {"optimizer": {"adamw": _lib.ZD_ADAMW, "adam": _lib.ZD_ADAM},
           "sqrt_mode": {"exact": _lib.ZD_SQRT_EXACT, "mkl_ex": _lib.ZD_SQRT_MKL_EX}}
 
 
+# zd_clip_norm_t by name: the norm a step clips by (zerod's double norm, or a torch build's fp32 one).
+CLIP_NORMS = {"double": _lib.ZD_CLIP_NORM_DOUBLE, "torch113": _lib.ZD_CLIP_NORM_TORCH113,
+              "torch26": _lib.ZD_CLIP_NORM_TORCH26, "torch215": _lib.ZD_CLIP_NORM_TORCH215}
+
+
 class Group:
     """Hyperparameters of one parameter group (zd_group_t).
 
@@ -815,8 +820,15 @@ class Client:
 
     @staticmethod
     def _step_opts(groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]], scatter: bool,
-                   gather: bool) -> Tuple[_lib.zd_step_opts_t, Any]:
+                   gather: bool, clip_norm: Union[str, int] = "double"
+                   ) -> Tuple[_lib.zd_step_opts_t, Any]:
         opts = _lib.zd_step_opts_t()
+        if isinstance(clip_norm, str):
+            if clip_norm not in CLIP_NORMS:
+                raise ValueError(f"clip_norm is {clip_norm!r}; expected one of "
+                                 f"{', '.join(CLIP_NORMS)}")
+            clip_norm = CLIP_NORMS[clip_norm]
+        opts.clip_norm = int(clip_norm)
         keep = None
         if groups is not None:
             gs = [Group.coerce(g) for g in groups]
@@ -829,7 +841,8 @@ class Client:
         return opts, keep
 
     def step(self, groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]] = None, *,
-             scatter: bool = True, gather: bool = True) -> StepResult:
+             scatter: bool = True, gather: bool = True,
+             clip_norm: Union[str, int] = "double") -> StepResult:
         """One optimizer step (zd_step): scatter + step + gather unless told otherwise.
 
         Args:
@@ -837,11 +850,15 @@ class Client:
                 keeps the current ones. Must list every registered group.
             scatter: False when every bucket was scattered already (scatter()/scatter_start()).
             gather: False when parameters are gathered later with gather().
+            clip_norm: the norm clipping uses in this step (zd_clip_norm_t): "double" (zerod's),
+                or "torch113", "torch26", "torch215": that torch build's fp32 clip_grad_norm_
+                total, bit for bit, where it applies (CPU backend, world size 1, f32 gradients,
+                no loss scaler, max_grad_norm > 0; elsewhere "double").
 
         At world size > 1 every rank must call it. Raises ZerodError: ZD_EORDER (not registered,
         or a bucket not scattered with scatter=False), ZD_EHPARAM, ZD_ESTEP, ZD_EPEER, ...
         """
-        opts, _keep = self._step_opts(groups, scatter, gather)
+        opts, _keep = self._step_opts(groups, scatter, gather, clip_norm)
         res = _lib.zd_step_result_t()
         with self._lock:
             _check(self._lib.zd_step(self._h(), ctypes.byref(opts), ctypes.byref(res)), "zd_step")
@@ -894,10 +911,11 @@ class Client:
 
     def step_start(self, groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]] = None, *,
                    scatter: bool = True, gather: bool = True,
-                   stream: Optional[int] = None) -> Request:
+                   stream: Optional[int] = None,
+                   clip_norm: Union[str, int] = "double") -> Request:
         """Sends a step request (as step()) and returns at once; wait() returns its
         StepResult. stream: as for scatter_start()."""
-        opts, _keep = self._step_opts(groups, scatter, gather)
+        opts, _keep = self._step_opts(groups, scatter, gather, clip_norm)
         req = _lib.zd_request_t()
         with self._lock:
             if stream is not None:

@@ -89,7 +89,12 @@ nothing); fused=True (torch 2.x) takes a correctly rounded sqrt ("exact"), and i
 parameter smaller than one of its vectors, which its kernel computes by another formula. With
 CUDA parameters the sqrt is "exact", and foreach=True or fused=True are refused: zerod's CUDA
 update is not torch's foreach or fused CUDA kernel. A group may name update and sqrt_mode
-itself. A pickled ZeroOptimizer (e.g. inside torch 1.13's scheduler state_dict) becomes a
+itself. With max_grad_norm, the step clips by the running torch's fp32 total norm
+(clip_grad_norm_ over the parameters in the optimizer's order, each of which has a gradient)
+bit for bit under torch 1.13.x (Debian's build), 2.6.x and 2.15.x (PyPI's), on CPU at world
+size 1 with f32 gradients and no loss scaler; other releases, CUDA, world size > 1, bf16/f16
+gradients and loss scaling clip by zerod's double norm (a coefficient within a few ULP).
+A pickled ZeroOptimizer (e.g. inside torch 1.13's scheduler state_dict) becomes a
 PickledZeroOptimizer placeholder; one never closed is closed at interpreter exit.
 
 Limits: parameters must all be on one device (the CPU, or the rank's GPU) and of one dtype,
@@ -141,6 +146,16 @@ def _close_open_optimizers() -> None:
 
 def _torch_major() -> int:
     return int(torch.__version__.split(".")[0])
+
+
+# The torch builds whose clip_grad_norm_ fp32 total zerod reproduces (zd_clip_norm_t), by release.
+_CLIP_NORM_BY_RELEASE = {(1, 13): "torch113", (2, 6): "torch26", (2, 15): "torch215"}
+
+
+def _clip_norm_for_torch() -> str:
+    """The clip norm order of the running torch, or "double" (zerod's) for another release."""
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return _CLIP_NORM_BY_RELEASE.get(release, "double")
 
 
 _sqrt_probe: Optional[Tuple[str, str]] = None
@@ -243,7 +258,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             formula zerod follows (groups' update and sqrt_mode; module docstring "Which
             torch"); a choice zerod cannot reproduce is refused.
         max_grad_norm: clip the gradient by its global L2 norm over all ranks (0: off); zerod
-            applies it inside the step, as torch.nn.utils.clip_grad_norm_ would.
+            applies it inside the step, as torch.nn.utils.clip_grad_norm_ would: bit for bit
+            under torch 1.13, 2.6 and 2.15 on CPU at world size 1 with f32 gradients and no loss
+            scaler (module docstring "Which torch"), within a few ULP of its coefficient
+            elsewhere.
         loss_scaler: dynamic loss scaling (zerod.LossScaler, a dict of its fields, True for the
             defaults, None: off). Multiply the loss by ``opt.loss_scale`` (``opt.scale_loss()``)
             before backward; zerod unscales, skips steps that overflow and adapts the scale.
@@ -353,6 +371,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"abort_retries is {abort_retries}; expected 0 or more")
         self._abort_retries = int(abort_retries)
         self._names = [s[0] for s in specs]
+        self._clip_norm = _clip_norm_for_torch() if max_grad_norm > 0 else "double"
 
         self._owns_client = client is None
         self.client: Client = client if client is not None else Client(socket, local_rank,
@@ -726,7 +745,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if not self._overlap:
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,
                 # like the hooks, so ranks configured differently still match).
-                self._inflight.append(self.client.step_start(groups, **self._stream()))
+                self._inflight.append(self.client.step_start(groups, **self._clip_kw(),
+                                                             **self._stream()))
             else:
                 # Whatever the hooks did not send, in their order: every rank's sequence of
                 # scatters is then n-1, ..., 0, even where a bucket never completed on one rank
@@ -735,6 +755,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     if not self._scattered[b]:
                         self._start_scatter(b)
                 self._inflight.append(self.client.step_start(groups, scatter=False,
+                                                             **self._clip_kw(),
                                                              **self._stream()))
             step_req = self._inflight[-1]
             self._wait_inflight()  # every request once; raises the first error (a scatter's)
@@ -747,6 +768,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._inflight.clear()
             self._reset_iteration()
         return step_req
+
+    def _clip_kw(self) -> Dict[str, Any]:
+        """step_start's clip_norm: the running torch's order, left out for zerod's own."""
+        return {} if self._clip_norm == "double" else {"clip_norm": self._clip_norm}
 
     def _check_all_groups(self) -> None:
         for i, g in enumerate(self.param_groups):
