@@ -444,7 +444,9 @@ static void *worker_main(void *arg) {
     if (r->peer_failed && !r->stop) {
       r->peer_failed = 0;
       pthread_mutex_unlock(&r->lock);
-      if (zd__comm_failed(r->ctx.comm)) peer_lost(r);
+      /* The verdict aborted the communicator; an idle one does not know it failed until a
+       * collective runs on it, and a world whose trainers only reattach runs none: heal now. */
+      peer_lost(r);
       pthread_mutex_lock(&r->lock);
       continue;
     }
