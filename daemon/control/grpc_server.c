@@ -389,7 +389,7 @@ static void remove_unix_socket(zd__gsrv_t *s) {
 
 static void stop_unix_listener(zd__gsrv_t *s) {
   if (s->unix_fd < 0) return;
-  if (uv_is_active((uv_handle_t *)&s->unix_poll) || s->unix_poll.data) {
+  if (s->unix_poll.data) { /* set once the poll handle exists (after grpc_server_start) */
     uv_poll_stop(&s->unix_poll);
     uv_close((uv_handle_t *)&s->unix_poll, on_handle_closed);
   }
