@@ -958,8 +958,11 @@ static void maybe_teardown(zd__session_t *s) {
   uv_poll_stop(&s->poll);
   uv_timer_stop(&s->frame_timer);
   uv_timer_stop(&s->hello_timer);
-  close(s->fd);
+  /* The descriptor is closed only after the poll handle: closing the handle removes the
+   * descriptor from libuv's epoll set by number, which after a close may already name another
+   * thread's file (a checkpoint's, seen by ThreadSanitizer). */
   uv_close((uv_handle_t *)&s->poll, on_handle_closed);
+  close(s->fd);
   uv_close((uv_handle_t *)&s->frame_timer, on_handle_closed);
   uv_close((uv_handle_t *)&s->hello_timer, on_handle_closed);
 }
