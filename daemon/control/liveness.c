@@ -101,7 +101,7 @@ static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
                  "node of ranks %u..%u restarted (a new zerod process at %.120s)",
                  known->first_rank, known->first_rank + known->local_ranks - 1, known->address);
         ZD_LOG_WARN("heartbeat: %s", reason);
-        l->dead(l->ctx, known->first_rank, inc, reason);
+        l->dead(l->ctx, known->first_rank, ZD__VERDICT_REPLACED, inc, reason);
       }
       continue;
     }
@@ -128,7 +128,7 @@ static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
                "node of ranks %u..%u runs another zerod process than the one this world formed "
                "with (restarted, at %.120s)",
                nd->first_rank, nd->first_rank + nd->local_ranks - 1, nd->address);
-      l->dead(l->ctx, nd->first_rank, nd->incarnation, reason);
+      l->dead(l->ctx, nd->first_rank, ZD__VERDICT_REPLACED, nd->incarnation, reason);
     }
   }
   protobuf_c_message_free_unpacked(reply, NULL);
@@ -158,7 +158,7 @@ static void check_node(zd__liveness_t *l, node_t *n) {
            n->address, n->first_rank, n->first_rank + n->local_ranks - 1,
            (unsigned long long)(now - n->last_ok_ms), l->cfg.peer_timeout_ms, err.msg);
   ZD_LOG_ERROR("heartbeat: %s", reason);
-  l->dead(l->ctx, n->first_rank, 0, reason);
+  l->dead(l->ctx, n->first_rank, ZD__VERDICT_SILENT, n->incarnation, reason);
 }
 
 /* Sleeps ms unless stopped; returns whether to go on. */

@@ -30,11 +30,17 @@ typedef struct zd__liveness_cfg {
   uint32_t peer_timeout_ms;       /* silence that makes a node dead */
 } zd__liveness_cfg_t;
 
-/* Called on the liveness thread, once per node that went silent (incarnation 0), or that the
- * registry shows restarted (its new incarnation: the caller ignores it when its world already
- * formed with that process), with a message naming it. */
-typedef void (*zd__peer_dead_fn)(void *ctx, uint32_t first_rank, uint64_t incarnation,
-                                 const char *reason);
+/* What a verdict says about the node's process `incarnation` (0: unknown). */
+typedef enum zd__verdict {
+  ZD__VERDICT_SILENT,   /* it stopped answering: a world formed with another process ignores it */
+  ZD__VERDICT_REPLACED, /* it is the node's process now, not the one a world may have formed
+                           with: a world formed with it ignores the verdict */
+} zd__verdict_t;
+
+/* Called on the liveness thread, once per node that went silent, or that the registry shows
+ * restarted, with a message naming it. */
+typedef void (*zd__peer_dead_fn)(void *ctx, uint32_t first_rank, zd__verdict_t verdict,
+                                 uint64_t incarnation, const char *reason);
 
 /* Starts the thread. Errors: -ENOMEM, -EAGAIN (no thread). */
 int zd__liveness_start(const zd__liveness_cfg_t *cfg, zd__peer_dead_fn dead, void *ctx,

@@ -20,12 +20,16 @@ typedef struct kv_ctx {
   zd__rdv_t *rdv;
   atomic_int *stop;
   atomic_int *abandon; /* a barrier's: its caller gave up (NULL: none) */
-  int timeout_ms;      /* a get or wait may last at most this (connect_timeout_ms) */
+  atomic_int *broken;  /* a member's: its instance broke (NULL: none; why: broken_why) */
+  const char *broken_why;
+  int timeout_ms; /* a get or wait may last at most this (connect_timeout_ms) */
 } kv_ctx_t;
 
 static int cancelled(const kv_ctx_t *k, zd__err_t *err) {
   if (k->abandon && atomic_load(k->abandon))
     return zd__errf(err, -ECANCELED, "cancelled: the client that asked for it left");
+  if (k->broken && atomic_load(k->broken))
+    return zd__errf(err, ZD_EPEER, "the world instance broke: %s", k->broken_why);
   if (!atomic_load(k->stop)) return ZD_OK;
   return zd__errf(err, -ECANCELED, "cancelled: zerod is shutting down");
 }
@@ -195,6 +199,8 @@ struct zd__world_member {
   uint32_t rank;
   uint32_t world_size;
   uint64_t barriers; /* barriers passed: every rank counts the same */
+  atomic_int broken; /* zd__world_member_break: set once, after broken_why */
+  char broken_why[ZD__ERR_MSG_MAX];
 };
 
 int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
@@ -276,6 +282,8 @@ exit:;
       *m = (zd__world_member_t){
           .kv = k, .incarnations = incarnations, .rank = rank, .world_size = w->world_size};
       snprintf(m->id, sizeof m->id, "%s", id);
+      m->kv.broken = &m->broken;
+      m->kv.broken_why = m->broken_why;
       *member = m;
       return ZD_OK;
     }
@@ -334,6 +342,16 @@ const char *zd__world_member_id(const zd__world_member_t *m) {
 
 uint64_t zd__world_member_incarnation(const zd__world_member_t *m, uint32_t rank) {
   return m && rank < m->world_size ? m->incarnations[rank] : 0;
+}
+
+void zd__world_member_break(zd__world_member_t *m, const char *why) {
+  if (!m || atomic_load(&m->broken)) return;
+  snprintf(m->broken_why, sizeof m->broken_why, "%s", why);
+  atomic_store(&m->broken, 1);
+}
+
+int zd__world_member_broken(zd__world_member_t *m) {
+  return m && atomic_load(&m->broken);
 }
 
 void zd__world_member_free(zd__world_member_t *m) {

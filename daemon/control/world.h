@@ -66,8 +66,18 @@ uint64_t zd__world_member_incarnation(const zd__world_member_t *m, uint32_t rank
  * the stop flag given to zd__world_connect is set. No collective is involved: a timeout here
  * leaves the communicator healthy. -ETIMEDOUT names the ranks' keys that did not arrive.
  * abandon (may be NULL): set by another thread when the caller's client has left: the wait ends
- * within a second with -ECANCELED (this rank withdraws from the barrier). */
+ * within a second with -ECANCELED (this rank withdraws from the barrier). After
+ * zd__world_member_break it ends likewise, with ZD_EPEER and the reason given there. */
 int zd__world_barrier(zd__world_member_t *m, const char *name, atomic_int *abandon, zd__err_t *err);
+
+/* The instance broke (a process it formed with is dead or was replaced): a barrier waiting for
+ * its ranks would wait for keys that never come (the store may have died with rank 0's node), so
+ * it gives up within a second (zd__world_barrier). The first reason is kept. Any thread, while the
+ * member is alive (the caller's lock keeps it so). */
+void zd__world_member_break(zd__world_member_t *m, const char *why);
+
+/* Whether zd__world_member_break was called; 0 for NULL. */
+int zd__world_member_broken(zd__world_member_t *m);
 
 /* Closes the membership's rendezvous connection; accepts NULL. */
 void zd__world_member_free(zd__world_member_t *m);

@@ -591,10 +591,11 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
 }
 
 /* The heartbeat thread found a node dead: fail the collectives that wait for it, now. */
-static void peer_dead(void *ctx, uint32_t first_rank, uint64_t incarnation, const char *reason) {
+static void peer_dead(void *ctx, uint32_t first_rank, zd__verdict_t verdict, uint64_t incarnation,
+                      const char *reason) {
   zd__daemon_t *d = ctx;
   for (uint32_t i = 0; i < d->nranks; i++)
-    zd__rank_peer_dead(d->ranks[i], first_rank, incarnation, reason);
+    zd__rank_peer_dead(d->ranks[i], first_rank, verdict, incarnation, reason);
 }
 
 /* Other nodes of the world are watched by a heartbeat (liveness.h); a one-node world has none. */

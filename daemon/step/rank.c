@@ -151,6 +151,61 @@ static void stand_in(zd__rank_t *r, zd__job_t *job) {
 }
 
 static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix, const char *reason);
+static int can_heal(const zd__rank_t *r);
+static void heal(zd__rank_t *r);
+
+/* A registration. Should the world break while it waits for the other ranks (a peer zerod died or
+ * was replaced; the heartbeat's verdict ends the wait), the world is re-formed and the
+ * registration made again in the new instance, where it resumes the newest checkpoint like every
+ * other rank's: to its client, the world just took longer to form. */
+static void attach(zd__rank_t *r, zd__job_t *job) {
+  zd__err_t *err = &job->err;
+  for (;;) {
+    int resumed = 0;
+    /* zeroctl status shows the load of a checkpoint as its own phase */
+    int restoring = !r->model && !job->in.spec->replace &&
+                    (r->ctx.resume_latest || zd__ckptr_resumes(r->env.ckpt));
+    if (restoring)
+      set_health(r, ZD__HEALTH_RESTORING, "",
+                 r->ctx.resume_latest ? "the world re-formed: loading the newest checkpoint"
+                                      : "loading a checkpoint (resume)");
+    job->code = zd__model_attach(&r->ctx, &r->model, job->in.spec, job->buffers, job->event_slot,
+                                 &resumed, err);
+    if (restoring) set_health(r, ZD__HEALTH_OK, "", "");
+    int broke = zd__comm_failed(r->ctx.comm) || zd__world_member_broken(r->ctx.member);
+    if (job->code && broke && can_heal(r) && !atomic_load(&r->attach_abandoned)) {
+      ZD_LOG_WARN(
+          "registration: the world broke while it formed (%s); registering again once it "
+          "has re-formed",
+          err->msg);
+      set_health(r, ZD__HEALTH_DEGRADED, "", err->msg);
+      heal(r);
+      zd__rank_stats_t st;
+      zd__rank_stats(r, &st);
+      if (st.health == ZD__HEALTH_OK) continue;
+    }
+    atomic_store(&r->attach_abandoned, 0); /* set for this registration only (its client left
+                                              while it was queued or waiting) */
+    if (job->code != ZD_OK) return;
+    const zd__layout_t *l = r->model->layout;
+    r->ctx.resume_latest = 0; /* rolled back (or resumed): done */
+    pthread_mutex_lock(&r->stats_lock);
+    r->stats.resume_pending = 0;
+    pthread_mutex_unlock(&r->stats_lock);
+    job->out.attach.step = r->model->step;
+    job->out.attach.resumed = resumed;
+    job->out.attach.loss_scale = r->model->scaler.scale;
+    job->out.attach.layout_hash = l->hash;
+    job->out.attach.total_elems = l->total_elems;
+    job->out.attach.nbuckets = l->nbuckets;
+    job->out.attach.shard_elems = l->shard_elems;
+    ZD_LOG_INFO("%s model: %u parameters, %" PRIu64 " elements in %u buckets, shard %" PRIu64
+                " elements, step %" PRIu64,
+                resumed ? "resumed" : "registered", l->nparams, l->total_elems, l->nbuckets,
+                l->shard_elems, r->model->step);
+    return;
+  }
+}
 
 static void run_job(zd__rank_t *r, zd__job_t *job) {
   zd__err_t *err = &job->err;
@@ -165,40 +220,9 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
     return;
   }
   switch (job->type) {
-    case ZD__JOB_ATTACH: {
-      int resumed = 0;
-      /* zeroctl status shows the load of a checkpoint as its own phase */
-      int restoring = !r->model && !job->in.spec->replace &&
-                      (r->ctx.resume_latest || zd__ckptr_resumes(r->env.ckpt));
-      if (restoring)
-        set_health(r, ZD__HEALTH_RESTORING, "",
-                   r->ctx.resume_latest ? "the world re-formed: loading the newest checkpoint"
-                                        : "loading a checkpoint (resume)");
-      job->code = zd__model_attach(&r->ctx, &r->model, job->in.spec, job->buffers, job->event_slot,
-                                   &resumed, err);
-      atomic_store(&r->attach_abandoned, 0); /* set for this registration only (its client left
-                                                while it was queued or waiting) */
-      if (restoring) set_health(r, ZD__HEALTH_OK, "", "");
-      if (job->code == ZD_OK) {
-        const zd__layout_t *l = r->model->layout;
-        r->ctx.resume_latest = 0; /* rolled back (or resumed): done */
-        pthread_mutex_lock(&r->stats_lock);
-        r->stats.resume_pending = 0;
-        pthread_mutex_unlock(&r->stats_lock);
-        job->out.attach.step = r->model->step;
-        job->out.attach.resumed = resumed;
-        job->out.attach.loss_scale = r->model->scaler.scale;
-        job->out.attach.layout_hash = l->hash;
-        job->out.attach.total_elems = l->total_elems;
-        job->out.attach.nbuckets = l->nbuckets;
-        job->out.attach.shard_elems = l->shard_elems;
-        ZD_LOG_INFO("%s model: %u parameters, %" PRIu64 " elements in %u buckets, shard %" PRIu64
-                    " elements, step %" PRIu64,
-                    resumed ? "resumed" : "registered", l->nparams, l->total_elems, l->nbuckets,
-                    l->shard_elems, r->model->step);
-      }
+    case ZD__JOB_ATTACH:
+      attach(r, job);
       break;
-    }
     case ZD__JOB_SCATTER:
       job->code =
           zd__model_scatter(&r->ctx, r->model, job->buffers, job->event_slot, job->in.bucket, err);
@@ -550,15 +574,27 @@ void zd__rank_abort(zd__rank_t *r) {
   pthread_mutex_unlock(&r->lock);
 }
 
-void zd__rank_peer_dead(zd__rank_t *r, uint32_t peer_rank, uint64_t incarnation, const char *why) {
+/* Whether a verdict is about the instance this rank is in (r->lock held). */
+static int verdict_applies(const zd__rank_t *r, uint32_t peer_rank, zd__verdict_t verdict,
+                           uint64_t incarnation) {
+  if (!incarnation) return 1;   /* a process of unknown identity: assume it is ours */
+  if (!r->ctx.member) return 0; /* re-forming: the new instance waits for the new process */
+  uint64_t formed_with = zd__world_member_incarnation(r->ctx.member, peer_rank);
+  if (verdict == ZD__VERDICT_REPLACED) return formed_with != incarnation;
+  return !formed_with || formed_with == incarnation; /* silent: ours, unless formed with another */
+}
+
+void zd__rank_peer_dead(zd__rank_t *r, uint32_t peer_rank, zd__verdict_t verdict,
+                        uint64_t incarnation, const char *why) {
   pthread_mutex_lock(&r->lock);
-  if (incarnation &&
-      (!r->ctx.member || zd__world_member_incarnation(r->ctx.member, peer_rank) == incarnation)) {
-    pthread_mutex_unlock(&r->lock); /* re-forming, or formed with that process already */
+  if (!verdict_applies(r, peer_rank, verdict, incarnation)) {
+    pthread_mutex_unlock(&r->lock);
+    ZD_LOG_DEBUG("heartbeat verdict not about this world instance, ignored: %s", why);
     return;
   }
   zd__comm_abort(r->ctx.comm, ZD_EPEER, why);
-  zd__ckptr_world_broke(r->env.ckpt); /* a checkpoint waiting for the dead node gives up */
+  zd__world_member_break(r->ctx.member, why); /* a registration waiting for the others gives up */
+  zd__ckptr_world_broke(r->env.ckpt);         /* a checkpoint waiting for the dead node gives up */
 
   if (r->ctx.comm && !r->peer_failed) {
     r->peer_failed = 1;

@@ -22,6 +22,7 @@
 #include "error.h"
 #include "frame.h"
 #include "layout.h"
+#include "liveness.h"
 #include "step_decide.h"
 #include "shm.h"
 #include "zerod/zerod.h"
@@ -221,12 +222,15 @@ void zd__rank_abandon_attach(zd__rank_t *rank);
  * thread. */
 void zd__rank_abort(zd__rank_t *rank);
 
-/* A peer of the world was found dead (the heartbeat, liveness.h), or restarted (incarnation: the
- * new process of global rank peer_rank; ignored when this rank's world formed with it): the
- * collective in progress, and every later one, fails at once with ZD_EPEER and `why`, which then
- * degrades the rank, instead of waiting for the collective timeout. Any thread. */
-void zd__rank_peer_dead(zd__rank_t *rank, uint32_t peer_rank, uint64_t incarnation,
-                        const char *why);
+/* A peer of the world was found dead or restarted (the heartbeat's verdict on the process
+ * `incarnation` of global rank peer_rank, liveness.h). Ignored when it is not about the world
+ * instance this rank is in (formed with another process than a silent one, or with the one now
+ * there) and while the rank re-forms; otherwise the collective in progress, and every later one,
+ * fails at once with ZD_EPEER and `why`, and so does a registration waiting for the other ranks,
+ * which then degrades the rank, instead of waiting for the collective or connect timeout. Any
+ * thread. */
+void zd__rank_peer_dead(zd__rank_t *rank, uint32_t peer_rank, zd__verdict_t verdict,
+                        uint64_t incarnation, const char *why);
 
 /* Stops the worker after the queued jobs have run (cancelling a world bootstrap still waiting
  * for peers), joins it and frees the rank and its model; accepts NULL. */

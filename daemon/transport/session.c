@@ -61,8 +61,10 @@ struct zd__session {
   struct ucred cred;
   char name[64];
   session_state_t state;
-  int named_rank;  /* its hello named the rank (a weak reservation: attach.h) */
-  int closing;     /* read no more; tear down once idle */
+  int named_rank; /* its hello named the rank (a weak reservation: attach.h) */
+  int closing;    /* read no more; tear down once idle */
+  int rank_wait;  /* a register waits for a departed client's rank (register_waits) */
+  uint64_t rank_wait_until_ms;
   int dispatching; /* in process_frames: a job done inline must not re-enter it */
   int torn_down;   /* handles closing */
   int poll_events;
@@ -108,7 +110,8 @@ static void stand_in(zd__session_t *s);
  * unsent), is not read until it catches up, so it cannot make zerod hold unbounded memory. */
 static int accepting(const zd__session_t *s) {
   const zd__config_t *cfg = s->cfg;
-  return !s->closing && s->inflight < cfg->max_inflight && s->wq_bytes < cfg->max_frame_bytes;
+  return !s->closing && !s->rank_wait && s->inflight < cfg->max_inflight &&
+         s->wq_bytes < cfg->max_frame_bytes;
 }
 static void process_frames(zd__session_t *s);
 
@@ -741,6 +744,47 @@ static void consume(zd__session_t *s, size_t n) {
   s->rlen -= n;
 }
 
+/* How long a register waits for a rank whose client has gone (register_waits), and how often it
+ * looks again. */
+#define RANK_WAIT_MS      3000
+#define RANK_WAIT_POLL_MS 20
+
+static void on_rank_wait(uv_timer_t *t) {
+  zd__session_t *s = t->data;
+  s->rank_wait = 0;
+  if (s->closing || s->torn_down) return;
+  process_frames(s);
+  update_poll(s);
+  maybe_teardown(s);
+}
+
+/* A register for a rank that another session still holds only because its client's job in
+ * flight (typically a registration waiting for the other ranks, which gives up within a second
+ * of its client leaving) has not ended: the client is gone, so the rank is about to be free. A
+ * trainer restarted at once would otherwise be refused ZD_EBUSY; it waits (reading nothing more)
+ * until the rank is free, for at most RANK_WAIT_MS, and is then refused as before. */
+static int register_waits(zd__session_t *s) {
+  if (!s->rank) return 0;
+  zd__session_t *holder =
+      zd__attach_blocker(s->ss->attach, s, zd__rank_local(s->rank), s->named_rank);
+  uint64_t now = zd__now_ms();
+  if (!holder || !holder->closing || holder->inflight == 0 ||
+      (s->rank_wait_until_ms && now >= s->rank_wait_until_ms)) {
+    s->rank_wait_until_ms = 0;
+    return 0;
+  }
+  if (!s->rank_wait_until_ms) {
+    s->rank_wait_until_ms = now + RANK_WAIT_MS;
+    ZD_LOG_DEBUG(
+        "session %u: register waits for local rank %u, held by session %u (pid %d) "
+        "whose client has gone",
+        s->id, zd__rank_local(s->rank), holder->id, (int)holder->cred.pid);
+  }
+  s->rank_wait = 1;
+  uv_timer_start(&s->hello_timer, on_rank_wait, RANK_WAIT_POLL_MS, 0); /* idle after hello */
+  return 1;
+}
+
 static void dispatch_frames(zd__session_t *s) {
   const zd__config_t *cfg = s->cfg;
   while (accepting(s) && s->rlen >= ZD__FRAME_HEADER_SIZE) {
@@ -757,6 +801,7 @@ static void dispatch_frames(zd__session_t *s) {
     }
     size_t total = ZD__FRAME_HEADER_SIZE + (size_t)h.length;
     if (s->rlen < total) break;
+    if (h.type == ZD__MSG_REGISTER && h.version == ZD_PROTOCOL_VERSION && register_waits(s)) break;
     if (h.version != ZD_PROTOCOL_VERSION) {
       refusef(s, &h, ZD_EVERSION,
               "frame has protocol version %u; this zerod speaks "
