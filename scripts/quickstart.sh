@@ -5,7 +5,8 @@
 #
 #   scripts/quickstart.sh demo    install, build, run the demo
 #   scripts/quickstart.sh test    install, build, run all tests, then the unit and integration
-#                                 suites under sanitizers and the fuzz harnesses (what CI runs)
+#                                 suites under ASan+UBSan and under TSan (with the Python world
+#                                 tests), and the fuzz harnesses (what CI runs)
 #   scripts/quickstart.sh build   install and build only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +66,7 @@ case "${1:-}" in
     export ZEROD_TORCH2_PYTHON
     run_tests
     scripts/sanitize.sh # unit and integration suites under ASan + UBSan + LSan
+    scripts/sanitize.sh tsan # and under ThreadSanitizer, with the Python world tests
     scripts/fuzz.sh ci  # each libFuzzer harness over its corpus and a fixed number of inputs
     ;;
   build) install_deps; build ;;

@@ -48,6 +48,7 @@
 #include "clock.h"
 #include "grpc_unary.h"
 #include "log.h"
+#include "tsan.h"
 
 #define SLOTS_PER_METHOD  2   /* calls of one method gRPC can hand us without waiting */
 #define SHUTDOWN_GRACE_MS 500 /* calls still running this long after shutdown are cancelled */
@@ -128,24 +129,9 @@ struct zd__gsrv {
 /* ---- completion-queue thread ----------------------------------------------------------------- */
 
 /* A tag handed to gRPC on the loop thread comes back on the queue thread after everything the loop
- * wrote before handing it over: gRPC's locks make it so. Debian's gRPC is not instrumented, so
- * ThreadSanitizer cannot see those locks; these two tell it, and compile to nothing elsewhere. */
-#if defined(__SANITIZE_THREAD__)
-#define ZD_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define ZD_TSAN 1
-#endif
-#endif
-#ifdef ZD_TSAN
-void __tsan_acquire(void *addr);
-void __tsan_release(void *addr);
-#define TAG_TO_GRPC(t)   __tsan_release(t)
-#define TAG_FROM_GRPC(t) __tsan_acquire(t)
-#else
-#define TAG_TO_GRPC(t)   ((void)(t))
-#define TAG_FROM_GRPC(t) ((void)(t))
-#endif
+ * wrote before handing it over: gRPC's locks make it so, out of ThreadSanitizer's sight. */
+#define TAG_TO_GRPC(t)   ZD_TSAN_RELEASE(t)
+#define TAG_FROM_GRPC(t) ZD_TSAN_ACQUIRE(t)
 
 static void *cq_main(void *arg) {
   zd__gsrv_t *s = arg;
