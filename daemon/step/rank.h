@@ -23,6 +23,7 @@
 #include "frame.h"
 #include "layout.h"
 #include "liveness.h"
+#include "pool.h"
 #include "step_decide.h"
 #include "shm.h"
 #include "zerod/zerod.h"
@@ -237,9 +238,11 @@ void zd__rank_peer_dead(zd__rank_t *rank, uint32_t peer_rank, zd__verdict_t verd
 void zd__rank_destroy(zd__rank_t *rank);
 
 /* Jobs of a world-size-1 CPU model up to this many elements may run on the loop thread: a step
- * then costs no thread hand-off (two wake-ups saved, most of a tiny step's round trip), and the
- * kernel runs single-threaded anyway at this size. */
-#define ZD__INLINE_MAX_ELEMS 32768u
+ * then costs no thread hand-off (two wake-ups saved, most of a tiny step's round trip and up to
+ * a quarter of a 2^20-parameter one's). The bound is where the kernel starts to use a second
+ * thread (pool.h), so the step runs single-threaded in any case, and a status or control call
+ * waits behind it for at most a few milliseconds. */
+#define ZD__INLINE_MAX_ELEMS (2 * ZD__POOL_STREAM_MIN_PER_THREAD - 1)
 
 /* Runs a scatter, step or gather job right here, on the calling (loop) thread, when the rank
  * allows it (ZD__INLINE_MAX_ELEMS) and has nothing queued or running; returns 1 if it ran (the
