@@ -10,6 +10,7 @@
 #include <inttypes.h>
 #include <poll.h>
 #include <stdarg.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,10 +92,15 @@ static int send_request(zd_client_t *c, uint16_t type, const ProtobufCMessage *m
   return rc;
 }
 
-/* Reads exactly len bytes; timeout_ms < 0 waits for ever. */
 /* Before sleeping on a reply, look for it for this long: a small step's reply comes back within
  * tens of microseconds, about what waking a sleeping thread costs on a virtual machine. */
 #define REPLY_SPIN_NS 50000
+/* A step's wait looks for as long as the last step took, plus REPLY_SPIN_NS, where that is at most
+ * this: a sleeping client's wake-up (20-40 us on a virtual machine) was up to a fifth of a
+ * 2^20-parameter step. A longer step sleeps: the wake-up is then a small part of it, and its
+ * kernel may be using every core. Past the first REPLY_SPIN_NS the look yields the CPU between
+ * tries, so the daemon's threads go first on a busy machine. */
+#define STEP_SPIN_MAX_NS 1000000
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -102,15 +108,19 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Reads what is there without blocking, for up to REPLY_SPIN_NS; returns bytes read, 0 if none
- * came, or -1 with errno (EOF reads as 0 bytes on the blocking path that follows). */
+/* Reads what is there without blocking, for up to c->reply_spin_ns (REPLY_SPIN_NS if unset);
+ * returns bytes read, or 0 if none came (EOF and errors read as 0 bytes here: the blocking read
+ * that follows reports them). */
 static ssize_t read_spinning(zd_client_t *c, uint8_t *buf, size_t len) {
-  uint64_t deadline = now_ns() + REPLY_SPIN_NS;
+  uint64_t start = now_ns(), now = start;
+  uint64_t spin = c->reply_spin_ns ? c->reply_spin_ns : REPLY_SPIN_NS;
   do {
     ssize_t n = recv(c->fd, buf, len, MSG_DONTWAIT);
     if (n > 0) return n;
     if (n == 0 || (errno != EAGAIN && errno != EINTR)) return 0; /* let the blocking read say */
-  } while (now_ns() < deadline);
+    if (now - start >= REPLY_SPIN_NS) sched_yield();
+    now = now_ns();
+  } while (now - start < spin);
   return 0;
 }
 
@@ -215,6 +225,8 @@ static int settle(zd_client_t *c, zd__pending_t *p, const zd__frame_header_t *h,
                                  .duration_us = r->duration_us};
     c->info.step = r->step;
     c->info.loss_scale = r->loss_scale;
+    uint64_t took_ns = r->duration_us * 1000u;
+    c->step_spin_ns = took_ns <= STEP_SPIN_MAX_NS ? took_ns + REPLY_SPIN_NS : REPLY_SPIN_NS;
     zerod__v1__step_reply__free_unpacked(r, NULL);
   }
   return ZD_OK;
@@ -430,7 +442,10 @@ int zd_gather_start(zd_client_t *c, int bucket, zd_request_t *req) {
 
 int zd_wait(zd_client_t *c, zd_request_t req, zd_step_result_t *result) {
   if (!c) return zd__fail(-EINVAL, "zd_wait: client is NULL");
+  zd__pending_t *w = zd__find_pending(c, req);
+  c->reply_spin_ns = w && w->type == ZD__MSG_STEP ? c->step_spin_ns : 0;
   int rc = zd__await(c, req, NULL, NULL, -1);
+  c->reply_spin_ns = 0;
   zd__pending_t *p = zd__find_pending(c, req);
   if (p && p->done) {
     if (result && p->type == ZD__MSG_STEP && rc == ZD_OK) *result = p->step;

@@ -38,6 +38,8 @@ typedef struct zd__pending {
 struct zd_client {
   int fd;
   uint64_t next_id;
+  uint64_t reply_spin_ns; /* how long the read of the reply being awaited looks before sleeping */
+  uint64_t step_spin_ns;  /* what a step's wait looks for: from the last step's duration */
   zd_info_t info;
   zd__pending_t pending[ZD__MAX_OUTSTANDING];
   uint32_t npending;
