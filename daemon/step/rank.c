@@ -173,7 +173,10 @@ static void attach(zd__rank_t *r, zd__job_t *job) {
                                  &resumed, err);
     if (restoring) set_health(r, ZD__HEALTH_OK, "", "");
     int broke = zd__comm_failed(r->ctx.comm) || zd__world_member_broken(r->ctx.member);
-    if (job->code && broke && can_heal(r) && !atomic_load(&r->attach_abandoned)) {
+    /* Again only with the spec whole: a model built from it (then dropped by the heal) took its
+     * layout and groups. */
+    int spec_whole = job->in.spec->layout && (!job->in.spec->ngroups || job->in.spec->groups);
+    if (job->code && broke && spec_whole && can_heal(r) && !atomic_load(&r->attach_abandoned)) {
       ZD_LOG_WARN(
           "registration: the world broke while it formed (%s); registering again once it "
           "has re-formed",
