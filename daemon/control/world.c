@@ -47,7 +47,9 @@ static int kv_set(void *ctx, const char *key, const void *value, size_t len, zd_
   }
 }
 
-/* Waits in slices until the keys exist, the overall timeout passes, or a stop is asked for. */
+/* Waits in slices until the keys exist, the overall timeout passes, or a stop is asked for. A
+ * store that cannot be reached (rank 0's node restarting) is waited for like a key: the
+ * heartbeat's verdict on that node (the member broken), a stop or the timeout ends the wait. */
 static int kv_wait(void *ctx, const char *const *keys, size_t nkeys, int timeout_ms,
                    zd__err_t *err) {
   kv_ctx_t *k = ctx;
@@ -57,7 +59,7 @@ static int kv_wait(void *ctx, const char *const *keys, size_t nkeys, int timeout
     if (rc) return rc;
     int slice = timeout_ms - waited < SLICE_MS ? timeout_ms - waited : SLICE_MS;
     rc = zd__rdv_wait(k->rdv, keys, nkeys, slice, err);
-    if (rc != -ETIMEDOUT || waited + slice >= timeout_ms) return rc;
+    if ((rc != -ETIMEDOUT && rc != ZD_EPEER) || waited + slice >= timeout_ms) return rc;
   }
 }
 

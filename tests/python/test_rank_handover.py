@@ -8,7 +8,7 @@ instead of being refused, and registers with the trainer of rank 1 (seen first i
 trials: a zerod restarted during registration, the trainers restarted torchrun-style).
 
 A W=2 world of two zerods with checkpoints. Trainer 1 registers and waits for rank 0; zerod 0 is
-SIGKILLed and restarted (--resume latest, as a supervisor would). The heartbeat tells zerod 1 its
+SIGKILLed and restarted (--resume latest, as a supervisor would), at once or 1.5 s later. The heartbeat tells zerod 1 its
 world broke; its waiting registration must not fail (ZD_EPEER) nor wait out the connect timeout:
 zerod 1 re-forms the world and registers again there, and trainer 1 steps with the restarted
 trainer 0.
@@ -79,10 +79,20 @@ class RankHandoverTest(unittest.TestCase):
             c1.close()
 
     def test_registration_survives_a_restarted_peer(self) -> None:
+        self.registration_survives(restart_after=0.0, peer_timeout_ms=1000)
+
+    def test_registration_waits_out_a_peer_that_is_down(self) -> None:
+        """zerod 0, which holds the rendezvous store, stays down for 1.5 s: less than the peer
+        timeout, more than the store's retry slice. The barrier waits for the store instead of
+        failing the registration with ZD_EPEER before any verdict."""
+        self.registration_survives(restart_after=1.5, peer_timeout_ms=3000)
+
+    def registration_survives(self, restart_after: float, peer_timeout_ms: int) -> None:
         ckpt = tempfile.mkdtemp(prefix="zerod-reform-")
         world = zerod.testing.LocalWorld(
             2, daemons=2, log_level="info",
-            args=["--checkpoint_dir", ckpt, "--heartbeat_ms", "100", "--peer_timeout_ms", "1000"])
+            args=["--checkpoint_dir", ckpt, "--heartbeat_ms", "100", "--peer_timeout_ms",
+                  str(peer_timeout_ms)])
         results: dict = {}
 
         def trainer(rank: int) -> None:
@@ -101,6 +111,7 @@ class RankHandoverTest(unittest.TestCase):
             self.assertNotIn(1, results, "trainer 1 registered without rank 0")
             old = world.daemons[0]
             old.stop(signal.SIGKILL, check=False)
+            time.sleep(restart_after)
             new = zerod.testing.LocalZerod(old.args + ["--resume", "latest"], log_level="info",
                                            start=False, keep_dir=True)
             shutil.rmtree(new.dir, ignore_errors=True)
