@@ -225,8 +225,9 @@ static int settle(zd_client_t *c, zd__pending_t *p, const zd__frame_header_t *h,
                                  .duration_us = r->duration_us};
     c->info.step = r->step;
     c->info.loss_scale = r->loss_scale;
-    uint64_t took_ns = r->duration_us * 1000u;
-    c->step_spin_ns = took_ns <= STEP_SPIN_MAX_NS ? took_ns + REPLY_SPIN_NS : REPLY_SPIN_NS;
+    c->step_spin_ns = r->duration_us <= STEP_SPIN_MAX_NS / 1000
+                          ? r->duration_us * 1000 + REPLY_SPIN_NS
+                          : REPLY_SPIN_NS;
     zerod__v1__step_reply__free_unpacked(r, NULL);
   }
   return ZD_OK;

@@ -52,14 +52,15 @@ static node_t *find_node(zd__liveness_t *l, uint32_t first_rank) {
 }
 
 /* A node registered again with another address (a restarted zerod that rejoined the world):
- * watch the new address, with a fresh timer. */
-static void readdress(node_t *nd, const char *address) {
+ * watch the new address, with a fresh timer. Returns 0, or -1 if the old one is still watched
+ * (no channel: the next round tries again). */
+static int readdress(node_t *nd, const char *address) {
   zd__grpc_channel_t *ch = NULL;
   zd__err_t err = {0};
   char *copy = strdup(address);
   if (!copy || zd__grpc_channel_open(copy, &ch, &err) != ZD_OK) {
     free(copy);
-    return; /* keep watching the old one; the next round tries again */
+    return -1;
   }
   ZD_LOG_INFO("heartbeat: node of ranks %u..%u is now at %s", nd->first_rank,
               nd->first_rank + nd->local_ranks - 1, copy);
@@ -69,6 +70,7 @@ static void readdress(node_t *nd, const char *address) {
   nd->address = copy;
   nd->last_ok_ms = zd__now_ms();
   nd->reported = 0;
+  return 0;
 }
 
 /* Adds the nodes of the registry not known yet, and follows a node that registered again at
@@ -92,9 +94,11 @@ static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
       int restarted = inc && known->incarnation && inc != known->incarnation;
       /* a new address, or a new process at the old one: a fresh channel (no reconnect backoff
        * left from the dead process) and a fresh timer */
+      int watched = 1;
       if (restarted || strcmp(known->address, n->control_address) != 0)
-        readdress(known, n->control_address);
-      if (inc) known->incarnation = inc;
+        watched = readdress(known, n->control_address) == 0;
+      /* The timer's silence is the incarnation's: the old one's until the new one is watched. */
+      if (inc && watched) known->incarnation = inc;
       if (restarted) {
         char reason[ZD__ERR_MSG_MAX];
         snprintf(reason, sizeof reason,
