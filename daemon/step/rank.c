@@ -154,13 +154,17 @@ static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix, c
 static int can_heal(const zd__rank_t *r);
 static void heal(zd__rank_t *r);
 
+/* A registration re-forms a broken world at most this often: a peer that keeps crashing makes
+ * its trainer fail instead of wait for ever. */
+#define ATTACH_REFORMS_MAX 3
+
 /* A registration. Should the world break while it waits for the other ranks (a peer zerod died or
  * was replaced; the heartbeat's verdict ends the wait), the world is re-formed and the
  * registration made again in the new instance, where it resumes the newest checkpoint like every
  * other rank's: to its client, the world just took longer to form. */
 static void attach(zd__rank_t *r, zd__job_t *job) {
   zd__err_t *err = &job->err;
-  for (;;) {
+  for (int reforms = 0;; reforms++) {
     int resumed = 0;
     /* zeroctl status shows the load of a checkpoint as its own phase */
     int restoring = !r->model && !job->in.spec->replace &&
@@ -176,7 +180,13 @@ static void attach(zd__rank_t *r, zd__job_t *job) {
     /* Again only with the spec whole: a model built from it (then dropped by the heal) took its
      * layout and groups. */
     int spec_whole = job->in.spec->layout && (!job->in.spec->ngroups || job->in.spec->groups);
-    if (job->code && broke && spec_whole && can_heal(r) && !atomic_load(&r->attach_abandoned)) {
+    if (job->code && broke && reforms == ATTACH_REFORMS_MAX) {
+      char cause[ZD__ERR_MSG_MAX];
+      snprintf(cause, sizeof cause, "%s", err->msg);
+      zd__errf(err, job->code, "the world broke %d times while this registration waited; last: %s",
+               reforms + 1, cause);
+    } else if (job->code && broke && spec_whole && can_heal(r) &&
+               !atomic_load(&r->attach_abandoned)) {
       ZD_LOG_WARN(
           "registration: the world broke while it formed (%s); registering again once it "
           "has re-formed",
