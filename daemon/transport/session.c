@@ -1,10 +1,10 @@
-/* Client sessions (session.h): connections, frame reading, the command table, handlers and
- * replies; the set of sessions with its counters and the rank attachment table it drives. */
+/* Client sessions (session.h): connections, frame reading and dispatch, replies, jobs and their
+ * completion, a session's life and teardown; the set of sessions with its counters and the rank
+ * attachment table it drives. The command table and the request handlers are in requests.c. */
 #include "session.h"
 
 #include <errno.h>
 #include <inttypes.h>
-#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,97 +13,16 @@
 
 #include "attach.h"
 #include "buffers.h"
-#include "dtype.h"
 #include "frame.h"
 #include "log.h"
-#include "status.h"
+#include "session_internal.h"
 #include "step.h"
-#include "wire.h"
 #include "zerod.pb-c.h"
 
-#define MAX_FDS    8     /* descriptors held per session before a register consumes them */
 #define READ_CHUNK 65536 /* bytes read per recvmsg when no frame size is known yet */
-
-typedef enum session_state {
-  SESSION_NEW,         /* waiting for hello */
-  SESSION_READY,       /* hello done: version agreed, local rank chosen */
-  SESSION_REGISTERING, /* attach job in flight */
-  SESSION_REGISTERED,  /* model registered: step, scatter, gather allowed */
-} session_state_t;
-
-typedef struct out_buf {
-  struct out_buf *next;
-  size_t len;
-  size_t off;
-  uint8_t data[];
-} out_buf_t;
-
-struct zd__sessions {
-  zd__daemon_t *d;
-  zd__session_t *head; /* open sessions, linked through the session */
-  uint32_t n;
-  uint32_t next_id;
-  zd__session_counters_t counters;
-  zd__attach_t *attach; /* which session holds each local rank; written only through here */
-};
-
-struct zd__session {
-  zd__sessions_t *ss;
-  zd__daemon_t *daemon;
-  const zd__config_t *cfg;
-  zd__session_t *next, *prev;
-  uint32_t id;
-  int fd;
-  uv_poll_t poll;
-  uv_timer_t frame_timer;
-  uv_timer_t hello_timer; /* a connection must say hello within hello_timeout_ms */
-  int open_handles;       /* poll and timers, until their close callbacks ran */
-  struct ucred cred;
-  char name[64];
-  session_state_t state;
-  int named_rank; /* its hello named the rank (a weak reservation: attach.h) */
-  int closing;    /* read no more; tear down once idle */
-  int rank_wait;  /* a register waits for a departed client's rank (register_waits) */
-  uint64_t rank_wait_until_ms;
-  int dispatching; /* in process_frames: a job done inline must not re-enter it */
-  int torn_down;   /* handles closing */
-  int poll_events;
-
-  uint8_t *rbuf; /* received bytes not yet consumed */
-  size_t rlen;
-  size_t rcap;
-  int fds[MAX_FDS]; /* received descriptors, oldest first */
-  int nfds;
-  out_buf_t *wq_head, *wq_tail;
-  size_t wq_bytes; /* replies not yet written: reading stops above max_frame_bytes */
-
-  zd__rank_t *rank; /* from hello on; held in the attachment table, or competed for at register */
-  zd__session_buffers_t buf;
-  uint32_t nbuckets;
-  uint32_t ngroups;
-  uint32_t inflight;      /* jobs queued on the rank */
-  zd__job_t *pending_bye; /* bye waits for the jobs in flight; holds its request id */
-  uint64_t bye_id;
-  int bye_pending;
-  int stood_in; /* W > 1: its rank was released at its end, and the rank stands in for it */
-};
-
-typedef int (*handler_fn)(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                          zd__err_t *err);
-
-enum { CMD_ANY = 0, CMD_NEEDS_HELLO = 1, CMD_NEEDS_MODEL = 2 };
-
-typedef struct command {
-  uint16_t type;
-  const char *name;
-  handler_fn handler;
-  int needs;
-  uint32_t max_body; /* 0: the configured max_frame_bytes */
-} command_t;
 
 static void update_poll(zd__session_t *s);
 static void maybe_teardown(zd__session_t *s);
-static void stand_in(zd__session_t *s);
 
 /* Whether to take more requests from this client now. Backpressure: a client that pipelines up
  * to max_inflight, or sends without reading its replies (more than max_frame_bytes of them
@@ -175,7 +94,7 @@ static void send_frame(zd__session_t *s, uint16_t type, uint64_t id, const Proto
   flush(s);
 }
 
-static void send_reply(zd__session_t *s, uint16_t req_type, uint64_t id,
+void zd__session_reply(zd__session_t *s, uint16_t req_type, uint64_t id,
                        const ProtobufCMessage *msg) {
   send_frame(s, (uint16_t)(req_type | ZD__FRAME_REPLY), id, msg);
 }
@@ -234,7 +153,7 @@ static void fail_stream(zd__session_t *s, uint64_t id, int kept, int code, const
 
 /* ---- jobs ---------------------------------------------------------------------------------- */
 
-static zd__job_t *job_new(zd__session_t *s, zd__job_type_t type, const zd__frame_header_t *h) {
+zd__job_t *zd__session_job_new(zd__session_t *s, zd__job_type_t type, const zd__frame_header_t *h) {
   zd__job_t *job = calloc(1, sizeof *job);
   if (!job) return NULL;
   job->type = type;
@@ -245,7 +164,7 @@ static zd__job_t *job_new(zd__session_t *s, zd__job_type_t type, const zd__frame
   return job;
 }
 
-static void submit(zd__session_t *s, zd__job_t *job) {
+void zd__session_submit(zd__session_t *s, zd__job_t *job) {
   /* Inline only with nothing of this session in flight: a job of its that finished on the worker
    * may still wait in the completion queue, and its reply must go out first. */
   int idle = s->inflight == 0;
@@ -257,408 +176,9 @@ static void submit(zd__session_t *s, zd__job_t *job) {
     zd__rank_submit(s->rank, job);
 }
 
-/* ---- handlers ------------------------------------------------------------------------------ */
-
-static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                        zd__err_t *err) {
-  zd__daemon_t *d = s->daemon;
-  if (s->state != SESSION_NEW)
-    return zd__errf(err, ZD_EORDER, "hello sent twice; this session is already for local rank %u",
-                    zd__rank_local(s->rank));
-  Zerod__V1__HelloRequest *req = zerod__v1__hello_request__unpack(NULL, h->length, body);
-  if (!req) return zd__errf(err, ZD_EPROTO, "malformed hello body (%u bytes)", h->length);
-  int rc = ZD_OK;
-  if (req->min_version > ZD_PROTOCOL_VERSION || req->max_version < ZD_PROTOCOL_VERSION) {
-    rc = zd__errf(err, ZD_EVERSION, "client speaks protocol versions %u..%u; this zerod speaks %d",
-                  req->min_version, req->max_version, ZD_PROTOCOL_VERSION);
-    goto exit;
-  }
-  int32_t want = req->local_rank;
-  uint32_t nranks = zd__daemon_nranks(d);
-  uint32_t local = 0;
-  if (want < -1) {
-    rc = zd__errf(err, ZD_ERANK,
-                  "local rank %d is not valid; expected 0..%u, or -1 (ZD_ANY_RANK) for the "
-                  "first free one",
-                  want, nranks - 1);
-    goto exit;
-  }
-  if (want >= 0) {
-    if ((uint32_t)want >= nranks) {
-      rc = zd__errf(err, ZD_ERANK,
-                    "local rank %d does not exist; this zerod hosts local ranks "
-                    "0..%u",
-                    want, nranks - 1);
-      goto exit;
-    }
-    local = (uint32_t)want;
-    s->named_rank = 1;
-    /* Held by another session: this one competes for it at register (ZD_EBUSY there). */
-    zd__attach_reserve(s->ss->attach, s, local);
-  } else if (zd__attach_reserve_any(s->ss->attach, s, &local) != 0) {
-    rc = zd__errf(err, ZD_EBUSY,
-                  "all %u local ranks have a client attached or reserved (a client holds the "
-                  "rank it got at hello until it disconnects)",
-                  nranks);
-    goto exit;
-  }
-  if (req->client_name && req->client_name[0])
-    snprintf(s->name, sizeof s->name, "%s", req->client_name);
-  s->rank = zd__daemon_rank(d, local);
-  s->state = SESSION_READY;
-  uv_timer_stop(&s->hello_timer);
-  ZD_LOG_DEBUG("session %u: client '%s' (pid %d, uid %d) for local rank %u (rank %u)", s->id,
-               s->name, (int)s->cred.pid, (int)s->cred.uid, local, zd__rank_global(s->rank));
-
-  Zerod__V1__HelloReply rep = ZEROD__V1__HELLO_REPLY__INIT;
-  rep.version = ZD_PROTOCOL_VERSION;
-  rep.daemon_version = (char *)ZD_VERSION;
-  rep.world_size = zd__daemon_world_size(d);
-  rep.rank = zd__rank_global(s->rank);
-  rep.local_rank = local;
-  rep.bucket_elems = zd__daemon_bucket_elems(d);
-  rep.backend = (char *)zd__backend_name(zd__daemon_backend(d));
-  const zd__gpu_info_t *gpu = zd__daemon_gpu(d, local);
-  if (gpu) { /* CUDA backend: the client checks its buffers' GPU against this one */
-    rep.has_device = 1;
-    rep.device = gpu->device;
-    rep.has_device_uuid = 1;
-    rep.device_uuid.data = (uint8_t *)gpu->uuid;
-    rep.device_uuid.len = sizeof gpu->uuid;
-  }
-  send_reply(s, h->type, h->request_id, &rep.base);
-exit:
-  zerod__v1__hello_request__free_unpacked(req, NULL);
-  return rc;
-}
-
-/* Builds the model spec of a register request; validates everything that does not need state. */
-static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
-                     zd__model_spec_t *spec, zd__err_t *err) {
-  zd__daemon_t *d = s->daemon;
-  spec->param_dtype = zd__wire_dtype_from(req->param_dtype);
-  spec->grad_dtype = zd__wire_dtype_from(req->grad_dtype);
-  int rc = zd__dtype_check(spec->param_dtype, ZD__DTYPE_PARAM, err);
-  if (!rc) rc = zd__dtype_check(spec->grad_dtype, ZD__DTYPE_GRAD, err);
-  if (rc) return rc;
-  if (req->n_groups == 0)
-    return zd__errf(err, ZD_EGROUP, "register carries no parameter groups; expected at least 1");
-  spec->groups = calloc(req->n_groups, sizeof *spec->groups);
-  if (!spec->groups) return zd__errf(err, -ENOMEM, "out of memory");
-  spec->ngroups = (uint32_t)req->n_groups;
-  rc = zd__wire_groups_from(spec->groups, req->groups, req->n_groups, err);
-  if (rc) return rc;
-  if (!isfinite(req->max_grad_norm) || req->max_grad_norm < 0)
-    return zd__errf(err, ZD_EHPARAM, "max_grad_norm is %g; expected a finite value >= 0 (0: off)",
-                    req->max_grad_norm);
-  spec->max_grad_norm = req->max_grad_norm;
-  spec->grad_mean = req->grad_mean;
-  spec->replace = req->replace;
-  rc = zd__wire_scaler_from(&spec->scaler, req->loss_scaler, err);
-  if (rc) return rc;
-  if (spec->scaler.enabled && spec->grad_dtype != ZD_F16 && spec->grad_dtype != ZD_F32 &&
-      spec->grad_dtype != ZD_BF16)
-    return zd__errf(err, ZD_EDTYPE, "loss scaling needs f16, bf16 or f32 gradients");
-
-  if (req->n_params == 0 || req->n_params > ZD__MAX_PARAMS)
-    return zd__errf(err, -EINVAL, "register carries %zu parameters; expected 1..%u", req->n_params,
-                    ZD__MAX_PARAMS);
-  zd_param_t *params = calloc(req->n_params, sizeof *params);
-  if (!params) return zd__errf(err, -ENOMEM, "out of memory");
-  for (size_t i = 0; i < req->n_params && rc == ZD_OK; i++) {
-    const Zerod__V1__Param *p = req->params[i];
-    if (p->n_shape > ZD_MAX_DIMS) {
-      rc = zd__errf(err, -EINVAL, "parameter %zu '%s' has %zu dimensions; at most %d supported", i,
-                    p->name, p->n_shape, ZD_MAX_DIMS);
-      break;
-    }
-    params[i].name = p->name;
-    params[i].ndim = (uint32_t)p->n_shape;
-    if (p->n_shape) /* a scalar's shape is NULL: memcpy from NULL is undefined even for 0 bytes */
-      memcpy(params[i].shape, p->shape, p->n_shape * sizeof *p->shape);
-    params[i].group = p->group;
-  }
-  uint32_t world_size = zd__daemon_world_size(d);
-  uint64_t bucket_elems = zd__daemon_bucket_elems(d);
-  if (rc == ZD_OK)
-    rc = zd__layout_build(params, (uint32_t)req->n_params, spec->ngroups, world_size, bucket_elems,
-                          &spec->layout, err);
-  free(params);
-  if (rc) return rc;
-  if (spec->layout->hash != req->layout_hash)
-    return zd__errf(err, ZD_ELAYOUT,
-                    "client's layout hash is %016" PRIx64 ", zerod computes %016" PRIx64
-                    " for world size %u and bucket size %" PRIu64
-                    "; client and daemon "
-                    "disagree on the layout",
-                    req->layout_hash, spec->layout->hash, world_size, bucket_elems);
-  return ZD_OK;
-}
-
-static void close_fds(zd__session_t *s) {
+void zd__session_close_fds(zd__session_t *s) {
   for (int i = 0; i < s->nfds; i++) close(s->fds[i]);
   s->nfds = 0;
-}
-
-static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                           zd__err_t *err) {
-  if (s->state != SESSION_READY) {
-    close_fds(s);
-    return zd__errf(err, ZD_EORDER, "a model is already registered on this connection");
-  }
-  const char *drain = zd__daemon_draining(s->daemon);
-  if (drain) {
-    close_fds(s);
-    return zd__errf(err, ZD_ESHUTDOWN,
-                    "zerod is draining (zeroctl drain from %s): it shuts down once its checkpoint "
-                    "is complete; register with the zerod that replaces it",
-                    drain);
-  }
-  Zerod__V1__RegisterRequest *req = zerod__v1__register_request__unpack(NULL, h->length, body);
-  if (!req) {
-    close_fds(s);
-    return zd__errf(err, ZD_EPROTO, "malformed register body (%u bytes)", h->length);
-  }
-  int rc;
-  zd__job_t *job = NULL;
-  zd__model_spec_t *spec = calloc(1, sizeof *spec);
-  if (!spec) {
-    rc = zd__errf(err, -ENOMEM, "out of memory");
-    goto fail;
-  }
-  rc = spec_from(s, req, spec, err);
-  if (rc) goto fail;
-  if (req->cuda && (rc = zd__buffers_check_cuda_form(req->cuda, err))) goto fail;
-  uint32_t slot;
-  rc = zd__buffers_event_slot(&s->buf, req->cuda != NULL, "register", req->has_event_slot,
-                              req->event_slot, &slot, err);
-  if (rc) goto fail;
-  uint32_t local = zd__rank_local(s->rank);
-  rc = req->cuda ? zd__buffers_open_cuda(&s->buf, s->daemon, local, req->cuda, s->nfds, spec, err)
-                 : zd__buffers_map_host(&s->buf, s->daemon, local, s->fds, s->nfds, spec, err);
-  if (rc) goto fail;
-  int attached;
-  zd__session_t *holder = zd__attach_blocker(s->ss->attach, s, local, s->named_rank);
-  if (holder) {
-    zd__attach_holder(s->ss->attach, local, &attached);
-    if (attached)
-      rc = zd__errf(err, ZD_EBUSY, "local rank %u is attached to client '%s' (pid %d)", local,
-                    holder->name, (int)holder->cred.pid);
-    else
-      rc = zd__errf(err, ZD_EBUSY,
-                    "local rank %u is reserved by client '%s' (pid %d), which said hello for "
-                    "it first and holds it until it disconnects",
-                    local, holder->name, (int)holder->cred.pid);
-    goto fail;
-  }
-  job = job_new(s, ZD__JOB_ATTACH, h);
-  if (!job) {
-    rc = zd__errf(err, -ENOMEM, "out of memory");
-    goto fail;
-  }
-  job->event_slot = slot;
-  holder = zd__attach_take(s->ss->attach, s, local, s->named_rank);
-  zd_assert(!holder);
-  s->buf.bufs.param_dtype = spec->param_dtype;
-  s->buf.bufs.grad_dtype = spec->grad_dtype;
-  s->nbuckets = spec->layout->nbuckets;
-  s->ngroups = spec->ngroups;
-  job->in.spec = spec;
-  close_fds(s);
-  zerod__v1__register_request__free_unpacked(req, NULL);
-  s->state = SESSION_REGISTERING;
-  submit(s, job);
-  return ZD_OK;
-
-fail:
-  zd__buffers_release(&s->buf, s->rank, s->id);
-  zd__model_spec_free(spec);
-  close_fds(s);
-  zerod__v1__register_request__free_unpacked(req, NULL);
-  return rc;
-}
-
-static int check_bucket(const zd__session_t *s, int32_t bucket, zd__err_t *err) {
-  if (bucket < -1 || bucket >= (int32_t)s->nbuckets)
-    return zd__errf(err, -EINVAL, "bucket %d does not exist; expected -1 (all) or 0..%u", bucket,
-                    s->nbuckets - 1);
-  return ZD_OK;
-}
-
-static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                       zd__err_t *err) {
-  Zerod__V1__StepRequest *req = zerod__v1__step_request__unpack(NULL, h->length, body);
-  if (!req) return zd__errf(err, ZD_EPROTO, "malformed step body (%u bytes)", h->length);
-  int rc = ZD_OK;
-  zd_group_t *groups = NULL;
-  if (req->n_groups) {
-    if (req->n_groups != s->ngroups) {
-      rc = zd__errf(err, ZD_EGROUP, "step carries %zu groups; the model has %u", req->n_groups,
-                    s->ngroups);
-      goto exit;
-    }
-    groups = calloc(req->n_groups, sizeof *groups);
-    if (!groups) {
-      rc = zd__errf(err, -ENOMEM, "out of memory");
-      goto exit;
-    }
-    rc = zd__wire_groups_from(groups, req->groups, req->n_groups, err);
-    if (rc) goto exit;
-  }
-  if ((int)req->clip_norm < ZEROD__V1__CLIP_NORM__CLIP_NORM_DOUBLE ||
-      (int)req->clip_norm > ZEROD__V1__CLIP_NORM__CLIP_NORM_TORCH215) {
-    rc = zd__errf(err, ZD_EHPARAM,
-                  "clip_norm is %d; expected 0 (double), 1 (torch 1.13), 2 (torch 2.6) or 3 "
-                  "(torch 2.15)",
-                  (int)req->clip_norm);
-    goto exit;
-  }
-  uint32_t slot;
-  rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "step", req->has_event_slot,
-                              req->event_slot, &slot, err);
-  if (rc) goto exit;
-  zd__job_t *job = job_new(s, ZD__JOB_STEP, h);
-  if (!job) {
-    rc = zd__errf(err, -ENOMEM, "out of memory");
-    goto exit;
-  }
-  job->event_slot = slot;
-  job->in.step.groups = groups;
-  job->in.step.ngroups = (uint32_t)req->n_groups;
-  job->in.step.scatter = req->scatter;
-  job->in.step.gather = req->gather;
-  job->in.step.clip_norm = (zd_clip_norm_t)req->clip_norm;
-  groups = NULL;
-  submit(s, job);
-exit:
-  free(groups);
-  zerod__v1__step_request__free_unpacked(req, NULL);
-  return rc;
-}
-
-static int handle_scatter(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                          zd__err_t *err) {
-  Zerod__V1__ScatterRequest *req = zerod__v1__scatter_request__unpack(NULL, h->length, body);
-  if (!req) return zd__errf(err, ZD_EPROTO, "malformed scatter body (%u bytes)", h->length);
-  int32_t bucket = req->bucket;
-  uint32_t slot;
-  int rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "scatter",
-                                  req->has_event_slot, req->event_slot, &slot, err);
-  zerod__v1__scatter_request__free_unpacked(req, NULL);
-  if (!rc) rc = check_bucket(s, bucket, err);
-  if (rc) return rc;
-  zd__job_t *job = job_new(s, ZD__JOB_SCATTER, h);
-  if (!job) return zd__errf(err, -ENOMEM, "out of memory");
-  job->event_slot = slot;
-  job->in.bucket = bucket;
-  submit(s, job);
-  return ZD_OK;
-}
-
-static int handle_gather(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                         zd__err_t *err) {
-  Zerod__V1__GatherRequest *req = zerod__v1__gather_request__unpack(NULL, h->length, body);
-  if (!req) return zd__errf(err, ZD_EPROTO, "malformed gather body (%u bytes)", h->length);
-  int32_t bucket = req->bucket;
-  uint32_t slot;
-  int rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "gather", req->has_event_slot,
-                                  req->event_slot, &slot, err);
-  zerod__v1__gather_request__free_unpacked(req, NULL);
-  if (!rc) rc = check_bucket(s, bucket, err);
-  if (rc) return rc;
-  zd__job_t *job = job_new(s, ZD__JOB_GATHER, h);
-  if (!job) return zd__errf(err, -ENOMEM, "out of memory");
-  job->event_slot = slot;
-  job->in.bucket = bucket;
-  submit(s, job);
-  return ZD_OK;
-}
-
-static int handle_checkpoint(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                             zd__err_t *err) {
-  Zerod__V1__CheckpointRequest *req = zerod__v1__checkpoint_request__unpack(NULL, h->length, body);
-  if (!req) return zd__errf(err, ZD_EPROTO, "malformed checkpoint body (%u bytes)", h->length);
-  int wait = req->wait;
-  zerod__v1__checkpoint_request__free_unpacked(req, NULL);
-  zd__job_t *job = job_new(s, ZD__JOB_CHECKPOINT, h);
-  if (!job) return zd__errf(err, -ENOMEM, "out of memory");
-  job->in.wait = wait;
-  submit(s, job);
-  return ZD_OK;
-}
-
-static int handle_status(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                         zd__err_t *err) {
-  (void)body;
-  zd__status_t *st = zd__status_collect(s->daemon);
-  if (!st) return zd__errf(err, -ENOMEM, "out of memory");
-  size_t nsec = zd__status_nsections(st);
-  Zerod__V1__StatusReply rep = ZEROD__V1__STATUS_REPLY__INIT;
-  Zerod__V1__StatusSection *secs = calloc(nsec ? nsec : 1, sizeof *secs);
-  Zerod__V1__StatusSection **secp = calloc(nsec ? nsec : 1, sizeof *secp);
-  size_t nent_all = zd__status_nentries_total(st);
-  Zerod__V1__StatusEntry *ents = calloc(nent_all ? nent_all : 1, sizeof *ents);
-  Zerod__V1__StatusEntry **entp = calloc(nent_all ? nent_all : 1, sizeof *entp);
-  int rc = ZD_OK;
-  if (!secs || !secp || !ents || !entp) {
-    rc = zd__errf(err, -ENOMEM, "out of memory");
-    goto exit;
-  }
-  size_t e = 0;
-  for (size_t i = 0; i < nsec; i++) {
-    zerod__v1__status_section__init(&secs[i]);
-    secs[i].name = (char *)zd__status_section_name(st, i);
-    secs[i].entries = &entp[e];
-    size_t n = zd__status_nentries(st, i);
-    for (size_t j = 0; j < n; j++, e++) {
-      zerod__v1__status_entry__init(&ents[e]);
-      ents[e].key = (char *)zd__status_key(st, i, j);
-      ents[e].value = (char *)zd__status_value(st, i, j);
-      entp[e] = &ents[e];
-    }
-    secs[i].n_entries = n;
-    secp[i] = &secs[i];
-  }
-  rep.sections = secp;
-  rep.n_sections = nsec;
-  send_reply(s, h->type, h->request_id, &rep.base);
-exit:
-  free(entp);
-  free(ents);
-  free(secp);
-  free(secs);
-  zd__status_free(st);
-  return rc;
-}
-
-static void reply_bye(zd__session_t *s, uint64_t id);
-
-static int handle_bye(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                      zd__err_t *err) {
-  (void)body, (void)err;
-  s->closing = 1; /* read nothing after bye */
-  s->bye_pending = 1;
-  s->bye_id = h->request_id;
-  stand_in(s);
-  if (s->inflight == 0) reply_bye(s, h->request_id);
-  return ZD_OK;
-}
-
-static const command_t commands[] = {
-    {ZD__MSG_HELLO, "hello", handle_hello, CMD_ANY, 4096},
-    {ZD__MSG_REGISTER, "register", handle_register, CMD_NEEDS_HELLO, 0},
-    {ZD__MSG_STEP, "step", handle_step, CMD_NEEDS_MODEL, 1u << 20},
-    {ZD__MSG_SCATTER, "scatter", handle_scatter, CMD_NEEDS_MODEL, 64},
-    {ZD__MSG_GATHER, "gather", handle_gather, CMD_NEEDS_MODEL, 64},
-    {ZD__MSG_STATUS, "status", handle_status, CMD_ANY, 64},
-    {ZD__MSG_BYE, "bye", handle_bye, CMD_ANY, 64},
-    {ZD__MSG_CHECKPOINT, "checkpoint", handle_checkpoint, CMD_NEEDS_MODEL, 64},
-};
-
-static const command_t *find_command(uint16_t type) {
-  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-    if (commands[i].type == type) return &commands[i];
-  return NULL;
 }
 
 /* Releases the rank (attached or reserved) and the buffers once nothing uses them. */
@@ -675,20 +195,20 @@ static void detach(zd__session_t *s) {
   s->state = SESSION_NEW;
 }
 
-static void reply_bye(zd__session_t *s, uint64_t id) {
+void zd__session_reply_bye(zd__session_t *s, uint64_t id) {
   detach(s); /* before the reply, so the client can reattach as soon as it reads it */
   s->bye_pending = 0;
   Zerod__V1__ByeReply rep = ZEROD__V1__BYE_REPLY__INIT;
   rep.has_cuda_mappings_kept = 1; /* of this connection: the client frees its memory only if 0 */
   rep.cuda_mappings_kept = s->buf.mappings_kept != 0;
-  send_reply(s, ZD__MSG_BYE, id, &rep.base);
+  zd__session_reply(s, ZD__MSG_BYE, id, &rep.base);
 }
 
 /* Validates the envelope and runs the command. The handler replies, queues a job, or fails. */
 static void dispatch(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body) {
   s->ss->counters.requests_total++;
   zd__err_t err = {0};
-  const command_t *cmd = find_command(h->type);
+  const command_t *cmd = zd__session_command(h->type);
   if (!cmd) {
     refusef(s, h, ZD_ETYPE,
             "unknown message type %u; expected one of hello (1), "
@@ -815,7 +335,7 @@ static void dispatch_frames(zd__session_t *s) {
     if (s->torn_down) return;
     /* The descriptors that came with a register frame belong to it, used or refused: never to a
      * later register that came without any. */
-    if (h.type == ZD__MSG_REGISTER) close_fds(s);
+    if (h.type == ZD__MSG_REGISTER) zd__session_close_fds(s);
     consume(s, total);
   }
 }
@@ -955,7 +475,7 @@ static void on_handle_closed(uv_handle_t *h) {
 /* The registered client of a rank of a multi-rank world is leaving (docs/design.md, "When a
  * trainer dies"): its rank is free at once for a restarted trainer, and its last job, after those
  * in flight, stands in for it where the world still needs this rank (ZD__JOB_STAND_IN). */
-static void stand_in(zd__session_t *s) {
+void zd__session_stand_in(zd__session_t *s) {
   if (s->closing && s->state == SESSION_REGISTERING && s->rank)
     zd__rank_abandon_attach(s->rank); /* its registration may wait for the others for minutes */
   if (!s->closing || s->state != SESSION_REGISTERED || s->stood_in ||
@@ -967,7 +487,7 @@ static void stand_in(zd__session_t *s) {
   zd__rank_stats_t st;
   zd__rank_stats(s->rank, &st);
   if (st.health != ZD__HEALTH_OK) return;
-  zd__job_t *job = job_new(s, ZD__JOB_STAND_IN, &(zd__frame_header_t){0});
+  zd__job_t *job = zd__session_job_new(s, ZD__JOB_STAND_IN, &(zd__frame_header_t){0});
   if (!job) return; /* then released at the end, as at world size 1 */
   s->stood_in = 1;
   job->in.abrupt = !s->bye_pending;
@@ -980,10 +500,10 @@ static void stand_in(zd__session_t *s) {
 }
 
 static void maybe_teardown(zd__session_t *s) {
-  stand_in(s);
+  zd__session_stand_in(s);
   if (s->torn_down || !s->closing || s->inflight > 0 || s->wq_head) return;
   if (s->bye_pending) {
-    reply_bye(s, s->bye_id);
+    zd__session_reply_bye(s, s->bye_id);
     if (s->wq_head) {
       update_poll(s);
       return;
@@ -991,7 +511,7 @@ static void maybe_teardown(zd__session_t *s) {
   }
   s->torn_down = 1;
   detach(s);
-  close_fds(s);
+  zd__session_close_fds(s);
   drop_writes(s);
   zd__sessions_t *ss = s->ss;
   if (s->prev)
@@ -1144,7 +664,7 @@ static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
       rep.nbuckets = job->out.attach.nbuckets;
       rep.shard_elems = job->out.attach.shard_elems;
       rep.loss_scale = job->out.attach.loss_scale;
-      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
       break;
     }
     case ZD__JOB_STEP: {
@@ -1155,24 +675,24 @@ static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
       rep.loss_scale = job->out.step.loss_scale;
       rep.clip_coef = job->out.step.clip_coef;
       rep.duration_us = job->out.step.duration_us;
-      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
       break;
     }
     case ZD__JOB_SCATTER: {
       Zerod__V1__ScatterReply rep = ZEROD__V1__SCATTER_REPLY__INIT;
-      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
       break;
     }
     case ZD__JOB_GATHER: {
       Zerod__V1__GatherReply rep = ZEROD__V1__GATHER_REPLY__INIT;
-      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
       break;
     }
     case ZD__JOB_CHECKPOINT: {
       Zerod__V1__CheckpointReply rep = ZEROD__V1__CHECKPOINT_REPLY__INIT;
       rep.step = job->out.checkpoint.step;
       rep.dir = job->out.checkpoint.dir;
-      send_reply(s, job->msg_type, job->request_id, &rep.base);
+      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
       break;
     }
     case ZD__JOB_STAND_IN: /* returned above */
