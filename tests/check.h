@@ -5,6 +5,7 @@
 #define ZD_TESTS_CHECK_H
 
 #include <inttypes.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,5 +68,15 @@
       exit(1);                                                                          \
     }                                                                                   \
   } while (0)
+
+/* The tests' pseudo-random numbers: splitmix64, one fixed sequence per test program, so that a
+ * failure reproduces. */
+static inline uint64_t zd_test_rnd(void) {
+  static uint64_t state = 0x9e3779b97f4a7c15ull;
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
 
 #endif /* ZD_TESTS_CHECK_H */

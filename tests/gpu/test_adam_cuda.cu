@@ -160,7 +160,7 @@ static void test_convert(void) {
         in[k++] = (se << 23) | (upper << 16) | lows[lo];
       }
   for (uint64_t i = 0; i < nspecial; i++) in[k++] = specials[i];
-  while (k < n) in[k++] = (uint32_t)rnd();
+  while (k < n) in[k++] = (uint32_t)zd_test_rnd();
   uint32_t *din = (uint32_t *)dmalloc(n * 4);
   uint16_t *dout = (uint16_t *)dmalloc(n * 2), *out = (uint16_t *)xmalloc(n * 2);
   h2d(din, in, n * 4);
@@ -819,7 +819,7 @@ static void run_stats(shard_t *sh) {
   }
   zd__cuda_stats_t *drec = (zd__cuda_stats_t *)dmalloc(sizeof *drec), rec;
   CUDA_CHECK(cudaMemsetAsync(drec, 0xff, sizeof *drec, stream)); /* overwritten: accumulate 0 */
-  uint64_t tags[ZD__CUDA_TAGS] = {rnd(), rnd(), rnd()};
+  uint64_t tags[ZD__CUDA_TAGS] = {zd_test_rnd(), zd_test_rnd(), zd_test_rnd()};
   ZD_CHECK(zd__cuda_grad_stats(l, dg, (zd_dtype_t)sh->gdt, drec, 0, tags, stream, &gpu_err));
   double *got = (double *)xmalloc((r.nblocks + 1) * sizeof(double));
   if (r.nblocks) d2h(got, zd__cuda_layout_block_sums(l), r.nblocks * sizeof(double));

@@ -18,22 +18,13 @@
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-static uint64_t rnd(void) { /* splitmix64 */
-  uint64_t z = (rng += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 static uint64_t rnd_below(uint64_t n) {
-  return n ? rnd() % n : 0;
+  return n ? zd_test_rnd() % n : 0;
 }
 
 /* Uniform in [-1, 1). */
 static float rnd_unit(void) {
-  return (float)((double)(rnd() >> 40) / (double)(1 << 23) - 1.0);
+  return (float)((double)(zd_test_rnd() >> 40) / (double)(1 << 23) - 1.0);
 }
 
 static uint32_t f2u(float f) {

@@ -85,17 +85,9 @@ static void test_golden(void) {
          sizeof golden / sizeof golden[0]);
 }
 
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint64_t rnd(void) { /* splitmix64 */
-  uint64_t z = (rng += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 static float rnd_float(void) {
   /* Mantissa and sign random, exponents over a wide range, now and then a special value. */
-  uint64_t r = rnd();
+  uint64_t r = zd_test_rnd();
   switch (r % 200) {
     case 0:
       return NAN;
