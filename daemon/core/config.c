@@ -85,6 +85,10 @@ static const setting_t settings[] = {
     U32(S_PROTO, "frame_timeout_ms", frame_timeout_ms, "10000", 100, 600000,
         "a frame once started must be complete within this time"),
     U32(S_PROTO, "max_inflight", max_inflight, "64", 1, 1024, "pipelined requests per client"),
+    U32(S_PROTO, "busy_poll_us", busy_poll_us, "50", 0, 10000,
+        "after each reply, the daemon looks for the next request this many microseconds without "
+        "sleeping, so that a client that sends it at once skips a thread wake-up (0: always "
+        "sleep; each reply may then cost up to this much of one CPU)"),
 
     ENUM(S_COMPUTE, "backend", backend, "auto", backends,
          "where optimizer steps run (auto: cuda when a GPU is usable, else cpu)"),

@@ -35,6 +35,7 @@ typedef struct zd__config {
   uint32_t max_frame_bytes;
   uint32_t frame_timeout_ms; /* a frame started must be complete within this */
   uint32_t max_inflight;     /* pipelined requests per client */
+  uint32_t busy_poll_us;     /* after a reply, the loop polls this long before sleeping */
   /* compute */
   char *backend;    /* auto | cpu | cuda */
   uint32_t threads; /* kernel threads; 0: one per CPU */

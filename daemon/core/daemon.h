@@ -35,6 +35,12 @@ typedef struct zd__server zd__server_t;
  * Errors with a message: socket in use, bad path, no memory. */
 int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *err);
 
+/* A reply went out: the loop polls for the next request without sleeping for busy_poll_us. */
+void zd__daemon_poll_busily(zd__daemon_t *d);
+/* A job went to a worker: the loop sleeps until something happens (its kernel may need every
+ * CPU), and polls again after the next reply. */
+void zd__daemon_stop_polling(zd__daemon_t *d);
+
 /* Runs until shutdown completes. Returns 0, or the error of uv_loop_close() if handles leaked. */
 int zd__daemon_run(zd__daemon_t *d);
 

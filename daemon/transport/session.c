@@ -92,6 +92,7 @@ static void send_frame(zd__session_t *s, uint16_t type, uint64_t id, const Proto
   s->wq_tail = b;
   s->wq_bytes += b->len;
   flush(s);
+  zd__daemon_poll_busily(s->daemon);
 }
 
 void zd__session_reply(zd__session_t *s, uint16_t req_type, uint64_t id,
@@ -170,10 +171,12 @@ void zd__session_submit(zd__session_t *s, zd__job_t *job) {
   int idle = s->inflight == 0;
   s->inflight++;
   zd__buffers_job_queued(&s->buf, job->event_slot); /* CUDA: the slot is taken until it is done */
-  if (idle && zd__rank_run_inline(s->rank, job))
+  if (idle && zd__rank_run_inline(s->rank, job)) {
     zd__session_job_done(s, job);
-  else
+  } else {
+    zd__daemon_stop_polling(s->daemon); /* the kernel's threads may need every CPU now */
     zd__rank_submit(s->rank, job);
+  }
 }
 
 void zd__session_close_fds(zd__session_t *s) {

@@ -1,8 +1,8 @@
 /* zerod's life around its clients: command line (--help, --version, bad flags), start with no
  * configuration at all, one client per rank, trainers started together with ZD_ANY_RANK getting
  * a rank each, state held across clients (clean and abrupt disconnects, a different model
- * refused unless replaced), and SIGTERM while steps are in flight: they complete, the socket file
- * is removed and zerod exits 0 with its loop closed. */
+ * refused unless replaced), SIGTERM while steps are in flight: they complete, the socket file
+ * is removed and zerod exits 0 with its loop closed, and the busy poll after replies ending. */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -403,12 +403,58 @@ static void test_sigterm_in_flight(void) {
   printf("  SIGTERM with %d steps in flight: all answered, socket removed, exit 0\n", N);
 }
 
+/* CPU time of a process so far, in clock ticks (/proc/PID/stat: utime + stime). */
+static unsigned long long cpu_ticks(pid_t pid) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  CHECK_MSG(f != NULL, "open %s: %s", path, strerror(errno));
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+  CHECK(p != NULL);
+  unsigned long long utime = 0, stime = 0;
+  /* after ")": state, then fields 4..13, then utime (14) and stime (15) */
+  int got = sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime, &stime);
+  CHECK_INT_EQ(got, 2);
+  return utime + stime;
+}
+
+/* busy_poll_us: a zerod polls for the next request after each reply, but only that long. Once its
+ * client stops, it sleeps: an idle second costs it (almost) no CPU, with polling on and off. */
+static void test_busy_poll_ends(void) {
+  const char *const off[] = {"--busy_poll_us", "0", NULL};
+  const char *const *configs[] = {NULL, off};
+  long hz = sysconf(_SC_CLK_TCK);
+  for (int i = 0; i < 2; i++) {
+    zdt_daemon_t d;
+    zdt_start(&d, configs[i]);
+    zd_client_t *c = connect_register(d.socket, mlp_params, ZD_ANY_RANK, 0, ZD_OK);
+    steps(c, 200, 0); /* back to back: each request arrives while zerod polls (when on) */
+    nanosleep(&(struct timespec){.tv_nsec = 100000000}, NULL);
+    unsigned long long before = cpu_ticks(d.pid);
+    nanosleep(&(struct timespec){.tv_sec = 1}, NULL);
+    unsigned long long idle = cpu_ticks(d.pid) - before;
+    /* A loop that kept polling would take the whole second (hz ticks). */
+    CHECK_MSG(idle * 5 < (unsigned long long)hz,
+              "zerod (busy_poll_us %s) used %llu of %ld clock ticks in an idle second",
+              i ? "0" : "default", idle, hz);
+    steps(c, 3, 200); /* and it still answers */
+    zd_close(c);
+    zdt_stop(&d, SIGTERM, 0);
+    printf("  busy_poll_us %s: 203 steps, then %llu ticks of CPU in an idle second\n",
+           i ? "0" : "50 (default)", idle);
+  }
+}
+
 int main(void) {
   test_command_line();
   test_clients_and_state();
   test_any_rank_at_once();
   test_no_configuration();
   test_sigterm_in_flight();
+  test_busy_poll_ends();
   printf("test_lifecycle: ok\n");
   return 0;
 }

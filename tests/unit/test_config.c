@@ -81,6 +81,7 @@ static const char *const all_names[] = {"socket",
                                         "max_frame_bytes",
                                         "frame_timeout_ms",
                                         "max_inflight",
+                                        "busy_poll_us",
                                         "backend",
                                         "threads",
                                         "kernel_isa",
@@ -133,6 +134,7 @@ static void test_defaults(void) {
   CHECK_INT_EQ(cfg.max_frame_bytes, 16777216);
   CHECK_INT_EQ(cfg.frame_timeout_ms, 10000);
   CHECK_INT_EQ(cfg.max_inflight, 64);
+  CHECK_INT_EQ(cfg.busy_poll_us, 50);
   CHECK_STR_EQ(cfg.backend, "auto");
   CHECK_INT_EQ(cfg.threads, 0);
   CHECK_STR_EQ(cfg.kernel_isa, "auto");
@@ -379,6 +381,7 @@ static void test_errors(void) {
   expect_error(ARGV("--collective_timeout_ms=99"), no_env, ZD_ECONFIG, "collective_timeout_ms",
                "between 100 and 86400000", NULL);
   expect_error(ARGV("--max_inflight=1025"), no_env, ZD_ECONFIG, "between 1 and 1024", NULL);
+  expect_error(ARGV("--busy_poll_us=10001"), no_env, ZD_ECONFIG, "between 0 and 10000", NULL);
 
   /* Enums and modes. */
   expect_error(1, (char *[]){"zerod", NULL}, (char *[]){"ZEROD_BACKEND=gpu", NULL}, ZD_ECONFIG,
