@@ -9,6 +9,7 @@
  */
 #include "adam.h"
 
+#include <cpuid.h>
 #include <math.h>
 #include <string.h>
 
@@ -146,10 +147,14 @@ zd__isa_t zd__isa_detect(void) {
              __builtin_cpu_supports("f16c");
   if (!avx2) return ZD__ISA_SCALAR;
   /* adam_avx512.c is also built with -mfma -mf16c, hence the AVX2 level first. */
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return ZD__ISA_AVX512;
-  return ZD__ISA_AVX2;
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+    return ZD__ISA_AVX2;
+  /* AVX512_BF16: CPUID leaf 7, subleaf 1, EAX bit 5 (asked directly: not every compiler's
+   * __builtin_cpu_supports knows the name). Its registers are AVX-512's, checked above. */
+  unsigned eax, ebx, ecx, edx;
+  int bf16 = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 5 & 1);
+  return bf16 ? ZD__ISA_AVX512BF16 : ZD__ISA_AVX512;
 }
 
 const char *zd__isa_name(zd__isa_t isa) {
@@ -160,19 +165,23 @@ const char *zd__isa_name(zd__isa_t isa) {
       return "avx2";
     case ZD__ISA_AVX512:
       return "avx512";
+    case ZD__ISA_AVX512BF16:
+      return "avx512bf16";
   }
   return "unknown";
 }
 
 int zd__isa_parse(const char *name) {
   if (strcmp(name, "auto") == 0) return (int)zd__isa_detect();
-  for (int isa = ZD__ISA_SCALAR; isa <= ZD__ISA_AVX512; isa++)
+  for (int isa = ZD__ISA_SCALAR; isa <= ZD__ISA_BEST; isa++)
     if (strcmp(name, zd__isa_name((zd__isa_t)isa)) == 0) return isa;
   return -1;
 }
 
 zd__adam_fn zd__adam_impl(zd__isa_t isa) {
   switch (isa) {
+    case ZD__ISA_AVX512BF16:
+      return zd__adam_step_avx512bf16;
     case ZD__ISA_AVX512:
       return zd__adam_step_avx512;
     case ZD__ISA_AVX2:
@@ -184,6 +193,7 @@ zd__adam_fn zd__adam_impl(zd__isa_t isa) {
 
 zd__stats_fn zd__grad_stats_impl(zd__isa_t isa) {
   switch (isa) {
+    case ZD__ISA_AVX512BF16: /* the statistics convert no bf16 */
     case ZD__ISA_AVX512:
       return zd__grad_stats_avx512;
     case ZD__ISA_AVX2:

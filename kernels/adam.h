@@ -143,13 +143,22 @@ typedef struct zd__adam_args {
   const zd__adam_group_t *groups; /* indexed by segment group */
 } zd__adam_args_t;
 
-/* Instruction sets of the CPU paths, best last. */
-typedef enum zd__isa { ZD__ISA_SCALAR = 0, ZD__ISA_AVX2 = 1, ZD__ISA_AVX512 = 2 } zd__isa_t;
+/* Instruction sets of the CPU paths, best last. avx512bf16 is the AVX-512 path with its bf16
+ * working parameters rounded by vcvtneps2bf16 (same results: adam_avx512.c). */
+typedef enum zd__isa {
+  ZD__ISA_SCALAR = 0,
+  ZD__ISA_AVX2 = 1,
+  ZD__ISA_AVX512 = 2,
+  ZD__ISA_AVX512BF16 = 3,
+} zd__isa_t;
+#define ZD__ISA_BEST ZD__ISA_AVX512BF16
 
-/* Best ISA this CPU runs (AVX2 needs AVX2+FMA+F16C; AVX-512 needs F, BW, VL and DQ). */
+/* Best ISA this CPU runs (AVX2 needs AVX2+FMA+F16C; AVX-512 needs F, BW, VL and DQ;
+ * avx512bf16 also AVX512_BF16). */
 zd__isa_t zd__isa_detect(void);
 const char *zd__isa_name(zd__isa_t isa);
-/* Parses "auto", "scalar", "avx2", "avx512"; -1 if unknown. "auto" gives zd__isa_detect(). */
+/* Parses "auto", "scalar", "avx2", "avx512", "avx512bf16"; -1 if unknown. "auto" gives
+ * zd__isa_detect(). */
 int zd__isa_parse(const char *name);
 
 /* Updates the covered elements in [begin, end) (offsets in the range; any values, not only
@@ -200,6 +209,7 @@ uint32_t zd__segs_find(const zd__segment_t *segs, uint32_t nsegs, uint64_t begin
 
 void zd__adam_step_avx2(const zd__adam_args_t *a, uint64_t begin, uint64_t end);
 void zd__adam_step_avx512(const zd__adam_args_t *a, uint64_t begin, uint64_t end);
+void zd__adam_step_avx512bf16(const zd__adam_args_t *a, uint64_t begin, uint64_t end);
 void zd__grad_stats_avx2(const void *grad, zd_dtype_t dtype, const zd__segment_t *segs,
                          uint32_t nsegs, uint64_t n, uint64_t block_begin, uint64_t block_end,
                          double *sums, uint64_t *nonfinite);

@@ -63,7 +63,7 @@ typedef struct setting {
 #define S_CKPT    "Checkpoints"
 
 static const char *const backends[] = {"auto", "cpu", "cuda", NULL};
-static const char *const isas[] = {"auto", "avx512", "avx2", "scalar", NULL};
+static const char *const isas[] = {"auto", "avx512bf16", "avx512", "avx2", "scalar", NULL};
 static const char *const levels[] = {"error", "warn", "info", "debug", NULL};
 
 static const setting_t settings[] = {

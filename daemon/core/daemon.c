@@ -614,8 +614,8 @@ static int choose_isa(const zd__config_t *cfg, int *isa, zd__err_t *err) {
   zd__isa_t best = zd__isa_detect();
   if (want < 0)
     return zd__errf(err, ZD_ECONFIG,
-                    "kernel_isa '%s' unknown; expected auto, avx512, avx2 or "
-                    "scalar",
+                    "kernel_isa '%s' unknown; expected auto, avx512bf16, avx512, "
+                    "avx2 or scalar",
                     cfg->kernel_isa);
   if (want > (int)best)
     return zd__errf(err, ZD_ECONFIG,

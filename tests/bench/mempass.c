@@ -139,7 +139,7 @@ typedef struct pass_run {
 static void pass_chunk(void *arg, uint64_t lo, uint64_t hi, unsigned thread) {
   (void)thread;
   const pass_run_t *r = arg;
-  if (r->isa == ZD__ISA_AVX512)
+  if (r->isa >= ZD__ISA_AVX512)
     pass_avx512(r->args, lo, hi);
   else if (r->isa == ZD__ISA_AVX2)
     pass_avx2(r->args, lo, hi);
