@@ -134,6 +134,9 @@ struct zd__compute {
 /* The CPU backend over a kernel pool (shared by the daemon's ranks) and an ISA (zd__isa_t). */
 int zd__compute_cpu_create(struct zd__pool *pool, int isa, zd__compute_t **out);
 
+/* Threads of `pool` the CPU backend updates a bucket of shard_elems elements with. */
+unsigned zd__compute_cpu_update_threads(const struct zd__pool *pool, uint64_t shard_elems);
+
 #ifdef ZD_HAVE_CUDA
 /* The CUDA backend on `device`, which becomes the calling thread's current device; creates the
  * rank's stream. timeout_ms bounds every wait for the GPU. Call from the rank's worker thread.

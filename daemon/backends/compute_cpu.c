@@ -246,6 +246,11 @@ static int cpu_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd_
   return ZD_OK;
 }
 
+unsigned zd__compute_cpu_update_threads(const zd__pool_t *pool, uint64_t shard_elems) {
+  return zd__pool_threads_for(pool, shard_elems, ZD__POOL_STREAM_GRAIN,
+                              ZD__POOL_STREAM_MIN_PER_THREAD);
+}
+
 static void cpu_destroy(zd__compute_t *base) {
   cpu_compute_t *c = (cpu_compute_t *)base;
   free(c->nonfinite);

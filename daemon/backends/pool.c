@@ -126,11 +126,13 @@ static void *helper_main(void *arg) {
   return NULL;
 }
 
+unsigned zd__pool_cpus(void) {
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (unsigned)n : 1;
+}
+
 int zd__pool_create(unsigned nthreads, zd__pool_t **out) {
-  if (nthreads == 0) {
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    nthreads = n > 0 ? (unsigned)n : 1;
-  }
+  if (nthreads == 0) nthreads = zd__pool_cpus();
   zd__pool_t *p = calloc(1, sizeof *p);
   if (!p) return -ENOMEM;
   p->threads = calloc(nthreads, sizeof *p->threads);
@@ -174,13 +176,19 @@ unsigned zd__pool_size(const zd__pool_t *pool) {
   return pool->nthreads;
 }
 
+unsigned zd__pool_threads_for(const zd__pool_t *pool, uint64_t n, uint64_t grain,
+                              uint64_t min_per_thread) {
+  if (grain == 0) grain = 1;
+  if (min_per_thread < grain) min_per_thread = grain;
+  uint64_t want = n / min_per_thread;
+  return want < 1 ? 1 : want > pool->nthreads ? pool->nthreads : (unsigned)want;
+}
+
 void zd__pool_for(zd__pool_t *pool, uint64_t n, uint64_t grain, uint64_t min_per_thread,
                   zd__pool_fn fn, void *arg) {
   if (n == 0) return;
   if (grain == 0) grain = 1;
-  if (min_per_thread < grain) min_per_thread = grain;
-  uint64_t want = n / min_per_thread;
-  unsigned threads = want < 1 ? 1 : want > pool->nthreads ? pool->nthreads : (unsigned)want;
+  unsigned threads = zd__pool_threads_for(pool, n, grain, min_per_thread);
   if (threads == 1) {
     fn(arg, 0, n, 0);
     return;

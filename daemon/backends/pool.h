@@ -47,6 +47,13 @@ void zd__pool_destroy(zd__pool_t *pool);
 /* Threads in the pool, the caller included. */
 unsigned zd__pool_size(const zd__pool_t *pool);
 
+/* CPUs online: a pool of nthreads 0 has one thread per CPU. */
+unsigned zd__pool_cpus(void);
+
+/* Threads zd__pool_for() runs a range of n elements on (the caller included). */
+unsigned zd__pool_threads_for(const zd__pool_t *pool, uint64_t n, uint64_t grain,
+                              uint64_t min_per_thread);
+
 /* Runs fn over [0, n) in chunks whose bounds are multiples of `grain` (but n) and returns when
  * all have finished. Uses at most max(1, n / min_per_thread) threads (the caller included): with
  * one, fn(arg, 0, n, 0) runs inline and no thread is woken. grain >= 1; min_per_thread 0 means

@@ -71,6 +71,21 @@ static void publish_ranges(zd__rank_t *r, const zd__model_t *m) {
   r->nranges = l->nbuckets;
 }
 
+/* CPUs a step of the rank's model leaves idle, for the reply: a client looks for the reply
+ * without sleeping only while one is (libzerod). The CPU backend's kernel runs each bucket on
+ * up to every CPU; the CUDA backend's runs on the GPU. */
+static uint32_t step_idle_cpus(const zd__rank_t *r) {
+  unsigned cpus = zd__pool_cpus(), busy = 0;
+  if (r->env.device < 0 && r->model) {
+    const zd__layout_t *l = r->model->layout;
+    uint64_t most = 0;
+    for (uint32_t b = 0; b < l->nbuckets; b++)
+      if (l->buckets[b].shard_elems > most) most = l->buckets[b].shard_elems;
+    busy = zd__compute_cpu_update_threads(r->env.pool, most);
+  }
+  return busy < cpus ? cpus - busy : 0;
+}
+
 /* Refreshes the snapshot after a job; takes the model's numbers as they are now. */
 static void publish(zd__rank_t *r, const zd__job_t *job) {
   const zd__model_t *m = r->model;
@@ -248,6 +263,7 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
       job->code = zd__model_step(&r->ctx, r->model, job->buffers, job->event_slot,
                                  job->in.step.groups, job->in.step.scatter, job->in.step.gather,
                                  job->in.step.clip_norm, &job->out.step, err);
+      job->out.step.idle_cpus = step_idle_cpus(r);
       break;
     case ZD__JOB_CHECKPOINT:
       job->code =

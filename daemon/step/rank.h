@@ -79,6 +79,7 @@ typedef struct zd__step_out {
   double loss_scale;
   double clip_coef;
   uint64_t duration_us;
+  uint32_t idle_cpus; /* CPUs the step's kernel left idle (step_idle_cpus in rank.c) */
 } zd__step_out_t;
 
 typedef struct zd__job {

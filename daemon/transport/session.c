@@ -678,6 +678,8 @@ static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
       rep.loss_scale = job->out.step.loss_scale;
       rep.clip_coef = job->out.step.clip_coef;
       rep.duration_us = job->out.step.duration_us;
+      rep.has_idle_cpus = 1;
+      rep.idle_cpus = job->out.step.idle_cpus;
       zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
       break;
     }

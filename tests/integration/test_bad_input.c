@@ -436,6 +436,17 @@ static void expect_reply(int fd, uint16_t type, uint64_t id) {
               rep->has_cuda_mappings_kept, rep->cuda_mappings_kept);
     zerod__v1__bye_reply__free_unpacked(rep, NULL);
   }
+  if (type == ZD__MSG_STEP) {
+    /* A small model's kernel runs on one thread: every other CPU is idle (libzerod then looks
+     * for the next step's reply without sleeping). */
+    Zerod__V1__StepReply *rep = zerod__v1__step_reply__unpack(NULL, h.length, body);
+    CHECK(rep);
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    CHECK_MSG(rep->has_idle_cpus && rep->idle_cpus == (uint32_t)(cpus - 1),
+              "step of a small model: idle_cpus has %d value %u; expected %ld", rep->has_idle_cpus,
+              rep->idle_cpus, cpus - 1);
+    zerod__v1__step_reply__free_unpacked(rep, NULL);
+  }
   free(body);
 }
 

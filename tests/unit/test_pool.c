@@ -76,6 +76,12 @@ static void check_run(zd__pool_t *pool, run_t *r, uint64_t n, uint64_t grain, ui
   for (int t = 0; t < 64; t++) used += atomic_load(&r->used[t]);
   CHECK_MSG((uint64_t)used <= allowed, "n %llu min %llu: %d threads used, %llu allowed",
             (unsigned long long)n, (unsigned long long)min, used, (unsigned long long)allowed);
+  /* What a step's reply reports (idle_cpus): the threads the run was allowed, at most the pool. */
+  unsigned told = zd__pool_threads_for(pool, n, grain, min);
+  CHECK_MSG(told == (allowed < size ? allowed : size) && (unsigned)used <= told,
+            "n %llu min %llu: zd__pool_threads_for says %u; %d used, %llu allowed, pool of %u",
+            (unsigned long long)n, (unsigned long long)min, told, used, (unsigned long long)allowed,
+            size);
   if (n && allowed < 2) { /* inline: one call, on the caller, thread 0 */
     CHECK_INT_EQ(atomic_load(&r->calls), 1);
     CHECK_INT_EQ(atomic_load(&r->on_caller), 1);
