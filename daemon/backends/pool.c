@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
@@ -37,6 +38,7 @@ typedef struct run {
 
 struct zd__pool {
   unsigned nthreads;
+  unsigned cpus; /* zd__pool_cpus */
   pthread_t *threads;
   pthread_mutex_t run_lock; /* one zd__pool_for at a time */
   _Atomic(run_t *) current; /* the run in progress; NULL once its caller stops handing out */
@@ -126,13 +128,21 @@ static void *helper_main(void *arg) {
   return NULL;
 }
 
-unsigned zd__pool_cpus(void) {
+static unsigned count_cpus(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+    return (unsigned)CPU_COUNT(&set);
   long n = sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? (unsigned)n : 1;
 }
 
+unsigned zd__pool_cpus(const zd__pool_t *pool) {
+  return pool->cpus;
+}
+
 int zd__pool_create(unsigned nthreads, zd__pool_t **out) {
-  if (nthreads == 0) nthreads = zd__pool_cpus();
+  unsigned cpus = count_cpus();
+  if (nthreads == 0) nthreads = cpus;
   zd__pool_t *p = calloc(1, sizeof *p);
   if (!p) return -ENOMEM;
   p->threads = calloc(nthreads, sizeof *p->threads);
@@ -144,6 +154,7 @@ int zd__pool_create(unsigned nthreads, zd__pool_t **out) {
   pthread_mutex_init(&p->lock, NULL);
   pthread_cond_init(&p->wake, NULL);
   pthread_cond_init(&p->idle, NULL);
+  p->cpus = cpus;
   p->nthreads = 1;
   for (unsigned i = 1; i < nthreads; i++) {
     int rc = pthread_create(&p->threads[i], NULL, helper_main, p);

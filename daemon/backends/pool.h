@@ -47,8 +47,9 @@ void zd__pool_destroy(zd__pool_t *pool);
 /* Threads in the pool, the caller included. */
 unsigned zd__pool_size(const zd__pool_t *pool);
 
-/* CPUs online: a pool of nthreads 0 has one thread per CPU. */
-unsigned zd__pool_cpus(void);
+/* CPUs this process may run on (its affinity mask, else the CPUs online), counted when the pool
+ * was created: a pool of nthreads 0 has one thread per CPU. */
+unsigned zd__pool_cpus(const zd__pool_t *pool);
 
 /* Threads zd__pool_for() runs a range of n elements on (the caller included). */
 unsigned zd__pool_threads_for(const zd__pool_t *pool, uint64_t n, uint64_t grain,

@@ -88,7 +88,7 @@ static const setting_t settings[] = {
     U32(S_PROTO, "busy_poll_us", busy_poll_us, "50", 0, 10000,
         "after each reply, the daemon looks for the next request this many microseconds without "
         "sleeping, so that a client that sends it at once skips a thread wake-up (0: always "
-        "sleep; each reply may then cost up to this much of one CPU)"),
+        "sleep; otherwise each reply may cost up to this much of one CPU)"),
 
     ENUM(S_COMPUTE, "backend", backend, "auto", backends,
          "where optimizer steps run (auto: cuda when a GPU is usable, else cpu)"),

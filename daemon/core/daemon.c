@@ -67,6 +67,7 @@ struct zd__daemon {
   int shutting_down;
   int handles_closed;
   uint64_t busy_until_ns; /* the loop polls without sleeping until then (uv_hrtime) */
+  int polling;            /* the loop's current pass did not sleep (busy_until_ns) */
 
   uv_signal_t sighup;
   uv_timer_t summary_timer; /* the connection summary (connection_summary) */
@@ -569,6 +570,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
     if (rc) return zd__errf(err, rc, "cannot create the communicator of local rank %u", i);
     zd__rank_env_t env = {
         .local_rank = i,
+        .local_ranks = cfg->local_ranks,
         .rank = cfg->first_rank + i,
         .world_size = d->world_size,
         .bucket_elems = d->bucket_elems,
@@ -767,11 +769,19 @@ fail:
 }
 
 void zd__daemon_poll_busily(zd__daemon_t *d) {
-  if (d->cfg->busy_poll_us) d->busy_until_ns = uv_hrtime() + d->cfg->busy_poll_us * 1000ull;
+  if (!d->cfg->busy_poll_us) return;
+  /* Not while a worker runs a job: its kernel may need every CPU, and its end wakes the loop. */
+  for (uint32_t i = 0; i < d->nranks; i++)
+    if (d->ranks[i] && !zd__rank_idle(d->ranks[i])) return;
+  d->busy_until_ns = uv_hrtime() + d->cfg->busy_poll_us * 1000ull;
 }
 
 void zd__daemon_stop_polling(zd__daemon_t *d) {
   d->busy_until_ns = 0;
+}
+
+int zd__daemon_polling(const zd__daemon_t *d) {
+  return d->polling;
 }
 
 int zd__daemon_run(zd__daemon_t *d) {
@@ -779,8 +789,8 @@ int zd__daemon_run(zd__daemon_t *d) {
    * events without sleeping, so that a request sent as soon as the reply arrived does not wait
    * for this thread to be woken (about 25 us on a VM; the reply itself takes a few). */
   for (;;) {
-    uv_run_mode mode = uv_hrtime() < d->busy_until_ns ? UV_RUN_NOWAIT : UV_RUN_ONCE;
-    if (!uv_run(&d->loop, mode)) break;
+    d->polling = uv_hrtime() < d->busy_until_ns;
+    if (!uv_run(&d->loop, d->polling ? UV_RUN_NOWAIT : UV_RUN_ONCE)) break;
   }
   int rc = uv_loop_close(&d->loop);
   if (rc) ZD_LOG_ERROR("loop closed with handles still open: %s", uv_strerror(rc));

@@ -35,11 +35,14 @@ typedef struct zd__server zd__server_t;
  * Errors with a message: socket in use, bad path, no memory. */
 int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *err);
 
-/* A reply went out: the loop polls for the next request without sleeping for busy_poll_us. */
+/* A reply went out: the loop polls for the next request without sleeping for busy_poll_us,
+ * unless a rank's worker has a job (its kernel may need every CPU; its end wakes the loop). */
 void zd__daemon_poll_busily(zd__daemon_t *d);
-/* A job went to a worker: the loop sleeps until something happens (its kernel may need every
- * CPU), and polls again after the next reply. */
+/* A job went to a worker: the loop sleeps until something happens, and polls again after a
+ * reply that leaves every worker idle. */
 void zd__daemon_stop_polling(zd__daemon_t *d);
+/* Whether the loop's current pass is one that did not sleep (for the requests_polled count). */
+int zd__daemon_polling(const zd__daemon_t *d);
 
 /* Runs until shutdown completes. Returns 0, or the error of uv_loop_close() if handles leaked. */
 int zd__daemon_run(zd__daemon_t *d);

@@ -71,17 +71,19 @@ static void publish_ranges(zd__rank_t *r, const zd__model_t *m) {
   r->nranges = l->nbuckets;
 }
 
-/* CPUs a step of the rank's model leaves idle, for the reply: a client looks for the reply
+/* CPUs a step of the rank's model may leave idle, for the reply: a client looks for the reply
  * without sleeping only while one is (libzerod). The CPU backend's kernel runs each bucket on
- * up to every CPU; the CUDA backend's runs on the GPU. */
+ * up to every CPU, and the other local ranks may be stepping at the same time (a one-thread
+ * update runs on its worker, outside the pool's turns); the CUDA backend's runs on the GPU. */
 static uint32_t step_idle_cpus(const zd__rank_t *r) {
-  unsigned cpus = zd__pool_cpus(), busy = 0;
+  unsigned cpus = zd__pool_cpus(r->env.pool), busy = 0;
   if (r->env.device < 0 && r->model) {
     const zd__layout_t *l = r->model->layout;
     uint64_t most = 0;
     for (uint32_t b = 0; b < l->nbuckets; b++)
       if (l->buckets[b].shard_elems > most) most = l->buckets[b].shard_elems;
     busy = zd__compute_cpu_update_threads(r->env.pool, most);
+    if (busy < r->env.local_ranks) busy = r->env.local_ranks;
   }
   return busy < cpus ? cpus - busy : 0;
 }
@@ -664,6 +666,13 @@ void zd__rank_submit(zd__rank_t *r, zd__job_t *job) {
   r->tail = job;
   pthread_cond_signal(&r->cond);
   pthread_mutex_unlock(&r->lock);
+}
+
+int zd__rank_idle(zd__rank_t *r) {
+  pthread_mutex_lock(&r->lock);
+  int idle = !r->head && !r->busy;
+  pthread_mutex_unlock(&r->lock);
+  return idle;
 }
 
 int zd__rank_stream_idle(zd__rank_t *r) {

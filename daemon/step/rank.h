@@ -189,7 +189,8 @@ struct zd__world;
 
 typedef struct zd__rank_env {
   uint32_t local_rank;
-  uint32_t rank; /* global */
+  uint32_t local_ranks; /* of this daemon: their workers may all be stepping at once */
+  uint32_t rank;        /* global */
   uint32_t world_size;
   uint64_t bucket_elems;
   zd__comm_t *comm;              /* taken over by the rank; NULL: join `world` first */
@@ -252,6 +253,9 @@ int zd__rank_run_inline(zd__rank_t *rank, zd__job_t *job);
 
 /* Queues a job (any thread; in practice the loop). */
 void zd__rank_submit(zd__rank_t *rank, zd__job_t *job);
+
+/* Whether the rank's worker has no job queued or running (any thread; a snapshot). */
+int zd__rank_idle(zd__rank_t *rank);
 
 /* Whether the rank's device work has run out: nothing of it queued or running on the rank's
  * stream (CUDA: cudaStreamQuery; a CUDA context that failed counts as idle, since nothing more

@@ -210,6 +210,7 @@ void zd__session_reply_bye(zd__session_t *s, uint64_t id) {
 /* Validates the envelope and runs the command. The handler replies, queues a job, or fails. */
 static void dispatch(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body) {
   s->ss->counters.requests_total++;
+  if (zd__daemon_polling(s->daemon)) s->ss->counters.requests_polled++;
   zd__err_t err = {0};
   const command_t *cmd = zd__session_command(h->type);
   if (!cmd) {

@@ -24,7 +24,7 @@
  * have gone to sleep (as at the start of a step: zd_bench_settle); medians after warm-up.
  *
  *   bench_adam [--min-log2 16] [--max-log2 25] [--odd 123456] [--threads N]
- *              [--isa auto|scalar|avx2|avx512] [--iters 15] [--warmup 3]
+ *              [--isa auto|scalar|avx2|avx512|avx512bf16] [--iters 15] [--warmup 3]
  *              [--grad f32|bf16|f16] [--param f32|bf16|none] [--placement zerod|plain]
  *              [--gpt2 0|1|only] [--update torch113|torch2] [--sqrt exact|mkl_ex]
  *              [--amsgrad]
