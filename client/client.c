@@ -226,8 +226,6 @@ static int settle(zd_client_t *c, zd__pending_t *p, const zd__frame_header_t *h,
                                  .duration_us = r->duration_us};
     c->info.step = r->step;
     c->info.loss_scale = r->loss_scale;
-    /* A kernel on every CPU would share one with the look (docs/design.md: a guard, its gain
-     * not measured). */
     int cpu_left = !r->has_idle_cpus || r->idle_cpus > 0;
     c->step_spin_ns = cpu_left && r->duration_us <= STEP_SPIN_MAX_NS / 1000
                           ? r->duration_us * 1000 + REPLY_SPIN_NS

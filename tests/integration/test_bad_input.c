@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <time.h>
 #include <math.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -441,7 +442,9 @@ static void expect_reply(int fd, uint16_t type, uint64_t id) {
      * for the next step's reply without sleeping). */
     Zerod__V1__StepReply *rep = zerod__v1__step_reply__unpack(NULL, h.length, body);
     CHECK(rep);
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set; /* the CPUs zerod may run on: it inherits this process's affinity */
+    CHECK(sched_getaffinity(0, sizeof set, &set) == 0);
+    long cpus = CPU_COUNT(&set);
     CHECK_MSG(rep->has_idle_cpus && rep->idle_cpus == (uint32_t)(cpus - 1),
               "step of a small model: idle_cpus has %d value %u; expected %ld", rep->has_idle_cpus,
               rep->idle_cpus, cpus - 1);

@@ -471,9 +471,8 @@ static void test_busy_poll_ends(void) {
     zd_close(c);
     zdt_stop(&d, SIGTERM, 0);
     printf(
-        "  busy_poll_us %s: %llu requests found polling in %llu steps; then %llu ticks of CPU in "
-        "an "
-        "idle second\n",
+        "  busy_poll_us %s: %llu requests found polling in %llu steps; then %llu CPU ticks in "
+        "an idle second\n",
         i ? "0" : "50 (default)", polled, (unsigned long long)done, idle);
   }
 }
