@@ -237,6 +237,7 @@ zd__status_t *zd__status_collect(zd__daemon_t *d) {
   zd__status_add(st, "clients_denied", "%" PRIu64, n->clients_denied);
   zd__status_add(st, "requests_total", "%" PRIu64, n->requests_total);
   zd__status_add(st, "requests_polled", "%" PRIu64, n->requests_polled);
+  zd__status_add(st, "replies_early", "%" PRIu64, n->replies_early);
   zd__status_add(st, "errors_total", "%" PRIu64, n->errors_total);
   zd__status_add(st, "shutting_down", "%d", zd__daemon_shutting_down(d));
   zd__status_add(st, "draining", "%d", zd__daemon_draining(d) != NULL);

@@ -116,6 +116,7 @@ static void sd_notify(const char *state) {
 /* Worker thread: hand a finished job to the loop. */
 static void job_done(void *ctx, zd__job_t *job) {
   zd__daemon_t *d = ctx;
+  if (job->session) zd__session_answer_early(job); /* the client need not wait for the loop */
   job->next = NULL;
   pthread_mutex_lock(&d->done_lock);
   if (d->done_tail)

@@ -106,7 +106,9 @@ typedef struct zd__job {
     int abrupt; /* STAND_IN: the client disconnected (else it said bye) */
     int wait;   /* CHECKPOINT: answer once it is written */
   } in;
-  int code; /* result */
+  int code;         /* result */
+  int answer_early; /* set when queued: the worker may send the reply itself (session.h) */
+  int answered;     /* it did */
   zd__err_t err;
   union {
     struct {

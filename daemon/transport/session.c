@@ -23,20 +23,22 @@
 
 static void update_poll(zd__session_t *s);
 static void maybe_teardown(zd__session_t *s);
+static size_t unsent_bytes(zd__session_t *s);
 
 /* Whether to take more requests from this client now. Backpressure: a client that pipelines up
  * to max_inflight, or sends without reading its replies (more than max_frame_bytes of them
  * unsent), is not read until it catches up, so it cannot make zerod hold unbounded memory. */
-static int accepting(const zd__session_t *s) {
+static int accepting(zd__session_t *s) {
   const zd__config_t *cfg = s->cfg;
   return !s->closing && !s->rank_wait && s->inflight < cfg->max_inflight &&
-         s->wq_bytes < cfg->max_frame_bytes;
+         unsent_bytes(s) < cfg->max_frame_bytes;
 }
 static void process_frames(zd__session_t *s);
 
 /* ---- writing ------------------------------------------------------------------------------- */
 
 static void drop_writes(zd__session_t *s) {
+  pthread_mutex_lock(&s->wq_lock);
   while (s->wq_head) {
     out_buf_t *b = s->wq_head;
     s->wq_head = b->next;
@@ -44,37 +46,60 @@ static void drop_writes(zd__session_t *s) {
   }
   s->wq_tail = NULL;
   s->wq_bytes = 0;
+  pthread_mutex_unlock(&s->wq_lock);
 }
 
-static void flush(zd__session_t *s) {
+/* Whether replies wait to be written, and how many bytes of them. */
+static size_t unsent_bytes(zd__session_t *s) {
+  pthread_mutex_lock(&s->wq_lock);
+  size_t n = s->wq_bytes;
+  pthread_mutex_unlock(&s->wq_lock);
+  return n;
+}
+
+static void enqueue_locked(zd__session_t *s, out_buf_t *b) {
+  b->next = NULL;
+  if (s->wq_tail)
+    s->wq_tail->next = b;
+  else
+    s->wq_head = b;
+  s->wq_tail = b;
+  s->wq_bytes += b->len - b->off;
+}
+
+/* Writes what the socket takes; -errno on a failed write (the queue is then as it was). */
+static int flush_locked(zd__session_t *s) {
   while (s->wq_head) {
     out_buf_t *b = s->wq_head;
     ssize_t n = send(s->fd, b->data + b->off, b->len - b->off, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n < 0) {
-      if (errno == EAGAIN || errno == EINTR) return;
-      ZD_LOG_DEBUG("session %u: write failed: %s", s->id, strerror(errno));
-      drop_writes(s);
-      s->closing = 1;
-      return;
-    }
+    if (n < 0) return errno == EAGAIN || errno == EINTR ? 0 : -errno;
     b->off += (size_t)n;
-    if (b->off < b->len) return;
+    s->wq_bytes -= (size_t)n;
+    if (b->off < b->len) return 0;
     s->wq_head = b->next;
     if (!s->wq_head) s->wq_tail = NULL;
-    s->wq_bytes -= b->len;
     free(b);
+  }
+  return 0;
+}
+
+/* Loop thread. */
+static void flush(zd__session_t *s) {
+  pthread_mutex_lock(&s->wq_lock);
+  int rc = flush_locked(s);
+  pthread_mutex_unlock(&s->wq_lock);
+  if (rc) {
+    ZD_LOG_DEBUG("session %u: write failed: %s", s->id, strerror(-rc));
+    drop_writes(s);
+    s->closing = 1;
   }
 }
 
-static void send_frame(zd__session_t *s, uint16_t type, uint64_t id, const ProtobufCMessage *msg) {
-  if (s->torn_down) return;
+/* A reply frame, encoded; NULL when out of memory. */
+static out_buf_t *encode_frame(uint16_t type, uint64_t id, const ProtobufCMessage *msg) {
   size_t len = protobuf_c_message_get_packed_size(msg);
   out_buf_t *b = malloc(sizeof *b + ZD__FRAME_HEADER_SIZE + len);
-  if (!b) {
-    ZD_LOG_ERROR("session %u: out of memory for a %zu-byte reply; closing", s->id, len);
-    s->closing = 1;
-    return;
-  }
+  if (!b) return NULL;
   zd__frame_header_t h = {.magic = ZD__FRAME_MAGIC,
                           .version = ZD_PROTOCOL_VERSION,
                           .type = type,
@@ -85,14 +110,29 @@ static void send_frame(zd__session_t *s, uint16_t type, uint64_t id, const Proto
   b->len = ZD__FRAME_HEADER_SIZE + len;
   b->off = 0;
   b->next = NULL;
-  if (s->wq_tail)
-    s->wq_tail->next = b;
-  else
-    s->wq_head = b;
-  s->wq_tail = b;
-  s->wq_bytes += b->len;
+  return b;
+}
+
+/* Loop thread: queues b (NULL: the encoding ran out of memory) and writes what the socket takes. */
+static void send_encoded(zd__session_t *s, out_buf_t *b) {
+  if (s->torn_down) {
+    free(b);
+    return;
+  }
+  if (!b) {
+    ZD_LOG_ERROR("session %u: out of memory for a reply; closing", s->id);
+    s->closing = 1;
+    return;
+  }
+  pthread_mutex_lock(&s->wq_lock);
+  enqueue_locked(s, b);
+  pthread_mutex_unlock(&s->wq_lock);
   flush(s);
   zd__daemon_poll_busily(s->daemon);
+}
+
+static void send_frame(zd__session_t *s, uint16_t type, uint64_t id, const ProtobufCMessage *msg) {
+  if (!s->torn_down) send_encoded(s, encode_frame(type, id, msg));
 }
 
 void zd__session_reply(zd__session_t *s, uint16_t req_type, uint64_t id,
@@ -175,6 +215,10 @@ void zd__session_submit(zd__session_t *s, zd__job_t *job) {
     zd__session_job_done(s, job);
   } else {
     zd__daemon_stop_polling(s->daemon); /* the kernel's threads may need every CPU now */
+    /* Not with CUDA buffers: the request's event slot is free for the client's next request only
+     * once the loop has seen the job end (zd__buffers_job_done). */
+    job->answer_early =
+        job->type != ZD__JOB_ATTACH && job->type != ZD__JOB_STAND_IN && !zd__buffers_cuda(&s->buf);
     zd__rank_submit(s->rank, job);
   }
 }
@@ -456,7 +500,7 @@ static void update_poll(zd__session_t *s) {
   if (s->torn_down) return;
   int events = 0;
   if (accepting(s)) events |= UV_READABLE;
-  if (s->wq_head) events |= UV_WRITABLE;
+  if (unsent_bytes(s)) events |= UV_WRITABLE;
   if (events == s->poll_events) return;
   s->poll_events = events;
   if (events)
@@ -472,6 +516,7 @@ static void on_handle_closed(uv_handle_t *h) {
   if (--s->open_handles > 0) return;
   zd__daemon_t *d = s->daemon;
   free(s->rbuf);
+  pthread_mutex_destroy(&s->wq_lock);
   free(s);
   zd__daemon_session_gone(d);
 }
@@ -505,10 +550,10 @@ void zd__session_stand_in(zd__session_t *s) {
 
 static void maybe_teardown(zd__session_t *s) {
   zd__session_stand_in(s);
-  if (s->torn_down || !s->closing || s->inflight > 0 || s->wq_head) return;
+  if (s->torn_down || !s->closing || s->inflight > 0 || unsent_bytes(s)) return;
   if (s->bye_pending) {
     zd__session_reply_bye(s, s->bye_id);
-    if (s->wq_head) {
+    if (unsent_bytes(s)) {
       update_poll(s);
       return;
     }
@@ -608,6 +653,7 @@ int zd__session_create(zd__sessions_t *ss, int fd, const struct ucred *cred) {
     free(s);
     return rc;
   }
+  pthread_mutex_init(&s->wq_lock, NULL);
   uv_timer_init(loop, &s->frame_timer);
   uv_timer_init(loop, &s->hello_timer);
   s->poll.data = s;
@@ -648,16 +694,10 @@ int zd__session_create(zd__sessions_t *ss, int fd, const struct ucred *cred) {
   return ZD_OK;
 }
 
-/* kept: for a failed attach, whether its buffers' mappings were left open
- * (zd__buffers_release). */
-static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
-  if (job->type == ZD__JOB_STAND_IN) return; /* no request: nothing to answer */
-  if (job->code != ZD_OK) {
-    send_error_kept(s, job->request_id, job->code,
-                    job->err.msg[0] ? job->err.msg : zd_strerror(job->code),
-                    job->type == ZD__JOB_ATTACH ? kept : -1);
-    return;
-  }
+/* The reply to a job that succeeded (not a stand-in: nobody waits for that), encoded; NULL when
+ * out of memory. Any thread. */
+static out_buf_t *success_frame(const zd__job_t *job) {
+  uint16_t type = (uint16_t)(job->msg_type | ZD__FRAME_REPLY);
   switch (job->type) {
     case ZD__JOB_ATTACH: {
       Zerod__V1__RegisterReply rep = ZEROD__V1__REGISTER_REPLY__INIT;
@@ -668,8 +708,7 @@ static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
       rep.nbuckets = job->out.attach.nbuckets;
       rep.shard_elems = job->out.attach.shard_elems;
       rep.loss_scale = job->out.attach.loss_scale;
-      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
-      break;
+      return encode_frame(type, job->request_id, &rep.base);
     }
     case ZD__JOB_STEP: {
       Zerod__V1__StepReply rep = ZEROD__V1__STEP_REPLY__INIT;
@@ -681,29 +720,68 @@ static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
       rep.duration_us = job->out.step.duration_us;
       rep.has_idle_cpus = 1;
       rep.idle_cpus = job->out.step.idle_cpus;
-      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
-      break;
+      return encode_frame(type, job->request_id, &rep.base);
     }
     case ZD__JOB_SCATTER: {
       Zerod__V1__ScatterReply rep = ZEROD__V1__SCATTER_REPLY__INIT;
-      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
-      break;
+      return encode_frame(type, job->request_id, &rep.base);
     }
     case ZD__JOB_GATHER: {
       Zerod__V1__GatherReply rep = ZEROD__V1__GATHER_REPLY__INIT;
-      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
-      break;
+      return encode_frame(type, job->request_id, &rep.base);
     }
     case ZD__JOB_CHECKPOINT: {
       Zerod__V1__CheckpointReply rep = ZEROD__V1__CHECKPOINT_REPLY__INIT;
       rep.step = job->out.checkpoint.step;
-      rep.dir = job->out.checkpoint.dir;
-      zd__session_reply(s, job->msg_type, job->request_id, &rep.base);
-      break;
+      rep.dir = (char *)job->out.checkpoint.dir;
+      return encode_frame(type, job->request_id, &rep.base);
     }
-    case ZD__JOB_STAND_IN: /* returned above */
+    case ZD__JOB_STAND_IN:
       break;
   }
+  zd_assert(!"no reply for this job");
+  return NULL;
+}
+
+/* A rank worker answering for the loop: the reply goes into the socket now if nothing waits
+ * before it, else to the end of the queue, which the loop writes once it sees the job end (a
+ * failed write too: the loop finds the error then, and closes the session). The session stays
+ * open meanwhile: it is torn down only with no job in flight. Errors are left to the loop, which
+ * counts them. */
+void zd__session_answer_early(zd__job_t *job) {
+  if (!job->answer_early || job->code != ZD_OK) return;
+  zd__session_t *s = job->session;
+  out_buf_t *b = success_frame(job);
+  if (!b) return; /* the loop tries again */
+  pthread_mutex_lock(&s->wq_lock);
+  if (!s->wq_head) {
+    ssize_t n = send(s->fd, b->data, b->len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) b->off = (size_t)n;
+  }
+  if (b->off < b->len)
+    enqueue_locked(s, b);
+  else
+    free(b);
+  pthread_mutex_unlock(&s->wq_lock);
+  job->answered = 1;
+}
+
+/* kept: for a failed attach, whether its buffers' mappings were left open
+ * (zd__buffers_release). */
+static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
+  if (job->type == ZD__JOB_STAND_IN) return; /* no request: nothing to answer */
+  if (job->answered) {
+    s->ss->counters.replies_early++;
+    zd__daemon_poll_busily(s->daemon); /* as if the loop had just sent it */
+    return;
+  }
+  if (job->code != ZD_OK) {
+    send_error_kept(s, job->request_id, job->code,
+                    job->err.msg[0] ? job->err.msg : zd_strerror(job->code),
+                    job->type == ZD__JOB_ATTACH ? kept : -1);
+    return;
+  }
+  send_encoded(s, success_frame(job));
 }
 
 void zd__session_job_done(zd__session_t *s, zd__job_t *job) {

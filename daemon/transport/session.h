@@ -32,6 +32,7 @@ typedef struct zd__session_counters {
   uint64_t connections_dropped; /* closed by zerod after an error reply (all of the above too) */
   uint64_t requests_total;
   uint64_t requests_polled; /* found by the loop while it polled after a reply (busy_poll_us) */
+  uint64_t replies_early;   /* sent by a rank worker as its job ended (zd__session_answer_early) */
   uint64_t errors_total;
   char last_drop[ZD__ERR_MSG_MAX + 64]; /* why the last dropped connection was dropped */
 } zd__session_counters_t;
@@ -65,7 +66,14 @@ int zd__peer_allowed(const zd__config_t *cfg, int fd, const struct ucred *cred);
  * disconnected. Errors: -ENOMEM, or libuv's (fd is closed then too). */
 int zd__session_create(zd__sessions_t *ss, int fd, const struct ucred *cred);
 
-/* A job of this session's came back from its rank worker: reply, account, maybe free. */
+/* Rank worker thread, as a job of a session's finishes: sends its reply at once when nothing of
+ * the loop's is needed for it (job->answer_early: a successful step, scatter, gather or checkpoint
+ * on host buffers), so that the client need not wait for the loop thread to be woken. Sets
+ * job->answered if it did; the loop does the rest in zd__session_job_done. */
+void zd__session_answer_early(zd__job_t *job);
+
+/* A job of this session's came back from its rank worker: reply (unless answered early),
+ * account, maybe free. */
 void zd__session_job_done(zd__session_t *s, zd__job_t *job);
 
 /* Who is attached (for status): pid and name of the client. */

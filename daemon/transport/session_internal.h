@@ -4,6 +4,7 @@
 #ifndef ZD_DAEMON_SESSION_INTERNAL_H
 #define ZD_DAEMON_SESSION_INTERNAL_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include <sys/socket.h>
 #include <uv.h>
@@ -66,8 +67,12 @@ struct zd__session {
   size_t rcap;
   int fds[MAX_FDS]; /* received descriptors, oldest first */
   int nfds;
+  /* Replies not yet written, oldest first. The loop owns everything else of a session; the rank
+   * worker also writes here, to answer a finished job before the loop wakes
+   * (zd__session_answer_early), so the queue and the socket's sending side are under wq_lock. */
+  pthread_mutex_t wq_lock;
   out_buf_t *wq_head, *wq_tail;
-  size_t wq_bytes; /* replies not yet written: reading stops above max_frame_bytes */
+  size_t wq_bytes; /* reading stops above max_frame_bytes */
 
   zd__rank_t *rank; /* from hello on; held in the attachment table, or competed for at register */
   zd__session_buffers_t buf;

@@ -477,6 +477,77 @@ static void test_busy_poll_ends(void) {
   }
 }
 
+/* The server section's counter `key` of a zerod's status. */
+static unsigned long long status_counter(zd_client_t *c, const char *key) {
+  char *status, line[64];
+  CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
+  snprintf(line, sizeof line, "\n%s:", key);
+  const char *p = strstr(status, line);
+  CHECK_MSG(p != NULL, "no %s in the status:\n%s", key, status);
+  unsigned long long n = strtoull(p + strlen(line), NULL, 10);
+  zd_free(status);
+  return n;
+}
+
+/* A job that runs on its rank's worker (a model too big to step on the loop thread) is answered
+ * by the worker as it ends, without waiting for the loop (zd__session_answer_early): every such
+ * reply is counted, comes only once the parameters are written (each step moves every one of
+ * them), and pipelined requests, with the loop answering a status among them, all complete. */
+static void test_worker_answers(void) {
+  zdt_daemon_t d;
+  zdt_start(&d, NULL);
+  zd_client_t *c;
+  CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
+  const uint64_t n = (1u << 21) + 1000; /* above ZD__INLINE_MAX_ELEMS */
+  zd_param_t p = {.name = "w", .ndim = 1, .shape = {n}, .group = 0};
+  zd_group_t g = zd_group_default();
+  zd_model_desc_t desc = {.params = &p,
+                          .nparams = 1,
+                          .groups = &g,
+                          .ngroups = 1,
+                          .param_dtype = ZD_F32,
+                          .grad_dtype = ZD_F32};
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
+  float *w = zd_param_buffer(c, NULL), *grad = zd_grad_buffer(c, NULL);
+  float *before = malloc(n * sizeof *before);
+  CHECK(before);
+  for (uint64_t k = 0; k < n; k++) w[k] = (float)((int64_t)(k % 2001) - 1000) * 1e-3f;
+  CHECK_INT_EQ(zd_register(c), ZD_OK);
+  unsigned long long early0 = status_counter(c, "replies_early");
+  for (uint64_t k = 0; k < n; k++) grad[k] = 0.5f; /* every parameter must go down each step */
+  const int nsteps = 10;
+  for (int i = 0; i < nsteps; i++) {
+    memcpy(before, w, n * sizeof *w);
+    zd_step_result_t r;
+    CHECK_MSG(zd_step(c, NULL, &r) == ZD_OK, "step: %s", zd_last_error());
+    CHECK_U64_EQ(r.step, (uint64_t)i + 1);
+    for (uint64_t k = 0; k < n; k++)
+      CHECK_MSG(w[k] < before[k], "step %d answered before parameter %llu was written (%g, was %g)",
+                i + 1, (unsigned long long)k, w[k], before[k]);
+  }
+  /* Pipelined: scatter, step without it, gather, with a status answered by the loop between. */
+  zd_request_t req[3];
+  zd_step_opts_t opts = {.flags = ZD_STEP_NO_SCATTER | ZD_STEP_NO_GATHER};
+  CHECK_INT_EQ(zd_scatter_start(c, -1, &req[0]), ZD_OK);
+  CHECK_INT_EQ(zd_step_start(c, &opts, &req[1]), ZD_OK);
+  CHECK_INT_EQ(zd_gather_start(c, -1, &req[2]), ZD_OK);
+  unsigned long long early = status_counter(c, "replies_early");
+  zd_step_result_t r;
+  for (int i = 0; i < 3; i++)
+    CHECK_MSG(zd_wait(c, req[i], &r) == ZD_OK, "pipelined request %d: %s", i, zd_last_error());
+  CHECK_U64_EQ(r.step, (uint64_t)nsteps + 1);
+  early = status_counter(c, "replies_early") - early0;
+  CHECK_MSG(early == (unsigned long long)nsteps + 3,
+            "%llu replies sent by the worker; expected %d (every step, scatter and gather)", early,
+            nsteps + 3);
+  free(before);
+  zd_close(c);
+  zdt_stop(&d, SIGTERM, 0);
+  printf(
+      "  a model on the worker: %llu replies sent by it, each after its parameters were written\n",
+      early);
+}
+
 int main(void) {
   test_command_line();
   test_clients_and_state();
@@ -484,6 +555,7 @@ int main(void) {
   test_no_configuration();
   test_sigterm_in_flight();
   test_busy_poll_ends();
+  test_worker_answers();
   printf("test_lifecycle: ok\n");
   return 0;
 }
