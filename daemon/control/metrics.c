@@ -79,7 +79,8 @@ static const family_t families[] = {
      "requests the loop found while it polled after a reply (busy_poll_us): a wake-up saved each",
      "server", "requests_polled", V_NUMBER, NULL, NULL, NULL},
     {"zerod_replies_early_total", "counter",
-     "replies a rank's worker sent as its job ended, before the loop woke: a wake-up saved each",
+     "replies a rank's worker wrote or queued itself as its job ended: a wake-up of the loop saved "
+     "each",
      "server", "replies_early", V_NUMBER, NULL, NULL, NULL},
     {"zerod_request_errors_total", "counter", "requests answered with an error", "server",
      "errors_total", V_NUMBER, NULL, NULL, NULL},

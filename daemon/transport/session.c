@@ -37,8 +37,11 @@ static void process_frames(zd__session_t *s);
 
 /* ---- writing ------------------------------------------------------------------------------- */
 
+/* The connection is broken: what is queued goes, and nothing more is written (the stream may end
+ * in a partial frame). */
 static void drop_writes(zd__session_t *s) {
   pthread_mutex_lock(&s->wq_lock);
+  s->write_failed = 1;
   while (s->wq_head) {
     out_buf_t *b = s->wq_head;
     s->wq_head = b->next;
@@ -58,6 +61,10 @@ static size_t unsent_bytes(zd__session_t *s) {
 }
 
 static void enqueue_locked(zd__session_t *s, out_buf_t *b) {
+  if (s->write_failed) {
+    free(b);
+    return;
+  }
   b->next = NULL;
   if (s->wq_tail)
     s->wq_tail->next = b;
@@ -482,7 +489,8 @@ static void read_some(zd__session_t *s) {
 
 static void on_poll(uv_poll_t *handle, int status, int events) {
   zd__session_t *s = handle->data;
-  if (status < 0) {
+  if (status < 0) { /* libuv stopped the handle */
+    s->poll_events = 0;
     drop_writes(s);
     s->closing = 1;
   } else {
@@ -747,14 +755,20 @@ static out_buf_t *success_frame(const zd__job_t *job) {
  * before it, else to the end of the queue, which the loop writes once it sees the job end (a
  * failed write too: the loop finds the error then, and closes the session). The session stays
  * open meanwhile: it is torn down only with no job in flight. Errors are left to the loop, which
- * counts them. */
+ * counts them, and so is every later job's reply until the loop has sent that error (s->held):
+ * a client's jobs are answered in the order they ran. */
 void zd__session_answer_early(zd__job_t *job) {
-  if (!job->answer_early || job->code != ZD_OK) return;
+  if (!job->answer_early) return;
   zd__session_t *s = job->session;
-  out_buf_t *b = success_frame(job);
-  if (!b) return; /* the loop tries again */
+  out_buf_t *b = job->code == ZD_OK ? success_frame(job) : NULL; /* NULL: out of memory too */
   pthread_mutex_lock(&s->wq_lock);
-  if (!s->wq_head) {
+  if (!b || s->held) {
+    s->held++;
+    pthread_mutex_unlock(&s->wq_lock);
+    free(b);
+    return;
+  }
+  if (!s->wq_head && !s->write_failed) {
     ssize_t n = send(s->fd, b->data, b->len, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) b->off = (size_t)n;
   }
@@ -775,13 +789,18 @@ static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
     zd__daemon_poll_busily(s->daemon); /* as if the loop had just sent it */
     return;
   }
-  if (job->code != ZD_OK) {
+  if (job->code != ZD_OK)
     send_error_kept(s, job->request_id, job->code,
                     job->err.msg[0] ? job->err.msg : zd_strerror(job->code),
                     job->type == ZD__JOB_ATTACH ? kept : -1);
-    return;
+  else
+    send_encoded(s, success_frame(job));
+  if (job->answer_early) { /* a worker held it back: its reply is queued now, in order */
+    pthread_mutex_lock(&s->wq_lock);
+    zd_assert(s->held > 0);
+    s->held--;
+    pthread_mutex_unlock(&s->wq_lock);
   }
-  send_encoded(s, success_frame(job));
 }
 
 void zd__session_job_done(zd__session_t *s, zd__job_t *job) {

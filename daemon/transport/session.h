@@ -32,7 +32,8 @@ typedef struct zd__session_counters {
   uint64_t connections_dropped; /* closed by zerod after an error reply (all of the above too) */
   uint64_t requests_total;
   uint64_t requests_polled; /* found by the loop while it polled after a reply (busy_poll_us) */
-  uint64_t replies_early;   /* sent by a rank worker as its job ended (zd__session_answer_early) */
+  uint64_t replies_early;   /* written or queued by a rank worker as its job ended
+                               (zd__session_answer_early); counted when the loop sees the job end */
   uint64_t errors_total;
   char last_drop[ZD__ERR_MSG_MAX + 64]; /* why the last dropped connection was dropped */
 } zd__session_counters_t;

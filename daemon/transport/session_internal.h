@@ -72,7 +72,10 @@ struct zd__session {
    * (zd__session_answer_early), so the queue and the socket's sending side are under wq_lock. */
   pthread_mutex_t wq_lock;
   out_buf_t *wq_head, *wq_tail;
-  size_t wq_bytes; /* reading stops above max_frame_bytes */
+  size_t wq_bytes;  /* reading stops above max_frame_bytes */
+  uint32_t held;    /* jobs a worker left to the loop to answer, not answered yet: until then no
+                       worker answers, so that replies to jobs keep their order */
+  int write_failed; /* nothing more is written: the stream may end in a partial frame */
 
   zd__rank_t *rank; /* from hello on; held in the attachment table, or competed for at register */
   zd__session_buffers_t buf;
