@@ -47,9 +47,11 @@ struct zd__pool {
   atomic_uint sleepers;     /* helpers asleep on `wake`, or about to be */
   atomic_int caller_waiting;
   atomic_int stop;
-  pthread_mutex_t lock; /* for the condition variables only */
-  pthread_cond_t wake;  /* helpers: a new run, or stop */
-  pthread_cond_t idle;  /* the caller: inside dropped to 0 */
+  pthread_mutex_t lock;  /* for the condition variables only */
+  pthread_cond_t wake;   /* helpers: a new run, or stop */
+  pthread_cond_t idle;   /* the caller: inside dropped to 0 */
+  int pinned;            /* helper i is bound to the i-th CPU of the mask (pool.h) */
+  cpu_set_t caller_cpus; /* the mask's CPUs no helper is bound to: the caller's during a run */
 };
 
 static inline void cpu_relax(void) {
@@ -128,20 +130,45 @@ static void *helper_main(void *arg) {
   return NULL;
 }
 
-static unsigned count_cpus(void) {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
-    return (unsigned)CPU_COUNT(&set);
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? (unsigned)n : 1;
-}
-
 unsigned zd__pool_cpus(const zd__pool_t *pool) {
   return pool->cpus;
 }
 
-int zd__pool_create(unsigned nthreads, zd__pool_t **out) {
-  unsigned cpus = count_cpus();
+int zd__pool_pinned(const zd__pool_t *pool) {
+  return pool->pinned;
+}
+
+/* Binds helper i to the i-th CPU of mask, and leaves the caller the rest; on any failure unbinds
+ * them all again. */
+static void pin_helpers(zd__pool_t *p, const cpu_set_t *mask) {
+  if (p->nthreads < 2 || (unsigned)CPU_COUNT(mask) < p->nthreads) return;
+  p->caller_cpus = *mask;
+  unsigned i = 0;
+  int ok = 1;
+  for (int cpu = 0; cpu < CPU_SETSIZE && i < p->nthreads && ok; cpu++) {
+    if (!CPU_ISSET(cpu, mask)) continue;
+    if (i > 0) { /* the first CPU stays the caller's */
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpu, &one);
+      ok = pthread_setaffinity_np(p->threads[i], sizeof one, &one) == 0;
+      CPU_CLR(cpu, &p->caller_cpus);
+    }
+    i++;
+  }
+  if (ok) {
+    p->pinned = 1;
+    return;
+  }
+  for (unsigned h = 1; h < p->nthreads; h++)
+    pthread_setaffinity_np(p->threads[h], sizeof *mask, mask);
+}
+
+int zd__pool_create(unsigned nthreads, int pin, zd__pool_t **out) {
+  cpu_set_t mask;
+  int have_mask = sched_getaffinity(0, sizeof mask, &mask) == 0 && CPU_COUNT(&mask) > 0;
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  unsigned cpus = have_mask ? (unsigned)CPU_COUNT(&mask) : online > 0 ? (unsigned)online : 1;
   if (nthreads == 0) nthreads = cpus;
   zd__pool_t *p = calloc(1, sizeof *p);
   if (!p) return -ENOMEM;
@@ -164,6 +191,7 @@ int zd__pool_create(unsigned nthreads, zd__pool_t **out) {
     }
     p->nthreads++;
   }
+  if (pin && have_mask) pin_helpers(p, &mask);
   *out = p;
   return 0;
 }
@@ -214,6 +242,12 @@ void zd__pool_for(zd__pool_t *pool, uint64_t n, uint64_t grain, uint64_t min_per
     for (unsigned i = 0; i < asleep && i + 1 < threads; i++) pthread_cond_signal(&pool->wake);
     pthread_mutex_unlock(&pool->lock);
   }
+  /* Off the helpers' CPUs for the run (after the wake-ups, so a helper woken on this CPU starts
+   * while the caller moves). A caller on one of them is migrated at once. */
+  cpu_set_t before;
+  int moved =
+      pool->pinned && pthread_getaffinity_np(pthread_self(), sizeof before, &before) == 0 &&
+      pthread_setaffinity_np(pthread_self(), sizeof pool->caller_cpus, &pool->caller_cpus) == 0;
   work(&r, 0);
   /* Nothing is left to hand out; wait until no helper can still touch r. */
   atomic_store(&pool->current, NULL);
@@ -230,4 +264,5 @@ void zd__pool_for(zd__pool_t *pool, uint64_t n, uint64_t grain, uint64_t min_per
     }
   }
   pthread_mutex_unlock(&pool->run_lock);
+  if (moved) pthread_setaffinity_np(pthread_self(), sizeof before, &before);
 }

@@ -229,6 +229,7 @@ zd__status_t *zd__status_collect(zd__daemon_t *d) {
   if (backend == ZD__BACKEND_CPU) {
     zd__status_add(st, "kernel_isa", "%s", zd__isa_name((zd__isa_t)zd__daemon_isa(d)));
     zd__status_add(st, "kernel_threads", "%u", zd__pool_size(zd__daemon_pool(d)));
+    zd__status_add(st, "kernel_threads_pinned", "%d", zd__pool_pinned(zd__daemon_pool(d)));
   } else {
     zd__status_add(st, "state_memory", "%s", "device");
   }

@@ -37,9 +37,10 @@ typedef struct zd__config {
   uint32_t max_inflight;     /* pipelined requests per client */
   uint32_t busy_poll_us;     /* after a reply, the loop polls this long before sleeping */
   /* compute */
-  char *backend;    /* auto | cpu | cuda */
-  uint32_t threads; /* kernel threads; 0: one per CPU */
-  char *kernel_isa; /* auto | avx512 | avx2 | scalar */
+  char *backend;        /* auto | cpu | cuda */
+  uint32_t threads;     /* kernel threads; 0: one per CPU */
+  uint32_t pin_threads; /* bind them to CPUs of their own (pool.h) */
+  char *kernel_isa;     /* auto | avx512 | avx2 | scalar */
   /* world */
   uint32_t local_ranks;      /* R */
   uint32_t world_size;       /* W; 0: local_ranks (a single-node world) */

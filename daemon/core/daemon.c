@@ -729,7 +729,7 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   d->sighup.data = d->summary_timer.data = d;
 
   if ((rc = choose_backend(d, err)) || (rc = choose_isa(cfg, &d->isa, err))) goto fail;
-  rc = zd__pool_create(cfg->threads, &d->pool);
+  rc = zd__pool_create(cfg->threads, (int)cfg->pin_threads, &d->pool);
   if (rc) {
     zd__errf(err, rc, "cannot start %u kernel threads: %s", cfg->threads, zd_strerror(rc));
     goto fail;
@@ -756,8 +756,9 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
         "NCCL)",
         d->nranks, d->world_size);
   else
-    ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, CPU backend, %s kernels on %u threads",
-                d->nranks, d->world_size, zd__isa_name((zd__isa_t)d->isa), zd__pool_size(d->pool));
+    ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, CPU backend, %s kernels on %u threads%s",
+                d->nranks, d->world_size, zd__isa_name((zd__isa_t)d->isa), zd__pool_size(d->pool),
+                zd__pool_pinned(d->pool) ? ", each bound to a CPU" : "");
   sd_notify("READY=1");
   *out = d;
   return ZD_OK;

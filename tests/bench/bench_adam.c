@@ -561,7 +561,7 @@ int main(int argc, char **argv) {
   }
   c.isa = (zd__isa_t)isa;
   c.kernel = zd__adam_impl(c.isa);
-  int rc = zd__pool_create(nthreads, &c.pool);
+  int rc = zd__pool_create(nthreads, 1, &c.pool); /* bound, as zerod's by default */
   if (rc) die("zd__pool_create", rc);
   if ((rc = zd__compute_cpu_create(c.pool, isa, &c.cpu))) die("zd__compute_cpu_create", rc);
 

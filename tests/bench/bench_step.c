@@ -222,7 +222,7 @@ int main(int argc, char **argv) {
     usage();
   setenv("ZEROD_BIN", zerod, 1);
 
-  if (zd__pool_create(threads, &cfg.pool) != 0) return 1;
+  if (zd__pool_create(threads, 1, &cfg.pool) != 0) return 1; /* bound, as zerod's by default */
   char threads_arg[16];
   snprintf(threads_arg, sizeof threads_arg, "%u", zd__pool_size(cfg.pool));
   zdt_daemon_t d;

@@ -5,6 +5,7 @@
  * is removed and zerod exits 0 with its loop closed, and the busy poll after replies ending. */
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -573,6 +574,28 @@ static void test_worker_answers(void) {
       early);
 }
 
+/* pin_threads: on by default, the kernel threads are bound where zerod may run on enough CPUs
+ * (one per thread), and the status says so; off, they are not. */
+static void test_pinned_threads(void) {
+  cpu_set_t set;
+  CHECK(sched_getaffinity(0, sizeof set, &set) == 0);
+  const char *const off[] = {"--pin_threads", "0", NULL};
+  const char *const *configs[] = {NULL, off};
+  unsigned long long expect[] = {CPU_COUNT(&set) >= 2, 0};
+  for (int i = 0; i < 2; i++) {
+    zdt_daemon_t d;
+    zdt_start(&d, configs[i]);
+    zd_client_t *c;
+    CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
+    unsigned long long pinned = status_counter(c, "kernel_threads_pinned");
+    CHECK_MSG(pinned == expect[i], "pin_threads %s on %d CPUs: kernel_threads_pinned %llu",
+              i ? "0" : "default", CPU_COUNT(&set), pinned);
+    zd_close(c);
+    zdt_stop(&d, SIGTERM, 0);
+  }
+  printf("  pin_threads: kernel threads bound by default (%d CPUs), not with 0\n", CPU_COUNT(&set));
+}
+
 int main(void) {
   test_command_line();
   test_clients_and_state();
@@ -581,6 +604,7 @@ int main(void) {
   test_sigterm_in_flight();
   test_busy_poll_ends();
   test_worker_answers();
+  test_pinned_threads();
   printf("test_lifecycle: ok\n");
   return 0;
 }

@@ -84,6 +84,7 @@ static const char *const all_names[] = {"socket",
                                         "busy_poll_us",
                                         "backend",
                                         "threads",
+                                        "pin_threads",
                                         "kernel_isa",
                                         "local_ranks",
                                         "world_size",
@@ -137,6 +138,7 @@ static void test_defaults(void) {
   CHECK_INT_EQ(cfg.busy_poll_us, 50);
   CHECK_STR_EQ(cfg.backend, "auto");
   CHECK_INT_EQ(cfg.threads, 0);
+  CHECK_INT_EQ(cfg.pin_threads, 1);
   CHECK_STR_EQ(cfg.kernel_isa, "auto");
   CHECK_INT_EQ(cfg.local_ranks, 1);
   CHECK_INT_EQ(cfg.world_size, 1); /* 0 resolves to local_ranks */

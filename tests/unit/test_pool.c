@@ -2,9 +2,10 @@
  * exactly once, in chunks on grain boundaries, by no more threads than the range pays for, with
  * thread numbers that are in range and never run two chunks at once; a range too small for two
  * threads runs inline on the caller; runs issued back to back, after the helpers fell asleep, and
- * from several threads at once all complete.
+ * from several threads at once all complete; a bound pool runs each thread on a CPU of its own.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -98,7 +99,7 @@ static void test_ranges(void) {
   run_t *r = run_new();
   for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
     zd__pool_t *pool;
-    CHECK_INT_EQ(zd__pool_create(sizes[s], &pool), 0);
+    CHECK_INT_EQ(zd__pool_create(sizes[s], (int)(s % 2), &pool), 0); /* bound and not */
     CHECK_INT_EQ(zd__pool_size(pool), sizes[s]);
     for (size_t i = 0; i < sizeof ns / sizeof *ns; i++)
       for (size_t g = 0; g < sizeof grains / sizeof *grains; g++)
@@ -114,7 +115,7 @@ static void test_ranges(void) {
 /* Runs with pauses longer than the helpers' spin, so each run must wake a sleeping helper. */
 static void test_sleep_wake(void) {
   zd__pool_t *pool;
-  CHECK_INT_EQ(zd__pool_create(2, &pool), 0);
+  CHECK_INT_EQ(zd__pool_create(2, 1, &pool), 0);
   run_t *r = run_new();
   for (int i = 0; i < 200; i++) {
     check_run(pool, r, 8192 + (uint64_t)i, 64, 64);
@@ -139,15 +140,89 @@ static void *caller_main(void *arg) {
 }
 
 static void test_concurrent_callers(void) {
-  CHECK_INT_EQ(zd__pool_create(3, &shared_pool), 0);
+  CHECK_INT_EQ(zd__pool_create(3, 1, &shared_pool), 0);
   pthread_t t[3];
   for (int i = 0; i < 3; i++) CHECK_INT_EQ(pthread_create(&t[i], NULL, caller_main, NULL), 0);
   for (int i = 0; i < 3; i++) pthread_join(t[i], NULL);
   zd__pool_destroy(shared_pool);
 }
 
+/* A bound pool of two, each run after its helper fell asleep: the helper always runs on the same
+ * CPU, and the caller never on that one, during the run and after it (its own mask is given back).
+ * Unbound, the scheduler woke the helper on the caller's CPU in a quarter to half of such runs on
+ * the 2-vCPU machine this was written on. */
+typedef struct {
+  atomic_int cpu[2]; /* per thread number: the CPU of its last chunk, -1 none */
+  atomic_int moved;  /* a helper chunk ran on another CPU than the helper's earlier ones */
+  atomic_int helper_cpu;
+  atomic_int helper_cpus_allowed; /* CPUs in the helper's affinity mask at its last chunk */
+  atomic_int caller_may_share;    /* the caller's mask held the helper's CPU during a run */
+} placement_t;
+
+static void place_chunk(void *arg, uint64_t b, uint64_t e, unsigned thread) {
+  placement_t *p = arg;
+  int cpu = sched_getcpu();
+  atomic_store(&p->cpu[thread], cpu);
+  cpu_set_t allowed;
+  CHECK(sched_getaffinity(0, sizeof allowed, &allowed) == 0);
+  if (thread == 1) atomic_store(&p->helper_cpus_allowed, CPU_COUNT(&allowed));
+  int h = atomic_load(&p->helper_cpu);
+  if (thread == 0 && h >= 0 && CPU_ISSET(h, &allowed)) atomic_fetch_add(&p->caller_may_share, 1);
+  if (thread == 1) {
+    int expect = -1;
+    if (!atomic_compare_exchange_strong(&p->helper_cpu, &expect, cpu) && expect != cpu)
+      atomic_fetch_add(&p->moved, 1);
+  }
+  for (volatile uint64_t i = b; i < e; i++) continue; /* a few microseconds of work per chunk */
+}
+
+static void test_pinned(void) {
+  cpu_set_t mine;
+  CHECK(sched_getaffinity(0, sizeof mine, &mine) == 0);
+  zd__pool_t *pool;
+  CHECK_INT_EQ(zd__pool_create(2, 1, &pool), 0);
+  if (CPU_COUNT(&mine) < 2) { /* nothing to bind to: the pool says so, and runs unbound */
+    CHECK_INT_EQ(zd__pool_pinned(pool), 0);
+    zd__pool_destroy(pool);
+    printf("  one CPU: the pool is not bound\n");
+    return;
+  }
+  CHECK_INT_EQ(zd__pool_pinned(pool), 1);
+  placement_t p = {.helper_cpu = -1};
+  int both = 0, runs = 40;
+  for (int i = 0; i < runs; i++) {
+    usleep(2000); /* past the helper's spin: it sleeps */
+    atomic_store(&p.cpu[0], -1);
+    atomic_store(&p.cpu[1], -1);
+    zd__pool_for(pool, 1u << 20, 4096, 1u << 19, place_chunk, &p);
+    int c0 = atomic_load(&p.cpu[0]), c1 = atomic_load(&p.cpu[1]);
+    if (c1 >= 0) {
+      both++;
+      CHECK_MSG(c0 != c1, "run %d: the caller and the helper both ran on CPU %d", i, c0);
+    }
+    cpu_set_t now;
+    CHECK(sched_getaffinity(0, sizeof now, &now) == 0);
+    CHECK_MSG(CPU_EQUAL(&now, &mine), "run %d: the caller's affinity mask was not given back", i);
+  }
+  CHECK_MSG(atomic_load(&p.moved) == 0, "the bound helper ran on %d other CPUs",
+            atomic_load(&p.moved));
+  CHECK_MSG(atomic_load(&p.helper_cpus_allowed) == 1, "the helper may run on %d CPUs; expected 1",
+            atomic_load(&p.helper_cpus_allowed));
+  CHECK_MSG(atomic_load(&p.caller_may_share) == 0,
+            "in %d chunks the caller's mask held the helper's CPU",
+            atomic_load(&p.caller_may_share));
+  CHECK_MSG(both > 0, "the helper joined none of %d runs", runs);
+  zd__pool_destroy(pool);
+  CHECK_INT_EQ(zd__pool_create(2, 0, &pool), 0);
+  CHECK_INT_EQ(zd__pool_pinned(pool), 0);
+  zd__pool_destroy(pool);
+  printf("  bound pool of 2: helper on CPU %d, joined %d of %d runs, never on the caller's CPU\n",
+         atomic_load(&p.helper_cpu), both, runs);
+}
+
 int main(void) {
   test_ranges();
+  test_pinned();
   test_sleep_wake();
   test_concurrent_callers();
   printf("pool: ok\n");
