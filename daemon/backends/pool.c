@@ -8,6 +8,10 @@
  * sleep/wake handshakes (helpers waiting for a run, the caller waiting for helpers), are
  * sequentially consistent store-then-load pairs: of the two threads, at least one sees the
  * other's store, so no wake-up is lost.
+ *
+ * Helper i is thread number i of every run and works in a run of `threads` only if i < threads;
+ * a run wakes exactly those helpers, each on its own condition variable. So a run's threads are
+ * known before it starts, and with bound threads (pool.h) the caller keeps every CPU but theirs.
  */
 #include "pool.h"
 
@@ -31,27 +35,32 @@ typedef struct run {
   zd__pool_fn fn;
   void *arg;
   uint64_t n, grain;
-  unsigned threads;           /* the most threads this run may use, the caller included */
-  _Atomic uint64_t next;      /* first element not handed out yet */
-  atomic_uint helpers_joined; /* helpers that came to this run; the first threads - 1 work */
+  unsigned threads;      /* threads this run uses, the caller included: helpers 1..threads-1 */
+  _Atomic uint64_t next; /* first element not handed out yet */
 } run_t;
+
+typedef struct helper {
+  struct zd__pool *pool;
+  unsigned index;      /* its thread number in every run, >= 1 */
+  int cpu;             /* the CPU it is bound to; -1 unbound */
+  atomic_int asleep;   /* on `wake`, or about to be */
+  pthread_cond_t wake; /* a new run that uses it, or stop */
+} helper_t;
 
 struct zd__pool {
   unsigned nthreads;
   unsigned cpus; /* zd__pool_cpus */
   pthread_t *threads;
+  helper_t *helpers;        /* [i] for helper i, 1 <= i < nthreads */
   pthread_mutex_t run_lock; /* one zd__pool_for at a time */
   _Atomic(run_t *) current; /* the run in progress; NULL once its caller stops handing out */
   atomic_ulong generation;  /* bumped for each run that wakes helpers */
   atomic_uint inside;       /* helpers that may be reading `current` */
-  atomic_uint sleepers;     /* helpers asleep on `wake`, or about to be */
   atomic_int caller_waiting;
   atomic_int stop;
-  pthread_mutex_t lock;  /* for the condition variables only */
-  pthread_cond_t wake;   /* helpers: a new run, or stop */
-  pthread_cond_t idle;   /* the caller: inside dropped to 0 */
-  int pinned;            /* helper i is bound to the i-th CPU of the mask (pool.h) */
-  cpu_set_t caller_cpus; /* the mask's CPUs no helper is bound to: the caller's during a run */
+  pthread_mutex_t lock; /* for the condition variables only */
+  pthread_cond_t idle;  /* the caller: inside dropped to 0 */
+  int pinned;           /* helper i is bound to the i-th CPU of the mask (pool.h) */
 };
 
 static inline void cpu_relax(void) {
@@ -90,18 +99,20 @@ static void work(run_t *r, unsigned thread) {
   while (claim(r, &b, &e)) r->fn(r->arg, b, e, thread);
 }
 
-/* Sleeps until a run newer than `seen` is published, or stop. */
-static void sleep_for_run(zd__pool_t *p, unsigned long seen) {
+/* Sleeps until a run newer than `seen` is published (one that does not use this helper does
+ * not wake it), or stop. */
+static void sleep_for_run(zd__pool_t *p, helper_t *h, unsigned long seen) {
   pthread_mutex_lock(&p->lock);
-  atomic_fetch_add(&p->sleepers, 1);
+  atomic_store(&h->asleep, 1);
   while (atomic_load(&p->generation) == seen && !atomic_load(&p->stop))
-    pthread_cond_wait(&p->wake, &p->lock);
-  atomic_fetch_sub(&p->sleepers, 1);
+    pthread_cond_wait(&h->wake, &p->lock);
+  atomic_store(&h->asleep, 0);
   pthread_mutex_unlock(&p->lock);
 }
 
 static void *helper_main(void *arg) {
-  zd__pool_t *p = arg;
+  helper_t *h = arg;
+  zd__pool_t *p = h->pool;
   unsigned long seen = 0;
   for (;;) {
     uint64_t since = now_ns();
@@ -109,7 +120,7 @@ static void *helper_main(void *arg) {
     while (atomic_load(&p->generation) == seen && !atomic_load(&p->stop)) {
       cpu_relax();
       if (++spins % 64 == 0 && now_ns() - since > HELPER_SPIN_NS) {
-        sleep_for_run(p, seen);
+        sleep_for_run(p, h, seen);
         since = now_ns();
       }
     }
@@ -117,10 +128,7 @@ static void *helper_main(void *arg) {
     seen = atomic_load(&p->generation);
     atomic_fetch_add(&p->inside, 1);
     run_t *r = atomic_load(&p->current);
-    if (r) {
-      unsigned joined = atomic_fetch_add(&r->helpers_joined, 1);
-      if (joined + 1 < r->threads) work(r, joined + 1);
-    }
+    if (r && h->index < r->threads) work(r, h->index);
     if (atomic_fetch_sub(&p->inside, 1) == 1 && atomic_load(&p->caller_waiting)) {
       pthread_mutex_lock(&p->lock);
       pthread_cond_signal(&p->idle);
@@ -138,21 +146,20 @@ int zd__pool_pinned(const zd__pool_t *pool) {
   return pool->pinned;
 }
 
-/* Binds helper i to the i-th CPU of mask, and leaves the caller the rest; on any failure unbinds
- * them all again. */
+/* Binds helper i to the i-th CPU of mask (the first stays free for the caller); on any failure
+ * unbinds them all again. */
 static void pin_helpers(zd__pool_t *p, const cpu_set_t *mask) {
   if (p->nthreads < 2 || (unsigned)CPU_COUNT(mask) < p->nthreads) return;
-  p->caller_cpus = *mask;
   unsigned i = 0;
   int ok = 1;
   for (int cpu = 0; cpu < CPU_SETSIZE && i < p->nthreads && ok; cpu++) {
     if (!CPU_ISSET(cpu, mask)) continue;
-    if (i > 0) { /* the first CPU stays the caller's */
+    if (i > 0) {
       cpu_set_t one;
       CPU_ZERO(&one);
       CPU_SET(cpu, &one);
       ok = pthread_setaffinity_np(p->threads[i], sizeof one, &one) == 0;
-      CPU_CLR(cpu, &p->caller_cpus);
+      p->helpers[i].cpu = cpu;
     }
     i++;
   }
@@ -160,8 +167,10 @@ static void pin_helpers(zd__pool_t *p, const cpu_set_t *mask) {
     p->pinned = 1;
     return;
   }
-  for (unsigned h = 1; h < p->nthreads; h++)
+  for (unsigned h = 1; h < p->nthreads; h++) {
     pthread_setaffinity_np(p->threads[h], sizeof *mask, mask);
+    p->helpers[h].cpu = -1;
+  }
 }
 
 int zd__pool_create(unsigned nthreads, int pin, zd__pool_t **out) {
@@ -173,19 +182,27 @@ int zd__pool_create(unsigned nthreads, int pin, zd__pool_t **out) {
   zd__pool_t *p = calloc(1, sizeof *p);
   if (!p) return -ENOMEM;
   p->threads = calloc(nthreads, sizeof *p->threads);
-  if (!p->threads) {
+  p->helpers = calloc(nthreads, sizeof *p->helpers);
+  if (!p->threads || !p->helpers) {
+    free(p->threads);
+    free(p->helpers);
     free(p);
     return -ENOMEM;
   }
   pthread_mutex_init(&p->run_lock, NULL);
   pthread_mutex_init(&p->lock, NULL);
-  pthread_cond_init(&p->wake, NULL);
   pthread_cond_init(&p->idle, NULL);
   p->cpus = cpus;
   p->nthreads = 1;
   for (unsigned i = 1; i < nthreads; i++) {
-    int rc = pthread_create(&p->threads[i], NULL, helper_main, p);
+    helper_t *h = &p->helpers[i];
+    h->pool = p;
+    h->index = i;
+    h->cpu = -1;
+    pthread_cond_init(&h->wake, NULL);
+    int rc = pthread_create(&p->threads[i], NULL, helper_main, h);
     if (rc) {
+      pthread_cond_destroy(&h->wake);
       zd__pool_destroy(p);
       return -rc;
     }
@@ -200,15 +217,42 @@ void zd__pool_destroy(zd__pool_t *pool) {
   if (!pool) return;
   pthread_mutex_lock(&pool->lock);
   atomic_store(&pool->stop, 1);
-  pthread_cond_broadcast(&pool->wake);
+  for (unsigned i = 1; i < pool->nthreads; i++) pthread_cond_signal(&pool->helpers[i].wake);
   pthread_mutex_unlock(&pool->lock);
-  for (unsigned i = 1; i < pool->nthreads; i++) pthread_join(pool->threads[i], NULL);
+  for (unsigned i = 1; i < pool->nthreads; i++) {
+    pthread_join(pool->threads[i], NULL);
+    pthread_cond_destroy(&pool->helpers[i].wake);
+  }
   pthread_cond_destroy(&pool->idle);
-  pthread_cond_destroy(&pool->wake);
   pthread_mutex_destroy(&pool->lock);
   pthread_mutex_destroy(&pool->run_lock);
   free(pool->threads);
+  free(pool->helpers);
   free(pool);
+}
+
+/* Binds the calling thread, for a run of `threads`, to the CPUs of its mask that none of the
+ * run's helpers is bound to, saving its mask in *before; 0 if it was left as it was (nothing
+ * would be left, or the call failed). Its current mask is the base, so a mask an operator set
+ * later is kept. */
+static int keep_off(const zd__pool_t *pool, unsigned threads, cpu_set_t *before) {
+  if (pthread_getaffinity_np(pthread_self(), sizeof *before, before) != 0) return 0;
+  cpu_set_t want = *before;
+  for (unsigned i = 1; i < threads; i++)
+    if (pool->helpers[i].cpu >= 0) CPU_CLR(pool->helpers[i].cpu, &want);
+  if (CPU_COUNT(&want) == 0 || CPU_EQUAL(&want, before)) return 0;
+  return pthread_setaffinity_np(pthread_self(), sizeof want, &want) == 0;
+}
+
+/* Gives the calling thread its mask back. Should the CPUs it may use have changed meanwhile (a
+ * cpuset shrunk), the kernel refuses the old mask; every CPU is then asked for, which it cuts to
+ * those allowed, rather than leave the thread bound to a few. */
+static void give_back(const cpu_set_t *before) {
+  if (pthread_setaffinity_np(pthread_self(), sizeof *before, before) == 0) return;
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) CPU_SET(cpu, &all);
+  pthread_setaffinity_np(pthread_self(), sizeof all, &all);
 }
 
 unsigned zd__pool_size(const zd__pool_t *pool) {
@@ -236,18 +280,16 @@ void zd__pool_for(zd__pool_t *pool, uint64_t n, uint64_t grain, uint64_t min_per
   pthread_mutex_lock(&pool->run_lock);
   atomic_store(&pool->current, &r);
   atomic_fetch_add(&pool->generation, 1);
-  unsigned asleep = atomic_load(&pool->sleepers);
-  if (asleep) {
+  for (unsigned i = 1; i < threads; i++) {
+    if (!atomic_load(&pool->helpers[i].asleep)) continue;
     pthread_mutex_lock(&pool->lock);
-    for (unsigned i = 0; i < asleep && i + 1 < threads; i++) pthread_cond_signal(&pool->wake);
+    pthread_cond_signal(&pool->helpers[i].wake);
     pthread_mutex_unlock(&pool->lock);
   }
-  /* Off the helpers' CPUs for the run (after the wake-ups, so a helper woken on this CPU starts
-   * while the caller moves). A caller on one of them is migrated at once. */
+  /* Off this run's helpers' CPUs (after the wake-ups, so that a helper whose CPU the caller is on
+   * starts while the caller moves away). */
   cpu_set_t before;
-  int moved =
-      pool->pinned && pthread_getaffinity_np(pthread_self(), sizeof before, &before) == 0 &&
-      pthread_setaffinity_np(pthread_self(), sizeof pool->caller_cpus, &pool->caller_cpus) == 0;
+  int moved = pool->pinned && keep_off(pool, threads, &before);
   work(&r, 0);
   /* Nothing is left to hand out; wait until no helper can still touch r. */
   atomic_store(&pool->current, NULL);
@@ -264,5 +306,5 @@ void zd__pool_for(zd__pool_t *pool, uint64_t n, uint64_t grain, uint64_t min_per
     }
   }
   pthread_mutex_unlock(&pool->run_lock);
-  if (moved) pthread_setaffinity_np(pthread_self(), sizeof before, &before);
+  if (moved) give_back(&before);
 }

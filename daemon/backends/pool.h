@@ -15,11 +15,12 @@
  *   - keeps its threads spinning for a short while after a run before they sleep, so the runs of
  *     one step (statistics, then the update of every bucket) find them awake;
  *   - pinned (zd__pool_create's pin), runs each thread on a CPU of its own. Left to itself, the
- *     scheduler woke a sleeping helper on the caller's CPU in 25-65% of the runs on a 2-vCPU
- *     virtual machine, with the other CPU idle, and the helper then waited there for the whole run
- *     (a step of 2^21 parameters through zerod took up to twice its memory pass). Each helper is
- *     bound to one CPU of the process's affinity mask, and the caller, for the length of a run
- *     that wakes helpers, to the CPUs no helper is bound to.
+ *     scheduler woke a sleeping helper on the caller's CPU in 20-70% of the steps of 2^21
+ *     parameters through zerod on a 2-vCPU virtual machine, with the other CPU idle, and the
+ *     helper then waited there for the whole run (the step took up to twice its memory pass).
+ *     Helper i is bound to the i-th CPU of the process's affinity mask, and the caller, for the
+ *     length of a run that uses helpers, to the CPUs of its own mask that the run's helpers are
+ *     not bound to (a run of 2 threads on 16 CPUs leaves it 15).
  */
 #ifndef ZD_DAEMON_POOL_H
 #define ZD_DAEMON_POOL_H

@@ -94,8 +94,10 @@ static const setting_t settings[] = {
          "where optimizer steps run (auto: cuda when a GPU is usable, else cpu)"),
     U32(S_COMPUTE, "threads", threads, "0", 0, 1024, "CPU kernel threads (0: one per CPU)"),
     U32(S_COMPUTE, "pin_threads", pin_threads, "1", 0, 1,
-        "bind each CPU kernel thread to a CPU of its own from zerod's affinity mask, where it has "
-        "enough (0: leave placement to the scheduler, which may put two on one CPU)"),
+        "bind the CPU kernel threads to CPUs of their own, from zerod's affinity mask at start-up "
+        "where it has a CPU per thread: helper i to the i-th CPU, a rank's thread during a run to "
+        "the CPUs that run's helpers do not use (0: leave placement to the scheduler, which may "
+        "put two on one CPU)"),
     ENUM(S_COMPUTE, "kernel_isa", kernel_isa, "auto", isas,
          "CPU kernel instruction set (auto: the widest this CPU supports)"),
 
