@@ -287,18 +287,16 @@ exit:
   return rc;
 }
 
-static int handle_scatter(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
-                          zd__err_t *err) {
-  Zerod__V1__ScatterRequest *req = zerod__v1__scatter_request__unpack(NULL, h->length, body);
-  if (!req) return zd__errf(err, ZD_EPROTO, "malformed scatter body (%u bytes)", h->length);
-  int32_t bucket = req->bucket;
+/* The job of a scatter or gather of `bucket` (-1: all), once its event slot and bucket check. */
+static int bucket_job(zd__session_t *s, const zd__frame_header_t *h, zd__job_type_t type,
+                      const char *what, int32_t bucket, int has_slot, uint32_t slot_in,
+                      zd__err_t *err) {
   uint32_t slot;
-  int rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "scatter",
-                                  req->has_event_slot, req->event_slot, &slot, err);
-  zerod__v1__scatter_request__free_unpacked(req, NULL);
+  int rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), what, has_slot, slot_in,
+                                  &slot, err);
   if (!rc) rc = check_bucket(s, bucket, err);
   if (rc) return rc;
-  zd__job_t *job = zd__session_job_new(s, ZD__JOB_SCATTER, h);
+  zd__job_t *job = zd__session_job_new(s, type, h);
   if (!job) return zd__errf(err, -ENOMEM, "out of memory");
   job->event_slot = slot;
   job->in.bucket = bucket;
@@ -306,23 +304,24 @@ static int handle_scatter(zd__session_t *s, const zd__frame_header_t *h, const u
   return ZD_OK;
 }
 
+static int handle_scatter(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
+                          zd__err_t *err) {
+  Zerod__V1__ScatterRequest *req = zerod__v1__scatter_request__unpack(NULL, h->length, body);
+  if (!req) return zd__errf(err, ZD_EPROTO, "malformed scatter body (%u bytes)", h->length);
+  int rc = bucket_job(s, h, ZD__JOB_SCATTER, "scatter", req->bucket, req->has_event_slot,
+                      req->event_slot, err);
+  zerod__v1__scatter_request__free_unpacked(req, NULL);
+  return rc;
+}
+
 static int handle_gather(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
                          zd__err_t *err) {
   Zerod__V1__GatherRequest *req = zerod__v1__gather_request__unpack(NULL, h->length, body);
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed gather body (%u bytes)", h->length);
-  int32_t bucket = req->bucket;
-  uint32_t slot;
-  int rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "gather", req->has_event_slot,
-                                  req->event_slot, &slot, err);
+  int rc = bucket_job(s, h, ZD__JOB_GATHER, "gather", req->bucket, req->has_event_slot,
+                      req->event_slot, err);
   zerod__v1__gather_request__free_unpacked(req, NULL);
-  if (!rc) rc = check_bucket(s, bucket, err);
-  if (rc) return rc;
-  zd__job_t *job = zd__session_job_new(s, ZD__JOB_GATHER, h);
-  if (!job) return zd__errf(err, -ENOMEM, "out of memory");
-  job->event_slot = slot;
-  job->in.bucket = bucket;
-  zd__session_submit(s, job);
-  return ZD_OK;
+  return rc;
 }
 
 static int handle_checkpoint(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,

@@ -422,14 +422,27 @@ static unsigned long long cpu_ticks(pid_t pid) {
   return utime + stime;
 }
 
-/* The server section's requests_polled of a zerod's status. */
-static unsigned long long requests_polled(zd_client_t *c) {
-  char *status;
+/* The number `key` of a zerod's status (the first line naming it). */
+static unsigned long long status_counter(zd_client_t *c, const char *key) {
+  char *status, line[64];
   CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
-  const char *p = strstr(status, "\nrequests_polled:");
-  CHECK_MSG(p != NULL, "no requests_polled in the status:\n%s", status);
-  unsigned long long n = strtoull(p + strlen("\nrequests_polled:"), NULL, 10);
+  snprintf(line, sizeof line, "\n%s:", key);
+  const char *p = strstr(status, line);
+  CHECK_MSG(p != NULL, "no %s in the status:\n%s", key, status);
+  unsigned long long n = strtoull(p + strlen(line), NULL, 10);
   zd_free(status);
+  return n;
+}
+
+/* The counter `key` once it reaches `target`, or as it is after 5 s: zerod counts some events on
+ * its loop thread a little after the client saw them. */
+static unsigned long long counter_reaching(zd_client_t *c, const char *key,
+                                           unsigned long long target) {
+  unsigned long long n = status_counter(c, key);
+  for (int tries = 0; tries < 500 && n < target; tries++) {
+    nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
+    n = status_counter(c, key);
+  }
   return n;
 }
 
@@ -453,7 +466,7 @@ static void test_busy_poll_ends(void) {
     do {
       steps(c, 200, done);
       done += 200;
-      polled = requests_polled(c);
+      polled = status_counter(c, "requests_polled");
     } while (i == 0 && polled == 0 && time(NULL) < give_up);
     if (i == 0)
       CHECK_MSG(polled > 0, "busy polling on: none of %llu requests was found polling",
@@ -476,18 +489,6 @@ static void test_busy_poll_ends(void) {
         "an idle second\n",
         i ? "0" : "50 (default)", polled, (unsigned long long)done, idle);
   }
-}
-
-/* The server section's counter `key` of a zerod's status. */
-static unsigned long long status_counter(zd_client_t *c, const char *key) {
-  char *status, line[64];
-  CHECK_INT_EQ(zd_status(c, &status), ZD_OK);
-  snprintf(line, sizeof line, "\n%s:", key);
-  const char *p = strstr(status, line);
-  CHECK_MSG(p != NULL, "no %s in the status:\n%s", key, status);
-  unsigned long long n = strtoull(p + strlen(line), NULL, 10);
-  zd_free(status);
-  return n;
 }
 
 /* A job that runs on its rank's worker (a model too big to step on the loop thread) is answered
@@ -540,12 +541,8 @@ static void test_worker_answers(void) {
     CHECK_MSG(zd_wait(c, req[i], &r) == ZD_OK, "pipelined request %d: %s", i, zd_last_error());
   CHECK_U64_EQ(r.step, (uint64_t)nsteps + 1);
   /* The loop counts a reply when it sees the job end, which may be after the client read it. */
-  unsigned long long early = 0;
-  for (int tries = 0; tries < 500; tries++) {
-    early = status_counter(c, "replies_early") - early0;
-    if (early >= (unsigned long long)nsteps + 3) break;
-    nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
-  }
+  unsigned long long early =
+      counter_reaching(c, "replies_early", early0 + (unsigned long long)nsteps + 3) - early0;
   CHECK_MSG(early == (unsigned long long)nsteps + 3,
             "%llu replies sent by the worker; expected %d (every step, scatter and gather)", early,
             nsteps + 3);
@@ -561,7 +558,7 @@ static void test_worker_answers(void) {
   /* Once the loop has answered those, the worker answers again. The loop counts the batch's
    * replies as it sees their jobs end, just after the client read them: wait until the count
    * stands still. */
-  unsigned long long before_last = status_counter(c, "replies_early"), last = 0;
+  unsigned long long before_last = status_counter(c, "replies_early"), last;
   for (int tries = 0; tries < 100; tries++) {
     nanosleep(&(struct timespec){.tv_nsec = 20000000}, NULL);
     unsigned long long now = status_counter(c, "replies_early");
@@ -569,10 +566,7 @@ static void test_worker_answers(void) {
     before_last = now;
   }
   CHECK_MSG(zd_step(c, NULL, &r) == ZD_OK, "step: %s", zd_last_error());
-  for (int tries = 0; tries < 500 && last == 0; tries++) {
-    last = status_counter(c, "replies_early") - before_last;
-    if (!last) nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
-  }
+  last = counter_reaching(c, "replies_early", before_last + 1) - before_last;
   CHECK_MSG(last == 1, "after a failed request, the worker answered %llu of 1 step", last);
   free(before);
   zd_close(c);
