@@ -20,12 +20,8 @@
 #include <cuda_runtime_api.h>
 
 #include "client_internal.h"
-
-static void uuid_str(const uint8_t u[16], char *buf, size_t len) {
-  snprintf(buf, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-           u[14], u[15]);
-}
+#include "cuda_error.h"
+#include "gpu.h"
 
 /* A failed CUDA call: ZD_EBACKEND (-ENOMEM when out of device memory) with what and CUDA's word. */
 static int cuda_fail(cudaError_t e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -36,8 +32,9 @@ static int cuda_fail(cudaError_t e, const char *fmt, ...) {
   vsnprintf(what, sizeof what, fmt, ap);
   va_end(ap);
   (void)cudaGetLastError();
-  return zd__fail(e == cudaErrorMemoryAllocation ? -ENOMEM : ZD_EBACKEND, "%s: %s (%s)", what,
-                  cudaGetErrorString(e), cudaGetErrorName(e));
+  zd__err_t err;
+  int code = zd__cuda_errf(&err, e, what);
+  return zd__fail(code, "%s", err.msg);
 }
 
 /* Why CUDA cannot run in this process at all, or ZD_OK with the device count. */
@@ -173,9 +170,9 @@ int zd__cuda_create_buffers(zd_client_t *c, int device) {
   uint8_t uuid[16];
   if ((rc = device_uuid(device, uuid))) return rc;
   if (c->has_rank_gpu && memcmp(uuid, c->rank_uuid, sizeof uuid) != 0) {
-    char mine[48], theirs[48];
-    uuid_str(uuid, mine, sizeof mine);
-    uuid_str(c->rank_uuid, theirs, sizeof theirs);
+    char mine[ZD__GPU_UUID_STR], theirs[ZD__GPU_UUID_STR];
+    zd__gpu_uuid_str(uuid, mine, sizeof mine);
+    zd__gpu_uuid_str(c->rank_uuid, theirs, sizeof theirs);
     return zd__fail(ZD_EBUFFER,
                     "CUDA device %d (%s) is not the GPU of local rank %u, %s (zerod's "
                     "device %d); put the buffers there (zd_cuda_device())",
@@ -349,8 +346,8 @@ int zd__cuda_find_device(const zd_client_t *c, int *device) {
       return ZD_OK;
     }
   }
-  char theirs[48];
-  uuid_str(c->rank_uuid, theirs, sizeof theirs);
+  char theirs[ZD__GPU_UUID_STR];
+  zd__gpu_uuid_str(c->rank_uuid, theirs, sizeof theirs);
   return zd__fail(-ENODEV,
                   "local rank %u runs on %s (zerod's device %d), which this process does not "
                   "see among its %d CUDA devices (CUDA_VISIBLE_DEVICES?)",

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "hash.h"
 #include "sqrt_mode.h"
 
 /* The C type of each kind. */
@@ -79,19 +80,13 @@ int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err) {
   return ZD_OK;
 }
 
-static uint64_t mix(uint64_t h, const void *data, size_t len) {
-  const uint8_t *p = data;
-  for (size_t i = 0; i < len; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-  return h;
-}
-
 static uint64_t hash_double(uint64_t h, double v) {
-  return mix(h, &v, sizeof v);
+  return zd__fnv1a(h, &v, sizeof v);
 }
 
 static uint64_t hash_int(uint64_t h, int v) {
   int32_t x = (int32_t)v;
-  return mix(h, &x, sizeof x);
+  return zd__fnv1a(h, &x, sizeof x);
 }
 
 #define HASH_DOUBLE hash_double

@@ -6,19 +6,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FNV_OFFSET 0xcbf29ce484222325ull
-#define FNV_PRIME  0x100000001b3ull
-
-static uint64_t fnv_bytes(uint64_t h, const void *data, size_t len) {
-  const uint8_t *p = data;
-  for (size_t i = 0; i < len; i++) h = (h ^ p[i]) * FNV_PRIME;
-  return h;
-}
+#include "hash.h"
 
 static uint64_t fnv_u64(uint64_t h, uint64_t v) {
   uint8_t le[8];
   for (int i = 0; i < 8; i++) le[i] = (uint8_t)(v >> (8 * i));
-  return fnv_bytes(h, le, sizeof le);
+  return zd__fnv1a(h, le, sizeof le);
 }
 
 static uint64_t round_up(uint64_t v, uint64_t m) {
@@ -115,13 +108,13 @@ static void close_bucket(zd__layout_t *l, uint64_t offset, uint64_t used, uint32
 }
 
 static uint64_t layout_hash(const zd__layout_t *l) {
-  uint64_t h = fnv_bytes(FNV_OFFSET, "zerod-layout-1", 14);
+  uint64_t h = zd__fnv1a(ZD__FNV1A_INIT, "zerod-layout-1", 14);
   h = fnv_u64(h, l->world_size);
   h = fnv_u64(h, l->bucket_elems);
   h = fnv_u64(h, l->nparams);
   for (uint32_t i = 0; i < l->nparams; i++) {
     const zd__layout_param_t *p = &l->params[i];
-    h = fnv_bytes(h, p->name, strlen(p->name) + 1);
+    h = zd__fnv1a(h, p->name, strlen(p->name) + 1);
     h = fnv_u64(h, p->ndim);
     for (uint32_t d = 0; d < p->ndim; d++) h = fnv_u64(h, p->shape[d]);
     h = fnv_u64(h, p->group);

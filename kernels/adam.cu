@@ -26,30 +26,26 @@
 #include <string.h>
 
 #include "adam.cuh"
+#include "cuda_error.h"
 
 #define FULL_MASK 0xffffffffu
 
 /* ---- errors -------------------------------------------------------------------------------- */
 
-static int cuda_errf(zd__err_t *err, cudaError_t e, const char *what) {
-  int code = e == cudaErrorMemoryAllocation ? -ENOMEM : ZD_EBACKEND;
-  return zd__errf(err, code, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
-}
-
 /* After every launch: configuration errors show here, the kernel's own errors later. */
-#define LAUNCH_CHECK(err, what)                             \
-  do {                                                      \
-    cudaError_t e_ = cudaGetLastError();                    \
-    if (e_ != cudaSuccess) return cuda_errf(err, e_, what); \
+#define LAUNCH_CHECK(err, what)                                 \
+  do {                                                          \
+    cudaError_t e_ = cudaGetLastError();                        \
+    if (e_ != cudaSuccess) return zd__cuda_errf(err, e_, what); \
   } while (0)
 
-#define CUDA_TRY(err, call, what)    \
-  do {                               \
-    cudaError_t e_ = (call);         \
-    if (e_ != cudaSuccess) {         \
-      rc = cuda_errf(err, e_, what); \
-      goto fail;                     \
-    }                                \
+#define CUDA_TRY(err, call, what)        \
+  do {                                   \
+    cudaError_t e_ = (call);             \
+    if (e_ != cudaSuccess) {             \
+      rc = zd__cuda_errf(err, e_, what); \
+      goto fail;                         \
+    }                                    \
   } while (0)
 
 /* NULL and cudaStreamLegacy both name the legacy default stream. cudaStreamPerThread is a
@@ -945,5 +941,5 @@ int zd__cuda_kernels_preload(zd__err_t *err) {
   if (e == cudaSuccess) e = load(decide_kernel);
   if (e == cudaSuccess) return ZD_OK;
   (void)cudaGetLastError();
-  return cuda_errf(err, e, "loading the optimizer kernels (cudaFuncGetAttributes)");
+  return zd__cuda_errf(err, e, "loading the optimizer kernels (cudaFuncGetAttributes)");
 }

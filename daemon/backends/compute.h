@@ -45,6 +45,7 @@
 #include "adam.h"
 #include "comm.h"
 #include "error.h"
+#include "gpu.h"
 
 struct zd__model;
 struct zd__buffers;
@@ -64,7 +65,6 @@ typedef struct zd__step_record {
 
 /* A GPU as the daemon reports it (status, hello, error messages). Plain data: also in builds
  * without CUDA. */
-#define ZD__GPU_UUID_STR 48
 typedef struct zd__gpu_info {
   int device;                      /* ordinal in this process (after CUDA_VISIBLE_DEVICES) */
   uint8_t uuid[16];                /* cudaDeviceProp.uuid: the same GPU in every process */

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cuda_error.h"
 #include "log.h"
 
 /* Polls back to back for this long before sleeping: a step's wait is usually this short, and a
@@ -22,9 +23,8 @@ int zd__cuda_fail(zd__err_t *err, cudaError_t e, const char *file, int line, con
   vsnprintf(what, sizeof what, fmt, ap);
   va_end(ap);
   (void)cudaGetLastError(); /* a non-sticky error must not show up again in the next check */
-  int code = e == cudaErrorMemoryAllocation ? -ENOMEM : ZD_EBACKEND;
   ZD_LOG_ERROR("%s:%d: %s: %s (%s)", file, line, what, cudaGetErrorString(e), cudaGetErrorName(e));
-  return zd__errf(err, code, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  return zd__cuda_errf(err, e, what);
 }
 
 int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn probe, void *ctx,
@@ -55,12 +55,6 @@ int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn pro
   }
 }
 
-void zd__cuda_uuid_str(const uint8_t u[16], char *buf, size_t len) {
-  snprintf(buf, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-           u[14], u[15]);
-}
-
 int zd__cuda_gpu_info(int device, zd__gpu_info_t *out, zd__err_t *err) {
   struct cudaDeviceProp prop;
   memset(out, 0, sizeof *out);
@@ -68,7 +62,7 @@ int zd__cuda_gpu_info(int device, zd__gpu_info_t *out, zd__err_t *err) {
               device);
   out->device = device;
   memcpy(out->uuid, prop.uuid.bytes, sizeof out->uuid);
-  zd__cuda_uuid_str(out->uuid, out->uuid_str, sizeof out->uuid_str);
+  zd__gpu_uuid_str(out->uuid, out->uuid_str, sizeof out->uuid_str);
   snprintf(out->name, sizeof out->name, "%.95s", prop.name);
   return ZD_OK;
 }

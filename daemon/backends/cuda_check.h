@@ -61,7 +61,4 @@ int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn pro
  * name. Errors: ZD_EBACKEND. */
 int zd__cuda_gpu_info(int device, zd__gpu_info_t *out, zd__err_t *err);
 
-/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of 16 UUID bytes; len >= ZD__GPU_UUID_STR. */
-void zd__cuda_uuid_str(const uint8_t uuid[16], char *buf, size_t len);
-
 #endif /* ZD_DAEMON_CUDA_CHECK_H */

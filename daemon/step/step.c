@@ -14,6 +14,7 @@
 
 #include "checkpoint.h"
 #include "group.h"
+#include "hash.h"
 #include "log.h"
 #include "step_decide.h"
 #include "world.h"
@@ -25,20 +26,14 @@
  * the ranks compare steps without it and OR it. No step number comes near it. */
 #define CHECKPOINT_BIT (1ull << 62)
 
-static uint64_t hash_mix(uint64_t h, const void *data, size_t len) {
-  const uint8_t *p = data;
-  for (size_t i = 0; i < len; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-  return h;
-}
-
 /* What the ranks must agree on before a step: every group (the table's fields, common/group.h),
  * clipping, averaging and loss scaling. */
 static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups) {
-  uint64_t h = 0xcbf29ce484222325ull;
+  uint64_t h = ZD__FNV1A_INIT;
   for (uint32_t i = 0; i < m->ngroups; i++) h = zd__group_hash(h, &groups[i]);
   int32_t flags[2] = {m->grad_mean, m->scaler.enabled};
-  h = hash_mix(h, &m->max_grad_norm, sizeof m->max_grad_norm);
-  return hash_mix(h, flags, sizeof flags);
+  h = zd__fnv1a(h, &m->max_grad_norm, sizeof m->max_grad_norm);
+  return zd__fnv1a(h, flags, sizeof flags);
 }
 
 /* ---- state --------------------------------------------------------------------------------- */

@@ -155,12 +155,7 @@ int zd__buffers_open_cuda(zd__session_buffers_t *sb, const zd__daemon_t *d, uint
   const zd__gpu_info_t *gpu = zd__daemon_gpu(d, local);
   if (memcmp(cb->device_uuid.data, gpu->uuid, sizeof gpu->uuid) != 0) {
     char theirs[ZD__GPU_UUID_STR];
-    const uint8_t *u = cb->device_uuid.data;
-    snprintf(theirs, sizeof theirs,
-             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
-             "%02x%02x%02x%02x%02x%02x",
-             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-             u[14], u[15]);
+    zd__gpu_uuid_str(cb->device_uuid.data, theirs, sizeof theirs);
     return zd__errf(err, ZD_EBUFFER,
                     "the buffers are on the client's CUDA device %d (%s), but "
                     "local rank %u runs on %s (%s, zerod's device %d); put the trainer of local "
