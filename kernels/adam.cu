@@ -542,7 +542,9 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   if (!l || !a) return zd__errf(err, -EINVAL, "CUDA adam: no layout or no arguments");
   int rc = check_stream(stream, "CUDA adam", err);
   if (rc) return rc;
-  if (!a->master || !a->exp_avg || !a->exp_avg_sq || !a->grad)
+  float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
+  float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
+  if (!master || !exp_avg || !exp_avg_sq || !a->grad)
     return zd__errf(err, -EINVAL, "CUDA adam: master, exp_avg, exp_avg_sq and grad are required");
   if (!zd__dtype_ok(a->grad_dtype, ZD__DTYPE_GRAD))
     return zd__errf(err, ZD_EDTYPE, "CUDA adam: grad dtype %d; expected f32, bf16 or f16",
@@ -562,17 +564,17 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
     return zd__errf(err, -EINVAL, "CUDA adam: %u groups but neither groups nor d_groups",
                     a->ngroups);
   if (!a->d_groups) {
-    rc = check_groups(a->groups, a->ngroups, a->max_exp_avg_sq != NULL, "CUDA adam", err);
+    rc = check_groups(a->groups, a->ngroups, max_sq != NULL, "CUDA adam", err);
     if (rc) return rc;
   }
   if (l->ntiles == 0) return ZD_OK; /* nothing covered */
 
   adam_kargs_t k;
   memset(&k, 0, sizeof k);
-  k.master = a->master;
-  k.exp_avg = a->exp_avg;
-  k.exp_avg_sq = a->exp_avg_sq;
-  k.max_exp_avg_sq = a->max_exp_avg_sq;
+  k.master = master;
+  k.exp_avg = exp_avg;
+  k.exp_avg_sq = exp_avg_sq;
+  k.max_exp_avg_sq = max_sq;
   k.grad = a->grad;
   k.param = a->param;
   k.tiles = l->d_tiles;
@@ -582,12 +584,12 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   k.d_skip = a->d_skip;
   k.d_groups = a->d_groups;
   if (!a->d_groups && a->ngroups) memcpy(k.groups, a->groups, a->ngroups * sizeof *a->groups);
-  k.vec = aligned16(a->master) && aligned16(a->exp_avg) && aligned16(a->exp_avg_sq) &&
-          (!a->max_exp_avg_sq || aligned16(a->max_exp_avg_sq)) && aligned16(a->grad) &&
+  k.vec = aligned16(master) && aligned16(exp_avg) && aligned16(exp_avg_sq) &&
+          (!max_sq || aligned16(max_sq)) && aligned16(a->grad) &&
           (!a->param || aligned16(a->param));
   int pdt = a->param ? (int)a->param_dtype : 0;
-  adam_kernel_fn fn = a->max_exp_avg_sq ? adam_kernel_for<true>((int)a->grad_dtype, pdt)
-                                        : adam_kernel_for<false>((int)a->grad_dtype, pdt);
+  adam_kernel_fn fn = max_sq ? adam_kernel_for<true>((int)a->grad_dtype, pdt)
+                             : adam_kernel_for<false>((int)a->grad_dtype, pdt);
   fn<<<l->adam_grid, ADAM_THREADS, 0, stream>>>(k);
   LAUNCH_CHECK(err, "CUDA adam: kernel launch");
   return ZD_OK;

@@ -88,6 +88,7 @@
 
 #include "dtype.h"
 #include "segment.h"
+#include "state.h"
 #include "sqrt_mode.h"
 #include "zerod/zerod.h"
 
@@ -129,10 +130,9 @@ void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t ste
 /* One kernel call: a contiguous range of a shard. All pointers address the start of the range;
  * segment offsets are relative to it. */
 typedef struct zd__adam_args {
-  float *master;
-  float *exp_avg;
-  float *exp_avg_sq;
-  float *max_exp_avg_sq; /* NULL when the model has none; required by a group with amsgrad */
+  /* The shard's state arrays by role (common/state.h): master, exp_avg and exp_avg_sq, and
+   * max_exp_avg_sq, NULL when the model has none (required by a group with amsgrad). */
+  float *state[ZD__NSTATES];
   const void *grad;
   zd_dtype_t grad_dtype;  /* ZD_F32, ZD_BF16, ZD_F16 */
   void *param;            /* working parameters written back; NULL: none */

@@ -120,36 +120,39 @@ AI void step8(float *mp, float *mm, float *mv, float *mx, const void *gp, void *
 /* Fewer than 8 elements starting at i, through zero-padded copies (zeros compute harmlessly). */
 AI void step_part(const zd__adam_args_t *a, const consts_t *c, uint64_t i, uint64_t r, int gdt,
                   int pdt, int wdm, int form) {
+  float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
+  float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
   float p[8] = {0}, m[8] = {0}, v[8] = {0}, x[8] = {0}, g[8] = {0}, out[8];
-  memcpy(p, a->master + i, r * sizeof(float));
-  memcpy(m, a->exp_avg + i, r * sizeof(float));
-  memcpy(v, a->exp_avg_sq + i, r * sizeof(float));
-  if (FORM_AMS(form)) memcpy(x, a->max_exp_avg_sq + i, r * sizeof(float));
+  memcpy(p, master + i, r * sizeof(float));
+  memcpy(m, exp_avg + i, r * sizeof(float));
+  memcpy(v, exp_avg_sq + i, r * sizeof(float));
+  if (FORM_AMS(form)) memcpy(x, max_sq + i, r * sizeof(float));
   memcpy(g, (const char *)a->grad + i * gsz, r * gsz);
   step8(p, m, v, x, g, out, c, gdt, pdt, wdm, form, 0);
-  memcpy(a->master + i, p, r * sizeof(float));
-  memcpy(a->exp_avg + i, m, r * sizeof(float));
-  memcpy(a->exp_avg_sq + i, v, r * sizeof(float));
-  if (FORM_AMS(form)) memcpy(a->max_exp_avg_sq + i, x, r * sizeof(float));
+  memcpy(master + i, p, r * sizeof(float));
+  memcpy(exp_avg + i, m, r * sizeof(float));
+  memcpy(exp_avg_sq + i, v, r * sizeof(float));
+  if (FORM_AMS(form)) memcpy(max_sq + i, x, r * sizeof(float));
   if (pdt != OUT_NONE) memcpy((char *)a->param + i * psz, out, r * psz);
 }
 
 /* Element i of max_exp_avg_sq; NULL (never formed from a NULL array) without amsgrad. */
 AI float *max_at(const zd__adam_args_t *a, uint64_t i, int form) {
-  return FORM_AMS(form) ? a->max_exp_avg_sq + i : NULL;
+  return FORM_AMS(form) ? a->state[ZD__STATE_MAX_EXP_AVG_SQ] + i : NULL;
 }
 
 /* Prefetches the four input streams (five with amsgrad) ZD__ADAM_PREFETCH elements past element
  * i. The address is formed as an integer: it may lie past the end of the buffers, which a
  * prefetch tolerates. */
 AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz, int form) {
+  float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
+  float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
   uint64_t d = ZD__ADAM_PREFETCH;
-  _mm_prefetch((const char *)((uintptr_t)(a->master + i) + d * 4), _MM_HINT_T0);
-  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg + i) + d * 4), _MM_HINT_T0);
-  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg_sq + i) + d * 4), _MM_HINT_T0);
-  if (FORM_AMS(form))
-    _mm_prefetch((const char *)((uintptr_t)(a->max_exp_avg_sq + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(master + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(exp_avg + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(exp_avg_sq + i) + d * 4), _MM_HINT_T0);
+  if (FORM_AMS(form)) _mm_prefetch((const char *)((uintptr_t)(max_sq + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)a->grad + (i + d) * gsz), _MM_HINT_T0);
 }
 
@@ -158,11 +161,13 @@ AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz, int form) {
  * working params can be streamed. */
 AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t hi, int gdt, int pdt,
             int wdm, int form, int nt) {
+  float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
+  float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ];
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
   const char *g = a->grad;
   char *out = a->param;
   uint64_t i = lo;
-  uint64_t head = (uint64_t)(-(uintptr_t)(a->master + lo) / sizeof(float)) & 7;
+  uint64_t head = (uint64_t)(-(uintptr_t)(master + lo) / sizeof(float)) & 7;
   if (head > hi - lo) head = hi - lo;
   if (head) {
     step_part(a, c, i, head, gdt, pdt, wdm, form);
@@ -171,14 +176,14 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
   if (nt && (uintptr_t)(out + i * psz) % (8 * psz) == 0) {
     for (; i + 8 <= hi; i += 8) {
       prefetch(a, i, gsz, form);
-      step8(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
-            out + i * psz, c, gdt, pdt, wdm, form, 1);
+      step8(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
+            c, gdt, pdt, wdm, form, 1);
     }
   }
   for (; i + 8 <= hi; i += 8) {
     prefetch(a, i, gsz, form);
-    step8(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
-          out + i * psz, c, gdt, pdt, wdm, form, 0);
+    step8(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
+          c, gdt, pdt, wdm, form, 0);
   }
   if (i < hi) step_part(a, c, i, hi - i, gdt, pdt, wdm, form);
 }

@@ -154,19 +154,20 @@ AI void step16(float *mp, float *mm, float *mv, float *mx, const void *gp, void 
 
 /* Element i of max_exp_avg_sq; NULL (never formed from a NULL array) without amsgrad. */
 AI float *max_at(const zd__adam_args_t *a, uint64_t i, int form) {
-  return FORM_AMS(form) ? a->max_exp_avg_sq + i : NULL;
+  return FORM_AMS(form) ? a->state[ZD__STATE_MAX_EXP_AVG_SQ] + i : NULL;
 }
 
 /* Prefetches the four input streams (five with amsgrad) ZD__ADAM_PREFETCH elements past element
  * i. The address is formed as an integer: it may lie past the end of the buffers, which a
  * prefetch tolerates. */
 AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz, int form) {
+  float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
+  float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
   uint64_t d = ZD__ADAM_PREFETCH;
-  _mm_prefetch((const char *)((uintptr_t)(a->master + i) + d * 4), _MM_HINT_T0);
-  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg + i) + d * 4), _MM_HINT_T0);
-  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg_sq + i) + d * 4), _MM_HINT_T0);
-  if (FORM_AMS(form))
-    _mm_prefetch((const char *)((uintptr_t)(a->max_exp_avg_sq + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(master + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(exp_avg + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(exp_avg_sq + i) + d * 4), _MM_HINT_T0);
+  if (FORM_AMS(form)) _mm_prefetch((const char *)((uintptr_t)(max_sq + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)a->grad + (i + d) * gsz), _MM_HINT_T0);
 }
 
@@ -175,34 +176,36 @@ AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz, int form) {
  * neither loads nor stores across cache lines, and the working params can be streamed. */
 AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t hi, int gdt, int pdt,
             int wdm, int form, int nt) {
+  float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
+  float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ];
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
   const char *g = a->grad;
   char *out = a->param;
   uint64_t i = lo;
-  uint64_t head = (uint64_t)(-(uintptr_t)(a->master + lo) / sizeof(float)) & 15;
+  uint64_t head = (uint64_t)(-(uintptr_t)(master + lo) / sizeof(float)) & 15;
   if (head > hi - lo) head = hi - lo;
   if (head) {
     __mmask16 k = (__mmask16)((1u << head) - 1);
-    step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
-           out + i * psz, c, k, 0, gdt, pdt, wdm, form, 0);
+    step16(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
+           c, k, 0, gdt, pdt, wdm, form, 0);
     i += head;
   }
   if (nt && (uintptr_t)(out + i * psz) % (16 * psz) == 0) {
     for (; i + 16 <= hi; i += 16) {
       prefetch(a, i, gsz, form);
-      step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
+      step16(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
              out + i * psz, c, 0xffff, 1, gdt, pdt, wdm, form, 1);
     }
   }
   for (; i + 16 <= hi; i += 16) {
     prefetch(a, i, gsz, form);
-    step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
-           out + i * psz, c, 0xffff, 1, gdt, pdt, wdm, form, 0);
+    step16(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
+           c, 0xffff, 1, gdt, pdt, wdm, form, 0);
   }
   if (i < hi) {
     __mmask16 k = (__mmask16)((1u << (hi - i)) - 1);
-    step16(a->master + i, a->exp_avg + i, a->exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
-           out + i * psz, c, k, 0, gdt, pdt, wdm, form, 0);
+    step16(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
+           c, k, 0, gdt, pdt, wdm, form, 0);
   }
 }
 

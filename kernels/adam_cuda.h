@@ -113,12 +113,11 @@ const double *zd__cuda_layout_block_sums(const zd__cuda_layout_t *l);
 #define ZD__CUDA_GROUPS_INLINE 64
 
 typedef struct zd__cuda_adam_args {
-  float *master; /* device, the range's n elements; master, moments updated in place */
-  float *exp_avg;
-  float *exp_avg_sq;
-  /* device, or NULL: the model has no max_exp_avg_sq. Required when a group has amsgrad (checked
-   * for host groups; a device group's amsgrad without it is the caller's bug: it is ignored). */
-  float *max_exp_avg_sq;
+  /* The shard's state arrays by role (common/state.h), device, the range's n elements, updated in
+   * place. max_exp_avg_sq may be NULL: the model has none. It is required when a group has amsgrad
+   * (checked for host groups; a device group's amsgrad without it is the caller's bug: it is
+   * ignored). */
+  float *state[ZD__NSTATES];
   const void *grad; /* device; ZD_F32, ZD_BF16 or ZD_F16 */
   zd_dtype_t grad_dtype;
   void *param;            /* device; working parameters written back; NULL: none */

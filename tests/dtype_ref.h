@@ -47,9 +47,9 @@ static inline void zdt_ref_step(float *master, float *m, float *v, const float *
   zd__adam_group_t consts;
   zd__adam_group_init(&consts, g, step);
   zd__segment_t seg = {.offset = 0, .length = n, .group = 0};
-  zd__adam_args_t a = {.master = master,
-                       .exp_avg = m,
-                       .exp_avg_sq = v,
+  zd__adam_args_t a = {.state[ZD__STATE_MASTER] = master,
+                       .state[ZD__STATE_EXP_AVG] = m,
+                       .state[ZD__STATE_EXP_AVG_SQ] = v,
                        .grad = grad,
                        .grad_dtype = ZD_F32,
                        .param_dtype = ZD_F32,

@@ -1,11 +1,16 @@
 /* Compute backends: where a rank's optimizer state lives and what runs the kernels on it, behind
- * one small vtable so that the step logic (step.c) is ONE code path for every backend.
+ * one small vtable so that the step logic (step/step.c) is ONE code path for every backend.
  *
- * step.c decides the order of operations, builds the step record, takes the decision and keeps
- * the step atomic; a backend only provides the pieces:
+ * A backend sees a rank's shard (zd__shard_t), never the model: the layout, the segments of each
+ * bucket, the state arrays by role (common/state.h: master and the optimizer's own arrays, as a
+ * table) and where each bucket's reduced gradients are. An optimizer's state is therefore data:
+ * a new state array is a row of that table and its use in the kernels, nothing here.
  *
- *   alloc / release   zeroed fp32 state arrays (master, moments, reduced-gradient shard)
- *   model_init/fini   per-model resources built once at registration (CUDA: the device layout
+ * The step logic decides the order of operations, builds the step record, takes the decision and
+ * keeps the step atomic; a backend only provides the pieces:
+ *
+ *   alloc / release   zeroed fp32 arrays (the state arrays, the reduced-gradient shard)
+ *   shard_init/fini   per-shard resources built once at registration (CUDA: the device layout
  *                     of every bucket, the step record in device memory)
  *   begin / finish    the edges of a job: begin orders the job after the client's work on its
  *                     buffers (CUDA: the stream waits on the "grads ready" event of the job's
@@ -45,11 +50,31 @@
 #include "adam.h"
 #include "comm.h"
 #include "error.h"
-#include "gpu.h"
+#include "layout.h"
+#include "segment.h"
+#include "shm.h"
+#include "state.h"
 
-struct zd__model;
-struct zd__buffers;
 struct zd__pool;
+
+/* A rank's shard of the model, as the backends see it. The step logic fills it at registration
+ * (step.h's model holds one) and keeps grad and grad_dtype current; a backend reads it, and owns
+ * only cdata. */
+typedef struct zd__shard {
+  const zd__layout_t *layout; /* the model's layout */
+  uint32_t rank;              /* global rank: whose slice of every bucket */
+  zd_dtype_t param_dtype;     /* of the client's param buffer */
+  uint32_t ngroups;           /* parameter groups: the update's constants come one per group */
+  uint64_t elems;             /* elements of each array below (the layout's shard, at least 1) */
+  float *state[ZD__NSTATES];  /* by role, in the backend's memory; NULL: the model has none */
+  float *grad_shard;          /* world size > 1: reduced gradients of the whole shard; else NULL */
+  zd__segment_t **segs;       /* per bucket: this rank's segments (host memory) */
+  uint32_t *nsegs;
+  const void **grad; /* per bucket: where its reduced gradients are (grad_shard, or at world size 1
+                        the client's grad buffer), as the last reduce-scatter left them */
+  zd_dtype_t *grad_dtype; /* per bucket: their dtype */
+  void *cdata;            /* the backend's (shard_init/shard_fini) */
+} zd__shard_t;
 
 /* What every rank contributes before an update (the commit point of a step). The layout is that
  * of zd__cuda_stats_t (kernels/adam_cuda.h): the CUDA statistics kernel writes it in device memory
@@ -63,30 +88,21 @@ typedef struct zd__step_record {
   uint64_t hparam_hash;
 } zd__step_record_t;
 
-/* A GPU as the daemon reports it (status, hello, error messages). Plain data: also in builds
- * without CUDA. */
-typedef struct zd__gpu_info {
-  int device;                      /* ordinal in this process (after CUDA_VISIBLE_DEVICES) */
-  uint8_t uuid[16];                /* cudaDeviceProp.uuid: the same GPU in every process */
-  char uuid_str[ZD__GPU_UUID_STR]; /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
-  char name[96];
-} zd__gpu_info_t;
-
 typedef struct zd__compute zd__compute_t;
 
 typedef struct zd__compute_ops {
   /* n zeroed fp32 elements (n >= 1) in the backend's memory. Errors: -ENOMEM, ZD_EBACKEND. */
   int (*alloc)(zd__compute_t *c, uint64_t n, float **out, zd__err_t *err);
   void (*release)(zd__compute_t *c, float *p, uint64_t n); /* accepts NULL */
-  /* After the model's state arrays and segments exist; model_fini accepts a half-built model. */
-  int (*model_init)(zd__compute_t *c, struct zd__model *m, uint32_t world_size, zd__err_t *err);
-  void (*model_fini)(zd__compute_t *c, struct zd__model *m);
+  /* After the shard's arrays and segments exist; shard_fini accepts a half-built shard. */
+  int (*shard_init)(zd__compute_t *c, zd__shard_t *s, uint32_t world_size, zd__err_t *err);
+  void (*shard_fini)(zd__compute_t *c, zd__shard_t *s);
   /* slot: the job's pair of the client's events (< ZD__EVENT_SLOTS; ignored with host buffers). */
-  int (*begin)(zd__compute_t *c, const struct zd__buffers *buf, uint32_t slot, zd__err_t *err);
+  int (*begin)(zd__compute_t *c, const zd__buffers_t *buf, uint32_t slot, zd__err_t *err);
   /* Called once at the end of every job that called begin, with the same slot, whether it failed
    * or not; waits for everything the job queued. Errors as the communicator's (ZD_EPEER,
    * -ETIMEDOUT) or ZD_EBACKEND for a failure of the device. */
-  int (*finish)(zd__compute_t *c, zd__comm_t *comm, const struct zd__buffers *buf, uint32_t slot,
+  int (*finish)(zd__compute_t *c, zd__comm_t *comm, const zd__buffers_t *buf, uint32_t slot,
                 zd__err_t *err);
   /* 1 when nothing of the rank's jobs is left on its device stream, as the worker last saw it:
    * every job's finish waited for its work, or a failed wait found the stream run out (or the
@@ -97,32 +113,32 @@ typedef struct zd__compute_ops {
   int (*stream_idle)(zd__compute_t *c);
   /* to_client: master -> param buffer (resume), else param buffer -> master (a new model); only
    * the elements the segments cover. */
-  int (*exchange)(zd__compute_t *c, struct zd__model *m, const struct zd__buffers *buf,
-                  uint32_t rank, int to_client, zd__err_t *err);
-  /* Copies n elements of one of the model's state arrays (state: in the backend's memory) to
+  int (*exchange)(zd__compute_t *c, const zd__shard_t *s, const zd__buffers_t *buf, int to_client,
+                  zd__err_t *err);
+  /* Copies n elements of one of the shard's state arrays (state: in the backend's memory) to
    * host memory (to_host: a checkpoint's snapshot) or back (a resume); complete when it returns,
    * after the work queued before it. */
   int (*copy_state)(zd__compute_t *c, float *state, float *host, uint64_t n, int to_host,
                     zd__err_t *err);
   /* Adds bucket b's statistics into this rank's record (first: b is the first bucket of the
    * step; rec carries the tags). */
-  int (*grad_stats)(zd__compute_t *c, struct zd__model *m, uint32_t b, int first,
+  int (*grad_stats)(zd__compute_t *c, const zd__shard_t *s, uint32_t b, int first,
                     zd__step_record_t *rec, zd__err_t *err);
   /* torch.nn.utils.clip_grad_norm_'s total norm of the model's fp32 gradients in the order of
    * torch build `order` (not ZD_CLIP_NORM_DOUBLE; kernels/grad_norm.h): each parameter's norm,
    * then the norm of those in parameter order. World size 1 only (every parameter whole in this
    * rank's shard), after every bucket's scatter. Errors: -ENOMEM. NULL: the backend does not
    * compute it (CUDA), and steps clip by the double norm. */
-  int (*torch_norm)(zd__compute_t *c, struct zd__model *m, zd_clip_norm_t order, float *total,
+  int (*torch_norm)(zd__compute_t *c, const zd__shard_t *s, zd_clip_norm_t order, float *total,
                     zd__err_t *err);
   /* all[r] = rank r's record. stats: grad_stats ran for every bucket of this step; else the
    * statistics are 0. Waits for the result. */
-  int (*gather_records)(zd__compute_t *c, zd__comm_t *comm, struct zd__model *m,
+  int (*gather_records)(zd__compute_t *c, zd__comm_t *comm, const zd__shard_t *s,
                         const zd__step_record_t *mine, int stats, zd__step_record_t *all,
                         zd__err_t *err);
-  /* The update of bucket b: consts holds this step's constants of every group of the model. */
-  int (*update)(zd__compute_t *c, struct zd__model *m, uint32_t b, const struct zd__buffers *buf,
-                uint32_t rank, const zd__adam_group_t *consts, float grad_scale, zd__err_t *err);
+  /* The update of bucket b: consts holds this step's constants of every group (s->ngroups). */
+  int (*update)(zd__compute_t *c, const zd__shard_t *s, uint32_t b, const zd__buffers_t *buf,
+                const zd__adam_group_t *consts, float grad_scale, zd__err_t *err);
   void (*destroy)(zd__compute_t *c);
 } zd__compute_ops_t;
 

@@ -14,7 +14,6 @@
 #include "grad_norm.h"
 #include "placement.h"
 #include "pool.h"
-#include "step.h"
 
 typedef struct cpu_compute {
   zd__compute_t base;
@@ -26,16 +25,16 @@ typedef struct cpu_compute {
   uint64_t *nonfinite;  /* per pool thread, for the statistics */
 } cpu_compute_t;
 
-/* Per model: scratch for the statistics' block sums, as many as the largest bucket has. */
-typedef struct cpu_model {
+/* Per shard: scratch for the statistics' block sums, as many as the largest bucket has. */
+typedef struct cpu_shard {
   double *block_sums;
-} cpu_model_t;
+} cpu_shard_t;
 
 /* ---- state --------------------------------------------------------------------------------- */
 
-/* A model's arrays (master, exp_avg, exp_avg_sq, then the gradient shard and max_exp_avg_sq, when
- * it has them) are allocated one after the other by one thread, so handing out the five state
- * colours in turn gives each its own. */
+/* A shard's arrays (its state arrays, and the gradient shard when it has one: at most five) are
+ * allocated one after the other by one thread, so handing out the five state colours in turn
+ * gives each its own. */
 static int cpu_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
   cpu_compute_t *c = (cpu_compute_t *)base;
   size_t bytes = (size_t)n * sizeof(float);
@@ -62,30 +61,37 @@ static int cpu_copy_state(zd__compute_t *base, float *state, float *host, uint64
   return ZD_OK;
 }
 
-static int cpu_model_init(zd__compute_t *base, zd__model_t *m, uint32_t world_size,
+static int cpu_shard_init(zd__compute_t *base, zd__shard_t *s, uint32_t world_size,
                           zd__err_t *err) {
   (void)base, (void)world_size;
   uint64_t max_blocks = 0;
-  for (uint32_t b = 0; b < m->layout->nbuckets; b++)
-    if (zd__stats_blocks(m->layout->buckets[b].shard_elems) > max_blocks)
-      max_blocks = zd__stats_blocks(m->layout->buckets[b].shard_elems);
-  cpu_model_t *cm = calloc(1, sizeof *cm);
-  if (cm) cm->block_sums = calloc(max_blocks ? max_blocks : 1, sizeof *cm->block_sums);
-  if (!cm || !cm->block_sums) {
-    free(cm);
+  for (uint32_t b = 0; b < s->layout->nbuckets; b++)
+    if (zd__stats_blocks(s->layout->buckets[b].shard_elems) > max_blocks)
+      max_blocks = zd__stats_blocks(s->layout->buckets[b].shard_elems);
+  cpu_shard_t *cs = calloc(1, sizeof *cs);
+  if (cs) cs->block_sums = calloc(max_blocks ? max_blocks : 1, sizeof *cs->block_sums);
+  if (!cs || !cs->block_sums) {
+    free(cs);
     return zd__errf(err, -ENOMEM, "out of memory for the statistics of %llu blocks",
                     (unsigned long long)max_blocks);
   }
-  m->cdata = cm;
+  s->cdata = cs;
   return ZD_OK;
 }
 
-static void cpu_model_fini(zd__compute_t *base, zd__model_t *m) {
+static void cpu_shard_fini(zd__compute_t *base, zd__shard_t *s) {
   (void)base;
-  cpu_model_t *cm = m->cdata;
-  if (cm) free(cm->block_sums);
-  free(cm);
-  m->cdata = NULL;
+  cpu_shard_t *cs = s->cdata;
+  if (cs) free(cs->block_sums);
+  free(cs);
+  s->cdata = NULL;
+}
+
+/* This rank's slice of bucket b in the client's param buffer. */
+static void *param_slice(const zd__shard_t *s, const zd__buffers_t *buf, uint32_t b) {
+  const zd__bucket_t *bk = &s->layout->buckets[b];
+  uint64_t e = bk->offset + (uint64_t)s->rank * bk->shard_elems;
+  return (char *)buf->params.addr + e * zd_dtype_size(s->param_dtype);
 }
 
 static int cpu_begin(zd__compute_t *base, const zd__buffers_t *buf, uint32_t slot, zd__err_t *err) {
@@ -100,20 +106,17 @@ static int cpu_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t
 }
 
 /* Copies between the master shard and the client's param buffer over the covered elements. */
-static int cpu_exchange(zd__compute_t *base, zd__model_t *m, const zd__buffers_t *buf,
-                        uint32_t rank, int to_client, zd__err_t *err) {
+static int cpu_exchange(zd__compute_t *base, const zd__shard_t *sh, const zd__buffers_t *buf,
+                        int to_client, zd__err_t *err) {
   (void)base, (void)err;
-  const zd__layout_t *l = m->layout;
-  size_t psize = zd_dtype_size(m->param_dtype);
+  const zd__layout_t *l = sh->layout;
   for (uint32_t b = 0; b < l->nbuckets; b++) {
-    const zd__bucket_t *bk = &l->buckets[b];
-    float *master = m->master + bk->shard_base;
-    void *param =
-        (char *)buf->params.addr + (bk->offset + (uint64_t)rank * bk->shard_elems) * psize;
-    for (uint32_t s = 0; s < m->nsegs[b]; s++) {
-      const zd__segment_t *sg = &m->segs[b][s];
+    float *master = sh->state[ZD__STATE_MASTER] + l->buckets[b].shard_base;
+    void *param = param_slice(sh, buf, b);
+    for (uint32_t s = 0; s < sh->nsegs[b]; s++) {
+      const zd__segment_t *sg = &sh->segs[b][s];
       for (uint64_t i = sg->offset; i < sg->offset + sg->length; i++) {
-        if (m->param_dtype == ZD_BF16) {
+        if (sh->param_dtype == ZD_BF16) {
           uint16_t *p = param;
           if (to_client)
             p[i] = zd__f32_to_bf16(master[i]);
@@ -151,19 +154,19 @@ static void stats_chunk(void *arg, uint64_t b0, uint64_t b1, unsigned thread) {
 }
 
 /* Sum of squares and non-finite count of this rank's reduced gradients of bucket b. */
-static int cpu_grad_stats(zd__compute_t *base, zd__model_t *m, uint32_t b, int first,
+static int cpu_grad_stats(zd__compute_t *base, const zd__shard_t *s, uint32_t b, int first,
                           zd__step_record_t *rec, zd__err_t *err) {
   (void)first, (void)err;
   const cpu_compute_t *c = (const cpu_compute_t *)base;
-  const cpu_model_t *cm = m->cdata;
-  const zd__bucket_t *bk = &m->layout->buckets[b];
+  const cpu_shard_t *cs = s->cdata;
+  const zd__bucket_t *bk = &s->layout->buckets[b];
   stats_run_t r = {.c = c,
-                   .grad = m->shard_grad[b],
-                   .dtype = m->shard_grad_dtype[b],
-                   .segs = m->segs[b],
-                   .nsegs = m->nsegs[b],
+                   .grad = s->grad[b],
+                   .dtype = s->grad_dtype[b],
+                   .segs = s->segs[b],
+                   .nsegs = s->nsegs[b],
                    .n = bk->shard_elems,
-                   .sums = cm->block_sums};
+                   .sums = cs->block_sums};
   unsigned nthreads = zd__pool_size(c->pool);
   memset(c->nonfinite, 0, nthreads * sizeof *c->nonfinite);
   /* The statistics read one stream where the update moves eight: a thread pays off only over
@@ -178,10 +181,10 @@ static int cpu_grad_stats(zd__compute_t *base, zd__model_t *m, uint32_t b, int f
 
 /* One thread for the whole gradient: each parameter's norm is one chain in torch's order, and a
  * model clipped bit for bit at world size 1 is one torch would clip on one CPU anyway. */
-static int cpu_torch_norm(zd__compute_t *base, zd__model_t *m, zd_clip_norm_t order, float *total,
-                          zd__err_t *err) {
+static int cpu_torch_norm(zd__compute_t *base, const zd__shard_t *s, zd_clip_norm_t order,
+                          float *total, zd__err_t *err) {
   const cpu_compute_t *c = (const cpu_compute_t *)base;
-  const zd__layout_t *l = m->layout;
+  const zd__layout_t *l = s->layout;
   zd__norm_order_t o = order == ZD_CLIP_NORM_TORCH113  ? ZD__NORM_TORCH113
                        : order == ZD_CLIP_NORM_TORCH26 ? ZD__NORM_TORCH26
                                                        : ZD__NORM_TORCH215;
@@ -190,7 +193,7 @@ static int cpu_torch_norm(zd__compute_t *base, zd__model_t *m, zd_clip_norm_t or
   for (uint32_t i = 0; i < l->nparams; i++) {
     const zd__layout_param_t *p = &l->params[i];
     const zd__bucket_t *bk = &l->buckets[p->bucket];
-    const float *g = (const float *)m->shard_grad[p->bucket] + (p->offset - bk->offset);
+    const float *g = (const float *)s->grad[p->bucket] + (p->offset - bk->offset);
     norms[i] = c->norm(g, p->numel, o);
   }
   /* torch stacks the per-parameter norms and takes the same norm of the stack. */
@@ -199,10 +202,10 @@ static int cpu_torch_norm(zd__compute_t *base, zd__model_t *m, zd_clip_norm_t or
   return ZD_OK;
 }
 
-static int cpu_gather_records(zd__compute_t *base, zd__comm_t *comm, zd__model_t *m,
+static int cpu_gather_records(zd__compute_t *base, zd__comm_t *comm, const zd__shard_t *s,
                               const zd__step_record_t *mine, int stats, zd__step_record_t *all,
                               zd__err_t *err) {
-  (void)base, (void)m, (void)stats;
+  (void)base, (void)s, (void)stats;
   return comm->ops->allgather_bytes(comm, mine, sizeof *mine, all, err);
 }
 
@@ -219,27 +222,24 @@ static void adam_chunk(void *arg, uint64_t begin, uint64_t end, unsigned thread)
   r->fn(r->args, begin, end);
 }
 
-static int cpu_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd__buffers_t *buf,
-                      uint32_t rank, const zd__adam_group_t *consts, float grad_scale,
+static int cpu_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
+                      const zd__buffers_t *buf, const zd__adam_group_t *consts, float grad_scale,
                       zd__err_t *err) {
   (void)err;
   const cpu_compute_t *c = (const cpu_compute_t *)base;
-  const zd__bucket_t *bk = &m->layout->buckets[b];
-  size_t psize = zd_dtype_size(m->param_dtype);
+  const zd__bucket_t *bk = &s->layout->buckets[b];
   zd__adam_args_t args = {
-      .master = m->master + bk->shard_base,
-      .exp_avg = m->exp_avg + bk->shard_base,
-      .exp_avg_sq = m->exp_avg_sq + bk->shard_base,
-      .max_exp_avg_sq = m->max_exp_avg_sq ? m->max_exp_avg_sq + bk->shard_base : NULL,
-      .grad = m->shard_grad[b],
-      .grad_dtype = m->shard_grad_dtype[b],
-      .param = (char *)buf->params.addr + (bk->offset + (uint64_t)rank * bk->shard_elems) * psize,
-      .param_dtype = m->param_dtype,
+      .grad = s->grad[b],
+      .grad_dtype = s->grad_dtype[b],
+      .param = param_slice(s, buf, b),
+      .param_dtype = s->param_dtype,
       .grad_scale = grad_scale,
-      .segs = m->segs[b],
-      .nsegs = m->nsegs[b],
+      .segs = s->segs[b],
+      .nsegs = s->nsegs[b],
       .groups = consts,
   };
+  for (int i = 0; i < ZD__NSTATES; i++) /* bucket b's part of every array the shard has */
+    args.state[i] = s->state[i] ? s->state[i] + bk->shard_base : NULL;
   adam_run_t run = {.args = &args, .fn = c->adam};
   zd__pool_for(c->pool, bk->shard_elems, ZD__POOL_STREAM_GRAIN, ZD__POOL_STREAM_MIN_PER_THREAD,
                adam_chunk, &run);
@@ -261,8 +261,8 @@ static const zd__compute_ops_t cpu_ops = {
     .alloc = cpu_alloc,
     .release = cpu_release,
     .copy_state = cpu_copy_state,
-    .model_init = cpu_model_init,
-    .model_fini = cpu_model_fini,
+    .shard_init = cpu_shard_init,
+    .shard_fini = cpu_shard_fini,
     .begin = cpu_begin,
     .finish = cpu_finish,
     .exchange = cpu_exchange,

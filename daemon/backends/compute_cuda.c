@@ -1,5 +1,6 @@
 /* The CUDA compute backend (compute.h): a rank's state in device memory, its kernels (kernels/
- * adam_cuda.h) queued on the rank's one non-blocking stream, in the order step.c asks for them.
+ * adam_cuda.h) queued on the rank's one non-blocking stream, in the order the step logic asks for
+ * them.
  *
  * Per job, on the stream: wait for the client's "grads ready" event of the job's event slot
  * (begin); the collectives and kernels of the job; record the slot's "params ready" event
@@ -31,7 +32,6 @@
 #include "cuda_check.h"
 #include "exchange_cuda.h"
 #include "log.h"
-#include "step.h"
 
 /* The step record is all-gathered as the statistics kernel writes it. */
 _Static_assert(sizeof(zd__step_record_t) == sizeof(zd__cuda_stats_t), "record size");
@@ -56,7 +56,7 @@ typedef struct cuda_compute {
   int busy;
 } cuda_compute_t;
 
-typedef struct cuda_model {
+typedef struct cuda_shard {
   uint32_t nbuckets;
   zd__cuda_layout_t **layouts; /* per bucket */
   zd__step_record_t *d_rec;    /* device: this rank's record */
@@ -64,7 +64,7 @@ typedef struct cuda_model {
   zd__step_record_t *h_all;    /* pinned host: every rank's, for the agreement */
   zd__adam_group_t *d_groups;  /* device, more groups than travel with a launch */
   uint32_t world_size;
-} cuda_model_t;
+} cuda_shard_t;
 
 /* Before memory is freed: waits (bounded) until no work of the rank is queued or running, since
  * cudaFree waits for the whole device without a bound. A model replaced at registration is freed
@@ -158,9 +158,9 @@ static int cuda_copy_state(zd__compute_t *base, float *state, float *host, uint6
   return zd__cuda_event_wait(c->done, c->timeout_ms, NULL, NULL, "a copy of the state", err);
 }
 
-static void cuda_model_fini(zd__compute_t *base, zd__model_t *m) {
+static void cuda_shard_fini(zd__compute_t *base, zd__shard_t *s) {
   cuda_compute_t *c = (cuda_compute_t *)base;
-  cuda_model_t *cm = m->cdata;
+  cuda_shard_t *cm = s->cdata;
   if (!cm) return;
   if (drained(c)) {
     for (uint32_t b = 0; cm->layouts && b < cm->nbuckets; b++)
@@ -171,28 +171,28 @@ static void cuda_model_fini(zd__compute_t *base, zd__model_t *m) {
     cudaFreeHost(cm->h_all);
     (void)cudaGetLastError();
   } else {
-    leak_warning(c, "model tables");
+    leak_warning(c, "shard tables");
   }
   free(cm->layouts);
   free(cm);
-  m->cdata = NULL;
+  s->cdata = NULL;
 }
 
-static int cuda_model_init(zd__compute_t *base, zd__model_t *m, uint32_t world_size,
+static int cuda_shard_init(zd__compute_t *base, zd__shard_t *s, uint32_t world_size,
                            zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
-  const zd__layout_t *l = m->layout;
-  cuda_model_t *cm = calloc(1, sizeof *cm);
+  const zd__layout_t *l = s->layout;
+  cuda_shard_t *cm = calloc(1, sizeof *cm);
   if (!cm) return zd__errf(err, -ENOMEM, "out of memory");
-  m->cdata = cm;
+  s->cdata = cm;
   cm->nbuckets = l->nbuckets;
   cm->world_size = world_size;
   cm->layouts = calloc(l->nbuckets, sizeof *cm->layouts);
   if (!cm->layouts) return zd__errf(err, -ENOMEM, "out of memory");
   for (uint32_t b = 0; b < l->nbuckets; b++) {
-    int rc = zd__cuda_layout_create(m->segs[b], m->nsegs[b], l->buckets[b].shard_elems, c->setup,
+    int rc = zd__cuda_layout_create(s->segs[b], s->nsegs[b], l->buckets[b].shard_elems, c->setup,
                                     &cm->layouts[b], err);
-    if (rc) return rc; /* the caller frees the model, and with it what was built */
+    if (rc) return rc; /* the caller frees the shard, and with it what was built */
   }
   size_t rec = sizeof(zd__step_record_t);
   ZD_CUDA_TRY(err, cudaMalloc((void **)&cm->d_rec, rec), "GPU %d: cudaMalloc of the record",
@@ -201,9 +201,9 @@ static int cuda_model_init(zd__compute_t *base, zd__model_t *m, uint32_t world_s
               "GPU %d: cudaMalloc of %u records", c->device, world_size);
   ZD_CUDA_TRY(err, cudaMallocHost((void **)&cm->h_all, rec * world_size),
               "GPU %d: cudaMallocHost of %u records", c->device, world_size);
-  if (m->ngroups > ZD__CUDA_GROUPS_INLINE)
-    ZD_CUDA_TRY(err, cudaMalloc((void **)&cm->d_groups, m->ngroups * sizeof *cm->d_groups),
-                "GPU %d: cudaMalloc of %u groups", c->device, m->ngroups);
+  if (s->ngroups > ZD__CUDA_GROUPS_INLINE)
+    ZD_CUDA_TRY(err, cudaMalloc((void **)&cm->d_groups, s->ngroups * sizeof *cm->d_groups),
+                "GPU %d: cudaMalloc of %u groups", c->device, s->ngroups);
   return ZD_OK;
 }
 
@@ -255,42 +255,42 @@ static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_
 
 /* ---- the pieces of a step ------------------------------------------------------------------- */
 
-static void *param_slice(const zd__model_t *m, const zd__buffers_t *buf, uint32_t b,
-                         uint32_t rank) {
-  const zd__bucket_t *bk = &m->layout->buckets[b];
-  return (char *)buf->params.addr +
-         (bk->offset + (uint64_t)rank * bk->shard_elems) * zd_dtype_size(m->param_dtype);
+/* This rank's slice of bucket b in the client's param buffer. */
+static void *param_slice(const zd__shard_t *s, const zd__buffers_t *buf, uint32_t b) {
+  const zd__bucket_t *bk = &s->layout->buckets[b];
+  uint64_t e = bk->offset + (uint64_t)s->rank * bk->shard_elems;
+  return (char *)buf->params.addr + e * zd_dtype_size(s->param_dtype);
 }
 
-static int cuda_exchange(zd__compute_t *base, zd__model_t *m, const zd__buffers_t *buf,
-                         uint32_t rank, int to_client, zd__err_t *err) {
+static int cuda_exchange(zd__compute_t *base, const zd__shard_t *s, const zd__buffers_t *buf,
+                         int to_client, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
-  for (uint32_t b = 0; b < m->layout->nbuckets; b++) {
-    int rc = zd__cuda_exchange(m->master + m->layout->buckets[b].shard_base,
-                               param_slice(m, buf, b, rank), m->param_dtype, m->segs[b],
-                               m->nsegs[b], to_client, c->stream, err);
+  for (uint32_t b = 0; b < s->layout->nbuckets; b++) {
+    int rc = zd__cuda_exchange(s->state[ZD__STATE_MASTER] + s->layout->buckets[b].shard_base,
+                               param_slice(s, buf, b), s->param_dtype, s->segs[b], s->nsegs[b],
+                               to_client, c->stream, err);
     if (rc) return rc;
   }
   return ZD_OK;
 }
 
-static int cuda_grad_stats(zd__compute_t *base, zd__model_t *m, uint32_t b, int first,
+static int cuda_grad_stats(zd__compute_t *base, const zd__shard_t *s, uint32_t b, int first,
                            zd__step_record_t *rec, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
-  cuda_model_t *cm = m->cdata;
+  cuda_shard_t *cm = s->cdata;
   /* The first bucket overwrites the record and writes its tags; the others add to it, in bucket
    * order, as the CPU adds bucket after bucket. */
   uint64_t tags[ZD__CUDA_TAGS] = {rec->step, rec->layout_hash, rec->hparam_hash};
-  return zd__cuda_grad_stats(cm->layouts[b], m->shard_grad[b], m->shard_grad_dtype[b],
+  return zd__cuda_grad_stats(cm->layouts[b], s->grad[b], s->grad_dtype[b],
                              (zd__cuda_stats_t *)cm->d_rec, !first, first ? tags : NULL, c->stream,
                              err);
 }
 
-static int cuda_gather_records(zd__compute_t *base, zd__comm_t *comm, zd__model_t *m,
+static int cuda_gather_records(zd__compute_t *base, zd__comm_t *comm, const zd__shard_t *s,
                                const zd__step_record_t *mine, int stats, zd__step_record_t *all,
                                zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
-  cuda_model_t *cm = m->cdata;
+  cuda_shard_t *cm = s->cdata;
   /* Without statistics (world size 1, no clipping, no loss scaling) the record is the host's and
    * the one-rank all-gather a copy: no wait at all. */
   if (!stats) return comm->ops->allgather_bytes(comm, mine, sizeof *mine, all, err);
@@ -311,30 +311,28 @@ static int cuda_gather_records(zd__compute_t *base, zd__comm_t *comm, zd__model_
   return ZD_OK;
 }
 
-static int cuda_update(zd__compute_t *base, zd__model_t *m, uint32_t b, const zd__buffers_t *buf,
-                       uint32_t rank, const zd__adam_group_t *consts, float grad_scale,
+static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
+                       const zd__buffers_t *buf, const zd__adam_group_t *consts, float grad_scale,
                        zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
-  cuda_model_t *cm = m->cdata;
-  const zd__bucket_t *bk = &m->layout->buckets[b];
+  cuda_shard_t *cm = s->cdata;
+  const zd__bucket_t *bk = &s->layout->buckets[b];
   if (cm->d_groups && b == 0) { /* this step's constants, stream-ordered before every bucket */
-    int rc = zd__cuda_groups_upload(cm->d_groups, consts, m->ngroups, c->stream, err);
+    int rc = zd__cuda_groups_upload(cm->d_groups, consts, s->ngroups, c->stream, err);
     if (rc) return rc;
   }
   zd__cuda_adam_args_t a = {
-      .master = m->master + bk->shard_base,
-      .exp_avg = m->exp_avg + bk->shard_base,
-      .exp_avg_sq = m->exp_avg_sq + bk->shard_base,
-      .max_exp_avg_sq = m->max_exp_avg_sq ? m->max_exp_avg_sq + bk->shard_base : NULL,
-      .grad = m->shard_grad[b],
-      .grad_dtype = m->shard_grad_dtype[b],
-      .param = param_slice(m, buf, b, rank),
-      .param_dtype = m->param_dtype,
+      .grad = s->grad[b],
+      .grad_dtype = s->grad_dtype[b],
+      .param = param_slice(s, buf, b),
+      .param_dtype = s->param_dtype,
       .grad_scale = grad_scale,
       .groups = cm->d_groups ? NULL : consts,
       .d_groups = cm->d_groups,
-      .ngroups = m->ngroups,
+      .ngroups = s->ngroups,
   };
+  for (int i = 0; i < ZD__NSTATES; i++) /* bucket b's part of every array the shard has */
+    a.state[i] = s->state[i] ? s->state[i] + bk->shard_base : NULL;
   return zd__cuda_adam_step(cm->layouts[b], &a, c->stream, err);
 }
 
@@ -357,8 +355,8 @@ static const zd__compute_ops_t cuda_ops = {
     .alloc = cuda_alloc,
     .release = cuda_release,
     .copy_state = cuda_copy_state,
-    .model_init = cuda_model_init,
-    .model_fini = cuda_model_fini,
+    .shard_init = cuda_shard_init,
+    .shard_fini = cuda_shard_fini,
     .begin = cuda_begin,
     .finish = cuda_finish,
     .exchange = cuda_exchange,

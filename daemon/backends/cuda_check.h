@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "compute.h"
+#include "backend.h"
 #include "error.h"
 
 /* Logs "file:line: what: <CUDA error> (<name>)" at error level, stores the same message in err

@@ -8,8 +8,8 @@
  * Nodes and the Kv* methods are served only by the node that hosts global rank 0, which holds the
  * world's rendezvous store; elsewhere they say where that node is. A KvWait that cannot be
  * answered yet becomes a wait of the store and a deferred call: the store's callback answers it,
- * or the client cancelling it ends the wait. Drain is deferred too, answered when the daemon's
- * drain ends (daemon.h); a caller that leaves does not end the drain.
+ * or the client cancelling it ends the wait. Drain is deferred too, answered when the drain ends
+ * (drain.h); a caller that leaves does not end the drain.
  *
  * Stop: the pending waits are answered UNAVAILABLE and the store refuses new ones, then the server
  * shuts down; once it is gone, the store is freed and the daemon told.
@@ -24,16 +24,14 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "control.pb-c.h"
-#include "daemon.h"
 #include "grpc_server.h"
 #include "grpc_unary.h"
 #include "health.pb-c.h"
 #include "kvstore.h"
 #include "log.h"
 #include "rendezvous.h"
-#include "session.h"
-#include "checkpoint.h"
 #include "token.h"
 
 #define MAX_KEY_BYTES   1024
@@ -51,7 +49,13 @@ static const zd__kvstore_limits_t kv_limits = {
 };
 
 struct zd__control {
-  zd__daemon_t *d;
+  zd__control_env_t env;
+  const zd__config_t *cfg;
+  /* the node, from zd__control_serve on (NULL before) */
+  const zd__ranks_t *ranks;
+  const zd__sessions_t *sessions;
+  zd__ckptr_t *ckpt;
+  zd__drain_t *drain;
   int serves_kv;             /* this node hosts global rank 0 */
   char token[ZD__TOKEN_MAX]; /* control_token_file's token; "": none required */
   uint64_t refused;          /* store calls refused for their token */
@@ -59,7 +63,8 @@ struct zd__control {
   zd__gsrv_call_t *drain_call; /* the Drain being waited for; NULL once answered or cancelled */
   zd__gsrv_t *server;
   zd__kvstore_t *store;
-  void (*done)(zd__daemon_t *d);
+  void (*done)(void *ctx);
+  void *done_ctx;
 };
 
 /* A KvWait that waits on the store: owns its request (the store reads its keys) until the wait's
@@ -74,17 +79,17 @@ typedef struct kv_wait {
 /* ---- which node serves what ------------------------------------------------------------------ */
 
 static int not_rank0(zd__control_t *c, const char *what, zd__err_t *err) {
-  const zd__daemon_t *d = c->d;
-  uint32_t first = zd__daemon_config(d)->first_rank;
+  const zd__config_t *cfg = c->cfg;
+  uint32_t first = cfg->first_rank;
   char ranks[48];
-  if (zd__daemon_nranks(d) > 1)
-    snprintf(ranks, sizeof ranks, "ranks %u..%u", first, first + zd__daemon_nranks(d) - 1);
+  if (cfg->local_ranks > 1)
+    snprintf(ranks, sizeof ranks, "ranks %u..%u", first, first + cfg->local_ranks - 1);
   else
     snprintf(ranks, sizeof ranks, "rank %u", first);
   return zd__errf(err, ZD_EORDER,
                   "%s is served by the zerod that hosts rank 0, at %s "
                   "(rendezvous_address); this one hosts %s of %u",
-                  what, zd__daemon_config(d)->rendezvous_address, ranks, zd__daemon_world_size(d));
+                  what, cfg->rendezvous_address, ranks, cfg->world_size);
 }
 
 /* With a control token, the store's calls must carry it ("authorization: Bearer <token>"): they
@@ -132,8 +137,7 @@ typedef struct rank_msg {
 } rank_msg_t;
 
 static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *err) {
-  zd__daemon_t *d = c->d;
-  zd__rank_t *r = zd__daemon_rank(d, i);
+  zd__rank_t *r = c->ranks->rank[i];
   Zerod__V1__RankStatus *m = &rm->msg;
   zd__rank_stats_t *s = &rm->stats;
   zerod__v1__rank_status__init(m);
@@ -142,7 +146,7 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
   m->local_rank = i;
   m->health = (char *)zd__health_name(s->health);
   if (s->health != ZD__HEALTH_OK) m->degraded_reason = s->degraded_reason;
-  const zd__session_t *client = zd__sessions_attached(zd__daemon_sessions(d), i);
+  const zd__session_t *client = zd__sessions_attached(c->sessions, i);
   if (client) {
     m->client = (char *)zd__session_name(client);
     m->has_client_pid = 1;
@@ -153,7 +157,7 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
   m->has_params = m->has_shard_elems = m->has_state_bytes = m->has_grad_shard_bytes = 1;
   m->params = s->nparams;
   m->shard_elems = s->shard_elems;
-  m->state_bytes = s->state_bytes;
+  m->state_bytes = zd__rank_state_bytes(s->states, s->shard_elems);
   m->grad_shard_bytes = s->grad_shard_bytes;
   m->has_step = m->has_steps_skipped = m->has_loss_scale = 1;
   m->step = s->step;
@@ -187,8 +191,7 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
 static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
   (void)req;
   zd__control_t *c = ctx;
-  zd__daemon_t *d = c->d;
-  uint32_t n = zd__daemon_nranks(d);
+  uint32_t n = c->ranks ? c->ranks->n : 0;
   rank_msg_t *rms = calloc(n ? n : 1, sizeof *rms);
   Zerod__V1__RankStatus **ptrs = calloc(n ? n : 1, sizeof *ptrs);
   int rc = ZD_OK;
@@ -204,18 +207,18 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   st.version = (char *)ZD_VERSION;
   st.pid = (int32_t)getpid();
   st.control_address = (char *)zd__control_address(c);
-  st.world_size = zd__daemon_world_size(d);
-  st.first_rank = zd__daemon_config(d)->first_rank;
+  st.world_size = c->cfg->world_size;
+  st.first_rank = c->cfg->first_rank;
   st.local_ranks = n;
-  st.backend = (char *)zd__backend_name(zd__daemon_backend(d)); /* daemon.c, choose_backend */
-  st.uptime_s = (zd__now_us() - zd__daemon_start_us(d)) / 1000000u;
-  st.rendezvous_address = zd__daemon_config(d)->rendezvous_address;
+  st.backend = (char *)zd__backend_name(c->env.backend->kind);
+  st.uptime_s = (zd__now_us() - c->env.start_us) / 1000000u;
+  st.rendezvous_address = c->cfg->rendezvous_address;
   st.n_ranks = n;
   st.ranks = ptrs;
   Zerod__V1__CheckpointStatus cks = ZEROD__V1__CHECKPOINT_STATUS__INIT;
   zd__ckpt_stats_t s;
-  if (zd__daemon_checkpointer(d)) {
-    zd__ckptr_stats(zd__daemon_checkpointer(d), &s);
+  if (c->ckpt) {
+    zd__ckptr_stats(c->ckpt, &s);
     cks.enabled = s.enabled;
     cks.completed = s.completed;
     cks.failures = s.failures;
@@ -228,7 +231,7 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
     st.checkpoint = &cks;
   }
   st.has_draining = 1;
-  st.draining = zd__daemon_draining(d) != NULL;
+  st.draining = c->drain && zd__drain_by(c->drain) != NULL;
   zd__gsrv_reply(k, &st.base);
 exit:
   for (uint32_t i = 0; rms && i < n; i++) {
@@ -246,7 +249,7 @@ static int handle_checkpoint(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **r
                              zd__err_t *err) {
   (void)req;
   zd__control_t *c = ctx;
-  zd__ckptr_t *ck = zd__daemon_checkpointer(c->d);
+  zd__ckptr_t *ck = c->ckpt;
   int rc = token_ok(c, k, err);
   if (!rc && !ck) rc = zd__errf(err, ZD_EORDER, "this zerod has no ranks yet");
   if (!rc) rc = zd__ckptr_request(ck, err);
@@ -298,8 +301,7 @@ static void drain_cancelled(void *arg) {
  * (whose file mode, socket_mode, admits only the operator's users). */
 static int drain_allowed(zd__control_t *c, const zd__gsrv_call_t *k, zd__err_t *err) {
   int rc = token_ok(c, k, err);
-  if (rc || c->token[0] || zd__grpc_tls_enabled() ||
-      !strncmp(zd__daemon_config(c->d)->control_address, "unix:", 5))
+  if (rc || c->token[0] || zd__grpc_tls_enabled() || !strncmp(c->cfg->control_address, "unix:", 5))
     return rc;
   char peer[128];
   zd__gsrv_call_peer(k, peer, sizeof peer);
@@ -323,7 +325,8 @@ static int handle_drain(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
   if (!r->wait_ms || r->wait_ms > MAX_DRAIN_WAIT_MS)
     return zd__errf(err, -EINVAL, "Drain: wait_ms is %u; expected 1..%u", r->wait_ms,
                     MAX_DRAIN_WAIT_MS);
-  const char *by = zd__daemon_draining(c->d);
+  if (!c->drain) return zd__errf(err, ZD_EORDER, "this zerod has no ranks yet");
+  const char *by = zd__drain_by(c->drain);
   if (by) return zd__errf(err, ZD_EORDER, "a drain asked by %s is already in progress", by);
   grpc_call_error e = zd__gsrv_defer(k, drain_cancelled, c);
   if (e != GRPC_CALL_OK)
@@ -331,7 +334,7 @@ static int handle_drain(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
   char peer[128];
   zd__gsrv_call_peer(k, peer, sizeof peer);
   c->drain_call = k;
-  rc = zd__daemon_drain(c->d, peer, r->wait_ms, r->has_force && r->force, drain_answer, c, err);
+  rc = zd__drain_start(c->drain, peer, r->wait_ms, r->has_force && r->force, drain_answer, c, err);
   if (rc) { /* deferred already: answered here */
     c->drain_call = NULL;
     zd__gsrv_reply_error(k, zd__grpc_status_of(rc), "%s", err->msg);
@@ -343,7 +346,7 @@ static int handle_drain(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
  * allowed_gids), whatever the socket file's mode. */
 static int unix_peer_allowed(void *ctx, int fd, const struct ucred *cred) {
   zd__control_t *c = ctx;
-  return zd__peer_allowed(zd__daemon_config(c->d), fd, cred);
+  return zd__peer_allowed(c->cfg, fd, cred);
 }
 
 static int cmp_node(const void *a, const void *b) {
@@ -359,7 +362,6 @@ static int handle_nodes(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
   zd__control_t *c = ctx;
   int rc = rank0_only(c, k, err);
   if (rc) return rc;
-  zd__daemon_t *d = c->d;
   size_t first, count = zd__kvstore_prefix(c->store, ZD__RDV_NODE_PREFIX, &first);
   Zerod__V1__NodeInfo **nodes = calloc(count + 1, sizeof *nodes);
   size_t n = 0;
@@ -379,17 +381,17 @@ static int handle_nodes(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
                   len);
       continue;
     }
-    self_listed |= info->first_rank == zd__daemon_config(d)->first_rank;
+    self_listed |= info->first_rank == c->cfg->first_rank;
     nodes[n++] = info;
   }
   Zerod__V1__NodeInfo self = ZEROD__V1__NODE_INFO__INIT;
-  self.first_rank = zd__daemon_config(d)->first_rank;
-  self.local_ranks = zd__daemon_nranks(d);
+  self.first_rank = c->cfg->first_rank;
+  self.local_ranks = c->cfg->local_ranks;
   self.control_address = (char *)zd__control_address(c);
   if (!self_listed) nodes[n++] = &self;
   qsort(nodes, n, sizeof *nodes, cmp_node);
   Zerod__V1__NodesReply rep = ZEROD__V1__NODES_REPLY__INIT;
-  rep.world_size = zd__daemon_world_size(d);
+  rep.world_size = c->cfg->world_size;
   rep.n_nodes = n;
   rep.nodes = nodes;
   zd__gsrv_reply(k, &rep.base);
@@ -529,13 +531,13 @@ static int handle_health(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   zd__control_t *c = ctx;
   Grpc__Health__V1__HealthCheckRequest *r = (Grpc__Health__V1__HealthCheckRequest *)*req;
   const char *svc = r->service ? r->service : "";
-  zd__daemon_t *d = c->d;
-  int serving = !c->stopping && !zd__daemon_shutting_down(d);
+  int serving = !c->stopping;
   if (!strcmp(svc, "zerod.ranks")) {
-    serving = serving && !zd__daemon_draining(d); /* readiness: no new trainer during a drain */
-    for (uint32_t i = 0; i < zd__daemon_nranks(d) && serving; i++) {
+    /* readiness: the node's ranks exist and are healthy; no new trainer during a drain */
+    serving = serving && c->ranks && !(c->drain && zd__drain_by(c->drain));
+    for (uint32_t i = 0; serving && i < c->ranks->n; i++) {
       zd__rank_stats_t s;
-      zd__rank_stats(zd__daemon_rank(d, i), &s);
+      zd__rank_stats(c->ranks->rank[i], &s);
       serving = s.health == ZD__HEALTH_OK;
     }
   } else if (svc[0] && strcmp(svc, "zerod.v1.Control") != 0) {
@@ -576,18 +578,27 @@ static const zd__gsrv_method_t methods[] = {
 
 static void on_server_stopped(void *arg) {
   zd__control_t *c = arg;
-  zd__daemon_t *d = c->d;
-  void (*done)(zd__daemon_t *) = c->done;
+  void (*done)(void *) = c->done;
+  void *ctx = c->done_ctx;
   zd__kvstore_free(c->store);
   free(c);
   ZD_LOG_INFO("control service stopped");
-  if (done) done(d);
+  if (done) done(ctx);
 }
 
-void zd__control_stop(zd__control_t *c, void (*done)(zd__daemon_t *d)) {
+void zd__control_serve(zd__control_t *c, const zd__ranks_t *ranks, const zd__sessions_t *sessions,
+                       zd__ckptr_t *ckpt, zd__drain_t *drain) {
+  c->ranks = ranks;
+  c->sessions = sessions;
+  c->ckpt = ckpt;
+  c->drain = drain;
+}
+
+void zd__control_stop(zd__control_t *c, void (*done)(void *ctx), void *ctx) {
   if (c->stopping) return;
   c->stopping = 1;
   c->done = done;
+  c->done_ctx = ctx;
   char why[ZD__ERR_MSG_MAX];
   snprintf(why, sizeof why, "zerod at %s is shutting down", zd__control_address(c));
   uint32_t answered = zd__kvstore_shutdown(c->store, why);
@@ -612,8 +623,8 @@ static int local_address(const char *addr) {
          !strncmp(host, "[::1]:", 6);
 }
 
-int zd__control_start(zd__daemon_t *d, zd__control_t **out, zd__err_t *err) {
-  const zd__config_t *conf = zd__daemon_config(d);
+int zd__control_start(const zd__control_env_t *env, zd__control_t **out, zd__err_t *err) {
+  const zd__config_t *conf = env->cfg;
   const char *addr = conf->control_address;
   *out = NULL;
   /* The node's TLS identity serves this service and every channel the node opens later (the
@@ -638,23 +649,24 @@ int zd__control_start(zd__daemon_t *d, zd__control_t **out, zd__err_t *err) {
                     addr);
   zd__control_t *c = calloc(1, sizeof *c);
   if (!c) return zd__errf(err, -ENOMEM, "out of memory starting the control service");
-  c->d = d;
+  c->env = *env;
+  c->cfg = conf;
   c->serves_kv = conf->first_rank == 0;
   if (conf->control_token_file[0] &&
       (rc = zd__token_load(conf->control_token_file, c->token, err))) {
     free(c);
     return rc;
   }
-  if (!(c->store = zd__kvstore_new(zd__daemon_loop(d), &kv_limits))) {
+  if (!(c->store = zd__kvstore_new(env->loop, &kv_limits))) {
     rc = zd__errf(err, -ENOMEM, "out of memory starting the control service");
     goto fail;
   }
   /* A unix socket is created with the client socket's mode (socket_mode). */
-  zd__gsrv_config_t cfg = {.loop = zd__daemon_loop(d),
+  zd__gsrv_config_t cfg = {.loop = env->loop,
                            .address = addr,
                            .address_name = "control_address",
                            .log_name = "control",
-                           .socket_mode = zd__daemon_config(d)->socket_mode,
+                           .socket_mode = conf->socket_mode,
                            .methods = methods,
                            .nmethods = NMETHODS,
                            .ctx = c,

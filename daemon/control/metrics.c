@@ -32,6 +32,7 @@
 
 #include "log.h"
 #include "rank.h"
+#include "state.h"
 
 #define CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
 
@@ -51,7 +52,7 @@ typedef struct family {
   const char *type; /* "gauge" or "counter" */
   const char *help;
   const char *section; /* "server", "world", "checkpoint", or "rank" for every "rank N" section */
-  const char *key;     /* a section without this key gives no sample */
+  const char *key;     /* a section without this key gives no sample; NULL: none does */
   conv_t conv;
   const char *arg;    /* V_IS, V_ISNT */
   const char *labels; /* "label=key,...": values of other keys of the section ("" if absent) */
@@ -121,15 +122,29 @@ static const family_t families[] = {
      "shard_elems", V_NUMBER, NULL, NULL, NULL},
     {"zerod_rank_state_bytes", "gauge",
      "bytes the rank holds for its shard, by kind: master_and_moments (fp32 master weights, "
-     "exp_avg and exp_avg_sq), grad_shard (the reduced gradients; 0 at world size 1), "
-     "max_exp_avg_sq (amsgrad's running max of exp_avg_sq; 0 without amsgrad)",
+     "exp_avg and exp_avg_sq), grad_shard (the reduced gradients; 0 at world size 1), and each "
+     "state array a model has only when its groups need it, by its name (max_exp_avg_sq: "
+     "amsgrad's running max of exp_avg_sq); 0 when the model lacks it",
      "rank", "state_bytes", V_NUMBER, NULL, NULL, "kind=\"master_and_moments\""},
     {"zerod_rank_state_bytes", NULL, NULL, "rank", "grad_shard_bytes", V_NUMBER, NULL, NULL,
      "kind=\"grad_shard\""},
-    {"zerod_rank_state_bytes", NULL, NULL, "rank", "max_exp_avg_sq_bytes", V_NUMBER, NULL, NULL,
-     "kind=\"max_exp_avg_sq\""},
-    {"zerod_rank_step", "gauge", "optimizer step of the registered model (torch's state['step'])",
-     "rank", "step", V_NUMBER, NULL, NULL, NULL},
+/* the "<name>_bytes" key of each optional state array (common/state.h); the other rows have no
+ * key, hence no sample */
+#define STATE_BYTES(role, aname, optional, needed) \
+  {"zerod_rank_state_bytes",                       \
+   NULL,                                           \
+   NULL,                                           \
+   "rank",                                         \
+   (optional) ? aname "_bytes" : NULL,             \
+   V_NUMBER,                                       \
+   NULL,                                           \
+   NULL,                                           \
+   "kind=\"" aname "\""},
+    ZD__STATE_ARRAYS(STATE_BYTES)
+#undef STATE_BYTES
+        {"zerod_rank_step", "gauge",
+         "optimizer step of the registered model (torch's state['step'])", "rank", "step", V_NUMBER,
+         NULL, NULL, NULL},
     {"zerod_rank_steps_skipped_total", "counter",
      "steps of the registered model skipped for non-finite gradients", "rank", "steps_skipped",
      V_NUMBER, NULL, NULL, NULL},
@@ -332,7 +347,7 @@ int zd__metrics_render(const zd__status_t *st, char **text, size_t *len) {
     while (!fm->type) fm--; /* a further row of the family above */
     for (size_t sec = 0; sec < zd__status_nsections(st); sec++) {
       if (!section_matches(st, sec, families[i].section)) continue;
-      const char *raw = lookup(st, sec, families[i].key);
+      const char *raw = families[i].key ? lookup(st, sec, families[i].key) : NULL;
       char buf[48];
       const char *value = raw ? sample_value(&families[i], raw, buf, sizeof buf) : NULL;
       if (!value) continue;
@@ -356,7 +371,7 @@ int zd__metrics_render(const zd__status_t *st, char **text, size_t *len) {
 /* ---- serving --------------------------------------------------------------------------------- */
 
 struct zd__metrics {
-  struct zd__daemon *d;
+  const zd__status_reg_t *status;
   struct MHD_Daemon *mhd;
   uv_async_t async; /* a scrape asks the loop to render */
   char address[320];
@@ -388,7 +403,7 @@ static void on_render(uv_async_t *h) {
   if (!todo) return;
   char *text = NULL;
   size_t len = 0;
-  zd__status_t *st = zd__status_collect(m->d);
+  zd__status_t *st = zd__status_collect(m->status);
   if (!st || zd__metrics_render(st, &text, &len) != 0)
     ZD_LOG_WARN("metrics: out of memory rendering the metrics");
   zd__status_free(st);
@@ -521,11 +536,7 @@ static int split_address(const char *address, char *host, size_t hlen, uint16_t 
   return 0;
 }
 
-const char *zd__metrics_address(const zd__metrics_t *m) {
-  return m->address;
-}
-
-int zd__metrics_start(uv_loop_t *loop, const char *address, struct zd__daemon *d,
+int zd__metrics_start(uv_loop_t *loop, const char *address, const zd__status_reg_t *status,
                       zd__metrics_t **out, zd__err_t *err) {
   *out = NULL;
   if (!address[0]) return ZD_OK;
@@ -548,7 +559,7 @@ int zd__metrics_start(uv_loop_t *loop, const char *address, struct zd__daemon *d
     freeaddrinfo(ai);
     return zd__errf(err, -ENOMEM, "out of memory starting the metrics endpoint");
   }
-  m->d = d;
+  m->status = status;
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);

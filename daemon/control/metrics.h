@@ -23,24 +23,20 @@
 
 #define ZD__METRICS_RENDER_TIMEOUT_MS 5000
 
-struct zd__daemon;
 typedef struct zd__metrics zd__metrics_t;
 
-/* Serves the metrics of d on address ("host:port", "[v6addr]:port"; port 0: a free port, see
- * zd__metrics_address) when address is not "", else does nothing and sets *out to NULL.
+/* Serves the metrics of the status `status` collects on address ("host:port", "[v6addr]:port";
+ * port 0: a free port) when address is not "", else does nothing and sets *out to NULL.
  * Loop thread, start-up. Errors (ZD_ECONFIG, with a message naming metrics_address): a malformed
  * or unresolvable address, an address that cannot be bound. On error, one handle has been closed
  * on loop: the loop must run once more to free it (zd__daemon_create's failure path does). */
-int zd__metrics_start(uv_loop_t *loop, const char *address, struct zd__daemon *d,
+int zd__metrics_start(uv_loop_t *loop, const char *address, const zd__status_reg_t *status,
                       zd__metrics_t **out, zd__err_t *err);
 
 /* Stops serving: a scrape waiting for the loop is answered 503, the HTTP thread is joined (this
  * blocks for as long as libmicrohttpd takes to close its connections, not for a render), and the
  * handle is freed in its close callback. Loop thread. Sets *m to NULL; accepts NULL and *m NULL. */
 void zd__metrics_stop(zd__metrics_t **m);
-
-/* The address bound, "host:port" with the real port; valid until zd__metrics_stop. */
-const char *zd__metrics_address(const zd__metrics_t *m);
 
 /* The exposition text of a status snapshot, NUL-terminated in *text (malloc'd, the caller frees)
  * and *len bytes long. Any thread (it reads only st). Returns 0 or -ENOMEM. Sections and keys the

@@ -1,4 +1,6 @@
-/* The daemon's state, loop, start-up and shutdown (daemon.h). */
+/* The daemon (daemon.h): its state, start-up in the order the layers need, the loop, signals,
+ * systemd, shutdown. Every other module is created here and handed what it needs of the others;
+ * none of them includes this one. */
 #include "daemon.h"
 
 #include <errno.h>
@@ -16,42 +18,35 @@
 #include <unistd.h>
 
 #include "adam.h"
+#include "backend.h"
 #include "checkpoint.h"
-#include "checkpoint_format.h"
 #include "clock.h"
 #include "comm.h"
 #include "control.h"
+#include "drain.h"
 #include "grpc_unary.h"
 #include "liveness.h"
 #include "log.h"
 #include "metrics.h"
+#include "pool.h"
+#include "rank.h"
 #include "server.h"
 #include "session.h"
+#include "status.h"
 #include "world.h"
-#ifdef ZD_HAVE_CUDA
-#include "adam_cuda.h"
-#include "cuda_check.h"
-#endif
 
 struct zd__daemon {
   uv_loop_t loop;
   const zd__config_t *cfg;
-  uint32_t world_size;
-  uint64_t bucket_elems;
-  int isa; /* zd__isa_t of the CPU kernels */
-  zd__pool_t *pool;
-  zd__backend_t backend;
-  /* Why the CUDA backend is not used when it was not asked for ("" when it is, or was refused
-   * by configuration): for the start-up log and the status. */
-  char backend_note[ZD__ERR_MSG_MAX];
-  zd__gpu_info_t *gpus; /* CUDA backend: the GPU of each local rank (local rank i: device i) */
-  zd__world_t world;    /* how ranks join a multi-rank world */
-  uint32_t nranks;
-  zd__rank_t **ranks;
-
+  zd__backend_t backend;       /* the compute backend, and the CPU kernels' ISA */
+  zd__pool_t *pool;            /* the CPU kernels' threads */
+  zd__world_t world;           /* how ranks join a multi-rank world */
+  zd__ranks_t ranks;           /* the local ranks */
+  zd__status_reg_t *status;    /* every module's status writer */
   zd__sessions_t *sessions;    /* the clients, and which one holds each local rank */
   zd__server_t *server;        /* the listening socket */
   zd__control_t *control;      /* gRPC control service; NULL once stopped */
+  zd__drain_t *drain;          /* zeroctl drain */
   struct zd__liveness *peers;  /* the heartbeat of the other nodes; NULL in a one-node world */
   struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
   zd__ckptr_t *ckpt;           /* checkpoints (checkpoint.h); outlives the ranks */
@@ -60,14 +55,8 @@ struct zd__daemon {
   uv_timer_t shutdown_timer; /* aborts collectives that hold a shutdown too long */
   uv_signal_t sigterm;
   uv_signal_t sigint;
-  uv_async_t done_async;
-  pthread_mutex_t done_lock;
-  zd__job_t *done_head; /* finished jobs from the workers, in completion order */
-  zd__job_t *done_tail;
   int shutting_down;
   int handles_closed;
-  uint64_t busy_until_ns; /* the loop polls without sleeping until then (uv_hrtime) */
-  int polling;            /* the loop's current pass did not sleep (busy_until_ns) */
 
   uv_signal_t sighup;
   uv_timer_t summary_timer; /* the connection summary (connection_summary) */
@@ -75,23 +64,6 @@ struct zd__daemon {
   uint64_t summary_dropped; /* connections_dropped at the last summary */
   uv_timer_t notify_timer;  /* systemd: WATCHDOG=1 and STATUS= (notify_systemd) */
   int watchdog;             /* the unit has WatchdogSec: send WATCHDOG=1 too */
-
-  /* zeroctl drain (zd__daemon_drain): one at a time */
-  struct {
-    int active;
-    int force;
-    int want_ckpt;       /* a checkpoint was asked for (else: forced with nothing to save) */
-    uint64_t after_step; /* the newest step when it began: the drain's checkpoint is later */
-    uint64_t failures;   /* the checkpointer's counts when it began */
-    uint64_t completed;
-    uint64_t deadline_ms; /* zd__now_ms() */
-    uint32_t wait_ms;
-    char by[160];
-    char no_ckpt[ZD__ERR_MSG_MAX]; /* forced without a checkpoint to take: why */
-    zd__drain_done_fn done;
-    void *done_arg;
-  } drain;
-  uv_timer_t drain_timer; /* watches the drain's checkpoint */
 
   uint64_t start_us;
 };
@@ -111,34 +83,6 @@ static void sd_notify(const char *state) {
   sendto(fd, state, strlen(state), MSG_NOSIGNAL, (struct sockaddr *)&addr,
          (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len));
   close(fd);
-}
-
-/* Worker thread: hand a finished job to the loop. */
-static void job_done(void *ctx, zd__job_t *job) {
-  zd__daemon_t *d = ctx;
-  if (job->session) zd__session_answer_early(job); /* the client need not wait for the loop */
-  job->next = NULL;
-  pthread_mutex_lock(&d->done_lock);
-  if (d->done_tail)
-    d->done_tail->next = job;
-  else
-    d->done_head = job;
-  d->done_tail = job;
-  pthread_mutex_unlock(&d->done_lock);
-  uv_async_send(&d->done_async);
-}
-
-static void on_jobs_done(uv_async_t *handle) {
-  zd__daemon_t *d = handle->data;
-  pthread_mutex_lock(&d->done_lock);
-  zd__job_t *job = d->done_head;
-  d->done_head = d->done_tail = NULL;
-  pthread_mutex_unlock(&d->done_lock);
-  while (job) {
-    zd__job_t *next = job->next;
-    zd__session_job_done(job->session, job);
-    job = next;
-  }
 }
 
 static void on_signal(uv_signal_t *handle, int signum) {
@@ -260,16 +204,16 @@ static void notify_systemd(uv_timer_t *t) {
   zd__daemon_t *d = t->data;
   uint32_t ok = 0, degraded = 0;
   uint64_t step = 0;
-  for (uint32_t i = 0; i < d->nranks; i++) {
+  for (uint32_t i = 0; i < d->ranks.n; i++) {
     zd__rank_stats_t s;
-    zd__rank_stats(d->ranks[i], &s);
+    zd__rank_stats(d->ranks.rank[i], &s);
     ok += s.health == ZD__HEALTH_OK;
     degraded += s.health == ZD__HEALTH_DEGRADED;
     if (s.has_model && s.step > step) step = s.step;
   }
   char msg[256];
   snprintf(msg, sizeof msg, "%sSTATUS=%u of %u local rank(s) ok%s, step %" PRIu64,
-           d->watchdog ? "WATCHDOG=1\n" : "", ok, d->nranks,
+           d->watchdog ? "WATCHDOG=1\n" : "", ok, d->ranks.n,
            degraded ? " (degraded: see zeroctl status)" : "", step);
   sd_notify(msg);
 }
@@ -293,8 +237,13 @@ static uint64_t notify_period_ms(int *watchdog) {
 static void stop_ranks(zd__daemon_t *d) {
   zd__liveness_stop(d->peers); /* it may call into the ranks */
   d->peers = NULL;
-  for (uint32_t i = 0; i < d->nranks; i++) zd__rank_destroy(d->ranks[i]);
-  d->nranks = 0;
+  uint32_t n = d->ranks.n;
+  d->ranks.n = 0; /* nothing finds them from now on */
+  for (uint32_t i = 0; i < n; i++) {
+    zd__status_unregister(d->status, zd__rank_status, d->ranks.rank[i]);
+    zd__rank_destroy(d->ranks.rank[i]);
+  }
+  zd__status_unregister(d->status, zd__ckptr_status, d->ckpt);
   zd__ckptr_destroy(d->ckpt); /* after the ranks: their snapshots are queued, then written */
   d->ckpt = NULL;
 }
@@ -319,152 +268,11 @@ static int create_checkpointer(zd__daemon_t *d, zd__err_t *err) {
       ZD_LOG_WARN("checkpoint_dir %s is not a directory (yet): checkpoints fail until it is",
                   cfg->checkpoint_dir);
   }
-  int rc =
-      zd__ckptr_create(&set, d->world_size > 1 ? &d->world : NULL, cfg->local_ranks, &d->ckpt, err);
+  int rc = zd__ckptr_create(&set, cfg->world_size > 1 ? &d->world : NULL, cfg->local_ranks,
+                            &d->ckpt, err);
   if (!rc && cfg->checkpoint_dir[0] && cfg->checkpoint_every_seconds)
     uv_timer_start(&d->ckpt_timer, checkpoint_tick, 1000, 1000);
   return rc;
-}
-
-/* ---- drain --------------------------------------------------------------------------------- */
-
-#define DRAIN_POLL_MS 50
-
-/* Why this node has no optimizer state to save (returns the error code a drain without force
- * gets), or 0 with *step the newest step of its ranks. */
-static int nothing_to_checkpoint(zd__daemon_t *d, uint64_t *step, char *why, size_t len) {
-  *step = 0;
-  if (!zd__ckptr_enabled(d->ckpt)) {
-    snprintf(why, len, "checkpoint_dir is not set: there is nowhere to save the optimizer state");
-    return ZD_ECONFIG;
-  }
-  uint32_t models = 0;
-  for (uint32_t i = 0; i < d->nranks; i++) {
-    zd__rank_stats_t s;
-    zd__rank_stats(d->ranks[i], &s);
-    if (!s.has_model) continue;
-    models++;
-    if (s.step > *step) *step = s.step;
-  }
-  if (models) return 0;
-  snprintf(why, len,
-           "no model is registered on this zerod's ranks: there is no optimizer state to save");
-  return ZD_EORDER;
-}
-
-/* Whether the checkpoint in dir is complete: the daemon of global rank 0 counts only checkpoints
- * whose manifest it wrote; elsewhere the count is of this node's files, and the manifest, written
- * by rank 0's node into the shared checkpoint_dir, says the rest. */
-static int checkpoint_complete(const zd__daemon_t *d, const char *dir) {
-  if (d->cfg->first_rank == 0) return 1;
-  char path[600];
-  struct stat st;
-  snprintf(path, sizeof path, "%s/%s", dir, ZD__CKPT_MANIFEST);
-  return stat(path, &st) == 0;
-}
-
-static void drain_end(zd__daemon_t *d, zd__drain_result_t *res) {
-  uv_timer_stop(&d->drain_timer);
-  zd__drain_done_fn done = d->drain.done;
-  void *arg = d->drain.done_arg;
-  d->drain.done = NULL;
-  if (res->rc) {
-    d->drain.active = 0;
-    ZD_LOG_WARN("drain asked by %s given up, zerod goes on serving: %s", d->drain.by, res->msg);
-  }
-  if (done) done(arg, res);
-  if (!res->rc) zd__daemon_shutdown(d);
-}
-
-static void drain_tick(uv_timer_t *t) {
-  zd__daemon_t *d = t->data;
-  zd__drain_result_t res = {0};
-  char why[ZD__ERR_MSG_MAX];
-  if (!d->drain.want_ckpt) {
-    snprintf(res.msg, sizeof res.msg, "%s", d->drain.no_ckpt);
-    ZD_LOG_WARN("drain --force: shutting down without a checkpoint: %s", res.msg);
-    drain_end(d, &res);
-    return;
-  }
-  zd__ckpt_stats_t s;
-  zd__ckptr_stats(d->ckpt, &s);
-  if (s.failures > d->drain.failures) {
-    snprintf(why, sizeof why, "the checkpoint failed: %.400s", s.last_error);
-  } else if (s.completed > d->drain.completed && s.last_ok_step > d->drain.after_step &&
-             checkpoint_complete(d, s.last_dir)) {
-    res.checkpointed = 1;
-    res.step = s.last_ok_step;
-    snprintf(res.dir, sizeof res.dir, "%s", s.last_dir);
-    ZD_LOG_INFO("drain: checkpoint of step %" PRIu64 " complete in %s; shutting down", res.step,
-                res.dir);
-    drain_end(d, &res);
-    return;
-  } else if (zd__now_ms() < d->drain.deadline_ms) {
-    return;
-  } else {
-    snprintf(why, sizeof why,
-             "no checkpoint was complete within %u ms (it is taken after the next step of every "
-             "rank of the world: are the trainers stepping?)",
-             d->drain.wait_ms);
-  }
-  if (d->drain.force) {
-    res.lost = 1;
-    snprintf(res.msg, sizeof res.msg, "%s", why);
-    ZD_LOG_WARN(
-        "drain --force: shutting down without a checkpoint: %s; the steps since the last "
-        "complete checkpoint are lost",
-        why);
-  } else {
-    /* not -ETIMEDOUT, which the caller would take for its own deadline */
-    res.rc = ZD_ECHECKPOINT;
-    snprintf(res.msg, sizeof res.msg, "%s", why);
-  }
-  drain_end(d, &res);
-}
-
-int zd__daemon_drain(zd__daemon_t *d, const char *by, uint32_t wait_ms, int force,
-                     zd__drain_done_fn done, void *arg, zd__err_t *err) {
-  if (d->shutting_down) return zd__errf(err, ZD_ESHUTDOWN, "zerod is already shutting down");
-  if (d->drain.active)
-    return zd__errf(err, ZD_EORDER, "a drain asked by %s is already in progress", d->drain.by);
-  char why[ZD__ERR_MSG_MAX];
-  uint64_t step;
-  int none = nothing_to_checkpoint(d, &step, why, sizeof why);
-  if (none && !force)
-    return zd__errf(err, none,
-                    "nothing to checkpoint: %s (zeroctl drain --force stops zerod without a "
-                    "checkpoint)",
-                    why);
-  int rc = none ? ZD_OK : zd__ckptr_request(d->ckpt, err);
-  if (rc) return rc;
-  zd__ckpt_stats_t s = {0};
-  if (d->ckpt) zd__ckptr_stats(d->ckpt, &s);
-  memset(&d->drain, 0, sizeof d->drain);
-  d->drain.active = 1;
-  d->drain.force = force;
-  d->drain.want_ckpt = !none;
-  d->drain.after_step = step;
-  d->drain.failures = s.failures;
-  d->drain.completed = s.completed;
-  d->drain.wait_ms = wait_ms;
-  d->drain.deadline_ms = zd__now_ms() + wait_ms;
-  d->drain.done = done;
-  d->drain.done_arg = arg;
-  snprintf(d->drain.by, sizeof d->drain.by, "%s", by);
-  if (none) snprintf(d->drain.no_ckpt, sizeof d->drain.no_ckpt, "%s", why);
-  if (none)
-    ZD_LOG_WARN("drain asked by %s (--force): %s", by, why);
-  else
-    ZD_LOG_INFO(
-        "drain asked by %s: refusing registrations, checkpoint requested after step "
-        "%" PRIu64 "; shutting down once it is complete (waiting at most %u ms%s)",
-        by, step, wait_ms, force ? ", then shutting down anyway" : "");
-  uv_timer_start(&d->drain_timer, drain_tick, 0, DRAIN_POLL_MS);
-  return ZD_OK;
-}
-
-const char *zd__daemon_draining(const zd__daemon_t *d) {
-  return d->drain.active ? d->drain.by : NULL;
 }
 
 /* The last step of a shutdown: no session, so no job is left anywhere, and the control service
@@ -474,6 +282,9 @@ static void finish(zd__daemon_t *d) {
     return;
   d->handles_closed = 1;
   stop_ranks(d);
+  if (d->sessions) zd__sessions_close(d->sessions); /* the workers are joined: no job comes back */
+  zd__drain_close(d->drain);
+  d->drain = NULL;
   uv_close((uv_handle_t *)&d->shutdown_timer, NULL);
   uv_close((uv_handle_t *)&d->sigterm, NULL);
   uv_close((uv_handle_t *)&d->sigint, NULL);
@@ -481,8 +292,6 @@ static void finish(zd__daemon_t *d) {
   uv_close((uv_handle_t *)&d->summary_timer, NULL);
   uv_close((uv_handle_t *)&d->notify_timer, NULL);
   uv_close((uv_handle_t *)&d->ckpt_timer, NULL);
-  uv_close((uv_handle_t *)&d->drain_timer, NULL);
-  uv_close((uv_handle_t *)&d->done_async, NULL);
   /* Closing the handles restored the default action; a repeated signal now must not turn a clean
    * exit into a death by signal. Nothing is left to wait for. */
   signal(SIGTERM, SIG_IGN);
@@ -490,7 +299,8 @@ static void finish(zd__daemon_t *d) {
   signal(SIGHUP, SIG_IGN);
 }
 
-static void control_stopped(zd__daemon_t *d) {
+static void control_stopped(void *ctx) {
+  zd__daemon_t *d = ctx;
   d->control = NULL;
   finish(d);
 }
@@ -503,50 +313,47 @@ static void on_shutdown_timeout(uv_timer_t *t) {
       "still waiting for %u session(s) %u ms after the shutdown began: aborting the "
       "collectives in progress",
       zd__sessions_open(d->sessions), d->cfg->shutdown_timeout_ms);
-  for (uint32_t i = 0; i < d->nranks; i++) zd__rank_abort(d->ranks[i]);
+  for (uint32_t i = 0; i < d->ranks.n; i++) zd__rank_abort(d->ranks.rank[i]);
 }
 
 void zd__daemon_shutdown(zd__daemon_t *d) {
   if (d->shutting_down) return;
   d->shutting_down = 1;
   sd_notify("STOPPING=1");
-  uv_timer_stop(&d->drain_timer);
-  if (d->drain
-          .done) { /* a signal came first: the drain's caller hears it before the service goes */
-    zd__drain_result_t res = {.rc = ZD_ESHUTDOWN};
-    snprintf(res.msg, sizeof res.msg,
-             "zerod began to shut down for another reason (a signal) before the drain's "
-             "checkpoint was complete");
-    zd__drain_done_fn done = d->drain.done;
-    d->drain.done = NULL;
-    done(d->drain.done_arg, &res);
-  }
+  if (d->drain) zd__drain_shutdown(d->drain); /* its caller hears it before the service goes */
   zd__metrics_stop(&d->metrics);
   if (d->server) zd__server_stop(d->server);
-  for (uint32_t i = 0; i < d->nranks; i++) zd__rank_cancel(d->ranks[i]); /* no long waits now */
+  for (uint32_t i = 0; i < d->ranks.n; i++) zd__rank_cancel(d->ranks.rank[i]); /* no long waits */
   zd__ckptr_cancel(d->ckpt);
   if (d->cfg->shutdown_timeout_ms)
     uv_timer_start(&d->shutdown_timer, on_shutdown_timeout, d->cfg->shutdown_timeout_ms, 0);
-  if (d->control) zd__control_stop(d->control, control_stopped);
+  if (d->control) zd__control_stop(d->control, control_stopped, d);
   if (d->sessions) zd__sessions_drain(d->sessions);
   finish(d);
 }
 
-void zd__daemon_session_gone(zd__daemon_t *d) {
+/* A session's handles are closed; the last one of a shutdown lets it finish. */
+static void session_closed(void *ctx) {
+  zd__daemon_t *d = ctx;
   if (d->shutting_down) finish(d);
+}
+
+/* Drain's checkpoint is complete. */
+static void drained(void *ctx) {
+  zd__daemon_shutdown(ctx);
 }
 
 static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   const zd__config_t *cfg = d->cfg;
-  d->nranks = 0;
-  d->ranks = calloc(cfg->local_ranks, sizeof *d->ranks);
-  if (!d->ranks) return zd__errf(err, -ENOMEM, "out of memory");
+  d->ranks.n = 0;
+  d->ranks.rank = calloc(cfg->local_ranks, sizeof *d->ranks.rank);
+  if (!d->ranks.rank) return zd__errf(err, -ENOMEM, "out of memory");
   /* On rank 0's node the store is our own control service, at the address it actually bound. */
   const char *rendezvous =
       cfg->first_rank == 0 && strcmp(cfg->rendezvous_address, cfg->control_address) == 0
           ? zd__control_address(d->control)
           : cfg->rendezvous_address;
-  d->world = (zd__world_t){.world_size = d->world_size,
+  d->world = (zd__world_t){.world_size = cfg->world_size,
                            .first_rank = cfg->first_rank,
                            .local_ranks = cfg->local_ranks,
                            .collective_timeout_ms = (int)cfg->collective_timeout_ms,
@@ -566,30 +373,28 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */
     zd__comm_t *comm = NULL;
-    int rc =
-        d->world_size == 1 && d->backend == ZD__BACKEND_CPU ? zd__comm_local_create(&comm) : ZD_OK;
+    int rc = cfg->world_size == 1 && d->backend.kind == ZD__BACKEND_CPU
+                 ? zd__comm_local_create(&comm)
+                 : ZD_OK;
     if (rc) return zd__errf(err, rc, "cannot create the communicator of local rank %u", i);
     zd__rank_env_t env = {
         .local_rank = i,
         .local_ranks = cfg->local_ranks,
         .rank = cfg->first_rank + i,
-        .world_size = d->world_size,
-        .bucket_elems = d->bucket_elems,
+        .world_size = cfg->world_size,
         .comm = comm,
         .world = &d->world,
         .pool = d->pool,
         .ckpt = d->ckpt,
-        .isa = d->isa,
-        .device = d->backend == ZD__BACKEND_CUDA ? d->gpus[i].device : -1,
-        .done = job_done,
-        .done_ctx = d,
+        .isa = d->backend.isa,
+        .gpu = zd__backend_gpu(&d->backend, i),
     };
-    rc = zd__rank_create(&env, &d->ranks[i]);
+    rc = zd__rank_create(&env, &d->ranks.rank[i]);
     if (rc) {
       zd__comm_destroy(comm);
       return zd__errf(err, rc, "cannot start the worker of local rank %u: %s", i, zd_strerror(rc));
     }
-    d->nranks++;
+    d->ranks.n++;
   }
   return ZD_OK;
 }
@@ -598,13 +403,13 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
 static void peer_dead(void *ctx, uint32_t first_rank, zd__verdict_t verdict, uint64_t incarnation,
                       const char *reason) {
   zd__daemon_t *d = ctx;
-  for (uint32_t i = 0; i < d->nranks; i++)
-    zd__rank_peer_dead(d->ranks[i], first_rank, verdict, incarnation, reason);
+  for (uint32_t i = 0; i < d->ranks.n; i++)
+    zd__rank_peer_dead(d->ranks.rank[i], first_rank, verdict, incarnation, reason);
 }
 
 /* Other nodes of the world are watched by a heartbeat (liveness.h); a one-node world has none. */
 static int watch_peers(zd__daemon_t *d, zd__err_t *err) {
-  if (d->world_size <= d->cfg->local_ranks) return ZD_OK;
+  if (d->cfg->world_size <= d->cfg->local_ranks) return ZD_OK;
   zd__liveness_cfg_t cfg = {.rendezvous_address = d->world.rendezvous_address,
                             .first_rank = d->cfg->first_rank,
                             .heartbeat_ms = d->cfg->heartbeat_ms,
@@ -612,93 +417,84 @@ static int watch_peers(zd__daemon_t *d, zd__err_t *err) {
   return zd__liveness_start(&cfg, peer_dead, d, &d->peers, err);
 }
 
-static int choose_isa(const zd__config_t *cfg, int *isa, zd__err_t *err) {
-  int want = zd__isa_parse(cfg->kernel_isa);
-  zd__isa_t best = zd__isa_detect();
-  if (want < 0)
-    return zd__errf(err, ZD_ECONFIG,
-                    "kernel_isa '%s' unknown; expected auto, avx512bf16, avx512, "
-                    "avx2 or scalar",
-                    cfg->kernel_isa);
-  if (want > (int)best)
-    return zd__errf(err, ZD_ECONFIG,
-                    "kernel_isa %s is not supported by this CPU; the best it "
-                    "runs is %s",
-                    cfg->kernel_isa, zd__isa_name(best));
-  *isa = want;
-  return ZD_OK;
+/* ---- status ---------------------------------------------------------------------------------- */
+
+/* The process's part of the server section, and the world section. */
+static void daemon_status(void *ctx, zd__status_t *st) {
+  zd__daemon_t *d = ctx;
+  const zd__config_t *cfg = d->cfg;
+  zd__status_section(st, "server");
+  zd__status_add(st, "version", "%s", ZD_VERSION);
+  zd__status_add(st, "pid", "%d", (int)getpid());
+  zd__status_add(st, "uptime_s", "%" PRIu64, (zd__now_us() - d->start_us) / 1000000u);
+  zd__status_add(st, "backend", "%s", zd__backend_name(d->backend.kind));
+  if (d->backend.note[0]) zd__status_add(st, "backend_note", "%s", d->backend.note);
+  if (d->backend.kind == ZD__BACKEND_CPU) {
+    zd__status_add(st, "kernel_isa", "%s", zd__isa_name((zd__isa_t)d->backend.isa));
+    zd__status_add(st, "kernel_threads", "%u", zd__pool_size(d->pool));
+    zd__status_add(st, "kernel_threads_pinned", "%d", zd__pool_pinned(d->pool));
+  } else {
+    zd__status_add(st, "state_memory", "%s", "device");
+  }
+  zd__status_add(st, "shutting_down", "%d", d->shutting_down);
+  zd__status_section(st, "world");
+  zd__status_add(st, "world_size", "%u", cfg->world_size);
+  zd__status_add(st, "local_ranks", "%u", d->ranks.n);
+  zd__status_add(st, "first_rank", "%u", cfg->first_rank);
+  zd__status_add(st, "bucket_elems", "%" PRIu64, cfg->bucket_elems);
 }
 
-const char *zd__backend_name(zd__backend_t backend) {
-  return backend == ZD__BACKEND_CUDA ? "cuda" : "cpu";
+static void add_setting(void *ctx, const char *name, const char *value, const char *source) {
+  zd__status_add(ctx, name, "%s (%s)", value, source);
 }
 
-/* Whether the CUDA backend can serve every local rank, one GPU each (local rank i on CUDA device
- * i, after CUDA_VISIBLE_DEVICES); if not, why, and whether some GPU is visible at all (which
- * makes a fallback worth a warning rather than a note). Fills d->gpus when it can. */
-static int cuda_usable(zd__daemon_t *d, char *why, size_t len, int *visible) {
-  *visible = 0;
-#ifdef ZD_HAVE_CUDA
-  uint32_t n = d->cfg->local_ranks;
-  int count = 0;
-  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) *visible = 1;
-  (void)cudaGetLastError();
-  if (zd__cuda_available(why, len) == 0) return 0;
-  zd__err_t e = {0};
-  for (uint32_t i = 0; i < n; i++) {
-    if (zd__cuda_device_check((int)i, &e) != ZD_OK) {
-      snprintf(why, len,
-               "local rank %u needs GPU %u (one GPU per local rank; local_ranks is %u): "
-               "%.150s",
-               i, i, n, e.msg);
-      return 0;
-    }
-  }
-  d->gpus = calloc(n, sizeof *d->gpus);
-  if (!d->gpus) {
-    snprintf(why, len, "out of memory");
-    return 0;
-  }
-  for (uint32_t i = 0; i < n; i++) {
-    if (zd__cuda_gpu_info((int)i, &d->gpus[i], &e) != ZD_OK) {
-      snprintf(why, len, "GPU %u: %.200s", i, e.msg);
-      free(d->gpus);
-      d->gpus = NULL;
-      return 0;
-    }
-  }
-  return 1;
-#else
-  (void)d;
-  snprintf(why, len, "this zerod was built without CUDA");
-  return 0;
-#endif
+/* The effective configuration, memcached's `stats settings`. */
+static void config_status(void *ctx, zd__status_t *st) {
+  zd__status_section(st, "config");
+  zd__config_visit(ctx, add_setting, st);
 }
 
-/* backend cpu, cuda, or auto: CUDA when this build has it and every local rank has a usable GPU,
- * else the CPU backend with one log line saying why not. */
-static int choose_backend(zd__daemon_t *d, zd__err_t *err) {
-  const char *want = d->cfg->backend;
-  d->backend = ZD__BACKEND_CPU;
-  if (strcmp(want, "cpu") == 0) return ZD_OK;
-  char why[ZD__ERR_MSG_MAX / 2];
-  int visible = 0;
-  if (cuda_usable(d, why, sizeof why, &visible)) {
-    d->backend = ZD__BACKEND_CUDA;
-    for (uint32_t i = 0; i < d->cfg->local_ranks; i++)
-      ZD_LOG_INFO("local rank %u: GPU %d, %s (%s)", i, d->gpus[i].device, d->gpus[i].name,
-                  d->gpus[i].uuid_str);
-    return ZD_OK;
-  }
-  if (strcmp(want, "cuda") == 0)
-    return zd__errf(err, ZD_EBACKEND, "backend cuda requested, but %s; use backend cpu or auto",
-                    why);
-  snprintf(d->backend_note, sizeof d->backend_note, "CUDA not used: %s", why);
-  if (visible)
-    ZD_LOG_WARN("backend auto: %s; running the CPU backend", d->backend_note);
-  else
-    ZD_LOG_INFO("backend auto: %s; running the CPU backend", d->backend_note);
-  return ZD_OK;
+/* The status's sections, in the order an operator reads them: server and world, each rank, the
+ * checkpoints, the configuration. */
+static int register_status(zd__daemon_t *d) {
+  int rc = ZD_OK;
+  for (uint32_t i = 0; !rc && i < d->ranks.n; i++)
+    rc = zd__status_register(d->status, zd__rank_status, d->ranks.rank[i]);
+  if (!rc) rc = zd__status_register(d->status, zd__ckptr_status, d->ckpt);
+  if (!rc) rc = zd__status_register(d->status, zd__sessions_status, d->sessions);
+  if (!rc) rc = zd__status_register(d->status, zd__server_status, d->server);
+  if (!rc) rc = zd__status_register(d->status, zd__drain_status, d->drain);
+  if (!rc) rc = zd__status_register(d->status, config_status, (void *)d->cfg);
+  return rc;
+}
+
+/* ---- start ----------------------------------------------------------------------------------- */
+
+/* The local socket's side: sessions, the listener, and drain (which refuses registrations). */
+static int start_transport(zd__daemon_t *d, zd__err_t *err) {
+  zd__sessions_env_t env = {.loop = &d->loop,
+                            .cfg = d->cfg,
+                            .backend = &d->backend,
+                            .ranks = &d->ranks,
+                            .status = d->status,
+                            .closed = session_closed,
+                            .ctx = d};
+  int rc = zd__sessions_create(&env, &d->sessions);
+  if (rc) return zd__errf(err, rc, "cannot create the sessions: %s", zd_strerror(rc));
+  rc = zd__server_start(&d->loop, d->cfg, d->sessions, &d->server, err);
+  if (rc) return rc;
+  zd__drain_env_t denv = {.loop = &d->loop,
+                          .cfg = d->cfg,
+                          .ranks = &d->ranks,
+                          .ckpt = d->ckpt,
+                          .sessions = d->sessions,
+                          .shutdown = drained,
+                          .ctx = d};
+  rc = zd__drain_create(&denv, &d->drain);
+  if (rc) return zd__errf(err, rc, "out of memory");
+  zd__control_serve(d->control, &d->ranks, d->sessions, d->ckpt, d->drain);
+  rc = register_status(d);
+  return rc ? zd__errf(err, rc, "out of memory") : ZD_OK;
 }
 
 int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *err) {
@@ -706,16 +502,11 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   if (!d) return zd__errf(err, -ENOMEM, "out of memory");
   d->cfg = cfg;
   d->start_us = zd__now_us();
-  d->world_size = cfg->world_size ? cfg->world_size : cfg->local_ranks;
-  d->bucket_elems = cfg->bucket_elems;
-  pthread_mutex_init(&d->done_lock, NULL);
   int rc = uv_loop_init(&d->loop);
   if (rc) {
-    pthread_mutex_destroy(&d->done_lock);
     free(d);
     return zd__errf(err, rc, "uv_loop_init: %s", uv_strerror(rc));
   }
-  uv_async_init(&d->loop, &d->done_async, on_jobs_done);
   uv_timer_init(&d->loop, &d->shutdown_timer);
   uv_signal_init(&d->loop, &d->sigterm);
   uv_signal_init(&d->loop, &d->sigint);
@@ -723,12 +514,15 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_timer_init(&d->loop, &d->summary_timer);
   uv_timer_init(&d->loop, &d->notify_timer);
   uv_timer_init(&d->loop, &d->ckpt_timer);
-  uv_timer_init(&d->loop, &d->drain_timer);
-  d->notify_timer.data = d->ckpt_timer.data = d->drain_timer.data = d;
-  d->done_async.data = d->sigterm.data = d->sigint.data = d->shutdown_timer.data = d;
+  d->notify_timer.data = d->ckpt_timer.data = d;
+  d->sigterm.data = d->sigint.data = d->shutdown_timer.data = d;
   d->sighup.data = d->summary_timer.data = d;
 
-  if ((rc = choose_backend(d, err)) || (rc = choose_isa(cfg, &d->isa, err))) goto fail;
+  if (!(d->status = zd__status_reg_new()) || zd__status_register(d->status, daemon_status, d)) {
+    rc = zd__errf(err, -ENOMEM, "out of memory");
+    goto fail;
+  }
+  if ((rc = zd__backend_choose(cfg, &d->backend, err))) goto fail;
   rc = zd__pool_create(cfg->threads, (int)cfg->pin_threads, &d->pool);
   if (rc) {
     zd__errf(err, rc, "cannot start %u kernel threads: %s", cfg->threads, zd_strerror(rc));
@@ -736,29 +530,28 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   }
   /* The control service first: ranks joining a world register its bound address (a ":0" port
    * gets its real number) and, on rank 0's node, need its rendezvous store. */
-  if ((rc = zd__control_start(d, &d->control, err))) goto fail;
-  if ((rc = zd__metrics_start(&d->loop, cfg->metrics_address, d, &d->metrics, err))) goto fail;
-  if ((rc = create_ranks(d, err)) || (rc = watch_peers(d, err))) goto fail;
-  if ((rc = zd__sessions_create(d, d->nranks, &d->sessions))) {
-    zd__errf(err, rc, "out of memory");
+  zd__control_env_t cenv = {
+      .loop = &d->loop, .cfg = cfg, .backend = &d->backend, .start_us = d->start_us};
+  if ((rc = zd__control_start(&cenv, &d->control, err))) goto fail;
+  if ((rc = zd__metrics_start(&d->loop, cfg->metrics_address, d->status, &d->metrics, err)))
     goto fail;
-  }
-  if ((rc = zd__server_start(&d->loop, cfg, d->sessions, &d->server, err))) goto fail;
+  if ((rc = create_ranks(d, err)) || (rc = watch_peers(d, err))) goto fail;
+  if ((rc = start_transport(d, err))) goto fail;
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
   uv_signal_start(&d->sigint, on_signal, SIGINT);
   uv_signal_start(&d->sighup, on_sighup, SIGHUP);
   uv_timer_start(&d->summary_timer, connection_summary, SUMMARY_MS, SUMMARY_MS);
   uint64_t period = notify_period_ms(&d->watchdog);
   if (period) uv_timer_start(&d->notify_timer, notify_systemd, period, period);
-  if (d->backend == ZD__BACKEND_CUDA)
+  if (d->backend.kind == ZD__BACKEND_CUDA)
     ZD_LOG_INFO(
         "ready: %u local rank(s) of a world of %u, CUDA backend (one GPU per local rank, "
         "NCCL)",
-        d->nranks, d->world_size);
+        d->ranks.n, cfg->world_size);
   else
     ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, CPU backend, %s kernels on %u threads%s",
-                d->nranks, d->world_size, zd__isa_name((zd__isa_t)d->isa), zd__pool_size(d->pool),
-                zd__pool_pinned(d->pool) ? ", each bound to a CPU" : "");
+                d->ranks.n, cfg->world_size, zd__isa_name((zd__isa_t)d->backend.isa),
+                zd__pool_size(d->pool), zd__pool_pinned(d->pool) ? ", each bound to a CPU" : "");
   sd_notify("READY=1");
   *out = d;
   return ZD_OK;
@@ -770,29 +563,13 @@ fail:
   return rc;
 }
 
-void zd__daemon_poll_busily(zd__daemon_t *d) {
-  if (!d->cfg->busy_poll_us) return;
-  /* Not while a worker runs a job: its kernel may need every CPU, and its end wakes the loop. */
-  for (uint32_t i = 0; i < d->nranks; i++)
-    if (d->ranks[i] && !zd__rank_idle(d->ranks[i])) return;
-  d->busy_until_ns = uv_hrtime() + d->cfg->busy_poll_us * 1000ull;
-}
-
-void zd__daemon_stop_polling(zd__daemon_t *d) {
-  d->busy_until_ns = 0;
-}
-
-int zd__daemon_polling(const zd__daemon_t *d) {
-  return d->polling;
-}
-
 int zd__daemon_run(zd__daemon_t *d) {
   /* UV_RUN_DEFAULT, one iteration at a time: within busy_poll_us of a reply the loop looks for
    * events without sleeping, so that a request sent as soon as the reply arrived does not wait
    * for this thread to be woken (about 25 us on a VM; the reply itself takes a few). */
   for (;;) {
-    d->polling = uv_hrtime() < d->busy_until_ns;
-    if (!uv_run(&d->loop, d->polling ? UV_RUN_NOWAIT : UV_RUN_ONCE)) break;
+    int poll = d->sessions && zd__sessions_poll_now(d->sessions);
+    if (!uv_run(&d->loop, poll ? UV_RUN_NOWAIT : UV_RUN_ONCE)) break;
   }
   int rc = uv_loop_close(&d->loop);
   if (rc) ZD_LOG_ERROR("loop closed with handles still open: %s", uv_strerror(rc));
@@ -805,62 +582,20 @@ void zd__daemon_destroy(zd__daemon_t *d) {
   zd__pool_destroy(d->pool);
   zd__server_destroy(d->server);
   zd__sessions_destroy(d->sessions);
-  free(d->ranks);
-  free(d->gpus);
-  pthread_mutex_destroy(&d->done_lock);
+  zd__status_reg_free(d->status);
+  zd__backend_free(&d->backend);
+  free(d->ranks.rank);
   free(d);
 }
 
-/* ---- accessors ------------------------------------------------------------------------------ */
+/* ---- for tests ------------------------------------------------------------------------------- */
 
 uv_loop_t *zd__daemon_loop(zd__daemon_t *d) {
   return &d->loop;
 }
-const zd__config_t *zd__daemon_config(const zd__daemon_t *d) {
-  return d->cfg;
-}
-zd__ckptr_t *zd__daemon_checkpointer(const zd__daemon_t *d) {
-  return d->ckpt;
-}
-uint32_t zd__daemon_world_size(const zd__daemon_t *d) {
-  return d->world_size;
-}
-uint64_t zd__daemon_bucket_elems(const zd__daemon_t *d) {
-  return d->bucket_elems;
-}
-uint64_t zd__daemon_start_us(const zd__daemon_t *d) {
-  return d->start_us;
-}
-zd__backend_t zd__daemon_backend(const zd__daemon_t *d) {
-  return d->backend;
-}
-const char *zd__daemon_backend_note(const zd__daemon_t *d) {
-  return d->backend_note;
-}
-const zd__gpu_info_t *zd__daemon_gpu(const zd__daemon_t *d, uint32_t local) {
-  if (d->backend != ZD__BACKEND_CUDA) return NULL;
-  zd_assert(local < d->cfg->local_ranks);
-  return &d->gpus[local];
-}
-int zd__daemon_isa(const zd__daemon_t *d) {
-  return d->isa;
-}
-zd__pool_t *zd__daemon_pool(const zd__daemon_t *d) {
-  return d->pool;
-}
-uint32_t zd__daemon_nranks(const zd__daemon_t *d) {
-  return d->nranks;
-}
-zd__rank_t *zd__daemon_rank(const zd__daemon_t *d, uint32_t local) {
-  zd_assert(local < d->nranks);
-  return d->ranks[local];
-}
-int zd__daemon_shutting_down(const zd__daemon_t *d) {
-  return d->shutting_down;
-}
 zd__sessions_t *zd__daemon_sessions(const zd__daemon_t *d) {
   return d->sessions;
 }
-const zd__server_t *zd__daemon_server(const zd__daemon_t *d) {
-  return d->server;
+int zd__daemon_shutting_down(const zd__daemon_t *d) {
+  return d->shutting_down;
 }

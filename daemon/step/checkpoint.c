@@ -23,6 +23,7 @@
 #include "compute.h"
 #include "log.h"
 #include "rendezvous.h"
+#include "status.h"
 #include "step.h"
 #include "world.h"
 
@@ -42,11 +43,11 @@ typedef struct write_job {
 } write_job_t;
 
 typedef struct slot {
-  float *snap; /* master, exp_avg, exp_avg_sq (and max_exp_avg_sq) back to back */
+  float *snap; /* the model's state arrays back to back, in table order (packed()) */
   uint64_t elems;
-  int arrays; /* 3, or 4 with max_exp_avg_sq */
-  int busy;   /* a write of this snapshot is queued or running */
-  int failed; /* its last write failed */
+  zd__states_t states; /* which */
+  int busy;            /* a write of this snapshot is queued or running */
+  int failed;          /* its last write failed */
   char error[ZD__ERR_MSG_MAX];
   uint64_t finished_seq; /* global rank 0's slot: the last of its snapshots the finisher ended */
   int finished_failed;   /* ... and whether that checkpoint failed */
@@ -78,6 +79,14 @@ struct zd__ckptr {
   zd__rdv_t *rdv;     /* writer's connection to the store (W > 1) */
   zd__rdv_t *rdv_fin; /* finisher's */
 };
+
+/* Where array s is in a host copy of the state arrays `states` of n elements each, back to back in
+ * table order (common/state.h); NULL when s is not among them. */
+static float *packed(float *host, uint64_t n, zd__states_t states, int s) {
+  if (!(states & ZD__STATE_BIT(s))) return NULL;
+  uint64_t before = (uint64_t)__builtin_popcount(states & (ZD__STATE_BIT(s) - 1));
+  return host + before * n;
+}
 
 static void job_free(write_job_t *j) {
   if (!j) return;
@@ -119,14 +128,15 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
   int rc = zd__ckpt_dir_name(c->dir, j->step, dir, sizeof dir) == 0 ? ZD_OK : -ENAMETOOLONG;
   if (rc) zd__errf(&err, rc, "checkpoint directory name too long under %s", c->dir);
   if (!rc) {
-    zd__ckpt_shard_t shard = {.rank = j->rank,
-                              .world_size = c->has_world ? c->world.world_size : 1,
-                              .step = j->step,
-                              .elems = s->elems,
-                              .master = s->snap,
-                              .exp_avg = s->snap + s->elems,
-                              .exp_avg_sq = s->snap + 2 * s->elems,
-                              .max_exp_avg_sq = s->arrays > 3 ? s->snap + 3 * s->elems : NULL};
+    zd__ckpt_shard_t shard = {
+        .rank = j->rank,
+        .world_size = c->has_world ? c->world.world_size : 1,
+        .step = j->step,
+        .elems = s->elems,
+        .master = packed(s->snap, s->elems, s->states, ZD__STATE_MASTER),
+        .exp_avg = packed(s->snap, s->elems, s->states, ZD__STATE_EXP_AVG),
+        .exp_avg_sq = packed(s->snap, s->elems, s->states, ZD__STATE_EXP_AVG_SQ),
+        .max_exp_avg_sq = packed(s->snap, s->elems, s->states, ZD__STATE_MAX_EXP_AVG_SQ)};
     rc = zd__ckpt_write_shard(dir, &shard, c->set.throttle_bytes_per_s, &file, &err);
   }
   if (c->has_world && !j->manifest) { /* tell rank 0, success or not: it must not wait in vain */
@@ -440,7 +450,7 @@ static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt
   uint32_t w = c->has_world ? c->world.world_size : 1;
   zd__ckpt_manifest_t *mf = calloc(1, sizeof *mf);
   zd_param_t *params = calloc(l->nparams ? l->nparams : 1, sizeof *params);
-  if (mf) mf->groups = malloc(m->ngroups * sizeof *mf->groups);
+  if (mf) mf->groups = malloc(m->shard.ngroups * sizeof *mf->groups);
   if (mf) mf->files = calloc(w, sizeof *mf->files);
   int rc = mf && params && mf->groups && mf->files ? ZD_OK : -ENOMEM;
   if (rc) zd__errf(err, rc, "out of memory");
@@ -450,7 +460,7 @@ static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt
     memcpy(params[i].shape, p->shape, sizeof p->shape);
   }
   if (!rc)
-    rc = zd__layout_build(params, l->nparams, m->ngroups, l->world_size, l->bucket_elems,
+    rc = zd__layout_build(params, l->nparams, m->shard.ngroups, l->world_size, l->bucket_elems,
                           &mf->layout, err);
   free(params);
   if (rc) {
@@ -463,9 +473,9 @@ static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt
   mf->world_size = w;
   mf->bucket_elems = l->bucket_elems;
   mf->layout_hash = l->hash;
-  memcpy(mf->groups, m->groups, m->ngroups * sizeof *mf->groups);
-  mf->ngroups = m->ngroups;
-  mf->param_dtype = m->param_dtype;
+  memcpy(mf->groups, m->groups, m->shard.ngroups * sizeof *mf->groups);
+  mf->ngroups = m->shard.ngroups;
+  mf->param_dtype = m->shard.param_dtype;
   mf->grad_dtype = m->grad_dtype;
   mf->max_grad_norm = m->max_grad_norm;
   mf->grad_mean = m->grad_mean;
@@ -474,23 +484,23 @@ static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt
                                    .scale = m->scaler.scale,
                                    .growth_tracker = m->scaler.growth_tracker,
                                    .hysteresis_tracker = m->scaler.hysteresis_tracker};
-  mf->max_exp_avg_sq = m->max_exp_avg_sq != NULL;
+  mf->max_exp_avg_sq = (m->states & ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ)) != 0;
   mf->created_ms = zd__unix_ms();
   mf->nfiles = w;
   *out = mf;
   return ZD_OK;
 }
 
+/* Copies the model's state arrays to a host copy (packed()), or back. */
 static int copy_arrays(const zd__step_ctx_t *ctx, zd__model_t *m, float *host, int to_host,
                        zd__err_t *err) {
   zd__compute_t *cp = ctx->compute;
   uint64_t n = m->layout->shard_elems;
-  if (!n) return ZD_OK;
-  int rc = cp->ops->copy_state(cp, m->master, host, n, to_host, err);
-  if (!rc) rc = cp->ops->copy_state(cp, m->exp_avg, host + n, n, to_host, err);
-  if (!rc) rc = cp->ops->copy_state(cp, m->exp_avg_sq, host + 2 * n, n, to_host, err);
-  if (!rc && m->max_exp_avg_sq)
-    rc = cp->ops->copy_state(cp, m->max_exp_avg_sq, host + 3 * n, n, to_host, err);
+  int rc = ZD_OK;
+  for (int s = 0; n && s < ZD__NSTATES && !rc; s++)
+    if (m->states & ZD__STATE_BIT(s))
+      rc = cp->ops->copy_state(cp, m->shard.state[s], packed(host, n, m->states, s), n, to_host,
+                               err);
   return rc;
 }
 
@@ -519,8 +529,8 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   pthread_mutex_unlock(&c->lock);
   uint64_t t0 = zd__now_us(); /* the stall is the copy, not the wait above (a slow disk's) */
   uint64_t n = m->layout->shard_elems;
-  int arrays = m->max_exp_avg_sq ? 4 : 3;
-  if (s->elems != n || s->arrays != arrays) {
+  uint64_t arrays = (uint64_t)__builtin_popcount(m->states);
+  if (s->elems != n || s->states != m->states) {
     free(s->snap);
     s->elems = 0;
     s->snap = malloc((size_t)arrays * (n ? n : 1) * sizeof(float));
@@ -530,7 +540,7 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
                       arrays * n);
     }
     s->elems = n;
-    s->arrays = arrays;
+    s->states = m->states;
   }
   rc = copy_arrays(ctx, m, s->snap, 1, err);
   if (rc) {
@@ -675,10 +685,13 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   uint64_t n = m->layout->shard_elems;
   float *host = NULL;
   if (!rc && mf) {
-    uint64_t arrays = m->max_exp_avg_sq ? 4 : 3;
+    uint64_t arrays = (uint64_t)__builtin_popcount(m->states);
     host = malloc(arrays * (n ? n : 1) * sizeof(float));
-    rc = host ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, host, host + n, host + 2 * n,
-                                    arrays > 3 ? host + 3 * n : NULL, err)
+    rc = host ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank,
+                                    packed(host, n, m->states, ZD__STATE_MASTER),
+                                    packed(host, n, m->states, ZD__STATE_EXP_AVG),
+                                    packed(host, n, m->states, ZD__STATE_EXP_AVG_SQ),
+                                    packed(host, n, m->states, ZD__STATE_MAX_EXP_AVG_SQ), err)
               : zd__errf(err, -ENOMEM, "no host memory to load %" PRIu64 " elements", arrays * n);
     if (!rc) rc = copy_arrays(ctx, m, host, 0, err);
   }
@@ -715,4 +728,32 @@ void zd__ckptr_stats(zd__ckptr_t *c, zd__ckpt_stats_t *out) {
   pthread_mutex_lock(&c->lock);
   *out = c->stats;
   pthread_mutex_unlock(&c->lock);
+}
+
+/* "never" rather than 0 for a checkpoint not taken: status and zeroctl show it to operators. */
+void zd__ckptr_status(void *ctx, zd__status_t *st) {
+  zd__ckptr_t *c = ctx;
+  zd__ckpt_stats_t s;
+  zd__ckptr_stats(c, &s);
+  zd__status_section(st, "checkpoint");
+  zd__status_add(st, "enabled", "%d", s.enabled);
+  zd__status_add(st, "requested", "%" PRIu64, s.requested);
+  zd__status_add(st, "completed", "%" PRIu64, s.completed);
+  zd__status_add(st, "failures", "%" PRIu64, s.failures);
+  zd__status_add(st, "in_progress", "%" PRIu64, s.in_progress);
+  if (s.completed) {
+    zd__status_add(st, "last_step", "%" PRIu64, s.last_ok_step);
+    zd__status_add(st, "last_dir", "%s", s.last_dir);
+    zd__status_add(st, "last_age_s", "%" PRIu64, (zd__unix_ms() - s.last_ok_unix_ms) / 1000u);
+    zd__status_add(st, "last_duration_ms", "%" PRIu64, s.last_duration_ms);
+    zd__status_add(st, "last_bytes", "%" PRIu64, s.last_bytes);
+    zd__status_add(st, "last_snapshot_us", "%" PRIu64, s.last_snapshot_us);
+  } else {
+    zd__status_add(st, "last_step", "never");
+  }
+  if (s.last_error[0]) zd__status_add(st, "last_error", "%s", s.last_error);
+  if (s.resumed_dir[0]) {
+    zd__status_add(st, "resumed_step", "%" PRIu64, s.resumed_step);
+    zd__status_add(st, "resumed_dir", "%s", s.resumed_dir);
+  }
 }

@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "error.h"
+#include "status.h"
 
 struct zd__model;
 struct zd__step_ctx;
@@ -125,5 +126,8 @@ int zd__ckptr_resume(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__
 
 /* Any thread. */
 void zd__ckptr_stats(zd__ckptr_t *c, zd__ckpt_stats_t *out);
+
+/* The "checkpoint" section of the status (a zd__status_fn; ctx is the checkpointer). */
+void zd__ckptr_status(void *ckptr, zd__status_t *st);
 
 #endif /* ZD_DAEMON_CHECKPOINT_H */

@@ -20,6 +20,7 @@
 
 struct zd__rank {
   zd__rank_env_t env;
+  int device; /* CUDA backend: the rank's CUDA device (env.gpu's); -1: the CPU backend */
   zd__step_ctx_t ctx;
   pthread_t thread;
   pthread_mutex_t lock; /* queue and stop */
@@ -77,7 +78,7 @@ static void publish_ranges(zd__rank_t *r, const zd__model_t *m) {
  * update runs on its worker, outside the pool's turns); the CUDA backend's runs on the GPU. */
 static uint32_t step_idle_cpus(const zd__rank_t *r) {
   unsigned cpus = zd__pool_cpus(r->env.pool), busy = 0;
-  if (r->env.device < 0 && r->model) {
+  if (r->device < 0 && r->model) {
     const zd__layout_t *l = r->model->layout;
     uint64_t most = 0;
     for (uint32_t b = 0; b < l->nbuckets; b++)
@@ -91,7 +92,7 @@ static uint32_t step_idle_cpus(const zd__rank_t *r) {
 /* Refreshes the snapshot after a job; takes the model's numbers as they are now. */
 static void publish(zd__rank_t *r, const zd__job_t *job) {
   const zd__model_t *m = r->model;
-  atomic_store(&r->inline_ok, m && r->env.world_size == 1 && r->env.device < 0 &&
+  atomic_store(&r->inline_ok, m && r->env.world_size == 1 && r->device < 0 &&
                                   m->layout->shard_elems <= ZD__INLINE_MAX_ELEMS);
   pthread_mutex_lock(&r->stats_lock);
   publish_ranges(r, m);
@@ -103,10 +104,9 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->layout_hash = m->layout->hash;
     s->total_elems = m->layout->total_elems;
     s->shard_elems = m->layout->shard_elems;
-    s->state_bytes = 3 * m->layout->shard_elems * sizeof(float);
-    s->grad_shard_bytes = m->grad_shard ? m->layout->shard_elems * sizeof(float) : 0;
-    s->max_exp_avg_sq_bytes = m->max_exp_avg_sq ? m->layout->shard_elems * sizeof(float) : 0;
-    s->param_dtype = m->param_dtype;
+    s->states = m->states;
+    s->grad_shard_bytes = m->shard.grad_shard ? m->layout->shard_elems * sizeof(float) : 0;
+    s->param_dtype = m->shard.param_dtype;
     s->grad_dtype = m->grad_dtype;
     s->step = m->step;
     s->steps_skipped = m->steps_skipped;
@@ -358,10 +358,10 @@ static void start_cuda(zd__rank_t *r) {
   zd__err_t err = {0};
   const zd__world_t *w = r->env.world;
   zd__compute_t *compute = NULL;
-  int rc = zd__compute_cuda_create(r->env.device, w->collective_timeout_ms, &compute, &err);
+  int rc = zd__compute_cuda_create(r->device, w->collective_timeout_ms, &compute, &err);
   if (rc == ZD_OK) publish_compute(r, compute);
   if (rc) {
-    ZD_LOG_ERROR("rank degraded: the CUDA backend could not start on GPU %d: %s", r->env.device,
+    ZD_LOG_ERROR("rank degraded: the CUDA backend could not start on GPU %d: %s", r->device,
                  err.msg);
     set_health(r, ZD__HEALTH_DEGRADED, "the CUDA backend could not start: ", err.msg);
     return;
@@ -369,11 +369,11 @@ static void start_cuda(zd__rank_t *r) {
   void *stream = zd__compute_cuda_stream(r->ctx.compute);
   zd__comm_t *comm = NULL;
   if (r->env.world_size == 1)
-    rc = zd__comm_nccl_create(NULL, 0, 1, r->env.device, stream, w->connect_timeout_ms,
+    rc = zd__comm_nccl_create(NULL, 0, 1, r->device, stream, w->connect_timeout_ms,
                               w->collective_timeout_ms, &r->cancel, &comm, &err);
   else {
     zd__world_member_t *member = NULL;
-    rc = zd__world_connect(w, r->env.rank, r->env.device, stream, &r->cancel, NULL, &comm, &member,
+    rc = zd__world_connect(w, r->env.rank, r->device, stream, &r->cancel, NULL, &comm, &member,
                            &err);
     pthread_mutex_lock(&r->lock);
     r->ctx.member = member;
@@ -381,7 +381,7 @@ static void start_cuda(zd__rank_t *r) {
   }
   publish_comm(r, comm);
   if (rc == ZD_OK) {
-    ZD_LOG_INFO("CUDA backend on GPU %d, NCCL communicator of %u rank(s) ready", r->env.device,
+    ZD_LOG_INFO("CUDA backend on GPU %d, NCCL communicator of %u rank(s) ready", r->device,
                 r->env.world_size);
     set_health(r, ZD__HEALTH_OK, "", "");
     return;
@@ -450,9 +450,9 @@ static void heal(zd__rank_t *r) {
     zd__world_member_t *member = NULL;
     void *stream = NULL;
 #ifdef ZD_HAVE_CUDA
-    if (r->env.device >= 0) stream = zd__compute_cuda_stream(r->ctx.compute);
+    if (r->device >= 0) stream = zd__compute_cuda_stream(r->ctx.compute);
 #endif
-    int rc = zd__world_connect(r->env.world, r->env.rank, r->env.device, stream, &r->cancel,
+    int rc = zd__world_connect(r->env.world, r->env.rank, r->device, stream, &r->cancel,
                                stale[0] ? stale : NULL, &comm, &member, &err);
     if (rc == ZD_OK) {
       pthread_mutex_lock(&r->lock);
@@ -489,7 +489,7 @@ static void peer_lost(zd__rank_t *r) {
 static void *worker_main(void *arg) {
   zd__rank_t *r = arg;
   zd__log_set_rank((int)r->env.rank);
-  if (r->env.device >= 0)
+  if (r->device >= 0)
     start_cuda(r);
   else if (!r->ctx.comm)
     join_world(r);
@@ -515,7 +515,7 @@ static void *worker_main(void *arg) {
     run_job(r, job);
     publish(r, job);
     int broken = r->env.world_size > 1 && zd__comm_failed(r->ctx.comm);
-    r->env.done(r->env.done_ctx, job);
+    job->done(job);
     if (broken) heal(r); /* jobs queued meanwhile wait for it */
     pthread_mutex_lock(&r->lock);
     r->busy = 0;
@@ -548,7 +548,8 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
       .ckpt = env->ckpt,
   };
   r->ctx.attach_abandoned = &r->attach_abandoned;
-  if (env->device < 0 && zd__compute_cpu_create(env->pool, env->isa, &r->ctx.compute) != 0) {
+  r->device = env->gpu ? env->gpu->device : -1;
+  if (r->device < 0 && zd__compute_cpu_create(env->pool, env->isa, &r->ctx.compute) != 0) {
     free(r);
     return -ENOMEM;
   }
@@ -714,15 +715,79 @@ int zd__rank_shard_ranges(zd__rank_t *r, zd__shard_range_t **out, uint32_t *n) {
 uint32_t zd__rank_local(const zd__rank_t *r) {
   return r->env.local_rank;
 }
-int zd__rank_device(const zd__rank_t *r) {
-  return r->env.device;
-}
 uint32_t zd__rank_global(const zd__rank_t *r) {
   return r->env.rank;
 }
 uint32_t zd__rank_world_size(const zd__rank_t *r) {
   return r->env.world_size;
 }
-uint64_t zd__rank_bucket_elems(const zd__rank_t *r) {
-  return r->env.bucket_elems;
+const zd__gpu_info_t *zd__rank_gpu(const zd__rank_t *r) {
+  return r->env.gpu;
+}
+
+uint64_t zd__rank_state_bytes(zd__states_t states, uint64_t shard_elems) {
+  return (uint64_t)__builtin_popcount(states & zd__states_always()) * shard_elems * sizeof(float);
+}
+
+void zd__rank_status(void *ctx, zd__status_t *st) {
+  zd__rank_t *r = ctx;
+  zd__rank_stats_t s;
+  zd__rank_stats(r, &s);
+  char name[32];
+  snprintf(name, sizeof name, "rank %u", r->env.rank);
+  zd__status_section(st, name);
+  zd__status_add(st, "rank", "%u", r->env.rank);
+  zd__status_add(st, "local_rank", "%u", r->env.local_rank);
+  zd__status_add(st, "health", "%s", zd__health_name(s.health));
+  const zd__gpu_info_t *g = r->env.gpu;
+  if (g) {
+    zd__status_add(st, "device", "%d", g->device);
+    zd__status_add(st, "gpu", "%s", g->name);
+    zd__status_add(st, "gpu_uuid", "%s", g->uuid_str);
+  }
+  if (s.health == ZD__HEALTH_DEGRADED || s.health == ZD__HEALTH_REJOINING ||
+      s.health == ZD__HEALTH_RESTORING)
+    zd__status_add(st, "degraded_reason", "%s", s.degraded_reason);
+  zd__status_add(st, "model", "%s", s.has_model ? "registered" : "none");
+  if (!s.has_model) return;
+  zd__status_add(st, "params", "%u", s.nparams);
+  zd__status_add(st, "buckets", "%u", s.nbuckets);
+  zd__status_add(st, "layout_hash", "%016" PRIx64, s.layout_hash);
+  zd__status_add(st, "total_elems", "%" PRIu64, s.total_elems);
+  zd__status_add(st, "shard_elems", "%" PRIu64, s.shard_elems);
+  zd__status_add(st, "state_bytes", "%" PRIu64, zd__rank_state_bytes(s.states, s.shard_elems));
+  zd__status_add(st, "grad_shard_bytes", "%" PRIu64, s.grad_shard_bytes);
+  /* "<name>_bytes" of each optional state array: 0 when the model lacks it */
+#define OPTIONAL_BYTES(role, aname, optional, needed) \
+  if (optional)                                       \
+    zd__status_add(st, aname "_bytes", "%" PRIu64,    \
+                   s.states &ZD__STATE_BIT(ZD__STATE_##role) ? s.shard_elems * sizeof(float) : 0);
+  ZD__STATE_ARRAYS(OPTIONAL_BYTES)
+#undef OPTIONAL_BYTES
+  zd__status_add(st, "param_dtype", "%s", zd_dtype_name(s.param_dtype));
+  zd__status_add(st, "grad_dtype", "%s", zd_dtype_name(s.grad_dtype));
+  zd__status_add(st, "step", "%" PRIu64, s.step);
+  zd__status_add(st, "steps_skipped", "%" PRIu64, s.steps_skipped);
+  zd__status_add(st, "loss_scale", "%g", s.loss_scale);
+  zd__status_add(st, "last_grad_norm", "%g", s.last_grad_norm);
+  zd__status_add(st, "last_clip_coef", "%g", s.last_clip_coef);
+  zd__status_add(st, "last_step_us", "%" PRIu64, s.last_step_us);
+  zd__status_add(st, "mean_step_us", "%" PRIu64, s.steps_run ? s.total_step_us / s.steps_run : 0);
+  zd__status_add(st, "scatters", "%" PRIu64, s.scatters);
+  zd__status_add(st, "gathers", "%" PRIu64, s.gathers);
+  zd__status_add(st, "heals", "%" PRIu64, s.heals);
+  zd__status_add(st, "total_step_us", "%" PRIu64, s.total_step_us);
+  zd__status_add(st, "scatter_us", "%" PRIu64, s.scatter_us);
+  zd__status_add(st, "update_us", "%" PRIu64, s.update_us);
+  zd__status_add(st, "gather_us", "%" PRIu64, s.gather_us);
+  zd__status_add(st, "collective_bytes", "%" PRIu64, s.collective_bytes);
+  zd__status_add(st, "collective_us", "%" PRIu64, s.collective_us);
+  /* "count count ..." per bucket of ZD__STEP_HIST_BOUNDS_US, then the longer ones */
+  char hist[ZD__STEP_HIST_BUCKETS * 21 + 1];
+  size_t used = 0;
+  for (uint32_t h = 0; h <= ZD__STEP_HIST_BUCKETS; h++)
+    used += (size_t)snprintf(hist + used, sizeof hist - used, "%s%" PRIu64, h ? " " : "",
+                             s.step_hist[h]);
+  zd__status_add(st, "step_histogram", "%s", hist);
+  if (s.resume_pending) zd__status_add(st, "resume_pending", "%s", "newest complete checkpoint");
 }

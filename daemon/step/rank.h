@@ -7,10 +7,10 @@
  *
  * Ownership: the loop thread creates jobs from client requests and queues them on the rank; the
  * rank's worker thread runs them in order (a collective can block there without stalling the
- * loop) and hands each finished job back to the loop (daemon.c's completion queue). The model is
- * touched only by the thread running a job: the worker, or the loop thread itself for a small job
- * of an idle rank (zd__rank_run_inline); the loop reads a snapshot (zd__rank_stats_t) under a
- * lock.
+ * loop) and hands each finished job back to whoever queued it (its done callback: the transport,
+ * which answers the client). The model is touched only by the thread running a job: the worker,
+ * or the loop thread itself for a small job of an idle rank (zd__rank_run_inline); the loop reads
+ * a snapshot (zd__rank_stats_t) under a lock.
  */
 #ifndef ZD_DAEMON_RANK_H
 #define ZD_DAEMON_RANK_H
@@ -18,18 +18,26 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "backend.h"
 #include "comm.h"
 #include "error.h"
-#include "frame.h"
 #include "layout.h"
 #include "liveness.h"
 #include "pool.h"
-#include "step_decide.h"
 #include "shm.h"
+#include "state.h"
+#include "status.h"
+#include "step_decide.h"
 #include "zerod/zerod.h"
 
-typedef struct zd__daemon zd__daemon_t;
 typedef struct zd__rank zd__rank_t;
+typedef struct zd__job zd__job_t;
+
+/* A daemon's local ranks, looked up by index by the layers above (loop thread). */
+typedef struct zd__ranks {
+  uint32_t n;
+  zd__rank_t **rank; /* rank[i] is local rank i */
+} zd__ranks_t;
 
 /* What a register request asks for, validated by the loop. Owned by the attach job. */
 typedef struct zd__model_spec {
@@ -45,23 +53,6 @@ typedef struct zd__model_spec {
 } zd__model_spec_t;
 
 void zd__model_spec_free(zd__model_spec_t *spec);
-
-/* A client's buffers; owned by its session, alive while the session has jobs in flight.
- * Host buffers are mapped memfds; CUDA buffers are device memory opened from the client's IPC
- * handles on the rank's device (shm.h), with the client's ring of IPC event pairs that order its
- * stream and the rank's, one pair per request it may have outstanding: a job with event slot k
- * makes the rank's stream wait on grads_ready[k] before it touches the buffers, and records
- * params_ready[k] after its work (docs/protocol.md, "CUDA buffers"). */
-typedef struct zd__buffers {
-  zd__shm_t params;
-  zd__shm_t grads;
-  zd_dtype_t param_dtype;
-  zd_dtype_t grad_dtype;
-  int device;                          /* CUDA device of the buffers and events; -1: host memory */
-  void *grads_ready[ZD__EVENT_SLOTS];  /* cudaEvent_t opened from the client's handles; NULL with
-                                          host buffers */
-  void *params_ready[ZD__EVENT_SLOTS]; /* likewise */
-} zd__buffers_t;
 
 typedef enum zd__job_type {
   ZD__JOB_ATTACH,    /* register: create or resume the model, fill the client's param buffer */
@@ -82,12 +73,17 @@ typedef struct zd__step_out {
   uint32_t idle_cpus; /* CPUs the step's kernel left idle (step_idle_cpus in rank.c) */
 } zd__step_out_t;
 
-typedef struct zd__job {
-  struct zd__job *next;
+/* Called on the thread that ran the job once it is done (its worker; not for a job that
+ * zd__rank_run_inline ran, whose caller completes it). */
+typedef void (*zd__job_done_fn)(zd__job_t *job);
+
+struct zd__job {
+  zd__job_t *next;
   zd__job_type_t type;
   zd__rank_t *rank;
-  void *session; /* the requester, for the reply (STAND_IN: the session that left, which waits
-                    for it before it ends) */
+  zd__job_done_fn done; /* set by whoever queues it */
+  void *session;        /* the requester, for the reply (STAND_IN: the session that left, which
+                           waits for it before it ends) */
   uint64_t request_id;
   uint16_t msg_type;
   const zd__buffers_t *buffers;
@@ -107,7 +103,7 @@ typedef struct zd__job {
     int wait;   /* CHECKPOINT: answer once it is written */
   } in;
   int code;         /* result */
-  int answer_early; /* set when queued: the worker may send the reply itself (session.h) */
+  int answer_early; /* set when queued: the worker may send the reply itself (jobs.h) */
   int answered;     /* it did */
   zd__err_t err;
   union {
@@ -127,7 +123,7 @@ typedef struct zd__job {
       char dir[512];
     } checkpoint;
   } out;
-} zd__job_t;
+};
 
 /* Frees a job and what it owns. */
 void zd__job_free(zd__job_t *job);
@@ -159,9 +155,8 @@ typedef struct zd__rank_stats {
   uint64_t layout_hash;
   uint64_t total_elems;
   uint64_t shard_elems;
-  uint64_t state_bytes;          /* fp32 master + exp_avg + exp_avg_sq */
-  uint64_t grad_shard_bytes;     /* reduced-gradient buffer (0 at world size 1: read in place) */
-  uint64_t max_exp_avg_sq_bytes; /* amsgrad's running max of exp_avg_sq (0 without amsgrad) */
+  zd__states_t states;       /* the model's state arrays (common/state.h), each shard_elems fp32 */
+  uint64_t grad_shard_bytes; /* reduced-gradient buffer (0 at world size 1: read in place) */
   zd_dtype_t param_dtype;
   zd_dtype_t grad_dtype;
   uint64_t step;
@@ -184,9 +179,6 @@ typedef struct zd__rank_stats {
   char degraded_reason[ZD__ERR_MSG_MAX];
 } zd__rank_stats_t;
 
-/* Called on the worker thread when a job is done (the daemon's completion queue). */
-typedef void (*zd__job_done_fn)(void *ctx, zd__job_t *job);
-
 struct zd__world;
 
 typedef struct zd__rank_env {
@@ -194,15 +186,12 @@ typedef struct zd__rank_env {
   uint32_t local_ranks; /* of this daemon: their workers may all be stepping at once */
   uint32_t rank;        /* global */
   uint32_t world_size;
-  uint64_t bucket_elems;
   zd__comm_t *comm;              /* taken over by the rank; NULL: join `world` first */
   const struct zd__world *world; /* how to join a multi-rank world (world.h); outlives the rank */
   struct zd__pool *pool;         /* CPU backend: the kernel pool and ISA (zd__isa_t) */
   struct zd__ckptr *ckpt;        /* the daemon's checkpointer; outlives the rank */
   int isa;
-  int device; /* CUDA backend: this rank's CUDA device; -1: the CPU backend */
-  zd__job_done_fn done;
-  void *done_ctx;
+  const zd__gpu_info_t *gpu; /* CUDA backend: this rank's GPU (outlives the rank); NULL: CPU */
 } zd__rank_env_t;
 
 /* Creates a rank and starts its worker thread. With the CUDA backend the worker first makes the
@@ -253,7 +242,7 @@ void zd__rank_destroy(zd__rank_t *rank);
  * caller then completes the job itself), 0 if the job must be submitted. */
 int zd__rank_run_inline(zd__rank_t *rank, zd__job_t *job);
 
-/* Queues a job (any thread; in practice the loop). */
+/* Queues a job (any thread; in practice the loop); job->done is called once it has run. */
 void zd__rank_submit(zd__rank_t *rank, zd__job_t *job);
 
 /* Whether the rank's worker has no job queued or running (any thread; a snapshot). */
@@ -271,6 +260,13 @@ int zd__rank_stream_idle(zd__rank_t *rank);
 /* Copies the rank's stats (any thread). */
 void zd__rank_stats(zd__rank_t *rank, zd__rank_stats_t *out);
 
+/* The rank's status section, "rank N" (a zd__status_fn; ctx is the rank). Loop thread. */
+void zd__rank_status(void *rank, zd__status_t *st);
+
+/* Bytes of the state arrays in `states` that every model has (master and moments: the status's
+ * state_bytes), of a shard of shard_elems elements. */
+uint64_t zd__rank_state_bytes(zd__states_t states, uint64_t shard_elems);
+
 /* One bucket's slice owned by a rank: flat element offsets [begin, end). */
 typedef struct zd__shard_range {
   uint32_t bucket;
@@ -284,9 +280,9 @@ typedef struct zd__shard_range {
 int zd__rank_shard_ranges(zd__rank_t *rank, zd__shard_range_t **out, uint32_t *n);
 
 uint32_t zd__rank_local(const zd__rank_t *rank);
-int zd__rank_device(const zd__rank_t *rank); /* CUDA device, -1 with the CPU backend */
 uint32_t zd__rank_global(const zd__rank_t *rank);
 uint32_t zd__rank_world_size(const zd__rank_t *rank);
-uint64_t zd__rank_bucket_elems(const zd__rank_t *rank);
+/* The rank's GPU with the CUDA backend; NULL with the CPU backend. */
+const zd__gpu_info_t *zd__rank_gpu(const zd__rank_t *rank);
 
 #endif /* ZD_DAEMON_RANK_H */

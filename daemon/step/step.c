@@ -30,7 +30,7 @@
  * clipping, averaging and loss scaling. */
 static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups) {
   uint64_t h = ZD__FNV1A_INIT;
-  for (uint32_t i = 0; i < m->ngroups; i++) h = zd__group_hash(h, &groups[i]);
+  for (uint32_t i = 0; i < m->shard.ngroups; i++) h = zd__group_hash(h, &groups[i]);
   int32_t flags[2] = {m->grad_mean, m->scaler.enabled};
   h = zd__fnv1a(h, &m->max_grad_norm, sizeof m->max_grad_norm);
   return zd__fnv1a(h, flags, sizeof flags);
@@ -38,47 +38,42 @@ static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups) {
 
 /* ---- state --------------------------------------------------------------------------------- */
 
-/* torch creates max_exp_avg_sq at a parameter's first step when its group has amsgrad, and raises
- * KeyError when a group turns amsgrad on later: zerod allocates the array at registration when a
- * group has amsgrad, keeps it for the model's life (a group may turn amsgrad off and on again, as
- * in torch), and refuses hyperparameters that need it where the model has none. */
-static int any_amsgrad(const zd_group_t *groups, uint32_t n) {
-  for (uint32_t i = 0; i < n; i++)
-    if (groups[i].amsgrad) return 1;
-  return 0;
-}
-
-static int check_amsgrad(const zd__model_t *m, const zd_group_t *groups, const char *what,
-                         zd__err_t *err) {
-  if (m->max_exp_avg_sq) return ZD_OK;
-  for (uint32_t i = 0; i < m->ngroups; i++)
-    if (groups[i].amsgrad)
+/* The model's state arrays are those its groups need at registration (common/state.h), kept for
+ * its life: torch creates an optimizer's state at a parameter's first step (max_exp_avg_sq under
+ * amsgrad) and raises KeyError when a group asks for one later, so hyperparameters that need an
+ * array the model lacks are refused likewise. */
+static int check_states(const zd__model_t *m, const zd_group_t *groups, const char *what,
+                        zd__err_t *err) {
+  for (uint32_t i = 0; i < m->shard.ngroups; i++) {
+    int lack = zd__states_missing(m->states, &groups[i], 1);
+    if (lack >= 0)
       return zd__errf(err, ZD_EHPARAM,
-                      "%s: group %u has amsgrad, but the model was registered without it and "
-                      "has no max_exp_avg_sq (torch raises KeyError likewise); register with "
-                      "replace and amsgrad from the start",
-                      what, i);
+                      "%s: group %u needs the state array %s, but the model was registered "
+                      "without it and has none (torch raises KeyError likewise); register with "
+                      "replace and that group's options from the start",
+                      what, i, zd__state_name((zd__state_t)lack));
+  }
   return ZD_OK;
 }
 
 void zd__model_free(zd__model_t *m) {
   if (!m) return;
+  zd__shard_t *sh = &m->shard;
   zd__compute_t *c = m->compute;
   if (c) {
-    c->ops->model_fini(c, m);
-    float *arrays[] = {m->master, m->exp_avg, m->exp_avg_sq, m->grad_shard, m->max_exp_avg_sq};
-    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
-      c->ops->release(c, arrays[i], m->array_elems);
+    c->ops->shard_fini(c, sh);
+    for (int s = 0; s < ZD__NSTATES; s++) c->ops->release(c, sh->state[s], sh->elems);
+    c->ops->release(c, sh->grad_shard, sh->elems);
   }
-  if (m->segs)
-    for (uint32_t b = 0; b < m->layout->nbuckets; b++) free(m->segs[b]);
-  free(m->segs);
-  free(m->nsegs);
+  if (sh->segs)
+    for (uint32_t b = 0; b < m->layout->nbuckets; b++) free(sh->segs[b]);
+  free(sh->segs);
+  free(sh->nsegs);
+  free(sh->grad);
+  free(sh->grad_dtype);
   free(m->scattered);
   free(m->attempted);
   free(m->ungathered);
-  free(m->shard_grad);
-  free(m->shard_grad_dtype);
   free(m->groups);
   zd__shm_unmap(&m->kept);
   zd__layout_free(m->layout);
@@ -92,19 +87,21 @@ static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__m
   zd__compute_t *c = ctx->compute;
   zd__model_t *m = calloc(1, sizeof *m);
   if (!m) return zd__errf(err, -ENOMEM, "out of memory");
+  zd__shard_t *sh = &m->shard;
   m->layout = spec->layout;
   m->groups = spec->groups;
-  m->ngroups = spec->ngroups;
+  *sh = (zd__shard_t){.layout = m->layout,
+                      .rank = ctx->rank,
+                      .ngroups = spec->ngroups,
+                      .elems = l->shard_elems ? l->shard_elems : 1};
   spec->layout = NULL;
   spec->groups = NULL;
   m->compute = c;
-  m->array_elems = l->shard_elems ? l->shard_elems : 1;
-  int rc = c->ops->alloc(c, m->array_elems, &m->master, err);
-  if (!rc) rc = c->ops->alloc(c, m->array_elems, &m->exp_avg, err);
-  if (!rc) rc = c->ops->alloc(c, m->array_elems, &m->exp_avg_sq, err);
-  if (!rc && ctx->world_size > 1) rc = c->ops->alloc(c, m->array_elems, &m->grad_shard, err);
-  if (!rc && any_amsgrad(m->groups, m->ngroups))
-    rc = c->ops->alloc(c, m->array_elems, &m->max_exp_avg_sq, err);
+  m->states = zd__states_needed(m->groups, sh->ngroups);
+  int rc = ZD_OK;
+  for (int s = 0; s < ZD__NSTATES && !rc; s++)
+    if (m->states & ZD__STATE_BIT(s)) rc = c->ops->alloc(c, sh->elems, &sh->state[s], err);
+  if (!rc && ctx->world_size > 1) rc = c->ops->alloc(c, sh->elems, &sh->grad_shard, err);
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];
     snprintf(cause, sizeof cause, "%s", err ? err->msg : "");
@@ -113,26 +110,26 @@ static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__m
                     l->shard_elems, c->name, cause);
   }
   uint32_t nb = l->nbuckets;
-  m->segs = calloc(nb, sizeof *m->segs);
-  m->nsegs = calloc(nb, sizeof *m->nsegs);
+  sh->segs = calloc(nb, sizeof *sh->segs);
+  sh->nsegs = calloc(nb, sizeof *sh->nsegs);
+  sh->grad = calloc(nb, sizeof *sh->grad);
+  sh->grad_dtype = calloc(nb, sizeof *sh->grad_dtype);
   m->scattered = calloc(nb, 1);
   m->attempted = calloc(nb, 1);
   m->ungathered = calloc(nb, 1);
-  m->shard_grad = calloc(nb, sizeof *m->shard_grad);
-  m->shard_grad_dtype = calloc(nb, sizeof *m->shard_grad_dtype);
-  if (!m->segs || !m->nsegs || !m->scattered || !m->attempted || !m->ungathered || !m->shard_grad ||
-      !m->shard_grad_dtype) {
+  if (!sh->segs || !sh->nsegs || !sh->grad || !sh->grad_dtype || !m->scattered || !m->attempted ||
+      !m->ungathered) {
     zd__model_free(m);
     return zd__errf(err, -ENOMEM, "out of memory for the state of %" PRIu64 " shard elements",
                     l->shard_elems);
   }
   for (uint32_t b = 0; b < nb; b++) {
-    if (zd__layout_segments(l, ctx->rank, b, &m->segs[b], &m->nsegs[b]) != 0) {
+    if (zd__layout_segments(l, ctx->rank, b, &sh->segs[b], &sh->nsegs[b]) != 0) {
       zd__model_free(m);
       return zd__errf(err, -ENOMEM, "out of memory for segments");
     }
   }
-  rc = c->ops->model_init(c, m, ctx->world_size, err);
+  rc = c->ops->shard_init(c, sh, ctx->world_size, err);
   if (rc) {
     zd__model_free(m);
     return rc;
@@ -143,7 +140,7 @@ static int model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__m
 
 /* Applies a registration's options to a model (new or resumed). */
 static void model_configure(zd__model_t *m, const zd__model_spec_t *spec, int keep_scaler) {
-  m->param_dtype = spec->param_dtype;
+  m->shard.param_dtype = spec->param_dtype;
   m->grad_dtype = spec->grad_dtype;
   m->max_grad_norm = spec->max_grad_norm;
   m->grad_mean = spec->grad_mean;
@@ -155,7 +152,7 @@ static void model_configure(zd__model_t *m, const zd__model_spec_t *spec, int ke
 
 /* Element e of the client's param buffer. */
 static void *param_at(const zd__model_t *m, const zd__buffers_t *buf, uint64_t e) {
-  return (char *)buf->params.addr + e * zd_dtype_size(m->param_dtype);
+  return (char *)buf->params.addr + e * zd_dtype_size(m->shard.param_dtype);
 }
 
 /* The edges of a job (compute.h): begin orders the job after the client's work on its buffers;
@@ -284,7 +281,7 @@ exit:
 static void model_resume(zd__model_t *m, zd__model_spec_t *spec) {
   free(m->groups);
   m->groups = spec->groups;
-  m->ngroups = spec->ngroups;
+  m->shard.ngroups = spec->ngroups;
   spec->groups = NULL;
   model_configure(m, spec, 1);
   memset(m->scattered, 0, m->layout->nbuckets);
@@ -300,22 +297,22 @@ static void model_resume(zd__model_t *m, zd__model_spec_t *spec) {
  * resume. */
 static int resume_alone(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spec_t *spec,
                         const zd__buffers_t *buf, uint32_t slot, zd__err_t *err) {
-  if (spec->param_dtype != m->param_dtype || spec->grad_dtype != m->grad_dtype)
+  if (spec->param_dtype != m->shard.param_dtype || spec->grad_dtype != m->grad_dtype)
     return zd__errf(err, ZD_EDTYPE,
                     "rank %u holds this model with %s params and %s grads, as every rank of the "
                     "world does; a client that reattaches alone registers %s and %s: use the "
                     "model's dtypes, or register on every rank with replace",
-                    ctx->rank, zd_dtype_name(m->param_dtype), zd_dtype_name(m->grad_dtype),
+                    ctx->rank, zd_dtype_name(m->shard.param_dtype), zd_dtype_name(m->grad_dtype),
                     zd_dtype_name(spec->param_dtype), zd_dtype_name(spec->grad_dtype));
-  int rc = check_amsgrad(m, spec->groups, "resume", err);
+  int rc = check_states(m, spec->groups, "resume", err);
   if (rc) return rc;
   rc = job_begin(ctx, buf, slot, err);
   if (rc) return job_end(ctx, buf, slot, rc, err);
-  size_t bytes = m->layout->total_elems * zd_dtype_size(m->param_dtype);
+  size_t bytes = m->layout->total_elems * zd_dtype_size(m->shard.param_dtype);
   zd_assert(m->kept.bytes >= bytes && buf->params.bytes >= bytes); /* both checked at register */
   memcpy(buf->params.addr, m->kept.addr, bytes);
   model_resume(m, spec);
-  rc = ctx->compute->ops->exchange(ctx->compute, m, buf, ctx->rank, 1, err);
+  rc = ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, 1, err);
   if (!rc) zd__shm_unmap(&m->kept); /* the new client's buffer is the model's copy from now on */
   return job_end(ctx, buf, slot, rc, err);
 }
@@ -366,7 +363,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
                         "rank %u holds a different model (%u parameters, layout hash %016" PRIx64
                         ", step %" PRIu64 "): %s; register with replace to discard its state",
                         ctx->rank, m->layout->nparams, m->layout->hash, m->step, diff);
-  if (!rec.code && same) rec.code = check_amsgrad(m, spec->groups, "resume", err);
+  if (!rec.code && same) rec.code = check_states(m, spec->groups, "resume", err);
   /* The client's initial values (or its buffers' last use) come before anything reads or writes
    * them. */
   zd__err_t begin_err = {0};
@@ -384,7 +381,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   if (same) {
     model_resume(m, spec);
     zd__shm_unmap(&m->kept);
-    rc = ctx->compute->ops->exchange(ctx->compute, m, buf, ctx->rank, 1, err);
+    rc = ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, 1, err);
   } else {
     zd__model_t *fresh = NULL;
     rc = model_create(ctx, spec, &fresh, err);
@@ -397,7 +394,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
       return job_end(ctx, buf, slot, rc, err);
     }
     /* From a checkpoint the master weights are the model's, else the client's initial values. */
-    rc = ctx->compute->ops->exchange(ctx->compute, fresh, buf, ctx->rank, loaded, err);
+    rc = ctx->compute->ops->exchange(ctx->compute, &fresh->shard, buf, loaded, err);
     *resumed = loaded;
     if (m)
       ZD_LOG_WARN("replacing model at step %" PRIu64 " (%u parameters)", m->step,
@@ -425,10 +422,10 @@ static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__
   for (uint32_t b = hi; b-- > lo;) {
     const zd__bucket_t *bk = &l->buckets[b];
     const void *send = (const char *)buf->grads.addr + bk->offset * gsize;
-    float *scratch = m->grad_shard ? m->grad_shard + bk->shard_base : NULL;
+    float *scratch = m->shard.grad_shard ? m->shard.grad_shard + bk->shard_base : NULL;
     int rc =
         ctx->comm->ops->reduce_scatter(ctx->comm, b, send, m->grad_dtype, bk->shard_elems, scratch,
-                                       &m->shard_grad[b], &m->shard_grad_dtype[b], err);
+                                       &m->shard.grad[b], &m->shard.grad_dtype[b], err);
     if (rc) return rc;
     m->scattered[b] = m->attempted[b] = 1;
     m->abandoned = 0; /* a new attempt */
@@ -447,11 +444,11 @@ static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   uint64_t t0 = zd__now_us();
   for (uint32_t b = b0; b < b1; b++) {
     const zd__bucket_t *bk = &l->buckets[b];
-    int rc = ctx->comm->ops->all_gather(ctx->comm, b, param_at(m, buf, bk->offset), m->param_dtype,
-                                        bk->shard_elems, err);
+    int rc = ctx->comm->ops->all_gather(ctx->comm, b, param_at(m, buf, bk->offset),
+                                        m->shard.param_dtype, bk->shard_elems, err);
     if (rc) return rc;
     m->ungathered[b] = 0;
-    m->collective_bytes += bk->elems * zd_dtype_size(m->param_dtype);
+    m->collective_bytes += bk->elems * zd_dtype_size(m->shard.param_dtype);
   }
   uint64_t us = zd__now_us() - t0;
   m->gather_us += us;
@@ -537,12 +534,12 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
                            .hparam_hash = hparam_hash(m, groups)};
   int rc = ZD_OK;
   for (uint32_t b = 0; need_stats && b < l->nbuckets && !rc; b++)
-    rc = c->ops->grad_stats(c, m, b, b == 0, &rec, err);
+    rc = c->ops->grad_stats(c, &m->shard, b, b == 0, &rec, err);
   if (rc) return rc;
   uint32_t w = ctx->world_size;
   zd__step_record_t stack[8], *all = w <= 8 ? stack : calloc(w, sizeof *all);
   if (!all) return zd__errf(err, -ENOMEM, "out of memory");
-  rc = c->ops->gather_records(c, ctx->comm, m, &rec, need_stats, all, err);
+  rc = c->ops->gather_records(c, ctx->comm, &m->shard, &rec, need_stats, all, err);
   if (!rc) memset(m->attempted, 0, l->nbuckets); /* the attempt is over on every rank */
   if (!rc) rc = agree(ctx, m->step + 1, &rec, all, sumsq, nonfinite, checkpoint, err);
   if (all != stack) free(all);
@@ -602,7 +599,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
                         "bucket %u was not scattered since step %" PRIu64
                         "; scatter every bucket or step with scatter",
                         b, m->step);
-  int rc = groups ? check_amsgrad(m, groups, "step", err) : ZD_OK;
+  int rc = groups ? check_states(m, groups, "step", err) : ZD_OK;
   if (rc) return rc;
   rc = job_begin(ctx, buf, slot, err);
   if (!rc && scatter) rc = scatter_buckets(ctx, m, buf, -1, err);
@@ -614,7 +611,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   float torch_total = 0;
   int use_torch_total = uses_torch_norm(ctx, m, clip_norm);
   if (use_torch_total)
-    rc = ctx->compute->ops->torch_norm(ctx->compute, m, clip_norm, &torch_total, err);
+    rc = ctx->compute->ops->torch_norm(ctx->compute, &m->shard, clip_norm, &torch_total, err);
   if (rc) return job_end(ctx, buf, slot, rc, err);
 
   int need_stats = needs_stats(ctx, m);
@@ -630,7 +627,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
 
   /* Committed: every rank takes the same decision from the same global statistics (the same
    * function as the CUDA backend's decide kernel). */
-  if (groups != m->groups) memcpy(m->groups, groups, m->ngroups * sizeof *groups);
+  if (groups != m->groups) memcpy(m->groups, groups, m->shard.ngroups * sizeof *groups);
   memset(m->scattered, 0, l->nbuckets);
   /* Its client gathers every bucket before its next scatter, the update applied or skipped. */
   if (!gather) memset(m->ungathered, 1, l->nbuckets);
@@ -658,12 +655,12 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     out->duration_us = zd__now_us() - t0;
     return rc;
   }
-  zd__adam_group_t consts[m->ngroups];
-  for (uint32_t g = 0; g < m->ngroups; g++)
+  zd__adam_group_t consts[m->shard.ngroups];
+  for (uint32_t g = 0; g < m->shard.ngroups; g++)
     zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
   uint64_t t_update = zd__now_us();
   for (uint32_t b = 0; b < l->nbuckets && !rc; b++)
-    rc = ctx->compute->ops->update(ctx->compute, m, b, buf, ctx->rank, consts, dec.grad_scale, err);
+    rc = ctx->compute->ops->update(ctx->compute, &m->shard, b, buf, consts, dec.grad_scale, err);
   m->update_us += zd__now_us() - t_update;
   if (rc) { /* only the device fails here, and its rank is then degraded (rank.c) */
     ZD_LOG_ERROR("step %" PRIu64 ": the update could not be queued: %s", dec.step, err->msg);

@@ -30,37 +30,28 @@
 #include "comm.h"
 #include "compute.h"
 #include "rank.h"
+#include "state.h"
 
 typedef struct zd__model {
-  zd__layout_t *layout;
-  zd_group_t *groups; /* current hyperparameters */
-  uint32_t ngroups;
-  zd_dtype_t param_dtype;
-  zd_dtype_t grad_dtype;
+  zd__layout_t *layout;  /* owned; shard.layout is this */
+  zd__shard_t shard;     /* what the compute backend sees: the state arrays by role, the
+                            segments, where each bucket's reduced gradients are */
+  zd__states_t states;   /* the state arrays the model has (shard.state[s] != NULL) */
+  zd_group_t *groups;    /* current hyperparameters, shard.ngroups of them */
+  zd_dtype_t grad_dtype; /* (the param dtype is shard.param_dtype) */
   double max_grad_norm;
   int grad_mean;
   zd__scaler_t scaler;
   uint64_t step; /* steps applied */
   uint64_t steps_skipped;
-  zd__compute_t *compute; /* the backend that owns the arrays below */
-  float *master;          /* in the backend's memory (host, or device with CUDA) */
-  float *exp_avg;
-  float *exp_avg_sq;
-  float *max_exp_avg_sq; /* only when a group had amsgrad at registration (else NULL) */
-  float *grad_shard;     /* world size > 1: reduced gradients of the whole shard */
-  uint64_t array_elems;  /* elements of each array above */
-  zd__segment_t **segs;  /* per bucket: this rank's segments (host memory) */
-  uint32_t *nsegs;
-  uint8_t *scattered;      /* per bucket: reduced since the last step */
-  uint8_t *attempted;      /* per bucket: reduced in the step attempt in progress (cleared by
-                              every exchange of step records, whatever its verdict) */
-  uint8_t *ungathered;     /* per bucket: a step without gather came since its last gather */
-  int abandoned;           /* the last step attempt was abandoned, and no scatter came since */
-  zd__shm_t kept;          /* W > 1, host memory: the last client's param buffer (the full
-                              model as of its last gather), for the next client; else none */
-  const void **shard_grad; /* per bucket: where the reduced gradients are */
-  zd_dtype_t *shard_grad_dtype;
-  void *cdata; /* the backend's per-model data (model_init/model_fini) */
+  zd__compute_t *compute; /* the backend that owns the shard's arrays */
+  uint8_t *scattered;     /* per bucket: reduced since the last step */
+  uint8_t *attempted;     /* per bucket: reduced in the step attempt in progress (cleared by
+                             every exchange of step records, whatever its verdict) */
+  uint8_t *ungathered;    /* per bucket: a step without gather came since its last gather */
+  int abandoned;          /* the last step attempt was abandoned, and no scatter came since */
+  zd__shm_t kept;         /* W > 1, host memory: the last client's param buffer (the full
+                             model as of its last gather), for the next client; else none */
   /* Where the time goes, for metrics: host time of each phase (CUDA: the time to queue it, the
    * device runs it later) and the bytes the collectives were given. */
   uint64_t scatter_us, update_us, gather_us;

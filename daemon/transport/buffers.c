@@ -41,10 +41,10 @@ int zd__buffers_release(zd__session_buffers_t *sb, zd__rank_t *rank, uint32_t se
 }
 
 /* Host buffers: two sealed memfds rode along the frame. */
-int zd__buffers_map_host(zd__session_buffers_t *sb, const zd__daemon_t *d, uint32_t local,
+int zd__buffers_map_host(zd__session_buffers_t *sb, const zd__backend_t *backend, uint32_t local,
                          const int *fds, int nfds, const zd__model_spec_t *spec, zd__err_t *err) {
-  if (zd__daemon_backend(d) == ZD__BACKEND_CUDA) {
-    const zd__gpu_info_t *gpu = zd__daemon_gpu(d, local);
+  if (backend->kind == ZD__BACKEND_CUDA) {
+    const zd__gpu_info_t *gpu = zd__backend_gpu(backend, local);
     return zd__errf(err, ZD_EBACKEND,
                     "this zerod runs the CUDA backend (local rank %u on GPU %d, "
                     "%s): register CUDA device buffers (zd_model_desc_t.memory = "
@@ -136,11 +136,11 @@ int zd__buffers_event_slot(const zd__session_buffers_t *sb, int cuda, const char
   return ZD_OK;
 }
 
-int zd__buffers_open_cuda(zd__session_buffers_t *sb, const zd__daemon_t *d, uint32_t local,
+int zd__buffers_open_cuda(zd__session_buffers_t *sb, const zd__backend_t *backend, uint32_t local,
                           const Zerod__V1__CudaBuffers *cb, int nfds, const zd__model_spec_t *spec,
                           zd__err_t *err) {
-  if (zd__daemon_backend(d) != ZD__BACKEND_CUDA) {
-    const char *note = zd__daemon_backend_note(d);
+  if (backend->kind != ZD__BACKEND_CUDA) {
+    const char *note = backend->note;
     return zd__errf(err, ZD_EBACKEND,
                     "this zerod runs the CPU backend (%s): it takes host "
                     "buffers (memfds) only; CUDA device buffers need a zerod with backend cuda on "
@@ -152,7 +152,7 @@ int zd__buffers_open_cuda(zd__session_buffers_t *sb, const zd__daemon_t *d, uint
                     "register with CUDA buffers carries %d file descriptors; "
                     "expected none",
                     nfds);
-  const zd__gpu_info_t *gpu = zd__daemon_gpu(d, local);
+  const zd__gpu_info_t *gpu = zd__backend_gpu(backend, local);
   if (memcmp(cb->device_uuid.data, gpu->uuid, sizeof gpu->uuid) != 0) {
     char theirs[ZD__GPU_UUID_STR];
     zd__gpu_uuid_str(cb->device_uuid.data, theirs, sizeof theirs);

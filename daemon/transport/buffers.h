@@ -12,9 +12,10 @@
 
 #include <stdint.h>
 
-#include "daemon.h"
+#include "backend.h"
 #include "error.h"
 #include "rank.h"
+#include "shm.h"
 #include "zerod.pb-c.h"
 
 /* Embedded in the session; set up by zd__buffers_init. */
@@ -47,7 +48,7 @@ int zd__buffers_event_slot(const zd__session_buffers_t *sb, int cuda, const char
  * sized for spec (fds are not taken). Errors: ZD_EBACKEND (a CUDA zerod), ZD_EBUFFER (fewer than
  * 2 descriptors, shm.h's checks). What was mapped before a failure is released by
  * zd__buffers_release. */
-int zd__buffers_map_host(zd__session_buffers_t *sb, const zd__daemon_t *d, uint32_t local,
+int zd__buffers_map_host(zd__session_buffers_t *sb, const zd__backend_t *backend, uint32_t local,
                          const int *fds, int nfds, const zd__model_spec_t *spec, zd__err_t *err);
 
 /* CUDA buffers of a register (form checked) for local rank `local`: opens the IPC handles of
@@ -55,7 +56,7 @@ int zd__buffers_map_host(zd__session_buffers_t *sb, const zd__daemon_t *d, uint3
  * the descriptors that came along, which must be none. Errors: ZD_EBACKEND (a CPU zerod),
  * ZD_EBUFFER (another GPU, a handle CUDA refuses, too small). What was opened before a failure is
  * released by zd__buffers_release. */
-int zd__buffers_open_cuda(zd__session_buffers_t *sb, const zd__daemon_t *d, uint32_t local,
+int zd__buffers_open_cuda(zd__session_buffers_t *sb, const zd__backend_t *backend, uint32_t local,
                           const Zerod__V1__CudaBuffers *cb, int nfds, const zd__model_spec_t *spec,
                           zd__err_t *err);
 

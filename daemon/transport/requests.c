@@ -1,6 +1,6 @@
 /* The command table of the client protocol and its request handlers (hello, register, step,
  * scatter, gather, checkpoint, status, bye): each checks its request, then answers at once or
- * queues a job on the session's rank (session.c completes it). */
+ * makes a job of it (jobs.c runs and answers it). */
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "config.h"
 #include "dtype.h"
 #include "log.h"
 #include "session_internal.h"
@@ -17,7 +18,7 @@
 
 static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
                         zd__err_t *err) {
-  zd__daemon_t *d = s->daemon;
+  const zd__sessions_env_t *env = &s->ss->env;
   if (s->state != SESSION_NEW)
     return zd__errf(err, ZD_EORDER, "hello sent twice; this session is already for local rank %u",
                     zd__rank_local(s->rank));
@@ -30,7 +31,7 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
     goto exit;
   }
   int32_t want = req->local_rank;
-  uint32_t nranks = zd__daemon_nranks(d);
+  uint32_t nranks = env->ranks->n;
   uint32_t local = 0;
   if (want < -1) {
     rc = zd__errf(err, ZD_ERANK,
@@ -60,7 +61,7 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
   }
   if (req->client_name && req->client_name[0])
     snprintf(s->name, sizeof s->name, "%s", req->client_name);
-  s->rank = zd__daemon_rank(d, local);
+  s->rank = env->ranks->rank[local];
   s->state = SESSION_READY;
   uv_timer_stop(&s->hello_timer);
   ZD_LOG_DEBUG("session %u: client '%s' (pid %d, uid %d) for local rank %u (rank %u)", s->id,
@@ -69,12 +70,12 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
   Zerod__V1__HelloReply rep = ZEROD__V1__HELLO_REPLY__INIT;
   rep.version = ZD_PROTOCOL_VERSION;
   rep.daemon_version = (char *)ZD_VERSION;
-  rep.world_size = zd__daemon_world_size(d);
+  rep.world_size = zd__rank_world_size(s->rank);
   rep.rank = zd__rank_global(s->rank);
   rep.local_rank = local;
-  rep.bucket_elems = zd__daemon_bucket_elems(d);
-  rep.backend = (char *)zd__backend_name(zd__daemon_backend(d));
-  const zd__gpu_info_t *gpu = zd__daemon_gpu(d, local);
+  rep.bucket_elems = env->cfg->bucket_elems;
+  rep.backend = (char *)zd__backend_name(env->backend->kind);
+  const zd__gpu_info_t *gpu = zd__rank_gpu(s->rank);
   if (gpu) { /* CUDA backend: the client checks its buffers' GPU against this one */
     rep.has_device = 1;
     rep.device = gpu->device;
@@ -91,7 +92,6 @@ exit:
 /* Builds the model spec of a register request; validates everything that does not need state. */
 static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
                      zd__model_spec_t *spec, zd__err_t *err) {
-  zd__daemon_t *d = s->daemon;
   spec->param_dtype = zd__wire_dtype_from(req->param_dtype);
   spec->grad_dtype = zd__wire_dtype_from(req->grad_dtype);
   int rc = zd__dtype_check(spec->param_dtype, ZD__DTYPE_PARAM, err);
@@ -134,8 +134,8 @@ static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
       memcpy(params[i].shape, p->shape, p->n_shape * sizeof *p->shape);
     params[i].group = p->group;
   }
-  uint32_t world_size = zd__daemon_world_size(d);
-  uint64_t bucket_elems = zd__daemon_bucket_elems(d);
+  uint32_t world_size = zd__rank_world_size(s->rank);
+  uint64_t bucket_elems = s->cfg->bucket_elems;
   if (rc == ZD_OK)
     rc = zd__layout_build(params, (uint32_t)req->n_params, spec->ngroups, world_size, bucket_elems,
                           &spec->layout, err);
@@ -157,13 +157,12 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
     zd__session_close_fds(s);
     return zd__errf(err, ZD_EORDER, "a model is already registered on this connection");
   }
-  const char *drain = zd__daemon_draining(s->daemon);
-  if (drain) {
+  if (s->ss->refuse_by[0]) {
     zd__session_close_fds(s);
     return zd__errf(err, ZD_ESHUTDOWN,
                     "zerod is draining (zeroctl drain from %s): it shuts down once its checkpoint "
                     "is complete; register with the zerod that replaces it",
-                    drain);
+                    s->ss->refuse_by);
   }
   Zerod__V1__RegisterRequest *req = zerod__v1__register_request__unpack(NULL, h->length, body);
   if (!req) {
@@ -185,8 +184,9 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
                               req->event_slot, &slot, err);
   if (rc) goto fail;
   uint32_t local = zd__rank_local(s->rank);
-  rc = req->cuda ? zd__buffers_open_cuda(&s->buf, s->daemon, local, req->cuda, s->nfds, spec, err)
-                 : zd__buffers_map_host(&s->buf, s->daemon, local, s->fds, s->nfds, spec, err);
+  const zd__backend_t *backend = s->ss->env.backend;
+  rc = req->cuda ? zd__buffers_open_cuda(&s->buf, backend, local, req->cuda, s->nfds, spec, err)
+                 : zd__buffers_map_host(&s->buf, backend, local, s->fds, s->nfds, spec, err);
   if (rc) goto fail;
   int attached;
   zd__session_t *holder = zd__attach_blocker(s->ss->attach, s, local, s->named_rank);
@@ -202,7 +202,7 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
                     local, holder->name, (int)holder->cred.pid);
     goto fail;
   }
-  job = zd__session_job_new(s, ZD__JOB_ATTACH, h);
+  job = zd__job_new(s, ZD__JOB_ATTACH, h);
   if (!job) {
     rc = zd__errf(err, -ENOMEM, "out of memory");
     goto fail;
@@ -218,7 +218,7 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
   zd__session_close_fds(s);
   zerod__v1__register_request__free_unpacked(req, NULL);
   s->state = SESSION_REGISTERING;
-  zd__session_submit(s, job);
+  zd__job_submit(s, job);
   return ZD_OK;
 
 fail:
@@ -268,7 +268,7 @@ static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint
   rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "step", req->has_event_slot,
                               req->event_slot, &slot, err);
   if (rc) goto exit;
-  zd__job_t *job = zd__session_job_new(s, ZD__JOB_STEP, h);
+  zd__job_t *job = zd__job_new(s, ZD__JOB_STEP, h);
   if (!job) {
     rc = zd__errf(err, -ENOMEM, "out of memory");
     goto exit;
@@ -280,7 +280,7 @@ static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint
   job->in.step.gather = req->gather;
   job->in.step.clip_norm = (zd_clip_norm_t)req->clip_norm;
   groups = NULL;
-  zd__session_submit(s, job);
+  zd__job_submit(s, job);
 exit:
   free(groups);
   zerod__v1__step_request__free_unpacked(req, NULL);
@@ -296,11 +296,11 @@ static int bucket_job(zd__session_t *s, const zd__frame_header_t *h, zd__job_typ
                                   &slot, err);
   if (!rc) rc = check_bucket(s, bucket, err);
   if (rc) return rc;
-  zd__job_t *job = zd__session_job_new(s, type, h);
+  zd__job_t *job = zd__job_new(s, type, h);
   if (!job) return zd__errf(err, -ENOMEM, "out of memory");
   job->event_slot = slot;
   job->in.bucket = bucket;
-  zd__session_submit(s, job);
+  zd__job_submit(s, job);
   return ZD_OK;
 }
 
@@ -330,17 +330,17 @@ static int handle_checkpoint(zd__session_t *s, const zd__frame_header_t *h, cons
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed checkpoint body (%u bytes)", h->length);
   int wait = req->wait;
   zerod__v1__checkpoint_request__free_unpacked(req, NULL);
-  zd__job_t *job = zd__session_job_new(s, ZD__JOB_CHECKPOINT, h);
+  zd__job_t *job = zd__job_new(s, ZD__JOB_CHECKPOINT, h);
   if (!job) return zd__errf(err, -ENOMEM, "out of memory");
   job->in.wait = wait;
-  zd__session_submit(s, job);
+  zd__job_submit(s, job);
   return ZD_OK;
 }
 
 static int handle_status(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
                          zd__err_t *err) {
   (void)body;
-  zd__status_t *st = zd__status_collect(s->daemon);
+  zd__status_t *st = zd__status_collect(s->ss->env.status);
   if (!st) return zd__errf(err, -ENOMEM, "out of memory");
   size_t nsec = zd__status_nsections(st);
   Zerod__V1__StatusReply rep = ZEROD__V1__STATUS_REPLY__INIT;
@@ -387,24 +387,35 @@ static int handle_bye(zd__session_t *s, const zd__frame_header_t *h, const uint8
   s->closing = 1; /* read nothing after bye */
   s->bye_pending = 1;
   s->bye_id = h->request_id;
-  zd__session_stand_in(s);
+  zd__job_stand_in(s);
   if (s->inflight == 0) zd__session_reply_bye(s, h->request_id);
   return ZD_OK;
 }
 
+/* type, handler, what must come first, largest body (0: max_frame_bytes). Names come from the
+ * message list (ZD__MSG_MAP, proto/frame.h). */
 static const command_t commands[] = {
-    {ZD__MSG_HELLO, "hello", handle_hello, CMD_ANY, 4096},
-    {ZD__MSG_REGISTER, "register", handle_register, CMD_NEEDS_HELLO, 0},
-    {ZD__MSG_STEP, "step", handle_step, CMD_NEEDS_MODEL, 1u << 20},
-    {ZD__MSG_SCATTER, "scatter", handle_scatter, CMD_NEEDS_MODEL, 64},
-    {ZD__MSG_GATHER, "gather", handle_gather, CMD_NEEDS_MODEL, 64},
-    {ZD__MSG_STATUS, "status", handle_status, CMD_ANY, 64},
-    {ZD__MSG_BYE, "bye", handle_bye, CMD_ANY, 64},
-    {ZD__MSG_CHECKPOINT, "checkpoint", handle_checkpoint, CMD_NEEDS_MODEL, 64},
+    {ZD__MSG_HELLO, handle_hello, CMD_ANY, 4096},
+    {ZD__MSG_REGISTER, handle_register, CMD_NEEDS_HELLO, 0},
+    {ZD__MSG_STEP, handle_step, CMD_NEEDS_MODEL, 1u << 20},
+    {ZD__MSG_SCATTER, handle_scatter, CMD_NEEDS_MODEL, 64},
+    {ZD__MSG_GATHER, handle_gather, CMD_NEEDS_MODEL, 64},
+    {ZD__MSG_STATUS, handle_status, CMD_ANY, 64},
+    {ZD__MSG_BYE, handle_bye, CMD_ANY, 64},
+    {ZD__MSG_CHECKPOINT, handle_checkpoint, CMD_NEEDS_MODEL, 64},
 };
+#define NCOMMANDS (sizeof commands / sizeof commands[0])
 
 const command_t *zd__session_command(uint16_t type) {
-  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+  for (size_t i = 0; i < NCOMMANDS; i++)
     if (commands[i].type == type) return &commands[i];
   return NULL;
+}
+
+void zd__session_commands(char *buf, size_t len) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (size_t i = 0; i < NCOMMANDS && used < len; i++)
+    used += (size_t)snprintf(buf + used, len - used, "%s%s (%u)", i ? ", " : "",
+                             zd__msg_name(commands[i].type), commands[i].type);
 }

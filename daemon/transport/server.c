@@ -229,6 +229,8 @@ void zd__server_destroy(zd__server_t *srv) {
   free(srv);
 }
 
-const char *zd__server_socket_path(const zd__server_t *srv) {
-  return srv->socket_path;
+void zd__server_status(void *ctx, zd__status_t *st) {
+  const zd__server_t *srv = ctx;
+  zd__status_section(st, "server");
+  zd__status_add(st, "socket", "%s", srv->socket_path);
 }

@@ -15,6 +15,7 @@
 
 #include "config.h"
 #include "error.h"
+#include "status.h"
 
 typedef struct zd__server zd__server_t;
 typedef struct zd__sessions zd__sessions_t;
@@ -33,7 +34,7 @@ void zd__server_stop(zd__server_t *srv);
  * run); accepts NULL. */
 void zd__server_destroy(zd__server_t *srv);
 
-/* The path listened on (also after the stop), for status. */
-const char *zd__server_socket_path(const zd__server_t *srv);
+/* The server section's socket key (a zd__status_fn; ctx is the server). */
+void zd__server_status(void *srv, zd__status_t *st);
 
 #endif /* ZD_DAEMON_SERVER_H */

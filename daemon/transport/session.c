@@ -1,6 +1,7 @@
-/* Client sessions (session.h): connections, frame reading and dispatch, replies, jobs and their
- * completion, a session's life and teardown; the set of sessions with its counters and the rank
- * attachment table it drives. The command table and the request handlers are in requests.c. */
+/* Client sessions (session.h): connections, frame reading and dispatch, writing, a session's life
+ * and teardown; the set of sessions with its counters, the rank attachment table it drives and
+ * the loop's busy polling. The command table and the request handlers are in requests.c, a
+ * request's job and its reply in jobs.c. */
 #include "session.h"
 
 #include <errno.h>
@@ -13,11 +14,10 @@
 
 #include "attach.h"
 #include "buffers.h"
+#include "clock.h"
 #include "frame.h"
 #include "log.h"
 #include "session_internal.h"
-#include "step.h"
-#include "zerod.pb-c.h"
 
 #define READ_CHUNK 65536 /* bytes read per recvmsg when no frame size is known yet */
 
@@ -102,8 +102,7 @@ static void flush(zd__session_t *s) {
   }
 }
 
-/* A reply frame, encoded; NULL when out of memory. */
-static out_buf_t *encode_frame(uint16_t type, uint64_t id, const ProtobufCMessage *msg) {
+out_buf_t *zd__frame_buf(uint16_t type, uint64_t id, const ProtobufCMessage *msg) {
   size_t len = protobuf_c_message_get_packed_size(msg);
   out_buf_t *b = malloc(sizeof *b + ZD__FRAME_HEADER_SIZE + len);
   if (!b) return NULL;
@@ -120,8 +119,7 @@ static out_buf_t *encode_frame(uint16_t type, uint64_t id, const ProtobufCMessag
   return b;
 }
 
-/* Loop thread: queues b (NULL: the encoding ran out of memory) and writes what the socket takes. */
-static void send_encoded(zd__session_t *s, out_buf_t *b) {
+void zd__session_send(zd__session_t *s, out_buf_t *b) {
   if (s->torn_down) {
     free(b);
     return;
@@ -135,11 +133,22 @@ static void send_encoded(zd__session_t *s, out_buf_t *b) {
   enqueue_locked(s, b);
   pthread_mutex_unlock(&s->wq_lock);
   flush(s);
-  zd__daemon_poll_busily(s->daemon);
+  zd__sessions_poll_busily(s->ss);
+}
+
+void zd__session_send_locked(zd__session_t *s, out_buf_t *b) {
+  if (!s->wq_head && !s->write_failed) {
+    ssize_t n = send(s->fd, b->data, b->len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) b->off = (size_t)n;
+  }
+  if (b->off < b->len)
+    enqueue_locked(s, b); /* the loop writes the rest once it sees the job end */
+  else
+    free(b);
 }
 
 static void send_frame(zd__session_t *s, uint16_t type, uint64_t id, const ProtobufCMessage *msg) {
-  if (!s->torn_down) send_encoded(s, encode_frame(type, id, msg));
+  if (!s->torn_down) zd__session_send(s, zd__frame_buf(type, id, msg));
 }
 
 void zd__session_reply(zd__session_t *s, uint16_t req_type, uint64_t id,
@@ -147,9 +156,7 @@ void zd__session_reply(zd__session_t *s, uint16_t req_type, uint64_t id,
   send_frame(s, (uint16_t)(req_type | ZD__FRAME_REPLY), id, msg);
 }
 
-/* kept: Error.cuda_mappings_kept, which every error answering a register carries (whether zerod
- * still holds IPC handles that register sent; docs/protocol.md); -1 leaves it out. */
-static void send_error_kept(zd__session_t *s, uint64_t id, int code, const char *msg, int kept) {
+void zd__session_send_error(zd__session_t *s, uint64_t id, int code, const char *msg, int kept) {
   Zerod__V1__Error e = ZEROD__V1__ERROR__INIT;
   e.code = code;
   e.message = (char *)msg;
@@ -174,7 +181,7 @@ static void refusef(zd__session_t *s, const zd__frame_header_t *h, int code, con
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  send_error_kept(s, h->request_id, code, msg, kept_if_register(h->type));
+  zd__session_send_error(s, h->request_id, code, msg, kept_if_register(h->type));
 }
 
 /* An error after which the stream cannot be trusted: reply, then close once it is written.
@@ -194,41 +201,12 @@ static void fail_stream(zd__session_t *s, uint64_t id, int kept, int code, const
   n->connections_dropped++;
   snprintf(n->last_drop, sizeof n->last_drop, "pid %d uid %d: %s", (int)s->cred.pid,
            (int)s->cred.uid, msg);
-  send_error_kept(s, id, code, msg, kept);
+  zd__session_send_error(s, id, code, msg, kept);
   s->rlen = 0;
   s->closing = 1;
 }
 
-/* ---- jobs ---------------------------------------------------------------------------------- */
-
-zd__job_t *zd__session_job_new(zd__session_t *s, zd__job_type_t type, const zd__frame_header_t *h) {
-  zd__job_t *job = calloc(1, sizeof *job);
-  if (!job) return NULL;
-  job->type = type;
-  job->session = s;
-  job->request_id = h->request_id;
-  job->msg_type = h->type;
-  job->buffers = &s->buf.bufs;
-  return job;
-}
-
-void zd__session_submit(zd__session_t *s, zd__job_t *job) {
-  /* Inline only with nothing of this session in flight: a job of its that finished on the worker
-   * may still wait in the completion queue, and its reply must go out first. */
-  int idle = s->inflight == 0;
-  s->inflight++;
-  zd__buffers_job_queued(&s->buf, job->event_slot); /* CUDA: the slot is taken until it is done */
-  if (idle && zd__rank_run_inline(s->rank, job)) {
-    zd__session_job_done(s, job);
-  } else {
-    zd__daemon_stop_polling(s->daemon); /* the kernel's threads may need every CPU now */
-    /* Not with CUDA buffers: the request's event slot is free for the client's next request only
-     * once the loop has seen the job end (zd__buffers_job_done). */
-    job->answer_early =
-        job->type != ZD__JOB_ATTACH && job->type != ZD__JOB_STAND_IN && !zd__buffers_cuda(&s->buf);
-    zd__rank_submit(s->rank, job);
-  }
-}
+/* ---- a session's rank --------------------------------------------------------------------- */
 
 void zd__session_close_fds(zd__session_t *s) {
   for (int i = 0; i < s->nfds; i++) close(s->fds[i]);
@@ -261,39 +239,38 @@ void zd__session_reply_bye(zd__session_t *s, uint64_t id) {
 /* Validates the envelope and runs the command. The handler replies, queues a job, or fails. */
 static void dispatch(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body) {
   s->ss->counters.requests_total++;
-  if (zd__daemon_polling(s->daemon)) s->ss->counters.requests_polled++;
+  if (s->ss->polling) s->ss->counters.requests_polled++;
   zd__err_t err = {0};
   const command_t *cmd = zd__session_command(h->type);
   if (!cmd) {
-    refusef(s, h, ZD_ETYPE,
-            "unknown message type %u; expected one of hello (1), "
-            "register (2), step (3), scatter (4), gather (5), status (6), bye (7), "
-            "checkpoint (8)",
-            h->type);
+    char expected[256];
+    zd__session_commands(expected, sizeof expected);
+    refusef(s, h, ZD_ETYPE, "unknown message type %u; expected one of %s", h->type, expected);
     return;
   }
+  const char *name = zd__msg_name(cmd->type);
   uint32_t max_body = cmd->max_body ? cmd->max_body : s->cfg->max_frame_bytes;
   if (h->length > max_body) {
-    refusef(s, h, ZD_ETOOBIG, "%s body is %u bytes; at most %u expected", cmd->name, h->length,
+    refusef(s, h, ZD_ETOOBIG, "%s body is %u bytes; at most %u expected", name, h->length,
             max_body);
     return;
   }
-  if (zd__daemon_shutting_down(s->daemon)) {
-    refusef(s, h, ZD_ESHUTDOWN, "zerod is shutting down; %s refused", cmd->name);
+  if (s->ss->shutting_down) {
+    refusef(s, h, ZD_ESHUTDOWN, "zerod is shutting down; %s refused", name);
     return;
   }
   if (cmd->needs >= CMD_NEEDS_HELLO && s->state == SESSION_NEW) {
-    refusef(s, h, ZD_EORDER, "%s before hello: say hello first", cmd->name);
+    refusef(s, h, ZD_EORDER, "%s before hello: say hello first", name);
     return;
   }
   if (cmd->needs >= CMD_NEEDS_MODEL && s->state != SESSION_REGISTERED) {
-    refusef(s, h, ZD_EORDER, "%s before register: register a model first", cmd->name);
+    refusef(s, h, ZD_EORDER, "%s before register: register a model first", name);
     return;
   }
   int rc = cmd->handler(s, h, body, &err);
   if (rc)
-    send_error_kept(s, h->request_id, rc, err.msg[0] ? err.msg : zd_strerror(rc),
-                    kept_if_register(h->type));
+    zd__session_send_error(s, h->request_id, rc, err.msg[0] ? err.msg : zd_strerror(rc),
+                           kept_if_register(h->type));
 }
 
 /* ---- reading ------------------------------------------------------------------------------- */
@@ -522,42 +499,15 @@ static void update_poll(zd__session_t *s) {
 static void on_handle_closed(uv_handle_t *h) {
   zd__session_t *s = h->data;
   if (--s->open_handles > 0) return;
-  zd__daemon_t *d = s->daemon;
+  zd__sessions_t *ss = s->ss;
   free(s->rbuf);
   pthread_mutex_destroy(&s->wq_lock);
   free(s);
-  zd__daemon_session_gone(d);
-}
-
-/* The registered client of a rank of a multi-rank world is leaving (docs/design.md, "When a
- * trainer dies"): its rank is free at once for a restarted trainer, and its last job, after those
- * in flight, stands in for it where the world still needs this rank (ZD__JOB_STAND_IN). */
-void zd__session_stand_in(zd__session_t *s) {
-  if (s->closing && s->state == SESSION_REGISTERING && s->rank)
-    zd__rank_abandon_attach(s->rank); /* its registration may wait for the others for minutes */
-  if (!s->closing || s->state != SESSION_REGISTERED || s->stood_in ||
-      zd__rank_world_size(s->rank) < 2 || zd__daemon_shutting_down(s->daemon))
-    return;
-  /* A rank whose world broke (degraded, or re-forming it: its worker may wait minutes for a
-   * restarted peer) has no step left to stand in for, and its model is dropped or frozen: the
-   * client leaves at once. */
-  zd__rank_stats_t st;
-  zd__rank_stats(s->rank, &st);
-  if (st.health != ZD__HEALTH_OK) return;
-  zd__job_t *job = zd__session_job_new(s, ZD__JOB_STAND_IN, &(zd__frame_header_t){0});
-  if (!job) return; /* then released at the end, as at world size 1 */
-  s->stood_in = 1;
-  job->in.abrupt = !s->bye_pending;
-  zd__attach_release(s->ss->attach, s, zd__rank_local(s->rank));
-  ZD_LOG_INFO("session %u: client '%s' (pid %d) %s; local rank %u released", s->id, s->name,
-              (int)s->cred.pid, s->bye_pending ? "said bye" : "disconnected",
-              zd__rank_local(s->rank));
-  s->inflight++;
-  zd__rank_submit(s->rank, job);
+  if (ss->env.closed) ss->env.closed(ss->env.ctx);
 }
 
 static void maybe_teardown(zd__session_t *s) {
-  zd__session_stand_in(s);
+  zd__job_stand_in(s);
   if (s->torn_down || !s->closing || s->inflight > 0 || unsent_bytes(s)) return;
   if (s->bye_pending) {
     zd__session_reply_bye(s, s->bye_id);
@@ -644,11 +594,9 @@ int zd__session_create(zd__sessions_t *ss, int fd, const struct ucred *cred) {
     close(fd);
     return -ENOMEM;
   }
-  zd__daemon_t *d = ss->d;
-  const zd__config_t *cfg = zd__daemon_config(d);
-  uv_loop_t *loop = zd__daemon_loop(d);
+  const zd__config_t *cfg = ss->env.cfg;
+  uv_loop_t *loop = ss->env.loop;
   s->ss = ss;
-  s->daemon = d;
   s->cfg = cfg;
   s->fd = fd;
   s->cred = *cred;
@@ -702,125 +650,7 @@ int zd__session_create(zd__sessions_t *ss, int fd, const struct ucred *cred) {
   return ZD_OK;
 }
 
-/* The reply to a job that succeeded (not a stand-in: nobody waits for that), encoded; NULL when
- * out of memory. Any thread. */
-static out_buf_t *success_frame(const zd__job_t *job) {
-  uint16_t type = (uint16_t)(job->msg_type | ZD__FRAME_REPLY);
-  switch (job->type) {
-    case ZD__JOB_ATTACH: {
-      Zerod__V1__RegisterReply rep = ZEROD__V1__REGISTER_REPLY__INIT;
-      rep.step = job->out.attach.step;
-      rep.resumed = job->out.attach.resumed;
-      rep.layout_hash = job->out.attach.layout_hash;
-      rep.total_elems = job->out.attach.total_elems;
-      rep.nbuckets = job->out.attach.nbuckets;
-      rep.shard_elems = job->out.attach.shard_elems;
-      rep.loss_scale = job->out.attach.loss_scale;
-      return encode_frame(type, job->request_id, &rep.base);
-    }
-    case ZD__JOB_STEP: {
-      Zerod__V1__StepReply rep = ZEROD__V1__STEP_REPLY__INIT;
-      rep.step = job->out.step.step;
-      rep.applied = job->out.step.applied;
-      rep.grad_norm = job->out.step.grad_norm;
-      rep.loss_scale = job->out.step.loss_scale;
-      rep.clip_coef = job->out.step.clip_coef;
-      rep.duration_us = job->out.step.duration_us;
-      rep.has_idle_cpus = 1;
-      rep.idle_cpus = job->out.step.idle_cpus;
-      return encode_frame(type, job->request_id, &rep.base);
-    }
-    case ZD__JOB_SCATTER: {
-      Zerod__V1__ScatterReply rep = ZEROD__V1__SCATTER_REPLY__INIT;
-      return encode_frame(type, job->request_id, &rep.base);
-    }
-    case ZD__JOB_GATHER: {
-      Zerod__V1__GatherReply rep = ZEROD__V1__GATHER_REPLY__INIT;
-      return encode_frame(type, job->request_id, &rep.base);
-    }
-    case ZD__JOB_CHECKPOINT: {
-      Zerod__V1__CheckpointReply rep = ZEROD__V1__CHECKPOINT_REPLY__INIT;
-      rep.step = job->out.checkpoint.step;
-      rep.dir = (char *)job->out.checkpoint.dir;
-      return encode_frame(type, job->request_id, &rep.base);
-    }
-    case ZD__JOB_STAND_IN:
-      break;
-  }
-  zd_assert(!"no reply for this job");
-  return NULL;
-}
-
-/* A rank worker answering for the loop: the reply goes into the socket now if nothing waits
- * before it, else to the end of the queue, which the loop writes once it sees the job end (a
- * failed write too: the loop finds the error then, and closes the session). The session stays
- * open meanwhile: it is torn down only with no job in flight. Errors are left to the loop, which
- * counts them, and so is every later job's reply until the loop has sent that error (s->held):
- * a client's jobs are answered in the order they ran. */
-void zd__session_answer_early(zd__job_t *job) {
-  if (!job->answer_early) return;
-  zd__session_t *s = job->session;
-  out_buf_t *b = job->code == ZD_OK ? success_frame(job) : NULL; /* NULL: out of memory too */
-  pthread_mutex_lock(&s->wq_lock);
-  if (!b || s->held) {
-    s->held++;
-    pthread_mutex_unlock(&s->wq_lock);
-    free(b);
-    return;
-  }
-  if (!s->wq_head && !s->write_failed) {
-    ssize_t n = send(s->fd, b->data, b->len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0) b->off = (size_t)n;
-  }
-  if (b->off < b->len)
-    enqueue_locked(s, b);
-  else
-    free(b);
-  pthread_mutex_unlock(&s->wq_lock);
-  job->answered = 1;
-}
-
-/* kept: for a failed attach, whether its buffers' mappings were left open
- * (zd__buffers_release). */
-static void reply_job(zd__session_t *s, zd__job_t *job, int kept) {
-  if (job->type == ZD__JOB_STAND_IN) return; /* no request: nothing to answer */
-  if (job->answered) {
-    s->ss->counters.replies_early++;
-    zd__daemon_poll_busily(s->daemon); /* as if the loop had just sent it */
-    return;
-  }
-  if (job->code != ZD_OK)
-    send_error_kept(s, job->request_id, job->code,
-                    job->err.msg[0] ? job->err.msg : zd_strerror(job->code),
-                    job->type == ZD__JOB_ATTACH ? kept : -1);
-  else
-    send_encoded(s, success_frame(job));
-  if (job->answer_early) { /* a worker held it back: its reply is queued now, in order */
-    pthread_mutex_lock(&s->wq_lock);
-    zd_assert(s->held > 0);
-    s->held--;
-    pthread_mutex_unlock(&s->wq_lock);
-  }
-}
-
-void zd__session_job_done(zd__session_t *s, zd__job_t *job) {
-  zd_assert(s->inflight > 0);
-  s->inflight--;
-  zd__buffers_job_done(&s->buf, job->event_slot);
-  int kept = 0;
-  if (job->type == ZD__JOB_ATTACH) {
-    if (job->code == ZD_OK) {
-      s->state = SESSION_REGISTERED;
-    } else {
-      zd__attach_unattach(s->ss->attach, s, zd__rank_local(s->rank)); /* still reserved */
-      kept = zd__buffers_release(&s->buf, s->rank, s->id); /* before the answer: it says so */
-      if (s->state == SESSION_REGISTERING) s->state = SESSION_READY;
-    }
-  }
-  if (job->type == ZD__JOB_STAND_IN && job->out.kept) /* the rank holds the param buffer now */
-    s->buf.bufs.params = (zd__shm_t){0};
-  reply_job(s, job, kept);
-  zd__job_free(job);
+void zd__session_continue(zd__session_t *s) {
   if (!s->closing && !s->dispatching) process_frames(s); /* frames held back by max_inflight */
   update_poll(s);
   maybe_teardown(s);
@@ -835,25 +665,38 @@ const char *zd__session_name(const zd__session_t *s) {
 
 /* ---- the set of sessions ------------------------------------------------------------------- */
 
-int zd__sessions_create(zd__daemon_t *d, uint32_t nranks, zd__sessions_t **out) {
+int zd__sessions_create(const zd__sessions_env_t *env, zd__sessions_t **out) {
   zd__sessions_t *ss = calloc(1, sizeof *ss);
-  if (!ss || !(ss->attach = zd__attach_new(nranks))) {
+  if (!ss || !(ss->attach = zd__attach_new(env->ranks->n))) {
     free(ss);
     return -ENOMEM;
   }
-  ss->d = d;
+  ss->env = *env;
+  int rc = zd__jobs_init(ss);
+  if (rc) {
+    zd__attach_free(ss->attach);
+    free(ss);
+    return rc;
+  }
   *out = ss;
   return ZD_OK;
+}
+
+void zd__sessions_close(zd__sessions_t *ss) {
+  zd_assert(!ss->head);
+  uv_close((uv_handle_t *)&ss->done_async, NULL);
 }
 
 void zd__sessions_destroy(zd__sessions_t *ss) {
   if (!ss) return;
   zd_assert(!ss->head);
   zd__attach_free(ss->attach);
+  pthread_mutex_destroy(&ss->done_lock);
   free(ss);
 }
 
 void zd__sessions_drain(zd__sessions_t *ss) {
+  ss->shutting_down = 1;
   zd__session_t *s = ss->head;
   while (s) {
     zd__session_t *next = s->next;
@@ -876,4 +719,44 @@ const zd__session_t *zd__sessions_attached(const zd__sessions_t *ss, uint32_t lo
   int attached;
   const zd__session_t *s = zd__attach_holder(ss->attach, local, &attached);
   return attached ? s : NULL;
+}
+
+void zd__sessions_refuse_registers(zd__sessions_t *ss, const char *by) {
+  snprintf(ss->refuse_by, sizeof ss->refuse_by, "%s", by ? by : "");
+}
+
+void zd__sessions_poll_busily(zd__sessions_t *ss) {
+  uint32_t busy_poll_us = ss->env.cfg->busy_poll_us;
+  if (!busy_poll_us) return;
+  /* Not while a worker runs a job: its kernel may need every CPU, and its end wakes the loop. */
+  const zd__ranks_t *r = ss->env.ranks;
+  for (uint32_t i = 0; i < r->n; i++)
+    if (!zd__rank_idle(r->rank[i])) return;
+  ss->busy_until_ns = uv_hrtime() + busy_poll_us * 1000ull;
+}
+
+int zd__sessions_poll_now(zd__sessions_t *ss) {
+  return ss->polling = uv_hrtime() < ss->busy_until_ns;
+}
+
+void zd__sessions_status(void *ctx, zd__status_t *st) {
+  const zd__sessions_t *ss = ctx;
+  const zd__session_counters_t *n = &ss->counters;
+  zd__status_section(st, "server");
+  zd__status_add(st, "clients_connected", "%u", ss->n);
+  zd__status_add(st, "clients_total", "%" PRIu64, n->clients_total);
+  zd__status_add(st, "clients_denied", "%" PRIu64, n->clients_denied);
+  zd__status_add(st, "requests_total", "%" PRIu64, n->requests_total);
+  zd__status_add(st, "requests_polled", "%" PRIu64, n->requests_polled);
+  zd__status_add(st, "replies_early", "%" PRIu64, n->replies_early);
+  zd__status_add(st, "errors_total", "%" PRIu64, n->errors_total);
+  const zd__ranks_t *r = ss->env.ranks;
+  for (uint32_t i = 0; i < r->n; i++) { /* into the rank's own section */
+    char name[32];
+    snprintf(name, sizeof name, "rank %u", zd__rank_global(r->rank[i]));
+    zd__status_section(st, name);
+    const zd__session_t *c = zd__sessions_attached(ss, i);
+    zd__status_add(st, "client", "%s", c ? c->name : "none");
+    zd__status_add(st, "client_pid", "%d", c ? (int)c->cred.pid : 0);
+  }
 }

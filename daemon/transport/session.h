@@ -1,24 +1,28 @@
 /* Client sessions: one per connection on the local socket (docs/protocol.md), and the set of them
- * (zd__sessions_t): the open sessions, their counters, and which session holds each local rank
- * (attach.h, whose table only this module drives).
+ * (zd__sessions_t): the open sessions, their counters, which session holds each local rank
+ * (attach.h, whose table only this module drives), the completion queue through which rank
+ * workers hand finished jobs back, and the loop's busy polling after a reply.
  *
  * A session reads frames (24-byte header + protobuf body, with file descriptors riding along a
  * register frame), validates the envelope, dispatches each request through one command table to
- * its handler, and writes replies matched by request id. Requests that touch optimizer state
- * become jobs on the attached rank's worker; replies to them are sent when the worker hands the
- * job back. Bad input gets an Error reply naming the problem and the expected value; only a frame
- * that breaks the stream (bad magic, oversized, truncated) closes the connection. The client's
- * buffers are buffers.h's. Loop thread only.
+ * its handler (requests.c), and writes replies matched by request id. Requests that touch
+ * optimizer state become jobs on the attached rank's worker (jobs.c), which answers them. Bad input
+ * gets an Error reply naming the problem and the expected value; only a frame that breaks the
+ * stream (bad magic, oversized, truncated) closes the connection. The client's buffers are
+ * buffers.h's. Loop thread only, but where a function says otherwise.
  */
 #ifndef ZD_DAEMON_SESSION_H
 #define ZD_DAEMON_SESSION_H
 
 #include <stdint.h>
 #include <sys/socket.h>
+#include <uv.h>
 
-#include "daemon.h"
+#include "backend.h"
+#include "config.h"
 #include "error.h"
 #include "rank.h"
+#include "status.h"
 
 typedef struct zd__session zd__session_t;
 typedef struct zd__sessions zd__sessions_t;
@@ -32,21 +36,36 @@ typedef struct zd__session_counters {
   uint64_t connections_dropped; /* closed by zerod after an error reply (all of the above too) */
   uint64_t requests_total;
   uint64_t requests_polled; /* found by the loop while it polled after a reply (busy_poll_us) */
-  uint64_t replies_early;   /* written or queued by a rank worker as its job ended
-                               (zd__session_answer_early); counted when the loop sees the job end */
+  uint64_t replies_early;   /* written or queued by a rank worker as its job ended (jobs.c);
+                               counted when the loop sees the job end */
   uint64_t errors_total;
   char last_drop[ZD__ERR_MSG_MAX + 64]; /* why the last dropped connection was dropped */
 } zd__session_counters_t;
 
-/* The sessions of daemon d, with a free attachment table of nranks local ranks. Errors: -ENOMEM. */
-int zd__sessions_create(zd__daemon_t *d, uint32_t nranks, zd__sessions_t **out);
+/* What the sessions serve, from the layers below. Everything outlives the set. */
+typedef struct zd__sessions_env {
+  uv_loop_t *loop;
+  const zd__config_t *cfg;
+  const zd__backend_t *backend;
+  const zd__ranks_t *ranks;       /* the local ranks a hello may name */
+  const zd__status_reg_t *status; /* what a STATUS request answers */
+  void (*closed)(void *ctx);      /* a session's handles are closed (shutdown waits for all) */
+  void *ctx;
+} zd__sessions_env_t;
 
-/* Frees the set once no session is left (after the daemon's loop has run); accepts NULL. */
-void zd__sessions_destroy(zd__sessions_t *ss);
+/* The sessions, with a free attachment table of env->ranks->n local ranks. Errors: -ENOMEM, or
+ * libuv's (the completion queue's handle). */
+int zd__sessions_create(const zd__sessions_env_t *env, zd__sessions_t **out);
 
 /* Shutdown: every session reads no further requests and closes once its jobs in flight have been
- * answered; zd__daemon_session_gone is called as each one's handles are closed. */
+ * answered; env->closed is called as each one's handles are closed. */
 void zd__sessions_drain(zd__sessions_t *ss);
+
+/* Once no session is open (after zd__sessions_drain): closes the completion queue's handle. */
+void zd__sessions_close(zd__sessions_t *ss);
+
+/* Frees the set once the loop has closed its handles; accepts NULL. */
+void zd__sessions_destroy(zd__sessions_t *ss);
 
 /* Sessions open now (torn-down ones no longer count). */
 uint32_t zd__sessions_open(const zd__sessions_t *ss);
@@ -57,6 +76,19 @@ const zd__session_counters_t *zd__sessions_counters(const zd__sessions_t *ss);
  * hello is not attached yet. The pointer is for zd__session_pid/name, now. */
 const zd__session_t *zd__sessions_attached(const zd__sessions_t *ss, uint32_t local);
 
+/* Registrations are refused from now on (a drain: zerod stops once its checkpoint is complete),
+ * the message naming `by`; NULL lets them in again (the drain was given up). */
+void zd__sessions_refuse_registers(zd__sessions_t *ss, const char *by);
+
+/* The loop's pass about to run: 1 when it should look for events without sleeping (within
+ * busy_poll_us of a reply, with every rank's worker idle: a worker's kernel may need every CPU,
+ * and its end wakes the loop anyway). Also notes it, for the requests_polled count. */
+int zd__sessions_poll_now(zd__sessions_t *ss);
+
+/* The server section of the status: clients and requests (a zd__status_fn; ctx is the set), and
+ * each rank section's attached client. */
+void zd__sessions_status(void *ss, zd__status_t *st);
+
 /* Whether the process at the other end of the unix socket fd (its SO_PEERCRED credentials: cred)
  * may use zerod: its uid is in allowed_uids, or its gid or one of its groups in allowed_gids. The
  * client socket and a unix: control address admit the same processes. */
@@ -66,16 +98,6 @@ int zd__peer_allowed(const zd__config_t *cfg, int fd, const struct ucred *cred);
  * whose credentials are not allowed, or past a connection limit, gets an error reply and is
  * disconnected. Errors: -ENOMEM, or libuv's (fd is closed then too). */
 int zd__session_create(zd__sessions_t *ss, int fd, const struct ucred *cred);
-
-/* Rank worker thread, as a job of a session's finishes: sends its reply at once when nothing of
- * the loop's is needed for it (job->answer_early: a successful step, scatter, gather or checkpoint
- * on host buffers), so that the client need not wait for the loop thread to be woken. Sets
- * job->answered if it did; the loop does the rest in zd__session_job_done. */
-void zd__session_answer_early(zd__job_t *job);
-
-/* A job of this session's came back from its rank worker: reply (unless answered early),
- * account, maybe free. */
-void zd__session_job_done(zd__session_t *s, zd__job_t *job);
 
 /* Who is attached (for status): pid and name of the client. */
 pid_t zd__session_pid(const zd__session_t *s);

@@ -188,10 +188,10 @@ static void streams_free(const cfg_t *c, streams_t *s) {
 
 static zd__adam_args_t args_of(const cfg_t *c, const streams_t *s, const zd__segment_t *segs,
                                uint32_t nsegs, const zd__adam_group_t *groups) {
-  return (zd__adam_args_t){.master = s->master,
-                           .exp_avg = s->m,
-                           .exp_avg_sq = s->v,
-                           .max_exp_avg_sq = s->x,
+  return (zd__adam_args_t){.state[ZD__STATE_MASTER] = s->master,
+                           .state[ZD__STATE_EXP_AVG] = s->m,
+                           .state[ZD__STATE_EXP_AVG_SQ] = s->v,
+                           .state[ZD__STATE_MAX_EXP_AVG_SQ] = s->x,
                            .grad = s->grad,
                            .grad_dtype = (zd_dtype_t)c->gdt,
                            .param = s->param,
@@ -416,18 +416,18 @@ static void gpt2_table(const cfg_t *c) {
         for (uint32_t b = 0; b < l->nbuckets; b++) {
           const zd__bucket_t *bk = &l->buckets[b];
           zd__adam_args_t a = args_of(c, &zs, bsegs[b], bnsegs[b], groups);
-          a.master += bk->shard_base;
-          a.exp_avg += bk->shard_base;
-          a.exp_avg_sq += bk->shard_base;
+          a.state[ZD__STATE_MASTER] += bk->shard_base;
+          a.state[ZD__STATE_EXP_AVG] += bk->shard_base;
+          a.state[ZD__STATE_EXP_AVG_SQ] += bk->shard_base;
           a.grad = (const char *)zs.grad + bk->offset * gsz;
           a.param = zs.param ? (char *)zs.param + bk->offset * psz : NULL;
           kernel_split(c, &a, bk->shard_elems, ZD__POOL_STREAM_MIN_PER_THREAD);
         }
       } else if (which == 1) {
         for (uint32_t i = 0; i < np; i++) {
-          zd__adam_args_t a = {.master = t[i].master,
-                               .exp_avg = t[i].m,
-                               .exp_avg_sq = t[i].v,
+          zd__adam_args_t a = {.state[ZD__STATE_MASTER] = t[i].master,
+                               .state[ZD__STATE_EXP_AVG] = t[i].m,
+                               .state[ZD__STATE_EXP_AVG_SQ] = t[i].v,
                                .grad = t[i].grad,
                                .grad_dtype = (zd_dtype_t)c->gdt,
                                .param = t[i].param,

@@ -164,9 +164,9 @@ int main(int argc, char **argv) {
     zd__adam_group_init(&groups[1], &hp[1], 10);
     zd__cuda_adam_args_t a;
     memset(&a, 0, sizeof a);
-    a.master = p;
-    a.exp_avg = m;
-    a.exp_avg_sq = v;
+    a.state[ZD__STATE_MASTER] = p;
+    a.state[ZD__STATE_EXP_AVG] = m;
+    a.state[ZD__STATE_EXP_AVG_SQ] = v;
     a.grad = g;
     a.grad_dtype = (zd_dtype_t)gdt;
     a.param = param;

@@ -137,9 +137,9 @@ static void size_row(const cfg_t *cfg, const zdt_daemon_t *d, uint64_t n) {
   zd__adam_group_t consts;
   zd_group_t g = zd_group_default();
   zd__adam_group_init(&consts, &g, 1);
-  zd__adam_args_t pass = {.master = master,
-                          .exp_avg = m,
-                          .exp_avg_sq = v,
+  zd__adam_args_t pass = {.state[ZD__STATE_MASTER] = master,
+                          .state[ZD__STATE_EXP_AVG] = m,
+                          .state[ZD__STATE_EXP_AVG_SQ] = v,
                           .grad = grad,
                           .grad_dtype = cfg->dt,
                           .param = param,

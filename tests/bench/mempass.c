@@ -24,11 +24,13 @@ static volatile uint32_t pass_key;
 /* The kernel's prefetch (adam_avx512.c), SSE: every x86-64 has it. */
 static inline void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz) {
   uint64_t d = ZD__ADAM_PREFETCH;
-  _mm_prefetch((const char *)((uintptr_t)(a->master + i) + d * 4), _MM_HINT_T0);
-  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg + i) + d * 4), _MM_HINT_T0);
-  _mm_prefetch((const char *)((uintptr_t)(a->exp_avg_sq + i) + d * 4), _MM_HINT_T0);
-  if (a->max_exp_avg_sq)
-    _mm_prefetch((const char *)((uintptr_t)(a->max_exp_avg_sq + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(a->state[ZD__STATE_MASTER] + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(a->state[ZD__STATE_EXP_AVG] + i) + d * 4), _MM_HINT_T0);
+  _mm_prefetch((const char *)((uintptr_t)(a->state[ZD__STATE_EXP_AVG_SQ] + i) + d * 4),
+               _MM_HINT_T0);
+  if (a->state[ZD__STATE_MAX_EXP_AVG_SQ])
+    _mm_prefetch((const char *)((uintptr_t)(a->state[ZD__STATE_MAX_EXP_AVG_SQ] + i) + d * 4),
+                 _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)a->grad + (i + d) * gsz), _MM_HINT_T0);
 }
 
@@ -47,21 +49,22 @@ __attribute__((target("avx512f"))) static void pass_avx512(const zd__adam_args_t
   int nt = a->param && hi - lo >= ZD__ADAM_NT_MIN;
   for (uint64_t i = lo; i < hi; i += 16) {
     prefetch(a, i, gsz);
-    __m512i p = _mm512_loadu_si512(a->master + i);
-    __m512i m = _mm512_loadu_si512(a->exp_avg + i);
-    __m512i v = _mm512_loadu_si512(a->exp_avg_sq + i);
+    __m512i p = _mm512_loadu_si512(a->state[ZD__STATE_MASTER] + i);
+    __m512i m = _mm512_loadu_si512(a->state[ZD__STATE_EXP_AVG] + i);
+    __m512i v = _mm512_loadu_si512(a->state[ZD__STATE_EXP_AVG_SQ] + i);
     const char *g = (const char *)a->grad + i * gsz;
     __m512i x = gsz == 4 ? _mm512_loadu_si512(g)
                          : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)g));
     p = _mm512_xor_si512(p, key);
     m = _mm512_xor_si512(m, _mm512_and_si512(x, key));
     v = _mm512_xor_si512(v, key);
-    _mm512_storeu_si512(a->master + i, p);
-    _mm512_storeu_si512(a->exp_avg + i, m);
-    _mm512_storeu_si512(a->exp_avg_sq + i, v);
-    if (a->max_exp_avg_sq) /* amsgrad's fifth stream */
-      _mm512_storeu_si512(a->max_exp_avg_sq + i,
-                          _mm512_xor_si512(_mm512_loadu_si512(a->max_exp_avg_sq + i), key));
+    _mm512_storeu_si512(a->state[ZD__STATE_MASTER] + i, p);
+    _mm512_storeu_si512(a->state[ZD__STATE_EXP_AVG] + i, m);
+    _mm512_storeu_si512(a->state[ZD__STATE_EXP_AVG_SQ] + i, v);
+    if (a->state[ZD__STATE_MAX_EXP_AVG_SQ]) /* amsgrad's fifth stream */
+      _mm512_storeu_si512(
+          a->state[ZD__STATE_MAX_EXP_AVG_SQ] + i,
+          _mm512_xor_si512(_mm512_loadu_si512(a->state[ZD__STATE_MAX_EXP_AVG_SQ] + i), key));
     if (!a->param) continue;
     char *out = (char *)a->param + i * psz;
     if (psz == 4 && nt)
@@ -83,20 +86,20 @@ __attribute__((target("avx2"))) static void pass_avx2(const zd__adam_args_t *a, 
   int nt = a->param && hi - lo >= ZD__ADAM_NT_MIN;
   for (uint64_t i = lo; i < hi; i += 8) {
     prefetch(a, i, gsz);
-    __m256i p = _mm256_loadu_si256((const __m256i *)(a->master + i));
-    __m256i m = _mm256_loadu_si256((const __m256i *)(a->exp_avg + i));
-    __m256i v = _mm256_loadu_si256((const __m256i *)(a->exp_avg_sq + i));
+    __m256i p = _mm256_loadu_si256((const __m256i *)(a->state[ZD__STATE_MASTER] + i));
+    __m256i m = _mm256_loadu_si256((const __m256i *)(a->state[ZD__STATE_EXP_AVG] + i));
+    __m256i v = _mm256_loadu_si256((const __m256i *)(a->state[ZD__STATE_EXP_AVG_SQ] + i));
     const char *g = (const char *)a->grad + i * gsz;
     __m256i x = gsz == 4 ? _mm256_loadu_si256((const __m256i *)g)
                          : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)g));
     p = _mm256_xor_si256(p, key);
     m = _mm256_xor_si256(m, _mm256_and_si256(x, key));
     v = _mm256_xor_si256(v, key);
-    _mm256_storeu_si256((__m256i *)(a->master + i), p);
-    _mm256_storeu_si256((__m256i *)(a->exp_avg + i), m);
-    _mm256_storeu_si256((__m256i *)(a->exp_avg_sq + i), v);
-    if (a->max_exp_avg_sq) { /* amsgrad's fifth stream */
-      __m256i *q = (__m256i *)(a->max_exp_avg_sq + i);
+    _mm256_storeu_si256((__m256i *)(a->state[ZD__STATE_MASTER] + i), p);
+    _mm256_storeu_si256((__m256i *)(a->state[ZD__STATE_EXP_AVG] + i), m);
+    _mm256_storeu_si256((__m256i *)(a->state[ZD__STATE_EXP_AVG_SQ] + i), v);
+    if (a->state[ZD__STATE_MAX_EXP_AVG_SQ]) { /* amsgrad's fifth stream */
+      __m256i *q = (__m256i *)(a->state[ZD__STATE_MAX_EXP_AVG_SQ] + i);
       _mm256_storeu_si256(q, _mm256_xor_si256(_mm256_loadu_si256(q), key));
     }
     if (!a->param) continue;
@@ -117,7 +120,9 @@ __attribute__((target("avx2"))) static void pass_avx2(const zd__adam_args_t *a, 
  * the compiler vectorizes to SSE2 as it can. */
 static void pass_plain(const zd__adam_args_t *a, uint64_t lo, uint64_t hi) {
   uint32_t key = pass_key;
-  uint32_t *p = (uint32_t *)a->master, *m = (uint32_t *)a->exp_avg, *v = (uint32_t *)a->exp_avg_sq;
+  uint32_t *p = (uint32_t *)a->state[ZD__STATE_MASTER],
+           *m = (uint32_t *)a->state[ZD__STATE_EXP_AVG],
+           *v = (uint32_t *)a->state[ZD__STATE_EXP_AVG_SQ];
   for (uint64_t i = lo; i < hi; i++) {
     uint32_t x =
         a->grad_dtype == ZD_F32 ? ((const uint32_t *)a->grad)[i] : ((const uint16_t *)a->grad)[i];
@@ -125,7 +130,8 @@ static void pass_plain(const zd__adam_args_t *a, uint64_t lo, uint64_t hi) {
     p[i] = pi;
     m[i] ^= x & key;
     v[i] ^= key;
-    if (a->max_exp_avg_sq) ((uint32_t *)a->max_exp_avg_sq)[i] ^= key;
+    if (a->state[ZD__STATE_MAX_EXP_AVG_SQ])
+      ((uint32_t *)a->state[ZD__STATE_MAX_EXP_AVG_SQ])[i] ^= key;
     if (a->param && a->param_dtype == ZD_F32) ((uint32_t *)a->param)[i] = pi;
     if (a->param && a->param_dtype == ZD_BF16) ((uint16_t *)a->param)[i] = (uint16_t)pi;
   }

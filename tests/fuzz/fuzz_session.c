@@ -521,8 +521,8 @@ static zd__layout_t *layout_of(const Zerod__V1__RegisterRequest *req) {
   }
   zd__err_t err = {0};
   if (i == req->n_params)
-    zd__layout_build(params, (uint32_t)req->n_params, (uint32_t)req->n_groups, 1,
-                     zd__daemon_bucket_elems(daemon_), &layout, &err);
+    zd__layout_build(params, (uint32_t)req->n_params, (uint32_t)req->n_groups, 1, cfg.bucket_elems,
+                     &layout, &err);
   free(params);
   return layout;
 }

@@ -475,9 +475,9 @@ static void run_shard(shard_t *sh, int steps) {
 
     zd__adam_args_t ra;
     memset(&ra, 0, sizeof ra);
-    ra.master = (float *)range_host(&s, A_MASTER);
-    ra.exp_avg = (float *)range_host(&s, A_EXP_AVG);
-    ra.exp_avg_sq = (float *)range_host(&s, A_EXP_AVG_SQ);
+    ra.state[ZD__STATE_MASTER] = (float *)range_host(&s, A_MASTER);
+    ra.state[ZD__STATE_EXP_AVG] = (float *)range_host(&s, A_EXP_AVG);
+    ra.state[ZD__STATE_EXP_AVG_SQ] = (float *)range_host(&s, A_EXP_AVG_SQ);
     ra.grad = range_host(&s, A_GRAD);
     ra.grad_dtype = (zd_dtype_t)sh->gdt;
     ra.param = sh->pdt ? range_host(&s, A_PARAM) : NULL;
@@ -490,9 +490,9 @@ static void run_shard(shard_t *sh, int steps) {
 
     zd__cuda_adam_args_t a;
     memset(&a, 0, sizeof a);
-    a.master = (float *)range_dev(&s, A_MASTER);
-    a.exp_avg = (float *)range_dev(&s, A_EXP_AVG);
-    a.exp_avg_sq = (float *)range_dev(&s, A_EXP_AVG_SQ);
+    a.state[ZD__STATE_MASTER] = (float *)range_dev(&s, A_MASTER);
+    a.state[ZD__STATE_EXP_AVG] = (float *)range_dev(&s, A_EXP_AVG);
+    a.state[ZD__STATE_EXP_AVG_SQ] = (float *)range_dev(&s, A_EXP_AVG_SQ);
     a.grad = range_dev(&s, A_GRAD);
     a.grad_dtype = (zd_dtype_t)sh->gdt;
     a.param = sh->pdt ? range_dev(&s, A_PARAM) : NULL;
@@ -697,9 +697,9 @@ static void test_errors(void) {
   group_consts(groups, 3, 1);
   zd__cuda_adam_args_t a;
   memset(&a, 0, sizeof a);
-  a.master = d;
-  a.exp_avg = d + 150;
-  a.exp_avg_sq = d + 300;
+  a.state[ZD__STATE_MASTER] = d;
+  a.state[ZD__STATE_EXP_AVG] = d + 150;
+  a.state[ZD__STATE_EXP_AVG_SQ] = d + 300;
   a.grad = d + 450;
   a.grad_dtype = ZD_F32;
   a.grad_scale = 1;
@@ -720,7 +720,7 @@ static void test_errors(void) {
   a.param_dtype = ZD_F16;
   EXPECT_RC(zd__cuda_adam_step(l, &a, stream, &gpu_err), ZD_EDTYPE);
   a.param = NULL;
-  a.exp_avg = NULL;
+  a.state[ZD__STATE_EXP_AVG] = NULL;
   EXPECT_RC(zd__cuda_adam_step(l, &a, stream, &gpu_err), -EINVAL);
   zd__cuda_stats_t *rec = (zd__cuda_stats_t *)dmalloc(sizeof *rec);
   EXPECT_RC(zd__cuda_grad_stats(l, d, (zd_dtype_t)0, rec, 0, NULL, stream, &gpu_err), ZD_EDTYPE);
@@ -987,9 +987,9 @@ static void test_pipeline(void) {
       if (!hd.applied) continue;
       zd__adam_args_t ra;
       memset(&ra, 0, sizeof ra);
-      ra.master = (float *)range_host(&s[b], A_MASTER);
-      ra.exp_avg = (float *)range_host(&s[b], A_EXP_AVG);
-      ra.exp_avg_sq = (float *)range_host(&s[b], A_EXP_AVG_SQ);
+      ra.state[ZD__STATE_MASTER] = (float *)range_host(&s[b], A_MASTER);
+      ra.state[ZD__STATE_EXP_AVG] = (float *)range_host(&s[b], A_EXP_AVG);
+      ra.state[ZD__STATE_EXP_AVG_SQ] = (float *)range_host(&s[b], A_EXP_AVG_SQ);
       ra.grad = range_host(&s[b], A_GRAD);
       ra.grad_dtype = (zd_dtype_t)sh[b].gdt;
       ra.param = range_host(&s[b], A_PARAM);
@@ -1009,9 +1009,9 @@ static void test_pipeline(void) {
     for (int b = 0; b < nb; b++) {
       zd__cuda_adam_args_t a;
       memset(&a, 0, sizeof a);
-      a.master = (float *)range_dev(&s[b], A_MASTER);
-      a.exp_avg = (float *)range_dev(&s[b], A_EXP_AVG);
-      a.exp_avg_sq = (float *)range_dev(&s[b], A_EXP_AVG_SQ);
+      a.state[ZD__STATE_MASTER] = (float *)range_dev(&s[b], A_MASTER);
+      a.state[ZD__STATE_EXP_AVG] = (float *)range_dev(&s[b], A_EXP_AVG);
+      a.state[ZD__STATE_EXP_AVG_SQ] = (float *)range_dev(&s[b], A_EXP_AVG_SQ);
       a.grad = range_dev(&s[b], A_GRAD);
       a.grad_dtype = (zd_dtype_t)sh[b].gdt;
       a.param = range_dev(&s[b], A_PARAM);
@@ -1193,9 +1193,9 @@ static void test_huge(void) {
       /* The update. */
       zd__adam_args_t ra;
       memset(&ra, 0, sizeof ra);
-      ra.master = (float *)range_host(&s, A_MASTER);
-      ra.exp_avg = (float *)range_host(&s, A_EXP_AVG);
-      ra.exp_avg_sq = (float *)range_host(&s, A_EXP_AVG_SQ);
+      ra.state[ZD__STATE_MASTER] = (float *)range_host(&s, A_MASTER);
+      ra.state[ZD__STATE_EXP_AVG] = (float *)range_host(&s, A_EXP_AVG);
+      ra.state[ZD__STATE_EXP_AVG_SQ] = (float *)range_host(&s, A_EXP_AVG_SQ);
       ra.grad = range_host(&s, A_GRAD);
       ra.grad_dtype = ZD_BF16;
       ra.param = sh.pdt ? range_host(&s, A_PARAM) : NULL;
@@ -1207,9 +1207,9 @@ static void test_huge(void) {
       zd__adam_step_ref(&ra, 0, wn);
       zd__cuda_adam_args_t a;
       memset(&a, 0, sizeof a);
-      a.master = (float *)shifted(range_dev(&s, A_MASTER), wlo, 4);
-      a.exp_avg = (float *)shifted(range_dev(&s, A_EXP_AVG), wlo, 4);
-      a.exp_avg_sq = (float *)shifted(range_dev(&s, A_EXP_AVG_SQ), wlo, 4);
+      a.state[ZD__STATE_MASTER] = (float *)shifted(range_dev(&s, A_MASTER), wlo, 4);
+      a.state[ZD__STATE_EXP_AVG] = (float *)shifted(range_dev(&s, A_EXP_AVG), wlo, 4);
+      a.state[ZD__STATE_EXP_AVG_SQ] = (float *)shifted(range_dev(&s, A_EXP_AVG_SQ), wlo, 4);
       a.grad = dgrad;
       a.grad_dtype = ZD_BF16;
       a.param = sh.pdt ? shifted(range_dev(&s, A_PARAM), wlo, s.esize[A_PARAM]) : NULL;

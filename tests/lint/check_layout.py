@@ -10,7 +10,8 @@ allowed to depend on the folder of the included one:
     proto    proto/: the wire formats and their conversions         -> proto, common, public
     kernels  kernels/: optimizer kernels on plain pointers          -> kernels, common, public
     client   client/ (libzerod, zeroctl)                            -> client, proto, common, public
-    daemon   daemon/*/ (zerod)                     -> daemon, kernels, proto, common, public
+    daemon/* zerod, in layers: each folder of daemon/ -> itself and the daemon folders below it
+             (DAEMON_LAYERS, top first), kernels, proto, common, public
     examples examples/                                              -> examples, public
     tests    tests/ (checks modules from the inside)                -> anything
 
@@ -25,16 +26,22 @@ import sys
 
 SOURCE_EXT = ('.c', '.h', '.cc', '.cu', '.cuh')
 
+# The daemon's layers, top first (daemon/meson.build builds each as a library that sees only
+# itself and those below; docs/design.md, "The map").
+DAEMON_LAYERS = ['core', 'control', 'transport', 'step', 'world', 'backends', 'base']
+
 ALLOWED = {
     'public': {'public'},
     'common': {'common', 'public'},
     'proto': {'proto', 'common', 'public'},
     'kernels': {'kernels', 'common', 'public'},
     'client': {'client', 'proto', 'common', 'public'},
-    'daemon': {'daemon', 'kernels', 'proto', 'common', 'public'},
     'examples': {'examples', 'public'},
     'tests': None,  # anything
 }
+for i, layer in enumerate(DAEMON_LAYERS):
+    ALLOWED['daemon/' + layer] = ({'daemon/' + below for below in DAEMON_LAYERS[i:]} |
+                                  {'kernels', 'proto', 'common', 'public'})
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"')
 
@@ -43,9 +50,11 @@ def area(path):
     """The architectural folder a tracked file belongs to, or None outside the rules."""
     if path.startswith('client/include/'):
         return 'public'
-    top = path.split('/', 1)[0]
-    if top in ALLOWED:
-        return top
+    parts = path.split('/')
+    if parts[0] == 'daemon':
+        return '/'.join(parts[:2]) if len(parts) > 2 and '/'.join(parts[:2]) in ALLOWED else None
+    if parts[0] in ALLOWED:
+        return parts[0]
     return None
 
 
@@ -78,6 +87,10 @@ def check(root):
                             'names must be unique (includes are by bare name)')
 
     for f in sources:
+        if f.startswith('daemon/') and area(f) is None:
+            problems.append(f'{f}: in no layer of the daemon; put it in one of daemon/'
+                            f'{{{",".join(DAEMON_LAYERS)}}}')
+            continue
         src_area = area(f)
         allowed = ALLOWED.get(src_area) if src_area else None
         with open(os.path.join(root, f), encoding='utf-8', errors='replace') as fh:
@@ -126,7 +139,10 @@ def self_test():
         'common/error.h': '#include "zerod.h"\n',
         'client/include/zerod/zerod.h': '',
         'kernels/adam.c': '#include "error.h"\n#include "zerod.h"\n',
-        'daemon/step/rank.c': '#include "adam.h"\n#include "zerod.pb-c.h"\n',
+        'daemon/step/rank.c': '#include "adam.h"\n#include "zerod.pb-c.h"\n#include "comm.h"\n',
+        'daemon/backends/comm.h': '#include "config.h"\n',
+        'daemon/base/config.h': '',
+        'daemon/core/daemon.c': '#include "rank.c"\n#include "comm.h"\n',
         'kernels/adam.h': '',
         'tests/t.c': '#include "rank.c"\n',
     }
@@ -135,10 +151,13 @@ def self_test():
         'common/bad2.c': '#include "adam.h"\n',             # common -> kernels
         'client/bad3.c': '#include "../common/error.h"\n',  # relative
         'proto/rank.c': '',                                  # a second rank.c
-        'daemon/bad4.c': '#include "nowhere.h"\n',          # no such file
+        'daemon/step/bad4.c': '#include "nowhere.h"\n',     # no such file
         'docs/x.md': 'see DESIGN \u00a74\n',                 # outside citation
+        'daemon/backends/bad5.c': '#include "daemon.c"\n',  # a back edge: backends -> core
+        'daemon/base/bad6.h': '#include "comm.h"\n',        # base -> backends
+        'daemon/stray.c': '',                                # a file outside every layer
     }
-    for tree, want in ((good, 0), ({**good, **bad}, 6)):
+    for tree, want in ((good, 0), ({**good, **bad}, 9)):
         with tempfile.TemporaryDirectory() as root:
             for rel, text in tree.items():
                 os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)

@@ -171,9 +171,9 @@ static void test_golden(int optimizer, double wd, const uint32_t want[3][GOLDEN_
     zd__adam_group_t c;
     zd__adam_group_init(&c, &hp, (uint64_t)t);
     for (int i = 0; i < GOLDEN_N; i++) g[i] = (float)(((i * 7 + t * 13) % 17 - 8) / 16.0);
-    zd__adam_args_t a = {.master = p,
-                         .exp_avg = m,
-                         .exp_avg_sq = v,
+    zd__adam_args_t a = {.state[ZD__STATE_MASTER] = p,
+                         .state[ZD__STATE_EXP_AVG] = m,
+                         .state[ZD__STATE_EXP_AVG_SQ] = v,
                          .grad = g,
                          .grad_dtype = ZD_F32,
                          .grad_scale = 1.0f,
@@ -404,10 +404,10 @@ static void expect_padding(const state_t *s, const state_t *s0, const shard_t *s
 
 static void set_args(zd__adam_args_t *a, const state_t *s, const shard_t *sh, const void *grad,
                      const zd__adam_group_t *groups, int ams) {
-  *a = (zd__adam_args_t){.master = s->x[0],
-                         .exp_avg = s->x[1],
-                         .exp_avg_sq = s->x[2],
-                         .max_exp_avg_sq = ams ? s->x[3] : NULL,
+  *a = (zd__adam_args_t){.state[ZD__STATE_MASTER] = s->x[0],
+                         .state[ZD__STATE_EXP_AVG] = s->x[1],
+                         .state[ZD__STATE_EXP_AVG_SQ] = s->x[2],
+                         .state[ZD__STATE_MAX_EXP_AVG_SQ] = ams ? s->x[3] : NULL,
                          .grad = grad,
                          .grad_dtype = sh->gdt,
                          .param = s->param,
@@ -826,9 +826,9 @@ static void test_maximize(void) {
       zd__adam_group_init(&folded, &hp, (uint64_t)t);
       hp.maximize = 0;
       zd__adam_group_init(&plain, &hp, (uint64_t)t);
-      zd__adam_args_t a = {.master = p[0],
-                           .exp_avg = m[0],
-                           .exp_avg_sq = v[0],
+      zd__adam_args_t a = {.state[ZD__STATE_MASTER] = p[0],
+                           .state[ZD__STATE_EXP_AVG] = m[0],
+                           .state[ZD__STATE_EXP_AVG_SQ] = v[0],
                            .grad = g,
                            .grad_dtype = ZD_F32,
                            .grad_scale = scale,
@@ -855,9 +855,9 @@ static void test_maximize(void) {
   zd__adam_group_init(&plain, &hp, 1);
   float p0 = 1.0f, m0 = -0.0f, v0 = 0.0f, g0 = 0.5f, p1 = p0, m1 = m0, v1 = v0;
   zd__segment_t seg = {.offset = 0, .length = 1, .group = 0};
-  zd__adam_args_t a = {.master = &p0,
-                       .exp_avg = &m0,
-                       .exp_avg_sq = &v0,
+  zd__adam_args_t a = {.state[ZD__STATE_MASTER] = &p0,
+                       .state[ZD__STATE_EXP_AVG] = &m0,
+                       .state[ZD__STATE_EXP_AVG_SQ] = &v0,
                        .grad = &g0,
                        .grad_dtype = ZD_F32,
                        .grad_scale = 1.0f,
@@ -907,8 +907,8 @@ static void test_bf16_output(void) {
   zd__adam_group_t g;
   zd__adam_group_init(&g, &hp, 1);
   zd__segment_t seg = {.offset = 0, .length = n, .group = 0};
-  zd__adam_args_t a = {.exp_avg = x[1],
-                       .exp_avg_sq = x[2],
+  zd__adam_args_t a = {.state[ZD__STATE_EXP_AVG] = x[1],
+                       .state[ZD__STATE_EXP_AVG_SQ] = x[2],
                        .grad = grad,
                        .grad_dtype = ZD_F32,
                        .param = out,
@@ -925,7 +925,7 @@ static void test_bf16_output(void) {
     memset(x[1], 0, n * sizeof(float));
     memset(x[2], 0, n * sizeof(float));
     memset(out, 0xa5, n * sizeof(uint16_t));
-    a.master = master;
+    a.state[ZD__STATE_MASTER] = master;
     call_split(fn, &a, n);
     for (uint64_t k = 0; k < n; k++) {
       uint16_t want = zd__f32_to_bf16(x[0][k]);

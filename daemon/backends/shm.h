@@ -1,5 +1,6 @@
 /* Client buffers: the param and grad buffers a client creates and zerod uses in place, so that
- * gradients and parameters never cross the socket.
+ * gradients and parameters never cross the socket, and the form in which every job sees them
+ * (zd__buffers_t).
  *
  * Host memory (CPU backend): shared-memory files (memfds passed with SCM_RIGHTS) that zerod maps.
  * A buffer is accepted only if it is a regular shared-memory file at least as large as the layout
@@ -24,6 +25,8 @@
 #include <stdint.h>
 
 #include "error.h"
+#include "frame.h"
+#include "zerod/zerod.h"
 
 enum { ZD__SHM_NONE = 0, ZD__SHM_HOST = 1, ZD__SHM_CUDA = 2 };
 
@@ -64,5 +67,23 @@ void zd__shm_close_cuda(zd__shm_t *shm);
 
 /* Destroys an event from zd__shm_open_event; accepts NULL. */
 void zd__shm_close_event(int device, void *event);
+
+/* A client's buffers, as every job on them sees them; owned by its session (transport/buffers.h),
+ * alive while the session has jobs in flight.
+ * Host buffers are mapped memfds; CUDA buffers are device memory opened from the client's IPC
+ * handles on the rank's device (above), with the client's ring of IPC event pairs that order its
+ * stream and the rank's, one pair per request it may have outstanding: a job with event slot k
+ * makes the rank's stream wait on grads_ready[k] before it touches the buffers, and records
+ * params_ready[k] after its work (docs/protocol.md, "CUDA buffers"). */
+typedef struct zd__buffers {
+  zd__shm_t params;
+  zd__shm_t grads;
+  zd_dtype_t param_dtype;
+  zd_dtype_t grad_dtype;
+  int device;                          /* CUDA device of the buffers and events; -1: host memory */
+  void *grads_ready[ZD__EVENT_SLOTS];  /* cudaEvent_t opened from the client's handles; NULL with
+                                          host buffers */
+  void *params_ready[ZD__EVENT_SLOTS]; /* likewise */
+} zd__buffers_t;
 
 #endif /* ZD_DAEMON_SHM_H */

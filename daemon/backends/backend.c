@@ -1,0 +1,121 @@
+/* The choice of the compute backend (backend.h). */
+#include "backend.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "adam.h"
+#include "log.h"
+#ifdef ZD_HAVE_CUDA
+#include "adam_cuda.h"
+#include "cuda_check.h"
+#endif
+
+static int choose_isa(const zd__config_t *cfg, int *isa, zd__err_t *err) {
+  int want = zd__isa_parse(cfg->kernel_isa);
+  zd__isa_t best = zd__isa_detect();
+  if (want < 0)
+    return zd__errf(err, ZD_ECONFIG,
+                    "kernel_isa '%s' unknown; expected auto, avx512bf16, avx512, "
+                    "avx2 or scalar",
+                    cfg->kernel_isa);
+  if (want > (int)best)
+    return zd__errf(err, ZD_ECONFIG,
+                    "kernel_isa %s is not supported by this CPU; the best it "
+                    "runs is %s",
+                    cfg->kernel_isa, zd__isa_name(best));
+  *isa = want;
+  return ZD_OK;
+}
+
+const char *zd__backend_name(zd__backend_kind_t kind) {
+  return kind == ZD__BACKEND_CUDA ? "cuda" : "cpu";
+}
+
+/* Whether the CUDA backend can serve every local rank, one GPU each; if not, why, and whether
+ * some GPU is visible at all (which makes a fallback worth a warning rather than a note). Fills
+ * b->gpus when it can. */
+static int cuda_usable(const zd__config_t *cfg, zd__backend_t *b, char *why, size_t len,
+                       int *visible) {
+  *visible = 0;
+#ifdef ZD_HAVE_CUDA
+  uint32_t n = cfg->local_ranks;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) *visible = 1;
+  (void)cudaGetLastError();
+  if (zd__cuda_available(why, len) == 0) return 0;
+  zd__err_t e = {0};
+  for (uint32_t i = 0; i < n; i++) {
+    if (zd__cuda_device_check((int)i, &e) != ZD_OK) {
+      snprintf(why, len,
+               "local rank %u needs GPU %u (one GPU per local rank; local_ranks is %u): "
+               "%.150s",
+               i, i, n, e.msg);
+      return 0;
+    }
+  }
+  b->gpus = calloc(n, sizeof *b->gpus);
+  if (!b->gpus) {
+    snprintf(why, len, "out of memory");
+    return 0;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    if (zd__cuda_gpu_info((int)i, &b->gpus[i], &e) != ZD_OK) {
+      snprintf(why, len, "GPU %u: %.200s", i, e.msg);
+      free(b->gpus);
+      b->gpus = NULL;
+      return 0;
+    }
+  }
+  b->ngpus = n;
+  return 1;
+#else
+  (void)cfg, (void)b;
+  snprintf(why, len, "this zerod was built without CUDA");
+  return 0;
+#endif
+}
+
+/* The backend alone, without the ISA. */
+static int choose_kind(const zd__config_t *cfg, zd__backend_t *b, zd__err_t *err) {
+  if (!strcmp(cfg->backend, "cpu")) return ZD_OK;
+  char why[ZD__ERR_MSG_MAX / 2];
+  int visible = 0;
+  if (cuda_usable(cfg, b, why, sizeof why, &visible)) {
+    b->kind = ZD__BACKEND_CUDA;
+    for (uint32_t i = 0; i < b->ngpus; i++)
+      ZD_LOG_INFO("local rank %u: GPU %d, %s (%s)", i, b->gpus[i].device, b->gpus[i].name,
+                  b->gpus[i].uuid_str);
+    return ZD_OK;
+  }
+  if (!strcmp(cfg->backend, "cuda"))
+    return zd__errf(err, ZD_EBACKEND, "backend cuda requested, but %s; use backend cpu or auto",
+                    why);
+  snprintf(b->note, sizeof b->note, "CUDA not used: %s", why);
+  if (visible)
+    ZD_LOG_WARN("backend auto: %s; running the CPU backend", b->note);
+  else
+    ZD_LOG_INFO("backend auto: %s; running the CPU backend", b->note);
+  return ZD_OK;
+}
+
+int zd__backend_choose(const zd__config_t *cfg, zd__backend_t *b, zd__err_t *err) {
+  *b = (zd__backend_t){.kind = ZD__BACKEND_CPU};
+  int rc = choose_kind(cfg, b, err);
+  if (!rc) rc = choose_isa(cfg, &b->isa, err);
+  if (rc) zd__backend_free(b);
+  return rc;
+}
+
+void zd__backend_free(zd__backend_t *b) {
+  free(b->gpus);
+  b->gpus = NULL;
+  b->ngpus = 0;
+}
+
+const zd__gpu_info_t *zd__backend_gpu(const zd__backend_t *b, uint32_t local) {
+  if (b->kind != ZD__BACKEND_CUDA) return NULL;
+  zd_assert(local < b->ngpus);
+  return &b->gpus[local];
+}

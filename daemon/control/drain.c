@@ -1,0 +1,212 @@
+/* Drain (drain.h): its state, the timer that watches the checkpoint, its end. */
+#include "drain.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "checkpoint_format.h"
+#include "clock.h"
+#include "log.h"
+
+#define DRAIN_POLL_MS 50
+
+struct zd__drain {
+  zd__drain_env_t env;
+  uv_timer_t timer; /* watches the drain's checkpoint */
+  int shutting_down;
+  int active;
+  int force;
+  int want_ckpt;       /* a checkpoint was asked for (else: forced with nothing to save) */
+  uint64_t after_step; /* the newest step when it began: the drain's checkpoint is later */
+  uint64_t failures;   /* the checkpointer's counts when it began */
+  uint64_t completed;
+  uint64_t deadline_ms; /* zd__now_ms() */
+  uint32_t wait_ms;
+  char by[160];
+  char no_ckpt[ZD__ERR_MSG_MAX]; /* forced without a checkpoint to take: why */
+  zd__drain_done_fn done;
+  void *done_arg;
+};
+
+int zd__drain_create(const zd__drain_env_t *env, zd__drain_t **out) {
+  zd__drain_t *d = calloc(1, sizeof *d);
+  if (!d) return -ENOMEM;
+  d->env = *env;
+  int rc = uv_timer_init(env->loop, &d->timer);
+  if (rc) {
+    free(d);
+    return rc;
+  }
+  d->timer.data = d;
+  *out = d;
+  return ZD_OK;
+}
+
+static void on_closed(uv_handle_t *h) {
+  free(h->data);
+}
+
+void zd__drain_close(zd__drain_t *d) {
+  if (d) uv_close((uv_handle_t *)&d->timer, on_closed);
+}
+
+/* Why this node has no optimizer state to save (returns the error code a drain without force
+ * gets), or 0 with *step the newest step of its ranks. */
+static int nothing_to_checkpoint(const zd__drain_t *d, uint64_t *step, char *why, size_t len) {
+  *step = 0;
+  if (!zd__ckptr_enabled(d->env.ckpt)) {
+    snprintf(why, len, "checkpoint_dir is not set: there is nowhere to save the optimizer state");
+    return ZD_ECONFIG;
+  }
+  uint32_t models = 0;
+  for (uint32_t i = 0; i < d->env.ranks->n; i++) {
+    zd__rank_stats_t s;
+    zd__rank_stats(d->env.ranks->rank[i], &s);
+    if (!s.has_model) continue;
+    models++;
+    if (s.step > *step) *step = s.step;
+  }
+  if (models) return 0;
+  snprintf(why, len,
+           "no model is registered on this zerod's ranks: there is no optimizer state to save");
+  return ZD_EORDER;
+}
+
+/* Whether the checkpoint in dir is complete: the daemon of global rank 0 counts only checkpoints
+ * whose manifest it wrote; elsewhere the count is of this node's files, and the manifest, written
+ * by rank 0's node into the shared checkpoint_dir, says the rest. */
+static int checkpoint_complete(const zd__drain_t *d, const char *dir) {
+  if (d->env.cfg->first_rank == 0) return 1;
+  char path[600];
+  struct stat st;
+  snprintf(path, sizeof path, "%s/%s", dir, ZD__CKPT_MANIFEST);
+  return stat(path, &st) == 0;
+}
+
+static void drain_end(zd__drain_t *d, zd__drain_result_t *res) {
+  uv_timer_stop(&d->timer);
+  zd__drain_done_fn done = d->done;
+  void *arg = d->done_arg;
+  d->done = NULL;
+  if (res->rc) {
+    d->active = 0;
+    zd__sessions_refuse_registers(d->env.sessions, NULL);
+    ZD_LOG_WARN("drain asked by %s given up, zerod goes on serving: %s", d->by, res->msg);
+  }
+  if (done) done(arg, res);
+  if (!res->rc) d->env.shutdown(d->env.ctx);
+}
+
+static void drain_tick(uv_timer_t *t) {
+  zd__drain_t *d = t->data;
+  zd__drain_result_t res = {0};
+  char why[ZD__ERR_MSG_MAX];
+  if (!d->want_ckpt) {
+    snprintf(res.msg, sizeof res.msg, "%s", d->no_ckpt);
+    ZD_LOG_WARN("drain --force: shutting down without a checkpoint: %s", res.msg);
+    drain_end(d, &res);
+    return;
+  }
+  zd__ckpt_stats_t s;
+  zd__ckptr_stats(d->env.ckpt, &s);
+  if (s.failures > d->failures) {
+    snprintf(why, sizeof why, "the checkpoint failed: %.400s", s.last_error);
+  } else if (s.completed > d->completed && s.last_ok_step > d->after_step &&
+             checkpoint_complete(d, s.last_dir)) {
+    res.checkpointed = 1;
+    res.step = s.last_ok_step;
+    snprintf(res.dir, sizeof res.dir, "%s", s.last_dir);
+    ZD_LOG_INFO("drain: checkpoint of step %" PRIu64 " complete in %s; shutting down", res.step,
+                res.dir);
+    drain_end(d, &res);
+    return;
+  } else if (zd__now_ms() < d->deadline_ms) {
+    return;
+  } else {
+    snprintf(why, sizeof why,
+             "no checkpoint was complete within %u ms (it is taken after the next step of every "
+             "rank of the world: are the trainers stepping?)",
+             d->wait_ms);
+  }
+  if (d->force) {
+    res.lost = 1;
+    snprintf(res.msg, sizeof res.msg, "%s", why);
+    ZD_LOG_WARN(
+        "drain --force: shutting down without a checkpoint: %s; the steps since the last "
+        "complete checkpoint are lost",
+        why);
+  } else {
+    /* not -ETIMEDOUT, which the caller would take for its own deadline */
+    res.rc = ZD_ECHECKPOINT;
+    snprintf(res.msg, sizeof res.msg, "%s", why);
+  }
+  drain_end(d, &res);
+}
+
+int zd__drain_start(zd__drain_t *d, const char *by, uint32_t wait_ms, int force,
+                    zd__drain_done_fn done, void *arg, zd__err_t *err) {
+  if (d->shutting_down) return zd__errf(err, ZD_ESHUTDOWN, "zerod is already shutting down");
+  if (d->active)
+    return zd__errf(err, ZD_EORDER, "a drain asked by %s is already in progress", d->by);
+  char why[ZD__ERR_MSG_MAX];
+  uint64_t step;
+  int none = nothing_to_checkpoint(d, &step, why, sizeof why);
+  if (none && !force)
+    return zd__errf(err, none,
+                    "nothing to checkpoint: %s (zeroctl drain --force stops zerod without a "
+                    "checkpoint)",
+                    why);
+  int rc = none ? ZD_OK : zd__ckptr_request(d->env.ckpt, err);
+  if (rc) return rc;
+  zd__ckpt_stats_t s = {0};
+  if (d->env.ckpt) zd__ckptr_stats(d->env.ckpt, &s);
+  d->active = 1;
+  d->force = force;
+  d->want_ckpt = !none;
+  d->after_step = step;
+  d->failures = s.failures;
+  d->completed = s.completed;
+  d->wait_ms = wait_ms;
+  d->deadline_ms = zd__now_ms() + wait_ms;
+  d->done = done;
+  d->done_arg = arg;
+  snprintf(d->by, sizeof d->by, "%s", by);
+  snprintf(d->no_ckpt, sizeof d->no_ckpt, "%s", none ? why : "");
+  zd__sessions_refuse_registers(d->env.sessions, by);
+  if (none)
+    ZD_LOG_WARN("drain asked by %s (--force): %s", by, why);
+  else
+    ZD_LOG_INFO(
+        "drain asked by %s: refusing registrations, checkpoint requested after step "
+        "%" PRIu64 "; shutting down once it is complete (waiting at most %u ms%s)",
+        by, step, wait_ms, force ? ", then shutting down anyway" : "");
+  uv_timer_start(&d->timer, drain_tick, 0, DRAIN_POLL_MS);
+  return ZD_OK;
+}
+
+const char *zd__drain_by(const zd__drain_t *d) {
+  return d->active ? d->by : NULL;
+}
+
+void zd__drain_shutdown(zd__drain_t *d) {
+  d->shutting_down = 1;
+  uv_timer_stop(&d->timer);
+  if (!d->done) return;
+  zd__drain_result_t res = {.rc = ZD_ESHUTDOWN};
+  snprintf(res.msg, sizeof res.msg,
+           "zerod began to shut down for another reason (a signal) before the drain's checkpoint "
+           "was complete");
+  zd__drain_done_fn done = d->done;
+  d->done = NULL;
+  done(d->done_arg, &res);
+}
+
+void zd__drain_status(void *ctx, zd__status_t *st) {
+  const zd__drain_t *d = ctx;
+  zd__status_section(st, "server");
+  zd__status_add(st, "draining", "%d", d->active);
+}

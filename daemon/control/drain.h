@@ -1,0 +1,70 @@
+/* Drain (zeroctl drain, the control service's Drain call): before maintenance, the node is marked
+ * draining (readiness fails, registrations are refused), a checkpoint is requested as zeroctl
+ * checkpoint does (taken after the next step of every rank), and once it is complete (its manifest
+ * written, by this node or, where rank 0 lives elsewhere, seen in the shared checkpoint_dir) zerod
+ * shuts down as on SIGTERM. One drain at a time. Loop thread only.
+ */
+#ifndef ZD_DAEMON_DRAIN_H
+#define ZD_DAEMON_DRAIN_H
+
+#include <stdint.h>
+#include <uv.h>
+
+#include "checkpoint.h"
+#include "config.h"
+#include "error.h"
+#include "rank.h"
+#include "session.h"
+#include "status.h"
+
+typedef struct zd__drain zd__drain_t;
+
+/* What a drain needs; everything outlives it. */
+typedef struct zd__drain_env {
+  uv_loop_t *loop;
+  const zd__config_t *cfg;
+  const zd__ranks_t *ranks;    /* whose models there are to save */
+  zd__ckptr_t *ckpt;           /* who saves them */
+  zd__sessions_t *sessions;    /* refuse registrations meanwhile */
+  void (*shutdown)(void *ctx); /* the checkpoint is complete: shut down as on SIGTERM */
+  void *ctx;
+} zd__drain_env_t;
+
+/* How a drain ended. */
+typedef struct zd__drain_result {
+  int rc;           /* ZD_OK: zerod is shutting down now; else the drain was given up and zerod
+                       goes on serving (ZD_ESHUTDOWN: it is shutting down for another reason) */
+  int checkpointed; /* a checkpoint of `step` is complete in `dir` */
+  int lost;         /* forced without a checkpoint although one was asked for (failed, late) */
+  uint64_t step;
+  char dir[512];
+  char msg[ZD__ERR_MSG_MAX]; /* rc != 0: why; ZD_OK without a checkpoint: why there is none */
+} zd__drain_result_t;
+
+typedef void (*zd__drain_done_fn)(void *arg, const zd__drain_result_t *res);
+
+/* Errors: -ENOMEM, or libuv's (the timer). */
+int zd__drain_create(const zd__drain_env_t *env, zd__drain_t **out);
+
+/* Closes the timer and frees the drain in its close callback; accepts NULL. */
+void zd__drain_close(zd__drain_t *d);
+
+/* Starts a drain asked for by `by` (the caller, for logs and refusals): done(arg, res) runs once
+ * it ends, before the shutdown begins; never when this returns an error. wait_ms bounds the wait
+ * for the checkpoint. force: stop even without a checkpoint (nothing to checkpoint, or it failed
+ * or was late). Errors: ZD_ECONFIG (no checkpoint_dir) and ZD_EORDER (no model registered),
+ * unless force; ZD_EORDER (a drain already in progress), ZD_ESHUTDOWN. */
+int zd__drain_start(zd__drain_t *d, const char *by, uint32_t wait_ms, int force,
+                    zd__drain_done_fn done, void *arg, zd__err_t *err);
+
+/* Who asked for the drain in progress, or NULL when none is. */
+const char *zd__drain_by(const zd__drain_t *d);
+
+/* zerod shuts down for another reason: a drain waiting for its checkpoint ends with ZD_ESHUTDOWN
+ * (its caller hears it before the service goes), and no drain starts from now on. */
+void zd__drain_shutdown(zd__drain_t *d);
+
+/* The server section's draining key (a zd__status_fn; ctx is the drain). */
+void zd__drain_status(void *d, zd__status_t *st);
+
+#endif /* ZD_DAEMON_DRAIN_H */
