@@ -240,36 +240,51 @@ static int meta_is(json_t *meta, const char *key, const char *want) {
   return v && strcmp(v, want) == 0;
 }
 
+/* Reads the header of the safetensors file open as fd (file_bytes long; messages name it `name`):
+ * *hdr (json_decref) is its JSON object, *data_start the offset of the data. -EBADMSG for a file
+ * whose header length is not 2 to max_bytes bytes within the file, or whose header is not a JSON
+ * object (duplicate keys refused); -ENOMEM; -errno from pread. Rank files and imports share it. */
+static int read_st_header(int fd, const char *name, uint64_t file_bytes, uint64_t max_bytes,
+                          json_t **hdr, uint64_t *data_start, zd__err_t *err) {
+  *hdr = NULL;
+  unsigned char lenb[8];
+  ssize_t r = pread_all(fd, lenb, 8, 0);
+  if (r < 0) return zd__errf(err, (int)r, "%s: cannot read: %s", name, strerror((int)-r));
+  uint64_t n = 0;
+  for (int i = 0; r == 8 && i < 8; i++) n |= (uint64_t)lenb[i] << (8 * i);
+  /* "{}" is the shortest header */
+  if (r < 8 || n < 2 || n > max_bytes || 8 + n > file_bytes)
+    return zd__errf(err, -EBADMSG,
+                    "%s: not a safetensors file (%" PRIu64 " bytes, header length %" PRIu64
+                    "; expected a header of 2 to %" PRIu64 " bytes within the file)",
+                    name, file_bytes, n, max_bytes);
+  char *text = malloc(n);
+  if (!text) return zd__errf(err, -ENOMEM, "%s: out of memory for its header", name);
+  r = pread_all(fd, text, n, 8);
+  json_error_t jerr;
+  json_t *j = r == (ssize_t)n ? json_loadb(text, n, JSON_REJECT_DUPLICATES, &jerr) : NULL;
+  free(text);
+  if (r < 0) return zd__errf(err, (int)r, "%s: cannot read: %s", name, strerror((int)-r));
+  if (!json_is_object(j)) {
+    const char *why = !j && r == (ssize_t)n ? jerr.text : NULL; /* the parser's, if it failed */
+    json_decref(j);
+    return zd__errf(err, -EBADMSG, "%s: the safetensors header is not a JSON object%s%s", name,
+                    why ? ": " : "", why ? why : "");
+  }
+  *hdr = j;
+  *data_start = 8 + n;
+  return 0;
+}
+
 /* Reads and checks the header of rank file `name` (open as fd, file_bytes long): the ntensors (3,
  * or 4 with max_exp_avg_sq) F32 tensors of elems elements filling the data exactly, metadata
  * naming this rank, world and step. */
 static int read_shard_header(int fd, const char *name, uint64_t file_bytes, uint32_t rank,
                              uint32_t world_size, uint64_t step, uint64_t elems, int ntensors,
                              shard_hdr_t *h, zd__err_t *err) {
-  unsigned char lenb[8];
-  ssize_t r = pread_all(fd, lenb, 8, 0);
-  if (r < 0) return zd__errf(err, (int)r, "%s: cannot read: %s", name, strerror((int)-r));
-  if (r < 8) return zd__errf(err, -EBADMSG, "%s: %zd bytes; not a safetensors file", name, r);
-  uint64_t n = 0;
-  for (int i = 0; i < 8; i++) n |= (uint64_t)lenb[i] << (8 * i);
-  if (n > MAX_SHARD_HDR || 8 + n > file_bytes)
-    return zd__errf(err, -EBADMSG,
-                    "%s: safetensors header of %" PRIu64 " bytes in a file of %" PRIu64
-                    "; expected a header of at most %u bytes within the file",
-                    name, n, file_bytes, MAX_SHARD_HDR);
-  char *text = malloc(n ? n : 1);
-  if (!text) return zd__errf(err, -ENOMEM, "%s: out of memory for its header", name);
-  r = pread_all(fd, text, n, 8);
-  json_error_t jerr;
-  json_t *hdr = r == (ssize_t)n ? json_loadb(text, n, JSON_REJECT_DUPLICATES, &jerr) : NULL;
-  free(text);
-  if (r < 0) return zd__errf(err, (int)r, "%s: cannot read: %s", name, strerror((int)-r));
-  if (!hdr || !json_is_object(hdr)) {
-    json_decref(hdr);
-    return zd__errf(err, -EBADMSG, "%s: safetensors header is not a JSON object%s%s", name,
-                    r == (ssize_t)n && !hdr ? ": " : "", r == (ssize_t)n && !hdr ? jerr.text : "");
-  }
-  int rc = ZD_OK;
+  json_t *hdr;
+  int rc = read_st_header(fd, name, file_bytes, MAX_SHARD_HDR, &hdr, &h->data_start, err);
+  if (rc) return rc;
   char want[32];
   json_t *meta = json_object_get(hdr, "__metadata__");
   if (!json_is_object(meta) || !meta_is(meta, "format", SHARD_FORMAT) ||
@@ -296,7 +311,6 @@ static int read_shard_header(int fd, const char *name, uint64_t file_bytes, uint
                  ntensors > NTENSORS ? ", max_exp_avg_sq: the manifest says the model has it" : "");
     goto exit;
   }
-  h->data_start = 8 + n;
   uint64_t tbytes = elems * F32_BYTES;
   for (int t = 0; t < ntensors; t++) {
     json_t *e = json_object_get(hdr, tensor_names[t]);
@@ -1603,31 +1617,14 @@ static int import_header(importer_t *im, uint64_t *step, uint64_t *skipped) {
     return zd__errf(im->err, rc, "%s: %s", im->path, strerror(-rc));
   }
   uint64_t file_bytes = (uint64_t)st.st_size;
-  unsigned char lenb[8];
-  ssize_t r = pread_all(im->fd, lenb, 8, 0);
-  if (r < 0) return zd__errf(im->err, (int)r, "%s: %s", im->path, strerror((int)-r));
-  uint64_t n = 0;
-  for (int i = 0; r == 8 && i < 8; i++) n |= (uint64_t)lenb[i] << (8 * i);
-  if (r < 8 || n < 2 || n > MAX_IMPORT_HDR || 8 + n > file_bytes)
-    return import_bad(im, "not a safetensors file (%" PRIu64 " bytes, header length %" PRIu64 ")",
-                      file_bytes, n);
-  char *text = malloc(n);
-  if (!text) return zd__errf(im->err, -ENOMEM, "%s: out of memory for its header", im->path);
-  r = pread_all(im->fd, text, n, 8);
-  json_error_t jerr;
-  im->hdr = r == (ssize_t)n ? json_loadb(text, n, JSON_REJECT_DUPLICATES, &jerr) : NULL;
-  free(text);
-  if (r < 0) return zd__errf(im->err, (int)r, "%s: %s", im->path, strerror((int)-r));
-  if (!json_is_object(im->hdr))
-    return import_bad(im, "the safetensors header is not a JSON object%s%s", im->hdr ? "" : ": ",
-                      im->hdr ? "" : jerr.text);
-  im->data_start = 8 + n;
+  int rc = read_st_header(im->fd, im->path, file_bytes, MAX_IMPORT_HDR, &im->hdr, &im->data_start,
+                          im->err);
+  if (rc) return rc;
   uint64_t data_bytes = file_bytes - im->data_start;
 
   json_t *meta = json_object_get(im->hdr, "__metadata__");
   if (!json_is_object(meta)) return import_bad(im, "no __metadata__: not a zerod state file");
   const char *format, *version, *moments;
-  int rc;
   if ((rc = meta_str(im, meta, "zerod_format", 1, &format))) return rc;
   int is_export = strcmp(format, EXPORT_FORMAT) == 0;
   if (!is_export && strcmp(format, TORCH_STATE_FORMAT) != 0)
