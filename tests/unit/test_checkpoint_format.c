@@ -1,4 +1,4 @@
-/* Unit test of the checkpoint files (common/checkpoint_format.c): rank files and manifest written
+/* Unit test of the checkpoint files (common/ckpt_*.c): rank files and manifest written
  * and read back at world sizes 1, 2 and 4 (values bit for bit), every manifest field round-tripped,
  * corruption (a flipped byte, a truncated file) reported with the file and both checksums, an
  * incomplete checkpoint, find_latest falling back past broken ones, resharding loads between world
