@@ -3,11 +3,13 @@
  * world size (docs/design.md, "Durability and recovery").
  *
  * A checkpoint is the directory <root>/step-<step, %012llu>/ with one safetensors file per rank,
- * rank-<r %05u>-of-<W %05u>.safetensors (F32 tensors "master", "exp_avg" and "exp_avg_sq", and
- * "max_exp_avg_sq" for a model with amsgrad, each of the rank's shard elements, padding included;
- * __metadata__ format "zerod-shard", version, rank, world_size, step), and manifest.json, written
- * last: the step, the world and layout it was written at (parameter table, bucket size, hash), the
- * groups, dtypes, clipping and loss-scaler state, and each rank file's size and XXH3 checksum.
+ * rank-<r %05u>-of-<W %05u>.safetensors (an F32 tensor per state array the model has, named by
+ * common/state.h's table: today "master", "exp_avg", "exp_avg_sq", and "max_exp_avg_sq" for a
+ * model with amsgrad; each of the rank's shard elements, padding included; __metadata__ format
+ * "zerod-shard", version, rank, world_size, step), and manifest.json, written last: the step, the
+ * world and layout it was written at (parameter table, bucket size, hash), the groups, dtypes,
+ * clipping and loss-scaler state, the optional arrays the rank files hold (each as "<name>": true,
+ * today only "max_exp_avg_sq"), and each rank file's size and XXH3 checksum.
  * Every file is written under a ".tmp" name, fsynced, renamed and the directory fsynced, so a
  * checkpoint is complete exactly when its manifest exists, parses, and every file it lists has its
  * size and checksum. JSON is built and parsed with jansson only, checksums are xxHash's

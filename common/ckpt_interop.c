@@ -19,13 +19,42 @@
 #include "ckpt_manifest.h"
 #include "ckpt_shard.h"
 #include "safetensors.h"
+#include "state.h"
 
 #define CHUNK         (8u << 20) /* bytes per read and write of an export */
 #define F32_BYTES     ZD__SAFETENSORS_F32_BYTES
 #define JSON_FLAGS    ZD__SAFETENSORS_JSON_FLAGS
 #define EXPORT_FORMAT "zerod-export"
-#define NTENSORS      3
-#define MAX_TENSORS   4
+#define SUFFIX_MAX    48 /* bytes of ".<array name>" and its NUL */
+
+#define SUFFIX_FITS(role, name, optional, needed) \
+  _Static_assert(sizeof(name) + 1 <= SUFFIX_MAX, "state array name " name " is too long");
+ZD__STATE_ARRAYS(SUFFIX_FITS)
+#undef SUFFIX_FITS
+
+/* Parameter param's tensor of array s, in exports and imports: "<param>" for its master weights,
+ * "<param>.<name>" for the optimizer's arrays ("embed.weight.exp_avg"). */
+static void tensor_name(char *buf, size_t len, const char *param, zd__state_t s) {
+  if (s == ZD__STATE_MASTER)
+    snprintf(buf, len, "%s", param);
+  else
+    snprintf(buf, len, "%s.%s", param, zd__state_name(s));
+}
+
+/* The tensors of the arrays in set for a parameter called NAME ("NAME, NAME.exp_avg"), for
+ * messages. */
+static void tensors_of(zd__states_t set, char *buf, size_t len) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (int s = 0; s < ZD__NSTATES; s++) {
+    char one[SUFFIX_MAX + 8];
+    if (!(set & ZD__STATE_BIT(s))) continue;
+    tensor_name(one, sizeof one, "NAME", s);
+    int n = snprintf(buf + used, len - used, "%s%s", used ? ", " : "", one);
+    if (n < 0 || (size_t)n >= len - used) break;
+    used += (size_t)n;
+  }
+}
 
 /* ---- export ---------------------------------------------------------------------------------- */
 
@@ -38,8 +67,8 @@ int zd__ckpt_export(const char *dir, const char *out_path, int moments, zd__err_
     return rc;
   }
   const zd__layout_t *l = m->layout;
-  int ntensors = !moments ? 1 : m->max_exp_avg_sq ? MAX_TENSORS : NTENSORS;
-  static const char *const suffix[MAX_TENSORS] = {"", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"};
+  /* The master weights, or every array the checkpoint has; each over all parameters in turn. */
+  zd__states_t states = moments ? m->states : ZD__STATE_BIT(ZD__STATE_MASTER);
   char *head = NULL, *buf = NULL, num[24], hex[17];
   zd__ckpt_reader_t *src = NULL;
   zd__ckpt_afile_t f = {.fd = -1};
@@ -48,11 +77,12 @@ int zd__ckpt_export(const char *dir, const char *out_path, int moments, zd__err_
   if (!hdr || !meta || !pg || !groups) goto oom;
 
   uint64_t off = 0;
-  for (int t = 0; t < ntensors; t++) {
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    if (!(states & ZD__STATE_BIT(t))) continue;
     for (uint32_t i = 0; i < l->nparams; i++) {
       const zd__layout_param_t *p = &l->params[i];
-      char name[ZD__MAX_NAME + 16];
-      snprintf(name, sizeof name, "%s%s", p->name, suffix[t]);
+      char name[ZD__MAX_NAME + SUFFIX_MAX];
+      tensor_name(name, sizeof name, p->name, t);
       if (json_object_get(hdr, name) || !strcmp(name, "__metadata__")) {
         rc = zd__errf(err, -EINVAL, "%s: tensor name '%s' is used twice; cannot export", dir, name);
         goto exit;
@@ -96,7 +126,8 @@ int zd__ckpt_export(const char *dir, const char *out_path, int moments, zd__err_
 
   if ((rc = zd__ckpt_afile_open(&f, out_path, err))) goto exit;
   if ((rc = zd__ckpt_afile_write(&f, head, head_len, err))) goto exit;
-  for (int t = 0; t < ntensors; t++) {
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    if (!(states & ZD__STATE_BIT(t))) continue;
     for (uint32_t i = 0; i < l->nparams; i++) {
       uint64_t numel = l->params[i].numel;
       for (uint64_t done = 0; done < numel;) {
@@ -128,7 +159,7 @@ exit:
 /* ---- import ---------------------------------------------------------------------------------- */
 
 #define TORCH_STATE_FORMAT "zerod-torch-state"
-#define MAX_IMPORT_HDR     (1ull << 31) /* three entries of at most 300 bytes per parameter */
+#define MAX_IMPORT_HDR     (1ull << 31) /* an entry of at most 300 bytes per tensor */
 
 /* One tensor of the file being imported. */
 typedef struct in_tensor {
@@ -153,10 +184,11 @@ typedef struct importer {
   uint32_t ngroups;
   zd_param_t *params;
   uint32_t nparams;
-  int per;                      /* tensors per parameter: 3, or 4 with max_exp_avg_sq */
-  const in_tensor_t **by_param; /* nparams x per: master, exp_avg, exp_avg_sq(, max_exp_avg_sq) */
+  zd__states_t states;          /* the arrays the file holds, for every parameter */
+  const in_tensor_t **by_param; /* nparams x ZD__NSTATES: parameter i's tensor of array s */
   zd__layout_t *layout;
-  float *arrays;
+  float *arrays; /* one allocation: state[s] for each array in states */
+  float *state[ZD__NSTATES];
 } importer_t;
 
 static int import_bad(importer_t *im, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -304,7 +336,7 @@ static int same_shape(const in_tensor_t *a, const in_tensor_t *b) {
   return a->ndim == b->ndim && !memcmp(a->shape, b->shape, a->ndim * sizeof a->shape[0]);
 }
 
-/* The groups, and the parameters in registration order, each with its three tensors. */
+/* The groups, and the parameters in registration order, each with its tensor of every array. */
 static int import_params(importer_t *im) {
   size_t ng = json_array_size(im->groups_json);
   if (ng == 0 || ng > UINT32_MAX) return import_bad(im, "metadata \"groups\" is empty");
@@ -321,32 +353,46 @@ static int import_params(importer_t *im) {
   if (np == 0 || np > ZD__MAX_PARAMS)
     return import_bad(im, "metadata \"param_groups\" lists %zu parameters; expected 1 to %u", np,
                       ZD__MAX_PARAMS);
-  if (im->ntensors != 3 * np && im->ntensors != 4 * np)
-    return import_bad(im,
-                      "%zu tensors for %zu parameters; expected 3 per parameter (NAME, "
-                      "NAME.exp_avg, NAME.exp_avg_sq), or 4 with NAME.max_exp_avg_sq (amsgrad) "
-                      "for every one, and no other",
-                      im->ntensors, np);
-  im->per = im->ntensors == 4 * np ? 4 : 3;
   if (im->names_json && json_array_size(im->names_json) != np)
     return import_bad(im, "metadata \"params\" names %zu parameters, \"param_groups\" %zu",
                       json_array_size(im->names_json), np);
   im->nparams = (uint32_t)np;
   im->params = calloc(np, sizeof *im->params);
-  im->by_param = calloc((size_t)im->per * np, sizeof *im->by_param);
+  im->by_param = calloc(np * ZD__NSTATES, sizeof *im->by_param);
   if (!im->params || !im->by_param)
     return zd__errf(im->err, -ENOMEM, "%s: out of memory for %zu parameters", im->path, np);
   /* An export lists no names: its master tensors come first in its data, in registration
    * order (zd__ckpt_export writes them so). */
   in_tensor_t *sorted = NULL;
   if (!im->names_json) {
-    sorted = malloc(im->ntensors * sizeof *sorted);
+    sorted = malloc((im->ntensors ? im->ntensors : 1) * sizeof *sorted);
     if (!sorted) return zd__errf(im->err, -ENOMEM, "%s: out of memory", im->path);
     memcpy(sorted, im->tensors, im->ntensors * sizeof *sorted);
     qsort(sorted, im->ntensors, sizeof *sorted, by_data);
   }
-  static const char *const suffix[MAX_TENSORS] = {"", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"};
-  const int per = im->per;
+  /* The arrays every parameter has: those every model has, and the optional ones the first
+   * parameter has (an optional array is for every parameter or none). */
+  const char *first = sorted ? (im->ntensors ? sorted[0].name : NULL)
+                             : json_string_value(json_array_get(im->names_json, 0));
+  char tname[ZD__MAX_NAME + SUFFIX_MAX];
+  im->states = zd__states_always();
+  for (int t = 0; t < ZD__NSTATES && first && strlen(first) <= ZD__MAX_NAME; t++) {
+    tensor_name(tname, sizeof tname, first, t);
+    if (find_tensor(im, tname)) im->states |= ZD__STATE_BIT(t);
+  }
+  int per = __builtin_popcount(im->states);
+  if (im->ntensors != (size_t)per * np) {
+    char have[256], optional[256];
+    tensors_of(im->states, have, sizeof have);
+    tensors_of(~im->states, optional, sizeof optional); /* the optional ones it lacks */
+    rc = import_bad(im,
+                    "%zu tensors for %zu parameters; expected %d per parameter (%s%s%s%s), and "
+                    "no other",
+                    im->ntensors, np, per, have, optional[0] ? "; or also " : "", optional,
+                    optional[0] ? ", each for every parameter or none" : "");
+    free(sorted);
+    return rc;
+  }
   rc = 0;
   for (uint32_t i = 0; i < im->nparams && !rc; i++) {
     const char *name =
@@ -363,18 +409,19 @@ static int import_params(importer_t *im) {
                       name, im->ngroups);
       break;
     }
-    for (int t = 0; t < per && !rc; t++) {
-      char tname[ZD__MAX_NAME + 16];
-      snprintf(tname, sizeof tname, "%s%s", name, suffix[t]);
+    const in_tensor_t **mine = &im->by_param[(size_t)ZD__NSTATES * i];
+    for (int t = 0; t < ZD__NSTATES && !rc; t++) {
+      if (!(im->states & ZD__STATE_BIT(t))) continue;
+      tensor_name(tname, sizeof tname, name, t);
       const in_tensor_t *found = find_tensor(im, tname);
       if (!found)
         rc = import_bad(im, "no tensor \"%.300s\" for parameter '%.300s'", tname, name);
-      else if (t > 0 && !same_shape(found, im->by_param[per * i]))
+      else if (t != ZD__STATE_MASTER && !same_shape(found, mine[ZD__STATE_MASTER]))
         rc = import_bad(im, "tensor \"%.300s\" is not of its parameter's shape", tname);
-      im->by_param[per * i + t] = found;
+      mine[t] = found;
     }
     if (rc) break;
-    const in_tensor_t *master = im->by_param[per * i];
+    const in_tensor_t *master = mine[ZD__STATE_MASTER];
     im->params[i] = (zd_param_t){
         .name = master->name, .ndim = master->ndim, .group = (uint32_t)json_integer_value(g)};
     memcpy(im->params[i].shape, master->shape, sizeof master->shape);
@@ -383,20 +430,27 @@ static int import_params(importer_t *im) {
   return rc;
 }
 
-/* Reads every parameter's three (or four) tensors to where the W=1 layout puts them (padding
- * stays 0). */
+/* Reads every parameter's tensor of each array to where the W=1 layout puts it (padding stays
+ * 0). */
 static int import_read(importer_t *im) {
-  uint64_t n = im->layout->shard_elems;
-  im->arrays = calloc((uint64_t)im->per * (n ? n : 1), sizeof(float));
+  uint64_t n = im->layout->shard_elems, per = (uint64_t)__builtin_popcount(im->states);
+  im->arrays = calloc(per * (n ? n : 1), sizeof(float));
   if (!im->arrays)
     return zd__errf(im->err, -ENOMEM, "%s: out of memory for %" PRIu64 " elements", im->path,
-                    (uint64_t)im->per * n);
+                    per * n);
+  float *next = im->arrays;
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    if (!(im->states & ZD__STATE_BIT(t))) continue;
+    im->state[t] = next;
+    next += n;
+  }
   for (uint32_t i = 0; i < im->nparams; i++) {
     const zd__layout_param_t *p = &im->layout->params[i];
-    for (int t = 0; t < im->per; t++) {
-      const in_tensor_t *src = im->by_param[(uint64_t)im->per * i + t];
+    for (int t = 0; t < ZD__NSTATES; t++) {
+      if (!im->state[t]) continue;
+      const in_tensor_t *src = im->by_param[(size_t)ZD__NSTATES * i + t];
       /* At world size 1 a rank's shard is the flat buffer: a parameter's offset is its index. */
-      float *dst = im->arrays + (uint64_t)t * n + p->offset;
+      float *dst = im->state[t] + p->offset;
       uint64_t bytes = p->numel * F32_BYTES;
       ssize_t got = zd__ckpt_pread_all(im->fd, dst, bytes, im->data_start + src->begin);
       if (got < 0) return zd__errf(im->err, (int)got, "%s: %s", im->path, strerror((int)-got));
@@ -423,14 +477,8 @@ static int import_write(importer_t *im, const char *root, uint64_t step, uint64_
                     "; import into another directory",
                     dir, step);
   uint64_t n = im->layout->shard_elems;
-  zd__ckpt_shard_t shard = {.rank = 0,
-                            .world_size = 1,
-                            .step = step,
-                            .elems = n,
-                            .master = im->arrays,
-                            .exp_avg = im->arrays + n,
-                            .exp_avg_sq = im->arrays + 2 * n,
-                            .max_exp_avg_sq = im->per > 3 ? im->arrays + 3 * n : NULL};
+  zd__ckpt_shard_t shard = {.rank = 0, .world_size = 1, .step = step, .elems = n};
+  memcpy(shard.state, im->state, sizeof shard.state);
   zd__ckpt_file_t file;
   int rc = zd__ckpt_write_shard(dir, &shard, 0, &file, err);
   if (rc) return rc;
@@ -443,7 +491,7 @@ static int import_write(importer_t *im, const char *root, uint64_t step, uint64_
                            .param_dtype = ZD_F32,
                            .grad_dtype = ZD_F32,
                            .grad_mean = 1,
-                           .max_exp_avg_sq = im->per > 3,
+                           .states = im->states,
                            .files = &file,
                            .nfiles = 1};
   if ((rc = zd__ckpt_write_manifest(dir, &m, err))) return rc;

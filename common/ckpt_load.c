@@ -18,7 +18,6 @@
 #define CHUNK     (8u << 20) /* bytes per read while verifying: large, for throughput */
 #define MERGE_GAP (1u << 16) /* elements of padding a load reads through to merge two runs */
 #define F32_BYTES ZD__SAFETENSORS_F32_BYTES
-#define NTENSORS  3
 
 /* ---- verification ---------------------------------------------------------------------------- */
 
@@ -26,7 +25,7 @@
 static int open_rank_file(const char *dir, const zd__ckpt_manifest_t *m, uint32_t r, int *fd,
                           zd__ckpt_shard_hdr_t *h, zd__err_t *err) {
   return zd__ckpt_shard_open(dir, &m->files[r], r, m->world_size, m->step, m->layout->shard_elems,
-                             m->max_exp_avg_sq ? ZD__CKPT_MAX_TENSORS : NTENSORS, fd, h, err);
+                             m->states, fd, h, err);
 }
 
 int zd__ckpt_verify(const char *dir, const zd__ckpt_manifest_t *m, zd__err_t *err) {
@@ -190,8 +189,8 @@ static void sources_close(sources_t *s) {
   free(s->hdr);
 }
 
-/* Reads n elements of tensor t at src of rank file r into dst. */
-static int read_elems(sources_t *s, uint32_t r, int t, uint64_t src, uint64_t n, float *dst,
+/* Reads n elements of array t at src of rank file r into dst. */
+static int read_elems(sources_t *s, uint32_t r, zd__state_t t, uint64_t src, uint64_t n, float *dst,
                       zd__err_t *err) {
   int rc = sources_get(s, r, err);
   if (rc) return rc;
@@ -206,17 +205,22 @@ static int read_elems(sources_t *s, uint32_t r, int t, uint64_t src, uint64_t n,
 }
 
 int zd__ckpt_load_shard(const char *dir, const zd__ckpt_manifest_t *m, const zd__layout_t *layout,
-                        uint32_t rank, float *master, float *exp_avg, float *exp_avg_sq,
-                        float *max_exp_avg_sq, zd__err_t *err) {
+                        uint32_t rank, float *state[ZD__NSTATES], zd__err_t *err) {
   char diff[ZD__ERR_MSG_MAX - 128];
   if (!zd__ckpt_same_params(m->layout, layout, diff, sizeof diff))
     return zd__errf(err, ZD_ELAYOUT, "%s: the model differs from the checkpoint's: %s", dir, diff);
-  if (max_exp_avg_sq && !m->max_exp_avg_sq)
-    return zd__errf(err, ZD_ECHECKPOINT,
-                    "%s: the model has amsgrad but the checkpoint has no max_exp_avg_sq (written "
-                    "without amsgrad; torch's load_state_dict would leave the state without it and "
-                    "its step raise KeyError): resume without amsgrad, or start afresh",
-                    dir);
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    if (!state[t] && zd__states_always() & ZD__STATE_BIT(t))
+      return zd__errf(err, -EINVAL, "%s: no %s array to load into; every model has one", dir,
+                      zd__state_name(t));
+    if (state[t] && !(m->states & ZD__STATE_BIT(t)))
+      return zd__errf(err, ZD_ECHECKPOINT,
+                      "%s: the checkpoint has no %s, which the model has (the checkpoint was "
+                      "written by a model whose groups did not need it; torch's load_state_dict "
+                      "would leave the state without it and its step raise KeyError): resume with "
+                      "groups that do not need it, or start afresh",
+                      dir, zd__state_name(t));
+  }
   if (rank >= layout->world_size)
     return zd__errf(err, -EINVAL, "rank %u of a world of %u", rank, layout->world_size);
   runs_t rs = {0};
@@ -241,14 +245,14 @@ int zd__ckpt_load_shard(const char *dir, const zd__ckpt_manifest_t *m, const zd_
   }
   if (layout->shard_elems > cursor && runs_add(&zero, 0, 0, cursor, layout->shard_elems - cursor))
     goto oom;
-  float *arrays[ZD__CKPT_MAX_TENSORS] = {master, exp_avg, exp_avg_sq, max_exp_avg_sq};
-  for (int t = 0; t < (max_exp_avg_sq ? ZD__CKPT_MAX_TENSORS : NTENSORS); t++) {
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    if (!state[t]) continue; /* an array the model lacks: the checkpoint's is not read */
     for (size_t i = 0; i < rs.n; i++) {
       const run_t *r = &rs.v[i];
-      if ((rc = read_elems(&src, r->file, t, r->src, r->n, arrays[t] + r->dst, err))) goto exit;
+      if ((rc = read_elems(&src, r->file, t, r->src, r->n, state[t] + r->dst, err))) goto exit;
     }
     for (size_t i = 0; i < zero.n; i++)
-      memset(arrays[t] + zero.v[i].dst, 0, zero.v[i].n * sizeof(float));
+      memset(state[t] + zero.v[i].dst, 0, zero.v[i].n * sizeof(float));
   }
   rc = ZD_OK;
   goto exit;
@@ -279,9 +283,11 @@ int zd__ckpt_reader_open(const char *dir, const zd__ckpt_manifest_t *m, zd__ckpt
   return ZD_OK;
 }
 
-int zd__ckpt_reader_param(zd__ckpt_reader_t *r, int t, uint32_t p, uint64_t first, uint64_t n,
-                          float *dst, zd__err_t *err) {
+int zd__ckpt_reader_param(zd__ckpt_reader_t *r, zd__state_t t, uint32_t p, uint64_t first,
+                          uint64_t n, float *dst, zd__err_t *err) {
   const zd__layout_t *l = r->src.m->layout;
+  if ((unsigned)t >= ZD__NSTATES || !(r->src.m->states & ZD__STATE_BIT(t)))
+    return zd__errf(err, -EINVAL, "%s: the checkpoint has no array %d", r->src.dir, (int)t);
   r->rs.n = 0;
   if (map_param(l, p, first, first + n, 0, &r->rs))
     return zd__errf(err, -ENOMEM, "%s: out of memory", r->src.dir);

@@ -104,6 +104,15 @@ int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__e
     if (zd__group_check(&m->groups[g], where, &gerr))
       return zd__errf(err, -EINVAL, "%s: %s", path, gerr.msg);
   }
+  zd__states_t always = zd__states_always(), table = 0;
+  for (int a = 0; a < ZD__NSTATES; a++) table |= ZD__STATE_BIT(a);
+  for (int a = 0; a < ZD__NSTATES; a++)
+    if (always & ZD__STATE_BIT(a) && !(m->states & ZD__STATE_BIT(a)))
+      return zd__errf(err, -EINVAL, "%s: states lacks %s, which every rank file holds", path,
+                      zd__state_name(a));
+  if (m->states & ~table)
+    return zd__errf(err, -EINVAL, "%s: states 0x%x names arrays beyond the table's %d", path,
+                    (unsigned)m->states, ZD__NSTATES);
   const zd__ckpt_scaler_t *s = &m->scaler;
   const double reals[] = {m->max_grad_norm,      s->scale,
                           s->cfg.initial_scale,  s->cfg.growth_factor,
@@ -151,8 +160,11 @@ int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__e
   bad |= json_object_set_new(root, "grad_dtype", json_string(zd_dtype_name(m->grad_dtype)));
   bad |= json_object_set_new(root, "max_grad_norm", json_real(m->max_grad_norm));
   bad |= json_object_set_new(root, "grad_mean", json_boolean(m->grad_mean));
-  if (m->max_exp_avg_sq) /* absent in older checkpoints, which do not have it */
-    bad |= json_object_set_new(root, "max_exp_avg_sq", json_true());
+  /* The optional arrays the rank files hold, each as "<name>": true; one they do not hold is
+   * absent, as in the checkpoints written before it existed. */
+  for (int a = 0; a < ZD__NSTATES; a++)
+    if (m->states & ~always & ZD__STATE_BIT(a))
+      bad |= json_object_set_new(root, zd__state_name(a), json_true());
   bad |= json_object_set_new(root, "loss_scaler", scaler_json(s));
   bad |= json_object_set_new(root, "groups", groups);
   bad |= json_object_set_new(root, "params", params);
@@ -530,10 +542,16 @@ int zd__ckpt_read_manifest(const char *dir, zd__ckpt_manifest_t **out, zd__err_t
       (rc = get_double(&r, root, "", "max_grad_norm", &m->max_grad_norm)) ||
       (rc = get_bool(&r, root, "", "grad_mean", &m->grad_mean)) ||
       (rc = read_scaler(&r, json_object_get(root, "loss_scaler"), &m->scaler)) ||
-      (rc = get_u64(&r, root, "", "created_ms", INT64_MAX, &created)) ||
-      (json_object_get(root, "max_exp_avg_sq") &&
-       (rc = get_bool(&r, root, "", "max_exp_avg_sq", &m->max_exp_avg_sq))))
+      (rc = get_u64(&r, root, "", "created_ms", INT64_MAX, &created)))
     goto fail;
+  m->states = zd__states_always();
+  for (int a = 0; a < ZD__NSTATES; a++) {
+    const char *name = zd__state_name(a);
+    int has = 0;
+    if (m->states & ZD__STATE_BIT(a) || !json_object_get(root, name)) continue;
+    if ((rc = get_bool(&r, root, "", name, &has))) goto fail;
+    if (has) m->states |= ZD__STATE_BIT(a);
+  }
   if (ws == 0 || m->bucket_elems == 0) {
     rc = zd__errf(err, -EBADMSG,
                   "%s: world_size %" PRIu64 ", bucket_elems %" PRIu64 "; expected both >= 1", path,

@@ -4,7 +4,8 @@
  *
  * It holds the step, the world and layout the checkpoint was written at (parameter table, bucket
  * size, hash), the groups, dtypes, clipping and loss-scaler state, which optional state arrays the
- * rank files hold, and each rank file's size and XXH3 checksum. It names no topology a reader must
+ * rank files hold (each as "<name>": true, by common/state.h's table), and each rank file's size
+ * and XXH3 checksum. It names no topology a reader must
  * share: the layout it rebuilds is the writer's, which the resharding load maps from. JSON is
  * built and parsed with jansson only, so that other tools read it; a parameter group's JSON (every
  * field of zd_group_t by its C name) is the same in exports and imports, and is built here.
@@ -22,6 +23,7 @@
 #include "ckpt_shard.h"
 #include "error.h"
 #include "layout.h"
+#include "state.h"
 #include "zerod/zerod.h"
 
 #define ZD__CKPT_VERSION  1
@@ -49,7 +51,8 @@ typedef struct zd__ckpt_manifest {
   double max_grad_norm;
   int grad_mean; /* 1: gradients averaged over the world (ZD_GRAD_MEAN); 0: summed */
   zd__ckpt_scaler_t scaler;
-  int max_exp_avg_sq;     /* every rank file has the fourth tensor (amsgrad); 0 when absent */
+  zd__states_t states;    /* the arrays every rank file holds: zd__states_always() and the
+                             optional ones the model had */
   uint64_t created_ms;    /* unix time, milliseconds */
   zd__ckpt_file_t *files; /* owned, likewise; files[r] is rank r's */
   uint32_t nfiles;
@@ -62,7 +65,8 @@ typedef struct zd__ckpt_manifest {
  * ZD__CKPT_VERSION; created_ms 0 means now. Doubles are written with 17 significant digits: they
  * read back bit for bit. Fsyncs the file, dir and dir's parent: the checkpoint is durable on
  * return. -EINVAL for a manifest that could not be read back (a non-finite double, an invalid group
- * or dtype, a name that is not UTF-8, a file list that is not one file per rank). */
+ * or dtype, a name that is not UTF-8, a file list that is not one file per rank, states without
+ * an array every model has). */
 int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__err_t *err);
 
 /* Reads dir/manifest.json and validates it: the format version, every field present and of its

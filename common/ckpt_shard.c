@@ -20,12 +20,18 @@
 #define MAX_SHARD_HDR (1u << 20) /* a rank file's header is a few hundred bytes */
 #define SHARD_FORMAT  "zerod-shard"
 #define F32_BYTES     ZD__SAFETENSORS_F32_BYTES
-#define NTENSORS      3
 
-/* amsgrad's max_exp_avg_sq is a fourth tensor, in the files of a model that has it (the manifest's
- * max_exp_avg_sq says so): checkpoints without it keep their three. */
-static const char *const tensor_names[ZD__CKPT_MAX_TENSORS] = {"master", "exp_avg", "exp_avg_sq",
-                                                               "max_exp_avg_sq"};
+/* The names of the arrays in set, in the table's order and ", "-separated, into buf. */
+static void names_of(zd__states_t set, char *buf, size_t len) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (int s = 0; s < ZD__NSTATES; s++) {
+    if (!(set & ZD__STATE_BIT(s))) continue;
+    int n = snprintf(buf + used, len - used, "%s%s", used ? ", " : "", zd__state_name(s));
+    if (n < 0 || (size_t)n >= len - used) break;
+    used += (size_t)n;
+  }
+}
 
 static double mono_s(void) {
   struct timespec ts;
@@ -33,12 +39,12 @@ static double mono_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Reads and checks the header of rank file `name` (open as fd, file_bytes long): the ntensors (3,
- * or 4 with max_exp_avg_sq) F32 tensors of elems elements filling the data exactly, metadata
- * naming this rank, world and step. */
+/* Reads and checks the header of rank file `name` (open as fd, file_bytes long): one F32 tensor
+ * of elems elements per array in states, filling the data exactly, metadata naming this rank,
+ * world and step. */
 static int read_shard_header(int fd, const char *name, uint64_t file_bytes, uint32_t rank,
-                             uint32_t world_size, uint64_t step, uint64_t elems, int ntensors,
-                             zd__ckpt_shard_hdr_t *h, zd__err_t *err) {
+                             uint32_t world_size, uint64_t step, uint64_t elems,
+                             zd__states_t states, zd__ckpt_shard_hdr_t *h, zd__err_t *err) {
   json_t *hdr;
   int rc =
       zd__safetensors_read_header(fd, name, file_bytes, MAX_SHARD_HDR, &hdr, &h->data_start, err);
@@ -62,16 +68,19 @@ static int read_shard_header(int fd, const char *name, uint64_t file_bytes, uint
       goto exit;
     }
   }
+  int ntensors = __builtin_popcount(states);
   if (json_object_size(hdr) != 1 + (size_t)ntensors) {
-    rc =
-        zd__errf(err, -EBADMSG, "%s: %zu tensors; expected %d (master, exp_avg, exp_avg_sq%s)",
-                 name, json_object_size(hdr) - 1, ntensors,
-                 ntensors > NTENSORS ? ", max_exp_avg_sq: the manifest says the model has it" : "");
+    char list[256];
+    names_of(states, list, sizeof list);
+    rc = zd__errf(err, -EBADMSG, "%s: %zu tensors; expected %d (%s%s)", name,
+                  json_object_size(hdr) - 1, ntensors, list,
+                  states & ~zd__states_always() ? ": the arrays the manifest lists" : "");
     goto exit;
   }
   uint64_t tbytes = elems * F32_BYTES;
-  for (int t = 0; t < ntensors; t++) {
-    json_t *e = json_object_get(hdr, tensor_names[t]);
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    if (!(states & ZD__STATE_BIT(t))) continue;
+    json_t *e = json_object_get(hdr, zd__state_name(t));
     json_t *shape = json_object_get(e, "shape"), *offs = json_object_get(e, "data_offsets");
     json_int_t begin = json_integer_value(json_array_get(offs, 0));
     json_int_t end = json_integer_value(json_array_get(offs, 1));
@@ -83,7 +92,7 @@ static int read_shard_header(int fd, const char *name, uint64_t file_bytes, uint
       rc = zd__errf(err, -EBADMSG,
                     "%s: tensor \"%s\" is not F32 of shape [%" PRIu64 "] within the file (%" PRIu64
                     " bytes)",
-                    name, tensor_names[t], elems, file_bytes);
+                    name, zd__state_name(t), elems, file_bytes);
       goto exit;
     }
     h->off[t] = (uint64_t)begin;
@@ -101,7 +110,7 @@ exit:
 }
 
 int zd__ckpt_shard_open(const char *dir, const zd__ckpt_file_t *f, uint32_t rank,
-                        uint32_t world_size, uint64_t step, uint64_t elems, int ntensors,
+                        uint32_t world_size, uint64_t step, uint64_t elems, zd__states_t states,
                         int *fd_out, zd__ckpt_shard_hdr_t *h, zd__err_t *err) {
   char path[PATH_MAX];
   if (zd__ckpt_join(path, sizeof path, dir, f->name))
@@ -120,7 +129,7 @@ int zd__ckpt_shard_open(const char *dir, const zd__ckpt_file_t *f, uint32_t rank
     rc = zd__errf(err, -EBADMSG, "%s: %lld bytes; expected %" PRIu64, f->name,
                   (long long)st.st_size, f->bytes);
   } else {
-    rc = read_shard_header(fd, f->name, f->bytes, rank, world_size, step, elems, ntensors, h, err);
+    rc = read_shard_header(fd, f->name, f->bytes, rank, world_size, step, elems, states, h, err);
   }
   if (rc) {
     close(fd);
@@ -145,6 +154,10 @@ int zd__ckpt_write_shard(const char *dir, const zd__ckpt_shard_t *s, uint64_t th
                          zd__ckpt_file_t *out, zd__err_t *err) {
   if (s->world_size == 0 || s->rank >= s->world_size)
     return zd__errf(err, -EINVAL, "rank %u of a world of %u", s->rank, s->world_size);
+  for (int t = 0; t < ZD__NSTATES; t++)
+    if (!s->state[t] && zd__states_always() & ZD__STATE_BIT(t))
+      return zd__errf(err, -EINVAL, "rank %u: no %s array; every rank file holds one", s->rank,
+                      zd__state_name(t));
   if (mkdir(dir, 0755) && errno != EEXIST) {
     int rc = -errno;
     return zd__errf(err, rc, "cannot create checkpoint directory %s: %s", dir, strerror(-rc));
@@ -165,12 +178,13 @@ int zd__ckpt_write_shard(const char *dir, const zd__ckpt_shard_t *s, uint64_t th
   json_object_set_new(meta, "world_size", json_string(num[1]));
   json_object_set_new(meta, "step", json_string(num[2]));
   json_object_set_new(hdr, "__metadata__", meta);
-  uint64_t tbytes = s->elems * F32_BYTES;
-  int ntensors = s->max_exp_avg_sq ? ZD__CKPT_MAX_TENSORS : NTENSORS;
-  for (int t = 0; t < ntensors; t++)
-    json_object_set_new(
-        hdr, tensor_names[t],
-        zd__safetensors_entry(&s->elems, 1, (uint64_t)t * tbytes, (uint64_t)(t + 1) * tbytes));
+  uint64_t tbytes = s->elems * F32_BYTES, off = 0;
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    if (!s->state[t]) continue;
+    json_object_set_new(hdr, zd__state_name(t),
+                        zd__safetensors_entry(&s->elems, 1, off, off + tbytes));
+    off += tbytes;
+  }
   char *head = NULL;
   size_t head_len = 0;
   int rc = zd__safetensors_header_bytes(hdr, &head, &head_len);
@@ -185,10 +199,9 @@ int zd__ckpt_write_shard(const char *dir, const zd__ckpt_shard_t *s, uint64_t th
   if (throttle_bytes_per_s && throttle_bytes_per_s / 8 < chunk)
     chunk = throttle_bytes_per_s / 8 > 4096 ? (size_t)(throttle_bytes_per_s / 8) : 4096;
   double start = mono_s();
-  const float *arrays[ZD__CKPT_MAX_TENSORS] = {s->master, s->exp_avg, s->exp_avg_sq,
-                                               s->max_exp_avg_sq};
-  for (int t = 0; t < ntensors; t++) {
-    const char *p = (const char *)arrays[t];
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    const char *p = (const char *)s->state[t];
+    if (!p) continue;
     for (uint64_t done = 0; done < tbytes;) {
       size_t n = tbytes - done < chunk ? (size_t)(tbytes - done) : chunk;
       if ((rc = zd__ckpt_afile_write(&f, p + done, n, err))) goto fail;

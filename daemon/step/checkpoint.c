@@ -119,14 +119,15 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
   int rc = zd__ckpt_dir_name(c->dir, j->step, dir, sizeof dir) == 0 ? ZD_OK : -ENAMETOOLONG;
   if (rc) zd__errf(&err, rc, "checkpoint directory name too long under %s", c->dir);
   if (!rc) {
-    zd__ckpt_shard_t shard = {.rank = j->rank,
-                              .world_size = c->has_world ? c->world.world_size : 1,
-                              .step = j->step,
-                              .elems = s->elems,
-                              .master = s->snap,
-                              .exp_avg = s->snap + s->elems,
-                              .exp_avg_sq = s->snap + 2 * s->elems,
-                              .max_exp_avg_sq = s->arrays > 3 ? s->snap + 3 * s->elems : NULL};
+    zd__ckpt_shard_t shard = {
+        .rank = j->rank,
+        .world_size = c->has_world ? c->world.world_size : 1,
+        .step = j->step,
+        .elems = s->elems,
+        .state = {[ZD__STATE_MASTER] = s->snap,
+                  [ZD__STATE_EXP_AVG] = s->snap + s->elems,
+                  [ZD__STATE_EXP_AVG_SQ] = s->snap + 2 * s->elems,
+                  [ZD__STATE_MAX_EXP_AVG_SQ] = s->arrays > 3 ? s->snap + 3 * s->elems : NULL}};
     rc = zd__ckpt_write_shard(dir, &shard, c->set.throttle_bytes_per_s, &file, &err);
   }
   if (c->has_world && !j->manifest) { /* tell rank 0, success or not: it must not wait in vain */
@@ -474,7 +475,8 @@ static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt
                                    .scale = m->scaler.scale,
                                    .growth_tracker = m->scaler.growth_tracker,
                                    .hysteresis_tracker = m->scaler.hysteresis_tracker};
-  mf->max_exp_avg_sq = m->max_exp_avg_sq != NULL;
+  mf->states =
+      zd__states_always() | (m->max_exp_avg_sq ? ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ) : 0);
   mf->created_ms = zd__unix_ms();
   mf->nfiles = w;
   *out = mf;
@@ -677,8 +679,14 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   if (!rc && mf) {
     uint64_t arrays = m->max_exp_avg_sq ? 4 : 3;
     host = malloc(arrays * (n ? n : 1) * sizeof(float));
-    rc = host ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, host, host + n, host + 2 * n,
-                                    arrays > 3 ? host + 3 * n : NULL, err)
+    float *state[ZD__NSTATES] = {0};
+    if (host) {
+      state[ZD__STATE_MASTER] = host;
+      state[ZD__STATE_EXP_AVG] = host + n;
+      state[ZD__STATE_EXP_AVG_SQ] = host + 2 * n;
+      state[ZD__STATE_MAX_EXP_AVG_SQ] = arrays > 3 ? host + 3 * n : NULL;
+    }
+    rc = host ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, state, err)
               : zd__errf(err, -ENOMEM, "no host memory to load %" PRIu64 " elements", arrays * n);
     if (!rc) rc = copy_arrays(ctx, m, host, 0, err);
   }
