@@ -8,7 +8,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "checkpoint_format.h"
+#include "ckpt_manifest.h"
 #include "clock.h"
 #include "log.h"
 

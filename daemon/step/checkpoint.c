@@ -128,15 +128,12 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
   int rc = zd__ckpt_dir_name(c->dir, j->step, dir, sizeof dir) == 0 ? ZD_OK : -ENAMETOOLONG;
   if (rc) zd__errf(&err, rc, "checkpoint directory name too long under %s", c->dir);
   if (!rc) {
-    zd__ckpt_shard_t shard = {
-        .rank = j->rank,
-        .world_size = c->has_world ? c->world.world_size : 1,
-        .step = j->step,
-        .elems = s->elems,
-        .master = packed(s->snap, s->elems, s->states, ZD__STATE_MASTER),
-        .exp_avg = packed(s->snap, s->elems, s->states, ZD__STATE_EXP_AVG),
-        .exp_avg_sq = packed(s->snap, s->elems, s->states, ZD__STATE_EXP_AVG_SQ),
-        .max_exp_avg_sq = packed(s->snap, s->elems, s->states, ZD__STATE_MAX_EXP_AVG_SQ)};
+    zd__ckpt_shard_t shard = {.rank = j->rank,
+                              .world_size = c->has_world ? c->world.world_size : 1,
+                              .step = j->step,
+                              .elems = s->elems,
+                              .state = {0}};
+    for (int i = 0; i < ZD__NSTATES; i++) shard.state[i] = packed(s->snap, s->elems, s->states, i);
     rc = zd__ckpt_write_shard(dir, &shard, c->set.throttle_bytes_per_s, &file, &err);
   }
   if (c->has_world && !j->manifest) { /* tell rank 0, success or not: it must not wait in vain */
@@ -484,7 +481,7 @@ static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt
                                    .scale = m->scaler.scale,
                                    .growth_tracker = m->scaler.growth_tracker,
                                    .hysteresis_tracker = m->scaler.hysteresis_tracker};
-  mf->max_exp_avg_sq = (m->states & ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ)) != 0;
+  mf->states = m->states;
   mf->created_ms = zd__unix_ms();
   mf->nfiles = w;
   *out = mf;
@@ -687,11 +684,9 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   if (!rc && mf) {
     uint64_t arrays = (uint64_t)__builtin_popcount(m->states);
     host = malloc(arrays * (n ? n : 1) * sizeof(float));
-    rc = host ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank,
-                                    packed(host, n, m->states, ZD__STATE_MASTER),
-                                    packed(host, n, m->states, ZD__STATE_EXP_AVG),
-                                    packed(host, n, m->states, ZD__STATE_EXP_AVG_SQ),
-                                    packed(host, n, m->states, ZD__STATE_MAX_EXP_AVG_SQ), err)
+    float *state[ZD__NSTATES] = {0};
+    for (int i = 0; host && i < ZD__NSTATES; i++) state[i] = packed(host, n, m->states, i);
+    rc = host ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, state, err)
               : zd__errf(err, -ENOMEM, "no host memory to load %" PRIu64 " elements", arrays * n);
     if (!rc) rc = copy_arrays(ctx, m, host, 0, err);
   }

@@ -1,10 +1,11 @@
-/* Unit test of the checkpoint files (common/checkpoint_format.c): rank files and manifest written
+/* Unit test of the checkpoint files (common/ckpt_*.c): rank files and manifest written
  * and read back at world sizes 1, 2 and 4 (values bit for bit), every manifest field round-tripped,
  * corruption (a flipped byte, a truncated file) reported with the file and both checksums, an
  * incomplete checkpoint, find_latest falling back past broken ones, resharding loads between world
  * and bucket sizes, retention, export (its safetensors header parsed back and its values checked),
- * the throttled writer, and import (a torch-state file and an export back in, every element checked
- * after loads at two topologies; malformed files refused with their cause).
+ * the throttled writer, import (a torch-state file and an export back in, every element checked
+ * after loads at two topologies; malformed files refused with their cause), and every array of the
+ * state table (common/state.h) through all of these by its name.
  *
  * Values are a function of (parameter, element, tensor) drawn from a fixed seed, so any rank of any
  * layout knows what each of its elements must hold; where an element goes is computed here from
@@ -74,14 +75,14 @@ static zd__layout_t *build(uint32_t world, uint64_t bucket) {
   return l;
 }
 
-/* Rank r's four arrays (master, exp_avg, exp_avg_sq, max_exp_avg_sq) for layout l as the writer
- * holds them: each parameter's elements where the layout rule puts them, padding filled with
- * `pad`. */
+/* Rank r's arrays, every one of the state table's in its order (master, exp_avg, exp_avg_sq,
+ * max_exp_avg_sq, ...), for layout l as the writer holds them: each parameter's elements where the
+ * layout rule puts them, padding filled with `pad`. */
 static float *shard_arrays(const zd__layout_t *l, uint32_t r, float pad) {
   uint64_t n = l->shard_elems;
-  float *a = malloc(4 * n * sizeof *a + 1);
+  float *a = malloc(ZD__NSTATES * n * sizeof *a + 1);
   CHECK(a);
-  for (uint64_t k = 0; k < 4 * n; k++) a[k] = pad;
+  for (uint64_t k = 0; k < ZD__NSTATES * n; k++) a[k] = pad;
   for (uint32_t p = 0; p < l->nparams; p++) {
     const zd__layout_param_t *lp = &l->params[p];
     const zd__bucket_t *b = &l->buckets[lp->bucket];
@@ -89,7 +90,7 @@ static float *shard_arrays(const zd__layout_t *l, uint32_t r, float pad) {
       uint64_t rel = lp->offset + i - b->offset;
       if (rel / b->shard_elems != r) continue;
       uint64_t pos = b->shard_base + rel % b->shard_elems;
-      for (int t = 0; t < 4; t++) a[t * n + pos] = value(p, i, t);
+      for (int t = 0; t < ZD__NSTATES; t++) a[t * n + pos] = value(p, i, t);
     }
   }
   return a;
@@ -101,6 +102,15 @@ static zd_group_t groups[NGROUPS];
 static uint64_t created_ms;
 /* write_ckpt writes max_exp_avg_sq too (a model with amsgrad). */
 static int with_max;
+/* write_ckpt writes every array of the state table. */
+static int with_all;
+
+/* Every array of the state table. */
+static zd__states_t all_states(void) {
+  zd__states_t set = 0;
+  for (int t = 0; t < ZD__NSTATES; t++) set |= ZD__STATE_BIT(t);
+  return set;
+}
 
 static void fill_manifest(zd__ckpt_manifest_t *m, const zd__layout_t *l, uint64_t step) {
   memset(m, 0, sizeof *m);
@@ -136,8 +146,9 @@ static const char *write_ckpt(const char *root, const zd__layout_t *l, uint64_t 
   for (uint32_t r = 0; r < l->world_size; r++) {
     float *a = shard_arrays(l, r, 1234.5f);
     uint64_t n = l->shard_elems;
-    zd__ckpt_shard_t s = {r, l->world_size, step,      n,
-                          a, a + n,         a + 2 * n, with_max ? a + 3 * n : NULL};
+    zd__ckpt_shard_t s = {
+        r, l->world_size, step, n, {a, a + n, a + 2 * n, with_max ? a + 3 * n : NULL}};
+    for (int t = 0; with_all && t < ZD__NSTATES; t++) s.state[t] = a + t * n;
     int rc = zd__ckpt_write_shard(dir, &s, 0, &files[r], &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
     CHECK_U64_EQ(files[r].rank, r);
@@ -147,7 +158,8 @@ static const char *write_ckpt(const char *root, const zd__layout_t *l, uint64_t 
   fill_manifest(&m, l, step);
   m.files = files;
   m.nfiles = l->world_size;
-  m.max_exp_avg_sq = with_max;
+  m.states = zd__states_always() | (with_max ? ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ) : 0);
+  if (with_all) m.states = all_states();
   int rc = zd__ckpt_write_manifest(dir, &m, &err);
   CHECK_MSG(rc == 0, "%s", err.msg);
   if (m_out) {
@@ -184,7 +196,7 @@ static uint64_t file_xxh3(const char *path, uint64_t *bytes) {
 }
 
 /* Loads every rank of layout `to` from dir and compares with shard_arrays(to, r, 0): every element
- * bit for bit, padding 0; max_exp_avg_sq too when the checkpoint has it. */
+ * bit for bit, padding 0, of every array the checkpoint has. */
 static void check_load(const char *dir, const zd__layout_t *to) {
   zd__ckpt_manifest_t *m;
   zd__err_t err = {0};
@@ -194,13 +206,15 @@ static void check_load(const char *dir, const zd__layout_t *to) {
   CHECK_MSG(rc == 0, "%s", err.msg);
   for (uint32_t r = 0; r < to->world_size; r++) {
     uint64_t n = to->shard_elems;
-    uint64_t arrays = m->max_exp_avg_sq ? 4 : 3;
-    float *want = shard_arrays(to, r, 0.0f), *got = malloc(4 * n * sizeof *got + 1);
-    for (uint64_t k = 0; k < arrays * n; k++) got[k] = -7.0f; /* must be overwritten */
-    rc = zd__ckpt_load_shard(dir, m, to, r, got, got + n, got + 2 * n,
-                             arrays > 3 ? got + 3 * n : NULL, &err);
+    float *want = shard_arrays(to, r, 0.0f), *got = malloc(ZD__NSTATES * n * sizeof *got + 1);
+    for (uint64_t k = 0; k < ZD__NSTATES * n; k++) got[k] = -7.0f; /* must be overwritten */
+    float *state[ZD__NSTATES] = {0};
+    for (int t = 0; t < ZD__NSTATES; t++)
+      if (m->states & ZD__STATE_BIT(t)) state[t] = got + t * n;
+    rc = zd__ckpt_load_shard(dir, m, to, r, state, &err);
     CHECK_MSG(rc == 0, "%s", err.msg);
-    for (uint64_t k = 0; k < arrays * n; k++) {
+    for (uint64_t k = 0; k < ZD__NSTATES * n; k++) {
+      if (!(m->states & ZD__STATE_BIT(k / n))) continue;
       uint32_t a, b;
       memcpy(&a, &got[k], 4);
       memcpy(&b, &want[k], 4);
@@ -433,7 +447,8 @@ static void test_corruption(void) {
   /* A truncated file also fails a load (which does not checksum) rather than reading garbage. */
   uint64_t n = l->shard_elems;
   float *a = malloc(3 * n * sizeof *a);
-  CHECK_INT_EQ(zd__ckpt_load_shard(dir, m, l, 1, a, a + n, a + 2 * n, NULL, &err), -EBADMSG);
+  CHECK_INT_EQ(zd__ckpt_load_shard(dir, m, l, 1, (float *[ZD__NSTATES]){a, a + n, a + 2 * n}, &err),
+               -EBADMSG);
   CHECK_CONTAINS(err.msg, "rank-00001-of-00002.safetensors");
   free(a);
 
@@ -527,7 +542,8 @@ static void test_find_latest(void) {
   zd__ckpt_manifest_t *m10;
   CHECK_INT_EQ(zd__ckpt_read_manifest(d10, &m10, &err), 0);
   float *a = malloc(3 * other->shard_elems * sizeof *a);
-  CHECK_INT_EQ(zd__ckpt_load_shard(d10, m10, other, 0, a, a, a, NULL, &err), ZD_ELAYOUT);
+  CHECK_INT_EQ(zd__ckpt_load_shard(d10, m10, other, 0, (float *[ZD__NSTATES]){a, a, a}, &err),
+               ZD_ELAYOUT);
   CHECK_CONTAINS(err.msg, "'block.0.w' [41, 9]");
   free(a);
   zd__ckpt_manifest_free(m10);
@@ -575,28 +591,30 @@ static void test_max_exp_avg_sq(void) {
   with_max = 0;
   zd__ckpt_manifest_t *m;
   CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
-  CHECK_INT_EQ(m->max_exp_avg_sq, 1);
+  CHECK_INT_EQ(m->states, zd__states_always() | ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ));
   check_load(dir, to); /* all four, resharded */
   uint64_t n = to->shard_elems;
   float *a = malloc(4 * n * sizeof *a + 1);
-  CHECK_MSG(zd__ckpt_load_shard(dir, m, to, 1, a, a + n, a + 2 * n, NULL, &err) == 0, "%s",
-            err.msg);
+  CHECK_MSG(
+      zd__ckpt_load_shard(dir, m, to, 1, (float *[ZD__NSTATES]){a, a + n, a + 2 * n}, &err) == 0,
+      "%s", err.msg);
   zd__ckpt_manifest_free(m);
   /* Rank files whose tensor count disagrees with the manifest fail verification. */
   CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
-  m->max_exp_avg_sq = 0;
+  m->states = zd__states_always();
   CHECK_INT_EQ(zd__ckpt_verify(dir, m, &err), -EBADMSG);
   CHECK_CONTAINS(err.msg, "tensors; expected 3");
   zd__ckpt_manifest_free(m);
 
   const char *old = write_ckpt(subroot("no-ams"), from, 5, NULL);
   CHECK_INT_EQ(zd__ckpt_read_manifest(old, &m, &err), 0);
-  CHECK_INT_EQ(m->max_exp_avg_sq, 0);
-  m->max_exp_avg_sq = 1;
+  CHECK_INT_EQ(m->states, zd__states_always());
+  m->states |= ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ);
   CHECK_INT_EQ(zd__ckpt_verify(old, m, &err), -EBADMSG);
   CHECK_CONTAINS(err.msg, "max_exp_avg_sq");
-  m->max_exp_avg_sq = 0;
-  CHECK_INT_EQ(zd__ckpt_load_shard(old, m, to, 0, a, a + n, a + 2 * n, a + 3 * n, &err),
+  m->states = zd__states_always();
+  CHECK_INT_EQ(zd__ckpt_load_shard(old, m, to, 0,
+                                   (float *[ZD__NSTATES]){a, a + n, a + 2 * n, a + 3 * n}, &err),
                ZD_ECHECKPOINT);
   CHECK_CONTAINS(err.msg, "has no max_exp_avg_sq");
   zd__ckpt_manifest_free(m);
@@ -789,7 +807,7 @@ static void test_throttle(void) {
   for (uint64_t k = 0; k < 3 * n; k++) a[k] = value(0, k, 0);
   char dir[512];
   zd__ckpt_dir_name(root, 1, dir, sizeof dir);
-  zd__ckpt_shard_t s = {0, 1, 1, n, a, a + n, a + 2 * n, NULL};
+  zd__ckpt_shard_t s = {0, 1, 1, n, {a, a + n, a + 2 * n}};
   zd__ckpt_file_t f;
   zd__err_t err = {0};
   int rc = zd__ckpt_write_shard(dir, &s, 2000000, &f, &err);
@@ -1076,6 +1094,94 @@ static void test_import(void) {
   zd__layout_free(l4);
 }
 
+/* Every array of the state table, whatever it holds: each is a tensor of every rank file by its
+ * name, an optional one is "<name>": true in the manifest, all reshard, an optional one the model
+ * has is refused where the checkpoint lacks it, and export and import carry each as
+ * "<param>.<name>". Nothing here names an array but master: a row added to the table is tested
+ * by this as it is. */
+static void test_every_state(void) {
+  zd__err_t err = {0};
+  zd__layout_t *from = build(3, 100), *to = build(2, 90), *l1 = build(1, 1000);
+  with_all = 1;
+  const char *written = write_ckpt(subroot("all"), from, 8, NULL);
+  with_all = 0;
+  char dir[512], path[600];
+  snprintf(dir, sizeof dir, "%s", written);
+  snprintf(path, sizeof path, "%s/manifest.json", dir);
+  json_t *root = json_load_file(path, 0, NULL);
+  CHECK(root);
+  zd__states_t always = zd__states_always();
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    json_t *flag = json_object_get(root, zd__state_name(t));
+    CHECK_MSG(always & ZD__STATE_BIT(t) ? !flag : json_is_true(flag), "manifest key '%s'",
+              zd__state_name(t));
+  }
+  json_decref(root);
+  zd__ckpt_manifest_t *m;
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+  CHECK_INT_EQ(m->states, all_states());
+  zd__ckpt_manifest_free(m);
+  check_load(dir, to);
+
+  /* A model with an optional array refuses a checkpoint without it, naming it. */
+  const char *plain = write_ckpt(subroot("all-plain"), from, 8, NULL);
+  CHECK_INT_EQ(zd__ckpt_read_manifest(plain, &m, &err), 0);
+  uint64_t n = to->shard_elems;
+  float *a = malloc(ZD__NSTATES * n * sizeof *a + 1);
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    if (always & ZD__STATE_BIT(t)) continue;
+    float *state[ZD__NSTATES] = {0};
+    for (int u = 0; u < ZD__NSTATES; u++)
+      if (u == t || always & ZD__STATE_BIT(u)) state[u] = a + u * n;
+    CHECK_INT_EQ(zd__ckpt_load_shard(plain, m, to, 0, state, &err), ZD_ECHECKPOINT);
+    char want[64];
+    snprintf(want, sizeof want, "has no %s", zd__state_name(t));
+    CHECK_CONTAINS(err.msg, want);
+  }
+  free(a);
+  zd__ckpt_manifest_free(m);
+
+  /* Exported as "<param>" and "<param>.<name>", every value in place; imported back whole. */
+  char out[300];
+  snprintf(out, sizeof out, "%s/all.safetensors", tmp_root);
+  CHECK_INT_EQ(zd__ckpt_export(dir, out, 1, &err), 0);
+  FILE *f;
+  uint64_t data_start;
+  json_t *hdr = read_export_header(out, &f, &data_start);
+  CHECK_U64_EQ(json_object_size(hdr), 1 + ZD__NSTATES * NPARAMS);
+  for (int t = 0; t < ZD__NSTATES; t++) {
+    for (uint32_t p = 0; p < NPARAMS; p++) {
+      char name[300];
+      if (t == ZD__STATE_MASTER)
+        snprintf(name, sizeof name, "%s", model[p].name);
+      else
+        snprintf(name, sizeof name, "%s.%s", model[p].name, zd__state_name(t));
+      json_t *offs = json_object_get(json_object_get(hdr, name), "data_offsets");
+      CHECK_MSG(offs, "no tensor '%s'", name);
+      uint64_t begin = (uint64_t)json_integer_value(json_array_get(offs, 0));
+      uint64_t end = (uint64_t)json_integer_value(json_array_get(offs, 1));
+      for (uint64_t i = 0; i < (end - begin) / 4; i++) {
+        float v, want = value(p, i, t);
+        CHECK_INT_EQ(fseek(f, (long)(data_start + begin + 4 * i), SEEK_SET), 0);
+        CHECK_U64_EQ(fread(&v, 4, 1, f), 1);
+        CHECK_MSG(memcmp(&v, &want, 4) == 0, "%s[%" PRIu64 "]: %.9g vs %.9g", name, i, v, want);
+      }
+    }
+  }
+  fclose(f);
+  json_decref(hdr);
+  CHECK_INT_EQ(import_into(out, "import-all", dir, sizeof dir, &err), 0);
+  CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
+  CHECK_INT_EQ(m->states, all_states());
+  zd__ckpt_manifest_free(m);
+  check_load(dir, l1);
+  check_load(dir, to);
+  zd__layout_free(from);
+  zd__layout_free(to);
+  zd__layout_free(l1);
+  printf("every state array (%d): written, flagged, resharded, exported, imported\n", ZD__NSTATES);
+}
+
 int main(void) {
   snprintf(tmp_root, sizeof tmp_root, "/tmp/zd-ckpt-test-XXXXXX");
   CHECK(mkdtemp(tmp_root));
@@ -1091,6 +1197,7 @@ int main(void) {
   test_export();
   test_throttle();
   test_import();
+  test_every_state();
   printf("checkpoint_format: ok\n");
   return 0;
 }
