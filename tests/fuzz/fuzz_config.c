@@ -1,4 +1,4 @@
-/* libFuzzer harness of zerod's configuration loader (daemon/core/config.c): the config file and
+/* libFuzzer harness of zerod's configuration loader (daemon/base/config.c): the config file and
  * the command-line flags, the two sources an operator writes by hand.
  *
  * The input up to its first NUL byte is the config file (in a memfd, passed as --config); the rest,
