@@ -33,6 +33,22 @@ const char *zd__backend_name(zd__backend_kind_t kind) {
   return kind == ZD__BACKEND_CUDA ? "cuda" : "cpu";
 }
 
+#ifdef ZD_HAVE_CUDA
+/* What the daemon tells about a GPU: ordinal, UUID (as nvidia-smi prints it), name. Errors:
+ * ZD_EBACKEND. */
+static int gpu_info(int device, zd__gpu_info_t *out, zd__err_t *err) {
+  struct cudaDeviceProp prop;
+  memset(out, 0, sizeof *out);
+  ZD_CUDA_TRY(err, cudaGetDeviceProperties(&prop, device), "GPU %d: cudaGetDeviceProperties",
+              device);
+  out->device = device;
+  memcpy(out->uuid, prop.uuid.bytes, sizeof out->uuid);
+  zd__gpu_uuid_str(out->uuid, out->uuid_str, sizeof out->uuid_str);
+  snprintf(out->name, sizeof out->name, "%.95s", prop.name);
+  return ZD_OK;
+}
+#endif
+
 /* Whether the CUDA backend can serve every local rank, one GPU each; if not, why, and whether
  * some GPU is visible at all (which makes a fallback worth a warning rather than a note). Fills
  * b->gpus when it can. */
@@ -61,7 +77,7 @@ static int cuda_usable(const zd__config_t *cfg, zd__backend_t *b, char *why, siz
     return 0;
   }
   for (uint32_t i = 0; i < n; i++) {
-    if (zd__cuda_gpu_info((int)i, &b->gpus[i], &e) != ZD_OK) {
+    if (gpu_info((int)i, &b->gpus[i], &e) != ZD_OK) {
       snprintf(why, len, "GPU %u: %.200s", i, e.msg);
       free(b->gpus);
       b->gpus = NULL;

@@ -54,15 +54,3 @@ int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn pro
     if (sleep_us < MAX_SLEEP_US) sleep_us *= 2;
   }
 }
-
-int zd__cuda_gpu_info(int device, zd__gpu_info_t *out, zd__err_t *err) {
-  struct cudaDeviceProp prop;
-  memset(out, 0, sizeof *out);
-  ZD_CUDA_TRY(err, cudaGetDeviceProperties(&prop, device), "GPU %d: cudaGetDeviceProperties",
-              device);
-  out->device = device;
-  memcpy(out->uuid, prop.uuid.bytes, sizeof out->uuid);
-  zd__gpu_uuid_str(out->uuid, out->uuid_str, sizeof out->uuid_str);
-  snprintf(out->name, sizeof out->name, "%.95s", prop.name);
-  return ZD_OK;
-}

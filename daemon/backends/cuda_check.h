@@ -18,7 +18,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "backend.h"
 #include "error.h"
 
 /* Logs "file:line: what: <CUDA error> (<name>)" at error level, stores the same message in err
@@ -56,9 +55,5 @@ typedef int (*zd__cuda_probe_fn)(void *ctx, zd__err_t *err);
  * unusable). Leaves no cudaErrorNotReady latched as the thread's last error. */
 int zd__cuda_event_wait(cudaEvent_t event, int timeout_ms, zd__cuda_probe_fn probe, void *ctx,
                         const char *what, zd__err_t *err);
-
-/* What the daemon tells about a GPU: ordinal, UUID (as nvidia-smi prints it, "GPU-xxxxxxxx-..."),
- * name. Errors: ZD_EBACKEND. */
-int zd__cuda_gpu_info(int device, zd__gpu_info_t *out, zd__err_t *err);
 
 #endif /* ZD_DAEMON_CUDA_CHECK_H */
