@@ -22,9 +22,9 @@
 #include "clock.h"
 #include "compute.h"
 #include "log.h"
+#include "model.h"
 #include "rendezvous.h"
 #include "status.h"
-#include "step.h"
 #include "world.h"
 
 #define ENTRY_MAX 256 /* "<name> <bytes> <xxh3 hex>" or "ERR <message>" in the store */

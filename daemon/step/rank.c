@@ -40,13 +40,6 @@ struct zd__rank {
   uint32_t nranges;
 };
 
-void zd__model_spec_free(zd__model_spec_t *spec) {
-  if (!spec) return;
-  zd__layout_free(spec->layout);
-  free(spec->groups);
-  free(spec);
-}
-
 void zd__job_free(zd__job_t *job) {
   if (!job) return;
   if (job->type == ZD__JOB_ATTACH) zd__model_spec_free(job->in.spec);

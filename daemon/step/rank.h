@@ -23,10 +23,12 @@
 #include "error.h"
 #include "layout.h"
 #include "liveness.h"
+#include "model.h"
 #include "pool.h"
 #include "shm.h"
 #include "state.h"
 #include "status.h"
+#include "step.h"
 #include "step_decide.h"
 #include "zerod/zerod.h"
 
@@ -39,21 +41,6 @@ typedef struct zd__ranks {
   zd__rank_t **rank; /* rank[i] is local rank i */
 } zd__ranks_t;
 
-/* What a register request asks for, validated by the loop. Owned by the attach job. */
-typedef struct zd__model_spec {
-  zd__layout_t *layout;
-  zd_group_t *groups;
-  uint32_t ngroups;
-  zd_dtype_t param_dtype;
-  zd_dtype_t grad_dtype;
-  double max_grad_norm; /* 0: no clipping */
-  int grad_mean;
-  zd_loss_scaler_t scaler; /* .enabled = 0: none */
-  int replace;
-} zd__model_spec_t;
-
-void zd__model_spec_free(zd__model_spec_t *spec);
-
 typedef enum zd__job_type {
   ZD__JOB_ATTACH,    /* register: create or resume the model, fill the client's param buffer */
   ZD__JOB_SCATTER,   /* reduce-scatter one bucket or all */
@@ -62,16 +49,6 @@ typedef enum zd__job_type {
   ZD__JOB_STAND_IN,  /* the client left (W > 1): stand in for it where the world is (step.h) */
   ZD__JOB_CHECKPOINT /* checkpoint the state between steps (zd_checkpoint; step.h) */
 } zd__job_type_t;
-
-typedef struct zd__step_out {
-  uint64_t step;
-  int applied;
-  double grad_norm; /* NaN when not computed (world size 1, no clipping, no loss scaling) */
-  double loss_scale;
-  double clip_coef;
-  uint64_t duration_us;
-  uint32_t idle_cpus; /* CPUs the step's kernel left idle (step_idle_cpus in rank.c) */
-} zd__step_out_t;
 
 /* Called on the thread that ran the job once it is done (its worker; not for a job that
  * zd__rank_run_inline ran, whose caller completes it). */

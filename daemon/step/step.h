@@ -1,4 +1,4 @@
-/* Step logic: the model state of a rank and the operations a client drives on it.
+/* Step logic: the operations a client drives on a rank's model (model.h).
  *
  *   attach   create the model from the client's parameters, or resume the one held (same layout)
  *   scatter  reduce-scatter the gradients of a bucket into this rank's shard
@@ -29,48 +29,19 @@
 #include "adam.h"
 #include "comm.h"
 #include "compute.h"
-#include "rank.h"
-#include "state.h"
+#include "model.h"
+#include "shm.h"
 
-typedef struct zd__model {
-  zd__layout_t *layout;  /* owned; shard.layout is this */
-  zd__shard_t shard;     /* what the compute backend sees: the state arrays by role, the
-                            segments, where each bucket's reduced gradients are */
-  zd__states_t states;   /* the state arrays the model has (shard.state[s] != NULL) */
-  zd_group_t *groups;    /* current hyperparameters, shard.ngroups of them */
-  zd_dtype_t grad_dtype; /* (the param dtype is shard.param_dtype) */
-  double max_grad_norm;
-  int grad_mean;
-  zd__scaler_t scaler;
-  uint64_t step; /* steps applied */
-  uint64_t steps_skipped;
-  zd__compute_t *compute; /* the backend that owns the shard's arrays */
-  uint8_t *scattered;     /* per bucket: reduced since the last step */
-  uint8_t *attempted;     /* per bucket: reduced in the step attempt in progress (cleared by
-                             every exchange of step records, whatever its verdict) */
-  uint8_t *ungathered;    /* per bucket: a step without gather came since its last gather */
-  int abandoned;          /* the last step attempt was abandoned, and no scatter came since */
-  zd__shm_t kept;         /* W > 1, host memory: the last client's param buffer (the full
-                             model as of its last gather), for the next client; else none */
-  /* Where the time goes, for metrics: host time of each phase (CUDA: the time to queue it, the
-   * device runs it later) and the bytes the collectives were given. */
-  uint64_t scatter_us, update_us, gather_us;
-  uint64_t collective_bytes, collective_us;
-} zd__model_t;
-
-/* What the step logic needs from its rank. */
-typedef struct zd__step_ctx {
-  uint32_t rank;
-  uint32_t local_rank;
-  uint32_t world_size;
-  zd__comm_t *comm;
-  zd__compute_t *compute;
-  struct zd__world_member *member; /* world size > 1: for the registration barrier */
-  struct zd__ckptr *ckpt;          /* the daemon's checkpointer (checkpoint.h); NULL: none */
-  int resume_latest;               /* the world re-formed: the next registration resumes the
-                                    newest complete checkpoint (rank.c) */
-  atomic_int *attach_abandoned;    /* set when the client of the registration in progress left */
-} zd__step_ctx_t;
+/* What a step did, for its reply and the rank's stats. */
+typedef struct zd__step_out {
+  uint64_t step;
+  int applied;
+  double grad_norm; /* NaN when not computed (world size 1, no clipping, no loss scaling) */
+  double loss_scale;
+  double clip_coef;
+  uint64_t duration_us;
+  uint32_t idle_cpus; /* CPUs the step's kernel left idle (step_idle_cpus in rank.c) */
+} zd__step_out_t;
 
 /* Register. *model is the rank's model (NULL if none) and is resumed (same layout, spec->replace
  * not set) or replaced; takes spec. On success the client's param buffer holds the full model
@@ -84,8 +55,6 @@ typedef struct zd__step_ctx {
  * not set, or when ranks registered different models. */
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                      const zd__buffers_t *buf, uint32_t slot, int *resumed, zd__err_t *err);
-
-void zd__model_free(zd__model_t *model);
 
 /* bucket: index or -1 for all. ZD_EORDER-free: the session checked the index. */
 int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,

@@ -1,0 +1,102 @@
+/* A rank's model: what it registered (zd__model_spec_t), the optimizer state of its shard and
+ * everything a step reads and writes between jobs (zd__model_t), and what the step logic and the
+ * checkpointer need of the rank that holds it (zd__step_ctx_t).
+ *
+ * The model outlives its clients: a client that reconnects and registers the same layout continues
+ * where the last one stopped. Its state arrays are those its groups need at registration (the
+ * table of common/state.h), allocated by the rank's compute backend, which sees them as a shard
+ * (zd__shard_t, compute.h). The thread running a job of the rank's owns the model.
+ */
+#ifndef ZD_DAEMON_MODEL_H
+#define ZD_DAEMON_MODEL_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "compute.h"
+#include "error.h"
+#include "layout.h"
+#include "shm.h"
+#include "state.h"
+#include "step_decide.h"
+#include "zerod/zerod.h"
+
+/* What a register request asks for, validated by the loop. Owned by the attach job. */
+typedef struct zd__model_spec {
+  zd__layout_t *layout;
+  zd_group_t *groups;
+  uint32_t ngroups;
+  zd_dtype_t param_dtype;
+  zd_dtype_t grad_dtype;
+  double max_grad_norm; /* 0: no clipping */
+  int grad_mean;
+  zd_loss_scaler_t scaler; /* .enabled = 0: none */
+  int replace;
+} zd__model_spec_t;
+
+void zd__model_spec_free(zd__model_spec_t *spec);
+
+typedef struct zd__model {
+  zd__layout_t *layout;  /* owned; shard.layout is this */
+  zd__shard_t shard;     /* what the compute backend sees: the state arrays by role, the
+                            segments, where each bucket's reduced gradients are */
+  zd__states_t states;   /* the state arrays the model has (shard.state[s] != NULL) */
+  zd_group_t *groups;    /* current hyperparameters, shard.ngroups of them */
+  zd_dtype_t grad_dtype; /* (the param dtype is shard.param_dtype) */
+  double max_grad_norm;
+  int grad_mean;
+  zd__scaler_t scaler;
+  uint64_t step; /* steps applied */
+  uint64_t steps_skipped;
+  zd__compute_t *compute; /* the backend that owns the shard's arrays */
+  uint8_t *scattered;     /* per bucket: reduced since the last step */
+  uint8_t *attempted;     /* per bucket: reduced in the step attempt in progress (cleared by
+                             every exchange of step records, whatever its verdict) */
+  uint8_t *ungathered;    /* per bucket: a step without gather came since its last gather */
+  int abandoned;          /* the last step attempt was abandoned, and no scatter came since */
+  zd__shm_t kept;         /* W > 1, host memory: the last client's param buffer (the full
+                             model as of its last gather), for the next client; else none */
+  /* Where the time goes, for metrics: host time of each phase (CUDA: the time to queue it, the
+   * device runs it later) and the bytes the collectives were given. */
+  uint64_t scatter_us, update_us, gather_us;
+  uint64_t collective_bytes, collective_us;
+} zd__model_t;
+
+/* What the step logic needs from its rank. */
+typedef struct zd__step_ctx {
+  uint32_t rank;
+  uint32_t local_rank;
+  uint32_t world_size;
+  zd__comm_t *comm;
+  zd__compute_t *compute;
+  struct zd__world_member *member; /* world size > 1: for the registration barrier */
+  struct zd__ckptr *ckpt;          /* the daemon's checkpointer (checkpoint.h); NULL: none */
+  int resume_latest;               /* the world re-formed: the next registration resumes the
+                                    newest complete checkpoint (rank.c) */
+  atomic_int *attach_abandoned;    /* set when the client of the registration in progress left */
+} zd__step_ctx_t;
+
+/* A new model for spec on the rank of ctx: takes spec's layout and groups, allocates the state
+ * arrays its groups need (zeroed) and the backend's per-shard data. Errors: -ENOMEM or the
+ * backend's, with a message naming the shard's size. */
+int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__model_t **out,
+                     zd__err_t *err);
+
+/* Applies a registration's options (dtypes, clipping, averaging, loss scaler) to a model, new or
+ * resumed; keep_scaler: a resumed model keeps its scale and trackers when the scaler stays on. */
+void zd__model_configure(zd__model_t *m, const zd__model_spec_t *spec, int keep_scaler);
+
+/* A resumed model takes spec's groups and options and starts a fresh run of steps with its new
+ * client (no bucket scattered, none left to gather). */
+void zd__model_resume(zd__model_t *m, zd__model_spec_t *spec);
+
+/* ZD_EHPARAM, naming the array and the group (`what`: "step", "resume"), when groups need a state
+ * array the model was registered without: torch raises KeyError likewise. */
+int zd__model_check_states(const zd__model_t *m, const zd_group_t *groups, const char *what,
+                           zd__err_t *err);
+
+/* Frees the model, its arrays and the backend's data; accepts NULL and a half-built model. */
+void zd__model_free(zd__model_t *model);
+
+#endif /* ZD_DAEMON_MODEL_H */
