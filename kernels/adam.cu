@@ -363,8 +363,6 @@ typedef struct adam_kargs {
   uint64_t ntiles;
   float grad_scale;
   int vec; /* every array 16-byte aligned: vectors at multiples of 8 elements */
-  const float *d_grad_scale;
-  const int32_t *d_skip;
   const zd__adam_group_t *d_groups;
   zd__adam_group_t groups[ZD__CUDA_GROUPS_INLINE];
 } adam_kargs_t;
@@ -472,8 +470,7 @@ static __device__ __forceinline__ void adam_eight(const adam_kargs_t &a, uint64_
 template <int GDT, int PDT, bool AMS>
 __global__ void __launch_bounds__(ADAM_THREADS)
     adam_kernel(const __grid_constant__ adam_kargs_t a) {
-  if (a.d_skip && *a.d_skip) return;
-  const float scale = a.d_grad_scale ? *a.d_grad_scale : a.grad_scale;
+  const float scale = a.grad_scale;
   const zd__adam_group_t *groups = a.d_groups ? a.d_groups : a.groups;
   for (uint64_t t = blockIdx.x; t < a.ntiles; t += gridDim.x) {
     const tile_t tile = a.tiles[t];
@@ -580,8 +577,6 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   k.tiles = l->d_tiles;
   k.ntiles = l->ntiles;
   k.grad_scale = a->grad_scale;
-  k.d_grad_scale = a->d_grad_scale;
-  k.d_skip = a->d_skip;
   k.d_groups = a->d_groups;
   if (!a->d_groups && a->ngroups) memcpy(k.groups, a->groups, a->ngroups * sizeof *a->groups);
   k.vec = aligned16(master) && aligned16(exp_avg) && aligned16(exp_avg_sq) &&
@@ -857,59 +852,6 @@ int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_
   return ZD_OK;
 }
 
-/* ---- decision ------------------------------------------------------------------------------ */
-
-__global__ void decide_kernel(const zd__cuda_stats_t *all, uint32_t nranks, uint32_t self,
-                              const zd__decide_cfg_t cfg, zd__step_state_t *st,
-                              zd__decision_t *out) {
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  zd__decision_t d = {};
-  d.disagree_rank = ZD__NO_RANK;
-  for (uint32_t r = 0; r < nranks && d.disagree_rank == ZD__NO_RANK; r++)
-    for (uint32_t j = 0; j < ZD__CUDA_TAGS; j++)
-      if (all[r].tags[j] != all[self].tags[j]) {
-        d.disagree_rank = r;
-        d.disagree_tag = j;
-        break;
-      }
-  if (d.disagree_rank != ZD__NO_RANK) {
-    /* Not committed: nothing changes, on this rank or (by symmetry) any other. */
-    d.grad_norm = zd__decide_nan();
-    d.clip_coef = 1.0;
-    d.loss_scale = st->scaler.scale;
-    d.step = st->step;
-    d.steps_skipped = st->steps_skipped;
-    d.skip = 1;
-    *out = d;
-    return;
-  }
-  double sumsq = 0.0;
-  uint64_t nonfinite = 0;
-  for (uint32_t r = 0; r < nranks; r++) {
-    sumsq = __dadd_rn(sumsq, all[r].sumsq);
-    nonfinite += all[r].nonfinite;
-  }
-  zd__step_state_t s = *st;
-  zd__step_decide(&cfg, sumsq, nonfinite, &s, &d);
-  *st = s;
-  *out = d;
-}
-
-int zd__cuda_decide(const zd__cuda_stats_t *d_all, uint32_t nranks, uint32_t self,
-                    const zd__decide_cfg_t *cfg, zd__step_state_t *d_state, zd__decision_t *d_out,
-                    cudaStream_t stream, zd__err_t *err) {
-  int rc = check_stream(stream, "CUDA decide", err);
-  if (rc) return rc;
-  if (!d_all || !cfg || !d_state || !d_out)
-    return zd__errf(err, -EINVAL,
-                    "CUDA decide: records, configuration, state and output are required");
-  if (nranks == 0 || self >= nranks)
-    return zd__errf(err, -EINVAL, "CUDA decide: rank %u of %u ranks", self, nranks);
-  decide_kernel<<<1, 32, 0, stream>>>(d_all, nranks, self, *cfg, d_state, d_out);
-  LAUNCH_CHECK(err, "CUDA decide: kernel launch");
-  return ZD_OK;
-}
-
 /* ---- loading ------------------------------------------------------------------------------- */
 
 /* cudaFuncGetAttributes loads a kernel's module. With lazy loading (the default since CUDA 12.2)
@@ -940,7 +882,6 @@ int zd__cuda_kernels_preload(zd__err_t *err) {
   if (e == cudaSuccess) e = load_adam<ZD_F16>();
   if (e == cudaSuccess) e = load(groups_kernel);
   if (e == cudaSuccess) e = load(stats_finalize);
-  if (e == cudaSuccess) e = load(decide_kernel);
   if (e == cudaSuccess) return ZD_OK;
   (void)cudaGetLastError();
   return zd__cuda_errf(err, e, "loading the optimizer kernels (cudaFuncGetAttributes)");

@@ -1,21 +1,17 @@
 /* The CUDA optimizer kernels (kernels/adam.cu): host-callable C API.
  *
- * What runs on the device each step, all stream-ordered, with no host synchronisation:
+ * What runs on the device each step, stream-ordered:
  *   zd__cuda_grad_stats  sum of squares and non-finite count of a shard's gradients, per range,
  *                        into a small record in device memory (all-gather the records of all
- *                        ranks with NCCL);
- *   zd__cuda_decide      from the records of all ranks and the loss-scaler state in device
- *                        memory: skip or apply, scaler update, clip coefficient and the gradient
- *                        factor (kernels/step_decide.h, the same code as the CPU step);
- *   zd__cuda_adam_step   the fused AdamW/Adam update of a range, reading the factor and the skip
- *                        flag the decision left in device memory.
- * The host reads the decision (zd__decision_t) whenever it likes, e.g. with cudaMemcpyAsync into
- * pinned memory and an event.
+ *                        ranks with NCCL; the host reads them back and takes the step's decision,
+ *                        kernels/step_decide.h, as the CPU step does);
+ *   zd__cuda_adam_step   the fused AdamW/Adam update of a range, with the gradient factor the
+ *                        decision gave.
  *
  * Bitwise contract: zd__cuda_adam_step gives the bits of zd__adam_step_ref (kernels/adam.h) for
  * every element (a NaN may carry another payload or sign: the GPU makes canonical NaNs);
  * zd__cuda_grad_stats gives the block sums of zd__grad_stats_ref, added as zd__grad_stats_sum
- * does; zd__cuda_decide gives zd__step_decide's bits.
+ * does.
  *
  * Conventions: every launcher takes an explicit stream (never the legacy default stream: pass a
  * stream created by the caller), checks the launch, and returns ZD_OK or an error code with a
@@ -45,7 +41,6 @@ extern "C" {
 
 #include "adam.h"
 #include "error.h"
-#include "step_decide.h"
 
 /* ---- availability -------------------------------------------------------------------------- */
 
@@ -122,20 +117,12 @@ typedef struct zd__cuda_adam_args {
   zd_dtype_t grad_dtype;
   void *param;            /* device; working parameters written back; NULL: none */
   zd_dtype_t param_dtype; /* ZD_F32 or ZD_BF16 (ignored without param) */
-  /* The gradient factor (unscale, mean, clip): *d_grad_scale when d_grad_scale is not NULL
-   * (device memory, read when the kernel runs: e.g. &decision->grad_scale), else grad_scale. */
-  float grad_scale;
-  const float *d_grad_scale;
-  /* Device int32 read when the kernel runs (e.g. &decision->skip): non-zero, the kernel changes
-   * nothing at all. NULL: always update. */
-  const int32_t *d_skip;
+  float grad_scale;       /* the gradient factor (unscale, mean, clip) */
   /* This step's constants of each group (zd__adam_group_init on the host). ngroups must cover
    * every group the layout's segments name. With ngroups <= ZD__CUDA_GROUPS_INLINE and d_groups
    * NULL, groups (host memory) is copied into the launch: the caller may reuse it as soon as the
    * call returns. Otherwise d_groups (device memory, read when the kernel runs) is used.
-   * The constants depend on the number of the step being applied (bias corrections): when steps
-   * may be skipped on the device, derive them after reading the previous step's decision
-   * (zd__decision_t.step + 1), which is complete long before the next gradients are. */
+   * The constants depend on the number of the step being applied (bias corrections). */
   const zd__adam_group_t *groups;
   const zd__adam_group_t *d_groups;
   uint32_t ngroups;
@@ -165,7 +152,7 @@ typedef struct zd__cuda_stats {
   double sumsq;       /* sum of squares in adam.h's order; ranges added in call order */
   uint64_t nonfinite; /* count of non-finite gradients */
   /* Words every rank must agree on before the update (the daemon's choice: e.g. the step
-   * number, the layout hash, the hyperparameter hash); zd__cuda_decide compares them. */
+   * number, the layout hash, the hyperparameter hash); the host compares them. */
   uint64_t tags[ZD__CUDA_TAGS];
 } zd__cuda_stats_t;
 
@@ -179,16 +166,6 @@ typedef struct zd__cuda_stats {
 int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_dtype,
                         zd__cuda_stats_t *d_out, int accumulate, const uint64_t *tags,
                         cudaStream_t stream, zd__err_t *err);
-
-/* Queues the decision of a step (one thread): d_all (device) holds the records of nranks ranks in
- * rank order (e.g. from ncclAllGather); self is this rank. If any rank's tags differ from self's,
- * nothing changes: d_out->skip = 1, applied = 0, disagree_rank/tag name the first difference,
- * *d_state untouched. Otherwise the statistics are summed in rank order (from 0.0, as the CPU
- * step does) and zd__step_decide(cfg, sumsq, nonfinite, d_state, d_out) runs on the device.
- * Pass &d_out->grad_scale and &d_out->skip to zd__cuda_adam_step. Errors: -EINVAL, ZD_EBACKEND. */
-int zd__cuda_decide(const zd__cuda_stats_t *d_all, uint32_t nranks, uint32_t self,
-                    const zd__decide_cfg_t *cfg, zd__step_state_t *d_state, zd__decision_t *d_out,
-                    cudaStream_t stream, zd__err_t *err);
 
 #ifdef __cplusplus
 }

@@ -1,17 +1,14 @@
 /* What a step decides from its global gradient statistics: skip on overflow (loss scaling),
  * the loss-scaler update, the clip coefficient, and the factor the optimizer kernel multiplies
  * every gradient by. The daemon takes it on the host for both backends (daemon/step/step.c; the
- * CUDA backend reads the ranks' records back first: docs/design.md, "Where the host waits").
- * zd__cuda_decide (kernels/adam.cu) runs the same function on the device; the daemon does not
- * use it yet, and the gpu suite keeps it bit-identical to the host decision so that a step
- * without a mid-step host wait can adopt it.
+ * CUDA backend reads the ranks' records back first: docs/design.md, "Where the host waits"), so
+ * that an update is queued only after every record arrived intact.
  *
- * Plain C, header only; each function is __host__ __device__ when compiled by nvcc. Everything is
- * double as the CPU step computes it (the clip coefficient fp32, as torch computes it), and every
- * operation rounds on its own: the host build has
- * -ffp-contract=off and CUDA code -fmad=false, division and sqrt are IEEE-correct on both sides,
- * and there is no a*b+c that a compiler could fuse anyway. So a GPU and a CPU (or two ranks)
- * given the same statistics and state take the same decision, bit for bit.
+ * Plain C, header only. Everything is double as the CPU step computes it (the clip coefficient
+ * fp32, as torch computes it), and every operation rounds on its own: the build has
+ * -ffp-contract=off, division and sqrt are IEEE-correct, and there is no a*b+c that a compiler
+ * could fuse anyway. So two ranks given the same statistics and state take the same decision, bit
+ * for bit.
  *
  * The semantics are step.c's: pre_scale = (grad_mean ? 1/world_size : 1) / loss_scale; the
  * norm of the unscaled, averaged gradient is sqrt(sumsq) * pre_scale (NaN when statistics are
@@ -46,12 +43,6 @@
 
 #include "zerod/zerod.h"
 
-#ifdef __CUDACC__
-#define ZD__HD __host__ __device__
-#else
-#define ZD__HD
-#endif
-
 /* The loss scaler's state. */
 typedef struct zd__scaler {
   int enabled;
@@ -82,14 +73,12 @@ typedef struct zd__decide_cfg {
   double total_norm;    /* with torch_total: the fp32 norm of the whole gradient */
 } zd__decide_cfg_t;
 
-/* State the decision reads and advances; lives in device memory with the CUDA backend. */
+/* State the decision reads and advances (the model's). */
 typedef struct zd__step_state {
   zd__scaler_t scaler;
   uint64_t step;          /* steps applied */
   uint64_t steps_skipped; /* steps skipped for overflow */
 } zd__step_state_t;
-
-#define ZD__NO_RANK UINT32_MAX
 
 /* The outcome of one step's decision. */
 typedef struct zd__decision {
@@ -100,17 +89,14 @@ typedef struct zd__decision {
   double loss_scale;  /* the scale after this step's update */
   uint64_t step;      /* steps applied, this one included when applied */
   uint64_t steps_skipped;
-  float grad_scale;       /* factor of every gradient in the update (0 when skipped) */
-  int32_t skip;           /* 1: no update at all (overflow, or ranks disagree) */
-  int32_t applied;        /* 1: the update runs */
-  int32_t overflow;       /* 1: skipped because of non-finite gradients */
-  uint32_t disagree_rank; /* CUDA decide: first rank whose tags differ; ZD__NO_RANK if none */
-  uint32_t disagree_tag;  /* ... and the index of the first differing tag */
+  float grad_scale; /* factor of every gradient in the update (0 when skipped) */
+  int32_t skip;     /* 1: no update at all (overflow) */
+  int32_t applied;  /* 1: the update runs */
+  int32_t overflow; /* 1: skipped because of non-finite gradients */
 } zd__decision_t;
 
-/* One step of the loss scaler (Megatron's DynamicGradScaler.update()), on host or device.
- */
-ZD__HD static inline void zd__scaler_advance(zd__scaler_t *s, int found_inf) {
+/* One step of the loss scaler (Megatron's DynamicGradScaler.update()). */
+static inline void zd__scaler_advance(zd__scaler_t *s, int found_inf) {
   if (!s->enabled) return;
   if (found_inf) {
     s->growth_tracker = 0;
@@ -128,27 +114,18 @@ ZD__HD static inline void zd__scaler_advance(zd__scaler_t *s, int found_inf) {
   }
 }
 
-ZD__HD static inline double zd__decide_nan(void) {
-#ifdef __CUDA_ARCH__
-  return __longlong_as_double(0x7ff8000000000000LL);
-#else
+static inline double zd__decide_nan(void) {
   return (double)NAN;
-#endif
 }
 
-ZD__HD static inline int zd__decide_finite(double x) {
-#ifdef __CUDA_ARCH__
-  return isfinite(x);
-#else
+static inline int zd__decide_finite(double x) {
   return isfinite(x) != 0;
-#endif
 }
 
 /* Takes the decision of the step after st->step from the global statistics (ignored when
- * cfg->need_stats is 0) and advances *st. Fills every field of *out but the disagree ones. */
-ZD__HD static inline void zd__step_decide(const zd__decide_cfg_t *cfg, double sumsq,
-                                          uint64_t nonfinite, zd__step_state_t *st,
-                                          zd__decision_t *out) {
+ * cfg->need_stats is 0) and advances *st. Fills every field of *out. */
+static inline void zd__step_decide(const zd__decide_cfg_t *cfg, double sumsq, uint64_t nonfinite,
+                                   zd__step_state_t *st, zd__decision_t *out) {
   if (!cfg->need_stats) {
     sumsq = 0;
     nonfinite = 0;

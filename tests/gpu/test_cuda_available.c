@@ -52,12 +52,6 @@ int main(void) {
   memset(&a, 0, sizeof a);
   EXPECT_RC(zd__cuda_adam_step(NULL, &a, s, &gpu_err), -EINVAL);
   EXPECT_RC(zd__cuda_grad_stats(NULL, NULL, ZD_F32, NULL, 0, NULL, s, &gpu_err), -EINVAL);
-  zd__decide_cfg_t cfg;
-  memset(&cfg, 0, sizeof cfg);
-  EXPECT_RC(zd__cuda_decide(NULL, 1, 0, &cfg, NULL, NULL, NULL, &gpu_err), -EINVAL);
-  EXPECT_RC(zd__cuda_decide((zd__cuda_stats_t *)&cfg, 2, 2, &cfg, (zd__step_state_t *)&cfg,
-                            (zd__decision_t *)&cfg, s, &gpu_err),
-            -EINVAL);
   zd__adam_group_t g;
   memset(&g, 0, sizeof g);
   EXPECT_RC(zd__cuda_groups_upload(NULL, &g, 1, s, &gpu_err), -EINVAL);
