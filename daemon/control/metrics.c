@@ -5,9 +5,10 @@
  * families whose samples carry a rank get rank="N" and local_rank="L". Names follow Prometheus'
  * conventions: a zerod_ prefix, base units (seconds, bytes), _total on counters, _info on
  * constant-1 gauges that carry labels. What the status does not hold is not exported: step times
- * come as the last step and the mean since start (no histogram: the status keeps no per-step
- * observations), state bytes as master weights and moments together (the status does not split
- * them), and no collective or phase times.
+ * come as the histogram the rank keeps (step_histogram: counts per bucket of
+ * ZD__STEP_HIST_BOUNDS_US), the last step and the phase and collective totals; state bytes as
+ * master weights and moments together, the gradient shard, and each optional state array of the
+ * table (common/state.h) by name.
  *
  * Serving: libmicrohttpd's internal polling thread answers every connection, so a scrape that
  * waits for the loop holds up other scrapes of the same zerod, never the loop. The loop renders
