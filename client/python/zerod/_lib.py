@@ -2,10 +2,11 @@
 
 This module finds and loads the shared library, mirrors the C structures of the public header and
 declares every function with its argument and return types. Nothing else in the package calls
-the library without going through the prototypes declared here. The structures must match
-zerod.h field for field: the header is the contract, and a change there is a change here; except
-zd_group_t, whose fields load() takes from the library itself (zd_group_fields), so that a
-hyperparameter added to zerod's table needs no edit in this package.
+the library without going through the prototypes declared here. The structures mirror
+zerod.h field for field; each one that may grow begins with its size, or travels with its element
+size, which this package sets to its own sizeof, so that a newer libzerod reads them as an older
+client's (docs/abi.md). zd_group_t takes its fields from the library itself (zd_group_fields, in
+load()), so that a hyperparameter added to zerod's table needs no edit in this package.
 
 Where the library comes from, in order:
   1. ``$ZEROD_LIBRARY``: a path to libzerod.so (an error if it does not exist);
@@ -23,7 +24,7 @@ import ctypes.util
 import glob
 import os
 import threading
-from typing import List, Optional
+from typing import Any, List, Optional
 
 __all__ = ["GroupField", "group_fields", "lib", "load", "library_path"]
 
@@ -58,6 +59,8 @@ ZD_MEMORY_CUDA = 1
 
 ZD_GRAD_MEAN = 0
 ZD_GRAD_SUM = 1
+
+ZD_CHECKPOINT_NO_WAIT = 0x1
 
 # zerod/errors.h: values are part of the wire protocol and never renumbered.
 ZD_OK = 0
@@ -111,7 +114,7 @@ class zd_group_t(ctypes.Structure):
 
 class GroupField:
     """One field of zd_group_t as libzerod describes it: its C name, kind (ZD_FIELD_*) and
-    default (zd_group_default()'s value)."""
+    default (its value after zd_group_init())."""
 
     __slots__ = ("name", "kind", "default")
 
@@ -133,8 +136,18 @@ class zd_param_t(ctypes.Structure):
     ]
 
 
-class zd_loss_scaler_t(ctypes.Structure):
+class _Sized(ctypes.Structure):
+    """A structure of zerod.h that begins with its size: a new instance sets it, as the header's
+    ZD_*_INIT initialisers do, so that libzerod knows which fields this package has."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.size = ctypes.sizeof(self)
+
+
+class zd_loss_scaler_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("enabled", ctypes.c_int),
         ("initial_scale", ctypes.c_double),
         ("growth_factor", ctypes.c_double),
@@ -145,25 +158,34 @@ class zd_loss_scaler_t(ctypes.Structure):
     ]
 
 
-class zd_model_desc_t(ctypes.Structure):
+class zd_model_desc_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("params", ctypes.POINTER(zd_param_t)),
         ("nparams", ctypes.c_size_t),
+        ("param_size", ctypes.c_size_t),
         ("groups", ctypes.POINTER(zd_group_t)),
         ("ngroups", ctypes.c_size_t),
+        ("group_size", ctypes.c_size_t),
         ("param_dtype", ctypes.c_int),
         ("grad_dtype", ctypes.c_int),
         ("max_grad_norm", ctypes.c_double),
         ("grad_reduce", ctypes.c_int),  # zd_grad_reduce_t: ZD_GRAD_MEAN (0) or ZD_GRAD_SUM
-        ("loss_scaler", zd_loss_scaler_t),
         ("flags", ctypes.c_uint),
+        ("loss_scaler", ctypes.POINTER(zd_loss_scaler_t)),  # NULL: no loss scaling
         ("memory", ctypes.c_int),  # zd_memory_t: ZD_MEMORY_HOST or ZD_MEMORY_CUDA
         ("device", ctypes.c_int),  # CUDA ordinal of the buffers with ZD_MEMORY_CUDA
     ]
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.param_size = ctypes.sizeof(zd_param_t)
+        self.group_size = ctypes.sizeof(zd_group_t)
 
-class zd_info_t(ctypes.Structure):
+
+class zd_info_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("protocol_version", ctypes.c_uint32),
         ("world_size", ctypes.c_uint32),
         ("rank", ctypes.c_uint32),
@@ -180,8 +202,9 @@ class zd_info_t(ctypes.Structure):
     ]
 
 
-class zd_param_info_t(ctypes.Structure):
+class zd_param_info_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("name", ctypes.c_char_p),
         ("offset", ctypes.c_uint64),
         ("numel", ctypes.c_uint64),
@@ -190,8 +213,9 @@ class zd_param_info_t(ctypes.Structure):
     ]
 
 
-class zd_bucket_info_t(ctypes.Structure):
+class zd_bucket_info_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("offset", ctypes.c_uint64),
         ("elems", ctypes.c_uint64),
         ("shard_offset", ctypes.c_uint64),
@@ -199,17 +223,24 @@ class zd_bucket_info_t(ctypes.Structure):
     ]
 
 
-class zd_step_opts_t(ctypes.Structure):
+class zd_step_opts_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("groups", ctypes.POINTER(zd_group_t)),
         ("ngroups", ctypes.c_size_t),
+        ("group_size", ctypes.c_size_t),
         ("flags", ctypes.c_uint),
         ("clip_norm", ctypes.c_int),
     ]
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.group_size = ctypes.sizeof(zd_group_t)
 
-class zd_step_result_t(ctypes.Structure):
+
+class zd_step_result_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("step", ctypes.c_uint64),
         ("applied", ctypes.c_int),
         ("grad_norm", ctypes.c_double),
@@ -226,7 +257,8 @@ zd_request_t = ctypes.c_uint64
 _PROTOTYPES = {
     "zd_strerror": (ctypes.c_char_p, [ctypes.c_int]),
     "zd_err_name": (ctypes.c_char_p, [ctypes.c_int]),
-    "zd_group_default": (zd_group_t, []),
+    "zd_group_init": (ctypes.c_int, [ctypes.POINTER(zd_group_t), ctypes.c_size_t,
+                                     ctypes.c_size_t]),
     "zd_connect": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
                                   ctypes.POINTER(zd_client_p)]),
     "zd_layout": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_model_desc_t)]),
@@ -333,12 +365,16 @@ def _define_group(lib: ctypes.CDLL, path: str) -> None:
         raise LibraryNotFoundError(f"{path} has no symbol zd_group_fields: not a libzerod this "
                                    f"package supports") from e
     describe.restype = ctypes.c_size_t
-    describe.argtypes = [ctypes.POINTER(ctypes.POINTER(zd_group_field_t)),
+    describe.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
                          ctypes.POINTER(ctypes.c_size_t)]
-    table = ctypes.POINTER(zd_group_field_t)()
-    size = ctypes.c_size_t()
-    n = describe(ctypes.byref(table), ctypes.byref(size))
-    fields = [table[i] for i in range(n)]
+    table, stride, size = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+    n = describe(ctypes.byref(table), ctypes.byref(stride), ctypes.byref(size))
+    if stride.value < ctypes.sizeof(zd_group_field_t):
+        raise LibraryNotFoundError(f"{path}: zd_group_fields() elements are {stride.value} bytes, "
+                                   f"fewer than this package's: an older libzerod than this "
+                                   f"package")
+    # walked by the library's element size: a newer library's elements may be larger
+    fields = [zd_group_field_t.from_address(table.value + i * stride.value) for i in range(n)]
     if any(f.kind not in _FIELD_CTYPES for f in fields):
         raise LibraryNotFoundError(f"{path} describes a zd_group_t field of an unknown kind: a "
                                    f"newer libzerod than this package")
