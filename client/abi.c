@@ -1,10 +1,13 @@
-/* libzerod's binary interface beyond its function signatures: the structures that grow.
+/* libzerod's binary interface beyond its function signatures: the structures that grow and the
+ * table of constants.
  *
  * Every public structure that may gain fields carries its size, and every array of structures its
  * element size (zerod.h, "A growing ABI"; docs/abi.md): the functions here check a size the caller
  * gives, read a caller's structure or array over the defaults (the fields beyond its size keep
  * them), and write the library's structure into the caller's up to its size. The rest of libzerod
- * works on full-size copies and never sees a caller's size.
+ * works on full-size copies and never sees a caller's size. zd_constants() is the table of the
+ * headers' integer constants that bindings read instead of copying them (tests/lint checks that it
+ * names every one).
  */
 #include <errno.h>
 #include <stddef.h>
@@ -130,4 +133,40 @@ int zd_group_init(zd_group_t *groups, size_t ngroups, size_t group_size) {
   zd_group_t def = zd__group_default();
   for (size_t i = 0; i < ngroups; i++) memcpy((char *)groups + i * group_size, &def, group_size);
   return ZD_OK;
+}
+
+/* ---- constants ------------------------------------------------------------------------------ */
+
+#define CONSTANT(name)                    {#name, (int64_t)(name)},
+#define ERROR_CONSTANT(name, value, text) {"ZD_" #name, (int64_t)(value)},
+
+/* Every integer constant of zerod.h and zerod/errors.h, in the headers' order
+ * (tests/lint/check_constants.py fails when one is missing or has another value). */
+/* clang-format off */
+static const zd_constant_t constants[] = {
+    /* zerod/errors.h */
+    CONSTANT(ZD_OK) ZD_ERROR_MAP(ERROR_CONSTANT)
+    /* zerod.h */
+    CONSTANT(ZD_VERSION_MAJOR) CONSTANT(ZD_VERSION_MINOR) CONSTANT(ZD_VERSION_PATCH)
+    CONSTANT(ZD_PROTOCOL_VERSION) CONSTANT(ZD_MAX_DIMS) CONSTANT(ZD_ALL_BUCKETS)
+    CONSTANT(ZD_ANY_RANK)
+    CONSTANT(ZD_F32) CONSTANT(ZD_BF16) CONSTANT(ZD_F16)
+    CONSTANT(ZD_ADAMW) CONSTANT(ZD_ADAM)
+    CONSTANT(ZD_UPDATE_TORCH113) CONSTANT(ZD_UPDATE_TORCH2)
+    CONSTANT(ZD_SQRT_EXACT) CONSTANT(ZD_SQRT_MKL_EX)
+    CONSTANT(ZD_FIELD_DOUBLE) CONSTANT(ZD_FIELD_ENUM) CONSTANT(ZD_FIELD_BOOL)
+    CONSTANT(ZD_MEMORY_HOST) CONSTANT(ZD_MEMORY_CUDA)
+    CONSTANT(ZD_REGISTER_REPLACE)
+    CONSTANT(ZD_GRAD_MEAN) CONSTANT(ZD_GRAD_SUM)
+    CONSTANT(ZD_CLIP_NORM_DOUBLE) CONSTANT(ZD_CLIP_NORM_TORCH113) CONSTANT(ZD_CLIP_NORM_TORCH26)
+    CONSTANT(ZD_CLIP_NORM_TORCH215)
+    CONSTANT(ZD_STEP_NO_SCATTER) CONSTANT(ZD_STEP_NO_GATHER)
+    CONSTANT(ZD_CHECKPOINT_NO_WAIT)
+};
+/* clang-format on */
+
+size_t zd_constants(const zd_constant_t **table, size_t *constant_size) {
+  if (table) *table = constants;
+  if (constant_size) *constant_size = sizeof(zd_constant_t);
+  return sizeof constants / sizeof constants[0];
 }

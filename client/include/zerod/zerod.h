@@ -46,8 +46,8 @@
  *     the structure's minimum (the end of its last field without a default: its comment says) or
  *     above its own sizeof (a caller built against a newer zerod.h needs a libzerod at least as
  *     new); the message names the structure, the size given and the sizes this library takes.
- * Arrays libzerod returns (zd_group_fields()) come with their element size: walk them by it and
- * read the fields you know. The first zerod.h whose structures carried sizes
+ * Arrays libzerod returns (zd_group_fields(), zd_constants()) come with their element size: walk
+ * them by it and read the fields you know. The first zerod.h whose structures carried sizes
  * was that of libzerod.so.1; binaries built against an earlier one need libzerod.so.0.
  */
 #ifndef ZEROD_ZEROD_H
@@ -159,6 +159,19 @@ typedef struct zd_group_field {
  */
 ZD_EXPORT size_t zd_group_fields(const zd_group_field_t **fields, size_t *field_size,
                                  size_t *group_size);
+
+/* A named integer constant of this header: an enum value, a flag, a limit, an error code. */
+typedef struct zd_constant {
+  const char *name; /* as spelled here: "ZD_F32", "ZD_EBUFFER", "ZD_STEP_NO_GATHER" */
+  int64_t value;
+} zd_constant_t;
+
+/* Every integer constant of zerod.h and zerod/errors.h with its value in this library, for
+ * bindings that must not copy them by hand (the Python package defines its ZD_* names from it):
+ * *table (if not NULL) receives a static array of the returned count, valid for the life of the
+ * library, whose elements are *constant_size bytes apart (if not NULL: sizeof(zd_constant_t) of
+ * this library; walk by it). Never fails; thread-safe. */
+ZD_EXPORT size_t zd_constants(const zd_constant_t **table, size_t *constant_size);
 
 /* One parameter of the model, in registration order: an element of zd_model_desc_t.params, whose
  * param_size is the caller's sizeof(zd_param_t) (no size of its own). Every field is required.

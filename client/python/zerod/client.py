@@ -164,7 +164,7 @@ class Group:
     (beta1 and beta2 work too); optimizer is "adamw" (decoupled weight decay,
     torch.optim.AdamW) or "adam" (L2 penalty added to the gradient, torch.optim.Adam); a boolean
     field takes a bool. Fields not given keep zerod's defaults (zd_group_init():
-    torch.optim.AdamW's). Building a Group loads libzerod.
+    torch.optim.AdamW's).
 
     Raises:
         TypeError: a keyword that names no field of zd_group_t.
