@@ -323,6 +323,7 @@ int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_clien
   zd_client_t *c = calloc(1, sizeof *c);
   if (!c) return zd__fail(-ENOMEM, "out of memory");
   c->param_fd = c->grad_fd = -1;
+  c->info.size = sizeof c->info;
   c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (c->fd < 0) {
     rc = zd__fail(-errno, "socket: %s", strerror(errno));
@@ -387,26 +388,31 @@ static int check_registered(const zd_client_t *c, const char *what) {
   return ZD_OK;
 }
 
-int zd_step_start(zd_client_t *c, const zd_step_opts_t *opts, zd_request_t *req_out) {
+int zd_step_start(zd_client_t *c, const zd_step_opts_t *caller_opts, zd_request_t *req_out) {
   int rc = check_registered(c, "zd_step");
   if (rc) return rc;
+  zd_step_opts_t opts; /* the caller's, by its size, with the defaults of what it lacks */
+  if ((rc = zd__read_step_opts(caller_opts, &opts))) return rc;
+  size_t ng = opts.groups ? opts.ngroups : 0;
+  if (ng && ng != c->ngroups)
+    return zd__fail(ZD_EGROUP, "step carries %zu groups; the model has %u", ng, c->ngroups);
   Zerod__V1__StepRequest req = ZEROD__V1__STEP_REQUEST__INIT;
-  size_t ng = opts && opts->groups ? opts->ngroups : 0;
-  Zerod__V1__Group groups[ng ? ng : 1];
-  Zerod__V1__Group *gp[ng ? ng : 1];
+  zd_group_t groups[ng ? ng : 1];
+  Zerod__V1__Group wire[ng ? ng : 1];
+  Zerod__V1__Group *wp[ng ? ng : 1];
+  zd__read_groups(groups, opts.groups, ng, opts.group_size);
   for (size_t g = 0; g < ng; g++) {
-    zd__wire_group_to(&groups[g], &opts->groups[g]);
-    gp[g] = &groups[g];
+    zd__wire_group_to(&wire[g], &groups[g]);
+    wp[g] = &wire[g];
   }
   req.n_groups = ng;
-  req.groups = gp;
+  req.groups = wp;
   req.has_scatter = req.has_gather = 1;
-  req.scatter = !(opts && (opts->flags & ZD_STEP_NO_SCATTER));
-  req.gather = !(opts && (opts->flags & ZD_STEP_NO_GATHER));
+  req.scatter = !(opts.flags & ZD_STEP_NO_SCATTER);
+  req.gather = !(opts.flags & ZD_STEP_NO_GATHER);
   /* Left out when it is the default: a zerod older than the field then reads the same request. */
-  req.has_clip_norm = opts && opts->clip_norm != ZD_CLIP_NORM_DOUBLE;
-  req.clip_norm =
-      opts ? (Zerod__V1__ClipNorm)opts->clip_norm : ZEROD__V1__CLIP_NORM__CLIP_NORM_DOUBLE;
+  req.has_clip_norm = opts.clip_norm != ZD_CLIP_NORM_DOUBLE;
+  req.clip_norm = (Zerod__V1__ClipNorm)opts.clip_norm;
   int slot;
   if ((rc = zd__cuda_before_request(c, &slot))) return rc;
   req.has_event_slot = slot >= 0;
@@ -443,15 +449,23 @@ int zd_gather_start(zd_client_t *c, int bucket, zd_request_t *req) {
   return bucket_start(c, ZD__MSG_GATHER, bucket, req);
 }
 
+/* A result's size is checked before the request is sent or waited for: a step is never applied
+ * and then left unreported. */
+static int check_result(const zd_step_result_t *result) {
+  return result ? ZD__CHECK_FILLED(result, zd_step_result_t, ZD_STEP_RESULT_INIT) : ZD_OK;
+}
+
 int zd_wait(zd_client_t *c, zd_request_t req, zd_step_result_t *result) {
   if (!c) return zd__fail(-EINVAL, "zd_wait: client is NULL");
+  int rc = check_result(result);
+  if (rc) return rc;
   zd__pending_t *w = zd__find_pending(c, req);
   c->reply_spin_ns = w && w->type == ZD__MSG_STEP ? c->step_spin_ns : 0;
-  int rc = zd__await(c, req, NULL, NULL, -1);
+  rc = zd__await(c, req, NULL, NULL, -1);
   c->reply_spin_ns = 0;
   zd__pending_t *p = zd__find_pending(c, req);
   if (p && p->done) {
-    if (result && p->type == ZD__MSG_STEP && rc == ZD_OK) *result = p->step;
+    if (result && p->type == ZD__MSG_STEP && rc == ZD_OK) zd__write_filled(result, &p->step);
     /* zerod recorded the slot's params-ready after the request's work, failed or not; the slot is
      * free once the stream waits on it */
     int crc = zd__cuda_after_reply(c, p->slot);
@@ -463,7 +477,8 @@ int zd_wait(zd_client_t *c, zd_request_t req, zd_step_result_t *result) {
 
 int zd_step(zd_client_t *c, const zd_step_opts_t *opts, zd_step_result_t *result) {
   zd_request_t req;
-  int rc = zd_step_start(c, opts, &req);
+  int rc = check_result(result);
+  if (!rc) rc = zd_step_start(c, opts, &req);
   return rc ? rc : zd_wait(c, req, result);
 }
 

@@ -4,8 +4,10 @@
  * transport (pipelined requests, their table of pending replies, the thread-local last error);
  * client_register.c owns the model: its layout, the host buffers and the register request;
  * client_cuda.c, built only with CUDA, owns device buffers, their IPC events and the stream
- * ordering. This header is the struct they share and the few functions they call across. Without
- * CUDA the zd__cuda_* calls are inline stubs, so the generic files carry no #ifdef.
+ * ordering; abi.c reads the caller's structures by their sizes (zerod.h, "A growing ABI") into
+ * the full-size copies the others work on. This header is the struct they share and the few
+ * functions they call across. Without CUDA the zd__cuda_* calls are inline stubs, so the generic
+ * files carry no #ifdef.
  */
 #ifndef ZEROD_CLIENT_INTERNAL_H
 #define ZEROD_CLIENT_INTERNAL_H
@@ -40,7 +42,7 @@ struct zd_client {
   uint64_t next_id;
   uint64_t reply_spin_ns; /* how long the read of the reply being awaited looks before sleeping */
   uint64_t step_spin_ns;  /* what a step's wait looks for: from the last step's duration */
-  zd_info_t info;
+  zd_info_t info;         /* this library's full zd_info_t */
   zd__pending_t pending[ZD__MAX_OUTSTANDING];
   uint32_t npending;
 
@@ -106,6 +108,34 @@ zd__pending_t *zd__find_pending(zd_client_t *c, uint64_t id);
 /* Drops a pending entry and frees its event slot: after its reply was processed (and, for device
  * buffers, the stream made to wait on its "params ready"), or when the request is given up. */
 void zd__forget_pending(zd_client_t *c, zd__pending_t *p);
+
+/* ---- abi.c: the caller's structures, by their sizes ---------------------------------------- */
+
+/* Each reads the caller's structure into *out, a full-size copy in which the fields beyond the
+ * caller's size have their defaults; -EINVAL (with the message) for a size this library does not
+ * take. zd__read_model_desc also checks the element sizes of the desc's arrays, and
+ * zd__read_step_opts that of its groups when it has any; NULL opts or loss scaler: the defaults
+ * (no loss scaling). */
+int zd__read_model_desc(const zd_model_desc_t *in, zd_model_desc_t *out);
+int zd__read_step_opts(const zd_step_opts_t *in, zd_step_opts_t *out);
+int zd__read_loss_scaler(const zd_loss_scaler_t *in, zd_loss_scaler_t *out);
+
+/* Reads n groups of group_size bytes (checked) each into out[n], over the defaults. */
+void zd__read_groups(zd_group_t *out, const zd_group_t *in, size_t n, size_t group_size);
+
+/* Reads n parameters of param_size bytes (checked) each into *out, a new array to free(). */
+int zd__read_params(const zd_param_t *in, size_t n, size_t param_size, zd_param_t **out);
+
+/* For a structure the library fills: ZD_OK when its size (given as `what`, at most max) is one
+ * this library takes, else -EINVAL with a message saying `how` to set it. Checked before the call
+ * does anything. */
+int zd__check_filled(const char *what, size_t size, size_t max, const char *how);
+#define ZD__CHECK_FILLED(out, type, init) \
+  zd__check_filled(#type ".size", (out)->size, sizeof(type), "initialise it with " #init)
+
+/* Writes the library's structure *full into the caller's *out, up to out's size (checked) and
+ * leaving out's size as it is. */
+void zd__write_filled(void *out, const void *full);
 
 /* ---- client_register.c: the model's buffers ------------------------------------------------ */
 

@@ -60,17 +60,26 @@ void zd__release_buffers(zd_client_t *c) {
   c->groups = NULL;
 }
 
-int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
-  if (!c || !desc) return zd__fail(-EINVAL, "zd_layout: client and desc are required");
+int zd_layout(zd_client_t *c, const zd_model_desc_t *caller_desc) {
+  if (!c || !caller_desc) return zd__fail(-EINVAL, "zd_layout: client and desc are required");
   if (c->registered) return zd__fail(ZD_EORDER, "zd_layout after zd_register: the model is fixed");
+  zd_model_desc_t full; /* the caller's, by its size, with the defaults of what it lacks */
+  zd_loss_scaler_t scaler;
+  int rc = zd__read_model_desc(caller_desc, &full);
+  if (rc || (rc = zd__read_loss_scaler(full.loss_scaler, &scaler))) return rc;
+  const zd_model_desc_t *desc = &full;
   zd__err_t err = {0};
   if (zd__dtype_check(desc->param_dtype, ZD__DTYPE_PARAM, &err) ||
       zd__dtype_check(desc->grad_dtype, ZD__DTYPE_GRAD, &err))
     return zd__fail(err.code, "%s", err.msg);
   if (!desc->groups || desc->ngroups == 0)
     return zd__fail(ZD_EGROUP, "model has no parameter groups; expected at least 1");
-  if (desc->nparams > UINT32_MAX || desc->ngroups > UINT32_MAX)
-    return zd__fail(-EINVAL, "too many parameters or groups");
+  if (desc->ngroups > UINT32_MAX) return zd__fail(-EINVAL, "too many groups");
+  if (desc->nparams > ZD__MAX_PARAMS) /* before the copy of the parameters */
+    return zd__fail(-EINVAL, "model has %zu parameters; at most %u supported", desc->nparams,
+                    ZD__MAX_PARAMS);
+  if (!desc->params && desc->nparams)
+    return zd__fail(-EINVAL, "zd_model_desc_t.params is NULL; nparams is %zu", desc->nparams);
   if (desc->memory != ZD_MEMORY_HOST && desc->memory != ZD_MEMORY_CUDA)
     return zd__fail(-EINVAL,
                     "zd_model_desc_t.memory is %d; expected ZD_MEMORY_HOST (0) or "
@@ -93,21 +102,24 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *desc) {
   if (cuda && !ZD__HAVE_CUDA)
     return zd__fail(ZD_EBACKEND, "this libzerod was built without CUDA: no device buffers");
   zd__release_buffers(c);
-  int rc = zd__layout_build(desc->params, (uint32_t)desc->nparams, (uint32_t)desc->ngroups,
-                            c->info.world_size, c->info.bucket_elems, &c->layout, &err);
+  zd_param_t *params;
+  if ((rc = zd__read_params(desc->params, desc->nparams, desc->param_size, &params))) return rc;
+  rc = zd__layout_build(params, (uint32_t)desc->nparams, (uint32_t)desc->ngroups,
+                        c->info.world_size, c->info.bucket_elems, &c->layout, &err);
+  free(params); /* the layout keeps copies of the names */
   if (rc) return zd__fail(rc, "%s", err.msg);
   c->groups = malloc(desc->ngroups * sizeof *c->groups);
   if (!c->groups) {
     zd__release_buffers(c);
     return zd__fail(-ENOMEM, "out of memory");
   }
-  memcpy(c->groups, desc->groups, desc->ngroups * sizeof *c->groups);
+  zd__read_groups(c->groups, desc->groups, desc->ngroups, desc->group_size);
   c->ngroups = (uint32_t)desc->ngroups;
   c->param_dtype = desc->param_dtype;
   c->grad_dtype = desc->grad_dtype;
   c->max_grad_norm = desc->max_grad_norm;
   c->grad_reduce = desc->grad_reduce;
-  c->loss_scaler = desc->loss_scaler;
+  c->loss_scaler = scaler;
   c->flags = desc->flags;
   c->param_bytes = c->layout->total_elems * zd_dtype_size(desc->param_dtype);
   c->grad_bytes = c->layout->total_elems * zd_dtype_size(desc->grad_dtype);
@@ -250,33 +262,43 @@ void *zd_grad_buffer(zd_client_t *c, size_t *bytes) {
 }
 
 int zd_param_info(const zd_client_t *c, size_t index, zd_param_info_t *out) {
+  if (!out) return zd__fail(-EINVAL, "zd_param_info: out is NULL");
+  int rc = ZD__CHECK_FILLED(out, zd_param_info_t, ZD_PARAM_INFO_INIT);
+  if (rc) return rc;
   if (!c || !c->layout || index >= c->layout->nparams)
     return zd__fail(-EINVAL, "parameter %zu does not exist (call zd_layout first; %u parameters)",
                     index, c && c->layout ? c->layout->nparams : 0);
   const zd__layout_param_t *p = &c->layout->params[index];
-  *out = (zd_param_info_t){.name = p->name,
-                           .offset = p->offset,
-                           .numel = p->numel,
-                           .bucket = p->bucket,
-                           .group = p->group};
+  zd_param_info_t full = {.name = p->name,
+                          .offset = p->offset,
+                          .numel = p->numel,
+                          .bucket = p->bucket,
+                          .group = p->group};
+  zd__write_filled(out, &full);
   return ZD_OK;
 }
 
 int zd_bucket_info(const zd_client_t *c, size_t index, zd_bucket_info_t *out) {
+  if (!out) return zd__fail(-EINVAL, "zd_bucket_info: out is NULL");
+  int rc = ZD__CHECK_FILLED(out, zd_bucket_info_t, ZD_BUCKET_INFO_INIT);
+  if (rc) return rc;
   if (!c || !c->layout || index >= c->layout->nbuckets)
     return zd__fail(-EINVAL, "bucket %zu does not exist (call zd_layout first; %u buckets)", index,
                     c && c->layout ? c->layout->nbuckets : 0);
   const zd__bucket_t *b = &c->layout->buckets[index];
-  *out = (zd_bucket_info_t){.offset = b->offset,
-                            .elems = b->elems,
-                            .shard_offset = b->offset + (uint64_t)c->info.rank * b->shard_elems,
-                            .shard_elems = b->shard_elems};
+  zd_bucket_info_t full = {.offset = b->offset,
+                           .elems = b->elems,
+                           .shard_offset = b->offset + (uint64_t)c->info.rank * b->shard_elems,
+                           .shard_elems = b->shard_elems};
+  zd__write_filled(out, &full);
   return ZD_OK;
 }
 
 int zd_get_info(const zd_client_t *c, zd_info_t *out) {
-  if (!c) return zd__fail(-EINVAL, "zd_get_info: client is NULL");
-  *out = c->info;
+  if (!c || !out) return zd__fail(-EINVAL, "zd_get_info: client and out are required");
+  int rc = ZD__CHECK_FILLED(out, zd_info_t, ZD_INFO_INIT);
+  if (rc) return rc;
+  zd__write_filled(out, &c->info);
   return ZD_OK;
 }
 

@@ -1,6 +1,6 @@
 /* Functions generated from the group table (group.h), shared by the daemon and libzerod
- * (zd_group_default and zd_group_fields are part of the public API), and zd_sqrt, which shows
- * bindings what a group's sqrt_mode computes. */
+ * (zd_group_fields is part of the public API, and libzerod's zd_group_init writes
+ * zd__group_default), and zd_sqrt, which shows bindings what a group's sqrt_mode computes. */
 #include "group.h"
 
 #include <errno.h>
@@ -38,7 +38,7 @@ ZD__GROUP_FIELDS(CHECK_PLACE)
 _Static_assert(sizeof(struct table_layout) == sizeof(zd_group_t),
                "zd_group_t and the group table differ in size");
 
-zd_group_t zd_group_default(void) {
+zd_group_t zd__group_default(void) {
   zd_group_t g;
   memset(&g, 0, sizeof g);
 #define DEFAULT(name, kind, valid, expected, dflt) g.name = dflt;
@@ -51,8 +51,9 @@ static const zd_group_field_t fields[] = {
   {#name, ZD_FIELD_##kind, offsetof(zd_group_t, name), (double)(dflt)},
     ZD__GROUP_FIELDS(FIELD)};
 
-size_t zd_group_fields(const zd_group_field_t **out, size_t *group_size) {
+size_t zd_group_fields(const zd_group_field_t **out, size_t *field_size, size_t *group_size) {
   if (out) *out = fields;
+  if (field_size) *field_size = sizeof(zd_group_field_t);
   if (group_size) *group_size = sizeof(zd_group_t);
   return sizeof fields / sizeof fields[0];
 }

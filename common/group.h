@@ -1,14 +1,16 @@
 /* The hyperparameters of a parameter group (zd_group_t in zerod/zerod.h), as one table.
  *
  * Everything that lists the fields of a group is generated from ZD__GROUP_FIELDS: the defaults
- * (zd_group_default), the validation and its messages (zd__group_check, run by the daemon on every
- * group a register or a step carries), the group's part of the hash that the ranks of a world
- * compare before each step (zd__group_hash), the wire conversion both ways (proto/wire.c: the
- * fields of message Group in proto/zerod.proto have the C names) and the description libzerod
- * exports (zd_group_fields), from which the Python package builds its ctypes mirror of zd_group_t
- * and takes the names it reads in a torch parameter group.
+ * (zd__group_default, and libzerod's zd_group_init), the validation and its messages
+ * (zd__group_check, run by the daemon on every group a register or a step carries), the group's
+ * part of the hash that the ranks of a world compare before each step (zd__group_hash), the wire
+ * conversion both ways (proto/wire.c: the fields of message Group in proto/zerod.proto have the C
+ * names) and the description libzerod exports (zd_group_fields), from which the Python package
+ * builds its ctypes mirror of zd_group_t and takes the names it reads in a torch parameter group.
  *
- * Adding a hyperparameter touches four files: its field in zd_group_t (zerod.h), its row here,
+ * Adding a hyperparameter touches four files: its field at the end of zd_group_t (zerod.h: at or
+ * after the end of the structure before it, so that an older client's group_size leaves it out;
+ * docs/abi.md), its row here,
  * the same name in message Group (zerod.proto: an optional field whose [default] is the row's
  * default, so that older clients still register), and its effect on the kernels' per-step
  * constants (zd__adam_group_init, kernels/adam.c). group.c checks at compile time that the table
@@ -17,10 +19,15 @@
 #ifndef ZD_COMMON_GROUP_H
 #define ZD_COMMON_GROUP_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "error.h"
 #include "zerod/zerod.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 /* X(name, KIND, valid, expected, default), in zd_group_t's order:
  *   KIND      DOUBLE: a double, which must also be finite; ENUM: an int-sized enum; BOOL: an int
@@ -28,7 +35,7 @@
  *   valid     the condition zd__group_check requires of v, the field's value
  *   expected  what its error message says is expected ("group 1: lr is -1; expected a finite
  *             value >= 0")
- *   default   zd_group_default()'s value: torch.optim.AdamW's
+ *   default   zd__group_default()'s value: torch.optim.AdamW's
  * One row per line, unaligned, so that adding a field adds a line (and a backslash to the one
  * before). */
 /* clang-format off */
@@ -45,6 +52,13 @@
   X(amsgrad, BOOL, v == 0 || v == 1, "0 or 1", 0)
 /* clang-format on */
 
+/* The smallest zd_group_t a caller may pass (zd_model_desc_t.group_size): lr to weight_decay, the
+ * fields message Group requires (zerod.proto); every later field has a default. */
+#define ZD__GROUP_MIN_SIZE (offsetof(zd_group_t, weight_decay) + sizeof(double))
+
+/* zd_group_t with every field at its default (the table's). */
+zd_group_t zd__group_default(void);
+
 /* Checks every field of g against its row: ZD_OK, or ZD_EHPARAM for the first field that fails,
  * with a message prefixed by `where` ("group 1: lr is -1; expected a finite value >= 0"). */
 int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err);
@@ -52,5 +66,9 @@ int zd__group_check(const zd_group_t *g, const char *where, zd__err_t *err);
 /* Folds g's fields, in table order, into the FNV-1a hash h (doubles as their 8 bytes, the other
  * kinds as an int32_t): two groups hash alike exactly when every field has the same bits. */
 uint64_t zd__group_hash(uint64_t h, const zd_group_t *g);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* ZD_COMMON_GROUP_H */

@@ -56,7 +56,7 @@ case "${1:-}" in
   demo) install_deps; build; demo ;;
   test)
     # shellcheck disable=SC2046 # one package name per word
-    install_deps clang-format git yamllint systemd openssl $(scripts/sanitize.sh packages) \
+    install_deps clang-format git yamllint systemd openssl abigail-tools $(scripts/sanitize.sh packages) \
       $(scripts/fuzz.sh packages)
     install_promtool
     build

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu_check.h"
+#include "group.h"
 
 static int cmp_float(const void *a, const void *b) {
   float x = *(const float *)a, y = *(const float *)b;
@@ -154,7 +155,7 @@ int main(int argc, char **argv) {
     zd__cuda_layout_t *l = NULL;
     ZD_CHECK(zd__cuda_layout_create(segs, nsegs, n, stream, &l, &gpu_err));
     zd__adam_group_t groups[2];
-    zd_group_t hp[2] = {zd_group_default(), zd_group_default()}; /* AdamW */
+    zd_group_t hp[2] = {zd__group_default(), zd__group_default()}; /* AdamW */
     for (int k = 0; k < 2; k++) {
       hp[k].lr = 1e-4;
       hp[k].beta2 = 0.95;

@@ -56,14 +56,16 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n) {
   zd_client_t *c;
   if (zd_connect(d->socket, ZD_ANY_RANK, 0, &c) != ZD_OK) die("connect");
   zd_param_t p = {.name = "weights", .ndim = 1, .shape = {n}, .group = 0};
-  zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p,
-                          .nparams = 1,
-                          .groups = &g,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32,
-                          .flags = ZD_REGISTER_REPLACE};
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &p;
+  desc.nparams = 1;
+  desc.groups = &g;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
+  desc.flags = ZD_REGISTER_REPLACE;
   if (zd_layout(c, &desc) != ZD_OK || zd_register(c) != ZD_OK) die("register");
   float *grad = zd_grad_buffer(c, NULL), *param = zd_param_buffer(c, NULL);
   for (uint64_t i = 0; i < n; i++) {
@@ -76,7 +78,7 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n) {
 /* One step; its client-observed seconds, the step count after it in *step and zerod's own time
  * for it (zd_step_result_t.duration_us, the snapshot included) in *daemon_s. */
 static double timed_step(zd_client_t *c, uint64_t *step, double *daemon_s) {
-  zd_step_result_t r;
+  zd_step_result_t r = ZD_STEP_RESULT_INIT;
   double t0 = zd_bench_now();
   if (zd_step(c, NULL, &r) != ZD_OK) die("step");
   double t = zd_bench_now() - t0;

@@ -64,14 +64,16 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n, zd_dtype_t dt) {
     exit(1);
   }
   zd_param_t p = {.name = "weights", .ndim = 1, .shape = {n}, .group = 0};
-  zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p,
-                          .nparams = 1,
-                          .groups = &g,
-                          .ngroups = 1,
-                          .param_dtype = dt,
-                          .grad_dtype = dt,
-                          .flags = ZD_REGISTER_REPLACE};
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &p;
+  desc.nparams = 1;
+  desc.groups = &g;
+  desc.ngroups = 1;
+  desc.param_dtype = dt;
+  desc.grad_dtype = dt;
+  desc.flags = ZD_REGISTER_REPLACE;
   if (zd_layout(c, &desc) != ZD_OK) {
     fprintf(stderr, "bench_step: layout of %llu params: %s\n", (unsigned long long)n,
             zd_last_error());
@@ -88,7 +90,7 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n, zd_dtype_t dt) {
 }
 
 static double step_seconds(zd_client_t *c, uint64_t *daemon_us) {
-  zd_step_result_t r;
+  zd_step_result_t r = ZD_STEP_RESULT_INIT;
   double t0 = zd_bench_now();
   if (zd_step(c, NULL, &r) != ZD_OK) {
     fprintf(stderr, "bench_step: step: %s\n", zd_last_error());
@@ -135,7 +137,8 @@ static void size_row(const cfg_t *cfg, const zdt_daemon_t *d, uint64_t n) {
   }
   zd__segment_t seg = {.offset = 0, .length = n, .group = 0};
   zd__adam_group_t consts;
-  zd_group_t g = zd_group_default();
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
   zd__adam_group_init(&consts, &g, 1);
   zd__adam_args_t pass = {.state[ZD__STATE_MASTER] = master,
                           .state[ZD__STATE_EXP_AVG] = m,

@@ -43,22 +43,24 @@ static void *client_main(void *arg) {
   zd_client_t *c;
   if (zd_connect(r->d->socket, (int)r->rank, 0, &c) != ZD_OK) die("connect");
   zd_param_t p = {.name = "weights", .ndim = 1, .shape = {r->n}, .group = 0};
-  zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p,
-                          .nparams = 1,
-                          .groups = &g,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32,
-                          .grad_reduce = ZD_GRAD_MEAN,
-                          .flags = ZD_REGISTER_REPLACE};
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &p;
+  desc.nparams = 1;
+  desc.groups = &g;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
+  desc.grad_reduce = ZD_GRAD_MEAN;
+  desc.flags = ZD_REGISTER_REPLACE;
   if (zd_layout(c, &desc) != ZD_OK) die("layout");
   float *grad = zd_grad_buffer(c, NULL);
   for (uint64_t i = 0; i < r->n; i++) grad[i] = (float)((int)((i + r->rank) % 2001) - 1000) * 1e-5f;
   if (zd_register(c) != ZD_OK) die("register");
   pthread_barrier_wait(r->ready);
   for (int it = 0; it < WARMUP + r->iters; it++) {
-    zd_step_result_t res;
+    zd_step_result_t res = ZD_STEP_RESULT_INIT;
     double t0 = zd_bench_now();
     if (zd_step(c, NULL, &res) != ZD_OK) die("step");
     if (it >= WARMUP && r->rank == 0) {

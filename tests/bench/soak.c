@@ -81,13 +81,15 @@ static int attach(const char *socket, uint32_t rank, uint64_t n, zd_client_t **o
   int rc = zd_connect(socket, (int)rank, 5000, &c);
   if (rc) return rc;
   zd_param_t p = {.name = "soak.weights", .ndim = 1, .shape = {n}, .group = 0};
-  zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p,
-                          .nparams = 1,
-                          .groups = &g,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &p;
+  desc.nparams = 1;
+  desc.groups = &g;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   if ((rc = zd_layout(c, &desc)) || (rc = zd_register(c))) {
     zd_close(c);
     return rc;

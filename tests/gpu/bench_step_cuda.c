@@ -83,17 +83,19 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n, double max_grad_no
     exit(1);
   }
   zd_param_t p = {.name = "weights", .ndim = 1, .shape = {n}, .group = 0};
-  zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p,
-                          .nparams = 1,
-                          .groups = &g,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32,
-                          .max_grad_norm = max_grad_norm,
-                          .flags = ZD_REGISTER_REPLACE,
-                          .memory = ZD_MEMORY_CUDA,
-                          .device = dev};
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &p;
+  desc.nparams = 1;
+  desc.groups = &g;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
+  desc.max_grad_norm = max_grad_norm;
+  desc.flags = ZD_REGISTER_REPLACE;
+  desc.memory = ZD_MEMORY_CUDA;
+  desc.device = dev;
   if (zd_layout(c, &desc) != ZD_OK) {
     fprintf(stderr, "bench_step_cuda: layout of %llu params: %s\n", (unsigned long long)n,
             zd_last_error());
@@ -117,7 +119,7 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n, double max_grad_no
 }
 
 static double step_seconds(zd_client_t *c, uint64_t *daemon_us) {
-  zd_step_result_t r;
+  zd_step_result_t r = ZD_STEP_RESULT_INIT;
   double t0 = now_s();
   if (zd_step(c, NULL, &r) != ZD_OK) {
     fprintf(stderr, "bench_step_cuda: step: %s\n", zd_last_error());

@@ -34,6 +34,7 @@
 
 #include "adam.cuh"
 #include "gpu_check.h"
+#include "group.h"
 #include "step_decide.h"
 
 #define GUARD     24 /* sentinel elements on each side of a range (a multiple of 8) */
@@ -46,7 +47,7 @@ static cudaStream_t stream;
  * zd_group_t may grow). */
 static zd_group_t group_of(double lr, double beta1, double beta2, double eps, double wd,
                            zd_optimizer_t optimizer) {
-  zd_group_t g = zd_group_default();
+  zd_group_t g = zd__group_default();
   g.lr = lr;
   g.beta1 = beta1;
   g.beta2 = beta2;

@@ -244,16 +244,18 @@ static int memfd(size_t bytes) {
 
 /* g: two groups (weights, biases). */
 static zd_model_desc_t mlp_desc(zd_group_t *g, zd_memory_t memory, int device) {
-  g[0] = g[1] = zd_group_default();
-  return (zd_model_desc_t){.params = mlp_params,
-                           .nparams = MLP_NPARAMS,
-                           .groups = g,
-                           .ngroups = 2,
-                           .param_dtype = ZD_F32,
-                           .grad_dtype = ZD_F32,
-                           .grad_reduce = ZD_GRAD_MEAN,
-                           .memory = memory,
-                           .device = device};
+  zd_group_init(g, 2, sizeof g[0]);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = g;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
+  desc.grad_reduce = ZD_GRAD_MEAN;
+  desc.memory = memory;
+  desc.device = device;
+  return desc;
 }
 
 /* ---- a fake zerod that says it runs the CUDA backend ----------------------------------------- */
@@ -546,7 +548,7 @@ static void without_gpu(const char *why) {
 
   zd_client_t *c;
   CHECK_MSG(zd_connect(d.socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(c, &info);
   CHECK_STR_EQ(info.backend, "cpu");
   char *status;
@@ -565,7 +567,7 @@ static void without_gpu(const char *why) {
   desc = mlp_desc(g, ZD_MEMORY_HOST, 0);
   CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "%s", zd_last_error());
   CHECK_MSG(zd_register(c) == ZD_OK, "%s", zd_last_error());
-  zd_step_result_t res;
+  zd_step_result_t res = ZD_STEP_RESULT_INIT;
   CHECK_MSG(zd_step(c, NULL, &res) == ZD_OK, "%s", zd_last_error());
   CHECK_U64_EQ(res.step, 1);
   zd_close(c);
@@ -612,7 +614,7 @@ static void with_gpu(int ngpus) {
   CHECK_MSG(zdt_log_contains(&d, "local rank 0: GPU 0"), "no GPU line in the log");
   zd_client_t *c;
   CHECK_MSG(zd_connect(d.socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(c, &info);
   CHECK_STR_EQ(info.backend, "cuda");
   int dev = -1;
@@ -680,7 +682,7 @@ static void with_gpu(int ngpus) {
   desc = mlp_desc(g, ZD_MEMORY_CUDA, dev);
   CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "%s", zd_last_error());
   CHECK_MSG(zd_register(c) == ZD_OK, "register after the refused ones: %s", zd_last_error());
-  zd_step_result_t res;
+  zd_step_result_t res = ZD_STEP_RESULT_INIT;
   CHECK_MSG(zd_step(c, NULL, &res) == ZD_OK, "%s", zd_last_error());
   CHECK_U64_EQ(res.step, 1);
   CHECK_INT_EQ(zd_status(c, &status), ZD_OK);

@@ -141,19 +141,19 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
     CHECK_MSG(zd_cuda_device(t->c, &device) == ZD_OK, "zd_cuda_device: %s", zd_last_error());
   zd_group_t groups[2];
   groups_at(step, o->steps, groups);
-  zd_model_desc_t desc = {
-      .params = mlp_params,
-      .nparams = MLP_NPARAMS,
-      .groups = groups,
-      .ngroups = 2,
-      .param_dtype = o->pdt,
-      .grad_dtype = o->gdt,
-      .grad_reduce = ZD_GRAD_MEAN,
-      .max_grad_norm = o->max_grad_norm,
-      .loss_scaler = o->scaler,
-      .flags = expect_resumed ? 0 : ZD_REGISTER_REPLACE, /* daemons are reused */
-      .memory = memory,
-      .device = device};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = groups;
+  desc.ngroups = 2;
+  desc.param_dtype = o->pdt;
+  desc.grad_dtype = o->gdt;
+  desc.grad_reduce = ZD_GRAD_MEAN;
+  desc.max_grad_norm = o->max_grad_norm;
+  desc.loss_scaler = o->scaler.enabled ? &o->scaler : NULL;
+  desc.flags = expect_resumed ? 0 : ZD_REGISTER_REPLACE; /* daemons are reused */
+  desc.memory = memory;
+  desc.device = device;
   CHECK_MSG(zd_layout(t->c, &desc) == ZD_OK, "layout: %s", zd_last_error());
   t->pbuf = zd_param_buffer(t->c, &t->pbytes);
   t->gbuf = zd_grad_buffer(t->c, &t->gbytes);
@@ -161,7 +161,7 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
   CHECK_MSG((uintptr_t)t->pbuf % 256 == 0 && (uintptr_t)t->gbuf % 256 == 0,
             "buffers at %p and %p: not 256-byte aligned", t->pbuf, t->gbuf);
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     CHECK_INT_EQ(zd_param_info(t->c, (size_t)i, &info), ZD_OK);
     CHECK_MSG(info.offset % 64 == 0, "%s at element %llu: not a multiple of 64", info.name,
               (unsigned long long)info.offset);
@@ -182,7 +182,7 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
     float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};
     mlp_init(p, 42);
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t info;
+      zd_param_info_t info = ZD_PARAM_INFO_INIT;
       CHECK_INT_EQ(zd_param_info(t->c, (size_t)i, &info), ZD_OK);
       for (uint64_t k = 0; k < info.numel; k++)
         zdt_store(t->hp, o->pdt, info.offset + k, init[i][k]);
@@ -194,7 +194,7 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
       CUDA_OK(cudaMemcpy(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice));
   }
   CHECK_MSG(zd_register(t->c) == ZD_OK, "register: %s", zd_last_error());
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(t->c, &info);
   CHECK_INT_EQ(info.resumed, expect_resumed);
   CHECK_U64_EQ(info.step, (uint64_t)step);
@@ -248,7 +248,7 @@ static float make_grads(trainer_t *t, int step, double scale, int poison) {
   float work[MLP_NPARAMS][MAXN], grad[MLP_NPARAMS][MAXN];
   float *p[MLP_NPARAMS], *g[MLP_NPARAMS];
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(t->c, (size_t)i, &info);
     p[i] = work[i];
     g[i] = grad[i];
@@ -256,13 +256,13 @@ static float make_grads(trainer_t *t, int step, double scale, int poison) {
   }
   float loss = mlp_loss_grad((const float *const *)p, g, (uint64_t)step, 0);
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(t->c, (size_t)i, &info);
     for (uint64_t k = 0; k < info.numel; k++)
       zdt_store(t->hg, t->gdt, info.offset + k, (float)(grad[i][k] * scale));
   }
   if (poison) { /* an overflow in the middle of fc1.weight */
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(t->c, 0, &info);
     zdt_store(t->hg, t->gdt, info.offset + 77, INFINITY);
   }
@@ -282,7 +282,7 @@ static void ref_init(reference_t *ref, trainer_t *t) {
   memset(ref, 0, sizeof *ref);
   fetch_params(t);
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(t->c, (size_t)i, &info);
     for (uint64_t k = 0; k < info.numel; k++)
       ref->master[i][k] = zdt_load(t->hp, t->pdt, info.offset + k);
@@ -292,7 +292,7 @@ static void ref_init(reference_t *ref, trainer_t *t) {
 /* One reference step on the gradients as zerod read them (t->hg). */
 static void ref_step(reference_t *ref, const trainer_t *t, const zd_group_t groups[2], int step) {
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(t->c, (size_t)i, &info);
     float gq[MAXN];
     for (uint64_t k = 0; k < info.numel; k++) gq[k] = zdt_load(t->hg, t->gdt, info.offset + k);
@@ -303,7 +303,7 @@ static void ref_step(reference_t *ref, const trainer_t *t, const zd_group_t grou
 
 static void compare_ref(const trainer_t *t, const reference_t *ref, int step) {
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(t->c, (size_t)i, &info);
     for (uint64_t k = 0; k < info.numel; k++) {
       float want = ref->master[i][k];
@@ -365,8 +365,10 @@ static void train_vs_reference(const char *socket, zd_dtype_t pdt, zd_dtype_t gd
     push_grads(&t);
     zd_group_t groups[2];
     groups_at(step, STEPS, groups);
-    zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
-    zd_step_result_t res;
+    zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+    opts.groups = groups;
+    opts.ngroups = 2;
+    zd_step_result_t res = ZD_STEP_RESULT_INIT;
     CHECK_MSG(zd_step(t.c, &opts, &res) == ZD_OK, "step %d: %s", step, zd_last_error());
     CHECK_U64_EQ(res.step, (uint64_t)step + 1);
     CHECK_INT_EQ(res.applied, 1);
@@ -394,8 +396,10 @@ static void step_vs_reference(trainer_t *t, reference_t *ref, const options_t *o
   push_grads(t);
   zd_group_t groups[2];
   groups_at(step, o->steps, groups);
-  zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
-  zd_step_result_t res;
+  zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+  opts.groups = groups;
+  opts.ngroups = 2;
+  zd_step_result_t res = ZD_STEP_RESULT_INIT;
   CHECK_MSG(zd_step(t->c, &opts, &res) == ZD_OK, "step %d: %s", step, zd_last_error());
   ref_step(ref, t, groups, step);
   fetch_params(t);
@@ -470,7 +474,7 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
   attach(&t, socket, dev_memory, &o, 0, 0, s2, 0);
   static reference_t ref;
   ref_init(&ref, &t);
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(t.c, &info);
   uint32_t nb = info.nbuckets;
   CHECK_MSG(nb >= 2 && nb <= 16, "%u buckets", nb);
@@ -504,7 +508,7 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
         s = b == nb - 1 ? s2 : b == 0 ? s1 : s0;
         delay = !slow ? NULL : b == nb - 1 ? &d_last : b == 0 ? &d_first : NULL;
       }
-      zd_bucket_info_t bi;
+      zd_bucket_info_t bi = ZD_BUCKET_INFO_INIT;
       CHECK_INT_EQ(zd_bucket_info(t.c, b, &bi), ZD_OK);
       push_range(&t, s, delay, bi.offset, bi.elems);
       if (dev_memory == ZD_MEMORY_CUDA)
@@ -523,8 +527,10 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
       CHECK_MSG(zd_set_stream(t.c, s2) == ZD_OK, "zd_set_stream: %s", zd_last_error());
     zd_group_t groups[2];
     groups_at(step, PIPE_STEPS, groups);
-    zd_step_opts_t opts = {
-        .groups = groups, .ngroups = 2, .flags = ZD_STEP_NO_SCATTER | ZD_STEP_NO_GATHER};
+    zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+    opts.groups = groups;
+    opts.ngroups = 2;
+    opts.flags = ZD_STEP_NO_SCATTER | ZD_STEP_NO_GATHER;
     int step_req = nreq;
     CHECK_MSG(zd_step_start(t.c, &opts, &req[nreq++]) == ZD_OK, "step %d: %s", step,
               zd_last_error());
@@ -540,7 +546,7 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
     }
     for (int i = nreq - 1; i >= 0; i--) { /* the reverse order of the requests */
       if (i == waited) continue;
-      zd_step_result_t res;
+      zd_step_result_t res = ZD_STEP_RESULT_INIT;
       int rc = zd_wait(t.c, req[i], &res);
       CHECK_MSG(rc == ZD_OK, "step %d: request %d of %d: %s", step, i, nreq, zd_last_error());
       if (i == step_req) {
@@ -603,8 +609,10 @@ static void lockstep(const char *dev_socket, const char *cpu_socket, const optio
     push_grads(&g);
     zd_group_t groups[2];
     groups_at(step, o->steps, groups);
-    zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
-    zd_step_result_t rg, rh;
+    zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+    opts.groups = groups;
+    opts.ngroups = 2;
+    zd_step_result_t rg = ZD_STEP_RESULT_INIT, rh = ZD_STEP_RESULT_INIT;
     CHECK_MSG(zd_step(g.c, &opts, &rg) == ZD_OK, "step %d (%s): %s", step, dev_backend,
               zd_last_error());
     CHECK_MSG(zd_step(h.c, &opts, &rh) == ZD_OK, "step %d (CPU): %s", step, zd_last_error());
@@ -644,7 +652,8 @@ static void lockstep(const char *dev_socket, const char *cpu_socket, const optio
 }
 
 static void lockstep_all(const char *dev_socket, const char *cpu_socket) {
-  zd_loss_scaler_t scaler = {.enabled = 1,
+  zd_loss_scaler_t scaler = {.size = sizeof(zd_loss_scaler_t),
+                             .enabled = 1,
                              .initial_scale = 65536,
                              .growth_factor = 2,
                              .backoff_factor = 0.5,
@@ -833,15 +842,17 @@ static void bad_buffers(const char *socket, int ngpus) {
     /* and through libzerod: the buffers' device is not the rank's */
     zd_client_t *c;
     CHECK_MSG(zd_connect(socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
-    zd_group_t g[2] = {zd_group_default(), zd_group_default()};
-    zd_model_desc_t desc = {.params = mlp_params,
-                            .nparams = MLP_NPARAMS,
-                            .groups = g,
-                            .ngroups = 2,
-                            .param_dtype = ZD_F32,
-                            .grad_dtype = ZD_F32,
-                            .memory = ZD_MEMORY_CUDA,
-                            .device = 1};
+    zd_group_t g[2];
+    zd_group_init(g, 2, sizeof g[0]);
+    zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+    desc.params = mlp_params;
+    desc.nparams = MLP_NPARAMS;
+    desc.groups = g;
+    desc.ngroups = 2;
+    desc.param_dtype = ZD_F32;
+    desc.grad_dtype = ZD_F32;
+    desc.memory = ZD_MEMORY_CUDA;
+    desc.device = 1;
     CHECK_INT_EQ(zd_layout(c, &desc), ZD_EBUFFER);
     printf("  zd_layout on device 1: %s\n", zd_last_error());
     zd_close(c);

@@ -152,7 +152,8 @@ static int send_step(zd_client_t *c, send_mode_t m, point_t die, uint32_t rank, 
     check_rc(zd_scatter(c, (int)b), rank, step, "zd_scatter");
   }
   if (die == AFTER_SCATTER) die_here(rank);
-  zd_step_opts_t opts = {.flags = ZD_STEP_NO_SCATTER | (m == MODE_GATHERS ? ZD_STEP_NO_GATHER : 0)};
+  zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+  opts.flags = ZD_STEP_NO_SCATTER | (m == MODE_GATHERS ? ZD_STEP_NO_GATHER : 0);
   int rc = check_rc(zd_step(c, &opts, NULL), rank, step, "zd_step");
   if (rc || m != MODE_GATHERS) return rc;
   for (uint32_t b = 0; b < nbuckets; b++) {
@@ -174,19 +175,20 @@ static void trainer(const world_t *w, uint32_t rank, send_mode_t m, point_t die,
     static const zd_group_t g[2] = {
         {.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01},
         {.lr = 1e-3, .beta1 = 0.85, .beta2 = 0.99, .eps = 1e-7, .optimizer = ZD_ADAM}};
-    zd_model_desc_t desc = {.params = mlp_params,
-                            .nparams = MLP_NPARAMS,
-                            .groups = g,
-                            .ngroups = 2,
-                            .param_dtype = ZD_F32,
-                            .grad_dtype = ZD_F32};
+    zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+    desc.params = mlp_params;
+    desc.nparams = MLP_NPARAMS;
+    desc.groups = g;
+    desc.ngroups = 2;
+    desc.param_dtype = ZD_F32;
+    desc.grad_dtype = ZD_F32;
     CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
     float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
     float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};
     mlp_init(p, 11);
     float *pb = zd_param_buffer(c, NULL);
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t info;
+      zd_param_info_t info = ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &info);
       memcpy(pb + info.offset, init[i], info.numel * sizeof(float));
     }
@@ -198,7 +200,7 @@ static void trainer(const world_t *w, uint32_t rank, send_mode_t m, point_t die,
   }
   CHECK_MSG(rc == ZD_OK, "rank %u register: %s: %s", rank, zd_err_name(rc), zd_last_error());
   rep->registered_at[rank] = now_s();
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(c, &info);
   CHECK_MSG(info.total_elems <= MAX_ELEMS && info.nbuckets >= 3, "%llu elements, %u buckets",
             (unsigned long long)info.total_elems, info.nbuckets);
@@ -213,6 +215,7 @@ static void trainer(const world_t *w, uint32_t rank, send_mode_t m, point_t die,
     float *gb = zd_grad_buffer(c, NULL);
     zd_param_info_t pi[MLP_NPARAMS];
     for (int i = 0; i < MLP_NPARAMS; i++) {
+      pi[i] = (zd_param_info_t)ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &pi[i]);
       p[i] = work[i];
       g[i] = grad[i];
@@ -366,12 +369,13 @@ static void lone_trainer(const char *socket, int steps, lone_end_t end) {
   CHECK_INT_EQ(zd_connect(socket, 0, 0, &c), ZD_OK);
   zd_group_t g[2] = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8},
                      {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8}};
-  zd_model_desc_t desc = {.params = mlp_params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = g,
-                          .ngroups = 2,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = g;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   CHECK_MSG(zd_register(c) == ZD_OK, "register: %s", zd_last_error());
   rep->lone_registered = 1;
@@ -381,11 +385,13 @@ static void lone_trainer(const char *socket, int steps, lone_end_t end) {
   }
   if (end == REFUSED_DIES) {
     g[0].lr = 5e-3;
-    zd_step_opts_t opts = {.groups = g, .ngroups = 2};
+    zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+    opts.groups = g;
+    opts.ngroups = 2;
     CHECK_INT_EQ(zd_step(c, &opts, NULL), ZD_EHPARAM);
   }
   if (end != BYE_HALF_STEP) raise(SIGKILL);
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(c, &info);
   CHECK_INT_EQ(zd_scatter(c, (int)info.nbuckets - 1), ZD_OK);
   zd_close(c);
@@ -442,15 +448,16 @@ static void test_bye_and_waiting_stand_in(void) {
   CHECK_INT_EQ(zd_connect(d.socket, 1, 0, &b), ZD_OK);
   static const zd_group_t g[2] = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8},
                                   {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8}};
-  zd_model_desc_t desc = {.params = mlp_params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = g,
-                          .ngroups = 2,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = g;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_INT_EQ(zd_layout(b, &desc), ZD_OK);
   CHECK_MSG(zd_register(b) == ZD_OK, "register: %s", zd_last_error());
-  zd_step_result_t res;
+  zd_step_result_t res = ZD_STEP_RESULT_INIT;
   CHECK_MSG(zd_step(b, NULL, &res) == ZD_OK, "step: %s", zd_last_error());
   CHECK_INT_EQ(zd_step(b, NULL, &res), ZD_EABORTED);
   CHECK_CONTAINS(zd_last_error(), "step 2 abandoned: rank 0's trainer disconnected");

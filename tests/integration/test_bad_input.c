@@ -30,7 +30,7 @@ static uint64_t bystander_steps;
 
 /* The well-behaved client: one more step must still work. */
 static void bystander_step(const char *after) {
-  zd_step_result_t r;
+  zd_step_result_t r = ZD_STEP_RESULT_INIT;
   int rc = zd_step(bystander, NULL, &r);
   CHECK_MSG(rc == ZD_OK, "bystander step after '%s' failed: %s", after, zd_last_error());
   CHECK_U64_EQ(r.step, ++bystander_steps);
@@ -342,9 +342,12 @@ static void test_register_fields(void) {
 
 static void test_step_fields(void) {
   /* hyperparameters sent with a step are checked too, on the bystander's own session */
-  zd_group_t groups[2] = {zd_group_default(), zd_group_default()};
+  zd_group_t groups[2];
+  zd_group_init(groups, 2, sizeof groups[0]);
   groups[1].lr = -INFINITY;
-  zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
+  zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+  opts.groups = groups;
+  opts.ngroups = 2;
   int rc = zd_step(bystander, &opts, NULL);
   CHECK_INT_EQ(rc, ZD_EHPARAM);
   CHECK_CONTAINS(zd_last_error(), "group 1: lr is -inf; expected a finite value >= 0");
@@ -356,7 +359,8 @@ static void test_step_fields(void) {
   rc = zd_scatter(bystander, 99);
   CHECK_INT_EQ(rc, -EINVAL);
   CHECK_CONTAINS(zd_last_error(), "bucket 99 does not exist; expected -1 (all) or 0..0");
-  zd_step_opts_t clip = {.clip_norm = (zd_clip_norm_t)4};
+  zd_step_opts_t clip = ZD_STEP_OPTS_INIT;
+  clip.clip_norm = (zd_clip_norm_t)4;
   rc = zd_step(bystander, &clip, NULL);
   CHECK_INT_EQ(rc, ZD_EHPARAM);
   CHECK_CONTAINS(zd_last_error(),
@@ -642,13 +646,15 @@ int main(void) {
   zdt_start(&daemon_, args);
   int rc = zd_connect(daemon_.socket, ZD_ANY_RANK, 0, &bystander);
   CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
-  zd_group_t groups[2] = {zd_group_default(), zd_group_default()};
-  zd_model_desc_t desc = {.params = mlp_params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = groups,
-                          .ngroups = 2,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_group_t groups[2];
+  zd_group_init(groups, 2, sizeof groups[0]);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = groups;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_INT_EQ(zd_layout(bystander, &desc), ZD_OK);
   CHECK_INT_EQ(zd_register(bystander), ZD_OK);
 

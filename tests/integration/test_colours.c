@@ -63,12 +63,13 @@ int main(void) {
   CHECK_MSG(zd_connect(d.socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "connect: %s", zd_last_error());
   zd_group_t group = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8};
   zd_param_t param = {.name = "w", .ndim = 1, .shape = {NPARAM}};
-  zd_model_desc_t desc = {.params = &param,
-                          .nparams = 1,
-                          .groups = &group,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &param;
+  desc.nparams = 1;
+  desc.groups = &group;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "layout: %s", zd_last_error());
   CHECK_MSG(zd_register(c) == ZD_OK, "register: %s", zd_last_error());
 

@@ -269,20 +269,21 @@ static zd_client_t *train(const zdt_daemon_t *d, int steps) {
        .optimizer = ZD_ADAMW},
       {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .optimizer = ZD_ADAM},
   };
-  zd_model_desc_t desc = {.params = mlp_params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = groups,
-                          .ngroups = 2,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32,
-                          .max_grad_norm = 1.0};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = groups;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
+  desc.max_grad_norm = 1.0;
   CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "layout: %s", zd_last_error());
   float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
   float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};
   mlp_init(p, 7);
   float *buf = zd_param_buffer(c, NULL);
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(c, (size_t)i, &info);
     memcpy(buf + info.offset, init[i], info.numel * sizeof(float));
   }
@@ -292,18 +293,18 @@ static zd_client_t *train(const zdt_daemon_t *d, int steps) {
     const float *w[MLP_NPARAMS];
     float *gbuf = zd_grad_buffer(c, NULL);
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t info;
+      zd_param_info_t info = ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &info);
       w[i] = buf + info.offset;
       g[i] = grad[i];
     }
     mlp_loss_grad(w, g, (uint64_t)s, 0);
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t info;
+      zd_param_info_t info = ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &info);
       memcpy(gbuf + info.offset, grad[i], info.numel * sizeof(float));
     }
-    zd_step_result_t res;
+    zd_step_result_t res = ZD_STEP_RESULT_INIT;
     CHECK_MSG(zd_step(c, NULL, &res) == ZD_OK, "step %d: %s", s, zd_last_error());
   }
   return c;
@@ -311,7 +312,7 @@ static zd_client_t *train(const zdt_daemon_t *d, int steps) {
 
 static void test_status(const zdt_daemon_t *d) {
   zd_client_t *c = train(d, STEPS);
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(c, &info);
 
   Zerod__V1__NodeStatus *st = node_status(d->control);
@@ -334,7 +335,7 @@ static void test_status(const zdt_daemon_t *d) {
   CHECK(r->has_last_step_us);
   CHECK_INT_EQ(r->n_shard, info.nbuckets);
   for (uint32_t b = 0; b < info.nbuckets; b++) {
-    zd_bucket_info_t bi;
+    zd_bucket_info_t bi = ZD_BUCKET_INFO_INIT;
     CHECK_INT_EQ(zd_bucket_info(c, b, &bi), ZD_OK);
     CHECK_INT_EQ(r->shard[b]->bucket, b);
     CHECK_U64_EQ(r->shard[b]->begin, bi.shard_offset);

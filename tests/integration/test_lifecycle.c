@@ -55,17 +55,18 @@ static zd_client_t *connect_register(const char *socket, const zd_param_t *param
   zd_client_t *c;
   int rc = zd_connect(socket, rank, 0, &c);
   CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
-  zd_model_desc_t desc = {.params = params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = groups,
-                          .ngroups = 2,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32,
-                          .flags = flags};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = groups;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
+  desc.flags = flags;
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float *p = zd_param_buffer(c, NULL);
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(c, (size_t)i, &info);
     for (uint64_t k = 0; k < info.numel; k++) p[info.offset + k] = 0.01f * (float)(k % 7);
   }
@@ -83,7 +84,7 @@ static void fill_grads(zd_client_t *c, float value) {
   size_t bytes;
   float *g = zd_grad_buffer(c, &bytes);
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(c, (size_t)i, &info);
     for (uint64_t k = 0; k < info.numel; k++) g[info.offset + k] = value;
   }
@@ -91,7 +92,7 @@ static void fill_grads(zd_client_t *c, float value) {
 
 static void steps(zd_client_t *c, int n, uint64_t first) {
   for (int i = 0; i < n; i++) {
-    zd_step_result_t r;
+    zd_step_result_t r = ZD_STEP_RESULT_INIT;
     fill_grads(c, 0.1f * (float)(i + 1));
     CHECK_MSG(zd_step(c, NULL, &r) == ZD_OK, "step: %s", zd_last_error());
     CHECK_U64_EQ(r.step, first + (uint64_t)i + 1);
@@ -122,7 +123,7 @@ static void test_clients_and_state(void) {
   memcpy(before, pa, sizeof before);
   zd_close(a);
   zd_client_t *c = connect_register(d.socket, mlp_params, ZD_ANY_RANK, 0, ZD_OK);
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(c, &info);
   CHECK_INT_EQ(info.resumed, 1);
   CHECK_U64_EQ(info.step, 3);
@@ -193,7 +194,7 @@ static void *any_trainer_main(void *arg) {
   any_trainer_t *t = arg;
   t->connect_rc = zd_connect(t->socket, ZD_ANY_RANK, 0, &t->c);
   if (t->connect_rc == ZD_OK) {
-    zd_info_t info;
+    zd_info_t info = ZD_INFO_INIT;
     zd_get_info(t->c, &info);
     t->local_rank = info.local_rank;
   } else {
@@ -201,12 +202,13 @@ static void *any_trainer_main(void *arg) {
   }
   pthread_barrier_wait(t->hellos_done);
   if (t->connect_rc != ZD_OK) return NULL;
-  zd_model_desc_t desc = {.params = mlp_params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = groups,
-                          .ngroups = 2,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = groups;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   t->register_rc = zd_layout(t->c, &desc);
   if (t->register_rc == ZD_OK) t->register_rc = zd_register(t->c);
   if (t->register_rc != ZD_OK) snprintf(t->err, sizeof t->err, "%s", zd_last_error());
@@ -253,7 +255,7 @@ static void test_any_rank_at_once(void) {
   /* one leaves (bye): the next ZD_ANY_RANK client gets its rank, and holds it from its hello */
   uint32_t freed = t[2].local_rank;
   zd_close(t[2].c);
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
   zd_get_info(c, &info);
   CHECK_U64_EQ(info.local_rank, freed);
@@ -262,12 +264,13 @@ static void test_any_rank_at_once(void) {
   CHECK_CONTAINS(zd_last_error(), "reserved");
   /* a rank named explicitly may be held by another hello: hello works, register is refused */
   CHECK_INT_EQ(zd_connect(d.socket, (int)freed, 0, &other), ZD_OK);
-  zd_model_desc_t desc = {.params = mlp_params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = groups,
-                          .ngroups = 2,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = groups;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_INT_EQ(zd_layout(other, &desc), ZD_OK);
   CHECK_INT_EQ(zd_register(other), ZD_EBUSY);
   char want[64];
@@ -376,12 +379,13 @@ static void test_sigterm_in_flight(void) {
   zd_param_t big = {.name = "big", .ndim = 1, .shape = {1u << 24}, .group = 0};
   zd_client_t *c;
   CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
-  zd_model_desc_t desc = {.params = &big,
-                          .nparams = 1,
-                          .groups = groups,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &big;
+  desc.nparams = 1;
+  desc.groups = groups;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   CHECK_INT_EQ(zd_register(c), ZD_OK);
   enum { N = 6 };
@@ -390,7 +394,7 @@ static void test_sigterm_in_flight(void) {
   nanosleep(&(struct timespec){.tv_nsec = 30000000}, NULL); /* all frames read, steps running */
   kill(d.pid, SIGTERM);
   for (int i = 0; i < N; i++) {
-    zd_step_result_t r;
+    zd_step_result_t r = ZD_STEP_RESULT_INIT;
     int rc = zd_wait(c, req[i], &r);
     CHECK_MSG(rc == ZD_OK, "step %d after SIGTERM: %s", i + 1, zd_last_error());
     CHECK_U64_EQ(r.step, (uint64_t)i + 1);
@@ -504,13 +508,15 @@ static void test_worker_answers(void) {
   CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
   const uint64_t n = (1u << 21) + 1000; /* above ZD__INLINE_MAX_ELEMS */
   zd_param_t p = {.name = "w", .ndim = 1, .shape = {n}, .group = 0};
-  zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p,
-                          .nparams = 1,
-                          .groups = &g,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &p;
+  desc.nparams = 1;
+  desc.groups = &g;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float *w = zd_param_buffer(c, NULL), *grad = zd_grad_buffer(c, NULL);
   float *before = malloc(n * sizeof *before);
@@ -522,7 +528,7 @@ static void test_worker_answers(void) {
   const int nsteps = 10;
   for (int i = 0; i < nsteps; i++) {
     memcpy(before, w, n * sizeof *w);
-    zd_step_result_t r;
+    zd_step_result_t r = ZD_STEP_RESULT_INIT;
     CHECK_MSG(zd_step(c, NULL, &r) == ZD_OK, "step: %s", zd_last_error());
     CHECK_U64_EQ(r.step, (uint64_t)i + 1);
     for (uint64_t k = 0; k < n; k++)
@@ -531,12 +537,13 @@ static void test_worker_answers(void) {
   }
   /* Pipelined: scatter, step without it, gather, with a status answered by the loop between. */
   zd_request_t req[3];
-  zd_step_opts_t opts = {.flags = ZD_STEP_NO_SCATTER | ZD_STEP_NO_GATHER};
+  zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+  opts.flags = ZD_STEP_NO_SCATTER | ZD_STEP_NO_GATHER;
   CHECK_INT_EQ(zd_scatter_start(c, -1, &req[0]), ZD_OK);
   CHECK_INT_EQ(zd_step_start(c, &opts, &req[1]), ZD_OK);
   CHECK_INT_EQ(zd_gather_start(c, -1, &req[2]), ZD_OK);
   CHECK(status_counter(c, "replies_early") >= early0); /* answered by the loop meanwhile */
-  zd_step_result_t r;
+  zd_step_result_t r = ZD_STEP_RESULT_INIT;
   for (int i = 0; i < 3; i++)
     CHECK_MSG(zd_wait(c, req[i], &r) == ZD_OK, "pipelined request %d: %s", i, zd_last_error());
   CHECK_U64_EQ(r.step, (uint64_t)nsteps + 1);

@@ -20,21 +20,23 @@
 static zd_client_t *start_client(const zdt_daemon_t *d) {
   zd_client_t *c;
   CHECK_INT_EQ(zd_connect(d->socket, ZD_ANY_RANK, 0, &c), ZD_OK);
-  zd_group_t groups[2] = {zd_group_default(), zd_group_default()};
+  zd_group_t groups[2];
+  zd_group_init(groups, 2, sizeof groups[0]);
   groups[1].weight_decay = 0;
-  zd_model_desc_t desc = {.params = mlp_params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = groups,
-                          .ngroups = 2,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = groups;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
   float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};
   mlp_init(p, 7);
   float *buf = zd_param_buffer(c, NULL);
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(c, (size_t)i, &info);
     memcpy(buf + info.offset, init[i], info.numel * sizeof(float));
   }
@@ -50,6 +52,7 @@ static void backward(zd_client_t *c, int step) {
   float *gb = zd_grad_buffer(c, NULL);
   zd_param_info_t info[MLP_NPARAMS];
   for (int i = 0; i < MLP_NPARAMS; i++) {
+    info[i] = (zd_param_info_t)ZD_PARAM_INFO_INIT;
     zd_param_info(c, (size_t)i, &info[i]);
     memcpy(work[i], pb + info[i].offset, info[i].numel * sizeof(float));
     p[i] = work[i];
@@ -66,7 +69,7 @@ int main(void) {
   zdt_start(&da, args);
   zdt_start(&db, args);
   zd_client_t *a = start_client(&da), *b = start_client(&db);
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(b, &info);
   uint32_t nb = info.nbuckets;
   CHECK_MSG(nb >= 3, "expected several buckets, got %u", nb);
@@ -83,10 +86,11 @@ int main(void) {
     for (uint32_t k = 0; k < nb; k++) /* buckets become ready in reverse, as in backward */
       CHECK_INT_EQ(zd_scatter_start(b, (int)(nb - 1 - k), &req[n++]), ZD_OK);
     zd_request_t step_req;
-    zd_step_opts_t opts = {.flags = ZD_STEP_NO_SCATTER | ZD_STEP_NO_GATHER};
+    zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+    opts.flags = ZD_STEP_NO_SCATTER | ZD_STEP_NO_GATHER;
     CHECK_INT_EQ(zd_step_start(b, &opts, &step_req), ZD_OK);
     for (uint32_t k = 0; k < nb; k++) CHECK_INT_EQ(zd_gather_start(b, (int)k, &req[n++]), ZD_OK);
-    zd_step_result_t r;
+    zd_step_result_t r = ZD_STEP_RESULT_INIT;
     CHECK_MSG(zd_wait(b, step_req, &r) == ZD_OK, "pipelined step: %s", zd_last_error());
     CHECK_U64_EQ(r.step, (uint64_t)step + 1);
     for (uint32_t k = n; k-- > 0;) /* waited for out of order */
@@ -100,12 +104,13 @@ int main(void) {
       STEPS, nb);
 
   /* Claiming scattered gradients that were not: refused, nothing applied. */
-  zd_step_opts_t opts = {.flags = ZD_STEP_NO_SCATTER};
+  zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+  opts.flags = ZD_STEP_NO_SCATTER;
   CHECK_INT_EQ(zd_scatter(b, 0), ZD_OK);
   CHECK_INT_EQ(zd_step(b, &opts, NULL), ZD_EORDER);
   CHECK_CONTAINS(zd_last_error(), "bucket 1 was not scattered since step 50");
   printf("  %s\n", zd_last_error());
-  zd_step_result_t r;
+  zd_step_result_t r = ZD_STEP_RESULT_INIT;
   CHECK_INT_EQ(zd_step(b, NULL, &r), ZD_OK);
   CHECK_U64_EQ(r.step, STEPS + 1);
 

@@ -32,13 +32,15 @@ static zd_client_t *attach(const char *socket, uint64_t n) {
   int rc = zd_connect(socket, 0, 5000, &c);
   CHECK_MSG(rc == ZD_OK, "connect: %s (%s)", zd_err_name(rc), zd_last_error());
   zd_param_t p = {.name = "w", .ndim = 1, .shape = {n}, .group = 0};
-  zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p,
-                          .nparams = 1,
-                          .groups = &g,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &p;
+  desc.nparams = 1;
+  desc.groups = &g;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "layout: %s", zd_last_error());
   CHECK_MSG(zd_register(c) == ZD_OK, "register: %s", zd_last_error());
   float *grad = zd_grad_buffer(c, NULL);
@@ -47,7 +49,7 @@ static zd_client_t *attach(const char *socket, uint64_t n) {
 }
 
 static uint64_t step(zd_client_t *c) {
-  zd_step_result_t r;
+  zd_step_result_t r = ZD_STEP_RESULT_INIT;
   CHECK_MSG(zd_step(c, NULL, &r) == ZD_OK, "step: %s", zd_last_error());
   return r.step;
 }
@@ -200,13 +202,15 @@ static void *peer_attach(void *arg) {
   int rc = zd_connect(p->socket, 0, 5000, &p->c);
   CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
   zd_param_t prm = {.name = "w", .ndim = 1, .shape = {4096}, .group = 0};
-  zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &prm,
-                          .nparams = 1,
-                          .groups = &g,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &prm;
+  desc.nparams = 1;
+  desc.groups = &g;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_MSG(zd_layout(p->c, &desc) == ZD_OK, "layout: %s", zd_last_error());
   CHECK_MSG(zd_register(p->c) == ZD_OK, "register rank %u: %s", p->rank, zd_last_error());
   return NULL;
@@ -215,7 +219,7 @@ static void *peer_attach(void *arg) {
 static void *peer_step(void *arg) {
   peer_client_t *p = arg;
   sleep_ms(p->delay_ms);
-  zd_step_result_t r = {0};
+  zd_step_result_t r = ZD_STEP_RESULT_INIT;
   p->rc = zd_step(p->c, NULL, &r);
   p->step = r.step;
   snprintf(p->msg, sizeof p->msg, "%s", p->rc ? zd_last_error() : "");

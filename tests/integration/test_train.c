@@ -52,13 +52,14 @@ static zd_client_t *attach(const zdt_daemon_t *d, zd_dtype_t pdt, zd_dtype_t gdt
   CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
   zd_group_t groups[2];
   groups_at(step, groups);
-  zd_model_desc_t desc = {.params = mlp_params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = groups,
-                          .ngroups = 2,
-                          .param_dtype = pdt,
-                          .grad_dtype = gdt,
-                          .grad_reduce = ZD_GRAD_MEAN};
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = groups;
+  desc.ngroups = 2;
+  desc.param_dtype = pdt;
+  desc.grad_dtype = gdt;
+  desc.grad_reduce = ZD_GRAD_MEAN;
   desc.grad_reduce = (zd_grad_reduce_t)2; /* neither ZD_GRAD_MEAN nor ZD_GRAD_SUM: refused */
   CHECK_INT_EQ(zd_layout(c, &desc), -EINVAL);
   CHECK_CONTAINS(zd_last_error(), "grad_reduce is 2");
@@ -71,14 +72,14 @@ static zd_client_t *attach(const zdt_daemon_t *d, zd_dtype_t pdt, zd_dtype_t gdt
     mlp_init(p, 42);
     void *buf = zd_param_buffer(c, NULL);
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t info;
+      zd_param_info_t info = ZD_PARAM_INFO_INIT;
       CHECK_INT_EQ(zd_param_info(c, (size_t)i, &info), ZD_OK);
       for (uint64_t k = 0; k < info.numel; k++) zdt_store(buf, pdt, info.offset + k, init[i][k]);
     }
   }
   rc = zd_register(c);
   CHECK_MSG(rc == ZD_OK, "register: %s", zd_last_error());
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(c, &info);
   CHECK_INT_EQ(info.resumed, expect_resumed);
   CHECK_U64_EQ(info.step, (uint64_t)step);
@@ -91,7 +92,7 @@ static zd_client_t *attach(const zdt_daemon_t *d, zd_dtype_t pdt, zd_dtype_t gdt
 static void compare(zd_client_t *c, const reference_t *ref, zd_dtype_t pdt, int step) {
   const void *buf = zd_param_buffer(c, NULL);
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(c, (size_t)i, &info);
     for (uint64_t k = 0; k < info.numel; k++) {
       float want = ref->master[i][k];
@@ -119,7 +120,7 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
   { /* the reference starts from what zerod took: the initial values in the working dtype */
     const void *buf = zd_param_buffer(c, NULL);
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t info;
+      zd_param_info_t info = ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &info);
       for (uint64_t k = 0; k < info.numel; k++)
         ref.master[i][k] = zdt_load(buf, pdt, info.offset + k);
@@ -137,7 +138,7 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
     const void *pbuf = zd_param_buffer(c, NULL);
     void *gbuf = zd_grad_buffer(c, NULL);
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t info;
+      zd_param_info_t info = ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &info);
       p[i] = work[i];
       g[i] = grad[i];
@@ -146,15 +147,17 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
     loss = mlp_loss_grad((const float *const *)p, g, (uint64_t)step, 0);
     if (step == 0) first_loss = loss;
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t info;
+      zd_param_info_t info = ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &info);
       for (uint64_t k = 0; k < info.numel; k++) zdt_store(gbuf, gdt, info.offset + k, grad[i][k]);
     }
 
     zd_group_t groups[2];
     groups_at(step, groups);
-    zd_step_opts_t opts = {.groups = groups, .ngroups = 2};
-    zd_step_result_t res;
+    zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+    opts.groups = groups;
+    opts.ngroups = 2;
+    zd_step_result_t res = ZD_STEP_RESULT_INIT;
     int rc = zd_step(c, &opts, &res);
     CHECK_MSG(rc == ZD_OK, "step %d: %s", step, zd_last_error());
     CHECK_U64_EQ(res.step, (uint64_t)step + 1);
@@ -162,7 +165,7 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
 
     /* The same step with the reference kernel, on the gradient exactly as zerod read it. */
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t info;
+      zd_param_info_t info = ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &info);
       float gq[MLP_HIDDEN * MLP_IN];
       for (uint64_t k = 0; k < info.numel; k++) gq[k] = zdt_load(gbuf, gdt, info.offset + k);
@@ -195,13 +198,15 @@ static void run_many_threads(void) {
   zd_client_t *c;
   CHECK_INT_EQ(zd_connect(d.socket, ZD_ANY_RANK, 0, &c), ZD_OK);
   zd_param_t p = {.name = "w", .ndim = 1, .shape = {N}, .group = 0};
-  zd_group_t g = zd_group_default();
-  zd_model_desc_t desc = {.params = &p,
-                          .nparams = 1,
-                          .groups = &g,
-                          .ngroups = 1,
-                          .param_dtype = ZD_F32,
-                          .grad_dtype = ZD_F32};
+  zd_group_t g;
+  zd_group_init(&g, 1, sizeof g);
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = &p;
+  desc.nparams = 1;
+  desc.groups = &g;
+  desc.ngroups = 1;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float *param = zd_param_buffer(c, NULL), *grad = zd_grad_buffer(c, NULL);
   float *master = calloc(N, 4), *m = calloc(N, 4), *v = calloc(N, 4);

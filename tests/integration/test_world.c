@@ -103,7 +103,8 @@ typedef struct run_cfg {
   zd_grad_reduce_t grad_reduce; /* left 0 (ZD_GRAD_MEAN) by most runs: the default must average */
 } run_cfg_t;
 
-static const zd_loss_scaler_t scaler_cfg = {.enabled = 1,
+static const zd_loss_scaler_t scaler_cfg = {.size = sizeof(zd_loss_scaler_t),
+                                            .enabled = 1,
                                             .initial_scale = 1024,
                                             .growth_factor = 2,
                                             .backoff_factor = 0.5,
@@ -158,23 +159,24 @@ static zd_client_t *register_rank(const zdt_daemon_t *d, uint32_t local, const r
   CHECK_MSG(*rc == ZD_OK, "connect: %s", zd_last_error());
   zd_group_t g[2];
   groups_at(0, g);
-  zd_model_desc_t desc = {.params = params,
-                          .nparams = MLP_NPARAMS,
-                          .groups = g,
-                          .ngroups = 2,
-                          .param_dtype = cfg->param_dtype,
-                          .grad_dtype = cfg->grad_dtype,
-                          .max_grad_norm = cfg->max_grad_norm,
-                          .grad_reduce = cfg->grad_reduce,
-                          .flags = flags};
-  if (cfg->loss_scaling) desc.loss_scaler = scaler_cfg;
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = g;
+  desc.ngroups = 2;
+  desc.param_dtype = cfg->param_dtype;
+  desc.grad_dtype = cfg->grad_dtype;
+  desc.max_grad_norm = cfg->max_grad_norm;
+  desc.grad_reduce = cfg->grad_reduce;
+  desc.flags = flags;
+  if (cfg->loss_scaling) desc.loss_scaler = &scaler_cfg;
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
   float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};
   mlp_init(p, 11);
   void *buf = zd_param_buffer(c, NULL);
   for (int i = 0; i < MLP_NPARAMS; i++) {
-    zd_param_info_t info;
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(c, (size_t)i, &info);
     for (uint64_t k = 0; k < info.numel; k++)
       zdt_store(buf, cfg->param_dtype, info.offset + k, init[i][k]);
@@ -192,7 +194,7 @@ static void *client_main(void *arg) {
   int rc;
   zd_client_t *c = register_rank(daemon_of(w, t->rank), t->rank % per, cfg, mlp_params, 0, &rc);
   CHECK_MSG(rc == ZD_OK, "rank %u register: %s", t->rank, zd_last_error());
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(c, &info);
   CHECK_U64_EQ(info.rank, t->rank);
   CHECK_U64_EQ(info.world_size, w->world_size);
@@ -205,7 +207,7 @@ static void *client_main(void *arg) {
     const void *pb = zd_param_buffer(c, NULL);
     void *gb = zd_grad_buffer(c, NULL);
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t pi;
+      zd_param_info_t pi = ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &pi);
       p[i] = work[i];
       g[i] = grad[i];
@@ -214,7 +216,7 @@ static void *client_main(void *arg) {
     }
     mlp_loss_grad((const float *const *)p, g, (uint64_t)step, t->rank);
     for (int i = 0; i < MLP_NPARAMS; i++) {
-      zd_param_info_t pi;
+      zd_param_info_t pi = ZD_PARAM_INFO_INIT;
       zd_param_info(c, (size_t)i, &pi);
       for (uint64_t k = 0; k < pi.numel; k++)
         zdt_store(gb, cfg->grad_dtype, pi.offset + k, grad[i][k] * (float)sh->scale);
@@ -224,7 +226,10 @@ static void *client_main(void *arg) {
     pthread_barrier_wait(&sh->barrier); /* reference done */
     zd_group_t gr[2];
     groups_at(step, gr);
-    zd_step_opts_t opts = {.groups = gr, .ngroups = 2};
+    zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+    opts.groups = gr;
+    opts.ngroups = 2;
+    sh->results[t->rank] = (zd_step_result_t)ZD_STEP_RESULT_INIT;
     sh->rc[t->rank] = zd_step(c, &opts, &sh->results[t->rank]);
     snprintf(sh->err[t->rank], sizeof sh->err[t->rank], "%s", zd_last_error());
     pthread_barrier_wait(&sh->barrier); /* stepped: the main thread compares */
@@ -277,7 +282,7 @@ static void ref_init(reference_t *r, const run_cfg_t *cfg, uint32_t world_size,
   groups_at(0, g);
   CHECK_INT_EQ(zd__layout_build(mlp_params, MLP_NPARAMS, 2, world_size, 256, &r->layout, NULL),
                ZD_OK);
-  zd_info_t info;
+  zd_info_t info = ZD_INFO_INIT;
   zd_get_info(rank0, &info);
   CHECK_U64_EQ(info.layout_hash, r->layout->hash);
   r->n = r->layout->total_elems;
@@ -412,7 +417,7 @@ static void train(world_t *w, const run_cfg_t *cfg) {
       const void *gb = zd_grad_buffer(sh.clients[q], NULL);
       for (uint64_t e = 0; e < ref.n; e++) ref.grads[q][e] = zdt_load(gb, cfg->grad_dtype, e);
     }
-    zd_step_result_t expect;
+    zd_step_result_t expect = ZD_STEP_RESULT_INIT;
     ref_step(&ref, cfg, n, step, &expect);
     pthread_barrier_wait(&sh.barrier); /* reference done */
     pthread_barrier_wait(&sh.barrier); /* stepped */
@@ -516,7 +521,10 @@ static void *step_thread(void *arg) {
   zd_group_t g[2];
   groups_at(0, g);
   g[0].lr = a->lr;
-  zd_step_opts_t opts = {.groups = g, .ngroups = 2};
+  zd_step_opts_t opts = ZD_STEP_OPTS_INIT;
+  opts.groups = g;
+  opts.ngroups = 2;
+  a->res = (zd_step_result_t)ZD_STEP_RESULT_INIT;
   double t0 = now_s();
   a->rc = zd_step(a->c, &opts, &a->res);
   a->seconds = now_s() - t0;
@@ -582,7 +590,7 @@ static void test_disagreements(void) {
   zd_close(c[1]);
   register_both(&w, mlp_params, ZD_REGISTER_REPLACE, r);
   CHECK_MSG(r[0].rc == ZD_OK, "rank 0: %s (%s)", zd_err_name(r[0].rc), r[0].err);
-  zd_info_t resumed;
+  zd_info_t resumed = ZD_INFO_INIT;
   zd_get_info(r[0].c, &resumed);
   CHECK_INT_EQ(resumed.resumed, 1);
   CHECK_U64_EQ(resumed.step, 4);
@@ -594,7 +602,7 @@ static void test_disagreements(void) {
   register_both(&w, mlp_params, 0, r);
   for (int q = 0; q < 2; q++) {
     CHECK_MSG(r[q].rc == ZD_OK, "rank %d: %s", q, r[q].err);
-    zd_info_t info;
+    zd_info_t info = ZD_INFO_INIT;
     zd_get_info(r[q].c, &info);
     CHECK_INT_EQ(info.resumed, 1);
     CHECK_U64_EQ(info.step, 4);

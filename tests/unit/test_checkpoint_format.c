@@ -121,8 +121,8 @@ static void fill_manifest(zd__ckpt_manifest_t *m, const zd__layout_t *l, uint64_
   m->bucket_elems = l->bucket_elems;
   m->layout_hash = l->hash;
   m->layout = (zd__layout_t *)l;
-  groups[0] = zd_group_default();
-  groups[1] = zd_group_default();
+  groups[0] = zd__group_default();
+  groups[1] = zd__group_default();
   groups[1].weight_decay = 0;
   m->groups = groups;
   m->ngroups = NGROUPS;
@@ -131,7 +131,14 @@ static void fill_manifest(zd__ckpt_manifest_t *m, const zd__layout_t *l, uint64_
   m->max_grad_norm = 1.0;
   m->grad_mean = 1;
   m->scaler.enabled = 1;
-  m->scaler.cfg = (zd_loss_scaler_t){1, 65536, 2, 0.5, 1000, 2, 1};
+  m->scaler.cfg = (zd_loss_scaler_t){.size = sizeof(zd_loss_scaler_t),
+                                     .enabled = 1,
+                                     .initial_scale = 65536,
+                                     .growth_factor = 2,
+                                     .backoff_factor = 0.5,
+                                     .growth_interval = 1000,
+                                     .hysteresis = 2,
+                                     .min_scale = 1};
   m->scaler.scale = 32768;
   m->created_ms = created_ms ? created_ms : 1700000000123ull;
 }
@@ -276,7 +283,7 @@ static void test_manifest_fields(void) {
   zd__ckpt_manifest_t *m;
   zd__err_t err = {0};
   CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
-  zd_group_t g[NGROUPS] = {zd_group_default(), zd_group_default()};
+  zd_group_t g[NGROUPS] = {zd__group_default(), zd__group_default()};
   g[0].lr = 0.1 / 3;
   g[0].beta1 = 0.8999999999999999;
   g[0].beta2 = 1 - 1e-16;
@@ -293,12 +300,18 @@ static void test_manifest_fields(void) {
   in.grad_dtype = ZD_BF16;
   in.max_grad_norm = 0.7071067811865476;
   in.grad_mean = 0;
-  in.scaler = (zd__ckpt_scaler_t){
-      .enabled = 0,
-      .cfg = {1, 1.0 / 7, 2.000000000000001, 0.3333333333333333, 4294967295u, 7, 1e-30},
-      .scale = 6.02214076e23,
-      .growth_tracker = 999,
-      .hysteresis_tracker = 4294967295u};
+  in.scaler = (zd__ckpt_scaler_t){.enabled = 0,
+                                  .cfg = {.size = sizeof(zd_loss_scaler_t),
+                                          .enabled = 1,
+                                          .initial_scale = 1.0 / 7,
+                                          .growth_factor = 2.000000000000001,
+                                          .backoff_factor = 0.3333333333333333,
+                                          .growth_interval = 4294967295u,
+                                          .hysteresis = 7,
+                                          .min_scale = 1e-30},
+                                  .scale = 6.02214076e23,
+                                  .growth_tracker = 999,
+                                  .hysteresis_tracker = 4294967295u};
   in.created_ms = 1234567890123ull;
   CHECK_INT_EQ(zd__ckpt_write_manifest(dir, &in, &err), 0);
   zd__ckpt_manifest_t *out;
@@ -896,7 +909,7 @@ static json_t *state_file(uint64_t step, char **data, uint64_t *data_bytes) {
     json_array_append_new(pg, json_integer(model[p].group));
   }
   char num[24], *names_text = json_dumps(names, JSON_COMPACT), *pg_text = json_dumps(pg, 0);
-  zd_group_t gs[NGROUPS] = {zd_group_default(), zd_group_default()};
+  zd_group_t gs[NGROUPS] = {zd__group_default(), zd__group_default()};
   gs[1].weight_decay = 0;
   gs[1].lr = 0.25;
   char *g_text = groups_text(gs, NGROUPS);
@@ -1013,7 +1026,7 @@ static void test_import(void) {
   CHECK_U64_EQ(m->ngroups, NGROUPS);
   CHECK_DBL_EQ(m->groups[1].lr, 0.25);
   CHECK_DBL_EQ(m->groups[1].weight_decay, 0);
-  CHECK_DBL_EQ(m->groups[0].weight_decay, zd_group_default().weight_decay);
+  CHECK_DBL_EQ(m->groups[0].weight_decay, zd__group_default().weight_decay);
   CHECK_INT_EQ(m->scaler.enabled, 0);
   for (uint32_t p = 0; p < NPARAMS; p++) {
     CHECK_STR_EQ(m->layout->params[p].name, model[p].name);

@@ -25,7 +25,7 @@ static const char *const table_names[] = {
 
 /* Every field set away from its default (maximize, optimizer included). */
 static zd_group_t unusual(void) {
-  zd_group_t g = zd_group_default();
+  zd_group_t g = zd__group_default();
   g.lr = 3.25e-4;
   g.beta1 = 0.8125;
   g.beta2 = 0.96875;
@@ -39,17 +39,18 @@ static zd_group_t unusual(void) {
 static void test_descriptor(void) {
   const ProtobufCMessageDescriptor *d = &zerod__v1__group__descriptor;
   CHECK_U64_EQ(d->n_fields, NFIELDS);
-  zd_group_t def = zd_group_default();
+  zd_group_t def = zd__group_default();
   const zd_group_field_t *fields;
-  size_t size = 0;
-  CHECK_U64_EQ(zd_group_fields(&fields, &size), NFIELDS);
+  size_t field_size = 0, size = 0;
+  CHECK_U64_EQ(zd_group_fields(&fields, &field_size, &size), NFIELDS);
+  CHECK_U64_EQ(field_size, sizeof(zd_group_field_t));
   CHECK_U64_EQ(size, sizeof(zd_group_t));
   for (unsigned i = 0; i < d->n_fields; i++) {
     const ProtobufCFieldDescriptor *f = &d->fields[i];
     CHECK_STR_EQ(f->name, table_names[i]);
     CHECK_STR_EQ(fields[i].name, table_names[i]);
     CHECK_U64_EQ(f->id, i + 1);
-    /* The value zd_group_fields() reports as the default is zd_group_default()'s. */
+    /* The value zd_group_fields() reports as the default is zd__group_default()'s. */
     const char *at = (const char *)&def + fields[i].offset;
     double dflt =
         fields[i].kind == ZD_FIELD_DOUBLE ? *(const double *)at : (double)*(const int *)at;
@@ -75,7 +76,7 @@ static void test_descriptor(void) {
 /* Every field of a and b has the same bits (zd_group_fields() says where they are). */
 static int same_group(const zd_group_t *a, const zd_group_t *b) {
   const zd_group_field_t *f;
-  size_t n = zd_group_fields(&f, NULL);
+  size_t n = zd_group_fields(&f, NULL, NULL);
   for (size_t i = 0; i < n; i++) {
     size_t size = f[i].kind == ZD_FIELD_DOUBLE ? sizeof(double) : sizeof(int);
     if (memcmp((const char *)a + f[i].offset, (const char *)b + f[i].offset, size)) return 0;
@@ -110,7 +111,7 @@ static void test_group_wire(void) {
   /* An older client: only the required fields. */
   w.has_optimizer = w.has_maximize = 0;
   back = round_trip(&w);
-  zd_group_t def = zd_group_default();
+  zd_group_t def = zd__group_default();
   CHECK_INT_EQ(back.optimizer, def.optimizer);
   CHECK_INT_EQ(back.maximize, def.maximize);
   CHECK_DBL_EQ(back.lr, g.lr);
@@ -129,33 +130,33 @@ static void expect_refused(zd_group_t g, const char *msg) {
 
 static void test_group_check(void) {
   zd__err_t err = {0};
-  zd_group_t g = zd_group_default();
+  zd_group_t g = zd__group_default();
   CHECK_INT_EQ(zd__group_check(&g, "group 0", &err), ZD_OK);
   g = unusual();
   CHECK_INT_EQ(zd__group_check(&g, "group 0", &err), ZD_OK);
-  g = zd_group_default();
+  g = zd__group_default();
   g.lr = -1;
   expect_refused(g, "group 3: lr is -1; expected a finite value >= 0");
-  g = zd_group_default();
+  g = zd__group_default();
   g.beta2 = NAN;
   expect_refused(g, "group 3: beta2 is nan; expected a value in [0, 1)");
-  g = zd_group_default();
+  g = zd__group_default();
   g.eps = 0;
   expect_refused(g, "group 3: eps is 0; expected a finite value > 0");
-  g = zd_group_default();
+  g = zd__group_default();
   g.weight_decay = INFINITY;
   expect_refused(g, "group 3: weight_decay is inf; expected a finite value >= 0");
-  g = zd_group_default();
+  g = zd__group_default();
   g.optimizer = (zd_optimizer_t)7;
   expect_refused(g, "group 3: optimizer 7 unknown; expected ADAMW (0) or ADAM (1)");
-  g = zd_group_default();
+  g = zd__group_default();
   g.maximize = 2;
   expect_refused(g, "group 3: maximize is 2; expected 0 or 1");
   printf("group check: each field refused with the table's message\n");
 }
 
 static void test_group_hash(void) {
-  zd_group_t a = zd_group_default(), b = a;
+  zd_group_t a = zd__group_default(), b = a;
   uint64_t h0 = 0xcbf29ce484222325ull;
   CHECK_U64_EQ(zd__group_hash(h0, &a), zd__group_hash(h0, &b));
   b.maximize = 1;

@@ -55,10 +55,11 @@ typedef enum zd_error {
 } zd_error_t;
 
 /* Short description of an error code: zerod's own codes and negated errno values. Never NULL;
- * the string is static. Thread-safe. */
+ * the string is static. Thread-safe. No errors. */
 ZD_EXPORT const char *zd_strerror(int code);
 
-/* Symbolic name of an error code ("ZD_EBUFFER", "ETIMEDOUT"); "ZD_UNKNOWN" for others. */
+/* Symbolic name of an error code ("ZD_EBUFFER", "ETIMEDOUT"); "ZD_UNKNOWN" for others. Never
+ * NULL; the string is static. Thread-safe. No errors. */
 ZD_EXPORT const char *zd_err_name(int code);
 
 #ifdef __cplusplus

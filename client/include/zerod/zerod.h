@@ -23,9 +23,32 @@
  * Threading: a zd_client_t is not thread-safe; use it from one thread at a time. Different
  * clients are independent. All calls block unless they say otherwise.
  *
- * Errors: every fallible function returns ZD_OK (0) or a negative code (zerod/errors.h). The
- * detailed message ("grad buffer is 4096 bytes, layout needs 8192") is kept per thread and read
- * with zd_last_error() until the next failing call on that thread.
+ * Errors: every fallible function returns ZD_OK (0) or a negative code (zerod/errors.h), and
+ * its comment lists them. The detailed message ("grad buffer is 4096 bytes, layout needs 8192") is
+ * kept per thread and read with zd_last_error() until the next failing call on that thread. Every
+ * function that sends a request to zerod may also return the transport's errors: ZD_ECLOSED
+ * (zerod closed the connection or is gone), ZD_EPROTO (a malformed reply), ZD_ESHUTDOWN (zerod is
+ * shutting down), -ENOMEM, and a negated errno of the socket (-EPIPE, -ECONNRESET, ...); the
+ * lists below say "transport" for them.
+ *
+ * A growing ABI (docs/abi.md). A structure that may gain fields begins with `size`, the sizeof
+ * the caller was compiled with, which its initialiser sets (ZD_MODEL_DESC_INIT, ZD_INFO_INIT,
+ * ...); an array of structures travels with its element size (zd_model_desc_t.param_size and
+ * .group_size, zd_step_opts_t.group_size), which the initialisers set too. Fields are only ever
+ * appended, each at or after the end of the structure before it (behind an explicit padding
+ * member where it would fall into the old trailing padding), so that a size says which fields
+ * the caller has. libzerod
+ *   - reads, from a structure or array element the caller fills, the fields that lie wholly within
+ *     its size, and gives every other field its default (zero unless the field's comment says);
+ *   - fills, in a structure it returns, the bytes within its size and nothing beyond;
+ *   - walks an array by its element size;
+ *   - refuses with -EINVAL, before anything else, a size that is not a multiple of 8, is below
+ *     the structure's minimum (the end of its last field without a default: its comment says) or
+ *     above its own sizeof (a caller built against a newer zerod.h needs a libzerod at least as
+ *     new); the message names the structure, the size given and the sizes this library takes.
+ * Arrays libzerod returns (zd_group_fields(), zd_constants()) come with their element size: walk
+ * them by it and read the fields you know. The first zerod.h whose structures carried sizes
+ * was that of libzerod.so.1; binaries built against an earlier one need libzerod.so.0.
  */
 #ifndef ZEROD_ZEROD_H
 #define ZEROD_ZEROD_H
@@ -72,7 +95,10 @@ typedef enum zd_update { ZD_UPDATE_TORCH113 = 0, ZD_UPDATE_TORCH2 = 1 } zd_updat
  * where torch runs on the CPU zerod runs on. Compare on the spot with zd_sqrt(). */
 typedef enum zd_sqrt_mode { ZD_SQRT_EXACT = 0, ZD_SQRT_MKL_EX = 1 } zd_sqrt_mode_t;
 
-/* Hyperparameters of one parameter group. Doubles, as Python floats are: zerod derives the fp32
+/* Hyperparameters of one parameter group: an element of zd_model_desc_t.groups and
+ * zd_step_opts_t.groups, whose group_size is the caller's sizeof(zd_group_t) (no size of its own).
+ * Required: lr to weight_decay (group_size at least 40); the other fields default as
+ * zd_group_init() sets them. Doubles, as Python floats are: zerod derives the fp32
  * constants of the update exactly as torch does (kernels/adam.h). lr >= 0, eps > 0,
  * 0 <= beta < 1, weight_decay >= 0, all finite. maximize: 1 maximizes the objective, as
  * torch.optim.AdamW/Adam's maximize=True (the update follows the negated gradient); 0 (the
@@ -94,9 +120,12 @@ typedef struct zd_group {
   int amsgrad; /* 0 or 1 */
 } zd_group_t;
 
-/* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2,
- * maximize 0; optimizer ZD_ADAMW; update ZD_UPDATE_TORCH113; sqrt_mode ZD_SQRT_EXACT; amsgrad 0. */
-ZD_EXPORT zd_group_t zd_group_default(void);
+/* Sets ngroups groups of group_size bytes each (sizeof(zd_group_t) of the caller's zerod.h) to the
+ * defaults, torch.optim.AdamW's: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2,
+ * maximize 0; optimizer ZD_ADAMW; update ZD_UPDATE_TORCH113; sqrt_mode ZD_SQRT_EXACT; amsgrad 0.
+ * Writes the fields within group_size and nothing else. Thread-safe.
+ * Errors: -EINVAL (groups NULL with ngroups > 0, or a group_size this library does not take). */
+ZD_EXPORT int zd_group_init(zd_group_t *groups, size_t ngroups, size_t group_size);
 
 /* y[i] = the square root of x[i] as sqrt_mode computes it in zerod's update, on this CPU, for
  * i < n: for a binding to compare with the sqrt of the framework it runs under (the Python
@@ -119,16 +148,34 @@ typedef struct zd_group_field {
   const char *name;     /* the C name ("lr"), also the field's name in the wire format */
   zd_field_kind_t kind; /* its type */
   size_t offset;        /* offsetof(zd_group_t, <name>) */
-  double default_value; /* its value in zd_group_default() (an enum's or boolean's as a double) */
+  double default_value; /* its value after zd_group_init() (an enum's or boolean's as a double) */
 } zd_group_field_t;
 
 /* The fields of zd_group_t in declaration order, for bindings that build the structure at run
  * time instead of copying this header (the Python package does): *fields (if not NULL) receives a
- * static array of the returned count, valid for the life of the library; *group_size (if not NULL)
- * receives sizeof(zd_group_t). Never fails; thread-safe. */
-ZD_EXPORT size_t zd_group_fields(const zd_group_field_t **fields, size_t *group_size);
+ * static array of the returned count, valid for the life of the library, whose elements are
+ * *field_size bytes apart (if not NULL: sizeof(zd_group_field_t) of this library; walk by it);
+ * *group_size (if not NULL) receives this library's sizeof(zd_group_t). Never fails; thread-safe.
+ */
+ZD_EXPORT size_t zd_group_fields(const zd_group_field_t **fields, size_t *field_size,
+                                 size_t *group_size);
 
-/* One parameter of the model, in registration order. name: unique, at most 255 bytes. */
+/* A named integer constant of this header: an enum value, a flag, a limit, an error code. */
+typedef struct zd_constant {
+  const char *name; /* as spelled here: "ZD_F32", "ZD_EBUFFER", "ZD_STEP_NO_GATHER" */
+  int64_t value;
+} zd_constant_t;
+
+/* Every integer constant of zerod.h and zerod/errors.h with its value in this library, for
+ * bindings that must not copy them by hand (the Python package defines its ZD_* names from it):
+ * *table (if not NULL) receives a static array of the returned count, valid for the life of the
+ * library, whose elements are *constant_size bytes apart (if not NULL: sizeof(zd_constant_t) of
+ * this library; walk by it). Never fails; thread-safe. */
+ZD_EXPORT size_t zd_constants(const zd_constant_t **table, size_t *constant_size);
+
+/* One parameter of the model, in registration order: an element of zd_model_desc_t.params, whose
+ * param_size is the caller's sizeof(zd_param_t) (no size of its own). Every field is required.
+ * name: unique, at most 255 bytes. */
 typedef struct zd_param {
   const char *name;
   uint32_t ndim; /* 0 for a scalar; at most ZD_MAX_DIMS */
@@ -139,16 +186,21 @@ typedef struct zd_param {
 /* Dynamic loss scaling for fp16 gradients (Megatron/DeepSpeed semantics): the client multiplies
  * its loss by the current scale; zerod unscales, skips the step on overflow (inf/nan) and then
  * multiplies the scale by backoff_factor once `hysteresis` overflows have been seen (not below
- * min_scale); after growth_interval clean steps in a row it multiplies it by growth_factor. */
+ * min_scale); after growth_interval clean steps in a row it multiplies it by growth_factor.
+ * Pointed to by zd_model_desc_t.loss_scaler. Every field is required (size at least 56);
+ * ZD_LOSS_SCALER_INIT gives the values in the comments. */
 typedef struct zd_loss_scaler {
-  int enabled;
-  double initial_scale;     /* e.g. 65536 */
-  double growth_factor;     /* e.g. 2 */
-  double backoff_factor;    /* e.g. 0.5 */
-  uint32_t growth_interval; /* e.g. 1000 */
-  uint32_t hysteresis;      /* e.g. 2 */
-  double min_scale;         /* e.g. 1 */
+  size_t size;              /* sizeof(zd_loss_scaler_t) */
+  int enabled;              /* 1; 0 disables loss scaling, as a NULL zd_model_desc_t.loss_scaler */
+  double initial_scale;     /* 65536 */
+  double growth_factor;     /* 2 */
+  double backoff_factor;    /* 0.5 */
+  uint32_t growth_interval; /* 1000 */
+  uint32_t hysteresis;      /* 2 */
+  double min_scale;         /* 1 */
 } zd_loss_scaler_t;
+#define ZD_LOSS_SCALER_INIT \
+  { sizeof(zd_loss_scaler_t), 1, 65536.0, 2.0, 0.5, 1000u, 2u, 1.0 }
 
 /* Where the shared buffers live. */
 typedef enum zd_memory {
@@ -157,39 +209,52 @@ typedef enum zd_memory {
                          CUDA backend */
 } zd_memory_t;
 
-/* Register flags. */
-#define ZD_REGISTER_REPLACE                                             \
-  0x1u /* start afresh: discard any state zerod holds on this rank, for \
-          this model or another (at world size > 1: on every rank) */
+/* Register flags. ZD_REGISTER_REPLACE: start afresh, discarding any state zerod holds on this rank,
+ * for this model or another (at world size > 1: on every rank). */
+#define ZD_REGISTER_REPLACE 0x1u
 
 /* How the ranks' gradients are combined before the step. The zero value is the mean, as in
- * PyTorch's DistributedDataParallel and the Python client (grad_mean=True): a zero-initialised
- * zd_model_desc_t averages. Sum when each rank's loss is already divided by the world's batch. */
+ * PyTorch's DistributedDataParallel and the Python client (grad_mean=True): a zd_model_desc_t
+ * from ZD_MODEL_DESC_INIT averages. Sum when each rank's loss is already divided by the world's
+ * batch. */
 typedef enum zd_grad_reduce {
   ZD_GRAD_MEAN = 0, /* the sum over ranks divided by the world size (the default) */
   ZD_GRAD_SUM = 1   /* the sum over ranks */
 } zd_grad_reduce_t;
 
+/* The model zd_layout() lays out. Initialise it with ZD_MODEL_DESC_INIT, which sets size,
+ * param_size and group_size. Required: every field up to grad_dtype (size at least 64); those
+ * after it default to zero. */
 typedef struct zd_model_desc {
+  size_t size; /* sizeof(zd_model_desc_t) */
   const zd_param_t *params;
   size_t nparams;
+  size_t param_size; /* sizeof(zd_param_t): the stride of params */
   const zd_group_t *groups;
   size_t ngroups;
-  zd_dtype_t param_dtype;       /* working params: ZD_F32 or ZD_BF16 */
-  zd_dtype_t grad_dtype;        /* ZD_F32, ZD_BF16 or ZD_F16 */
-  double max_grad_norm;         /* clip by global L2 norm; 0 disables clipping */
-  zd_grad_reduce_t grad_reduce; /* ZD_GRAD_MEAN (0, the default) or ZD_GRAD_SUM */
-  zd_loss_scaler_t loss_scaler;
-  unsigned flags;     /* ZD_REGISTER_* */
-  zd_memory_t memory; /* ZD_MEMORY_HOST (0, the default) or ZD_MEMORY_CUDA */
-  int device;         /* ZD_MEMORY_CUDA: this process's CUDA ordinal of the GPU the buffers go on;
-                         it must be the GPU of the client's local rank (zd_cuda_device()) */
+  size_t group_size;                   /* sizeof(zd_group_t): the stride of groups */
+  zd_dtype_t param_dtype;              /* working params: ZD_F32 or ZD_BF16 */
+  zd_dtype_t grad_dtype;               /* ZD_F32, ZD_BF16 or ZD_F16 */
+  double max_grad_norm;                /* clip by global L2 norm; 0 disables clipping */
+  zd_grad_reduce_t grad_reduce;        /* ZD_GRAD_MEAN (0, the default) or ZD_GRAD_SUM */
+  unsigned flags;                      /* ZD_REGISTER_* */
+  const zd_loss_scaler_t *loss_scaler; /* NULL (the default): no loss scaling */
+  zd_memory_t memory;                  /* ZD_MEMORY_HOST (0, the default) or ZD_MEMORY_CUDA */
+  int device; /* ZD_MEMORY_CUDA: this process's CUDA ordinal of the GPU the buffers go on;
+                 it must be the GPU of the client's local rank (zd_cuda_device()) */
 } zd_model_desc_t;
+#define ZD_MODEL_DESC_INIT                                                             \
+  {                                                                                    \
+    sizeof(zd_model_desc_t), NULL, 0, sizeof(zd_param_t), NULL, 0, sizeof(zd_group_t), \
+        (zd_dtype_t)0, (zd_dtype_t)0, 0.0, ZD_GRAD_MEAN, 0u, NULL, ZD_MEMORY_HOST, 0   \
+  }
 
 typedef struct zd_client zd_client_t;
 
-/* What the daemon told us at connect and register. */
+/* What the daemon told us at connect and register (zd_get_info()). Initialise it with
+ * ZD_INFO_INIT (size: any from 8 up; the library fills what lies within it). */
 typedef struct zd_info {
+  size_t size; /* sizeof(zd_info_t) */
   uint32_t protocol_version;
   uint32_t world_size;
   uint32_t rank;       /* global rank */
@@ -205,23 +270,33 @@ typedef struct zd_info {
   uint32_t nbuckets;
   double loss_scale;
 } zd_info_t;
+#define ZD_INFO_INIT \
+  { sizeof(zd_info_t), 0, 0, 0, 0, 0, "", "", 0, 0, 0, 0, 0, 0.0 }
 
-/* Where parameter `index` lives in the flat buffers. */
+/* Where parameter `index` lives in the flat buffers (zd_param_info()). Initialise it with
+ * ZD_PARAM_INFO_INIT (size: any from 8 up). */
 typedef struct zd_param_info {
+  size_t size;      /* sizeof(zd_param_info_t) */
   const char *name; /* owned by the client; valid until zd_close() */
   uint64_t offset;  /* element offset in the param and grad buffers */
   uint64_t numel;
   uint32_t bucket;
   uint32_t group;
 } zd_param_info_t;
+#define ZD_PARAM_INFO_INIT \
+  { sizeof(zd_param_info_t), NULL, 0, 0, 0, 0 }
 
-/* Flat element range of a bucket and this rank's slice of it. */
+/* Flat element range of a bucket and this rank's slice of it (zd_bucket_info()). Initialise it
+ * with ZD_BUCKET_INFO_INIT (size: any from 8 up). */
 typedef struct zd_bucket_info {
+  size_t size;           /* sizeof(zd_bucket_info_t) */
   uint64_t offset;       /* first element of the bucket */
   uint64_t elems;        /* elements, padded to a multiple of 64 * world size */
   uint64_t shard_offset; /* first element of this rank's slice (absolute) */
   uint64_t shard_elems;
 } zd_bucket_info_t;
+#define ZD_BUCKET_INFO_INIT \
+  { sizeof(zd_bucket_info_t), 0, 0, 0, 0 }
 
 /* How a step computes the global norm it clips by (zd_step_opts_t.clip_norm). ZD_CLIP_NORM_DOUBLE,
  * the default: the square root of a double sum of squares, with every backend and world size; its
@@ -238,18 +313,27 @@ typedef enum zd_clip_norm {
   ZD_CLIP_NORM_TORCH215 = 3
 } zd_clip_norm_t;
 
-/* Step options: zero-initialise; NULL means all defaults. */
+/* Step options; a NULL zd_step_opts_t means all defaults. Initialise it with ZD_STEP_OPTS_INIT,
+ * which sets size and group_size. Required: every field up to group_size (size at least 32);
+ * those after it default to zero. */
 #define ZD_STEP_NO_SCATTER 0x1u /* gradients already scattered with zd_scatter() */
 #define ZD_STEP_NO_GATHER  0x2u /* parameters gathered later with zd_gather() */
 typedef struct zd_step_opts {
+  size_t size;              /* sizeof(zd_step_opts_t) */
   const zd_group_t *groups; /* per-group hyperparameters for this and later steps (schedulers);
                                NULL keeps the current ones */
   size_t ngroups;           /* must equal the registered number when groups is set */
+  size_t group_size;        /* sizeof(zd_group_t): the stride of groups */
   unsigned flags;           /* ZD_STEP_* */
   zd_clip_norm_t clip_norm; /* the norm clipping uses (zd_clip_norm_t); not kept between steps */
 } zd_step_opts_t;
+#define ZD_STEP_OPTS_INIT \
+  { sizeof(zd_step_opts_t), NULL, 0, sizeof(zd_group_t), 0u, ZD_CLIP_NORM_DOUBLE }
 
+/* What a step did (zd_step(), zd_wait()). Initialise it with ZD_STEP_RESULT_INIT (size: any from 8
+ * up). */
 typedef struct zd_step_result {
+  size_t size;          /* sizeof(zd_step_result_t) */
   uint64_t step;        /* steps applied after this one */
   int applied;          /* 0 if skipped because of an overflow (loss scaling) */
   double grad_norm;     /* global L2 norm of the (unscaled, reduced) gradient; NaN when not
@@ -258,6 +342,8 @@ typedef struct zd_step_result {
   double clip_coef;     /* factor applied to the gradient by clipping (1 if none) */
   uint64_t duration_us; /* time zerod spent on the step */
 } zd_step_result_t;
+#define ZD_STEP_RESULT_INIT \
+  { sizeof(zd_step_result_t), 0, 0, 0.0, 0.0, 0.0, 0 }
 
 /* A request sent with one of the *_start functions, completed by zd_wait(). */
 typedef uint64_t zd_request_t;
@@ -273,9 +359,9 @@ typedef uint64_t zd_request_t;
  * weakly: ZD_ANY_RANK clients skip it, but another client that names it too may register on it
  * first. A rank named explicitly that another client holds is not refused here (that client may
  * leave first): zd_register() returns ZD_EBUSY if it is still attached, or reserved by a
- * ZD_ANY_RANK hello. Errors: -ENOENT/-ECONNREFUSED (no daemon), ZD_EVERSION, ZD_EBUSY
- * (ZD_ANY_RANK and every rank held), ZD_ERANK (no such rank, or negative other than ZD_ANY_RANK),
- * ZD_EDENIED. */
+ * ZD_ANY_RANK hello. Errors: -ENOENT/-ECONNREFUSED (no daemon), -ENAMETOOLONG (socket path),
+ * -ETIMEDOUT (no hello within timeout_ms), ZD_EVERSION, ZD_EBUSY (ZD_ANY_RANK and every rank
+ * held), ZD_ERANK (no such rank, or negative other than ZD_ANY_RANK), ZD_EDENIED, transport. */
 ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms,
                          zd_client_t **out);
 
@@ -300,11 +386,19 @@ ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms
  * zd_register() are ordered before the stream's later work. A register that fails makes no
  * stream wait: zerod's work on the buffers is over when it closed their handles, and when it
  * keeps them (zd_close()) that work may never end.
- * Errors: ZD_EDTYPE, ZD_EGROUP, ZD_EHPARAM, -EINVAL (bad description), ZD_ELAYOUT (zerod holds a
- * different model on this rank; pass ZD_REGISTER_REPLACE to discard it, or ranks disagree),
- * ZD_EBUFFER (also: device buffers on another GPU than the rank's), ZD_EBACKEND (device buffers
- * and a zerod running its CPU backend, host buffers and one running its CUDA backend, a libzerod
- * built without CUDA, or CUDA unusable in this process: the message says why), -ENOMEM. */
+ * Errors of zd_layout() (nothing is sent to zerod): -EINVAL (NULL client or desc; a size,
+ * param_size, group_size or loss_scaler->size this library does not take; a bad parameter,
+ * grad_reduce, memory or device ordinal), ZD_EORDER (after zd_register()), ZD_EDTYPE, ZD_EGROUP (no
+ * groups, or a parameter's group out of range), ZD_EBUFFER (device buffers on another GPU than the
+ * rank's), ZD_EBACKEND (device buffers and a zerod running its CPU backend, host buffers and one
+ * running its CUDA backend, a libzerod built without CUDA, CUDA unusable in this process, or a
+ * CUDA call that failed: the message says why), -ENOMEM, and memfd or mmap's negated errno.
+ * Errors of zd_register(): -EINVAL (NULL client), ZD_EORDER (no zd_layout(), or registered
+ * already), ZD_EHPARAM (a group or the loss scaler; zerod checks them), ZD_EDTYPE, ZD_ELAYOUT
+ * (zerod holds a different model on this rank; pass ZD_REGISTER_REPLACE to discard it, or ranks
+ * disagree), ZD_EBUFFER, ZD_EBUSY (the rank is another client's), ZD_EBACKEND,
+ * ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT (at world size > 1, a rank failed to register with it),
+ * transport. */
 ZD_EXPORT int zd_layout(zd_client_t *client, const zd_model_desc_t *desc);
 ZD_EXPORT int zd_register(zd_client_t *client);
 
@@ -319,11 +413,14 @@ ZD_EXPORT int zd_register(zd_client_t *client);
  * that GPU). A framework may wrap them without a copy (__cuda_array_interface__ with this
  * pointer, the element count info.total_elems and the dtype; its "stream" entry, if any, should
  * name the stream given to zd_set_stream(), on which the contents are ordered). Such views must
- * not outlive zd_close(). */
+ * not outlive zd_close(). No errors: NULL (and *bytes 0) for a NULL client or before zd_layout().
+ */
 ZD_EXPORT void *zd_param_buffer(zd_client_t *client, size_t *bytes);
 ZD_EXPORT void *zd_grad_buffer(zd_client_t *client, size_t *bytes);
 
-/* Layout queries (valid after zd_layout()). Return -EINVAL for an index out of range. */
+/* Layout queries (valid after zd_layout()); out's size says what is filled (ZD_*_INIT). Errors:
+ * -EINVAL (NULL client; before zd_layout() for zd_param_info() and zd_bucket_info(); an index out
+ * of range; an out->size this library does not take). Nothing is sent to zerod. */
 ZD_EXPORT int zd_param_info(const zd_client_t *client, size_t index, zd_param_info_t *out);
 ZD_EXPORT int zd_bucket_info(const zd_client_t *client, size_t index, zd_bucket_info_t *out);
 ZD_EXPORT int zd_get_info(const zd_client_t *client, zd_info_t *out);
@@ -359,31 +456,42 @@ ZD_EXPORT int zd_get_info(const zd_client_t *client, zd_info_t *out);
  * Requests cannot be sent while the stream is being captured into a CUDA graph (-EINVAL from
  * the request). Errors: -EINVAL (no client; the stream is on another GPU than the buffers),
  * ZD_EORDER (no device buffers: call zd_layout() with ZD_MEMORY_CUDA first), ZD_EBACKEND (CUDA
- * failed: the message names the call). */
+ * failed: the message names the call). Nothing is sent to zerod. */
 ZD_EXPORT int zd_set_stream(zd_client_t *client, void *cuda_stream);
 
 /* The CUDA ordinal, in this process, of the GPU of the client's local rank (zerod's CUDA backend
  * names it by UUID in its hello; ordinals differ between processes when CUDA_VISIBLE_DEVICES
- * does). Valid after zd_connect(). Errors: ZD_EBACKEND (zerod runs its CPU backend, libzerod was
- * built without CUDA, or CUDA is unusable here), -ENODEV (this process does not see that GPU;
- * the message gives its UUID). */
+ * does). Valid after zd_connect(). Errors: -EINVAL (NULL client or device), ZD_EBACKEND (zerod
+ * runs its CPU backend, libzerod was built without CUDA, or CUDA is unusable here), -ENODEV (this
+ * process does not see that GPU; the message gives its UUID). Nothing is sent to zerod. */
 ZD_EXPORT int zd_cuda_device(const zd_client_t *client, int *device);
 
-/* One optimizer step: scatter + step + gather unless opts->flags says otherwise. result may be
- * NULL. At world size > 1 every rank must call it; the call returns when this rank's part is
- * done. Errors: ZD_EORDER (not registered, or a bucket not scattered with NO_SCATTER), ZD_EHPARAM,
- * ZD_ESTEP (ranks out of step), ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT/-ECANCELED (a peer failed, or
- * zerod is shutting down: the step was not applied), ZD_EAPPLIED (the step was applied to the
- * master weights, but the updated parameters could not be gathered into the param buffer; the
- * rank is degraded), ZD_EABORTED (another rank's trainer left in the middle of this step: no
- * rank applied it, every rank's scatters of it are void; scatter again and retry, with the same
- * gradients, once that rank's trainer is back). */
+/* One optimizer step: scatter + step + gather unless opts->flags says otherwise. opts and result
+ * may be NULL. At world size > 1 every rank must call it; the call returns when this rank's part is
+ * done. Errors: -EINVAL (NULL client; an opts->size, opts->group_size or result->size this library
+ * does not take: refused before anything is sent), ZD_EORDER (not registered, or a bucket not
+ * scattered with NO_SCATTER), ZD_EGROUP (opts->ngroups is not the model's), ZD_EHPARAM, ZD_ESTEP
+ * (ranks out of step), ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT/-ECANCELED (a peer failed, or zerod is
+ * shutting down: the step was not applied), ZD_EAPPLIED (the step was applied to the master
+ * weights, but the updated parameters could not be gathered into the param buffer; the rank is
+ * degraded), ZD_EABORTED (another rank's trainer left in the middle of this step: no rank applied
+ * it, every rank's scatters of it are void; scatter again and retry, with the same gradients, once
+ * that rank's trainer is back), -EBUSY (64 requests outstanding), ZD_EBACKEND (device buffers:
+ * CUDA failed), transport. */
 ZD_EXPORT int zd_step(zd_client_t *client, const zd_step_opts_t *opts, zd_step_result_t *result);
 
-/* Reduce-scatter of one bucket (or ZD_ALL_BUCKETS) of the grad buffer into this rank's shard. */
+/* Reduce-scatter of one bucket (or ZD_ALL_BUCKETS) of the grad buffer into this rank's shard.
+ * At world size > 1 every rank scatters the same buckets. Errors: -EINVAL (NULL client; a bucket
+ * that does not exist), ZD_EORDER (not registered), ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT/-ECANCELED
+ * (a peer failed, or zerod is shutting down), ZD_EABORTED (another rank's trainer left in the
+ * middle of the step: scatter again), -EBUSY (64 requests outstanding), ZD_EBACKEND (device
+ * buffers: CUDA failed), transport. */
 ZD_EXPORT int zd_scatter(zd_client_t *client, int bucket);
 
-/* All-gather of one bucket (or ZD_ALL_BUCKETS) of updated parameters into the param buffer. */
+/* All-gather of one bucket (or ZD_ALL_BUCKETS) of updated parameters into the param buffer.
+ * Errors: -EINVAL (NULL client; a bucket that does not exist), ZD_EORDER (not registered),
+ * ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT/-ECANCELED (a peer failed, or zerod is shutting down), -EBUSY
+ * (64 requests outstanding), ZD_EBACKEND (device buffers: CUDA failed), transport. */
 ZD_EXPORT int zd_gather(zd_client_t *client, int bucket);
 
 /* A checkpoint of this rank's optimizer state as of the last step (master weights, both moments,
@@ -392,9 +500,11 @@ ZD_EXPORT int zd_gather(zd_client_t *client, int bucket);
  * steps (a collective, like torch.distributed.checkpoint). With ZD_CHECKPOINT_NO_WAIT it returns
  * once the state is snapshotted and zerod writes in the background; otherwise once this rank's
  * file is written and, on rank 0, the checkpoint complete. step (may be NULL) receives the step,
- * dir (may be NULL, len bytes) its directory. Errors: ZD_ECONFIG (zerod has no checkpoint_dir),
- * ZD_EORDER (not registered), ZD_ESTEP (ranks at different steps), ZD_ECHECKPOINT (writing failed:
- * the message names the file and the cause; training is unharmed). */
+ * dir (may be NULL, len bytes) its directory. Errors: -EINVAL (NULL client), ZD_ECONFIG (zerod has
+ * no checkpoint_dir), ZD_EORDER (not registered), ZD_ESTEP (ranks at different steps),
+ * ZD_ECHECKPOINT (writing failed: the message names the file and the cause; training is
+ * unharmed), ZD_EPEER/-ECANCELED (the world broke, or zerod is shutting down), -EBUSY (64 requests
+ * outstanding), transport. */
 #define ZD_CHECKPOINT_NO_WAIT 0x1u
 ZD_EXPORT int zd_checkpoint(zd_client_t *client, uint32_t flags, uint64_t *step, char *dir,
                             size_t len);
@@ -402,13 +512,18 @@ ZD_EXPORT int zd_checkpoint(zd_client_t *client, uint32_t flags, uint64_t *step,
 /* Pipelined forms: send the request and return at once with a handle for zd_wait(). Requests
  * run in the order they were sent. At most 64 may be outstanding per client (-EBUSY beyond: a
  * request is outstanding until zd_wait() returned it); with device buffers each holds one of the
- * 64 event pairs until then (zd_set_stream()). */
+ * 64 event pairs until then (zd_set_stream()). Errors: those of zd_scatter(), zd_gather() and
+ * zd_step() that are found before the request is sent (-EINVAL, ZD_EORDER, ZD_EGROUP, -EBUSY,
+ * ZD_EBACKEND, transport); the others come from zd_wait(). */
 ZD_EXPORT int zd_scatter_start(zd_client_t *client, int bucket, zd_request_t *req);
 ZD_EXPORT int zd_gather_start(zd_client_t *client, int bucket, zd_request_t *req);
 ZD_EXPORT int zd_step_start(zd_client_t *client, const zd_step_opts_t *opts, zd_request_t *req);
 
 /* Waits for a request sent with a *_start function; result is filled for a step request and may
- * be NULL. Returns the request's own status. Each request is waited for once. With device buffers
+ * be NULL. Returns the request's own status (the errors of zd_scatter(), zd_gather() or zd_step()),
+ * or -EINVAL (NULL client; a request that is not outstanding; a result->size this library does
+ * not take, refused before waiting: the request stays outstanding), or transport. Each request is
+ * waited for once. With device buffers
  * it then makes the current stream (zd_set_stream()) wait on the request's "params ready" event,
  * also after a failed request (zerod records it after whatever work of the request ran; a request
  * refused before any work leaves the event at its previous record, already waited for), and
@@ -418,11 +533,12 @@ ZD_EXPORT int zd_wait(zd_client_t *client, zd_request_t req, zd_step_result_t *r
 
 /* The daemon's status as text: "# Section" lines followed by "key:value" lines (units in the key
  * names). *text is allocated; release it with zd_free() (or free() from C linked with the same C
- * library). */
+ * library); it is NULL after an error. Errors: -EINVAL (NULL client or text), -EBUSY (64 requests
+ * outstanding), transport. */
 ZD_EXPORT int zd_status(zd_client_t *client, char **text);
 
 /* Releases memory libzerod allocated for the caller (zd_status's text). Accepts NULL. For
- * bindings (ctypes, FFI) whose own free() may not be the allocator libzerod used. */
+ * bindings (ctypes, FFI) whose own free() may not be the allocator libzerod used. No errors. */
 ZD_EXPORT void zd_free(void *ptr);
 
 /* Says bye and closes the connection; zerod keeps the rank's state for a later client. Requests
@@ -434,16 +550,19 @@ ZD_EXPORT void zd_free(void *ptr);
  * are left allocated until the process exits (CUDA leaves freeing them under an importer
  * undefined): when zerod said it keeps them, or did not answer (connection lost, zerod shutting
  * down, a register never answered). Work on the trainer's streams that still uses device buffers
- * must be complete. Accepts NULL. */
+ * must be complete. Accepts NULL. No errors: a connection already lost is closed all the same, and
+ * the caller's last error is kept. */
 ZD_EXPORT void zd_close(zd_client_t *client);
 
-/* Message of the last failing call on this thread ("" if none). Valid until the next call. */
+/* Message of the last failing call on this thread ("" if none). Valid until the next call. No
+ * errors. */
 ZD_EXPORT const char *zd_last_error(void);
 
-/* Version of the library loaded, "0.1.0" (ZD_VERSION_STRING of its build). */
+/* Version of the library loaded, "0.1.0" (ZD_VERSION_STRING of its build). No errors. */
 ZD_EXPORT const char *zd_version(void);
 
-/* Bytes per element of a dtype; 0 for an unknown value. Name: "f32", "bf16", "f16", "?". */
+/* Bytes per element of a dtype; 0 for an unknown value. Name: "f32", "bf16", "f16", "?". No
+ * errors. */
 ZD_EXPORT size_t zd_dtype_size(zd_dtype_t dtype);
 ZD_EXPORT const char *zd_dtype_name(zd_dtype_t dtype);
 

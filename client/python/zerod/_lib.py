@@ -1,11 +1,14 @@
 """ctypes bindings of libzerod (client/include/zerod/zerod.h).
 
-This module finds and loads the shared library, mirrors the C structures of the public header and
-declares every function with its argument and return types. Nothing else in the package calls
-the library without going through the prototypes declared here. The structures must match
-zerod.h field for field: the header is the contract, and a change there is a change here; except
-zd_group_t, whose fields load() takes from the library itself (zd_group_fields), so that a
-hyperparameter added to zerod's table needs no edit in this package.
+This module loads the shared library when it is imported, defines the headers' integer constants
+(ZD_F32, ZD_EBUFFER, ZD_STEP_NO_GATHER, ...) as module-level names from the library's own table
+(zd_constants), mirrors the C structures of the public header and declares every function with
+its argument and return types. Nothing else in the package calls the library without going
+through the prototypes declared here. The structures mirror zerod.h field for field; each one
+that may grow begins with its size, or travels with its element size, which this package sets to
+its own sizeof, so that a newer libzerod reads them as an older client's (docs/abi.md). zd_group_t
+takes its fields from the library itself (zd_group_fields), so that a hyperparameter added to
+zerod's table needs no edit in this package.
 
 Where the library comes from, in order:
   1. ``$ZEROD_LIBRARY``: a path to libzerod.so (an error if it does not exist);
@@ -22,77 +25,109 @@ import ctypes
 import ctypes.util
 import glob
 import os
-import threading
-from typing import List, Optional
+from typing import Any, Dict, List, Tuple
 
 __all__ = ["GroupField", "group_fields", "lib", "load", "library_path"]
 
-ZD_MAX_DIMS = 8
-ZD_ALL_BUCKETS = -1
-ZD_ANY_RANK = -1
 
-ZD_F32 = 1
-ZD_BF16 = 2
-ZD_F16 = 3
-
-ZD_ADAMW = 0
-ZD_ADAM = 1
-
-ZD_UPDATE_TORCH113 = 0
-ZD_UPDATE_TORCH2 = 1
-
-ZD_SQRT_EXACT = 0
-ZD_SQRT_MKL_EX = 1
-
-ZD_CLIP_NORM_DOUBLE = 0
-ZD_CLIP_NORM_TORCH113 = 1
-ZD_CLIP_NORM_TORCH26 = 2
-ZD_CLIP_NORM_TORCH215 = 3
-
-ZD_REGISTER_REPLACE = 0x1
-ZD_STEP_NO_SCATTER = 0x1
-ZD_STEP_NO_GATHER = 0x2
-
-ZD_MEMORY_HOST = 0
-ZD_MEMORY_CUDA = 1
-
-ZD_GRAD_MEAN = 0
-ZD_GRAD_SUM = 1
-
-# zerod/errors.h: values are part of the wire protocol and never renumbered.
-ZD_OK = 0
-ZD_EPROTO = -4001
-ZD_EVERSION = -4002
-ZD_ETOOBIG = -4003
-ZD_ETYPE = -4004
-ZD_EORDER = -4005
-ZD_EBUFFER = -4006
-ZD_EDTYPE = -4007
-ZD_EGROUP = -4008
-ZD_EHPARAM = -4009
-ZD_ELAYOUT = -4010
-ZD_ERANK = -4011
-ZD_EBUSY = -4012
-ZD_ESTEP = -4013
-ZD_EPEER = -4014
-ZD_EDEGRADED = -4015
-ZD_ESHUTDOWN = -4016
-ZD_EDENIED = -4017
-ZD_EBACKEND = -4018
-ZD_ECLOSED = -4019
-ZD_EINTERNAL = -4020
-ZD_ECONFIG = -4021
-ZD_EAPPLIED = -4022
-ZD_EABORTED = -4023
-ZD_ECHECKPOINT = -4024
+class LibraryNotFoundError(OSError):
+    """libzerod could not be found or loaded."""
 
 
-# zd_field_kind_t
-ZD_FIELD_DOUBLE = 0
-ZD_FIELD_ENUM = 1
-ZD_FIELD_BOOL = 2
-_FIELD_CTYPES = {ZD_FIELD_DOUBLE: ctypes.c_double, ZD_FIELD_ENUM: ctypes.c_int,
-                 ZD_FIELD_BOOL: ctypes.c_int}
+def _candidates() -> list:
+    env = os.environ.get("ZEROD_LIBRARY")
+    if env:
+        if not os.path.exists(env):
+            raise LibraryNotFoundError(
+                f"ZEROD_LIBRARY is {env!r}, which does not exist; point it at libzerod.so "
+                f"(built as build/client/libzerod.so)")
+        return [env]
+    here = os.path.dirname(os.path.abspath(__file__))
+    bundled = sorted(glob.glob(os.path.join(here, "libzerod.so*")), key=len)
+    if bundled:
+        return bundled[:1]
+    tree = os.path.join(here, "..", "..", "..", "build", "client", "libzerod.so")
+    if os.path.exists(os.path.join(here, "..", "..", "include", "zerod", "zerod.h")) and \
+            os.path.exists(tree):
+        return [os.path.normpath(tree)]
+    found = ctypes.util.find_library("zerod")
+    return [found] if found else []
+
+
+def _open() -> Tuple[ctypes.CDLL, str]:
+    candidates = _candidates()
+    if not candidates:
+        raise LibraryNotFoundError(
+            "libzerod not found: build it (ninja -C build) and install this package from the "
+            "checkout (pip install ./client/python bundles build/client/libzerod.so), or "
+            "install it with `meson install` so that ctypes.util.find_library('zerod') "
+            "finds it, or set ZEROD_LIBRARY to the path of libzerod.so")
+    try:
+        return ctypes.CDLL(candidates[0]), candidates[0]
+    except OSError as e:
+        raise LibraryNotFoundError(f"cannot load libzerod from {candidates[0]}: {e}") from e
+
+
+def _symbol(lib: ctypes.CDLL, path: str, name: str) -> Any:
+    try:
+        return getattr(lib, name)
+    except AttributeError as e:
+        raise LibraryNotFoundError(f"{path} has no symbol {name}: not a libzerod this package "
+                                   f"supports") from e
+
+
+class zd_constant_t(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_int64)]
+
+
+def _table(lib: ctypes.CDLL, path: str, name: str, element: Any, *extra: Any) -> list:
+    """The elements of a static array that libzerod returns with its element size (zd_constants,
+    zd_group_fields), walked by that size: a newer library's elements may be larger."""
+    fn = _symbol(lib, path, name)
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)] + \
+        [ctypes.POINTER(ctypes.c_size_t)] * len(extra)
+    base, stride = ctypes.c_void_p(), ctypes.c_size_t()
+    n = fn(ctypes.byref(base), ctypes.byref(stride), *(ctypes.byref(x) for x in extra))
+    if stride.value < ctypes.sizeof(element):
+        raise LibraryNotFoundError(f"{path}: {name}() elements are {stride.value} bytes, fewer "
+                                   f"than this package's {ctypes.sizeof(element)}: an older "
+                                   f"libzerod than this package")
+    return [element.from_address(base.value + i * stride.value) for i in range(n)]
+
+
+# Loaded at import: the ZD_* names below come from the library.
+_lib, _path = _open()
+
+# Every integer constant of zerod.h and zerod/errors.h (ZD_F32, ZD_EBUFFER, ZD_STEP_NO_GATHER,
+# ...), as module-level names with the library's values (zd_constants): never copied by hand.
+CONSTANTS: Dict[str, int] = {c.name.decode(): int(c.value)
+                             for c in _table(_lib, _path, "zd_constants", zd_constant_t)}
+globals().update(CONSTANTS)
+
+
+def __getattr__(name: str) -> int:
+    """Declares the ZD_* names set from the library above to type checkers; any other name is an
+    AttributeError."""
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}" +
+                         ("; libzerod defines no such constant" if name.startswith("ZD_") else ""))
+
+
+def _const(name: str) -> int:
+    return CONSTANTS[name]
+
+
+_FIELD_CTYPES = {_const("ZD_FIELD_DOUBLE"): ctypes.c_double, _const("ZD_FIELD_ENUM"): ctypes.c_int,
+                 _const("ZD_FIELD_BOOL"): ctypes.c_int}
+
+
+class _Sized(ctypes.Structure):
+    """A structure of zerod.h that begins with its size: a new instance sets it, as the header's
+    ZD_*_INIT initialisers do, so that libzerod knows which fields this package has."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.size = ctypes.sizeof(self)
 
 
 class zd_group_field_t(ctypes.Structure):
@@ -105,13 +140,13 @@ class zd_group_field_t(ctypes.Structure):
 
 
 class zd_group_t(ctypes.Structure):
-    """zd_group_t. Its _fields_ are set by load(), from libzerod's own description of the
-    structure (zd_group_fields): usable once the library is loaded."""
+    """zd_group_t, with the fields libzerod describes (zd_group_fields), in its order: a
+    hyperparameter added to zerod's table needs no edit in this package."""
 
 
 class GroupField:
     """One field of zd_group_t as libzerod describes it: its C name, kind (ZD_FIELD_*) and
-    default (zd_group_default()'s value)."""
+    default (its value after zd_group_init())."""
 
     __slots__ = ("name", "kind", "default")
 
@@ -124,17 +159,38 @@ class GroupField:
         return f"GroupField({self.name!r}, kind={self.kind}, default={self.default!r})"
 
 
+def _define_group() -> List[GroupField]:
+    """Gives zd_group_t the fields the library describes, in its order, checks that ctypes lays
+    them out where the C compiler did, and returns their descriptions."""
+    size = ctypes.c_size_t()
+    fields = _table(_lib, _path, "zd_group_fields", zd_group_field_t, size)
+    if any(f.kind not in _FIELD_CTYPES for f in fields):
+        raise LibraryNotFoundError(f"{_path} describes a zd_group_t field of an unknown kind: a "
+                                   f"newer libzerod than this package")
+    layout = [(f.name.decode(), _FIELD_CTYPES[f.kind]) for f in fields]
+    zd_group_t._fields_ = layout
+    placed = [(name, getattr(zd_group_t, name).offset) for name, _ in layout]
+    if placed != [(f.name.decode(), f.offset) for f in fields] or \
+            ctypes.sizeof(zd_group_t) != size.value:
+        raise LibraryNotFoundError(f"{_path}: zd_group_t does not lay out as described")
+    return [GroupField(f.name.decode(), f.kind, f.default_value) for f in fields]
+
+
+_group_fields = _define_group()
+
+
 class zd_param_t(ctypes.Structure):
     _fields_ = [
         ("name", ctypes.c_char_p),
         ("ndim", ctypes.c_uint32),
-        ("shape", ctypes.c_uint64 * ZD_MAX_DIMS),
+        ("shape", ctypes.c_uint64 * _const("ZD_MAX_DIMS")),
         ("group", ctypes.c_uint32),
     ]
 
 
-class zd_loss_scaler_t(ctypes.Structure):
+class zd_loss_scaler_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("enabled", ctypes.c_int),
         ("initial_scale", ctypes.c_double),
         ("growth_factor", ctypes.c_double),
@@ -145,25 +201,34 @@ class zd_loss_scaler_t(ctypes.Structure):
     ]
 
 
-class zd_model_desc_t(ctypes.Structure):
+class zd_model_desc_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("params", ctypes.POINTER(zd_param_t)),
         ("nparams", ctypes.c_size_t),
+        ("param_size", ctypes.c_size_t),
         ("groups", ctypes.POINTER(zd_group_t)),
         ("ngroups", ctypes.c_size_t),
+        ("group_size", ctypes.c_size_t),
         ("param_dtype", ctypes.c_int),
         ("grad_dtype", ctypes.c_int),
         ("max_grad_norm", ctypes.c_double),
         ("grad_reduce", ctypes.c_int),  # zd_grad_reduce_t: ZD_GRAD_MEAN (0) or ZD_GRAD_SUM
-        ("loss_scaler", zd_loss_scaler_t),
         ("flags", ctypes.c_uint),
+        ("loss_scaler", ctypes.POINTER(zd_loss_scaler_t)),  # NULL: no loss scaling
         ("memory", ctypes.c_int),  # zd_memory_t: ZD_MEMORY_HOST or ZD_MEMORY_CUDA
         ("device", ctypes.c_int),  # CUDA ordinal of the buffers with ZD_MEMORY_CUDA
     ]
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.param_size = ctypes.sizeof(zd_param_t)
+        self.group_size = ctypes.sizeof(zd_group_t)
 
-class zd_info_t(ctypes.Structure):
+
+class zd_info_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("protocol_version", ctypes.c_uint32),
         ("world_size", ctypes.c_uint32),
         ("rank", ctypes.c_uint32),
@@ -180,8 +245,9 @@ class zd_info_t(ctypes.Structure):
     ]
 
 
-class zd_param_info_t(ctypes.Structure):
+class zd_param_info_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("name", ctypes.c_char_p),
         ("offset", ctypes.c_uint64),
         ("numel", ctypes.c_uint64),
@@ -190,8 +256,9 @@ class zd_param_info_t(ctypes.Structure):
     ]
 
 
-class zd_bucket_info_t(ctypes.Structure):
+class zd_bucket_info_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("offset", ctypes.c_uint64),
         ("elems", ctypes.c_uint64),
         ("shard_offset", ctypes.c_uint64),
@@ -199,17 +266,24 @@ class zd_bucket_info_t(ctypes.Structure):
     ]
 
 
-class zd_step_opts_t(ctypes.Structure):
+class zd_step_opts_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("groups", ctypes.POINTER(zd_group_t)),
         ("ngroups", ctypes.c_size_t),
+        ("group_size", ctypes.c_size_t),
         ("flags", ctypes.c_uint),
         ("clip_norm", ctypes.c_int),
     ]
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.group_size = ctypes.sizeof(zd_group_t)
 
-class zd_step_result_t(ctypes.Structure):
+
+class zd_step_result_t(_Sized):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("step", ctypes.c_uint64),
         ("applied", ctypes.c_int),
         ("grad_norm", ctypes.c_double),
@@ -226,7 +300,8 @@ zd_request_t = ctypes.c_uint64
 _PROTOTYPES = {
     "zd_strerror": (ctypes.c_char_p, [ctypes.c_int]),
     "zd_err_name": (ctypes.c_char_p, [ctypes.c_int]),
-    "zd_group_default": (zd_group_t, []),
+    "zd_group_init": (ctypes.c_int, [ctypes.POINTER(zd_group_t), ctypes.c_size_t,
+                                     ctypes.c_size_t]),
     "zd_connect": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
                                   ctypes.POINTER(zd_client_p)]),
     "zd_layout": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_model_desc_t)]),
@@ -260,117 +335,33 @@ _PROTOTYPES = {
     "zd_sqrt": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
 }
 
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_path: Optional[str] = None
-_group_fields: List[GroupField] = []
-
-
-class LibraryNotFoundError(OSError):
-    """libzerod could not be found or loaded."""
-
-
-def _candidates() -> list:
-    env = os.environ.get("ZEROD_LIBRARY")
-    if env:
-        if not os.path.exists(env):
-            raise LibraryNotFoundError(
-                f"ZEROD_LIBRARY is {env!r}, which does not exist; point it at libzerod.so "
-                f"(built as build/client/libzerod.so)")
-        return [env]
-    here = os.path.dirname(os.path.abspath(__file__))
-    bundled = sorted(glob.glob(os.path.join(here, "libzerod.so*")), key=len)
-    if bundled:
-        return bundled[:1]
-    tree = os.path.join(here, "..", "..", "..", "build", "client", "libzerod.so")
-    if os.path.exists(os.path.join(here, "..", "..", "include", "zerod", "zerod.h")) and \
-            os.path.exists(tree):
-        return [os.path.normpath(tree)]
-    found = ctypes.util.find_library("zerod")
-    return [found] if found else []
+for _name, (_restype, _argtypes) in _PROTOTYPES.items():
+    _fn = _symbol(_lib, _path, _name)
+    _fn.restype = _restype
+    _fn.argtypes = _argtypes
 
 
 def load() -> ctypes.CDLL:
-    """Loads libzerod once (thread-safe) and returns it with every prototype declared."""
-    global _lib, _path
-    if _lib is not None:
-        return _lib
-    with _lock:
-        if _lib is not None:
-            return _lib
-        candidates = _candidates()
-        if not candidates:
-            raise LibraryNotFoundError(
-                "libzerod not found: build it (ninja -C build) and install this package from the "
-                "checkout (pip install ./client/python bundles build/client/libzerod.so), or "
-                "install it with `meson install` so that ctypes.util.find_library('zerod') "
-                "finds it, or set ZEROD_LIBRARY to the path of libzerod.so")
-        try:
-            lib = ctypes.CDLL(candidates[0])
-        except OSError as e:
-            raise LibraryNotFoundError(f"cannot load libzerod from {candidates[0]}: {e}") from e
-        _define_group(lib, candidates[0])
-        for name, (restype, argtypes) in _PROTOTYPES.items():
-            try:
-                fn = getattr(lib, name)
-            except AttributeError as e:
-                raise LibraryNotFoundError(
-                    f"{candidates[0]} has no symbol {name}: not a libzerod this package "
-                    f"supports") from e
-            fn.restype = restype
-            fn.argtypes = argtypes
-        _path = candidates[0]
-        _lib = lib
-        return lib
-
-
-def _define_group(lib: ctypes.CDLL, path: str) -> None:
-    """Gives zd_group_t the fields the library describes, in its order, and checks that ctypes
-    lays them out where the C compiler did."""
-    try:
-        describe = lib.zd_group_fields
-    except AttributeError as e:
-        raise LibraryNotFoundError(f"{path} has no symbol zd_group_fields: not a libzerod this "
-                                   f"package supports") from e
-    describe.restype = ctypes.c_size_t
-    describe.argtypes = [ctypes.POINTER(ctypes.POINTER(zd_group_field_t)),
-                         ctypes.POINTER(ctypes.c_size_t)]
-    table = ctypes.POINTER(zd_group_field_t)()
-    size = ctypes.c_size_t()
-    n = describe(ctypes.byref(table), ctypes.byref(size))
-    fields = [table[i] for i in range(n)]
-    if any(f.kind not in _FIELD_CTYPES for f in fields):
-        raise LibraryNotFoundError(f"{path} describes a zd_group_t field of an unknown kind: a "
-                                   f"newer libzerod than this package")
-    layout = [(f.name.decode(), _FIELD_CTYPES[f.kind]) for f in fields]
-    if "_fields_" not in zd_group_t.__dict__:  # set once: ctypes refuses to change it
-        zd_group_t._fields_ = layout
-    placed = [(name, getattr(zd_group_t, name).offset) for name, _ in layout]
-    if placed != [(f.name.decode(), f.offset) for f in fields] or \
-            ctypes.sizeof(zd_group_t) != size.value:
-        raise LibraryNotFoundError(f"{path}: zd_group_t does not lay out as described")
-    _group_fields[:] = [GroupField(f.name.decode(), f.kind, f.default_value) for f in fields]
+    """The library, with every prototype declared (it is loaded when this module is imported)."""
+    return _lib
 
 
 def group_fields() -> List[GroupField]:
-    """The fields of zd_group_t in declaration order (loading the library on first use)."""
-    load()
+    """The fields of zd_group_t in declaration order."""
     return _group_fields
 
 
 def lib() -> ctypes.CDLL:
-    """The loaded library (loading it on first use)."""
-    return _lib if _lib is not None else load()
+    """The loaded library."""
+    return _lib
 
 
 def library_path() -> str:
     """Path of the loaded libzerod."""
-    load()
-    assert _path is not None
     return _path
 
 
 def free(ptr: int) -> None:
     """Releases memory the library allocated (zd_status's text), with the library's own free:
     a libc looked up here may not be the allocator libzerod used (an ASan runtime preloaded)."""
-    load().zd_free(ptr)
+    _lib.zd_free(ptr)

@@ -163,8 +163,8 @@ class Group:
     package. Keywords and attributes name them as torch.optim.AdamW does: ``betas=(beta1, beta2)``
     (beta1 and beta2 work too); optimizer is "adamw" (decoupled weight decay,
     torch.optim.AdamW) or "adam" (L2 penalty added to the gradient, torch.optim.Adam); a boolean
-    field takes a bool. Fields not given keep zerod's defaults (zd_group_default():
-    torch.optim.AdamW's). Building a Group loads libzerod.
+    field takes a bool. Fields not given keep zerod's defaults (zd_group_init():
+    torch.optim.AdamW's).
 
     Raises:
         TypeError: a keyword that names no field of zd_group_t.
@@ -620,14 +620,16 @@ class Client:
         desc.grad_dtype = gdt
         desc.max_grad_norm = float(max_grad_norm)
         desc.grad_reduce = _lib.ZD_GRAD_MEAN if grad_mean else _lib.ZD_GRAD_SUM
+        c_scaler = _lib.zd_loss_scaler_t()  # kept alive for the call
         if scaler is not None:
-            desc.loss_scaler.enabled = 1
-            desc.loss_scaler.initial_scale = float(scaler.initial_scale)
-            desc.loss_scaler.growth_factor = float(scaler.growth_factor)
-            desc.loss_scaler.backoff_factor = float(scaler.backoff_factor)
-            desc.loss_scaler.growth_interval = int(scaler.growth_interval)
-            desc.loss_scaler.hysteresis = int(scaler.hysteresis)
-            desc.loss_scaler.min_scale = float(scaler.min_scale)
+            c_scaler.enabled = 1
+            c_scaler.initial_scale = float(scaler.initial_scale)
+            c_scaler.growth_factor = float(scaler.growth_factor)
+            c_scaler.backoff_factor = float(scaler.backoff_factor)
+            c_scaler.growth_interval = int(scaler.growth_interval)
+            c_scaler.hysteresis = int(scaler.hysteresis)
+            c_scaler.min_scale = float(scaler.min_scale)
+            desc.loss_scaler = ctypes.pointer(c_scaler)
         desc.flags = ZD_REGISTER_REPLACE if replace else 0
         if memory == "cuda":
             desc.memory = _lib.ZD_MEMORY_CUDA
@@ -881,8 +883,9 @@ class Client:
         step = ctypes.c_uint64(0)
         path = ctypes.create_string_buffer(512)
         with self._lock:
-            _check(self._lib.zd_checkpoint(self._h(), 0 if wait else 1, ctypes.byref(step), path,
-                                           len(path)), "zd_checkpoint")
+            flags = 0 if wait else _lib.ZD_CHECKPOINT_NO_WAIT
+            _check(self._lib.zd_checkpoint(self._h(), flags, ctypes.byref(step), path, len(path)),
+                   "zd_checkpoint")
         return step.value, path.value.decode()
 
     def _set_stream_locked(self, stream: Optional[int]) -> None:
