@@ -317,6 +317,7 @@ static int resolve_path(const char *socket_path, char *buf, size_t len) {
 
 int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_client_t **out) {
   char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  if (!out) return zd__fail(-EINVAL, "zd_connect: out is NULL; pass where the client goes");
   *out = NULL;
   int rc = resolve_path(socket_path, path, sizeof path);
   if (rc) return rc;

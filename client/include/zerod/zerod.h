@@ -359,9 +359,10 @@ typedef uint64_t zd_request_t;
  * weakly: ZD_ANY_RANK clients skip it, but another client that names it too may register on it
  * first. A rank named explicitly that another client holds is not refused here (that client may
  * leave first): zd_register() returns ZD_EBUSY if it is still attached, or reserved by a
- * ZD_ANY_RANK hello. Errors: -ENOENT/-ECONNREFUSED (no daemon), -ENAMETOOLONG (socket path),
- * -ETIMEDOUT (no hello within timeout_ms), ZD_EVERSION, ZD_EBUSY (ZD_ANY_RANK and every rank
- * held), ZD_ERANK (no such rank, or negative other than ZD_ANY_RANK), ZD_EDENIED, transport. */
+ * ZD_ANY_RANK hello. Errors: -EINVAL (out is NULL), -ENOENT/-ECONNREFUSED (no daemon),
+ * -ENAMETOOLONG (socket path), -ETIMEDOUT (no hello within timeout_ms), ZD_EVERSION, ZD_EBUSY
+ * (ZD_ANY_RANK and every rank held), ZD_ERANK (no such rank, or negative other than ZD_ANY_RANK),
+ * ZD_EDENIED, transport. */
 ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms,
                          zd_client_t **out);
 
