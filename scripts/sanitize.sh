@@ -89,7 +89,7 @@ run_suites() {
 TSAN_PYTHON_TESTS=(tests/integration/test_tls.py tests/integration/test_metrics.py
   tests/python/test_abandon.py tests/python/test_checkpoint.py tests/python/test_drain.py
   tests/python/test_heal_shutdown.py tests/python/test_rank_handover.py
-  "tests/python/fault_trials.py --trials 8 --seed 1 --zerod-restart-delay 1.5,2")
+  "tests/python/fault_trials.py --trials 8 --min-effective 6 --zerod-restart-delay 1.5,2")
 
 run_tsan() {
   local build="build-tsan" logs rc=0 t
