@@ -191,13 +191,8 @@ static void check_sanitizer_report(const zdt_daemon_t *d) {
   }
 }
 
-int zdt_sanitized(void) {
-  const char *s = getenv("ZEROD_TEST_SANITIZER");
-  return s && s[0] && strcmp(s, "0") != 0;
-}
-
 int zdt_hang_scale(void) {
-  return zdt_sanitized() ? 10 : 1;
+  return zd_test_sanitized() ? 10 : 1;
 }
 
 const char *zdt_status_str(int status) {

@@ -5,8 +5,6 @@
 #define ZD_TESTS_HARNESS_H
 
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <sys/types.h>
 
 #include "frame.h"
@@ -42,32 +40,9 @@ void zdt_stop(zdt_daemon_t *d, int sig, int keep);
  * valid until the next call. */
 const char *zdt_status_str(int status);
 
-/* Whether the test runs under a sanitizer: scripts/sanitize.sh sets ZEROD_TEST_SANITIZER=1,
- * where zerod runs 2-15x slower on a loaded machine. */
-int zdt_sanitized(void);
-
-/* The factor for waits that only catch a hang (start-up, shutdown): 1, or 10 under a sanitizer. */
+/* The factor for waits that only catch a hang (start-up, shutdown): 1, or 10 under a sanitizer
+ * (zd_test_sanitized, check.h). */
 int zdt_hang_scale(void);
-
-/* A wall-clock safety net: fails the test when took exceeds limit (both in the same unit),
- * naming what the bound protects against (printf format and arguments). Never checked under a
- * sanitizer, where it only prints the time. Bounds are generous: a few times what the loaded
- * two-core CI machine needs. */
-#define ZDT_CHECK_WITHIN(took, limit, ...)                                                    \
-  do {                                                                                        \
-    double took_ = (took), limit_ = (limit);                                                  \
-    if (took_ <= limit_) break;                                                               \
-    if (zdt_sanitized()) {                                                                    \
-      printf("  (sanitizer: %s:%d: %g over the bound %g, not checked)\n", __FILE__, __LINE__, \
-             took_, limit_);                                                                  \
-      break;                                                                                  \
-    }                                                                                         \
-    fprintf(stderr, "%s:%d: %s is %g, over its bound %g: ", __FILE__, __LINE__, #took, took_, \
-            limit_);                                                                          \
-    fprintf(stderr, __VA_ARGS__);                                                             \
-    fputc('\n', stderr);                                                                      \
-    exit(1);                                                                                  \
-  } while (0)
 
 /* Prints the daemon's log to stderr (for failures). */
 void zdt_dump_log(const zdt_daemon_t *d);

@@ -314,10 +314,10 @@ static void one_dies(world_t *w, const char *name, uint32_t victim, point_t at, 
               rep->aborted[q]);
     CHECK_CONTAINS(rep->abort_msg[q], want);
     double took = rep->abort_at[q] - rep->killed_at[victim];
-    ZDT_CHECK_WITHIN(took, ABORT_MAX_S,
-                     "%s: rank %u's step must be abandoned at the kill, not at "
-                     "the collective timeout (10 s)",
-                     name, q);
+    CHECK_WITHIN(took, ABORT_MAX_S,
+                 "%s: rank %u's step must be abandoned at the kill, not at "
+                 "the collective timeout (10 s)",
+                 name, q);
     if (took > slowest) slowest = took;
   }
   check_params(w, ref, MAX_ELEMS, name);
@@ -492,9 +492,9 @@ static void test_bye_and_waiting_stand_in(void) {
   t0 = now_s();
   zdt_stop(&d, SIGTERM, 0);
   double took = now_s() - t0;
-  ZDT_CHECK_WITHIN(took, 10.0,
-                   "a shutdown must not wait for the stand-in up to "
-                   "shutdown_timeout_ms (30 s)");
+  CHECK_WITHIN(took, 10.0,
+               "a shutdown must not wait for the stand-in up to "
+               "shutdown_timeout_ms (30 s)");
   printf("  SIGTERM with a stand-in waiting for a peer: zerod exited 0 in %.0f ms\n", 1e3 * took);
   zd_close(b);
 }

@@ -430,7 +430,7 @@ static void test_rendezvous(const zdt_daemon_t *d) {
   free(value);
   pthread_join(t, NULL);
   CHECK_MSG(waited >= 250, "waited %.0f ms for a key set after 300 ms", waited);
-  ZDT_CHECK_WITHIN(waited, 3000.0, "a get must wake on the set, not poll nor wait its 5 s timeout");
+  CHECK_WITHIN(waited, 3000.0, "a get must wake on the set, not poll nor wait its 5 s timeout");
 
   /* A wait that times out names what is missing (and not what exists). */
   const char *keys[] = {"k1", "never-set", "late"};
@@ -442,8 +442,7 @@ static void test_rendezvous(const zdt_daemon_t *d) {
   CHECK_CONTAINS(err.msg, d->control);
   CHECK_MSG(!strstr(err.msg, "'k1'") && !strstr(err.msg, "'late'"), "%s", err.msg);
   CHECK_MSG(timed_out >= 380, "a 400 ms wait returned after %.0f ms", timed_out);
-  ZDT_CHECK_WITHIN(timed_out, 3000.0,
-                   "a 400 ms wait must end at its own timeout, not the call's 5 s");
+  CHECK_WITHIN(timed_out, 3000.0, "a 400 ms wait must end at its own timeout, not the call's 5 s");
 
   /* KvWait with timeout 0 answers at once. */
   Zerod__V1__KvWaitRequest w = ZEROD__V1__KV_WAIT_REQUEST__INIT;
@@ -545,7 +544,7 @@ static void test_late_store(const zdt_daemon_t *d) {
   CHECK_CONTAINS(err.msg, dead);
   CHECK_CONTAINS(err.msg, "'some-key'");
   CHECK_MSG(took >= 480, "a 500 ms get returned after %.0f ms", took);
-  ZDT_CHECK_WITHIN(took, 3000.0, "a 500 ms get of a dead store must end at its own timeout");
+  CHECK_WITHIN(took, 3000.0, "a 500 ms get of a dead store must end at its own timeout");
   printf(
       "  late store: a get issued 500 ms before zerod started returned %.0f ms after the set "
       "(set took %.0f ms from spawn); no store: -ETIMEDOUT after %.0f ms: %s\n",
@@ -818,9 +817,9 @@ static void test_shutdown(zdt_daemon_t *d) {
   CHECK_CONTAINS(p.err.msg, "shutting down");
   struct stat st;
   CHECK_MSG(stat(d->control + 5, &st) != 0 && errno == ENOENT, "%s still exists", d->control + 5);
-  ZDT_CHECK_WITHIN(exit_ms, 5000.0,
-                   "shutdown must answer the KvWait (60 s) at once, not wait for it or the idle "
-                   "channel up to shutdown_timeout_ms (10 s)");
+  CHECK_WITHIN(exit_ms, 5000.0,
+               "shutdown must answer the KvWait (60 s) at once, not wait for it or the idle "
+               "channel up to shutdown_timeout_ms (10 s)");
   printf(
       "  shutdown with a KvWait pending: exit 0 after %.0f ms, the waiter got UNAVAILABLE "
       "(%.0f ms after SIGTERM), control socket removed\n",
@@ -838,7 +837,7 @@ static void test_dead_address(const char *dir) {
   char want[200];
   snprintf(want, sizeof want, "cannot reach zerod control service at %s", addr);
   CHECK_CONTAINS(err, want);
-  ZDT_CHECK_WITHIN(took, 3000.0, "zeroctl must fail at once where nothing listens, not wait 5 s");
+  CHECK_WITHIN(took, 3000.0, "zeroctl must fail at once where nothing listens, not wait 5 s");
   free(out), free(err);
   const char *a2[] = {"health", "--timeout-ms", "500", NULL};
   setenv("ZEROD_CONTROL_ADDRESS", "127.0.0.1:1", 1);

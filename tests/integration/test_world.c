@@ -638,9 +638,9 @@ static void test_registration_timing(void) {
   zdt_stop(&w.daemons[0], SIGTERM, 1);
   double took = now_s() - t0;
   pthread_join(t, NULL);
-  ZDT_CHECK_WITHIN(took, 10.0,
-                   "a shutdown must not wait out the registration's connect timeout "
-                   "(20 s)");
+  CHECK_WITHIN(took, 10.0,
+               "a shutdown must not wait out the registration's connect timeout "
+               "(20 s)");
   CHECK_MSG(r[0].rc != ZD_OK, "the waiting registration succeeded without its peer");
   printf(
       "  SIGTERM with a registration waiting: zerod exited 0 in %.2f s; the client got %s: "
@@ -700,9 +700,9 @@ static void test_shutdown_aborts(void) {
   zdt_stop(&w.daemons[0], SIGTERM, 1);
   double took = now_s() - t0;
   pthread_join(t, NULL);
-  ZDT_CHECK_WITHIN(took, 10.0,
-                   "the collective must be aborted after shutdown_timeout_ms (1 s), "
-                   "not after the collective timeout (60 s)");
+  CHECK_WITHIN(took, 10.0,
+               "the collective must be aborted after shutdown_timeout_ms (1 s), "
+               "not after the collective timeout (60 s)");
   CHECK_INT_EQ(s.rc, -ECANCELED);
   CHECK_CONTAINS(s.err, "aborted (zerod is shutting down)");
   printf(
@@ -730,9 +730,9 @@ static void test_peer_killed(void) {
   step_thread(&s[0]);
   CHECK_MSG(s[0].rc == ZD_EPEER || s[0].rc == -ETIMEDOUT, "step with a dead peer: %s: %s",
             zd_err_name(s[0].rc), s[0].err);
-  ZDT_CHECK_WITHIN(s[0].seconds, 10.0,
-                   "a dead peer fails the step by the collective timeout "
-                   "(3 s) at the latest, not a hang");
+  CHECK_WITHIN(s[0].seconds, 10.0,
+               "a dead peer fails the step by the collective timeout "
+               "(3 s) at the latest, not a hang");
   printf("  peer killed: rank 0's step failed in %.2f s: %s\n", s[0].seconds, s[0].err);
   /* degraded, still serving status; later steps fail at once */
   char *status;
@@ -742,9 +742,9 @@ static void test_peer_killed(void) {
   free(status);
   step_thread(&s[0]);
   CHECK_INT_EQ(s[0].rc, ZD_EDEGRADED);
-  ZDT_CHECK_WITHIN(s[0].seconds, 2.0,
-                   "a degraded rank answers at once, without trying the "
-                   "collective again (3 s timeout)");
+  CHECK_WITHIN(s[0].seconds, 2.0,
+               "a degraded rank answers at once, without trying the "
+               "collective again (3 s timeout)");
   zd_close(c[0]);
   zd_close(c[1]); /* its zerod is gone: the bye fails, the client is freed */
   stop_world(&w); /* the survivor still shuts down cleanly */
