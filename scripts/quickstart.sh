@@ -8,6 +8,11 @@
 #                                 suites under ASan+UBSan and under TSan (with the Python world
 #                                 tests), and the fuzz harnesses (what CI runs)
 #   scripts/quickstart.sh build   install and build only
+#
+# Where nvcc is found, the build must have the CUDA backend, and with it the gpu test suite: the
+# test command fails before running anything when it does not (meson setup's warning says what
+# is missing, NCCL or the CUDA runtime). --no-cuda (after the command) builds without CUDA on
+# purpose (-Dcuda=disabled) and tests without the gpu suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,11 +41,43 @@ install_promtool() {
   rm -rf "$tmp"
 }
 
+no_cuda=0
+
 build() {
-  # The CUDA backend is built wherever nvcc is found (meson option cuda=auto).
+  # The CUDA backend is built wherever nvcc is found (meson option cuda=auto), unless --no-cuda.
   if [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+  if [ "$no_cuda" = 1 ]; then
+    if [ -f build/build.ninja ]; then meson configure build -Dcuda=disabled; else
+      meson setup build -Dcuda=disabled; fi
+  fi
   [ -f build/build.ninja ] || meson setup build
   ninja -C build
+}
+
+# Fails when nvcc is here but build/ has no CUDA backend: its gpu suite would be left out of the
+# run without a word. The gpu suite's CUDA tests (cuda_available and the others) exist only in a
+# build with the backend; python_torch_cuda, in the same suite, exists in every build.
+check_gpu_suite() {
+  local nvcc
+  nvcc=$(command -v nvcc) || return 0
+  if [ "$no_cuda" = 1 ]; then
+    echo "quickstart: nvcc is at $nvcc; --no-cuda: built and tested without the CUDA backend"
+    return 0
+  fi
+  if meson introspect build --tests | python3 -c '
+import json, sys
+tests = json.load(sys.stdin)
+gpu = [t for t in tests if "zerod:gpu" in t["suite"] and t["name"] == "cuda_available"]
+sys.exit(0 if gpu else 1)'
+  then
+    return 0
+  fi
+  echo "quickstart: nvcc is at $nvcc, but build/ has no CUDA backend, so the gpu test suite" \
+    "would not run. meson setup's warning (meson-logs/meson-log.txt in build/) names what is" \
+    "missing, NCCL or the CUDA runtime; 'meson configure build | grep cuda' shows the option." \
+    "Install what is missing and reconfigure (meson setup --reconfigure build), or run" \
+    "'$0 test --no-cuda' to test without CUDA on purpose." >&2
+  return 1
 }
 
 demo() {
@@ -52,6 +89,12 @@ run_tests() {
   meson test -C build --print-errorlogs
 }
 
+case "${2:-}" in
+  "") ;;
+  --no-cuda) no_cuda=1 ;;
+  *) echo "usage: $0 demo|test|build [--no-cuda]" >&2; exit 2 ;;
+esac
+
 case "${1:-}" in
   demo) install_deps; build; demo ;;
   test)
@@ -60,7 +103,7 @@ case "${1:-}" in
       $(scripts/fuzz.sh packages)
     install_promtool
     build
-    # The torch tests again under a torch 2.x from PyPI (suite python-torch2), next to Debian's
+    check_gpu_suite    # The torch tests again under a torch 2.x from PyPI (suite python-torch2), next to Debian's
     # 1.13: a CPU-only venv of about 1.4 GB, made in about 30 s and kept between runs.
     ZEROD_TORCH2_PYTHON=$(scripts/torch2_venv.sh | tail -n 1)
     export ZEROD_TORCH2_PYTHON
@@ -70,5 +113,5 @@ case "${1:-}" in
     scripts/fuzz.sh ci  # each libFuzzer harness over its corpus and a fixed number of inputs
     ;;
   build) install_deps; build ;;
-  *) echo "usage: $0 demo|test|build" >&2; exit 2 ;;
+  *) echo "usage: $0 demo|test|build [--no-cuda]" >&2; exit 2 ;;
 esac

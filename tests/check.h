@@ -69,6 +69,33 @@
     }                                                                                   \
   } while (0)
 
+/* Whether the test runs under a sanitizer: scripts/sanitize.sh sets ZEROD_TEST_SANITIZER=1, where
+ * everything runs 2-15x slower on a loaded machine. */
+static inline int zd_test_sanitized(void) {
+  const char *s = getenv("ZEROD_TEST_SANITIZER");
+  return s && s[0] && strcmp(s, "0") != 0;
+}
+
+/* A wall-clock safety net: fails the test when took exceeds limit (both in the same unit), saying
+ * what the bound protects against (printf format and arguments). Never checked under a sanitizer,
+ * where it only prints the time. A bound is generous, many times what a loaded two-core machine
+ * needs, and below the timeout whose wait it is there to catch. */
+#define CHECK_WITHIN(took, limit, ...)                                                        \
+  do {                                                                                        \
+    double took_ = (took), limit_ = (limit);                                                  \
+    if (took_ <= limit_) break;                                                               \
+    if (zd_test_sanitized()) {                                                                \
+      printf("  (sanitizer: %s:%d: %g over the bound %g, not checked)\n", __FILE__, __LINE__, \
+             took_, limit_);                                                                  \
+      break;                                                                                  \
+    }                                                                                         \
+    fprintf(stderr, "%s:%d: %s is %g, over its bound %g: ", __FILE__, __LINE__, #took, took_, \
+            limit_);                                                                          \
+    fprintf(stderr, __VA_ARGS__);                                                             \
+    fputc('\n', stderr);                                                                      \
+    exit(1);                                                                                  \
+  } while (0)
+
 /* The tests' pseudo-random numbers: splitmix64, one fixed sequence per test program, so that a
  * failure reproduces. */
 static inline uint64_t zd_test_rnd(void) {

@@ -156,7 +156,8 @@ void zdt_start(zdt_daemon_t *d, const char *const *extra) {
     _exit(127);
   }
   track(d->pid, 0);
-  for (int i = 0; i < 1000; i++) { /* 10 s */
+  int limit_ms = 10000 * zdt_hang_scale();
+  for (int waited = 0; waited < limit_ms; waited += 10) {
     int fd = zdt_raw_connect(d->socket);
     if (fd >= 0) {
       close(fd);
@@ -164,14 +165,15 @@ void zdt_start(zdt_daemon_t *d, const char *const *extra) {
     }
     int status;
     if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
+      track(0, d->pid);
       zdt_dump_log(d);
-      fprintf(stderr, "zerod exited during start-up (status 0x%x)\n", status);
+      fprintf(stderr, "zerod exited during start-up (%s)\n", zdt_status_str(status));
       exit(1);
     }
     sleep_ms(10);
   }
   zdt_dump_log(d);
-  fprintf(stderr, "zerod did not accept connections on %s within 10 s\n", d->socket);
+  fprintf(stderr, "zerod did not accept connections on %s within %d ms\n", d->socket, limit_ms);
   kill(d->pid, SIGKILL);
   exit(1);
 }
@@ -189,15 +191,31 @@ static void check_sanitizer_report(const zdt_daemon_t *d) {
   }
 }
 
-int zdt_stop(zdt_daemon_t *d, int sig, int keep) {
-  int status = -1;
+int zdt_hang_scale(void) {
+  return zd_test_sanitized() ? 10 : 1;
+}
+
+const char *zdt_status_str(int status) {
+  static char buf[96];
+  if (WIFEXITED(status))
+    snprintf(buf, sizeof buf, "exit %d", WEXITSTATUS(status));
+  else if (WIFSIGNALED(status))
+    snprintf(buf, sizeof buf, "signal %d (%s)%s", WTERMSIG(status), strsignal(WTERMSIG(status)),
+             WCOREDUMP(status) ? ", core dumped" : "");
+  else
+    snprintf(buf, sizeof buf, "wait status 0x%x", status);
+  return buf;
+}
+
+void zdt_stop(zdt_daemon_t *d, int sig, int keep) {
   if (d->pid > 0) {
-    kill(d->pid, sig);
-    for (int i = 0; i < 2000; i++) { /* 20 s */
-      if (waitpid(d->pid, &status, WNOHANG) == d->pid) break;
-      if (i == 1999) {
+    int status = -1, limit_ms = 20000 * zdt_hang_scale();
+    if (sig) kill(d->pid, sig);
+    for (int waited = 0; waitpid(d->pid, &status, WNOHANG) != d->pid; waited += 10) {
+      if (waited >= limit_ms) {
         zdt_dump_log(d);
-        fprintf(stderr, "zerod did not exit within 20 s of signal %d\n", sig);
+        fprintf(stderr, "zerod (pid %d) did not exit within %d ms of signal %d\n", (int)d->pid,
+                limit_ms, sig);
         kill(d->pid, SIGKILL);
         waitpid(d->pid, &status, 0);
         track(0, d->pid);
@@ -206,8 +224,17 @@ int zdt_stop(zdt_daemon_t *d, int sig, int keep) {
       sleep_ms(10);
     }
     track(0, d->pid);
+    pid_t pid = d->pid;
     d->pid = 0;
     check_sanitizer_report(d);
+    int killed = sig == SIGKILL;
+    if (killed ? !WIFSIGNALED(status) || WTERMSIG(status) != SIGKILL
+               : !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      zdt_dump_log(d);
+      fprintf(stderr, "zerod (pid %d, %s) ended with %s after signal %d; expected %s\n", (int)pid,
+              d->socket, zdt_status_str(status), sig, killed ? "death by SIGKILL" : "exit 0");
+      exit(1);
+    }
   }
   if (!keep) {
     char lock[sizeof d->socket + 8];
@@ -218,7 +245,6 @@ int zdt_stop(zdt_daemon_t *d, int sig, int keep) {
     unlink(d->control + 5);
     rmdir(d->dir);
   }
-  return status;
 }
 
 void zdt_raw_send(int fd, const zd__frame_header_t *h, const void *body, const int *fds, int nfds) {

@@ -29,9 +29,20 @@ void zdt_start(zdt_daemon_t *d, const char *const *extra);
  * *output (a static buffer, valid until the next call). */
 int zdt_run(const char *const *args, const char **output);
 
-/* Sends sig (SIGTERM normally), waits up to 20 s and returns the exit status as
- * waitpid reports it. Removes the directory unless keep. */
-int zdt_stop(zdt_daemon_t *d, int sig, int keep);
+/* Sends sig, waits for zerod to end (20 s; zdt_hang_scale() times that under a sanitizer) and
+ * fails the test, printing the log, unless it ended as a stop by sig should: death by SIGKILL
+ * after SIGKILL, else exit 0 (SIGTERM, SIGINT; sig 0 sends nothing, for a zerod expected to have
+ * exited by itself). A zerod stopped before (pid 0) only has its directory removed. Removes the
+ * directory unless keep. */
+void zdt_stop(zdt_daemon_t *d, int sig, int keep);
+
+/* A wait status in words ("exit 0", "signal 11 (Segmentation fault)"), in a static buffer
+ * valid until the next call. */
+const char *zdt_status_str(int status);
+
+/* The factor for waits that only catch a hang (start-up, shutdown): 1, or 10 under a sanitizer
+ * (zd_test_sanitized, check.h). */
+int zdt_hang_scale(void);
 
 /* Prints the daemon's log to stderr (for failures). */
 void zdt_dump_log(const zdt_daemon_t *d);

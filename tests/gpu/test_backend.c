@@ -589,13 +589,12 @@ static void without_gpu(const char *why) {
   printf("  ... and says it holds none of the register's handles: %s\n",
          zdt_expect_error_kept(fd, 3, ZD_EBACKEND, "this zerod runs the CPU backend", 0));
   close(fd);
-  int st = zdt_stop(&d, SIGTERM, 0);
-  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  zdt_stop(&d, SIGTERM, 0);
 
   /* backend cuda: refused at start with the reason */
   const char *log = "/tmp/zerod-backend-cuda.log";
   const char *cuda_args[] = {"--backend", "cuda", NULL};
-  st = run_zerod(log, cuda_args);
+  int st = run_zerod(log, cuda_args);
   const char *text = slurp(log);
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 1, "zerod --backend cuda: status 0x%x; log:\n%s",
             st, text);
@@ -690,15 +689,14 @@ static void with_gpu(int ngpus) {
   free(status);
   zd_close(c);
   printf("  then a real registration and a step: ok\n");
-  int st = zdt_stop(&d, SIGTERM, 0);
-  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  zdt_stop(&d, SIGTERM, 0);
 
   /* One GPU per local rank: one rank more than there are GPUs. */
   char ranks[16];
   snprintf(ranks, sizeof ranks, "%d", ngpus + 1);
   const char *log = "/tmp/zerod-backend-cuda.log";
   const char *cuda_args[] = {"--backend", "cuda", "--local_ranks", ranks, NULL};
-  st = run_zerod(log, cuda_args);
+  int st = run_zerod(log, cuda_args);
   const char *text = slurp(log);
   CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 1,
             "zerod --backend cuda --local_ranks %s: status "

@@ -457,7 +457,6 @@ int main(void) {
          STEPS, bytes);
   refusals(&d);
   for (int s = 0; s < STEPS; s++) free(params[s]);
-  int st = zdt_stop(&d, SIGTERM, 0);
-  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  zdt_stop(&d, SIGTERM, 0); /* fails the test unless zerod exits 0 */
   return 0;
 }

@@ -430,7 +430,8 @@ static void test_rendezvous(const zdt_daemon_t *d) {
   CHECK(memcmp(value, "value-from-thread", 17) == 0);
   free(value);
   pthread_join(t, NULL);
-  CHECK_MSG(waited >= 250 && waited < 3000, "waited %.0f ms for a key set after 300 ms", waited);
+  CHECK_MSG(waited >= 250, "waited %.0f ms for a key set after 300 ms", waited);
+  CHECK_WITHIN(waited, 3000.0, "a get must wake on the set, not poll nor wait its 5 s timeout");
 
   /* A wait that times out names what is missing (and not what exists). */
   const char *keys[] = {"k1", "never-set", "late"};
@@ -441,7 +442,8 @@ static void test_rendezvous(const zdt_daemon_t *d) {
   CHECK_CONTAINS(err.msg, "'never-set'");
   CHECK_CONTAINS(err.msg, d->control);
   CHECK_MSG(!strstr(err.msg, "'k1'") && !strstr(err.msg, "'late'"), "%s", err.msg);
-  CHECK_MSG(timed_out >= 380 && timed_out < 1500, "a 400 ms wait took %.0f ms", timed_out);
+  CHECK_MSG(timed_out >= 380, "a 400 ms wait returned after %.0f ms", timed_out);
+  CHECK_WITHIN(timed_out, 3000.0, "a 400 ms wait must end at its own timeout, not the call's 5 s");
 
   /* KvWait with timeout 0 answers at once. */
   Zerod__V1__KvWaitRequest w = ZEROD__V1__KV_WAIT_REQUEST__INIT;
@@ -525,8 +527,9 @@ static void test_late_store(const zdt_daemon_t *d) {
   CHECK_MSG(g.rc == ZD_OK, "a get started before the store: %s", g.err.msg);
   double after_set = g.returned_at - (t0 + set_ms);
   kill(pid, SIGTERM);
-  int status = wait_exit(pid, 20000);
-  CHECK_MSG(status == 0, "late zerod exit status 0x%x", status);
+  int status = wait_exit(pid, 20000 * zdt_hang_scale());
+  CHECK_MSG(status == 0, "the late zerod ended with %s after SIGTERM, expected exit 0",
+            status == -1 ? "nothing (still running)" : zdt_status_str(status));
   unlink(logp);
 
   char dead[160];
@@ -541,7 +544,8 @@ static void test_late_store(const zdt_daemon_t *d) {
   CHECK_INT_EQ(rc, -ETIMEDOUT);
   CHECK_CONTAINS(err.msg, dead);
   CHECK_CONTAINS(err.msg, "'some-key'");
-  CHECK_MSG(took >= 480 && took < 1500, "a 500 ms get took %.0f ms", took);
+  CHECK_MSG(took >= 480, "a 500 ms get returned after %.0f ms", took);
+  CHECK_WITHIN(took, 3000.0, "a 500 ms get of a dead store must end at its own timeout");
   printf(
       "  late store: a get issued 500 ms before zerod started returned %.0f ms after the set "
       "(set took %.0f ms from spawn); no store: -ETIMEDOUT after %.0f ms: %s\n",
@@ -598,9 +602,10 @@ typedef struct node_b {
   char log[160];
 } node_b_t;
 
-/* Starts zerod as rank 1 of a world of 2 whose rank 0 never comes. Returns 0 when its control
- * service is up, -1 (with the reason printed) when zerod refuses to start such a node. */
-static int start_node_b(const zdt_daemon_t *a, node_b_t *b) {
+/* Starts zerod as rank 1 of a world of 2 whose rank 0 never comes and waits for its control
+ * service: such a node must serve (status, a clear refusal of store requests) while it waits for
+ * its world, so a zerod that exits instead fails the test, with its log. */
+static void start_node_b(const zdt_daemon_t *a, node_b_t *b) {
   char sock[160], rdv[160];
   snprintf(sock, sizeof sock, "%s/b.sock", a->dir);
   snprintf(rdv, sizeof rdv, "unix:%s/rank0-never.sock", a->dir);
@@ -622,30 +627,25 @@ static int start_node_b(const zdt_daemon_t *a, node_b_t *b) {
                         "debug",
                         NULL};
   b->pid = spawn_zerod(args, b->log);
-  for (int i = 0; i < 1000; i++) { /* 10 s */
+  int limit_ms = 10000 * zdt_hang_scale();
+  for (int waited = 0; waited < limit_ms; waited += 10) {
     int status;
     if (waitpid(b->pid, &status, WNOHANG) == b->pid) {
-      char line[1024];
-      last_line(b->log, line, sizeof line);
-      printf(
-          "  SKIP non-rank-0 node: zerod refuses to start rank 1 of a world of 2 (exit 0x%x): "
-          "%s\n",
-          status, line);
-      unlink(b->log);
-      b->pid = 0;
-      return -1;
+      char *log = read_file(b->log);
+      fprintf(stderr, "---- rank-1 zerod log %s ----\n%s---- end of log ----\n", b->log, log);
+      free(log);
+      CHECK_MSG(0, "zerod as rank 1 of a world of 2 without its rank 0 ended during start-up (%s)",
+                zdt_status_str(status));
     }
     struct stat st;
-    if (stat(b->control + 5, &st) == 0) return 0;
+    if (stat(b->control + 5, &st) == 0) return;
     sleep_ms(10);
   }
   kill(b->pid, SIGKILL);
-  CHECK_MSG(0, "the second zerod did not open %s within 10 s", b->control);
-  return -1;
+  CHECK_MSG(0, "the rank-1 zerod did not open %s within %d ms", b->control, limit_ms);
 }
 
 static void test_not_rank0(const zdt_daemon_t *a, node_b_t *b) {
-  if (!b->pid) return;
   zd__err_t err = {0};
   int st = health(b->control, "", ZD__GRPC_WAIT_FOR_READY, &err);
   CHECK_MSG(st == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING,
@@ -680,11 +680,12 @@ static void test_not_rank0(const zdt_daemon_t *a, node_b_t *b) {
   zerod__v1__node_status__free_unpacked(ns, NULL);
 
   kill(b->pid, SIGTERM);
-  int status = wait_exit(b->pid, 20000);
+  int status = wait_exit(b->pid, 20000 * zdt_hang_scale());
   if (status != 0) {
     char line[1024];
     last_line(b->log, line, sizeof line);
-    CHECK_MSG(0, "rank-1 zerod exit status 0x%x; its log ends with: %s", status, line);
+    CHECK_MSG(0, "rank-1 zerod ended with %s after SIGTERM, expected exit 0; its log ends with: %s",
+              status == -1 ? "nothing (still running)" : zdt_status_str(status), line);
   }
   unlink(b->log);
   printf("  non-rank-0 node: KvGet FAILED_PRECONDITION naming the rendezvous address\n");
@@ -719,11 +720,12 @@ static void test_tcp(const zdt_daemon_t *a, const zdt_daemon_t *c) {
     snprintf(logp, sizeof logp, "%s/taken%d.log", a->dir, i);
     const char *args[] = {"--socket", sock, "--control_address", taken[i], NULL};
     pid_t pid = spawn_zerod(args, logp);
-    int status = wait_exit(pid, 10000);
+    int status = wait_exit(pid, 10000 * zdt_hang_scale());
     if (status == -1) kill(pid, SIGKILL), waitpid(pid, &status, 0);
     char *text = read_file(logp);
     CHECK_MSG(WIFEXITED(status) && WEXITSTATUS(status) != 0,
-              "a zerod on the taken address %s started (status 0x%x): %s", taken[i], status, text);
+              "a zerod on the taken address %s ended with %s, expected a refusal (exit 1..255): %s",
+              taken[i], zdt_status_str(status), text);
     CHECK_CONTAINS(text, want[i]);
     free(text);
     unlink(logp);
@@ -808,17 +810,17 @@ static void test_shutdown(zdt_daemon_t *d) {
                GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING);
   sleep_ms(300); /* the KvWait is pending on the daemon's loop by now */
   double t0 = now_ms();
-  int status = zdt_stop(d, SIGTERM, 1);
+  zdt_stop(d, SIGTERM, 1); /* exit 0 */
   double exit_ms = now_ms() - t0;
   pthread_join(t, NULL);
   zd__grpc_channel_close(idle);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) zdt_dump_log(d);
-  CHECK_MSG(WIFEXITED(status) && WEXITSTATUS(status) == 0, "zerod exit status 0x%x", status);
   CHECK_INT_EQ(p.status, GRPC_STATUS_UNAVAILABLE);
   CHECK_CONTAINS(p.err.msg, "shutting down");
   struct stat st;
   CHECK_MSG(stat(d->control + 5, &st) != 0 && errno == ENOENT, "%s still exists", d->control + 5);
-  CHECK_MSG(exit_ms < 3000, "zerod took %.0f ms to exit", exit_ms);
+  CHECK_WITHIN(exit_ms, 5000.0,
+               "shutdown must answer the KvWait (60 s) at once, not wait for it or the idle "
+               "channel up to shutdown_timeout_ms (10 s)");
   printf(
       "  shutdown with a KvWait pending: exit 0 after %.0f ms, the waiter got UNAVAILABLE "
       "(%.0f ms after SIGTERM), control socket removed\n",
@@ -836,7 +838,7 @@ static void test_dead_address(const char *dir) {
   char want[200];
   snprintf(want, sizeof want, "cannot reach zerod control service at %s", addr);
   CHECK_CONTAINS(err, want);
-  CHECK_MSG(took < 3000, "zeroctl took %.0f ms to report a dead address", took);
+  CHECK_WITHIN(took, 3000.0, "zeroctl must fail at once where nothing listens, not wait 5 s");
   free(out), free(err);
   const char *a2[] = {"health", "--timeout-ms", "500", NULL};
   setenv("ZEROD_CONTROL_ADDRESS", "127.0.0.1:1", 1);
@@ -869,7 +871,7 @@ int main(void) {
   test_rendezvous(&d);
   test_not_rank0(&d, &b);
   test_tcp(&d, &c);
-  CHECK_INT_EQ(zdt_stop(&c, SIGTERM, 0), 0);
+  zdt_stop(&c, SIGTERM, 0);
   test_burst(&d);
   test_late_store(&d);
   test_registry(&d);

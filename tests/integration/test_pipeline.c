@@ -129,10 +129,8 @@ int main(void) {
 
   zd_close(a);
   zd_close(b);
-  int st = zdt_stop(&da, SIGTERM, 0);
-  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
-  st = zdt_stop(&db, SIGTERM, 0);
-  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status 0x%x", st);
+  zdt_stop(&da, SIGTERM, 0);
+  zdt_stop(&db, SIGTERM, 0);
   printf("test_pipeline: ok\n");
   return 0;
 }

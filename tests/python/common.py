@@ -9,6 +9,8 @@ they find ./build and client/python themselves. Exit status: 0 passed, 1 failed,
 from __future__ import annotations
 
 import os
+import random
+import signal
 import sys
 import time
 import unittest
@@ -26,6 +28,90 @@ if _pkg not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # for child 
         p for p in (_pkg, os.environ.get("PYTHONPATH", "")) if p)
 os.environ.setdefault("ZEROD_BIN", os.path.join(ROOT, "build", "daemon", "zerod"))
 os.environ.setdefault("ZEROD_LIBRARY", os.path.join(ROOT, "build", "client", "libzerod.so"))
+
+
+def sanitized() -> bool:
+    """Whether zerod runs under a sanitizer (scripts/sanitize.sh sets ZEROD_TEST_SANITIZER=1):
+    2-15x slower on a loaded machine, so waits that catch a hang are longer there (HANG_SCALE)
+    and nothing may bound how fast it is."""
+    return os.environ.get("ZEROD_TEST_SANITIZER", "") not in ("", "0")
+
+
+# The factor for waits that only catch a hang (start-up, shutdown, a step): 10 under a sanitizer.
+HANG_SCALE = 10 if sanitized() else 1
+
+
+def describe_exit(rc: Optional[int]) -> str:
+    """A Popen return code in words: "exit 0", "signal 11 (SIGSEGV)", "still running"."""
+    if rc is None:
+        return "still running"
+    if rc >= 0:
+        return f"exit {rc}"
+    try:
+        return f"signal {-rc} ({signal.Signals(-rc).name})"
+    except ValueError:
+        return f"signal {-rc}"
+
+
+def clean_end(sig: int) -> int:
+    """How a zerod stopped by sig ends when nothing is wrong: killed by SIGKILL, else exit 0."""
+    return -signal.SIGKILL if sig == signal.SIGKILL else 0
+
+
+def stop_zerod(d: Any, sig: int = signal.SIGTERM, expect: Optional[int] = None,
+               timeout: float = 20.0) -> None:
+    """Stops a zerod.testing.LocalZerod with sig and fails, with its log, unless it ended as
+    `expect` says: a Popen return code (0, or -N for death by signal N), by default
+    clean_end(sig). A test that kills a zerod on purpose says so with sig (and expect, for any
+    other end); a zerod that ended before, by itself, is only reaped and checked."""
+    want = clean_end(sig) if expect is None else expect
+    rc = d.stop(sig, timeout=timeout * HANG_SCALE, check=False)
+    if rc != want:
+        raise AssertionError(f"zerod (pid {d.pid}) ended with {describe_exit(rc)} after "
+                             f"{signal.Signals(sig).name}, expected {describe_exit(want)}; its "
+                             f"log ({d.log_path}) ends:\n{d.log()[-3000:]}")
+
+
+def stop_world(world: Any, sig: int = signal.SIGTERM, expect: Optional[int] = None) -> None:
+    """stop_zerod for every daemon of a zerod.testing.LocalWorld not stopped yet (a daemon the
+    test stopped itself, through stop_zerod, keeps the end checked there); every daemon is
+    stopped before the first failure is raised."""
+    failures = []
+    for i, d in enumerate(world.daemons):
+        if d.returncode is not None:
+            continue
+        try:
+            stop_zerod(d, sig, expect)
+        except AssertionError as e:
+            failures.append(f"zerod {i}: {e}")
+    if failures:
+        raise AssertionError("\n".join(failures))
+
+
+def test_seed(arg: Optional[str] = None) -> int:
+    """The seed of a test with random choices: arg (an integer, or "random"), else
+    $ZEROD_TEST_SEED (the same), else 1. CI runs the fixed default, so that a failure
+    reproduces; long runs pass random. Print it, with repeat_command()."""
+    value = arg if arg is not None else os.environ.get("ZEROD_TEST_SEED", "") or "1"
+    if value == "random":
+        return random.SystemRandom().randrange(1 << 30)
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"seed '{value}': expected an integer or 'random'")
+
+
+def repeat_command(seed: int) -> str:
+    """This program's command line with --seed set to seed: what repeats the run."""
+    args, skip_next = [], False
+    for a in sys.argv[1:]:
+        if skip_next:
+            skip_next = False
+        elif a == "--seed":
+            skip_next = True
+        elif not a.startswith("--seed="):
+            args.append(a)
+    return " ".join([os.path.relpath(sys.argv[0], ROOT)] + args + ["--seed", str(seed)])
 
 
 def skip(reason: str) -> None:
@@ -98,15 +184,31 @@ def first_difference(name: str, got: Any, want: Any) -> str:
 
 def assert_params_equal(tc: Optional[unittest.TestCase], named_got: Iterable, named_want: Iterable,
                         where: str) -> None:
-    """torch.equal on every parameter; fails naming the first difference."""
+    """The same parameters, in the same order, each torch.equal (shape, dtype and every bit);
+    fails naming the first difference. Two lists of (name, tensor): their lengths and names
+    must match, and an empty list is not a model."""
     import torch
 
-    for (name, a), (_, b) in zip(named_got, named_want):
-        if not torch.equal(a, b):
-            msg = f"{where}: {first_difference(name, a, b)}"
-            if tc is not None:
-                tc.fail(msg)
-            raise AssertionError(msg)
+    got, want = list(named_got), list(named_want)
+    msg = None
+    if not want:
+        msg = f"{where}: the reference has no parameters to compare"
+    elif len(got) != len(want):
+        msg = (f"{where}: {len(got)} parameters through zerod, {len(want)} in the reference "
+               f"({[n for n, _ in got]} vs {[n for n, _ in want]})")
+    else:
+        for (name, a), (wname, b) in zip(got, want):
+            if name != wname:
+                msg = f"{where}: parameter '{name}' through zerod where the reference has '{wname}'"
+            elif not torch.equal(a, b):
+                msg = f"{where}: {first_difference(name, a, b)}"
+            if msg:
+                break
+    if msg is None:
+        return
+    if tc is not None:
+        tc.fail(msg)
+    raise AssertionError(msg)
 
 
 def loss_table(rows: List[tuple], header: tuple, every: int) -> str:

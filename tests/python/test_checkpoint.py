@@ -36,7 +36,7 @@ import time
 import unittest
 from typing import Dict, List, Optional
 
-import common  # noqa: F401  (sets up sys.path and the library)
+import common  # sets up sys.path and the library first
 
 import numpy as np
 
@@ -295,11 +295,20 @@ class CheckpointTest(unittest.TestCase):
             wait_complete(self.dir, 6)
             # SIGKILL the zerod of rank 1 while rank 0's trainer is inside a step
             t_kill = time.monotonic()
-            killer = threading.Timer(0.05, lambda: victim.stop(signal.SIGKILL, check=False))
+            killed: List[BaseException] = []
+
+            def kill() -> None:
+                try:
+                    common.stop_zerod(victim, signal.SIGKILL)
+                except BaseException as e:  # noqa: BLE001  (raised below)
+                    killed.append(e)
+            killer = threading.Timer(0.05, kill)
             killer.start()
             with self.assertRaises(ZerodError):
                 on_all(trainers, lambda t: [t.step(s) for s in range(8, 200)])
             killer.join()
+            if killed:
+                raise killed[0]
             phases, t_degraded = [], None
             deadline = time.monotonic() + 30
             while "rejoining" not in phases:
@@ -344,13 +353,16 @@ class CheckpointTest(unittest.TestCase):
             print(f"\n    heal: SIGKILL -> survivor {phases[0]} in {t_degraded * 1000:.0f} ms"
                   f" (phases {' -> '.join(phases)}); restart (from the process start) -> 6 "
                   f"steps trained again in {t_training * 1000:.0f} ms", flush=True)
+            for t in trainers:
+                t.client.close()
+            common.stop_world(world)  # the survivor and the restarted zerod exit 0
         finally:
             for t in trainers:
                 try:
                     t.client.close()
                 except ZerodError:
                     pass
-            world.stop(check=False)
+            world.stop(signal.SIGKILL, check=False)  # only what a failure above left running
 
     def test_sigkill_every_zerod_then_resume_is_bit_identical(self) -> None:
         ref = reference(12)
@@ -359,7 +371,7 @@ class CheckpointTest(unittest.TestCase):
         for s in range(1, 11):
             self.assert_same(seen[s], ref[s], f"W=2 before the kill, step {s}")
         wait_complete(self.dir, 8)
-        world.stop(signal.SIGKILL, check=False)
+        common.stop_world(world, signal.SIGKILL)
         for t in trainers:
             try:
                 t.client.close()

@@ -110,7 +110,7 @@ class RankHandoverTest(unittest.TestCase):
             time.sleep(0.5)  # its registration waits for rank 0
             self.assertNotIn(1, results, "trainer 1 registered without rank 0")
             old = world.daemons[0]
-            old.stop(signal.SIGKILL, check=False)
+            common.stop_zerod(old, signal.SIGKILL)
             time.sleep(restart_after)
             new = zerod.testing.LocalZerod(old.args + ["--resume", "latest"], log_level="info",
                                            start=False, keep_dir=True)
@@ -139,8 +139,9 @@ class RankHandoverTest(unittest.TestCase):
             self.assertEqual(steps, [1, 1])
             for r in (0, 1):
                 results[r].close()
+            common.stop_world(world)  # the restarted zerod and zerod 1 exit 0
         finally:
-            world.stop(signal.SIGKILL, check=False)
+            world.stop(signal.SIGKILL, check=False)  # only what a failure above left running
             shutil.rmtree(ckpt, ignore_errors=True)
 
 

@@ -428,14 +428,16 @@ static void rank_collectives(const world_t *wd, uint32_t rank) {
   zd__comm_destroy(c);
 }
 
-/* Checks a failed call: the code, the operation in the message, and the time it took. */
+/* Checks a failed call: the code, the operation in the message, and the time it took: within
+ * max_ms, a bound that catches a call waiting for a later timeout (or for ever) instead of
+ * failing at the one it had (not checked under a sanitizer, CHECK_WITHIN). */
 static void check_failure(const world_t *wd, uint32_t rank, const char *op, int rc,
                           const zd__err_t *err, double ms, double max_ms) {
   CHECK_MSG(rc == ZD_EPEER || rc == -ETIMEDOUT, "%s rank %u: %s returned %s (%d): %s", wd->name,
             rank, op, zd_err_name(rc), rc, err->msg);
   CHECK_CONTAINS(err->msg, op);
-  CHECK_MSG(ms <= max_ms, "%s rank %u: %s took %.0f ms to fail, limit %.0f ms", wd->name, rank, op,
-            ms, max_ms);
+  CHECK_WITHIN(ms, max_ms, "%s rank %u: %s must fail by its timeout, not wait longer", wd->name,
+               rank, op);
 }
 
 /* After a failure, every call fails at once with the first failure's code and message. */
@@ -453,8 +455,10 @@ static void check_broken(const world_t *wd, zd__comm_t *c, int first_rc, const c
     double ms = now_ms() - t0;
     CHECK_INT_EQ(rc, first_rc);
     CHECK_CONTAINS(err.msg, first_msg);
-    CHECK_MSG(ms < 50, "%s rank %u: call %d on a broken context took %.0f ms", wd->name, c->rank, k,
-              ms);
+    CHECK_WITHIN(ms, 500.0,
+                 "%s rank %u: call %d on a broken context must fail at once, not try "
+                 "the peers again (timeout 2 s or more)",
+                 wd->name, c->rank, k);
   }
 }
 
@@ -598,7 +602,8 @@ static void rank_alone(const world_t *wd, uint32_t rank) {
   CHECK_INT_EQ(rc, -ETIMEDOUT);
   CHECK(c == NULL);
   CHECK_CONTAINS(err.msg, "rank 1");
-  CHECK_MSG(ms >= 950 && ms < 2500, "connect gave up after %.0f ms; connect timeout 1000 ms", ms);
+  CHECK_MSG(ms >= 950, "connect gave up after %.0f ms; connect timeout 1000 ms", ms);
+  CHECK_WITHIN(ms, 5000.0, "the connect must give up at its connect timeout (1 s)");
   printf("    %s rank %u: connect failed in %.0f ms: %s: %s\n", wd->name, rank, ms, zd_err_name(rc),
          err.msg);
 }
