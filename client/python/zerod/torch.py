@@ -195,7 +195,9 @@ def _probe_sqrt() -> Tuple[str, str]:
                             f"kernels on an Intel CPU); zerod uses the exact sqrt, so about "
                             f"{100.0 * counts['exact'] / x.numel():.2g}% of torch's square "
                             f"roots differ from zerod's by 1 ULP and updates are not "
-                            f"bit-identical to torch's")
+                            f"bit-identical to torch's (set MKL_CBWR=COMPATIBLE before torch "
+                            f"starts, which makes MKL run its SSE4.2 kernel on any x86 CPU, or "
+                            f"use fused=True)")
     return _sqrt_probe
 
 
