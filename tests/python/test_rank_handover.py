@@ -17,7 +17,7 @@ trainer 0.
 from __future__ import annotations
 
 import os
-import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +35,17 @@ from zerod import Client, Group  # noqa: E402
 MODEL = [("w", (10, 30)), ("b", (10,))]
 
 
+def wait_for_log(test: unittest.TestCase, d: "zerod.testing.LocalZerod", pattern: str, count: int,
+                 timeout: float = 30.0) -> None:
+    """Until zerod's log matches pattern count times (a safety net of timeout seconds)."""
+    deadline = time.monotonic() + timeout
+    while len(re.findall(pattern, d.log())) < count:
+        if time.monotonic() > deadline:
+            test.fail(f"zerod's log did not match {pattern!r} {count} times within {timeout} s:\n"
+                      f"{d.log()[-3000:]}")
+        time.sleep(0.02)
+
+
 def register(socket: str, local: int) -> Client:
     c = Client(socket, local_rank=local)
     c.layout(MODEL, [Group(lr=0.1)])
@@ -49,7 +60,8 @@ class RankHandoverTest(unittest.TestCase):
             sock1, local1 = world.endpoint(1)
             first = subprocess.Popen([sys.executable, __file__, "--child", sock0, str(local0)])
             d = world.daemons[0]
-            time.sleep(1.0)  # started, connected, and its registration waiting for rank 1
+            # Its registration waits for rank 1 at the barrier.
+            wait_for_log(self, d, r"rendezvous set 'barrier/\w+/register/1/0'", 1)
             self.assertIsNone(first.poll())
             first.send_signal(signal.SIGKILL)
             first.wait(10)
@@ -63,7 +75,15 @@ class RankHandoverTest(unittest.TestCase):
                     results[rank] = e
             threads = [threading.Thread(target=trainer, args=(0, sock0, local0), daemon=True)]
             threads[0].start()
-            time.sleep(0.2)  # its register is in before rank 1's
+            # Rank 1's trainer only once the dead client's registration has given up (within a
+            # second of the disconnect, zerod's barrier slice) and the restarted trainer's has
+            # taken the rank and reached the barrier in its place. Sooner, rank 1 could complete
+            # the barrier with the dead client's registration: its rank would then stand in for a
+            # first step that this test's trainers never take.
+            wait_for_log(self, d, r"register waits for local rank 0, held by session \d+ "
+                         r"\(pid \d+\) whose client has gone", 1)
+            wait_for_log(self, d, r"waiting for the other ranks' clients to register", 1)
+            wait_for_log(self, d, r"rendezvous set 'barrier/\w+/register/1/0'", 2)
             threads.append(threading.Thread(target=trainer, args=(1, sock1, local1), daemon=True))
             threads[1].start()
             for t in threads:
