@@ -493,7 +493,7 @@ static void test_busy_poll_ends(void) {
 }
 
 /* A job that runs on its rank's worker (a model too big to step on the loop thread) is answered
- * by the worker as it ends, without waiting for the loop (zd__session_answer_early): every such
+ * by the worker as it ends, without waiting for the loop (daemon/transport/jobs.c): every such
  * reply is counted, comes only once the parameters are written (each step moves every one of
  * them), and pipelined requests, with the loop answering a status among them, all complete. A
  * job that fails is answered by the loop, and so are those after it until then: they complete

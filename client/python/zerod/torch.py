@@ -254,8 +254,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             an "optimizer" key.
         **hparams: defaults of the groups' other hyperparameters, by torch's names: every field
             of zerod's groups (zerod.Group.names(), e.g. maximize=True) is accepted, here or as a
-            key of a parameter group, and passed to zerod. torch's amsgrad, capturable and
-            differentiable are accepted only at their default (off). foreach and fused (torch's
+            key of a parameter group, and passed to zerod (amsgrad too: zerod keeps
+            max_exp_avg_sq for a model whose groups have it at construction). torch's capturable
+            and differentiable are accepted only at their default (off). foreach and fused (torch's
             implementation) are accepted and choose, with the running torch's version, the
             formula zerod follows (groups' update and sqrt_mode; module docstring "Which
             torch"); a choice zerod cannot reproduce is refused.
