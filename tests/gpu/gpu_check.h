@@ -62,31 +62,4 @@ static inline void gpu_or_skip(const char *prog) {
       rt % 1000 / 10);
 }
 
-static inline uint64_t rnd_below(uint64_t n) {
-  return n ? zd_test_rnd() % n : 0;
-}
-
-/* Uniform in [-1, 1). */
-static inline float rnd_unit(void) {
-  return (float)((double)(zd_test_rnd() >> 40) / (double)(1 << 23) - 1.0);
-}
-
-static inline uint32_t f2u(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static inline float u2f(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static inline uint64_t d2u(double d) {
-  uint64_t u;
-  memcpy(&u, &d, sizeof u);
-  return u;
-}
-
 #endif /* ZD_TESTS_GPU_CHECK_H */

@@ -18,27 +18,6 @@
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
-static uint64_t rnd_below(uint64_t n) {
-  return n ? zd_test_rnd() % n : 0;
-}
-
-/* Uniform in [-1, 1). */
-static float rnd_unit(void) {
-  return (float)((double)(zd_test_rnd() >> 40) / (double)(1 << 23) - 1.0);
-}
-
-static uint32_t f2u(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static float u2f(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 /* A shard's dtype, or "none" for no param output (pdt 0). */
 static const char *dtype_name(zd_dtype_t t) {
   return t ? zd_dtype_name(t) : "none";

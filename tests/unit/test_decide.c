@@ -10,27 +10,6 @@
 #include "check.h"
 #include "step_decide.h"
 
-static uint64_t rnd_below(uint64_t n) {
-  return n ? zd_test_rnd() % n : 0;
-}
-
-/* Uniform in [-1, 1). */
-static float rnd_unit(void) {
-  return (float)((double)(zd_test_rnd() >> 40) / (double)(1 << 23) - 1.0);
-}
-
-static uint32_t f2u(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static uint64_t d2u(double d) {
-  uint64_t u;
-  memcpy(&u, &d, sizeof u);
-  return u;
-}
-
 /* daemon/step/step.c's decision (zd__model_step, between agree() and the update), restated with the
  * daemon's own scaler. If step.c changes, this and step_decide.h change together. */
 /* Megatron's DynamicGradScaler.update(), restated independently of step_decide.h. */
