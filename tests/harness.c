@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "mlp.h"
 #include "zerod.pb-c.h"
 #include "zerod/zerod.h"
 
@@ -360,4 +361,15 @@ void zdt_raw_hello(int fd, uint64_t id) {
   CHECK_MSG(h.type == (ZD__MSG_HELLO | ZD__FRAME_REPLY), "hello got %s", zd__msg_name(h.type));
   CHECK_U64_EQ(h.request_id, id);
   free(body);
+}
+
+zd_model_desc_t zdt_mlp_desc(const zd_group_t *groups, size_t ngroups) {
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = mlp_params;
+  desc.nparams = MLP_NPARAMS;
+  desc.groups = groups;
+  desc.ngroups = ngroups;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
+  return desc;
 }

@@ -1,6 +1,7 @@
 /* Test harness: a real zerod process on a temporary socket (redis start_server, memcached
- * new_memcached), and a raw frame client for tests that must send what libzerod never would.
- * The zerod binary comes from $ZEROD_BIN (set by meson test). */
+ * new_memcached), a raw frame client for tests that must send what libzerod never would, and the
+ * example MLP as a model description. The zerod binary comes from $ZEROD_BIN (set by meson
+ * test). */
 #ifndef ZD_TESTS_HARNESS_H
 #define ZD_TESTS_HARNESS_H
 
@@ -8,6 +9,7 @@
 #include <sys/types.h>
 
 #include "frame.h"
+#include "zerod/zerod.h"
 
 typedef struct zdt_daemon {
   pid_t pid;
@@ -49,6 +51,10 @@ void zdt_dump_log(const zdt_daemon_t *d);
 
 /* Whether the log contains s. */
 int zdt_log_contains(const zdt_daemon_t *d, const char *s);
+
+/* The example MLP (examples/mlp.h) as a model: its parameters, groups[0..ngroups), f32 params and
+ * grads, every other field its default (ZD_MODEL_DESC_INIT); callers set the rest. */
+zd_model_desc_t zdt_mlp_desc(const zd_group_t *groups, size_t ngroups);
 
 /* Raw frames. */
 int zdt_raw_connect(const char *socket_path);

@@ -245,13 +245,7 @@ static int memfd(size_t bytes) {
 /* g: two groups (weights, biases). */
 static zd_model_desc_t mlp_desc(zd_group_t *g, zd_memory_t memory, int device) {
   zd_group_init(g, 2, sizeof g[0]);
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = g;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(g, 2);
   desc.grad_reduce = ZD_GRAD_MEAN;
   desc.memory = memory;
   desc.device = device;

@@ -141,11 +141,7 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
     CHECK_MSG(zd_cuda_device(t->c, &device) == ZD_OK, "zd_cuda_device: %s", zd_last_error());
   zd_group_t groups[2];
   groups_at(step, o->steps, groups);
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = groups;
-  desc.ngroups = 2;
+  zd_model_desc_t desc = zdt_mlp_desc(groups, 2);
   desc.param_dtype = o->pdt;
   desc.grad_dtype = o->gdt;
   desc.grad_reduce = ZD_GRAD_MEAN;
@@ -842,13 +838,7 @@ static void bad_buffers(const char *socket, int ngpus) {
     CHECK_MSG(zd_connect(socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
     zd_group_t g[2];
     zd_group_init(g, 2, sizeof g[0]);
-    zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-    desc.params = mlp_params;
-    desc.nparams = MLP_NPARAMS;
-    desc.groups = g;
-    desc.ngroups = 2;
-    desc.param_dtype = ZD_F32;
-    desc.grad_dtype = ZD_F32;
+    zd_model_desc_t desc = zdt_mlp_desc(g, 2);
     desc.memory = ZD_MEMORY_CUDA;
     desc.device = 1;
     CHECK_INT_EQ(zd_layout(c, &desc), ZD_EBUFFER);

@@ -175,13 +175,7 @@ static void trainer(const world_t *w, uint32_t rank, send_mode_t m, point_t die,
     static const zd_group_t g[2] = {
         {.lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01},
         {.lr = 1e-3, .beta1 = 0.85, .beta2 = 0.99, .eps = 1e-7, .optimizer = ZD_ADAM}};
-    zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-    desc.params = mlp_params;
-    desc.nparams = MLP_NPARAMS;
-    desc.groups = g;
-    desc.ngroups = 2;
-    desc.param_dtype = ZD_F32;
-    desc.grad_dtype = ZD_F32;
+    zd_model_desc_t desc = zdt_mlp_desc(g, 2);
     CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
     float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
     float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};
@@ -371,13 +365,7 @@ static void lone_trainer(const char *socket, int steps, lone_end_t end) {
   CHECK_INT_EQ(zd_connect(socket, 0, 0, &c), ZD_OK);
   zd_group_t g[2] = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8},
                      {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8}};
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = g;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(g, 2);
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   CHECK_MSG(zd_register(c) == ZD_OK, "register: %s", zd_last_error());
   rep->lone_registered = 1;
@@ -450,13 +438,7 @@ static void test_bye_and_waiting_stand_in(void) {
   CHECK_INT_EQ(zd_connect(d.socket, 1, 0, &b), ZD_OK);
   static const zd_group_t g[2] = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8},
                                   {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8}};
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = g;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(g, 2);
   CHECK_INT_EQ(zd_layout(b, &desc), ZD_OK);
   CHECK_MSG(zd_register(b) == ZD_OK, "register: %s", zd_last_error());
   zd_step_result_t res = ZD_STEP_RESULT_INIT;

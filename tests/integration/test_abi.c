@@ -209,13 +209,7 @@ static void run_current(const zdt_daemon_t *d, float **params, zd_step_result_t 
   zd_client_t *c = connect_to(d);
   zd_group_t g[2];
   hyper(0, g);
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = g;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(g, 2);
   desc.flags = ZD_REGISTER_REPLACE;
   CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "layout: %s", zd_last_error());
   write_init(c, 0);
@@ -322,13 +316,7 @@ static void refusals(const zdt_daemon_t *d) {
   zd_client_t *c = connect_to(d);
   zd_group_t g[2];
   hyper(0, g);
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = g;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(g, 2);
   desc.flags = ZD_REGISTER_REPLACE;
   desc.size = 0; /* a desc zero-initialised instead of ZD_MODEL_DESC_INIT */
   expect_einval(zd_layout(c, &desc), "zd_model_desc_t.size is 0; this libzerod");

@@ -646,13 +646,7 @@ int main(void) {
   CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
   zd_group_t groups[2];
   zd_group_init(groups, 2, sizeof groups[0]);
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = groups;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(groups, 2);
   CHECK_INT_EQ(zd_layout(bystander, &desc), ZD_OK);
   CHECK_INT_EQ(zd_register(bystander), ZD_OK);
 

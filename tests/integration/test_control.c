@@ -269,13 +269,7 @@ static zd_client_t *train(const zdt_daemon_t *d, int steps) {
        .optimizer = ZD_ADAMW},
       {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .optimizer = ZD_ADAM},
   };
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = groups;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(groups, 2);
   desc.max_grad_norm = 1.0;
   CHECK_MSG(zd_layout(c, &desc) == ZD_OK, "layout: %s", zd_last_error());
   float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];

@@ -201,13 +201,7 @@ static void *any_trainer_main(void *arg) {
   }
   pthread_barrier_wait(t->hellos_done);
   if (t->connect_rc != ZD_OK) return NULL;
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = groups;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(groups, 2);
   t->register_rc = zd_layout(t->c, &desc);
   if (t->register_rc == ZD_OK) t->register_rc = zd_register(t->c);
   if (t->register_rc != ZD_OK) snprintf(t->err, sizeof t->err, "%s", zd_last_error());
@@ -263,13 +257,7 @@ static void test_any_rank_at_once(void) {
   CHECK_CONTAINS(zd_last_error(), "reserved");
   /* a rank named explicitly may be held by another hello: hello works, register is refused */
   CHECK_INT_EQ(zd_connect(d.socket, (int)freed, 0, &other), ZD_OK);
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = groups;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(groups, 2);
   CHECK_INT_EQ(zd_layout(other, &desc), ZD_OK);
   CHECK_INT_EQ(zd_register(other), ZD_EBUSY);
   char want[64];

@@ -23,13 +23,7 @@ static zd_client_t *start_client(const zdt_daemon_t *d) {
   zd_group_t groups[2];
   zd_group_init(groups, 2, sizeof groups[0]);
   groups[1].weight_decay = 0;
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = groups;
-  desc.ngroups = 2;
-  desc.param_dtype = ZD_F32;
-  desc.grad_dtype = ZD_F32;
+  zd_model_desc_t desc = zdt_mlp_desc(groups, 2);
   CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
   float init[MLP_NPARAMS][MLP_HIDDEN * MLP_IN];
   float *p[MLP_NPARAMS] = {init[0], init[1], init[2], init[3]};

@@ -52,11 +52,7 @@ static zd_client_t *attach(const zdt_daemon_t *d, zd_dtype_t pdt, zd_dtype_t gdt
   CHECK_MSG(rc == ZD_OK, "connect: %s", zd_last_error());
   zd_group_t groups[2];
   groups_at(step, groups);
-  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
-  desc.params = mlp_params;
-  desc.nparams = MLP_NPARAMS;
-  desc.groups = groups;
-  desc.ngroups = 2;
+  zd_model_desc_t desc = zdt_mlp_desc(groups, 2);
   desc.param_dtype = pdt;
   desc.grad_dtype = gdt;
   desc.grad_reduce = ZD_GRAD_MEAN;
