@@ -56,7 +56,8 @@ static void cpu_release(zd__compute_t *base, float *p, uint64_t n) {
   zd__place_release(p, (size_t)n * sizeof(float));
 }
 
-/* ---- host staging: plain memory, copies complete on return ------------------------------------ */
+/* ---- host staging: plain memory, copies complete on return ------------------------------------
+ */
 
 static int cpu_host_alloc(zd__compute_t *base, size_t bytes, void **out, zd__err_t *err) {
   (void)base;

@@ -198,9 +198,10 @@ static int cuda_host_alloc(zd__compute_t *base, size_t bytes, void **out, zd__er
 static void cuda_host_free(void *p) {
   if (!p) return;
   if (atomic_load(&any_stuck)) {
-    ZD_LOG_WARN("pinned staging memory at %p not freed: a GPU stream of this zerod did not run "
-                "out after a failure, and cudaFreeHost would wait for it",
-                p);
+    ZD_LOG_WARN(
+        "pinned staging memory at %p not freed: a GPU stream of this zerod did not run "
+        "out after a failure, and cudaFreeHost would wait for it",
+        p);
     return;
   }
   cudaFreeHost(p);
@@ -224,15 +225,14 @@ static int cuda_snapshot(zd__compute_t *base, float *const *arrays, uint32_t cou
                "GPU %d: cudaEventCreate", c->device);
   ZD_CUDA_GOTO(err, rc, exit, cudaEventRecord(after, c->stream), "GPU %d: cudaEventRecord",
                c->device);
-  ZD_CUDA_GOTO(err, rc, exit, cudaStreamWaitEvent(c->side, after, 0),
-               "GPU %d: cudaStreamWaitEvent", c->device);
-  for (uint32_t i = 0; i < count; i++)
-    ZD_CUDA_GOTO(err, rc, exit,
-                 cudaMemcpyAsync(host + (size_t)i * n, arrays[i], bytes, cudaMemcpyDeviceToHost,
-                                 c->side),
-                 "GPU %d: queuing the snapshot's copy of %zu bytes", c->device, bytes);
-  ZD_CUDA_GOTO(err, rc, exit, cudaEventRecord(done, c->side), "GPU %d: cudaEventRecord",
+  ZD_CUDA_GOTO(err, rc, exit, cudaStreamWaitEvent(c->side, after, 0), "GPU %d: cudaStreamWaitEvent",
                c->device);
+  for (uint32_t i = 0; i < count; i++)
+    ZD_CUDA_GOTO(
+        err, rc, exit,
+        cudaMemcpyAsync(host + (size_t)i * n, arrays[i], bytes, cudaMemcpyDeviceToHost, c->side),
+        "GPU %d: queuing the snapshot's copy of %zu bytes", c->device, bytes);
+  ZD_CUDA_GOTO(err, rc, exit, cudaEventRecord(done, c->side), "GPU %d: cudaEventRecord", c->device);
   ZD_CUDA_GOTO(err, rc, exit, cudaStreamWaitEvent(c->stream, done, 0),
                "GPU %d: cudaStreamWaitEvent", c->device);
   *fence = done;
@@ -267,10 +267,10 @@ static int cuda_restore(zd__compute_t *base, float *const *arrays, uint32_t coun
   cuda_compute_t *c = (cuda_compute_t *)base;
   size_t bytes = (size_t)n * sizeof(float);
   for (uint32_t i = 0; i < count; i++)
-    ZD_CUDA_TRY(err,
-                cudaMemcpyAsync(arrays[i], host + (size_t)i * n, bytes, cudaMemcpyHostToDevice,
-                                c->stream),
-                "GPU %d: queuing the copy of %zu bytes of a checkpoint's state", c->device, bytes);
+    ZD_CUDA_TRY(
+        err,
+        cudaMemcpyAsync(arrays[i], host + (size_t)i * n, bytes, cudaMemcpyHostToDevice, c->stream),
+        "GPU %d: queuing the copy of %zu bytes of a checkpoint's state", c->device, bytes);
   ZD_CUDA_TRY(err, cudaEventRecord(c->done, c->stream), "GPU %d: cudaEventRecord", c->device);
   char what[160];
   snprintf(what, sizeof what,
@@ -420,8 +420,8 @@ static int cuda_slice_params(zd__compute_t *base, const zd__shard_t *s, uint32_t
 
 static int cuda_zero(zd__compute_t *base, void *p, size_t bytes, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
-  ZD_CUDA_TRY(err, cudaMemsetAsync(p, 0, bytes, c->stream), "GPU %d: zeroing %zu bytes",
-              c->device, bytes);
+  ZD_CUDA_TRY(err, cudaMemsetAsync(p, 0, bytes, c->stream), "GPU %d: zeroing %zu bytes", c->device,
+              bytes);
   return ZD_OK;
 }
 

@@ -55,12 +55,12 @@ typedef struct write_job {
 typedef struct slot {
   float *snap; /* the model's state arrays back to back, in table order (packed()) */
   uint64_t elems;
-  zd__states_t states;         /* which */
-  void (*free_fn)(void *);     /* the host_free of the backend that allocated snap */
-  int busy;                    /* a write of this snapshot is queued or running */
-  int poisoned;                /* a copy into or out of snap may still run (a wait for it timed
-                                  out, or it failed half-queued): snap is never freed nor reused */
-  int failed;                  /* its last write failed */
+  zd__states_t states;     /* which */
+  void (*free_fn)(void *); /* the host_free of the backend that allocated snap */
+  int busy;                /* a write of this snapshot is queued or running */
+  int poisoned;            /* a copy into or out of snap may still run (a wait for it timed
+                              out, or it failed half-queued): snap is never freed nor reused */
+  int failed;              /* its last write failed */
   char error[ZD__ERR_MSG_MAX];
   uint64_t finished_seq; /* global rank 0's slot: the last of its snapshots the finisher ended */
   int finished_failed;   /* ... and whether that checkpoint failed */
@@ -574,7 +574,8 @@ static int slot_staging(zd__ckptr_t *c, slot_t *s, const zd__step_ctx_t *ctx, zd
   uint64_t n = m->layout->shard_elems;
   if (s->snap && !s->poisoned && s->elems == n && s->states == m->states) return ZD_OK;
   if (s->snap && s->poisoned)
-    ZD_LOG_WARN("rank %u: checkpoint staging of %" PRIu64 " bytes left allocated: a copy into it "
+    ZD_LOG_WARN("rank %u: checkpoint staging of %" PRIu64
+                " bytes left allocated: a copy into it "
                 "did not finish",
                 ctx->rank, (uint64_t)__builtin_popcount(s->states) * s->elems * sizeof(float));
   else if (s->snap)
@@ -663,7 +664,8 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
     }
     if (!rc && ctx->rank == 0 && s->finished_seq < seq)
       rc = zd__errf(err, -ETIMEDOUT,
-                    "checkpoint of step %" PRIu64 ": not completed by global rank 0 (the manifest) "
+                    "checkpoint of step %" PRIu64
+                    ": not completed by global rank 0 (the manifest) "
                     "within %d ms of its file",
                     m->step, c->set.timeout_ms + DRAIN_MS);
     if (!rc && ctx->rank == 0 && s->finished_failed)

@@ -638,8 +638,8 @@ int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buff
   int rc = job_begin(ctx, &own, 0, err);
   if (!rc && device && (ungathered || step)) {
     if (!c->ops->slice_params || !c->ops->zero)
-      rc = zd__errf(err, ZD_EINTERNAL, "the %s backend cannot stand in for device buffers",
-                    c->name);
+      rc =
+          zd__errf(err, ZD_EINTERNAL, "the %s backend cannot stand in for device buffers", c->name);
     else /* zeroed, on the rank's stream */
       rc = c->ops->alloc(c, scratch_words, &scratch, err);
   }

@@ -179,7 +179,8 @@ static void detach(trainer_t *t) {
 /* The param buffer into t->hp (after a reply: ordered by its "params ready" event, which libzerod
  * made the legacy default stream wait on). */
 static void fetch_params(trainer_t *t) {
-  if (memory == ZD_MEMORY_CUDA) CUDA_OK(cudaMemcpy(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost));
+  if (memory == ZD_MEMORY_CUDA)
+    CUDA_OK(cudaMemcpy(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost));
 }
 
 /* Gradients of the batch of t->step at the current parameters, uploaded to the grad buffer. */
@@ -276,7 +277,8 @@ static void uninterrupted(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt, pa
   detach(&t);
 }
 
-/* ---- (b) trainers that die -------------------------------------------------------------------- */
+/* ---- (b) trainers that die --------------------------------------------------------------------
+ */
 
 enum { DIE_BETWEEN = 0, DIE_SCATTERED = 1, DIE_IN_FLIGHT = 2 };
 static const char *const die_names[] = {"between two steps", "in the middle of a step",
@@ -325,8 +327,8 @@ static void run_dying(const char *socket, int how, uint64_t at, int fresh, zd_dt
   pid_t pid = fork();
   CHECK(pid >= 0);
   if (pid == 0) {
-    execl("/proc/self/exe", "test_recovery_cuda", "--trainer", socket, shw, sat, sfresh, smem,
-          spdt, (char *)NULL);
+    execl("/proc/self/exe", "test_recovery_cuda", "--trainer", socket, shw, sat, sfresh, smem, spdt,
+          (char *)NULL);
     _exit(127);
   }
   int status = 0;
@@ -338,8 +340,7 @@ static void run_dying(const char *socket, int how, uint64_t at, int fresh, zd_dt
     CHECK_MSG(0, "the trainer that was to die %s did not within 60 s", die_names[how]);
   }
   CHECK_MSG(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
-            "the trainer that was to die %s ended with %s", die_names[how],
-            zdt_status_str(status));
+            "the trainer that was to die %s ended with %s", die_names[how], zdt_status_str(status));
 }
 
 static void trainers_die(const zdt_daemon_t *d, zd_dtype_t pdt) {
@@ -361,9 +362,8 @@ static void trainers_die(const zdt_daemon_t *d, zd_dtype_t pdt) {
     expect = deaths[i].at;
     int applied = deaths[i].how == DIE_IN_FLIGHT && t.step == expect + 1;
     CHECK_MSG(t.step == expect || applied,
-              "a trainer died %s before step %llu; its successor resumed at step %llu", 
-              die_names[deaths[i].how], (unsigned long long)expect,
-              (unsigned long long)t.step);
+              "a trainer died %s before step %llu; its successor resumed at step %llu",
+              die_names[deaths[i].how], (unsigned long long)expect, (unsigned long long)t.step);
     printf("  died %s at step %llu: the next trainer resumed at step %llu%s\n",
            die_names[deaths[i].how], (unsigned long long)expect, (unsigned long long)t.step,
            deaths[i].how == DIE_IN_FLIGHT
@@ -413,8 +413,8 @@ static void start_ready(zdt_daemon_t *d, const char *const *args) {
 
 static void resume_and_finish(const char *dir, const char *resume, uint64_t expect,
                               const params_t *want, const char *what) {
-  const char *args[] = {"--backend", backend,  "--bucket_elems", "256", "--checkpoint-dir",
-                        dir,         "--resume", resume,          NULL};
+  const char *args[] = {"--backend", backend,    "--bucket_elems", "256", "--checkpoint-dir",
+                        dir,         "--resume", resume,           NULL};
   zdt_daemon_t d;
   start_ready(&d, args);
   trainer_t t;
@@ -435,8 +435,14 @@ static void checkpoints(const char *plain_socket) {
   uninterrupted(plain_socket, ZD_F32, ZD_F32, &want);
   char dir[] = "/tmp/zd-gpu-recovery-XXXXXX";
   CHECK(mkdtemp(dir) != NULL);
-  const char *args[] = {"--backend",        backend, "--bucket_elems", "256",
-                        "--checkpoint-dir", dir,     "--checkpoint_every_steps", "4",
+  const char *args[] = {"--backend",
+                        backend,
+                        "--bucket_elems",
+                        "256",
+                        "--checkpoint-dir",
+                        dir,
+                        "--checkpoint_every_steps",
+                        "4",
                         NULL};
   zdt_daemon_t d;
   start_ready(&d, args);
