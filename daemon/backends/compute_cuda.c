@@ -212,6 +212,11 @@ static void cuda_host_free(void *p) {
  * rank's stream then waits for the copy: whatever it runs later that writes the state (the next
  * update, an exchange into master, a restore) comes after it, and nothing waits on the host. The
  * fence is the event recorded after the copy; the checkpoint writer waits for it. */
+typedef struct fence {
+  cudaEvent_t done; /* recorded on the side stream after the copy */
+  int device;       /* made current by the thread that waits (the writer's has none) */
+} fence_t;
+
 static int cuda_snapshot(zd__compute_t *base, float *const *arrays, uint32_t count, uint64_t n,
                          float *host, void **fence, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
@@ -219,6 +224,8 @@ static int cuda_snapshot(zd__compute_t *base, float *const *arrays, uint32_t cou
   cudaEvent_t after = NULL, done = NULL;
   int rc = ZD_OK;
   *fence = NULL;
+  fence_t *f = malloc(sizeof *f);
+  if (!f) return zd__errf(err, -ENOMEM, "out of memory");
   ZD_CUDA_GOTO(err, rc, exit, cudaEventCreateWithFlags(&after, cudaEventDisableTiming),
                "GPU %d: cudaEventCreate", c->device);
   ZD_CUDA_GOTO(err, rc, exit, cudaEventCreateWithFlags(&done, cudaEventDisableTiming),
@@ -235,29 +242,39 @@ static int cuda_snapshot(zd__compute_t *base, float *const *arrays, uint32_t cou
   ZD_CUDA_GOTO(err, rc, exit, cudaEventRecord(done, c->side), "GPU %d: cudaEventRecord", c->device);
   ZD_CUDA_GOTO(err, rc, exit, cudaStreamWaitEvent(c->stream, done, 0),
                "GPU %d: cudaStreamWaitEvent", c->device);
-  *fence = done;
+  *f = (fence_t){.done = done, .device = c->device};
+  *fence = f;
+  f = NULL;
   done = NULL;
 exit:
   /* Destroying an event whose work is still queued is allowed: CUDA releases it once done. */
   if (after) cudaEventDestroy(after);
   if (done) cudaEventDestroy(done);
   (void)cudaGetLastError();
+  free(f);
   return rc;
 }
 
-/* Any thread (the checkpoint writer's): an event query needs no current device. */
+/* Any thread (the checkpoint writer's, which makes the fence's device current: harmless there). */
 static int cuda_fence_wait(void *fence, int timeout_ms, zd__err_t *err) {
-  if (!fence) return ZD_OK;
-  int rc = zd__cuda_event_wait((cudaEvent_t)fence, timeout_ms, NULL, NULL,
-                               "the snapshot's copy from the GPU to pinned host memory", err);
-  if (rc == -ETIMEDOUT) atomic_store(&any_stuck, 1);
-  return rc;
+  fence_t *f = fence;
+  if (!f) return ZD_OK;
+  cudaError_t e = cudaSetDevice(f->device);
+  if (e != cudaSuccess)
+    return zd__cuda_fail(err, e, __FILE__, __LINE__, "cudaSetDevice(%d)", f->device);
+  char what[96];
+  snprintf(what, sizeof what, "the snapshot's copy from GPU %d to pinned host memory", f->device);
+  /* (A timeout here may be one slice of a longer wait: the checkpointer poisons the staging; a
+   * copy that never ends leaves the rank's stream, which waits for it, stuck: note_stuck.) */
+  return zd__cuda_event_wait(f->done, timeout_ms, NULL, NULL, what, err);
 }
 
 static void cuda_fence_free(void *fence) {
-  if (!fence) return;
-  cudaEventDestroy((cudaEvent_t)fence);
+  fence_t *f = fence;
+  if (!f) return;
+  cudaEventDestroy(f->done);
   (void)cudaGetLastError();
+  free(f);
 }
 
 /* A resume: on the rank's stream (after the registration's wait for the client's "grads ready"
@@ -272,10 +289,10 @@ static int cuda_restore(zd__compute_t *base, float *const *arrays, uint32_t coun
         cudaMemcpyAsync(arrays[i], host + (size_t)i * n, bytes, cudaMemcpyHostToDevice, c->stream),
         "GPU %d: queuing the copy of %zu bytes of a checkpoint's state", c->device, bytes);
   ZD_CUDA_TRY(err, cudaEventRecord(c->done, c->stream), "GPU %d: cudaEventRecord", c->device);
-  char what[160];
+  char what[200];
   snprintf(what, sizeof what,
-           "the copy of the checkpoint's %u state arrays (%zu bytes each) to GPU %d, queued after "
-           "the registration's wait for the client's grads_ready event,",
+           "the copy of a checkpoint's %u state arrays (%zu bytes each) to GPU %d (queued after "
+           "the registration's wait for its client's grads_ready event)",
            count, bytes, c->device);
   int rc = zd__cuda_event_wait(c->done, timeout_ms, NULL, NULL, what, err);
   if (rc == -ETIMEDOUT) note_stuck(c);

@@ -389,7 +389,7 @@ int zd__ckptr_create(const zd__ckpt_settings_t *settings, const zd__world_t *wor
   c->stats.enabled = c->dir && c->dir[0];
   c->last_request_ms = zd__now_ms();
   pthread_mutex_init(&c->lock, NULL);
-  pthread_condattr_t attr; /* the bounded waits (wait_busy) count monotonic time */
+  pthread_condattr_t attr; /* the bounded waits (wait_idle) count monotonic time */
   pthread_condattr_init(&attr);
   pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
   pthread_cond_init(&c->cond, &attr);
@@ -550,8 +550,10 @@ static uint32_t state_arrays(zd__model_t *m, float *arrays[ZD__NSTATES]) {
   return count;
 }
 
-/* Waits (lock held) until the slot's write is over, at most the checkpoint timeout. */
-static int wait_idle(zd__ckptr_t *c, slot_t *s, uint32_t rank, const char *why, zd__err_t *err) {
+/* Waits (lock held) until the slot's write is over, at most the checkpoint timeout. why, whose:
+ * for the message ("snapshot", "the previous"). */
+static int wait_idle(zd__ckptr_t *c, slot_t *s, uint32_t rank, const char *why, const char *whose,
+                     zd__err_t *err) {
   uint64_t deadline = zd__now_ms() + (uint64_t)c->set.timeout_ms;
   while (s->busy && zd__now_ms() < deadline) {
     uint64_t until_us = zd__now_us() + 1000u * (deadline - zd__now_ms());
@@ -561,16 +563,14 @@ static int wait_idle(zd__ckptr_t *c, slot_t *s, uint32_t rank, const char *why, 
   }
   if (!s->busy) return ZD_OK;
   return zd__errf(err, -ETIMEDOUT,
-                  "%s: rank %u's previous checkpoint file was still being written after %d ms "
-                  "(the checkpoint timeout)",
-                  why, rank, c->set.timeout_ms);
+                  "%s: %s checkpoint file of rank %u was still being written after %d ms (the "
+                  "checkpoint timeout; a slow disk, or the copy from the GPU did not finish)",
+                  why, whose, rank, c->set.timeout_ms);
 }
 
 /* The slot's staging, sized for m (slot idle, lock not held): kept when it fits, else replaced; a
  * poisoned one is left to the exit (a copy may still use it). */
-static int slot_staging(zd__ckptr_t *c, slot_t *s, const zd__step_ctx_t *ctx, zd__model_t *m,
-                        zd__err_t *err) {
-  (void)c;
+static int slot_staging(slot_t *s, const zd__step_ctx_t *ctx, zd__model_t *m, zd__err_t *err) {
   uint64_t n = m->layout->shard_elems;
   if (s->snap && !s->poisoned && s->elems == n && s->states == m->states) return ZD_OK;
   if (s->snap && s->poisoned)
@@ -616,9 +616,10 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
     return rc;
   }
   pthread_mutex_lock(&c->lock);
-  rc = wait_idle(c, s, ctx->rank, "snapshot", err); /* the previous write of this rank */
+  rc = wait_idle(c, s, ctx->rank, "snapshot", "the previous",
+                 err); /* the previous write of this rank */
   pthread_mutex_unlock(&c->lock);
-  if (!rc) rc = slot_staging(c, s, ctx, m, err);
+  if (!rc) rc = slot_staging(s, ctx, m, err);
   if (rc) {
     job_free(j);
     return rc;
@@ -651,7 +652,7 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   if (wait) {
     /* The write waits for the copy and writes the file, then (global rank 0) the finisher waits
      * for every rank's entry: each bounded by the checkpoint timeout, and so is each wait here. */
-    rc = wait_idle(c, s, ctx->rank, "checkpoint", err);
+    rc = wait_idle(c, s, ctx->rank, "checkpoint", "this", err);
     if (!rc && s->failed) rc = zd__errf(err, ZD_ECHECKPOINT, "%s", s->error);
     /* Global rank 0 completes the checkpoint: its own, this snapshot's, not an earlier one of
      * the same step number (a model replaced, a world rolled back). */
@@ -787,9 +788,9 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   if (!rc && mf) { /* loaded into the rank's staging (pinned with CUDA), then copied to the state */
     slot_t *s = &c->slots[ctx->local_rank];
     pthread_mutex_lock(&c->lock);
-    rc = wait_idle(c, s, ctx->rank, "resume", err);
+    rc = wait_idle(c, s, ctx->rank, "resume", "the previous", err);
     pthread_mutex_unlock(&c->lock);
-    if (!rc) rc = slot_staging(c, s, ctx, m, err);
+    if (!rc) rc = slot_staging(s, ctx, m, err);
     float *state[ZD__NSTATES] = {0};
     for (int i = 0; !rc && i < ZD__NSTATES; i++) state[i] = packed(s->snap, n, m->states, i);
     if (!rc) rc = zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, state, err);
