@@ -18,7 +18,9 @@ int zd__buffers_cuda(const zd__session_buffers_t *sb) {
 }
 
 void zd__buffers_client_gone(zd__session_buffers_t *sb) {
-  __atomic_store_n(&sb->bufs.client_gone, 1, __ATOMIC_RELEASE);
+  /* Once: a job that copies the buffers (the stand-in) may read the flag plainly meanwhile. */
+  if (!__atomic_load_n(&sb->bufs.client_gone, __ATOMIC_ACQUIRE))
+    __atomic_store_n(&sb->bufs.client_gone, 1, __ATOMIC_RELEASE);
 }
 
 int zd__buffers_release(zd__session_buffers_t *sb, zd__rank_t *rank, uint32_t session_id) {
