@@ -550,22 +550,28 @@ static uint32_t state_arrays(zd__model_t *m, float *arrays[ZD__NSTATES]) {
   return count;
 }
 
-/* Waits (lock held) until the slot's write is over, at most the checkpoint timeout. why, whose:
- * for the message ("snapshot", "the previous"). */
-static int wait_idle(zd__ckptr_t *c, slot_t *s, uint32_t rank, const char *why, const char *whose,
-                     zd__err_t *err) {
-  uint64_t deadline = zd__now_ms() + (uint64_t)c->set.timeout_ms;
-  while (s->busy && zd__now_ms() < deadline) {
-    uint64_t until_us = zd__now_us() + 1000u * (deadline - zd__now_ms());
-    struct timespec ts = {.tv_sec = (time_t)(until_us / 1000000u),
-                          .tv_nsec = (long)(until_us % 1000000u) * 1000L};
-    pthread_cond_timedwait(&c->cond, &c->lock, &ts);
-  }
+/* One wait on c->cond (lock held), until deadline_ms (zd__now_ms's monotonic clock, as the
+ * condition's) at most. */
+static void cond_wait_until(zd__ckptr_t *c, uint64_t deadline_ms) {
+  uint64_t now = zd__now_ms();
+  if (now >= deadline_ms) return;
+  uint64_t until_us = zd__now_us() + 1000u * (deadline_ms - now);
+  struct timespec ts = {.tv_sec = (time_t)(until_us / 1000000u),
+                        .tv_nsec = (long)(until_us % 1000000u) * 1000L};
+  pthread_cond_timedwait(&c->cond, &c->lock, &ts);
+}
+
+/* Waits (lock held) until the slot's write is over, at most limit_ms. why, whose: for the message
+ * ("snapshot", "the previous"). */
+static int wait_idle(zd__ckptr_t *c, slot_t *s, uint32_t rank, int limit_ms, const char *why,
+                     const char *whose, zd__err_t *err) {
+  uint64_t deadline = zd__now_ms() + (uint64_t)limit_ms;
+  while (s->busy && zd__now_ms() < deadline) cond_wait_until(c, deadline);
   if (!s->busy) return ZD_OK;
   return zd__errf(err, -ETIMEDOUT,
-                  "%s: %s checkpoint file of rank %u was still being written after %d ms (the "
-                  "checkpoint timeout; a slow disk, or the copy from the GPU did not finish)",
-                  why, whose, rank, c->set.timeout_ms);
+                  "%s: %s checkpoint file of rank %u was still being written after %d ms (a slow "
+                  "disk, or the copy from the GPU did not finish)",
+                  why, whose, rank, limit_ms);
 }
 
 /* The slot's staging, sized for m (slot idle, lock not held): kept when it fits, else replaced; a
@@ -616,8 +622,8 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
     return rc;
   }
   pthread_mutex_lock(&c->lock);
-  rc = wait_idle(c, s, ctx->rank, "snapshot", "the previous",
-                 err); /* the previous write of this rank */
+  /* The previous write of this rank (its staging is reused). */
+  rc = wait_idle(c, s, ctx->rank, c->set.timeout_ms, "snapshot", "the previous", err);
   pthread_mutex_unlock(&c->lock);
   if (!rc) rc = slot_staging(s, ctx, m, err);
   if (rc) {
@@ -650,19 +656,16 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   pthread_cond_broadcast(&c->cond);
   uint64_t step = m->step;
   if (wait) {
-    /* The write waits for the copy and writes the file, then (global rank 0) the finisher waits
-     * for every rank's entry: each bounded by the checkpoint timeout, and so is each wait here. */
-    rc = wait_idle(c, s, ctx->rank, "checkpoint", "this", err);
+    /* The write waits for the copy (at most the timeout, and DRAIN_MS more at a shutdown) and
+     * writes the file, then (global rank 0) the finisher waits for every rank's entry (at most
+     * the timeout): this waits as long as they may, and a timeout more for the file itself. */
+    rc = wait_idle(c, s, ctx->rank, 2 * c->set.timeout_ms + DRAIN_MS, "checkpoint", "this", err);
     if (!rc && s->failed) rc = zd__errf(err, ZD_ECHECKPOINT, "%s", s->error);
     /* Global rank 0 completes the checkpoint: its own, this snapshot's, not an earlier one of
      * the same step number (a model replaced, a world rolled back). */
     uint64_t deadline = zd__now_ms() + (uint64_t)c->set.timeout_ms + DRAIN_MS;
-    while (!rc && ctx->rank == 0 && s->finished_seq < seq && zd__now_ms() < deadline) {
-      uint64_t until_us = zd__now_us() + 1000u * (deadline - zd__now_ms());
-      struct timespec ts = {.tv_sec = (time_t)(until_us / 1000000u),
-                            .tv_nsec = (long)(until_us % 1000000u) * 1000L};
-      pthread_cond_timedwait(&c->cond, &c->lock, &ts);
-    }
+    while (!rc && ctx->rank == 0 && s->finished_seq < seq && zd__now_ms() < deadline)
+      cond_wait_until(c, deadline);
     if (!rc && ctx->rank == 0 && s->finished_seq < seq)
       rc = zd__errf(err, -ETIMEDOUT,
                     "checkpoint of step %" PRIu64
@@ -788,7 +791,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   if (!rc && mf) { /* loaded into the rank's staging (pinned with CUDA), then copied to the state */
     slot_t *s = &c->slots[ctx->local_rank];
     pthread_mutex_lock(&c->lock);
-    rc = wait_idle(c, s, ctx->rank, "resume", "the previous", err);
+    rc = wait_idle(c, s, ctx->rank, c->set.timeout_ms, "resume", "the previous", err);
     pthread_mutex_unlock(&c->lock);
     if (!rc) rc = slot_staging(s, ctx, m, err);
     float *state[ZD__NSTATES] = {0};
