@@ -6,9 +6,10 @@
  * at the end must be bitwise equal to those of an uninterrupted run on the same zerod binary
  * (gradients are a function of the parameters and the step, so a lost or doubled step shows).
  *
- * (a) Checkpoints from device memory: checkpoint_every_steps (the snapshot queued after a step,
- *     copied to pinned memory on a side stream while the next steps run) and zd_checkpoint; zerod
- *     SIGKILLed after the periodic checkpoint of step 12 is complete; a new zerod with
+ * (a) Checkpoints from device memory (with amsgrad: four state arrays): checkpoint_every_steps (the
+ * snapshot queued after a step, copied to pinned memory on a side stream while the next steps run)
+ * and zd_checkpoint; zerod SIGKILLed after the periodic checkpoint of step 12 is complete; a new
+ * zerod with
  *     --resume latest loads step 12 into device memory, and another with --resume of the
  *     checkpoint zd_checkpoint took at step 10; both go on to TOTAL.
  * (b) A trainer process with device buffers SIGKILLed: between two steps; in the middle of a step
@@ -56,6 +57,8 @@
 /* Device buffers and a CUDA zerod, or in the rehearsal host buffers and a CPU zerod. */
 static zd_memory_t memory = ZD_MEMORY_CUDA;
 static const char *backend = "cuda";
+/* Group 1 (Adam) with amsgrad: the model then has four state arrays (max_exp_avg_sq). */
+static int amsgrad;
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -86,7 +89,8 @@ static void groups_at(uint64_t step, zd_group_t out[2]) {
                         .beta2 = 0.99,
                         .eps = 1e-6,
                         .weight_decay = 0.1,
-                        .optimizer = ZD_ADAM};
+                        .optimizer = ZD_ADAM,
+                        .amsgrad = amsgrad};
 }
 
 /* One try at connecting and registering; 0, or the code of the failure (the client closed). */
@@ -429,8 +433,11 @@ static void resume_and_finish(const char *dir, const char *resume, uint64_t expe
 }
 
 static void checkpoints(const char *plain_socket) {
-  printf("checkpoints from %s memory: periodic and zd_checkpoint, zerod SIGKILLed, resumed\n",
-         memory == ZD_MEMORY_CUDA ? "device" : "host");
+  printf(
+      "checkpoints from %s memory (amsgrad: four state arrays): periodic and zd_checkpoint, "
+      "zerod SIGKILLed, resumed\n",
+      memory == ZD_MEMORY_CUDA ? "device" : "host");
+  amsgrad = 1;
   params_t want;
   uninterrupted(plain_socket, ZD_F32, ZD_F32, &want);
   char dir[] = "/tmp/zd-gpu-recovery-XXXXXX";
@@ -467,6 +474,7 @@ static void checkpoints(const char *plain_socket) {
   char rm[128];
   snprintf(rm, sizeof rm, "rm -rf %s", dir);
   CHECK_INT_EQ(system(rm), 0);
+  amsgrad = 0;
 }
 
 /* ---- main ------------------------------------------------------------------------------------ */
