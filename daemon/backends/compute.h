@@ -146,8 +146,9 @@ typedef struct zd__compute_ops {
    * host_free takes no backend: the checkpointer, which keeps its staging across models, outlives
    * the ranks (call it through any backend's ops table of the same kind). Memory a copy may still
    * write or read (a fence or a restore that timed out) must never be freed nor reused: leak it.
-   * The CUDA backend leaks it itself (with a warning) once any wait of the process timed out,
-   * since cudaFreeHost waits for the whole device. Accepts NULL. Any thread. */
+   * The CUDA backend leaks it itself (with a warning) once a stream of the process was found
+   * stuck (a wait for it timed out), since cudaFreeHost waits for the whole device. Accepts NULL.
+   * Any thread. */
   int (*host_alloc)(zd__compute_t *c, size_t bytes, void **out, zd__err_t *err);
   void (*host_free)(void *p);
   /* Queues a copy of `count` state arrays (arrays[i]: n elements in the backend's memory) into

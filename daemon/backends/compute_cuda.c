@@ -97,9 +97,9 @@ static void set_busy(cuda_compute_t *c, int busy) {
   __atomic_store_n(&c->busy, busy, __ATOMIC_RELEASE);
 }
 
-/* Set once any wait of this process for a GPU timed out: some stream may never run out, and
- * cudaFreeHost, which waits for the whole device, could then block for ever. Pinned memory is
- * leaked from then on (cuda_host_free). */
+/* Set once a rank's stream of this process was found stuck (note_stuck: a wait for it timed
+ * out): it may never run out, and cudaFreeHost, which waits for the whole device, could then
+ * block for ever. Pinned memory is leaked from then on (cuda_host_free). */
 static atomic_int any_stuck;
 
 static void note_stuck(cuda_compute_t *c) {
