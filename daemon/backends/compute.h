@@ -20,6 +20,13 @@
  *   stream_idle       whether the rank's device work has run out (before the session closes a
  *                     client's CUDA IPC mappings)
  *   exchange          master weights <-> the client's param buffer over this rank's shard
+ *   slice_params/zero (CUDA) a stand-in's scratch: this rank's working parameters of a bucket
+ *                     from the master weights, zeroing; never the buffers of a client that left
+ *   host_alloc/free   host staging memory for copies of the state (CUDA: pinned, so that the
+ *                     copies are asynchronous and their waits are bounded)
+ *   snapshot          the state arrays to host staging, stream-ordered, off the step's path; a
+ *                     fence says when the copy is done (fence_wait, any thread)
+ *   restore           host staging back into the state arrays (a resume), bounded wait
  *   grad_stats        sum of squares and non-finite count of a bucket's reduced gradients, into
  *                     this rank's step record
  *   torch_norm        (CPU only) the global norm in the fp32 order of a torch build, for clipping
@@ -34,12 +41,15 @@
  * waits for the GPU in exactly two places, both bounded by collective_timeout_ms with the
  * communicator's asynchronous errors polled (docs/design.md, "Where the host waits"):
  * gather_records when the step needs statistics (to read every rank's record), and finish (before
- * the job's reply). Registration also waits for its layout tables (on a stream of its own), and
- * freeing state waits (bounded) for the rank's stream to run out.
+ * the job's reply). Registration also waits for its layout tables (on a stream of its own) and a
+ * resume for its restore (bounded by the checkpoint timeout), and freeing state waits (bounded)
+ * for the rank's stream to run out. A snapshot is waited for by the checkpoint writer's thread,
+ * not the worker (fence_wait, bounded).
  *
  * A compute object belongs to one rank and is used by one thread at a time: its worker, or the
  * loop thread for the small jobs of a CPU rank it runs inline (rank.h). The one exception is
- * stream_idle, which the loop thread may call between jobs (zd__rank_stream_idle).
+ * stream_idle, which the loop thread may call between jobs (zd__rank_stream_idle), and the
+ * operations that take no backend (host_free, fence_wait, fence_free), which any thread may call.
  */
 #ifndef ZD_DAEMON_COMPUTE_H
 #define ZD_DAEMON_COMPUTE_H
@@ -115,11 +125,54 @@ typedef struct zd__compute_ops {
    * the elements the segments cover. */
   int (*exchange)(zd__compute_t *c, const zd__shard_t *s, const zd__buffers_t *buf, int to_client,
                   zd__err_t *err);
-  /* Copies n elements of one of the shard's state arrays (state: in the backend's memory) to
-   * host memory (to_host: a checkpoint's snapshot) or back (a resume); complete when it returns,
-   * after the work queued before it. */
-  int (*copy_state)(zd__compute_t *c, float *state, float *host, uint64_t n, int to_host,
-                    zd__err_t *err);
+  /* The stand-in for a client that left (step.h) never touches that client's buffers: with
+   * device buffers they are another process's memory, which may be gone (CUDA IPC: undefined).
+   * It uses scratch memory of its own (alloc) instead, and these two operations. NULL with the
+   * CPU backend, whose host buffers stay mapped (and valid) after their client's exit.
+   *
+   * slice_params writes this rank's slice of bucket b's working parameters into `bucket`, a
+   * buffer in the backend's memory holding the whole bucket in the param dtype (element 0: the
+   * bucket's first; at least shard_elems * world size elements): the slice is zeroed, then every
+   * element the segments cover is written from the master weights with the conversion update
+   * writes (bit for bit: what the client's buffer holds after that update); the rest of `bucket`
+   * is left alone. zero zeroes `bytes` at p (backend's memory). Both are queued after the work
+   * before them. Errors: ZD_EDTYPE, ZD_EBACKEND. */
+  int (*slice_params)(zd__compute_t *c, const zd__shard_t *s, uint32_t b, void *bucket,
+                      zd__err_t *err);
+  int (*zero)(zd__compute_t *c, void *p, size_t bytes, zd__err_t *err);
+  /* Host staging memory for copies of the state (snapshot, restore): CPU malloc; CUDA pinned
+   * (cudaMallocHost), so that the copies are asynchronous DMA and the waits after them bound
+   * something (a copy to pageable memory blocks the host). Errors: -ENOMEM, ZD_EBACKEND.
+   * host_free takes no backend: the checkpointer, which keeps its staging across models, outlives
+   * the ranks (call it through any backend's ops table of the same kind). Memory a copy may still
+   * write or read (a fence or a restore that timed out) must never be freed nor reused: leak it.
+   * The CUDA backend leaks it itself (with a warning) once a stream of the process was found
+   * stuck (a wait for it timed out), since cudaFreeHost waits for the whole device. Accepts NULL.
+   * Any thread. */
+  int (*host_alloc)(zd__compute_t *c, size_t bytes, void **out, zd__err_t *err);
+  void (*host_free)(void *p);
+  /* Queues a copy of `count` state arrays (arrays[i]: n elements in the backend's memory) into
+   * host (host_alloc'd, count * n floats), back to back, after everything queued so far, and
+   * returns without waiting for it: the step's reply is not held by the copy. Work queued on the
+   * rank later that writes those arrays (the next update, an exchange into master, a restore)
+   * runs only after the copy (CUDA: the copy runs on a side stream, and the rank's stream waits
+   * for it, a stream wait, never a host wait). *fence (NULL where the copy is done on return:
+   * CPU) says when host holds the copy: fence_wait, then fence_free, from any thread, without
+   * the backend (through its ops table: the writer thread may wait after the rank has gone).
+   * Errors: ZD_EBACKEND, -ENOMEM. On an error the copy may have been queued in part: host must be
+   * treated as still being written (never freed nor reused). */
+  int (*snapshot)(zd__compute_t *c, float *const *arrays, uint32_t count, uint64_t n, float *host,
+                  void **fence, zd__err_t *err);
+  /* Waits at most timeout_ms until the copy of `fence` is done (NULL: at once). Errors:
+   * -ETIMEDOUT (the copy may still be writing its host memory), ZD_EBACKEND (the device failed).
+   * fence_free accepts NULL and a fence whose copy is not done (released once it is). */
+  int (*fence_wait)(void *fence, int timeout_ms, zd__err_t *err);
+  void (*fence_free)(void *fence);
+  /* Copies host (count * n floats, host_alloc'd) into the state arrays (a resume), after the
+   * work queued before it, and waits at most timeout_ms for it. Errors: -ETIMEDOUT, naming what
+   * did not finish (the copy may still be reading host: leak it), ZD_EBACKEND. */
+  int (*restore)(zd__compute_t *c, float *const *arrays, uint32_t count, uint64_t n,
+                 const float *host, int timeout_ms, zd__err_t *err);
   /* Adds bucket b's statistics into this rank's record (first: b is the first bucket of the
    * step; rec carries the tags). */
   int (*grad_stats)(zd__compute_t *c, const zd__shard_t *s, uint32_t b, int first,

@@ -1,6 +1,8 @@
 /* The CPU compute backend (compute.h): state in host memory, kernels of kernels/adam.h split over
  * the daemon's fork-join pool. Every operation is complete when it returns, so begin and finish
- * have nothing to do and the step record is all-gathered from host memory.
+ * have nothing to do, a snapshot has no fence and the step record is all-gathered from host
+ * memory. A stand-in uses its client's host buffers, which outlive the client (no slice_params
+ * or zero).
  *
  * The state arrays are placed by common/placement.h, each at its own colour, so that a step's
  * streams never start at the same address modulo a large power of two (at 2^25 parameters that
@@ -54,10 +56,44 @@ static void cpu_release(zd__compute_t *base, float *p, uint64_t n) {
   zd__place_release(p, (size_t)n * sizeof(float));
 }
 
-static int cpu_copy_state(zd__compute_t *base, float *state, float *host, uint64_t n, int to_host,
-                          zd__err_t *err) {
+/* ---- host staging: plain memory, copies complete on return ------------------------------------
+ */
+
+static int cpu_host_alloc(zd__compute_t *base, size_t bytes, void **out, zd__err_t *err) {
+  (void)base;
+  *out = malloc(bytes ? bytes : 1);
+  if (!*out) return zd__errf(err, -ENOMEM, "no host memory for %zu bytes of staging", bytes);
+  return ZD_OK;
+}
+
+static void cpu_host_free(void *p) {
+  free(p);
+}
+
+/* Synchronous: the snapshot is whole when this returns, so there is no fence. */
+static int cpu_snapshot(zd__compute_t *base, float *const *arrays, uint32_t count, uint64_t n,
+                        float *host, void **fence, zd__err_t *err) {
   (void)base, (void)err;
-  memcpy(to_host ? host : state, to_host ? state : host, (size_t)n * sizeof(float));
+  for (uint32_t i = 0; i < count; i++)
+    memcpy(host + (size_t)i * n, arrays[i], (size_t)n * sizeof(float));
+  *fence = NULL;
+  return ZD_OK;
+}
+
+static int cpu_fence_wait(void *fence, int timeout_ms, zd__err_t *err) {
+  (void)fence, (void)timeout_ms, (void)err;
+  return ZD_OK;
+}
+
+static void cpu_fence_free(void *fence) {
+  (void)fence;
+}
+
+static int cpu_restore(zd__compute_t *base, float *const *arrays, uint32_t count, uint64_t n,
+                       const float *host, int timeout_ms, zd__err_t *err) {
+  (void)base, (void)timeout_ms, (void)err;
+  for (uint32_t i = 0; i < count; i++)
+    memcpy(arrays[i], host + (size_t)i * n, (size_t)n * sizeof(float));
   return ZD_OK;
 }
 
@@ -260,7 +296,12 @@ static void cpu_destroy(zd__compute_t *base) {
 static const zd__compute_ops_t cpu_ops = {
     .alloc = cpu_alloc,
     .release = cpu_release,
-    .copy_state = cpu_copy_state,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_host_free,
+    .snapshot = cpu_snapshot,
+    .fence_wait = cpu_fence_wait,
+    .fence_free = cpu_fence_free,
+    .restore = cpu_restore,
     .shard_init = cpu_shard_init,
     .shard_fini = cpu_shard_fini,
     .begin = cpu_begin,

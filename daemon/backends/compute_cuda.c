@@ -16,6 +16,26 @@
  *   - finish, before the job's reply: the reply says what happened (applied, norm, scale, or the
  *     peer failure), and the session may release the client's buffers once no job is in flight.
  *
+ * A client that left. Its buffers and events are CUDA IPC mappings of another process, which may
+ * be dead: what CUDA does with them then is undefined, and a device fault would take every state
+ * array on this GPU with it. So once the loop has seen the connection end (zd__buffers_t's
+ * client_gone), a job that begins refuses (ZD_ECLOSED) before it queues anything, finish records
+ * no "params ready", and the stand-in (step.c) works in scratch memory of its own. What remains
+ * undefined is the work queued before zerod knew: a job that began before the connection's end
+ * was seen (a window of one loop iteration after the exit, or a job running when the client was
+ * killed) has its stream wait on the client's "grads ready", read its gradients and write its
+ * parameters. A client records "grads ready" before it sends the request, so that wait is for
+ * work the dying process had queued; should it never complete, finish's wait ends at the
+ * collective timeout, the communicator is aborted and the rank degraded, the stream counts as
+ * stuck (its memory, and the client's mappings, are then never freed: buffers.c) and nothing
+ * else is queued there. That is the bound: one rank, at most one job per event slot, the
+ * collective timeout.
+ *
+ * Snapshots (checkpoints) copy the state to pinned host memory on a side stream, after the step's
+ * work; the rank's stream waits for that copy (a stream wait), so the next update cannot write
+ * the state under it, and the step's reply does not wait for it: the checkpoint writer does
+ * (fence_wait).
+ *
  * Layouts (tile tables of adam_cuda.h) are built once per bucket at registration, on a separate
  * set-up stream (building one waits for its stream, which must not be the rank's: that one may be
  * waiting for the client). Memory is freed only once the rank's stream has run out (a bounded
@@ -23,7 +43,9 @@
  * the process exits, rather than risking cudaFree's unbounded device-wide wait.
  */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,6 +68,7 @@ typedef struct cuda_compute {
   int device;
   cudaStream_t stream; /* the rank's: every kernel, copy and collective of its jobs */
   cudaStream_t setup;  /* layout tables at registration */
+  cudaStream_t side;   /* snapshots: the state's copy to pinned host memory, off the step's path */
   cudaEvent_t done;    /* before freeing: waits until the stream ran out */
   int timeout_ms;
   int stuck; /* the stream did not run out within timeout_ms: leave memory to the exit */
@@ -74,25 +97,39 @@ static void set_busy(cuda_compute_t *c, int busy) {
   __atomic_store_n(&c->busy, busy, __ATOMIC_RELEASE);
 }
 
-static int drained(cuda_compute_t *c) {
-  cudaError_t e = cudaStreamQuery(c->stream);
+/* Set once a rank's stream of this process was found stuck (note_stuck: a wait for it timed
+ * out): it may never run out, and cudaFreeHost, which waits for the whole device, could then
+ * block for ever. Pinned memory is leaked from then on (cuda_host_free). */
+static atomic_int any_stuck;
+
+static void note_stuck(cuda_compute_t *c) {
+  c->stuck = 1;
+  atomic_store(&any_stuck, 1);
+}
+
+/* Whether `stream` has run out, waiting for it at most the timeout. */
+static int stream_drained(cuda_compute_t *c, cudaStream_t stream) {
+  cudaError_t e = cudaStreamQuery(stream);
   (void)cudaGetLastError();
-  if (e != cudaErrorNotReady) { /* idle, or the context failed and nothing will run */
-    c->stuck = 0;
-    set_busy(c, 0);
-    return 1;
-  }
+  if (e != cudaErrorNotReady) return 1; /* idle, or the context failed and nothing will run */
   if (c->stuck) return 0; /* waited in vain once already: do not wait again for each array */
   zd__err_t err = {0};
-  e = cudaEventRecord(c->done, c->stream);
+  e = cudaEventRecord(c->done, stream);
   if (e == cudaSuccess && zd__cuda_event_wait(c->done, c->timeout_ms, NULL, NULL,
-                                              "the rank's queued GPU work", &err) == ZD_OK) {
-    set_busy(c, 0);
+                                              "the rank's queued GPU work", &err) == ZD_OK)
     return 1;
-  }
   (void)cudaGetLastError();
-  c->stuck = 1;
+  note_stuck(c);
   return 0;
+}
+
+/* The side stream too: the rank's stream waits for every snapshot it queued, but a snapshot that
+ * failed half-way may have left a copy there without that wait. */
+static int drained(cuda_compute_t *c) {
+  if (!stream_drained(c, c->side) || !stream_drained(c, c->stream)) return 0;
+  c->stuck = 0;
+  set_busy(c, 0);
+  return 1;
 }
 
 /* After a failed wait of the communicator (which aborted it and already let the stream drain for
@@ -101,7 +138,7 @@ static int drained(cuda_compute_t *c) {
 static void note_failed_wait(cuda_compute_t *c) {
   cudaError_t e = cudaStreamQuery(c->stream);
   (void)cudaGetLastError();
-  if (e == cudaErrorNotReady) c->stuck = 1;
+  if (e == cudaErrorNotReady) note_stuck(c);
   set_busy(c, e == cudaErrorNotReady);
 }
 
@@ -141,21 +178,125 @@ static int cuda_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *e
   return ZD_OK;
 }
 
-/* A checkpoint's snapshot or a resume: on the rank's stream, after the step's work, then a
- * bounded wait. Pageable host memory: the copy is staged by the driver (a pinned, asynchronous
- * snapshot buffer would shorten the stall; see docs/design.md). */
-static int cuda_copy_state(zd__compute_t *base, float *state, float *host, uint64_t n, int to_host,
-                           zd__err_t *err) {
+/* ---- host staging, snapshots and restores ---------------------------------------------------
+ *
+ * Host staging is pinned (cudaMallocHost): a copy between device and pageable memory is
+ * synchronous with the host (the driver stages it), so a wait after it bounds nothing, and a copy
+ * queued behind a wait for the client or a hung collective would block the worker for ever.
+ * Pinned copies are DMA, queued like any other work, and the waits for them are bounded. */
+
+static int cuda_host_alloc(zd__compute_t *base, size_t bytes, void **out, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  *out = NULL;
+  ZD_CUDA_TRY(err, cudaMallocHost(out, bytes ? bytes : 1),
+              "GPU %d: cudaMallocHost of %zu bytes of staging for the state", c->device, bytes);
+  return ZD_OK;
+}
+
+/* cudaFreeHost waits for the whole device: once a wait timed out anywhere in the process (a stream
+ * that may never run out), the memory is left to the process's exit instead. */
+static void cuda_host_free(void *p) {
+  if (!p) return;
+  if (atomic_load(&any_stuck)) {
+    ZD_LOG_WARN(
+        "pinned staging memory at %p not freed: a GPU stream of this zerod did not run "
+        "out after a failure, and cudaFreeHost would wait for it",
+        p);
+    return;
+  }
+  cudaFreeHost(p);
+  (void)cudaGetLastError();
+}
+
+/* On the side stream, after everything queued on the rank's stream (the step's update); the
+ * rank's stream then waits for the copy: whatever it runs later that writes the state (the next
+ * update, an exchange into master, a restore) comes after it, and nothing waits on the host. The
+ * fence is the event recorded after the copy; the checkpoint writer waits for it. */
+typedef struct fence {
+  cudaEvent_t done; /* recorded on the side stream after the copy */
+  int device;       /* made current by the thread that waits (the writer's has none) */
+} fence_t;
+
+static int cuda_snapshot(zd__compute_t *base, float *const *arrays, uint32_t count, uint64_t n,
+                         float *host, void **fence, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   size_t bytes = (size_t)n * sizeof(float);
-  ZD_CUDA_TRY(err,
-              cudaMemcpyAsync(to_host ? (void *)host : (void *)state,
-                              to_host ? (const void *)state : (const void *)host, bytes,
-                              to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, c->stream),
-              "GPU %d: copying %zu bytes of state %s the host", c->device, bytes,
-              to_host ? "to" : "from");
-  ZD_CUDA_TRY(err, cudaEventRecord(c->done, c->stream), "GPU %d: recording an event", c->device);
-  return zd__cuda_event_wait(c->done, c->timeout_ms, NULL, NULL, "a copy of the state", err);
+  cudaEvent_t after = NULL, done = NULL;
+  int rc = ZD_OK;
+  *fence = NULL;
+  fence_t *f = malloc(sizeof *f);
+  if (!f) return zd__errf(err, -ENOMEM, "out of memory");
+  ZD_CUDA_GOTO(err, rc, exit, cudaEventCreateWithFlags(&after, cudaEventDisableTiming),
+               "GPU %d: cudaEventCreate", c->device);
+  ZD_CUDA_GOTO(err, rc, exit, cudaEventCreateWithFlags(&done, cudaEventDisableTiming),
+               "GPU %d: cudaEventCreate", c->device);
+  ZD_CUDA_GOTO(err, rc, exit, cudaEventRecord(after, c->stream), "GPU %d: cudaEventRecord",
+               c->device);
+  ZD_CUDA_GOTO(err, rc, exit, cudaStreamWaitEvent(c->side, after, 0), "GPU %d: cudaStreamWaitEvent",
+               c->device);
+  for (uint32_t i = 0; i < count; i++)
+    ZD_CUDA_GOTO(
+        err, rc, exit,
+        cudaMemcpyAsync(host + (size_t)i * n, arrays[i], bytes, cudaMemcpyDeviceToHost, c->side),
+        "GPU %d: queuing the snapshot's copy of %zu bytes", c->device, bytes);
+  ZD_CUDA_GOTO(err, rc, exit, cudaEventRecord(done, c->side), "GPU %d: cudaEventRecord", c->device);
+  ZD_CUDA_GOTO(err, rc, exit, cudaStreamWaitEvent(c->stream, done, 0),
+               "GPU %d: cudaStreamWaitEvent", c->device);
+  *f = (fence_t){.done = done, .device = c->device};
+  *fence = f;
+  f = NULL;
+  done = NULL;
+exit:
+  /* Destroying an event whose work is still queued is allowed: CUDA releases it once done. */
+  if (after) cudaEventDestroy(after);
+  if (done) cudaEventDestroy(done);
+  (void)cudaGetLastError();
+  free(f);
+  return rc;
+}
+
+/* Any thread (the checkpoint writer's, which makes the fence's device current: harmless there). */
+static int cuda_fence_wait(void *fence, int timeout_ms, zd__err_t *err) {
+  fence_t *f = fence;
+  if (!f) return ZD_OK;
+  cudaError_t e = cudaSetDevice(f->device);
+  if (e != cudaSuccess)
+    return zd__cuda_fail(err, e, __FILE__, __LINE__, "cudaSetDevice(%d)", f->device);
+  char what[96];
+  snprintf(what, sizeof what, "the snapshot's copy from GPU %d to pinned host memory", f->device);
+  /* (A timeout here may be one slice of a longer wait: the checkpointer poisons the staging; a
+   * copy that never ends leaves the rank's stream, which waits for it, stuck: note_stuck.) */
+  return zd__cuda_event_wait(f->done, timeout_ms, NULL, NULL, what, err);
+}
+
+static void cuda_fence_free(void *fence) {
+  fence_t *f = fence;
+  if (!f) return;
+  cudaEventDestroy(f->done);
+  (void)cudaGetLastError();
+  free(f);
+}
+
+/* A resume: on the rank's stream (after the registration's wait for the client's "grads ready"
+ * and the new arrays' zeroing), then a wait bounded by timeout_ms. */
+static int cuda_restore(zd__compute_t *base, float *const *arrays, uint32_t count, uint64_t n,
+                        const float *host, int timeout_ms, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  size_t bytes = (size_t)n * sizeof(float);
+  for (uint32_t i = 0; i < count; i++)
+    ZD_CUDA_TRY(
+        err,
+        cudaMemcpyAsync(arrays[i], host + (size_t)i * n, bytes, cudaMemcpyHostToDevice, c->stream),
+        "GPU %d: queuing the copy of %zu bytes of a checkpoint's state", c->device, bytes);
+  ZD_CUDA_TRY(err, cudaEventRecord(c->done, c->stream), "GPU %d: cudaEventRecord", c->device);
+  char what[200];
+  snprintf(what, sizeof what,
+           "the copy of a checkpoint's %u state arrays (%zu bytes each) to GPU %d (queued after "
+           "the registration's wait for its client's grads_ready event)",
+           count, bytes, c->device);
+  int rc = zd__cuda_event_wait(c->done, timeout_ms, NULL, NULL, what, err);
+  if (rc == -ETIMEDOUT) note_stuck(c);
+  return rc;
 }
 
 static void cuda_shard_fini(zd__compute_t *base, zd__shard_t *s) {
@@ -214,6 +355,10 @@ static int cuda_begin(zd__compute_t *base, const zd__buffers_t *buf, uint32_t sl
   cuda_compute_t *c = (cuda_compute_t *)base;
   if (buf->device < 0) return ZD_OK;                           /* host buffers: nothing to order */
   zd_assert(slot < ZD__EVENT_SLOTS && buf->grads_ready[slot]); /* checked by the session */
+  if (__atomic_load_n(&buf->client_gone, __ATOMIC_ACQUIRE)) /* shm.h: its IPC memory may be gone */
+    return zd__errf(err, ZD_ECLOSED,
+                    "the client disconnected before this job began: nothing was done, and its "
+                    "CUDA buffers and events were not touched");
   set_busy(c, 1); /* until finish sees the stream run out */
   cudaError_t e = cudaStreamWaitEvent(c->stream, (cudaEvent_t)buf->grads_ready[slot], 0);
   if (e == cudaSuccess) return ZD_OK;
@@ -228,7 +373,8 @@ static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_
                        uint32_t slot, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   int rc = ZD_OK;
-  if (buf && buf->device >= 0) {
+  /* Nobody waits on the event of a client that left, which may be gone with its process. */
+  if (buf && buf->device >= 0 && !__atomic_load_n(&buf->client_gone, __ATOMIC_ACQUIRE)) {
     zd_assert(slot < ZD__EVENT_SLOTS && buf->params_ready[slot]);
     cudaError_t e = cudaEventRecord((cudaEvent_t)buf->params_ready[slot], c->stream);
     if (e != cudaSuccess) {
@@ -271,6 +417,28 @@ static int cuda_exchange(zd__compute_t *base, const zd__shard_t *s, const zd__bu
                                to_client, c->stream, err);
     if (rc) return rc;
   }
+  return ZD_OK;
+}
+
+/* A stand-in's scratch (compute.h): this rank's slice zeroed, then the covered elements written
+ * by the exchange kernel, whose conversion (adam.cuh's zd__dev_f32_to_bf16, or the fp32 value) is
+ * the update kernel's store_param: the bits the client's buffer would hold. */
+static int cuda_slice_params(zd__compute_t *base, const zd__shard_t *s, uint32_t b, void *bucket,
+                             zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  const zd__bucket_t *bk = &s->layout->buckets[b];
+  size_t bytes = (size_t)bk->shard_elems * zd_dtype_size(s->param_dtype);
+  void *slice = (char *)bucket + (size_t)s->rank * bytes;
+  ZD_CUDA_TRY(err, cudaMemsetAsync(slice, 0, bytes, c->stream), "GPU %d: zeroing %zu bytes",
+              c->device, bytes);
+  return zd__cuda_exchange(s->state[ZD__STATE_MASTER] + bk->shard_base, slice, s->param_dtype,
+                           s->segs[b], s->nsegs[b], 1, c->stream, err);
+}
+
+static int cuda_zero(zd__compute_t *base, void *p, size_t bytes, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  ZD_CUDA_TRY(err, cudaMemsetAsync(p, 0, bytes, c->stream), "GPU %d: zeroing %zu bytes", c->device,
+              bytes);
   return ZD_OK;
 }
 
@@ -346,6 +514,7 @@ static void cuda_destroy(zd__compute_t *base) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   if (c->done) cudaEventDestroy(c->done);
   if (c->setup) cudaStreamDestroy(c->setup);
+  if (c->side) cudaStreamDestroy(c->side);
   if (c->stream) cudaStreamDestroy(c->stream); /* returns at once; queued work still completes */
   (void)cudaGetLastError();
   free(c);
@@ -354,7 +523,14 @@ static void cuda_destroy(zd__compute_t *base) {
 static const zd__compute_ops_t cuda_ops = {
     .alloc = cuda_alloc,
     .release = cuda_release,
-    .copy_state = cuda_copy_state,
+    .slice_params = cuda_slice_params,
+    .zero = cuda_zero,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .snapshot = cuda_snapshot,
+    .fence_wait = cuda_fence_wait,
+    .fence_free = cuda_fence_free,
+    .restore = cuda_restore,
     .shard_init = cuda_shard_init,
     .shard_fini = cuda_shard_fini,
     .begin = cuda_begin,
@@ -382,6 +558,8 @@ int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd_
   ZD_CUDA_GOTO(err, rc, fail, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                "GPU %d: cudaStreamCreate", device);
   ZD_CUDA_GOTO(err, rc, fail, cudaStreamCreateWithFlags(&c->setup, cudaStreamNonBlocking),
+               "GPU %d: cudaStreamCreate", device);
+  ZD_CUDA_GOTO(err, rc, fail, cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking),
                "GPU %d: cudaStreamCreate", device);
   ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming),
                "GPU %d: cudaEventCreate", device);

@@ -2,10 +2,12 @@
  * (exchange_cuda.cu): at registration, the client's initial values become the master weights, or
  * (resuming) the master weights are written back as working parameters. Only covered elements
  * (the segments of a bucket's shard) are touched, as on the CPU; bf16 conversions are those of
- * kernels/adam.h (round to nearest even, NaN to 0x7fc0), bit for bit.
+ * kernels/adam.h (round to nearest even, NaN to 0x7fc0), bit for bit, and the same device
+ * function (adam.cuh's zd__dev_f32_to_bf16) as the update kernel's parameter store: master to
+ * param gives the bits that update wrote (the stand-in's scratch relies on it, compute.h).
  *
- * CUDA builds only. Queued on `stream`; registration only, not the hot path: one small kernel per
- * run of contiguous segments.
+ * CUDA builds only. Queued on `stream`; registration and stand-ins only, not the hot path: one
+ * small kernel per run of contiguous segments.
  */
 #ifndef ZD_DAEMON_EXCHANGE_CUDA_H
 #define ZD_DAEMON_EXCHANGE_CUDA_H

@@ -84,6 +84,11 @@ typedef struct zd__buffers {
   void *grads_ready[ZD__EVENT_SLOTS];  /* cudaEvent_t opened from the client's handles; NULL with
                                           host buffers */
   void *params_ready[ZD__EVENT_SLOTS]; /* likewise */
+  /* Set (atomically, by the loop thread: zd__buffers_client_gone) once the client's connection
+   * ended without a bye: its process may be gone, and with it, for CUDA IPC, the memory and
+   * events these buffers name. A job that begins later queues nothing on them (compute.h,
+   * begin and finish); read with __atomic_load_n. */
+  int client_gone;
 } zd__buffers_t;
 
 #endif /* ZD_DAEMON_SHM_H */

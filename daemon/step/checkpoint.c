@@ -2,9 +2,15 @@
  * checkpoint across the world and the resume.
  *
  * Threads: the workers of the local ranks call wants/take/resume; the loop calls request/tick
- * (and gRPC handlers request through the loop); the writer thread writes rank files in the order
- * they were snapshotted; the finisher thread (only where global rank 0 lives) waits for every
- * rank's entry and writes the manifest. Everything shared is under `lock`.
+ * (and gRPC handlers request through the loop); the writer thread waits for each snapshot's copy
+ * (the backend's fence) and writes rank files in the order they were snapshotted; the finisher
+ * thread (only where global rank 0 lives) waits for every rank's entry and writes the manifest.
+ * Everything shared is under `lock`.
+ *
+ * Every wait is bounded by the checkpoint timeout (the collective timeout): a worker waiting for
+ * its rank's previous write, for its own write (zd_checkpoint's wait), for a resume's copy to the
+ * GPU; the writer waiting for a snapshot's copy. A copy whose wait timed out may still be running:
+ * its staging memory is then poisoned, never freed nor reused (a DMA into freed memory).
  */
 #include "checkpoint.h"
 
@@ -40,14 +46,21 @@ typedef struct write_job {
   uint64_t seq;                  /* this daemon's count of snapshots, for a wait on this one */
   char instance[32];             /* W > 1: the world instance's name, which scopes store keys */
   zd__ckpt_manifest_t *manifest; /* global rank 0 only: what the manifest says but the files */
+  const zd__compute_ops_t *ops;  /* the backend's, for the fence: static, outlives the rank */
+  void *fence;                   /* the snapshot's copy is done once this is (NULL: it is) */
 } write_job_t;
 
+/* A local rank's host staging (the backend's host_alloc: pinned with CUDA), for its snapshots and
+ * its resumes' loads. Kept across checkpoints; replaced when a model of another size needs it. */
 typedef struct slot {
   float *snap; /* the model's state arrays back to back, in table order (packed()) */
   uint64_t elems;
-  zd__states_t states; /* which */
-  int busy;            /* a write of this snapshot is queued or running */
-  int failed;          /* its last write failed */
+  zd__states_t states;     /* which */
+  void (*free_fn)(void *); /* the host_free of the backend that allocated snap */
+  int busy;                /* a write of this snapshot is queued or running */
+  int poisoned;            /* a copy into or out of snap may still run (a wait for it timed
+                              out, or it failed half-queued): snap is never freed nor reused */
+  int failed;              /* its last write failed */
   char error[ZD__ERR_MSG_MAX];
   uint64_t finished_seq; /* global rank 0's slot: the last of its snapshots the finisher ended */
   int finished_failed;   /* ... and whether that checkpoint failed */
@@ -90,6 +103,7 @@ static float *packed(float *host, uint64_t n, zd__states_t states, int s) {
 
 static void job_free(write_job_t *j) {
   if (!j) return;
+  if (j->fence) j->ops->fence_free(j->fence);
   zd__ckpt_manifest_free(j->manifest);
   free(j);
 }
@@ -119,14 +133,45 @@ static void entry_key(char *buf, size_t len, const write_job_t *j, uint32_t rank
 
 /* ---- the writer ------------------------------------------------------------------------------ */
 
+/* Waits (bounded) for the snapshot's copy to reach host memory (compute.h, fence_wait), in slices
+ * of a second: a shutdown leaves it DRAIN_MS more at most. Then the fence is released. */
+#define DRAIN_MS 10000
+
+static int wait_fence(zd__ckptr_t *c, write_job_t *j, zd__err_t *err) {
+  int rc = ZD_OK;
+  uint64_t start = zd__now_ms(), deadline = start + (uint64_t)c->set.timeout_ms;
+  int cancelled = 0;
+  for (;;) {
+    uint64_t now = zd__now_ms();
+    if (!cancelled && atomic_load(&c->cancel)) {
+      cancelled = 1;
+      if (now + DRAIN_MS < deadline) deadline = now + DRAIN_MS;
+    }
+    int slice = deadline > now ? (int)(deadline - now < 1000 ? deadline - now : 1000) : 0;
+    rc = j->ops->fence_wait(j->fence, slice, err);
+    if (rc != -ETIMEDOUT || zd__now_ms() >= deadline) break;
+  }
+  if (rc == -ETIMEDOUT)
+    zd__errf(err, -ETIMEDOUT,
+             "the snapshot's copy of rank %u's state to host memory did not finish within %" PRIu64
+             " ms (the GPU is stuck?); its staging memory is left alone",
+             j->rank, zd__now_ms() - start);
+  j->ops->fence_free(j->fence);
+  j->fence = NULL;
+  return rc;
+}
+
 static void write_one(zd__ckptr_t *c, write_job_t *j) {
   slot_t *s = &c->slots[j->local];
   zd__err_t err = {0};
-  char dir[4096];
+  char dir[4096] = "";
   zd__ckpt_file_t file;
   memset(&file, 0, sizeof file);
-  int rc = zd__ckpt_dir_name(c->dir, j->step, dir, sizeof dir) == 0 ? ZD_OK : -ENAMETOOLONG;
-  if (rc) zd__errf(&err, rc, "checkpoint directory name too long under %s", c->dir);
+  /* First the copy: whatever happens next, the staging is reused only once it is done. */
+  int rc = j->fence ? wait_fence(c, j, &err) : ZD_OK;
+  int poison = rc != ZD_OK;
+  if (!rc && zd__ckpt_dir_name(c->dir, j->step, dir, sizeof dir) != 0)
+    rc = zd__errf(&err, -ENAMETOOLONG, "checkpoint directory name too long under %s", c->dir);
   if (!rc) {
     zd__ckpt_shard_t shard = {.rank = j->rank,
                               .world_size = c->has_world ? c->world.world_size : 1,
@@ -163,6 +208,7 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
   write_job_t *mine = j->manifest ? NULL : j; /* else the finisher's from the unlock on */
   pthread_mutex_lock(&c->lock);
   s->busy = 0;
+  if (poison) s->poisoned = 1; /* the copy may still write it: never freed nor reused */
   s->failed = rc != 0;
   snprintf(s->error, sizeof s->error, "%s", rc ? err.msg : "");
   c->stats.in_progress--;
@@ -343,7 +389,11 @@ int zd__ckptr_create(const zd__ckpt_settings_t *settings, const zd__world_t *wor
   c->stats.enabled = c->dir && c->dir[0];
   c->last_request_ms = zd__now_ms();
   pthread_mutex_init(&c->lock, NULL);
-  pthread_cond_init(&c->cond, NULL);
+  pthread_condattr_t attr; /* the bounded waits (wait_idle) count monotonic time */
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&c->cond, &attr);
+  pthread_condattr_destroy(&attr);
   if (!c->dir || !c->resume || !c->slots) {
     zd__ckptr_destroy(c);
     return zd__errf(err, -ENOMEM, "out of memory");
@@ -384,7 +434,10 @@ void zd__ckptr_destroy(zd__ckptr_t *c) {
     c->head = j->next;
     job_free(j);
   }
-  for (uint32_t i = 0; c->slots && i < c->local_ranks; i++) free(c->slots[i].snap);
+  for (uint32_t i = 0; c->slots && i < c->local_ranks; i++) {
+    slot_t *s = &c->slots[i];
+    if (s->snap && !s->poisoned) s->free_fn(s->snap);
+  }
   free(c->slots);
   zd__rdv_close(c->rdv);
   zd__rdv_close(c->rdv_fin);
@@ -488,17 +541,64 @@ static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt
   return ZD_OK;
 }
 
-/* Copies the model's state arrays to a host copy (packed()), or back. */
-static int copy_arrays(const zd__step_ctx_t *ctx, zd__model_t *m, float *host, int to_host,
-                       zd__err_t *err) {
-  zd__compute_t *cp = ctx->compute;
+/* The model's state arrays in table order, as packed() lays them out in a host copy; returns how
+ * many. */
+static uint32_t state_arrays(zd__model_t *m, float *arrays[ZD__NSTATES]) {
+  uint32_t count = 0;
+  for (int s = 0; s < ZD__NSTATES; s++)
+    if (m->states & ZD__STATE_BIT(s)) arrays[count++] = m->shard.state[s];
+  return count;
+}
+
+/* One wait on c->cond (lock held), until deadline_ms (zd__now_ms's monotonic clock, as the
+ * condition's) at most. */
+static void cond_wait_until(zd__ckptr_t *c, uint64_t deadline_ms) {
+  uint64_t now = zd__now_ms();
+  if (now >= deadline_ms) return;
+  uint64_t until_us = zd__now_us() + 1000u * (deadline_ms - now);
+  struct timespec ts = {.tv_sec = (time_t)(until_us / 1000000u),
+                        .tv_nsec = (long)(until_us % 1000000u) * 1000L};
+  pthread_cond_timedwait(&c->cond, &c->lock, &ts);
+}
+
+/* Waits (lock held) until the slot's write is over, at most limit_ms. why, whose: for the message
+ * ("snapshot", "the previous"). */
+static int wait_idle(zd__ckptr_t *c, slot_t *s, uint32_t rank, int limit_ms, const char *why,
+                     const char *whose, zd__err_t *err) {
+  uint64_t deadline = zd__now_ms() + (uint64_t)limit_ms;
+  while (s->busy && zd__now_ms() < deadline) cond_wait_until(c, deadline);
+  if (!s->busy) return ZD_OK;
+  return zd__errf(err, -ETIMEDOUT,
+                  "%s: %s checkpoint file of rank %u was still being written after %d ms (a slow "
+                  "disk, or the copy from the GPU did not finish)",
+                  why, whose, rank, limit_ms);
+}
+
+/* The slot's staging, sized for m (slot idle, lock not held): kept when it fits, else replaced; a
+ * poisoned one is left to the exit (a copy may still use it). */
+static int slot_staging(slot_t *s, const zd__step_ctx_t *ctx, zd__model_t *m, zd__err_t *err) {
   uint64_t n = m->layout->shard_elems;
-  int rc = ZD_OK;
-  for (int s = 0; n && s < ZD__NSTATES && !rc; s++)
-    if (m->states & ZD__STATE_BIT(s))
-      rc = cp->ops->copy_state(cp, m->shard.state[s], packed(host, n, m->states, s), n, to_host,
-                               err);
-  return rc;
+  if (s->snap && !s->poisoned && s->elems == n && s->states == m->states) return ZD_OK;
+  if (s->snap && s->poisoned)
+    ZD_LOG_WARN("rank %u: checkpoint staging of %" PRIu64
+                " bytes left allocated: a copy into it "
+                "did not finish",
+                ctx->rank, (uint64_t)__builtin_popcount(s->states) * s->elems * sizeof(float));
+  else if (s->snap)
+    s->free_fn(s->snap);
+  s->snap = NULL;
+  s->elems = 0;
+  s->poisoned = 0;
+  zd__compute_t *cp = ctx->compute;
+  uint64_t arrays = (uint64_t)__builtin_popcount(m->states);
+  void *p = NULL;
+  int rc = cp->ops->host_alloc(cp, (size_t)arrays * (n ? n : 1) * sizeof(float), &p, err);
+  if (rc) return rc;
+  s->snap = p;
+  s->free_fn = cp->ops->host_free;
+  s->elems = n;
+  s->states = m->states;
+  return ZD_OK;
 }
 
 int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, int wait, char *dir,
@@ -522,25 +622,22 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
     return rc;
   }
   pthread_mutex_lock(&c->lock);
-  while (s->busy) pthread_cond_wait(&c->cond, &c->lock); /* the previous write of this rank */
+  /* The previous write of this rank (its staging is reused). */
+  rc = wait_idle(c, s, ctx->rank, c->set.timeout_ms, "snapshot", "the previous", err);
   pthread_mutex_unlock(&c->lock);
-  uint64_t t0 = zd__now_us(); /* the stall is the copy, not the wait above (a slow disk's) */
-  uint64_t n = m->layout->shard_elems;
-  uint64_t arrays = (uint64_t)__builtin_popcount(m->states);
-  if (s->elems != n || s->states != m->states) {
-    free(s->snap);
-    s->elems = 0;
-    s->snap = malloc((size_t)arrays * (n ? n : 1) * sizeof(float));
-    if (!s->snap) {
-      job_free(j);
-      return zd__errf(err, -ENOMEM, "no host memory for a snapshot of %" PRIu64 " elements",
-                      arrays * n);
-    }
-    s->elems = n;
-    s->states = m->states;
-  }
-  rc = copy_arrays(ctx, m, s->snap, 1, err);
+  if (!rc) rc = slot_staging(s, ctx, m, err);
   if (rc) {
+    job_free(j);
+    return rc;
+  }
+  uint64_t t0 = zd__now_us(); /* the stall is queuing the copy, not the wait above (a disk's) */
+  zd__compute_t *cp = ctx->compute;
+  float *arrays[ZD__NSTATES];
+  uint32_t count = state_arrays(m, arrays);
+  j->ops = cp->ops;
+  rc = cp->ops->snapshot(cp, arrays, count, m->layout->shard_elems, s->snap, &j->fence, err);
+  if (rc) {
+    s->poisoned = 1; /* compute.h: a copy may have been queued in part */
     job_free(j);
     return rc;
   }
@@ -559,11 +656,22 @@ int zd__ckptr_take(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, in
   pthread_cond_broadcast(&c->cond);
   uint64_t step = m->step;
   if (wait) {
-    while (s->busy) pthread_cond_wait(&c->cond, &c->lock);
-    if (s->failed) rc = zd__errf(err, ZD_ECHECKPOINT, "%s", s->error);
+    /* The write waits for the copy (at most the timeout, and DRAIN_MS more at a shutdown) and
+     * writes the file, then (global rank 0) the finisher waits for every rank's entry (at most
+     * the timeout): this waits as long as they may, and a timeout more for the file itself. */
+    rc = wait_idle(c, s, ctx->rank, 2 * c->set.timeout_ms + DRAIN_MS, "checkpoint", "this", err);
+    if (!rc && s->failed) rc = zd__errf(err, ZD_ECHECKPOINT, "%s", s->error);
     /* Global rank 0 completes the checkpoint: its own, this snapshot's, not an earlier one of
      * the same step number (a model replaced, a world rolled back). */
-    while (!rc && ctx->rank == 0 && s->finished_seq < seq) pthread_cond_wait(&c->cond, &c->lock);
+    uint64_t deadline = zd__now_ms() + (uint64_t)c->set.timeout_ms + DRAIN_MS;
+    while (!rc && ctx->rank == 0 && s->finished_seq < seq && zd__now_ms() < deadline)
+      cond_wait_until(c, deadline);
+    if (!rc && ctx->rank == 0 && s->finished_seq < seq)
+      rc = zd__errf(err, -ETIMEDOUT,
+                    "checkpoint of step %" PRIu64
+                    ": not completed by global rank 0 (the manifest) "
+                    "within %d ms of its file",
+                    m->step, c->set.timeout_ms + DRAIN_MS);
     if (!rc && ctx->rank == 0 && s->finished_failed)
       rc = zd__errf(err, ZD_ECHECKPOINT, "%s", c->stats.last_error);
   }
@@ -680,15 +788,22 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
     }
   }
   uint64_t n = m->layout->shard_elems;
-  float *host = NULL;
-  if (!rc && mf) {
-    uint64_t arrays = (uint64_t)__builtin_popcount(m->states);
-    host = malloc(arrays * (n ? n : 1) * sizeof(float));
+  if (!rc && mf) { /* loaded into the rank's staging (pinned with CUDA), then copied to the state */
+    slot_t *s = &c->slots[ctx->local_rank];
+    pthread_mutex_lock(&c->lock);
+    rc = wait_idle(c, s, ctx->rank, c->set.timeout_ms, "resume", "the previous", err);
+    pthread_mutex_unlock(&c->lock);
+    if (!rc) rc = slot_staging(s, ctx, m, err);
     float *state[ZD__NSTATES] = {0};
-    for (int i = 0; host && i < ZD__NSTATES; i++) state[i] = packed(host, n, m->states, i);
-    rc = host ? zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, state, err)
-              : zd__errf(err, -ENOMEM, "no host memory to load %" PRIu64 " elements", arrays * n);
-    if (!rc) rc = copy_arrays(ctx, m, host, 0, err);
+    for (int i = 0; !rc && i < ZD__NSTATES; i++) state[i] = packed(s->snap, n, m->states, i);
+    if (!rc) rc = zd__ckpt_load_shard(dir, mf, m->layout, ctx->rank, state, err);
+    float *arrays[ZD__NSTATES];
+    uint32_t count = state_arrays(m, arrays);
+    if (!rc) {
+      rc = ctx->compute->ops->restore(ctx->compute, arrays, count, n, s->snap, c->set.timeout_ms,
+                                      err);
+      if (rc) s->poisoned = 1; /* compute.h: the copy may still read it */
+    }
   }
   uint64_t step = rc ? LOADED_FAILED : mf ? mf->step : LOADED_NONE;
   zd__err_t aerr = {0};
@@ -713,7 +828,6 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
     snprintf(c->stats.resumed_dir, sizeof c->stats.resumed_dir, "%.500s", dir);
     pthread_mutex_unlock(&c->lock);
   }
-  free(host);
   free(dir);
   zd__ckpt_manifest_free(mf);
   return rc;

@@ -9,11 +9,12 @@
  *            records, so every rank of the world checkpoints the same step. checkpoint_every_steps
  *            needs no flag (every rank counts the same steps). A client's zd_checkpoint is a job
  *            of its own between steps, which every trainer of the world calls (a collective).
- *   snapshot the worker that ran the step copies master, exp_avg, exp_avg_sq (and
- *            max_exp_avg_sq) into host memory
- *            (the compute backend's copy_state: from the GPU a device-to-host copy) and goes on;
+ *   snapshot the worker that ran the step queues a copy of master, exp_avg, exp_avg_sq (and
+ *            max_exp_avg_sq) into the rank's host staging (the compute backend's snapshot: from
+ *            the GPU an asynchronous copy to pinned memory, stream-ordered before the next
+ *            update) and goes on: the step's reply does not wait for the copy, the writer does;
  *            a checkpoint requested while this rank's previous one is still being written waits
- *            for it, so that every rank writes every checkpoint.
+ *            for it (at most the timeout), so that every rank writes every checkpoint.
  *   write    a background thread writes the rank's file; with W > 1 its name, size and checksum go
  *            to the rendezvous store under "ckpt/<step>/<rank>" (or the error that stopped it).
  *   complete the daemon of global rank 0 waits for every rank's entry (at most the collective
@@ -43,7 +44,8 @@ typedef struct zd__ckpt_settings {
   uint32_t keep;          /* complete checkpoints kept; 0: all */
   const char *resume;     /* "": never; "latest": newest matching in dir; else a checkpoint dir */
   uint64_t throttle_bytes_per_s; /* test-only: write no faster (kill trials) */
-  int timeout_ms;                /* rank 0 waits this long for the other ranks' files */
+  int timeout_ms; /* rank 0 waits this long for the other ranks' files; every other wait of the
+                     checkpointer (a copy, a previous write) is bounded by it too */
 } zd__ckpt_settings_t;
 
 /* What status and metrics show. */
@@ -103,10 +105,13 @@ void zd__ckptr_tick(zd__ckptr_t *c, uint64_t now_ms);
  * checkpoint after it (takes the pending request). */
 int zd__ckptr_wants(zd__ckptr_t *c, uint64_t step);
 
-/* The worker of a rank, between steps or right after one: snapshots the model's state and queues
- * its write. wait: returns only once this rank's file is written and, on the daemon of rank 0,
- * the checkpoint is complete; dir (len bytes) then names it. Errors: ZD_ECONFIG (no
- * checkpoint_dir), -ENOMEM, the backend's copy errors, and with wait the write's error. */
+/* The worker of a rank, between steps or right after one: queues the snapshot of the model's state
+ * (compute.h, snapshot: it does not wait for the copy) and its write. wait: returns only once
+ * this rank's file is written and, on the daemon of rank 0, the checkpoint is complete; dir (len
+ * bytes) then names it. Every wait is bounded by the timeout. Errors: ZD_ECONFIG (no
+ * checkpoint_dir), -ENOMEM, -ETIMEDOUT (the rank's previous write, or with wait this one, not
+ * done in time: the message says which), the backend's errors, and with wait the write's error
+ * (a copy that did not finish among them). */
 int zd__ckptr_take(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__model *m, int wait,
                    char *dir, size_t len, zd__err_t *err);
 
@@ -120,7 +125,11 @@ int zd__ckptr_take(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__mo
  * resumes makes every rank load the newest checkpoint; resume and replace together are refused),
  * then check that all loaded the same step. Errors:
  * ZD_ECHECKPOINT (an explicit resume directory that does not load, ranks that loaded different
- * steps), -ENOMEM, the backend's copy errors. */
+ * steps), -ENOMEM, -ETIMEDOUT (the copy to the state arrays, queued after the registration's
+ * wait for its client, did not finish within the timeout; or the rank's previous checkpoint
+ * write), the backend's errors. Every wait is bounded: the collectives by the collective
+ * timeout, the copy and a previous write by the checkpoint timeout (reading the files is plain
+ * file I/O). */
 int zd__ckptr_resume(zd__ckptr_t *c, const struct zd__step_ctx *ctx, struct zd__model *m,
                      int replace, int *loaded, zd__err_t *err);
 

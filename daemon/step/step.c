@@ -423,8 +423,11 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   return rc;
 }
 
-/* Every rank of the world agreed to checkpoint after this step. A failure to snapshot costs this
- * checkpoint only (the checkpointer reports it), never the step. */
+/* Every rank of the world agreed to checkpoint after this step; after the job's end, so that the
+ * snapshot is queued behind the step's work (the update, the gather). It does not hold the reply:
+ * the backend queues the copy and the rank's later work that writes the state waits for it
+ * (compute.h, snapshot), and the checkpoint writer waits for the copy. A failure to snapshot costs
+ * this checkpoint only (the checkpointer reports it), never the step. */
 static void snapshot_after_step(const zd__step_ctx_t *ctx, zd__model_t *m) {
   zd__err_t err = {0};
   if (zd__ckptr_take(ctx->ckpt, ctx, m, 0, NULL, 0, &err) != ZD_OK)
@@ -559,9 +562,57 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
 
 /* ---- a client that left ---------------------------------------------------------------------- */
 
+/* A stand-in's gather of bucket b on device buffers, through scratch (a buffer of the backend's
+ * memory that holds the bucket): what the other ranks receive from this one is its slice as its
+ * client's buffer would hold it, the working parameters written from the master weights (after
+ * the update, if the bucket's step was applied: its bits, compute.h's slice_params); what it
+ * receives from them is discarded. */
+static int stand_in_gather(const zd__step_ctx_t *ctx, zd__model_t *m, void *scratch, uint32_t b,
+                           zd__err_t *err) {
+  zd__compute_t *c = ctx->compute;
+  const zd__bucket_t *bk = &m->layout->buckets[b];
+  int rc = c->ops->slice_params(c, &m->shard, b, scratch, err);
+  if (!rc)
+    rc = ctx->comm->ops->all_gather(ctx->comm, b, scratch, m->shard.param_dtype, bk->shard_elems,
+                                    err);
+  if (rc) return rc;
+  m->ungathered[b] = 0;
+  m->collective_bytes += bk->elems * zd_dtype_size(m->shard.param_dtype);
+  return ZD_OK;
+}
+
+/* A stand-in's scatter of bucket b on device buffers: zeros from scratch (the step is abandoned
+ * on every rank, so what this rank sends does not matter), reduced into the rank's own gradient
+ * shard (world size > 1, where stand-ins run). */
+static int stand_in_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const void *scratch,
+                            uint32_t b, zd__err_t *err) {
+  const zd__bucket_t *bk = &m->layout->buckets[b];
+  zd_assert(m->shard.grad_shard); /* else the shard would be read in place, from scratch */
+  int rc = ctx->comm->ops->reduce_scatter(ctx->comm, b, scratch, m->grad_dtype, bk->shard_elems,
+                                          m->shard.grad_shard + bk->shard_base, &m->shard.grad[b],
+                                          &m->shard.grad_dtype[b], err);
+  if (rc) return rc;
+  m->scattered[b] = m->attempted[b] = 1;
+  m->abandoned = 0; /* a new attempt */
+  m->collective_bytes += bk->elems * zd_dtype_size(m->grad_dtype);
+  return ZD_OK;
+}
+
+/* Bytes of a stand-in's scratch: any bucket, whole, in the larger of the two dtypes. */
+static size_t stand_in_scratch_bytes(const zd__step_ctx_t *ctx, const zd__model_t *m) {
+  size_t size = zd_dtype_size(m->shard.param_dtype), g = zd_dtype_size(m->grad_dtype), max = 0;
+  if (g > size) size = g;
+  for (uint32_t b = 0; b < m->layout->nbuckets; b++) {
+    size_t bytes = (size_t)m->layout->buckets[b].shard_elems * ctx->world_size * size;
+    if (bytes > max) max = bytes;
+  }
+  return max;
+}
+
 int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                        int abrupt, int *kept, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
+  zd__compute_t *c = ctx->compute;
   uint32_t nb = l->nbuckets, attempted = 0, ungathered = 0, gathers = 0, scatters = 0;
   for (uint32_t b = 0; b < nb; b++) {
     attempted += m->attempted[b];
@@ -573,16 +624,40 @@ int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buff
   int step = attempted > 0 || (abrupt && !m->abandoned);
   uint64_t n = m->step + (ungathered ? 0 : 1);
   *kept = 0;
-  /* Nothing is left to order this work after: the client's CUDA events are not waited on. */
+  /* Device buffers are CUDA IPC mappings of the client's process, which may be dead (undefined
+   * behaviour; a fault would take the state on this GPU with it): never touched. Scratch of the
+   * rank's own device memory stands in for them. Host buffers stay mapped and valid. */
+  int device = buf->params.kind == ZD__SHM_CUDA;
+  size_t scratch_bytes = device ? stand_in_scratch_bytes(ctx, m) : 0;
+  uint64_t scratch_words = (scratch_bytes + sizeof(float) - 1) / sizeof(float);
+  float *scratch = NULL;
+  /* Nothing is left to order this work after: the client's CUDA events are neither waited on nor
+   * recorded. */
   zd__buffers_t own = *buf;
   own.device = -1;
   int rc = job_begin(ctx, &own, 0, err);
-  for (uint32_t b = 0; b < nb && !rc; b++)
-    if (m->ungathered[b] && !(rc = gather_buckets(ctx, m, &own, (int32_t)b, err))) gathers++;
+  if (!rc && device && (ungathered || step)) {
+    if (!c->ops->slice_params || !c->ops->zero)
+      rc =
+          zd__errf(err, ZD_EINTERNAL, "the %s backend cannot stand in for device buffers", c->name);
+    else /* zeroed, on the rank's stream */
+      rc = c->ops->alloc(c, scratch_words, &scratch, err);
+  }
+  for (uint32_t b = 0; b < nb && !rc; b++) {
+    if (!m->ungathered[b]) continue;
+    rc = device ? stand_in_gather(ctx, m, scratch, b, err)
+                : gather_buckets(ctx, m, &own, (int32_t)b, err);
+    if (!rc) gathers++;
+  }
   if (!rc && step) {
     n = m->step + 1;
-    for (uint32_t b = nb; b-- > 0 && !rc;)
-      if (!m->attempted[b] && !(rc = scatter_buckets(ctx, m, &own, (int32_t)b, err))) scatters++;
+    if (device && gathers) rc = c->ops->zero(c, scratch, scratch_bytes, err); /* params there */
+    for (uint32_t b = nb; b-- > 0 && !rc;) {
+      if (m->attempted[b]) continue;
+      rc = device ? stand_in_scatter(ctx, m, scratch, b, err)
+                  : scatter_buckets(ctx, m, &own, (int32_t)b, err);
+      if (!rc) scatters++;
+    }
     double sumsq;
     uint64_t nonfinite;
     int checkpoint;
@@ -596,15 +671,19 @@ int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buff
     }
   }
   rc = job_end(ctx, &own, 0, rc, err);
+  /* After the wait for the job's work (release waits, bounded, for the stream to run out, and
+   * leaves the memory to the exit if it does not). */
+  if (scratch) c->ops->release(c, scratch, scratch_words);
   if (rc) {
     ZD_LOG_ERROR("standing in for the client that left in step %" PRIu64 " failed: %s", n,
                  err->msg);
     return rc;
   }
   if (gathers || step)
-    ZD_LOG_WARN("the client %s in step %" PRIu64 ": stood in for it (%u gathers, %u scatters%s)",
+    ZD_LOG_WARN("the client %s in step %" PRIu64 ": stood in for it (%u gathers, %u scatters%s%s)",
                 abrupt ? "disconnected" : "said bye", n, gathers, scatters,
-                step ? ", the step abandoned on every rank" : "");
+                step ? ", the step abandoned on every rank" : "",
+                device ? "; its device buffers untouched" : "");
   if (buf->params.kind == ZD__SHM_HOST) { /* for the next client, which resumes alone */
     zd__shm_unmap(&m->kept);
     m->kept = buf->params;

@@ -91,6 +91,10 @@ int zd__model_checkpoint(const zd__step_ctx_t *ctx, zd__model_t *model, int wait
  *     knows then): the buckets not scattered in this attempt (descending, as scatters go),
  *     sending the client's grad buffer, then the step record, marked abandoned, which makes
  *     every rank refuse the step with ZD_EABORTED.
+ * With device buffers (CUDA IPC mappings of a process that may be dead) the client's buffers and
+ * events are never touched: a bucket-sized scratch of the rank's device memory stands in for
+ * them, holding for each gather this rank's slice written from the master weights (what the
+ * other ranks' clients must receive) and zeros for the scatters (the step is abandoned).
  * A bye at a step's edge needs nothing. Then, with host buffers, the model keeps the client's
  * param buffer (*kept = 1: the caller must forget it, not unmap it) for the next client's local
  * resume. Bounded like any collective; fails as they do (the rank is then degraded). */

@@ -17,6 +17,12 @@ int zd__buffers_cuda(const zd__session_buffers_t *sb) {
   return sb->bufs.device >= 0;
 }
 
+void zd__buffers_client_gone(zd__session_buffers_t *sb) {
+  /* Once: a job that copies the buffers (the stand-in) may read the flag plainly meanwhile. */
+  if (!__atomic_load_n(&sb->bufs.client_gone, __ATOMIC_ACQUIRE))
+    __atomic_store_n(&sb->bufs.client_gone, 1, __ATOMIC_RELEASE);
+}
+
 int zd__buffers_release(zd__session_buffers_t *sb, zd__rank_t *rank, uint32_t session_id) {
   zd__buffers_t *b = &sb->bufs;
   int kept = b->params.kind == ZD__SHM_CUDA && sb->used && rank && !zd__rank_stream_idle(rank);

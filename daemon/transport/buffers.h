@@ -64,6 +64,10 @@ int zd__buffers_open_cuda(zd__session_buffers_t *sb, const zd__backend_t *backen
 void zd__buffers_job_queued(zd__session_buffers_t *sb, uint32_t slot);
 void zd__buffers_job_done(zd__session_buffers_t *sb, uint32_t slot);
 
+/* The client's connection ended without a bye (its process may be gone): jobs that begin from
+ * now on queue nothing on its CUDA buffers or events (shm.h, client_gone). Loop thread. */
+void zd__buffers_client_gone(zd__session_buffers_t *sb);
+
 /* Unmaps or closes the buffers and events; no job of the session may be in flight. rank: the
  * rank they were for (NULL if none); session_id: for the log. Returns 1 when it left CUDA IPC
  * mappings open instead, since the rank's stream may still have work on them: they are

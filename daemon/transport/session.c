@@ -507,6 +507,8 @@ static void on_handle_closed(uv_handle_t *h) {
 }
 
 static void maybe_teardown(zd__session_t *s) {
+  /* Gone without a bye (not a shutdown's drain): its jobs still queued leave its buffers alone. */
+  if (s->closing && !s->bye_pending && !s->ss->shutting_down) zd__buffers_client_gone(&s->buf);
   zd__job_stand_in(s);
   if (s->torn_down || !s->closing || s->inflight > 0 || unsent_bytes(s)) return;
   if (s->bye_pending) {
