@@ -376,7 +376,7 @@ static void start_cuda(zd__rank_t *r) {
   publish_comm(r, comm);
   if (rc == ZD_OK) {
     ZD_LOG_INFO("CUDA backend on GPU %d, %s communicator of %u rank(s) ready", r->device,
-                comm->backend, r->env.world_size);
+                strcmp(comm->backend, "nccl") ? "group" : "NCCL", r->env.world_size);
     set_health(r, ZD__HEALTH_OK, "", "");
     return;
   }
