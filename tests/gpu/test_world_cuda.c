@@ -71,7 +71,9 @@ typedef struct trainer {
   zd_client_t *c;
   void *pbuf, *gbuf; /* device */
   size_t pbytes, gbytes;
-  uint8_t *hp, *hg; /* pinned staging */
+  uint8_t *hp, *hg;    /* pinned staging */
+  cudaStream_t stream; /* the trainer's own, non-blocking: the W trainers of this process must
+                          not order each other's work through the legacy default stream */
   uint32_t nbuckets;
   int resumed;
 } trainer_t;
@@ -111,6 +113,8 @@ static void attach(trainer_t *t) {
   t->pbuf = zd_param_buffer(t->c, &t->pbytes);
   t->gbuf = zd_grad_buffer(t->c, &t->gbytes);
   CUDA_OK(cudaSetDevice(device));
+  CUDA_OK(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
+  CHECK_MSG(zd_set_stream(t->c, t->stream) == ZD_OK, "zd_set_stream: %s", zd_last_error());
   CUDA_OK(cudaMallocHost((void **)&t->hp, t->pbytes));
   CUDA_OK(cudaMallocHost((void **)&t->hg, t->gbytes));
   memset(t->hp, 0, t->pbytes);
@@ -125,7 +129,8 @@ static void attach(trainer_t *t) {
       for (uint64_t k = 0; k < info.numel; k++)
         zdt_store(t->hp, t->pdt, info.offset + k, init[i][k]);
     }
-    CUDA_OK(cudaMemcpy(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice));
+    /* On the stream: ordered before zerod's reads by the register's "grads ready" record. */
+    CUDA_OK(cudaMemcpyAsync(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice, t->stream));
   }
   int rc = zd_register(t->c);
   CHECK_MSG(rc == ZD_OK, "rank %d: register: %s: %s", t->rank, zd_err_name(rc), zd_last_error());
@@ -138,24 +143,29 @@ static void attach(trainer_t *t) {
 }
 
 static void detach(trainer_t *t) {
-  CUDA_OK(cudaFreeHost(t->hp));
-  CUDA_OK(cudaFreeHost(t->hg));
+  CUDA_OK(cudaStreamSynchronize(t->stream));
   zd_close(t->c);
   t->c = NULL;
+  CUDA_OK(cudaStreamDestroy(t->stream));
+  CUDA_OK(cudaFreeHost(t->hp));
+  CUDA_OK(cudaFreeHost(t->hg));
 }
 
+/* The param buffer into t->hp, on the stream (after the last reply's "params ready"). */
 static void fetch_params(trainer_t *t) {
-  CUDA_OK(cudaMemcpy(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpyAsync(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost, t->stream));
+  CUDA_OK(cudaStreamSynchronize(t->stream));
 }
 
-/* The gradients g[param][k] (floats, exact in bf16) into t's grad buffer. */
+/* The gradients g[param][k] (floats, exact in bf16) into t's grad buffer, on the stream (t->hg
+ * is rewritten only after the next fetch_params, which waits for the stream). */
 static void push_grads(trainer_t *t, float g[MLP_NPARAMS][MAXN]) {
   for (int i = 0; i < MLP_NPARAMS; i++) {
     zd_param_info_t info = ZD_PARAM_INFO_INIT;
     zd_param_info(t->c, (size_t)i, &info);
     for (uint64_t k = 0; k < info.numel; k++) zdt_store(t->hg, t->gdt, info.offset + k, g[i][k]);
   }
-  CUDA_OK(cudaMemcpy(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpyAsync(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice, t->stream));
 }
 
 /* The batch of `step` at t's parameters, made dyadic: k * q with |k| <= 255 (8 significant bits:
