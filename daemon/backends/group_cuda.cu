@@ -9,7 +9,7 @@
 
 /* The senders' buffers, by value (64 pointers: 512 bytes of kernel parameters). */
 struct group_src {
-  const void *p[ZD__GROUP_MAX];
+  const void *p[ZD__GROUP_REDUCE_MAX];
 };
 
 template <zd_dtype_t T>
@@ -26,15 +26,15 @@ __global__ void __launch_bounds__(THREADS)
     group_reduce_kernel(group_src src, uint32_t nsrc, uint64_t offset, uint64_t n, float *dst) {
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (uint64_t)gridDim.x * blockDim.x) {
-    float v[ZD__GROUP_MAX];
+    float v[ZD__GROUP_REDUCE_MAX];
 #pragma unroll
-    for (uint32_t r = 0; r < ZD__GROUP_MAX; r++)
+    for (uint32_t r = 0; r < ZD__GROUP_REDUCE_MAX; r++)
       if (r < nsrc) v[r] = load_f32<T>(src.p[r], offset + i);
         /* The pairwise tree: at stride s, v[r] += v[r + s] for r a multiple of 2s. */
 #pragma unroll
-    for (uint32_t s = 1; s < ZD__GROUP_MAX; s *= 2)
+    for (uint32_t s = 1; s < ZD__GROUP_REDUCE_MAX; s *= 2)
 #pragma unroll
-      for (uint32_t r = 0; r + s < ZD__GROUP_MAX; r += 2 * s)
+      for (uint32_t r = 0; r + s < ZD__GROUP_REDUCE_MAX; r += 2 * s)
         if (r + s < nsrc) v[r] = __fadd_rn(v[r], v[r + s]);
     dst[i] = v[0];
   }
@@ -43,9 +43,9 @@ __global__ void __launch_bounds__(THREADS)
 extern "C" int zd__cuda_group_reduce(const void *const *src, uint32_t nsrc, zd_dtype_t dtype,
                                      uint64_t offset, uint64_t n, float *dst, cudaStream_t stream,
                                      zd__err_t *err) {
-  if (nsrc < 1 || nsrc > ZD__GROUP_MAX)
+  if (nsrc < 1 || nsrc > ZD__GROUP_REDUCE_MAX)
     return zd__errf(err, -EINVAL, "group reduce: %u senders; expected 1 to %d", nsrc,
-                    ZD__GROUP_MAX);
+                    ZD__GROUP_REDUCE_MAX);
   if (!n) return ZD_OK;
   group_src s = {};
   for (uint32_t r = 0; r < nsrc; r++) s.p[r] = src[r];

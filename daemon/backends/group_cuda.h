@@ -19,14 +19,14 @@ extern "C" {
 #include "error.h"
 
 /* The most ranks a group reduces (the kernel holds one value per rank in registers). */
-#define ZD__GROUP_MAX 64
+#define ZD__GROUP_REDUCE_MAX 64
 
 /* dst[i] = the sum over r < nsrc of src[r][offset + i] (elements of dtype), for i < n, in fp32:
  * every value is converted to fp32 (exactly) and the nsrc values are added as a pairwise tree in
  * rank order ((s0 + s1) + (s2 + s3) for four; (s0 + s1) + s2 for three), each addition rounded on
  * its own. The order is fixed, so every run gives the same bits; with a power-of-two nsrc and
- * equal inputs every addition doubles, exactly. Errors: -EINVAL (nsrc out of 1..ZD__GROUP_MAX),
- * ZD_EDTYPE, ZD_EBACKEND (the launch failed). */
+ * equal inputs every addition doubles, exactly. Errors: -EINVAL (nsrc out
+ * of 1..ZD__GROUP_REDUCE_MAX), ZD_EDTYPE, ZD_EBACKEND (the launch failed). */
 int zd__cuda_group_reduce(const void *const *src, uint32_t nsrc, zd_dtype_t dtype, uint64_t offset,
                           uint64_t n, float *dst, cudaStream_t stream, zd__err_t *err);
 
