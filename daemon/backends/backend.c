@@ -49,25 +49,25 @@ static int gpu_info(int device, zd__gpu_info_t *out, zd__err_t *err) {
 }
 #endif
 
-/* Whether the CUDA backend can serve every local rank, one GPU each; if not, why, and whether
- * some GPU is visible at all (which makes a fallback worth a warning rather than a note). Fills
- * b->gpus when it can. */
+/* Whether the CUDA backend can serve every local rank (local rank i on GPU i / ranks_per_gpu);
+ * if not, why, and whether some GPU is visible at all (which makes a fallback worth a warning
+ * rather than a note). Fills b->gpus, one entry per local rank, when it can. */
 static int cuda_usable(const zd__config_t *cfg, zd__backend_t *b, char *why, size_t len,
                        int *visible) {
   *visible = 0;
 #ifdef ZD_HAVE_CUDA
-  uint32_t n = cfg->local_ranks;
+  uint32_t n = cfg->local_ranks, per = cfg->ranks_per_gpu ? cfg->ranks_per_gpu : 1;
   int count = 0;
   if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) *visible = 1;
   (void)cudaGetLastError();
   if (zd__cuda_available(why, len) == 0) return 0;
   zd__err_t e = {0};
-  for (uint32_t i = 0; i < n; i++) {
-    if (zd__cuda_device_check((int)i, &e) != ZD_OK) {
+  for (uint32_t i = 0; i < n; i += per) { /* each GPU once: its first local rank */
+    if (zd__cuda_device_check((int)zd__backend_device_of(cfg, i), &e) != ZD_OK) {
       snprintf(why, len,
-               "local rank %u needs GPU %u (one GPU per local rank; local_ranks is %u): "
-               "%.150s",
-               i, i, n, e.msg);
+               "local rank %u needs GPU %u (local_ranks %u, ranks_per_gpu %u: local rank i on "
+               "GPU i / ranks_per_gpu): %.100s",
+               i, zd__backend_device_of(cfg, i), n, per, e.msg);
       return 0;
     }
   }
@@ -77,8 +77,13 @@ static int cuda_usable(const zd__config_t *cfg, zd__backend_t *b, char *why, siz
     return 0;
   }
   for (uint32_t i = 0; i < n; i++) {
-    if (gpu_info((int)i, &b->gpus[i], &e) != ZD_OK) {
-      snprintf(why, len, "GPU %u: %.200s", i, e.msg);
+    uint32_t dev = zd__backend_device_of(cfg, i);
+    if (i % per) { /* a GPU already described: the same entry */
+      b->gpus[i] = b->gpus[i - 1];
+      continue;
+    }
+    if (gpu_info((int)dev, &b->gpus[i], &e) != ZD_OK) {
+      snprintf(why, len, "GPU %u: %.200s", dev, e.msg);
       free(b->gpus);
       b->gpus = NULL;
       return 0;
@@ -128,6 +133,10 @@ void zd__backend_free(zd__backend_t *b) {
   free(b->gpus);
   b->gpus = NULL;
   b->ngpus = 0;
+}
+
+uint32_t zd__backend_device_of(const zd__config_t *cfg, uint32_t local) {
+  return local / (cfg->ranks_per_gpu ? cfg->ranks_per_gpu : 1);
 }
 
 const zd__gpu_info_t *zd__backend_gpu(const zd__backend_t *b, uint32_t local) {

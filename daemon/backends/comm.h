@@ -10,13 +10,14 @@
  * peer when it is known.
  *
  * Host communicators (local, Gloo) complete every operation before returning. The device
- * communicator (NCCL, comm_nccl.c) only queues reduce_scatter, all_gather and allgather_device on
- * the rank's CUDA stream and returns; their completion (and failure) is observed by sync, which
- * waits for everything queued on that stream so far, bounded by the collective timeout, and
- * aborts the communicator on an asynchronous error or a timeout: ncclCommAbort (and, at
- * destroy, ncclCommDestroy) may block in NCCL, so they run on a teardown thread of the
- * communicator's own, which the worker waits for only a bounded time (comm_nccl.c). Its
- * allgather_bytes works on host memory and waits by itself (registration only).
+ * communicators (NCCL, comm_nccl.c; the group of ranks of this process sharing one GPU,
+ * comm_cuda_group.c) only queue reduce_scatter, all_gather and allgather_device on the rank's CUDA
+ * stream and return; their completion (and failure) is observed by sync, which waits for
+ * everything queued on that stream so far, bounded by the collective timeout, and aborts the
+ * communicator on an asynchronous error or a timeout. For NCCL, ncclCommAbort (and, at destroy,
+ * ncclCommDestroy) may block in NCCL, so they run on a teardown thread of the communicator's
+ * own, which the worker waits for only a bounded time (comm_nccl.c). Their allgather_bytes works
+ * on host memory and waits by itself (registration only).
  */
 #ifndef ZD_DAEMON_COMM_H
 #define ZD_DAEMON_COMM_H
@@ -77,7 +78,7 @@ struct zd__comm {
   const zd__comm_ops_t *ops;
   uint32_t rank;
   uint32_t world_size;
-  const char *backend; /* "local", "gloo", "nccl" */
+  const char *backend; /* "local", "gloo", "nccl", "cuda-group" */
 };
 
 /* The world-size-1 communicator. */
@@ -100,6 +101,30 @@ int zd__comm_nccl_create(const void *id, uint32_t rank, uint32_t world_size, int
                          const atomic_int *stop, zd__comm_t **out, zd__err_t *err);
 /* A fresh ncclUniqueId (128 bytes) into id: rank 0's part of the bootstrap. */
 int zd__comm_nccl_unique_id(void *id, size_t len, zd__err_t *err);
+/* A group communicator (comm_cuda_group.c): the `size` ranks of a world that live in this process
+ * and share `device` (ranks_per_gpu > 1) reduce and gather among themselves in device memory,
+ * without NCCL. Its contract differs from NCCL's in these points:
+ *   - reduce_scatter sums in fp32 whatever the gradient dtype (bf16 and fp16 are converted
+ *     exactly), as a pairwise tree in rank order ((g0 + g1) + (g2 + g3)); the shard is fp32 in
+ *     scratch (*shard_dtype ZD_F32). The bits depend only on the inputs: with a power-of-two
+ *     size and equal gradients every addition is an exact doubling, so with grad_mean the step
+ *     sees exactly the gradients of one rank (W ranks fed g step as one rank fed g). Sums in fp32
+ *     are also more accurate than NCCL's in bf16, and do not overflow where fp16 would;
+ *   - every operation checks that all ranks are in the same one (operation, bucket, dtype,
+ *     size) and fails with ZD_EPEER if not, where NCCL would mix unrelated buffers;
+ *   - allgather_bytes works on host memory alone (no stream, no sync needed);
+ *   - a failure (a rank that does not arrive within collective_timeout_ms, an abort from any
+ *     thread, a CUDA error) breaks every rank of the group at once, with the first reason.
+ * Device operations are queued on `stream` (the rank's cudaStream_t) and complete by sync, as with
+ * NCCL; each one meets the other ranks on the host twice (the pointers, then the ordering of
+ * their reads: see the file). key names the world instance: the ranks that give the same key
+ * form one group (a process-wide registry); each waits until all `size` have joined, at most
+ * connect_timeout_ms, cancelled (-ECANCELED) when *stop becomes non-zero. rank < size <= 64.
+ * Errors: -ETIMEDOUT, -ECANCELED, -EINVAL, -ENOMEM, ZD_EBACKEND, ZD_EINTERNAL (a key reused for
+ * another group, a rank joining twice). */
+int zd__comm_cuda_group_create(const char *key, uint32_t rank, uint32_t size, int device,
+                               void *stream, int connect_timeout_ms, int collective_timeout_ms,
+                               const atomic_int *stop, zd__comm_t **out, zd__err_t *err);
 #endif
 
 static inline int zd__comm_failed(const zd__comm_t *comm) {

@@ -100,6 +100,11 @@ static const setting_t settings[] = {
         "put two on one CPU)"),
     ENUM(S_COMPUTE, "kernel_isa", kernel_isa, "auto", isas,
          "CPU kernel instruction set (auto: the widest this CPU supports)"),
+    U32(S_COMPUTE, "ranks_per_gpu", ranks_per_gpu, "1", 1, 64,
+        "CUDA backend: local ranks that share one GPU (local rank i runs on GPU i / "
+        "ranks_per_gpu). Above 1 the ranks of a GPU reduce and gather among themselves in device "
+        "memory inside zerod, without NCCL; for now that needs every rank of the world in this "
+        "zerod, on one GPU (ranks_per_gpu = local_ranks = world_size). Ignored by the CPU backend"),
 
     U32(S_WORLD, "local_ranks", local_ranks, "1", 1, 64, "ranks served by this daemon"),
     U32(S_WORLD, "world_size", world_size, "0", 0, 65536,
@@ -476,6 +481,7 @@ static int resolve(zd__config_t *cfg, zd__err_t *err) {
   int i_socket = setting_index("socket"), i_uids = setting_index("allowed_uids");
   int i_local = setting_index("local_ranks"), i_world = setting_index("world_size");
   int i_first = setting_index("first_rank"), i_ctl = setting_index("control_address");
+  int i_rpg = setting_index("ranks_per_gpu");
   char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 
   if (!cfg->socket_path[0]) {
@@ -524,6 +530,28 @@ static int resolve(zd__config_t *cfg, zd__err_t *err) {
                     cfg->first_rank, source_names[src[i_first]], cfg->local_ranks,
                     source_names[src[i_local]], cfg->world_size, source_names[src[i_world]],
                     cfg->first_rank, cfg->first_rank + cfg->local_ranks - 1);
+
+  /* Several ranks on one GPU reduce through the in-process group communicator (comm.h), which
+   * joins the ranks of this zerod only: a world beyond it, or a second GPU, would need NCCL
+   * between the groups as well (a hierarchical communicator, not built). */
+  if (cfg->ranks_per_gpu > cfg->local_ranks)
+    return zd__errf(err, ZD_ECONFIG,
+                    "ranks_per_gpu=%u (%s) is more than local_ranks=%u (%s): a GPU can only be "
+                    "shared by this daemon's own ranks",
+                    cfg->ranks_per_gpu, source_names[src[i_rpg]], cfg->local_ranks,
+                    source_names[src[i_local]]);
+  if (cfg->ranks_per_gpu > 1 && cfg->world_size != cfg->local_ranks)
+    return zd__errf(err, ZD_ECONFIG,
+                    "ranks_per_gpu > 1 needs the whole world in this zerod for now: world_size "
+                    "%u, local_ranks %u (ranks_per_gpu=%u, %s)",
+                    cfg->world_size, cfg->local_ranks, cfg->ranks_per_gpu,
+                    source_names[src[i_rpg]]);
+  if (cfg->ranks_per_gpu > 1 && cfg->ranks_per_gpu != cfg->local_ranks)
+    return zd__errf(err, ZD_ECONFIG,
+                    "ranks_per_gpu=%u (%s) with local_ranks=%u: ranks_per_gpu > 1 needs every "
+                    "local rank on one GPU for now (ranks_per_gpu = local_ranks = world_size); "
+                    "ranks on several GPUs would need NCCL between the GPUs' groups",
+                    cfg->ranks_per_gpu, source_names[src[i_rpg]], cfg->local_ranks);
 
   if (!cfg->bucket_elems) cfg->bucket_elems = zd__layout_default_bucket_elems(cfg->world_size);
 

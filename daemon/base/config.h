@@ -41,6 +41,8 @@ typedef struct zd__config {
   uint32_t threads;     /* kernel threads; 0: one per CPU */
   uint32_t pin_threads; /* bind them to CPUs of their own (pool.h) */
   char *kernel_isa;     /* auto | avx512bf16 | avx512 | avx2 | scalar */
+  /* CUDA: local ranks per GPU (local rank i on GPU i / ranks_per_gpu) */
+  uint32_t ranks_per_gpu;
   /* world */
   uint32_t local_ranks;      /* R */
   uint32_t world_size;       /* W; 0: local_ranks (a single-node world) */

@@ -356,6 +356,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   d->world = (zd__world_t){.world_size = cfg->world_size,
                            .first_rank = cfg->first_rank,
                            .local_ranks = cfg->local_ranks,
+                           .ranks_per_gpu = cfg->ranks_per_gpu,
                            .collective_timeout_ms = (int)cfg->collective_timeout_ms,
                            .connect_timeout_ms = (int)cfg->connect_timeout_ms};
   snprintf(d->world.rendezvous_address, sizeof d->world.rendezvous_address, "%s", rendezvous);
@@ -543,7 +544,12 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
   uv_timer_start(&d->summary_timer, connection_summary, SUMMARY_MS, SUMMARY_MS);
   uint64_t period = notify_period_ms(&d->watchdog);
   if (period) uv_timer_start(&d->notify_timer, notify_systemd, period, period);
-  if (d->backend.kind == ZD__BACKEND_CUDA)
+  if (d->backend.kind == ZD__BACKEND_CUDA && cfg->ranks_per_gpu > 1)
+    ZD_LOG_INFO(
+        "ready: %u local rank(s) of a world of %u, CUDA backend (%u ranks per GPU, the group "
+        "communicator in device memory)",
+        d->ranks.n, cfg->world_size, cfg->ranks_per_gpu);
+  else if (d->backend.kind == ZD__BACKEND_CUDA)
     ZD_LOG_INFO(
         "ready: %u local rank(s) of a world of %u, CUDA backend (one GPU per local rank, "
         "NCCL)",

@@ -345,7 +345,8 @@ static void publish_compute(zd__rank_t *r, zd__compute_t *compute) {
 }
 
 /* The CUDA backend of the rank, on its worker thread (which keeps the device current): state
- * backend and stream, then the NCCL communicator on that stream. */
+ * backend and stream, then the communicator on that stream: NCCL, or, where the world's ranks
+ * share this GPU (ranks_per_gpu > 1), the in-process group communicator (world.c chooses). */
 static void start_cuda(zd__rank_t *r) {
 #ifdef ZD_HAVE_CUDA
   zd__err_t err = {0};
@@ -374,8 +375,8 @@ static void start_cuda(zd__rank_t *r) {
   }
   publish_comm(r, comm);
   if (rc == ZD_OK) {
-    ZD_LOG_INFO("CUDA backend on GPU %d, NCCL communicator of %u rank(s) ready", r->device,
-                r->env.world_size);
+    ZD_LOG_INFO("CUDA backend on GPU %d, %s communicator of %u rank(s) ready", r->device,
+                strcmp(comm->backend, "nccl") ? "group" : "NCCL", r->env.world_size);
     set_health(r, ZD__HEALTH_OK, "", "");
     return;
   }

@@ -249,6 +249,14 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
   if (rc) goto exit;
 
 #ifdef ZD_HAVE_CUDA
+  if (device >= 0 && w->ranks_per_gpu > 1) {
+    rc = zd__comm_cuda_group_create(id, rank, w->world_size, device, stream, w->connect_timeout_ms,
+                                    w->collective_timeout_ms, stop, out, err);
+    if (rc == ZD_OK)
+      ZD_LOG_INFO("joined world %s as rank %u of %u (group communicator on GPU %d)", id, rank,
+                  w->world_size, device);
+    goto exit;
+  }
   if (device >= 0) {
     rc = nccl_connect(w, &kv, id, rank, device, stream, stop, out, err);
     if (rc == ZD_OK)

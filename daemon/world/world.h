@@ -7,7 +7,9 @@
  * for `zeroctl status --world`; then every rank builds its communicator: with the CPU backend a
  * Gloo one (comm_gloo.c), whose full-mesh connection goes through the same store; with the CUDA
  * backend an NCCL one (comm_nccl.c), whose unique id rank 0 creates and publishes under the world
- * id (key nccl/<world id>/id) for the others to read. Waiting for peers is bounded by
+ * id (key nccl/<world id>/id) for the others to read, or, where the world's ranks all share one
+ * GPU of this zerod (ranks_per_gpu), the in-process group communicator (comm_cuda_group.c)
+ * keyed by the world id. Waiting for peers is bounded by
  * connect_timeout_ms and can be cancelled (shutdown) through *stop.
  */
 #ifndef ZD_DAEMON_WORLD_H
@@ -32,6 +34,9 @@ typedef struct zd__world {
   uint32_t world_size;
   uint32_t first_rank;
   uint32_t local_ranks;
+  /* CUDA: > 1: the world is this zerod's ranks on one GPU (config.c), joined by the in-process
+   * group communicator instead of NCCL */
+  uint32_t ranks_per_gpu;
   uint64_t incarnation; /* random, per zerod process: tells a restarted zerod from its earlier
                            life in the store */
   int collective_timeout_ms;
@@ -43,12 +48,13 @@ typedef struct zd__world_member zd__world_member_t;
 
 /* Joins global rank `rank` to the world and returns its communicator and membership: Gloo over
  * host memory when device is -1, else NCCL on that CUDA device (the calling thread's current one)
- * queuing its operations on `stream` (a cudaStream_t). Errors: -ETIMEDOUT (peers did not join
- * within connect_timeout_ms), -ECANCELED (*stop was set), ZD_EPEER, ZD_EBACKEND (a CUDA device in
- * a build without CUDA).
- * stale: NULL at start; when re-forming a world whose communicator broke, the instance that
- * broke (zd__world_member_id of the old membership): rank 0 names a new instance, and the other
- * ranks wait until the store names one other than `stale` instead of joining the dead one. */
+ * queuing its operations on `stream` (a cudaStream_t), or with w->ranks_per_gpu > 1 the group
+ * communicator of the world's ranks sharing that device (comm.h), keyed by the world instance.
+ * Errors: -ETIMEDOUT (peers did not join within connect_timeout_ms), -ECANCELED (*stop was set),
+ * ZD_EPEER, ZD_EBACKEND (a CUDA device in a build without CUDA). stale: NULL at start; when
+ * re-forming a world whose communicator broke, the instance that broke (zd__world_member_id of the
+ * old membership): rank 0 names a new instance, and the other ranks wait until the store names one
+ * other than `stale` instead of joining the dead one. */
 int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
                       atomic_int *stop, const char *stale, zd__comm_t **out,
                       zd__world_member_t **member, zd__err_t *err);

@@ -86,6 +86,7 @@ static const char *const all_names[] = {"socket",
                                         "threads",
                                         "pin_threads",
                                         "kernel_isa",
+                                        "ranks_per_gpu",
                                         "local_ranks",
                                         "world_size",
                                         "first_rank",
@@ -140,6 +141,7 @@ static void test_defaults(void) {
   CHECK_INT_EQ(cfg.threads, 0);
   CHECK_INT_EQ(cfg.pin_threads, 1);
   CHECK_STR_EQ(cfg.kernel_isa, "auto");
+  CHECK_INT_EQ(cfg.ranks_per_gpu, 1);
   CHECK_INT_EQ(cfg.local_ranks, 1);
   CHECK_INT_EQ(cfg.world_size, 1); /* 0 resolves to local_ranks */
   CHECK_INT_EQ(cfg.first_rank, 0);
@@ -415,6 +417,20 @@ static void test_errors(void) {
   expect_error(ARGV("--local-ranks=4", "--world-size=8", "--first-rank=6"), no_env, ZD_ECONFIG,
                "first_rank=6", "local_ranks=4", "world_size=8", NULL);
   expect_error(ARGV("--first-rank=1"), no_env, ZD_ECONFIG, "first_rank=1", "world_size=1", NULL);
+  /* ranks_per_gpu: at most local_ranks, and above 1 only for the whole world on one GPU. */
+  expect_error(ARGV("--local-ranks=2", "--ranks-per-gpu=3"), no_env, ZD_ECONFIG,
+               "ranks_per_gpu=3 (flag) is more than local_ranks=2", NULL);
+  expect_error(ARGV("--ranks-per-gpu=0"), no_env, ZD_ECONFIG, "ranks_per_gpu", "between 1 and 64",
+               NULL);
+  expect_error(ARGV("--ranks-per-gpu=65"), no_env, ZD_ECONFIG, "ranks_per_gpu", "between 1 and 64",
+               NULL);
+  expect_error(ARGV("--local-ranks=2", "--world-size=4", "--ranks-per-gpu=2"), no_env, ZD_ECONFIG,
+               "ranks_per_gpu > 1 needs the whole world in this zerod for now: world_size 4, "
+               "local_ranks 2",
+               NULL);
+  expect_error(ARGV("--local-ranks=4", "--ranks-per-gpu=2"), no_env, ZD_ECONFIG,
+               "ranks_per_gpu=2 (flag) with local_ranks=4",
+               "needs every local rank on one GPU for now", NULL);
   expect_error(ARGV("--control-address="), no_env, ZD_ECONFIG, "control_address", NULL);
   char longpath[200];
   memset(longpath, 'a', sizeof longpath - 1);
@@ -428,6 +444,13 @@ static void test_errors(void) {
                                no_env, &err),
                ZD__CONFIG_RUN);
   CHECK_U64_EQ(cfg.bucket_elems, 40000000ull);
+  zd__config_free(&cfg);
+  /* The supported sharing: the whole world in this daemon, on one GPU (4 ranks by env). */
+  char *rpg_env[] = {"ZEROD_RANKS_PER_GPU=4", NULL};
+  CHECK_INT_EQ(zd__config_load(&cfg, ARGV("--local-ranks=4", "--world-size=4"), rpg_env, &err),
+               ZD__CONFIG_RUN);
+  CHECK_INT_EQ(cfg.ranks_per_gpu, 4);
+  CHECK_INT_EQ(cfg.world_size, 4);
   zd__config_free(&cfg);
   CHECK_INT_EQ(zd__config_load(&cfg, ARGV("--world-size=64"), no_env, &err), ZD__CONFIG_RUN);
   CHECK_U64_EQ(cfg.bucket_elems, 64000000ull);
