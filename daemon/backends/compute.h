@@ -16,7 +16,8 @@
  *                     buffers (CUDA: the stream waits on the "grads ready" event of the job's
  *                     event slot); finish orders the client after the job (CUDA: records the
  *                     slot's "params ready") and waits until the job's work is complete, bounded
- *                     by the collective timeout
+ *                     by the collective timeout; finish_early may instead return once the work
+ *                     is queued (CUDA, cuda_step fast), and settle then sees it complete
  *   stream_idle       whether the rank's device work has run out (before the session closes a
  *                     client's CUDA IPC mappings)
  *   exchange          master weights <-> the client's param buffer over this rank's shard
@@ -26,16 +27,18 @@
  *                     bit for bit as that torch does at world size 1
  *   gather_records    all-gather of the step records (the commit point), into host memory
  *   update            the fused AdamW/Adam update of one bucket, writing working parameters
+ *   phase_times       (CUDA) where the GPU time of the steps went, from timing events
  *
  * CPU (compute_cpu.c): host memory (mmap, huge pages), the fork-join pool and the SIMD kernels of
  * kernels/adam.h; begin and finish do nothing (every operation is complete when it returns).
  * CUDA (compute_cuda.c): device memory, one non-blocking stream per rank, the launchers of
  * kernels/adam_cuda.h. Everything is queued on the rank's stream; in a job the worker thread
- * waits for the GPU in exactly two places, both bounded by collective_timeout_ms with the
+ * waits for the GPU in at most two places, both bounded by collective_timeout_ms with the
  * communicator's asynchronous errors polled (docs/design.md, "Where the host waits"):
  * gather_records when the step needs statistics (to read every rank's record), and finish (before
- * the job's reply). Registration also waits for its layout tables (on a stream of its own), and
- * freeing state waits (bounded) for the rank's stream to run out.
+ * the job's reply; with finish_early in cuda_step fast not at all, and settle waits between jobs).
+ * Registration also waits for its layout tables (on a stream of its own), and freeing state waits
+ * (bounded) for the rank's stream to run out.
  *
  * A compute object belongs to one rank and is used by one thread at a time: its worker, or the
  * loop thread for the small jobs of a CPU rank it runs inline (rank.h). The one exception is
@@ -90,6 +93,16 @@ typedef struct zd__step_record {
 
 typedef struct zd__compute zd__compute_t;
 
+/* Where a step's GPU time went (phase_times): from the job's start on the stream (after the wait
+ * for the client's "grads ready") to the first statistics or update (scatter), to the first
+ * update (statistics, the records' exchange and the decision), to the end of the last bucket's
+ * update (update), to the "params ready" record (gather). Steps that ran no update (skipped,
+ * failed) and scatter or gather jobs are not counted. */
+typedef struct zd__phase_times {
+  uint64_t steps; /* steps counted */
+  double scatter_us, stats_us, update_us, gather_us;
+} zd__phase_times_t;
+
 typedef struct zd__compute_ops {
   /* n zeroed fp32 elements (n >= 1) in the backend's memory. Errors: -ENOMEM, ZD_EBACKEND. */
   int (*alloc)(zd__compute_t *c, uint64_t n, float **out, zd__err_t *err);
@@ -104,6 +117,20 @@ typedef struct zd__compute_ops {
    * -ETIMEDOUT) or ZD_EBACKEND for a failure of the device. */
   int (*finish)(zd__compute_t *c, zd__comm_t *comm, const zd__buffers_t *buf, uint32_t slot,
                 zd__err_t *err);
+  /* As finish, for a job whose reply does not depend on its work's completion (a scatter, a
+   * gather, a step once its decision is taken): may return once the work is queued, leaving
+   * stream_idle 0. A failure of that work is then returned by the next begin, by a later finish
+   * (whose wait covers it), or by settle. NULL: finish is called instead (every operation of the
+   * CPU backend is complete when it returns). */
+  int (*finish_early)(zd__compute_t *c, zd__comm_t *comm, const zd__buffers_t *buf, uint32_t slot,
+                      zd__err_t *err);
+  /* Worker thread, between jobs: whether the work a finish_early left running has completed.
+   * wait 0: never blocks (a query); wait 1: waits for it, bounded by the collective timeout as
+   * finish's wait is (and after that long, wait 0 waits too). Returns ZD_OK when nothing is left
+   * running (stream_idle is then 1, unless a failure left the stream stuck), -EAGAIN while it
+   * runs (wait 0), or the failure of that work, which the next begin returns again so that the
+   * next reply says it. NULL: nothing is ever left running. */
+  int (*settle)(zd__compute_t *c, zd__comm_t *comm, int wait, zd__err_t *err);
   /* 1 when nothing of the rank's jobs is left on its device stream, as the worker last saw it:
    * every job's finish waited for its work, or a failed wait found the stream run out (or the
    * device failed: nothing more runs); else 0. Unlike the other operations it may be called from
@@ -139,6 +166,11 @@ typedef struct zd__compute_ops {
   /* The update of bucket b: consts holds this step's constants of every group (s->ngroups). */
   int (*update)(zd__compute_t *c, const zd__shard_t *s, uint32_t b, const zd__buffers_t *buf,
                 const zd__adam_group_t *consts, float grad_scale, zd__err_t *err);
+  /* The GPU time of the rank's steps so far, by part, from timing events recorded on the stream
+   * at the parts' boundaries and read only once a wait or a query found them complete (never a
+   * wait of their own): a step is counted some time after it ran. Worker thread. NULL: not
+   * measured (CPU: the host's clock in the model's counters says it). */
+  void (*phase_times)(zd__compute_t *c, struct zd__phase_times *out);
   void (*destroy)(zd__compute_t *c);
 } zd__compute_ops_t;
 
@@ -155,9 +187,16 @@ unsigned zd__compute_cpu_update_threads(const struct zd__pool *pool, uint64_t sh
 
 #ifdef ZD_HAVE_CUDA
 /* The CUDA backend on `device`, which becomes the calling thread's current device; creates the
- * rank's stream. timeout_ms bounds every wait for the GPU. Call from the rank's worker thread.
+ * rank's stream. timeout_ms bounds every wait for the GPU. fast: cuda_step fast (finish_early
+ * returns once the work is queued; the waits sleep until the stream wakes them), else legacy
+ * (finish_early waits as finish does; the waits poll). Call from the rank's worker thread.
  * Errors: ZD_EBACKEND (the message names the device and the CUDA error), -ENOMEM. */
-int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd__err_t *err);
+int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t **out,
+                            zd__err_t *err);
+
+/* cuda_step fast: the stream's waiter (a zd__cuda_waiter_t, cuda_check.h; owned by the backend)
+ * for the rank's communicator (zd__comm_nccl_set_waiter); legacy: NULL. */
+void *zd__compute_cuda_waiter(zd__compute_t *c);
 
 /* The rank's stream (a cudaStream_t), on which the NCCL communicator queues its operations. */
 void *zd__compute_cuda_stream(zd__compute_t *c);

@@ -5,9 +5,10 @@
  * Per job, on the stream: wait for the client's "grads ready" event of the job's event slot
  * (begin); the collectives and kernels of the job; record the slot's "params ready" event
  * (finish). A slot's events belong to one request at a time (the client reuses a slot only after
- * its reply), so each wait covers exactly the client's work before that request, never a later
- * request's. The worker thread waits for the GPU at two places only, both through the
- * communicator's bounded sync (comm.h):
+ * its reply, and every call naming the slot's events is made before the reply), so each wait
+ * covers exactly the client's work before that request, never a later request's. The worker
+ * thread waits for the GPU at two places only, both through the communicator's bounded sync
+ * (comm.h):
  *   - gather_records, when the step needs statistics: the statistics kernels write this rank's
  *     record in device memory, NCCL all-gathers the records there, and one 40 * W byte copy
  *     brings them to pinned host memory, where step.c checks the agreement and takes the decision.
@@ -15,6 +16,14 @@
  *     followed by an update computed from a half-gathered record, so a failed step changes nothing.
  *   - finish, before the job's reply: the reply says what happened (applied, norm, scale, or the
  *     peer failure), and the session may release the client's buffers once no job is in flight.
+ *     cuda_step fast: a scatter's, a gather's or a step's reply is known once the work is queued
+ *     (finish_early): the job returns then, with `busy` left set, and its work is seen complete
+ *     later by settle (the worker between jobs), by the next job's wait, or found failed by the
+ *     next begin; a failure found so is returned by the next begin (the next reply).
+ *
+ * Timing (both modes): each step with an update records timing events at the boundaries of its
+ * parts (compute.h, zd__phase_times_t) in one of a few sets; a set is read once a later wait or
+ * query found its last event complete, and added to the rank's totals (phase_times).
  *
  * Layouts (tile tables of adam_cuda.h) are built once per bucket at registration, on a separate
  * set-up stream (building one waits for its stream, which must not be the rank's: that one may be
@@ -28,6 +37,7 @@
 #include <string.h>
 
 #include "adam_cuda.h"
+#include "clock.h"
 #include "compute.h"
 #include "cuda_check.h"
 #include "exchange_cuda.h"
@@ -41,9 +51,29 @@ _Static_assert(offsetof(zd__step_record_t, nonfinite) == offsetof(zd__cuda_stats
 _Static_assert(offsetof(zd__step_record_t, step) == offsetof(zd__cuda_stats_t, tags), "tags");
 _Static_assert(ZD__CUDA_TAGS == 3, "step, layout_hash, hparam_hash");
 
+/* Timing event sets in flight: a step's set is read some steps later, once found complete. */
+#define TIMING_SETS  8
+#define TIMING_MARKS 5 /* start, scatter end, statistics end, update end, gather end */
+
+typedef struct timing {
+  cudaEvent_t ev[TIMING_MARKS];
+  int state; /* 0: free; 1: being recorded by the running job; 2: recorded, not read yet */
+} timing_t;
+
 typedef struct cuda_compute {
   zd__compute_t base;
   int device;
+  int fast;                  /* cuda_step fast (else legacy) */
+  zd__cuda_waiter_t *waiter; /* fast: the stream's wake-up, shared with the communicator */
+  cudaEvent_t last;          /* fast: recorded by finish_early after the job's work */
+  int deferred;              /* a finish_early left work running that no wait has seen end */
+  uint64_t deferred_since_us;
+  int failed;        /* that work failed with this code: the next begin says so (then 0) */
+  zd__err_t failure; /* ... with this message */
+  timing_t timing[TIMING_SETS];
+  timing_t *cur; /* the running job's set, or NULL */
+  int mark;      /* the next boundary cur records (1..TIMING_MARKS-1) */
+  zd__phase_times_t times;
   cudaStream_t stream; /* the rank's: every kernel, copy and collective of its jobs */
   cudaStream_t setup;  /* layout tables at registration */
   cudaEvent_t done;    /* before freeing: waits until the stream ran out */
@@ -108,6 +138,76 @@ static void note_failed_wait(cuda_compute_t *c) {
 static void leak_warning(const cuda_compute_t *c, const char *what) {
   ZD_LOG_WARN("GPU %d: %s not freed: the rank's stream still has work queued after a failure",
               c->device, what);
+}
+
+/* ---- timing ---------------------------------------------------------------------------------- */
+
+/* Records boundary `m` of the running job's set (at most once, in order; a later boundary also
+ * records the ones the job skipped, as a step without statistics has no statistics part). */
+static void timing_mark(cuda_compute_t *c, int m) {
+  if (!c->cur) return;
+  for (; c->mark <= m; c->mark++)
+    if (cudaEventRecord(c->cur->ev[c->mark], c->stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+      c->cur->state = 0; /* not measured */
+      c->cur = NULL;
+      return;
+    }
+}
+
+/* Adds the sets whose last event has completed to the totals: queries only, no wait. */
+static void timing_harvest(cuda_compute_t *c) {
+  for (int i = 0; i < TIMING_SETS; i++) {
+    timing_t *t = &c->timing[i];
+    if (t->state != 2) continue;
+    cudaError_t e = cudaEventQuery(t->ev[TIMING_MARKS - 1]);
+    if (e == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      continue;
+    }
+    t->state = 0;
+    float ms[TIMING_MARKS - 1];
+    int ok = e == cudaSuccess;
+    for (int k = 0; ok && k < TIMING_MARKS - 1; k++)
+      ok = cudaEventElapsedTime(&ms[k], t->ev[k], t->ev[k + 1]) == cudaSuccess;
+    (void)cudaGetLastError();
+    if (!ok) continue;
+    c->times.steps++;
+    c->times.scatter_us += 1e3 * ms[0];
+    c->times.stats_us += 1e3 * ms[1];
+    c->times.update_us += 1e3 * ms[2];
+    c->times.gather_us += 1e3 * ms[3];
+  }
+}
+
+/* At begin: a free set for this job, or none (every set still in flight: not measured). */
+static void timing_start(cuda_compute_t *c) {
+  c->cur = NULL;
+  timing_harvest(c);
+  for (int i = 0; i < TIMING_SETS && !c->cur; i++)
+    if (c->timing[i].ev[0] && c->timing[i].state == 0) c->cur = &c->timing[i];
+  if (!c->cur) return;
+  c->cur->state = 1;
+  c->mark = 0;
+  timing_mark(c, 0);
+}
+
+/* At finish: a step that ran its update is read later; anything else is not counted. */
+static void timing_end(cuda_compute_t *c) {
+  if (!c->cur) return;
+  if (c->mark == TIMING_MARKS - 1) { /* the last update was queued */
+    timing_mark(c, TIMING_MARKS - 1);
+    if (c->cur) c->cur->state = 2;
+  } else {
+    c->cur->state = 0;
+  }
+  c->cur = NULL;
+}
+
+static void cuda_phase_times(zd__compute_t *base, zd__phase_times_t *out) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  timing_harvest(c);
+  *out = c->times;
 }
 
 /* ---- state --------------------------------------------------------------------------------- */
@@ -214,9 +314,30 @@ static int cuda_begin(zd__compute_t *base, const zd__buffers_t *buf, uint32_t sl
   cuda_compute_t *c = (cuda_compute_t *)base;
   if (buf->device < 0) return ZD_OK;                           /* host buffers: nothing to order */
   zd_assert(slot < ZD__EVENT_SLOTS && buf->grads_ready[slot]); /* checked by the session */
-  set_busy(c, 1); /* until finish sees the stream run out */
+  if (c->failed) { /* an earlier job's work failed after its reply: this reply says so */
+    int rc = c->failed;
+    c->failed = 0;
+    *err = c->failure;
+    return rc;
+  }
+  if (c->deferred) { /* an earlier job's work may still run: has it failed? (a query, no wait) */
+    cudaError_t q = cudaEventQuery(c->last);
+    if (q == cudaSuccess) c->deferred = 0;
+    if (q != cudaSuccess && q != cudaErrorNotReady) {
+      c->deferred = 0;
+      note_failed_wait(c);
+      return zd__cuda_fail(err, q, __FILE__, __LINE__,
+                           "GPU %d: the work of an earlier request (answered before it ran) failed",
+                           c->device);
+    }
+    (void)cudaGetLastError();
+  }
+  set_busy(c, 1); /* until a wait sees the stream run out */
   cudaError_t e = cudaStreamWaitEvent(c->stream, (cudaEvent_t)buf->grads_ready[slot], 0);
-  if (e == cudaSuccess) return ZD_OK;
+  if (e == cudaSuccess) {
+    timing_start(c);
+    return ZD_OK;
+  }
   (void)cudaGetLastError();
   return zd__errf(err, ZD_EBUFFER,
                   "GPU %d: cannot wait on the client's grads_ready[%u] event: %s "
@@ -224,10 +345,11 @@ static int cuda_begin(zd__compute_t *base, const zd__buffers_t *buf, uint32_t sl
                   c->device, slot, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
-static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t *buf,
-                       uint32_t slot, zd__err_t *err) {
-  cuda_compute_t *c = (cuda_compute_t *)base;
+/* Records the client's "params ready" of the slot (CUDA buffers). */
+static int record_params_ready(cuda_compute_t *c, const zd__buffers_t *buf, uint32_t slot,
+                               zd__err_t *err) {
   int rc = ZD_OK;
+  timing_end(c);
   if (buf && buf->device >= 0) {
     zd_assert(slot < ZD__EVENT_SLOTS && buf->params_ready[slot]);
     cudaError_t e = cudaEventRecord((cudaEvent_t)buf->params_ready[slot], c->stream);
@@ -239,18 +361,83 @@ static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_
                     c->device, slot, cudaGetErrorString(e), cudaGetErrorName(e));
     }
   }
+  return rc;
+}
+
+static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t *buf,
+                       uint32_t slot, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  int rc = record_params_ready(c, buf, slot, err);
   /* A CUDA rank always has its NCCL communicator (even at world size 1), which waits for the
    * stream and polls its own asynchronous errors. */
   zd_assert(comm && comm->ops->sync);
   zd__err_t werr = {0};
   int wrc = comm->ops->sync(comm, &werr);
+  c->deferred = 0; /* the wait covered every earlier job's work too */
   if (wrc) {
     note_failed_wait(c);
     *err = werr;
     return wrc;
   }
   set_busy(c, 0); /* everything the job queued has run */
+  timing_harvest(c);
   return rc;
+}
+
+static int cuda_finish_early(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t *buf,
+                             uint32_t slot, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  /* legacy: today's wait; a broken communicator: its sync drains the stream and says why */
+  if (!c->fast || zd__comm_failed(comm)) return cuda_finish(base, comm, buf, slot, err);
+  int rc = record_params_ready(c, buf, slot, err);
+  cudaError_t e = cudaEventRecord(c->last, c->stream);
+  if (e != cudaSuccess) { /* cannot tell when it ends: wait for it now */
+    (void)cudaGetLastError();
+    return cuda_finish(base, comm, buf, slot, err);
+  }
+  if (!c->deferred) c->deferred_since_us = zd__now_us();
+  c->deferred = 1; /* busy stays set until a wait or settle sees the stream run out */
+  return rc;
+}
+
+static int cuda_settle(zd__compute_t *base, zd__comm_t *comm, int wait, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  if (!c->deferred) return ZD_OK;
+  if (!wait && zd__now_us() - c->deferred_since_us < (uint64_t)c->timeout_ms * 1000u) {
+    cudaError_t q = cudaEventQuery(c->last);
+    if (q == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return -EAGAIN;
+    }
+    if (q == cudaSuccess) {
+      c->deferred = 0;
+      set_busy(c, 0); /* c->last follows everything queued: the stream has run out */
+      timing_harvest(c);
+      return ZD_OK;
+    }
+    c->deferred = 0;
+    note_failed_wait(c);
+    int rc =
+        zd__cuda_fail(&c->failure, q, __FILE__, __LINE__,
+                      "GPU %d: the work of a request answered before it ran failed", c->device);
+    c->failed = rc;
+    *err = c->failure;
+    return rc;
+  }
+  /* The communicator's bounded wait, which aborts it on a timeout or an asynchronous error. */
+  zd__err_t werr = {0};
+  int rc = comm->ops->sync(comm, &werr);
+  c->deferred = 0;
+  if (rc) {
+    note_failed_wait(c);
+    c->failed = rc;
+    c->failure = werr;
+    *err = werr;
+    return rc;
+  }
+  set_busy(c, 0);
+  timing_harvest(c);
+  return ZD_OK;
 }
 
 /* ---- the pieces of a step ------------------------------------------------------------------- */
@@ -281,6 +468,7 @@ static int cuda_grad_stats(zd__compute_t *base, const zd__shard_t *s, uint32_t b
   /* The first bucket overwrites the record and writes its tags; the others add to it, in bucket
    * order, as the CPU adds bucket after bucket. */
   uint64_t tags[ZD__CUDA_TAGS] = {rec->step, rec->layout_hash, rec->hparam_hash};
+  if (first) timing_mark(c, 1); /* the scatter's end */
   return zd__cuda_grad_stats(cm->layouts[b], s->grad[b], s->grad_dtype[b],
                              (zd__cuda_stats_t *)cm->d_rec, !first, first ? tags : NULL, c->stream,
                              err);
@@ -317,7 +505,8 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_shard_t *cm = s->cdata;
   const zd__bucket_t *bk = &s->layout->buckets[b];
-  if (cm->d_groups && b == 0) { /* this step's constants, stream-ordered before every bucket */
+  if (b == 0) timing_mark(c, 2); /* the end of the statistics and the decision (or the scatter) */
+  if (cm->d_groups && b == 0) {  /* this step's constants, stream-ordered before every bucket */
     int rc = zd__cuda_groups_upload(cm->d_groups, consts, s->ngroups, c->stream, err);
     if (rc) return rc;
   }
@@ -333,7 +522,9 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
   };
   for (int i = 0; i < ZD__NSTATES; i++) /* bucket b's part of every array the shard has */
     a.state[i] = s->state[i] ? s->state[i] + bk->shard_base : NULL;
-  return zd__cuda_adam_step(cm->layouts[b], &a, c->stream, err);
+  int rc = zd__cuda_adam_step(cm->layouts[b], &a, c->stream, err);
+  if (!rc && b + 1 == s->layout->nbuckets) timing_mark(c, 3); /* the update's end */
+  return rc;
 }
 
 /* Loop thread, between jobs (compute.h): c->device and c->stream are set once at create. */
@@ -344,10 +535,15 @@ static int cuda_stream_idle(zd__compute_t *base) {
 
 static void cuda_destroy(zd__compute_t *base) {
   cuda_compute_t *c = (cuda_compute_t *)base;
+  for (int i = 0; i < TIMING_SETS; i++)
+    for (int k = 0; k < TIMING_MARKS; k++)
+      if (c->timing[i].ev[k]) cudaEventDestroy(c->timing[i].ev[k]);
+  if (c->last) cudaEventDestroy(c->last);
   if (c->done) cudaEventDestroy(c->done);
   if (c->setup) cudaStreamDestroy(c->setup);
   if (c->stream) cudaStreamDestroy(c->stream); /* returns at once; queued work still completes */
   (void)cudaGetLastError();
+  zd__cuda_waiter_destroy(c->waiter); /* kept if a wake-up is still queued */
   free(c);
 }
 
@@ -359,6 +555,9 @@ static const zd__compute_ops_t cuda_ops = {
     .shard_fini = cuda_shard_fini,
     .begin = cuda_begin,
     .finish = cuda_finish,
+    .finish_early = cuda_finish_early,
+    .settle = cuda_settle,
+    .phase_times = cuda_phase_times,
     .exchange = cuda_exchange,
     .grad_stats = cuda_grad_stats,
     .gather_records = cuda_gather_records,
@@ -367,7 +566,8 @@ static const zd__compute_ops_t cuda_ops = {
     .destroy = cuda_destroy,
 };
 
-int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd__err_t *err) {
+int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t **out,
+                            zd__err_t *err) {
   zd__err_t check = {0};
   if (zd__cuda_device_check(device, &check) != ZD_OK)
     return zd__errf(err, ZD_EBACKEND, "%s", check.msg);
@@ -377,6 +577,7 @@ int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd_
   c->base.name = "cuda";
   c->device = device;
   c->timeout_ms = timeout_ms;
+  c->fast = fast;
   int rc = ZD_OK;
   ZD_CUDA_GOTO(err, rc, fail, cudaSetDevice(device), "cudaSetDevice(%d)", device);
   ZD_CUDA_GOTO(err, rc, fail, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
@@ -385,6 +586,13 @@ int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd_
                "GPU %d: cudaStreamCreate", device);
   ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming),
                "GPU %d: cudaEventCreate", device);
+  ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->last, cudaEventDisableTiming),
+               "GPU %d: cudaEventCreate", device);
+  for (int i = 0; i < TIMING_SETS; i++) /* with timing: the parts of a step (phase_times) */
+    for (int k = 0; k < TIMING_MARKS; k++)
+      ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->timing[i].ev[k], cudaEventDefault),
+                   "GPU %d: cudaEventCreate", device);
+  if (fast && (rc = zd__cuda_waiter_create(&c->waiter, err))) goto fail;
   /* Nothing is queued yet: load every kernel the rank launches now, not at its first launch
    * behind a wait for the client or a peer (exchange_cuda.h, adam_cuda.h). */
   if ((rc = zd__cuda_exchange_preload(err))) goto fail;
@@ -398,4 +606,8 @@ fail:
 
 void *zd__compute_cuda_stream(zd__compute_t *base) {
   return ((cuda_compute_t *)base)->stream;
+}
+
+void *zd__compute_cuda_waiter(zd__compute_t *base) {
+  return ((cuda_compute_t *)base)->waiter;
 }

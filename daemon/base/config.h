@@ -41,6 +41,7 @@ typedef struct zd__config {
   uint32_t threads;     /* kernel threads; 0: one per CPU */
   uint32_t pin_threads; /* bind them to CPUs of their own (pool.h) */
   char *kernel_isa;     /* auto | avx512bf16 | avx512 | avx2 | scalar */
+  char *cuda_step;      /* fast | legacy: how a CUDA rank waits and answers (rank.h) */
   /* world */
   uint32_t local_ranks;      /* R */
   uint32_t world_size;       /* W; 0: local_ranks (a single-node world) */

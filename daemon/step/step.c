@@ -60,6 +60,16 @@ static int job_end(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, uint32_t
   return end;
 }
 
+/* The end of a job whose reply is known once its work is queued (a scatter, a gather, a step
+ * past its decision): the backend may answer without waiting for the work (compute.h,
+ * finish_early); a failed job waits as every job does. */
+static int job_end_early(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, uint32_t slot, int rc,
+                         zd__err_t *err) {
+  const zd__compute_ops_t *ops = ctx->compute->ops;
+  if (rc || !ops->finish_early) return job_end(ctx, buf, slot, rc, err);
+  return ops->finish_early(ctx->compute, ctx->comm, buf, slot, err);
+}
+
 static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                           int32_t bucket, zd__err_t *err);
 
@@ -335,14 +345,14 @@ int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffe
                       uint32_t slot, int32_t bucket, zd__err_t *err) {
   int rc = job_begin(ctx, buf, slot, err);
   if (!rc) rc = scatter_buckets(ctx, m, buf, bucket, err);
-  return job_end(ctx, buf, slot, rc, err);
+  return job_end_early(ctx, buf, slot, rc, err);
 }
 
 int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                      uint32_t slot, int32_t bucket, zd__err_t *err) {
   int rc = job_begin(ctx, buf, slot, err);
   if (!rc) rc = gather_buckets(ctx, m, buf, bucket, err);
-  return job_end(ctx, buf, slot, rc, err);
+  return job_end_early(ctx, buf, slot, rc, err);
 }
 
 /* Checks the records of every rank (all) against this rank's: every rank must be about to apply
@@ -525,7 +535,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (dec.skip) {
     m->scaler = st.scaler;
     m->steps_skipped = st.steps_skipped;
-    rc = job_end(ctx, buf, slot, ZD_OK, err); /* skipped: parameters unchanged, nothing to gather */
+    rc = job_end_early(ctx, buf, slot, ZD_OK, err); /* skipped: parameters unchanged, no gather */
     if (!rc && checkpoint) snapshot_after_step(ctx, m);
     out->duration_us = zd__now_us() - t0;
     return rc;
@@ -544,7 +554,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   m->step = st.step;
   m->scaler = st.scaler;
   if (gather) rc = gather_buckets(ctx, m, buf, -1, err);
-  rc = job_end(ctx, buf, slot, rc, err);
+  rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
   out->duration_us = zd__now_us() - t0;
   if (rc) {

@@ -86,6 +86,7 @@ static const char *const all_names[] = {"socket",
                                         "threads",
                                         "pin_threads",
                                         "kernel_isa",
+                                        "cuda_step",
                                         "local_ranks",
                                         "world_size",
                                         "first_rank",
@@ -140,6 +141,7 @@ static void test_defaults(void) {
   CHECK_INT_EQ(cfg.threads, 0);
   CHECK_INT_EQ(cfg.pin_threads, 1);
   CHECK_STR_EQ(cfg.kernel_isa, "auto");
+  CHECK_STR_EQ(cfg.cuda_step, "fast");
   CHECK_INT_EQ(cfg.local_ranks, 1);
   CHECK_INT_EQ(cfg.world_size, 1); /* 0 resolves to local_ranks */
   CHECK_INT_EQ(cfg.first_rank, 0);
