@@ -360,6 +360,12 @@ static int nccl_allgather_bytes(zd__comm_t *comm, const void *send, size_t bytes
   return ZD_OK;
 }
 
+int zd__comm_nccl_probe(void *comm, zd__err_t *err) {
+  nccl_comm_t *c = comm;
+  if (c->code) return broken(c, err);
+  return probe(c, err);
+}
+
 void zd__comm_nccl_set_waiter(zd__comm_t *comm, void *waiter) {
   ((nccl_comm_t *)comm)->waiter = waiter;
 }

@@ -28,6 +28,9 @@
  *   gather_records    all-gather of the step records (the commit point), into host memory
  *   update            the fused AdamW/Adam update of one bucket, writing working parameters
  *   phase_times       (CUDA) where the GPU time of the steps went, from timing events
+ *   queue_decision /  (CUDA, cuda_step fast) the records' all-gather and the step's decision on
+ *   wait_decision     the device, queued before the update with no host wait in between, and the
+ *                     wait for the decision alone (step.c checks it against its own)
  *
  * CPU (compute_cpu.c): host memory (mmap, huge pages), the fork-join pool and the SIMD kernels of
  * kernels/adam.h; begin and finish do nothing (every operation is complete when it returns).
@@ -92,6 +95,8 @@ typedef struct zd__step_record {
 } zd__step_record_t;
 
 typedef struct zd__compute zd__compute_t;
+struct zd__cuda_decide_args; /* kernels/step_decide.h */
+struct zd__cuda_decision;
 
 /* Where a step's GPU time went (phase_times): from the job's start on the stream (after the wait
  * for the client's "grads ready") to the first statistics or update (scatter), to the first
@@ -171,6 +176,23 @@ typedef struct zd__compute_ops {
    * wait of their own): a step is counted some time after it ran. Worker thread. NULL: not
    * measured (CPU: the host's clock in the model's counters says it). */
   void (*phase_times)(zd__compute_t *c, struct zd__phase_times *out);
+  /* The decision on the device, for a step with statistics (CUDA in cuda_step fast, with the
+   * decision kernel of kernels/adam_cuda.h; NULL elsewhere: the step gathers the records with
+   * gather_records and decides on the host). queue_decision, after grad_stats of every bucket
+   * (which sealed this rank's record with its check word), queues with no wait: the receive
+   * buffer of the records filled with 0xFF bytes (a record the all-gather does not write whole
+   * fails its check), the records' all-gather, the decision kernel over them (a: everything but
+   * the records; kernels/step_decide.h), and one copy of the decision and of the records into
+   * pinned host memory. Until the job's finish, update then runs only where that decision's
+   * verdict is APPLY, with its gradient factor (update's grad_scale is ignored). wait_decision,
+   * once the update (and the gather) are queued, waits for that copy alone, bounded and polling
+   * the communicator as finish does, and returns the device's decision and every rank's record
+   * as copied. Errors: the communicator's (ZD_EPEER, -ETIMEDOUT: it is then aborted),
+   * ZD_EBACKEND, -ENOMEM. */
+  int (*queue_decision)(zd__compute_t *c, zd__comm_t *comm, const zd__shard_t *s,
+                        const struct zd__cuda_decide_args *a, zd__err_t *err);
+  int (*wait_decision)(zd__compute_t *c, zd__comm_t *comm, const zd__shard_t *s,
+                       struct zd__cuda_decision *dec, zd__step_record_t *all, zd__err_t *err);
   void (*destroy)(zd__compute_t *c);
 } zd__compute_ops_t;
 

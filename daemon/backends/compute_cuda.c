@@ -70,6 +70,13 @@ typedef struct cuda_compute {
   uint64_t deferred_since_us;
   int failed;        /* that work failed with this code: the next begin says so (then 0) */
   zd__err_t failure; /* ... with this message */
+  /* fast, a step with statistics (queue_decision): the decision, in device and pinned host memory
+   * (zd__cuda_decision_t; allocated at the first), the event and wake-up generation after its
+   * copy, and the decision this job's updates read (NULL: none, they run with their grad_scale) */
+  void *d_dec, *h_dec;
+  cudaEvent_t decided;
+  uint32_t decided_gen;
+  const void *decision;
   timing_t timing[TIMING_SETS];
   timing_t *cur; /* the running job's set, or NULL */
   int mark;      /* the next boundary cur records (1..TIMING_MARKS-1) */
@@ -350,6 +357,7 @@ static int record_params_ready(cuda_compute_t *c, const zd__buffers_t *buf, uint
                                zd__err_t *err) {
   int rc = ZD_OK;
   timing_end(c);
+  c->decision = NULL; /* the job's updates are queued */
   if (buf && buf->device >= 0) {
     zd_assert(slot < ZD__EVENT_SLOTS && buf->params_ready[slot]);
     cudaError_t e = cudaEventRecord((cudaEvent_t)buf->params_ready[slot], c->stream);
@@ -522,10 +530,81 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
   };
   for (int i = 0; i < ZD__NSTATES; i++) /* bucket b's part of every array the shard has */
     a.state[i] = s->state[i] ? s->state[i] + bk->shard_base : NULL;
+#ifdef ZD__RECORD_CHECKED
+  a.d_decision = c->decision; /* queue_decision's: the update runs only where it says APPLY */
+#endif
   int rc = zd__cuda_adam_step(cm->layouts[b], &a, c->stream, err);
   if (!rc && b + 1 == s->layout->nbuckets) timing_mark(c, 3); /* the update's end */
   return rc;
 }
+
+/* ---- the decision on the device (cuda_step fast) -------------------------------------------- */
+
+#ifdef ZD__RECORD_CHECKED /* kernels/step_decide.h's check word and decision kernel */
+static int cuda_queue_decision(zd__compute_t *base, zd__comm_t *comm, const zd__shard_t *s,
+                               const zd__cuda_decide_args_t *a, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  cuda_shard_t *cm = s->cdata;
+  if (!comm->ops->allgather_device || !c->waiter)
+    return zd__errf(err, ZD_EINTERNAL, "the decision on the device needs a device communicator");
+  if (!c->d_dec) {
+    ZD_CUDA_TRY(err, cudaMalloc(&c->d_dec, sizeof(zd__cuda_decision_t)),
+                "GPU %d: cudaMalloc of the decision", c->device);
+    ZD_CUDA_TRY(err, cudaMallocHost(&c->h_dec, sizeof(zd__cuda_decision_t)),
+                "GPU %d: cudaMallocHost of the decision", c->device);
+  }
+  size_t rec = sizeof(zd__step_record_t), bytes = rec * cm->world_size;
+  /* A record the all-gather does not write whole (a peer failed in it) fails its check word. */
+  ZD_CUDA_TRY(err, cudaMemsetAsync(cm->d_all, 0xFF, bytes, c->stream),
+              "GPU %d: poisoning the records' receive buffer", c->device);
+  int rc = comm->ops->allgather_device(comm, cm->d_rec, rec, cm->d_all, err);
+  if (rc) return rc;
+  zd__cuda_decide_args_t da = *a;
+  da.d_all = (const zd__cuda_stats_t *)cm->d_all;
+  rc = zd__cuda_step_decide(&da, c->d_dec, c->stream, err);
+  if (rc) return rc;
+  ZD_CUDA_TRY(err,
+              cudaMemcpyAsync(c->h_dec, c->d_dec, sizeof(zd__cuda_decision_t),
+                              cudaMemcpyDeviceToHost, c->stream),
+              "GPU %d: copying the decision to the host", c->device);
+  ZD_CUDA_TRY(err, cudaMemcpyAsync(cm->h_all, cm->d_all, bytes, cudaMemcpyDeviceToHost, c->stream),
+              "GPU %d: copying %zu bytes of step records to the host", c->device, bytes);
+  rc = zd__cuda_waiter_mark(c->waiter, c->stream, c->decided, &c->decided_gen,
+                            "the step's decision", err);
+  if (rc) return rc;
+  c->decision = c->d_dec;
+  return ZD_OK;
+}
+
+static int cuda_wait_decision(zd__compute_t *base, zd__comm_t *comm, const zd__shard_t *s,
+                              zd__cuda_decision_t *dec, zd__step_record_t *all, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  cuda_shard_t *cm = s->cdata;
+  /* NCCL's asynchronous errors, polled every millisecond; an in-process communicator has none */
+  zd__cuda_probe_fn probe = !strcmp(comm->backend, "nccl") ? zd__comm_nccl_probe : NULL;
+  zd__err_t werr = {0};
+  int rc = zd__cuda_waiter_wait(c->waiter, c->decided_gen, c->decided, c->timeout_ms, probe, comm,
+                                "the step's decision", &werr);
+  if (rc) {
+    /* As sync does on a failed wait: the communicator is aborted (its kernels exit) and the
+     * stream drains, bounded; the rank is then degraded. */
+    if (rc == -ETIMEDOUT)
+      zd__errf(&werr, rc,
+               "the step's decision not complete within %d ms (collective_timeout_ms): a peer is "
+               "gone or stalled; NCCL communicator aborted",
+               c->timeout_ms);
+    zd__comm_abort(comm, rc, werr.msg);
+    zd__err_t ignored = {0};
+    (void)comm->ops->sync(comm, &ignored);
+    note_failed_wait(c);
+    *err = werr;
+    return rc;
+  }
+  memcpy(dec, c->h_dec, sizeof *dec);
+  memcpy(all, cm->h_all, sizeof *all * cm->world_size);
+  return ZD_OK;
+}
+#endif
 
 /* Loop thread, between jobs (compute.h): c->device and c->stream are set once at create. */
 static int cuda_stream_idle(zd__compute_t *base) {
@@ -539,6 +618,9 @@ static void cuda_destroy(zd__compute_t *base) {
     for (int k = 0; k < TIMING_MARKS; k++)
       if (c->timing[i].ev[k]) cudaEventDestroy(c->timing[i].ev[k]);
   if (c->last) cudaEventDestroy(c->last);
+  if (c->decided) cudaEventDestroy(c->decided);
+  if (!c->stuck && c->d_dec) cudaFree(c->d_dec); /* the model was freed first: the stream drained */
+  if (!c->stuck && c->h_dec) cudaFreeHost(c->h_dec);
   if (c->done) cudaEventDestroy(c->done);
   if (c->setup) cudaStreamDestroy(c->setup);
   if (c->stream) cudaStreamDestroy(c->stream); /* returns at once; queued work still completes */
@@ -547,7 +629,26 @@ static void cuda_destroy(zd__compute_t *base) {
   free(c);
 }
 
+/* cuda_step legacy: a job's finish waits for its work, and the host decides. */
 static const zd__compute_ops_t cuda_ops = {
+    .alloc = cuda_alloc,
+    .release = cuda_release,
+    .copy_state = cuda_copy_state,
+    .shard_init = cuda_shard_init,
+    .shard_fini = cuda_shard_fini,
+    .begin = cuda_begin,
+    .finish = cuda_finish,
+    .phase_times = cuda_phase_times,
+    .exchange = cuda_exchange,
+    .grad_stats = cuda_grad_stats,
+    .gather_records = cuda_gather_records,
+    .update = cuda_update,
+    .stream_idle = cuda_stream_idle,
+    .destroy = cuda_destroy,
+};
+
+/* cuda_step fast: the same, with the early finish and the decision on the device. */
+static const zd__compute_ops_t cuda_ops_fast = {
     .alloc = cuda_alloc,
     .release = cuda_release,
     .copy_state = cuda_copy_state,
@@ -562,6 +663,10 @@ static const zd__compute_ops_t cuda_ops = {
     .grad_stats = cuda_grad_stats,
     .gather_records = cuda_gather_records,
     .update = cuda_update,
+#ifdef ZD__RECORD_CHECKED
+    .queue_decision = cuda_queue_decision,
+    .wait_decision = cuda_wait_decision,
+#endif
     .stream_idle = cuda_stream_idle,
     .destroy = cuda_destroy,
 };
@@ -573,7 +678,7 @@ int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t 
     return zd__errf(err, ZD_EBACKEND, "%s", check.msg);
   cuda_compute_t *c = calloc(1, sizeof *c);
   if (!c) return zd__errf(err, -ENOMEM, "out of memory");
-  c->base.ops = &cuda_ops;
+  c->base.ops = fast ? &cuda_ops_fast : &cuda_ops;
   c->base.name = "cuda";
   c->device = device;
   c->timeout_ms = timeout_ms;
@@ -587,6 +692,8 @@ int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t 
   ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming),
                "GPU %d: cudaEventCreate", device);
   ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->last, cudaEventDisableTiming),
+               "GPU %d: cudaEventCreate", device);
+  ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->decided, cudaEventDisableTiming),
                "GPU %d: cudaEventCreate", device);
   for (int i = 0; i < TIMING_SETS; i++) /* with timing: the parts of a step (phase_times) */
     for (int k = 0; k < TIMING_MARKS; k++)

@@ -94,22 +94,26 @@ void zd__cuda_waiter_destroy(zd__cuda_waiter_t *w) {
   free(w);
 }
 
-int zd__cuda_stream_wait(zd__cuda_waiter_t *w, cudaStream_t stream, cudaEvent_t event,
-                         int timeout_ms, zd__cuda_probe_fn probe, void *ctx, const char *what,
-                         zd__err_t *err) {
+int zd__cuda_waiter_mark(zd__cuda_waiter_t *w, cudaStream_t stream, cudaEvent_t event,
+                         uint32_t *gen, const char *what, zd__err_t *err) {
   cudaError_t e = cudaLaunchHostFunc(stream, waiter_fire, w);
   if (e != cudaSuccess)
     return zd__cuda_fail(err, e, __FILE__, __LINE__, "queueing the wake-up after %s", what);
-  uint32_t target = ++w->issued;
+  *gen = ++w->issued;
   e = cudaEventRecord(event, stream);
   if (e != cudaSuccess)
     return zd__cuda_fail(err, e, __FILE__, __LINE__, "recording an event after %s", what);
+  return ZD_OK;
+}
+
+int zd__cuda_waiter_wait(zd__cuda_waiter_t *w, uint32_t gen, cudaEvent_t event, int timeout_ms,
+                         zd__cuda_probe_fn probe, void *ctx, const char *what, zd__err_t *err) {
   uint64_t deadline = zd__now_us() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
   for (;;) {
     uint32_t v = __atomic_load_n(&w->fired, __ATOMIC_ACQUIRE);
-    if ((int32_t)(v - target) >= 0) return ZD_OK; /* everything queued before it has run */
+    if ((int32_t)(v - gen) >= 0) return ZD_OK; /* everything queued before the mark has run */
     /* The host function may never run (the stream's work failed): the event says so. */
-    e = cudaEventQuery(event);
+    cudaError_t e = cudaEventQuery(event);
     if (e == cudaSuccess) return ZD_OK;
     if (e != cudaErrorNotReady)
       return zd__cuda_fail(err, e, __FILE__, __LINE__, "GPU work of %s failed", what);
@@ -126,4 +130,12 @@ int zd__cuda_stream_wait(zd__cuda_waiter_t *w, cudaStream_t stream, cudaEvent_t 
     /* Returns at once if the counter moved since v was read (no lost wake-up). */
     syscall(SYS_futex, &w->fired, FUTEX_WAIT_PRIVATE, v, &ts, NULL, 0);
   }
+}
+
+int zd__cuda_stream_wait(zd__cuda_waiter_t *w, cudaStream_t stream, cudaEvent_t event,
+                         int timeout_ms, zd__cuda_probe_fn probe, void *ctx, const char *what,
+                         zd__err_t *err) {
+  uint32_t gen;
+  int rc = zd__cuda_waiter_mark(w, stream, event, &gen, what, err);
+  return rc ? rc : zd__cuda_waiter_wait(w, gen, event, timeout_ms, probe, ctx, what, err);
 }

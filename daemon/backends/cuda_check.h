@@ -85,4 +85,12 @@ int zd__cuda_stream_wait(zd__cuda_waiter_t *w, cudaStream_t stream, cudaEvent_t 
                          int timeout_ms, zd__cuda_probe_fn probe, void *ctx, const char *what,
                          zd__err_t *err);
 
+/* zd__cuda_stream_wait in two halves, for a wait on a point in the middle of a stream's work:
+ * mark queues the host function and records `event` now and sets *gen; wait (later, with more
+ * work queued behind the point) waits for that point alone. Errors: as zd__cuda_stream_wait. */
+int zd__cuda_waiter_mark(zd__cuda_waiter_t *w, cudaStream_t stream, cudaEvent_t event,
+                         uint32_t *gen, const char *what, zd__err_t *err);
+int zd__cuda_waiter_wait(zd__cuda_waiter_t *w, uint32_t gen, cudaEvent_t event, int timeout_ms,
+                         zd__cuda_probe_fn probe, void *ctx, const char *what, zd__err_t *err);
+
 #endif /* ZD_DAEMON_CUDA_CHECK_H */

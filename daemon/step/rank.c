@@ -132,12 +132,13 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
   if (job->type == ZD__JOB_SCATTER && job->code == ZD_OK) s->scatters++;
   if (job->type == ZD__JOB_GATHER && job->code == ZD_OK) s->gathers++;
   /* A failed collective breaks the communicator for good, and a failure of the device leaves its
-   * state in doubt: the rank is degraded. (A registration barrier that timed out, or a peer that
+   * state in doubt (as does a device decision the host disagrees with: ZD_EINTERNAL): the rank is
+   * degraded. (A registration barrier that timed out, or a peer that
    * refused a step, leaves the communicator healthy: not degraded.) */
   /* The first failure is the reason: a job refused because the rank was degraded already must not
    * wrap it again ("rank 0 is degraded: rank 0 is degraded: ..."). */
   if (job->code && job->code != ZD_EDEGRADED &&
-      (job->code == ZD_EBACKEND || zd__comm_failed(r->ctx.comm))) {
+      (job->code == ZD_EBACKEND || job->code == ZD_EINTERNAL || zd__comm_failed(r->ctx.comm))) {
     if (s->health != ZD__HEALTH_DEGRADED) ZD_LOG_ERROR("rank degraded: %s", job->err.msg);
     s->health = ZD__HEALTH_DEGRADED;
     snprintf(s->degraded_reason, sizeof s->degraded_reason, "%s", job->err.msg);
