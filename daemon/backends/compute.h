@@ -137,11 +137,12 @@ typedef struct zd__compute_ops {
    * next reply says it. NULL: nothing is ever left running. */
   int (*settle)(zd__compute_t *c, zd__comm_t *comm, int wait, zd__err_t *err);
   /* 1 when nothing of the rank's jobs is left on its device stream, as the worker last saw it:
-   * every job's finish waited for its work, or a failed wait found the stream run out (or the
-   * device failed: nothing more runs); else 0. Unlike the other operations it may be called from
-   * the loop thread while the worker is between jobs: it reads a flag the worker keeps (an
-   * atomic), no CUDA call that could block behind a stuck teardown. NULL: always idle (the CPU
-   * backend: every operation is complete when it returns). */
+   * every job's finish (or, after a finish_early, settle or a later wait) saw its work complete,
+   * or a failed wait found the stream run out (or the device failed: nothing more runs); else 0.
+   * Unlike the other operations it may be called from the loop thread while the worker is between
+   * jobs: it reads a flag the worker keeps (an atomic), no CUDA call that could block behind a
+   * stuck teardown. NULL: always idle (the CPU backend: every operation is complete when it
+   * returns). */
   int (*stream_idle)(zd__compute_t *c);
   /* to_client: master -> param buffer (resume), else param buffer -> master (a new model); only
    * the elements the segments cover. */

@@ -7,13 +7,16 @@
  * (finish). A slot's events belong to one request at a time (the client reuses a slot only after
  * its reply, and every call naming the slot's events is made before the reply), so each wait
  * covers exactly the client's work before that request, never a later request's. The worker
- * thread waits for the GPU at two places only, both through the communicator's bounded sync
- * (comm.h):
- *   - gather_records, when the step needs statistics: the statistics kernels write this rank's
- *     record in device memory, NCCL all-gathers the records there, and one 40 * W byte copy
- *     brings them to pinned host memory, where step.c checks the agreement and takes the decision.
- *     The update is queued only after that: an abort (a peer died during the all-gather) cannot be
- *     followed by an update computed from a half-gathered record, so a failed step changes nothing.
+ * thread waits for the GPU at two places only, both bounded and polling the communicator
+ * (cuda_step legacy: an event polled, spinning then sleeping; fast: the stream's wake-up,
+ * cuda_check.h):
+ *   - when the step needs statistics: the statistics kernels write this rank's record in device
+ *     memory and NCCL all-gathers the records there. Legacy (gather_records): one copy brings them
+ *     to pinned host memory, where step.c checks the agreement and takes the decision, and the
+ *     update is queued only after that. Fast (queue_decision, wait_decision): the receive buffer
+ *     is poisoned first, a kernel takes the decision from the gathered records, the update kernels
+ *     read it (they do nothing unless it says APPLY), and the host waits, once the update is
+ *     queued, for the copy of the decision and the records alone, and checks it (step.c).
  *   - finish, before the job's reply: the reply says what happened (applied, norm, scale, or the
  *     peer failure), and the session may release the client's buffers once no job is in flight.
  *     cuda_step fast: a scatter's, a gather's or a step's reply is known once the work is queued
