@@ -392,6 +392,7 @@ static void test_errors(void) {
                "ZEROD_BACKEND=gpu", "backend must be one of auto, cpu, cuda", NULL);
   expect_error(ARGV("--kernel-isa", "sse"), no_env, ZD_ECONFIG, "kernel_isa",
                "auto, avx512bf16, avx512, avx2, scalar", NULL);
+  expect_error(ARGV("--cuda-step", "slow"), no_env, ZD_ECONFIG, "cuda_step", "fast, legacy", NULL);
   expect_error(ARGV("--log_level=verbose"), no_env, ZD_ECONFIG, "log_level",
                "error, warn, info, debug", NULL);
   expect_error(ARGV("--socket-mode=0668"), no_env, ZD_ECONFIG, "--socket-mode=0668",
