@@ -99,6 +99,14 @@ int zd__comm_gloo_create(const struct zd__gloo_opts *opts, zd__comm_t **out, zd_
 int zd__comm_nccl_create(const void *id, uint32_t rank, uint32_t world_size, int device,
                          void *stream, int connect_timeout_ms, int collective_timeout_ms,
                          const atomic_int *stop, zd__comm_t **out, zd__err_t *err);
+/* cuda_step fast: sync sleeps until the rank's stream wakes `waiter` (a zd__cuda_waiter_t of
+ * that stream, cuda_check.h, which outlives the communicator) instead of polling an event. Call
+ * on the rank's worker before the communicator's first sync. */
+void zd__comm_nccl_set_waiter(zd__comm_t *comm, void *waiter);
+/* For a wait of the rank's worker on its stream outside sync (a zd__cuda_probe_fn, cuda_check.h;
+ * comm: the zd__comm_t): ZD_OK, or the communicator's asynchronous error or a pending abort
+ * request (code and message). Aborts nothing: the caller then aborts it and lets sync drain it. */
+int zd__comm_nccl_probe(void *comm, zd__err_t *err);
 /* A fresh ncclUniqueId (128 bytes) into id: rank 0's part of the bootstrap. */
 int zd__comm_nccl_unique_id(void *id, size_t len, zd__err_t *err);
 /* A group communicator (comm_cuda_group.c): the `size` ranks of a world that live in this process

@@ -3,10 +3,12 @@
  *
  * reduce_scatter and all_gather queue ncclReduceScatter (sum, in the gradients' own dtype) and an
  * in-place ncclAllGather; allgather_device the all-gather of the step record. None of them waits
- * for the GPU: sync does, bounded by collective_timeout_ms (compute_cuda.c calls it at the two
- * places a job waits). At world size 1 the reduce-scatter is no operation at all (the shard is the
- * client's own slice, read in place as on the CPU) and the one-rank all-gathers are NCCL's
- * in-place no-ops.
+ * for the GPU: sync does, bounded by collective_timeout_ms (compute_cuda.c calls it where a job
+ * waits): by polling an event (cuda_step legacy) or, once the rank gave the communicator its
+ * stream's waiter (zd__comm_nccl_set_waiter, cuda_step fast), asleep until the stream wakes it,
+ * probing NCCL's asynchronous errors every millisecond (cuda_check.h). At world size 1 the
+ * reduce-scatter is no operation at all (the shard is the client's own slice, read in place as on
+ * the CPU) and the one-rank all-gathers are NCCL's in-place no-ops.
  *
  * A dead peer must not hang the daemon. The communicator is created non-blocking
  * (ncclConfig_t.blocking = 0): no NCCL call blocks, a call that answers ncclInProgress is polled
@@ -53,8 +55,9 @@ typedef struct nccl_comm {
   zd__comm_t base;
   ncclComm_t nccl; /* NULL once handed to the teardown thread */
   int device;
-  cudaStream_t stream; /* the rank's; not owned */
-  cudaEvent_t done;    /* recorded by sync */
+  cudaStream_t stream;       /* the rank's; not owned */
+  cudaEvent_t done;          /* recorded by sync */
+  zd__cuda_waiter_t *waiter; /* the stream's wake-up (cuda_step fast); not owned; NULL: poll */
   int timeout_ms;
   int code;                   /* non-zero: broken, for the reason below */
   atomic_int abort_requested; /* set from another thread: the waits give up, the comm aborts */
@@ -219,7 +222,7 @@ static int nccl_sync(zd__comm_t *comm, zd__err_t *err) {
     drain(c);
     return broken(c, err);
   }
-  cudaError_t e = cudaEventRecord(c->done, c->stream);
+  cudaError_t e = c->waiter ? cudaSuccess : cudaEventRecord(c->done, c->stream);
   if (e != cudaSuccess) {
     zd__err_t cerr = {0};
     zd__cuda_fail(&cerr, e, __FILE__, __LINE__, "GPU %d: cudaEventRecord", c->device);
@@ -227,7 +230,10 @@ static int nccl_sync(zd__comm_t *comm, zd__err_t *err) {
     return broken(c, err);
   }
   zd__err_t werr = {0};
-  int rc = zd__cuda_event_wait(c->done, c->timeout_ms, probe, c, "the rank's GPU work", &werr);
+  int rc = c->waiter ? zd__cuda_stream_wait(c->waiter, c->stream, c->done, c->timeout_ms, probe, c,
+                                            "the rank's GPU work", &werr)
+                     : zd__cuda_event_wait(c->done, c->timeout_ms, probe, c, "the rank's GPU work",
+                                           &werr);
   if (rc == ZD_OK) return ZD_OK;
   if (rc == -ETIMEDOUT)
     abort_comm(c, -ETIMEDOUT,
@@ -352,6 +358,16 @@ static int nccl_allgather_bytes(zd__comm_t *comm, const void *send, size_t bytes
   memcpy(recv, c->h_stage, total);
   free_stages(c, 0); /* the stream is idle now */
   return ZD_OK;
+}
+
+int zd__comm_nccl_probe(void *comm, zd__err_t *err) {
+  nccl_comm_t *c = comm;
+  if (c->code) return broken(c, err);
+  return probe(c, err);
+}
+
+void zd__comm_nccl_set_waiter(zd__comm_t *comm, void *waiter) {
+  ((nccl_comm_t *)comm)->waiter = waiter;
 }
 
 static int nccl_failed(const zd__comm_t *comm) {

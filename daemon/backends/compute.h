@@ -16,7 +16,8 @@
  *                     buffers (CUDA: the stream waits on the "grads ready" event of the job's
  *                     event slot); finish orders the client after the job (CUDA: records the
  *                     slot's "params ready") and waits until the job's work is complete, bounded
- *                     by the collective timeout
+ *                     by the collective timeout; finish_early may instead return once the work
+ *                     is queued (CUDA, cuda_step fast), and settle then sees it complete
  *   stream_idle       whether the rank's device work has run out (before the session closes a
  *                     client's CUDA IPC mappings)
  *   exchange          master weights <-> the client's param buffer over this rank's shard
@@ -33,18 +34,23 @@
  *                     bit for bit as that torch does at world size 1
  *   gather_records    all-gather of the step records (the commit point), into host memory
  *   update            the fused AdamW/Adam update of one bucket, writing working parameters
+ *   phase_times       (CUDA) where the GPU time of the steps went, from timing events
+ *   queue_decision /  (CUDA, cuda_step fast) the records' all-gather and the step's decision on
+ *   wait_decision     the device, queued before the update with no host wait in between, and the
+ *                     wait for the decision alone (step.c checks it against its own)
  *
  * CPU (compute_cpu.c): host memory (mmap, huge pages), the fork-join pool and the SIMD kernels of
  * kernels/adam.h; begin and finish do nothing (every operation is complete when it returns).
  * CUDA (compute_cuda.c): device memory, one non-blocking stream per rank, the launchers of
  * kernels/adam_cuda.h. Everything is queued on the rank's stream; in a job the worker thread
- * waits for the GPU in exactly two places, both bounded by collective_timeout_ms with the
+ * waits for the GPU in at most two places, both bounded by collective_timeout_ms with the
  * communicator's asynchronous errors polled (docs/design.md, "Where the host waits"):
  * gather_records when the step needs statistics (to read every rank's record), and finish (before
- * the job's reply). Registration also waits for its layout tables (on a stream of its own) and a
- * resume for its restore (bounded by the checkpoint timeout), and freeing state waits (bounded)
- * for the rank's stream to run out. A snapshot is waited for by the checkpoint writer's thread,
- * not the worker (fence_wait, bounded).
+ * the job's reply; with finish_early in cuda_step fast not at all, and settle waits between jobs).
+ * Registration also waits for its layout tables (on a stream of its own) and a resume for its
+ * restore (bounded by the checkpoint timeout), and freeing state waits (bounded) for the rank's
+ * stream to run out. A snapshot is waited for by the checkpoint writer's thread, not the worker
+ * (fence_wait, bounded).
  *
  * A compute object belongs to one rank and is used by one thread at a time: its worker, or the
  * loop thread for the small jobs of a CPU rank it runs inline (rank.h). The one exception is
@@ -99,6 +105,18 @@ typedef struct zd__step_record {
 } zd__step_record_t;
 
 typedef struct zd__compute zd__compute_t;
+struct zd__cuda_decide_args; /* kernels/step_decide.h */
+struct zd__cuda_decision;
+
+/* Where a step's GPU time went (phase_times): from the job's start on the stream (after the wait
+ * for the client's "grads ready") to the first statistics or update (scatter), to the first
+ * update (statistics, the records' exchange and the decision), to the end of the last bucket's
+ * update (update), to the "params ready" record (gather). Steps that ran no update (skipped,
+ * failed) and scatter or gather jobs are not counted. */
+typedef struct zd__phase_times {
+  uint64_t steps; /* steps counted */
+  double scatter_us, stats_us, update_us, gather_us;
+} zd__phase_times_t;
 
 typedef struct zd__compute_ops {
   /* n zeroed fp32 elements (n >= 1) in the backend's memory. Errors: -ENOMEM, ZD_EBACKEND. */
@@ -114,12 +132,27 @@ typedef struct zd__compute_ops {
    * -ETIMEDOUT) or ZD_EBACKEND for a failure of the device. */
   int (*finish)(zd__compute_t *c, zd__comm_t *comm, const zd__buffers_t *buf, uint32_t slot,
                 zd__err_t *err);
+  /* As finish, for a job whose reply does not depend on its work's completion (a scatter, a
+   * gather, a step once its decision is taken): may return once the work is queued, leaving
+   * stream_idle 0. A failure of that work is then returned by the next begin, by a later finish
+   * (whose wait covers it), or by settle. NULL: finish is called instead (every operation of the
+   * CPU backend is complete when it returns). */
+  int (*finish_early)(zd__compute_t *c, zd__comm_t *comm, const zd__buffers_t *buf, uint32_t slot,
+                      zd__err_t *err);
+  /* Worker thread, between jobs: whether the work a finish_early left running has completed.
+   * wait 0: never blocks (a query); wait 1: waits for it, bounded by the collective timeout as
+   * finish's wait is (and after that long, wait 0 waits too). Returns ZD_OK when nothing is left
+   * running (stream_idle is then 1, unless a failure left the stream stuck), -EAGAIN while it
+   * runs (wait 0), or the failure of that work, which the next begin returns again so that the
+   * next reply says it. NULL: nothing is ever left running. */
+  int (*settle)(zd__compute_t *c, zd__comm_t *comm, int wait, zd__err_t *err);
   /* 1 when nothing of the rank's jobs is left on its device stream, as the worker last saw it:
-   * every job's finish waited for its work, or a failed wait found the stream run out (or the
-   * device failed: nothing more runs); else 0. Unlike the other operations it may be called from
-   * the loop thread while the worker is between jobs: it reads a flag the worker keeps (an
-   * atomic), no CUDA call that could block behind a stuck teardown. NULL: always idle (the CPU
-   * backend: every operation is complete when it returns). */
+   * every job's finish (or, after a finish_early, settle or a later wait) saw its work complete,
+   * or a failed wait found the stream run out (or the device failed: nothing more runs); else 0.
+   * Unlike the other operations it may be called from the loop thread while the worker is between
+   * jobs: it reads a flag the worker keeps (an atomic), no CUDA call that could block behind a
+   * stuck teardown. NULL: always idle (the CPU backend: every operation is complete when it
+   * returns). */
   int (*stream_idle)(zd__compute_t *c);
   /* to_client: master -> param buffer (resume), else param buffer -> master (a new model); only
    * the elements the segments cover. */
@@ -192,6 +225,28 @@ typedef struct zd__compute_ops {
   /* The update of bucket b: consts holds this step's constants of every group (s->ngroups). */
   int (*update)(zd__compute_t *c, const zd__shard_t *s, uint32_t b, const zd__buffers_t *buf,
                 const zd__adam_group_t *consts, float grad_scale, zd__err_t *err);
+  /* The GPU time of the rank's steps so far, by part, from timing events recorded on the stream
+   * at the parts' boundaries and read only once a wait or a query found them complete (never a
+   * wait of their own): a step is counted some time after it ran. Worker thread. NULL: not
+   * measured (CPU: the host's clock in the model's counters says it). */
+  void (*phase_times)(zd__compute_t *c, struct zd__phase_times *out);
+  /* The decision on the device, for a step with statistics (CUDA in cuda_step fast, with the
+   * decision kernel of kernels/adam_cuda.h; NULL elsewhere: the step gathers the records with
+   * gather_records and decides on the host). queue_decision, after grad_stats of every bucket
+   * (which sealed this rank's record with its check word), queues with no wait: the receive
+   * buffer of the records filled with 0xFF bytes (a record the all-gather does not write whole
+   * fails its check), the records' all-gather, the decision kernel over them (a: everything but
+   * the records; kernels/step_decide.h), and one copy of the decision and of the records into
+   * pinned host memory. Until the job's finish, update then runs only where that decision's
+   * verdict is APPLY, with its gradient factor (update's grad_scale is ignored). wait_decision,
+   * once the update (and the gather) are queued, waits for that copy alone, bounded and polling
+   * the communicator as finish does, and returns the device's decision and every rank's record
+   * as copied. Errors: the communicator's (ZD_EPEER, -ETIMEDOUT: it is then aborted),
+   * ZD_EBACKEND, -ENOMEM. */
+  int (*queue_decision)(zd__compute_t *c, zd__comm_t *comm, const zd__shard_t *s,
+                        const struct zd__cuda_decide_args *a, zd__err_t *err);
+  int (*wait_decision)(zd__compute_t *c, zd__comm_t *comm, const zd__shard_t *s,
+                       struct zd__cuda_decision *dec, zd__step_record_t *all, zd__err_t *err);
   void (*destroy)(zd__compute_t *c);
 } zd__compute_ops_t;
 
@@ -208,9 +263,16 @@ unsigned zd__compute_cpu_update_threads(const struct zd__pool *pool, uint64_t sh
 
 #ifdef ZD_HAVE_CUDA
 /* The CUDA backend on `device`, which becomes the calling thread's current device; creates the
- * rank's stream. timeout_ms bounds every wait for the GPU. Call from the rank's worker thread.
+ * rank's stream. timeout_ms bounds every wait for the GPU. fast: cuda_step fast (finish_early
+ * returns once the work is queued; the waits sleep until the stream wakes them), else legacy
+ * (finish_early waits as finish does; the waits poll). Call from the rank's worker thread.
  * Errors: ZD_EBACKEND (the message names the device and the CUDA error), -ENOMEM. */
-int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd__err_t *err);
+int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t **out,
+                            zd__err_t *err);
+
+/* cuda_step fast: the stream's waiter (a zd__cuda_waiter_t, cuda_check.h; owned by the backend)
+ * for the rank's communicator (zd__comm_nccl_set_waiter); legacy: NULL. */
+void *zd__compute_cuda_waiter(zd__compute_t *c);
 
 /* The rank's stream (a cudaStream_t), on which the NCCL communicator queues its operations. */
 void *zd__compute_cuda_stream(zd__compute_t *c);

@@ -5,16 +5,28 @@
  * Per job, on the stream: wait for the client's "grads ready" event of the job's event slot
  * (begin); the collectives and kernels of the job; record the slot's "params ready" event
  * (finish). A slot's events belong to one request at a time (the client reuses a slot only after
- * its reply), so each wait covers exactly the client's work before that request, never a later
- * request's. The worker thread waits for the GPU at two places only, both through the
- * communicator's bounded sync (comm.h):
- *   - gather_records, when the step needs statistics: the statistics kernels write this rank's
- *     record in device memory, NCCL all-gathers the records there, and one 40 * W byte copy
- *     brings them to pinned host memory, where step.c checks the agreement and takes the decision.
- *     The update is queued only after that: an abort (a peer died during the all-gather) cannot be
- *     followed by an update computed from a half-gathered record, so a failed step changes nothing.
+ * its reply, and every call naming the slot's events is made before the reply), so each wait
+ * covers exactly the client's work before that request, never a later request's. The worker
+ * thread waits for the GPU at two places only, both bounded and polling the communicator
+ * (cuda_step legacy: an event polled, spinning then sleeping; fast: the stream's wake-up,
+ * cuda_check.h):
+ *   - when the step needs statistics: the statistics kernels write this rank's record in device
+ *     memory and NCCL all-gathers the records there. Legacy (gather_records): one copy brings them
+ *     to pinned host memory, where step.c checks the agreement and takes the decision, and the
+ *     update is queued only after that. Fast (queue_decision, wait_decision): the receive buffer
+ *     is poisoned first, a kernel takes the decision from the gathered records, the update kernels
+ *     read it (they do nothing unless it says APPLY), and the host waits, once the update is
+ *     queued, for the copy of the decision and the records alone, and checks it (step.c).
  *   - finish, before the job's reply: the reply says what happened (applied, norm, scale, or the
  *     peer failure), and the session may release the client's buffers once no job is in flight.
+ *     cuda_step fast: a scatter's, a gather's or a step's reply is known once the work is queued
+ *     (finish_early): the job returns then, with `busy` left set, and its work is seen complete
+ *     later by settle (the worker between jobs), by the next job's wait, or found failed by the
+ *     next begin; a failure found so is returned by the next begin (the next reply).
+ *
+ * Timing (both modes): each step with an update records timing events at the boundaries of its
+ * parts (compute.h, zd__phase_times_t) in one of a few sets; a set is read once a later wait or
+ * query found its last event complete, and added to the rank's totals (phase_times).
  *
  * A client that left. Its buffers and events are CUDA IPC mappings of another process, which may
  * be dead: what CUDA does with them then is undefined, and a device fault would take every state
@@ -50,6 +62,7 @@
 #include <string.h>
 
 #include "adam_cuda.h"
+#include "clock.h"
 #include "compute.h"
 #include "cuda_check.h"
 #include "exchange_cuda.h"
@@ -63,9 +76,36 @@ _Static_assert(offsetof(zd__step_record_t, nonfinite) == offsetof(zd__cuda_stats
 _Static_assert(offsetof(zd__step_record_t, step) == offsetof(zd__cuda_stats_t, tags), "tags");
 _Static_assert(ZD__CUDA_TAGS == 3, "step, layout_hash, hparam_hash");
 
+/* Timing event sets in flight: a step's set is read some steps later, once found complete. */
+#define TIMING_SETS  8
+#define TIMING_MARKS 5 /* start, scatter end, statistics end, update end, gather end */
+
+typedef struct timing {
+  cudaEvent_t ev[TIMING_MARKS];
+  int state; /* 0: free; 1: being recorded by the running job; 2: recorded, not read yet */
+} timing_t;
+
 typedef struct cuda_compute {
   zd__compute_t base;
   int device;
+  int fast;                  /* cuda_step fast (else legacy) */
+  zd__cuda_waiter_t *waiter; /* fast: the stream's wake-up, shared with the communicator */
+  cudaEvent_t last;          /* fast: recorded by finish_early after the job's work */
+  int deferred;              /* a finish_early left work running that no wait has seen end */
+  uint64_t deferred_since_us;
+  int failed;        /* that work failed with this code: the next begin says so (then 0) */
+  zd__err_t failure; /* ... with this message */
+  /* fast, a step with statistics (queue_decision): the decision, in device and pinned host memory
+   * (zd__cuda_decision_t; allocated at the first), the event and wake-up generation after its
+   * copy, and the decision this job's updates read (NULL: none, they run with their grad_scale) */
+  void *d_dec, *h_dec;
+  cudaEvent_t decided;
+  uint32_t decided_gen;
+  const void *decision;
+  timing_t timing[TIMING_SETS];
+  timing_t *cur; /* the running job's set, or NULL */
+  int mark;      /* the next boundary cur records (1..TIMING_MARKS-1) */
+  zd__phase_times_t times;
   cudaStream_t stream; /* the rank's: every kernel, copy and collective of its jobs */
   cudaStream_t setup;  /* layout tables at registration */
   cudaStream_t side;   /* snapshots: the state's copy to pinned host memory, off the step's path */
@@ -145,6 +185,76 @@ static void note_failed_wait(cuda_compute_t *c) {
 static void leak_warning(const cuda_compute_t *c, const char *what) {
   ZD_LOG_WARN("GPU %d: %s not freed: the rank's stream still has work queued after a failure",
               c->device, what);
+}
+
+/* ---- timing ---------------------------------------------------------------------------------- */
+
+/* Records boundary `m` of the running job's set (at most once, in order; a later boundary also
+ * records the ones the job skipped, as a step without statistics has no statistics part). */
+static void timing_mark(cuda_compute_t *c, int m) {
+  if (!c->cur) return;
+  for (; c->mark <= m; c->mark++)
+    if (cudaEventRecord(c->cur->ev[c->mark], c->stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+      c->cur->state = 0; /* not measured */
+      c->cur = NULL;
+      return;
+    }
+}
+
+/* Adds the sets whose last event has completed to the totals: queries only, no wait. */
+static void timing_harvest(cuda_compute_t *c) {
+  for (int i = 0; i < TIMING_SETS; i++) {
+    timing_t *t = &c->timing[i];
+    if (t->state != 2) continue;
+    cudaError_t e = cudaEventQuery(t->ev[TIMING_MARKS - 1]);
+    if (e == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      continue;
+    }
+    t->state = 0;
+    float ms[TIMING_MARKS - 1];
+    int ok = e == cudaSuccess;
+    for (int k = 0; ok && k < TIMING_MARKS - 1; k++)
+      ok = cudaEventElapsedTime(&ms[k], t->ev[k], t->ev[k + 1]) == cudaSuccess;
+    (void)cudaGetLastError();
+    if (!ok) continue;
+    c->times.steps++;
+    c->times.scatter_us += 1e3 * ms[0];
+    c->times.stats_us += 1e3 * ms[1];
+    c->times.update_us += 1e3 * ms[2];
+    c->times.gather_us += 1e3 * ms[3];
+  }
+}
+
+/* At begin: a free set for this job, or none (every set still in flight: not measured). */
+static void timing_start(cuda_compute_t *c) {
+  c->cur = NULL;
+  timing_harvest(c);
+  for (int i = 0; i < TIMING_SETS && !c->cur; i++)
+    if (c->timing[i].ev[0] && c->timing[i].state == 0) c->cur = &c->timing[i];
+  if (!c->cur) return;
+  c->cur->state = 1;
+  c->mark = 0;
+  timing_mark(c, 0);
+}
+
+/* At finish: a step that ran its update is read later; anything else is not counted. */
+static void timing_end(cuda_compute_t *c) {
+  if (!c->cur) return;
+  if (c->mark == TIMING_MARKS - 1) { /* the last update was queued */
+    timing_mark(c, TIMING_MARKS - 1);
+    if (c->cur) c->cur->state = 2;
+  } else {
+    c->cur->state = 0;
+  }
+  c->cur = NULL;
+}
+
+static void cuda_phase_times(zd__compute_t *base, zd__phase_times_t *out) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  timing_harvest(c);
+  *out = c->times;
 }
 
 /* ---- state --------------------------------------------------------------------------------- */
@@ -359,9 +469,30 @@ static int cuda_begin(zd__compute_t *base, const zd__buffers_t *buf, uint32_t sl
     return zd__errf(err, ZD_ECLOSED,
                     "the client disconnected before this job began: nothing was done, and its "
                     "CUDA buffers and events were not touched");
-  set_busy(c, 1); /* until finish sees the stream run out */
+  if (c->failed) { /* an earlier job's work failed after its reply: this reply says so */
+    int rc = c->failed;
+    c->failed = 0;
+    *err = c->failure;
+    return rc;
+  }
+  if (c->deferred) { /* an earlier job's work may still run: has it failed? (a query, no wait) */
+    cudaError_t q = cudaEventQuery(c->last);
+    if (q == cudaSuccess) c->deferred = 0;
+    if (q != cudaSuccess && q != cudaErrorNotReady) {
+      c->deferred = 0;
+      note_failed_wait(c);
+      return zd__cuda_fail(err, q, __FILE__, __LINE__,
+                           "GPU %d: the work of an earlier request (answered before it ran) failed",
+                           c->device);
+    }
+    (void)cudaGetLastError();
+  }
+  set_busy(c, 1); /* until a wait sees the stream run out */
   cudaError_t e = cudaStreamWaitEvent(c->stream, (cudaEvent_t)buf->grads_ready[slot], 0);
-  if (e == cudaSuccess) return ZD_OK;
+  if (e == cudaSuccess) {
+    timing_start(c);
+    return ZD_OK;
+  }
   (void)cudaGetLastError();
   return zd__errf(err, ZD_EBUFFER,
                   "GPU %d: cannot wait on the client's grads_ready[%u] event: %s "
@@ -369,10 +500,12 @@ static int cuda_begin(zd__compute_t *base, const zd__buffers_t *buf, uint32_t sl
                   c->device, slot, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
-static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t *buf,
-                       uint32_t slot, zd__err_t *err) {
-  cuda_compute_t *c = (cuda_compute_t *)base;
+/* Records the client's "params ready" of the slot (CUDA buffers). */
+static int record_params_ready(cuda_compute_t *c, const zd__buffers_t *buf, uint32_t slot,
+                               zd__err_t *err) {
   int rc = ZD_OK;
+  timing_end(c);
+  c->decision = NULL; /* the job's updates are queued */
   /* Nobody waits on the event of a client that left, which may be gone with its process. */
   if (buf && buf->device >= 0 && !__atomic_load_n(&buf->client_gone, __ATOMIC_ACQUIRE)) {
     zd_assert(slot < ZD__EVENT_SLOTS && buf->params_ready[slot]);
@@ -385,18 +518,83 @@ static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_
                     c->device, slot, cudaGetErrorString(e), cudaGetErrorName(e));
     }
   }
+  return rc;
+}
+
+static int cuda_finish(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t *buf,
+                       uint32_t slot, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  int rc = record_params_ready(c, buf, slot, err);
   /* A CUDA rank always has its NCCL communicator (even at world size 1), which waits for the
    * stream and polls its own asynchronous errors. */
   zd_assert(comm && comm->ops->sync);
   zd__err_t werr = {0};
   int wrc = comm->ops->sync(comm, &werr);
+  c->deferred = 0; /* the wait covered every earlier job's work too */
   if (wrc) {
     note_failed_wait(c);
     *err = werr;
     return wrc;
   }
   set_busy(c, 0); /* everything the job queued has run */
+  timing_harvest(c);
   return rc;
+}
+
+static int cuda_finish_early(zd__compute_t *base, zd__comm_t *comm, const zd__buffers_t *buf,
+                             uint32_t slot, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  /* legacy: today's wait; a broken communicator: its sync drains the stream and says why */
+  if (!c->fast || zd__comm_failed(comm)) return cuda_finish(base, comm, buf, slot, err);
+  int rc = record_params_ready(c, buf, slot, err);
+  cudaError_t e = cudaEventRecord(c->last, c->stream);
+  if (e != cudaSuccess) { /* cannot tell when it ends: wait for it now */
+    (void)cudaGetLastError();
+    return cuda_finish(base, comm, buf, slot, err);
+  }
+  if (!c->deferred) c->deferred_since_us = zd__now_us();
+  c->deferred = 1; /* busy stays set until a wait or settle sees the stream run out */
+  return rc;
+}
+
+static int cuda_settle(zd__compute_t *base, zd__comm_t *comm, int wait, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  if (!c->deferred) return ZD_OK;
+  if (!wait && zd__now_us() - c->deferred_since_us < (uint64_t)c->timeout_ms * 1000u) {
+    cudaError_t q = cudaEventQuery(c->last);
+    if (q == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return -EAGAIN;
+    }
+    if (q == cudaSuccess) {
+      c->deferred = 0;
+      set_busy(c, 0); /* c->last follows everything queued: the stream has run out */
+      timing_harvest(c);
+      return ZD_OK;
+    }
+    c->deferred = 0;
+    note_failed_wait(c);
+    int rc =
+        zd__cuda_fail(&c->failure, q, __FILE__, __LINE__,
+                      "GPU %d: the work of a request answered before it ran failed", c->device);
+    c->failed = rc;
+    *err = c->failure;
+    return rc;
+  }
+  /* The communicator's bounded wait, which aborts it on a timeout or an asynchronous error. */
+  zd__err_t werr = {0};
+  int rc = comm->ops->sync(comm, &werr);
+  c->deferred = 0;
+  if (rc) {
+    note_failed_wait(c);
+    c->failed = rc;
+    c->failure = werr;
+    *err = werr;
+    return rc;
+  }
+  set_busy(c, 0);
+  timing_harvest(c);
+  return ZD_OK;
 }
 
 /* ---- the pieces of a step ------------------------------------------------------------------- */
@@ -449,6 +647,7 @@ static int cuda_grad_stats(zd__compute_t *base, const zd__shard_t *s, uint32_t b
   /* The first bucket overwrites the record and writes its tags; the others add to it, in bucket
    * order, as the CPU adds bucket after bucket. */
   uint64_t tags[ZD__CUDA_TAGS] = {rec->step, rec->layout_hash, rec->hparam_hash};
+  if (first) timing_mark(c, 1); /* the scatter's end */
   return zd__cuda_grad_stats(cm->layouts[b], s->grad[b], s->grad_dtype[b],
                              (zd__cuda_stats_t *)cm->d_rec, !first, first ? tags : NULL, c->stream,
                              err);
@@ -485,7 +684,8 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_shard_t *cm = s->cdata;
   const zd__bucket_t *bk = &s->layout->buckets[b];
-  if (cm->d_groups && b == 0) { /* this step's constants, stream-ordered before every bucket */
+  if (b == 0) timing_mark(c, 2); /* the end of the statistics and the decision (or the scatter) */
+  if (cm->d_groups && b == 0) {  /* this step's constants, stream-ordered before every bucket */
     int rc = zd__cuda_groups_upload(cm->d_groups, consts, s->ngroups, c->stream, err);
     if (rc) return rc;
   }
@@ -501,8 +701,81 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
   };
   for (int i = 0; i < ZD__NSTATES; i++) /* bucket b's part of every array the shard has */
     a.state[i] = s->state[i] ? s->state[i] + bk->shard_base : NULL;
-  return zd__cuda_adam_step(cm->layouts[b], &a, c->stream, err);
+#ifdef ZD__RECORD_CHECKED
+  a.d_decision = c->decision; /* queue_decision's: the update runs only where it says APPLY */
+#endif
+  int rc = zd__cuda_adam_step(cm->layouts[b], &a, c->stream, err);
+  if (!rc && b + 1 == s->layout->nbuckets) timing_mark(c, 3); /* the update's end */
+  return rc;
 }
+
+/* ---- the decision on the device (cuda_step fast) -------------------------------------------- */
+
+#ifdef ZD__RECORD_CHECKED /* kernels/step_decide.h's check word and decision kernel */
+static int cuda_queue_decision(zd__compute_t *base, zd__comm_t *comm, const zd__shard_t *s,
+                               const zd__cuda_decide_args_t *a, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  cuda_shard_t *cm = s->cdata;
+  if (!comm->ops->allgather_device || !c->waiter)
+    return zd__errf(err, ZD_EINTERNAL, "the decision on the device needs a device communicator");
+  if (!c->d_dec) {
+    ZD_CUDA_TRY(err, cudaMalloc(&c->d_dec, sizeof(zd__cuda_decision_t)),
+                "GPU %d: cudaMalloc of the decision", c->device);
+    ZD_CUDA_TRY(err, cudaMallocHost(&c->h_dec, sizeof(zd__cuda_decision_t)),
+                "GPU %d: cudaMallocHost of the decision", c->device);
+  }
+  size_t rec = sizeof(zd__step_record_t), bytes = rec * cm->world_size;
+  /* A record the all-gather does not write whole (a peer failed in it) fails its check word. */
+  ZD_CUDA_TRY(err, cudaMemsetAsync(cm->d_all, 0xFF, bytes, c->stream),
+              "GPU %d: poisoning the records' receive buffer", c->device);
+  int rc = comm->ops->allgather_device(comm, cm->d_rec, rec, cm->d_all, err);
+  if (rc) return rc;
+  zd__cuda_decide_args_t da = *a;
+  da.d_all = (const zd__cuda_stats_t *)cm->d_all;
+  rc = zd__cuda_step_decide(&da, c->d_dec, c->stream, err);
+  if (rc) return rc;
+  ZD_CUDA_TRY(err,
+              cudaMemcpyAsync(c->h_dec, c->d_dec, sizeof(zd__cuda_decision_t),
+                              cudaMemcpyDeviceToHost, c->stream),
+              "GPU %d: copying the decision to the host", c->device);
+  ZD_CUDA_TRY(err, cudaMemcpyAsync(cm->h_all, cm->d_all, bytes, cudaMemcpyDeviceToHost, c->stream),
+              "GPU %d: copying %zu bytes of step records to the host", c->device, bytes);
+  rc = zd__cuda_waiter_mark(c->waiter, c->stream, c->decided, &c->decided_gen,
+                            "the step's decision", err);
+  if (rc) return rc;
+  c->decision = c->d_dec;
+  return ZD_OK;
+}
+
+static int cuda_wait_decision(zd__compute_t *base, zd__comm_t *comm, const zd__shard_t *s,
+                              zd__cuda_decision_t *dec, zd__step_record_t *all, zd__err_t *err) {
+  cuda_compute_t *c = (cuda_compute_t *)base;
+  cuda_shard_t *cm = s->cdata;
+  /* NCCL's asynchronous errors, polled every millisecond; an in-process communicator has none */
+  zd__cuda_probe_fn probe = !strcmp(comm->backend, "nccl") ? zd__comm_nccl_probe : NULL;
+  zd__err_t werr = {0};
+  int rc = zd__cuda_waiter_wait(c->waiter, c->decided_gen, c->decided, c->timeout_ms, probe, comm,
+                                "the step's decision", &werr);
+  if (rc) {
+    /* As sync does on a failed wait: the communicator is aborted (its kernels exit) and the
+     * stream drains, bounded; the rank is then degraded. */
+    if (rc == -ETIMEDOUT)
+      zd__errf(&werr, rc,
+               "the step's decision not complete within %d ms (collective_timeout_ms): a peer is "
+               "gone or stalled; NCCL communicator aborted",
+               c->timeout_ms);
+    zd__comm_abort(comm, rc, werr.msg);
+    zd__err_t ignored = {0};
+    (void)comm->ops->sync(comm, &ignored);
+    note_failed_wait(c);
+    *err = werr;
+    return rc;
+  }
+  memcpy(dec, c->h_dec, sizeof *dec);
+  memcpy(all, cm->h_all, sizeof *all * cm->world_size);
+  return ZD_OK;
+}
+#endif
 
 /* Loop thread, between jobs (compute.h): c->device and c->stream are set once at create. */
 static int cuda_stream_idle(zd__compute_t *base) {
@@ -512,47 +785,72 @@ static int cuda_stream_idle(zd__compute_t *base) {
 
 static void cuda_destroy(zd__compute_t *base) {
   cuda_compute_t *c = (cuda_compute_t *)base;
+  for (int i = 0; i < TIMING_SETS; i++)
+    for (int k = 0; k < TIMING_MARKS; k++)
+      if (c->timing[i].ev[k]) cudaEventDestroy(c->timing[i].ev[k]);
+  if (c->last) cudaEventDestroy(c->last);
+  if (c->decided) cudaEventDestroy(c->decided);
+  if (!c->stuck && c->d_dec) cudaFree(c->d_dec); /* the model was freed first: the stream drained */
+  if (!c->stuck && c->h_dec) cudaFreeHost(c->h_dec);
   if (c->done) cudaEventDestroy(c->done);
   if (c->setup) cudaStreamDestroy(c->setup);
   if (c->side) cudaStreamDestroy(c->side);
   if (c->stream) cudaStreamDestroy(c->stream); /* returns at once; queued work still completes */
   (void)cudaGetLastError();
+  zd__cuda_waiter_destroy(c->waiter); /* kept if a wake-up is still queued */
   free(c);
 }
 
-static const zd__compute_ops_t cuda_ops = {
-    .alloc = cuda_alloc,
-    .release = cuda_release,
-    .slice_params = cuda_slice_params,
-    .zero = cuda_zero,
-    .host_alloc = cuda_host_alloc,
-    .host_free = cuda_host_free,
-    .snapshot = cuda_snapshot,
-    .fence_wait = cuda_fence_wait,
-    .fence_free = cuda_fence_free,
-    .restore = cuda_restore,
-    .shard_init = cuda_shard_init,
-    .shard_fini = cuda_shard_fini,
-    .begin = cuda_begin,
-    .finish = cuda_finish,
-    .exchange = cuda_exchange,
-    .grad_stats = cuda_grad_stats,
-    .gather_records = cuda_gather_records,
-    .update = cuda_update,
-    .stream_idle = cuda_stream_idle,
-    .destroy = cuda_destroy,
+/* The operations both modes share. */
+#define CUDA_COMMON_OPS                    \
+  .alloc = cuda_alloc,                     \
+  .release = cuda_release,                 \
+  .slice_params = cuda_slice_params,       \
+  .zero = cuda_zero,                       \
+  .host_alloc = cuda_host_alloc,           \
+  .host_free = cuda_host_free,             \
+  .snapshot = cuda_snapshot,               \
+  .fence_wait = cuda_fence_wait,           \
+  .fence_free = cuda_fence_free,           \
+  .restore = cuda_restore,                 \
+  .shard_init = cuda_shard_init,           \
+  .shard_fini = cuda_shard_fini,           \
+  .begin = cuda_begin,                     \
+  .finish = cuda_finish,                   \
+  .phase_times = cuda_phase_times,         \
+  .exchange = cuda_exchange,               \
+  .grad_stats = cuda_grad_stats,           \
+  .gather_records = cuda_gather_records,   \
+  .update = cuda_update,                   \
+  .stream_idle = cuda_stream_idle,         \
+  .destroy = cuda_destroy
+
+/* cuda_step legacy: a job's finish waits for its work, and the host decides. */
+static const zd__compute_ops_t cuda_ops = {CUDA_COMMON_OPS};
+
+/* cuda_step fast: the same, with the early finish and the decision on the device. */
+static const zd__compute_ops_t cuda_ops_fast = {
+    CUDA_COMMON_OPS,
+    .finish_early = cuda_finish_early,
+    .settle = cuda_settle,
+#ifdef ZD__RECORD_CHECKED
+    .queue_decision = cuda_queue_decision,
+    .wait_decision = cuda_wait_decision,
+#endif
 };
 
-int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd__err_t *err) {
+int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t **out,
+                            zd__err_t *err) {
   zd__err_t check = {0};
   if (zd__cuda_device_check(device, &check) != ZD_OK)
     return zd__errf(err, ZD_EBACKEND, "%s", check.msg);
   cuda_compute_t *c = calloc(1, sizeof *c);
   if (!c) return zd__errf(err, -ENOMEM, "out of memory");
-  c->base.ops = &cuda_ops;
+  c->base.ops = fast ? &cuda_ops_fast : &cuda_ops;
   c->base.name = "cuda";
   c->device = device;
   c->timeout_ms = timeout_ms;
+  c->fast = fast;
   int rc = ZD_OK;
   ZD_CUDA_GOTO(err, rc, fail, cudaSetDevice(device), "cudaSetDevice(%d)", device);
   ZD_CUDA_GOTO(err, rc, fail, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
@@ -563,6 +861,15 @@ int zd__compute_cuda_create(int device, int timeout_ms, zd__compute_t **out, zd_
                "GPU %d: cudaStreamCreate", device);
   ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming),
                "GPU %d: cudaEventCreate", device);
+  ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->last, cudaEventDisableTiming),
+               "GPU %d: cudaEventCreate", device);
+  ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->decided, cudaEventDisableTiming),
+               "GPU %d: cudaEventCreate", device);
+  for (int i = 0; i < TIMING_SETS; i++) /* with timing: the parts of a step (phase_times) */
+    for (int k = 0; k < TIMING_MARKS; k++)
+      ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->timing[i].ev[k], cudaEventDefault),
+                   "GPU %d: cudaEventCreate", device);
+  if (fast && (rc = zd__cuda_waiter_create(&c->waiter, err))) goto fail;
   /* Nothing is queued yet: load every kernel the rank launches now, not at its first launch
    * behind a wait for the client or a peer (exchange_cuda.h, adam_cuda.h). */
   if ((rc = zd__cuda_exchange_preload(err))) goto fail;
@@ -576,4 +883,8 @@ fail:
 
 void *zd__compute_cuda_stream(zd__compute_t *base) {
   return ((cuda_compute_t *)base)->stream;
+}
+
+void *zd__compute_cuda_waiter(zd__compute_t *base) {
+  return ((cuda_compute_t *)base)->waiter;
 }

@@ -64,6 +64,7 @@ typedef struct setting {
 
 static const char *const backends[] = {"auto", "cpu", "cuda", NULL};
 static const char *const isas[] = {"auto", "avx512bf16", "avx512", "avx2", "scalar", NULL};
+static const char *const cuda_steps[] = {"fast", "legacy", NULL};
 static const char *const levels[] = {"error", "warn", "info", "debug", NULL};
 
 static const setting_t settings[] = {
@@ -105,6 +106,14 @@ static const setting_t settings[] = {
         "ranks_per_gpu). Above 1 the ranks of a GPU reduce and gather among themselves in device "
         "memory inside zerod, without NCCL; for now that needs every rank of the world in this "
         "zerod, on one GPU (ranks_per_gpu = local_ranks = world_size). Ignored by the CPU backend"),
+    ENUM(S_COMPUTE, "cuda_step", cuda_step, "fast", cuda_steps,
+         "how a CUDA rank's worker waits for the GPU and answers (fast: the stream wakes the "
+         "worker through cudaLaunchHostFunc and a futex, polling NCCL's errors every millisecond; "
+         "a scatter, gather or step is answered as soon as its work is queued and its outcome "
+         "known, by the worker itself, and a failure found later is answered to the next "
+         "request and degrades the rank; legacy: the worker polls an event, spinning 50 us then "
+         "sleeping up to 1 ms, and every CUDA job is answered by the loop thread once its work "
+         "has completed). The CPU backend ignores it"),
 
     U32(S_WORLD, "local_ranks", local_ranks, "1", 1, 64, "ranks served by this daemon"),
     U32(S_WORLD, "world_size", world_size, "0", 0, 65536,

@@ -389,6 +389,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
         .ckpt = d->ckpt,
         .isa = d->backend.isa,
         .gpu = zd__backend_gpu(&d->backend, i),
+        .cuda_fast = strcmp(cfg->cuda_step, "legacy") != 0,
     };
     rc = zd__rank_create(&env, &d->ranks.rank[i]);
     if (rc) {

@@ -38,6 +38,9 @@ struct zd__rank {
   zd__rank_stats_t stats;
   zd__shard_range_t *ranges; /* under stats_lock: the model's shard, for status */
   uint32_t nranges;
+  /* Jobs answered whose work a finish_early left running on the stream (cuda_step fast), in the
+   * order they ran: done once the worker has seen it complete (settle). Worker thread only. */
+  zd__job_t *settling_head, *settling_tail;
 };
 
 void zd__job_free(zd__job_t *job) {
@@ -87,6 +90,10 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
   const zd__model_t *m = r->model;
   atomic_store(&r->inline_ok, m && r->env.world_size == 1 && r->device < 0 &&
                                   m->layout->shard_elems <= ZD__INLINE_MAX_ELEMS);
+  zd__compute_t *c = r->ctx.compute;
+  zd__phase_times_t times;
+  int have_times = c && c->ops->phase_times;
+  if (have_times) c->ops->phase_times(c, &times);
   pthread_mutex_lock(&r->stats_lock);
   publish_ranges(r, m);
   zd__rank_stats_t *s = &r->stats;
@@ -110,6 +117,7 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->collective_bytes = m->collective_bytes;
     s->collective_us = m->collective_us;
   }
+  if (have_times) s->gpu_times = times;
   if (job->type == ZD__JOB_STEP && job->code == ZD_OK) {
     s->last_grad_norm = job->out.step.grad_norm;
     s->last_clip_coef = job->out.step.clip_coef;
@@ -124,12 +132,13 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
   if (job->type == ZD__JOB_SCATTER && job->code == ZD_OK) s->scatters++;
   if (job->type == ZD__JOB_GATHER && job->code == ZD_OK) s->gathers++;
   /* A failed collective breaks the communicator for good, and a failure of the device leaves its
-   * state in doubt: the rank is degraded. (A registration barrier that timed out, or a peer that
+   * state in doubt (as does a device decision the host disagrees with: ZD_EINTERNAL): the rank is
+   * degraded. (A registration barrier that timed out, or a peer that
    * refused a step, leaves the communicator healthy: not degraded.) */
   /* The first failure is the reason: a job refused because the rank was degraded already must not
    * wrap it again ("rank 0 is degraded: rank 0 is degraded: ..."). */
   if (job->code && job->code != ZD_EDEGRADED &&
-      (job->code == ZD_EBACKEND || zd__comm_failed(r->ctx.comm))) {
+      (job->code == ZD_EBACKEND || job->code == ZD_EINTERNAL || zd__comm_failed(r->ctx.comm))) {
     if (s->health != ZD__HEALTH_DEGRADED) ZD_LOG_ERROR("rank degraded: %s", job->err.msg);
     s->health = ZD__HEALTH_DEGRADED;
     snprintf(s->degraded_reason, sizeof s->degraded_reason, "%s", job->err.msg);
@@ -300,6 +309,11 @@ static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix, c
 /* The communicator and the compute backend are set under the lock: zd__rank_abort and
  * zd__rank_stream_idle read them from the loop thread. */
 static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
+#ifdef ZD_HAVE_CUDA
+  /* cuda_step fast: the communicator's waits sleep until the stream wakes them (compute.h) */
+  void *waiter = r->device >= 0 && r->ctx.compute ? zd__compute_cuda_waiter(r->ctx.compute) : NULL;
+  if (comm && waiter && !strcmp(comm->backend, "nccl")) zd__comm_nccl_set_waiter(comm, waiter);
+#endif
   pthread_mutex_lock(&r->lock);
   r->ctx.comm = comm;
   pthread_mutex_unlock(&r->lock);
@@ -352,7 +366,8 @@ static void start_cuda(zd__rank_t *r) {
   zd__err_t err = {0};
   const zd__world_t *w = r->env.world;
   zd__compute_t *compute = NULL;
-  int rc = zd__compute_cuda_create(r->device, w->collective_timeout_ms, &compute, &err);
+  int rc = zd__compute_cuda_create(r->device, w->collective_timeout_ms, r->env.cuda_fast, &compute,
+                                   &err);
   if (rc == ZD_OK) publish_compute(r, compute);
   if (rc) {
     ZD_LOG_ERROR("rank degraded: the CUDA backend could not start on GPU %d: %s", r->device,
@@ -480,6 +495,61 @@ static void peer_lost(zd__rank_t *r) {
   if (r->env.world_size > 1) heal(r);
 }
 
+/* ---- jobs answered before their work ended (cuda_step fast) ---------------------------------- */
+
+/* The GPU timing the backend has read so far, for status. */
+static void publish_times(zd__rank_t *r) {
+  zd__compute_t *c = r->ctx.compute;
+  if (!c || !c->ops->phase_times) return;
+  zd__phase_times_t times;
+  c->ops->phase_times(c, &times);
+  pthread_mutex_lock(&r->stats_lock);
+  r->stats.gpu_times = times;
+  pthread_mutex_unlock(&r->stats_lock);
+}
+
+/* Hands every settling job to its done callback, oldest first. */
+static void settled(zd__rank_t *r) {
+  while (r->settling_head) {
+    zd__job_t *job = r->settling_head;
+    r->settling_head = job->next;
+    if (!r->settling_head) r->settling_tail = NULL;
+    job->next = NULL;
+    job->done(job);
+  }
+}
+
+/* Whether the work the settling jobs left on the stream has completed (wait 0: a query; wait 1:
+ * the bounded wait); if so, or if it failed (the next job's begin reports that), they are done.
+ * Returns 1 while they still wait. */
+static int settle(zd__rank_t *r, int wait) {
+  zd__compute_t *c = r->ctx.compute;
+  if (!r->settling_head) return 0;
+  zd__err_t err = {0};
+  int rc = c && c->ops->settle && r->ctx.comm ? c->ops->settle(c, r->ctx.comm, wait, &err) : 0;
+  if (rc == -EAGAIN) return 1;
+  if (rc) ZD_LOG_ERROR("the GPU work of a request already answered failed: %s", err.msg);
+  publish_times(r); /* the timing events it found complete */
+  settled(r);
+  return 0;
+}
+
+/* A job ran and its stats are published: answer it, and hand it over once its work is done
+ * (at once, unless a finish_early left it running), after the jobs that ran before it. */
+static void job_ran(zd__rank_t *r, zd__job_t *job) {
+  if (job->answer) job->answer(job);
+  job->next = NULL;
+  if (r->settling_tail)
+    r->settling_tail->next = job;
+  else
+    r->settling_head = job;
+  r->settling_tail = job;
+  settle(r, 0);
+}
+
+/* An idle worker with settling jobs looks this often whether their work has completed. */
+#define SETTLE_POLL_US 500
+
 static void *worker_main(void *arg) {
   zd__rank_t *r = arg;
   zd__log_set_rank((int)r->env.rank);
@@ -489,10 +559,29 @@ static void *worker_main(void *arg) {
     join_world(r);
   pthread_mutex_lock(&r->lock);
   for (;;) {
-    while (!r->head && !r->stop && !r->peer_failed) pthread_cond_wait(&r->cond, &r->lock);
+    while (!r->head && !r->stop && !r->peer_failed) {
+      if (!r->settling_head) {
+        pthread_cond_wait(&r->cond, &r->lock);
+        continue;
+      }
+      /* Answered jobs whose work still runs: look every SETTLE_POLL_US whether it ran out, so
+       * that their sessions may release the client's buffers soon after (rank.h, job->done). */
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_nsec += SETTLE_POLL_US * 1000L;
+      if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+      }
+      pthread_cond_timedwait(&r->cond, &r->lock, &ts);
+      pthread_mutex_unlock(&r->lock);
+      settle(r, 0);
+      pthread_mutex_lock(&r->lock);
+    }
     if (r->peer_failed && !r->stop) {
       r->peer_failed = 0;
       pthread_mutex_unlock(&r->lock);
+      settle(r, 1); /* before the communicator is released (the abort ends the wait) */
       /* The verdict aborted the communicator; an idle one does not know it failed until a
        * collective runs on it, and a world whose trainers only reattach runs none: heal now. */
       peer_lost(r);
@@ -509,12 +598,14 @@ static void *worker_main(void *arg) {
     run_job(r, job);
     publish(r, job);
     int broken = r->env.world_size > 1 && zd__comm_failed(r->ctx.comm);
-    job->done(job);
-    if (broken) heal(r); /* jobs queued meanwhile wait for it */
+    job_ran(r, job);
+    if (broken) settle(r, 1); /* the broken communicator's sync returns at once */
+    if (broken) heal(r);      /* jobs queued meanwhile wait for it */
     pthread_mutex_lock(&r->lock);
     r->busy = 0;
   }
   pthread_mutex_unlock(&r->lock);
+  settle(r, 1); /* the last answered jobs: bounded */
   /* The state, the communicator and the backend are released by the thread that used them (with
    * CUDA, the one whose current device is the rank's). */
   zd__model_free(r->model);
@@ -663,6 +754,10 @@ void zd__rank_submit(zd__rank_t *r, zd__job_t *job) {
   pthread_mutex_unlock(&r->lock);
 }
 
+int zd__rank_cuda_fast(const zd__rank_t *r) {
+  return r->device >= 0 && r->env.cuda_fast;
+}
+
 int zd__rank_idle(zd__rank_t *r) {
   pthread_mutex_lock(&r->lock);
   int idle = !r->head && !r->busy;
@@ -738,6 +833,7 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
     zd__status_add(st, "device", "%d", g->device);
     zd__status_add(st, "gpu", "%s", g->name);
     zd__status_add(st, "gpu_uuid", "%s", g->uuid_str);
+    zd__status_add(st, "cuda_step", "%s", r->env.cuda_fast ? "fast" : "legacy");
   }
   if (s.health == ZD__HEALTH_DEGRADED || s.health == ZD__HEALTH_REJOINING ||
       s.health == ZD__HEALTH_RESTORING)
@@ -776,6 +872,14 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
   zd__status_add(st, "gather_us", "%" PRIu64, s.gather_us);
   zd__status_add(st, "collective_bytes", "%" PRIu64, s.collective_bytes);
   zd__status_add(st, "collective_us", "%" PRIu64, s.collective_us);
+  if (g) { /* the GPU's own clock (timing events): steps counted some time after they ran */
+    const zd__phase_times_t *t = &s.gpu_times;
+    zd__status_add(st, "cuda_steps_timed", "%" PRIu64, t->steps);
+    zd__status_add(st, "cuda_scatter_us_total", "%" PRIu64, (uint64_t)llround(t->scatter_us));
+    zd__status_add(st, "cuda_stats_us_total", "%" PRIu64, (uint64_t)llround(t->stats_us));
+    zd__status_add(st, "cuda_update_us_total", "%" PRIu64, (uint64_t)llround(t->update_us));
+    zd__status_add(st, "cuda_gather_us_total", "%" PRIu64, (uint64_t)llround(t->gather_us));
+  }
   /* "count count ..." per bucket of ZD__STEP_HIST_BOUNDS_US, then the longer ones */
   char hist[ZD__STEP_HIST_BUCKETS * 21 + 1];
   size_t used = 0;

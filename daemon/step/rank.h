@@ -50,17 +50,21 @@ typedef enum zd__job_type {
   ZD__JOB_CHECKPOINT /* checkpoint the state between steps (zd_checkpoint; step.h) */
 } zd__job_type_t;
 
-/* Called on the thread that ran the job once it is done (its worker; not for a job that
- * zd__rank_run_inline ran, whose caller completes it). */
+/* Called on the thread that ran the job (its worker; neither for a job that zd__rank_run_inline
+ * ran, whose caller completes it): `answer` (may be NULL) right after it ran, `done` once its
+ * work is complete. They differ only on a CUDA rank in cuda_step fast, where a job may leave its
+ * work running on the stream after its reply (compute.h, finish_early): done then comes once
+ * the worker has seen the stream run out (or fail), and jobs are done in the order they ran. */
 typedef void (*zd__job_done_fn)(zd__job_t *job);
 
 struct zd__job {
   zd__job_t *next;
   zd__job_type_t type;
   zd__rank_t *rank;
-  zd__job_done_fn done; /* set by whoever queues it */
-  void *session;        /* the requester, for the reply (STAND_IN: the session that left, which
-                           waits for it before it ends) */
+  zd__job_done_fn answer; /* set by whoever queues it; may be NULL */
+  zd__job_done_fn done;   /* set by whoever queues it */
+  void *session;          /* the requester, for the reply (STAND_IN: the session that left, which
+                             waits for it before it ends) */
   uint64_t request_id;
   uint16_t msg_type;
   const zd__buffers_t *buffers;
@@ -151,7 +155,8 @@ typedef struct zd__rank_stats {
    * buckets of ZD__STEP_HIST_BOUNDS_US (the last one: longer), for the metrics' histogram */
   uint64_t scatter_us, update_us, gather_us, collective_bytes, collective_us;
   uint64_t step_hist[ZD__STEP_HIST_BUCKETS + 1];
-  int resume_pending; /* healed: the next registration resumes the newest checkpoint */
+  int resume_pending;          /* healed: the next registration resumes the newest checkpoint */
+  zd__phase_times_t gpu_times; /* CUDA: where the steps' GPU time went (compute.h) */
   zd__health_t health;
   char degraded_reason[ZD__ERR_MSG_MAX];
 } zd__rank_stats_t;
@@ -169,6 +174,7 @@ typedef struct zd__rank_env {
   struct zd__ckptr *ckpt;        /* the daemon's checkpointer; outlives the rank */
   int isa;
   const zd__gpu_info_t *gpu; /* CUDA backend: this rank's GPU (outlives the rank); NULL: CPU */
+  int cuda_fast;             /* CUDA backend: cuda_step fast (else legacy; config.h) */
 } zd__rank_env_t;
 
 /* Creates a rank and starts its worker thread. With the CUDA backend the worker first makes the
@@ -224,6 +230,10 @@ void zd__rank_submit(zd__rank_t *rank, zd__job_t *job);
 
 /* Whether the rank's worker has no job queued or running (any thread; a snapshot). */
 int zd__rank_idle(zd__rank_t *rank);
+
+/* 1 when the rank runs the CUDA backend in cuda_step fast: its worker answers jobs on CUDA
+ * buffers itself (jobs.c), before their work has completed. Any thread. */
+int zd__rank_cuda_fast(const zd__rank_t *rank);
 
 /* Whether the rank's device work has run out: nothing of it queued or running on the rank's
  * stream (CUDA: cudaStreamQuery; a CUDA context that failed counts as idle, since nothing more

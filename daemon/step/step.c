@@ -60,6 +60,16 @@ static int job_end(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, uint32_t
   return end;
 }
 
+/* The end of a job whose reply is known once its work is queued (a scatter, a gather, a step
+ * past its decision): the backend may answer without waiting for the work (compute.h,
+ * finish_early); a failed job waits as every job does. */
+static int job_end_early(const zd__step_ctx_t *ctx, const zd__buffers_t *buf, uint32_t slot, int rc,
+                         zd__err_t *err) {
+  const zd__compute_ops_t *ops = ctx->compute->ops;
+  if (rc || !ops->finish_early) return job_end(ctx, buf, slot, rc, err);
+  return ops->finish_early(ctx->compute, ctx->comm, buf, slot, err);
+}
+
 static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                           int32_t bucket, zd__err_t *err);
 
@@ -335,14 +345,14 @@ int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffe
                       uint32_t slot, int32_t bucket, zd__err_t *err) {
   int rc = job_begin(ctx, buf, slot, err);
   if (!rc) rc = scatter_buckets(ctx, m, buf, bucket, err);
-  return job_end(ctx, buf, slot, rc, err);
+  return job_end_early(ctx, buf, slot, rc, err);
 }
 
 int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                      uint32_t slot, int32_t bucket, zd__err_t *err) {
   int rc = job_begin(ctx, buf, slot, err);
   if (!rc) rc = gather_buckets(ctx, m, buf, bucket, err);
-  return job_end(ctx, buf, slot, rc, err);
+  return job_end_early(ctx, buf, slot, rc, err);
 }
 
 /* Checks the records of every rank (all) against this rank's: every rank must be about to apply
@@ -465,6 +475,134 @@ static int uses_torch_norm(const zd__step_ctx_t *ctx, const zd__model_t *m,
          m->grad_dtype == ZD_F32;
 }
 
+#ifdef ZD__RECORD_CHECKED /* kernels/step_decide.h's check word and decision from records */
+/* A step with statistics whose backend decides on the device (compute.h, queue_decision: CUDA in
+ * cuda_step fast), from the scatter on. Queued with no host wait in between: the statistics,
+ * which seal this rank's record; the records' all-gather into a poisoned buffer; the decision
+ * kernel; the copy of the decision and the records to the host; the update of every bucket,
+ * which runs only where the device's verdict is APPLY. Only then does the host wait, for the copy
+ * alone (the update runs meanwhile), and it takes the same decision again from the copied
+ * records: the two must be the same (else ZD_EINTERNAL: the device did something the host cannot
+ * account for, and the rank is degraded). The gather is queued after that wait, where the step
+ * was applied, as on the host path: a rank standing in for its client (which decides on the host)
+ * queues no gather after an abandoned step, so no rank may queue one before it knows the verdict.
+ * The model's bookkeeping follows the decision, as on the host path.
+ *
+ * Across ranks: every rank decides from the records as its own all-gather left them. Where the
+ * all-gather completed everywhere the records are the same on every rank, and so is the decision:
+ * every rank applies the step or none does. A record that a failing peer left torn or unwritten
+ * fails its check word (the buffer was 0xFF before the gather): that rank's verdict is INVALID
+ * and it applies nothing, and no rank ever applies an update computed from a damaged record. What
+ * is not guaranteed is that all ranks reach the same verdict when a peer fails during the
+ * all-gather: a rank that received every record whole before the failure applies the step while
+ * another does not. The failure breaks the communicator (NCCL's error, or the heartbeat's
+ * verdict, on every surviving rank, at the latest at its next collective), and the broken world
+ * re-forms and rolls every rank back to the newest checkpoint (rank.c), or stays degraded without
+ * checkpoints: state that may differ between ranks is never stepped on. The host path
+ * (gather_records, then the decision) has the same window between the end of one rank's
+ * all-gather and another's. */
+static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
+                          uint32_t slot, const zd_group_t *groups, int gather, uint64_t t0,
+                          zd__step_out_t *out, zd__err_t *err) {
+  const zd__layout_t *l = m->layout;
+  zd__compute_t *c = ctx->compute;
+  uint32_t w = ctx->world_size;
+  uint64_t flag = zd__ckptr_wants(ctx->ckpt, m->step + 1) ? CHECKPOINT_BIT : 0;
+  zd__step_record_t rec = {
+      .step = (m->step + 1) | flag, .layout_hash = l->hash, .hparam_hash = hparam_hash(m, groups)};
+  int rc = ZD_OK;
+  for (uint32_t b = 0; b < l->nbuckets && !rc; b++)
+    rc = c->ops->grad_stats(c, &m->shard, b, b == 0, &rec, err);
+  rec.check = zd__record_check(&rec); /* as the device sealed it: agree() compares with it */
+  zd__cuda_decide_args_t a = {
+      .world_size = w,
+      .mine = ctx->rank,
+      .step_mask = ~CHECKPOINT_BIT,
+      .checkpoint_bit = CHECKPOINT_BIT,
+      .abandoned = ABANDONED_STEP,
+      .cfg = {.world_size = w,
+              .grad_mean = m->grad_mean,
+              .need_stats = 1,
+              .max_grad_norm = m->max_grad_norm},
+      .st = {.scaler = m->scaler, .step = m->step, .steps_skipped = m->steps_skipped}};
+  if (!rc) rc = c->ops->queue_decision(c, ctx->comm, &m->shard, &a, err);
+  /* The constants of step m->step + 1, the one an APPLY verdict applies. */
+  zd__adam_group_t consts[m->shard.ngroups];
+  for (uint32_t g = 0; g < m->shard.ngroups; g++)
+    zd__adam_group_init(&consts[g], &groups[g], m->step + 1);
+  uint64_t t_update = zd__now_us();
+  for (uint32_t b = 0; b < l->nbuckets && !rc; b++)
+    rc = c->ops->update(c, &m->shard, b, buf, consts, 1.0f, err); /* the decision's factor */
+  m->update_us += zd__now_us() - t_update;
+  zd__step_record_t stack[8], *all = w <= 8 ? stack : calloc(w, sizeof *all);
+  if (!all && !rc) rc = zd__errf(err, -ENOMEM, "out of memory");
+  zd__cuda_decision_t dev, host;
+  if (!rc) rc = c->ops->wait_decision(c, ctx->comm, &m->shard, &dev, all, err);
+  if (rc) { /* the state is in doubt: the communicator or the device failed (degraded) */
+    if (all != stack) free(all);
+    ZD_LOG_ERROR("step %" PRIu64 ": the step could not be queued or decided on the device: %s",
+                 m->step + 1, err->msg);
+    return job_end(ctx, buf, slot, rc, err);
+  }
+  memset(m->attempted, 0, l->nbuckets); /* the attempt is over on every rank */
+  zd__step_decide_records(&a, (const zd__cuda_stats_t *)all, &host);
+  if (!zd__cuda_decision_same(&dev, &host)) {
+    rc = zd__errf(err, ZD_EINTERNAL,
+                  "step %" PRIu64
+                  ": the device's decision (verdict %d, bad rank %d) differs "
+                  "from the host's (verdict %d, bad rank %d) on the same records",
+                  m->step + 1, (int)dev.verdict, (int)dev.bad_rank, (int)host.verdict,
+                  (int)host.bad_rank);
+  } else if (dev.verdict == ZD__VERDICT_DISAGREE || dev.verdict == ZD__VERDICT_INVALID) {
+    double sumsq;
+    uint64_t nonfinite;
+    int checkpoint;
+    rc = agree(ctx, m->step + 1, &rec, all, &sumsq, &nonfinite, &checkpoint, err); /* the why */
+    if (!rc)
+      rc = zd__errf(err, ZD_EINTERNAL,
+                    "step %" PRIu64
+                    ": the decision refused the records (verdict %d, rank %d), "
+                    "which the host's check accepts",
+                    m->step + 1, (int)dev.verdict, (int)dev.bad_rank);
+  }
+  if (all != stack) free(all);
+  if (rc) {
+    zd__err_t ignored;
+    if (flag) zd__ckptr_request(ctx->ckpt, &ignored); /* not committed: ask again next step */
+    if (rc == ZD_EABORTED) { /* the whole attempt is void on every rank: scatter again */
+      memset(m->scattered, 0, l->nbuckets);
+      m->abandoned = 1;
+    }
+    if (rc == ZD_EINTERNAL) ZD_LOG_ERROR("%s", err->msg);
+    return job_end(ctx, buf, slot, rc, err);
+  }
+  /* Committed: the model follows the decision every rank took from the same records. */
+  if (groups != m->groups) memcpy(m->groups, groups, m->shard.ngroups * sizeof *groups);
+  memset(m->scattered, 0, l->nbuckets);
+  if (!gather) memset(m->ungathered, 1, l->nbuckets);
+  *out = (zd__step_out_t){.step = dev.dec.step,
+                          .applied = dev.dec.applied,
+                          .grad_norm = dev.dec.grad_norm,
+                          .loss_scale = dev.dec.loss_scale,
+                          .clip_coef = dev.dec.clip_coef};
+  m->step = dev.st.step;
+  m->scaler = dev.st.scaler;
+  m->steps_skipped = dev.st.steps_skipped;
+  int applied = dev.verdict == ZD__VERDICT_APPLY;
+  if (applied && gather) rc = gather_buckets(ctx, m, buf, -1, err);
+  rc = job_end_early(ctx, buf, slot, rc, err);
+  if (dev.checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: state whole */
+  out->duration_us = zd__now_us() - t0;
+  if (rc && applied) {
+    char cause[ZD__ERR_MSG_MAX];
+    snprintf(cause, sizeof cause, "%s", err->msg);
+    return zd__errf(err, ZD_EAPPLIED, "step %" PRIu64 " was applied, but %s failed (%s): %s",
+                    m->step, gather ? "the gather" : "completing it", zd_err_name(rc), cause);
+  }
+  return rc;
+}
+#endif
+
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                    uint32_t slot, const zd_group_t *groups, int scatter, int gather,
                    zd_clip_norm_t clip_norm, zd__step_out_t *out, zd__err_t *err) {
@@ -493,6 +631,10 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (rc) return job_end(ctx, buf, slot, rc, err);
 
   int need_stats = needs_stats(ctx, m);
+#ifdef ZD__RECORD_CHECKED
+  if (need_stats && ctx->compute->ops->queue_decision)
+    return step_on_device(ctx, m, buf, slot, groups, gather, t0, out, err);
+#endif
   double sumsq = 0;
   uint64_t nonfinite = 0;
   int checkpoint = 0;
@@ -528,7 +670,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (dec.skip) {
     m->scaler = st.scaler;
     m->steps_skipped = st.steps_skipped;
-    rc = job_end(ctx, buf, slot, ZD_OK, err); /* skipped: parameters unchanged, nothing to gather */
+    rc = job_end_early(ctx, buf, slot, ZD_OK, err); /* skipped: parameters unchanged, no gather */
     if (!rc && checkpoint) snapshot_after_step(ctx, m);
     out->duration_us = zd__now_us() - t0;
     return rc;
@@ -547,7 +689,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   m->step = st.step;
   m->scaler = st.scaler;
   if (gather) rc = gather_buckets(ctx, m, buf, -1, err);
-  rc = job_end(ctx, buf, slot, rc, err);
+  rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
   out->duration_us = zd__now_us() - t0;
   if (rc) {

@@ -133,7 +133,7 @@ int zd__buffers_event_slot(const zd__session_buffers_t *sb, int cuda, const char
                     "%s: event_slot is %u; expected 0..%d (one of the %d event "
                     "pairs sent at register)",
                     what, want, ZD__EVENT_SLOTS - 1, ZD__EVENT_SLOTS);
-  if (sb->slots_inflight & (1ull << want))
+  if (__atomic_load_n(&sb->slots_inflight, __ATOMIC_ACQUIRE) & (1ull << want))
     return zd__errf(err, -EINVAL,
                     "%s: event_slot %u belongs to a request still in flight; a "
                     "slot is free again once its request's reply has been read",
@@ -193,10 +193,12 @@ int zd__buffers_open_cuda(zd__session_buffers_t *sb, const zd__backend_t *backen
 
 void zd__buffers_job_queued(zd__session_buffers_t *sb, uint32_t slot) {
   if (!zd__buffers_cuda(sb)) return; /* host buffers: no slots */
-  sb->slots_inflight |= 1ull << slot;
+  __atomic_or_fetch(&sb->slots_inflight, 1ull << slot, __ATOMIC_ACQ_REL);
   sb->used = 1;
 }
 
 void zd__buffers_job_done(zd__session_buffers_t *sb, uint32_t slot) {
-  sb->slots_inflight &= ~(1ull << slot); /* only CUDA buffers' jobs set theirs */
+  /* only CUDA buffers' jobs set theirs; a worker that answered a job frees its slot first (jobs.c)
+   */
+  __atomic_and_fetch(&sb->slots_inflight, ~(1ull << slot), __ATOMIC_ACQ_REL);
 }

@@ -21,7 +21,8 @@
 /* Embedded in the session; set up by zd__buffers_init. */
 typedef struct zd__session_buffers {
   zd__buffers_t bufs;      /* what the rank's jobs use (zd__job_t.buffers points here) */
-  uint64_t slots_inflight; /* CUDA buffers: bit k set while a job of event slot k is in flight */
+  uint64_t slots_inflight; /* CUDA buffers: bit k set while a job of event slot k is in flight
+                              (atomic: the worker that answers a job clears its bit, jobs.c) */
   int used;                /* CUDA buffers: a job that may queue work on them was queued */
   int mappings_kept;       /* CUDA IPC handles of this connection were left open (bye says so) */
 } zd__session_buffers_t;

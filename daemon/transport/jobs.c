@@ -2,17 +2,22 @@
  *
  * A handler (requests.c) makes a job of a request and submits it here. A small job of an idle
  * world-size-1 CPU rank runs at once on the loop thread (zd__rank_run_inline) and is completed
- * right away; any other job is queued on the session's rank, whose worker runs it and calls
- * job_finished. That callback answers a successful job on host buffers from the worker itself
- * (job->answer_early: the client need not wait for the loop thread to be woken) and hands the job
- * to the loop through the set's completion queue (uv_async_send), where complete() does the
- * loop's part for every job: the accounting, the session's state after a register, the reply when
- * the worker did not send it, and the session's next step.
+ * right away; any other job is queued on the session's rank, whose worker runs it, calls
+ * answer_early (job->answer) and then, once the job's work has completed, job_finished
+ * (job->done; on a CUDA rank in cuda_step fast that may be after the next jobs ran, rank.h). The
+ * first answers a successful job from the worker itself (job->answer_early: the client need not
+ * wait for the loop thread to be woken); the second hands the job to the loop through the set's
+ * completion queue (uv_async_send), where complete() does the loop's part for every job: the
+ * accounting, the session's state after a register, the reply when the worker did not send it,
+ * and the session's next step. The session counts the job in flight until then, so it keeps the
+ * client's CUDA buffers mapped while the job's work may still use them.
  *
  * Ordering: a client's jobs are answered in the order they ran. Errors are answered by the loop
  * (which counts them), and so is every later job's reply until the loop has sent that error
- * (s->held, under wq_lock). Jobs on CUDA buffers are answered by the loop too: their event slot is
- * free for the client's next request only once the loop has seen the job end.
+ * (s->held, under wq_lock). A job on CUDA buffers is answered by the worker only on a rank in
+ * cuda_step fast (zd__rank_cuda_fast; in legacy the loop answers them all): the worker frees the
+ * job's event slot (an atomic bit, buffers.h) just before it sends the reply, since the client
+ * may name the slot again as soon as it reads it, and the loop then leaves the slot alone.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -23,11 +28,13 @@
 #include "session_internal.h"
 
 static void job_finished(zd__job_t *job);
+static void answer_early(zd__job_t *job);
 
 zd__job_t *zd__job_new(zd__session_t *s, zd__job_type_t type, const zd__frame_header_t *h) {
   zd__job_t *job = calloc(1, sizeof *job);
   if (!job) return NULL;
   job->type = type;
+  job->answer = answer_early;
   job->done = job_finished;
   job->session = s;
   job->request_id = h->request_id;
@@ -90,6 +97,7 @@ static out_buf_t *success_frame(const zd__job_t *job) {
  * the error then, and closes the session). The session stays open meanwhile: it is torn down only
  * with no job in flight. Sets job->answered if it answered. */
 static void answer_early(zd__job_t *job) {
+  if (!job->answer_early) return;
   zd__session_t *s = job->session;
   out_buf_t *b = job->code == ZD_OK ? success_frame(job) : NULL; /* NULL: out of memory too */
   pthread_mutex_lock(&s->wq_lock);
@@ -99,6 +107,8 @@ static void answer_early(zd__job_t *job) {
     free(b);
     return;
   }
+  /* Every call naming the slot's events was made: free it for the client's next request. */
+  zd__buffers_job_done(&s->buf, job->event_slot);
   zd__session_send_locked(s, b);
   pthread_mutex_unlock(&s->wq_lock);
   job->answered = 1;
@@ -131,7 +141,7 @@ static void reply(zd__session_t *s, zd__job_t *job, int kept) {
 static void complete(zd__session_t *s, zd__job_t *job) {
   zd_assert(s->inflight > 0);
   s->inflight--;
-  zd__buffers_job_done(&s->buf, job->event_slot);
+  if (!job->answered) zd__buffers_job_done(&s->buf, job->event_slot); /* else the worker did */
   int kept = 0;
   if (job->type == ZD__JOB_ATTACH) {
     if (job->code == ZD_OK) {
@@ -153,7 +163,6 @@ static void complete(zd__session_t *s, zd__job_t *job) {
 static void job_finished(zd__job_t *job) {
   zd__session_t *s = job->session;
   zd__sessions_t *ss = s->ss;
-  if (job->answer_early) answer_early(job);
   job->next = NULL;
   pthread_mutex_lock(&ss->done_lock);
   if (ss->done_tail)
@@ -200,10 +209,9 @@ void zd__job_submit(zd__session_t *s, zd__job_t *job) {
     return;
   }
   s->ss->busy_until_ns = 0; /* the kernel's threads may need every CPU now */
-  /* Not with CUDA buffers: the request's event slot is free for the client's next request only
-   * once the loop has seen the job end (zd__buffers_job_done). */
-  job->answer_early =
-      job->type != ZD__JOB_ATTACH && job->type != ZD__JOB_STAND_IN && !zd__buffers_cuda(&s->buf);
+  /* With CUDA buffers only in cuda_step fast (legacy: the loop answers, as it always did). */
+  job->answer_early = job->type != ZD__JOB_ATTACH && job->type != ZD__JOB_STAND_IN &&
+                      (!zd__buffers_cuda(&s->buf) || zd__rank_cuda_fast(s->rank));
   zd__rank_submit(s->rank, job);
 }
 

@@ -87,6 +87,7 @@ static const char *const all_names[] = {"socket",
                                         "pin_threads",
                                         "kernel_isa",
                                         "ranks_per_gpu",
+                                        "cuda_step",
                                         "local_ranks",
                                         "world_size",
                                         "first_rank",
@@ -142,6 +143,7 @@ static void test_defaults(void) {
   CHECK_INT_EQ(cfg.pin_threads, 1);
   CHECK_STR_EQ(cfg.kernel_isa, "auto");
   CHECK_INT_EQ(cfg.ranks_per_gpu, 1);
+  CHECK_STR_EQ(cfg.cuda_step, "fast");
   CHECK_INT_EQ(cfg.local_ranks, 1);
   CHECK_INT_EQ(cfg.world_size, 1); /* 0 resolves to local_ranks */
   CHECK_INT_EQ(cfg.first_rank, 0);
@@ -392,6 +394,7 @@ static void test_errors(void) {
                "ZEROD_BACKEND=gpu", "backend must be one of auto, cpu, cuda", NULL);
   expect_error(ARGV("--kernel-isa", "sse"), no_env, ZD_ECONFIG, "kernel_isa",
                "auto, avx512bf16, avx512, avx2, scalar", NULL);
+  expect_error(ARGV("--cuda-step", "slow"), no_env, ZD_ECONFIG, "cuda_step", "fast, legacy", NULL);
   expect_error(ARGV("--log_level=verbose"), no_env, ZD_ECONFIG, "log_level",
                "error, warn, info, debug", NULL);
   expect_error(ARGV("--socket-mode=0668"), no_env, ZD_ECONFIG, "--socket-mode=0668",
