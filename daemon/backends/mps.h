@@ -38,7 +38,7 @@ typedef struct zd__mps {
   zd__mps_state_t state;
   int compute_mode; /* the first GPU's cudaComputeMode (0 default, 2 prohibited, 3 exclusive
                      * process); -1 unknown */
-  int pipe;         /* 1: <pipe_dir>/control is a FIFO; 0: absent; -errno: unreadable or not a FIFO */
+  int pipe; /* 1: <pipe_dir>/control is a FIFO; 0: absent; -errno: unreadable or not a FIFO */
   char pipe_dir[256];
 } zd__mps_t;
 
