@@ -73,7 +73,12 @@ _rn intrinsics:
 - zerod~cpu: bitwise everywhere (adam.cuh's claim), the loss-scaler rows included.
 - On CPU (MatrixOnCpuTest, torch 1.13 here): single and foreach bitwise with zerod (strict), where
   torch's sqrt is correctly rounded; fused=True (2.x) with the 7-element tensor is refused.
-A prediction that fails says where the next GPU run's formula variants must change.
+A prediction that fails says where the next GPU run's formula variants must change. To say
+which formula each torch path does compute, the matrix ends with a probe (formula_probe): one step
+of each implementation from a known state (65,536 fp32 elements at step 6), whose new m, v and p
+are compared, stage by stage, with emulations of the candidate formulas above (fp32 operations and
+single-rounding fmas emulated exactly in float64 on the CPU); it names the candidates that match
+every element. On Debian's torch 1.13 CPU it names zerod's formula at every stage.
 
 The GPU tests are skipped where torch has no CUDA or no GPU is visible (Debian's python3-torch is
 CPU-only): the file then exits 77 after the CPU runs, or 1 if one failed. Under meson the
@@ -84,6 +89,7 @@ interpreter is $ZEROD_GPU_PYTHON when set (run_gpu.sh), else /usr/bin/python3.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import struct
 import unittest
@@ -346,7 +352,8 @@ def zerod_run(daemon: Any, dev: torch.device, dtype: torch.dtype, hp: Dict[str, 
 
 
 def torch_run(dev: torch.device, dtype: torch.dtype, optimizer: str, hp: Dict[str, Any],
-              max_norm: float, two: bool, impl: Dict[str, Any], coefs: List[float]) -> Tuple[Run, int]:
+              max_norm: float, two: bool, impl: Dict[str, Any],
+              coefs: List[float]) -> Tuple[Run, int]:
     """The same steps through torch.optim.AdamW/Adam(**impl) on dev, on fp32 master weights (the
     gradients rounded to dtype first; the parameters compared rounded to dtype, as zerod writes
     them). With max_norm the gradients are multiplied by zerod's coefficient of the step (coefs);
@@ -388,6 +395,7 @@ class Matrix:
         self.cells: Dict[Tuple[Tuple[str, str, str], str], str] = {}
         self.failures: List[str] = []
         self.notes: List[str] = []
+        self.refused: set = set()  # implementations ZeroOptimizer refused (noted once)
 
     def put(self, row: Tuple[str, str, str], column: str, result: Optional[Tuple[int, int]],
             claimed: bool, note: str = "") -> None:
@@ -430,8 +438,10 @@ def matrix_row(m: Matrix, row: Tuple[str, str, str], daemon: Any, ref_daemon: An
             run, chosen = zerod_run(daemon, dev, dtype, hp, max_norm, two, impl)
         except ValueError as e:
             claimed, why = False, "refused"
-            m.notes.append(f"{'/'.join(row)} {iname}: ZeroOptimizer refuses it: "
-                           f"{str(e).split(':', 1)[-1].strip()[:160]}")
+            if iname not in m.refused:  # the same words in every row: once
+                m.refused.add(iname)
+                m.notes.append(f"{iname}: ZeroOptimizer refuses it on {dev.type} "
+                               f"({str(e).split(':', 1)[-1].strip()[:160]})")
             run, chosen = zerod_run(daemon, dev, dtype, hp, max_norm, two, {})
         druns[iname] = (run, chosen, claimed, why)
     truns: Dict[str, Run] = {}
@@ -515,7 +525,155 @@ def run_matrix(tc: unittest.TestCase, daemon: Any, ref_daemon: Any, dev: torch.d
                                   f"{ref.scales}")
             m.notes.append(f"{'/'.join(row)}: steps applied {sum(cu.applied)} of "
                            f"{MATRIX_STEPS}, scales {cu.scales[0]:g} -> {cu.scales[-1]:g}")
+    try:  # which formula each torch path computes, stage by stage (reported, never failed)
+        m.notes += formula_probe(dev)
+    except Exception as e:
+        m.notes.append(f"probe: failed: {type(e).__name__}: {e}"[:200])
     return m
+
+
+# ---- the formula probe -----------------------------------------------------------------------
+# One step of each torch implementation from a known state (step 6, 65,536 fp32 elements),
+# compared stage by stage with emulations of candidate formulas (module docstring, predictions):
+# m and v from the inputs, p from torch's own new m and v, so that each stage is judged alone.
+# Emulated on the CPU in float64: one fp32 operation is its float64 result rounded to fp32
+# (exact for + - * / sqrt of fp32 inputs), an fp32 fma is rounded once (fma32), and the fused
+# kernel's double arithmetic is float64 arithmetic.
+
+PROBE_N = 1 << 16
+PROBE_T = 6  # the step the probe takes
+PROBE_HP = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> fp32, round to nearest even, back in float64."""
+    return x.to(torch.float32).to(torch.float64)
+
+
+def c32(x: float) -> float:
+    """A Python float rounded to fp32 (torch's scalar arguments of fp32 kernels)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def fma32(a: Any, b: Any, c: Any) -> torch.Tensor:
+    """fp32 fma(a, b, c), rounded once, of fp32 values held in float64 (tensors or floats):
+    a * b is exact in float64; the float64 sum's rounding error (two-sum) settles the one case
+    where rounding twice differs, a float64 sum exactly halfway between two floats."""
+    a, b, c = (x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+               for x in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    r = s.to(torch.float32)
+    rd = r.to(torch.float64)
+    inf = torch.full_like(r, float("inf"))
+    toward = torch.where(s > rd, inf, -inf)
+    nb = torch.nextafter(r, toward)
+    mid = ((rd + nb.to(torch.float64)) / 2 == s) & (s != rd) & (e != 0)
+    up = (e > 0) == (nb.to(torch.float64) > rd)
+    return torch.where(mid & up, nb, r).to(torch.float64)
+
+
+def probe_inputs() -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    n = PROBE_N
+    return {"p": torch.randn(n, generator=g),
+            "m": torch.randn(n, generator=g) * 1e-2,
+            "v": (torch.randn(n, generator=g) * 1e-2) ** 2 + 1e-12,
+            "g": torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g)) * 1e-2}
+
+
+def probe_torch(dev: torch.device, optimizer: str, impl: Dict[str, Any],
+                x: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """torch's (p, m, v) after one step at PROBE_T from the state x, in float64 on the CPU."""
+    p = torch.nn.Parameter(x["p"].clone().to(dev))
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+    opt = cls([p], **PROBE_HP, **impl)
+    p.grad = torch.zeros_like(p)
+    opt.step()  # creates the state
+    st = opt.state[p]
+    with torch.no_grad():
+        p.copy_(x["p"].to(dev))
+        st["exp_avg"].copy_(x["m"].to(dev))
+        st["exp_avg_sq"].copy_(x["v"].to(dev))
+        st["step"].fill_(PROBE_T - 1)
+    p.grad = x["g"].clone().to(dev)
+    opt.step()
+    return {"p": p.detach().cpu().double(), "m": st["exp_avg"].cpu().double(),
+            "v": st["exp_avg_sq"].cpu().double()}
+
+
+def probe_candidates(optimizer: str, x: Dict[str, torch.Tensor],
+                     t: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """stage -> candidate -> the emulated result; p's from torch's own new m and v (t)."""
+    lr, (b1, b2), eps, wd = (PROBE_HP["lr"], PROBE_HP["betas"], PROBE_HP["eps"],
+                             PROBE_HP["weight_decay"])
+    p, m, v, g = (x[k].double() for k in ("p", "m", "v", "g"))
+    adamw = optimizer == "adamw"
+    bc1, bc2 = 1 - b1 ** PROBE_T, 1 - b2 ** PROBE_T
+    nss, bc2s = c32(-(lr / bc1)), c32(math.sqrt(bc2))
+    w = c32(1 - b1)
+    # the gradient after the L2 penalty (Adam): fp32 kernels and zerod, fused's double
+    g32 = g if adamw else fma32(c32(wd), p, g)
+    gfu = g if adamw else f32(g + p * wd)
+    p1 = f32(p * c32(1 - lr * wd)) if adamw else p
+    p1fu = f32(p - (lr * wd) * p) if adamw else p
+    cands: Dict[str, Dict[str, torch.Tensor]] = {"m": {}, "v": {}, "p": {}}
+    cands["m"]["lerp (zerod torch2)"] = fma32(w, f32(g32 - m), m)
+    cands["m"]["mul+fma (zerod torch113)"] = fma32(g32, c32(1 - b1), f32(m * c32(b1)))
+    cands["m"]["double (fused)"] = f32(b1 * m + (1 - b1) * gfu)
+    a2 = c32(1 - b2)
+    cands["v"]["fma(a2*g,g,v*b2) (zerod)"] = fma32(f32(a2 * g32), g32, f32(v * c32(b2)))
+    cands["v"]["fma(a2,g*g,v*b2) (pred. single/foreach)"] = fma32(a2, f32(g32 * g32),
+                                                                  f32(v * c32(b2)))
+    cands["v"]["double (fused)"] = f32(b2 * v + ((1 - b2) * gfu) * gfu)
+    mt, vt = t["m"], t["v"]
+    sq = f32(torch.sqrt(vt))
+    d_div = f32(f32(sq / bc2s) + c32(eps))
+    d_rcp = f32(f32(sq * c32(1 / bc2s)) + c32(eps))
+    cands["p"]["p+(nss*m)/d (zerod)"] = f32(p1 + f32(f32(nss * mt) / d_div))
+    cands["p"]["fma(nss,m/d,p), d by reciprocal (pred. single)"] = fma32(nss, f32(mt / d_rcp), p1)
+    cands["p"]["fma(nss,m/d,p), d by division (pred. foreach)"] = fma32(nss, f32(mt / d_div), p1)
+    for name, bc2s_fu, ss_fu in (
+            ("fp32 bias corrections", c32(math.sqrt(c32(1 - b2 ** PROBE_T))),
+             c32(lr / c32(1 - b1 ** PROBE_T))),
+            ("double bias corrections", c32(math.sqrt(bc2)), c32(lr / bc1))):
+        d_fu = f32(f32(sq / bc2s_fu) + eps)
+        cands["p"][f"p-(ss*m)/d, {name} (pred. fused)"] = f32(p1fu - f32(f32(ss_fu * mt) / d_fu))
+    return cands
+
+
+def formula_probe(dev: torch.device) -> List[str]:
+    """Lines "probe: ..." saying, per torch implementation, optimizer and stage, which candidate
+    formulas reproduce torch's result on every element (or how many elements the closest one
+    misses)."""
+    x = probe_inputs()
+    has_fused = int(torch.__version__.split(".")[0]) >= 2
+    lines = [f"probe: one step at t={PROBE_T} of {PROBE_N} fp32 elements (torch "
+             f"{torch.__version__}, {dev.type}); per stage the candidates that match every "
+             f"element, else the closest with its mismatch count"]
+    for iname, impl in IMPLS:
+        if iname == "fused" and not has_fused:
+            continue
+        for optimizer in ("adamw", "adam"):
+            try:
+                t = probe_torch(dev, optimizer, impl, x)
+            except Exception as e:  # report, never fail: the matrix judges
+                lines.append(f"probe: {iname:<7} {optimizer:<5} torch failed: {e}"[:200])
+                continue
+            cands = probe_candidates(optimizer, x, t)
+            parts = []
+            for stage in ("m", "v", "p"):
+                miss = {n: int((c != t[stage]).sum()) for n, c in cands[stage].items()}
+                exact = [n for n, k in miss.items() if k == 0]
+                if exact:
+                    parts.append(f"{stage}: {' = '.join(exact)}")
+                else:
+                    n, k = min(miss.items(), key=lambda kv: kv[1])
+                    parts.append(f"{stage}: none (closest {n}: {k} differ)")
+            lines.append(f"probe: {iname:<7} {optimizer:<5} " + "; ".join(parts))
+    return lines
 
 
 def report_matrix(tc: unittest.TestCase, m: Matrix) -> None:
