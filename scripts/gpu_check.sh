@@ -236,6 +236,29 @@ bench_step_runs() { # LABEL: the step benchmark's runs (old and new step, W=2) i
   fi
 }
 
+# zerod_mps LABEL: starts a CUDA zerod for a few seconds and keeps its start-up line about MPS
+# (daemon/backends/mps.c: what zerod itself detects), for the summary.
+zerod_mps() {
+  local label=$1 pid i line
+  [ "$(left)" -gt 40 ] || return 0
+  build/daemon/zerod --backend cuda --socket "$WORK/mps-$label.sock" --control_address \
+    "unix:$WORK/mps-$label.ctl" --log_level info >"$WORK/zerod_$label.log" 2>&1 &
+  pid=$!
+  for i in $(seq 1 40); do
+    grep -q -E 'ready|error|ERROR' "$WORK/zerod_$label.log" 2>/dev/null && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.25
+  done
+  kill -TERM "$pid" 2>/dev/null
+  for i in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+  kill -KILL "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  log_part "zerod's start-up ($label)"
+  cat "$WORK/zerod_$label.log" >>"$LOG"
+  line=$(grep -m1 'MPS: ' "$WORK/zerod_$label.log" | sed 's/.*MPS: /MPS: /' | cut -c1-150)
+  echo "zerod ($label): ${line:-no MPS line in its log (see gpu_check.log)}" >>"$WORK/mps_lines"
+}
+
 mps_start() {
   export CUDA_MPS_PIPE_DIRECTORY=$WORK/mps-pipe CUDA_MPS_LOG_DIRECTORY=$WORK/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -251,6 +274,8 @@ mps_start() {
 
 mps_stop() {
   [ "${MPS_UP:-0}" = 1 ] || return 0
+  echo "MPS servers that ran: $(echo get_server_list | timeout 10 nvidia-cuda-mps-control 2>&1 |
+    tr '\n' ' ')" >>"$WORK/mps_lines"
   echo quit | timeout 20 nvidia-cuda-mps-control >>"$LOG" 2>&1 || note "MPS: 'quit' to the control daemon failed"
   sleep 1
   cat "$CUDA_MPS_LOG_DIRECTORY"/*.log >>"$LOG" 2>/dev/null
@@ -306,6 +331,11 @@ EOF
       echo "-- $f (rows: params ... %copy; the round trip last)"
       grep -vE '^# *$' "$WORK/$f.out" | grep -E '^ |^# *params|^# (plain|with|step|grad)|skipped|error|usage' | cut -c1-110
     done
+    if [ -s "$WORK/mps_lines" ]; then
+      echo
+      echo "-- MPS as zerod saw it"
+      sed 's/^/  /' "$WORK/mps_lines"
+    fi
     echo
     echo "-- not run, or incomplete"
     if [ -s "$WORK/notes" ]; then sed 's/^/  /' "$WORK/notes"; else echo "  nothing"; fi
@@ -398,9 +428,11 @@ run() {
   # 2. The kernel against a copy.
   timed 60 bench_adam_cuda build/tests/gpu/bench_adam_cuda --min-log2 20 --max-log2 28
   # 3. The whole step, without MPS, then with it where the machine has it.
+  zerod_mps nomps
   bench_step_runs nomps
   if command -v nvidia-cuda-mps-control >/dev/null; then
     if [ "$(left)" -gt 90 ] && mps_start; then
+      zerod_mps mps
       bench_step_runs mps
       mps_stop
     elif [ "${MPS_UP:-0}" = 0 ] && [ "$(left)" -le 90 ]; then
