@@ -283,13 +283,41 @@ mps_stop() {
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
+# The summary: benchmarks first and the verdicts last, so that the end of the output (all a
+# caller may see of it, e.g. the device tool's output_tail) holds the suite, the matrix and
+# what did not run; the whole of it is $OUT/summary.txt.
 summary() {
-  local S=$OUT/summary.txt
+  local S=$OUT/summary.txt f
   {
-    echo "======== gpu_check summary ($(($(date +%s) - T0)) s; full log: gpu_check.log)"
+    echo "======== gpu_check summary ($(($(date +%s) - T0)) s; every output: gpu_check.log)"
     echo "machine: $GPU_LINE"
     echo "torch:   $TORCH_LINE"
     echo "bundle:  built at $ORIGIN, commit $(cat "$UNPACKED/commit" 2>/dev/null || echo '?')"
+    for f in bench_adam_cuda bench_step_cuda_nomps bench_step_cuda_w2_nomps bench_step_cuda_mps \
+      bench_step_cuda_w2_mps; do
+      [ -f "$WORK/$f.out" ] || continue
+      echo
+      echo "-- $f (%copy: of a device-to-device copy of the same bytes, measured alongside)"
+      grep -vE '^#? *$' "$WORK/$f.out" | cut -c1-110
+    done
+    if [ -s "$WORK/mps_lines" ]; then
+      echo
+      echo "-- MPS as zerod saw it"
+      sed 's/^/  /' "$WORK/mps_lines"
+    fi
+    echo
+    echo "-- torch conformance matrix (python_torch_cuda)"
+    if [ -s "$WORK/matrix.txt" ]; then
+      # The CUDA matrix where there is one (the CPU one, run first, stays in the log).
+      if grep -q '^matrix: torch .* on CUDA' "$WORK/matrix.txt"; then
+        awk '/^matrix: torch / {on = /on CUDA/} on' "$WORK/matrix.txt" | sed 's/^matrix: /  /'
+        echo "  (the CPU matrix, torch's CPU paths against zerod's CPU backend: in gpu_check.log)"
+      else
+        sed 's/^matrix: /  /' "$WORK/matrix.txt"
+      fi
+    else
+      echo "  (not produced: see python_torch_cuda below)"
+    fi
     echo
     echo "-- gpu suite (meson test --suite gpu)"
     if [ -f build/meson-logs/testlog.json ]; then
@@ -311,32 +339,6 @@ EOF
       echo "  (no testlog.json: the suite did not run)"
     fi
     echo
-    echo "-- torch conformance matrix (python_torch_cuda)"
-    if [ -s "$WORK/matrix.txt" ]; then
-      # The CUDA matrix where there is one (the CPU one, run first, stays in the log).
-      if grep -q '^matrix: torch .* on CUDA' "$WORK/matrix.txt"; then
-        awk '/^matrix: torch / {on = /on CUDA/} on' "$WORK/matrix.txt" | sed 's/^matrix: /  /'
-        echo "  (the CPU matrix, torch's CPU paths against zerod's CPU backend: in gpu_check.log)"
-      else
-        sed 's/^matrix: /  /' "$WORK/matrix.txt"
-      fi
-    else
-      echo "  (not produced: see python_torch_cuda in the suite above)"
-    fi
-    local f
-    for f in bench_adam_cuda bench_step_cuda_nomps bench_step_cuda_w2_nomps bench_step_cuda_mps \
-      bench_step_cuda_w2_mps; do
-      [ -f "$WORK/$f.out" ] || continue
-      echo
-      echo "-- $f (rows: params ... %copy; the round trip last)"
-      grep -vE '^# *$' "$WORK/$f.out" | grep -E '^ |^# *params|^# (plain|with|step|grad)|skipped|error|usage' | cut -c1-110
-    done
-    if [ -s "$WORK/mps_lines" ]; then
-      echo
-      echo "-- MPS as zerod saw it"
-      sed 's/^/  /' "$WORK/mps_lines"
-    fi
-    echo
     echo "-- not run, or incomplete"
     if [ -s "$WORK/notes" ]; then sed 's/^/  /' "$WORK/notes"; else echo "  nothing"; fi
     echo "======== result: $1"
@@ -355,6 +357,7 @@ run() {
   : >"$WORK/results"
   MPS_UP=0
   trap 'mps_stop; rm -rf "$WORK"' EXIT
+  trap 'exit 143' TERM INT # the EXIT trap (MPS stopped) runs on these too
   GPU_LINE="?" TORCH_LINE="?" ORIGIN=$ROOT MESON_PY=python3
   local status=0
 
