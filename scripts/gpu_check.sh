@@ -92,7 +92,7 @@ EOF
   # Shared libraries a bare GPU machine lacks: what ldd names, less the C runtime, the CUDA
   # runtime and NCCL (the GPU machine's own: its torch's).
   find "$stage/build" -type f -perm -u+x -print0 | xargs -0 ldd 2>/dev/null | awk '/=>/ {print $3}' |
-    sort -u | grep -vE '/(libc|libm|libdl|libpthread|librt|libutil|ld-linux[^/]*|libstdc\+\+|libgcc_s|libcudart|libnccl|libcuda)\.so' |
+    sort -u | grep -vE '/(libc|libm|libdl|libpthread|librt|libutil|ld-linux[^/]*|libstdc\+\+|libgcc_s|libcudart|libnccl|libcuda|libzerod)\.so' |
     while read -r lib; do cp -L "$lib" "$stage/lib/"; done
   # The meson that wrote build/ (a newer one refuses the folder), without its caches.
   local mpy mdir
@@ -414,7 +414,23 @@ run() {
   cudart=$(find_lib_dir 'libcudart.so.13')
   [ -z "$nccl" ] && note "libnccl.so.2 not found (torch's nvidia-nccl wheel, /usr, /opt): zerod cannot start"
   [ -z "$cudart" ] && note "libcudart.so.13 not found: the CUDA programs cannot start"
+  # The bundle's libraries go on LD_LIBRARY_PATH, which every process here inherits (torch's
+  # python too): those the machine has itself (same soname: libssl, libz, libffi, ...) stay
+  # aside, so that only what is missing comes from the build machine, unless zerod then lacks one.
+  mkdir -p "$UNPACKED/lib-host-has"
+  local lib
+  ldconfig -p >"$WORK/ldcache" 2>/dev/null
+  for lib in "$UNPACKED"/lib/*; do
+    [ -e "$lib" ] || continue
+    if grep -qF "$(printf '\t')$(basename "$lib") (" "$WORK/ldcache"; then
+      mv "$lib" "$UNPACKED/lib-host-has/"
+    fi
+  done
   export LD_LIBRARY_PATH=$UNPACKED/lib${nccl:+:$nccl}${cudart:+:$cudart}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if ldd build/daemon/zerod build/client/libzerod.so 2>&1 | grep -q 'not found'; then
+    mv "$UNPACKED"/lib-host-has/* "$UNPACKED/lib/" 2>/dev/null
+    echo "gpu_check: the machine's own libraries did not satisfy zerod: all the bundle's in use" >>"$LOG"
+  fi
   export PYTHONUNBUFFERED=1 ZEROD_TORCH_MATRIX=$WORK/matrix.txt
   {
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
