@@ -7,10 +7,11 @@
  * through one MPS server, whose single context runs them concurrently.
  *
  * What is read, and how far it can be trusted:
- * - cudaDevAttrMpsEnabled (CUDA >= 12.x runtime and driver) of each local rank's GPU: whether
- *   contexts this process creates on it are shared through MPS. It is the answer for zerod itself;
- *   the trainers get MPS only when they see the same control daemon (same
- *   CUDA_MPS_PIPE_DIRECTORY, same user or the daemon's allowed users), which zerod cannot see.
+ * - cudaDevAttrMpsEnabled (in CUDA 13's runtime; an older driver may not answer it) of each local
+ *   rank's GPU: whether contexts this process creates on it are shared through MPS. It is the
+ *   answer for zerod itself; the trainers get MPS only when they reach the same control daemon
+ *   (same CUDA_MPS_PIPE_DIRECTORY, same user: MPS serves one user at a time), which zerod cannot
+ *   see.
  * - The compute mode (cudaDevAttrComputeMode): EXCLUSIVE_PROCESS lets one process use the GPU,
  *   so zerod and a trainer can share it only through MPS; PROHIBITED lets none.
  * - The control pipe: $CUDA_MPS_PIPE_DIRECTORY/control (default /tmp/nvidia-mps/control), the

@@ -415,7 +415,7 @@ class Matrix:
                 f"cell: bitwise | <max ULPs>u@<first differing step>; * zerod claims "
                 f"bit-identity and holds it, ! claimed and broken; refused: ZeroOptimizer "
                 f"refuses that implementation (compared with its default formula)")
-        widths = [9, 5, 8] + [max(14, len(c)) for c in self.COLUMNS]
+        widths = [9, 5, 8] + [17 if c.startswith("zerod") else 14 for c in self.COLUMNS]
         lines = [head, "  ".join(h.ljust(w) for h, w in
                                  zip(["dtype", "optim", "option"] + self.COLUMNS, widths))]
         for row in self.rows:
