@@ -28,6 +28,7 @@
 #include "liveness.h"
 #include "log.h"
 #include "metrics.h"
+#include "mps.h"
 #include "pool.h"
 #include "rank.h"
 #include "server.h"
@@ -39,6 +40,7 @@ struct zd__daemon {
   uv_loop_t loop;
   const zd__config_t *cfg;
   zd__backend_t backend;       /* the compute backend, and the CPU kernels' ISA */
+  zd__mps_t mps;               /* CUDA: whether the GPUs are shared through MPS */
   zd__pool_t *pool;            /* the CPU kernels' threads */
   zd__world_t world;           /* how ranks join a multi-rank world */
   zd__ranks_t ranks;           /* the local ranks */
@@ -437,6 +439,7 @@ static void daemon_status(void *ctx, zd__status_t *st) {
     zd__status_add(st, "kernel_threads_pinned", "%d", zd__pool_pinned(d->pool));
   } else {
     zd__status_add(st, "state_memory", "%s", "device");
+    zd__mps_status(&d->mps, st);
   }
   zd__status_add(st, "shutting_down", "%d", d->shutting_down);
   zd__status_section(st, "world");
@@ -525,6 +528,10 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
     goto fail;
   }
   if ((rc = zd__backend_choose(cfg, &d->backend, err))) goto fail;
+  if (d->backend.kind == ZD__BACKEND_CUDA) {
+    zd__mps_probe(&d->backend, &d->mps);
+    zd__mps_log(&d->mps);
+  }
   rc = zd__pool_create(cfg->threads, (int)cfg->pin_threads, &d->pool);
   if (rc) {
     zd__errf(err, rc, "cannot start %u kernel threads: %s", cfg->threads, zd_strerror(rc));

@@ -1,41 +1,101 @@
 """ZeroOptimizer with the model on a GPU (suite `gpu`): device buffers shared with zerod's CUDA
-backend through CUDA IPC, torch's streams ordered with zerod's by libzerod's IPC events.
+backend through CUDA IPC, torch's streams ordered with zerod's by libzerod's IPC events; and the
+torch CUDA conformance matrix.
 
-The reference is the same training through a second ZeroOptimizer whose model is on the CPU, on a
-zerod running its CPU backend, fed the very gradients the GPU model computed (copied to the host
-after each backward). The CPU path is itself bitwise equal to torch.optim.AdamW on torch 1.13
-(test_conformance); comparing against it rather than against torch's optimizer keeps this test
-independent of the torch version a CUDA machine has (torch 2's AdamW rounds differently). Every
-parameter must be bitwise equal after every step: fp32, and bf16 params with bf16 grads. Every
-third step runs on a side stream (torch.cuda.stream): step()'s request then names the side
-stream, while the hooks' scatters name the stream autograd accumulates on (that of the
-AccumulateGrad nodes the optimizer keeps: the default stream it was built under). A spin kernel
-ahead of backward and of step() keeps the GPU busy while the host sends the requests, so a
-request that zerod ran without waiting for the stream, or parameters read before zerod's update,
-fail the comparison instead of losing a race to the small MLP's microsecond kernels. Also: the
-errors for a model on the wrong kind of memory, and a model that stays usable after close().
+Against zerod's CPU path (TorchCudaTest.test_fp32/test_bf16): the same training through a second
+ZeroOptimizer whose model is on the CPU, on a zerod running its CPU backend, fed the very gradients
+the GPU model computed. Every parameter must be bitwise equal after every step: fp32, and bf16
+params with bf16 grads. Every third step runs on a side stream (torch.cuda.stream): step()'s
+request then names the side stream, while the hooks' scatters name the stream autograd accumulates
+on. A spin kernel ahead of backward and of step() keeps the GPU busy while the host sends the
+requests, so a request that zerod ran without waiting for the stream, or parameters read before
+zerod's update, fail the comparison instead of losing a race to the small MLP's microsecond
+kernels. Also: the errors for a model on the wrong kind of memory, and a model that stays usable
+after close().
 
-And against torch itself (test_against_torch_adamw_on_cpu): zerod's CUDA update compared with
+Against torch on CPU (test_against_torch_adamw_on_cpu): zerod's CUDA update compared with
 torch.optim.AdamW stepping a CPU copy of the model with the same gradients, bit for bit after
-every step, plain, with amsgrad, with maximize and with clipping. zerod's CUDA kernel computes
-torch's single-tensor formula of the running torch with a correctly rounded sqrt (README, "Which
-torch it matches"); on CPU torch computes that formula by default where its sqrt is correctly
-rounded (Debian's 1.13, builds without MKL), and with fused=True on 2.x (correctly rounded, the
-same formula for tensors of 16 elements or more) where its sqrt is MKL's (PyPI's wheels). Clipping
-on CUDA uses zerod's double norm: its coefficient must be within 4 ULP of the one
-clip_grad_norm_ computes (COEF_ULPS), and the update bitwise given it. The same steps run first
-against zerod's CPU backend told to follow the CUDA formula (sqrt_mode exact), on every machine.
+every step, plain, with amsgrad, with maximize and with clipping, where a CPU AdamW computes
+zerod's formula with a correctly rounded sqrt (Debian's 1.13 default; fused=True on 2.x). Clipping
+on CUDA uses zerod's double norm: its coefficient must be within COEF_ULPS of clip_grad_norm_'s,
+and the update bitwise given it. The same steps run first against zerod's CPU backend told to
+follow the CUDA formula (sqrt_mode exact), on every machine.
+
+The matrix (TorchCudaTest.test_matrix; MatrixOnCpuTest runs the same code on CPU tensors against
+zerod's CPU backend on every machine, so that the machinery is known to work before a GPU runs
+it). Rows: param dtype (fp32; bf16 params and grads, where torch steps fp32 master weights fed the
+bf16 gradients and its parameters are compared rounded to bf16, as zerod writes them) x
+torch.optim.AdamW / Adam x option (plain; weight decay; amsgrad; maximize; clipping with
+clip_grad_norm_; two parameter groups with different lr, betas, eps and weight decay, one with
+beta1 0.3, lerp's second form); 12 steps each with a LambdaLR schedule, a 7-element tensor among
+the parameters (shorter than any vector: the kernels' tails). Columns: zerod against torch's
+single-tensor (foreach=False), foreach=True and fused=True implementations on the same device,
+zerod's CUDA path against its CPU path (the same formula; also fp16 gradients with zerod's loss
+scaler and an overflow, where torch has no equivalent), and torch's foreach and fused against its
+own single-tensor path. A cell says "bitwise" or the largest distance in ULPs of the parameter
+dtype and the first step that differed. It fails only where zerod claims bit-identity: the
+CUDA-vs-CPU column, and a torch implementation that ZeroOptimizer accepts for the device (an
+implementation it refuses is compared with its default formula and reported, "refused"). The
+matrix is printed with the prefix "matrix: " and appended to $ZEROD_TORCH_MATRIX when set.
+
+Predictions for torch 2.x on CUDA, from its sources (optim/adam.py, aten/src/ATen/native/cuda:
+Lerp.h, PointwiseOpsKernel.cu, BinaryDivTrueKernel.cu, ForeachPointwiseOp.cu,
+ForeachBinaryOpScalarList.cu, fused_adam_utils.cuh). torch is built with nvcc's default
+-fmad=true, so `a + b * c` in its kernels is one FMA, while a chain of separate kernels rounds
+after every op. zerod's CUDA kernel (kernels/adam.cuh) computes adam.h's CPU formula with explicit
+_rn intrinsics:
+  m = fma(w, g - m, m)  [w = 1 - beta1 < 0.5; fma(w - 1, g - m, g) otherwise]
+  v = fma((1 - beta2) * g, g, v * beta2)
+  d = sqrt(v) / bc2s + eps
+  p = p + (-step_size * m) / d
+- single-tensor (foreach=False): lerp_ is fma(w, g - m, m) / end - (end - self) * (1 - w)
+  contracted: m bitwise with zerod. addcmul_ is `a + alpha * (b * c)`: v = fma(1 - beta2, g * g,
+  v * beta2) -- g*g rounded first, unlike zerod: v differs by 1 ULP in a fraction of elements from
+  step 1. `sqrt() / bias_correction2_sqrt` divides by a CPU scalar, which CUDA computes as a
+  multiplication by its fp32 reciprocal: d differs. addcdiv_ is `a + alpha * (b / c)`: p =
+  fma(-step_size, m / d, p), where zerod rounds -step_size * m first. Predicted: zerod~single
+  differs from step 1 (a few ULPs in fp32; mostly bitwise in bf16, where a 1-ULP fp32
+  difference rarely changes the rounding to bf16, so a bf16 cell may read bitwise for a while).
+  ZeroOptimizer accepts foreach=False on CUDA and claims this formula: the cell is strict and is
+  predicted to FAIL until zerod carries this variant.
+- foreach=True (torch's default on CUDA): the same formulas for m, v (a + scalar * (b * c), FMA)
+  and p (a + scalar * (b / c), FMA), but _foreach_div_ by the list of bias_correction2_sqrt
+  divides truly (no reciprocal): d is zerod's. Predicted: foreach~single differs (d); zerod~foreach
+  differs (v, p). Refused by ZeroOptimizer: reported.
+- fused=True: one kernel whose hyperparameters are C++ doubles: m = beta1 * m + (1 - beta1) * g
+  and v = beta2 * v + (1 - beta2) * g * g are computed in double and rounded once to fp32; AdamW's
+  decay is p - lr * wd * p in double (zerod: p * fp32(1 - lr * wd)); bias corrections from
+  pow() on the device; d = sqrtf(v) / bc2s + eps (the + eps in double); p -= step_size * m / d in
+  fp32. Predicted: differs from both other torch paths and from zerod from step 1 (a few ULPs).
+  Refused by ZeroOptimizer: reported.
+- Adam (L2): grad.add(param, alpha=wd) is fma(wd, p, g) in both torch and zerod; the rest as
+  AdamW. amsgrad's torch.maximum and maximize's negation are exact: no new differences.
+- zerod~cpu: bitwise everywhere (adam.cuh's claim), the loss-scaler rows included.
+- On CPU (MatrixOnCpuTest, torch 1.13 here): single and foreach bitwise with zerod (strict), where
+  torch's sqrt is correctly rounded; fused=True (2.x) with the 7-element tensor is refused.
+A prediction that fails says where the next GPU run's formula variants must change. To say
+which formula each torch path does compute, the matrix ends with a probe (formula_probe): one step
+of each implementation from a known state (65,536 fp32 elements at step 6), whose new m, v and p
+are compared, stage by stage, with emulations of the candidate formulas above (fp32 operations and
+single-rounding fmas emulated exactly in float64 on the CPU); it names the candidates that match
+every element. Its sqrt is the correctly rounded one (CUDA's). On Debian's torch 1.13 CPU it
+names zerod's formula at every stage; on PyPI's 2.11 CPU, zerod's torch2 formula (lerp) for m and
+v (its p there differs where MKL's sqrt does).
 
 The GPU tests are skipped where torch has no CUDA or no GPU is visible (Debian's python3-torch is
-CPU-only): the file then exits 77 after the CPU run, or 1 if that failed.
+CPU-only): the file then exits 77 after the CPU runs, or 1 if one failed. Under meson the
+interpreter is $ZEROD_GPU_PYTHON when set (run_gpu.sh), else /usr/bin/python3.
 """
+
 
 from __future__ import annotations
 
 import copy
+import math
+import os
 import struct
 import unittest
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import common
 
@@ -145,6 +205,495 @@ def steps_against_torch(tc: unittest.TestCase, daemon: Any, dev: torch.device, n
         opt.close()
 
 
+# ---- the conformance matrix ------------------------------------------------------------------
+
+MATRIX_STEPS = 12
+MATRIX_SHAPES = [("l1.weight", (48, 24)), ("l1.bias", (48,)), ("l2.weight", (7, 48)),
+                 ("l2.bias", (7,))]  # a 7-element tensor: shorter than any vector (tails)
+MATRIX_LR = 1e-2
+MATRIX_MAX_NORM = 0.05  # below the gradients' norm at every step: every step clips
+# (name, hyperparameters of both optimizers, max_norm, two parameter groups)
+MATRIX_OPTIONS = [
+    ("plain", {"weight_decay": 0.0}, 0.0, False),
+    ("wd", {"weight_decay": 0.1}, 0.0, False),
+    ("amsgrad", {"weight_decay": 0.1, "amsgrad": True}, 0.0, False),
+    ("maximize", {"weight_decay": 0.1, "maximize": True}, 0.0, False),
+    ("clip", {"weight_decay": 0.1}, MATRIX_MAX_NORM, False),
+    ("groups", {"weight_decay": 0.1}, 0.0, True),  # group 1: beta1 0.3 (lerp's second form)
+]
+IMPLS = [("single", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})]
+
+
+def matrix_lambda(step: int) -> float:
+    """The matrix's lr schedule (LambdaLR): 4 steps of warm-up, then decay."""
+    return (step + 1) / 4 if step < 4 else 0.85 ** (step - 3)
+
+
+def matrix_grads(step: int) -> List[torch.Tensor]:
+    """Step's fp32 gradients: a wide dynamic range per element, shrinking from step to step (so
+    that amsgrad's maximum differs from exp_avg_sq), the same on every machine."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _, shape in MATRIX_SHAPES:
+        x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))
+        out.append(x * 0.7 ** step)
+    return out
+
+
+def matrix_init() -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(shape, generator=g) * 0.3 for _, shape in MATRIX_SHAPES]
+
+
+def matrix_groups(tensors: List[Any], named: bool, hp: Dict[str, Any],
+                  two: bool) -> List[Dict[str, Any]]:
+    """Parameter groups over the matrix's tensors: one, or two with different hyperparameters."""
+    items = [(n, t) for (n, _), t in zip(MATRIX_SHAPES, tensors)] if named else list(tensors)
+    base = dict(hp)
+    if not two:
+        return [dict(base, params=items)]
+    other = dict(base, lr=MATRIX_LR * 3, betas=(0.3, 0.95), eps=1e-6, weight_decay=0.0)
+    return [dict(base, params=items[:2]), dict(other, params=items[2:])]
+
+
+def ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bit patterns as int64 ordered like the values (-0 and +0 both 0): ULP distances are
+    differences of these."""
+    if t.dtype == torch.float32:
+        i = t.contiguous().view(torch.int32).to(torch.int64)
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+    i = t.contiguous().view(torch.int16).to(torch.int64)
+    return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
+def max_ulps(a: List[torch.Tensor], b: List[torch.Tensor]) -> int:
+    return max(int((ordered_bits(x) - ordered_bits(y)).abs().max()) for x, y in zip(a, b))
+
+
+class Run:
+    """One trajectory: the parameters after every step (CPU copies in the compared dtype), and
+    zerod's clip coefficients and step results where zerod ran it."""
+
+    def __init__(self) -> None:
+        self.params: List[List[torch.Tensor]] = []
+        self.coefs: List[float] = []
+        self.applied: List[bool] = []
+        self.scales: List[float] = []
+        self.error = ""
+
+
+def compare(a: Run, b: Run) -> Tuple[int, int]:
+    """(max ULPs over every step and parameter, the first step that differed: 0 if none)."""
+    worst, first = 0, 0
+    for s, (x, y) in enumerate(zip(a.params, b.params)):
+        u = max_ulps(x, y)
+        if u and not first:
+            first = s + 1
+        worst = max(worst, u)
+    return worst, first
+
+
+def cell_text(result: Optional[Tuple[int, int]], claimed: bool, note: str = "") -> str:
+    """ "bitwise", or "<max ULPs>u@<first step>"; "*" where zerod claims bit-identity, "!" where
+    that claim failed; note (n/a, refused) where nothing was compared."""
+    if result is None:
+        return note or "-"
+    ulps, first = result
+    text = "bitwise" if not ulps else f"{ulps}u@{first}"
+    if claimed:
+        text += "!" if ulps else "*"
+    return text
+
+
+def zerod_run(daemon: Any, dev: torch.device, dtype: torch.dtype, hp: Dict[str, Any],
+              max_norm: float, two: bool, impl: Dict[str, Any], formula: Optional[List[Any]] = None,
+              grad_dtype: Optional[torch.dtype] = None, loss_scaler: Any = None,
+              overflow_step: int = -1) -> Tuple[Run, List[Tuple[str, str]]]:
+    """MATRIX_STEPS steps of ZeroOptimizer on dev (zerod on daemon) with the matrix's gradients
+    (in grad_dtype, multiplied by the loss scale when there is a scaler; +inf in one element at
+    overflow_step), and the groups' (update, sqrt_mode) it followed. impl: foreach/fused as a
+    torch user passes them (ValueError where zerod refuses them); formula: force each group's
+    (update, sqrt_mode) instead (the CPU reference of a CUDA run)."""
+    params = [torch.nn.Parameter(t.clone().to(dtype).to(dev)) for t in matrix_init()]
+    groups = matrix_groups(params, True, hp, two)
+    if formula:
+        for g, (update, sqrt_mode) in zip(groups, formula):
+            g.update(update=update, sqrt_mode=sqrt_mode)
+    kw = dict(impl)
+    opt = ZeroOptimizer(groups, lr=MATRIX_LR, max_grad_norm=max_norm, socket=daemon.socket,
+                        replace=True, overlap=False, grad_dtype=grad_dtype,
+                        loss_scaler=loss_scaler, **kw)
+    run = Run()
+    try:
+        opt._clip_norm = "double"  # zerod's own norm on both backends: the coefficient is compared
+        chosen = [(g["update"], g["sqrt_mode"]) for g in opt.param_groups]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, matrix_lambda)
+        for step in range(MATRIX_STEPS):
+            grads = matrix_grads(step)
+            opt.zero_grad()
+            with torch.no_grad():
+                for gv, g in zip(opt._gviews, grads):
+                    if loss_scaler is not None:
+                        g = g * opt.loss_scale
+                    if step == overflow_step:
+                        g = g.clone()
+                        g.view(-1)[0] = float("inf")
+                    gv.copy_(g.to(gv.dtype).to(dev))
+            opt.step()
+            sched.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            r = opt.last_result
+            run.coefs.append(r.clip_coef)
+            run.applied.append(r.applied)
+            run.scales.append(r.loss_scale)
+            run.params.append([p.detach().to("cpu").clone() for p in params])
+    finally:
+        opt.close()
+    return run, chosen
+
+
+def torch_run(dev: torch.device, dtype: torch.dtype, optimizer: str, hp: Dict[str, Any],
+              max_norm: float, two: bool, impl: Dict[str, Any],
+              coefs: List[float]) -> Tuple[Run, int]:
+    """The same steps through torch.optim.AdamW/Adam(**impl) on dev, on fp32 master weights (the
+    gradients rounded to dtype first; the parameters compared rounded to dtype, as zerod writes
+    them). With max_norm the gradients are multiplied by zerod's coefficient of the step (coefs);
+    returns the run and the largest distance, in fp32 ULPs, between clip_grad_norm_'s
+    coefficient and zerod's."""
+    params = [torch.nn.Parameter(t.clone().to(dtype).float().to(dev)) for t in matrix_init()]
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+    hp = {k: v for k, v in hp.items() if k != "optimizer"}
+    opt = cls(matrix_groups(params, False, hp, two), lr=MATRIX_LR, **impl)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, matrix_lambda)
+    run, coef_ulps = Run(), 0
+    for step in range(MATRIX_STEPS):
+        for p, g in zip(params, matrix_grads(step)):
+            p.grad = g.to(dtype).float().to(dev)
+        if max_norm:
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm)  # scales .grad itself
+            coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            coef_ulps = max(coef_ulps, abs(f32_bits(coef) - f32_bits(coefs[step])))
+            with torch.no_grad():  # the update given zerod's coefficient
+                for p, g in zip(params, matrix_grads(step)):
+                    p.grad.copy_(g.to(dtype).float().to(dev)).mul_(coefs[step])
+        opt.step()
+        sched.step()
+        run.params.append([p.detach().to("cpu").to(dtype).clone() for p in params])
+    return run, coef_ulps
+
+
+class Matrix:
+    """The cells of one machine's matrix: rows (dtype, optimizer, option), columns: zerod against
+    each torch implementation, zerod's CUDA path against its CPU path, and torch's
+    implementations against its single-tensor one."""
+
+    COLUMNS = ["zerod~cpu", "zerod~single", "zerod~foreach", "zerod~fused", "foreach~single",
+               "fused~single"]
+
+    def __init__(self, dev: torch.device) -> None:
+        self.dev = dev
+        self.rows: List[Tuple[str, str, str]] = []
+        self.cells: Dict[Tuple[Tuple[str, str, str], str], str] = {}
+        self.failures: List[str] = []
+        self.notes: List[str] = []
+        self.refused: set = set()  # implementations ZeroOptimizer refused (noted once)
+
+    def put(self, row: Tuple[str, str, str], column: str, result: Optional[Tuple[int, int]],
+            claimed: bool, note: str = "") -> None:
+        if row not in self.rows:
+            self.rows.append(row)
+        self.cells[(row, column)] = cell_text(result, claimed, note)
+        if claimed and result is not None and result[0]:
+            self.failures.append(f"{'/'.join(row)} {column}: zerod claims bit-identity, measured "
+                                 f"{result[0]} ULPs from step {result[1]}")
+
+    def table(self) -> str:
+        cuda = self.dev.type == "cuda"
+        where = (f"CUDA {torch.cuda.get_device_name(self.dev)}" if cuda else "CPU")
+        head = (f"torch {torch.__version__} on {where}, {MATRIX_STEPS} steps with LambdaLR; "
+                f"cell: bitwise | <max ULPs>u@<first differing step>; * zerod claims "
+                f"bit-identity and holds it, ! claimed and broken; refused: ZeroOptimizer "
+                f"refuses that implementation (compared with its default formula)")
+        widths = [9, 5, 8] + [17 if c.startswith("zerod") else 14 for c in self.COLUMNS]
+        lines = [head, "  ".join(h.ljust(w) for h, w in
+                                 zip(["dtype", "optim", "option"] + self.COLUMNS, widths))]
+        for row in self.rows:
+            vals = list(row) + [self.cells.get((row, c), "-") for c in self.COLUMNS]
+            lines.append("  ".join(v.ljust(w) for v, w in zip(vals, widths)))
+        lines += self.notes
+        return "\n".join("matrix: " + ln for ln in lines)
+
+
+def matrix_row(m: Matrix, row: Tuple[str, str, str], daemon: Any, ref_daemon: Any,
+               dev: torch.device, dtype: torch.dtype, optimizer: str, hp0: Dict[str, Any],
+               max_norm: float, two: bool, has_fused: bool, claim_unfused: bool) -> None:
+    """One row of the matrix: zerod as each torch implementation would have it, torch's three
+    implementations, and zerod's CPU path (ref_daemon) on the same formula."""
+    hp = dict(hp0, optimizer=optimizer)
+    druns: Dict[str, Tuple[Run, List[Tuple[str, str]], bool, str]] = {}
+    for iname, impl in IMPLS:
+        if iname == "fused" and not has_fused:
+            continue
+        claimed, why = iname == "fused" or claim_unfused, ""
+        try:
+            run, chosen = zerod_run(daemon, dev, dtype, hp, max_norm, two, impl)
+        except ValueError as e:
+            claimed, why = False, "refused"
+            if iname not in m.refused:  # the same words in every row: once
+                m.refused.add(iname)
+                m.notes.append(f"{iname}: ZeroOptimizer refuses it on {dev.type} "
+                               f"({str(e).split(':', 1)[-1].strip()[:160]})")
+            run, chosen = zerod_run(daemon, dev, dtype, hp, max_norm, two, {})
+        druns[iname] = (run, chosen, claimed, why)
+    truns: Dict[str, Run] = {}
+    for iname, impl in IMPLS:
+        if iname not in druns:
+            m.put(row, "zerod~" + iname, None, False, "n/a")
+            continue
+        zrun, chosen, claimed, why = druns[iname]
+        try:
+            trun, coef_ulps = torch_run(dev, dtype, optimizer, hp0, max_norm, two, impl,
+                                        zrun.coefs)
+        except Exception as e:  # torch's own implementation failed: say so, go on
+            m.put(row, "zerod~" + iname, None, False, "torch-error")
+            m.notes.append(f"{'/'.join(row)} {iname}: torch failed: {type(e).__name__}: "
+                           f"{str(e)[:160]}")
+            if claimed:
+                m.failures.append(f"{'/'.join(row)} {iname}: torch failed ({e})")
+            continue
+        truns[iname] = trun
+        res = compare(zrun, trun)
+        m.put(row, "zerod~" + iname, res, claimed)
+        if why:
+            m.cells[(row, "zerod~" + iname)] += " (refused)"
+        if max_norm and coef_ulps > COEF_ULPS:
+            m.failures.append(f"{'/'.join(row)} {iname}: clip coefficient "
+                              f"{coef_ulps} ULPs from clip_grad_norm_'s")
+        if max_norm and iname == "single":
+            m.notes.append(f"{'/'.join(row)}: clip coefficient within {coef_ulps} "
+                           f"fp32 ULPs of clip_grad_norm_'s (at most {COEF_ULPS})")
+    for iname in ("foreach", "fused"):
+        if iname in truns and "single" in truns:
+            m.put(row, f"{iname}~single", compare(truns[iname], truns["single"]), False)
+    if ref_daemon is not None:  # zerod's CUDA path against its CPU path, same formula
+        first = druns["single"]
+        try:
+            ref, _ = zerod_run(ref_daemon, torch.device("cpu"), dtype, hp, max_norm,
+                               two, {}, formula=first[1])
+            m.put(row, "zerod~cpu", compare(first[0], ref), True)
+        except (ValueError, zerod.ZerodError) as e:
+            m.put(row, "zerod~cpu", None, False, "refused")
+            m.notes.append(f"{'/'.join(row)} zerod~cpu: {e}")
+
+
+def run_matrix(tc: unittest.TestCase, daemon: Any, ref_daemon: Any, dev: torch.device,
+               claim_unfused: bool = True) -> Matrix:
+    """Every cell of the matrix on dev (module docstring, "The matrix"): zerod on daemon (its
+    backend matching dev), its CPU path on ref_daemon (None: no such column), torch on dev.
+    claim_unfused False: the single-tensor and foreach cells are reported, never claimed (torch's
+    CPU sqrt is none of zerod's)."""
+    m = Matrix(dev)
+    has_fused = int(torch.__version__.split(".")[0]) >= 2
+    for dtype, dname in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for optimizer in ("adamw", "adam"):
+            for name, hp0, max_norm, two in MATRIX_OPTIONS:
+                row = (dname, optimizer, name)
+                try:
+                    matrix_row(m, row, daemon, ref_daemon, dev, dtype, optimizer, hp0, max_norm,
+                               two, has_fused, claim_unfused)
+                except Exception as e:  # a broken cell must not hide the others
+                    m.put(row, "zerod~single", None, False, "error")
+                    m.failures.append(f"{'/'.join(row)}: {type(e).__name__}: {str(e)[:300]}")
+    if ref_daemon is not None:
+        for dtype, dname in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            row = (dname + "/f16g", "adamw", "scaler")
+            scaler = {"initial_scale": 2.0 ** 16, "growth_interval": 3, "hysteresis": 1}
+            args = (dtype, {"weight_decay": 0.1}, 0.0, False)
+            kw = dict(grad_dtype=torch.float16, loss_scaler=scaler, overflow_step=4)
+            try:
+                cu, chosen = zerod_run(daemon, dev, *args, {}, **kw)
+                ref, _ = zerod_run(ref_daemon, torch.device("cpu"), *args, {}, formula=chosen,
+                                   **kw)
+            except (ValueError, zerod.ZerodError) as e:
+                m.put(row, "zerod~cpu", None, False, "refused")
+                m.notes.append(f"{'/'.join(row)}: {e}")
+                continue
+            except Exception as e:  # a broken cell must not hide the others
+                m.put(row, "zerod~cpu", None, False, "error")
+                m.failures.append(f"{'/'.join(row)}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            m.put(row, "zerod~cpu", compare(cu, ref), True)
+            if (cu.applied, cu.scales) != (ref.applied, ref.scales):
+                m.failures.append(f"{'/'.join(row)}: loss scaler diverged: CUDA applied "
+                                  f"{cu.applied} scales {cu.scales}, CPU {ref.applied} "
+                                  f"{ref.scales}")
+            m.notes.append(f"{'/'.join(row)}: steps applied {sum(cu.applied)} of "
+                           f"{MATRIX_STEPS}, scales {cu.scales[0]:g} -> {cu.scales[-1]:g}")
+    try:  # which formula each torch path computes, stage by stage (reported, never failed)
+        m.notes += formula_probe(dev)
+    except Exception as e:
+        m.notes.append(f"probe: failed: {type(e).__name__}: {e}"[:200])
+    return m
+
+
+# ---- the formula probe -----------------------------------------------------------------------
+# One step of each torch implementation from a known state (step 6, 65,536 fp32 elements),
+# compared stage by stage with emulations of candidate formulas (module docstring, predictions):
+# m and v from the inputs, p from torch's own new m and v, so that each stage is judged alone.
+# Emulated on the CPU in float64: one fp32 operation is its float64 result rounded to fp32
+# (exact for + - * / sqrt of fp32 inputs), an fp32 fma is rounded once (fma32), and the fused
+# kernel's double arithmetic is float64 arithmetic.
+
+PROBE_N = 1 << 16
+PROBE_T = 6  # the step the probe takes
+PROBE_HP = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> fp32, round to nearest even, back in float64."""
+    return x.to(torch.float32).to(torch.float64)
+
+
+def c32(x: float) -> float:
+    """A Python float rounded to fp32 (torch's scalar arguments of fp32 kernels)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def fma32(a: Any, b: Any, c: Any) -> torch.Tensor:
+    """fp32 fma(a, b, c), rounded once, of fp32 values held in float64 (tensors or floats):
+    a * b is exact in float64; the float64 sum's rounding error (two-sum) settles the one case
+    where rounding twice differs, a float64 sum exactly halfway between two floats."""
+    a, b, c = (x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+               for x in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    r = s.to(torch.float32)
+    rd = r.to(torch.float64)
+    inf = torch.full_like(r, float("inf"))
+    toward = torch.where(s > rd, inf, -inf)
+    nb = torch.nextafter(r, toward)
+    mid = ((rd + nb.to(torch.float64)) / 2 == s) & (s != rd) & (e != 0)
+    up = (e > 0) == (nb.to(torch.float64) > rd)
+    return torch.where(mid & up, nb, r).to(torch.float64)
+
+
+def probe_inputs() -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    n = PROBE_N
+    return {"p": torch.randn(n, generator=g),
+            "m": torch.randn(n, generator=g) * 1e-2,
+            "v": (torch.randn(n, generator=g) * 1e-2) ** 2 + 1e-12,
+            "g": torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g)) * 1e-2}
+
+
+def probe_torch(dev: torch.device, optimizer: str, impl: Dict[str, Any],
+                x: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """torch's (p, m, v) after one step at PROBE_T from the state x, in float64 on the CPU."""
+    p = torch.nn.Parameter(x["p"].clone().to(dev))
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+    opt = cls([p], **PROBE_HP, **impl)
+    p.grad = torch.zeros_like(p)
+    opt.step()  # creates the state
+    st = opt.state[p]
+    with torch.no_grad():
+        p.copy_(x["p"].to(dev))
+        st["exp_avg"].copy_(x["m"].to(dev))
+        st["exp_avg_sq"].copy_(x["v"].to(dev))
+        st["step"].fill_(PROBE_T - 1)
+    p.grad = x["g"].clone().to(dev)
+    opt.step()
+    return {"p": p.detach().cpu().double(), "m": st["exp_avg"].cpu().double(),
+            "v": st["exp_avg_sq"].cpu().double()}
+
+
+def probe_candidates(optimizer: str, x: Dict[str, torch.Tensor],
+                     t: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """stage -> candidate -> the emulated result; p's from torch's own new m and v (t)."""
+    lr, (b1, b2), eps, wd = (PROBE_HP["lr"], PROBE_HP["betas"], PROBE_HP["eps"],
+                             PROBE_HP["weight_decay"])
+    p, m, v, g = (x[k].double() for k in ("p", "m", "v", "g"))
+    adamw = optimizer == "adamw"
+    bc1, bc2 = 1 - b1 ** PROBE_T, 1 - b2 ** PROBE_T
+    nss, bc2s = c32(-(lr / bc1)), c32(math.sqrt(bc2))
+    w = c32(1 - b1)
+    # the gradient after the L2 penalty (Adam): fp32 kernels and zerod, fused's double
+    g32 = g if adamw else fma32(c32(wd), p, g)
+    gfu = g if adamw else f32(g + p * wd)
+    p1 = f32(p * c32(1 - lr * wd)) if adamw else p
+    p1fu = f32(p - (lr * wd) * p) if adamw else p
+    cands: Dict[str, Dict[str, torch.Tensor]] = {"m": {}, "v": {}, "p": {}}
+    cands["m"]["lerp (zerod torch2)"] = fma32(w, f32(g32 - m), m)
+    cands["m"]["mul+fma (zerod torch113)"] = fma32(g32, c32(1 - b1), f32(m * c32(b1)))
+    cands["m"]["double (fused)"] = f32(b1 * m + (1 - b1) * gfu)
+    a2 = c32(1 - b2)
+    cands["v"]["fma(a2*g,g,v*b2) (zerod)"] = fma32(f32(a2 * g32), g32, f32(v * c32(b2)))
+    cands["v"]["fma(a2,g*g,v*b2) (pred. single/foreach)"] = fma32(a2, f32(g32 * g32),
+                                                                  f32(v * c32(b2)))
+    cands["v"]["double (fused)"] = f32(b2 * v + ((1 - b2) * gfu) * gfu)
+    mt, vt = t["m"], t["v"]
+    sq = f32(torch.sqrt(vt))
+    d_div = f32(f32(sq / bc2s) + c32(eps))
+    d_rcp = f32(f32(sq * c32(1 / bc2s)) + c32(eps))
+    cands["p"]["p+(nss*m)/d (zerod)"] = f32(p1 + f32(f32(nss * mt) / d_div))
+    cands["p"]["fma(nss,m/d,p), d by reciprocal (pred. single)"] = fma32(nss, f32(mt / d_rcp), p1)
+    cands["p"]["fma(nss,m/d,p), d by division (pred. foreach)"] = fma32(nss, f32(mt / d_div), p1)
+    for name, bc2s_fu, ss_fu in (
+            ("fp32 bias corrections", c32(math.sqrt(c32(1 - b2 ** PROBE_T))),
+             c32(lr / c32(1 - b1 ** PROBE_T))),
+            ("double bias corrections", c32(math.sqrt(bc2)), c32(lr / bc1))):
+        d_fu = f32(f32(sq / bc2s_fu) + eps)
+        cands["p"][f"p-(ss*m)/d, {name} (pred. fused)"] = f32(p1fu - f32(f32(ss_fu * mt) / d_fu))
+    return cands
+
+
+def formula_probe(dev: torch.device) -> List[str]:
+    """Lines "probe: ..." saying, per torch implementation, optimizer and stage, which candidate
+    formulas reproduce torch's result on every element (or how many elements the closest one
+    misses)."""
+    x = probe_inputs()
+    has_fused = int(torch.__version__.split(".")[0]) >= 2
+    lines = [f"probe: one step at t={PROBE_T} of {PROBE_N} fp32 elements (torch "
+             f"{torch.__version__}, {dev.type}); per stage the candidates that match every "
+             f"element, else the closest with its mismatch count"]
+    for iname, impl in IMPLS:
+        if iname == "fused" and not has_fused:
+            continue
+        for optimizer in ("adamw", "adam"):
+            try:
+                t = probe_torch(dev, optimizer, impl, x)
+            except Exception as e:  # report, never fail: the matrix judges
+                lines.append(f"probe: {iname:<7} {optimizer:<5} torch failed: {e}"[:200])
+                continue
+            cands = probe_candidates(optimizer, x, t)
+            parts = []
+            for stage in ("m", "v", "p"):
+                miss = {n: int((c != t[stage]).sum()) for n, c in cands[stage].items()}
+                exact = [n for n, k in miss.items() if k == 0]
+                if exact:
+                    parts.append(f"{stage}: {' = '.join(exact)}")
+                else:
+                    n, k = min(miss.items(), key=lambda kv: kv[1])
+                    parts.append(f"{stage}: none (closest {n}: {k} differ)")
+            lines.append(f"probe: {iname:<7} {optimizer:<5} " + "; ".join(parts))
+    return lines
+
+
+def report_matrix(tc: unittest.TestCase, m: Matrix) -> None:
+    """Prints the matrix (and writes it to $ZEROD_TORCH_MATRIX when set: scripts/gpu_check.sh's
+    summary), then fails on the cells where zerod's claim of bit-identity did not hold."""
+    text = m.table()
+    print("\n" + text, flush=True)
+    path = os.environ.get("ZEROD_TORCH_MATRIX")
+    if path:
+        with open(path, "a") as f:
+            f.write(text + "\n")
+    if m.failures:
+        tc.fail("zerod's claims of bit-identity that did not hold:\n  " + "\n  ".join(m.failures))
+
+
 class AgainstTorchOnCpuTest(unittest.TestCase):
     """test_against_torch_adamw_on_cpu's logic with zerod's CPU backend following the CUDA
     formula: it runs on every machine, so that the GPU test's own checks are known to pass
@@ -153,6 +702,23 @@ class AgainstTorchOnCpuTest(unittest.TestCase):
     def test_against_torch_adamw_on_cpu(self) -> None:
         with zerod.testing.LocalZerod(["--backend", "cpu"], log_level="info") as d:
             against_torch(self, d, torch.device("cpu"))
+
+
+class MatrixOnCpuTest(unittest.TestCase):
+    """The matrix's code on CPU tensors against zerod's CPU backend (module docstring): strict
+    where ZeroOptimizer claims torch's CPU formula, which needs torch's sqrt to be one zerod
+    reproduces (zerod.torch._probe_sqrt) except with fused=True."""
+
+    def test_matrix_on_cpu(self) -> None:
+        import zerod.torch as zt
+
+        why = zt._probe_sqrt()[1]
+        with zerod.testing.LocalZerod(["--backend", "cpu"], log_level="info") as d:
+            m = run_matrix(self, d, None, torch.device("cpu"), claim_unfused=not why)
+        if why:  # torch's CPU sqrt is not zerod's: only fused cells can hold
+            m.notes.append(f"torch's CPU sqrt matches none of zerod's modes here: single and "
+                           f"foreach cells are reported, not claimed ({why[:120]}...)")
+        report_matrix(self, m)
 
 
 class TorchCudaTest(unittest.TestCase):
@@ -233,6 +799,11 @@ class TorchCudaTest(unittest.TestCase):
     def test_bf16(self) -> None:
         self.train(torch.bfloat16)
 
+    def test_matrix(self) -> None:
+        with zerod.Client(self.gpu_daemon.socket) as c:
+            dev = torch.device("cuda", c.cuda_device())
+        report_matrix(self, run_matrix(self, self.gpu_daemon, self.cpu_daemon, dev))
+
     def test_cuda_params_need_the_cuda_backend(self) -> None:
         model = models.make_model("mlp").cuda()
         with self.assertRaises(zerod.ZerodError) as cm:
@@ -248,7 +819,7 @@ class TorchCudaTest(unittest.TestCase):
 
 
 def main() -> Any:
-    common.run(AgainstTorchOnCpuTest, TorchCudaTest)
+    common.run(AgainstTorchOnCpuTest, MatrixOnCpuTest, TorchCudaTest)
 
 
 if __name__ == "__main__":
