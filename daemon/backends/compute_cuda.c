@@ -802,28 +802,14 @@ static void cuda_destroy(zd__compute_t *base) {
 }
 
 /* The operations both modes share. */
-#define CUDA_COMMON_OPS                    \
-  .alloc = cuda_alloc,                     \
-  .release = cuda_release,                 \
-  .slice_params = cuda_slice_params,       \
-  .zero = cuda_zero,                       \
-  .host_alloc = cuda_host_alloc,           \
-  .host_free = cuda_host_free,             \
-  .snapshot = cuda_snapshot,               \
-  .fence_wait = cuda_fence_wait,           \
-  .fence_free = cuda_fence_free,           \
-  .restore = cuda_restore,                 \
-  .shard_init = cuda_shard_init,           \
-  .shard_fini = cuda_shard_fini,           \
-  .begin = cuda_begin,                     \
-  .finish = cuda_finish,                   \
-  .phase_times = cuda_phase_times,         \
-  .exchange = cuda_exchange,               \
-  .grad_stats = cuda_grad_stats,           \
-  .gather_records = cuda_gather_records,   \
-  .update = cuda_update,                   \
-  .stream_idle = cuda_stream_idle,         \
-  .destroy = cuda_destroy
+#define CUDA_COMMON_OPS                                                                            \
+  .alloc = cuda_alloc, .release = cuda_release, .slice_params = cuda_slice_params,                 \
+  .zero = cuda_zero, .host_alloc = cuda_host_alloc, .host_free = cuda_host_free,                   \
+  .snapshot = cuda_snapshot, .fence_wait = cuda_fence_wait, .fence_free = cuda_fence_free,         \
+  .restore = cuda_restore, .shard_init = cuda_shard_init, .shard_fini = cuda_shard_fini,           \
+  .begin = cuda_begin, .finish = cuda_finish, .phase_times = cuda_phase_times,                     \
+  .exchange = cuda_exchange, .grad_stats = cuda_grad_stats, .gather_records = cuda_gather_records, \
+  .update = cuda_update, .stream_idle = cuda_stream_idle, .destroy = cuda_destroy
 
 /* cuda_step legacy: a job's finish waits for its work, and the host decides. */
 static const zd__compute_ops_t cuda_ops = {CUDA_COMMON_OPS};

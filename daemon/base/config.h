@@ -43,7 +43,7 @@ typedef struct zd__config {
   char *kernel_isa;     /* auto | avx512bf16 | avx512 | avx2 | scalar */
   /* CUDA: local ranks per GPU (local rank i on GPU i / ranks_per_gpu) */
   uint32_t ranks_per_gpu;
-  char *cuda_step;      /* fast | legacy: how a CUDA rank waits and answers (rank.h) */
+  char *cuda_step; /* fast | legacy: how a CUDA rank waits and answers (rank.h) */
   /* world */
   uint32_t local_ranks;      /* R */
   uint32_t world_size;       /* W; 0: local_ranks (a single-node world) */

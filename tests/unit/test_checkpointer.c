@@ -62,6 +62,8 @@ static int f_host_alloc(zd__compute_t *c, size_t bytes, void **out, zd__err_t *e
   *out = malloc(bytes);
   CHECK(*out && nallocated < 16);
   allocated[nallocated++] = *out;
+  for (int i = 0; i < nfreed; i++) /* malloc may hand back a freed address: not freed any more */
+    if (freed[i] == *out) freed[i] = NULL;
   return ZD_OK;
 }
 static void f_host_free(void *p) {
