@@ -40,6 +40,8 @@ _Static_assert(offsetof(zd__step_record_t, nonfinite) == offsetof(zd__cuda_stats
                "nonfinite");
 _Static_assert(offsetof(zd__step_record_t, step) == offsetof(zd__cuda_stats_t, tags), "tags");
 _Static_assert(ZD__CUDA_TAGS == 3, "step, layout_hash, hparam_hash");
+_Static_assert(offsetof(zd__step_record_t, check) == offsetof(zd__cuda_stats_t, check), "check");
+_Static_assert(offsetof(zd__step_record_t, check) == ZD__RECORD_CHECKED, "the checked bytes");
 
 typedef struct cuda_compute {
   zd__compute_t base;
