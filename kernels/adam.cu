@@ -169,7 +169,8 @@ struct zd__cuda_layout {
   uint64_t nblocks; /* statistics blocks */
   uint32_t nsegs;
   uint32_t ngroups; /* highest group index + 1 */
-  unsigned adam_grid[GDT_VARIANTS][PDT_VARIANTS][2]; /* per variant; [..][1]: max_exp_avg_sq */
+  /* The grids of the kernels' variants (size_grids): [grad][param][max_exp_avg_sq], [grad]. */
+  unsigned adam_grid[GDT_VARIANTS][PDT_VARIANTS][2];
   unsigned stats_grid[GDT_VARIANTS];
   uint64_t npartial; /* the tree's partial sums over all its levels of chunks */
   tile_t *d_tiles;
@@ -917,19 +918,19 @@ int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_
     const unsigned grid = l->stats_grid[gdt_variant((int)grad_dtype)];
     switch (grad_dtype) {
       case ZD_BF16:
-        stats_kernel<ZD_BF16><<<grid, STATS_THREADS, 0, stream>>>(
-            grad, l->n, l->d_segs, l->nsegs, l->d_first_seg, l->nblocks, vec, l->d_sums,
-            l->d_counts);
+        stats_kernel<ZD_BF16><<<grid, STATS_THREADS, 0, stream>>>(grad, l->n, l->d_segs, l->nsegs,
+                                                                  l->d_first_seg, l->nblocks, vec,
+                                                                  l->d_sums, l->d_counts);
         break;
       case ZD_F16:
-        stats_kernel<ZD_F16><<<grid, STATS_THREADS, 0, stream>>>(
-            grad, l->n, l->d_segs, l->nsegs, l->d_first_seg, l->nblocks, vec, l->d_sums,
-            l->d_counts);
+        stats_kernel<ZD_F16><<<grid, STATS_THREADS, 0, stream>>>(grad, l->n, l->d_segs, l->nsegs,
+                                                                 l->d_first_seg, l->nblocks, vec,
+                                                                 l->d_sums, l->d_counts);
         break;
       default:
-        stats_kernel<ZD_F32><<<grid, STATS_THREADS, 0, stream>>>(
-            grad, l->n, l->d_segs, l->nsegs, l->d_first_seg, l->nblocks, vec, l->d_sums,
-            l->d_counts);
+        stats_kernel<ZD_F32><<<grid, STATS_THREADS, 0, stream>>>(grad, l->n, l->d_segs, l->nsegs,
+                                                                 l->d_first_seg, l->nblocks, vec,
+                                                                 l->d_sums, l->d_counts);
         break;
     }
     LAUNCH_CHECK(err, "CUDA grad stats: block kernel launch");
@@ -971,11 +972,14 @@ static cudaError_t size_grids(zd__cuda_layout_t *l, int sms) {
     for (int p = 0; p < PDT_VARIANTS && e == cudaSuccess; p++) {
       e = wave(adam_kernel_for<false>(gdts[g], pdts[p]), ADAM_THREADS, sms, &cap);
       l->adam_grid[g][p][0] = at_most(cap, l->ntiles);
-      if (e == cudaSuccess) e = wave(adam_kernel_for<true>(gdts[g], pdts[p]), ADAM_THREADS, sms, &cap);
+      if (e == cudaSuccess)
+        e = wave(adam_kernel_for<true>(gdts[g], pdts[p]), ADAM_THREADS, sms, &cap);
       l->adam_grid[g][p][1] = at_most(cap, l->ntiles);
     }
     if (e != cudaSuccess) break;
-    e = wave(g == 0 ? stats_kernel<ZD_F32> : g == 1 ? stats_kernel<ZD_BF16> : stats_kernel<ZD_F16>,
+    e = wave(g == 0   ? stats_kernel<ZD_F32>
+             : g == 1 ? stats_kernel<ZD_BF16>
+                      : stats_kernel<ZD_F16>,
              STATS_THREADS, sms, &cap);
     l->stats_grid[g] = at_most(cap, stats_want);
   }

@@ -203,9 +203,9 @@ int zd__cuda_record_seal(zd__cuda_stats_t *d_rec, cudaStream_t stream, zd__err_t
  * where the all-gather put them) into *d_out (device): zd__step_decide_records (step_decide.h)
  * run by one device thread, a->cfg and a->st travelling by value in the launch (the caller may
  * reuse *a on return). The update of the step then takes it as its d_decision; the host may read
- * it back (sizeof(zd__cuda_decision_t) bytes) and recompute it with zd__step_decide_records from the records
- * read back, which gives the same decision (zd__cuda_decision_same). A receive buffer filled
- * with 0xFF bytes before the all-gather makes every record the gather did not write INVALID.
+ * it back (sizeof(zd__cuda_decision_t) bytes) and recompute it with zd__step_decide_records from
+ * the records read back, which gives the same decision (zd__cuda_decision_same). A receive buffer
+ * filled with 0xFF bytes before the all-gather makes every record the gather did not write INVALID.
  * Errors: -EINVAL (no records or output, world_size 0, mine outside the world, the legacy
  * stream), ZD_EBACKEND. */
 int zd__cuda_step_decide(const zd__cuda_decide_args_t *a, zd__cuda_decision_t *d_out,

@@ -134,8 +134,9 @@ ZD__HD static inline double zd__decide_nan(void) {
 
 /* Takes the decision of the step after st->step from the global statistics (ignored when
  * cfg->need_stats is 0) and advances *st. Fills every field of *out. */
-ZD__HD static inline void zd__step_decide(const zd__decide_cfg_t *cfg, double sumsq, uint64_t nonfinite,
-                                   zd__step_state_t *st, zd__decision_t *out) {
+ZD__HD static inline void zd__step_decide(const zd__decide_cfg_t *cfg, double sumsq,
+                                          uint64_t nonfinite, zd__step_state_t *st,
+                                          zd__decision_t *out) {
   if (!cfg->need_stats) {
     sumsq = 0;
     nonfinite = 0;
@@ -220,13 +221,13 @@ typedef enum zd__step_verdict {
 
 /* The decision taken from the records of all ranks (zd__step_decide_records). */
 typedef struct zd__cuda_decision {
-  int32_t verdict;    /* zd__step_verdict_t */
-  int32_t bad_rank;   /* DISAGREE/INVALID: the rank at fault that agree() names; else -1 */
-  int32_t checkpoint; /* APPLY/SKIP: some rank's step word had checkpoint_bit set; else 0 */
-  int32_t pad;        /* 0 */
-  double sumsq;       /* APPLY/SKIP: rank-order sum of the records' sumsq, from 0; else 0 */
-  uint64_t nonfinite; /* APPLY/SKIP: sum of the records' nonfinite; else 0 */
-  zd__decision_t dec; /* APPLY/SKIP: zd__step_decide's output; else every field 0 */
+  int32_t verdict;     /* zd__step_verdict_t */
+  int32_t bad_rank;    /* DISAGREE/INVALID: the rank at fault that agree() names; else -1 */
+  int32_t checkpoint;  /* APPLY/SKIP: some rank's step word had checkpoint_bit set; else 0 */
+  int32_t pad;         /* 0 */
+  double sumsq;        /* APPLY/SKIP: rank-order sum of the records' sumsq, from 0; else 0 */
+  uint64_t nonfinite;  /* APPLY/SKIP: sum of the records' nonfinite; else 0 */
+  zd__decision_t dec;  /* APPLY/SKIP: zd__step_decide's output; else every field 0 */
   zd__step_state_t st; /* APPLY/SKIP: the state after it; else the input state */
 } zd__cuda_decision_t;
 
@@ -335,10 +336,10 @@ static inline int zd__cuda_decision_same(const zd__cuda_decision_t *a,
                                          const zd__cuda_decision_t *b) {
   const zd__decision_t *x = &a->dec, *y = &b->dec;
   const zd__scaler_t *s = &a->st.scaler, *t = &b->st.scaler;
-  return a->verdict == b->verdict && a->bad_rank == b->bad_rank &&
-         a->checkpoint == b->checkpoint && zd__decision_bits_same(a->sumsq, b->sumsq) &&
-         a->nonfinite == b->nonfinite && zd__decision_bits_same(x->sumsq, y->sumsq) &&
-         x->nonfinite == y->nonfinite && zd__decision_bits_same(x->grad_norm, y->grad_norm) &&
+  return a->verdict == b->verdict && a->bad_rank == b->bad_rank && a->checkpoint == b->checkpoint &&
+         zd__decision_bits_same(a->sumsq, b->sumsq) && a->nonfinite == b->nonfinite &&
+         zd__decision_bits_same(x->sumsq, y->sumsq) && x->nonfinite == y->nonfinite &&
+         zd__decision_bits_same(x->grad_norm, y->grad_norm) &&
          zd__decision_bits_same(x->clip_coef, y->clip_coef) &&
          zd__decision_bits_same(x->loss_scale, y->loss_scale) && x->step == y->step &&
          x->steps_skipped == y->steps_skipped &&

@@ -362,8 +362,7 @@ static int agree(const zd__step_ctx_t *ctx, uint64_t step, const zd__step_record
       return zd__errf(err, ZD_EPEER,
                       "rank %u's step record arrived damaged (check word %016" PRIx64
                       ", its contents hash to %016" PRIx64
-                      "): a peer failed during the records' exchange; step %" PRIu64
-                      " not applied",
+                      "): a peer failed during the records' exchange; step %" PRIu64 " not applied",
                       r, all[r].check, zd__record_check(&all[r]), step);
   for (uint32_t r = 0; r < ctx->world_size; r++)
     if (all[r].step == ABANDONED_STEP)

@@ -240,9 +240,9 @@ static double random_block_sum(void) {
 static void test_tree(void) {
   uint64_t sizes[400], nsizes = 0;
   for (uint64_t n = 0; n <= 300; n++) sizes[nsizes++] = n;
-  static const uint64_t edges[] = {511,  512,  513,    1023,   1024,   1025,   2047,  2048,
-                                   2049, 4095, 4096,   4097,   6143,   131071, 131072, 131073,
-                                   2048 * 3 + 1, 1000003};
+  static const uint64_t edges[] = {511,  512,    513,    1023,   1024,         1025,
+                                   2047, 2048,   2049,   4095,   4096,         4097,
+                                   6143, 131071, 131072, 131073, 2048 * 3 + 1, 1000003};
   for (size_t i = 0; i < sizeof edges / sizeof edges[0]; i++) sizes[nsizes++] = edges[i];
   for (int i = 0; i < 40; i++) sizes[nsizes++] = 1 + rnd_below(300000);
   uint64_t differ_serial = 0;
@@ -268,12 +268,14 @@ static void test_tree(void) {
   /* The test would see another order: most long finite arrays sum to other bits serially. */
   CHECK_MSG(differ_serial > 20, "only %llu of %llu sums differ from the serial order",
             (unsigned long long)differ_serial, (unsigned long long)nsizes);
-  printf("tree: %llu sizes (0..300, around 2^k and 2048-chunks, random up to 1000003): "
-         "zd__grad_stats_sum equals the level-by-level sum (%llu differ from a serial sum)\n",
-         (unsigned long long)nsizes, (unsigned long long)differ_serial);
+  printf(
+      "tree: %llu sizes (0..300, around 2^k and 2048-chunks, random up to 1000003): "
+      "zd__grad_stats_sum equals the level-by-level sum (%llu differ from a serial sum)\n",
+      (unsigned long long)nsizes, (unsigned long long)differ_serial);
 }
 
-/* ---- check words ------------------------------------------------------------------------------ */
+/* ---- check words ------------------------------------------------------------------------------
+ */
 
 static void seal(zd__cuda_stats_t *r) {
   r->check = zd__record_check(r);
@@ -497,12 +499,13 @@ static void test_records(void) {
   a.mine = 0;
   zd__step_decide_records(&a, &one, &d);
   CHECK(d.verdict == ZD__VERDICT_INVALID && d.bad_rank == -1);
-  printf("records: %llu applied, %llu skipped (%llu of those with a checkpoint), %llu "
-         "disagreeing, %llu damaged: zd__step_decide_records equals step.c's agree() and "
-         "decision, restated\n",
-         (unsigned long long)counts[ZD__VERDICT_APPLY], (unsigned long long)skips,
-         (unsigned long long)ckpts, (unsigned long long)counts[ZD__VERDICT_DISAGREE],
-         (unsigned long long)counts[ZD__VERDICT_INVALID]);
+  printf(
+      "records: %llu applied, %llu skipped (%llu of those with a checkpoint), %llu "
+      "disagreeing, %llu damaged: zd__step_decide_records equals step.c's agree() and "
+      "decision, restated\n",
+      (unsigned long long)counts[ZD__VERDICT_APPLY], (unsigned long long)skips,
+      (unsigned long long)ckpts, (unsigned long long)counts[ZD__VERDICT_DISAGREE],
+      (unsigned long long)counts[ZD__VERDICT_INVALID]);
 }
 
 int main(void) {
