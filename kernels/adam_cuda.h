@@ -61,9 +61,10 @@ int zd__cuda_available(char *why, size_t len);
 /* ZD_OK if `device` can run the kernels, else ZD_EBACKEND with the reason in *err. */
 int zd__cuda_device_check(int device, zd__err_t *err);
 
-/* Loads every kernel of this file on the current device now (cudaFuncGetAttributes), rather than
- * at its first launch: a lazy load waits for the device's queued work, which in zerod may be a
- * wait for a client's event or a peer. Call while nothing is queued (a rank's start). */
+/* Loads every kernel of this API (adam.cu's and decide.cu's) on the current device now
+ * (cudaFuncGetAttributes), rather than at its first launch or occupancy query: a lazy load waits
+ * for the device's queued work, which in zerod may be a wait for a client's event or a peer. Call
+ * while nothing is queued (a rank's start), before the first zd__cuda_layout_create. */
 int zd__cuda_kernels_preload(zd__err_t *err);
 
 /* ---- layouts --------------------------------------------------------------------------------- */
