@@ -3,9 +3,10 @@
  *             copy of Megatron's scaler update, over random configurations and long trajectories
  *             (overflows, hysteresis, growth, clipping on and off, inf and NaN sums, world sizes,
  *             mean or sum), bit for bit;
- *   tree      zd__grad_stats_sum against the level-by-level definition of adam.h, written out
- *             literally, on sizes 0..300, around powers of two and the GPU's chunks (2048,
- *             2049, 131073) and random ones, bit for bit;
+ *   tree      zd__grad_stats_sum, and kernels/adam.cu's tree emulated step for step, against the
+ *             level-by-level definition of adam.h, written out literally, on sizes 0..300,
+ *             around powers of two and the GPU's chunks (2048, 2049, 131073, two levels of
+ *             chunks) and random ones, bit for bit;
  *   check     the record's check word: every one of its bits matters, and a receive buffer
  *             filled with 0xFF (or zeros) never reads as a record;
  *   records   zd__step_decide_records against step.c's agree() restated, over worlds with torn,
@@ -237,16 +238,90 @@ static double random_block_sum(void) {
   return ldexp(1.0 + rnd_unit(), (int)rnd_below(80) - 40);
 }
 
+/* kernels/adam.cu's block_tree and its launches, step for step on the host (256 threads of 8
+ * values, __shfl_down_sync as lane l reading lane l + o, thread 0 over the 8 warps; chunks of
+ * 2048 per level until at most 2048 remain): the index arithmetic of the GPU's order, checked
+ * where it can run. */
+#define GPU_THREADS 256
+#define GPU_PER     8
+#define GPU_CHUNK   (GPU_THREADS * GPU_PER)
+
+static double gpu_block_tree(const double *x, uint64_t m) {
+  double warp_sum[GPU_THREADS / 32];
+  for (unsigned w = 0; w < GPU_THREADS / 32; w++) {
+    double lane_s[32];
+    for (unsigned lane = 0; lane < 32; lane++) {
+      const uint64_t base = (uint64_t)(32 * w + lane) * GPU_PER;
+      double v[GPU_PER];
+      for (int j = 0; j < GPU_PER; j++) v[j] = base + j < m ? x[base + j] : 0.0;
+      for (int h = 1; h < GPU_PER; h *= 2)
+        for (int j = 0; j < GPU_PER; j += 2 * h)
+          if (base + j + h < m) v[j] = v[j] + v[j + h];
+      lane_s[lane] = v[0];
+    }
+    for (unsigned o = 1; o < 32; o *= 2) {
+      double r[32];
+      for (unsigned lane = 0; lane < 32; lane++) r[lane] = lane_s[lane + o < 32 ? lane + o : lane];
+      for (unsigned lane = 0; lane < 32; lane++) {
+        const uint64_t base = (uint64_t)(32 * w + lane) * GPU_PER;
+        if ((lane & (2 * o - 1)) == 0 && base + (uint64_t)o * GPU_PER < m)
+          lane_s[lane] = lane_s[lane] + r[lane];
+      }
+    }
+    warp_sum[w] = lane_s[0];
+  }
+  for (int h = 1; h < GPU_THREADS / 32; h *= 2)
+    for (int j = 0; j < GPU_THREADS / 32; j += 2 * h)
+      if ((uint64_t)(j + h) * 32 * GPU_PER < m) warp_sum[j] = warp_sum[j] + warp_sum[j + h];
+  return warp_sum[0];
+}
+
+static double gpu_tree(const double *x, uint64_t m) {
+  double *level = NULL;
+  while (m > GPU_CHUNK) {
+    uint64_t chunks = (m + GPU_CHUNK - 1) / GPU_CHUNK;
+    double *next = malloc(chunks * sizeof *next);
+    CHECK(next);
+    for (uint64_t b = 0; b < chunks; b++) {
+      uint64_t lo = b * GPU_CHUNK;
+      next[b] = gpu_block_tree(x + lo, m - lo < GPU_CHUNK ? m - lo : GPU_CHUNK);
+    }
+    free(level);
+    x = level = next;
+    m = chunks;
+  }
+  double s = gpu_block_tree(x, m);
+  free(level);
+  return s;
+}
+
 static void test_tree(void) {
   uint64_t sizes[400], nsizes = 0;
   for (uint64_t n = 0; n <= 300; n++) sizes[nsizes++] = n;
-  static const uint64_t edges[] = {511,  512,    513,    1023,   1024,         1025,
-                                   2047, 2048,   2049,   4095,   4096,         4097,
-                                   6143, 131071, 131072, 131073, 2048 * 3 + 1, 1000003};
+  static const uint64_t edges[] = {511,
+                                   512,
+                                   513,
+                                   1023,
+                                   1024,
+                                   1025,
+                                   2047,
+                                   2048,
+                                   2049,
+                                   4095,
+                                   4096,
+                                   4097,
+                                   6143,
+                                   131071,
+                                   131072,
+                                   131073,
+                                   2048 * 3 + 1,
+                                   1000003,
+                                   2048 * 2048 + 1,
+                                   2048 * 2049 + 5};
   for (size_t i = 0; i < sizeof edges / sizeof edges[0]; i++) sizes[nsizes++] = edges[i];
   for (int i = 0; i < 40; i++) sizes[nsizes++] = 1 + rnd_below(300000);
   uint64_t differ_serial = 0;
-  double *x = malloc(1000003 * sizeof *x);
+  double *x = malloc((2048 * 2049 + 5) * sizeof *x);
   CHECK(x);
   for (uint64_t k = 0; k < nsizes; k++) {
     uint64_t n = sizes[k];
@@ -255,10 +330,15 @@ static void test_tree(void) {
       x[i] = random_block_sum();
       if (finite && !isfinite(x[i])) x[i] = 1.0;
     }
-    double want = levels_sum(x, n), got = zd__grad_stats_sum(x, n);
+    double want = levels_sum(x, n), got = zd__grad_stats_sum(x, n), gpu = gpu_tree(x, n);
     CHECK_MSG(d2u(want) == d2u(got) || (isnan(want) && isnan(got)),
               "zd__grad_stats_sum of %llu sums: %.17g (%016llx), the levels give %.17g (%016llx)",
               (unsigned long long)n, got, (unsigned long long)d2u(got), want,
+              (unsigned long long)d2u(want));
+    CHECK_MSG(d2u(want) == d2u(gpu) || (isnan(want) && isnan(gpu)),
+              "adam.cu's tree over %llu sums, emulated: %.17g (%016llx), the levels give %.17g "
+              "(%016llx)",
+              (unsigned long long)n, gpu, (unsigned long long)d2u(gpu), want,
               (unsigned long long)d2u(want));
     double serial = 0.0;
     for (uint64_t i = 0; i < n; i++) serial += x[i];
@@ -269,8 +349,9 @@ static void test_tree(void) {
   CHECK_MSG(differ_serial > 20, "only %llu of %llu sums differ from the serial order",
             (unsigned long long)differ_serial, (unsigned long long)nsizes);
   printf(
-      "tree: %llu sizes (0..300, around 2^k and 2048-chunks, random up to 1000003): "
-      "zd__grad_stats_sum equals the level-by-level sum (%llu differ from a serial sum)\n",
+      "tree: %llu sizes (0..300, around 2^k and 2048-chunks, random; up to 2048 * 2049 + 5): "
+      "zd__grad_stats_sum and adam.cu's tree (emulated) equal the level-by-level sum (%llu "
+      "differ from a serial sum)\n",
       (unsigned long long)nsizes, (unsigned long long)differ_serial);
 }
 
