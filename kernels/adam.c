@@ -136,9 +136,25 @@ void zd__grad_stats_ref(const void *grad, zd_dtype_t dtype, const zd__segment_t 
   *nonfinite += bad;
 }
 
+/* The level order of adam.h as a binary counter: part[] holds the sums of complete subtrees not
+ * yet paired, of 2^lvl[] values each, sizes strictly decreasing; a new value pairs with the
+ * subtree on its left while that has its own size, as level by level it would. At the end the
+ * subtrees left are n's binary digits, and the levels pair each with everything to its right:
+ * fold from the right. Left operand first everywhere (addition commutes anyway). */
 double zd__grad_stats_sum(const double *sums, uint64_t nblocks) {
-  double s = 0.0;
-  for (uint64_t k = 0; k < nblocks; k++) s += sums[k];
+  double part[64];
+  unsigned lvl[64];
+  int top = 0;
+  for (uint64_t k = 0; k < nblocks; k++) {
+    double v = sums[k];
+    unsigned l = 0;
+    for (; top > 0 && lvl[top - 1] == l; l++) v = part[--top] + v;
+    part[top] = v;
+    lvl[top++] = l;
+  }
+  if (top == 0) return 0.0;
+  double s = part[--top];
+  while (top > 0) s = part[--top] + s;
   return s;
 }
 

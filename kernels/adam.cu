@@ -1,21 +1,25 @@
 /* The CUDA optimizer kernels (adam_cuda.h): the fused AdamW/Adam update, the gradient statistics,
- * the step decision, their host launchers, and the check that says why CUDA cannot be used.
+ * their host launchers, and the check that says why CUDA cannot be used. (The step's decision
+ * from the gathered records is decide.cu's.)
  *
  * The update walks a table of tiles built once per range (zd__cuda_layout_create): a tile is at
  * most ZD__CUDA_TILE elements of one segment, cut at multiples of ZD__CUDA_TILE, so a block
  * looks up its group's constants once per tile and never per element, and only the first and
  * last tile of a segment have edges off the 8-element grid. Blocks stride over the tiles; in a
  * tile each thread takes 8 consecutive elements at a time (two 16-byte loads of each fp32 array,
- * one of a 16-bit grad, all issued before the arithmetic), edges element by element.
+ * one of a 16-bit grad, all issued before the arithmetic), edges element by element. The grid is
+ * one wave: as many blocks as the kernel variant keeps resident on every SM at once
+ * (cudaOccupancyMaxActiveBlocksPerMultiprocessor, asked once per layout), no more than tiles.
  *
  * The statistics follow adam.h's fixed order: four threads per 2048-element block, each owning
  * four of the sixteen lanes and reading one 16-byte (or 8-byte) vector per 16 elements, lanes
- * added in increasing element order, then the lanes' binary tree through warp shuffles. A
- * second, single-block kernel adds the block sums in increasing order (the chain is inherently
- * serial: one double add per 2048 gradients, fed through shared memory by the other warps, the
- * next sums loaded while the current ones are added). Its latency is a cost of the specified
- * order: at a few cycles per add it is of the order of the statistics pass itself for 16-bit
- * grads (unmeasured; bench_adam_cuda's stats columns include it).
+ * added in increasing element order, then the lanes' binary tree through warp shuffles. The
+ * block sums are then added pairwise by levels (adam.h): a block of the tree kernel takes 2048
+ * consecutive sums, eight per thread added in registers (levels 1-3), the warp's 32 through
+ * shuffles (levels 4-8), the block's 8 warps by thread 0 (levels 9-11); one launch per level of
+ * chunks until at most 2048 remain, which the finalize kernel adds the same way before it writes
+ * and seals the record. Each launch is a handful of dependent adds deep, where adding the sums
+ * in a serial chain took one add per block sum (0.9 ms of 1.24 at 2^28 gradients).
  *
  * Arithmetic: see adam.cuh (explicit _rn intrinsics, FMA exactly where adam.h has it). Doubles in
  * the statistics use __dmul_rn/__dadd_rn so that `lane += x * x` is never fused either.
@@ -26,18 +30,11 @@
 #include <string.h>
 
 #include "adam.cuh"
-#include "cuda_error.h"
+#include "launch.cuh"
 
 #define FULL_MASK 0xffffffffu
 
 /* ---- errors -------------------------------------------------------------------------------- */
-
-/* After every launch: configuration errors show here, the kernel's own errors later. */
-#define LAUNCH_CHECK(err, what)                                 \
-  do {                                                          \
-    cudaError_t e_ = cudaGetLastError();                        \
-    if (e_ != cudaSuccess) return zd__cuda_errf(err, e_, what); \
-  } while (0)
 
 #define CUDA_TRY(err, call, what)        \
   do {                                   \
@@ -47,16 +44,6 @@
       goto fail;                         \
     }                                    \
   } while (0)
-
-/* NULL and cudaStreamLegacy both name the legacy default stream. cudaStreamPerThread is a
- * stream of the calling thread's own and is accepted. */
-static int check_stream(cudaStream_t stream, const char *who, zd__err_t *err) {
-  if (stream && stream != cudaStreamLegacy) return ZD_OK;
-  return zd__errf(err, -EINVAL,
-                  "%s: stream is the legacy default stream (%s), which serialises with "
-                  "every other stream; pass a stream of your own (cudaStreamNonBlocking)",
-                  who, stream ? "cudaStreamLegacy" : "NULL");
-}
 
 /* ---- availability -------------------------------------------------------------------------- */
 
@@ -154,15 +141,17 @@ int zd__cuda_device_check(int device, zd__err_t *err) {
 
 /* ---- layouts ------------------------------------------------------------------------------- */
 
-#define ADAM_THREADS        256
-#define ADAM_VEC            8 /* elements per thread and iteration */
-#define ADAM_BLOCKS_PER_SM  8
-#define STATS_THREADS       256
-#define STATS_PER_BLOCK     (STATS_THREADS / 4) /* four threads per statistics block */
-#define STATS_BLOCKS_PER_SM 8
-#define FIN_THREADS         256
-#define FIN_CHUNK           2048
-#define FIN_UNROLL          8 /* block sums in flight ahead of the serial chain */
+#define ADAM_THREADS    256
+#define ADAM_VEC        8 /* elements per thread and iteration */
+#define STATS_THREADS   256
+#define STATS_PER_BLOCK (STATS_THREADS / 4) /* four threads per statistics block */
+#define TREE_THREADS    256
+#define TREE_PER_THREAD 8
+#define TREE_CHUNK      (TREE_THREADS * TREE_PER_THREAD) /* block sums per block of the tree */
+
+/* Variants of the update kernel: grad dtype x param output x max_exp_avg_sq. */
+#define GDT_VARIANTS 3 /* f32, bf16, f16 */
+#define PDT_VARIANTS 3 /* f32, bf16, none */
 
 typedef struct tile {
   uint64_t start; /* offset in the range */
@@ -180,14 +169,39 @@ struct zd__cuda_layout {
   uint64_t nblocks; /* statistics blocks */
   uint32_t nsegs;
   uint32_t ngroups; /* highest group index + 1 */
-  unsigned adam_grid;
-  unsigned stats_grid;
+  /* The grids of the kernels' variants (size_grids): [grad][param][max_exp_avg_sq], [grad]. */
+  unsigned adam_grid[GDT_VARIANTS][PDT_VARIANTS][2];
+  unsigned stats_grid[GDT_VARIANTS];
+  uint64_t npartial; /* the tree's partial sums over all its levels of chunks */
   tile_t *d_tiles;
   seg_t *d_segs;
-  uint32_t *d_first_seg; /* per statistics block: first segment ending after its start */
-  double *d_sums;        /* per statistics block */
-  uint32_t *d_counts;    /* per statistics block: non-finite gradients */
+  uint32_t *d_first_seg;         /* per statistics block: first segment ending after its start */
+  double *d_sums;                /* per statistics block */
+  unsigned long long *d_counts;  /* per statistics block: non-finite gradients */
+  double *d_partial;             /* the tree's partial sums (npartial) */
+  unsigned long long *d_pcounts; /* ... and counts */
 };
+
+static int gdt_variant(int gdt) {
+  return gdt == ZD_F32 ? 0 : gdt == ZD_BF16 ? 1 : 2;
+}
+
+static int pdt_variant(int pdt) { /* 0: no param output */
+  return pdt == ZD_F32 ? 0 : pdt == ZD_BF16 ? 1 : 2;
+}
+
+/* Partial sums the tree needs for m block sums: one per chunk of TREE_CHUNK at every level that
+ * has more than TREE_CHUNK values (the finalize adds the last level's at most TREE_CHUNK). */
+static uint64_t tree_partials(uint64_t m) {
+  uint64_t total = 0;
+  while (m > TREE_CHUNK) {
+    m = (m + TREE_CHUNK - 1) / TREE_CHUNK;
+    total += m;
+  }
+  return total;
+}
+
+static cudaError_t size_grids(zd__cuda_layout_t *l, int sms);
 
 static int check_segments(const zd__segment_t *segs, uint32_t nsegs, uint64_t n, zd__err_t *err) {
   if (nsegs && !segs)
@@ -217,7 +231,7 @@ int zd__cuda_layout_create(const zd__segment_t *segs, uint32_t nsegs, uint64_t n
                            cudaStream_t stream, zd__cuda_layout_t **out, zd__err_t *err) {
   if (!out) return zd__errf(err, -EINVAL, "CUDA layout: no result pointer");
   *out = NULL;
-  int rc = check_stream(stream, "CUDA layout", err);
+  int rc = zd__check_stream(stream, "CUDA layout", err);
   if (rc) return rc;
   rc = check_segments(segs, nsegs, n, err);
   if (rc) return rc;
@@ -267,13 +281,7 @@ int zd__cuda_layout_create(const zd__segment_t *segs, uint32_t nsegs, uint64_t n
   CUDA_TRY(err, cudaGetDevice(&dev), "CUDA layout: cudaGetDevice");
   CUDA_TRY(err, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
            "CUDA layout: multiprocessor count");
-  {
-    uint64_t cap = (uint64_t)sms * ADAM_BLOCKS_PER_SM;
-    l->adam_grid = (unsigned)(l->ntiles < cap ? l->ntiles : cap);
-    uint64_t want = (l->nblocks + STATS_PER_BLOCK - 1) / STATS_PER_BLOCK;
-    cap = (uint64_t)sms * STATS_BLOCKS_PER_SM;
-    l->stats_grid = (unsigned)(want < cap ? want : cap);
-  }
+  CUDA_TRY(err, size_grids(l, sms), "CUDA layout: the kernels' occupancy");
   if (l->ntiles) {
     CUDA_TRY(err, cudaMalloc((void **)&l->d_tiles, l->ntiles * sizeof(tile_t)),
              "CUDA layout: cudaMalloc of the tile table");
@@ -295,12 +303,19 @@ int zd__cuda_layout_create(const zd__segment_t *segs, uint32_t nsegs, uint64_t n
              "CUDA layout: cudaMalloc of the block table");
     CUDA_TRY(err, cudaMalloc((void **)&l->d_sums, l->nblocks * sizeof(double)),
              "CUDA layout: cudaMalloc of the block sums");
-    CUDA_TRY(err, cudaMalloc((void **)&l->d_counts, l->nblocks * sizeof(uint32_t)),
+    CUDA_TRY(err, cudaMalloc((void **)&l->d_counts, l->nblocks * sizeof(unsigned long long)),
              "CUDA layout: cudaMalloc of the block counts");
     CUDA_TRY(err,
              cudaMemcpyAsync(l->d_first_seg, first, l->nblocks * sizeof(uint32_t),
                              cudaMemcpyHostToDevice, stream),
              "CUDA layout: copying the block table");
+  }
+  l->npartial = tree_partials(l->nblocks);
+  if (l->npartial) {
+    CUDA_TRY(err, cudaMalloc((void **)&l->d_partial, l->npartial * sizeof(double)),
+             "CUDA layout: cudaMalloc of the partial sums");
+    CUDA_TRY(err, cudaMalloc((void **)&l->d_pcounts, l->npartial * sizeof(unsigned long long)),
+             "CUDA layout: cudaMalloc of the partial counts");
   }
   /* The host tables are pageable and freed below: wait for the copies. */
   CUDA_TRY(err, cudaStreamSynchronize(stream), "CUDA layout: waiting for the table copies");
@@ -319,6 +334,8 @@ fail:
 
 void zd__cuda_layout_destroy(zd__cuda_layout_t *l) {
   if (!l) return;
+  cudaFree(l->d_pcounts);
+  cudaFree(l->d_partial);
   cudaFree(l->d_counts);
   cudaFree(l->d_sums);
   cudaFree(l->d_first_seg);
@@ -341,10 +358,17 @@ uint32_t zd__cuda_layout_groups(const zd__cuda_layout_t *l) {
 }
 void zd__cuda_layout_grids(const zd__cuda_layout_t *l, unsigned *adam_blocks,
                            uint64_t *stats_per_pass) {
-  if (adam_blocks) *adam_blocks = l->adam_grid;
-  if (stats_per_pass) *stats_per_pass = (uint64_t)l->stats_grid * STATS_PER_BLOCK;
+  unsigned adam = 0, stats = 0;
+  for (int g = 0; g < GDT_VARIANTS; g++) {
+    for (int p = 0; p < PDT_VARIANTS; p++)
+      for (int x = 0; x < 2; x++)
+        if (l->adam_grid[g][p][x] > adam) adam = l->adam_grid[g][p][x];
+    if (l->stats_grid[g] > stats) stats = l->stats_grid[g];
+  }
+  if (adam_blocks) *adam_blocks = adam;
+  if (stats_per_pass) *stats_per_pass = (uint64_t)stats * STATS_PER_BLOCK;
 }
-const double *zd__cuda_layout_block_sums(const zd__cuda_layout_t *l) {
+double *zd__cuda_layout_block_sums(const zd__cuda_layout_t *l) {
   return l->d_sums;
 }
 
@@ -363,6 +387,7 @@ typedef struct adam_kargs {
   uint64_t ntiles;
   float grad_scale;
   int vec; /* every array 16-byte aligned: vectors at multiples of 8 elements */
+  const zd__cuda_decision_t *decision; /* NULL: grad_scale; else its verdict and factor */
   const zd__adam_group_t *d_groups;
   zd__adam_group_t groups[ZD__CUDA_GROUPS_INLINE];
 } adam_kargs_t;
@@ -470,7 +495,11 @@ static __device__ __forceinline__ void adam_eight(const adam_kargs_t &a, uint64_
 template <int GDT, int PDT, bool AMS>
 __global__ void __launch_bounds__(ADAM_THREADS)
     adam_kernel(const __grid_constant__ adam_kargs_t a) {
-  const float scale = a.grad_scale;
+  float scale = a.grad_scale;
+  if (a.decision) { /* written by an earlier kernel of the stream: read once, at the start */
+    if (a.decision->verdict != ZD__VERDICT_APPLY) return;
+    scale = a.decision->dec.grad_scale;
+  }
   const zd__adam_group_t *groups = a.d_groups ? a.d_groups : a.groups;
   for (uint64_t t = blockIdx.x; t < a.ntiles; t += gridDim.x) {
     const tile_t tile = a.tiles[t];
@@ -537,7 +566,7 @@ static int check_groups(const zd__adam_group_t *groups, uint32_t n, int have_max
 int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
                        cudaStream_t stream, zd__err_t *err) {
   if (!l || !a) return zd__errf(err, -EINVAL, "CUDA adam: no layout or no arguments");
-  int rc = check_stream(stream, "CUDA adam", err);
+  int rc = zd__check_stream(stream, "CUDA adam", err);
   if (rc) return rc;
   float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
   float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
@@ -577,6 +606,7 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   k.tiles = l->d_tiles;
   k.ntiles = l->ntiles;
   k.grad_scale = a->grad_scale;
+  k.decision = a->d_decision;
   k.d_groups = a->d_groups;
   if (!a->d_groups && a->ngroups) memcpy(k.groups, a->groups, a->ngroups * sizeof *a->groups);
   k.vec = aligned16(master) && aligned16(exp_avg) && aligned16(exp_avg_sq) &&
@@ -585,9 +615,17 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   int pdt = a->param ? (int)a->param_dtype : 0;
   adam_kernel_fn fn = max_sq ? adam_kernel_for<true>((int)a->grad_dtype, pdt)
                              : adam_kernel_for<false>((int)a->grad_dtype, pdt);
-  fn<<<l->adam_grid, ADAM_THREADS, 0, stream>>>(k);
+  fn<<<zd__cuda_adam_grid(l, a), ADAM_THREADS, 0, stream>>>(k);
   LAUNCH_CHECK(err, "CUDA adam: kernel launch");
   return ZD_OK;
+}
+
+unsigned zd__cuda_adam_grid(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a) {
+  if (!zd__dtype_ok(a->grad_dtype, ZD__DTYPE_GRAD)) return 0;
+  if (a->param && !zd__dtype_ok(a->param_dtype, ZD__DTYPE_PARAM)) return 0;
+  const int x = a->state[ZD__STATE_MAX_EXP_AVG_SQ] != NULL;
+  return l->adam_grid[gdt_variant((int)a->grad_dtype)]
+                     [pdt_variant(a->param ? (int)a->param_dtype : 0)][x];
 }
 
 typedef struct groups_kargs {
@@ -602,7 +640,7 @@ __global__ void groups_kernel(const __grid_constant__ groups_kargs_t a) {
 
 int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *groups, uint32_t n,
                            cudaStream_t stream, zd__err_t *err) {
-  int rc = check_stream(stream, "CUDA groups upload", err);
+  int rc = zd__check_stream(stream, "CUDA groups upload", err);
   if (rc) return rc;
   if (n && (!d_groups || !groups))
     return zd__errf(err, -EINVAL, "CUDA groups upload: %u groups but no source or destination", n);
@@ -655,7 +693,7 @@ template <int GDT>
 __global__ void __launch_bounds__(STATS_THREADS)
     stats_kernel(const void *grad, uint64_t n, const seg_t *segs, uint32_t nsegs,
                  const uint32_t *first_seg, uint64_t nblocks, int vec, double *sums,
-                 uint32_t *counts) {
+                 unsigned long long *counts) {
   const unsigned lane = threadIdx.x & 31, t = lane & 3;
   const uint64_t stride = (uint64_t)gridDim.x * STATS_PER_BLOCK;
   /* The loop bound is the same for a whole warp (8 statistics blocks), so every lane reaches the
@@ -731,87 +769,145 @@ __global__ void __launch_bounds__(STATS_THREADS)
   }
 }
 
+/* ---- the block sums, pairwise by levels --------------------------------------------------- */
+
+/* The level-order sum (adam.h) of x[0..m), m <= TREE_CHUNK, and the total of c[0..m) (integers:
+ * any order), into *sum and *count of thread 0. Every thread of the block (TREE_THREADS) calls
+ * it. A value at position p of the chunk is the sum of the complete subtree of width w starting
+ * there; it takes in its right neighbour at p + w when that starts before m, as the level rule
+ * does (x'[i] = x[2i] + x[2i+1], or x[2i] when 2i+1 is past the end). */
+static __device__ __forceinline__ void block_tree(const double *x, const unsigned long long *c,
+                                                  uint64_t m, double *sum,
+                                                  unsigned long long *count) {
+  __shared__ double warp_sum[TREE_THREADS / 32];
+  __shared__ unsigned long long warp_count[TREE_THREADS / 32];
+  const unsigned t = threadIdx.x, lane = t & 31, w = t >> 5;
+  const uint64_t base = (uint64_t)t * TREE_PER_THREAD;
+  double v[TREE_PER_THREAD];
+  unsigned long long k = 0;
+#pragma unroll
+  for (int j = 0; j < TREE_PER_THREAD; j++) {
+    v[j] = base + j < m ? x[base + j] : 0.0;
+    k += base + j < m ? c[base + j] : 0ull;
+  }
+  /* Widths 1, 2, 4 in registers: this thread's 8 values become one of width 8 at base. */
+#pragma unroll
+  for (int h = 1; h < TREE_PER_THREAD; h *= 2)
+#pragma unroll
+    for (int j = 0; j < TREE_PER_THREAD; j += 2 * h)
+      if (base + j + h < m) v[j] = __dadd_rn(v[j], v[j + h]);
+  /* Widths 8 .. 128 across the warp: lane l's value starts at base; after the step with offset o
+   * the lanes that are multiples of 2o hold widths 16o. */
+  double s = v[0];
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const double r = __shfl_down_sync(FULL_MASK, s, o);
+    if ((lane & (2 * o - 1)) == 0 && base + (uint64_t)o * TREE_PER_THREAD < m) s = __dadd_rn(s, r);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) k += __shfl_down_sync(FULL_MASK, k, o);
+  if (lane == 0) {
+    warp_sum[w] = s; /* width 256, starting at 256 w */
+    warp_count[w] = k;
+  }
+  __syncthreads();
+  if (t == 0) {
+    double y[TREE_THREADS / 32];
+    unsigned long long total = 0;
+#pragma unroll
+    for (int j = 0; j < TREE_THREADS / 32; j++) {
+      y[j] = warp_sum[j];
+      total += warp_count[j];
+    }
+    /* Widths 256, 512, 1024. */
+#pragma unroll
+    for (int h = 1; h < TREE_THREADS / 32; h *= 2)
+#pragma unroll
+      for (int j = 0; j < TREE_THREADS / 32; j += 2 * h)
+        if ((uint64_t)(j + h) * 32 * TREE_PER_THREAD < m) y[j] = __dadd_rn(y[j], y[j + h]);
+    *sum = y[0];
+    *count = total;
+  }
+}
+
+/* One level of chunks: block b adds values [b * TREE_CHUNK, + TREE_CHUNK) of m. */
+__global__ void __launch_bounds__(TREE_THREADS)
+    tree_level(const double *x, const unsigned long long *c, uint64_t m, double *out,
+               unsigned long long *out_count) {
+  const uint64_t lo = (uint64_t)blockIdx.x * TREE_CHUNK;
+  const uint64_t len = m - lo < TREE_CHUNK ? m - lo : TREE_CHUNK;
+  double s;
+  unsigned long long k;
+  block_tree(x + lo, c + lo, len, &s, &k);
+  if (threadIdx.x == 0) {
+    out[blockIdx.x] = s;
+    out_count[blockIdx.x] = k;
+  }
+}
+
 typedef struct fin_kargs {
-  const double *sums;
-  const uint32_t *counts;
-  uint64_t nblocks;
+  const double *sums; /* the last level: at most TREE_CHUNK values */
+  const unsigned long long *counts;
+  uint64_t m;
   zd__cuda_stats_t *out;
   int accumulate;
   int set_tags;
   uint64_t tags[ZD__CUDA_TAGS];
 } fin_kargs_t;
 
-/* One block: the counts in any order (integers), the sums in increasing block order from 0.0
- * (zd__grad_stats_sum) by thread 0, from shared memory that warps 1.. fill one chunk ahead. */
-__global__ void __launch_bounds__(FIN_THREADS) stats_finalize(const fin_kargs_t a) {
-  __shared__ double buf[2][FIN_CHUNK];
-  __shared__ unsigned long long warp_counts[FIN_THREADS / 32];
-  unsigned long long cnt = 0;
-  for (uint64_t k = threadIdx.x; k < a.nblocks; k += blockDim.x) cnt += a.counts[k];
-  for (int o = 16; o; o >>= 1) cnt += __shfl_down_sync(FULL_MASK, cnt, o);
-  if ((threadIdx.x & 31) == 0) warp_counts[threadIdx.x >> 5] = cnt;
-
-  const uint64_t nchunks = (a.nblocks + FIN_CHUNK - 1) / FIN_CHUNK;
-  if (nchunks)
-    for (uint64_t j = threadIdx.x; j < FIN_CHUNK && j < a.nblocks; j += blockDim.x)
-      buf[0][j] = a.sums[j];
-  __syncthreads();
-  double s = 0.0;
-  for (uint64_t c = 0; c < nchunks; c++) {
-    if (threadIdx.x >= 32 && c + 1 < nchunks) {
-      const uint64_t base = (c + 1) * FIN_CHUNK;
-      for (uint64_t j = threadIdx.x - 32; j < FIN_CHUNK && base + j < a.nblocks;
-           j += blockDim.x - 32)
-        buf[(c + 1) & 1][j] = a.sums[base + j];
-    }
-    if (threadIdx.x == 0) {
-      const double *b = buf[c & 1];
-      const uint32_t len =
-          (uint32_t)(a.nblocks - c * FIN_CHUNK < FIN_CHUNK ? a.nblocks - c * FIN_CHUNK : FIN_CHUNK);
-      /* The chain is latency-bound: the next eight sums are loaded before the current eight are
-       * added, so that it waits on the adder, not on shared memory. The order is unchanged. */
-      uint32_t j = 0;
-      if (len >= FIN_UNROLL) {
-        double cur[FIN_UNROLL];
-#pragma unroll
-        for (int u = 0; u < FIN_UNROLL; u++) cur[u] = b[u];
-        for (; j + 2 * FIN_UNROLL <= len; j += FIN_UNROLL) {
-          double nxt[FIN_UNROLL];
-#pragma unroll
-          for (int u = 0; u < FIN_UNROLL; u++) nxt[u] = b[j + FIN_UNROLL + u];
-#pragma unroll
-          for (int u = 0; u < FIN_UNROLL; u++) s = __dadd_rn(s, cur[u]);
-#pragma unroll
-          for (int u = 0; u < FIN_UNROLL; u++) cur[u] = nxt[u];
-        }
-#pragma unroll
-        for (int u = 0; u < FIN_UNROLL; u++) s = __dadd_rn(s, cur[u]);
-        j += FIN_UNROLL;
-      }
-      for (; j < len; j++) s = __dadd_rn(s, b[j]);
-    }
-    __syncthreads();
-  }
+/* One block: the last level, then the record as this call leaves it, sealed with its check word
+ * (step_decide.h), written whole. */
+__global__ void __launch_bounds__(TREE_THREADS) stats_finalize(const fin_kargs_t a) {
+  double s;
+  unsigned long long k;
+  block_tree(a.sums, a.counts, a.m, &s, &k);
   if (threadIdx.x == 0) {
-    unsigned long long total = 0;
-    for (int w = 0; w < FIN_THREADS / 32; w++) total += warp_counts[w];
-    if (a.accumulate) {
-      a.out->sumsq = __dadd_rn(a.out->sumsq, s);
-      a.out->nonfinite += total;
-    } else {
-      a.out->sumsq = s;
-      a.out->nonfinite = total;
-    }
+    zd__cuda_stats_t r = *a.out;
+    r.sumsq = a.accumulate ? __dadd_rn(r.sumsq, s) : s;
+    r.nonfinite = a.accumulate ? r.nonfinite + k : k;
     if (a.set_tags)
-      for (int j = 0; j < ZD__CUDA_TAGS; j++) a.out->tags[j] = a.tags[j];
+      for (int j = 0; j < ZD__CUDA_TAGS; j++) r.tags[j] = a.tags[j];
+    r.check = zd__record_check(&r);
+    *a.out = r;
   }
+}
+
+/* The tree over the layout's block sums and counts, then the record. */
+static int sum_blocks(zd__cuda_layout_t *l, zd__cuda_stats_t *d_out, int accumulate,
+                      const uint64_t *tags, cudaStream_t stream, zd__err_t *err) {
+  const double *x = l->d_sums;
+  const unsigned long long *c = l->d_counts;
+  uint64_t m = l->nblocks, used = 0;
+  while (m > TREE_CHUNK) {
+    const uint64_t chunks = (m + TREE_CHUNK - 1) / TREE_CHUNK;
+    /* used + chunks <= l->npartial: tree_partials counted these levels */
+    tree_level<<<(unsigned)chunks, TREE_THREADS, 0, stream>>>(x, c, m, l->d_partial + used,
+                                                              l->d_pcounts + used);
+    LAUNCH_CHECK(err, "CUDA grad stats: tree kernel launch");
+    x = l->d_partial + used;
+    c = l->d_pcounts + used;
+    used += chunks;
+    m = chunks;
+  }
+  fin_kargs_t k;
+  memset(&k, 0, sizeof k);
+  k.sums = x;
+  k.counts = c;
+  k.m = m;
+  k.out = d_out;
+  k.accumulate = accumulate != 0;
+  k.set_tags = tags != NULL;
+  if (tags) memcpy(k.tags, tags, sizeof k.tags);
+  stats_finalize<<<1, TREE_THREADS, 0, stream>>>(k);
+  LAUNCH_CHECK(err, "CUDA grad stats: finalize kernel launch");
+  return ZD_OK;
 }
 
 int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_dtype,
                         zd__cuda_stats_t *d_out, int accumulate, const uint64_t *tags,
                         cudaStream_t stream, zd__err_t *err) {
   if (!l || !d_out) return zd__errf(err, -EINVAL, "CUDA grad stats: no layout or no output");
-  int rc = check_stream(stream, "CUDA grad stats", err);
+  int rc = zd__check_stream(stream, "CUDA grad stats", err);
   if (rc) return rc;
   if (!zd__dtype_ok(grad_dtype, ZD__DTYPE_GRAD))
     return zd__errf(err, ZD_EDTYPE, "CUDA grad stats: grad dtype %d; expected f32, bf16 or f16",
@@ -819,37 +915,75 @@ int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_
   if (l->nblocks && !grad) return zd__errf(err, -EINVAL, "CUDA grad stats: no gradients");
   if (l->nblocks) {
     int vec = grad_dtype == ZD_F32 ? aligned16(grad) : ((uintptr_t)grad & 7u) == 0;
+    const unsigned grid = l->stats_grid[gdt_variant((int)grad_dtype)];
     switch (grad_dtype) {
       case ZD_BF16:
-        stats_kernel<ZD_BF16><<<l->stats_grid, STATS_THREADS, 0, stream>>>(
-            grad, l->n, l->d_segs, l->nsegs, l->d_first_seg, l->nblocks, vec, l->d_sums,
-            l->d_counts);
+        stats_kernel<ZD_BF16><<<grid, STATS_THREADS, 0, stream>>>(grad, l->n, l->d_segs, l->nsegs,
+                                                                  l->d_first_seg, l->nblocks, vec,
+                                                                  l->d_sums, l->d_counts);
         break;
       case ZD_F16:
-        stats_kernel<ZD_F16><<<l->stats_grid, STATS_THREADS, 0, stream>>>(
-            grad, l->n, l->d_segs, l->nsegs, l->d_first_seg, l->nblocks, vec, l->d_sums,
-            l->d_counts);
+        stats_kernel<ZD_F16><<<grid, STATS_THREADS, 0, stream>>>(grad, l->n, l->d_segs, l->nsegs,
+                                                                 l->d_first_seg, l->nblocks, vec,
+                                                                 l->d_sums, l->d_counts);
         break;
       default:
-        stats_kernel<ZD_F32><<<l->stats_grid, STATS_THREADS, 0, stream>>>(
-            grad, l->n, l->d_segs, l->nsegs, l->d_first_seg, l->nblocks, vec, l->d_sums,
-            l->d_counts);
+        stats_kernel<ZD_F32><<<grid, STATS_THREADS, 0, stream>>>(grad, l->n, l->d_segs, l->nsegs,
+                                                                 l->d_first_seg, l->nblocks, vec,
+                                                                 l->d_sums, l->d_counts);
         break;
     }
     LAUNCH_CHECK(err, "CUDA grad stats: block kernel launch");
   }
-  fin_kargs_t k;
-  memset(&k, 0, sizeof k);
-  k.sums = l->d_sums;
-  k.counts = l->d_counts;
-  k.nblocks = l->nblocks;
-  k.out = d_out;
-  k.accumulate = accumulate != 0;
-  k.set_tags = tags != NULL;
-  if (tags) memcpy(k.tags, tags, sizeof k.tags);
-  stats_finalize<<<1, FIN_THREADS, 0, stream>>>(k);
-  LAUNCH_CHECK(err, "CUDA grad stats: finalize kernel launch");
-  return ZD_OK;
+  return sum_blocks(l, d_out, accumulate, tags, stream, err);
+}
+
+int zd__cuda_stats_sum(zd__cuda_layout_t *l, zd__cuda_stats_t *d_out, int accumulate,
+                       const uint64_t *tags, cudaStream_t stream, zd__err_t *err) {
+  if (!l || !d_out) return zd__errf(err, -EINVAL, "CUDA stats sum: no layout or no output");
+  int rc = zd__check_stream(stream, "CUDA stats sum", err);
+  if (rc) return rc;
+  return sum_blocks(l, d_out, accumulate, tags, stream, err);
+}
+
+/* ---- grids --------------------------------------------------------------------------------- */
+
+/* Blocks of kernel fn (threads each) that fit on every SM at once, times the SMs: one wave. At
+ * least 1 (a kernel that fits nowhere fails at its launch, with CUDA's reason). */
+template <typename F>
+static cudaError_t wave(F fn, int threads, int sms, uint64_t *out) {
+  int per_sm = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, 0);
+  *out = (uint64_t)(per_sm > 0 ? per_sm : 1) * (uint64_t)sms;
+  return e;
+}
+
+static unsigned at_most(uint64_t cap, uint64_t want) {
+  return (unsigned)(want < cap ? want : cap);
+}
+
+static cudaError_t size_grids(zd__cuda_layout_t *l, int sms) {
+  static const int gdts[GDT_VARIANTS] = {ZD_F32, ZD_BF16, ZD_F16};
+  static const int pdts[PDT_VARIANTS] = {ZD_F32, ZD_BF16, 0};
+  const uint64_t stats_want = (l->nblocks + STATS_PER_BLOCK - 1) / STATS_PER_BLOCK;
+  uint64_t cap = 0;
+  cudaError_t e = cudaSuccess;
+  for (int g = 0; g < GDT_VARIANTS && e == cudaSuccess; g++) {
+    for (int p = 0; p < PDT_VARIANTS && e == cudaSuccess; p++) {
+      e = wave(adam_kernel_for<false>(gdts[g], pdts[p]), ADAM_THREADS, sms, &cap);
+      l->adam_grid[g][p][0] = at_most(cap, l->ntiles);
+      if (e == cudaSuccess)
+        e = wave(adam_kernel_for<true>(gdts[g], pdts[p]), ADAM_THREADS, sms, &cap);
+      l->adam_grid[g][p][1] = at_most(cap, l->ntiles);
+    }
+    if (e != cudaSuccess) break;
+    e = wave(g == 0   ? stats_kernel<ZD_F32>
+             : g == 1 ? stats_kernel<ZD_BF16>
+                      : stats_kernel<ZD_F16>,
+             STATS_THREADS, sms, &cap);
+    l->stats_grid[g] = at_most(cap, stats_want);
+  }
+  return e;
 }
 
 /* ---- loading ------------------------------------------------------------------------------- */
@@ -881,7 +1015,9 @@ int zd__cuda_kernels_preload(zd__err_t *err) {
   if (e == cudaSuccess) e = load_adam<ZD_BF16>();
   if (e == cudaSuccess) e = load_adam<ZD_F16>();
   if (e == cudaSuccess) e = load(groups_kernel);
+  if (e == cudaSuccess) e = load(tree_level);
   if (e == cudaSuccess) e = load(stats_finalize);
+  if (e == cudaSuccess) e = zd__cuda_decide_preload();
   if (e == cudaSuccess) return ZD_OK;
   (void)cudaGetLastError();
   return zd__cuda_errf(err, e, "loading the optimizer kernels (cudaFuncGetAttributes)");

@@ -76,8 +76,15 @@
  * offsets [k*ZD__STATS_BLOCK, (k+1)*ZD__STATS_BLOCK) of the range); within a block, element i
  * adds its square to lane (i mod 16) in increasing i; the block's sum is the lanes combined as
  * a binary tree: s8[j] = lane[j] + lane[j+8], s4[j] = s8[j] + s8[j+4], s2[j] = s4[j] + s4[j+2],
- * sum = s2[0] + s2[1]. Blocks are then added in increasing k, starting from 0.0
- * (zd__grad_stats_sum).
+ * sum = s2[0] + s2[1]. The block sums of a range are then added pairwise by levels
+ * (zd__grad_stats_sum): level 0 is the block sums x[0..n); level j+1 has x'[i] = x[2i] + x[2i+1],
+ * or x'[i] = x[2i] when 2i+1 is past the level's end; the last level's one value is the range's
+ * sum (0.0 for no blocks). Equivalently, the sum of x[lo, lo + 2^j) clipped to n is the sum of
+ * its halves when the right half starts before n, else of its left half, so any 2^k consecutive
+ * values from a multiple of 2^k are a complete subtree: a GPU may reduce chunks of 2^k on their
+ * own and then the chunks' sums by the same rule, with the same bits. The depth is log2(n), not
+ * n, so the adds run in parallel. Ranges (a rank's buckets) are added in call order by the
+ * caller, ranks in rank order (daemon/step/step.c).
  */
 #ifndef ZD_KERNELS_ADAM_H
 #define ZD_KERNELS_ADAM_H
@@ -183,7 +190,7 @@ static inline uint64_t zd__stats_blocks(uint64_t n) {
   return (n + ZD__STATS_BLOCK - 1) / ZD__STATS_BLOCK;
 }
 
-/* Adds block sums in order (the fixed order above). */
+/* Adds block sums in the fixed order above (pairwise by levels). Allocates nothing. */
 double zd__grad_stats_sum(const double *sums, uint64_t nblocks);
 
 /* Internals shared by adam.c and the wide paths (adam_avx2.c, adam_avx512.c), which are built with

@@ -1,17 +1,22 @@
-/* The CUDA optimizer kernels (kernels/adam.cu): host-callable C API.
+/* The CUDA optimizer kernels (kernels/adam.cu, kernels/decide.cu): host-callable C API.
  *
  * What runs on the device each step, stream-ordered:
- *   zd__cuda_grad_stats  sum of squares and non-finite count of a shard's gradients, per range,
- *                        into a small record in device memory (all-gather the records of all
- *                        ranks with NCCL; the host reads them back and takes the step's decision,
- *                        kernels/step_decide.h, as the CPU step does);
- *   zd__cuda_adam_step   the fused AdamW/Adam update of a range, with the gradient factor the
- *                        decision gave.
+ *   zd__cuda_grad_stats   sum of squares and non-finite count of a shard's gradients, per range,
+ *                         into this rank's step record in device memory, sealed with its check
+ *                         word (all-gather the records of all ranks with NCCL);
+ *   zd__cuda_step_decide  the step's decision from the gathered records (kernels/step_decide.h:
+ *                         the records' checks, the ranks' agreement, zd__step_decide), into a
+ *                         small struct in device memory, without the host reading anything back;
+ *                         or the host reads the records back and decides itself, with the same
+ *                         functions;
+ *   zd__cuda_adam_step    the fused AdamW/Adam update of a range, with the gradient factor the
+ *                         decision gave: from the host (grad_scale), or from the device decision
+ *                         (d_decision: the update then runs only if the verdict is APPLY).
  *
  * Bitwise contract: zd__cuda_adam_step gives the bits of zd__adam_step_ref (kernels/adam.h) for
  * every element (a NaN may carry another payload or sign: the GPU makes canonical NaNs);
  * zd__cuda_grad_stats gives the block sums of zd__grad_stats_ref, added as zd__grad_stats_sum
- * does.
+ * does (pairwise by levels); zd__cuda_step_decide gives zd__step_decide_records' decision.
  *
  * Conventions: every launcher takes an explicit stream (never the legacy default stream: pass a
  * stream created by the caller), checks the launch, and returns ZD_OK or an error code with a
@@ -33,6 +38,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "step_decide.h" /* the record, the decision: plain C, also without CUDA */
 #include "zerod/zerod.h"
 
 #ifdef __cplusplus
@@ -55,9 +61,10 @@ int zd__cuda_available(char *why, size_t len);
 /* ZD_OK if `device` can run the kernels, else ZD_EBACKEND with the reason in *err. */
 int zd__cuda_device_check(int device, zd__err_t *err);
 
-/* Loads every kernel of this file on the current device now (cudaFuncGetAttributes), rather than
- * at its first launch: a lazy load waits for the device's queued work, which in zerod may be a
- * wait for a client's event or a peer. Call while nothing is queued (a rank's start). */
+/* Loads every kernel of this API (adam.cu's and decide.cu's) on the current device now
+ * (cudaFuncGetAttributes), rather than at its first launch or occupancy query: a lazy load waits
+ * for the device's queued work, which in zerod may be a wait for a client's event or a peer. Call
+ * while nothing is queued (a rank's start), before the first zd__cuda_layout_create. */
 int zd__cuda_kernels_preload(zd__err_t *err);
 
 /* ---- layouts --------------------------------------------------------------------------------- */
@@ -90,16 +97,22 @@ uint64_t zd__cuda_layout_tiles(const zd__cuda_layout_t *l);
 uint64_t zd__cuda_layout_stats_blocks(const zd__cuda_layout_t *l);
 uint32_t zd__cuda_layout_groups(const zd__cuda_layout_t *l);
 
-/* How the kernels cover the layout, for tests that must make blocks stride (and diagnostics):
- * the update kernel's grid (blocks; each takes tiles blockIdx.x, + grid, ...) and the number of
- * statistics blocks one pass of the statistics kernel's grid covers. */
+/* How the kernels cover the layout. The grids are sized from the kernels' occupancy, once per
+ * layout (zd__cuda_layout_create): the update's is min(tiles, SMs x resident blocks per SM of
+ * that variant of the kernel), the statistics' min(blocks needed, SMs x resident blocks per SM);
+ * blocks stride over the rest, and the bits do not depend on the grid.
+ * zd__cuda_layout_grids gives the largest update grid over the kernel's variants and the most
+ * statistics blocks one pass of the statistics grid covers (over the grad dtypes): a range with
+ * more tiles (statistics blocks) makes blocks stride in every variant. For tests and
+ * diagnostics. */
 void zd__cuda_layout_grids(const zd__cuda_layout_t *l, unsigned *adam_blocks,
                            uint64_t *stats_per_pass);
 
 /* The per-block sums (zd__cuda_layout_stats_blocks doubles, device memory) the last
  * zd__cuda_grad_stats call on this layout left: block k is zd__grad_stats_ref's sums[k]. For
- * tests and diagnostics; valid once that call has completed. */
-const double *zd__cuda_layout_block_sums(const zd__cuda_layout_t *l);
+ * tests and diagnostics; valid once that call has completed. Tests may write their own values
+ * there (stream-ordered) and add them with zd__cuda_stats_sum. */
+double *zd__cuda_layout_block_sums(const zd__cuda_layout_t *l);
 
 /* ---- the update ------------------------------------------------------------------------------ */
 
@@ -117,7 +130,12 @@ typedef struct zd__cuda_adam_args {
   zd_dtype_t grad_dtype;
   void *param;            /* device; working parameters written back; NULL: none */
   zd_dtype_t param_dtype; /* ZD_F32 or ZD_BF16 (ignored without param) */
-  float grad_scale;       /* the gradient factor (unscale, mean, clip) */
+  float grad_scale;       /* the gradient factor (unscale, mean, clip); see d_decision */
+  /* NULL: the update runs with grad_scale. Else a decision in device memory
+   * (zd__cuda_step_decide, queued before on the same stream): the update does nothing at all
+   * unless its verdict is ZD__VERDICT_APPLY, and multiplies the gradients by its dec.grad_scale
+   * (grad_scale is ignored). Each block reads it once, when it starts. */
+  const zd__cuda_decision_t *d_decision;
   /* This step's constants of each group (zd__adam_group_init on the host). ngroups must cover
    * every group the layout's segments name. With ngroups <= ZD__CUDA_GROUPS_INLINE and d_groups
    * NULL, groups (host memory) is copied into the launch: the caller may reuse it as soon as the
@@ -135,6 +153,12 @@ typedef struct zd__cuda_adam_args {
 int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
                        cudaStream_t stream, zd__err_t *err);
 
+/* The grid (blocks) zd__cuda_adam_step launches on this layout with these arguments: the
+ * occupancy of the kernel variant their grad dtype, param dtype (or none) and max_exp_avg_sq
+ * (or none) select (zd__cuda_layout_grids). For benchmarks and diagnostics; 0 for a dtype the
+ * kernel does not take. */
+unsigned zd__cuda_adam_grid(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a);
+
 /* Queues a copy of n group constants from host memory into d_groups (device), carried in the
  * arguments of small kernels: stream-ordered, no pinned memory, the host array reusable on
  * return. For more than ZD__CUDA_GROUPS_INLINE groups. Errors: -EINVAL, ZD_EHPARAM (as
@@ -144,28 +168,49 @@ int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *g
 
 /* ---- statistics and decision ----------------------------------------------------------------- */
 
-#define ZD__CUDA_TAGS 3
-
-/* One rank's statistics: what each rank contributes to the step's all-gather (40 bytes, plain
- * data: gather it as bytes, e.g. ncclAllGather of sizeof(zd__cuda_stats_t) ncclUint8). */
-typedef struct zd__cuda_stats {
-  double sumsq;       /* sum of squares in adam.h's order; ranges added in call order */
-  uint64_t nonfinite; /* count of non-finite gradients */
-  /* Words every rank must agree on before the update (the daemon's choice: e.g. the step
-   * number, the layout hash, the hyperparameter hash); the host compares them. */
-  uint64_t tags[ZD__CUDA_TAGS];
-} zd__cuda_stats_t;
+/* The record (zd__cuda_stats_t, 48 bytes), its check word (zd__record_check) and the decision's
+ * types (zd__cuda_decision_t, zd__cuda_decide_args_t, zd__step_verdict_t) are
+ * kernels/step_decide.h's: plain C, which host code and CPU tests use without CUDA. */
 
 /* Queues the statistics of the gradients of a range (grad: device, the range's n elements, all
  * readable; only covered elements count) into *d_out (device): with accumulate,
  * d_out->sumsq += range sum and d_out->nonfinite += range count, as the CPU step adds bucket
  * after bucket; without, they are overwritten. tags (host, ZD__CUDA_TAGS words, copied into the
- * launch) are written to d_out->tags unless NULL. Two kernels: one per-block pass over the
- * gradients, then one block adding the block sums in order (a serial chain of one double add per
- * 2048 gradients). Errors: -EINVAL, ZD_EDTYPE, ZD_EBACKEND. */
+ * launch) are written to d_out->tags unless NULL. The last kernel of every call seals the record:
+ * d_out->check = zd__record_check(d_out) over the record as that call leaves it, so after the
+ * last range of a step the record is ready to all-gather, with no other launch
+ * (zd__cuda_record_seal is for records written otherwise). Kernels: one per-block pass over the
+ * gradients, then the block sums added pairwise by levels (adam.h): one launch per 2048-fold
+ * reduction beyond the first (none up to 2048 statistics blocks, 4M gradients; one more up to 8G
+ * gradients), then one block for the last level, the record and its check. Errors: -EINVAL,
+ * ZD_EDTYPE, ZD_EBACKEND. */
 int zd__cuda_grad_stats(zd__cuda_layout_t *l, const void *grad, zd_dtype_t grad_dtype,
                         zd__cuda_stats_t *d_out, int accumulate, const uint64_t *tags,
                         cudaStream_t stream, zd__err_t *err);
+
+/* The second half of zd__cuda_grad_stats alone: adds the layout's block sums and counts, as the
+ * last zd__cuda_grad_stats left them (or as a test wrote the sums: zd__cuda_layout_block_sums),
+ * into *d_out with the same accumulate, tags and seal. For tests of the summation order at sizes
+ * whose gradients would not fit in memory. Errors: -EINVAL, ZD_EBACKEND. */
+int zd__cuda_stats_sum(zd__cuda_layout_t *l, zd__cuda_stats_t *d_out, int accumulate,
+                       const uint64_t *tags, cudaStream_t stream, zd__err_t *err);
+
+/* Queues d_rec->check = zd__record_check(d_rec) (device memory; one thread). For a record that
+ * zd__cuda_grad_stats did not write last, e.g. the host's record copied to the device when a
+ * step needs no statistics. Errors: -EINVAL, ZD_EBACKEND. */
+int zd__cuda_record_seal(zd__cuda_stats_t *d_rec, cudaStream_t stream, zd__err_t *err);
+
+/* Queues the step's decision from the records at a->d_all (device, a->world_size of them, e.g.
+ * where the all-gather put them) into *d_out (device): zd__step_decide_records (step_decide.h)
+ * run by one device thread, a->cfg and a->st travelling by value in the launch (the caller may
+ * reuse *a on return). The update of the step then takes it as its d_decision; the host may read
+ * it back (sizeof(zd__cuda_decision_t) bytes) and recompute it with zd__step_decide_records from
+ * the records read back, which gives the same decision (zd__cuda_decision_same). A receive buffer
+ * filled with 0xFF bytes before the all-gather makes every record the gather did not write INVALID.
+ * Errors: -EINVAL (no records or output, world_size 0, mine outside the world, the legacy
+ * stream), ZD_EBACKEND. */
+int zd__cuda_step_decide(const zd__cuda_decide_args_t *a, zd__cuda_decision_t *d_out,
+                         cudaStream_t stream, zd__err_t *err);
 
 #ifdef __cplusplus
 }

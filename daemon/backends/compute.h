@@ -93,15 +93,17 @@ typedef struct zd__shard {
 } zd__shard_t;
 
 /* What every rank contributes before an update (the commit point of a step). The layout is that
- * of zd__cuda_stats_t (kernels/adam_cuda.h): the CUDA statistics kernel writes it in device memory
- * and NCCL all-gathers it there; the three words after the statistics are the tags every rank
- * must agree on. */
+ * of zd__cuda_stats_t (kernels/step_decide.h): the CUDA statistics kernel writes it in device
+ * memory and NCCL all-gathers it there; the three words after the statistics are the tags every
+ * rank must agree on, and the last the check word of the 40 bytes before it (zd__record_check),
+ * set by whoever writes the record last, so that a torn or poisoned record is refused. */
 typedef struct zd__step_record {
   double sumsq;       /* this rank's sum of squared (reduced) gradients */
   uint64_t nonfinite; /* ... and count of non-finite ones */
   uint64_t step;      /* number of the step about to be applied */
   uint64_t layout_hash;
   uint64_t hparam_hash;
+  uint64_t check; /* zd__record_check of the fields above */
 } zd__step_record_t;
 
 typedef struct zd__compute zd__compute_t;

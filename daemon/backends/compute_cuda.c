@@ -75,6 +75,8 @@ _Static_assert(offsetof(zd__step_record_t, nonfinite) == offsetof(zd__cuda_stats
                "nonfinite");
 _Static_assert(offsetof(zd__step_record_t, step) == offsetof(zd__cuda_stats_t, tags), "tags");
 _Static_assert(ZD__CUDA_TAGS == 3, "step, layout_hash, hparam_hash");
+_Static_assert(offsetof(zd__step_record_t, check) == offsetof(zd__cuda_stats_t, check), "check");
+_Static_assert(offsetof(zd__step_record_t, check) == ZD__RECORD_CHECKED, "the checked bytes");
 
 /* Timing event sets in flight: a step's set is read some steps later, once found complete. */
 #define TIMING_SETS  8

@@ -357,14 +357,23 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffer
 
 /* Checks the records of every rank (all) against this rank's: every rank must be about to apply
  * the same step of the same model with the same hyperparameters. Sums the statistics in rank
- * order. A record marked abandoned (a rank standing in for its client) comes first, so that
- * every rank reaches the same verdict: step `step` is refused everywhere. */
+ * order. A record that arrived damaged (its check word) comes first, then one marked abandoned (a
+ * rank standing in for its client), so that every rank reaches the same verdict: step `step` is
+ * refused everywhere. zd__step_decide_records (kernels/step_decide.h) makes the same checks in
+ * the same order on the device. */
 static int agree(const zd__step_ctx_t *ctx, uint64_t step, const zd__step_record_t *mine,
                  const zd__step_record_t *all, double *sumsq, uint64_t *nonfinite, int *checkpoint,
                  zd__err_t *err) {
   *sumsq = 0;
   *nonfinite = 0;
   *checkpoint = 0;
+  for (uint32_t r = 0; r < ctx->world_size; r++)
+    if (all[r].check != zd__record_check(&all[r]))
+      return zd__errf(err, ZD_EPEER,
+                      "rank %u's step record arrived damaged (check word %016" PRIx64
+                      ", its contents hash to %016" PRIx64
+                      "): a peer failed during the records' exchange; step %" PRIu64 " not applied",
+                      r, all[r].check, zd__record_check(&all[r]), step);
   for (uint32_t r = 0; r < ctx->world_size; r++)
     if (all[r].step == ABANDONED_STEP)
       return zd__errf(err, ZD_EABORTED,
@@ -421,6 +430,9 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   for (uint32_t b = 0; need_stats && b < l->nbuckets && !rc; b++)
     rc = c->ops->grad_stats(c, &m->shard, b, b == 0, &rec, err);
   if (rc) return rc;
+  /* The host's record as gathered from host memory (the CPU backend's statistics are in it; a
+   * device record is sealed where it is written: zd__cuda_grad_stats). */
+  rec.check = zd__record_check(&rec);
   uint32_t w = ctx->world_size;
   zd__step_record_t stack[8], *all = w <= 8 ? stack : calloc(w, sizeof *all);
   if (!all) return zd__errf(err, -ENOMEM, "out of memory");

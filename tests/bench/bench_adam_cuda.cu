@@ -6,10 +6,11 @@
  * device-to-device cudaMemcpyAsync that moves the same number of bytes (a copy of half of them:
  * it reads and writes each byte once), alternating so that both see the same clocks, and reports
  * medians after warm-up; the last column is the kernel's bandwidth as a percentage of the copy's
- * (the issue's target: at least 90% on H100/H200). The gradient statistics (both kernels) are
- * timed too, against the bytes of grad they read. Segments are model-like: ~1M-element matrices
- * alternating with small vectors, odd lengths so boundaries fall anywhere. Exits 77 without a
- * usable GPU.
+ * (the issue's target: at least 90% on H100/H200). The gradient statistics (the per-block pass,
+ * the tree over the block sums and the record's seal) are timed too, against the bytes of grad
+ * they read. The grid column is the update's (blocks of 256 threads, from the kernel's
+ * occupancy: zd__cuda_adam_grid). Segments are model-like: ~1M-element matrices alternating with
+ * small vectors, odd lengths so boundaries fall anywhere. Exits 77 without a usable GPU.
  *
  *   bench_adam_cuda [--min-log2 20] [--max-log2 28] [--iters 20] [--warmup 3]
  *                   [--grad f32|bf16|f16] [--param f32|bf16|none]
@@ -112,8 +113,8 @@ int main(int argc, char **argv) {
       "# grad %s, param %s; bytes per element: read %zu, write %zu; medians of %d runs after "
       "%d warm-up\n",
       dtype_name(gdt), dtype_name(pdt), 12 + dtype_size(gdt), 12 + dtype_size(pdt), iters, warmup);
-  printf("# %12s %8s %10s %10s %10s %10s %8s %10s %10s\n", "params", "segs", "step_us", "GB/s",
-         "copy_us", "copy_GB/s", "%copy", "stats_us", "stats_GB/s");
+  printf("# %12s %8s %6s %10s %10s %10s %10s %8s %10s %10s\n", "params", "segs", "grid", "step_us",
+         "GB/s", "copy_us", "copy_GB/s", "%copy", "stats_us", "stats_GB/s");
   float *t_step = (float *)malloc(sizeof(float) * (size_t)iters);
   float *t_copy = (float *)malloc(sizeof(float) * (size_t)iters);
   float *t_stats = (float *)malloc(sizeof(float) * (size_t)iters);
@@ -196,9 +197,10 @@ int main(int argc, char **argv) {
            stats_ms = median(t_stats, iters);
     double step_gbs = (double)bytes / (step_ms * 1e6),
            copy_gbs = 2.0 * copy_bytes / (copy_ms * 1e6);
-    printf("  %12llu %8u %10.1f %10.1f %10.1f %10.1f %7.1f%% %10.1f %10.1f\n",
-           (unsigned long long)n, nsegs, step_ms * 1e3, step_gbs, copy_ms * 1e3, copy_gbs,
-           100.0 * step_gbs / copy_gbs, stats_ms * 1e3, (double)(n * gsz) / (stats_ms * 1e6));
+    printf("  %12llu %8u %6u %10.1f %10.1f %10.1f %10.1f %7.1f%% %10.1f %10.1f\n",
+           (unsigned long long)n, nsegs, zd__cuda_adam_grid(l, &a), step_ms * 1e3, step_gbs,
+           copy_ms * 1e3, copy_gbs, 100.0 * step_gbs / copy_gbs, stats_ms * 1e3,
+           (double)(n * gsz) / (stats_ms * 1e6));
     fflush(stdout);
     zd__cuda_layout_destroy(l);
     free(segs);

@@ -17,9 +17,11 @@
  *             (scalar path), groups inline or in a device array (and more than
  * ZD__CUDA_GROUPS_INLINE). Whole buffers are compared, with guard elements on both sides, so
  * padding and guards must keep their sentinel bits; stats     zd__cuda_grad_stats: per-block sums
- * bitwise equal to zd__grad_stats_ref, total bitwise equal to zd__grad_stats_sum, non-finite count,
- * accumulation over ranges, tags; sizes up to more blocks than the grid, block counts at the
- * finalize's chunk edges and several chunks; pipeline  a step as the CUDA backend runs it: the
+ * bitwise equal to zd__grad_stats_ref, total bitwise equal to zd__grad_stats_sum (pairwise by
+ * levels), non-finite count, accumulation over ranges, tags, the record sealed with its check
+ * word; sizes up to more blocks than the grid, block counts at the tree's chunk edges (2048 block
+ * sums) and several chunks (test_decide_cuda adds the tree's second level); pipeline  a step as
+ * the CUDA backend runs it: the
  * statistics of two ranges into one record, the record back to the host, the host's decision, the
  * update; loss scaling with overflow steps and clipping, against the CPU step's logic; huge one
  * range of more than 2^32 elements with segments around 2^32 (64-bit indices in the tile table, the
@@ -523,9 +525,10 @@ static const int gdts[3] = {ZD_F32, ZD_BF16, ZD_F16};
 static const int pdts[3] = {ZD_F32, ZD_BF16, 0};
 static const float scales[5] = {1.0f, 1.0f / 1024, 0.37f, 65536.0f, 3.0e-5f};
 
-/* Multiprocessors of device 0: the kernels' grids grow with it (adam.cu: at most 8 blocks per
- * SM, each block 64 statistics blocks per pass), so shards meant to make blocks stride are sized
- * from it, and run_shard / run_stats check that they do. */
+/* Multiprocessors of device 0: the kernels' grids grow with it (adam.cu: as many blocks of 256
+ * threads per SM as fit, at most 8 for an SM's 2048 threads; each statistics block takes 64
+ * statistics blocks per pass), so shards meant to make blocks stride are sized from it, and
+ * run_shard / run_stats check that they do. */
 static uint64_t sm_count(void) {
   int sms = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -782,10 +785,12 @@ static void run_stats(shard_t *sh) {
             (unsigned long long)rec.nonfinite, (unsigned long long)r.nonfinite);
   CHECK_MSG(same_double(rec.sumsq, r.total),
             "%s: total %.17g (%016llx), want %.17g (%016llx) "
-            "(the block sums agree: the finalize order differs)",
+            "(the block sums agree: the order of their sum differs)",
             sh->desc, rec.sumsq, (unsigned long long)d2u(rec.sumsq), r.total,
             (unsigned long long)d2u(r.total));
   for (int j = 0; j < ZD__CUDA_TAGS; j++) CHECK_U64_EQ(rec.tags[j], tags[j]);
+  CHECK_MSG(rec.check == zd__record_check(&rec), "%s: record not sealed (check %016llx)", sh->desc,
+            (unsigned long long)rec.check);
   /* Accumulating the same range again: total + total, counts doubled, tags kept with NULL. */
   ZD_CHECK(zd__cuda_grad_stats(l, dg, (zd_dtype_t)sh->gdt, drec, 1, NULL, stream, &gpu_err));
   d2h(&rec, drec, sizeof rec);
@@ -794,6 +799,7 @@ static void run_stats(shard_t *sh) {
             twice);
   CHECK_U64_EQ(rec.nonfinite, 2 * r.nonfinite);
   for (int j = 0; j < ZD__CUDA_TAGS; j++) CHECK_U64_EQ(rec.tags[j], tags[j]);
+  CHECK_MSG(rec.check == zd__record_check(&rec), "%s: accumulated record not sealed", sh->desc);
   zd__cuda_layout_destroy(l);
   CUDA_CHECK(cudaFree(drec));
   CUDA_CHECK(cudaFree(dalloc));
@@ -817,8 +823,8 @@ static void test_stats(void) {
       shard_free(&sh);
       cases++;
     }
-    /* Blocks of every kind; then block counts around the finalize's chunks (2048 block sums)
-     * and its groups of eight: one chunk exactly, one and a bit, two exactly, and more. */
+    /* Blocks of every kind; then block counts around the tree's chunks (2048 block sums) and
+     * a thread's eight: one chunk exactly, one and a bit, two exactly, and more. */
     static const uint64_t sizes[] = {
         2047,       2048,    2049,        4096 + 7,        16 * 2048,         17 * 2048 - 1,
         65536 + 13, 1000003, 2048 * 2048, 2048 * 2049 + 1, 2048 * 2063 + 100, 2048 * 4096,
@@ -958,7 +964,7 @@ static void test_pipeline(void) {
     zd__cuda_stats_t rec;
     d2h(&rec, drec, sizeof rec);
     CHECK_MSG(same_double(rec.sumsq, sumsq) && rec.nonfinite == nonfinite &&
-                  !memcmp(rec.tags, tags, sizeof tags),
+                  !memcmp(rec.tags, tags, sizeof tags) && rec.check == zd__record_check(&rec),
               "pipeline step %d: device record sumsq=%.17g nonfinite=%llu tags %llu/%llx/%llx; "
               "host sumsq=%.17g nonfinite=%llu",
               t, rec.sumsq, (unsigned long long)rec.nonfinite, (unsigned long long)rec.tags[0],

@@ -328,7 +328,7 @@ static void ref_step(reference_t *r, const run_cfg_t *cfg, uint32_t w, int step,
       if (d > r->max_abs_vs_rank_order && isfinite(d)) r->max_abs_vs_rank_order = d;
     }
   }
-  /* sum of squares: rank by rank, bucket by bucket, blocks in order (step.c, adam.h) */
+  /* sum of squares: rank by rank, bucket by bucket, blocks by levels (step.c, adam.h) */
   double total = 0;
   uint64_t nonfinite = 0;
   for (uint32_t q = 0; q < w; q++) {
