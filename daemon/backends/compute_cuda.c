@@ -703,9 +703,7 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
   };
   for (int i = 0; i < ZD__NSTATES; i++) /* bucket b's part of every array the shard has */
     a.state[i] = s->state[i] ? s->state[i] + bk->shard_base : NULL;
-#ifdef ZD__RECORD_CHECKED
   a.d_decision = c->decision; /* queue_decision's: the update runs only where it says APPLY */
-#endif
   int rc = zd__cuda_adam_step(cm->layouts[b], &a, c->stream, err);
   if (!rc && b + 1 == s->layout->nbuckets) timing_mark(c, 3); /* the update's end */
   return rc;
@@ -713,7 +711,6 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
 
 /* ---- the decision on the device (cuda_step fast) -------------------------------------------- */
 
-#ifdef ZD__RECORD_CHECKED /* kernels/step_decide.h's check word and decision kernel */
 static int cuda_queue_decision(zd__compute_t *base, zd__comm_t *comm, const zd__shard_t *s,
                                const zd__cuda_decide_args_t *a, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
@@ -777,7 +774,6 @@ static int cuda_wait_decision(zd__compute_t *base, zd__comm_t *comm, const zd__s
   memcpy(all, cm->h_all, sizeof *all * cm->world_size);
   return ZD_OK;
 }
-#endif
 
 /* Loop thread, between jobs (compute.h): c->device and c->stream are set once at create. */
 static int cuda_stream_idle(zd__compute_t *base) {
@@ -821,10 +817,8 @@ static const zd__compute_ops_t cuda_ops_fast = {
     CUDA_COMMON_OPS,
     .finish_early = cuda_finish_early,
     .settle = cuda_settle,
-#ifdef ZD__RECORD_CHECKED
     .queue_decision = cuda_queue_decision,
     .wait_decision = cuda_wait_decision,
-#endif
 };
 
 int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t **out,

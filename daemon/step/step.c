@@ -487,7 +487,6 @@ static int uses_torch_norm(const zd__step_ctx_t *ctx, const zd__model_t *m,
          m->grad_dtype == ZD_F32;
 }
 
-#ifdef ZD__RECORD_CHECKED /* kernels/step_decide.h's check word and decision from records */
 /* A step with statistics whose backend decides on the device (compute.h, queue_decision: CUDA in
  * cuda_step fast), from the scatter on. Queued with no host wait in between: the statistics,
  * which seal this rank's record; the records' all-gather into a poisoned buffer; the decision
@@ -613,7 +612,6 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   }
   return rc;
 }
-#endif
 
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                    uint32_t slot, const zd_group_t *groups, int scatter, int gather,
@@ -643,10 +641,8 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (rc) return job_end(ctx, buf, slot, rc, err);
 
   int need_stats = needs_stats(ctx, m);
-#ifdef ZD__RECORD_CHECKED
   if (need_stats && ctx->compute->ops->queue_decision)
     return step_on_device(ctx, m, buf, slot, groups, gather, t0, out, err);
-#endif
   double sumsq = 0;
   uint64_t nonfinite = 0;
   int checkpoint = 0;
