@@ -415,6 +415,10 @@ static void cuda_shard_fini(zd__compute_t *base, zd__shard_t *s) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_shard_t *cm = s->cdata;
   if (!cm) return;
+  /* A failure of work answered before it ran (settle) was this model's: the model is gone (a heal
+   * drops it; a registration that replaces it has already been told at its begin), and the next
+   * model's first job, a registration, must not fail with it on every rank. */
+  c->failed = 0;
   if (drained(c)) {
     for (uint32_t b = 0; cm->layouts && b < cm->nbuckets; b++)
       zd__cuda_layout_destroy(cm->layouts[b]);
