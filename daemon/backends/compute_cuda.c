@@ -98,8 +98,9 @@ typedef struct cuda_compute {
   int failed;        /* that work failed with this code: the next begin says so (then 0) */
   zd__err_t failure; /* ... with this message */
   /* fast, a step with statistics (queue_decision): the decision, in device and pinned host memory
-   * (zd__cuda_decision_t; allocated at the first), the event and wake-up generation after its
-   * copy, and the decision this job's updates read (NULL: none, they run with their grad_scale) */
+   * (zd__cuda_decision_t; allocated at create, before anything is queued), the event and wake-up
+   * generation after its copy, and the decision this job's updates read (NULL: none, they run
+   * with their grad_scale) */
   void *d_dec, *h_dec;
   cudaEvent_t decided;
   uint32_t decided_gen;
@@ -719,14 +720,8 @@ static int cuda_queue_decision(zd__compute_t *base, zd__comm_t *comm, const zd__
                                const zd__cuda_decide_args_t *a, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_shard_t *cm = s->cdata;
-  if (!comm->ops->allgather_device || !c->waiter)
+  if (!comm->ops->allgather_device || !c->waiter || !c->d_dec || !c->h_dec)
     return zd__errf(err, ZD_EINTERNAL, "the decision on the device needs a device communicator");
-  if (!c->d_dec) {
-    ZD_CUDA_TRY(err, cudaMalloc(&c->d_dec, sizeof(zd__cuda_decision_t)),
-                "GPU %d: cudaMalloc of the decision", c->device);
-    ZD_CUDA_TRY(err, cudaMallocHost(&c->h_dec, sizeof(zd__cuda_decision_t)),
-                "GPU %d: cudaMallocHost of the decision", c->device);
-  }
   size_t rec = sizeof(zd__step_record_t), bytes = rec * cm->world_size;
   /* A record the all-gather does not write whole (a peer failed in it) fails its check word. */
   ZD_CUDA_TRY(err, cudaMemsetAsync(cm->d_all, 0xFF, bytes, c->stream),
@@ -856,6 +851,14 @@ int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t 
       ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->timing[i].ev[k], cudaEventDefault),
                    "GPU %d: cudaEventCreate", device);
   if (fast && (rc = zd__cuda_waiter_create(&c->waiter, err))) goto fail;
+  /* fast: the decision's memory, here rather than at the first step, where an allocation would
+   * come behind the step's queued work (cudaMallocHost may wait for the device). */
+  if (fast) {
+    ZD_CUDA_GOTO(err, rc, fail, cudaMalloc(&c->d_dec, sizeof(zd__cuda_decision_t)),
+                 "GPU %d: cudaMalloc of the decision", device);
+    ZD_CUDA_GOTO(err, rc, fail, cudaMallocHost(&c->h_dec, sizeof(zd__cuda_decision_t)),
+                 "GPU %d: cudaMallocHost of the decision", device);
+  }
   /* Nothing is queued yet: load every kernel the rank launches now, not at its first launch
    * behind a wait for the client or a peer (exchange_cuda.h, adam_cuda.h). */
   if ((rc = zd__cuda_exchange_preload(err))) goto fail;
