@@ -426,8 +426,8 @@ static void cuda_shard_fini(zd__compute_t *base, zd__shard_t *s) {
     cudaFree(cm->d_rec);
     cudaFree(cm->d_all);
     cudaFree(cm->d_groups);
-    cudaFreeHost(cm->h_all);
     (void)cudaGetLastError();
+    cuda_host_free(cm->h_all); /* unless another stream of the process is stuck */
   } else {
     leak_warning(c, "shard tables");
   }
@@ -788,7 +788,7 @@ static void cuda_destroy(zd__compute_t *base) {
   if (c->last) cudaEventDestroy(c->last);
   if (c->decided) cudaEventDestroy(c->decided);
   if (!c->stuck && c->d_dec) cudaFree(c->d_dec); /* the model was freed first: the stream drained */
-  if (!c->stuck && c->h_dec) cudaFreeHost(c->h_dec);
+  if (!c->stuck) cuda_host_free(c->h_dec);       /* unless another stream of the process is stuck */
   if (c->done) cudaEventDestroy(c->done);
   if (c->setup) cudaStreamDestroy(c->setup);
   if (c->side) cudaStreamDestroy(c->side);
