@@ -98,8 +98,9 @@ typedef struct cuda_compute {
   int failed;        /* that work failed with this code: the next begin says so (then 0) */
   zd__err_t failure; /* ... with this message */
   /* fast, a step with statistics (queue_decision): the decision, in device and pinned host memory
-   * (zd__cuda_decision_t; allocated at the first), the event and wake-up generation after its
-   * copy, and the decision this job's updates read (NULL: none, they run with their grad_scale) */
+   * (zd__cuda_decision_t; allocated at create, before anything is queued), the event and wake-up
+   * generation after its copy, and the decision this job's updates read (NULL: none, they run
+   * with their grad_scale) */
   void *d_dec, *h_dec;
   cudaEvent_t decided;
   uint32_t decided_gen;
@@ -415,14 +416,18 @@ static void cuda_shard_fini(zd__compute_t *base, zd__shard_t *s) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_shard_t *cm = s->cdata;
   if (!cm) return;
+  /* A failure of work answered before it ran (settle) was this model's: the model is gone (a heal
+   * drops it; a registration that replaces it has already been told at its begin), and the next
+   * model's first job, a registration, must not fail with it on every rank. */
+  c->failed = 0;
   if (drained(c)) {
     for (uint32_t b = 0; cm->layouts && b < cm->nbuckets; b++)
       zd__cuda_layout_destroy(cm->layouts[b]);
     cudaFree(cm->d_rec);
     cudaFree(cm->d_all);
     cudaFree(cm->d_groups);
-    cudaFreeHost(cm->h_all);
     (void)cudaGetLastError();
+    cuda_host_free(cm->h_all); /* unless another stream of the process is stuck */
   } else {
     leak_warning(c, "shard tables");
   }
@@ -715,14 +720,8 @@ static int cuda_queue_decision(zd__compute_t *base, zd__comm_t *comm, const zd__
                                const zd__cuda_decide_args_t *a, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_shard_t *cm = s->cdata;
-  if (!comm->ops->allgather_device || !c->waiter)
+  if (!comm->ops->allgather_device || !c->waiter || !c->d_dec || !c->h_dec)
     return zd__errf(err, ZD_EINTERNAL, "the decision on the device needs a device communicator");
-  if (!c->d_dec) {
-    ZD_CUDA_TRY(err, cudaMalloc(&c->d_dec, sizeof(zd__cuda_decision_t)),
-                "GPU %d: cudaMalloc of the decision", c->device);
-    ZD_CUDA_TRY(err, cudaMallocHost(&c->h_dec, sizeof(zd__cuda_decision_t)),
-                "GPU %d: cudaMallocHost of the decision", c->device);
-  }
   size_t rec = sizeof(zd__step_record_t), bytes = rec * cm->world_size;
   /* A record the all-gather does not write whole (a peer failed in it) fails its check word. */
   ZD_CUDA_TRY(err, cudaMemsetAsync(cm->d_all, 0xFF, bytes, c->stream),
@@ -789,7 +788,7 @@ static void cuda_destroy(zd__compute_t *base) {
   if (c->last) cudaEventDestroy(c->last);
   if (c->decided) cudaEventDestroy(c->decided);
   if (!c->stuck && c->d_dec) cudaFree(c->d_dec); /* the model was freed first: the stream drained */
-  if (!c->stuck && c->h_dec) cudaFreeHost(c->h_dec);
+  if (!c->stuck) cuda_host_free(c->h_dec);       /* unless another stream of the process is stuck */
   if (c->done) cudaEventDestroy(c->done);
   if (c->setup) cudaStreamDestroy(c->setup);
   if (c->side) cudaStreamDestroy(c->side);
@@ -852,6 +851,14 @@ int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t 
       ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->timing[i].ev[k], cudaEventDefault),
                    "GPU %d: cudaEventCreate", device);
   if (fast && (rc = zd__cuda_waiter_create(&c->waiter, err))) goto fail;
+  /* fast: the decision's memory, here rather than at the first step, where an allocation would
+   * come behind the step's queued work (cudaMallocHost may wait for the device). */
+  if (fast) {
+    ZD_CUDA_GOTO(err, rc, fail, cudaMalloc(&c->d_dec, sizeof(zd__cuda_decision_t)),
+                 "GPU %d: cudaMalloc of the decision", device);
+    ZD_CUDA_GOTO(err, rc, fail, cudaMallocHost(&c->h_dec, sizeof(zd__cuda_decision_t)),
+                 "GPU %d: cudaMallocHost of the decision", device);
+  }
   /* Nothing is queued yet: load every kernel the rank launches now, not at its first launch
    * behind a wait for the client or a peer (exchange_cuda.h, adam_cuda.h). */
   if ((rc = zd__cuda_exchange_preload(err))) goto fail;

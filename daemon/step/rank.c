@@ -306,14 +306,23 @@ static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix, c
   pthread_mutex_unlock(&r->stats_lock);
 }
 
+/* cuda_step fast: a new NCCL communicator's waits sleep until the stream wakes them (compute.h),
+ * like the backend's own; every communicator the rank takes (at its start, after a heal) gets the
+ * waiter before its first wait. */
+static void give_waiter(zd__rank_t *r, zd__comm_t *comm) {
+#ifdef ZD_HAVE_CUDA
+  void *waiter = r->device >= 0 && r->ctx.compute ? zd__compute_cuda_waiter(r->ctx.compute) : NULL;
+  if (comm && waiter && !strcmp(comm->backend, "nccl")) zd__comm_nccl_set_waiter(comm, waiter);
+#else
+  (void)r;
+  (void)comm;
+#endif
+}
+
 /* The communicator and the compute backend are set under the lock: zd__rank_abort and
  * zd__rank_stream_idle read them from the loop thread. */
 static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
-#ifdef ZD_HAVE_CUDA
-  /* cuda_step fast: the communicator's waits sleep until the stream wakes them (compute.h) */
-  void *waiter = r->device >= 0 && r->ctx.compute ? zd__compute_cuda_waiter(r->ctx.compute) : NULL;
-  if (comm && waiter && !strcmp(comm->backend, "nccl")) zd__comm_nccl_set_waiter(comm, waiter);
-#endif
+  give_waiter(r, comm);
   pthread_mutex_lock(&r->lock);
   r->ctx.comm = comm;
   pthread_mutex_unlock(&r->lock);
@@ -464,6 +473,7 @@ static void heal(zd__rank_t *r) {
     int rc = zd__world_connect(r->env.world, r->env.rank, r->device, stream, &r->cancel,
                                stale[0] ? stale : NULL, &comm, &member, &err);
     if (rc == ZD_OK) {
+      give_waiter(r, comm);
       pthread_mutex_lock(&r->lock);
       r->peer_failed = 0; /* the heartbeat's verdicts so far were about the old instance; a new
                              one from now on aborts the new communicator and is kept */
