@@ -133,6 +133,12 @@ int zd__comm_nccl_unique_id(void *id, size_t len, zd__err_t *err);
 int zd__comm_cuda_group_create(const char *key, uint32_t rank, uint32_t size, int device,
                                void *stream, int connect_timeout_ms, int collective_timeout_ms,
                                const atomic_int *stop, zd__comm_t **out, zd__err_t *err);
+/* cuda_step fast: as zd__comm_nccl_set_waiter, for a group communicator. */
+void zd__comm_cuda_group_set_waiter(zd__comm_t *comm, void *waiter);
+/* For a wait of the rank's worker on its stream outside sync (a zd__cuda_probe_fn, cuda_check.h;
+ * comm: a group communicator): ZD_OK, or the group's failure (a break, an abort) with its message.
+ * Changes nothing. */
+int zd__comm_cuda_group_probe(void *comm, zd__err_t *err);
 #endif
 
 static inline int zd__comm_failed(const zd__comm_t *comm) {

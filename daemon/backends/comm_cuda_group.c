@@ -61,8 +61,9 @@ typedef struct group_comm {
   zd__comm_t base;
   zd__devgroup_t *g;
   int device;
-  cudaStream_t stream; /* the rank's; not owned */
-  cudaEvent_t done;    /* recorded by sync */
+  cudaStream_t stream;       /* the rank's; not owned */
+  cudaEvent_t done;          /* recorded by sync */
+  zd__cuda_waiter_t *waiter; /* cuda_step fast: the stream's wake-up (not owned); NULL: polling */
   int timeout_ms;
 } group_comm_t;
 
@@ -240,11 +241,6 @@ static void drain(group_comm_t *c) {
 }
 
 /* While waiting for the stream: the group's break. */
-static int probe(void *ctx, zd__err_t *err) {
-  group_comm_t *c = ctx;
-  return zd__devgroup_error(c->g, err);
-}
-
 static int group_sync(zd__comm_t *comm, zd__err_t *err) {
   group_comm_t *c = (group_comm_t *)comm;
   if (zd__devgroup_failed(c->g)) {
@@ -254,7 +250,11 @@ static int group_sync(zd__comm_t *comm, zd__err_t *err) {
   cudaError_t e = cudaEventRecord(c->done, c->stream);
   if (e != cudaSuccess) return cuda_broke(c, e, __LINE__, "sync", "cudaEventRecord", err);
   zd__err_t werr = {0};
-  int rc = zd__cuda_event_wait(c->done, c->timeout_ms, probe, c, "the rank's GPU work", &werr);
+  int rc = c->waiter
+               ? zd__cuda_stream_wait(c->waiter, c->stream, c->done, c->timeout_ms,
+                                      zd__comm_cuda_group_probe, c, "the rank's GPU work", &werr)
+               : zd__cuda_event_wait(c->done, c->timeout_ms, zd__comm_cuda_group_probe, c,
+                                     "the rank's GPU work", &werr);
   if (rc == ZD_OK) return ZD_OK;
   if (rc == -ETIMEDOUT)
     zd__devgroup_break(c->g, -ETIMEDOUT,
@@ -265,6 +265,14 @@ static int group_sync(zd__comm_t *comm, zd__err_t *err) {
     zd__devgroup_break(c->g, rc, "%s", werr.msg);
   drain(c);
   return zd__devgroup_error(c->g, err);
+}
+
+void zd__comm_cuda_group_set_waiter(zd__comm_t *comm, void *waiter) {
+  ((group_comm_t *)comm)->waiter = waiter;
+}
+
+int zd__comm_cuda_group_probe(void *comm, zd__err_t *err) {
+  return zd__devgroup_error(((group_comm_t *)comm)->g, err);
 }
 
 static int group_failed(const zd__comm_t *comm) {

@@ -102,7 +102,13 @@ typedef struct cuda_compute {
    * generation after its copy, and the decision this job's updates read (NULL: none, they run
    * with their grad_scale) */
   void *d_dec, *h_dec;
-  cudaEvent_t decided;
+  cudaEvent_t decided; /* on the rank's stream, after the decision kernel */
+  /* The decision's copies and their wake-up run on a stream of their own, which waits on
+   * `decided`: a host function holds every later operation of its stream until it has run, and
+   * on the rank's stream that would hold the update kernels for the wake-up's latency. */
+  cudaStream_t notify;
+  zd__cuda_waiter_t *notify_waiter; /* the wake-up of `notify` (one waiter per stream) */
+  cudaEvent_t notified;             /* recorded on `notify` after the host function */
   uint32_t decided_gen;
   const void *decision;
   timing_t timing[TIMING_SETS];
@@ -720,7 +726,7 @@ static int cuda_queue_decision(zd__compute_t *base, zd__comm_t *comm, const zd__
                                const zd__cuda_decide_args_t *a, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_shard_t *cm = s->cdata;
-  if (!comm->ops->allgather_device || !c->waiter || !c->d_dec || !c->h_dec)
+  if (!comm->ops->allgather_device || !c->notify_waiter || !c->d_dec || !c->h_dec)
     return zd__errf(err, ZD_EINTERNAL, "the decision on the device needs a device communicator");
   size_t rec = sizeof(zd__step_record_t), bytes = rec * cm->world_size;
   /* A record the all-gather does not write whole (a peer failed in it) fails its check word. */
@@ -732,13 +738,19 @@ static int cuda_queue_decision(zd__compute_t *base, zd__comm_t *comm, const zd__
   da.d_all = (const zd__cuda_stats_t *)cm->d_all;
   rc = zd__cuda_step_decide(&da, c->d_dec, c->stream, err);
   if (rc) return rc;
+  /* The copies and the wake-up wait on the rank's stream here, on `notify`; the rank's stream
+   * goes on with the update at once. d_dec and d_all are written again only by the next step's
+   * decision, which comes after this step's wait for the copies. */
+  ZD_CUDA_TRY(err, cudaEventRecord(c->decided, c->stream), "GPU %d: recording an event", c->device);
+  ZD_CUDA_TRY(err, cudaStreamWaitEvent(c->notify, c->decided, 0),
+              "GPU %d: ordering the decision's copy", c->device);
   ZD_CUDA_TRY(err,
               cudaMemcpyAsync(c->h_dec, c->d_dec, sizeof(zd__cuda_decision_t),
-                              cudaMemcpyDeviceToHost, c->stream),
+                              cudaMemcpyDeviceToHost, c->notify),
               "GPU %d: copying the decision to the host", c->device);
-  ZD_CUDA_TRY(err, cudaMemcpyAsync(cm->h_all, cm->d_all, bytes, cudaMemcpyDeviceToHost, c->stream),
+  ZD_CUDA_TRY(err, cudaMemcpyAsync(cm->h_all, cm->d_all, bytes, cudaMemcpyDeviceToHost, c->notify),
               "GPU %d: copying %zu bytes of step records to the host", c->device, bytes);
-  rc = zd__cuda_waiter_mark(c->waiter, c->stream, c->decided, &c->decided_gen,
+  rc = zd__cuda_waiter_mark(c->notify_waiter, c->notify, c->notified, &c->decided_gen,
                             "the step's decision", err);
   if (rc) return rc;
   c->decision = c->d_dec;
@@ -749,11 +761,14 @@ static int cuda_wait_decision(zd__compute_t *base, zd__comm_t *comm, const zd__s
                               zd__cuda_decision_t *dec, zd__step_record_t *all, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_shard_t *cm = s->cdata;
-  /* NCCL's asynchronous errors, polled every millisecond; an in-process communicator has none */
-  zd__cuda_probe_fn probe = !strcmp(comm->backend, "nccl") ? zd__comm_nccl_probe : NULL;
+  /* The communicator's failures (NCCL's asynchronous errors; the group's break or an abort),
+   * polled every millisecond. */
+  zd__cuda_probe_fn probe = !strcmp(comm->backend, "nccl")         ? zd__comm_nccl_probe
+                            : !strcmp(comm->backend, "cuda-group") ? zd__comm_cuda_group_probe
+                                                                   : NULL;
   zd__err_t werr = {0};
-  int rc = zd__cuda_waiter_wait(c->waiter, c->decided_gen, c->decided, c->timeout_ms, probe, comm,
-                                "the step's decision", &werr);
+  int rc = zd__cuda_waiter_wait(c->notify_waiter, c->decided_gen, c->notified, c->timeout_ms, probe,
+                                comm, "the step's decision", &werr);
   if (rc) {
     /* As sync does on a failed wait: the communicator is aborted (its kernels exit) and the
      * stream drains, bounded; the rank is then degraded. */
@@ -787,14 +802,17 @@ static void cuda_destroy(zd__compute_t *base) {
       if (c->timing[i].ev[k]) cudaEventDestroy(c->timing[i].ev[k]);
   if (c->last) cudaEventDestroy(c->last);
   if (c->decided) cudaEventDestroy(c->decided);
+  if (c->notified) cudaEventDestroy(c->notified);
   if (!c->stuck && c->d_dec) cudaFree(c->d_dec); /* the model was freed first: the stream drained */
   if (!c->stuck) cuda_host_free(c->h_dec);       /* unless another stream of the process is stuck */
   if (c->done) cudaEventDestroy(c->done);
   if (c->setup) cudaStreamDestroy(c->setup);
   if (c->side) cudaStreamDestroy(c->side);
+  if (c->notify) cudaStreamDestroy(c->notify);
   if (c->stream) cudaStreamDestroy(c->stream); /* returns at once; queued work still completes */
   (void)cudaGetLastError();
   zd__cuda_waiter_destroy(c->waiter); /* kept if a wake-up is still queued */
+  zd__cuda_waiter_destroy(c->notify_waiter);
   free(c);
 }
 
@@ -851,6 +869,7 @@ int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t 
       ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->timing[i].ev[k], cudaEventDefault),
                    "GPU %d: cudaEventCreate", device);
   if (fast && (rc = zd__cuda_waiter_create(&c->waiter, err))) goto fail;
+  if (fast && (rc = zd__cuda_waiter_create(&c->notify_waiter, err))) goto fail;
   /* fast: the decision's memory, here rather than at the first step, where an allocation would
    * come behind the step's queued work (cudaMallocHost may wait for the device). */
   if (fast) {
@@ -858,6 +877,10 @@ int zd__compute_cuda_create(int device, int timeout_ms, int fast, zd__compute_t 
                  "GPU %d: cudaMalloc of the decision", device);
     ZD_CUDA_GOTO(err, rc, fail, cudaMallocHost(&c->h_dec, sizeof(zd__cuda_decision_t)),
                  "GPU %d: cudaMallocHost of the decision", device);
+    ZD_CUDA_GOTO(err, rc, fail, cudaStreamCreateWithFlags(&c->notify, cudaStreamNonBlocking),
+                 "GPU %d: cudaStreamCreate", device);
+    ZD_CUDA_GOTO(err, rc, fail, cudaEventCreateWithFlags(&c->notified, cudaEventDisableTiming),
+                 "GPU %d: cudaEventCreate", device);
   }
   /* Nothing is queued yet: load every kernel the rank launches now, not at its first launch
    * behind a wait for the client or a peer (exchange_cuda.h, adam_cuda.h). */

@@ -313,6 +313,8 @@ static void give_waiter(zd__rank_t *r, zd__comm_t *comm) {
 #ifdef ZD_HAVE_CUDA
   void *waiter = r->device >= 0 && r->ctx.compute ? zd__compute_cuda_waiter(r->ctx.compute) : NULL;
   if (comm && waiter && !strcmp(comm->backend, "nccl")) zd__comm_nccl_set_waiter(comm, waiter);
+  if (comm && waiter && !strcmp(comm->backend, "cuda-group"))
+    zd__comm_cuda_group_set_waiter(comm, waiter);
 #else
   (void)r;
   (void)comm;
