@@ -35,6 +35,14 @@ for the buckets above it): zerod matches the collectives of different ranks by t
 every rank must send the same sequence even where autograd completes buckets in different
 orders on different ranks. Parameters are registered in the order given (model order), so
 backward normally completes the buckets in exactly that descending order.
+Gradients changed between backward and step() (torch.nn.utils.clip_grad_norm_, unscaling, a
+gradient set by hand) after the hooks sent their buckets are detected by the grad buffer's
+version counter, which every in-place write through a ``.grad`` or ``main_grad`` view bumps:
+step() then scatters every bucket again (a warning says so once), since at world size > 1 a
+scatter reads the buffer when zerod runs it, during backward. Clip with ``max_grad_norm``
+instead (zerod clips the reduced gradient by its global norm, inside the step), or pass
+``overlap=False``. Every rank is expected to change its gradients alike (the same code on
+every rank), so that every rank sends the same sequence of scatters.
 Gradients accumulated over several micro-batches: run the backward of every micro-batch but the
 last inside ``with opt.no_sync():`` (as with DistributedDataParallel), so buckets are scattered
 only when the last micro-batch completes them.
@@ -436,6 +444,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._param_ready = [False] * len(self._params)
         self._scattered = [False] * self._nbuckets
         self._next_bucket = self._nbuckets - 1  # scatters go out in descending bucket order
+        self._hook_version = self._gflat._version  # the grad buffer's, as the last hook saw it
+        self._warned_changed = False
         self._inflight: List[Request] = []
         self._sync = True
         self._warned_rescatter = False
@@ -615,6 +625,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 with torch.no_grad():
                     self._gviews[i].add_(g)
                 p.grad = None
+        # Every write into the grad buffer by backward is followed by this hook: a version of the
+        # buffer different at step() means the gradients were changed after backward (step()).
+        self._hook_version = self._gflat._version
         if not (self._sync and self._overlap) or self._closed:
             return
         b = self._pinfo[i].bucket
@@ -659,6 +672,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._scattered[bucket] = True
 
     def _reset_iteration(self) -> None:
+        self._hook_version = self._gflat._version if self._gflat is not None else 0
         self._bucket_left = list(self._bucket_size)
         self._param_ready = [False] * len(self._params)
         self._scattered = [False] * self._nbuckets
@@ -718,6 +732,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     p.grad = self._gviews[i]
                 else:
                     self._restore_view(i)
+        self._rescatter_if_changed()
         hp = self._current_hparams()
         groups = None
         if hp != self._sent_hparams:
@@ -771,6 +786,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._inflight.clear()
             self._reset_iteration()
         return step_req
+
+    def _rescatter_if_changed(self) -> None:
+        """Scatters every bucket again when the gradients changed after backward's hooks sent
+        some of them: a scatter reads the grad buffer when zerod runs it (during backward at
+        world size > 1), so a change made between backward and step() (clip_grad_norm_,
+        unscaling, a gradient set by hand) would reach some ranks' shards and not others, and
+        the step would silently use the gradients as backward left them. Detected by the grad
+        buffer's version counter (every in-place write to .grad or .main_grad views bumps it),
+        as recorded by the last hook; every rank running the same code scatters again alike."""
+        if not any(self._scattered) or self._gflat._version == self._hook_version:
+            return
+        if not self._warned_changed:
+            self._warned_changed = True
+            warnings.warn(
+                "the gradients changed after backward had scattered them to zerod (e.g. "
+                "torch.nn.utils.clip_grad_norm_ or unscaling between backward() and step()): "
+                "every bucket is scattered again, which costs the overlap and twice the "
+                "traffic. Clip with ZeroOptimizer(max_grad_norm=...) instead (zerod clips the "
+                "reduced gradient by its global norm, as DistributedDataParallel users clip), "
+                "or pass overlap=False", stacklevel=3)
+        self._scattered = [False] * self._nbuckets
 
     def _clip_kw(self) -> Dict[str, Any]:
         """step_start's clip_norm: the running torch's order, left out for zerod's own."""
