@@ -858,8 +858,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 "the gradients changed after backward had scattered them to zerod (e.g. "
                 "torch.nn.utils.clip_grad_norm_ or unscaling between backward() and step()): "
-                "every bucket is scattered again, which costs the overlap and twice the "
-                "traffic. Clip with ZeroOptimizer(max_grad_norm=...) instead (zerod clips the "
+                "every bucket is scattered again, which costs the overlap (and at world size "
+                "> 1 twice the traffic). Clip with ZeroOptimizer(max_grad_norm=...) instead (zerod clips the "
                 "reduced gradient by its global norm, as DistributedDataParallel users clip), "
                 "or pass overlap=False", stacklevel=3)
         self._scattered = [False] * self._nbuckets
