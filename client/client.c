@@ -2,9 +2,11 @@
  *
  * The socket is blocking: a call writes its request frame and reads frames until its reply
  * arrives. Replies to other pipelined requests that arrive first are kept in a small table until
- * zd_wait() asks for them. The model and its buffers are client_register.c's; device buffers and
- * the stream ordering around each request are client_cuda.c's (zd__cuda_*: nothing without
- * CUDA). The last error is kept here, per thread, for every file of the library.
+ * zd_wait() asks for them. zd_connect() tries again, backing off, while zerod refuses new
+ * connections for want of a free one (max_clients), up to its timeout. The model and its buffers
+ * are client_register.c's; device buffers and the stream ordering around each request are
+ * client_cuda.c's (zd__cuda_*: nothing without CUDA). The last error is kept here, per thread, for
+ * every file of the library.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -24,6 +26,9 @@
 #include "wire.h"
 
 #define HELLO_TIMEOUT_MS 30000
+/* The pauses between connection attempts while zerod is full: doubling from MIN up to MAX. */
+#define BUSY_BACKOFF_MIN_MS 5
+#define BUSY_BACKOFF_MAX_MS 200
 
 static __thread char last_error[ZD__ERR_MSG_MAX];
 
@@ -249,6 +254,7 @@ int zd__await(zd_client_t *c, uint64_t id, uint8_t **body, uint32_t *body_len, i
       if (h.type == ZD__MSG_ERROR && h.request_id == 0) { /* about the connection itself */
         Zerod__V1__Error *e = zerod__v1__error__unpack(NULL, h.length, b);
         if (e) rc = zd__fail(e->code, "%s", e->message);
+        c->refused = e != NULL;
         zerod__v1__error__free_unpacked(e, NULL);
       }
       free(b);
@@ -315,12 +321,34 @@ static int resolve_path(const char *socket_path, char *buf, size_t len) {
   return ZD_OK;
 }
 
-int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_client_t **out) {
-  char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-  if (!out) return zd__fail(-EINVAL, "zd_connect: out is NULL; pass where the client goes");
-  *out = NULL;
-  int rc = resolve_path(socket_path, path, sizeof path);
-  if (rc) return rc;
+/* After a failed hello: whether zerod refused the connection itself (ZD_EBUSY at max_clients or
+ * max_clients_per_uid), which a later try may get. zerod writes its refusal and closes: when
+ * sending the hello failed on the closed socket, the refusal may still be there to read. */
+static int refused_busy(zd_client_t *c, int rc) {
+  if (rc == ZD_ECLOSED && !c->refused) {
+    char msg[ZD__ERR_MSG_MAX];
+    snprintf(msg, sizeof msg, "%s", last_error);
+    zd__frame_header_t h;
+    uint8_t *b = NULL;
+    if (read_frame(c, &h, &b, 0) == ZD_OK && h.type == ZD__MSG_ERROR && h.request_id == 0) {
+      Zerod__V1__Error *e = zerod__v1__error__unpack(NULL, h.length, b);
+      if (e) {
+        rc = zd__fail(e->code, "%s", e->message);
+        c->refused = 1;
+      }
+      zerod__v1__error__free_unpacked(e, NULL);
+    }
+    free(b);
+    if (!c->refused) zd__fail(rc, "%s", msg); /* the first error, not the read's */
+  }
+  return c->refused && rc == ZD_EBUSY;
+}
+
+/* One connection and hello; *busy: zerod refused it for want of a free connection. */
+static int connect_once(const char *path, int local_rank, int timeout_ms, zd_client_t **out,
+                        int *busy) {
+  int rc;
+  *busy = 0;
   zd_client_t *c = calloc(1, sizeof *c);
   if (!c) return zd__fail(-ENOMEM, "out of memory");
   c->param_fd = c->grad_fd = -1;
@@ -349,9 +377,12 @@ int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_clien
   req.client_name = name;
   uint8_t *body = NULL;
   uint32_t len = 0;
-  rc = call(c, ZD__MSG_HELLO, &req.base, NULL, 0, &body, &len,
-            timeout_ms > 0 ? timeout_ms : HELLO_TIMEOUT_MS);
-  if (rc) goto fail;
+  rc = call(c, ZD__MSG_HELLO, &req.base, NULL, 0, &body, &len, timeout_ms);
+  if (rc) {
+    *busy = refused_busy(c, rc);
+    if (*busy) rc = ZD_EBUSY;
+    goto fail;
+  }
   Zerod__V1__HelloReply *rep = zerod__v1__hello_reply__unpack(NULL, len, body);
   free(body);
   if (!rep) {
@@ -379,6 +410,41 @@ fail:
   if (c->fd >= 0) close(c->fd);
   free(c);
   return rc;
+}
+
+int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_client_t **out) {
+  char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  if (!out) return zd__fail(-EINVAL, "zd_connect: out is NULL; pass where the client goes");
+  *out = NULL;
+  int rc = resolve_path(socket_path, path, sizeof path);
+  if (rc) return rc;
+  /* zerod at max_clients refuses at once; a connection frees up when a client leaves or an idle
+   * one reaches hello_timeout_ms: try again, backing off, until the hello's timeout. */
+  uint64_t wait_ms = timeout_ms > 0 ? (uint64_t)timeout_ms : HELLO_TIMEOUT_MS;
+  uint64_t start = now_ns(), backoff_ms = BUSY_BACKOFF_MIN_MS;
+  for (unsigned tries = 1;; tries++) {
+    uint64_t waited_ms = (now_ns() - start) / 1000000u;
+    int busy;
+    rc = connect_once(path, local_rank, (int)(wait_ms > waited_ms ? wait_ms - waited_ms : 1), out,
+                      &busy);
+    if (!busy) return rc;
+    waited_ms = (now_ns() - start) / 1000000u;
+    if (waited_ms >= wait_ms) {
+      char msg[ZD__ERR_MSG_MAX];
+      snprintf(msg, sizeof msg, "%s", last_error);
+      return zd__fail(ZD_EBUSY,
+                      "%s; waited %" PRIu64
+                      " ms for a free connection (%u tries; the wait is "
+                      "bounded by the connect timeout, %" PRIu64 " ms)",
+                      msg, waited_ms, tries, wait_ms);
+    }
+    uint64_t nap_ms = backoff_ms < wait_ms - waited_ms ? backoff_ms : wait_ms - waited_ms;
+    struct timespec ts = {.tv_sec = (time_t)(nap_ms / 1000),
+                          .tv_nsec = (long)(nap_ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+    backoff_ms = backoff_ms * 2 < BUSY_BACKOFF_MAX_MS ? backoff_ms * 2 : BUSY_BACKOFF_MAX_MS;
+  }
 }
 
 /* ---- requests ------------------------------------------------------------------------------ */

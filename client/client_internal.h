@@ -79,6 +79,9 @@ struct zd_client {
   int has_rank_gpu;
   int rank_device;
   uint8_t rank_uuid[16];
+  /* zerod answered with an error about the connection itself (request id 0), e.g. ZD_EBUSY at
+   * max_clients, and closes it (zd__await) */
+  int refused;
 };
 
 /* ---- client.c: errors and transport ------------------------------------------------------- */

@@ -1,6 +1,7 @@
 /* zerod against clients that misbehave or crowd it, and against stray signals: connections that
  * never say hello are closed after hello_timeout_ms, so idle connections cannot lock a trainer
- * out of max_clients; one user's connections are capped by max_clients_per_uid; connecting
+ * out of max_clients, and a client that finds zerod full waits for a free connection up to its
+ * connect timeout; one user's connections are capped by max_clients_per_uid; connecting
  * clients are not logged one line each at info; SIGHUP neither kills zerod nor loses its state,
  * and re-reads log_level from the config file; a peer node that stops (SIGSTOP) is noticed by the
  * heartbeat within peer_timeout_ms, while a peer that is only slow is waited for. */
@@ -20,6 +21,12 @@
 #include "harness.h"
 #include "rendezvous.h"
 #include "zerod/zerod.h"
+
+static uint64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
 
 static void sleep_ms(int ms) {
   struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -62,13 +69,23 @@ static void test_hello_timeout_frees_slots(void) {
   int idle[4];
   for (int i = 0; i < 4; i++) idle[i] = zdt_raw_connect(d.socket);
   sleep_ms(50);
-  /* Every slot is taken by a connection that says nothing: a trainer is refused for now... */
+  /* Every slot is taken by a connection that says nothing: a trainer that cannot wait long is
+   * refused, saying what it waited for... */
   zd_client_t *c;
-  int rc = zd_connect(d.socket, 0, 2000, &c);
+  int rc = zd_connect(d.socket, 0, 50, &c);
   CHECK_MSG(rc == ZD_EBUSY, "connect with 4 idle connections: %s, expected ZD_EBUSY",
             zd_err_name(rc));
   CHECK_CONTAINS(zd_last_error(), "max_clients is 4");
-  /* ... and the idle ones are closed once hello_timeout_ms has passed, with a reason. */
+  CHECK_CONTAINS(zd_last_error(), "for a free connection");
+  /* ... one that can wait gets in once hello_timeout_ms has closed the idle ones... */
+  uint64_t t0 = now_ms();
+  rc = zd_connect(d.socket, 0, 5000, &c);
+  CHECK_MSG(rc == ZD_OK, "connect waiting for the idle connections to go: %s (%s)", zd_err_name(rc),
+            zd_last_error());
+  CHECK_MSG(now_ms() - t0 < 3000, "connected after %llu ms; the idle ones go at 300 ms",
+            (unsigned long long)(now_ms() - t0));
+  zd_close(c);
+  /* ... and the idle ones were closed with a reason. */
   for (int i = 0; i < 4; i++) {
     zdt_expect_error(idle[i], 0, ZD_EPROTO, "no hello within 300 ms (hello_timeout_ms)");
     CHECK_MSG(zdt_raw_closed(idle[i], 3000), "idle connection %d still open", i);
@@ -83,6 +100,58 @@ static void test_hello_timeout_frees_slots(void) {
   sleep_ms(600);
   CHECK_MSG(!zdt_raw_closed(fd, 100), "a connection that said hello was closed while idle");
   close(fd);
+  zdt_stop(&d, SIGTERM, 0);
+}
+
+struct waiter {
+  const char *socket;
+  int timeout_ms;
+  int rc;
+  uint64_t elapsed_ms;
+  char msg[512];
+  zd_client_t *c;
+};
+
+static void *wait_connect(void *arg) {
+  struct waiter *w = arg;
+  uint64_t t0 = now_ms();
+  w->rc = zd_connect(w->socket, ZD_ANY_RANK, w->timeout_ms, &w->c);
+  w->elapsed_ms = now_ms() - t0;
+  snprintf(w->msg, sizeof w->msg, "%s", zd_last_error());
+  return NULL;
+}
+
+/* zerod at max_clients: a client waits (bounded by its connect timeout) for a connection to
+ * free up instead of failing at once; one whose timeout passes first gets ZD_EBUSY saying what it
+ * waited for and how long. */
+static void test_connect_waits_for_free_slot(void) {
+  zdt_daemon_t d;
+  const char *extra[] = {"--max_clients", "1", "--local_ranks", "2", NULL};
+  zdt_start(&d, extra);
+  sleep_ms(200); /* zdt_start's probe connection is gone */
+  zd_client_t *a;
+  CHECK_MSG(zd_connect(d.socket, ZD_ANY_RANK, 2000, &a) == ZD_OK, "first: %s", zd_last_error());
+  struct waiter w = {.socket = d.socket, .timeout_ms = 10000};
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, wait_connect, &w) == 0);
+  sleep_ms(400);
+  zd_close(a); /* the waiting client gets the connection now */
+  CHECK(pthread_join(th, NULL) == 0);
+  CHECK_MSG(w.rc == ZD_OK, "the waiting client: %s (%s)", zd_err_name(w.rc), w.msg);
+  CHECK_MSG(w.elapsed_ms >= 350 && w.elapsed_ms < 5000,
+            "the waiting client connected after %llu ms; the first left at 400 ms",
+            (unsigned long long)w.elapsed_ms);
+  /* The connection stays taken: a client with a short timeout gives up after it. */
+  struct waiter late = {.socket = d.socket, .timeout_ms = 300};
+  wait_connect(&late);
+  CHECK_MSG(late.rc == ZD_EBUSY, "connect to a full zerod: %s, expected ZD_EBUSY",
+            zd_err_name(late.rc));
+  CHECK_CONTAINS(late.msg, "max_clients is 1");
+  CHECK_CONTAINS(late.msg, "for a free connection");
+  CHECK_CONTAINS(late.msg, "connect timeout, 300 ms");
+  CHECK_MSG(late.elapsed_ms >= 290 && late.elapsed_ms < 2000,
+            "gave up after %llu ms with a 300 ms timeout", (unsigned long long)late.elapsed_ms);
+  zd_close(w.c);
   zdt_stop(&d, SIGTERM, 0);
 }
 
@@ -458,6 +527,7 @@ static void test_heartbeat(void) {
 
 int main(void) {
   test_hello_timeout_frees_slots();
+  test_connect_waits_for_free_slot();
   test_per_uid_limit();
   test_named_reader_yields();
   test_connection_log_volume();

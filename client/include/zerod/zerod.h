@@ -361,7 +361,10 @@ typedef uint64_t zd_request_t;
  * leave first): zd_register() returns ZD_EBUSY if it is still attached, or reserved by a
  * ZD_ANY_RANK hello. Errors: -EINVAL (out is NULL), -ENOENT/-ECONNREFUSED (no daemon),
  * -ENAMETOOLONG (socket path), -ETIMEDOUT (no hello within timeout_ms), ZD_EVERSION, ZD_EBUSY
- * (ZD_ANY_RANK and every rank held), ZD_ERANK (no such rank, or negative other than ZD_ANY_RANK),
+ * (ZD_ANY_RANK and every rank held; or zerod stayed at max_clients or max_clients_per_uid for
+ * the whole timeout: a connection zerod refuses for want of a free one is tried again, with
+ * pauses from 5 ms doubling up to 200 ms, until timeout_ms (0: 30 s) has passed, and the message
+ * then says how long it waited), ZD_ERANK (no such rank, or negative other than ZD_ANY_RANK),
  * ZD_EDENIED, transport. */
 ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms,
                          zd_client_t **out);

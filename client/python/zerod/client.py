@@ -480,11 +480,14 @@ class Client:
         socket: the daemon's Unix socket; None for the default ($ZEROD_SOCKET, else
             $XDG_RUNTIME_DIR/zerod.sock, else /run/zerod/zerod.sock).
         local_rank: the rank within that daemon, or -1 for the first one with no client.
-        timeout_ms: how long to wait for the daemon's hello (0: 30 s).
+        timeout_ms: how long to wait for the daemon's hello (0: 30 s), and for a free
+            connection while zerod is at max_clients (tried again with a short backoff; then
+            ZD_EBUSY saying how long it waited).
 
     Raises:
         ZerodError: ECONNREFUSED/ENOENT (no daemon), ZD_EVERSION, ZD_EBUSY (rank taken),
-            ZD_ERANK, ZD_EDENIED.
+            ZD_ERANK, ZD_EDENIED; ZD_EBUSY also when zerod stayed at max_clients for the whole
+            timeout.
     """
 
     def __init__(self, socket: Optional[str] = None, local_rank: int = ANY_RANK,

@@ -35,6 +35,14 @@ for the buckets above it): zerod matches the collectives of different ranks by t
 every rank must send the same sequence even where autograd completes buckets in different
 orders on different ranks. Parameters are registered in the order given (model order), so
 backward normally completes the buckets in exactly that descending order.
+Gradients changed between backward and step() (torch.nn.utils.clip_grad_norm_, unscaling, a
+gradient set by hand) after the hooks sent their buckets are detected by the grad buffer's
+version counter, which every in-place write through a ``.grad`` or ``main_grad`` view bumps:
+step() then scatters every bucket again (a warning says so once), since at world size > 1 a
+scatter reads the buffer when zerod runs it, during backward. Clip with ``max_grad_norm``
+instead (zerod clips the reduced gradient by its global norm, inside the step), or pass
+``overlap=False``. Every rank is expected to change its gradients alike (the same code on
+every rank), so that every rank sends the same sequence of scatters.
 Gradients accumulated over several micro-batches: run the backward of every micro-batch but the
 last inside ``with opt.no_sync():`` (as with DistributedDataParallel), so buckets are scattered
 only when the last micro-batch completes them.
@@ -110,6 +118,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import os
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
@@ -230,6 +239,50 @@ def _choose_formula(g: Mapping[str, Any], cuda: bool, where: str) -> Tuple[str, 
     return update, _probe_sqrt()[0]
 
 
+def _launcher_rank() -> Tuple[int, Dict[str, int]]:
+    """The local rank a launcher (torchrun, torch.distributed.launch --use_env, Accelerate,
+    Lightning, Slurm wrappers that export torch's variables) gives this process through
+    LOCAL_RANK, and the RANK and WORLD_SIZE it set, to check against zerod's world; ANY_RANK
+    and {} when LOCAL_RANK is not set."""
+    found: Dict[str, int] = {}
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        text = os.environ.get(key, "").strip()
+        if not text:
+            continue
+        try:
+            found[key] = int(text)
+        except ValueError:
+            raise ValueError(f"{key} is {text!r} in the environment; expected an integer "
+                             f"(as torchrun sets it)") from None
+    if "LOCAL_RANK" not in found:
+        return ANY_RANK, {}
+    if found["LOCAL_RANK"] < 0:
+        raise ValueError(f"LOCAL_RANK is {found['LOCAL_RANK']} in the environment; expected "
+                         f"0 or more")
+    return found.pop("LOCAL_RANK"), found
+
+
+def _check_launcher_world(client: Client, local_rank: int, expect: Mapping[str, int],
+                          where: Optional[str]) -> None:
+    """ValueError when the RANK/WORLD_SIZE the launcher set disagree with the world zerod
+    gives local rank `local_rank` (its hello: global rank = first_rank + local rank)."""
+    info = client.info
+    got = {"RANK": info.rank, "WORLD_SIZE": info.world_size}
+    wrong = [k for k in ("RANK", "WORLD_SIZE") if k in expect and expect[k] != got[k]]
+    if not wrong:
+        return
+    said = ", ".join(f"{k}={expect[k]}" for k in ("RANK", "WORLD_SIZE") if k in expect)
+    raise ValueError(
+        f"the launcher's environment (LOCAL_RANK={local_rank}, {said}) disagrees with zerod"
+        f"{' at ' + where if where else ''}: its local rank {info.local_rank} is global rank "
+        f"{info.rank} of a world of {info.world_size} (first_rank {info.rank - info.local_rank}"
+        f" + local rank {info.local_rank}; world_size {info.world_size}); "
+        + "; ".join(f"{k} is {expect[k]} here, {got[k]} in zerod" for k in wrong)
+        + ". Start zerod with --world_size and --first_rank matching the launcher (first_rank "
+          "= this node's RANK - LOCAL_RANK), or pass local_rank= explicitly (which skips this "
+          "check)")
+
+
 def _split_named(items: Iterable[Any]) -> Tuple[List[torch.Tensor], List[Optional[str]]]:
     tensors, names = [], []
     for it in items:
@@ -275,6 +328,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         overlap: scatter each bucket from the backward hooks as soon as its gradients are final
             (default). False: the whole scatter is part of step().
         socket, local_rank, timeout_ms: where to attach (zerod.Client); ignored with `client`.
+            With no local_rank, LOCAL_RANK from the environment (torchrun and the launchers
+            that follow it set it) names the rank when set, and RANK and WORLD_SIZE, when set,
+            must agree with zerod's world: global rank = zerod's first_rank + LOCAL_RANK, world
+            size = its world_size (ValueError naming both otherwise). Without LOCAL_RANK: the
+            first local rank no other client holds.
         client: an already connected zerod.Client with no model laid out (the optimizer then
             does not close it).
         replace: start afresh: discard any state zerod holds on this rank (for this model or
@@ -286,7 +344,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Raises:
         zerod.ZerodError: from the daemon (no daemon, rank busy, layout mismatch, bad
             hyperparameter, ...), with its message.
-        ValueError/TypeError: unsupported parameters or options.
+        ValueError/TypeError: unsupported parameters or options; a launcher's RANK or
+            WORLD_SIZE that disagree with zerod's world.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
@@ -377,9 +436,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._clip_norm = _clip_norm_for_torch() if max_grad_norm > 0 else "double"
 
         self._owns_client = client is None
+        launcher: Dict[str, int] = {}
+        if client is None and local_rank == ANY_RANK:
+            local_rank, launcher = _launcher_rank()
         self.client: Client = client if client is not None else Client(socket, local_rank,
                                                                        timeout_ms)
         try:
+            if launcher:
+                _check_launcher_world(self.client, local_rank, launcher, socket)
             if self._cuda:
                 self._check_rank_gpu()
             self.client.layout(specs, [Group.coerce(g) for g in self.param_groups],
@@ -436,6 +500,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._param_ready = [False] * len(self._params)
         self._scattered = [False] * self._nbuckets
         self._next_bucket = self._nbuckets - 1  # scatters go out in descending bucket order
+        self._hook_version = self._gflat._version  # the grad buffer's, as the last hook saw it
+        self._warned_changed = False
         self._inflight: List[Request] = []
         self._sync = True
         self._warned_rescatter = False
@@ -615,6 +681,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 with torch.no_grad():
                     self._gviews[i].add_(g)
                 p.grad = None
+        # Every write into the grad buffer by backward is followed by this hook: a version of the
+        # buffer different at step() means the gradients were changed after backward (step()).
+        self._hook_version = self._gflat._version
         if not (self._sync and self._overlap) or self._closed:
             return
         b = self._pinfo[i].bucket
@@ -659,6 +728,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._scattered[bucket] = True
 
     def _reset_iteration(self) -> None:
+        self._hook_version = self._gflat._version if self._gflat is not None else 0
         self._bucket_left = list(self._bucket_size)
         self._param_ready = [False] * len(self._params)
         self._scattered = [False] * self._nbuckets
@@ -718,6 +788,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     p.grad = self._gviews[i]
                 else:
                     self._restore_view(i)
+        self._rescatter_if_changed()
         hp = self._current_hparams()
         groups = None
         if hp != self._sent_hparams:
@@ -771,6 +842,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._inflight.clear()
             self._reset_iteration()
         return step_req
+
+    def _rescatter_if_changed(self) -> None:
+        """Scatters every bucket again when the gradients changed after backward's hooks sent
+        some of them: a scatter reads the grad buffer when zerod runs it (during backward at
+        world size > 1), so a change made between backward and step() (clip_grad_norm_,
+        unscaling, a gradient set by hand) would reach some ranks' shards and not others, and
+        the step would silently use the gradients as backward left them. Detected by the grad
+        buffer's version counter (every in-place write to .grad or .main_grad views bumps it),
+        as recorded by the last hook; every rank running the same code scatters again alike."""
+        if not any(self._scattered) or self._gflat._version == self._hook_version:
+            return
+        if not self._warned_changed:
+            self._warned_changed = True
+            warnings.warn(
+                "the gradients changed after backward had scattered them to zerod (e.g. "
+                "torch.nn.utils.clip_grad_norm_ or unscaling between backward() and step()): "
+                "every bucket is scattered again, which costs the overlap (and at world size "
+                "> 1 twice the traffic). Clip with ZeroOptimizer(max_grad_norm=...) instead (zerod clips the "
+                "reduced gradient by its global norm, as DistributedDataParallel users clip), "
+                "or pass overlap=False", stacklevel=3)
+        self._scattered = [False] * self._nbuckets
 
     def _clip_kw(self) -> Dict[str, Any]:
         """step_start's clip_norm: the running torch's order, left out for zerod's own."""
