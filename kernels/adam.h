@@ -81,9 +81,11 @@
  * where MAXC(a, b) = (a is NaN or a > b) ? a : b (torch.maximum's CUDA kernel returns a NaN operand
  * itself) and MAXF(a, b) = a < b ? b : a (std::max: a NaN b leaves a). The fused kernel's two
  * products summed (m, v) are contracted by nvcc into one fma; which of the two products it fuses
- * is the compiler's choice, taken here as LLVM's (the first operand's): the other choice differs
- * in the double's last bit, which the rounding to fp32 almost never shows (about one element in
- * 2^28). Its pow() is CUDA's double pow (within 2 ULP of the exact power) where zerod takes the
+ * is the compiler's choice, taken here as LLVM's (the first operand's). Where the two products
+ * nearly cancel the choice shows in the fp32 result (an uncontracted form differed from this one
+ * in about one element in 10^4 per step of the conformance matrix's emulation):
+ * tests/python/test_torch_cuda.py's probe names the form torch's build computes. Its pow() is
+ * CUDA's double pow (within 2 ULP of the exact power) where zerod takes the
  * host's: their fp32 bias corrections differ only when 1 - pow lies that close to a rounding
  * boundary of fp32 (never seen; about once in 2^28 steps). The CPU backends run these three
  * formulas through the scalar reference only: they are meant for CUDA parameters.
