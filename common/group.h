@@ -47,7 +47,7 @@ extern "C" {
   X(weight_decay, DOUBLE, v >= 0, "a finite value >= 0", 1e-2) \
   X(optimizer, ENUM, v == ZD_ADAMW || v == ZD_ADAM, "ADAMW (0) or ADAM (1)", ZD_ADAMW) \
   X(maximize, BOOL, v == 0 || v == 1, "0 or 1", 0) \
-  X(update, ENUM, v == ZD_UPDATE_TORCH113 || v == ZD_UPDATE_TORCH2, "TORCH113 (0) or TORCH2 (1)", ZD_UPDATE_TORCH113) \
+  X(update, ENUM, v == ZD_UPDATE_TORCH113 || v == ZD_UPDATE_TORCH2 || v == ZD_UPDATE_TORCH2_CUDA || v == ZD_UPDATE_TORCH2_CUDA_FOREACH || v == ZD_UPDATE_TORCH2_CUDA_FUSED, "TORCH113 (0), TORCH2 (1), TORCH2_CUDA (2), TORCH2_CUDA_FOREACH (3) or TORCH2_CUDA_FUSED (4)", ZD_UPDATE_TORCH113) \
   X(sqrt_mode, ENUM, v == ZD_SQRT_EXACT || v == ZD_SQRT_MKL_EX, "EXACT (0) or MKL_EX (1)", ZD_SQRT_EXACT) \
   X(amsgrad, BOOL, v == 0 || v == 1, "0 or 1", 0)
 /* clang-format on */

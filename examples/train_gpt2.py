@@ -253,8 +253,10 @@ def trainer(rank: int, world: int, endpoint: Tuple[str, int], cfg: Dict[str, Any
                 torch.cuda.set_device(dev)
             model = make_model(cfg).to(dev)
             ref = Reference(model, cfg, world) if cfg["compare"] and rank == 0 else None
+            # foreach=False: the formula of the reference's torch path (on CUDA torch's
+            # single-tensor and foreach paths round differently; on CPU it is the default)
             opt = ZeroOptimizer(param_groups(model, named=True), lr=cfg["lr"], betas=(0.9, 0.95),
-                                eps=1e-8, client=client, replace=True)
+                                eps=1e-8, client=client, replace=True, foreach=False)
             result = train(rank, world, cfg, model, opt, ref, dev)
             opt.close()
         finally:

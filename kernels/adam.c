@@ -35,7 +35,23 @@ void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t ste
   c->negate_grad = 0;
   c->amsgrad = (uint8_t)(hp->amsgrad != 0);
   c->lerp_weight = c->one_minus_beta1;
-  if (hp->update == ZD_UPDATE_TORCH2) {
+  if (zd__update_is_cuda(hp->update)) c->sqrt_mode = ZD_SQRT_EXACT; /* a GPU's sqrt (adam.h) */
+  /* TORCH2_CUDA: torch divides by the CPU scalar bias_correction2_sqrt as a multiplication by
+   * opmath_t(1.0) / b, b rounded to fp32 first (BinaryDivTrueKernel.cu). */
+  c->bias_correction2_rcp = 1.0f / c->bias_correction2_sqrt;
+  if (hp->update == ZD_UPDATE_TORCH2_CUDA_FUSED) {
+    /* torch's fused kernel: double hyperparameters; its bias corrections are computed in double
+     * and handed to the math as fp32 (opmath_t), its step_size = lr / bc1 rounded to fp32. */
+    float bc1 = (float)(1 - pow(hp->beta1, t));
+    c->neg_step_size = -(float)(hp->lr / (double)bc1);
+    c->beta1_d = hp->beta1;
+    c->one_minus_beta1_d = 1 - hp->beta1;
+    c->beta2_d = hp->beta2;
+    c->one_minus_beta2_d = 1 - hp->beta2;
+    c->weight_decay_d = hp->optimizer == ZD_ADAMW ? hp->lr * hp->weight_decay : hp->weight_decay;
+    c->eps_d = hp->eps;
+    c->negate_grad = (uint8_t)(hp->maximize != 0);
+  } else if (hp->update != ZD_UPDATE_TORCH113) {
     /* torch's lerp_ takes the weight as an fp32 scalar and picks its form by |w| < 0.5. */
     if (!(fabsf(c->lerp_weight) < 0.5f)) {
       c->lerp_weight = c->lerp_weight - 1.0f; /* exact: w is in [0.5, 1] */
@@ -71,6 +87,22 @@ static float grad_at(const void *grad, zd_dtype_t dtype, uint64_t i) {
   }
 }
 
+/* TORCH2_CUDA_FUSED's element after the gradient (adam.h): double operations where torch's fused
+ * kernel has them (fma: libm's, correctly rounded), each (float) one rounding to fp32. *v is
+ * exp_avg_sq in and out, *vmax max_exp_avg_sq (read only with amsgrad). */
+static void fused_element(const zd__adam_group_t *c, int decay, int l2, float g, float *p, float *m,
+                          float *v, float *vmax) {
+  if (decay) *p = (float)fma(-c->weight_decay_d, (double)*p, (double)*p);
+  if (l2) g = (float)fma((double)*p, c->weight_decay_d, (double)g);
+  *m = (float)fma(c->beta1_d, (double)*m, c->one_minus_beta1_d * (double)g);
+  *v = (float)fma(c->beta2_d, (double)*v, (c->one_minus_beta2_d * (double)g) * (double)g);
+  float s = *v;
+  if (c->amsgrad) s = *vmax = zd__amsgrad_max_fused(*vmax, *v);
+  float q = sqrtf(s) / c->bias_correction2_sqrt;
+  float d = (float)((double)q + c->eps_d);
+  *p = *p + (c->neg_step_size * *m) / d;
+}
+
 void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
   float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
   float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
@@ -86,19 +118,38 @@ void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
       float g = grad_at(a->grad, a->grad_dtype, i) * a->grad_scale;
       if (c->negate_grad) g = -g;
       float p = master[i];
-      if (decay) p = p * c->decay;
-      if (l2) g = fmaf(p, c->weight_decay, g);
-      float m = exp_avg[i];
-      if (c->update == ZD_UPDATE_TORCH2)
+      float m = exp_avg[i], v;
+      if (c->update == ZD_UPDATE_TORCH2_CUDA_FUSED) {
+        fused_element(c, decay, l2, g, &p, &m, &exp_avg_sq[i], max_sq ? &max_sq[i] : NULL);
+        v = exp_avg_sq[i];
+      } else if (c->update == ZD_UPDATE_TORCH2_CUDA || c->update == ZD_UPDATE_TORCH2_CUDA_FOREACH) {
+        if (decay) p = p * c->decay;
+        if (l2) g = fmaf(c->weight_decay, p, g);
         m = fmaf(c->lerp_weight, g - m, c->lerp_from_grad ? g : m);
-      else
-        m = fmaf(g, c->one_minus_beta1, m * c->beta1);
-      float v = fmaf(c->one_minus_beta2 * g, g, exp_avg_sq[i] * c->beta2);
-      float s = v;
-      if (c->amsgrad) s = max_sq[i] = zd__amsgrad_max(max_sq[i], v);
-      s = c->sqrt_mode == ZD_SQRT_MKL_EX ? zd__sqrt_mkl_ex(s) : sqrtf(s);
-      float d = s / c->bias_correction2_sqrt + c->eps;
-      p = p + (c->neg_step_size * m) / d;
+        float gg = g * g; /* addcmul_'s b * c, rounded */
+        v = fmaf(c->one_minus_beta2, gg, exp_avg_sq[i] * c->beta2);
+        float s = v;
+        if (c->amsgrad) s = max_sq[i] = zd__amsgrad_max_cuda(max_sq[i], v);
+        float d;
+        if (c->update == ZD_UPDATE_TORCH2_CUDA)
+          d = sqrtf(s) * c->bias_correction2_rcp + c->eps;
+        else
+          d = sqrtf(s) / c->bias_correction2_sqrt + c->eps;
+        p = fmaf(c->neg_step_size, m / d, p);
+      } else {
+        if (decay) p = p * c->decay;
+        if (l2) g = fmaf(p, c->weight_decay, g);
+        if (c->update == ZD_UPDATE_TORCH2)
+          m = fmaf(c->lerp_weight, g - m, c->lerp_from_grad ? g : m);
+        else
+          m = fmaf(g, c->one_minus_beta1, m * c->beta1);
+        v = fmaf(c->one_minus_beta2 * g, g, exp_avg_sq[i] * c->beta2);
+        float s = v;
+        if (c->amsgrad) s = max_sq[i] = zd__amsgrad_max(max_sq[i], v);
+        s = c->sqrt_mode == ZD_SQRT_MKL_EX ? zd__sqrt_mkl_ex(s) : sqrtf(s);
+        float d = s / c->bias_correction2_sqrt + c->eps;
+        p = p + (c->neg_step_size * m) / d;
+      }
       master[i] = p;
       exp_avg[i] = m;
       exp_avg_sq[i] = v;

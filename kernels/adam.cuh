@@ -7,7 +7,9 @@
  * intrinsics are never contracted). Subnormals are kept as long as the file is built without
  * -ftz=true / --use_fast_math (the build passes -ftz=false -fmad=false explicitly). With those,
  * each element's result has exactly the bits of zd__adam_step_ref on x86-64, except that a NaN
- * result may differ in payload and sign (the GPU produces the canonical NaN 0x7fffffff).
+ * result may differ in payload and sign (the GPU produces the canonical NaN 0x7fffffff). The
+ * formulas of torch 2.x's CUDA paths (ZD_UPDATE_TORCH2_CUDA*) use __fma_rn, __dmul_rn, __dadd_rn
+ * and __double2float_rn for the double operations of torch's fused kernel.
  *
  * Shared by kernels/adam.cu and the GPU tests (which check the conversions exhaustively).
  */
@@ -55,6 +57,8 @@ typedef struct zd__dev_group {
   bool decay;  /* AdamW with weight decay: p = p * decay */
   bool l2;     /* Adam with weight decay: g = fma(p, wd, g) */
   bool torch2; /* ZD_UPDATE_TORCH2: the first moment by lerp */
+  bool cuda;   /* ZD_UPDATE_TORCH2_CUDA or _CUDA_FOREACH: torch's unfused CUDA kernels */
+  bool fused;  /* ZD_UPDATE_TORCH2_CUDA_FUSED: torch's fused CUDA kernel */
 } zd__dev_group_t;
 
 static __device__ __forceinline__ zd__dev_group_t zd__dev_group(const zd__adam_group_t &c) {
@@ -63,6 +67,8 @@ static __device__ __forceinline__ zd__dev_group_t zd__dev_group(const zd__adam_g
   g.decay = c.has_weight_decay && c.optimizer == ZD_ADAMW;
   g.l2 = c.has_weight_decay && c.optimizer == ZD_ADAM;
   g.torch2 = c.update == ZD_UPDATE_TORCH2;
+  g.cuda = c.update == ZD_UPDATE_TORCH2_CUDA || c.update == ZD_UPDATE_TORCH2_CUDA_FOREACH;
+  g.fused = c.update == ZD_UPDATE_TORCH2_CUDA_FUSED;
   return g;
 }
 
@@ -70,6 +76,45 @@ static __device__ __forceinline__ zd__dev_group_t zd__dev_group(const zd__adam_g
 static __device__ __forceinline__ float zd__dev_amsgrad_max(float a, float b) {
   if (a != a || b != b) return __uint_as_float(0xffffffffu);
   return a > b ? a : b;
+}
+
+/* zd__amsgrad_max_cuda (adam.h): torch.maximum's CUDA kernel, a NaN operand returned as it is. */
+static __device__ __forceinline__ float zd__dev_amsgrad_max_cuda(float a, float b) {
+  return (a != a || a > b) ? a : b;
+}
+
+/* TORCH2_CUDA and TORCH2_CUDA_FOREACH after the gradient (adam.h), as zd__adam_step_ref. */
+static __device__ __forceinline__ void zd__dev_adam_cuda(float g, const zd__adam_group_t &c,
+                                                         bool decay, bool l2, float &p, float &m,
+                                                         float &v, float &vmax) {
+  if (decay) p = __fmul_rn(p, c.decay);
+  if (l2) g = __fmaf_rn(c.weight_decay, p, g);
+  m = __fmaf_rn(c.lerp_weight, __fsub_rn(g, m), c.lerp_from_grad ? g : m);
+  v = __fmaf_rn(c.one_minus_beta2, __fmul_rn(g, g), __fmul_rn(v, c.beta2));
+  float s = v;
+  if (c.amsgrad) s = vmax = zd__dev_amsgrad_max_cuda(vmax, v);
+  float q = c.update == ZD_UPDATE_TORCH2_CUDA ? __fmul_rn(__fsqrt_rn(s), c.bias_correction2_rcp)
+                                              : __fdiv_rn(__fsqrt_rn(s), c.bias_correction2_sqrt);
+  float d = __fadd_rn(q, c.eps);
+  p = __fmaf_rn(c.neg_step_size, __fdiv_rn(m, d), p);
+}
+
+/* TORCH2_CUDA_FUSED after the gradient (adam.h), as zd__adam_step_ref's fused_element: double
+ * operations by their _rn intrinsics, __double2float_rn the one rounding to fp32 (float to double
+ * is exact). */
+static __device__ __forceinline__ void zd__dev_adam_fused(float g, const zd__adam_group_t &c,
+                                                          bool decay, bool l2, float &p, float &m,
+                                                          float &v, float &vmax) {
+  if (decay) p = __double2float_rn(__fma_rn(-c.weight_decay_d, (double)p, (double)p));
+  if (l2) g = __double2float_rn(__fma_rn((double)p, c.weight_decay_d, (double)g));
+  m = __double2float_rn(__fma_rn(c.beta1_d, (double)m, __dmul_rn(c.one_minus_beta1_d, (double)g)));
+  v = __double2float_rn(__fma_rn(c.beta2_d, (double)v,
+                                 __dmul_rn(__dmul_rn(c.one_minus_beta2_d, (double)g), (double)g)));
+  float s = v;
+  if (c.amsgrad) s = vmax = (vmax < v ? v : vmax); /* std::max(vmax, v) */
+  float q = __fdiv_rn(__fsqrt_rn(s), c.bias_correction2_sqrt);
+  float d = __double2float_rn(__dadd_rn((double)q, c.eps_d));
+  p = __fadd_rn(p, __fdiv_rn(__fmul_rn(c.neg_step_size, m), d));
 }
 
 /* The update of one element, operation for operation as zd__adam_step_ref. The sqrt is the
@@ -82,6 +127,14 @@ static __device__ __forceinline__ void zd__dev_adam(float graw, float grad_scale
   const zd__adam_group_t &c = k.c;
   float g = __fmul_rn(graw, grad_scale);
   if (c.negate_grad) g = -g;
+  if (k.cuda) {
+    zd__dev_adam_cuda(g, c, k.decay, k.l2, p, m, v, vmax);
+    return;
+  }
+  if (k.fused) {
+    zd__dev_adam_fused(g, c, k.decay, k.l2, p, m, v, vmax);
+    return;
+  }
   if (k.decay) p = __fmul_rn(p, c.decay);
   if (k.l2) g = __fmaf_rn(p, c.weight_decay, g);
   if (k.torch2)

@@ -19,8 +19,9 @@
  *   nss    = (float)(-(lr / (1 - pow(beta1, t))))
  *   e      = (float)eps
  * and with maximize (torch's maximize=True: the update follows -grad), a1 = -a1 and wd = -wd
- * for ZD_UPDATE_TORCH113; ZD_UPDATE_TORCH2 negates the gradient itself (below). For
- * ZD_UPDATE_TORCH2 also the weight of torch's lerp, w = (float)(1 - beta1), as
+ * for ZD_UPDATE_TORCH113; ZD_UPDATE_TORCH2 and the CUDA formulas (below) negate the gradient
+ * itself. For ZD_UPDATE_TORCH2, _CUDA and _CUDA_FOREACH also the weight of torch's lerp,
+ * w = (float)(1 - beta1), as
  *   lerp_weight = w, lerp_from_grad = 0   if w < 0.5
  *   lerp_weight = w - 1 (exact), lerp_from_grad = 1   otherwise
  *
@@ -39,6 +40,55 @@
  *   param_out = p as f32, or as bf16 rounded to nearest even (NaN -> 0x7fc0, as torch)
  * grad is f32, bf16 (upper half of an f32) or f16 (IEEE binary16, converted exactly); the
  * conversions are common/dtype.h's.
+ *
+ * torch 2.x on CUDA (ZD_UPDATE_TORCH2_CUDA, _CUDA_FOREACH, _CUDA_FUSED): the formulas of torch's
+ * own CUDA kernels, read from its sources (optim/adam.py; aten/src/ATen/native/cuda: Lerp.h,
+ * PointwiseOpsKernel.cu, BinaryDivTrueKernel.cu, ForeachPointwiseOp.cu,
+ * ForeachBinaryOpScalarList.cu, MaxMinElementwiseKernel.cu, ForeachMinMaxFunctors.cuh,
+ * fused_adam_utils.cuh). torch builds them with nvcc's default -fmad=true, so `a + b * c` inside
+ * one of its kernels is one fma, while each separate kernel (each torch op) rounds its result to
+ * fp32. The constants are those above, plus (zd__adam_group_init):
+ *   bc2_rcp = 1.0f / bc2s   (fp32 division)   TORCH2_CUDA: torch's div by a CPU scalar multiplies
+ *                                             by its fp32 reciprocal (BinaryDivTrueKernel.cu)
+ * and for TORCH2_CUDA_FUSED, whose kernel takes the hyperparameters as C++ doubles:
+ *   B1 = beta1, A1 = 1 - beta1, B2 = beta2, A2 = 1 - beta2, E = eps     (doubles)
+ *   WD = lr * weight_decay (AdamW) or weight_decay (Adam)              (double)
+ *   bc1    = (float)(1 - pow(beta1, t))       the kernel's opmath_t (fp32) bias corrections
+ *   bc2s   = (float)sqrt(1 - pow(beta2, t))   (as above)
+ *   nss    = -(float)(lr / (double)bc1)       its fp32 step_size, negated (exact)
+ * Per element, sqrt_mode ignored (the correctly rounded sqrtf of a GPU), g as above (maximize
+ * negates it, as TORCH2):
+ *   TORCH2_CUDA and TORCH2_CUDA_FOREACH (the same per-element kernels, one per op, except d):
+ *     AdamW, weight_decay != 0:  p = p * decay                   (mul_ / _foreach_mul_)
+ *     Adam,  weight_decay != 0:  g = fma(wd, p, g)               (add(alpha=wd): a + alpha * b)
+ *     m  = TORCH2's lerp                                         (lerp_ / _foreach_lerp_)
+ *     v  = fma(a2, g * g, v * b2)                                (mul_, then addcmul_: a +
+ *                                                                 value * (b * c), g*g rounded)
+ *     amsgrad:   vmax = MAXC(vmax, v), s = vmax;   else s = v    (maximum / _foreach_maximum_)
+ *     TORCH2_CUDA:          d = sqrtf(s) * bc2_rcp + e           (div by a CPU scalar, add_)
+ *     TORCH2_CUDA_FOREACH:  d = sqrtf(s) / bc2s + e              (_foreach_div_ by a scalar list
+ *                                                                 divides truly; _foreach_add_)
+ *     p  = fma(nss, m / d, p)                                    (addcdiv_: a + value * (b / c))
+ *   TORCH2_CUDA_FUSED (one kernel, fused_adam_utils.cuh adam_math; double operations marked D,
+ *   rounded to double, and (float) rounds a double to fp32 once):
+ *     AdamW, weight_decay != 0:  p = (float)fmaD(-WD, p, p)       (param -= lr * wd * param)
+ *     Adam,  weight_decay != 0:  g = (float)fmaD(p, WD, g)        (grad += param * wd)
+ *     m  = (float)fmaD(B1, m, A1 *D g)                            (beta1 * m + (1 - beta1) * g)
+ *     v  = (float)fmaD(B2, v, (A2 *D g) *D g)                     (beta2 * v + (1 - beta2) * g * g)
+ *     amsgrad:   vmax = MAXF(vmax, v), s = vmax;   else s = v     (std::max)
+ *     d  = (float)((double)(sqrtf(s) / bc2s) +D E)                (fp32 quotient, + eps in double)
+ *     p  = p + (nss * m) / d                                      (p -= step_size * m / d, fp32)
+ * where MAXC(a, b) = (a is NaN or a > b) ? a : b (torch.maximum's CUDA kernel returns a NaN operand
+ * itself) and MAXF(a, b) = a < b ? b : a (std::max: a NaN b leaves a). The fused kernel's two
+ * products summed (m, v) are contracted by nvcc into one fma; which of the two products it fuses
+ * is the compiler's choice, taken here as LLVM's (the first operand's). Where the two products
+ * nearly cancel the choice shows in the fp32 result (an uncontracted form differed from this one
+ * in about one element in 10^4 per step of the conformance matrix's emulation):
+ * tests/python/test_torch_cuda.py's probe names the form torch's build computes. Its pow() is
+ * CUDA's double pow (within 2 ULP of the exact power) where zerod takes the
+ * host's: their fp32 bias corrections differ only when 1 - pow lies that close to a rounding
+ * boundary of fp32 (never seen; about once in 2^28 steps). The CPU backends run these three
+ * formulas through the scalar reference only: they are meant for CUDA parameters.
  *
  * torch 2.x's lerp (aten/src/ATen/native/Lerp.h, vectorised with fma on AVX2 and AVX-512 builds)
  * computes m + w * (g - m) for |w| < 0.5 and g - (g - m) * (1 - w) otherwise; its vector body
@@ -112,13 +162,25 @@ typedef struct zd__adam_group {
   float bias_correction2_sqrt;
   float neg_step_size;
   float eps;
-  float lerp_weight;      /* TORCH2 */
-  uint8_t update;         /* zd_update_t */
-  uint8_t sqrt_mode;      /* zd_sqrt_mode_t */
-  uint8_t lerp_from_grad; /* TORCH2: the lerp's second form (w >= 0.5) */
-  uint8_t negate_grad;    /* TORCH2 with maximize */
-  uint8_t amsgrad;        /* the denominator takes max_exp_avg_sq */
+  float lerp_weight;          /* TORCH2 */
+  uint8_t update;             /* zd_update_t */
+  uint8_t sqrt_mode;          /* zd_sqrt_mode_t */
+  uint8_t lerp_from_grad;     /* TORCH2: the lerp's second form (w >= 0.5) */
+  uint8_t negate_grad;        /* TORCH2 with maximize */
+  uint8_t amsgrad;            /* the denominator takes max_exp_avg_sq */
+  float bias_correction2_rcp; /* TORCH2_CUDA: 1.0f / bias_correction2_sqrt, in fp32 */
+  /* TORCH2_CUDA_FUSED: the hyperparameters as doubles (B1, A1, B2, A2, WD, E above) */
+  double beta1_d, one_minus_beta1_d, beta2_d, one_minus_beta2_d;
+  double weight_decay_d; /* lr * weight_decay (AdamW) or weight_decay (Adam) */
+  double eps_d;
 } zd__adam_group_t;
+
+/* One of the three formulas of torch 2.x's CUDA paths (ZD_UPDATE_TORCH2_CUDA*), which the CPU
+ * backends compute with the scalar reference only. */
+static inline int zd__update_is_cuda(int update) {
+  return update == ZD_UPDATE_TORCH2_CUDA || update == ZD_UPDATE_TORCH2_CUDA_FOREACH ||
+         update == ZD_UPDATE_TORCH2_CUDA_FUSED;
+}
 
 /* MAX of the amsgrad formula above: ATen's vectorised torch.maximum(a, b), a NaN as all ones. */
 static inline float zd__amsgrad_max(float a, float b) {
@@ -129,6 +191,17 @@ static inline float zd__amsgrad_max(float a, float b) {
     return nan;
   }
   return a > b ? a : b;
+}
+
+/* MAXC of the CUDA formulas above: torch.maximum's CUDA kernel (and _foreach_maximum_'s), a NaN
+ * operand returned as it is. */
+static inline float zd__amsgrad_max_cuda(float a, float b) {
+  return (a != a || a > b) ? a : b;
+}
+
+/* MAXF of TORCH2_CUDA_FUSED: std::max(a, b) of torch's fused kernel. */
+static inline float zd__amsgrad_max_fused(float a, float b) {
+  return a < b ? b : a;
 }
 
 /* Computes the constants of `hp` for step number `step` (1 for the first step). */

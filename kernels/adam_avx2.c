@@ -236,6 +236,10 @@ void zd__adam_step_avx2(const zd__adam_args_t *a, uint64_t begin, uint64_t end) 
     uint64_t lo = seg->offset > begin ? seg->offset : begin;
     uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
     const zd__adam_group_t *gc = &a->groups[seg->group];
+    if (zd__update_is_cuda(gc->update)) { /* torch's CUDA formulas: the reference only (adam.h) */
+      zd__adam_step_ref(a, lo, hi);
+      continue;
+    }
     int wdm = !gc->has_weight_decay ? WD_NONE : gc->optimizer == ZD_ADAMW ? WD_DECAY : WD_L2;
     int form = (gc->update == ZD_UPDATE_TORCH2 ? F2 : F113) | (gc->sqrt_mode == ZD_SQRT_MKL_EX) |
                (gc->amsgrad ? F_AMS : 0);

@@ -17,6 +17,13 @@ _Static_assert((int)ZEROD__V1__UPDATE__UPDATE_TORCH113 == (int)ZD_UPDATE_TORCH11
                "wire UPDATE_TORCH113 != ZD_UPDATE_TORCH113");
 _Static_assert((int)ZEROD__V1__UPDATE__UPDATE_TORCH2 == (int)ZD_UPDATE_TORCH2,
                "wire UPDATE_TORCH2 != ZD_UPDATE_TORCH2");
+_Static_assert((int)ZEROD__V1__UPDATE__UPDATE_TORCH2_CUDA == (int)ZD_UPDATE_TORCH2_CUDA,
+               "wire UPDATE_TORCH2_CUDA != ZD_UPDATE_TORCH2_CUDA");
+_Static_assert((int)ZEROD__V1__UPDATE__UPDATE_TORCH2_CUDA_FOREACH ==
+                   (int)ZD_UPDATE_TORCH2_CUDA_FOREACH,
+               "wire UPDATE_TORCH2_CUDA_FOREACH != ZD_UPDATE_TORCH2_CUDA_FOREACH");
+_Static_assert((int)ZEROD__V1__UPDATE__UPDATE_TORCH2_CUDA_FUSED == (int)ZD_UPDATE_TORCH2_CUDA_FUSED,
+               "wire UPDATE_TORCH2_CUDA_FUSED != ZD_UPDATE_TORCH2_CUDA_FUSED");
 _Static_assert((int)ZEROD__V1__SQRT_MODE__SQRT_EXACT == (int)ZD_SQRT_EXACT,
                "wire SQRT_EXACT != ZD_SQRT_EXACT");
 _Static_assert((int)ZEROD__V1__SQRT_MODE__SQRT_MKL_EX == (int)ZD_SQRT_MKL_EX,

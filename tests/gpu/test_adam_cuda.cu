@@ -15,7 +15,9 @@
  *             subnormal, max), subnormal moments, several steps with a changing lr, device
  *             arrays aligned (vector path) or shifted off 16 bytes, together or each its own way
  *             (scalar path), groups inline or in a device array (and more than
- * ZD__CUDA_GROUPS_INLINE). Whole buffers are compared, with guard elements on both sides, so
+ * ZD__CUDA_GROUPS_INLINE); variants  the same for every update formula (zd_update_t: torch
+ * 1.13's, 2.x's CPU formula, its three CUDA paths), with and without maximize, and all of them in
+ * one shard. Whole buffers are compared, with guard elements on both sides, so
  * padding and guards must keep their sentinel bits; stats     zd__cuda_grad_stats: per-block sums
  * bitwise equal to zd__grad_stats_ref, total bitwise equal to zd__grad_stats_sum (pairwise by
  * levels), non-finite count, accumulation over ranges, tags, the record sealed with its check
@@ -423,9 +425,21 @@ static int expect_vec(const state_t *s, const shard_t *sh) {
 
 static uint64_t cases_vec, cases_scalar, elems_checked;
 
+/* The update formula and maximize of every group (test_variants); -1: hps' (TORCH113, no
+ * maximize); ZD__ALL_UPDATES: group k takes formula k % 5 and maximize k / 5 % 2. */
+#define ZD__ALL_UPDATES 99
+static int variant_update = -1, variant_maximize;
+
 static void group_consts(zd__adam_group_t *groups, uint32_t ngroups, int t) {
   for (uint32_t k = 0; k < ngroups; k++) {
     zd_group_t hp = hps[k % NGROUPS];
+    if (variant_update == ZD__ALL_UPDATES) {
+      hp.update = (zd_update_t)(k % 5);
+      hp.maximize = k / 5 % 2;
+    } else if (variant_update >= 0) {
+      hp.update = (zd_update_t)variant_update;
+      hp.maximize = variant_maximize;
+    }
     hp.lr *= (1.0 + 0.25 * t) * (1.0 + 0.01 * (k / NGROUPS)); /* a scheduler; groups differ */
     zd__adam_group_init(&groups[k], &hp, (uint64_t)t);
   }
@@ -548,6 +562,51 @@ static void random_modes(shard_t *sh) {
   sh->groups_mode = (int)rnd_below(2);
   sh->state_specials = rnd_below(4) == 0 ? 20 : 0;
   random_shifts(sh);
+}
+
+/* Every update formula (zd_update_t), with and without maximize, through the vector and scalar
+ * paths, every grad dtype x param output, special grads included; then all of them at once, one
+ * per group (more groups than travel inline, through d_groups). */
+static void test_variants(void) {
+  static const char *names[5] = {"torch113", "torch2", "torch2_cuda", "torch2_cuda_foreach",
+                                 "torch2_cuda_fused"};
+  for (int u = 0; u < 5; u++)
+    for (int mx = 0; mx < 2; mx++) {
+      variant_update = u;
+      variant_maximize = mx;
+      for (int gi = 0; gi < 3; gi++)
+        for (int pi = 0; pi < 3; pi++) {
+          shard_t sh;
+          memset(&sh, 0, sizeof sh);
+          sh.n = 3000 + rnd_below(300);
+          sh.gdt = gdts[gi];
+          sh.pdt = pdts[pi];
+          sh.ngroups = NGROUPS;
+          sh.specials = 10;
+          random_modes(&sh);
+          for (int k = 0; k < A_COUNT; k++) sh.shift[k] = (gi + pi) % 2 ? 3 + k : 0;
+          make_segments(&sh);
+          run_shard(&sh, 3);
+          shard_free(&sh);
+        }
+      printf("variants: update %s%s: every grad dtype x param output ok\n", names[u],
+             mx ? " with maximize" : "");
+    }
+  variant_update = ZD__ALL_UPDATES;
+  shard_t sh;
+  memset(&sh, 0, sizeof sh);
+  sh.n = 40000;
+  sh.gdt = ZD_BF16;
+  sh.pdt = ZD_BF16;
+  sh.ngroups = ZD__CUDA_GROUPS_INLINE + 11;
+  sh.specials = 4;
+  random_modes(&sh);
+  sh.groups_mode = 1;
+  make_segments(&sh);
+  run_shard(&sh, 3);
+  shard_free(&sh);
+  variant_update = -1;
+  printf("variants: every formula in one shard, a group each, through d_groups ok\n");
 }
 
 static void test_step(void) {
@@ -1185,6 +1244,7 @@ int main(void) {
   test_stats();
   test_pipeline();
   test_step();
+  test_variants();
   test_huge();
   CUDA_CHECK(cudaStreamDestroy(stream));
   printf(

@@ -394,6 +394,13 @@ static void run_update(int gdt, int pdt, int ams, int verdict) {
   hp[1].optimizer = ZD_ADAM;
   hp[1].weight_decay = 0.01;
   hp[1].amsgrad = ams;
+  /* every update formula (zd_update_t: torch 1.13's, 2.x's on CPU, its three CUDA paths), with
+   * and without maximize, on both groups over the cases */
+  static int turn;
+  hp[0].update = (zd_update_t)(turn % 5);
+  hp[1].update = (zd_update_t)((turn + 2) % 5);
+  hp[1].maximize = turn / 5 % 2;
+  turn++;
   zd__adam_group_t groups[2];
   for (int g = 0; g < 2; g++) zd__adam_group_init(&groups[g], &hp[g], 7);
   zd__cuda_layout_t *l = NULL;
@@ -477,7 +484,8 @@ static void test_update(void) {
       for (int x = 0; x < 2; x++)
         for (int v = 0; v < 4; v++, cases++) run_update(gdts[g], pdts[p], x, verdicts[v]);
   printf(
-      "update: %d cases (grad dtype x param output x max_exp_avg_sq x verdict): with "
+      "update: %d cases (grad dtype x param output x max_exp_avg_sq x verdict, every update "
+      "formula): with "
       "d_decision, APPLY is the update with the host's factor bit for bit, SKIP, DISAGREE and "
       "INVALID change nothing\n",
       cases);

@@ -777,6 +777,47 @@ class OptimizerTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             self.make(small_model(), update="torch3")
 
+    def test_formula_for_cuda_parameters(self) -> None:
+        # _choose_formula with CUDA parameters (no GPU needed): torch 2.x's implementation choice
+        # picks one of its CUDA formulas, as torch would take the path (foreach by default);
+        # torch 1.13's CUDA kernels are not carried: refused unless the group names its update
+        from unittest import mock
+
+        import zerod.torch as zt
+
+        def pick(major: int, **g: Any) -> Any:
+            with mock.patch.object(zt, "_torch_major", lambda: major):
+                return zt._choose_formula(g, True, "param group 0")
+
+        self.assertEqual(pick(2), ("torch2_cuda_foreach", "exact"))
+        self.assertEqual(pick(2, foreach=None, fused=False), ("torch2_cuda_foreach", "exact"))
+        self.assertEqual(pick(2, foreach=True), ("torch2_cuda_foreach", "exact"))
+        self.assertEqual(pick(2, foreach=False), ("torch2_cuda", "exact"))
+        self.assertEqual(pick(2, fused=True), ("torch2_cuda_fused", "exact"))
+        self.assertEqual(pick(2, foreach=False, fused=True), ("torch2_cuda_fused", "exact"))
+        with self.assertRaisesRegex(ValueError, "together"):
+            pick(2, foreach=True, fused=True)
+        with self.assertRaisesRegex(ValueError, "need torch >= 2.0"):
+            pick(1)
+        self.assertEqual(pick(1, update="torch113")[0], "torch113")
+        # on the CPU nothing changes: torch 2.x's CPU formula, whatever foreach says
+        with mock.patch.object(zt, "_torch_major", lambda: 2):
+            self.assertEqual(zt._choose_formula({"fused": True}, False, "g"), ("torch2", "exact"))
+            self.assertEqual(zt._choose_formula({"foreach": True}, False, "g")[0], "torch2")
+
+    def test_cuda_formulas_are_accepted_by_zerod(self) -> None:
+        # the three CUDA formulas are valid group values for zerod (its CPU backend computes them
+        # with the scalar reference): a group naming one registers and steps
+        for update in ("torch2_cuda", "torch2_cuda_foreach", "torch2_cuda_fused"):
+            with self.subTest(update=update):
+                model = small_model()
+                opt = self.make(model, update=update, sqrt_mode="exact")
+                self.assertEqual(opt.param_groups[0]["update"], update)
+                opt.zero_grad()
+                loss_of(model, 0).backward()
+                opt.step()
+                opt.close()
+
     def test_sqrt_probe_matches_torch(self) -> None:
         # the mode the probe picked reproduces torch.sqrt on fresh values too, through libzerod
         import zerod._lib as zl

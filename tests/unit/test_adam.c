@@ -194,13 +194,16 @@ static const zd_group_t hps[NGROUPS] = {
     HP(1e-3, 0.0, 0.0, 1e-8, 0.01, ZD_ADAMW, 1),   HP(1e-3, 0.3, 0.5, 1e-8, 0.5, ZD_ADAM, 0),
 };
 
-/* The formula of group k at step t of a shard whose draw is r: every (update, sqrt_mode), and
- * amsgrad too when the shard has max_exp_avg_sq (ams). */
+/* The formula of group k at step t of a shard whose draw is r: every (update, sqrt_mode) of the
+ * CPU formulas, the three CUDA formulas (which the wide paths hand to the reference, segment by
+ * segment), and amsgrad too when the shard has max_exp_avg_sq (ams). */
 static void set_variant(zd_group_t *hp, int k, int t, unsigned r, int ams) {
-  unsigned f = ((unsigned)k + (unsigned)t + r) % (ams ? 8 : 4);
-  hp->update = f & 2 ? ZD_UPDATE_TORCH2 : ZD_UPDATE_TORCH113;
-  hp->sqrt_mode = f & 1 ? ZD_SQRT_MKL_EX : ZD_SQRT_EXACT;
-  hp->amsgrad = (f & 4) != 0;
+  unsigned f = ((unsigned)k + (unsigned)t + r) % (ams ? 14 : 7), b = f % 7;
+  static const zd_update_t cuda[3] = {ZD_UPDATE_TORCH2_CUDA, ZD_UPDATE_TORCH2_CUDA_FOREACH,
+                                      ZD_UPDATE_TORCH2_CUDA_FUSED};
+  hp->update = b >= 4 ? cuda[b - 4] : b & 2 ? ZD_UPDATE_TORCH2 : ZD_UPDATE_TORCH113;
+  hp->sqrt_mode = b < 4 && (b & 1) ? ZD_SQRT_MKL_EX : ZD_SQRT_EXACT;
+  hp->amsgrad = f >= 7;
 }
 
 typedef struct {

@@ -83,9 +83,21 @@ typedef enum zd_optimizer { ZD_ADAMW = 0, ZD_ADAM = 1 } zd_optimizer_t;
 
 /* Which torch release's formula a group's update follows, bit for bit (kernels/adam.h):
  * ZD_UPDATE_TORCH113, torch 1.13's (first moment m = m * beta1 + (1 - beta1) * g, one fma), the
- * default; ZD_UPDATE_TORCH2, torch 2.x's single-tensor path (m = m.lerp(g, 1 - beta1)). The two
- * differ in the last bit of about a quarter of the moments. */
-typedef enum zd_update { ZD_UPDATE_TORCH113 = 0, ZD_UPDATE_TORCH2 = 1 } zd_update_t;
+ * default; ZD_UPDATE_TORCH2, torch 2.x's single-tensor path on CPU (m = m.lerp(g, 1 - beta1)). The
+ * two differ in the last bit of about a quarter of the moments. The other three are torch 2.x's
+ * formulas for parameters on a CUDA device, which round differently from its CPU path and from
+ * each other: ZD_UPDATE_TORCH2_CUDA, the single-tensor path (foreach=False);
+ * ZD_UPDATE_TORCH2_CUDA_FOREACH, foreach=True (torch's default on CUDA);
+ * ZD_UPDATE_TORCH2_CUDA_FUSED, fused=True. They take the correctly rounded sqrt (a GPU's) whatever
+ * the group's sqrt_mode says.
+ * A CPU backend computes them with its scalar reference (slower than its vector paths). */
+typedef enum zd_update {
+  ZD_UPDATE_TORCH113 = 0,
+  ZD_UPDATE_TORCH2 = 1,
+  ZD_UPDATE_TORCH2_CUDA = 2,
+  ZD_UPDATE_TORCH2_CUDA_FOREACH = 3,
+  ZD_UPDATE_TORCH2_CUDA_FUSED = 4
+} zd_update_t;
 
 /* How the update takes the square root of the second moment: ZD_SQRT_EXACT, correctly rounded
  * (torch without MKL, e.g. Debian's, and torch's fused=True CPU kernel), the default;

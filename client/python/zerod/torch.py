@@ -86,8 +86,8 @@ read ``__cuda_array_interface__``. CPU parameters need zerod's CPU backend, CUDA
 CUDA backend.
 
 Which torch. zerod's update reproduces torch.optim.AdamW/Adam bit for bit as the running torch
-computes it (docs/torch2/README.md): each group's ``update`` is "torch113" under torch 1.x and
-"torch2" under torch 2.x (the first moment by lerp), and its ``sqrt_mode`` is what torch.sqrt
+computes it (docs/torch2/README.md): on CPU each group's ``update`` is "torch113" under torch 1.x
+and "torch2" under torch 2.x (the first moment by lerp), and its ``sqrt_mode`` is what torch.sqrt
 does on this machine, measured once per process on 65,536 probes against zerod's own
 (zd_sqrt): "exact" (correctly rounded: Debian's torch, builds without MKL) or "mkl_ex" (MKL's
 SSE4.2 kernel, which PyPI's wheels run on AMD and other non-Intel x86 CPUs); when torch matches
@@ -95,9 +95,12 @@ neither (MKL's kernels for Intel CPUs), a warning gives the measured mismatch an
 used. On CPU, foreach=True computes the same bits as torch's default (a warning says it changes
 nothing); fused=True (torch 2.x) takes a correctly rounded sqrt ("exact"), and is refused with a
 parameter smaller than one of its vectors, which its kernel computes by another formula. With
-CUDA parameters the sqrt is "exact", and foreach=True or fused=True are refused: zerod's CUDA
-update is not torch's foreach or fused CUDA kernel. A group may name update and sqrt_mode
-itself. With max_grad_norm, the step clips by the running torch's fp32 total norm
+CUDA parameters (torch 2.x) each of torch's CUDA implementations has a formula of its own, and
+``update`` follows the one torch would take: "torch2_cuda" for foreach=False (the single-tensor
+path), "torch2_cuda_foreach" for foreach unset or True (torch's default on CUDA),
+"torch2_cuda_fused" for fused=True; the sqrt is the GPU's ("exact"). Under torch 1.13 CUDA
+parameters are refused unless a group names its update (1.13's CUDA kernels are not carried). A
+group may name update and sqrt_mode itself. With max_grad_norm, the step clips by the running torch's fp32 total norm
 (clip_grad_norm_ over the parameters in the optimizer's order, each of which has a gradient)
 bit for bit under torch 1.13.x (Debian's build), 2.6.x and 2.15.x (PyPI's), on CPU at world
 size 1 with f32 gradients and no loss scaler; other releases, CUDA, world size > 1, bf16/f16
@@ -218,19 +221,37 @@ def _choose_formula(g: Mapping[str, Any], cuda: bool, where: str) -> Tuple[str, 
     On CPU (measured, docs/torch2/README.md): torch 1.13 updates the first moment with a
     multiply-add, torch 2.x with lerp; foreach=True gives the same bits as the default on both
     (it batches the same per-element kernels); fused=True (torch >= 2.x) has a correctly rounded
-    sqrt where the default takes torch.sqrt's, which the probe decides. On CUDA zerod computes the
-    single-tensor formula with a correctly rounded sqrt; torch's foreach and fused CUDA kernels
-    order their operations differently and are refused when asked for."""
-    update = "torch2" if _torch_major() >= 2 else "torch113"
+    sqrt where the default takes torch.sqrt's, which the probe decides.
+
+    On CUDA (torch 2.x, read from its CUDA kernels: kernels/adam.h) the three implementations
+    round differently from each other and from the CPU path, and zerod carries each:
+    foreach=False is the single-tensor path ("torch2_cuda"); foreach=None or True its foreach
+    path ("torch2_cuda_foreach": torch's default for CUDA tensors); fused=True its fused kernel
+    ("torch2_cuda_fused"); the sqrt is the GPU's, correctly rounded. torch 1.13's CUDA kernels
+    round like 2.x's but update the first moment with a multiply-add, which zerod does not carry:
+    a group left to choose its formula is refused there (a group that names update itself is
+    not)."""
     foreach, fused = g.get("foreach"), g.get("fused")
+    if foreach and fused:
+        raise ValueError(f"{where}: foreach=True and fused=True together (torch refuses them "
+                         f"too); set one")
     if cuda:
-        for key, value in (("foreach", foreach), ("fused", fused)):
-            if value:
-                raise ValueError(f"{where}: {key}=True is not supported with CUDA parameters: "
-                                 f"zerod's CUDA update is torch's single-tensor formula, not "
-                                 f"the {key} CUDA kernel's, whose results differ; leave {key} "
-                                 f"unset or False")
-        return update, "exact"
+        if _torch_major() < 2:
+            if g.get("update") is None:
+                raise ValueError(
+                    f"{where}: CUDA parameters need torch >= 2.0 (running {torch.__version__}): "
+                    f"torch 1.13's CUDA AdamW/Adam rounds differently from its CPU formula "
+                    f"('torch113': addcmul_ rounds g*g first, the single-tensor path divides by "
+                    f"a reciprocal, addcdiv_ fuses its multiply-add) and zerod carries only "
+                    f"torch 2.x's CUDA formulas; name update='torch113' in the group to train "
+                    f"with the CPU formula, not bit-identical to torch 1.13 on CUDA")
+            return "torch113", "exact"
+        if fused:
+            return "torch2_cuda_fused", "exact"
+        if foreach is False:
+            return "torch2_cuda", "exact"
+        return "torch2_cuda_foreach", "exact"
+    update = "torch2" if _torch_major() >= 2 else "torch113"
     if fused:
         if update == "torch113":
             raise ValueError(f"{where}: fused=True needs torch >= 2.0 (running "
