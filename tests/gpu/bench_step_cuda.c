@@ -35,16 +35,8 @@
 
 #include "adam_cuda.h"
 #include "harness.h"
+#include "gpu_check.h"
 #include "zerod/zerod.h"
-
-#define CUDA_OK(call)                                                                        \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(1);                                                                               \
-    }                                                                                        \
-  } while (0)
 
 #define MAX_MODES 2
 #define MAX_WORLD 8
@@ -91,7 +83,7 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n, double max_grad_no
   if (zd_connect(d->socket, ZD_ANY_RANK, 0, &c) != ZD_OK) die("connect");
   int dev;
   if (zd_cuda_device(c, &dev) != ZD_OK) die("zd_cuda_device");
-  CUDA_OK(cudaSetDevice(dev));
+  CUDA_CHECK(cudaSetDevice(dev));
   zd_param_t p = {.name = "weights", .ndim = 1, .shape = {n}, .group = 0};
   zd_group_t g;
   zd_group_init(&g, 1, sizeof g);
@@ -112,9 +104,9 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n, double max_grad_no
   float *h = malloc(bytes);
   if (!h) exit(1);
   fill_host(h, n, 1);
-  CUDA_OK(cudaMemcpy(grad, h, bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(grad, h, bytes, cudaMemcpyHostToDevice));
   fill_host(h, n, 0);
-  CUDA_OK(cudaMemcpy(param, h, bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(param, h, bytes, cudaMemcpyHostToDevice));
   free(h);
   if (zd_register(c) != ZD_OK) die("register");
   return c;
@@ -126,7 +118,7 @@ static double step_seconds(zd_client_t *c, int sync) {
   zd_step_result_t r = ZD_STEP_RESULT_INIT;
   double t0 = now_s();
   if (zd_step(c, NULL, &r) != ZD_OK) die("step");
-  if (sync) CUDA_OK(cudaStreamSynchronize(NULL)); /* the client's stream: the legacy default */
+  if (sync) CUDA_CHECK(cudaStreamSynchronize(NULL)); /* the client's stream: the legacy default */
   return now_s() - t0;
 }
 
@@ -137,12 +129,12 @@ typedef struct copier {
 } copier_t;
 
 static double copy_seconds(const copier_t *cp, size_t bytes) {
-  CUDA_OK(cudaEventRecord(cp->a, cp->s));
-  CUDA_OK(cudaMemcpyAsync(cp->dst, cp->src, bytes, cudaMemcpyDeviceToDevice, cp->s));
-  CUDA_OK(cudaEventRecord(cp->b, cp->s));
-  CUDA_OK(cudaEventSynchronize(cp->b));
+  CUDA_CHECK(cudaEventRecord(cp->a, cp->s));
+  CUDA_CHECK(cudaMemcpyAsync(cp->dst, cp->src, bytes, cudaMemcpyDeviceToDevice, cp->s));
+  CUDA_CHECK(cudaEventRecord(cp->b, cp->s));
+  CUDA_CHECK(cudaEventSynchronize(cp->b));
   float ms;
-  CUDA_OK(cudaEventElapsedTime(&ms, cp->a, cp->b));
+  CUDA_CHECK(cudaEventElapsedTime(&ms, cp->a, cp->b));
   return ms * 1e-3;
 }
 
@@ -333,17 +325,17 @@ int main(int argc, char **argv) {
   }
 
   struct cudaDeviceProp prop;
-  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  CUDA_OK(cudaSetDevice(0));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  CUDA_CHECK(cudaSetDevice(0));
   size_t half = 16 * ((size_t)1 << max_log2);
   copier_t cp;
-  CUDA_OK(cudaMalloc(&cp.src, half));
-  CUDA_OK(cudaMalloc(&cp.dst, half));
-  CUDA_OK(cudaMemset(cp.src, 1, half));
-  CUDA_OK(cudaDeviceSynchronize()); /* the copies run on a non-blocking stream */
-  CUDA_OK(cudaStreamCreateWithFlags(&cp.s, cudaStreamNonBlocking));
-  CUDA_OK(cudaEventCreate(&cp.a));
-  CUDA_OK(cudaEventCreate(&cp.b));
+  CUDA_CHECK(cudaMalloc(&cp.src, half));
+  CUDA_CHECK(cudaMalloc(&cp.dst, half));
+  CUDA_CHECK(cudaMemset(cp.src, 1, half));
+  CUDA_CHECK(cudaDeviceSynchronize()); /* the copies run on a non-blocking stream */
+  CUDA_CHECK(cudaStreamCreateWithFlags(&cp.s, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreate(&cp.a));
+  CUDA_CHECK(cudaEventCreate(&cp.b));
 
   printf("# bench_step_cuda: zd_step() through zerod, CUDA backend, world size %d on GPU 0 %s\n",
          world, prop.name);
@@ -381,7 +373,7 @@ int main(int argc, char **argv) {
   for (int m = 0; m < nmodes; m++)
     printf("  %-6s %2d %10llu %10.1f %10.1f\n", modes[m], world, (unsigned long long)tiny_params,
            rtt[m].p50, rtt[m].p99);
-  CUDA_OK(cudaFree(cp.src));
-  CUDA_OK(cudaFree(cp.dst));
+  CUDA_CHECK(cudaFree(cp.src));
+  CUDA_CHECK(cudaFree(cp.dst));
   return 0;
 }

@@ -42,17 +42,11 @@
 #include "dtype_ref.h"
 #include "harness.h"
 #include "mlp.h"
+#include "gpu_check.h"
 #include "zerod/zerod.h"
 
 #define TOTAL 20
 #define MAXN  (MLP_HIDDEN * MLP_IN)
-
-#define CUDA_OK(call)                                                          \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    CHECK_MSG(e_ == cudaSuccess, "%s: %s (%s)", #call, cudaGetErrorString(e_), \
-              cudaGetErrorName(e_));                                           \
-  } while (0)
 
 /* Device buffers and a CUDA zerod, or in the rehearsal host buffers and a CPU zerod. */
 static zd_memory_t memory = ZD_MEMORY_CUDA;
@@ -113,9 +107,9 @@ static int try_attach(trainer_t *t, const char *socket, int fresh) {
   t->pbuf = zd_param_buffer(t->c, &t->pbytes);
   t->gbuf = zd_grad_buffer(t->c, &t->gbytes);
   if (memory == ZD_MEMORY_CUDA) {
-    CUDA_OK(cudaSetDevice(device));
-    CUDA_OK(cudaMallocHost((void **)&t->hp, t->pbytes));
-    CUDA_OK(cudaMallocHost((void **)&t->hg, t->gbytes));
+    CUDA_CHECK(cudaSetDevice(device));
+    CUDA_CHECK(cudaMallocHost((void **)&t->hp, t->pbytes));
+    CUDA_CHECK(cudaMallocHost((void **)&t->hg, t->gbytes));
     memset(t->hg, 0, t->gbytes);
   } else {
     t->hp = t->pbuf;
@@ -133,13 +127,13 @@ static int try_attach(trainer_t *t, const char *socket, int fresh) {
         zdt_store(t->hp, t->pdt, info.offset + k, init[i][k]);
     }
     if (memory == ZD_MEMORY_CUDA)
-      CUDA_OK(cudaMemcpy(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice));
   }
   rc = zd_register(t->c);
   if (rc) {
     if (memory == ZD_MEMORY_CUDA) {
-      CUDA_OK(cudaFreeHost(t->hp));
-      CUDA_OK(cudaFreeHost(t->hg));
+      CUDA_CHECK(cudaFreeHost(t->hp));
+      CUDA_CHECK(cudaFreeHost(t->hg));
     }
     zd_close(t->c);
     t->c = NULL;
@@ -173,8 +167,8 @@ static void attach(trainer_t *t, const char *socket, zd_dtype_t pdt, zd_dtype_t 
 
 static void detach(trainer_t *t) {
   if (memory == ZD_MEMORY_CUDA) {
-    CUDA_OK(cudaFreeHost(t->hp));
-    CUDA_OK(cudaFreeHost(t->hg));
+    CUDA_CHECK(cudaFreeHost(t->hp));
+    CUDA_CHECK(cudaFreeHost(t->hg));
   }
   zd_close(t->c);
   t->c = NULL;
@@ -184,7 +178,7 @@ static void detach(trainer_t *t) {
  * made the legacy default stream wait on). */
 static void fetch_params(trainer_t *t) {
   if (memory == ZD_MEMORY_CUDA)
-    CUDA_OK(cudaMemcpy(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost));
 }
 
 /* Gradients of the batch of t->step at the current parameters, uploaded to the grad buffer. */
@@ -206,7 +200,7 @@ static void make_grads(trainer_t *t) {
     for (uint64_t k = 0; k < info[i].numel; k++)
       zdt_store(t->hg, t->gdt, info[i].offset + k, grad[i][k]);
   if (memory == ZD_MEMORY_CUDA)
-    CUDA_OK(cudaMemcpy(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice));
 }
 
 static zd_step_opts_t step_opts(const trainer_t *t, zd_group_t groups[2]) {
@@ -313,7 +307,7 @@ static int trainer_main(int argc, char **argv) {
     zd_request_t req;
     CHECK_MSG(zd_step_start(t.c, &opts, &req) == ZD_OK, "step_start: %s", zd_last_error());
     /* The request's "grads ready" record has run: zerod's wait on it is for completed work. */
-    if (memory == ZD_MEMORY_CUDA) CUDA_OK(cudaDeviceSynchronize());
+    if (memory == ZD_MEMORY_CUDA) CUDA_CHECK(cudaDeviceSynchronize());
   }
   fflush(stdout);
   raise(SIGKILL); /* holding its device buffers, its connection open */
@@ -515,7 +509,7 @@ int main(int argc, char **argv) {
     return ZD_TEST_SKIP;
   }
   struct cudaDeviceProp prop;
-  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   printf("GPU 0: %s, %d usable GPU(s)\n", prop.name, ngpus);
   run_all();
   printf("test_recovery_cuda: ok\n");

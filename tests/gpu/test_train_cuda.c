@@ -61,19 +61,13 @@
 #include "layout.h"
 #include "mlp.h"
 #include "zerod.pb-c.h"
+#include "gpu_check.h"
 #include "zerod/zerod.h"
 
 #define STEPS       120
 #define REATTACH_AT 60
 #define PIPE_STEPS  16
 #define MAXN        (MLP_HIDDEN * MLP_IN)
-
-#define CUDA_OK(call)                                                          \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    CHECK_MSG(e_ == cudaSuccess, "%s: %s (%s)", #call, cudaGetErrorString(e_), \
-              cudaGetErrorName(e_));                                           \
-  } while (0)
 
 /* What the "device" trainers get: device buffers and a CUDA zerod, or, without a GPU, host
  * buffers and a CPU zerod (the rehearsal of the test's logic). */
@@ -163,9 +157,9 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
               (unsigned long long)info.offset);
   }
   if (memory == ZD_MEMORY_CUDA) {
-    CUDA_OK(cudaSetDevice(device));
-    CUDA_OK(cudaMallocHost((void **)&t->hp, t->pbytes));
-    CUDA_OK(cudaMallocHost((void **)&t->hg, t->gbytes));
+    CUDA_CHECK(cudaSetDevice(device));
+    CUDA_CHECK(cudaMallocHost((void **)&t->hp, t->pbytes));
+    CUDA_CHECK(cudaMallocHost((void **)&t->hg, t->gbytes));
     memset(t->hp, 0, t->pbytes);
     memset(t->hg, 0, t->gbytes);
     if (stream) CHECK_MSG(zd_set_stream(t->c, stream) == ZD_OK, "%s", zd_last_error());
@@ -185,9 +179,9 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
     }
     if (memory == ZD_MEMORY_CUDA && stream) /* on the stream, unsynchronised: ordered by the
                                                grads-ready record of the register */
-      CUDA_OK(cudaMemcpyAsync(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaMemcpyAsync(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice, stream));
     else if (memory == ZD_MEMORY_CUDA)
-      CUDA_OK(cudaMemcpy(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice));
   }
   CHECK_MSG(zd_register(t->c) == ZD_OK, "register: %s", zd_last_error());
   zd_info_t info = ZD_INFO_INIT;
@@ -200,9 +194,9 @@ static void attach(trainer_t *t, const char *socket, zd_memory_t memory, const o
 
 static void detach(trainer_t *t) {
   if (t->memory == ZD_MEMORY_CUDA) {
-    if (t->stream) CUDA_OK(cudaStreamSynchronize(t->stream));
-    CUDA_OK(cudaFreeHost(t->hp));
-    CUDA_OK(cudaFreeHost(t->hg));
+    if (t->stream) CUDA_CHECK(cudaStreamSynchronize(t->stream));
+    CUDA_CHECK(cudaFreeHost(t->hp));
+    CUDA_CHECK(cudaFreeHost(t->hg));
   }
   zd_close(t->c);
   t->c = NULL;
@@ -212,10 +206,10 @@ static void detach(trainer_t *t) {
 static void fetch_params(trainer_t *t) {
   if (t->memory != ZD_MEMORY_CUDA) return;
   if (t->stream) {
-    CUDA_OK(cudaMemcpyAsync(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost, t->stream));
-    CUDA_OK(cudaStreamSynchronize(t->stream));
+    CUDA_CHECK(cudaMemcpyAsync(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost, t->stream));
+    CUDA_CHECK(cudaStreamSynchronize(t->stream));
   } else {
-    CUDA_OK(cudaMemcpy(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost));
   }
 }
 
@@ -227,10 +221,10 @@ static void push_range(trainer_t *t, cudaStream_t stream, int *delay_ms, uint64_
   void *dst = (uint8_t *)t->gbuf + off * sz;
   const void *src = t->hg + off * sz;
   if (stream) {
-    if (delay_ms && *delay_ms) CUDA_OK(cudaLaunchHostFunc(stream, sleep_cb, delay_ms));
-    CUDA_OK(cudaMemcpyAsync(dst, src, n * sz, cudaMemcpyHostToDevice, stream));
+    if (delay_ms && *delay_ms) CUDA_CHECK(cudaLaunchHostFunc(stream, sleep_cb, delay_ms));
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sz, cudaMemcpyHostToDevice, stream));
   } else {
-    CUDA_OK(cudaMemcpy(dst, src, n * sz, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dst, src, n * sz, cudaMemcpyHostToDevice));
   }
 }
 
@@ -329,12 +323,12 @@ static void check_status(zd_client_t *c, int steps) {
 
 static cudaStream_t new_stream(void) {
   cudaStream_t s = NULL;
-  if (dev_memory == ZD_MEMORY_CUDA) CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  if (dev_memory == ZD_MEMORY_CUDA) CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   return s;
 }
 
 static void free_stream(cudaStream_t s) {
-  if (s) CUDA_OK(cudaStreamDestroy(s));
+  if (s) CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 static void train_vs_reference(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt, int own_stream,
@@ -515,7 +509,7 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
     if (gated) {
       atomic_store(&gate.open, 0);
       atomic_store(&gate.timed_out, 0);
-      if (dev_memory == ZD_MEMORY_CUDA) CUDA_OK(cudaLaunchHostFunc(s2, gate_cb, &gate));
+      if (dev_memory == ZD_MEMORY_CUDA) CUDA_CHECK(cudaLaunchHostFunc(s2, gate_cb, &gate));
     }
     if (dev_memory == ZD_MEMORY_CUDA)
       CHECK_MSG(zd_set_stream(t.c, s2) == ZD_OK, "zd_set_stream: %s", zd_last_error());
@@ -561,8 +555,8 @@ static void train_pipelined(const char *socket, zd_dtype_t pdt, zd_dtype_t gdt) 
     fetch_params(&t);
     compare_ref(&t, &ref, step + 1);
     if (dev_memory == ZD_MEMORY_CUDA) { /* t.hg is rewritten next: its copies must be done */
-      CUDA_OK(cudaStreamSynchronize(s0));
-      CUDA_OK(cudaStreamSynchronize(s1));
+      CUDA_CHECK(cudaStreamSynchronize(s0));
+      CUDA_CHECK(cudaStreamSynchronize(s1));
     }
   }
   printf("  %d steps (%d gated), %u buckets, every parameter bitwise equal to the reference\n",
@@ -691,7 +685,7 @@ static void manners(const char *socket, int ngpus) {
   printf("the caller's CUDA context and streams\n");
   void *fn = NULL;
   enum cudaDriverEntryPointQueryResult q;
-  CUDA_OK(cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &q));
+  CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &q));
   CHECK(q == cudaDriverEntryPointSuccess && fn);
   ctx_get = (PFN_cuCtxGetCurrent_v4000)fn;
   options_t o = {.pdt = ZD_F32, .gdt = ZD_F32, .steps = 1};
@@ -702,43 +696,43 @@ static void manners(const char *socket, int ngpus) {
   CHECK(pthread_join(th, NULL) == 0);
   printf("  a thread without a CUDA context still has none after a request\n");
 
-  CUDA_OK(cudaSetDevice(0));
+  CUDA_CHECK(cudaSetDevice(0));
   CUcontext before = current_ctx();
   CHECK_MSG(zd_gather(t.c, ZD_ALL_BUCKETS) == ZD_OK, "%s", zd_last_error());
   CHECK_MSG(current_ctx() == before, "libzerod changed the caller's current context");
 
   /* A stream being captured into a graph: the request is refused before it is sent. */
   cudaStream_t s;
-  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   CHECK_MSG(zd_set_stream(t.c, s) == ZD_OK, "%s", zd_last_error());
-  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
   int rc = zd_gather(t.c, ZD_ALL_BUCKETS);
   cudaGraph_t graph;
-  CUDA_OK(cudaStreamEndCapture(s, &graph));
-  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  CUDA_CHECK(cudaGraphDestroy(graph));
   CHECK_INT_EQ(rc, -EINVAL);
   CHECK_CONTAINS(zd_last_error(), "captured");
   printf("  request on a capturing stream: %s\n", zd_last_error());
   CHECK_MSG(zd_gather(t.c, ZD_ALL_BUCKETS) == ZD_OK, "after the capture: %s", zd_last_error());
   CHECK_MSG(zd_set_stream(t.c, NULL) == ZD_OK, "%s", zd_last_error());
-  CUDA_OK(cudaStreamSynchronize(s));
-  CUDA_OK(cudaStreamDestroy(s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  CUDA_CHECK(cudaStreamDestroy(s));
 
   if (ngpus >= 2) {
-    CUDA_OK(cudaSetDevice(1));
+    CUDA_CHECK(cudaSetDevice(1));
     cudaStream_t other;
-    CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
     CHECK_INT_EQ(zd_set_stream(t.c, other), -EINVAL);
     printf("  a stream of GPU 1: %s\n", zd_last_error());
     CUcontext ctx1 = current_ctx();
     CHECK_MSG(zd_gather(t.c, ZD_ALL_BUCKETS) == ZD_OK, "%s", zd_last_error());
     int dev = -1;
-    CUDA_OK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaGetDevice(&dev));
     CHECK_INT_EQ(dev, 1);
     CHECK_MSG(current_ctx() == ctx1, "libzerod changed the caller's context (GPU 1)");
     printf("  the caller's current GPU 1 is kept across a request on GPU 0's buffers\n");
-    CUDA_OK(cudaStreamDestroy(other));
-    CUDA_OK(cudaSetDevice(0));
+    CUDA_CHECK(cudaStreamDestroy(other));
+    CUDA_CHECK(cudaSetDevice(0));
   }
   detach(&t);
 }
@@ -750,21 +744,21 @@ static void raw_register(const char *socket, int device, uint64_t n, void *p, vo
                          const char *substr) {
   struct cudaDeviceProp prop;
   int rank_device = 0; /* zerod's rank 0: device 0 in this process too (same environment) */
-  CUDA_OK(cudaGetDeviceProperties(&prop, rank_device));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, rank_device));
   cudaIpcMemHandle_t ph, gh;
   /* the ring of event pairs, one per event slot: [0..63] grads ready, [64..127] params ready */
   static cudaIpcEventHandle_t eh[2 * ZD__EVENT_SLOTS];
   static cudaEvent_t ev[2 * ZD__EVENT_SLOTS];
   static ProtobufCBinaryData ehd[2 * ZD__EVENT_SLOTS];
-  CUDA_OK(cudaSetDevice(device));
-  CUDA_OK(cudaIpcGetMemHandle(&ph, p));
-  CUDA_OK(cudaIpcGetMemHandle(&gh, g));
+  CUDA_CHECK(cudaSetDevice(device));
+  CUDA_CHECK(cudaIpcGetMemHandle(&ph, p));
+  CUDA_CHECK(cudaIpcGetMemHandle(&gh, g));
   for (int k = 0; k < 2 * ZD__EVENT_SLOTS; k++) {
-    CUDA_OK(cudaEventCreateWithFlags(&ev[k], cudaEventDisableTiming | cudaEventInterprocess));
-    CUDA_OK(cudaIpcGetEventHandle(&eh[k], ev[k]));
+    CUDA_CHECK(cudaEventCreateWithFlags(&ev[k], cudaEventDisableTiming | cudaEventInterprocess));
+    CUDA_CHECK(cudaIpcGetEventHandle(&eh[k], ev[k]));
     ehd[k] = (ProtobufCBinaryData){sizeof eh[k], (uint8_t *)&eh[k]};
   }
-  CUDA_OK(cudaSetDevice(0));
+  CUDA_CHECK(cudaSetDevice(0));
 
   zd_param_t param = {.name = "w", .ndim = 1, .shape = {n}, .group = 0};
   zd__layout_t *l = NULL;
@@ -811,28 +805,28 @@ static void raw_register(const char *socket, int device, uint64_t n, void *p, vo
   printf("  %s\n", zdt_expect_error(fd, 2, expect, substr));
   close(fd);
   zd__layout_free(l);
-  for (int k = 0; k < 2 * ZD__EVENT_SLOTS; k++) CUDA_OK(cudaEventDestroy(ev[k]));
+  for (int k = 0; k < 2 * ZD__EVENT_SLOTS; k++) CUDA_CHECK(cudaEventDestroy(ev[k]));
 }
 
 static void bad_buffers(const char *socket, int ngpus) {
   printf("bad device buffers\n");
   const uint64_t n = 1u << 20; /* 4 MiB of f32 params and grads; 2 MiB buffers are too small */
   void *small, *big;
-  CUDA_OK(cudaSetDevice(0));
-  CUDA_OK(cudaMalloc(&small, 2u << 20));
-  CUDA_OK(cudaMalloc(&big, 4u << 20));
+  CUDA_CHECK(cudaSetDevice(0));
+  CUDA_CHECK(cudaMalloc(&small, 2u << 20));
+  CUDA_CHECK(cudaMalloc(&big, 4u << 20));
   raw_register(socket, 0, n, small, big, ZD_EBUFFER,
                "param buffer is 2097152 bytes, layout needs 4194304");
   raw_register(socket, 0, n, big, small, ZD_EBUFFER,
                "grad buffer is 2097152 bytes, layout needs 4194304");
   if (ngpus >= 2) { /* memory of GPU 1 said to be on the rank's GPU 0 */
     void *other;
-    CUDA_OK(cudaSetDevice(1));
-    CUDA_OK(cudaMalloc(&other, 4u << 20));
+    CUDA_CHECK(cudaSetDevice(1));
+    CUDA_CHECK(cudaMalloc(&other, 4u << 20));
     /* refused when opened (no peer access between the GPUs) or when zerod sees where it is */
     raw_register(socket, 1, n, other, big, ZD_EBUFFER, "GPU 0");
-    CUDA_OK(cudaFree(other));
-    CUDA_OK(cudaSetDevice(0));
+    CUDA_CHECK(cudaFree(other));
+    CUDA_CHECK(cudaSetDevice(0));
     /* and through libzerod: the buffers' device is not the rank's */
     zd_client_t *c;
     CHECK_MSG(zd_connect(socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "%s", zd_last_error());
@@ -847,8 +841,8 @@ static void bad_buffers(const char *socket, int ngpus) {
   } else {
     printf("  (one GPU: a buffer on another GPU is checked with a forged UUID by test_backend)\n");
   }
-  CUDA_OK(cudaFree(small));
-  CUDA_OK(cudaFree(big));
+  CUDA_CHECK(cudaFree(small));
+  CUDA_CHECK(cudaFree(big));
 }
 
 /* On a failed check: the daemons' logs (CUDA errors are logged there with file:line), and no
@@ -897,7 +891,7 @@ int main(void) {
     return ZD_TEST_SKIP;
   }
   struct cudaDeviceProp prop;
-  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   printf("GPU 0: %s, %d usable GPU(s)\n", prop.name, ngpus);
   const char *gargs[] = {"--backend", "cuda", "--bucket_elems", "256", NULL};
   const char *cargs[] = {"--backend", "cpu", "--bucket_elems", "256", NULL};

@@ -40,19 +40,13 @@
 #include "dtype_ref.h"
 #include "harness.h"
 #include "mlp.h"
+#include "gpu_check.h"
 #include "zerod/zerod.h"
 
 #define STEPS       8
 #define MAXW        4
 #define MAXN        (MLP_HIDDEN * MLP_IN)
 #define ABORT_MAX_S 10.0 /* half the collective timeout of the kill test's zerod */
-
-#define CUDA_OK(call)                                                          \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    CHECK_MSG(e_ == cudaSuccess, "%s: %s (%s)", #call, cudaGetErrorString(e_), \
-              cudaGetErrorName(e_));                                           \
-  } while (0)
 
 static double now_s(void) {
   struct timespec ts;
@@ -112,11 +106,11 @@ static void attach(trainer_t *t) {
   CHECK_MSG(zd_layout(t->c, &desc) == ZD_OK, "rank %d: layout: %s", t->rank, zd_last_error());
   t->pbuf = zd_param_buffer(t->c, &t->pbytes);
   t->gbuf = zd_grad_buffer(t->c, &t->gbytes);
-  CUDA_OK(cudaSetDevice(device));
-  CUDA_OK(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaSetDevice(device));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
   CHECK_MSG(zd_set_stream(t->c, t->stream) == ZD_OK, "zd_set_stream: %s", zd_last_error());
-  CUDA_OK(cudaMallocHost((void **)&t->hp, t->pbytes));
-  CUDA_OK(cudaMallocHost((void **)&t->hg, t->gbytes));
+  CUDA_CHECK(cudaMallocHost((void **)&t->hp, t->pbytes));
+  CUDA_CHECK(cudaMallocHost((void **)&t->hg, t->gbytes));
   memset(t->hp, 0, t->pbytes);
   memset(t->hg, 0, t->gbytes);
   if (t->replace) {
@@ -130,7 +124,7 @@ static void attach(trainer_t *t) {
         zdt_store(t->hp, t->pdt, info.offset + k, init[i][k]);
     }
     /* On the stream: ordered before zerod's reads by the register's "grads ready" record. */
-    CUDA_OK(cudaMemcpyAsync(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice, t->stream));
+    CUDA_CHECK(cudaMemcpyAsync(t->pbuf, t->hp, t->pbytes, cudaMemcpyHostToDevice, t->stream));
   }
   int rc = zd_register(t->c);
   CHECK_MSG(rc == ZD_OK, "rank %d: register: %s: %s", t->rank, zd_err_name(rc), zd_last_error());
@@ -143,18 +137,18 @@ static void attach(trainer_t *t) {
 }
 
 static void detach(trainer_t *t) {
-  CUDA_OK(cudaStreamSynchronize(t->stream));
+  CUDA_CHECK(cudaStreamSynchronize(t->stream));
   zd_close(t->c);
   t->c = NULL;
-  CUDA_OK(cudaStreamDestroy(t->stream));
-  CUDA_OK(cudaFreeHost(t->hp));
-  CUDA_OK(cudaFreeHost(t->hg));
+  CUDA_CHECK(cudaStreamDestroy(t->stream));
+  CUDA_CHECK(cudaFreeHost(t->hp));
+  CUDA_CHECK(cudaFreeHost(t->hg));
 }
 
 /* The param buffer into t->hp, on the stream (after the last reply's "params ready"). */
 static void fetch_params(trainer_t *t) {
-  CUDA_OK(cudaMemcpyAsync(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost, t->stream));
-  CUDA_OK(cudaStreamSynchronize(t->stream));
+  CUDA_CHECK(cudaMemcpyAsync(t->hp, t->pbuf, t->pbytes, cudaMemcpyDeviceToHost, t->stream));
+  CUDA_CHECK(cudaStreamSynchronize(t->stream));
 }
 
 /* The gradients g[param][k] (floats, exact in bf16) into t's grad buffer, on the stream (t->hg
@@ -165,7 +159,7 @@ static void push_grads(trainer_t *t, float g[MLP_NPARAMS][MAXN]) {
     zd_param_info(t->c, (size_t)i, &info);
     for (uint64_t k = 0; k < info.numel; k++) zdt_store(t->hg, t->gdt, info.offset + k, g[i][k]);
   }
-  CUDA_OK(cudaMemcpyAsync(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice, t->stream));
+  CUDA_CHECK(cudaMemcpyAsync(t->gbuf, t->hg, t->gbytes, cudaMemcpyHostToDevice, t->stream));
 }
 
 /* The batch of `step` at t's parameters, made dyadic: k * q with |k| <= 255 (8 significant bits:
