@@ -323,7 +323,8 @@ static void check_status(zd_client_t *c, int steps) {
 
 static cudaStream_t new_stream(void) {
   cudaStream_t s = NULL;
-  if (dev_memory == ZD_MEMORY_CUDA) CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  if (dev_memory == ZD_MEMORY_CUDA)
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   return s;
 }
 
@@ -685,7 +686,8 @@ static void manners(const char *socket, int ngpus) {
   printf("the caller's CUDA context and streams\n");
   void *fn = NULL;
   enum cudaDriverEntryPointQueryResult q;
-  CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &q));
+  CUDA_CHECK(
+      cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &q));
   CHECK(q == cudaDriverEntryPointSuccess && fn);
   ctx_get = (PFN_cuCtxGetCurrent_v4000)fn;
   options_t o = {.pdt = ZD_F32, .gdt = ZD_F32, .steps = 1};
