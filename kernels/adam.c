@@ -74,6 +74,10 @@ static float grad_at(const void *grad, zd_dtype_t dtype, uint64_t i) {
 void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
   float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
   float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
+  const float *in_master = zd__adam_src(a, ZD__STATE_MASTER);
+  const float *in_exp_avg = zd__adam_src(a, ZD__STATE_EXP_AVG);
+  const float *in_exp_avg_sq = zd__adam_src(a, ZD__STATE_EXP_AVG_SQ);
+  const float *in_max_sq = zd__adam_src(a, ZD__STATE_MAX_EXP_AVG_SQ);
   for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {
     const zd__segment_t *seg = &a->segs[s];
     if (seg->offset >= end) break;
@@ -85,17 +89,17 @@ void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
     for (uint64_t i = lo; i < hi; i++) {
       float g = grad_at(a->grad, a->grad_dtype, i) * a->grad_scale;
       if (c->negate_grad) g = -g;
-      float p = master[i];
+      float p = in_master[i];
       if (decay) p = p * c->decay;
       if (l2) g = fmaf(p, c->weight_decay, g);
-      float m = exp_avg[i];
+      float m = in_exp_avg[i];
       if (c->update == ZD_UPDATE_TORCH2)
         m = fmaf(c->lerp_weight, g - m, c->lerp_from_grad ? g : m);
       else
         m = fmaf(g, c->one_minus_beta1, m * c->beta1);
-      float v = fmaf(c->one_minus_beta2 * g, g, exp_avg_sq[i] * c->beta2);
+      float v = fmaf(c->one_minus_beta2 * g, g, in_exp_avg_sq[i] * c->beta2);
       float s = v;
-      if (c->amsgrad) s = max_sq[i] = zd__amsgrad_max(max_sq[i], v);
+      if (c->amsgrad) s = max_sq[i] = zd__amsgrad_max(in_max_sq[i], v);
       s = c->sqrt_mode == ZD_SQRT_MKL_EX ? zd__sqrt_mkl_ex(s) : sqrtf(s);
       float d = s / c->bias_correction2_sqrt + c->eps;
       p = p + (c->neg_step_size * m) / d;

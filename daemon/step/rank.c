@@ -88,7 +88,9 @@ static uint32_t step_idle_cpus(const zd__rank_t *r) {
 /* Refreshes the snapshot after a job; takes the model's numbers as they are now. */
 static void publish(zd__rank_t *r, const zd__job_t *job) {
   const zd__model_t *m = r->model;
+  /* overlap_update: a scatter's speculative update must not hold the loop thread. */
   atomic_store(&r->inline_ok, m && r->env.world_size == 1 && r->device < 0 &&
+                                  !r->env.overlap_update &&
                                   m->layout->shard_elems <= ZD__INLINE_MAX_ELEMS);
   zd__compute_t *c = r->ctx.compute;
   zd__phase_times_t times;
@@ -643,6 +645,7 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
       .world_size = env->world_size,
       .comm = env->comm,
       .ckpt = env->ckpt,
+      .overlap_update = env->overlap_update,
   };
   r->ctx.attach_abandoned = &r->attach_abandoned;
   r->device = env->gpu ? env->gpu->device : -1;
