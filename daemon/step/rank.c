@@ -118,6 +118,10 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->gather_us = m->gather_us;
     s->collective_bytes = m->collective_bytes;
     s->collective_us = m->collective_us;
+    s->state_sets = m->sets[1][ZD__STATE_MASTER] ? 2 : 1;
+    s->committed_set = m->committed.set;
+    s->spec_committed = m->spec_committed;
+    s->spec_recomputed = m->spec_recomputed;
   }
   if (have_times) s->gpu_times = times;
   if (job->type == ZD__JOB_STEP && job->code == ZD_OK) {
@@ -880,6 +884,12 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
   zd__status_add(st, "mean_step_us", "%" PRIu64, s.steps_run ? s.total_step_us / s.steps_run : 0);
   zd__status_add(st, "scatters", "%" PRIu64, s.scatters);
   zd__status_add(st, "gathers", "%" PRIu64, s.gathers);
+  /* overlap_update: two sets of the state arrays (state_bytes counts one), the committed one, and
+   * what became of the buckets' speculative updates */
+  zd__status_add(st, "state_sets", "%u", s.state_sets);
+  zd__status_add(st, "committed_set", "%u", s.committed_set);
+  zd__status_add(st, "overlap_buckets_committed", "%" PRIu64, s.spec_committed);
+  zd__status_add(st, "overlap_buckets_recomputed", "%" PRIu64, s.spec_recomputed);
   zd__status_add(st, "heals", "%" PRIu64, s.heals);
   zd__status_add(st, "total_step_us", "%" PRIu64, s.total_step_us);
   zd__status_add(st, "scatter_us", "%" PRIu64, s.scatter_us);
