@@ -14,7 +14,8 @@
 
 #include "adam.h"
 
-#define AI static inline __attribute__((always_inline))
+#define AI        static inline __attribute__((always_inline))
+#define VEC_BYTES 32 /* one vector */
 
 /* How weight decay enters the update; the same for a whole segment. */
 enum { WD_NONE, WD_DECAY, WD_L2 };
@@ -85,7 +86,7 @@ AI __m256 amsgrad_max(__m256 vmax, __m256 v) {
  * max_exp_avg_sq elements (read only with amsgrad). */
 AI void step8(const float *rp, const float *rm, const float *rv, const float *rx, float *mp,
               float *mm, float *mv, float *mx, const void *gp, void *out, const consts_t *c,
-              int gdt, int pdt, int wdm, int form, int nt) {
+              int gdt, int pdt, int wdm, int form, int nt, int ns) {
   __m256 g = _mm256_mul_ps(load_grad(gp, gdt), c->scale);
   if (FORM_TORCH2(form)) g = _mm256_xor_ps(g, c->neg);
   __m256 p = _mm256_loadu_ps(rp);
@@ -100,14 +101,23 @@ AI void step8(const float *rp, const float *rm, const float *rv, const float *rx
   __m256 s = v;
   if (FORM_AMS(form)) {
     s = amsgrad_max(_mm256_loadu_ps(rx), v);
-    _mm256_storeu_ps(mx, s);
+    if (ns)
+      _mm256_stream_ps(mx, s);
+    else
+      _mm256_storeu_ps(mx, s);
   }
   __m256 sq = FORM_MKL_EX(form) ? sqrt_mkl_ex(s) : _mm256_sqrt_ps(s);
   __m256 d = _mm256_add_ps(_mm256_div_ps(sq, c->bc2s), c->eps);
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->nss, m), d));
-  _mm256_storeu_ps(mp, p);
-  _mm256_storeu_ps(mm, m);
-  _mm256_storeu_ps(mv, v);
+  if (ns) { /* out of place: the other set, streamed (run) */
+    _mm256_stream_ps(mp, p);
+    _mm256_stream_ps(mm, m);
+    _mm256_stream_ps(mv, v);
+  } else {
+    _mm256_storeu_ps(mp, p);
+    _mm256_storeu_ps(mm, m);
+    _mm256_storeu_ps(mv, v);
+  }
   if (pdt == ZD_F32 && nt)
     _mm256_stream_ps(out, p);
   else if (pdt == ZD_F32)
@@ -130,7 +140,7 @@ AI void step_part(const zd__adam_args_t *a, const consts_t *c, uint64_t i, uint6
   memcpy(v, zd__adam_src(a, ZD__STATE_EXP_AVG_SQ) + i, r * sizeof(float));
   if (FORM_AMS(form)) memcpy(x, zd__adam_src(a, ZD__STATE_MAX_EXP_AVG_SQ) + i, r * sizeof(float));
   memcpy(g, (const char *)a->grad + i * gsz, r * gsz);
-  step8(p, m, v, x, p, m, v, x, g, out, c, gdt, pdt, wdm, form, 0);
+  step8(p, m, v, x, p, m, v, x, g, out, c, gdt, pdt, wdm, form, 0, 0);
   memcpy(master + i, p, r * sizeof(float));
   memcpy(exp_avg + i, m, r * sizeof(float));
   memcpy(exp_avg_sq + i, v, r * sizeof(float));
@@ -184,19 +194,28 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
     step_part(a, c, i, head, gdt, pdt, wdm, form);
     i += head;
   }
+  /* Out of place (zd__adam_args_t.src) the set written is not read by this update: its lines are
+   * streamed past the cache (no read for ownership), so that the update moves no more bytes than
+   * in place, where a long piece's every array written is aligned to the vector here, as master
+   * is after the head. The caller's store fence (ADAM_STEP's end) orders them. */
+  int ns = a->src[ZD__STATE_MASTER] && hi - i >= ZD__ADAM_NT_MIN &&
+           ((uintptr_t)(master + i) | (uintptr_t)(exp_avg + i) | (uintptr_t)(exp_avg_sq + i) |
+            (FORM_AMS(form) ? (uintptr_t)max_at(a, i, form) : 0)) %
+                   VEC_BYTES ==
+               0;
   if (nt && (uintptr_t)(out + i * psz) % (8 * psz) == 0) {
     for (; i + 8 <= hi; i += 8) {
       prefetch(a, i, gsz, form);
       step8(in_master + i, in_exp_avg + i, in_exp_avg_sq + i, in_max_at(a, i, form), master + i,
             exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz, c, gdt,
-            pdt, wdm, form, 1);
+            pdt, wdm, form, 1, ns);
     }
   }
   for (; i + 8 <= hi; i += 8) {
     prefetch(a, i, gsz, form);
     step8(in_master + i, in_exp_avg + i, in_exp_avg_sq + i, in_max_at(a, i, form), master + i,
           exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz, c, gdt, pdt,
-          wdm, form, 0);
+          wdm, form, 0, ns);
   }
   if (i < hi) step_part(a, c, i, hi - i, gdt, pdt, wdm, form);
 }
@@ -274,7 +293,8 @@ void zd__adam_step_avx2(const zd__adam_args_t *a, uint64_t begin, uint64_t end) 
     else
       RUN_OUT(ZD_F32);
   }
-  if (nt) _mm_sfence(); /* streamed stores are weakly ordered: publish them before returning */
+  if (nt || a->src[ZD__STATE_MASTER]) /* streamed stores (params; out of place, the state) */
+    _mm_sfence();                     /* are weakly ordered: publish them before returning */
 }
 
 /* Squares of 16 f32 values (one lane group, lanes 0..15 of adam.h's order) added to the lanes in

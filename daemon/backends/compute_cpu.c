@@ -36,12 +36,17 @@ typedef struct cpu_shard {
 
 /* A shard's arrays (its state arrays, and the gradient shard when it has one: at most five) are
  * allocated one after the other by one thread, so handing out the five state colours in turn
- * gives each its own. */
+ * gives each its own. With overlap_update a shard has a second set of state arrays, which an
+ * update reads and writes together with the first: the turn goes on to the spare colour and
+ * then the params' (which only the non-speculated buckets' updates and the commit write, with
+ * one set read), so that a model of up to seven arrays has seven colours, none the grads'. */
 static int cpu_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
   cpu_compute_t *c = (cpu_compute_t *)base;
   size_t bytes = (size_t)n * sizeof(float);
-  static const unsigned colours[] = {ZD__COLOUR_STATE, ZD__COLOUR_STATE + 1, ZD__COLOUR_STATE + 2,
-                                     ZD__COLOUR_STATE + 3, ZD__COLOUR_STATE_MAX};
+  static const unsigned colours[] = {ZD__COLOUR_STATE,     ZD__COLOUR_STATE + 1,
+                                     ZD__COLOUR_STATE + 2, ZD__COLOUR_STATE + 3,
+                                     ZD__COLOUR_STATE_MAX, ZD__COLOUR_STATE_SPARE,
+                                     ZD__COLOUR_PARAMS};
   unsigned colour = colours[c->next_colour];
   c->next_colour = (c->next_colour + 1) % (sizeof colours / sizeof colours[0]);
   void *p;
