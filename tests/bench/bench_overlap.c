@@ -220,7 +220,8 @@ int main(int argc, char **argv) {
     if (getenv("BENCH_OVERLAP_STATUS")) { /* the zerods' own accounting, for a closer look */
       for (int k = 0; k < 2; k++) {
         char *text = NULL;
-        if (zd_status(cs[k], &text) == ZD_OK) fprintf(stderr, "== %s\n%s\n", k ? "on" : "off", text);
+        if (zd_status(cs[k], &text) == ZD_OK)
+          fprintf(stderr, "== %s\n%s\n", k ? "on" : "off", text);
         zd_free(text);
       }
     }
