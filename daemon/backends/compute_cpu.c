@@ -43,10 +43,9 @@ typedef struct cpu_shard {
 static int cpu_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
   cpu_compute_t *c = (cpu_compute_t *)base;
   size_t bytes = (size_t)n * sizeof(float);
-  static const unsigned colours[] = {ZD__COLOUR_STATE,     ZD__COLOUR_STATE + 1,
-                                     ZD__COLOUR_STATE + 2, ZD__COLOUR_STATE + 3,
-                                     ZD__COLOUR_STATE_MAX, ZD__COLOUR_STATE_SPARE,
-                                     ZD__COLOUR_PARAMS};
+  static const unsigned colours[] = {
+      ZD__COLOUR_STATE,     ZD__COLOUR_STATE + 1,   ZD__COLOUR_STATE + 2, ZD__COLOUR_STATE + 3,
+      ZD__COLOUR_STATE_MAX, ZD__COLOUR_STATE_SPARE, ZD__COLOUR_PARAMS};
   unsigned colour = colours[c->next_colour];
   c->next_colour = (c->next_colour + 1) % (sizeof colours / sizeof colours[0]);
   void *p;
