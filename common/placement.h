@@ -19,6 +19,8 @@
  *                             out in turn, compute_cpu.c)
  *   ZD__COLOUR_GRADS          the client's grad buffer, in the client and in the daemon
  *   ZD__COLOUR_PARAMS         the client's param buffer, in the client and in the daemon
+ *   ZD__COLOUR_STATE_SPARE     overlap_update's second set of state arrays: the CPU backend hands
+ *                             out this one and then ZD__COLOUR_PARAMS's after the five above
  *
  * Huge pages: anonymous arrays are advised MADV_HUGEPAGE (transparent huge pages, when
  * /sys/kernel/mm/transparent_hugepage/enabled allows "madvise" or "always"); only the part before
@@ -48,6 +50,7 @@ enum {
   ZD__COLOUR_GRADS = 4,
   ZD__COLOUR_PARAMS = 5,
   ZD__COLOUR_STATE_MAX = 6,
+  ZD__COLOUR_STATE_SPARE = 7, /* overlap_update's second set of state arrays (compute_cpu.c) */
 };
 
 /* Maps `bytes` (>= 1) of zeroed, private, read-write anonymous memory at colour `colour`

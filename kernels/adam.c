@@ -106,6 +106,10 @@ static void fused_element(const zd__adam_group_t *c, int decay, int l2, float g,
 void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
   float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
   float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
+  const float *in_master = zd__adam_src(a, ZD__STATE_MASTER);
+  const float *in_exp_avg = zd__adam_src(a, ZD__STATE_EXP_AVG);
+  const float *in_exp_avg_sq = zd__adam_src(a, ZD__STATE_EXP_AVG_SQ);
+  const float *in_max_sq = zd__adam_src(a, ZD__STATE_MAX_EXP_AVG_SQ);
   for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {
     const zd__segment_t *seg = &a->segs[s];
     if (seg->offset >= end) break;
@@ -117,19 +121,21 @@ void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
     for (uint64_t i = lo; i < hi; i++) {
       float g = grad_at(a->grad, a->grad_dtype, i) * a->grad_scale;
       if (c->negate_grad) g = -g;
-      float p = master[i];
-      float m = exp_avg[i], v;
+      float p = in_master[i];
+      float m = in_exp_avg[i], v;
       if (c->update == ZD_UPDATE_TORCH2_CUDA_FUSED) {
-        fused_element(c, decay, l2, g, &p, &m, &exp_avg_sq[i], max_sq ? &max_sq[i] : NULL);
-        v = exp_avg_sq[i];
+        v = in_exp_avg_sq[i];
+        float vmax = max_sq ? in_max_sq[i] : 0.0f; /* written back only with amsgrad */
+        fused_element(c, decay, l2, g, &p, &m, &v, max_sq ? &vmax : NULL);
+        if (c->amsgrad) max_sq[i] = vmax;
       } else if (c->update == ZD_UPDATE_TORCH2_CUDA || c->update == ZD_UPDATE_TORCH2_CUDA_FOREACH) {
         if (decay) p = p * c->decay;
         if (l2) g = fmaf(c->weight_decay, p, g);
         m = fmaf(c->lerp_weight, g - m, c->lerp_from_grad ? g : m);
         float gg = g * g; /* addcmul_'s b * c, rounded */
-        v = fmaf(c->one_minus_beta2, gg, exp_avg_sq[i] * c->beta2);
+        v = fmaf(c->one_minus_beta2, gg, in_exp_avg_sq[i] * c->beta2);
         float s = v;
-        if (c->amsgrad) s = max_sq[i] = zd__amsgrad_max_cuda(max_sq[i], v);
+        if (c->amsgrad) s = max_sq[i] = zd__amsgrad_max_cuda(in_max_sq[i], v);
         float d;
         if (c->update == ZD_UPDATE_TORCH2_CUDA)
           d = sqrtf(s) * c->bias_correction2_rcp + c->eps;
@@ -143,9 +149,9 @@ void zd__adam_step_ref(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
           m = fmaf(c->lerp_weight, g - m, c->lerp_from_grad ? g : m);
         else
           m = fmaf(g, c->one_minus_beta1, m * c->beta1);
-        v = fmaf(c->one_minus_beta2 * g, g, exp_avg_sq[i] * c->beta2);
+        v = fmaf(c->one_minus_beta2 * g, g, in_exp_avg_sq[i] * c->beta2);
         float s = v;
-        if (c->amsgrad) s = max_sq[i] = zd__amsgrad_max(max_sq[i], v);
+        if (c->amsgrad) s = max_sq[i] = zd__amsgrad_max(in_max_sq[i], v);
         s = c->sqrt_mode == ZD_SQRT_MKL_EX ? zd__sqrt_mkl_ex(s) : sqrtf(s);
         float d = s / c->bias_correction2_sqrt + c->eps;
         p = p + (c->neg_step_size * m) / d;

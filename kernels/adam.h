@@ -213,6 +213,12 @@ typedef struct zd__adam_args {
   /* The shard's state arrays by role (common/state.h): master, exp_avg and exp_avg_sq, and
    * max_exp_avg_sq, NULL when the model has none (required by a group with amsgrad). */
   float *state[ZD__NSTATES];
+  /* Where the update reads each state array from: NULL (the common case) reads state[s] and
+   * writes it back in place; else the update reads src[s] and writes state[s] (out of place:
+   * the overlapped update reads the committed set and writes the other, daemon/step/model.h),
+   * with the same bits either way. An array a call does not write (max_exp_avg_sq of a group
+   * without amsgrad) is not copied: the caller copies it where it must. */
+  const float *src[ZD__NSTATES];
   const void *grad;
   zd_dtype_t grad_dtype;  /* ZD_F32, ZD_BF16, ZD_F16 */
   void *param;            /* working parameters written back; NULL: none */
@@ -222,6 +228,11 @@ typedef struct zd__adam_args {
   uint32_t nsegs;
   const zd__adam_group_t *groups; /* indexed by segment group */
 } zd__adam_args_t;
+
+/* The array an update reads state s from (zd__adam_args_t.src). */
+static inline const float *zd__adam_src(const zd__adam_args_t *a, zd__state_t s) {
+  return a->src[s] ? a->src[s] : a->state[s];
+}
 
 /* Instruction sets of the CPU paths, best last. avx512bf16 is the AVX-512 path with its bf16
  * working parameters rounded by vcvtneps2bf16 (same results: adam_avx512.c). */

@@ -14,7 +14,8 @@
 
 #include "adam.h"
 
-#define AI static inline __attribute__((always_inline))
+#define AI        static inline __attribute__((always_inline))
+#define VEC_BYTES 32 /* one vector */
 
 /* How weight decay enters the update; the same for a whole segment. */
 enum { WD_NONE, WD_DECAY, WD_L2 };
@@ -83,30 +84,40 @@ AI __m256 amsgrad_max(__m256 vmax, __m256 v) {
  * decay, form and nt arguments are constants at every call, so each combination compiles to its
  * own branch-free loop. nt: stream the working params (`out` aligned to the vector). mx: the
  * max_exp_avg_sq elements (read only with amsgrad). */
-AI void step8(float *mp, float *mm, float *mv, float *mx, const void *gp, void *out,
-              const consts_t *c, int gdt, int pdt, int wdm, int form, int nt) {
+AI void step8(const float *rp, const float *rm, const float *rv, const float *rx, float *mp,
+              float *mm, float *mv, float *mx, const void *gp, void *out, const consts_t *c,
+              int gdt, int pdt, int wdm, int form, int nt, int ns) {
   __m256 g = _mm256_mul_ps(load_grad(gp, gdt), c->scale);
   if (FORM_TORCH2(form)) g = _mm256_xor_ps(g, c->neg);
-  __m256 p = _mm256_loadu_ps(mp);
+  __m256 p = _mm256_loadu_ps(rp);
   if (wdm == WD_DECAY) p = _mm256_mul_ps(p, c->decay);
   if (wdm == WD_L2) g = _mm256_fmadd_ps(p, c->wd, g);
-  __m256 m = _mm256_loadu_ps(mm);
+  __m256 m = _mm256_loadu_ps(rm);
   if (FORM_TORCH2(form))
     m = _mm256_fmadd_ps(c->lw, _mm256_sub_ps(g, m), _mm256_blendv_ps(m, g, c->lbase));
   else
     m = _mm256_fmadd_ps(g, c->a1, _mm256_mul_ps(m, c->b1));
-  __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c->a2, g), g, _mm256_mul_ps(_mm256_loadu_ps(mv), c->b2));
+  __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c->a2, g), g, _mm256_mul_ps(_mm256_loadu_ps(rv), c->b2));
   __m256 s = v;
   if (FORM_AMS(form)) {
-    s = amsgrad_max(_mm256_loadu_ps(mx), v);
-    _mm256_storeu_ps(mx, s);
+    s = amsgrad_max(_mm256_loadu_ps(rx), v);
+    if (ns)
+      _mm256_stream_ps(mx, s);
+    else
+      _mm256_storeu_ps(mx, s);
   }
   __m256 sq = FORM_MKL_EX(form) ? sqrt_mkl_ex(s) : _mm256_sqrt_ps(s);
   __m256 d = _mm256_add_ps(_mm256_div_ps(sq, c->bc2s), c->eps);
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->nss, m), d));
-  _mm256_storeu_ps(mp, p);
-  _mm256_storeu_ps(mm, m);
-  _mm256_storeu_ps(mv, v);
+  if (ns) { /* out of place: the other set, streamed (run) */
+    _mm256_stream_ps(mp, p);
+    _mm256_stream_ps(mm, m);
+    _mm256_stream_ps(mv, v);
+  } else {
+    _mm256_storeu_ps(mp, p);
+    _mm256_storeu_ps(mm, m);
+    _mm256_storeu_ps(mv, v);
+  }
   if (pdt == ZD_F32 && nt)
     _mm256_stream_ps(out, p);
   else if (pdt == ZD_F32)
@@ -124,12 +135,12 @@ AI void step_part(const zd__adam_args_t *a, const consts_t *c, uint64_t i, uint6
   float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
   float p[8] = {0}, m[8] = {0}, v[8] = {0}, x[8] = {0}, g[8] = {0}, out[8];
-  memcpy(p, master + i, r * sizeof(float));
-  memcpy(m, exp_avg + i, r * sizeof(float));
-  memcpy(v, exp_avg_sq + i, r * sizeof(float));
-  if (FORM_AMS(form)) memcpy(x, max_sq + i, r * sizeof(float));
+  memcpy(p, zd__adam_src(a, ZD__STATE_MASTER) + i, r * sizeof(float));
+  memcpy(m, zd__adam_src(a, ZD__STATE_EXP_AVG) + i, r * sizeof(float));
+  memcpy(v, zd__adam_src(a, ZD__STATE_EXP_AVG_SQ) + i, r * sizeof(float));
+  if (FORM_AMS(form)) memcpy(x, zd__adam_src(a, ZD__STATE_MAX_EXP_AVG_SQ) + i, r * sizeof(float));
   memcpy(g, (const char *)a->grad + i * gsz, r * gsz);
-  step8(p, m, v, x, g, out, c, gdt, pdt, wdm, form, 0);
+  step8(p, m, v, x, p, m, v, x, g, out, c, gdt, pdt, wdm, form, 0, 0);
   memcpy(master + i, p, r * sizeof(float));
   memcpy(exp_avg + i, m, r * sizeof(float));
   memcpy(exp_avg_sq + i, v, r * sizeof(float));
@@ -142,12 +153,19 @@ AI float *max_at(const zd__adam_args_t *a, uint64_t i, int form) {
   return FORM_AMS(form) ? a->state[ZD__STATE_MAX_EXP_AVG_SQ] + i : NULL;
 }
 
+/* ... and where the update reads it (zd__adam_src). */
+AI const float *in_max_at(const zd__adam_args_t *a, uint64_t i, int form) {
+  return FORM_AMS(form) ? zd__adam_src(a, ZD__STATE_MAX_EXP_AVG_SQ) + i : NULL;
+}
+
 /* Prefetches the four input streams (five with amsgrad) ZD__ADAM_PREFETCH elements past element
  * i. The address is formed as an integer: it may lie past the end of the buffers, which a
  * prefetch tolerates. */
 AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz, int form) {
-  float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
-  float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
+  const float *master = zd__adam_src(a, ZD__STATE_MASTER);
+  const float *exp_avg = zd__adam_src(a, ZD__STATE_EXP_AVG);
+  const float *exp_avg_sq = zd__adam_src(a, ZD__STATE_EXP_AVG_SQ);
+  const float *max_sq = zd__adam_src(a, ZD__STATE_MAX_EXP_AVG_SQ);
   uint64_t d = ZD__ADAM_PREFETCH;
   _mm_prefetch((const char *)((uintptr_t)(master + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)(exp_avg + i) + d * 4), _MM_HINT_T0);
@@ -163,6 +181,9 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
             int wdm, int form, int nt) {
   float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
   float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ];
+  const float *in_master = zd__adam_src(a, ZD__STATE_MASTER);
+  const float *in_exp_avg = zd__adam_src(a, ZD__STATE_EXP_AVG);
+  const float *in_exp_avg_sq = zd__adam_src(a, ZD__STATE_EXP_AVG_SQ);
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
   const char *g = a->grad;
   char *out = a->param;
@@ -173,17 +194,28 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
     step_part(a, c, i, head, gdt, pdt, wdm, form);
     i += head;
   }
+  /* Out of place (zd__adam_args_t.src) the set written is not read by this update: its lines are
+   * streamed past the cache (no read for ownership), so that the update moves no more bytes than
+   * in place, where a long piece's every array written is aligned to the vector here, as master
+   * is after the head. The caller's store fence (ADAM_STEP's end) orders them. */
+  int ns = a->src[ZD__STATE_MASTER] && hi - i >= ZD__ADAM_NT_MIN &&
+           ((uintptr_t)(master + i) | (uintptr_t)(exp_avg + i) | (uintptr_t)(exp_avg_sq + i) |
+            (FORM_AMS(form) ? (uintptr_t)max_at(a, i, form) : 0)) %
+                   VEC_BYTES ==
+               0;
   if (nt && (uintptr_t)(out + i * psz) % (8 * psz) == 0) {
     for (; i + 8 <= hi; i += 8) {
       prefetch(a, i, gsz, form);
-      step8(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
-            c, gdt, pdt, wdm, form, 1);
+      step8(in_master + i, in_exp_avg + i, in_exp_avg_sq + i, in_max_at(a, i, form), master + i,
+            exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz, c, gdt,
+            pdt, wdm, form, 1, ns);
     }
   }
   for (; i + 8 <= hi; i += 8) {
     prefetch(a, i, gsz, form);
-    step8(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
-          c, gdt, pdt, wdm, form, 0);
+    step8(in_master + i, in_exp_avg + i, in_exp_avg_sq + i, in_max_at(a, i, form), master + i,
+          exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz, c, gdt, pdt,
+          wdm, form, 0, ns);
   }
   if (i < hi) step_part(a, c, i, hi - i, gdt, pdt, wdm, form);
 }
@@ -265,7 +297,8 @@ void zd__adam_step_avx2(const zd__adam_args_t *a, uint64_t begin, uint64_t end) 
     else
       RUN_OUT(ZD_F32);
   }
-  if (nt) _mm_sfence(); /* streamed stores are weakly ordered: publish them before returning */
+  if (nt || a->src[ZD__STATE_MASTER]) /* streamed stores (params; out of place, the state) */
+    _mm_sfence();                     /* are weakly ordered: publish them before returning */
 }
 
 /* Squares of 16 f32 values (one lane group, lanes 0..15 of adam.h's order) added to the lanes in

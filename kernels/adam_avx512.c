@@ -15,7 +15,8 @@
 
 #include "adam.h"
 
-#define AI static inline __attribute__((always_inline))
+#define AI        static inline __attribute__((always_inline))
+#define VEC_BYTES 64 /* one vector */
 
 /* How weight decay enters the update; the same for a whole segment. */
 enum { WD_NONE, WD_DECAY, WD_L2 };
@@ -114,32 +115,41 @@ AI __m512 amsgrad_max(__m512 vmax, __m512 v) {
  * decay, form, full and nt arguments are constants at every call, so each combination compiles
  * to its own branch-free loop. nt: stream the working params (full vectors at an aligned `out`
  * only). mx: the max_exp_avg_sq elements (read only with amsgrad). */
-AI void step16(float *mp, float *mm, float *mv, float *mx, const void *gp, void *out,
-               const consts_t *c, __mmask16 k, int full, int gdt, int pdt, int wdm, int form,
-               int nt) {
+AI void step16(const float *rp, const float *rm, const float *rv, const float *rx, float *mp,
+               float *mm, float *mv, float *mx, const void *gp, void *out, const consts_t *c,
+               __mmask16 k, int full, int gdt, int pdt, int wdm, int form, int nt, int ns) {
   __m512 g = _mm512_mul_ps(load_grad(gp, k, full, gdt), c->scale);
   if (FORM_TORCH2(form)) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), c->neg));
-  __m512 p = load_f32(mp, k, full);
+  __m512 p = load_f32(rp, k, full);
   if (wdm == WD_DECAY) p = _mm512_mul_ps(p, c->decay);
   if (wdm == WD_L2) g = _mm512_fmadd_ps(p, c->wd, g);
-  __m512 m = load_f32(mm, k, full);
+  __m512 m = load_f32(rm, k, full);
   if (FORM_TORCH2(form))
     m = _mm512_fmadd_ps(c->lw, _mm512_sub_ps(g, m), _mm512_mask_mov_ps(m, c->lbase, g));
   else
     m = _mm512_fmadd_ps(g, c->a1, _mm512_mul_ps(m, c->b1));
   __m512 v =
-      _mm512_fmadd_ps(_mm512_mul_ps(c->a2, g), g, _mm512_mul_ps(load_f32(mv, k, full), c->b2));
+      _mm512_fmadd_ps(_mm512_mul_ps(c->a2, g), g, _mm512_mul_ps(load_f32(rv, k, full), c->b2));
   __m512 s = v;
   if (FORM_AMS(form)) {
-    s = amsgrad_max(load_f32(mx, k, full), v);
-    store_f32(mx, s, k, full);
+    s = amsgrad_max(load_f32(rx, k, full), v);
+    if (ns)
+      _mm512_stream_ps(mx, s);
+    else
+      store_f32(mx, s, k, full);
   }
   __m512 sq = FORM_MKL_EX(form) ? sqrt_mkl_ex(s) : _mm512_sqrt_ps(s);
   __m512 d = _mm512_add_ps(_mm512_div_ps(sq, c->bc2s), c->eps);
   p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->nss, m), d));
-  store_f32(mp, p, k, full);
-  store_f32(mm, m, k, full);
-  store_f32(mv, v, k, full);
+  if (ns) { /* out of place: the other set, streamed (run) */
+    _mm512_stream_ps(mp, p);
+    _mm512_stream_ps(mm, m);
+    _mm512_stream_ps(mv, v);
+  } else {
+    store_f32(mp, p, k, full);
+    store_f32(mm, m, k, full);
+    store_f32(mv, v, k, full);
+  }
   if (pdt == ZD_F32 && nt)
     _mm512_stream_ps(out, p);
   else if (pdt == ZD_F32)
@@ -157,12 +167,19 @@ AI float *max_at(const zd__adam_args_t *a, uint64_t i, int form) {
   return FORM_AMS(form) ? a->state[ZD__STATE_MAX_EXP_AVG_SQ] + i : NULL;
 }
 
+/* ... and where the update reads it (zd__adam_src). */
+AI const float *in_max_at(const zd__adam_args_t *a, uint64_t i, int form) {
+  return FORM_AMS(form) ? zd__adam_src(a, ZD__STATE_MAX_EXP_AVG_SQ) + i : NULL;
+}
+
 /* Prefetches the four input streams (five with amsgrad) ZD__ADAM_PREFETCH elements past element
  * i. The address is formed as an integer: it may lie past the end of the buffers, which a
  * prefetch tolerates. */
 AI void prefetch(const zd__adam_args_t *a, uint64_t i, size_t gsz, int form) {
-  float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
-  float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ], *max_sq = a->state[ZD__STATE_MAX_EXP_AVG_SQ];
+  const float *master = zd__adam_src(a, ZD__STATE_MASTER);
+  const float *exp_avg = zd__adam_src(a, ZD__STATE_EXP_AVG);
+  const float *exp_avg_sq = zd__adam_src(a, ZD__STATE_EXP_AVG_SQ);
+  const float *max_sq = zd__adam_src(a, ZD__STATE_MAX_EXP_AVG_SQ);
   uint64_t d = ZD__ADAM_PREFETCH;
   _mm_prefetch((const char *)((uintptr_t)(master + i) + d * 4), _MM_HINT_T0);
   _mm_prefetch((const char *)((uintptr_t)(exp_avg + i) + d * 4), _MM_HINT_T0);
@@ -178,6 +195,9 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
             int wdm, int form, int nt) {
   float *master = a->state[ZD__STATE_MASTER], *exp_avg = a->state[ZD__STATE_EXP_AVG];
   float *exp_avg_sq = a->state[ZD__STATE_EXP_AVG_SQ];
+  const float *in_master = zd__adam_src(a, ZD__STATE_MASTER);
+  const float *in_exp_avg = zd__adam_src(a, ZD__STATE_EXP_AVG);
+  const float *in_exp_avg_sq = zd__adam_src(a, ZD__STATE_EXP_AVG_SQ);
   size_t gsz = gdt == ZD_F32 ? 4 : 2, psz = pdt == ZD_F32 ? 4 : 2;
   const char *g = a->grad;
   char *out = a->param;
@@ -186,26 +206,39 @@ AI void run(const zd__adam_args_t *a, const consts_t *c, uint64_t lo, uint64_t h
   if (head > hi - lo) head = hi - lo;
   if (head) {
     __mmask16 k = (__mmask16)((1u << head) - 1);
-    step16(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
-           c, k, 0, gdt, pdt, wdm, form, 0);
+    step16(in_master + i, in_exp_avg + i, in_exp_avg_sq + i, in_max_at(a, i, form), master + i,
+           exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz, c, k, 0,
+           gdt, pdt, wdm, form, 0, 0);
     i += head;
   }
+  /* Out of place (zd__adam_args_t.src) the set written is not read by this update: its lines are
+   * streamed past the cache (no read for ownership), so that the update moves no more bytes than
+   * in place, where a long piece's every array written is aligned to the vector here, as master
+   * is after the head. The caller's store fence (ADAM_STEP's end) orders them. */
+  int ns = a->src[ZD__STATE_MASTER] && hi - i >= ZD__ADAM_NT_MIN &&
+           ((uintptr_t)(master + i) | (uintptr_t)(exp_avg + i) | (uintptr_t)(exp_avg_sq + i) |
+            (FORM_AMS(form) ? (uintptr_t)max_at(a, i, form) : 0)) %
+                   VEC_BYTES ==
+               0;
   if (nt && (uintptr_t)(out + i * psz) % (16 * psz) == 0) {
     for (; i + 16 <= hi; i += 16) {
       prefetch(a, i, gsz, form);
-      step16(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz,
-             out + i * psz, c, 0xffff, 1, gdt, pdt, wdm, form, 1);
+      step16(in_master + i, in_exp_avg + i, in_exp_avg_sq + i, in_max_at(a, i, form), master + i,
+             exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz, c, 0xffff,
+             1, gdt, pdt, wdm, form, 1, ns);
     }
   }
   for (; i + 16 <= hi; i += 16) {
     prefetch(a, i, gsz, form);
-    step16(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
-           c, 0xffff, 1, gdt, pdt, wdm, form, 0);
+    step16(in_master + i, in_exp_avg + i, in_exp_avg_sq + i, in_max_at(a, i, form), master + i,
+           exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz, c, 0xffff,
+           1, gdt, pdt, wdm, form, 0, ns);
   }
   if (i < hi) {
     __mmask16 k = (__mmask16)((1u << (hi - i)) - 1);
-    step16(master + i, exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz,
-           c, k, 0, gdt, pdt, wdm, form, 0);
+    step16(in_master + i, in_exp_avg + i, in_exp_avg_sq + i, in_max_at(a, i, form), master + i,
+           exp_avg + i, exp_avg_sq + i, max_at(a, i, form), g + i * gsz, out + i * psz, c, k, 0,
+           gdt, pdt, wdm, form, 0, 0);
   }
 }
 
@@ -286,7 +319,8 @@ void ADAM_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
     else
       RUN_OUT(ZD_F32);
   }
-  if (nt) _mm_sfence(); /* streamed stores are weakly ordered: publish them before returning */
+  if (nt || a->src[ZD__STATE_MASTER]) /* streamed stores (params; out of place, the state) */
+    _mm_sfence();                     /* are weakly ordered: publish them before returning */
 }
 
 #ifndef ZD_AVX512_BF16 /* the statistics write no bf16: built once */

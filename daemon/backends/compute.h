@@ -33,7 +33,9 @@
  *   torch_norm        (CPU only) the global norm in the fp32 order of a torch build, for clipping
  *                     bit for bit as that torch does at world size 1
  *   gather_records    all-gather of the step records (the commit point), into host memory
- *   update            the fused AdamW/Adam update of one bucket, writing working parameters
+ *   update            the fused AdamW/Adam update of one bucket, writing working parameters;
+ *                     in place, or (CPU) from the committed set of state arrays into the other
+ *   params_from_master (CPU) a bucket's working parameters from the master weights
  *   phase_times       (CUDA) where the GPU time of the steps went, from timing events
  *   queue_decision /  (CUDA, cuda_step fast) the records' all-gather and the step's decision on
  *   wait_decision     the device, queued before the update with no host wait in between, and the
@@ -224,9 +226,21 @@ typedef struct zd__compute_ops {
   int (*gather_records)(zd__compute_t *c, zd__comm_t *comm, const zd__shard_t *s,
                         const zd__step_record_t *mine, int stats, zd__step_record_t *all,
                         zd__err_t *err);
-  /* The update of bucket b: consts holds this step's constants of every group (s->ngroups). */
+  /* The update of bucket b: consts holds this step's constants of every group (s->ngroups).
+   * out NULL: in place (reads and writes s->state); else out of place: reads s->state and writes
+   * out[role] (arrays of s->elems elements, NULL where s->state has none), with the same bits,
+   * every array of the bucket's range written (one a group leaves alone is copied). buf NULL:
+   * no working parameters are written (a speculative update, daemon/step/step.c); else the
+   * client's param buffer at this rank's slice. Out of place is the CPU backend's only: the CUDA
+   * backend returns ZD_ECONFIG. */
   int (*update)(zd__compute_t *c, const zd__shard_t *s, uint32_t b, const zd__buffers_t *buf,
-                const zd__adam_group_t *consts, float grad_scale, zd__err_t *err);
+                const zd__adam_group_t *consts, float grad_scale, float *const *out,
+                zd__err_t *err);
+  /* Writes this rank's slice of bucket b in the client's param buffer from the master weights,
+   * with the conversion update writes (the same bits): after a speculative update is
+   * committed. NULL: not supported (CUDA). */
+  int (*params_from_master)(zd__compute_t *c, const zd__shard_t *s, uint32_t b,
+                            const zd__buffers_t *buf, zd__err_t *err);
   /* The GPU time of the rank's steps so far, by part, from timing events recorded on the stream
    * at the parts' boundaries and read only once a wait or a query found them complete (never a
    * wait of their own): a step is counted some time after it ran. Worker thread. NULL: not

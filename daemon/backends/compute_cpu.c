@@ -36,12 +36,16 @@ typedef struct cpu_shard {
 
 /* A shard's arrays (its state arrays, and the gradient shard when it has one: at most five) are
  * allocated one after the other by one thread, so handing out the five state colours in turn
- * gives each its own. */
+ * gives each its own. With overlap_update a shard has a second set of state arrays, which an
+ * update reads and writes together with the first: the turn goes on to the spare colour and
+ * then the params' (which only the non-speculated buckets' updates and the commit write, with
+ * one set read), so that a model of up to seven arrays has seven colours, none the grads'. */
 static int cpu_alloc(zd__compute_t *base, uint64_t n, float **out, zd__err_t *err) {
   cpu_compute_t *c = (cpu_compute_t *)base;
   size_t bytes = (size_t)n * sizeof(float);
-  static const unsigned colours[] = {ZD__COLOUR_STATE, ZD__COLOUR_STATE + 1, ZD__COLOUR_STATE + 2,
-                                     ZD__COLOUR_STATE + 3, ZD__COLOUR_STATE_MAX};
+  static const unsigned colours[] = {
+      ZD__COLOUR_STATE,     ZD__COLOUR_STATE + 1,   ZD__COLOUR_STATE + 2, ZD__COLOUR_STATE + 3,
+      ZD__COLOUR_STATE_MAX, ZD__COLOUR_STATE_SPARE, ZD__COLOUR_PARAMS};
   unsigned colour = colours[c->next_colour];
   c->next_colour = (c->next_colour + 1) % (sizeof colours / sizeof colours[0]);
   void *p;
@@ -258,27 +262,83 @@ static void adam_chunk(void *arg, uint64_t begin, uint64_t end, unsigned thread)
   r->fn(r->args, begin, end);
 }
 
+/* Whether some group leaves max_exp_avg_sq alone (amsgrad off) in a shard that has the array:
+ * an update out of place then copies the bucket's part of it first, so that the other set holds
+ * the whole state (torch keeps the array of a group that turns amsgrad off). */
+static int keeps_max_sq(const zd__shard_t *s, const zd__adam_group_t *consts) {
+  if (!s->state[ZD__STATE_MAX_EXP_AVG_SQ]) return 0;
+  for (uint32_t g = 0; g < s->ngroups; g++)
+    if (!consts[g].amsgrad) return 1;
+  return 0;
+}
+
 static int cpu_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
                       const zd__buffers_t *buf, const zd__adam_group_t *consts, float grad_scale,
-                      zd__err_t *err) {
+                      float *const *out, zd__err_t *err) {
   (void)err;
   const cpu_compute_t *c = (const cpu_compute_t *)base;
   const zd__bucket_t *bk = &s->layout->buckets[b];
   zd__adam_args_t args = {
       .grad = s->grad[b],
       .grad_dtype = s->grad_dtype[b],
-      .param = param_slice(s, buf, b),
+      .param = buf ? param_slice(s, buf, b) : NULL,
       .param_dtype = s->param_dtype,
       .grad_scale = grad_scale,
       .segs = s->segs[b],
       .nsegs = s->nsegs[b],
       .groups = consts,
   };
-  for (int i = 0; i < ZD__NSTATES; i++) /* bucket b's part of every array the shard has */
+  for (int i = 0; i < ZD__NSTATES; i++) { /* bucket b's part of every array the shard has */
     args.state[i] = s->state[i] ? s->state[i] + bk->shard_base : NULL;
+    if (out && s->state[i]) { /* read the committed set, write the other */
+      args.src[i] = args.state[i];
+      args.state[i] = out[i] + bk->shard_base;
+    }
+  }
+  if (out && keeps_max_sq(s, consts))
+    memcpy(args.state[ZD__STATE_MAX_EXP_AVG_SQ], args.src[ZD__STATE_MAX_EXP_AVG_SQ],
+           bk->shard_elems * sizeof(float));
   adam_run_t run = {.args = &args, .fn = c->adam};
   zd__pool_for(c->pool, bk->shard_elems, ZD__POOL_STREAM_GRAIN, ZD__POOL_STREAM_MIN_PER_THREAD,
                adam_chunk, &run);
+  return ZD_OK;
+}
+
+typedef struct params_run {
+  const zd__shard_t *s;
+  uint32_t b;
+  const float *master;
+  void *param;
+} params_run_t;
+
+static void params_chunk(void *arg, uint64_t begin, uint64_t end, unsigned thread) {
+  (void)thread;
+  const params_run_t *r = arg;
+  const zd__shard_t *s = r->s;
+  for (uint32_t k = zd__segs_find(s->segs[r->b], s->nsegs[r->b], begin); k < s->nsegs[r->b]; k++) {
+    const zd__segment_t *sg = &s->segs[r->b][k];
+    if (sg->offset >= end) break;
+    uint64_t lo = sg->offset > begin ? sg->offset : begin;
+    uint64_t hi = sg->offset + sg->length < end ? sg->offset + sg->length : end;
+    if (s->param_dtype == ZD_BF16)
+      for (uint64_t i = lo; i < hi; i++) ((uint16_t *)r->param)[i] = zd__f32_to_bf16(r->master[i]);
+    else
+      memcpy((float *)r->param + lo, r->master + lo, (hi - lo) * sizeof(float));
+  }
+}
+
+/* The conversion of the update's param_out (adam.h), split over the pool as the update is. */
+static int cpu_params_from_master(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
+                                  const zd__buffers_t *buf, zd__err_t *err) {
+  (void)err;
+  const cpu_compute_t *c = (const cpu_compute_t *)base;
+  const zd__bucket_t *bk = &s->layout->buckets[b];
+  params_run_t r = {.s = s,
+                    .b = b,
+                    .master = s->state[ZD__STATE_MASTER] + bk->shard_base,
+                    .param = param_slice(s, buf, b)};
+  zd__pool_for(c->pool, bk->shard_elems, ZD__POOL_STREAM_GRAIN, 4 * ZD__POOL_STREAM_MIN_PER_THREAD,
+               params_chunk, &r);
   return ZD_OK;
 }
 
@@ -311,6 +371,7 @@ static const zd__compute_ops_t cpu_ops = {
     .torch_norm = cpu_torch_norm,
     .gather_records = cpu_gather_records,
     .update = cpu_update,
+    .params_from_master = cpu_params_from_master,
     .destroy = cpu_destroy,
 };
 

@@ -693,10 +693,14 @@ static int cuda_gather_records(zd__compute_t *base, zd__comm_t *comm, const zd__
 
 static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
                        const zd__buffers_t *buf, const zd__adam_group_t *consts, float grad_scale,
-                       zd__err_t *err) {
+                       float *const *out, zd__err_t *err) {
   cuda_compute_t *c = (cuda_compute_t *)base;
   cuda_shard_t *cm = s->cdata;
   const zd__bucket_t *bk = &s->layout->buckets[b];
+  /* One set of state arrays, updated in place: overlap_update is refused at start-up with this
+   * backend (daemon.c), so this is a broken invariant's last guard. */
+  if (out || !buf)
+    return zd__errf(err, ZD_ECONFIG, "the cuda backend updates in place only (overlap_update)");
   if (b == 0) timing_mark(c, 2); /* the end of the statistics and the decision (or the scatter) */
   if (cm->d_groups && b == 0) {  /* this step's constants, stream-ordered before every bucket */
     int rc = zd__cuda_groups_upload(cm->d_groups, consts, s->ngroups, c->stream, err);

@@ -101,6 +101,14 @@ static const setting_t settings[] = {
         "put two on one CPU)"),
     ENUM(S_COMPUTE, "kernel_isa", kernel_isa, "auto", isas,
          "CPU kernel instruction set (auto: the widest this CPU supports)"),
+    U32(S_COMPUTE, "overlap_update", overlap_update, "0", 0, 1,
+        "CPU backend: update each bucket as soon as its scatter completes, while the trainer's "
+        "backward goes on, into a second set of state arrays that the step commits when nothing "
+        "clipped, overflowed or changed the hyperparameters (else the bucket is updated again "
+        "from the untouched set: the same bits either way). Doubles the host memory of the "
+        "state (master and moments: 12 to 16 bytes more per parameter); pays when the trainer "
+        "scatters buckets from its backward hooks and zerod has CPUs of its own to update on "
+        "while the trainer computes. The CUDA backend refuses it"),
     U32(S_COMPUTE, "ranks_per_gpu", ranks_per_gpu, "1", 1, 64,
         "CUDA backend: local ranks that share one GPU (local rank i runs on GPU i / "
         "ranks_per_gpu). Above 1 the ranks of a GPU reduce and gather among themselves in device "

@@ -37,10 +37,11 @@ typedef struct zd__config {
   uint32_t max_inflight;     /* pipelined requests per client */
   uint32_t busy_poll_us;     /* after a reply, the loop polls this long before sleeping */
   /* compute */
-  char *backend;        /* auto | cpu | cuda */
-  uint32_t threads;     /* kernel threads; 0: one per CPU */
-  uint32_t pin_threads; /* bind them to CPUs of their own (pool.h) */
-  char *kernel_isa;     /* auto | avx512bf16 | avx512 | avx2 | scalar */
+  char *backend;           /* auto | cpu | cuda */
+  uint32_t threads;        /* kernel threads; 0: one per CPU */
+  uint32_t pin_threads;    /* bind them to CPUs of their own (pool.h) */
+  char *kernel_isa;        /* auto | avx512bf16 | avx512 | avx2 | scalar */
+  uint32_t overlap_update; /* two sets of state arrays, buckets updated as scattered (model.h) */
   /* CUDA: local ranks per GPU (local rank i on GPU i / ranks_per_gpu) */
   uint32_t ranks_per_gpu;
   char *cuda_step; /* fast | legacy: how a CUDA rank waits and answers (rank.h) */

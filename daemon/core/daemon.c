@@ -392,6 +392,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
         .isa = d->backend.isa,
         .gpu = zd__backend_gpu(&d->backend, i),
         .cuda_fast = strcmp(cfg->cuda_step, "legacy") != 0,
+        .overlap_update = (int)cfg->overlap_update,
     };
     rc = zd__rank_create(&env, &d->ranks.rank[i]);
     if (rc) {
@@ -528,6 +529,14 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
     goto fail;
   }
   if ((rc = zd__backend_choose(cfg, &d->backend, err))) goto fail;
+  if (cfg->overlap_update && d->backend.kind != ZD__BACKEND_CPU) {
+    rc = zd__errf(err, ZD_ECONFIG,
+                  "overlap_update = 1 needs the cpu backend: the %s backend keeps one set of "
+                  "state arrays in device memory and updates it in place at step time; set "
+                  "overlap_update = 0 (or backend = cpu)",
+                  zd__backend_name(d->backend.kind));
+    goto fail;
+  }
   if (d->backend.kind == ZD__BACKEND_CUDA) {
     zd__mps_probe(&d->backend, &d->mps);
     zd__mps_log(&d->mps);

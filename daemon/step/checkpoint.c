@@ -814,6 +814,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   }
   if (!rc && mf) {
     m->step = mf->step;
+    zd__model_commit(m, 0); /* the committed set holds that step now */
     m->steps_skipped = mf->steps_skipped;
     if (mf->scaler.enabled && m->scaler.enabled) {
       m->scaler.scale = mf->scaler.scale;

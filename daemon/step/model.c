@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "log.h"
+
 void zd__model_spec_free(zd__model_spec_t *spec) {
   if (!spec) return;
   zd__layout_free(spec->layout);
@@ -39,7 +41,8 @@ void zd__model_free(zd__model_t *m) {
   zd__compute_t *c = m->compute;
   if (c) {
     c->ops->shard_fini(c, sh);
-    for (int s = 0; s < ZD__NSTATES; s++) c->ops->release(c, sh->state[s], sh->elems);
+    for (int k = 0; k < 2; k++)
+      for (int s = 0; s < ZD__NSTATES; s++) c->ops->release(c, m->sets[k][s], sh->elems);
     c->ops->release(c, sh->grad_shard, sh->elems);
   }
   if (sh->segs)
@@ -51,6 +54,10 @@ void zd__model_free(zd__model_t *m) {
   free(m->scattered);
   free(m->attempted);
   free(m->ungathered);
+  free(m->speculated);
+  free(m->spec_sumsq);
+  free(m->spec_nonfinite);
+  free(m->spec_consts);
   free(m->groups);
   zd__shm_unmap(&m->kept);
   zd__layout_free(m->layout);
@@ -76,8 +83,10 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
   m->compute = c;
   m->states = zd__states_needed(m->groups, sh->ngroups);
   int rc = ZD_OK;
-  for (int s = 0; s < ZD__NSTATES && !rc; s++)
-    if (m->states & ZD__STATE_BIT(s)) rc = c->ops->alloc(c, sh->elems, &sh->state[s], err);
+  for (int k = 0; k < (ctx->overlap_update ? 2 : 1); k++)
+    for (int s = 0; s < ZD__NSTATES && !rc; s++)
+      if (m->states & ZD__STATE_BIT(s)) rc = c->ops->alloc(c, sh->elems, &m->sets[k][s], err);
+  memcpy(sh->state, m->sets[0], sizeof sh->state); /* committed: set 0 */
   if (!rc && ctx->world_size > 1) rc = c->ops->alloc(c, sh->elems, &sh->grad_shard, err);
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];
@@ -94,8 +103,13 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
   m->scattered = calloc(nb, 1);
   m->attempted = calloc(nb, 1);
   m->ungathered = calloc(nb, 1);
+  m->speculated = calloc(nb, 1);
+  m->spec_sumsq = calloc(nb, sizeof *m->spec_sumsq);
+  m->spec_nonfinite = calloc(nb, sizeof *m->spec_nonfinite);
+  m->spec_cap = sh->ngroups;
+  m->spec_consts = calloc(sh->ngroups ? sh->ngroups : 1, sizeof *m->spec_consts);
   if (!sh->segs || !sh->nsegs || !sh->grad || !sh->grad_dtype || !m->scattered || !m->attempted ||
-      !m->ungathered) {
+      !m->ungathered || !m->speculated || !m->spec_sumsq || !m->spec_nonfinite || !m->spec_consts) {
     zd__model_free(m);
     return zd__errf(err, -ENOMEM, "out of memory for the state of %" PRIu64 " shard elements",
                     l->shard_elems);
@@ -137,5 +151,19 @@ void zd__model_resume(zd__model_t *m, zd__model_spec_t *spec) {
   memset(m->scattered, 0, m->layout->nbuckets);
   memset(m->attempted, 0, m->layout->nbuckets);
   memset(m->ungathered, 0, m->layout->nbuckets);
+  memset(m->speculated, 0, m->layout->nbuckets);
   m->abandoned = 0;
+}
+
+void zd__model_commit(zd__model_t *m, int switch_set) {
+  if (switch_set) {
+    zd_assert(m->sets[1][ZD__STATE_MASTER]); /* two sets: overlap_update */
+    m->committed.set ^= 1;
+    memcpy(m->shard.state, m->sets[m->committed.set], sizeof m->shard.state);
+  }
+  m->committed.step = m->step;
+}
+
+float *const *zd__model_other_set(const zd__model_t *m) {
+  return m->sets[1][ZD__STATE_MASTER] ? m->sets[m->committed.set ^ 1] : NULL;
 }

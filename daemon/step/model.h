@@ -22,6 +22,15 @@
 #include "step_decide.h"
 #include "zerod/zerod.h"
 
+/* Which set of state arrays holds the model's state, and of which step: one small record the
+ * model owns, written at every commit (zd__model_commit). Everything that reads the state
+ * (checkpoints, status, resharding, the stand-in, exchanges) reads the committed set, which
+ * shard.state always points to. With one set (overlap_update off) set is always 0. */
+typedef struct zd__committed {
+  uint32_t set;  /* the committed set: 0 or 1 */
+  uint64_t step; /* the steps applied to it (the model's step) */
+} zd__committed_t;
+
 /* What a register request asks for, validated by the loop. Owned by the attach job. */
 typedef struct zd__model_spec {
   zd__layout_t *layout;
@@ -50,13 +59,32 @@ typedef struct zd__model {
   uint64_t step; /* steps applied */
   uint64_t steps_skipped;
   zd__compute_t *compute; /* the backend that owns the shard's arrays */
-  uint8_t *scattered;     /* per bucket: reduced since the last step */
-  uint8_t *attempted;     /* per bucket: reduced in the step attempt in progress (cleared by
-                             every exchange of step records, whatever its verdict) */
-  uint8_t *ungathered;    /* per bucket: a step without gather came since its last gather */
-  int abandoned;          /* the last step attempt was abandoned, and no scatter came since */
-  zd__shm_t kept;         /* W > 1, host memory: the last client's param buffer (the full
-                             model as of its last gather), for the next client; else none */
+  /* The state arrays by set and role: sets[committed.set] is shard.state. overlap_update (CPU):
+   * two sets, and an update reads the committed set and writes the other (compute.h, update),
+   * which becomes the committed one when the step commits; otherwise sets[1] is all NULL and
+   * updates are in place. */
+  float *sets[2][ZD__NSTATES];
+  zd__committed_t committed;
+  /* overlap_update: the speculative update of bucket b (step.c, zd__model_scatter) wrote the
+   * other set's part of bucket b from the committed set and the bucket's reduced gradients, for
+   * step spec_step with spec_scale and spec_consts (step spec_step's constants of every group);
+   * spec_sumsq / spec_nonfinite are the bucket's statistics (compute.h, grad_stats). Cleared by
+   * every scatter of the bucket and at the end of every step attempt. */
+  uint8_t *speculated;
+  double *spec_sumsq;
+  uint64_t *spec_nonfinite;
+  zd__adam_group_t *spec_consts; /* spec_cap of them */
+  uint32_t spec_cap;
+  float spec_scale;
+  uint64_t spec_step;
+  uint64_t spec_committed, spec_recomputed; /* buckets whose speculation was used, or not */
+  uint8_t *scattered;                       /* per bucket: reduced since the last step */
+  uint8_t *attempted;  /* per bucket: reduced in the step attempt in progress (cleared by
+                          every exchange of step records, whatever its verdict) */
+  uint8_t *ungathered; /* per bucket: a step without gather came since its last gather */
+  int abandoned;       /* the last step attempt was abandoned, and no scatter came since */
+  zd__shm_t kept;      /* W > 1, host memory: the last client's param buffer (the full
+                          model as of its last gather), for the next client; else none */
   /* Where the time goes, for metrics: host time of each phase (CUDA: the time to queue it, the
    * device runs it later) and the bytes the collectives were given. */
   uint64_t scatter_us, update_us, gather_us;
@@ -72,6 +100,8 @@ typedef struct zd__step_ctx {
   zd__compute_t *compute;
   struct zd__world_member *member; /* world size > 1: for the registration barrier */
   struct zd__ckptr *ckpt;          /* the daemon's checkpointer (checkpoint.h); NULL: none */
+  int overlap_update;              /* two sets of state arrays, buckets updated speculatively as
+                                      their scatter completes (config.h; CPU backend only) */
   int resume_latest;               /* the world re-formed: the next registration resumes the
                                     newest complete checkpoint (rank.c) */
   atomic_int *attach_abandoned;    /* set when the client of the registration in progress left */
@@ -95,6 +125,14 @@ void zd__model_resume(zd__model_t *m, zd__model_spec_t *spec);
  * array the model was registered without: torch raises KeyError likewise. */
 int zd__model_check_states(const zd__model_t *m, const zd_group_t *groups, const char *what,
                            zd__err_t *err);
+
+/* Commits the model's step: the committed record takes m->step, and with switch_set (an update
+ * wrote the other set) the other set becomes the committed one (shard.state). */
+void zd__model_commit(zd__model_t *m, int switch_set);
+
+/* The set an out-of-place update writes (compute.h, update's out): the set that is not
+ * committed; NULL with one set. */
+float *const *zd__model_other_set(const zd__model_t *m);
 
 /* Frees the model, its arrays and the backend's data; accepts NULL and a half-built model. */
 void zd__model_free(zd__model_t *model);

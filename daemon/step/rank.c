@@ -88,7 +88,9 @@ static uint32_t step_idle_cpus(const zd__rank_t *r) {
 /* Refreshes the snapshot after a job; takes the model's numbers as they are now. */
 static void publish(zd__rank_t *r, const zd__job_t *job) {
   const zd__model_t *m = r->model;
+  /* overlap_update: a scatter's speculative update must not hold the loop thread. */
   atomic_store(&r->inline_ok, m && r->env.world_size == 1 && r->device < 0 &&
+                                  !r->env.overlap_update &&
                                   m->layout->shard_elems <= ZD__INLINE_MAX_ELEMS);
   zd__compute_t *c = r->ctx.compute;
   zd__phase_times_t times;
@@ -116,6 +118,10 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->gather_us = m->gather_us;
     s->collective_bytes = m->collective_bytes;
     s->collective_us = m->collective_us;
+    s->state_sets = m->sets[1][ZD__STATE_MASTER] ? 2 : 1;
+    s->committed_set = m->committed.set;
+    s->spec_committed = m->spec_committed;
+    s->spec_recomputed = m->spec_recomputed;
   }
   if (have_times) s->gpu_times = times;
   if (job->type == ZD__JOB_STEP && job->code == ZD_OK) {
@@ -643,6 +649,7 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
       .world_size = env->world_size,
       .comm = env->comm,
       .ckpt = env->ckpt,
+      .overlap_update = env->overlap_update,
   };
   r->ctx.attach_abandoned = &r->attach_abandoned;
   r->device = env->gpu ? env->gpu->device : -1;
@@ -877,6 +884,12 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
   zd__status_add(st, "mean_step_us", "%" PRIu64, s.steps_run ? s.total_step_us / s.steps_run : 0);
   zd__status_add(st, "scatters", "%" PRIu64, s.scatters);
   zd__status_add(st, "gathers", "%" PRIu64, s.gathers);
+  /* overlap_update: two sets of the state arrays (state_bytes counts one), the committed one, and
+   * what became of the buckets' speculative updates */
+  zd__status_add(st, "state_sets", "%u", s.state_sets);
+  zd__status_add(st, "committed_set", "%u", s.committed_set);
+  zd__status_add(st, "overlap_buckets_committed", "%" PRIu64, s.spec_committed);
+  zd__status_add(st, "overlap_buckets_recomputed", "%" PRIu64, s.spec_recomputed);
   zd__status_add(st, "heals", "%" PRIu64, s.heals);
   zd__status_add(st, "total_step_us", "%" PRIu64, s.total_step_us);
   zd__status_add(st, "scatter_us", "%" PRIu64, s.scatter_us);

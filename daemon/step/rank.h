@@ -150,7 +150,12 @@ typedef struct zd__rank_stats {
   uint64_t steps_run; /* step jobs that ran the update or a skip */
   uint64_t scatters;
   uint64_t gathers;
-  uint64_t heals; /* times the world was re-formed around this rank after a peer failed */
+  uint32_t state_sets;      /* 2 with overlap_update (model.h), else 1 */
+  uint32_t committed_set;   /* the set that holds the state (model.h, zd__committed_t) */
+  uint64_t spec_committed;  /* buckets whose speculative update a step committed */
+  uint64_t spec_recomputed; /* ... and whose speculation a step recomputed (clipped, skipped
+                               is not counted: nothing applied) */
+  uint64_t heals;           /* times the world was re-formed around this rank after a peer failed */
   /* the model's phase and collective counters (zd__model_t), and the step durations in the
    * buckets of ZD__STEP_HIST_BOUNDS_US (the last one: longer), for the metrics' histogram */
   uint64_t scatter_us, update_us, gather_us, collective_bytes, collective_us;
@@ -175,6 +180,7 @@ typedef struct zd__rank_env {
   int isa;
   const zd__gpu_info_t *gpu; /* CUDA backend: this rank's GPU (outlives the rank); NULL: CPU */
   int cuda_fast;             /* CUDA backend: cuda_step fast (else legacy; config.h) */
+  int overlap_update;        /* CPU backend: overlap_update (config.h, model.h) */
 } zd__rank_env_t;
 
 /* Creates a rank and starts its worker thread. With the CUDA backend the worker first makes the

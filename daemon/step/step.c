@@ -313,7 +313,8 @@ static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__
                                        &m->shard.grad[b], &m->shard.grad_dtype[b], err);
     if (rc) return rc;
     m->scattered[b] = m->attempted[b] = 1;
-    m->abandoned = 0; /* a new attempt */
+    m->speculated[b] = 0; /* new gradients: an earlier speculation is void */
+    m->abandoned = 0;     /* a new attempt */
     m->collective_bytes += bk->elems * gsize;
   }
   uint64_t us = zd__now_us() - t0;
@@ -341,10 +342,84 @@ static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   return ZD_OK;
 }
 
+static int needs_stats(const zd__step_ctx_t *ctx, const zd__model_t *m);
+
+/* The bit pattern of a float, for comparing factors exactly (NaN included). */
+static uint32_t float_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+/* The gradient factor of step m->step + 1 when nothing clips and nothing overflows (the grad_mean
+ * average and the loss scale), from the decision's own function, and that step's constants of
+ * the model's groups: what a speculative update applies. */
+static float speculation_key(const zd__step_ctx_t *ctx, const zd__model_t *m,
+                             zd__adam_group_t *consts, uint64_t *step) {
+  zd__decide_cfg_t cfg = {.world_size = ctx->world_size, .grad_mean = m->grad_mean};
+  zd__step_state_t st = {.scaler = m->scaler, .step = m->step, .steps_skipped = m->steps_skipped};
+  zd__decision_t dec;
+  zd__step_decide(&cfg, 0, 0, &st, &dec);
+  for (uint32_t g = 0; g < m->shard.ngroups; g++)
+    zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
+  *step = dec.step;
+  return dec.grad_scale;
+}
+
+/* overlap_update: the speculative update of the buckets a scatter just reduced (bucket, or every
+ * bucket for -1), from the committed set into the other, with the hyperparameters the model has
+ * now, for step m->step + 1, with the factor that holds when nothing clips and nothing
+ * overflows; no working parameters are written (the client's backward may still read them). The
+ * bucket's statistics are taken too. The step commits it only when its decision applies exactly
+ * these constants and this factor (zd__model_step); else the bucket is updated again from the
+ * committed set, which nothing here wrote. A failure only leaves the bucket unspeculated. Runs on
+ * the job's thread (the worker), with the kernel pool, before the scatter's reply. */
+static void speculate(const zd__step_ctx_t *ctx, zd__model_t *m, int32_t bucket) {
+  float *const *other = zd__model_other_set(m);
+  const zd__layout_t *l = m->layout;
+  zd__compute_t *c = ctx->compute;
+  uint32_t ng = m->shard.ngroups;
+  if (!other || ng > m->spec_cap || ng == 0) return;
+  zd__err_t err = {0};
+  if (zd__model_check_states(m, m->groups, "speculate", &err) != ZD_OK) return;
+  zd__adam_group_t consts[ng];
+  uint64_t step;
+  float scale = speculation_key(ctx, m, consts, &step);
+  if (step != m->spec_step || float_bits(scale) != float_bits(m->spec_scale) ||
+      memcmp(consts, m->spec_consts, ng * sizeof *consts) != 0) {
+    memset(m->speculated, 0, l->nbuckets); /* made for other constants: void */
+    memcpy(m->spec_consts, consts, ng * sizeof *consts);
+    m->spec_scale = scale;
+    m->spec_step = step;
+  }
+  int stats = needs_stats(ctx, m);
+  uint32_t hi = bucket < 0 ? l->nbuckets : (uint32_t)bucket + 1, lo = bucket < 0 ? 0 : hi - 1;
+  uint64_t t0 = zd__now_us();
+  for (uint32_t b = hi; b-- > lo;) {
+    zd__step_record_t rec = {0};
+    int rc = c->ops->update(c, &m->shard, b, NULL, consts, scale, other, &err);
+    if (!rc && stats) rc = c->ops->grad_stats(c, &m->shard, b, 1, &rec, &err);
+    if (rc) {
+      ZD_LOG_WARN("step %" PRIu64 ": no speculative update of bucket %u: %s", step, b, err.msg);
+      continue;
+    }
+    m->spec_sumsq[b] = rec.sumsq;
+    m->spec_nonfinite[b] = rec.nonfinite;
+    m->speculated[b] = 1;
+  }
+  m->update_us += zd__now_us() - t0;
+}
+
+/* The end of a step attempt, whatever its outcome: its speculations are used or void. */
+static void end_speculation(zd__model_t *m) {
+  memset(m->speculated, 0, m->layout->nbuckets);
+}
+
 int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                       uint32_t slot, int32_t bucket, zd__err_t *err) {
   int rc = job_begin(ctx, buf, slot, err);
   if (!rc) rc = scatter_buckets(ctx, m, buf, bucket, err);
+  if (!rc && ctx->overlap_update) speculate(ctx, m, bucket);
   return job_end_early(ctx, buf, slot, rc, err);
 }
 
@@ -427,8 +502,14 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
                            .layout_hash = l->hash,
                            .hparam_hash = hparam_hash(m, groups)};
   int rc = ZD_OK;
-  for (uint32_t b = 0; need_stats && b < l->nbuckets && !rc; b++)
-    rc = c->ops->grad_stats(c, &m->shard, b, b == 0, &rec, err);
+  for (uint32_t b = 0; need_stats && b < l->nbuckets && !rc; b++) {
+    if (m->speculated[b]) { /* taken by the speculation: the same sums, added in the same order */
+      rec.sumsq += m->spec_sumsq[b];
+      rec.nonfinite += m->spec_nonfinite[b];
+    } else {
+      rc = c->ops->grad_stats(c, &m->shard, b, b == 0, &rec, err);
+    }
+  }
   if (rc) return rc;
   /* The host's record as gathered from host memory (the CPU backend's statistics are in it; a
    * device record is sealed where it is written: zd__cuda_grad_stats). */
@@ -543,7 +624,7 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
     zd__adam_group_init(&consts[g], &groups[g], m->step + 1);
   uint64_t t_update = zd__now_us();
   for (uint32_t b = 0; b < l->nbuckets && !rc; b++)
-    rc = c->ops->update(c, &m->shard, b, buf, consts, 1.0f, err); /* the decision's factor */
+    rc = c->ops->update(c, &m->shard, b, buf, consts, 1.0f, NULL, err); /* the decision's factor */
   m->update_us += zd__now_us() - t_update;
   zd__step_record_t stack[8], *all = w <= 8 ? stack : calloc(w, sizeof *all);
   if (!all && !rc) rc = zd__errf(err, -ENOMEM, "out of memory");
@@ -597,6 +678,7 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
                           .loss_scale = dev.dec.loss_scale,
                           .clip_coef = dev.dec.clip_coef};
   m->step = dev.st.step;
+  zd__model_commit(m, 0); /* one set, updated in place */
   m->scaler = dev.st.scaler;
   m->steps_skipped = dev.st.steps_skipped;
   int applied = dev.verdict == ZD__VERDICT_APPLY;
@@ -651,7 +733,10 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     memset(m->scattered, 0, l->nbuckets);
     m->abandoned = 1;
   }
-  if (rc) return job_end(ctx, buf, slot, rc, err);
+  if (rc) {
+    end_speculation(m); /* the committed set is untouched */
+    return job_end(ctx, buf, slot, rc, err);
+  }
 
   /* Committed: every rank takes the same decision from the same global statistics (the same
    * function as the CUDA backend's decide kernel). */
@@ -678,6 +763,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (dec.skip) {
     m->scaler = st.scaler;
     m->steps_skipped = st.steps_skipped;
+    end_speculation(m);                             /* dropped: the committed set stays */
     rc = job_end_early(ctx, buf, slot, ZD_OK, err); /* skipped: parameters unchanged, no gather */
     if (!rc && checkpoint) snapshot_after_step(ctx, m);
     out->duration_us = zd__now_us() - t0;
@@ -686,17 +772,40 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   zd__adam_group_t consts[m->shard.ngroups];
   for (uint32_t g = 0; g < m->shard.ngroups; g++)
     zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
+  /* overlap_update: the update writes the other set, and the step commits by switching to it.
+   * A bucket's speculation stands only where this decision applies exactly what it applied (the
+   * same constants of every group, the same factor: no clipping, no overflow, no hyperparameter
+   * changed since); every other bucket is updated now from the committed set, as it would be
+   * in place. */
+  float *const *other = zd__model_other_set(m);
+  int reuse = other && dec.step == m->spec_step &&
+              float_bits(dec.grad_scale) == float_bits(m->spec_scale) && m->shard.ngroups > 0 &&
+              m->shard.ngroups <= m->spec_cap &&
+              memcmp(consts, m->spec_consts, m->shard.ngroups * sizeof *consts) == 0;
   uint64_t t_update = zd__now_us();
-  for (uint32_t b = 0; b < l->nbuckets && !rc; b++)
-    rc = ctx->compute->ops->update(ctx->compute, &m->shard, b, buf, consts, dec.grad_scale, err);
+  for (uint32_t b = 0; b < l->nbuckets && !rc; b++) {
+    if (reuse && m->speculated[b]) continue;
+    if (m->speculated[b]) m->spec_recomputed++;
+    rc = ctx->compute->ops->update(ctx->compute, &m->shard, b, buf, consts, dec.grad_scale, other,
+                                   err);
+  }
   m->update_us += zd__now_us() - t_update;
   if (rc) { /* only the device fails here, and its rank is then degraded (rank.c) */
+    end_speculation(m);
     ZD_LOG_ERROR("step %" PRIu64 ": the update could not be queued: %s", dec.step, err->msg);
     return job_end(ctx, buf, slot, rc, err);
   }
   m->step = st.step;
   m->scaler = st.scaler;
-  if (gather) rc = gather_buckets(ctx, m, buf, -1, err);
+  zd__model_commit(m, other != NULL);
+  /* The working parameters of the speculated buckets, from the master weights just committed. */
+  for (uint32_t b = 0; reuse && b < l->nbuckets && !rc; b++)
+    if (m->speculated[b]) {
+      rc = ctx->compute->ops->params_from_master(ctx->compute, &m->shard, b, buf, err);
+      m->spec_committed++;
+    }
+  end_speculation(m);
+  if (gather && !rc) rc = gather_buckets(ctx, m, buf, -1, err);
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
   out->duration_us = zd__now_us() - t0;
@@ -814,6 +923,7 @@ int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buff
     if (!rc)
       rc = commit_point(ctx, m, m->groups, needs_stats(ctx, m), 1, &sumsq, &nonfinite, &checkpoint,
                         err);
+    end_speculation(m);      /* nothing of the step is applied */
     if (rc == ZD_EABORTED) { /* as intended: every rank refuses the step */
       rc = ZD_OK;
       memset(m->scattered, 0, nb);

@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--retries", type=int, default=3)
     parser.add_argument("--die", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--overlap", action="store_true",
+                        help="zerod with overlap_update = 1 (buckets updated as scattered)")
     args = parser.parse_args()
     if args.trainer:
         trainer(args)
@@ -103,6 +105,8 @@ def main() -> None:
     from zerod.testing import LocalWorld
 
     settings = ["--bucket_elems", "64", "--collective_timeout_ms", "60000", "--threads", "1"]
+    if args.overlap:
+        settings += ["--overlap_update", "1"]
     with tempfile.TemporaryDirectory() as tmp:
         with LocalWorld(2, args=settings, log_level="info") as world:
             ref = run(world, tmp, "ref", die=False)

@@ -67,7 +67,7 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
     ref_opt = torch.optim.AdamW(groups, lr=LR, foreach=False, amsgrad=ams)
     opt = ZeroOptimizer(models.param_groups(model, named=True), lr=LR, socket=endpoint[0],
                         local_rank=endpoint[1], amsgrad=ams)
-    sched_fn = models.lr_lambda(steps)
+    sched_fn = models.lr_lambda(steps) if cfg.get("schedule", True) else (lambda s: 1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, sched_fn)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, sched_fn)
     names = [n for n, _ in model.named_parameters()]
@@ -125,7 +125,9 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
         if int(status["step"]) != steps:
             return {"error": f"zerod says step {status['step']}, expected {steps}", "rows": rows}
         return {"rows": rows, "t_zerod": t_zerod, "t_ref": t_ref, "nbuckets": opt.info.nbuckets,
-                "scatters": int(status["scatters"]), "applied": res.applied if res else None}
+                "scatters": int(status["scatters"]), "applied": res.applied if res else None,
+                "spec": (int(status["overlap_buckets_committed"]),
+                         int(status["overlap_buckets_recomputed"]))}
     finally:
         opt.close()
 
@@ -140,9 +142,12 @@ def _worker(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, int
 
 def run_config(cfg: Dict[str, Any], world: int, daemons: int, spawn: bool) -> bool:
     kind, dtype = cfg["model"], cfg["dtype"]
-    print(f"== {kind}, {dtype} working params, W={world}, {cfg['steps']} steps ==", flush=True)
+    print(f"== {kind}, {dtype} working params, W={world}, {cfg['steps']} steps"
+          f"{', overlap_update' if cfg.get('overlap') else ''} ==", flush=True)
     t0 = time.monotonic()
     args = ["--bucket_elems", str(BUCKET_ELEMS[kind])]
+    if cfg.get("overlap"):
+        args += ["--overlap_update", "1"]
     try:
         world_procs = zerod.testing.LocalWorld(world, daemons=daemons, args=args,
                                                log_level="info")
@@ -201,6 +206,14 @@ def run_config(cfg: Dict[str, Any], world: int, daemons: int, spawn: bool) -> bo
               f"backward hooks gives {res0['nbuckets']} buckets x {cfg['steps']} steps = "
               f"{expected_scatters}")
         return False
+    if cfg.get("overlap"):
+        committed, recomputed = res0["spec"]
+        print(f"overlap_update: {committed} bucket updates committed as speculated, "
+              f"{recomputed} recomputed at step time", flush=True)
+        if not cfg.get("schedule", True) and committed != expected_scatters:
+            print(f"FAIL: with a constant lr every speculation must be committed: {committed} "
+                  f"of {expected_scatters}")
+            return False
     every = "step" if cfg["check_every"] == 1 else f"{cfg['check_every']} steps"
     print(f"ok: every parameter bitwise equal to torch.optim.AdamW after every {every} "
           f"on {len(results)} rank(s); {res0['nbuckets']} buckets scattered from hooks; "
@@ -219,6 +232,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--check-every", type=int, default=1)
     ap.add_argument("--amsgrad", action="store_true", help="AdamW(amsgrad=True) on both sides")
+    ap.add_argument("--overlap", action="store_true",
+                    help="zerod with overlap_update = 1 (buckets updated as scattered)")
+    ap.add_argument("--no-schedule", action="store_true",
+                    help="a constant lr instead of the warm-up + cosine schedule")
     ap.add_argument("--spawn", action="store_true",
                     help="run the trainers in their own processes even at W=1")
     a = ap.parse_args()
@@ -229,7 +246,7 @@ def main() -> None:
     for kind in kinds:
         for dtype in dtypes:
             cfg = {"model": kind, "dtype": dtype, "steps": a.steps, "check_every": a.check_every,
-                   "amsgrad": a.amsgrad}
+                   "amsgrad": a.amsgrad, "overlap": a.overlap, "schedule": not a.no_schedule}
             ok = run_config(cfg, a.world, daemons, a.spawn or a.world > 1) and ok
     sys.exit(0 if ok else 1)
 

@@ -433,8 +433,36 @@ static void compare_states(const state_t *want, const state_t *got, const shard_
   if (sh->pdt) expect_same(want->pbuf, got->pbuf, sh->pdt, total, isa, "param", sh, step);
 }
 
+/* The step of `after` once more, out of place (zd__adam_args_t.src): it reads a copy of the state
+ * before the step, which must stay as it was, and writes a set whose covered master, moments and
+ * params hold other values; what it writes must equal the in-place result bit for bit. */
+static void check_out_of_place(zd__adam_fn fn, const state_t *before, const state_t *after,
+                               const shard_t *sh, const void *grad, const zd__adam_group_t *groups,
+                               int ams, const char *isa, int step) {
+  state_t src, dst;
+  state_copy(&src, before, sh);
+  state_copy(&dst, before, sh);
+  size_t psz = sh->pdt ? zd_dtype_size(sh->pdt) : 0;
+  for (uint64_t i = 0; i < sh->n; i++) {
+    if (!sh->covered[i]) continue;
+    for (int k = 0; k < 3; k++) dst.x[k][i] = u2f(0x7fb00000u | (uint32_t)(i * 40503u >> 9));
+    if (psz) memset((char *)dst.param + i * psz, 0x5a, psz);
+  }
+  zd__adam_args_t a;
+  set_args(&a, &dst, sh, grad, groups, ams);
+  for (int k = 0; k < 4; k++) a.src[k] = a.state[k] ? src.x[k] : NULL;
+  call_split(fn, &a, sh->n);
+  char what[64];
+  snprintf(what, sizeof what, "%s out of place", isa);
+  compare_states(after, &dst, sh, what, step);
+  snprintf(what, sizeof what, "%s out of place, its source", isa);
+  compare_states(before, &src, sh, what, step);
+  state_free(&src);
+  state_free(&dst);
+}
+
 /* One shard through `steps` steps: the reference in one call per step, each wide path in random
- * splits; states compared after every step. */
+ * splits; states compared after every step. Every path also runs each step out of place. */
 static void run_shard(shard_t *sh, int steps) {
   unsigned shift = (unsigned)rnd_below(16), variant = (unsigned)rnd_below(8);
   int ams = (int)rnd_below(2);
@@ -457,15 +485,22 @@ static void run_shard(shard_t *sh, int steps) {
     }
     make_grads(grad, sh);
     zd__adam_args_t a;
+    state_t before;
+    state_copy(&before, &ref, sh);
     set_args(&a, &ref, sh, grad, groups, ams);
     zd__adam_step_ref(&a, 0, sh->n);
     expect_padding(&ref, &s0, sh, "scalar");
+    check_out_of_place(zd__adam_step_ref, &before, &ref, sh, grad, groups, ams, "scalar", t);
     for (int i = 0; i < nisas; i++) {
       set_args(&a, &x[i], sh, grad, groups, ams);
       call_split(zd__adam_impl(isas[i]), &a, sh->n);
       compare_states(&ref, &x[i], sh, zd__isa_name(isas[i]), t);
       expect_padding(&x[i], &s0, sh, zd__isa_name(isas[i]));
+      /* x[i] equals ref before the step as after it: the same source. */
+      check_out_of_place(zd__adam_impl(isas[i]), &before, &x[i], sh, grad, groups, ams,
+                         zd__isa_name(isas[i]), t);
     }
+    state_free(&before);
   }
   free(grad);
   state_free(&s0);
@@ -518,7 +553,7 @@ static void test_step(void) {
       }
   printf(
       "step: %llu shards (%llu elements), every path bitwise equal to the reference, "
-      "every update x sqrt_mode x amsgrad\n",
+      "every update x sqrt_mode x amsgrad, in place and out of place\n",
       (unsigned long long)cases, (unsigned long long)elems);
 }
 

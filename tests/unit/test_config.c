@@ -86,6 +86,7 @@ static const char *const all_names[] = {"socket",
                                         "threads",
                                         "pin_threads",
                                         "kernel_isa",
+                                        "overlap_update",
                                         "ranks_per_gpu",
                                         "cuda_step",
                                         "local_ranks",
@@ -142,6 +143,7 @@ static void test_defaults(void) {
   CHECK_INT_EQ(cfg.threads, 0);
   CHECK_INT_EQ(cfg.pin_threads, 1);
   CHECK_STR_EQ(cfg.kernel_isa, "auto");
+  CHECK_INT_EQ(cfg.overlap_update, 0);
   CHECK_INT_EQ(cfg.ranks_per_gpu, 1);
   CHECK_STR_EQ(cfg.cuda_step, "fast");
   CHECK_INT_EQ(cfg.local_ranks, 1);

@@ -1,0 +1,189 @@
+"""zerod's overlapped update (overlap_update = 1): each bucket is updated speculatively as its
+scatter completes, into the second set of state arrays, and the step commits it only when its
+decision applies exactly what the speculation applied; otherwise the bucket is updated again from
+the untouched committed set (docs/design.md, "The overlapped update").
+
+Every test of test_optimizer.py runs again against a zerod with the setting on (clipping, fp16
+gradients with a loss-scaler overflow, amsgrad, schedulers, state_dict resume, ...: bitwise against
+torch's optimizer), and the tests below check the speculation's own cases: committed when nothing
+changes, recomputed when clipping triggers on some steps or the lr changes between backward and
+step(), dropped on an overflow, and a checkpoint written and resumed with the setting on. The
+world-size-2 cases (conformance, a trainer killed mid-step) are test_conformance.py --overlap and
+test_abandon.py --overlap.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import unittest
+from typing import Dict
+
+import common
+
+torch = common.require_torch()
+import test_optimizer as base  # noqa: E402
+import zerod  # noqa: E402
+import zerod.testing  # noqa: E402
+from zerod.torch import ZeroOptimizer  # noqa: E402
+
+small_model, loss_of = base.small_model, base.loss_of
+
+
+class OverlapOptimizerTest(base.OptimizerTest):
+    """test_optimizer.py's tests, and the speculation's own, with overlap_update = 1."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.daemon = zerod.testing.LocalZerod(
+            ["--bucket_elems", "256", "--overlap_update", "1"], log_level="info")
+
+    def counters(self, opt: ZeroOptimizer) -> Dict[str, int]:
+        s = opt.client.rank_status()
+        return {k: int(s[k]) for k in ("state_sets", "overlap_buckets_committed",
+                                       "overlap_buckets_recomputed", "scatters")}
+
+    def test_overlap_committed_when_nothing_changes(self) -> None:
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2, weight_decay=0.1)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        before = self.counters(opt)
+        self.assertEqual(before["state_sets"], 2)
+        for step in range(6):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss_of(m, step).backward()
+                o.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+        after = self.counters(opt)
+        nb = opt.info.nbuckets
+        self.assertGreater(nb, 1)
+        self.assertEqual(after["overlap_buckets_committed"] - before["overlap_buckets_committed"],
+                         6 * nb, "every bucket of every step committed as speculated")
+        self.assertEqual(after["overlap_buckets_recomputed"], before["overlap_buckets_recomputed"])
+
+    def test_overlap_lr_changed_between_backward_and_step(self) -> None:
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        before = self.counters(opt)
+        for step in range(5):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss_of(m, step).backward()
+                if step % 2 == 1:  # a scheduler's change after backward: the speculation is void
+                    for g in o.param_groups:
+                        g["lr"] = 1e-2 * (1 + step)
+                o.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+        after = self.counters(opt)
+        nb = opt.info.nbuckets
+        # steps 1, 3, 5 keep the lr zerod had (committed); 2 and 4 change it (recomputed)
+        self.assertEqual(after["overlap_buckets_recomputed"] - before["overlap_buckets_recomputed"],
+                         2 * nb)
+        self.assertEqual(after["overlap_buckets_committed"] - before["overlap_buckets_committed"],
+                         3 * nb)
+
+    def test_overlap_clipping_on_some_steps(self) -> None:
+        model, ref = small_model(), small_model()
+        max_norm = 0.5
+        opt = self.make(model, lr=1e-2, max_grad_norm=max_norm)
+        opt._clip_norm = "double"  # the update bitwise given zerod's coefficient (test_optimizer)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        before = self.counters(opt)
+        clipped = 0
+        for step in range(6):
+            factor = 20.0 if step % 2 else 0.05  # large gradients clip, small ones do not
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                (loss_of(m, step) * factor).backward()
+            opt.step()
+            r = opt.last_result
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.grad.mul_(r.clip_coef)
+            ropt.step()
+            clipped += r.clip_coef < 1.0
+            self.assertEqual(r.clip_coef < 1.0, step % 2 == 1, f"step {step + 1}")
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+        after = self.counters(opt)
+        nb = opt.info.nbuckets
+        self.assertEqual(clipped, 3)
+        self.assertEqual(after["overlap_buckets_recomputed"] - before["overlap_buckets_recomputed"],
+                         3 * nb)
+        self.assertEqual(after["overlap_buckets_committed"] - before["overlap_buckets_committed"],
+                         3 * nb)
+
+    def test_overlap_overflow_dropped(self) -> None:
+        model = small_model()
+        scaler = {"initial_scale": 1024.0, "hysteresis": 1, "backoff_factor": 0.5,
+                  "growth_interval": 100, "growth_factor": 2.0}
+        opt = self.make(model, lr=1e-2, grad_dtype=torch.float16, loss_scaler=scaler)
+        before = self.counters(opt)
+        opt.zero_grad()
+        opt.scale_loss(loss_of(model, 0) * float("inf")).backward()
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        self.assertFalse(opt.last_result.applied)
+        for p, b in zip(model.parameters(), params):
+            self.assertTrue(torch.equal(p, b), "a skipped step leaves the params alone")
+        after = self.counters(opt)
+        self.assertEqual(after["overlap_buckets_committed"], before["overlap_buckets_committed"])
+        status = opt.client.rank_status()
+        self.assertEqual(int(status["step"]), 0)
+
+
+class OverlapCheckpointTest(unittest.TestCase):
+    """A checkpoint written with overlap_update = 1 (of the committed set) and resumed by a new
+    zerod with the setting on: training continues bitwise as torch's AdamW without a break."""
+
+    def test_checkpoint_and_resume(self) -> None:
+        tag = "overlap_ckpt"
+        model, ref = small_model(), small_model()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+
+        def named(m):
+            return [(f"{tag}.{n}", p) for n, p in m.named_parameters()]
+
+        def train(m, o, steps):
+            for step in steps:
+                for mm, oo in ((m, o), (ref, ropt)):
+                    oo.zero_grad()
+                    loss_of(mm, step).backward()
+                    oo.step()
+                common.assert_params_equal(self, m.named_parameters(), ref.named_parameters(),
+                                           f"step {step + 1}")
+
+        with tempfile.TemporaryDirectory() as tmp:
+            os.makedirs(os.path.join(tmp, "ckpt"))
+            args = ["--bucket_elems", "256", "--overlap_update", "1", "--checkpoint_dir",
+                    os.path.join(tmp, "ckpt")]
+            d = zerod.testing.LocalZerod(args, log_level="info")
+            try:
+                opt = ZeroOptimizer(named(model), lr=1e-2, weight_decay=0.1, socket=d.socket,
+                                    replace=True)
+                train(model, opt, range(5))  # an odd number: set 1 is the committed one
+                self.assertEqual(opt.client.rank_status()["committed_set"], "1")
+                step, where = opt.checkpoint()
+                self.assertEqual(step, 5)
+                opt.close()
+            finally:
+                d.stop()
+            d = zerod.testing.LocalZerod(args + ["--resume", "latest"], log_level="info")
+            try:
+                model2 = small_model(seed=77)
+                opt2 = ZeroOptimizer(named(model2), lr=1e-2, weight_decay=0.1, socket=d.socket)
+                self.assertTrue(opt2.resumed)
+                self.assertEqual(opt2.step_count, 5)
+                common.assert_params_equal(self, model2.named_parameters(),
+                                           ref.named_parameters(), "resumed")
+                train(model2, opt2, range(5, 10))
+                st = opt2.client.rank_status()
+                self.assertGreater(int(st["overlap_buckets_committed"]), 0)
+                opt2.close()
+            finally:
+                d.stop()
+
+
+if __name__ == "__main__":
+    common.run(OverlapOptimizerTest, OverlapCheckpointTest)
