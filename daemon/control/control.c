@@ -157,7 +157,7 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
   m->has_params = m->has_shard_elems = m->has_state_bytes = m->has_grad_shard_bytes = 1;
   m->params = s->nparams;
   m->shard_elems = s->shard_elems;
-  m->state_bytes = zd__rank_state_bytes(s->states, s->shard_elems);
+  m->state_bytes = zd__rank_state_bytes(s->states, s->shard_elems, s->state_sets);
   m->grad_shard_bytes = s->grad_shard_bytes;
   m->has_step = m->has_steps_skipped = m->has_loss_scale = 1;
   m->step = s->step;

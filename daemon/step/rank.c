@@ -833,8 +833,9 @@ const zd__gpu_info_t *zd__rank_gpu(const zd__rank_t *r) {
   return r->env.gpu;
 }
 
-uint64_t zd__rank_state_bytes(zd__states_t states, uint64_t shard_elems) {
-  return (uint64_t)__builtin_popcount(states & zd__states_always()) * shard_elems * sizeof(float);
+uint64_t zd__rank_state_bytes(zd__states_t states, uint64_t shard_elems, uint32_t sets) {
+  return (uint64_t)__builtin_popcount(states & zd__states_always()) * shard_elems * sizeof(float) *
+         (sets ? sets : 1);
 }
 
 void zd__rank_status(void *ctx, zd__status_t *st) {
@@ -864,13 +865,16 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
   zd__status_add(st, "layout_hash", "%016" PRIx64, s.layout_hash);
   zd__status_add(st, "total_elems", "%" PRIu64, s.total_elems);
   zd__status_add(st, "shard_elems", "%" PRIu64, s.shard_elems);
-  zd__status_add(st, "state_bytes", "%" PRIu64, zd__rank_state_bytes(s.states, s.shard_elems));
+  zd__status_add(st, "state_bytes", "%" PRIu64,
+                 zd__rank_state_bytes(s.states, s.shard_elems, s.state_sets));
   zd__status_add(st, "grad_shard_bytes", "%" PRIu64, s.grad_shard_bytes);
   /* "<name>_bytes" of each optional state array: 0 when the model lacks it */
-#define OPTIONAL_BYTES(role, aname, optional, needed) \
-  if (optional)                                       \
-    zd__status_add(st, aname "_bytes", "%" PRIu64,    \
-                   s.states &ZD__STATE_BIT(ZD__STATE_##role) ? s.shard_elems * sizeof(float) : 0);
+#define OPTIONAL_BYTES(role, aname, optional, needed)                                      \
+  if (optional)                                                                            \
+    zd__status_add(st, aname "_bytes", "%" PRIu64,                                         \
+                   s.states &ZD__STATE_BIT(ZD__STATE_##role)                               \
+                       ? s.shard_elems * sizeof(float) * (s.state_sets ? s.state_sets : 1) \
+                       : 0);
   ZD__STATE_ARRAYS(OPTIONAL_BYTES)
 #undef OPTIONAL_BYTES
   zd__status_add(st, "param_dtype", "%s", zd_dtype_name(s.param_dtype));
@@ -884,7 +888,7 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
   zd__status_add(st, "mean_step_us", "%" PRIu64, s.steps_run ? s.total_step_us / s.steps_run : 0);
   zd__status_add(st, "scatters", "%" PRIu64, s.scatters);
   zd__status_add(st, "gathers", "%" PRIu64, s.gathers);
-  /* overlap_update: two sets of the state arrays (state_bytes counts one), the committed one, and
+  /* overlap_update: two sets of the state arrays (state_bytes counts both), the committed one, and
    * what became of the buckets' speculative updates */
   zd__status_add(st, "state_sets", "%u", s.state_sets);
   zd__status_add(st, "committed_set", "%u", s.committed_set);

@@ -257,8 +257,8 @@ void zd__rank_stats(zd__rank_t *rank, zd__rank_stats_t *out);
 void zd__rank_status(void *rank, zd__status_t *st);
 
 /* Bytes of the state arrays in `states` that every model has (master and moments: the status's
- * state_bytes), of a shard of shard_elems elements. */
-uint64_t zd__rank_state_bytes(zd__states_t states, uint64_t shard_elems);
+ * state_bytes), of a shard of shard_elems elements, in each of `sets` sets (overlap_update: 2). */
+uint64_t zd__rank_state_bytes(zd__states_t states, uint64_t shard_elems, uint32_t sets);
 
 /* One bucket's slice owned by a rank: flat element offsets [begin, end). */
 typedef struct zd__shard_range {

@@ -308,13 +308,14 @@ static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__
     const zd__bucket_t *bk = &l->buckets[b];
     const void *send = (const char *)buf->grads.addr + bk->offset * gsize;
     float *scratch = m->shard.grad_shard ? m->shard.grad_shard + bk->shard_base : NULL;
+    m->speculated[b] =
+        0; /* new gradients (even a failed scatter's): an earlier speculation is void */
     int rc =
         ctx->comm->ops->reduce_scatter(ctx->comm, b, send, m->grad_dtype, bk->shard_elems, scratch,
                                        &m->shard.grad[b], &m->shard.grad_dtype[b], err);
     if (rc) return rc;
     m->scattered[b] = m->attempted[b] = 1;
-    m->speculated[b] = 0; /* new gradients: an earlier speculation is void */
-    m->abandoned = 0;     /* a new attempt */
+    m->abandoned = 0; /* a new attempt */
     m->collective_bytes += bk->elems * gsize;
   }
   uint64_t us = zd__now_us() - t0;
@@ -805,7 +806,11 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
       m->spec_committed++;
     }
   end_speculation(m);
-  if (gather && !rc) rc = gather_buckets(ctx, m, buf, -1, err);
+  if (gather) { /* every rank's peers enter this gather: never skipped, even after a failure */
+    zd__err_t gerr = {0};
+    int g = gather_buckets(ctx, m, buf, -1, rc ? &gerr : err);
+    if (!rc) rc = g;
+  }
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
   out->duration_us = zd__now_us() - t0;

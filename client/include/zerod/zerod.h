@@ -497,7 +497,10 @@ ZD_EXPORT int zd_cuda_device(const zd_client_t *client, int *device);
 ZD_EXPORT int zd_step(zd_client_t *client, const zd_step_opts_t *opts, zd_step_result_t *result);
 
 /* Reduce-scatter of one bucket (or ZD_ALL_BUCKETS) of the grad buffer into this rank's shard.
- * At world size > 1 every rank scatters the same buckets. Errors: -EINVAL (NULL client; a bucket
+ * At world size > 1 every rank scatters the same buckets. zerod may read the bucket's gradients
+ * at any time from the scatter until the step (at world size > 1 during the scatter; with
+ * overlap_update also at world size 1): a gradient changed after its bucket was scattered must be
+ * scattered again. Errors: -EINVAL (NULL client; a bucket
  * that does not exist), ZD_EORDER (not registered), ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT/-ECANCELED
  * (a peer failed, or zerod is shutting down), ZD_EABORTED (another rank's trainer left in the
  * middle of the step: scatter again), -EBUSY (64 requests outstanding), ZD_EBACKEND (device
