@@ -34,9 +34,9 @@ CI checks the bookkeeping bit for bit against a real zerod. It proves nothing ab
 events of the real path, which runs only with a GPU (tests/python/test_offload_cuda.py).
 
 Memory, per parameter with fp32 params and grads: the GPU holds 8 bytes (the parameter and its
-gradient; no optimizer state), host memory 24 bytes (zerod's master weight and two moments, 12,
-and the two pinned buffers, 8, plus the client's view of them, shared) — 16 bytes of state moved
-off the GPU against torch's AdamW on the GPU (4 + 4 + 8 = 16 bytes per parameter there).
+gradient; no optimizer state) where torch's AdamW on the GPU holds 16 (and the two moments); host
+memory holds 20 (zerod's master weight and two moments, 12, and the two pinned buffers, 8, which
+zerod maps too).
 """
 
 from __future__ import annotations
@@ -244,6 +244,14 @@ class Offload:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def settle(self, into: List["Request"]) -> None:
+        """After a failed step attempt: as flush(), keeping no error (the attempt's own is
+        raised), so that nothing queued is sent into the next attempt."""
+        try:
+            self.flush(into)
+        except Exception:
+            pass
 
     def grads_changed(self) -> bool:
         """Whether a gradient copied in this iteration changed since (another tensor, or its

@@ -890,6 +890,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             step_req = self._inflight[-1]
             self._wait_inflight()  # every request once; raises the first error (a scatter's)
         finally:
+            if self._offload is not None:  # only after a failure: what its sender still had
+                self._offload.settle(self._inflight)
             for req in self._inflight:  # only after a failure: settle what was sent
                 try:
                     req.wait()
