@@ -171,6 +171,7 @@ class Offload:
         if self.cuda:
             self.d2h.synchronize()
             self.h2d.synchronize()
+        self._pviews, self._gviews = [], []  # the buffers are unmapped next
 
     # ---- backward -------------------------------------------------------------------------------
 
@@ -218,6 +219,8 @@ class Offload:
 
     def _send_loop(self) -> None:
         client = self.opt.client
+        if self.cuda:  # this thread's CUDA calls (the event waits) on the model's GPU, no other
+            torch.cuda.set_device(self.device)
         while True:
             item = self._queue.get()
             try:
