@@ -39,6 +39,7 @@ SIZES = {  # layers, width, heads, vocabulary, sequence, batch, warm-up steps, t
     "check": (6, 768, 12, 50257, 256, 4, 2, 4),
     "small": (12, 768, 12, 50257, 1024, 8, 3, 10),
     "large": (28, 3584, 28, 50257, 512, 1, 2, 5),
+    "smoke": (2, 64, 4, 512, 32, 2, 1, 2),  # --smoke: the script's own check on the CPU
 }
 
 
@@ -63,7 +64,7 @@ def build(torch, layers: int, width: int, heads: int, vocab: int, seq: int):
                 self.mask = torch.nn.Transformer.generate_square_subsequent_mask(t).to(x.device)
             h = self.tok(x) + self.pos(torch.arange(t, device=x.device))
             for b in self.blocks:
-                h = b(h, src_mask=self.mask, is_causal=True)
+                h = b(h, src_mask=self.mask)
             return self.norm(h) @ self.tok.weight.t()  # tied head
 
     return GPT()
@@ -78,13 +79,21 @@ def main() -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--zerod", default=os.environ.get("ZEROD_BIN"), help="the zerod binary")
     ap.add_argument("--skip-torch", action="store_true", help="no torch AdamW row")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model on the CPU through the offload rehearsal: checks this "
+                         "script without a GPU (its figures mean nothing)")
     args = ap.parse_args()
+    # torch's CPU sqrt as one zerod reproduces (no warning about it; the figures do not care)
+    os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
     try:
         import torch
     except ImportError:
         print("SKIP: torch is not importable")
         return SKIP
-    if not torch.cuda.is_available():
+    smoke = args.smoke
+    if smoke:
+        args.size = "smoke"
+    elif not torch.cuda.is_available():
         print(f"SKIP: torch {torch.__version__} sees no CUDA GPU")
         return SKIP
     import zerod.testing
@@ -92,7 +101,30 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     layers, width, heads, vocab, seq, bs, warm, timed = SIZES[args.size]
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if smoke else "cuda")
+
+    class Timer:  # CUDA events, or the host clock for the smoke run
+        def __init__(self) -> None:
+            if smoke:
+                self.t = [0.0, 0.0]
+            else:
+                self.e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+
+        def mark(self, i: int) -> None:
+            if smoke:
+                self.t[i] = time.perf_counter()
+            else:
+                self.e[i].record()
+
+        def seconds(self) -> float:
+            if smoke:
+                return self.t[1] - self.t[0]
+            self.e[1].synchronize()
+            return self.e[0].elapsed_time(self.e[1]) / 1e3
+
+    def sync() -> None:
+        if not smoke:
+            torch.cuda.synchronize()
     torch.manual_seed(0)
     data = torch.randint(0, vocab, (bs, seq + 1), device=dev)
     x, y = data[:, :-1], data[:, 1:]
@@ -107,82 +139,84 @@ def main() -> int:
     # forward + backward alone, and torch's fused AdamW on the GPU
     model = build(torch, layers, width, heads, vocab, seq).to(dev)
     nparams = sum(p.numel() for p in model.parameters())
+    where = "the CPU (smoke)" if smoke else torch.cuda.get_device_name()
     print(f"# bench_offload --size {args.size}: {nparams / 1e6:.0f}M parameters, batch {bs} x "
-          f"{seq} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+          f"{seq} tokens, {where}, torch {torch.__version__}", flush=True)
     fb, fb_gpu = [], []
     for i in range(warm + timed):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
+        tm = Timer()
+        tm.mark(0)
         for p in model.parameters():
             p.grad = None
         loss_of(model).backward()
-        e1.record()
-        torch.cuda.synchronize()
+        tm.mark(1)
+        sync()
         if i >= warm:
             fb.append(time.perf_counter() - t0)
-            fb_gpu.append(e0.elapsed_time(e1) / 1e3)
+            fb_gpu.append(tm.seconds())
     rows.append(("forward + backward alone", median_ms(fb), ""))
     if not args.skip_torch:
         try:
-            topt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            topt = torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                     **({} if smoke else {"fused": True}))
             ts = []
             for i in range(warm + timed):
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 topt.zero_grad(set_to_none=True)
                 loss_of(model).backward()
                 topt.step()
-                torch.cuda.synchronize()
+                sync()
                 if i >= warm:
                     ts.append(time.perf_counter() - t0)
-            mem = torch.cuda.max_memory_allocated() / 2**30
+            mem = 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30
             rows.append(("torch AdamW(fused=True) on the GPU", median_ms(ts),
                          f"peak GPU memory {mem:.1f} GiB"))
             del topt
-        except torch.cuda.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:  # type: ignore[misc]
             rows.append(("torch AdamW(fused=True) on the GPU", float("nan"),
                          "out of GPU memory: does not fit"))
     # the copies of the same bytes, alone
     pbytes = nparams * 4
     dsrc = torch.empty(nparams, dtype=torch.float32, device=dev)
-    host = torch.empty(nparams, dtype=torch.float32, pin_memory=True)
+    host = torch.empty(nparams, dtype=torch.float32, pin_memory=not smoke)
     for name, fn in (("D2H copy of the gradient bytes (pinned)", lambda: host.copy_(dsrc, non_blocking=True)),
                      ("H2D copy of the parameter bytes (pinned)", lambda: dsrc.copy_(host, non_blocking=True))):
         ts = []
         for i in range(2 + 5):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
+            tm = Timer()
+            tm.mark(0)
             fn()
-            e1.record()
-            e1.synchronize()
+            tm.mark(1)
             if i >= 2:
-                ts.append(e0.elapsed_time(e1) / 1e3)
+                ts.append(tm.seconds())
         gbs = pbytes / statistics.median(ts) / 1e9
         rows.append((name, median_ms(ts), f"{pbytes / 2**20:.0f} MiB, {gbs:.1f} GB/s"))
     del dsrc, host, model
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if not smoke:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
     # offload through a CPU zerod
     daemon = zerod.testing.LocalZerod(["--backend", "cpu"], binary=args.zerod, log_level="warn")
     try:
         model = build(torch, layers, width, heads, vocab, seq).to(dev)
         opt = ZeroOptimizer(model.named_parameters(), lr=1e-4, socket=daemon.socket,
-                            replace=True)
+                            replace=True, **({"offload": "rehearsal"} if smoke else {}))
         assert opt._offload is not None, "the optimizer did not offload"
         ts = []
         for i in range(warm + timed):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss_of(model).backward()
             opt.step()
-            torch.cuda.synchronize()
+            sync()
             if i >= warm:
                 ts.append(time.perf_counter() - t0)
-        mem = torch.cuda.max_memory_allocated() / 2**30
+        mem = 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30
         step = median_ms(ts)
         rows.append(("offload through a CPU zerod", step,
                      f"peak GPU memory {mem:.1f} GiB, {opt.client.info.nbuckets} buckets"))
