@@ -883,8 +883,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         self._start_scatter(b)
                 if self._offload is not None:  # the scatters its sender thread has queued
                     self._offload.flush(self._inflight)
-                self._inflight.append(self.client.step_start(groups, scatter=False,
-                                                             gather=self._offload is None,
+                no_gather = {"gather": False} if self._offload is not None else {}
+                self._inflight.append(self.client.step_start(groups, scatter=False, **no_gather,
                                                              **self._clip_kw(),
                                                              **self._stream()))
             step_req = self._inflight[-1]
