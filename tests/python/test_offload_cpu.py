@@ -5,7 +5,10 @@ AdamW (foreach=False: the formula ZeroOptimizer follows for a model stepped on t
 very gradients the model computed (after each step's clipping coefficient, as zerod reported it:
 test_optimizer.py shows that coefficient is torch's); after every step each parameter must equal
 the reference's, rounded to the parameter dtype (bf16 params: fp32 master weights in both), bit
-for bit. Runs: fp32, bf16, fp32 with clipping that triggers, and a trainer that crashes
+for bit. Runs: fp32, bf16, fp32 with clipping that triggers, gradients changed between backward
+and step() (copied again), two micro-batches per step with and without no_sync() (without it
+every bucket is copied and scattered twice, the second time only after the first scatter was
+answered), overlap=False, and a trainer that crashes
 (os._exit in a child process, no close) after 3 steps and is replaced by one whose model starts
 from other values: it must resume zerod's state (resumed, step count, parameters) and go on
 bit-identical to the reference.
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+import warnings
 from typing import Any, List, Optional, Tuple
 
 import common
@@ -172,6 +176,48 @@ class OffloadCase:
                 self.assertIsNone(bad, f"step {step + 1}: {bad}")
         finally:
             opt.close()
+
+    def run_accumulation(self, no_sync: bool, overlap: bool = True) -> None:
+        """Two micro-batches per step: the first inside no_sync() (its buckets are copied when
+        the second completes them), or without it (every bucket is copied and scattered again
+        once the second backward completes it, after the first's scatters were answered)."""
+        self.check_sqrt()
+        model = make_model(1).to(self.DEVICE)
+        ref = make_model(1)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+        opt = self.make(model, f"{self.DEVICE}.acc{int(no_sync)}{int(overlap)}", replace=True,
+                        overlap=overlap)
+        try:
+            for step in range(3):
+                opt.zero_grad()
+                if no_sync:
+                    with opt.no_sync():
+                        loss_of(model, 2 * step, self.DEVICE, torch.float32).backward()
+                else:
+                    loss_of(model, 2 * step, self.DEVICE, torch.float32).backward()
+                loss_of(model, 2 * step + 1, self.DEVICE, torch.float32).backward()
+                grads = [p.grad.detach().float().cpu().clone() for p in model.parameters()]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the re-scatter's, without no_sync()
+                    opt.step()
+                ref_step(ref, ropt, grads, 1.0, False)
+                bad = mismatch(model, ref, torch.float32)
+                self.assertIsNone(bad, f"step {step + 1}: {bad}")
+            # without no_sync() every bucket went twice: the second copy after the first's
+            # scatter was answered (zerod may read a scattered bucket until the step)
+            per_step = opt._nbuckets * (1 if no_sync else 2)
+            self.assertEqual(opt._offload.copies, 3 * per_step)
+        finally:
+            opt.close()
+
+    def test_accumulation_no_sync(self) -> None:
+        self.run_accumulation(True)
+
+    def test_accumulation_without_no_sync(self) -> None:
+        self.run_accumulation(False)
+
+    def test_no_overlap(self) -> None:
+        self.run_accumulation(True, overlap=False)
 
     def test_trainer_crash_and_reattach(self) -> None:
         """A trainer dies after 3 steps without closing; its replacement resumes zerod's state."""
