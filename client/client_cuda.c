@@ -383,9 +383,7 @@ int zd__cuda_pin(zd_client_t *c, int device) {
     if (!bytes[i]) continue;
     cudaError_t e = cudaHostRegister(bufs[i], bytes[i], cudaHostRegisterPortable);
     if (e != cudaSuccess) {
-      rc = cuda_fail(e,
-                     "cudaHostRegister(portable) of the %zu-byte %s buffer on device %d (pinned "
-                     "memory is limited by RLIMIT_MEMLOCK and the host's memory)",
+      rc = cuda_fail(e, "cudaHostRegister(portable) of the %zu-byte %s buffer on device %d",
                      bytes[i], names[i], device);
       break;
     }
