@@ -82,8 +82,10 @@ produced them; the scatters name that stream): build it under the stream you tra
 torch >= 2.10 warns once about the mismatch. The GPU must be the one zerod gives the rank
 (``Client.cuda_device()``; the error says which); close() synchronises the device before it
 copies the parameters out and before the buffers are freed. torch.as_tensor needs NumPy to
-read ``__cuda_array_interface__``. CPU parameters need zerod's CPU backend, CUDA parameters its
-CUDA backend.
+read ``__cuda_array_interface__``. CPU parameters need zerod's CPU backend. CUDA parameters
+on a zerod running its CPU backend are offloaded (zerod.offload: the optimizer state in host
+memory, the parameters and gradients on the GPU, copied per bucket through pinned host buffers;
+the update follows torch's CPU formula, as for CPU parameters; the ``offload`` argument).
 
 Which torch. zerod's update reproduces torch.optim.AdamW/Adam bit for bit as the running torch
 computes it (docs/torch2/README.md): on CPU each group's ``update`` is "torch113" under torch 1.x
