@@ -1,4 +1,6 @@
-/* libzerod's device buffers (ZD_MEMORY_CUDA), built only with CUDA: the param and grad buffers
+/* libzerod's device buffers (ZD_MEMORY_CUDA) and pinned host buffers (ZD_MEMORY_HOST_PINNED: the
+ * host buffers of client_register.c, page-locked here with cudaHostRegister for a model on a GPU
+ * trained by a CPU zerod), built only with CUDA. Device buffers: the param and grad buffers
  * are cudaMalloc'd on the rank's GPU and travel as CUDA IPC handles in the register request, with
  * a ring of ZD__EVENT_SLOTS pairs of IPC events that order the trainer's stream and zerod's, one
  * pair per outstanding request: a request takes a free slot k, records "grads ready" k on the
@@ -8,7 +10,7 @@
  *
  * The CUDA runtime is linked statically (and its symbols kept private), so that a CUDA build of
  * libzerod loads on machines without a GPU or driver and serves host buffers there; this file is
- * reached only for device buffers (and zd_cuda_device()), so nothing else touches CUDA.
+ * reached only for device or pinned buffers (and zd_cuda_device()), so nothing else touches CUDA.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -37,8 +39,9 @@ static int cuda_fail(cudaError_t e, const char *fmt, ...) {
   return zd__fail(code, "%s", err.msg);
 }
 
-/* Why CUDA cannot run in this process at all, or ZD_OK with the device count. */
-static int cuda_devices(int *count) {
+/* Why CUDA cannot run in this process at all, or ZD_OK with the device count; `what` names what
+ * needs it ("device buffers"). */
+static int cuda_devices(const char *what, int *count) {
   *count = 0;
   cudaError_t e = cudaGetDeviceCount(count);
   if (e == cudaSuccess && *count > 0) return ZD_OK;
@@ -47,19 +50,19 @@ static int cuda_devices(int *count) {
   (void)cudaGetLastError();
   if (e == cudaErrorInsufficientDriver && drv == 0)
     return zd__fail(ZD_EBACKEND,
-                    "device buffers need CUDA, but no NVIDIA driver is loaded in this "
+                    "%s need CUDA, but no NVIDIA driver is loaded in this "
                     "process's machine (cudaGetDeviceCount: %s)",
-                    cudaGetErrorString(e));
+                    what, cudaGetErrorString(e));
   if (e == cudaErrorInsufficientDriver)
     return zd__fail(ZD_EBACKEND,
-                    "device buffers need CUDA, but the NVIDIA driver supports CUDA %d.%d "
+                    "%s need CUDA, but the NVIDIA driver supports CUDA %d.%d "
                     "and libzerod's CUDA runtime is %d.%d: it needs a driver of CUDA %d or newer "
                     "(cudaGetDeviceCount: %s)",
-                    drv / 1000, drv % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10,
-                    CUDART_VERSION / 1000, cudaGetErrorString(e));
+                    what, drv / 1000, drv % 1000 / 10, CUDART_VERSION / 1000,
+                    CUDART_VERSION % 1000 / 10, CUDART_VERSION / 1000, cudaGetErrorString(e));
   if (e == cudaSuccess || e == cudaErrorNoDevice)
-    return zd__fail(ZD_EBACKEND, "device buffers need CUDA, but no CUDA device is visible");
-  return cuda_fail(e, "device buffers need CUDA, which cannot start: cudaGetDeviceCount");
+    return zd__fail(ZD_EBACKEND, "%s need CUDA, but no CUDA device is visible", what);
+  return cuda_fail(e, "%s need CUDA, which cannot start: cudaGetDeviceCount", what);
 }
 
 static int device_uuid(int device, uint8_t uuid[16]) {
@@ -162,7 +165,7 @@ static size_t ipc_size(size_t bytes) {
  * memory, from the base of the allocation (which is 256-byte aligned: every parameter and every
  * shard, at multiples of 64 elements, is then aligned for the daemon's 16-byte vector loads). */
 int zd__cuda_create_buffers(zd_client_t *c, int device) {
-  int count, rc = cuda_devices(&count);
+  int count, rc = cuda_devices("device buffers", &count);
   if (rc) return rc;
   if (device < 0 || device >= count)
     return zd__fail(-EINVAL, "zd_model_desc_t.device is %d; this process sees %d CUDA device%s",
@@ -336,7 +339,7 @@ int zd__cuda_check_stream(const zd_client_t *c, void *stream) {
 }
 
 int zd__cuda_find_device(const zd_client_t *c, int *device) {
-  int count, rc = cuda_devices(&count);
+  int count, rc = cuda_devices("device buffers", &count);
   if (rc) return rc;
   for (int d = 0; d < count; d++) {
     uint8_t uuid[16];
@@ -352,4 +355,57 @@ int zd__cuda_find_device(const zd_client_t *c, int *device) {
                   "local rank %u runs on %s (zerod's device %d), which this process does not "
                   "see among its %d CUDA devices (CUDA_VISIBLE_DEVICES?)",
                   c->info.local_rank, theirs, c->rank_device, count);
+}
+
+/* ---- pinned host buffers (ZD_MEMORY_HOST_PINNED) ------------------------------------------- */
+
+#define PINNED_WHAT "pinned host buffers (ZD_MEMORY_HOST_PINNED)"
+
+/* Portable: the pages are page-locked for every CUDA context of the process, whichever GPU the
+ * trainer copies with; registered in the primary context of `device` (the model's GPU), which
+ * enter_device() makes current and gives back. A mapping of 0 bytes (an empty model) is not
+ * registered. */
+int zd__cuda_pin(zd_client_t *c, int device) {
+  int count, rc = cuda_devices(PINNED_WHAT, &count);
+  if (rc) return rc;
+  if (device < 0 || device >= count)
+    return zd__fail(-EINVAL, "zd_model_desc_t.device is %d; this process sees %d CUDA device%s",
+                    device, count, count == 1 ? "" : "s");
+  device_scope_t ds;
+  if ((rc = enter_device(device, &ds))) return rc;
+  c->memory = ZD_MEMORY_HOST_PINNED; /* from here zd__cuda_unpin() undoes what was made */
+  c->device = device;
+  c->pinned = 0;
+  void *bufs[2] = {c->params, c->grads};
+  size_t bytes[2] = {c->param_bytes, c->grad_bytes};
+  const char *names[2] = {"param", "grad"};
+  for (int i = 0; i < 2; i++) {
+    if (!bytes[i]) continue;
+    cudaError_t e = cudaHostRegister(bufs[i], bytes[i], cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+      rc = cuda_fail(e, "cudaHostRegister(portable) of the %zu-byte %s buffer on device %d",
+                     bytes[i], names[i], device);
+      break;
+    }
+    c->pinned |= 1 << i;
+  }
+  leave_device(&ds);
+  return rc;
+}
+
+/* The trainer's copies from and to the buffers must be complete: cudaHostUnregister does not wait
+ * for them. */
+void zd__cuda_unpin(zd_client_t *c) {
+  if (c->memory != ZD_MEMORY_HOST_PINNED || !c->pinned) {
+    c->pinned = 0;
+    return;
+  }
+  device_scope_t ds;
+  if (enter_device(c->device, &ds) == ZD_OK) {
+    if (c->pinned & 1) (void)cudaHostUnregister(c->params);
+    if (c->pinned & 2) (void)cudaHostUnregister(c->grads);
+    (void)cudaGetLastError();
+    leave_device(&ds);
+  }
+  c->pinned = 0;
 }

@@ -60,9 +60,10 @@ struct zd_client {
   size_t param_bytes, grad_bytes;
   int registered;
 
-  /* Device buffers (ZD_MEMORY_CUDA) */
+  /* Device buffers (ZD_MEMORY_CUDA), or pinned host buffers (ZD_MEMORY_HOST_PINNED) */
   zd_memory_t memory;
-  int device;          /* this process's ordinal of the buffers' GPU */
+  int device;          /* this process's ordinal of the buffers' GPU (pinned: of the model's) */
+  int pinned;          /* pinned host buffers: bit 0, the params are registered; bit 1, grads */
   void *stream;        /* zd_set_stream(): cudaStream_t; NULL: the legacy default stream */
   int exported;        /* the handles went to zerod, which may have them open: the buffers
                           and events must then outlive the process's use of them */
@@ -176,6 +177,14 @@ int zd__cuda_check_stream(const zd_client_t *c, void *stream);
 /* *device: this process's ordinal of the GPU whose UUID zerod gave in hello (c->rank_uuid). */
 int zd__cuda_find_device(const zd_client_t *c, int *device);
 
+/* Page-locks the mapped host buffers for CUDA (cudaHostRegister, portable) in the primary
+ * context of CUDA device `device`; sets c->memory to ZD_MEMORY_HOST_PINNED and c->pinned as it
+ * goes: on failure zd__cuda_unpin() undoes what was done. */
+int zd__cuda_pin(zd_client_t *c, int device);
+
+/* Unregisters what zd__cuda_pin() registered (before the buffers are unmapped). */
+void zd__cuda_unpin(zd_client_t *c);
+
 #else
 #define ZD__HAVE_CUDA 0
 
@@ -203,6 +212,15 @@ static inline int zd__cuda_check_stream(const zd_client_t *c, void *stream) {
 static inline int zd__cuda_find_device(const zd_client_t *c, int *device) {
   (void)c, (void)device;
   return zd__fail(ZD_EBACKEND, "this libzerod was built without CUDA");
+}
+static inline int zd__cuda_pin(zd_client_t *c, int device) {
+  (void)c, (void)device;
+  return zd__fail(ZD_EBACKEND,
+                  "this libzerod was built without CUDA: it cannot pin host buffers "
+                  "(ZD_MEMORY_HOST_PINNED); use ZD_MEMORY_HOST");
+}
+static inline void zd__cuda_unpin(zd_client_t *c) {
+  (void)c;
 }
 #endif
 

@@ -45,6 +45,7 @@ void zd__release_buffers(zd_client_t *c) {
   if (c->memory == ZD_MEMORY_CUDA) {
     zd__cuda_release(c);
   } else {
+    if (c->memory == ZD_MEMORY_HOST_PINNED) zd__cuda_unpin(c);
     zd__place_release(c->params, c->param_bytes);
     zd__place_release(c->grads, c->grad_bytes);
   }
@@ -80,10 +81,11 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *caller_desc) {
                     ZD__MAX_PARAMS);
   if (!desc->params && desc->nparams)
     return zd__fail(-EINVAL, "zd_model_desc_t.params is NULL; nparams is %zu", desc->nparams);
-  if (desc->memory != ZD_MEMORY_HOST && desc->memory != ZD_MEMORY_CUDA)
+  if (desc->memory != ZD_MEMORY_HOST && desc->memory != ZD_MEMORY_CUDA &&
+      desc->memory != ZD_MEMORY_HOST_PINNED)
     return zd__fail(-EINVAL,
-                    "zd_model_desc_t.memory is %d; expected ZD_MEMORY_HOST (0) or "
-                    "ZD_MEMORY_CUDA (1)",
+                    "zd_model_desc_t.memory is %d; expected ZD_MEMORY_HOST (0), "
+                    "ZD_MEMORY_CUDA (1) or ZD_MEMORY_HOST_PINNED (2)",
                     (int)desc->memory);
   if (desc->grad_reduce != ZD_GRAD_MEAN && desc->grad_reduce != ZD_GRAD_SUM)
     return zd__fail(-EINVAL,
@@ -101,6 +103,11 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *caller_desc) {
         c->info.backend);
   if (cuda && !ZD__HAVE_CUDA)
     return zd__fail(ZD_EBACKEND, "this libzerod was built without CUDA: no device buffers");
+  int pinned = desc->memory == ZD_MEMORY_HOST_PINNED;
+  if (pinned && !ZD__HAVE_CUDA)
+    return zd__fail(ZD_EBACKEND,
+                    "this libzerod was built without CUDA: it cannot pin host buffers "
+                    "(ZD_MEMORY_HOST_PINNED); use ZD_MEMORY_HOST, or a libzerod built with CUDA");
   zd__release_buffers(c);
   zd_param_t *params;
   if ((rc = zd__read_params(desc->params, desc->nparams, desc->param_size, &params))) return rc;
@@ -128,6 +135,7 @@ int zd_layout(zd_client_t *c, const zd_model_desc_t *caller_desc) {
   else if (!(rc = create_buffer("zerod-params", c->param_bytes, ZD__COLOUR_PARAMS, &c->param_fd,
                                 &c->params)))
     rc = create_buffer("zerod-grads", c->grad_bytes, ZD__COLOUR_GRADS, &c->grad_fd, &c->grads);
+  if (!rc && pinned) rc = zd__cuda_pin(c, desc->device);
   if (rc) {
     zd__release_buffers(c);
     return rc;

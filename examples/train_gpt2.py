@@ -32,14 +32,21 @@ copy's work is not counted in the progress line's tokens/s, but it slows the run
 --device cuda puts the model on the GPU of each rank (rank i: GPU i) and starts zerod with its
 CUDA backend: the parameter and gradient buffers are device memory shared with zerod, and the
 master weights and moments live on the GPU too. It exits with status 2 when torch sees no CUDA
-GPU (or fewer than --world). Offload (a GPU model with its optimizer state in a CPU zerod) is
-not available yet, so this example has no --offload.
+GPU (or fewer than --world).
+
+--offload keeps the model on the GPU (implies --device cuda) and starts zerod with its CPU
+backend: the master weights and Adam moments live in host memory, in zerod (zerod.offload: each
+bucket's gradients are copied to pinned host buffers as backward completes it, and the parameters
+copied back after the step); the GPU holds the parameters and gradients only. Its update follows
+torch's CPU AdamW formula; with --compare the reference steps with torch's CUDA single-tensor
+AdamW on the GPU, so the difference is 0.0 only where that computes the CPU formula's bits
+(scripts/gpu_check.sh's offload probe says whether it does).
 
 Run from the repository root after a build (ninja -C build), with Debian's torch 1.13 or a
 torch 2.x:
 
     /usr/bin/python3 examples/train_gpt2.py [--size tiny|small] [--steps N] [--world N]
-        [--device cpu|cuda] [--compare] [--context N] [--batch N] [--log-every N]
+        [--device cpu|cuda] [--offload] [--compare] [--context N] [--batch N] [--log-every N]
 
 The zerod binary and libzerod come from ./build unless ZEROD_BIN / ZEROD_LIBRARY say otherwise.
 Exit status: 0 trained, 1 a trainer or zerod failed, 2 cannot run here (no build, no GPU).
@@ -248,7 +255,10 @@ def trainer(rank: int, world: int, endpoint: Tuple[str, int], cfg: Dict[str, Any
         client = zerod.Client(endpoint[0], endpoint[1])
         try:
             dev = torch.device("cpu")
-            if cfg["device"] == "cuda":
+            if cfg["offload"]:  # a CPU zerod gives the rank no GPU: rank i, GPU i
+                dev = torch.device("cuda", rank)
+                torch.cuda.set_device(dev)
+            elif cfg["device"] == "cuda":
                 dev = torch.device("cuda", client.cuda_device())  # the GPU zerod gives the rank
                 torch.cuda.set_device(dev)
             model = make_model(cfg).to(dev)
@@ -256,7 +266,8 @@ def trainer(rank: int, world: int, endpoint: Tuple[str, int], cfg: Dict[str, Any
             # foreach=False: the formula of the reference's torch path (on CUDA torch's
             # single-tensor and foreach paths round differently; on CPU it is the default)
             opt = ZeroOptimizer(param_groups(model, named=True), lr=cfg["lr"], betas=(0.9, 0.95),
-                                eps=1e-8, client=client, replace=True, foreach=False)
+                                eps=1e-8, client=client, replace=True, foreach=False,
+                                **({"offload": True} if cfg["offload"] else {}))
             result = train(rank, world, cfg, model, opt, ref, dev)
             opt.close()
         finally:
@@ -344,6 +355,9 @@ def parse_args() -> argparse.Namespace:
                     help="ranks, one trainer process each (default 1)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the model and zerod's state live (default cpu)")
+    ap.add_argument("--offload", action="store_true",
+                    help="the model on the GPU, its optimizer state in a CPU zerod (implies "
+                         "--device cuda)")
     ap.add_argument("--compare", action="store_true",
                     help="train a copy with torch.optim.AdamW alongside and print the largest "
                     "parameter difference")
@@ -376,7 +390,10 @@ def main() -> int:
     if a.steps < 1 or a.world < 1 or cfg["batch"] < 1:
         print("--steps, --world and --batch must be at least 1", file=sys.stderr)
         return 2
+    if a.offload:
+        a.device = "cuda"
     cfg.update(steps=a.steps, device=a.device, compare=a.compare, untied_head=a.untied_head,
+               offload=a.offload,
                log_every=max(1, a.log_every or a.steps // 10),
                threads=a.threads or max(1, min(torch.get_num_threads(),
                                                (os.cpu_count() or 1) // a.world)))
@@ -407,7 +424,7 @@ def main() -> int:
     # Several buckets, so that the scatter of one overlaps the backward of the next.
     args = ["--bucket_elems", str(max(16384, nparams // 8))]
     if a.device == "cuda":
-        args += ["--backend", "cuda"]
+        args += ["--backend", "cpu" if a.offload else "cuda"]
     t0 = time.monotonic()
     with zerod.testing.LocalWorld(a.world, args=args, log_level="info") as w:
         ctx = mp.get_context("spawn")

@@ -9,7 +9,8 @@
 #   scripts/gpu_check.sh run      there, from the same tree with .gpu-bundle/ beside it, on a
 #                                 machine with only the driver, a CUDA runtime and a torch with
 #                                 CUDA (and its NCCL): the gpu suite (the torch conformance matrix
-#                                 included), bench_adam_cuda and bench_step_cuda, without MPS and,
+#                                 and the offload test included), bench_adam_cuda, bench_offload
+#                                 (--size check) and bench_step_cuda, without MPS and,
 #                                 where nvidia-cuda-mps-control exists, with MPS; under 8 minutes,
 #                                 every part under its own timeout. Writes gpu_check.log (every
 #                                 part's output) and summary.txt (the table printed last) under
@@ -293,6 +294,11 @@ summary() {
     echo "machine: $GPU_LINE"
     echo "torch:   $TORCH_LINE"
     echo "bundle:  built at $ORIGIN, commit $(cat "$UNPACKED/commit" 2>/dev/null || echo '?')"
+    if [ -f "$WORK/bench_offload.out" ]; then
+      echo
+      echo "-- bench_offload --size check (a GPU model, its optimizer state in a CPU zerod)"
+      grep -vE '^ *$' "$WORK/bench_offload.out" | grep -vE '^(zerod: |Traceback)' | cut -c1-130 | tail -12
+    fi
     for f in bench_adam_cuda bench_step_cuda_nomps bench_step_cuda_w2_nomps bench_step_cuda_mps \
       bench_step_cuda_w2_mps; do
       [ -f "$WORK/$f.out" ] || continue
@@ -317,6 +323,13 @@ summary() {
       fi
     else
       echo "  (not produced: see python_torch_cuda below)"
+    fi
+    echo
+    echo "-- offload: torch's CUDA single-tensor AdamW against its CPU formula (python_offload_cuda)"
+    if [ -s "$WORK/offload_probe.txt" ]; then
+      sed 's/^offload probe: /  /' "$WORK/offload_probe.txt" | cut -c1-200
+    else
+      echo "  (not produced: see python_offload_cuda below)"
     fi
     echo
     echo "-- gpu suite (meson test --suite gpu)"
@@ -431,7 +444,7 @@ run() {
     mv "$UNPACKED"/lib-host-has/* "$UNPACKED/lib/" 2>/dev/null
     echo "gpu_check: the machine's own libraries did not satisfy zerod: all the bundle's in use" >>"$LOG"
   fi
-  export PYTHONUNBUFFERED=1 ZEROD_TORCH_MATRIX=$WORK/matrix.txt
+  export PYTHONUNBUFFERED=1 ZEROD_TORCH_MATRIX=$WORK/matrix.txt ZEROD_OFFLOAD_REPORT=$WORK/offload_probe.txt
   {
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     ldd build/daemon/zerod | grep -E 'not found|nccl|cudart'
@@ -443,9 +456,17 @@ run() {
   # 1. The gpu suite once (without MPS): its tests carry their own meson timeouts too.
   make_meson
   rm -f build/meson-logs/testlog.json # the summary reads this run's, never an older one
-  timed 270 gpu_suite "$WORK/meson" test -C "$ORIGIN/build" --no-rebuild --suite gpu --print-errorlogs
+  timed 290 gpu_suite "$WORK/meson" test -C "$ORIGIN/build" --no-rebuild --suite gpu --print-errorlogs
   # 2. The kernel against a copy.
   timed 60 bench_adam_cuda build/tests/gpu/bench_adam_cuda --min-log2 20 --max-log2 28
+  # 2b. Offload (a GPU model on a CPU zerod) next to torch's fused AdamW and the copies: the check
+  # size (81M parameters, about 30 s; --size small/large by hand).
+  if [ -n "$TORCH_PY" ]; then
+    timed 40 bench_offload env PYTHONPATH="$ROOT/client/python" ZEROD_BIN="$ROOT/build/daemon/zerod" \
+      ZEROD_LIBRARY="$ROOT/build/client/libzerod.so" "$TORCH_PY" tests/bench/bench_offload.py --size check
+  else
+    note "bench_offload: not run, no python with torch"
+  fi
   # 3. The whole step, without MPS, then with it where the machine has it.
   zerod_mps nomps
   bench_step_runs nomps

@@ -961,9 +961,12 @@ class TorchCudaTest(unittest.TestCase):
         report_matrix(self, run_matrix(self, self.gpu_daemon, self.cpu_daemon, dev))
 
     def test_cuda_params_need_the_cuda_backend(self) -> None:
+        """Unless they offload (by default on a CPU zerod: test_offload_cuda.py); offload=False
+        keeps them to device buffers, which a CPU zerod refuses."""
         model = models.make_model("mlp").cuda()
         with self.assertRaises(zerod.ZerodError) as cm:
-            ZeroOptimizer(model.parameters(), lr=LR, socket=self.cpu_daemon.socket)
+            ZeroOptimizer(model.parameters(), lr=LR, socket=self.cpu_daemon.socket,
+                          offload=False)
         self.assertEqual(cm.exception.name, "ZD_EBACKEND", str(cm.exception))
 
     def test_cpu_params_need_the_cpu_backend(self) -> None:

@@ -214,11 +214,19 @@ typedef struct zd_loss_scaler {
 #define ZD_LOSS_SCALER_INIT \
   { sizeof(zd_loss_scaler_t), 1, 65536.0, 2.0, 0.5, 1000u, 2u, 1.0 }
 
-/* Where the shared buffers live. */
+/* Where the shared buffers live. ZD_MEMORY_HOST_PINNED is for a model on a GPU trained by a
+ * zerod running its CPU backend ("offload"): the buffers are the same host shared memory as
+ * ZD_MEMORY_HOST (to zerod they are ordinary host buffers), and libzerod also page-locks them for
+ * CUDA (cudaHostRegister, portable: for every GPU of the process; zd_model_desc_t.device names
+ * the GPU whose context registers them), so that the trainer's device-to-host copies of gradients
+ * and host-to-device copies of parameters run asynchronously at full bandwidth. They are
+ * unregistered before they are unmapped (zd_layout() again, zd_close()). */
 typedef enum zd_memory {
-  ZD_MEMORY_HOST = 0, /* host shared memory (sealed memfds): for zerod's CPU backend */
-  ZD_MEMORY_CUDA = 1  /* device memory on the rank's GPU, shared through CUDA IPC: for zerod's
-                         CUDA backend */
+  ZD_MEMORY_HOST = 0,       /* host shared memory (sealed memfds): for zerod's CPU backend */
+  ZD_MEMORY_CUDA = 1,       /* device memory on the rank's GPU, shared through CUDA IPC: for
+                               zerod's CUDA backend */
+  ZD_MEMORY_HOST_PINNED = 2 /* host shared memory page-locked for CUDA: for zerod's CPU
+                               backend and a model on a GPU */
 } zd_memory_t;
 
 /* Register flags. ZD_REGISTER_REPLACE: start afresh, discarding any state zerod holds on this rank,
@@ -251,9 +259,12 @@ typedef struct zd_model_desc {
   zd_grad_reduce_t grad_reduce;        /* ZD_GRAD_MEAN (0, the default) or ZD_GRAD_SUM */
   unsigned flags;                      /* ZD_REGISTER_* */
   const zd_loss_scaler_t *loss_scaler; /* NULL (the default): no loss scaling */
-  zd_memory_t memory;                  /* ZD_MEMORY_HOST (0, the default) or ZD_MEMORY_CUDA */
+  zd_memory_t memory;                  /* ZD_MEMORY_HOST (0, the default), ZD_MEMORY_CUDA or
+                                          ZD_MEMORY_HOST_PINNED */
   int device; /* ZD_MEMORY_CUDA: this process's CUDA ordinal of the GPU the buffers go on;
-                 it must be the GPU of the client's local rank (zd_cuda_device()) */
+                 it must be the GPU of the client's local rank (zd_cuda_device()).
+                 ZD_MEMORY_HOST_PINNED: the CUDA ordinal of the model's GPU (any GPU of this
+                 process: zerod has none) */
 } zd_model_desc_t;
 #define ZD_MODEL_DESC_INIT                                                             \
   {                                                                                    \
@@ -406,9 +417,10 @@ ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms
  * param_size, group_size or loss_scaler->size this library does not take; a bad parameter,
  * grad_reduce, memory or device ordinal), ZD_EORDER (after zd_register()), ZD_EDTYPE, ZD_EGROUP (no
  * groups, or a parameter's group out of range), ZD_EBUFFER (device buffers on another GPU than the
- * rank's), ZD_EBACKEND (device buffers and a zerod running its CPU backend, host buffers and one
- * running its CUDA backend, a libzerod built without CUDA, CUDA unusable in this process, or a
- * CUDA call that failed: the message says why), -ENOMEM, and memfd or mmap's negated errno.
+ * rank's), ZD_EBACKEND (device buffers and a zerod running its CPU backend, host buffers (pinned or
+ * not) and one running its CUDA backend, device or pinned buffers and a libzerod built without
+ * CUDA, CUDA unusable in this process or no GPU in it, or a CUDA call that failed, such as
+ * cudaHostRegister: the message says why), -ENOMEM, and memfd or mmap's negated errno.
  * Errors of zd_register(): -EINVAL (NULL client), ZD_EORDER (no zd_layout(), or registered
  * already), ZD_EHPARAM (a group or the loss scaler; zerod checks them), ZD_EDTYPE, ZD_ELAYOUT
  * (zerod holds a different model on this rank; pass ZD_REGISTER_REPLACE to discard it, or ranks

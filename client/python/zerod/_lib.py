@@ -216,8 +216,8 @@ class zd_model_desc_t(_Sized):
         ("grad_reduce", ctypes.c_int),  # zd_grad_reduce_t: ZD_GRAD_MEAN (0) or ZD_GRAD_SUM
         ("flags", ctypes.c_uint),
         ("loss_scaler", ctypes.POINTER(zd_loss_scaler_t)),  # NULL: no loss scaling
-        ("memory", ctypes.c_int),  # zd_memory_t: ZD_MEMORY_HOST or ZD_MEMORY_CUDA
-        ("device", ctypes.c_int),  # CUDA ordinal of the buffers with ZD_MEMORY_CUDA
+        ("memory", ctypes.c_int),  # zd_memory_t: ZD_MEMORY_HOST, _CUDA or _HOST_PINNED
+        ("device", ctypes.c_int),  # CUDA ordinal (ZD_MEMORY_CUDA: the buffers; _PINNED: the model)
     ]
 
     def __init__(self) -> None:

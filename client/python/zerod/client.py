@@ -579,17 +579,21 @@ class Client:
                 defaults, None to disable).
             replace: start afresh: discard any state zerod holds on this rank (for this model or
                 another; at world size > 1 every rank must pass it).
-            memory: "host" (shared memory, for zerod's CPU backend) or "cuda" (device memory on
-                the rank's GPU, shared through CUDA IPC, for zerod's CUDA backend).
+            memory: "host" (shared memory, for zerod's CPU backend), "cuda" (device memory on
+                the rank's GPU, shared through CUDA IPC, for zerod's CUDA backend) or
+                "host_pinned" (host shared memory page-locked for CUDA by libzerod, for a model
+                on a GPU trained by zerod's CPU backend: ZD_MEMORY_HOST_PINNED; host views as
+                with "host").
             device: with memory "cuda", this process's CUDA ordinal of that GPU; default
-                `cuda_device()`, the rank's GPU as this process numbers it.
+                `cuda_device()`, the rank's GPU as this process numbers it. With
+                "host_pinned": the ordinal of the model's GPU (default 0).
 
         After it, write the initial parameter values into `param_buffer` (device buffers:
         `param_device_array()`, on the stream given to `set_stream()`) at the offsets
         `param_info()` gives, then call `register()`.
         """
-        if memory not in ("host", "cuda"):
-            raise ValueError(f"memory is {memory!r}; expected 'host' or 'cuda'")
+        if memory not in ("host", "cuda", "host_pinned"):
+            raise ValueError(f"memory is {memory!r}; expected 'host', 'cuda' or 'host_pinned'")
         specs: List[Param] = []
         for p in params:
             if isinstance(p, Param):
@@ -640,6 +644,9 @@ class Client:
         if memory == "cuda":
             desc.memory = _lib.ZD_MEMORY_CUDA
             desc.device = self.cuda_device() if device is None else int(device)
+        elif memory == "host_pinned":
+            desc.memory = _lib.ZD_MEMORY_HOST_PINNED
+            desc.device = 0 if device is None else int(device)
         with self._lock:
             h = self._h()
             self._release_views()  # zd_layout() remaps the buffers: the old views would dangle
@@ -695,11 +702,11 @@ class Client:
 
     @property
     def memory(self) -> str:
-        """Where the buffers are: "host" or "cuda" (as given to layout())."""
+        """Where the buffers are: "host", "cuda" or "host_pinned" (as given to layout())."""
         return self._memory
 
     def _host_buffer(self, which: str) -> Tuple[int, int]:
-        if self._memory != "host":
+        if self._memory == "cuda":
             raise ValueError(f"the {which} buffer is device memory: use "
                              f"{which}_device_array() (host views need memory='host')")
         return self._buffer(which)

@@ -82,8 +82,10 @@ produced them; the scatters name that stream): build it under the stream you tra
 torch >= 2.10 warns once about the mismatch. The GPU must be the one zerod gives the rank
 (``Client.cuda_device()``; the error says which); close() synchronises the device before it
 copies the parameters out and before the buffers are freed. torch.as_tensor needs NumPy to
-read ``__cuda_array_interface__``. CPU parameters need zerod's CPU backend, CUDA parameters its
-CUDA backend.
+read ``__cuda_array_interface__``. CPU parameters need zerod's CPU backend. CUDA parameters
+on a zerod running its CPU backend are offloaded (zerod.offload: the optimizer state in host
+memory, the parameters and gradients on the GPU, copied per bucket through pinned host buffers;
+the update follows torch's CPU formula, as for CPU parameters; the ``offload`` argument).
 
 Which torch. zerod's update reproduces torch.optim.AdamW/Adam bit for bit as the running torch
 computes it (docs/torch2/README.md): on CPU each group's ``update`` is "torch113" under torch 1.x
@@ -129,6 +131,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 from . import _lib
+from . import offload as _offload
 from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult, ZerodError
 
 __all__ = ["PickledZeroOptimizer", "ZeroOptimizer"]
@@ -361,6 +364,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             state it holds for the same model, and refuses a different one.
         abort_retries: how many times step() retries a step that another rank's trainer
             abandoned by dying in it (ZD_EABORTED, module docstring); 0 raises at once.
+        offload: a model on a GPU and a zerod running its CPU backend (zerod.offload): None
+            (the default) offloads by itself in that case, True insists on it, False refuses
+            it. "rehearsal": a test switch that runs the offload machinery with a model on the
+            CPU (plain copies, no streams).
 
     Raises:
         zerod.ZerodError: from the daemon (no daemon, rank busy, layout mismatch, bad
@@ -378,7 +385,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap: bool = True, socket: Optional[str] = None,
                  local_rank: int = ANY_RANK, timeout_ms: int = 0,
                  client: Optional[Client] = None, replace: bool = False,
-                 abort_retries: int = 3, **hparams: Any) -> None:
+                 abort_retries: int = 3, offload: Any = None, **hparams: Any) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors or dicts, not a tensor")
         defaults = Group().to_dict()  # every field of zerod's groups, as torch names it
@@ -416,7 +423,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for i, g in enumerate(self.param_groups):
             self._check_hparams(g, f"param group {i}")
         self._cuda = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
-        self._choose_formulas()
+        # Offload (a GPU model on a CPU zerod) follows the CPU formula; whether it applies is
+        # known once zerod says its backend, when offload is left automatic.
+        self._offload: Optional[_offload.Offload] = None
+        _offload.check_arg(offload, self._cuda)
+        if not (self._cuda and offload is None):
+            self._choose_formulas(self._cuda and not offload)
 
         # Which parameters zerod owns: every one that requires grad, in group order.
         self._params: List[torch.Tensor] = []
@@ -465,14 +477,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             if launcher:
                 _check_launcher_world(self.client, local_rank, launcher, socket)
+            mode = _offload.decide(offload, self._cuda, self.client.info.backend)
+            if self._cuda and offload is None:
+                self._choose_formulas(mode is None)
+            if mode is not None:  # the buffers are host memory: self._cuda means device buffers
+                self._offload = _offload.Offload(self, mode)
+                self._cuda = False
+                self._offload.announce()
             if self._cuda:
                 self._check_rank_gpu()
             self.client.layout(specs, [Group.coerce(g) for g in self.param_groups],
                                param_dtype=self.param_dtype, grad_dtype=self.grad_dtype,
                                max_grad_norm=max_grad_norm, grad_mean=grad_mean,
                                loss_scaler=loss_scaler, replace=replace,
-                               memory="cuda" if self._cuda else "host",
-                               device=self.device.index if self._cuda else None)
+                               memory="cuda" if self._cuda else (
+                                   self._offload.memory if self._offload else "host"),
+                               device=self.device.index if self._cuda else (
+                                   self._offload.device_index if self._offload else None))
             self._pflat = self._flat_buffer("param", self.param_dtype)
             self._gflat = self._flat_buffer("grad", self.grad_dtype)
             self._pinfo = self.client.params_info()
@@ -497,9 +518,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scale: float = self.info.loss_scale
         self.last_result: Optional[StepResult] = None
 
-        # The model now reads and writes zerod's buffers.
+        # The model now reads and writes zerod's buffers (offload: copies of them).
         self._gviews = gviews
-        for p, pv, gv in zip(self._params, pviews, gviews):
+        for p, pv, gv in zip(self._params, pviews, gviews) if self._offload is None else ():
             p.data = pv
             if self._grad_views:
                 if p.grad is not None:
@@ -534,28 +555,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._hook_handles.append(acc.register_hook(self._make_hook(i)))
                 self._grad_accs.append(acc)  # the node lives only while someone holds it
         self._sent_hparams = self._current_hparams()
+        if self._offload is not None:
+            self._offload.attach(pviews, gviews)
         self._closed = False
         _open_optimizers.add(self)
 
     # ---- formula -------------------------------------------------------------------------------
 
-    def _choose_formulas(self) -> None:
+    def _choose_formulas(self, cuda: bool) -> None:
         """Fills each group's update and sqrt_mode left unset (None) with what reproduces the
-        running torch (_choose_formula), and says once what foreach=True does on CPU."""
+        running torch (_choose_formula) for CUDA parameters stepped on the GPU (cuda) or for
+        parameters stepped on the CPU, and says once what foreach=True does on CPU."""
         told = set()
         for i, g in enumerate(self.param_groups):
-            update, sqrt_mode = _choose_formula(g, self._cuda, f"param group {i}")
+            update, sqrt_mode = _choose_formula(g, cuda, f"param group {i}")
             if g.get("update") is None:
                 g["update"] = update
             if g.get("sqrt_mode") is None:
                 g["sqrt_mode"] = sqrt_mode
-                note = _probe_sqrt()[1] if not self._cuda and not g.get("fused") else ""
+                note = _probe_sqrt()[1] if not cuda and not g.get("fused") else ""
                 if note and "sqrt" not in told:
                     told.add("sqrt")
                     warnings.warn(note, stacklevel=3)
-            if g.get("fused") and not self._cuda:
+            if g.get("fused") and not cuda:
                 self._check_fused_sizes(g, f"param group {i}")
-            if g.get("foreach") and not self._cuda and "foreach" not in told:
+            if g.get("foreach") and not cuda and "foreach" not in told:
                 told.add("foreach")
                 warnings.warn("foreach=True changes nothing here: on CPU torch's foreach "
                               "implementation computes the same bits as its default one (it "
@@ -694,7 +718,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _on_grad_ready(self, i: int) -> None:
         p = self._params[i]
-        if self._grad_views:
+        if self._offload is not None:
+            pass  # the gradient stays the model's, on its device, until its bucket is copied
+        elif self._grad_views:
             self._restore_view(i)
         else:
             g = p.grad
@@ -743,6 +769,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._next_bucket -= 1
 
     def _start_scatter(self, bucket: int) -> None:
+        if self._offload is not None:  # copied to the host buffer first, then sent
+            self._offload.start_scatter(bucket)
+            self._scattered[bucket] = True
+            return
         while len(self._inflight) >= _MAX_INFLIGHT:
             self._inflight.pop(0).wait(**self._stream())
         self._inflight.append(self.client.scatter_start(bucket, **self._stream()))
@@ -754,6 +784,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._param_ready = [False] * len(self._params)
         self._scattered = [False] * self._nbuckets
         self._next_bucket = self._nbuckets - 1
+        if self._offload is not None:
+            self._offload.reset()
 
     def _wait_inflight(self) -> None:
         first: Optional[BaseException] = None
@@ -802,7 +834,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._grad_views:
+        if self._grad_views and self._offload is None:
             for i, p in enumerate(self._params):
                 if p.grad is None:  # the user set it to None: a zero gradient, as documented
                     self._gviews[i].zero_()
@@ -828,6 +860,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               f"({attempt + 1} of {self._abort_retries})", stacklevel=2)
         result = step_req.wait()  # already waited for: its stored result
         assert result is not None
+        if self._offload is not None:  # the gather, and the parameters back to the device
+            self._offload.after_step()
         if groups is not None:
             self._sent_hparams = hp
         self.last_result = result
@@ -837,7 +871,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _send_step(self, groups: Optional[List[Group]]) -> Request:
         """The requests of one step attempt; returns the step's, waited for."""
         try:
-            if not self._overlap:
+            if not self._overlap and self._offload is None:
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,
                 # like the hooks, so ranks configured differently still match).
                 self._inflight.append(self.client.step_start(groups, **self._clip_kw(),
@@ -849,12 +883,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for b in reversed(range(self._nbuckets)):
                     if not self._scattered[b]:
                         self._start_scatter(b)
-                self._inflight.append(self.client.step_start(groups, scatter=False,
+                if self._offload is not None:  # the scatters its sender thread has queued
+                    self._offload.flush(self._inflight)
+                no_gather = {"gather": False} if self._offload is not None else {}
+                self._inflight.append(self.client.step_start(groups, scatter=False, **no_gather,
                                                              **self._clip_kw(),
                                                              **self._stream()))
             step_req = self._inflight[-1]
             self._wait_inflight()  # every request once; raises the first error (a scatter's)
         finally:
+            if self._offload is not None:  # only after a failure: what its sender still had
+                self._offload.settle(self._inflight)
             for req in self._inflight:  # only after a failure: settle what was sent
                 try:
                     req.wait()
@@ -872,7 +911,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the step would silently use the gradients as backward left them. Detected by the grad
         buffer's version counter (every in-place write to .grad or .main_grad views bumps it),
         as recorded by the last hook; every rank running the same code scatters again alike."""
-        if not any(self._scattered) or self._gflat._version == self._hook_version:
+        changed = (self._offload.grads_changed() if self._offload is not None
+                   else self._gflat._version != self._hook_version)
+        if not any(self._scattered) or not changed:
             return
         if not self._warned_changed:
             self._warned_changed = True
@@ -898,6 +939,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         buffer: `set_to_none` is accepted for compatibility but ignored (in main_grad mode
         ``.grad`` is None anyway and ``main_grad`` is zeroed)."""
         self._check_open()
+        if self._offload is not None:  # the model's own gradients, on its device
+            self._offload.zero_grad(set_to_none)
+            self._reset_iteration()
+            return
         with torch.no_grad():
             self._gflat.zero_()
         for i, p in enumerate(self._params):
@@ -996,8 +1041,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # Only the stream current at the last request waited for zerod's results: the
             # copies below, on today's current stream, must not read the buffers before them.
             torch.cuda.synchronize(self.device)
+        if self._offload is not None:  # the parameters are the model's own: nothing to copy
+            self._offload.close()
         with torch.no_grad():
-            for p, gv in zip(self._params, self._gviews):
+            for p, gv in zip(self._params, self._gviews) if self._offload is None else ():
                 p.data = p.data.clone()
                 if self._grad_views:
                     p.grad = gv.clone()
