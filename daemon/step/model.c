@@ -1,14 +1,151 @@
 /* A rank's model (model.h): its creation from a registration, its state arrays by the table,
- * its options, and its end. */
+ * its options, overlap_update's speculation thread, and its end. */
 #include "model.h"
 
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "log.h"
+
+/* overlap_update's speculation thread: a FIFO of the buckets in flight (model.h), each at most
+ * once. Its own thread, so that the worker goes on to the next bucket's reduce-scatter (a
+ * collective its peers wait in) while a bucket is updated; the kernel runs on the daemon's pool
+ * from here, as the step's does from the worker. */
+typedef struct zd__spec {
+  zd__model_t *m;
+  pthread_t thread;
+  pthread_mutex_t lock;
+  pthread_cond_t work; /* the thread: a bucket queued, or stop */
+  pthread_cond_t done; /* waiters: a bucket finished */
+  uint32_t *ring;      /* under lock: the queued buckets, ring[head] first */
+  uint32_t head, queued;
+  uint32_t in_flight; /* under lock: queued + the one running */
+  uint8_t *flying;    /* under lock: per bucket, in flight */
+  uint64_t us;        /* under lock: time spent updating, not yet in update_us */
+  int stop;           /* under lock */
+} zd__spec_t;
+
+/* One bucket's speculative update: the committed set into the other, the bucket's statistics
+ * with it (the same sums commit_point would take). A failure leaves it unspeculated. */
+static int speculate_bucket(zd__model_t *m, uint32_t b) {
+  zd__compute_t *c = m->compute;
+  float *const *other = m->sets[m->committed.set ^ 1];
+  zd__step_record_t rec = {0};
+  zd__err_t err = {0};
+  int rc = c->ops->update(c, &m->shard, b, NULL, m->spec_consts, m->spec_scale, other, &err);
+  if (!rc && m->spec_stats) rc = c->ops->grad_stats(c, &m->shard, b, 1, &rec, &err);
+  if (rc) {
+    ZD_LOG_WARN("step %" PRIu64 ": no speculative update of bucket %u: %s", m->spec_step, b,
+                err.msg);
+    return 0;
+  }
+  m->spec_sumsq[b] = rec.sumsq;
+  m->spec_nonfinite[b] = rec.nonfinite;
+  return 1;
+}
+
+static void *spec_main(void *arg) {
+  zd__spec_t *sp = arg;
+  uint32_t nb = sp->m->layout->nbuckets;
+  pthread_mutex_lock(&sp->lock);
+  for (;;) {
+    while (!sp->queued && !sp->stop) pthread_cond_wait(&sp->work, &sp->lock);
+    if (sp->stop) break;
+    uint32_t b = sp->ring[sp->head];
+    sp->head = (sp->head + 1) % nb;
+    sp->queued--;
+    pthread_mutex_unlock(&sp->lock);
+    uint64_t t0 = zd__now_us();
+    int ok = speculate_bucket(sp->m, b);
+    uint64_t us = zd__now_us() - t0;
+    pthread_mutex_lock(&sp->lock);
+    sp->m->speculated[b] = (uint8_t)ok;
+    sp->flying[b] = 0;
+    sp->in_flight--;
+    sp->us += us;
+    pthread_cond_broadcast(&sp->done);
+  }
+  pthread_mutex_unlock(&sp->lock);
+  return NULL;
+}
+
+static int spec_start(zd__model_t *m, zd__err_t *err) {
+  uint32_t nb = m->layout->nbuckets ? m->layout->nbuckets : 1;
+  zd__spec_t *sp = calloc(1, sizeof *sp);
+  if (sp) {
+    sp->ring = calloc(nb, sizeof *sp->ring);
+    sp->flying = calloc(nb, 1);
+  }
+  if (!sp || !sp->ring || !sp->flying) {
+    if (sp) free(sp->ring), free(sp->flying);
+    free(sp);
+    return zd__errf(err, -ENOMEM, "out of memory for the speculation thread");
+  }
+  sp->m = m;
+  pthread_mutex_init(&sp->lock, NULL);
+  pthread_cond_init(&sp->work, NULL);
+  pthread_cond_init(&sp->done, NULL);
+  int rc = pthread_create(&sp->thread, NULL, spec_main, sp);
+  if (rc) {
+    pthread_cond_destroy(&sp->done);
+    pthread_cond_destroy(&sp->work);
+    pthread_mutex_destroy(&sp->lock);
+    free(sp->ring);
+    free(sp->flying);
+    free(sp);
+    return zd__errf(err, -rc, "cannot start the speculation thread");
+  }
+  m->spec = sp;
+  return ZD_OK;
+}
+
+/* Finishes the bucket running (the queued ones are dropped: the model goes) and joins. */
+static void spec_stop(zd__spec_t *sp) {
+  if (!sp) return;
+  pthread_mutex_lock(&sp->lock);
+  sp->stop = 1;
+  pthread_cond_signal(&sp->work);
+  pthread_mutex_unlock(&sp->lock);
+  pthread_join(sp->thread, NULL);
+  pthread_cond_destroy(&sp->done);
+  pthread_cond_destroy(&sp->work);
+  pthread_mutex_destroy(&sp->lock);
+  free(sp->ring);
+  free(sp->flying);
+  free(sp);
+}
+
+void zd__model_speculate(zd__model_t *m, uint32_t b) {
+  zd__spec_t *sp = m->spec;
+  zd_assert(sp && b < m->layout->nbuckets);
+  pthread_mutex_lock(&sp->lock);
+  zd_assert(!sp->flying[b]);
+  sp->flying[b] = 1;
+  sp->ring[(sp->head + sp->queued) % m->layout->nbuckets] = b;
+  sp->queued++;
+  sp->in_flight++;
+  pthread_cond_signal(&sp->work);
+  pthread_mutex_unlock(&sp->lock);
+}
+
+void zd__model_spec_wait_bucket(zd__model_t *m, int32_t b) {
+  zd__spec_t *sp = m->spec;
+  if (!sp) return;
+  pthread_mutex_lock(&sp->lock);
+  while (b < 0 ? sp->in_flight > 0 : sp->flying[b]) pthread_cond_wait(&sp->done, &sp->lock);
+  m->update_us += sp->us;
+  sp->us = 0;
+  pthread_mutex_unlock(&sp->lock);
+}
+
+void zd__model_spec_wait(zd__model_t *m) {
+  zd__model_spec_wait_bucket(m, -1);
+}
 
 void zd__model_spec_free(zd__model_spec_t *spec) {
   if (!spec) return;
@@ -37,6 +174,7 @@ int zd__model_check_states(const zd__model_t *m, const zd_group_t *groups, const
 
 void zd__model_free(zd__model_t *m) {
   if (!m) return;
+  spec_stop(m->spec);
   zd__shard_t *sh = &m->shard;
   zd__compute_t *c = m->compute;
   if (c) {
@@ -121,6 +259,7 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
     }
   }
   rc = c->ops->shard_init(c, sh, ctx->world_size, err);
+  if (!rc && ctx->overlap_update) rc = spec_start(m, err);
   if (rc) {
     zd__model_free(m);
     return rc;
