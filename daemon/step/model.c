@@ -196,6 +196,7 @@ void zd__model_free(zd__model_t *m) {
   free(m->spec_sumsq);
   free(m->spec_nonfinite);
   free(m->spec_consts);
+  free(m->next_groups);
   free(m->groups);
   zd__shm_unmap(&m->kept);
   zd__layout_free(m->layout);
@@ -246,8 +247,10 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
   m->spec_nonfinite = calloc(nb, sizeof *m->spec_nonfinite);
   m->spec_cap = sh->ngroups;
   m->spec_consts = calloc(sh->ngroups ? sh->ngroups : 1, sizeof *m->spec_consts);
+  m->next_groups = calloc(sh->ngroups ? sh->ngroups : 1, sizeof *m->next_groups);
   if (!sh->segs || !sh->nsegs || !sh->grad || !sh->grad_dtype || !m->scattered || !m->attempted ||
-      !m->ungathered || !m->speculated || !m->spec_sumsq || !m->spec_nonfinite || !m->spec_consts) {
+      !m->ungathered || !m->speculated || !m->spec_sumsq || !m->spec_nonfinite || !m->spec_consts ||
+      !m->next_groups) {
     zd__model_free(m);
     return zd__errf(err, -ENOMEM, "out of memory for the state of %" PRIu64 " shard elements",
                     l->shard_elems);
@@ -291,6 +294,7 @@ void zd__model_resume(zd__model_t *m, zd__model_spec_t *spec) {
   memset(m->attempted, 0, m->layout->nbuckets);
   memset(m->ungathered, 0, m->layout->nbuckets);
   memset(m->speculated, 0, m->layout->nbuckets);
+  m->has_next_groups = 0;
   m->abandoned = 0;
 }
 

@@ -90,6 +90,11 @@ typedef struct zd__model {
    * spec_stats) changes only while no bucket is in flight. */
   struct zd__spec *spec; /* the speculation thread; NULL with one set */
   int spec_stats;
+  /* The groups a scatter of this step attempt said the step will apply (ScatterRequest.groups),
+   * which the speculation uses instead of groups; has_next_groups: there are such (spec_cap
+   * entries allocated, shard.ngroups used). Forgotten at the end of every step attempt. */
+  zd_group_t *next_groups;
+  int has_next_groups;
   uint8_t *speculated;
   double *spec_sumsq;
   uint64_t *spec_nonfinite;

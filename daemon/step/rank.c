@@ -47,6 +47,7 @@ void zd__job_free(zd__job_t *job) {
   if (!job) return;
   if (job->type == ZD__JOB_ATTACH) zd__model_spec_free(job->in.spec);
   if (job->type == ZD__JOB_STEP) free(job->in.step.groups);
+  free(job->next_groups);
   free(job);
 }
 
@@ -266,8 +267,8 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
       attach(r, job);
       break;
     case ZD__JOB_SCATTER:
-      job->code =
-          zd__model_scatter(&r->ctx, r->model, job->buffers, job->event_slot, job->in.bucket, err);
+      job->code = zd__model_scatter(&r->ctx, r->model, job->buffers, job->event_slot,
+                                    job->in.bucket, job->next_groups, err);
       break;
     case ZD__JOB_GATHER:
       job->code =

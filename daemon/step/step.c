@@ -358,31 +358,38 @@ static uint32_t float_bits(float f) {
  * average and the loss scale), from the decision's own function, and that step's constants of
  * the model's groups: what a speculative update applies. */
 static float speculation_key(const zd__step_ctx_t *ctx, const zd__model_t *m,
-                             zd__adam_group_t *consts, uint64_t *step) {
+                             const zd_group_t *groups, zd__adam_group_t *consts, uint64_t *step) {
   zd__decide_cfg_t cfg = {.world_size = ctx->world_size, .grad_mean = m->grad_mean};
   zd__step_state_t st = {.scaler = m->scaler, .step = m->step, .steps_skipped = m->steps_skipped};
   zd__decision_t dec;
   zd__step_decide(&cfg, 0, 0, &st, &dec);
   for (uint32_t g = 0; g < m->shard.ngroups; g++)
-    zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
+    zd__adam_group_init(&consts[g], &groups[g], dec.step);
   *step = dec.step;
   return dec.grad_scale;
 }
 
 /* overlap_update: makes the model's speculation key that of the next step, before a scatter
- * queues buckets for the speculation thread (model.h): the hyperparameters the model has now,
- * step m->step + 1, the factor that holds when nothing clips and nothing overflows, and whether
- * the step takes statistics. A key that changed voids every speculation made with the old one
- * (after waiting for those in flight, which read it). Returns 0 where nothing may be speculated
- * (one set, no groups, a state array the groups need and the model lacks). */
-static int speculation_ready(const zd__step_ctx_t *ctx, zd__model_t *m) {
+ * queues buckets for the speculation thread (model.h): the hyperparameters a scatter of this step
+ * attempt said the step will apply (next_groups: this one's, or an earlier one's), else those the
+ * model has now, step m->step + 1, the factor that holds when nothing clips and nothing overflows,
+ * and whether the step takes statistics. A key that changed voids every speculation made with the
+ * old one (after waiting for those in flight, which read it). Returns 0 where nothing may be
+ * speculated (one set, no groups, a state array the groups need and the model lacks). */
+static int speculation_ready(const zd__step_ctx_t *ctx, zd__model_t *m,
+                             const zd_group_t *next_groups) {
   uint32_t ng = m->shard.ngroups;
   if (!m->spec || ng > m->spec_cap || ng == 0) return 0;
+  if (next_groups) {
+    memcpy(m->next_groups, next_groups, ng * sizeof *next_groups);
+    m->has_next_groups = 1;
+  }
+  const zd_group_t *groups = m->has_next_groups ? m->next_groups : m->groups;
   zd__err_t err = {0};
-  if (zd__model_check_states(m, m->groups, "speculate", &err) != ZD_OK) return 0;
+  if (zd__model_check_states(m, groups, "speculate", &err) != ZD_OK) return 0;
   zd__adam_group_t consts[ng];
   uint64_t step;
-  float scale = speculation_key(ctx, m, consts, &step);
+  float scale = speculation_key(ctx, m, groups, consts, &step);
   int stats = needs_stats(ctx, m);
   if (step != m->spec_step || float_bits(scale) != float_bits(m->spec_scale) ||
       stats != m->spec_stats || memcmp(consts, m->spec_consts, ng * sizeof *consts) != 0) {
@@ -399,6 +406,7 @@ static int speculation_ready(const zd__step_ctx_t *ctx, zd__model_t *m) {
 /* The end of a step attempt, whatever its outcome: its speculations are used or void. */
 static void end_speculation(zd__model_t *m) {
   memset(m->speculated, 0, m->layout->nbuckets);
+  m->has_next_groups = 0;
 }
 
 /* overlap_update: each bucket is queued for its speculative update right after its
@@ -410,9 +418,10 @@ static void end_speculation(zd__model_t *m) {
  * here wrote. The reply does not wait for it: the next bucket's reduce-scatter runs while this
  * one is updated. A bucket scattered again while in flight waits for its speculation first. */
 int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
-                      uint32_t slot, int32_t bucket, zd__err_t *err) {
+                      uint32_t slot, int32_t bucket, const zd_group_t *next_groups,
+                      zd__err_t *err) {
   int rc = job_begin(ctx, buf, slot, err);
-  int spec = !rc && ctx->overlap_update && speculation_ready(ctx, m);
+  int spec = !rc && ctx->overlap_update && speculation_ready(ctx, m, next_groups);
   zd__model_spec_wait_bucket(m, bucket); /* its gradients are about to be written */
   if (!rc) rc = scatter_buckets(ctx, m, buf, bucket, spec, err);
   return job_end_early(ctx, buf, slot, rc, err);
