@@ -17,7 +17,9 @@
  * the three kinds alternating: fb_ms (forward + backward alone, no zerod), off_ms and on_ms (the
  * whole iteration), what the update adds to forward + backward in each (+off, +on), and whether
  * the issue's target holds (+on at most 10% where the update alone is shorter than backward:
- * bwd/up > 1).
+ * bwd/up > 1), and the time zerod says it spent in the step of each (stp_off, stp_on, ms: rank
+ * 0's zd_step_result_t.duration_us; with the setting on, the wait for the last speculation,
+ * the commit's parameter write and what it recomputes).
  *
  * --passes: before the table, the memory passes behind the out-of-place update (kernels/adam.h,
  * src[]): the update's streams read in place and written back (4 read, 3 written: the in-place
@@ -99,15 +101,17 @@ static zd_client_t *attach(const zdt_daemon_t *d, uint64_t n, int nb) {
   return c;
 }
 
-static void step(zd_client_t *c) {
+/* Returns the time zerod says it spent on the step (zd_step_result_t.duration_us), seconds. */
+static double step(zd_client_t *c) {
   zd_step_opts_t o = ZD_STEP_OPTS_INIT;
   o.flags = ZD_STEP_NO_SCATTER;
   zd_step_result_t r = ZD_STEP_RESULT_INIT;
   if (zd_step(c, &o, &r) != ZD_OK) die("step");
+  return (double)r.duration_us * 1e-6;
 }
 
-/* One iteration; c NULL: forward + backward alone. */
-static double iteration(zd_client_t *c, int nb, double fwd, double bwd_bucket) {
+/* One iteration; c NULL: forward + backward alone. *in_step: zerod's time in the step. */
+static double iteration(zd_client_t *c, int nb, double fwd, double bwd_bucket, double *in_step) {
   zd_request_t req[MAX_BUCKETS];
   double t0 = zd_bench_now();
   busy(fwd);
@@ -118,7 +122,7 @@ static double iteration(zd_client_t *c, int nb, double fwd, double bwd_bucket) {
   if (c) {
     for (int b = nb; b-- > 0;)
       if (zd_wait(c, req[b], NULL) != ZD_OK) die("scatter wait");
-    step(c);
+    *in_step = step(c);
   }
   return zd_bench_now() - t0;
 }
@@ -143,6 +147,7 @@ typedef struct trainer {
   int cpu;
   zd_client_t *c[2];
   double seconds; /* of the last timed command */
+  double in_step; /* CMD_ITER: zerod's time in its step */
 } trainer_t;
 
 static void pin(int cpu) {
@@ -172,7 +177,7 @@ static void *trainer_main(void *arg) {
       t->seconds = zd_bench_now() - t0;
     } else if (cmd == CMD_ITER) {
       t->seconds = iteration(g_run.which < 0 ? NULL : t->c[g_run.which], g_run.nb, g_run.fwd,
-                             g_run.bwd_bucket);
+                             g_run.bwd_bucket, &t->in_step);
     } else if (cmd == CMD_CLOSE) {
       for (int k = 0; k < 2; k++) zd_close(t->c[k]);
       t->c[0] = t->c[1] = NULL;
@@ -182,8 +187,9 @@ static void *trainer_main(void *arg) {
   return NULL;
 }
 
-/* Runs cmd on every trainer; returns the slowest one's seconds. */
-static double run_all(trainer_t *ts, int w, cmd_t cmd, int which) {
+/* Runs cmd on every trainer; returns the slowest one's seconds (and, CMD_ITER, rank 0's time in
+ * zerod's step in *in_step when not NULL). */
+static double run_all(trainer_t *ts, int w, cmd_t cmd, int which, double *in_step) {
   g_run.cmd = cmd;
   g_run.which = which;
   pthread_barrier_wait(&g_run.start);
@@ -193,6 +199,7 @@ static double run_all(trainer_t *ts, int w, cmd_t cmd, int which) {
   }
   if (cmd == CMD_EXIT) return 0;
   pthread_barrier_wait(&g_run.end);
+  if (in_step) *in_step = ts[0].in_step;
   double most = 0;
   for (int r = 0; r < w; r++)
     if (ts[r].seconds > most) most = ts[r].seconds;
@@ -327,8 +334,9 @@ int main(int argc, char **argv) {
       "# medians of %d iterations after 2 warm-up; +off / +on: what the update adds to "
       "forward + backward; target: +on <= 10%% where bwd/up > 1\n#\n",
       iters);
-  printf("# %2s %10s %6s %10s %10s %10s %10s %8s %8s %8s %7s\n", "W", "params", "bwd/up",
-         "update_ms", "fb_ms", "off_ms", "on_ms", "+off", "+on", "on/off", "target");
+  printf("# %2s %10s %6s %10s %10s %10s %10s %8s %8s %8s %7s %8s %8s\n", "W", "params", "bwd/up",
+         "update_ms", "fb_ms", "off_ms", "on_ms", "+off", "+on", "on/off", "target", "stp_off",
+         "stp_on");
   for (int wi = 0; wi < nworlds; wi++) {
     int w = worlds[wi];
     if (w == 0) continue; /* --world 0: the passes alone */
@@ -375,38 +383,42 @@ int main(int argc, char **argv) {
       g_run.n = n;
       g_run.nb = nb;
       g_run.daemon = &off;
-      run_all(ts, w, CMD_ATTACH, 0);
+      run_all(ts, w, CMD_ATTACH, 0, NULL);
       g_run.daemon = &on;
-      run_all(ts, w, CMD_ATTACH, 1);
+      run_all(ts, w, CMD_ATTACH, 1, NULL);
       double tu[32];
       for (int it = 0; it < iters + 2; it++) {
-        double s = run_all(ts, w, CMD_UPDATE, 0);
+        double s = run_all(ts, w, CMD_UPDATE, 0, NULL);
         if (it >= 2) tu[it - 2] = s;
       }
       double up = zd_bench_median(tu, iters);
       for (int bi = 0; bi < nbwd; bi++) {
         g_run.fwd = fwd * up;
         g_run.bwd_bucket = bwd[bi] * up / nb;
-        double tf[32], toff[32], ton[32];
+        double tf[32], toff[32], ton[32], soff[32], son[32];
         for (int it = 0; it < iters + 2; it++) {
-          double a = run_all(ts, w, CMD_ITER, -1);
-          double o = run_all(ts, w, CMD_ITER, 0);
-          double p = run_all(ts, w, CMD_ITER, 1);
+          double so, sn;
+          double a = run_all(ts, w, CMD_ITER, -1, NULL);
+          double o = run_all(ts, w, CMD_ITER, 0, &so);
+          double p = run_all(ts, w, CMD_ITER, 1, &sn);
           if (it >= 2) {
             tf[it - 2] = a;
             toff[it - 2] = o;
             ton[it - 2] = p;
+            soff[it - 2] = so;
+            son[it - 2] = sn;
           }
         }
         double mf = zd_bench_median(tf, iters), mo = zd_bench_median(toff, iters);
         double mn = zd_bench_median(ton, iters);
         double add_on = 100.0 * (mn - mf) / mf;
-        printf("  %2d %10llu %6.2f %10.3f %10.3f %10.3f %10.3f %7.1f%% %7.1f%% %8.3f %7s\n", w,
-               (unsigned long long)n, bwd[bi], up * 1e3, mf * 1e3, mo * 1e3, mn * 1e3,
-               100.0 * (mo - mf) / mf, add_on, mn / mo,
-               bwd[bi] <= 1.0   ? "-"
-               : add_on <= 10.0 ? "met"
-                                : "missed");
+        const char *target = bwd[bi] <= 1.0 ? "-" : add_on <= 10.0 ? "met" : "missed";
+        printf(
+            "  %2d %10llu %6.2f %10.3f %10.3f %10.3f %10.3f %7.1f%% %7.1f%% %8.3f %7s %8.3f "
+            "%8.3f\n",
+            w, (unsigned long long)n, bwd[bi], up * 1e3, mf * 1e3, mo * 1e3, mn * 1e3,
+            100.0 * (mo - mf) / mf, add_on, mn / mo, target, zd_bench_median(soff, iters) * 1e3,
+            zd_bench_median(son, iters) * 1e3);
         fflush(stdout);
       }
       if (getenv("BENCH_OVERLAP_STATUS")) { /* the zerods' own accounting, for a closer look */
@@ -417,11 +429,11 @@ int main(int argc, char **argv) {
           zd_free(text);
         }
       }
-      run_all(ts, w, CMD_CLOSE, 0);
+      run_all(ts, w, CMD_CLOSE, 0, NULL);
       zdt_stop(&off, SIGTERM, 0);
       zdt_stop(&on, SIGTERM, 0);
     }
-    run_all(ts, w, CMD_EXIT, 0);
+    run_all(ts, w, CMD_EXIT, 0, NULL);
     for (int r = 0; r < w; r++) pthread_join(ts[r].thread, NULL);
     pthread_barrier_destroy(&g_run.start);
     pthread_barrier_destroy(&g_run.end);
