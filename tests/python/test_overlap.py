@@ -131,7 +131,10 @@ class OverlapOptimizerTest(base.OptimizerTest):
             for m, o in ((model, opt), (ref, ropt)):
                 o.zero_grad()
                 loss_of(m, step).backward()
-            c.set_next_groups([zerod.Group(lr=told)])
+            told_groups = opt._current_hparams()  # the model's (its formula), the lr told
+            for g in told_groups:
+                g.lr = told
+            c.set_next_groups(told_groups)
             for b in reversed(range(nb)):
                 c.scatter(b)
             c.step(scatter=False)
