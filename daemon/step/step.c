@@ -410,13 +410,14 @@ static void end_speculation(zd__model_t *m) {
 }
 
 /* overlap_update: each bucket is queued for its speculative update right after its
- * reduce-scatter (scatter_buckets), from the committed set into the other, with the model's
- * hyperparameters as they are now, for step m->step + 1, with the factor that holds when nothing
- * clips and nothing overflows; no working parameters are written (the client's backward may still
- * read them). The step commits it only when its decision applies exactly these constants and this
- * factor (zd__model_step); else the bucket is updated again from the committed set, which nothing
- * here wrote. The reply does not wait for it: the next bucket's reduce-scatter runs while this
- * one is updated. A bucket scattered again while in flight waits for its speculation first. */
+ * reduce-scatter (scatter_buckets), from the committed set into the other, with the key of
+ * speculation_ready (the step's groups as the trainer's scatters said them, else the model's;
+ * step m->step + 1; the factor that holds when nothing clips and nothing overflows); no working
+ * parameters are written (the client's backward may still read them). The step commits it only when
+ * its decision applies exactly these constants and this factor (zd__model_step); else the bucket is
+ * updated again from the committed set, which nothing here wrote. The reply does not wait for it:
+ * the next bucket's reduce-scatter runs while this one is updated. A bucket scattered again while
+ * in flight waits for its speculation first. */
 int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                       uint32_t slot, int32_t bucket, const zd_group_t *next_groups,
                       zd__err_t *err) {
