@@ -24,10 +24,13 @@ typedef struct zd__spec {
   pthread_cond_t done; /* waiters: a bucket finished */
   uint32_t *ring;      /* under lock: the queued buckets, ring[head] first */
   uint32_t head, queued;
-  uint32_t in_flight; /* under lock: queued + the one running */
-  uint8_t *flying;    /* under lock: per bucket, in flight */
-  uint64_t us;        /* under lock: time spent updating, not yet in update_us */
-  int stop;           /* under lock */
+  uint32_t in_flight;       /* under lock: queued + the one running */
+  uint8_t *flying;          /* under lock: per bucket, in flight */
+  uint8_t *params;          /* under lock: per bucket in flight, its task is the parameters' write
+                               (zd__model_params_async) rather than a speculation */
+  const zd__buffers_t *buf; /* under lock: where the parameters' writes go */
+  uint64_t us;              /* under lock: time spent updating, not yet in update_us */
+  int stop;                 /* under lock */
 } zd__spec_t;
 
 /* One bucket's speculative update: the committed set into the other, the bucket's statistics
@@ -49,6 +52,14 @@ static int speculate_bucket(zd__model_t *m, uint32_t b) {
   return 1;
 }
 
+/* One bucket's working parameters from the committed master weights (the commit's write). */
+static void params_bucket(zd__model_t *m, uint32_t b, const zd__buffers_t *buf) {
+  zd__compute_t *c = m->compute;
+  zd__err_t err = {0};
+  if (c->ops->params_from_master(c, &m->shard, b, buf, &err) != ZD_OK)
+    ZD_LOG_ERROR("step %" PRIu64 ": bucket %u's parameters not written: %s", m->step, b, err.msg);
+}
+
 static void *spec_main(void *arg) {
   zd__spec_t *sp = arg;
   uint32_t nb = sp->m->layout->nbuckets;
@@ -59,13 +70,19 @@ static void *spec_main(void *arg) {
     uint32_t b = sp->ring[sp->head];
     sp->head = (sp->head + 1) % nb;
     sp->queued--;
+    int params = sp->params[b];
+    const zd__buffers_t *buf = sp->buf;
     pthread_mutex_unlock(&sp->lock);
     uint64_t t0 = zd__now_us();
-    int ok = speculate_bucket(sp->m, b);
+    int ok = 0;
+    if (params)
+      params_bucket(sp->m, b, buf);
+    else
+      ok = speculate_bucket(sp->m, b);
     uint64_t us = zd__now_us() - t0;
     pthread_mutex_lock(&sp->lock);
-    sp->m->speculated[b] = (uint8_t)ok;
-    sp->flying[b] = 0;
+    if (!params) sp->m->speculated[b] = (uint8_t)ok;
+    sp->flying[b] = sp->params[b] = 0;
     sp->in_flight--;
     sp->us += us;
     pthread_cond_broadcast(&sp->done);
@@ -80,9 +97,10 @@ static int spec_start(zd__model_t *m, zd__err_t *err) {
   if (sp) {
     sp->ring = calloc(nb, sizeof *sp->ring);
     sp->flying = calloc(nb, 1);
+    sp->params = calloc(nb, 1);
   }
-  if (!sp || !sp->ring || !sp->flying) {
-    if (sp) free(sp->ring), free(sp->flying);
+  if (!sp || !sp->ring || !sp->flying || !sp->params) {
+    if (sp) free(sp->ring), free(sp->flying), free(sp->params);
     free(sp);
     return zd__errf(err, -ENOMEM, "out of memory for the speculation thread");
   }
@@ -97,6 +115,7 @@ static int spec_start(zd__model_t *m, zd__err_t *err) {
     pthread_mutex_destroy(&sp->lock);
     free(sp->ring);
     free(sp->flying);
+    free(sp->params);
     free(sp);
     return zd__errf(err, -rc, "cannot start the speculation thread");
   }
@@ -117,20 +136,32 @@ static void spec_stop(zd__spec_t *sp) {
   pthread_mutex_destroy(&sp->lock);
   free(sp->ring);
   free(sp->flying);
+  free(sp->params);
   free(sp);
 }
 
-void zd__model_speculate(zd__model_t *m, uint32_t b) {
+/* Queues bucket b's task: its speculation, or (buf) its parameters' write. */
+static void queue(zd__model_t *m, uint32_t b, const zd__buffers_t *buf) {
   zd__spec_t *sp = m->spec;
   zd_assert(sp && b < m->layout->nbuckets);
   pthread_mutex_lock(&sp->lock);
   zd_assert(!sp->flying[b]);
   sp->flying[b] = 1;
+  sp->params[b] = buf != NULL;
+  if (buf) sp->buf = buf;
   sp->ring[(sp->head + sp->queued) % m->layout->nbuckets] = b;
   sp->queued++;
   sp->in_flight++;
   pthread_cond_signal(&sp->work);
   pthread_mutex_unlock(&sp->lock);
+}
+
+void zd__model_speculate(zd__model_t *m, uint32_t b) {
+  queue(m, b, NULL);
+}
+
+void zd__model_params_async(zd__model_t *m, uint32_t b, const zd__buffers_t *buf) {
+  queue(m, b, buf);
 }
 
 void zd__model_spec_wait_bucket(zd__model_t *m, int32_t b) {

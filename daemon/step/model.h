@@ -21,7 +21,10 @@
  * range of the gradient shard). A job that needs more waits for every bucket first
  * (zd__model_spec_wait: rank.c does it before every job but a scatter or a gather), and a scatter
  * of a bucket in flight waits for it. Queueing and finishing go through the speculation thread's
- * lock, so what one side wrote before handing a bucket over is seen by the other.
+ * lock, so what one side wrote before handing a bucket over is seen by the other. After a step's
+ * commit the same thread may write a bucket's working parameters instead (zd__model_params_async):
+ * it then owns that bucket's slice of the client's param buffer and reads the committed set, and
+ * the step waits for it before the bucket's gather and before it ends.
  */
 #ifndef ZD_DAEMON_MODEL_H
 #define ZD_DAEMON_MODEL_H
@@ -166,6 +169,13 @@ float *const *zd__model_other_set(const zd__model_t *m);
  * thread), and adds the speculation's time to update_us; zd__model_spec_wait_bucket once bucket
  * b is not in flight (b < 0: none is). */
 void zd__model_speculate(zd__model_t *m, uint32_t b);
+
+/* overlap_update, on the job's thread, once a step has committed: queues the write of bucket b's
+ * working parameters from the committed master weights into buf (compute.h, params_from_master)
+ * for the speculation thread, so that the gathers of the buckets before it run meanwhile. Until
+ * the write is done (zd__model_spec_wait_bucket) the speculation thread owns b's slice of buf
+ * and reads the committed set; the step waits for every write before it ends. */
+void zd__model_params_async(zd__model_t *m, uint32_t b, const zd__buffers_t *buf);
 void zd__model_spec_wait(zd__model_t *m);
 void zd__model_spec_wait_bucket(zd__model_t *m, int32_t b);
 

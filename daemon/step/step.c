@@ -333,6 +333,7 @@ static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   uint64_t t0 = zd__now_us();
   for (uint32_t b = b0; b < b1; b++) {
     const zd__bucket_t *bk = &l->buckets[b];
+    zd__model_spec_wait_bucket(m, (int32_t)b); /* a step's write of its parameters */
     int rc = ctx->comm->ops->all_gather(ctx->comm, b, param_at(m, buf, bk->offset),
                                         m->shard.param_dtype, bk->shard_elems, err);
     if (rc) return rc;
@@ -803,10 +804,17 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   m->step = st.step;
   m->scaler = st.scaler;
   zd__model_commit(m, other != NULL);
-  /* The working parameters of the speculated buckets, from the master weights just committed. */
+  /* The working parameters of the speculated buckets, from the master weights just committed.
+   * Where the buckets are gathered next (W > 1), the speculation thread writes them, in the
+   * gathers' order, and each bucket's gather starts once its own are written (gather_buckets):
+   * the gather of a committed bucket overlaps the write of the next. */
+  int early = gather && ctx->world_size > 1 && m->spec;
   for (uint32_t b = 0; reuse && b < l->nbuckets && !rc; b++)
     if (m->speculated[b]) {
-      rc = ctx->compute->ops->params_from_master(ctx->compute, &m->shard, b, buf, err);
+      if (early)
+        zd__model_params_async(m, b, buf);
+      else
+        rc = ctx->compute->ops->params_from_master(ctx->compute, &m->shard, b, buf, err);
       m->spec_committed++;
     }
   end_speculation(m);
@@ -815,6 +823,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     int g = gather_buckets(ctx, m, buf, -1, rc ? &gerr : err);
     if (!rc) rc = g;
   }
+  zd__model_spec_wait(m); /* every write queued above, also after a failed gather */
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
   out->duration_us = zd__now_us() - t0;
