@@ -23,6 +23,7 @@
 
 #include "client_internal.h"
 #include "endpoint.h"
+#include "group.h"
 #include "wire.h"
 
 #define HELLO_TIMEOUT_MS 30000
@@ -394,6 +395,7 @@ static int connect_once(const char *path, int local_rank, int timeout_ms, zd_cli
   c->info.rank = rep->rank;
   c->info.local_rank = rep->local_rank;
   c->info.bucket_elems = rep->bucket_elems;
+  c->overlap_update = rep->has_overlap_update && rep->overlap_update;
   snprintf(c->info.backend, sizeof c->info.backend, "%s", rep->backend);
   snprintf(c->info.daemon_version, sizeof c->info.daemon_version, "%s", rep->daemon_version);
   c->info.loss_scale = 1.0;
@@ -498,7 +500,21 @@ static int bucket_start(zd_client_t *c, uint16_t type, int bucket, zd_request_t 
     req.bucket = bucket;
     req.has_event_slot = slot >= 0;
     req.event_slot = slot >= 0 ? (uint32_t)slot : 0;
-    return zd__start(c, type, &req.base, NULL, 0, slot, req_out);
+    /* zd_set_next_groups(): only to a zerod that takes them, only while they are the model's
+     * number (a new layout may have changed it) */
+    uint32_t ng =
+        c->next_pending && c->overlap_update && c->next_ngroups == c->ngroups ? c->next_ngroups : 0;
+    Zerod__V1__Group wire[ng ? ng : 1];
+    Zerod__V1__Group *wp[ng ? ng : 1];
+    for (uint32_t g = 0; g < ng; g++) {
+      zd__wire_group_to(&wire[g], &c->next_groups[g]);
+      wp[g] = &wire[g];
+    }
+    req.n_groups = ng;
+    req.groups = wp;
+    rc = zd__start(c, type, &req.base, NULL, 0, slot, req_out);
+    if (!rc) c->next_pending = 0;
+    return rc;
   }
   Zerod__V1__GatherRequest req = ZEROD__V1__GATHER_REQUEST__INIT;
   req.has_bucket = 1;
@@ -506,6 +522,37 @@ static int bucket_start(zd_client_t *c, uint16_t type, int bucket, zd_request_t 
   req.has_event_slot = slot >= 0;
   req.event_slot = slot >= 0 ? (uint32_t)slot : 0;
   return zd__start(c, type, &req.base, NULL, 0, slot, req_out);
+}
+
+int zd_set_next_groups(zd_client_t *c, const zd_group_t *groups, size_t ngroups,
+                       size_t group_size) {
+  int rc = check_registered(c, "zd_set_next_groups");
+  if (rc) return rc;
+  if (!groups || !ngroups) {
+    c->next_pending = 0;
+    return ZD_OK;
+  }
+  zd_step_opts_t in = ZD_STEP_OPTS_INIT, opts; /* the step's checks of groups, by their size */
+  in.groups = groups;
+  in.ngroups = ngroups;
+  in.group_size = group_size;
+  if ((rc = zd__read_step_opts(&in, &opts))) return rc;
+  if (ngroups != c->ngroups)
+    return zd__fail(ZD_EGROUP, "zd_set_next_groups: %zu groups; the model has %u", ngroups,
+                    c->ngroups);
+  zd_group_t *copy = realloc(c->next_groups, ngroups * sizeof *copy);
+  if (!copy) return zd__fail(-ENOMEM, "zd_set_next_groups: out of memory");
+  c->next_groups = copy;
+  zd__read_groups(copy, groups, ngroups, group_size);
+  zd__err_t err = {0};
+  for (size_t g = 0; g < ngroups; g++)
+    if (zd__group_check(&copy[g], "zd_set_next_groups", &err) != ZD_OK) {
+      c->next_pending = 0;
+      return zd__fail(err.code, "%s", err.msg);
+    }
+  c->next_ngroups = (uint32_t)ngroups;
+  c->next_pending = 1;
+  return ZD_OK;
 }
 
 int zd_scatter_start(zd_client_t *c, int bucket, zd_request_t *req) {
@@ -668,5 +715,6 @@ void zd_close(zd_client_t *c) {
   }
   /* Device memory and events zerod may still have open are left allocated (zd__cuda_release). */
   zd__release_buffers(c);
+  free(c->next_groups);
   free(c);
 }

@@ -77,6 +77,12 @@ struct zd_client {
   uint8_t param_handle[64], grad_handle[64];
   uint8_t grads_ready_handle[ZD__EVENT_SLOTS][64], params_ready_handle[ZD__EVENT_SLOTS][64];
   /* From hello, with zerod's CUDA backend: its ordinal and the UUID of the rank's GPU. */
+  int overlap_update; /* from hello: zerod runs overlap_update (takes a scatter's groups) */
+  /* zd_set_next_groups(): groups to send with the next scatter (next_ngroups of them, malloc'd);
+   * next_pending: not sent yet */
+  zd_group_t *next_groups;
+  uint32_t next_ngroups;
+  int next_pending;
   int has_rank_gpu;
   int rank_device;
   uint8_t rank_uuid[16];

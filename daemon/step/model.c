@@ -1,14 +1,182 @@
 /* A rank's model (model.h): its creation from a registration, its state arrays by the table,
- * its options, and its end. */
+ * its options, overlap_update's speculation thread, and its end. */
 #include "model.h"
 
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "log.h"
+
+/* overlap_update's speculation thread: a FIFO of the buckets in flight (model.h), each at most
+ * once. Its own thread, so that the worker goes on to the next bucket's reduce-scatter (a
+ * collective its peers wait in) while a bucket is updated; the kernel runs on the daemon's pool
+ * from here, as the step's does from the worker. */
+typedef struct zd__spec {
+  zd__model_t *m;
+  pthread_t thread;
+  pthread_mutex_t lock;
+  pthread_cond_t work; /* the thread: a bucket queued, or stop */
+  pthread_cond_t done; /* waiters: a bucket finished */
+  uint32_t *ring;      /* under lock: the queued buckets, ring[head] first */
+  uint32_t head, queued;
+  uint32_t in_flight;       /* under lock: queued + the one running */
+  uint8_t *flying;          /* under lock: per bucket, in flight */
+  uint8_t *params;          /* under lock: per bucket in flight, its task is the parameters' write
+                               (zd__model_params_async) rather than a speculation */
+  const zd__buffers_t *buf; /* under lock: where the parameters' writes go */
+  uint64_t us;              /* under lock: time spent updating, not yet in update_us */
+  int stop;                 /* under lock */
+} zd__spec_t;
+
+/* One bucket's speculative update: the committed set into the other, the bucket's statistics
+ * with it (the same sums commit_point would take). A failure leaves it unspeculated. */
+static int speculate_bucket(zd__model_t *m, uint32_t b) {
+  zd__compute_t *c = m->compute;
+  float *const *other = m->sets[m->committed.set ^ 1];
+  zd__step_record_t rec = {0};
+  zd__err_t err = {0};
+  int rc = c->ops->update(c, &m->shard, b, NULL, m->spec_consts, m->spec_scale, other, &err);
+  if (!rc && m->spec_stats) rc = c->ops->grad_stats(c, &m->shard, b, 1, &rec, &err);
+  if (rc) {
+    ZD_LOG_WARN("step %" PRIu64 ": no speculative update of bucket %u: %s", m->spec_step, b,
+                err.msg);
+    return 0;
+  }
+  m->spec_sumsq[b] = rec.sumsq;
+  m->spec_nonfinite[b] = rec.nonfinite;
+  return 1;
+}
+
+/* One bucket's working parameters from the committed master weights (the commit's write). */
+static void params_bucket(zd__model_t *m, uint32_t b, const zd__buffers_t *buf) {
+  zd__compute_t *c = m->compute;
+  zd__err_t err = {0};
+  if (c->ops->params_from_master(c, &m->shard, b, buf, &err) != ZD_OK)
+    ZD_LOG_ERROR("step %" PRIu64 ": bucket %u's parameters not written: %s", m->step, b, err.msg);
+}
+
+static void *spec_main(void *arg) {
+  zd__spec_t *sp = arg;
+  uint32_t nb = sp->m->layout->nbuckets;
+  pthread_mutex_lock(&sp->lock);
+  for (;;) {
+    while (!sp->queued && !sp->stop) pthread_cond_wait(&sp->work, &sp->lock);
+    if (sp->stop) break;
+    uint32_t b = sp->ring[sp->head];
+    sp->head = (sp->head + 1) % nb;
+    sp->queued--;
+    int params = sp->params[b];
+    const zd__buffers_t *buf = sp->buf;
+    pthread_mutex_unlock(&sp->lock);
+    uint64_t t0 = zd__now_us();
+    int ok = 0;
+    if (params)
+      params_bucket(sp->m, b, buf);
+    else
+      ok = speculate_bucket(sp->m, b);
+    uint64_t us = zd__now_us() - t0;
+    pthread_mutex_lock(&sp->lock);
+    if (!params) sp->m->speculated[b] = (uint8_t)ok;
+    sp->flying[b] = sp->params[b] = 0;
+    sp->in_flight--;
+    sp->us += us;
+    pthread_cond_broadcast(&sp->done);
+  }
+  pthread_mutex_unlock(&sp->lock);
+  return NULL;
+}
+
+static int spec_start(zd__model_t *m, zd__err_t *err) {
+  uint32_t nb = m->layout->nbuckets ? m->layout->nbuckets : 1;
+  zd__spec_t *sp = calloc(1, sizeof *sp);
+  if (sp) {
+    sp->ring = calloc(nb, sizeof *sp->ring);
+    sp->flying = calloc(nb, 1);
+    sp->params = calloc(nb, 1);
+  }
+  if (!sp || !sp->ring || !sp->flying || !sp->params) {
+    if (sp) free(sp->ring), free(sp->flying), free(sp->params);
+    free(sp);
+    return zd__errf(err, -ENOMEM, "out of memory for the speculation thread");
+  }
+  sp->m = m;
+  pthread_mutex_init(&sp->lock, NULL);
+  pthread_cond_init(&sp->work, NULL);
+  pthread_cond_init(&sp->done, NULL);
+  int rc = pthread_create(&sp->thread, NULL, spec_main, sp);
+  if (rc) {
+    pthread_cond_destroy(&sp->done);
+    pthread_cond_destroy(&sp->work);
+    pthread_mutex_destroy(&sp->lock);
+    free(sp->ring);
+    free(sp->flying);
+    free(sp->params);
+    free(sp);
+    return zd__errf(err, -rc, "cannot start the speculation thread");
+  }
+  m->spec = sp;
+  return ZD_OK;
+}
+
+/* Finishes the bucket running (the queued ones are dropped: the model goes) and joins. */
+static void spec_stop(zd__spec_t *sp) {
+  if (!sp) return;
+  pthread_mutex_lock(&sp->lock);
+  sp->stop = 1;
+  pthread_cond_signal(&sp->work);
+  pthread_mutex_unlock(&sp->lock);
+  pthread_join(sp->thread, NULL);
+  pthread_cond_destroy(&sp->done);
+  pthread_cond_destroy(&sp->work);
+  pthread_mutex_destroy(&sp->lock);
+  free(sp->ring);
+  free(sp->flying);
+  free(sp->params);
+  free(sp);
+}
+
+/* Queues bucket b's task: its speculation, or (buf) its parameters' write. */
+static void queue(zd__model_t *m, uint32_t b, const zd__buffers_t *buf) {
+  zd__spec_t *sp = m->spec;
+  zd_assert(sp && b < m->layout->nbuckets);
+  pthread_mutex_lock(&sp->lock);
+  zd_assert(!sp->flying[b]);
+  sp->flying[b] = 1;
+  sp->params[b] = buf != NULL;
+  if (buf) sp->buf = buf;
+  sp->ring[(sp->head + sp->queued) % m->layout->nbuckets] = b;
+  sp->queued++;
+  sp->in_flight++;
+  pthread_cond_signal(&sp->work);
+  pthread_mutex_unlock(&sp->lock);
+}
+
+void zd__model_speculate(zd__model_t *m, uint32_t b) {
+  queue(m, b, NULL);
+}
+
+void zd__model_params_async(zd__model_t *m, uint32_t b, const zd__buffers_t *buf) {
+  queue(m, b, buf);
+}
+
+void zd__model_spec_wait_bucket(zd__model_t *m, int32_t b) {
+  zd__spec_t *sp = m->spec;
+  if (!sp) return;
+  pthread_mutex_lock(&sp->lock);
+  while (b < 0 ? sp->in_flight > 0 : sp->flying[b]) pthread_cond_wait(&sp->done, &sp->lock);
+  m->update_us += sp->us;
+  sp->us = 0;
+  pthread_mutex_unlock(&sp->lock);
+}
+
+void zd__model_spec_wait(zd__model_t *m) {
+  zd__model_spec_wait_bucket(m, -1);
+}
 
 void zd__model_spec_free(zd__model_spec_t *spec) {
   if (!spec) return;
@@ -37,6 +205,7 @@ int zd__model_check_states(const zd__model_t *m, const zd_group_t *groups, const
 
 void zd__model_free(zd__model_t *m) {
   if (!m) return;
+  spec_stop(m->spec);
   zd__shard_t *sh = &m->shard;
   zd__compute_t *c = m->compute;
   if (c) {
@@ -58,6 +227,7 @@ void zd__model_free(zd__model_t *m) {
   free(m->spec_sumsq);
   free(m->spec_nonfinite);
   free(m->spec_consts);
+  free(m->next_groups);
   free(m->groups);
   zd__shm_unmap(&m->kept);
   zd__layout_free(m->layout);
@@ -108,8 +278,10 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
   m->spec_nonfinite = calloc(nb, sizeof *m->spec_nonfinite);
   m->spec_cap = sh->ngroups;
   m->spec_consts = calloc(sh->ngroups ? sh->ngroups : 1, sizeof *m->spec_consts);
+  m->next_groups = calloc(sh->ngroups ? sh->ngroups : 1, sizeof *m->next_groups);
   if (!sh->segs || !sh->nsegs || !sh->grad || !sh->grad_dtype || !m->scattered || !m->attempted ||
-      !m->ungathered || !m->speculated || !m->spec_sumsq || !m->spec_nonfinite || !m->spec_consts) {
+      !m->ungathered || !m->speculated || !m->spec_sumsq || !m->spec_nonfinite || !m->spec_consts ||
+      !m->next_groups) {
     zd__model_free(m);
     return zd__errf(err, -ENOMEM, "out of memory for the state of %" PRIu64 " shard elements",
                     l->shard_elems);
@@ -121,6 +293,7 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
     }
   }
   rc = c->ops->shard_init(c, sh, ctx->world_size, err);
+  if (!rc && ctx->overlap_update) rc = spec_start(m, err);
   if (rc) {
     zd__model_free(m);
     return rc;
@@ -152,6 +325,7 @@ void zd__model_resume(zd__model_t *m, zd__model_spec_t *spec) {
   memset(m->attempted, 0, m->layout->nbuckets);
   memset(m->ungathered, 0, m->layout->nbuckets);
   memset(m->speculated, 0, m->layout->nbuckets);
+  m->has_next_groups = 0;
   m->abandoned = 0;
 }
 

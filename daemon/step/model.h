@@ -5,7 +5,26 @@
  * The model outlives its clients: a client that reconnects and registers the same layout continues
  * where the last one stopped. Its state arrays are those its groups need at registration (the
  * table of common/state.h), allocated by the rank's compute backend, which sees them as a shard
- * (zd__shard_t, compute.h). The thread running a job of the rank's owns the model.
+ * (zd__shard_t, compute.h). The thread running a job of the rank's owns the model, but for what
+ * overlap_update's speculation thread holds while a bucket of its is in flight (below).
+ *
+ * overlap_update: ownership between the job's thread (the rank's worker) and the model's
+ * speculation thread (model.c). The worker queues bucket b (zd__model_speculate) right after b's
+ * reduce-scatter, and from then until the speculation thread has finished b ("b in flight") the
+ * speculation thread alone writes the other set's part of bucket b, spec_sumsq[b],
+ * spec_nonfinite[b] and speculated[b], and reads b's reduced gradients (shard.grad[b] and what
+ * it points to, shard.grad_dtype[b]), the committed set's part of b, the shard's pointers and
+ * scratch (shard.state, shard.segs, shard.cdata, the backend's statistics scratch), committed.set,
+ * spec_consts, spec_scale and spec_stats. The worker leaves all of those alone while any bucket
+ * is in flight, except that it reduce-scatters and marks buckets that are not in flight (their
+ * own elements of grad[], grad_dtype[], speculated[], scattered[], attempted[] and their own
+ * range of the gradient shard). A job that needs more waits for every bucket first
+ * (zd__model_spec_wait: rank.c does it before every job but a scatter or a gather), and a scatter
+ * of a bucket in flight waits for it. Queueing and finishing go through the speculation thread's
+ * lock, so what one side wrote before handing a bucket over is seen by the other. After a step's
+ * commit the same thread may write a bucket's working parameters instead (zd__model_params_async):
+ * it then owns that bucket's slice of the client's param buffer and reads the committed set, and
+ * the step waits for it before the bucket's gather and before it ends.
  */
 #ifndef ZD_DAEMON_MODEL_H
 #define ZD_DAEMON_MODEL_H
@@ -65,11 +84,20 @@ typedef struct zd__model {
    * updates are in place. */
   float *sets[2][ZD__NSTATES];
   zd__committed_t committed;
-  /* overlap_update: the speculative update of bucket b (step.c, zd__model_scatter) wrote the
-   * other set's part of bucket b from the committed set and the bucket's reduced gradients, for
-   * step spec_step with spec_scale and spec_consts (step spec_step's constants of every group);
-   * spec_sumsq / spec_nonfinite are the bucket's statistics (compute.h, grad_stats). Cleared by
-   * every scatter of the bucket and at the end of every step attempt. */
+  /* overlap_update: the speculative update of bucket b (step.c, zd__model_scatter; run on the
+   * speculation thread, spec) wrote the other set's part of bucket b from the committed set and
+   * the bucket's reduced gradients, for step spec_step with spec_scale and spec_consts (step
+   * spec_step's constants of every group); spec_sumsq / spec_nonfinite are the bucket's
+   * statistics (compute.h, grad_stats), taken where spec_stats. Cleared by every scatter of the
+   * bucket and at the end of every step attempt. The key (spec_consts, spec_scale, spec_step,
+   * spec_stats) changes only while no bucket is in flight. */
+  struct zd__spec *spec; /* the speculation thread; NULL with one set */
+  int spec_stats;
+  /* The groups a scatter of this step attempt said the step will apply (ScatterRequest.groups),
+   * which the speculation uses instead of groups; has_next_groups: there are such (spec_cap
+   * entries allocated, shard.ngroups used). Forgotten at the end of every step attempt. */
+  zd_group_t *next_groups;
+  int has_next_groups;
   uint8_t *speculated;
   double *spec_sumsq;
   uint64_t *spec_nonfinite;
@@ -134,7 +162,25 @@ void zd__model_commit(zd__model_t *m, int switch_set);
  * committed; NULL with one set. */
 float *const *zd__model_other_set(const zd__model_t *m);
 
-/* Frees the model, its arrays and the backend's data; accepts NULL and a half-built model. */
+/* overlap_update, on the job's thread. zd__model_speculate queues bucket b, reduced and not in
+ * flight, for the speculation thread, which updates it out of place with the model's key
+ * (spec_consts, spec_scale, spec_stats) and sets speculated[b] if that worked; returns at once.
+ * zd__model_spec_wait returns once no bucket is in flight (at once without a speculation
+ * thread), and adds the speculation's time to update_us; zd__model_spec_wait_bucket once bucket
+ * b is not in flight (b < 0: none is). */
+void zd__model_speculate(zd__model_t *m, uint32_t b);
+
+/* overlap_update, on the job's thread, once a step has committed: queues the write of bucket b's
+ * working parameters from the committed master weights into buf (compute.h, params_from_master)
+ * for the speculation thread, so that the gathers of the buckets before it run meanwhile. Until
+ * the write is done (zd__model_spec_wait_bucket) the speculation thread owns b's slice of buf
+ * and reads the committed set; the step waits for every write before it ends. */
+void zd__model_params_async(zd__model_t *m, uint32_t b, const zd__buffers_t *buf);
+void zd__model_spec_wait(zd__model_t *m);
+void zd__model_spec_wait_bucket(zd__model_t *m, int32_t b);
+
+/* Frees the model, its arrays and the backend's data; accepts NULL and a half-built model. A
+ * bucket in flight is finished first, and the speculation thread joined. */
 void zd__model_free(zd__model_t *model);
 
 #endif /* ZD_DAEMON_MODEL_H */

@@ -47,6 +47,7 @@ void zd__job_free(zd__job_t *job) {
   if (!job) return;
   if (job->type == ZD__JOB_ATTACH) zd__model_spec_free(job->in.spec);
   if (job->type == ZD__JOB_STEP) free(job->in.step.groups);
+  free(job->next_groups);
   free(job);
 }
 
@@ -88,7 +89,7 @@ static uint32_t step_idle_cpus(const zd__rank_t *r) {
 /* Refreshes the snapshot after a job; takes the model's numbers as they are now. */
 static void publish(zd__rank_t *r, const zd__job_t *job) {
   const zd__model_t *m = r->model;
-  /* overlap_update: a scatter's speculative update must not hold the loop thread. */
+  /* overlap_update: jobs run on the worker, where a step waits for the speculation thread. */
   atomic_store(&r->inline_ok, m && r->env.world_size == 1 && r->device < 0 &&
                                   !r->env.overlap_update &&
                                   m->layout->shard_elems <= ZD__INLINE_MAX_ELEMS);
@@ -249,6 +250,10 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
   zd__err_t *err = &job->err;
   job->code = degraded(r, err);
   if (job->code) return;
+  /* overlap_update: a scatter or a gather works beside the buckets in flight; every other job
+   * reads or writes what the speculation thread holds meanwhile (model.h). */
+  if (r->model && job->type != ZD__JOB_SCATTER && job->type != ZD__JOB_GATHER)
+    zd__model_spec_wait(r->model);
   if (job->type == ZD__JOB_STAND_IN) {
     if (r->model) stand_in(r, job);
     return;
@@ -262,8 +267,8 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
       attach(r, job);
       break;
     case ZD__JOB_SCATTER:
-      job->code =
-          zd__model_scatter(&r->ctx, r->model, job->buffers, job->event_slot, job->in.bucket, err);
+      job->code = zd__model_scatter(&r->ctx, r->model, job->buffers, job->event_slot,
+                                    job->in.bucket, job->next_groups, err);
       break;
     case ZD__JOB_GATHER:
       job->code =

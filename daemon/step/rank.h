@@ -83,9 +83,12 @@ struct zd__job {
     int abrupt; /* STAND_IN: the client disconnected (else it said bye) */
     int wait;   /* CHECKPOINT: answer once it is written */
   } in;
-  int code;         /* result */
-  int answer_early; /* set when queued: the worker may send the reply itself (jobs.h) */
-  int answered;     /* it did */
+  zd_group_t *next_groups; /* SCATTER: the next step's groups as the trainer had them
+                              (ScatterRequest.groups), the model's number of them, owned by the
+                              job; NULL: none sent */
+  int code;                /* result */
+  int answer_early;        /* set when queued: the worker may send the reply itself (jobs.h) */
+  int answered;            /* it did */
   zd__err_t err;
   union {
     struct {

@@ -295,8 +295,9 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
 
 /* ---- scatter, step, gather ----------------------------------------------------------------- */
 
+/* spec: queue each bucket for its speculative update once reduced (zd__model_scatter). */
 static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
-                           int32_t bucket, zd__err_t *err) {
+                           int32_t bucket, int spec, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   /* All buckets go in descending order, the order in which backward completes them and clients
    * scatter them one by one: ranks that scatter some buckets themselves and leave the rest to the
@@ -317,6 +318,7 @@ static int scatter_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__
     m->scattered[b] = m->attempted[b] = 1;
     m->abandoned = 0; /* a new attempt */
     m->collective_bytes += bk->elems * gsize;
+    if (spec) zd__model_speculate(m, b);
   }
   uint64_t us = zd__now_us() - t0;
   m->scatter_us += us;
@@ -331,6 +333,7 @@ static int gather_buckets(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   uint64_t t0 = zd__now_us();
   for (uint32_t b = b0; b < b1; b++) {
     const zd__bucket_t *bk = &l->buckets[b];
+    zd__model_spec_wait_bucket(m, (int32_t)b); /* a step's write of its parameters */
     int rc = ctx->comm->ops->all_gather(ctx->comm, b, param_at(m, buf, bk->offset),
                                         m->shard.param_dtype, bk->shard_elems, err);
     if (rc) return rc;
@@ -356,71 +359,73 @@ static uint32_t float_bits(float f) {
  * average and the loss scale), from the decision's own function, and that step's constants of
  * the model's groups: what a speculative update applies. */
 static float speculation_key(const zd__step_ctx_t *ctx, const zd__model_t *m,
-                             zd__adam_group_t *consts, uint64_t *step) {
+                             const zd_group_t *groups, zd__adam_group_t *consts, uint64_t *step) {
   zd__decide_cfg_t cfg = {.world_size = ctx->world_size, .grad_mean = m->grad_mean};
   zd__step_state_t st = {.scaler = m->scaler, .step = m->step, .steps_skipped = m->steps_skipped};
   zd__decision_t dec;
   zd__step_decide(&cfg, 0, 0, &st, &dec);
   for (uint32_t g = 0; g < m->shard.ngroups; g++)
-    zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
+    zd__adam_group_init(&consts[g], &groups[g], dec.step);
   *step = dec.step;
   return dec.grad_scale;
 }
 
-/* overlap_update: the speculative update of the buckets a scatter just reduced (bucket, or every
- * bucket for -1), from the committed set into the other, with the hyperparameters the model has
- * now, for step m->step + 1, with the factor that holds when nothing clips and nothing
- * overflows; no working parameters are written (the client's backward may still read them). The
- * bucket's statistics are taken too. The step commits it only when its decision applies exactly
- * these constants and this factor (zd__model_step); else the bucket is updated again from the
- * committed set, which nothing here wrote. A failure only leaves the bucket unspeculated. Runs on
- * the job's thread (the worker), with the kernel pool, before the scatter's reply. */
-static void speculate(const zd__step_ctx_t *ctx, zd__model_t *m, int32_t bucket) {
-  float *const *other = zd__model_other_set(m);
-  const zd__layout_t *l = m->layout;
-  zd__compute_t *c = ctx->compute;
+/* overlap_update: makes the model's speculation key that of the next step, before a scatter
+ * queues buckets for the speculation thread (model.h): the hyperparameters a scatter of this step
+ * attempt said the step will apply (next_groups: this one's, or an earlier one's), else those the
+ * model has now, step m->step + 1, the factor that holds when nothing clips and nothing overflows,
+ * and whether the step takes statistics. A key that changed voids every speculation made with the
+ * old one (after waiting for those in flight, which read it). Returns 0 where nothing may be
+ * speculated (one set, no groups, a state array the groups need and the model lacks). */
+static int speculation_ready(const zd__step_ctx_t *ctx, zd__model_t *m,
+                             const zd_group_t *next_groups) {
   uint32_t ng = m->shard.ngroups;
-  if (!other || ng > m->spec_cap || ng == 0) return;
+  if (!m->spec || ng > m->spec_cap || ng == 0) return 0;
+  if (next_groups) {
+    memcpy(m->next_groups, next_groups, ng * sizeof *next_groups);
+    m->has_next_groups = 1;
+  }
+  const zd_group_t *groups = m->has_next_groups ? m->next_groups : m->groups;
   zd__err_t err = {0};
-  if (zd__model_check_states(m, m->groups, "speculate", &err) != ZD_OK) return;
+  if (zd__model_check_states(m, groups, "speculate", &err) != ZD_OK) return 0;
   zd__adam_group_t consts[ng];
   uint64_t step;
-  float scale = speculation_key(ctx, m, consts, &step);
+  float scale = speculation_key(ctx, m, groups, consts, &step);
+  int stats = needs_stats(ctx, m);
   if (step != m->spec_step || float_bits(scale) != float_bits(m->spec_scale) ||
-      memcmp(consts, m->spec_consts, ng * sizeof *consts) != 0) {
-    memset(m->speculated, 0, l->nbuckets); /* made for other constants: void */
+      stats != m->spec_stats || memcmp(consts, m->spec_consts, ng * sizeof *consts) != 0) {
+    zd__model_spec_wait(m);
+    memset(m->speculated, 0, m->layout->nbuckets); /* made for other constants: void */
     memcpy(m->spec_consts, consts, ng * sizeof *consts);
     m->spec_scale = scale;
     m->spec_step = step;
+    m->spec_stats = stats;
   }
-  int stats = needs_stats(ctx, m);
-  uint32_t hi = bucket < 0 ? l->nbuckets : (uint32_t)bucket + 1, lo = bucket < 0 ? 0 : hi - 1;
-  uint64_t t0 = zd__now_us();
-  for (uint32_t b = hi; b-- > lo;) {
-    zd__step_record_t rec = {0};
-    int rc = c->ops->update(c, &m->shard, b, NULL, consts, scale, other, &err);
-    if (!rc && stats) rc = c->ops->grad_stats(c, &m->shard, b, 1, &rec, &err);
-    if (rc) {
-      ZD_LOG_WARN("step %" PRIu64 ": no speculative update of bucket %u: %s", step, b, err.msg);
-      continue;
-    }
-    m->spec_sumsq[b] = rec.sumsq;
-    m->spec_nonfinite[b] = rec.nonfinite;
-    m->speculated[b] = 1;
-  }
-  m->update_us += zd__now_us() - t0;
+  return 1;
 }
 
 /* The end of a step attempt, whatever its outcome: its speculations are used or void. */
 static void end_speculation(zd__model_t *m) {
   memset(m->speculated, 0, m->layout->nbuckets);
+  m->has_next_groups = 0;
 }
 
+/* overlap_update: each bucket is queued for its speculative update right after its
+ * reduce-scatter (scatter_buckets), from the committed set into the other, with the key of
+ * speculation_ready (the step's groups as the trainer's scatters said them, else the model's;
+ * step m->step + 1; the factor that holds when nothing clips and nothing overflows); no working
+ * parameters are written (the client's backward may still read them). The step commits it only when
+ * its decision applies exactly these constants and this factor (zd__model_step); else the bucket is
+ * updated again from the committed set, which nothing here wrote. The reply does not wait for it:
+ * the next bucket's reduce-scatter runs while this one is updated. A bucket scattered again while
+ * in flight waits for its speculation first. */
 int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
-                      uint32_t slot, int32_t bucket, zd__err_t *err) {
+                      uint32_t slot, int32_t bucket, const zd_group_t *next_groups,
+                      zd__err_t *err) {
   int rc = job_begin(ctx, buf, slot, err);
-  if (!rc) rc = scatter_buckets(ctx, m, buf, bucket, err);
-  if (!rc && ctx->overlap_update) speculate(ctx, m, bucket);
+  int spec = !rc && ctx->overlap_update && speculation_ready(ctx, m, next_groups);
+  zd__model_spec_wait_bucket(m, bucket); /* its gradients are about to be written */
+  if (!rc) rc = scatter_buckets(ctx, m, buf, bucket, spec, err);
   return job_end_early(ctx, buf, slot, rc, err);
 }
 
@@ -711,7 +716,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   int rc = groups ? zd__model_check_states(m, groups, "step", err) : ZD_OK;
   if (rc) return rc;
   rc = job_begin(ctx, buf, slot, err);
-  if (!rc && scatter) rc = scatter_buckets(ctx, m, buf, -1, err);
+  if (!rc && scatter) rc = scatter_buckets(ctx, m, buf, -1, 0, err);
   if (rc) return job_end(ctx, buf, slot, rc, err);
   /* The step's hyperparameters become the model's only once every rank has agreed to them. */
   if (!groups) groups = m->groups;
@@ -799,10 +804,17 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   m->step = st.step;
   m->scaler = st.scaler;
   zd__model_commit(m, other != NULL);
-  /* The working parameters of the speculated buckets, from the master weights just committed. */
+  /* The working parameters of the speculated buckets, from the master weights just committed.
+   * Where the buckets are gathered next (W > 1), the speculation thread writes them, in the
+   * gathers' order, and each bucket's gather starts once its own are written (gather_buckets):
+   * the gather of a committed bucket overlaps the write of the next. */
+  int early = gather && ctx->world_size > 1 && m->spec;
   for (uint32_t b = 0; reuse && b < l->nbuckets && !rc; b++)
     if (m->speculated[b]) {
-      rc = ctx->compute->ops->params_from_master(ctx->compute, &m->shard, b, buf, err);
+      if (early)
+        zd__model_params_async(m, b, buf);
+      else
+        rc = ctx->compute->ops->params_from_master(ctx->compute, &m->shard, b, buf, err);
       m->spec_committed++;
     }
   end_speculation(m);
@@ -811,6 +823,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     int g = gather_buckets(ctx, m, buf, -1, rc ? &gerr : err);
     if (!rc) rc = g;
   }
+  zd__model_spec_wait(m); /* every write queued above, also after a failed gather */
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
   out->duration_us = zd__now_us() - t0;
@@ -919,7 +932,7 @@ int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buff
     for (uint32_t b = nb; b-- > 0 && !rc;) {
       if (m->attempted[b]) continue;
       rc = device ? stand_in_scatter(ctx, m, scratch, b, err)
-                  : scatter_buckets(ctx, m, &own, (int32_t)b, err);
+                  : scatter_buckets(ctx, m, &own, (int32_t)b, 0, err);
       if (!rc) scatters++;
     }
     double sumsq;

@@ -56,9 +56,12 @@ typedef struct zd__step_out {
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                      const zd__buffers_t *buf, uint32_t slot, int *resumed, zd__err_t *err);
 
-/* bucket: index or -1 for all. ZD_EORDER-free: the session checked the index. */
+/* bucket: index or -1 for all. ZD_EORDER-free: the session checked the index. next_groups
+ * (NULL: none): the model's number of checked groups, the next step's as the trainer has them
+ * (ScatterRequest.groups), which overlap_update's speculation of this step uses from here on
+ * (copied; forgotten at the end of the step attempt). */
 int zd__model_scatter(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
-                      uint32_t slot, int32_t bucket, zd__err_t *err);
+                      uint32_t slot, int32_t bucket, const zd_group_t *next_groups, zd__err_t *err);
 int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
                      uint32_t slot, int32_t bucket, zd__err_t *err);
 

@@ -74,6 +74,8 @@ static int handle_hello(zd__session_t *s, const zd__frame_header_t *h, const uin
   rep.rank = zd__rank_global(s->rank);
   rep.local_rank = local;
   rep.bucket_elems = env->cfg->bucket_elems;
+  rep.has_overlap_update = env->cfg->overlap_update != 0;
+  rep.overlap_update = env->cfg->overlap_update != 0;
   rep.backend = (char *)zd__backend_name(env->backend->kind);
   const zd__gpu_info_t *gpu = zd__rank_gpu(s->rank);
   if (gpu) { /* CUDA backend: the client checks its buffers' GPU against this one */
@@ -236,26 +238,32 @@ static int check_bucket(const zd__session_t *s, int32_t bucket, zd__err_t *err) 
   return ZD_OK;
 }
 
+/* The groups a step or a scatter carries (n of them: 0, or the model's number), decoded and
+ * checked into *out (NULL for none; the caller frees it). */
+static int request_groups(const zd__session_t *s, const char *what, Zerod__V1__Group *const *in,
+                          size_t n, zd_group_t **out, zd__err_t *err) {
+  *out = NULL;
+  if (!n) return ZD_OK;
+  if (n != s->ngroups)
+    return zd__errf(err, ZD_EGROUP, "%s carries %zu groups; the model has %u", what, n, s->ngroups);
+  zd_group_t *groups = calloc(n, sizeof *groups);
+  if (!groups) return zd__errf(err, -ENOMEM, "out of memory");
+  int rc = zd__wire_groups_from(groups, in, n, err);
+  if (rc) {
+    free(groups);
+    return rc;
+  }
+  *out = groups;
+  return ZD_OK;
+}
+
 static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
                        zd__err_t *err) {
   Zerod__V1__StepRequest *req = zerod__v1__step_request__unpack(NULL, h->length, body);
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed step body (%u bytes)", h->length);
-  int rc = ZD_OK;
   zd_group_t *groups = NULL;
-  if (req->n_groups) {
-    if (req->n_groups != s->ngroups) {
-      rc = zd__errf(err, ZD_EGROUP, "step carries %zu groups; the model has %u", req->n_groups,
-                    s->ngroups);
-      goto exit;
-    }
-    groups = calloc(req->n_groups, sizeof *groups);
-    if (!groups) {
-      rc = zd__errf(err, -ENOMEM, "out of memory");
-      goto exit;
-    }
-    rc = zd__wire_groups_from(groups, req->groups, req->n_groups, err);
-    if (rc) goto exit;
-  }
+  int rc = request_groups(s, "step", req->groups, req->n_groups, &groups, err);
+  if (rc) goto exit;
   if ((int)req->clip_norm < ZEROD__V1__CLIP_NORM__CLIP_NORM_DOUBLE ||
       (int)req->clip_norm > ZEROD__V1__CLIP_NORM__CLIP_NORM_TORCH215) {
     rc = zd__errf(err, ZD_EHPARAM,
@@ -287,10 +295,11 @@ exit:
   return rc;
 }
 
-/* The job of a scatter or gather of `bucket` (-1: all), once its event slot and bucket check. */
+/* The job of a scatter or gather of `bucket` (-1: all), once its event slot and bucket check;
+ * it takes `groups` (a scatter's; NULL: none) when it is queued. */
 static int bucket_job(zd__session_t *s, const zd__frame_header_t *h, zd__job_type_t type,
                       const char *what, int32_t bucket, int has_slot, uint32_t slot_in,
-                      zd__err_t *err) {
+                      zd_group_t *groups, zd__err_t *err) {
   uint32_t slot;
   int rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), what, has_slot, slot_in,
                                   &slot, err);
@@ -300,6 +309,7 @@ static int bucket_job(zd__session_t *s, const zd__frame_header_t *h, zd__job_typ
   if (!job) return zd__errf(err, -ENOMEM, "out of memory");
   job->event_slot = slot;
   job->in.bucket = bucket;
+  job->next_groups = groups;
   zd__job_submit(s, job);
   return ZD_OK;
 }
@@ -308,8 +318,12 @@ static int handle_scatter(zd__session_t *s, const zd__frame_header_t *h, const u
                           zd__err_t *err) {
   Zerod__V1__ScatterRequest *req = zerod__v1__scatter_request__unpack(NULL, h->length, body);
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed scatter body (%u bytes)", h->length);
-  int rc = bucket_job(s, h, ZD__JOB_SCATTER, "scatter", req->bucket, req->has_event_slot,
-                      req->event_slot, err);
+  zd_group_t *groups = NULL;
+  int rc = request_groups(s, "scatter", req->groups, req->n_groups, &groups, err);
+  if (!rc)
+    rc = bucket_job(s, h, ZD__JOB_SCATTER, "scatter", req->bucket, req->has_event_slot,
+                    req->event_slot, groups, err);
+  if (rc) free(groups); /* else the job's */
   zerod__v1__scatter_request__free_unpacked(req, NULL);
   return rc;
 }
@@ -319,7 +333,7 @@ static int handle_gather(zd__session_t *s, const zd__frame_header_t *h, const ui
   Zerod__V1__GatherRequest *req = zerod__v1__gather_request__unpack(NULL, h->length, body);
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed gather body (%u bytes)", h->length);
   int rc = bucket_job(s, h, ZD__JOB_GATHER, "gather", req->bucket, req->has_event_slot,
-                      req->event_slot, err);
+                      req->event_slot, NULL, err);
   zerod__v1__gather_request__free_unpacked(req, NULL);
   return rc;
 }
@@ -398,7 +412,7 @@ static const command_t commands[] = {
     {ZD__MSG_HELLO, handle_hello, CMD_ANY, 4096},
     {ZD__MSG_REGISTER, handle_register, CMD_NEEDS_HELLO, 0},
     {ZD__MSG_STEP, handle_step, CMD_NEEDS_MODEL, 1u << 20},
-    {ZD__MSG_SCATTER, handle_scatter, CMD_NEEDS_MODEL, 64},
+    {ZD__MSG_SCATTER, handle_scatter, CMD_NEEDS_MODEL, 1u << 20},
     {ZD__MSG_GATHER, handle_gather, CMD_NEEDS_MODEL, 64},
     {ZD__MSG_STATUS, handle_status, CMD_ANY, 64},
     {ZD__MSG_BYE, handle_bye, CMD_ANY, 64},

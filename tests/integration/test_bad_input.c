@@ -499,8 +499,8 @@ static void test_event_slots(void) {
   printf("  well-formed CUDA register -> %s\n",
          zdt_expect_error_kept(fd, 11, ZD_EBACKEND, "this zerod runs the CPU backend", 0));
   uint8_t *big = calloc(1, 100); /* not a register: no cuda_mappings_kept */
-  zdt_raw_request(fd, ZD__MSG_SCATTER, 12, big, 100);
-  zdt_expect_error_kept(fd, 12, ZD_ETOOBIG, "scatter body is 100 bytes", -1);
+  zdt_raw_request(fd, ZD__MSG_GATHER, 12, big, 100);
+  zdt_expect_error_kept(fd, 12, ZD_ETOOBIG, "gather body is 100 bytes", -1);
   free(big);
   close(fd);
   bystander_step("event slots of registers");

@@ -6,8 +6,9 @@ the untouched committed set (docs/design.md, "The overlapped update").
 Every test of test_optimizer.py runs again against a zerod with the setting on (clipping, fp16
 gradients with a loss-scaler overflow, amsgrad, schedulers, state_dict resume, ...: bitwise against
 torch's optimizer), and the tests below check the speculation's own cases: committed when nothing
-changes, recomputed when clipping triggers on some steps or the lr changes between backward and
-step(), dropped on an overflow, and a checkpoint written and resumed with the setting on. The
+changes, committed too when a scheduler changes the lr before backward (the first scatter carries
+it), recomputed when clipping triggers on some steps or the lr changes between backward and step(),
+dropped on an overflow, and a checkpoint written and resumed with the setting on. The
 world-size-2 cases (conformance, a trainer killed mid-step) are test_conformance.py --overlap and
 test_abandon.py --overlap.
 """
@@ -83,6 +84,67 @@ class OverlapOptimizerTest(base.OptimizerTest):
                          2 * nb)
         self.assertEqual(after["overlap_buckets_committed"] - before["overlap_buckets_committed"],
                          3 * nb)
+
+    def test_overlap_scheduler_before_backward(self) -> None:
+        """An lr changed after every step (where torch's schedulers change it): the next step's
+        first scatter carries it (zd_set_next_groups), the speculation uses it, and every bucket
+        commits; on step 4 it changes again between backward and step(): that step's buckets
+        are updated again."""
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2, weight_decay=0.1)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        before = self.counters(opt)
+        for step in range(6):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss_of(m, step).backward()
+                if step == 3:
+                    for g in o.param_groups:
+                        g["lr"] *= 0.5
+                o.step()
+                for g in o.param_groups:  # the scheduler's step, for the next one
+                    g["lr"] = 1e-2 / (2 + step)
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+        after = self.counters(opt)
+        nb = opt.info.nbuckets
+        self.assertEqual(after["overlap_buckets_committed"] - before["overlap_buckets_committed"],
+                         5 * nb, "every bucket of the steps whose lr was set before backward")
+        self.assertEqual(after["overlap_buckets_recomputed"] - before["overlap_buckets_recomputed"],
+                         nb, "the step whose lr changed after backward")
+
+    def test_overlap_next_groups_client(self) -> None:
+        """The client's zd_set_next_groups: checked like a step's groups, sent with the next
+        scatter only; groups the step does not apply cost a second update, not the bits."""
+        model, ref = small_model(), small_model()
+        opt = self.make(model, lr=1e-2, overlap=False)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        c = opt.client
+        with self.assertRaises(zerod.ZerodError) as e:
+            c.set_next_groups([zerod.Group(lr=1e-2)] * 2)
+        self.assertEqual(e.exception.name, "ZD_EGROUP")
+        with self.assertRaises(zerod.ZerodError) as e:
+            c.set_next_groups([zerod.Group(lr=-1.0)])
+        self.assertEqual(e.exception.name, "ZD_EHPARAM")
+        before = self.counters(opt)
+        nb = opt.info.nbuckets
+        for step, told in enumerate((2e-2, 1e-2)):  # told: what the scatters say the lr is
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss_of(m, step).backward()
+            told_groups = opt._current_hparams()  # the model's (its formula), the lr told
+            for g in told_groups:
+                g.lr = told
+            c.set_next_groups(told_groups)
+            for b in reversed(range(nb)):
+                c.scatter(b)
+            c.step(scatter=False)
+            ropt.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+        after = self.counters(opt)
+        self.assertEqual(after["overlap_buckets_recomputed"] - before["overlap_buckets_recomputed"],
+                         nb, "step 1: told 2e-2, applied 1e-2")
+        self.assertEqual(after["overlap_buckets_committed"] - before["overlap_buckets_committed"],
+                         nb, "step 2: told what it applied")
 
     def test_overlap_clipping_on_some_steps(self) -> None:
         model, ref = small_model(), small_model()

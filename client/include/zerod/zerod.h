@@ -519,6 +519,20 @@ ZD_EXPORT int zd_step(zd_client_t *client, const zd_step_opts_t *opts, zd_step_r
  * buffers: CUDA failed), transport. */
 ZD_EXPORT int zd_scatter(zd_client_t *client, int bucket);
 
+/* The hyperparameters the next step will apply, as the trainer has them before its backward
+ * (where schedulers have set them): the library sends them with the next zd_scatter() or
+ * zd_scatter_start() to a zerod that runs overlap_update (its hello says so; to others nothing is
+ * sent), whose speculative updates of that step then use them instead of the last step's, so that
+ * a per-step schedule does not make every bucket be updated twice. The step still applies the
+ * groups its own opts give (or keeps the model's): where they differ from these, zerod updates
+ * the buckets again, the same bits either way. Sent once: call it again for a later step (say,
+ * before each backward, or only when they changed since the last step's). groups NULL or ngroups
+ * 0 drops groups not sent yet. The groups are copied. Errors: -EINVAL (NULL client; a group_size
+ * this library does not take), ZD_EORDER (not registered), ZD_EGROUP (ngroups is not the
+ * model's), ZD_EHPARAM (a group zd_step() would refuse). Nothing is sent here. */
+ZD_EXPORT int zd_set_next_groups(zd_client_t *client, const zd_group_t *groups, size_t ngroups,
+                                 size_t group_size);
+
 /* All-gather of one bucket (or ZD_ALL_BUCKETS) of updated parameters into the param buffer.
  * Errors: -EINVAL (NULL client; a bucket that does not exist), ZD_EORDER (not registered),
  * ZD_EPEER/ZD_EDEGRADED/-ETIMEDOUT/-ECANCELED (a peer failed, or zerod is shutting down), -EBUSY

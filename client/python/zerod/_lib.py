@@ -322,6 +322,8 @@ _PROTOTYPES = {
     "zd_checkpoint": (ctypes.c_int, [zd_client_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64),
                                      ctypes.c_char_p, ctypes.c_size_t]),
     "zd_scatter_start": (ctypes.c_int, [zd_client_p, ctypes.c_int, ctypes.POINTER(zd_request_t)]),
+    "zd_set_next_groups": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_group_t), ctypes.c_size_t,
+                                          ctypes.c_size_t]),
     "zd_gather_start": (ctypes.c_int, [zd_client_p, ctypes.c_int, ctypes.POINTER(zd_request_t)]),
     "zd_step_start": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_step_opts_t),
                                      ctypes.POINTER(zd_request_t)]),

@@ -884,6 +884,26 @@ class Client:
         with self._lock:
             _check(self._lib.zd_scatter(self._h(), int(bucket)), "zd_scatter")
 
+    def set_next_groups(self, groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]]
+                        ) -> None:
+        """The hyperparameters the next step will apply, as they are before backward (schedulers
+        set them there), sent with the next scatter to a zerod running overlap_update, whose
+        speculative updates then use them (zd_set_next_groups); the step still applies the
+        groups given to step(). None drops groups not sent yet. Nothing is sent here."""
+        with self._lock:
+            if groups is None:
+                _check(self._lib.zd_set_next_groups(self._h(), None, 0,
+                                                    ctypes.sizeof(_lib.zd_group_t)),
+                       "zd_set_next_groups")
+                return
+            gs = [Group.coerce(g) for g in groups]
+            arr = (_lib.zd_group_t * max(len(gs), 1))()
+            for i, g in enumerate(gs):
+                g._to_c(arr[i])
+            _check(self._lib.zd_set_next_groups(self._h(), arr, len(gs),
+                                                ctypes.sizeof(_lib.zd_group_t)),
+                   "zd_set_next_groups")
+
     def gather(self, bucket: int = ALL_BUCKETS) -> None:
         """All-gather of one bucket (or all) of updated parameters into the param buffer."""
         with self._lock:

@@ -542,6 +542,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._param_ready = [False] * len(self._params)
         self._scattered = [False] * self._nbuckets
         self._next_bucket = self._nbuckets - 1  # scatters go out in descending bucket order
+        self._hparams_told = False  # this iteration's first scatter went out (_start_scatter)
         self._hook_version = self._gflat._version  # the grad buffer's, as the last hook saw it
         self._warned_changed = False
         self._inflight: List[Request] = []
@@ -770,15 +771,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _start_scatter(self, bucket: int) -> None:
         if self._offload is not None:  # copied to the host buffer first, then sent
-            self._offload.start_scatter(bucket)
+            self._offload.start_scatter(bucket)  # (its sender thread sends no next groups)
             self._scattered[bucket] = True
             return
+        if not self._hparams_told:
+            self._hparams_told = True
+            self._tell_hparams()
         while len(self._inflight) >= _MAX_INFLIGHT:
             self._inflight.pop(0).wait(**self._stream())
         self._inflight.append(self.client.scatter_start(bucket, **self._stream()))
         self._scattered[bucket] = True
 
+    def _tell_hparams(self) -> None:
+        """The step's groups as they are now, before its backward (schedulers set them after the
+        last step), with its first scatter when they differ from those zerod has: a zerod running
+        overlap_update then updates the buckets as they arrive with them (zd_set_next_groups).
+        step() still sends its own; a change after this costs a second update, never the bits."""
+        hp = self._current_hparams()
+        if hp != self._sent_hparams:
+            try:
+                self.client.set_next_groups(hp)
+            except ZerodError:
+                pass  # only the speculation goes without them; step() reports a bad group
+
     def _reset_iteration(self) -> None:
+        self._hparams_told = False
         self._hook_version = self._gflat._version if self._gflat is not None else 0
         self._bucket_left = list(self._bucket_size)
         self._param_ready = [False] * len(self._params)
