@@ -45,7 +45,9 @@ instead (zerod clips the reduced gradient by its global norm, inside the step), 
 every rank), so that every rank sends the same sequence of scatters.
 Gradients accumulated over several micro-batches: run the backward of every micro-batch but the
 last inside ``with opt.no_sync():`` (as with DistributedDataParallel), so buckets are scattered
-only when the last micro-batch completes them.
+only when the last micro-batch completes them. A DistributedDataParallel model joined to the
+optimizer by zerod.ddp.register() needs only DDP's own ``model.no_sync()`` (what Trainer,
+Accelerate and Lightning call): DDP then leaves the reduction to zerod (zerod.ddp).
 
 When the gradient dtype differs from the parameter dtype (fp32 gradients for a bf16 model, or
 fp16 gradients with loss scaling), ``.grad`` cannot be a view: torch requires ``.grad`` to have
@@ -525,6 +527,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._warned_changed = False
         self._inflight: List[Request] = []
         self._sync = True
+        # False while a DistributedDataParallel model that zerod.ddp.register() joined to this
+        # optimizer runs a forward under its no_sync(): the backward that follows only
+        # accumulates, as DDP's does.
+        self._ddp_sync = True
         self._warned_rescatter = False
         self._grad_accs = []
         self._hook_handles = []
@@ -705,7 +711,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Every write into the grad buffer by backward is followed by this hook: a version of the
         # buffer different at step() means the gradients were changed after backward (step()).
         self._hook_version = self._gflat._version
-        if not (self._sync and self._overlap) or self._closed:
+        if not (self._sync and self._ddp_sync and self._overlap) or self._closed:
             return
         b = self._pinfo[i].bucket
         if self._param_ready[i]:
@@ -747,6 +753,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._inflight.pop(0).wait(**self._stream())
         self._inflight.append(self.client.scatter_start(bucket, **self._stream()))
         self._scattered[bucket] = True
+
+    def _accept_grad_writes(self) -> None:
+        """Takes the grad buffer as it is now for what the hooks scattered: for a writer known to
+        leave every value as it was (torch 1.x DistributedDataParallel's copy of its unreduced
+        buckets back into the gradients, zerod.ddp), whose writes must not look like a change
+        made between backward and step() (_rescatter_if_changed)."""
+        if self._gflat is not None:
+            self._hook_version = self._gflat._version
 
     def _reset_iteration(self) -> None:
         self._hook_version = self._gflat._version if self._gflat is not None else 0
