@@ -115,7 +115,10 @@ float32 or bfloat16. The parameter list is fixed at
 registration: add_param_group() after construction is refused. A parameter that got no gradient
 in a step is stepped with a zero gradient (weight decay and momentum still apply), as torch does
 with zero_grad(set_to_none=False), whereas torch with set_to_none=True skips it. Parameters with
-requires_grad=False are kept in param_groups but not registered, and never change.
+requires_grad=False are kept in param_groups but not registered, and never change. A model
+moved after the optimizer was built by a move that copies (``Module.to()`` onto
+``torch.device("cpu", 0)`` copies every CPU tensor, as Accelerate's multi-process CPU runs do)
+leaves zerod's buffers: step() then raises, and ``reattach()`` puts it back.
 """
 
 from __future__ import annotations
@@ -513,6 +516,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 p.main_grad = gv
 
+        self._pviews_ptr = [pv.data_ptr() for pv in pviews]  # _check_attached
+
         # Buckets and hooks.
         self._nbuckets = self.info.nbuckets
         self._bucket_params: List[List[int]] = [[] for _ in range(self._nbuckets)]
@@ -754,6 +759,49 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._inflight.append(self.client.scatter_start(bucket, **self._stream()))
         self._scattered[bucket] = True
 
+    def _detached(self) -> List[int]:
+        """Parameters whose .data is no longer their view of zerod's param buffer."""
+        return [i for i, p in enumerate(self._params) if p.data_ptr() != self._pviews_ptr[i]]
+
+    def _check_attached(self) -> None:
+        """RuntimeError when something moved parameters off zerod's buffers (zerod's updates
+        would no longer reach the model: a silent wrong result otherwise)."""
+        gone = self._detached()
+        if gone:
+            raise RuntimeError(
+                f"{len(gone)} parameter(s) of the ZeroOptimizer (first {self._names[gone[0]]!r}) "
+                f"are no longer views of zerod's param buffer: something copied the model after "
+                f"the optimizer was built (Module.to() copies CPU tensors moved to "
+                f"torch.device('cpu', 0), as Accelerate does in multi-process CPU runs), so "
+                f"zerod's updates would not reach it. Build the optimizer after moving the model "
+                f"(after accelerator.prepare(model)), or call reattach() after the move")
+
+    def reattach(self) -> int:
+        """Puts parameters (and their gradients) that something moved off zerod's buffers back
+        onto them, keeping their current values (copied in); returns how many were moved. For a
+        model moved or copied after the optimizer was built (module docstring, Limits)."""
+        self._check_open()
+        gone = self._detached()
+        with torch.no_grad():
+            for i in gone:
+                # The move rebound the old view tensors themselves (``.grad.data = copy``): new
+                # views of the buffers.
+                p, pi = self._params[i], self._pinfo[i]
+                pv = self._pflat[pi.offset:pi.offset + pi.numel].view(p.shape)
+                gv = self._gflat[pi.offset:pi.offset + pi.numel].view(p.shape)
+                pv.copy_(p.detach())
+                p.data = pv
+                grad = p.grad if self._grad_views else getattr(p, "main_grad", None)
+                if grad is not None:
+                    gv.copy_(grad)
+                self._gviews[i] = gv
+                if self._grad_views:
+                    p.grad = gv
+                else:
+                    p.main_grad = gv
+        self._hook_version = self._gflat._version
+        return len(gone)
+
     def _accept_grad_writes(self) -> None:
         """Takes the grad buffer as it is now for what the hooks scattered: for a writer known to
         leave every value as it was (torch 1.x DistributedDataParallel's copy of its unreduced
@@ -812,6 +860,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         `abort_retries` times (module docstring).
         """
         self._check_open()
+        self._check_attached()
         loss = None
         if closure is not None:
             with torch.enable_grad():
