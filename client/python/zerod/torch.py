@@ -545,6 +545,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._hook_handles.append(acc.register_hook(self._make_hook(i)))
                 self._grad_accs.append(acc)  # the node lives only while someone holds it
         self._sent_hparams = self._current_hparams()
+        self._built_as = id(self)  # __del__
         self._closed = False
         _open_optimizers.add(self)
 
@@ -1079,6 +1080,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __del__(self) -> None:
         # An optimizer dropped without close(): give the model private copies and release the
         # rank (the hooks hold a reference cycle, so this runs when the cycle is collected).
+        # Only the object that was built: Lightning's LightningOptimizer takes a copy of this
+        # one's __dict__ under a subclass of its class, and that copy's collection must not
+        # close the client and unmap the buffers the real optimizer still uses.
+        if self.__dict__.get("_built_as") != id(self):
+            return
         try:
             self.close()
         except Exception:
