@@ -163,6 +163,14 @@ class HFTrainerW1Test(unittest.TestCase):
                                                       "the Trainer is at step 3"):
                 zerod_run(out, resume=os.path.join(out, f"checkpoint-{SAVE_AT}"))
 
+    def test_save_without_zerod_checkpoint_dir(self) -> None:
+        with zerod.testing.LocalZerod(log_level="info") as d:
+            os.environ["ZEROD_SOCKET"] = d.socket
+            with self.assertRaisesRegex(RuntimeError, "Trainer saved a checkpoint at step 3, but "
+                                                      "zerod could not write its own.*"
+                                                      "--checkpoint_dir"):
+                zerod_run(os.path.join(self.tmp, "zerod"))
+
     def test_unsupported_optim(self) -> None:
         args = make_args(self.tmp, optim="adafactor")
         with self.assertRaisesRegex(ValueError, "optim is 'adafactor', which zerod cannot "

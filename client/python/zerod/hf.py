@@ -46,6 +46,7 @@ import transformers
 from torch.nn.parallel import DistributedDataParallel
 
 from . import ddp as _ddp
+from .client import ZerodError
 from .torch import ZeroOptimizer
 
 __all__ = ["ZeroTrainer", "zero_optimizer", "SUPPORTED_OPTIM"]
@@ -138,7 +139,14 @@ class _ZerodCheckpoints(transformers.TrainerCallback):
         opt = _zero(self.trainer.optimizer)
         if opt is None:
             return
-        step, path = opt.checkpoint()
+        try:
+            step, path = opt.checkpoint()
+        except ZerodError as e:
+            raise RuntimeError(
+                f"Trainer saved a checkpoint at step {state.global_step}, but zerod could not "
+                f"write its own ({e}): the master weights and moments live in zerod, so a "
+                f"Trainer checkpoint without one cannot be resumed. Start zerod with "
+                f"--checkpoint_dir, or set save_strategy='no'") from e
         folder = os.path.join(args.output_dir,
                               f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if state.is_world_process_zero and os.path.isdir(folder):
