@@ -104,8 +104,10 @@ case "${1:-}" in
     install_promtool
     build
     check_gpu_suite    # The torch tests again under a torch 2.x from PyPI (suite python-torch2), next to Debian's
-    # 1.13: a CPU-only venv of about 1.4 GB, made in about 30 s and kept between runs.
-    ZEROD_TORCH2_PYTHON=$(scripts/torch2_venv.sh | tail -n 1)
+    # 1.13: a CPU-only venv of about 1.4 GB, made in about 30 s and kept between runs; with
+    # transformers, accelerate and lightning for the frameworks suite (about 30 s more to
+    # install, 150 MB; the suite itself about 3 minutes on 2 cores).
+    ZEROD_TORCH2_PYTHON=$(scripts/torch2_venv.sh --frameworks | tail -n 1)
     export ZEROD_TORCH2_PYTHON
     run_tests
     scripts/sanitize.sh # unit and integration suites under ASan + UBSan + LSan

@@ -45,7 +45,9 @@ instead (zerod clips the reduced gradient by its global norm, inside the step), 
 every rank), so that every rank sends the same sequence of scatters.
 Gradients accumulated over several micro-batches: run the backward of every micro-batch but the
 last inside ``with opt.no_sync():`` (as with DistributedDataParallel), so buckets are scattered
-only when the last micro-batch completes them.
+only when the last micro-batch completes them. A DistributedDataParallel model joined to the
+optimizer by zerod.ddp.register() needs only DDP's own ``model.no_sync()`` (what Trainer,
+Accelerate and Lightning call): DDP then leaves the reduction to zerod (zerod.ddp).
 
 When the gradient dtype differs from the parameter dtype (fp32 gradients for a bf16 model, or
 fp16 gradients with loss scaling), ``.grad`` cannot be a view: torch requires ``.grad`` to have
@@ -115,7 +117,10 @@ float32 or bfloat16. The parameter list is fixed at
 registration: add_param_group() after construction is refused. A parameter that got no gradient
 in a step is stepped with a zero gradient (weight decay and momentum still apply), as torch does
 with zero_grad(set_to_none=False), whereas torch with set_to_none=True skips it. Parameters with
-requires_grad=False are kept in param_groups but not registered, and never change.
+requires_grad=False are kept in param_groups but not registered, and never change. A model
+moved after the optimizer was built by a move that copies (``Module.to()`` onto
+``torch.device("cpu", 0)`` copies every CPU tensor, as Accelerate's multi-process CPU runs do)
+leaves zerod's buffers: step() then raises, and ``reattach()`` puts it back.
 """
 
 from __future__ import annotations
@@ -532,6 +537,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 p.main_grad = gv
 
+        # _check_attached: where each parameter's data must stay (offload: the model's own)
+        self._pviews_ptr = [(p if self._offload is not None else pv).data_ptr()
+                            for p, pv in zip(self._params, pviews)]
+
         # Buckets and hooks.
         self._nbuckets = self.info.nbuckets
         self._bucket_params: List[List[int]] = [[] for _ in range(self._nbuckets)]
@@ -547,6 +556,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._warned_changed = False
         self._inflight: List[Request] = []
         self._sync = True
+        # False while a DistributedDataParallel model that zerod.ddp.register() joined to this
+        # optimizer runs a forward under its no_sync(): the backward that follows only
+        # accumulates, as DDP's does.
+        self._ddp_sync = True
         self._warned_rescatter = False
         self._grad_accs = []
         self._hook_handles = []
@@ -558,6 +571,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._sent_hparams = self._current_hparams()
         if self._offload is not None:
             self._offload.attach(pviews, gviews)
+        self._built_as = id(self)  # __del__
         self._closed = False
         _open_optimizers.add(self)
 
@@ -732,7 +746,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Every write into the grad buffer by backward is followed by this hook: a version of the
         # buffer different at step() means the gradients were changed after backward (step()).
         self._hook_version = self._gflat._version
-        if not (self._sync and self._overlap) or self._closed:
+        if not (self._sync and self._ddp_sync and self._overlap) or self._closed:
             return
         b = self._pinfo[i].bucket
         if self._param_ready[i]:
@@ -794,6 +808,60 @@ class ZeroOptimizer(torch.optim.Optimizer):
             except ZerodError:
                 pass  # only the speculation goes without them; step() reports a bad group
 
+    def _detached(self) -> List[int]:
+        """Parameters whose .data is no longer their view of zerod's param buffer."""
+        return [i for i, p in enumerate(self._params) if p.data_ptr() != self._pviews_ptr[i]]
+
+    def _check_attached(self) -> None:
+        """RuntimeError when something moved parameters off zerod's buffers (zerod's updates
+        would no longer reach the model: a silent wrong result otherwise)."""
+        gone = self._detached()
+        if gone:
+            raise RuntimeError(
+                f"{len(gone)} parameter(s) of the ZeroOptimizer (first {self._names[gone[0]]!r}) "
+                f"are no longer views of zerod's param buffer: something copied the model after "
+                f"the optimizer was built (Module.to() copies CPU tensors moved to "
+                f"torch.device('cpu', 0), as Accelerate does in multi-process CPU runs), so "
+                f"zerod's updates would not reach it. Build the optimizer after moving the model "
+                f"(after accelerator.prepare(model)), or call reattach() after the move")
+
+    def reattach(self) -> int:
+        """Puts parameters (and their gradients) that something moved off zerod's buffers back
+        onto them, keeping their current values (copied in); returns how many were moved. For a
+        model moved or copied after the optimizer was built (module docstring, Limits)."""
+        self._check_open()
+        gone = self._detached()
+        if gone and self._offload is not None:
+            raise RuntimeError("reattach() does not apply to an offloading ZeroOptimizer: build "
+                               "it after moving the model to its device")
+        with torch.no_grad():
+            for i in gone:
+                # The move rebound the old view tensors themselves (``.grad.data = copy``): new
+                # views of the buffers.
+                p, pi = self._params[i], self._pinfo[i]
+                pv = self._pflat[pi.offset:pi.offset + pi.numel].view(p.shape)
+                gv = self._gflat[pi.offset:pi.offset + pi.numel].view(p.shape)
+                pv.copy_(p.detach())
+                p.data = pv
+                grad = p.grad if self._grad_views else getattr(p, "main_grad", None)
+                if grad is not None:
+                    gv.copy_(grad)
+                self._gviews[i] = gv
+                if self._grad_views:
+                    p.grad = gv
+                else:
+                    p.main_grad = gv
+        self._hook_version = self._gflat._version
+        return len(gone)
+
+    def _accept_grad_writes(self) -> None:
+        """Takes the grad buffer as it is now for what the hooks scattered: for a writer known to
+        leave every value as it was (torch 1.x DistributedDataParallel's copy of its unreduced
+        buckets back into the gradients, zerod.ddp), whose writes must not look like a change
+        made between backward and step() (_rescatter_if_changed)."""
+        if self._gflat is not None:
+            self._hook_version = self._gflat._version
+
     def _reset_iteration(self) -> None:
         self._hparams_told = False
         self._hook_version = self._gflat._version if self._gflat is not None else 0
@@ -847,6 +915,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         `abort_retries` times (module docstring).
         """
         self._check_open()
+        self._check_attached()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1080,6 +1149,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __del__(self) -> None:
         # An optimizer dropped without close(): give the model private copies and release the
         # rank (the hooks hold a reference cycle, so this runs when the cycle is collected).
+        # Only the object that was built: Lightning's LightningOptimizer takes a copy of this
+        # one's __dict__ under a subclass of its class, and that copy's collection must not
+        # close the client and unmap the buffers the real optimizer still uses.
+        if self.__dict__.get("_built_as") != id(self):
+            return
         try:
             self.close()
         except Exception:
