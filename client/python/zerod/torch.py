@@ -131,7 +131,7 @@ import torch
 from . import _lib
 from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult, ZerodError
 
-__all__ = ["PickledZeroOptimizer", "ZeroOptimizer"]
+__all__ = ["PickledZeroOptimizer", "ZeroOptimizer", "ZeroSGD"]
 
 # Options of torch.optim.AdamW/Adam, at the value that means "off". One that is also a field of
 # zerod's groups (Group.names(): maximize) is passed to zerod like lr; the others are refused when
@@ -1069,3 +1069,6 @@ class PickledZeroOptimizer:
     def __repr__(self) -> str:
         return f"PickledZeroOptimizer({self._description!r})"
 
+
+# The other optimizers (zerod.optim), built on ZeroOptimizer above.
+from .optim import ZeroSGD  # noqa: E402

@@ -1,0 +1,66 @@
+"""Drop-in torch optimizers other than AdamW/Adam, stepped by zerod: each takes its torch.optim
+class's arguments and shares ZeroOptimizer's machinery (buffers, hooks, scatter, step, checkpoints,
+the dead-trainer retry; module zerod.torch). Exported from zerod.torch.
+
+    opt = zerod.torch.ZeroSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+
+Each is bit for bit its torch class's default implementation on CPU parameters, under torch 1.13
+and 2.x (zerod's table of optimizers: kernels/optim.h; formulas in their kernel files). zerod's
+CUDA backend has no kernel for them yet: CUDA parameters are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+from .torch import ZeroOptimizer, _torch_major
+
+__all__ = ["ZeroSGD"]
+
+
+class ZeroSGD(ZeroOptimizer):
+    """torch.optim.SGD through zerod (kernels/sgd.c): lr, momentum, dampening, weight_decay,
+    nesterov and maximize as torch takes them, per parameter group too; the momentum buffer is
+    created from the first step's gradient as torch creates it (a clone, no dampening). The other
+    keywords are ZeroOptimizer's (max_grad_norm, loss_scaler, grad_mean, overlap, socket, ...).
+    foreach is accepted (on CPU torch's foreach path computes the same bits as its default);
+    fused=True and differentiable=True are refused. A model with momentum keeps the
+    momentum_buffer array from registration on: a group whose momentum was 0 at construction
+    cannot turn it on later (zerod refuses the step)."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+                 maximize: bool = False, foreach: Any = None, differentiable: bool = False,
+                 fused: Any = None, **kwargs: Any) -> None:
+        if fused:
+            raise ValueError("ZeroSGD: fused=True is not supported (zerod reproduces torch's "
+                             "default implementation); leave fused unset")
+        super().__init__(params, lr=lr, weight_decay=weight_decay, optimizer="sgd",
+                         momentum=momentum, dampening=dampening, nesterov=bool(nesterov),
+                         maximize=maximize, foreach=foreach, differentiable=differentiable,
+                         **kwargs)
+
+    @staticmethod
+    def _check_hparams(g: Mapping[str, Any], where: str) -> None:
+        ZeroOptimizer._check_hparams(g, where)
+        momentum, dampening = g.get("momentum", 0.0), g.get("dampening", 0.0)
+        if not (math.isfinite(momentum) and momentum >= 0):
+            raise ValueError(f"{where}: invalid momentum value: {momentum!r}")
+        if not math.isfinite(dampening):
+            raise ValueError(f"{where}: invalid dampening value: {dampening!r}")
+        if g.get("nesterov") and (momentum <= 0 or dampening != 0):
+            raise ValueError(f"{where}: Nesterov momentum requires a momentum and zero "
+                             f"dampening")
+
+    def _choose_formulas(self) -> None:
+        """SGD's formula is the same in torch 1.13 and 2.x (kernels/sgd.c): update and sqrt_mode
+        are recorded for the bookkeeping only."""
+        if self._cuda:
+            raise ValueError("ZeroSGD: CUDA parameters are not supported yet (zerod's CUDA "
+                             "backend has no SGD kernel); train on CPU parameters")
+        for g in self.param_groups:
+            if g.get("update") is None:
+                g["update"] = "torch2" if _torch_major() >= 2 else "torch113"
+            if g.get("sqrt_mode") is None:
+                g["sqrt_mode"] = "exact"
