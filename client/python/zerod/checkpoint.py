@@ -18,7 +18,9 @@ In::
 Both directions go through one file format, safetensors by its definition (an 8-byte
 little-endian header length, a JSON header, raw little-endian data): an F32 tensor per parameter
 name holding its master weights, "<name>.exp_avg" and "<name>.exp_avg_sq" with the moments
-(and "<name>.max_exp_avg_sq" for every parameter of a model with amsgrad), and metadata strings: zerod_format ("zerod-export" from ``zeroctl export``, "zerod-torch-state" from
+(and "<name>.max_exp_avg_sq" for every parameter of a model with amsgrad, "<name>.momentum_buffer"
+for every parameter of an SGD model with momentum: zerod's state arrays by torch's names,
+common/state.h), and metadata strings: zerod_format ("zerod-export" from ``zeroctl export``, "zerod-torch-state" from
 save_torch_state), zerod_version "1", step, the groups (JSON, zerod's fields by their C names),
 each parameter's group and, in save_torch_state's files, the parameter names in registration
 order. Any safetensors reader opens these files; this module reads and writes them with the
@@ -34,11 +36,13 @@ checkpoint came out wrong. The cost is a temporary file of 12 bytes per paramete
 
 What carries over: the step (torch's per-parameter ``step``, stored as the running torch stores
 it: a float tensor in 1.12 and later), the moments, the master weights and the groups' lr,
-betas, eps, weight_decay, maximize and amsgrad (with max_exp_avg_sq). Bitwise continuation
+betas, eps, weight_decay, maximize and amsgrad (with max_exp_avg_sq); for torch.optim.SGD the
+momentum buffers and the groups' momentum, dampening and nesterov (torch's SGD counts no steps:
+save_torch_state takes the step). Bitwise continuation
 needs the same update formula on both sides: zerod's default is torch 1.13's. zerod keeps one
 step count for the whole model, so a torch optimizer whose parameters are at different steps
 (one that got no gradient for a while) is refused, as are optimizers other than
-torch.optim.AdamW and torch.optim.Adam (zerod's "adam": L2 weight decay).
+torch.optim.AdamW, torch.optim.Adam (zerod's "adam": L2 weight decay) and torch.optim.SGD.
 """
 
 from __future__ import annotations
@@ -111,8 +115,9 @@ class TorchState(NamedTuple):
     each group's in zerod's registration order: build the torch optimizer with the groups the
     ZeroOptimizer had, in the same order.
     master: each parameter's fp32 master weights by name (load_params copies them into a model).
-    step: the Adam steps applied. optimizer_class: torch.optim.AdamW, or torch.optim.Adam for
-    zerod's "adam" groups.
+    step: the steps applied. optimizer_class: torch.optim.AdamW, torch.optim.Adam for zerod's
+    "adam" groups, torch.optim.SGD for its "sgd" groups (state: momentum_buffer for the
+    parameters of groups with momentum; for the others what this torch's SGD keeps).
     """
 
     state_dict: Dict[str, Any]
