@@ -182,6 +182,11 @@ typedef struct zd__adam_group {
   uint8_t has_momentum;   /* momentum != 0 */
   uint8_t nesterov;
   uint8_t momentum_first; /* step 1: the buffer is this step's d_p (torch's clone) */
+  /* Adagrad (kernels/adagrad.c): weight_decay, has_weight_decay, negate_grad, eps, sqrt_mode
+   * above, and */
+  float neg_clr;     /* (float)-(lr / (1 + (step - 1) * lr_decay)) */
+  float init_sum;    /* (float)initial_accumulator_value */
+  uint8_t sum_first; /* step 1: sum starts at init_sum (torch's full_like) */
 } zd__adam_group_t;
 
 /* One of the three formulas of torch 2.x's CUDA paths (ZD_UPDATE_TORCH2_CUDA*), which the CPU

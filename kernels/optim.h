@@ -23,6 +23,8 @@
  *                                                                       (kernels/adam.h)
  *   SGD          sgd    momentum_buffer (momentum != 0)                 torch.optim.SGD
  *                                                                       (kernels/sgd.c)
+ *   ADAGRAD      adagrad  sum                                           torch.optim.Adagrad
+ *                                                                       (kernels/adagrad.c)
  * A model with groups of several optimizers is stepped run by run: zd__optim_impl's update walks
  * the segments of [begin, end) and hands each run of consecutive segments whose optimizers share
  * a kernel to that kernel, in one call.
@@ -45,13 +47,15 @@
 #define ZD__OPTIMIZERS(X) \
   X(ADAMW, adam) \
   X(ADAM, adam) \
-  X(SGD, sgd)
+  X(SGD, sgd) \
+  X(ADAGRAD, adagrad)
 /* clang-format on */
 
 /* The kernel families, once each (a family may step several optimizers). */
 #define ZD__OPTIM_KERNELS(X) \
   X(adam)                    \
-  X(sgd)
+  X(sgd)                     \
+  X(adagrad)
 
 #define ZD__OPTIM_DECLARE(k)                                                          \
   void zd__##k##_consts(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step);    \

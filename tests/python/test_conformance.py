@@ -1,7 +1,8 @@
 """Conformance: training through zerod with zerod.torch.ZeroOptimizer gives parameters bitwise
 identical to the same training with torch.optim.AdamW(foreach=False) in one process; with
 --optimizer sgd, zerod.torch.ZeroSGD against torch.optim.SGD (its default implementation; the
-second group at half the momentum unless nesterov; --dampening, --nesterov, --maximize).
+second group at half the momentum unless nesterov; --dampening, --nesterov, --maximize); with
+--optimizer adagrad, ZeroAdagrad against torch.optim.Adagrad (the second group without lr_decay).
 
 For each model (a small MLP, a tiny transformer) and working dtype, `world` trainer processes
 (W=1: this process) each attach to one rank of a real zerod world and train on their own batches
@@ -41,11 +42,12 @@ torch = common.require_torch()
 import models  # noqa: E402  (after the torch check)
 import zerod  # noqa: E402
 import zerod.testing  # noqa: E402
-from zerod.torch import ZeroOptimizer, ZeroSGD  # noqa: E402
+from zerod.torch import ZeroAdagrad, ZeroOptimizer, ZeroSGD  # noqa: E402
 
 BUCKET_ELEMS = {"mlp": 2048, "transformer": 4096}  # several buckets: per-bucket scatter is used
 LR = 3e-3
 SGD_LR = 0.2
+ADAGRAD_LR = 0.03
 
 
 def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, int]) -> Dict[str, Any]:
@@ -77,6 +79,16 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
             groups[1]["momentum"] = zgroups[1]["momentum"] = cfg["momentum"] / 2
         ref_opt = torch.optim.SGD(groups, lr=SGD_LR, **kw)
         opt = ZeroSGD(zgroups, lr=SGD_LR, socket=endpoint[0], local_rank=endpoint[1], **kw)
+    elif cfg.get("optimizer") == "adagrad":
+        # torch's default Adagrad; the second group with its own lr_decay (the accumulator starts
+        # at the constructor's value in every group, as torch does).
+        kw = dict(lr_decay=1e-3, initial_accumulator_value=0.1, eps=1e-10,
+                  maximize=cfg["maximize"])
+        groups[1].update(lr_decay=0.0)
+        zgroups[1].update(lr_decay=0.0)
+        ref_opt = torch.optim.Adagrad(groups, lr=ADAGRAD_LR, **kw)
+        opt = ZeroAdagrad(zgroups, lr=ADAGRAD_LR, socket=endpoint[0], local_rank=endpoint[1],
+                          **kw)
     else:
         ref_opt = torch.optim.AdamW(groups, lr=LR, foreach=False, amsgrad=ams)
         opt = ZeroOptimizer(zgroups, lr=LR, socket=endpoint[0], local_rank=endpoint[1],
@@ -211,8 +223,9 @@ def run_config(cfg: Dict[str, Any], world: int, daemons: int, spawn: bool) -> bo
     print(common.loss_table(res0["rows"], ("step", "loss zerod", "loss torch", "lr"),
                             every=max(1, cfg["steps"] // 8)))
     first, last = res0["rows"][0][1], res0["rows"][-1][1]
-    # SGD learns this task slowly (a few percent in 200 steps): that it learns is enough there.
-    need = 0.99 if cfg.get("optimizer") == "sgd" else 0.7
+    # SGD and Adagrad learn the MLP's task slowly (a few percent in 200 steps): that they learn
+    # is enough there.
+    need = 0.99 if cfg.get("optimizer") in ("sgd", "adagrad") else 0.7
     if not cfg.get("maximize") and not last < first * need:
         print(f"FAIL: the loss did not fall enough: {first:.4f} -> {last:.4f}")
         return False
@@ -231,7 +244,7 @@ def run_config(cfg: Dict[str, Any], world: int, daemons: int, spawn: bool) -> bo
                   f"of {expected_scatters}")
             return False
     every = "step" if cfg["check_every"] == 1 else f"{cfg['check_every']} steps"
-    ref_name = "SGD" if cfg.get("optimizer") == "sgd" else "AdamW"
+    ref_name = {"sgd": "SGD", "adagrad": "Adagrad"}.get(cfg.get("optimizer"), "AdamW")
     print(f"ok: every parameter bitwise equal to torch.optim.{ref_name} after every {every} "
           f"on {len(results)} rank(s); {res0['nbuckets']} buckets scattered from hooks; "
           f"trainer {res0['t_zerod']:.2f} s through zerod, {res0['t_ref']:.2f} s reference; "
@@ -249,8 +262,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--check-every", type=int, default=1)
     ap.add_argument("--amsgrad", action="store_true", help="AdamW(amsgrad=True) on both sides")
-    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
-                    help="sgd: zerod.torch.ZeroSGD against torch.optim.SGD")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "adagrad"],
+                    help="sgd: zerod.torch.ZeroSGD against torch.optim.SGD; adagrad: "
+                         "ZeroAdagrad against torch.optim.Adagrad")
     ap.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     ap.add_argument("--dampening", type=float, default=0.0, help="SGD's dampening")
     ap.add_argument("--nesterov", action="store_true", help="SGD's nesterov=True")

@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import zerod.testing  # noqa: E402
 from zerod import checkpoint as zc  # noqa: E402
-from zerod.torch import ZeroOptimizer, ZeroSGD  # noqa: E402
+from zerod.torch import ZeroAdagrad, ZeroOptimizer, ZeroSGD  # noqa: E402
 
 K, M, N = 4, 5, 4
 HP = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-7}
@@ -335,5 +335,35 @@ class InteropSGDTest(InteropTest):
         self.assertTrue(any("momentum_buffer" in st for st in back.values()))
 
 
+class InteropAdagradTest(InteropTest):
+    """InteropTest's moves with torch.optim.Adagrad and zerod.torch.ZeroAdagrad (lr_decay in
+    one group, an accumulator start, weight decay in the first): `sum` and `step` go into zerod,
+    are resharded, and come back out under torch's keys."""
+
+    _ref_adagrad: Dict[str, Any] = {}
+
+    def setUp(self) -> None:
+        super().setUp()
+        saved = (HP, _REF, GROUP_HP, TORCH_CLS, ZERO_CLS)
+        globals().update(HP={"lr": 0.05, "initial_accumulator_value": 0.1, "eps": 1e-10},
+                         _REF=self._ref_adagrad,
+                         GROUP_HP=[{"weight_decay": 0.1, "lr_decay": 0.01},
+                                   {"weight_decay": 0.0, "lr": 0.1}],
+                         TORCH_CLS=torch.optim.Adagrad, ZERO_CLS=ZeroAdagrad)
+        self.addCleanup(globals().update, HP=saved[0], _REF=saved[1], GROUP_HP=saved[2],
+                        TORCH_CLS=saved[3], ZERO_CLS=saved[4])
+
+    def test_refusals(self) -> None:
+        """Adagrad's own: the file holds `sum` for every parameter at torch's step."""
+        path = os.path.join(self.dir, "x.safetensors")
+        model = make_model(1)
+        opt = torch.optim.Adagrad(torch_groups(model), **HP)
+        train_step(model, opt, 1)
+        zc.save_torch_state(opt, model.named_parameters(), path)
+        exp = zc.load_export(path)
+        self.assertEqual((exp.step, exp.groups[0]["optimizer"]), (1, 3))
+        self.assertEqual(sorted(exp.sum), sorted(exp.names))
+
+
 if __name__ == "__main__":
-    common.run(InteropTest, InteropAmsgradTest, InteropSGDTest)
+    common.run(InteropTest, InteropAmsgradTest, InteropSGDTest, InteropAdagradTest)

@@ -33,8 +33,8 @@ static float uniform(float lo, float hi) {
 
 /* p = [1, -2, 0.5, 3], grad (t+1) * [0.25, -0.125, 1.5, -3] at step t = 0, 1, 2; the params' bits
  * after each step (tests/unit: the generating script is in the comment of each case). */
-static void golden_sgd(const char *what, zd_group_t hp, const uint32_t want[3][4]) {
-  float master[4] = {1.0f, -2.0f, 0.5f, 3.0f}, buf[4] = {0}, zeros[4] = {0};
+static void golden_run(const char *what, zd_group_t hp, const uint32_t want[3][4]) {
+  float master[4] = {1.0f, -2.0f, 0.5f, 3.0f}, buf[4] = {0}, zeros[4] = {0}, sum[4] = {0};
   float exp_avg[4] = {0}, exp_avg_sq[4] = {0};
   const float g0[4] = {0.25f, -0.125f, 1.5f, -3.0f};
   zd__segment_t seg = {.offset = 0, .length = 4, .group = 0};
@@ -53,6 +53,7 @@ static void golden_sgd(const char *what, zd_group_t hp, const uint32_t want[3][4
     a.state[ZD__STATE_EXP_AVG] = exp_avg;
     a.state[ZD__STATE_EXP_AVG_SQ] = exp_avg_sq;
     a.state[ZD__STATE_MOMENTUM_BUFFER] = hp.momentum != 0 ? buf : NULL;
+    a.state[ZD__STATE_SUM] = hp.optimizer == ZD_ADAGRAD ? sum : NULL;
     zd__optim_impl(ZD__ISA_SCALAR)(&a, 0, 4);
     for (int i = 0; i < 4; i++)
       CHECK_MSG(f2u(master[i]) == want[t][i], "%s: step %d element %d: %08x, torch %08x", what,
@@ -72,7 +73,7 @@ static void test_golden(void) {
                                       {0x3f4628d0, 0xbff084ec, 0xbf538f14, 0x40b43595}};
   hp.momentum = 0.9;
   hp.dampening = 0.1;
-  golden_sgd("momentum, dampening", hp, damp);
+  golden_run("momentum, dampening", hp, damp);
   /* SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, maximize=True) */
   static const uint32_t nest[3][4] = {{0x3f85d639, 0xc00146dc, 0x3f48b780, 0x401b27bb},
                                       {0x3f943b18, 0xc0049d91, 0x3fbca0bd, 0x3f8462c2},
@@ -80,7 +81,7 @@ static void test_golden(void) {
   hp.dampening = 0;
   hp.nesterov = 1;
   hp.maximize = 1;
-  golden_sgd("nesterov, maximize", hp, nest);
+  golden_run("nesterov, maximize", hp, nest);
   /* SGD([p], lr=0.1) */
   static const uint32_t plain[3][4] = {{0x3f79999a, 0xbffe6666, 0x3eb33333, 0x40533333},
                                        {0x3f6ccccd, 0xbffb3333, 0x3d4cccca, 0x40799999},
@@ -89,8 +90,30 @@ static void test_golden(void) {
   hp.nesterov = 0;
   hp.maximize = 0;
   hp.weight_decay = 0;
-  golden_sgd("plain", hp, plain);
+  golden_run("plain", hp, plain);
   printf("golden: SGD's reference equals torch 1.13.1 over 3 steps (momentum, nesterov, plain)\n");
+  hp = zd__group_default();
+  hp.optimizer = ZD_ADAGRAD;
+  hp.lr = 0.1;
+  hp.eps = 1e-10;
+  /* Adagrad([p], lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1) */
+  static const uint32_t ada[3][4] = {{0x3f6fbddd, 0xbffaaa39, 0x3ecde4e6, 0x40465d31},
+                                     {0x3f5bfc3c, 0xbff2e6f4, 0x3ea0c535, 0x404c07e4},
+                                     {0x3f48f852, 0xbfea8844, 0x3e713477, 0x40511074}};
+  hp.lr_decay = 0.01;
+  hp.weight_decay = 0.01;
+  hp.initial_accumulator_value = 0.1;
+  golden_run("adagrad", hp, ada);
+  /* Adagrad([p], lr=0.1, maximize=True) */
+  static const uint32_t ada_max[3][4] = {{0x3f8ccccd, 0xc0066666, 0x3f19999a, 0x4039999a},
+                                         {0x3f983fa9, 0xc00c1fd4, 0x3f307f52, 0x4033e02c},
+                                         {0x3fa282f2, 0xc0114178, 0x3f4505e4, 0x402ebe88}};
+  hp.lr_decay = 0;
+  hp.weight_decay = 0;
+  hp.initial_accumulator_value = 0;
+  hp.maximize = 1;
+  golden_run("adagrad maximize", hp, ada_max);
+  printf("golden: Adagrad's reference equals torch 1.13.1 over 3 steps\n");
 }
 
 /* ---- wide paths against the reference -------------------------------------------------------- */
@@ -124,18 +147,22 @@ static void fill(shard_t *s, int has_buf) {
   for (int k = 0; k < ZD__NSTATES; k++)
     for (int i = 0; i < N; i++) s->state[k][i] = uniform(-1.0f, 1.0f);
   for (int i = 0; i < N; i++) s->state[ZD__STATE_EXP_AVG_SQ][i] = uniform(0.0f, 1.0f);
+  for (int i = 0; i < N; i++) s->state[ZD__STATE_SUM][i] = uniform(0.0f, 1.0f);
   if (!has_buf) memset(s->state[ZD__STATE_MOMENTUM_BUFFER], 0, sizeof s->state[0]);
   memset(s->param16, 0xab, sizeof s->param16);
   memset(s->param32, 0xab, sizeof s->param32);
 }
+
+static int has_sum_array;
 
 static void args_of(zd__adam_args_t *a, shard_t *s, const shard_t *src, const void *grad,
                     zd_dtype_t gd, zd_dtype_t pd, const zd__adam_group_t *groups, int has_max,
                     int has_buf) {
   memset(a, 0, sizeof *a);
   for (int k = 0; k < ZD__NSTATES; k++) {
-    int have = !((k == ZD__STATE_MAX_EXP_AVG_SQ && !has_max) ||
-                 (k == ZD__STATE_MOMENTUM_BUFFER && !has_buf));
+    int have =
+        !((k == ZD__STATE_MAX_EXP_AVG_SQ && !has_max) ||
+          (k == ZD__STATE_MOMENTUM_BUFFER && !has_buf) || (k == ZD__STATE_SUM && !has_sum_array));
     a->state[k] = have ? s->state[k] : NULL;
     a->src[k] = have && src ? src->state[k] : NULL;
   }
@@ -171,15 +198,22 @@ static shard_t sh_ref, sh_isa, sh_src, sh_out;
 static void run_case(int mix, uint64_t t, zd_dtype_t gd, zd_dtype_t pd, const zd__isa_t *isas,
                      int nisas) {
   zd__adam_group_t groups[NGROUPS];
-  int has_max = 0, has_buf = 0;
+  int has_max = 0, has_buf = 0, has_sum = 0;
   for (int k = 0; k < NGROUPS; k++) {
     zd_group_t hp = zd__group_default();
-    int sgd = mix == 0 || (mix == 1 && k % 2 == 0);
-    hp.optimizer = sgd ? ZD_SGD : (k & 2 ? ZD_ADAM : ZD_ADAMW);
+    int sgd = mix == 0 || (mix == 1 && k % 2 == 0) || (mix == 3 && k == 2);
+    int adagrad = mix == 3 && k % 2 == 0 && !sgd;
+    hp.optimizer = adagrad ? ZD_ADAGRAD : sgd ? ZD_SGD : (k & 2 ? ZD_ADAM : ZD_ADAMW);
     hp.lr = uniform(0.001f, 0.5f);
     hp.weight_decay = k == 1 ? 0 : uniform(0.0f, 0.1f);
     hp.maximize = k == 3;
-    if (sgd) {
+    if (adagrad) {
+      hp.lr_decay = uniform(0.0f, 0.1f);
+      hp.initial_accumulator_value = uniform(0.0f, 0.5f);
+      hp.eps = 1e-10;
+      hp.sqrt_mode = k == 0 && t == 2 ? ZD_SQRT_MKL_EX : ZD_SQRT_EXACT;
+      has_sum = 1;
+    } else if (sgd) {
       hp.momentum = k == 2 ? 0 : uniform(0.5f, 0.99f);
       hp.dampening = k == 0 ? uniform(0.0f, 0.5f) : 0;
       hp.nesterov = k == 1 || k == 3;
@@ -191,6 +225,7 @@ static void run_case(int mix, uint64_t t, zd_dtype_t gd, zd_dtype_t pd, const zd
     }
     zd__adam_group_init(&groups[k], &hp, t);
   }
+  has_sum_array = has_sum;
   static float g32[N];
   static uint16_t g16[N];
   for (int i = 0; i < N; i++) {
@@ -256,16 +291,17 @@ static void test_paths(void) {
   static const zd_dtype_t pds[] = {0, ZD_F32, ZD_BF16};
   for (int rep = 0; rep < 3; rep++) {
     make_segments();
-    for (int mix = 0; mix < 3; mix++)
+    for (int mix = 0; mix < 4; mix++)
       for (uint64_t t = 1; t <= 2; t++)
         for (int g = 0; g < 3; g++)
           for (int p = 0; p < 3; p++) run_case(mix, t, gds[g], pds[p], isas, nisas);
   }
+  CHECK(zd__optim_known(ZD_ADAGRAD));
   printf("paths: ");
   for (int i = 0; i < nisas; i++) printf("%s ", zd__isa_name(isas[i]));
   printf(
-      "equal the reference bit for bit (SGD, SGD mixed with AdamW/Adam, AdamW/Adam; in place, "
-      "split, out of place)\n");
+      "equal the reference bit for bit (SGD, SGD mixed with AdamW/Adam, AdamW/Adam, Adagrad "
+      "mixed with both; in place, split, out of place)\n");
 }
 
 static void test_table(void) {

@@ -42,7 +42,9 @@ save_torch_state takes the step). Bitwise continuation
 needs the same update formula on both sides: zerod's default is torch 1.13's. zerod keeps one
 step count for the whole model, so a torch optimizer whose parameters are at different steps
 (one that got no gradient for a while) is refused, as are optimizers other than
-torch.optim.AdamW, torch.optim.Adam (zerod's "adam": L2 weight decay) and torch.optim.SGD.
+torch.optim.AdamW, torch.optim.Adam (zerod's "adam": L2 weight decay), torch.optim.SGD and
+torch.optim.Adagrad (its `sum`; an Adagrad checkpoint at step 0 comes out without state, where
+torch's own holds sum = initial_accumulator_value from construction).
 """
 
 from __future__ import annotations
@@ -66,9 +68,10 @@ TORCH_STATE_FORMAT = "zerod-torch-state"
 _SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")
 _MAX_SUFFIX = ".max_exp_avg_sq"  # amsgrad's fourth tensor, for every parameter or none
 _BUF_SUFFIX = ".momentum_buffer"  # SGD's with momentum, for every parameter or none
+_SUM_SUFFIX = ".sum"  # Adagrad's, for every parameter or none
 # zerod's optional state arrays (common/state.h), by torch's names: each is in a file for every
 # parameter or for none.
-_OPTIONAL = (_MAX_SUFFIX, _BUF_SUFFIX)
+_OPTIONAL = (_MAX_SUFFIX, _BUF_SUFFIX, _SUM_SUFFIX)
 _MAX_HEADER = 1 << 31
 
 NamedParams = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
@@ -97,6 +100,7 @@ class Export:
     exp_avg_sq: Dict[str, Any] = field(default_factory=dict)
     max_exp_avg_sq: Dict[str, Any] = field(default_factory=dict)  # amsgrad's; empty without
     momentum_buffer: Dict[str, Any] = field(default_factory=dict)  # SGD's; empty without
+    sum: Dict[str, Any] = field(default_factory=dict)  # Adagrad's; empty without
     metadata: Dict[str, str] = field(default_factory=dict)
 
     @property
@@ -278,10 +282,13 @@ def load_export(path: str, *, framework: str = "np") -> Export:
                 out.max_exp_avg_sq = {name: read(name + _MAX_SUFFIX) for name in names}
             if _BUF_SUFFIX in optional:
                 out.momentum_buffer = {name: read(name + _BUF_SUFFIX) for name in names}
+            if _SUM_SUFFIX in optional:
+                out.sum = {name: read(name + _SUM_SUFFIX) for name in names}
             for name in names:
                 moments_of = [out.exp_avg[name], out.exp_avg_sq[name]]
                 moments_of += [out.max_exp_avg_sq[name]] if out.max_exp_avg_sq else []
                 moments_of += [out.momentum_buffer[name]] if out.momentum_buffer else []
+                moments_of += [out.sum[name]] if out.sum else []
                 if any(tuple(m.shape) != tuple(out.master[name].shape) for m in moments_of):
                     raise ValueError(f"{path}: the moments of {name!r} are not of its shape")
     return out
@@ -378,7 +385,8 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
         raise ValueError(f"{source}: groups of both {sorted(kinds)}: one torch optimizer "
                          f"cannot hold them")
     kind = kinds.pop()
-    cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}.get(kind, torch.optim.AdamW)
+    cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+           "adagrad": torch.optim.Adagrad}.get(kind, torch.optim.AdamW)
     defaults = cls([torch.zeros(1, requires_grad=True)], lr=1e-3).defaults  # 1.13 SGD needs lr
     zdefaults = Group().to_dict()
     param_groups = []
@@ -412,6 +420,11 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
                     state[i] = {"momentum_buffer": exp.momentum_buffer[name]}
                 elif no_momentum:
                     state[i] = dict(no_momentum)
+    elif exp.step > 0 and kind == "adagrad":  # torch.optim.Adagrad: step and sum
+        step = _torch_step(cls, exp.step)
+        for i, name in enumerate(order):
+            state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                        "sum": exp.sum[name]}
     elif exp.step > 0:  # torch has no state before the first step
         step = _torch_step(cls, exp.step)
         for i, name in enumerate(order):
@@ -487,9 +500,11 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         kind = "adam"
     elif isinstance(optimizer, torch.optim.SGD):
         kind = "sgd"
+    elif isinstance(optimizer, torch.optim.Adagrad):
+        kind = "adagrad"
     else:
         raise TypeError(f"{type(optimizer).__name__}: zerod imports the state of "
-                        f"torch.optim.AdamW, torch.optim.Adam and torch.optim.SGD (a "
+                        f"torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD and torch.optim.Adagrad (a "
                         f"ZeroOptimizer's state is in zerod already: use its checkpoint())")
     _check_host()
     names_by_id = None
@@ -526,6 +541,10 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
                 buf = st.get("momentum_buffer")
                 has_buffer = has_buffer or buf is not None
                 moments = [zeros, zeros] + ([zeros if buf is None else buf] if momentum else [])
+            elif kind == "adagrad":
+                s = st.get("step", 0)
+                steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
+                moments = [zeros, zeros, st["sum"] if "sum" in st else zeros]
             elif st:
                 s = st["step"]
                 steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
@@ -563,7 +582,8 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         "groups": json.dumps(groups), "optimizer": type(optimizer).__name__,
         "torch_version": str(torch.__version__)}}
     off = 0
-    suffixes = _SUFFIXES + ((_MAX_SUFFIX,) if amsgrad else ()) + ((_BUF_SUFFIX,) if momentum else ())
+    suffixes = (_SUFFIXES + ((_MAX_SUFFIX,) if amsgrad else ()) + ((_BUF_SUFFIX,) if momentum else ())
+                + ((_SUM_SUFFIX,) if kind == "adagrad" else ()))
     for t, suffix in enumerate(suffixes):
         for name, v in zip(names, tensors[t]):
             nbytes = 4 * v.numel()

@@ -3,6 +3,7 @@ class's arguments and shares ZeroOptimizer's machinery (buffers, hooks, scatter,
 the dead-trainer retry; module zerod.torch). Exported from zerod.torch.
 
     opt = zerod.torch.ZeroSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    opt = zerod.torch.ZeroAdagrad(model.parameters(), lr=0.01, lr_decay=1e-4)
 
 Each is bit for bit its torch class's default implementation on CPU parameters, under torch 1.13
 and 2.x (zerod's table of optimizers: kernels/optim.h; formulas in their kernel files). zerod's
@@ -16,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 from .torch import ZeroOptimizer, _torch_major
 
-__all__ = ["ZeroSGD"]
+__all__ = ["ZeroAdagrad", "ZeroSGD"]
 
 
 class ZeroSGD(ZeroOptimizer):
@@ -64,3 +65,46 @@ class ZeroSGD(ZeroOptimizer):
                 g["update"] = "torch2" if _torch_major() >= 2 else "torch113"
             if g.get("sqrt_mode") is None:
                 g["sqrt_mode"] = "exact"
+
+
+class ZeroAdagrad(ZeroOptimizer):
+    """torch.optim.Adagrad through zerod (kernels/adagrad.c): lr, lr_decay, weight_decay,
+    initial_accumulator_value, eps and maximize as torch takes them, per parameter group too
+    except initial_accumulator_value, which (as in torch) is the constructor's for every group;
+    the state `sum` starts there at the first step. The sqrt is torch.sqrt's
+    as for AdamW (sqrt_mode, measured on this machine: module zerod.torch "Which torch"). The
+    other keywords are ZeroOptimizer's. foreach is accepted (the same bits on CPU); fused=True and
+    differentiable=True are refused."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-2, lr_decay: float = 0.0,
+                 weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+                 eps: float = 1e-10, foreach: Any = None, *, maximize: bool = False,
+                 differentiable: bool = False, fused: Any = None, **kwargs: Any) -> None:
+        if fused:
+            raise ValueError("ZeroAdagrad: fused=True is not supported (zerod reproduces "
+                             "torch's default implementation); leave fused unset")
+        # torch fills every parameter's sum at construction from the constructor's
+        # initial_accumulator_value, whatever its group says: so does zerod (each group's field
+        # is set to it before registration).
+        self._initial_accumulator_value = float(initial_accumulator_value)
+        super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay,
+                         optimizer="adagrad", lr_decay=lr_decay,
+                         initial_accumulator_value=initial_accumulator_value, maximize=maximize,
+                         foreach=foreach, differentiable=differentiable, **kwargs)
+
+    @staticmethod
+    def _check_hparams(g: Mapping[str, Any], where: str) -> None:
+        ZeroOptimizer._check_hparams(g, where)
+        for key in ("lr_decay", "initial_accumulator_value"):
+            v = g.get(key, 0.0)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{where}: invalid {key} value: {v!r}")
+
+    def _choose_formulas(self) -> None:
+        """torch.sqrt's mode as for AdamW; the update field is bookkeeping (one formula)."""
+        if self._cuda:
+            raise ValueError("ZeroAdagrad: CUDA parameters are not supported yet (zerod's CUDA "
+                             "backend has no Adagrad kernel); train on CPU parameters")
+        for g in self.param_groups:
+            g["initial_accumulator_value"] = self._initial_accumulator_value
+        super()._choose_formulas()

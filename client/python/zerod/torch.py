@@ -131,7 +131,7 @@ import torch
 from . import _lib
 from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult, ZerodError
 
-__all__ = ["PickledZeroOptimizer", "ZeroOptimizer", "ZeroSGD"]
+__all__ = ["PickledZeroOptimizer", "ZeroAdagrad", "ZeroOptimizer", "ZeroSGD"]
 
 # Options of torch.optim.AdamW/Adam, at the value that means "off". One that is also a field of
 # zerod's groups (Group.names(): maximize) is passed to zerod like lr; the others are refused when
@@ -1071,4 +1071,4 @@ class PickledZeroOptimizer:
 
 
 # The other optimizers (zerod.optim), built on ZeroOptimizer above.
-from .optim import ZeroSGD  # noqa: E402
+from .optim import ZeroAdagrad, ZeroSGD  # noqa: E402
