@@ -63,11 +63,13 @@ static inline __attribute__((always_inline)) float grad_f32(const void *grad, zd
 static inline __attribute__((always_inline)) void adagrad_range(const zd__adam_args_t *a,
                                                                 const zd__adam_group_t *c,
                                                                 uint64_t lo, uint64_t hi,
-                                                                zd_dtype_t gd, int out, int mkl) {
+                                                                zd_dtype_t gd, int out, int mkl,
+                                                                int oop) {
   float *master = a->state[ZD__STATE_MASTER];
-  const float *in_master = zd__adam_src(a, ZD__STATE_MASTER);
   float *sum = a->state[ZD__STATE_SUM];
-  const float *in_sum = zd__adam_src(a, ZD__STATE_SUM);
+  /* In place, the loads name the arrays stored to (sgd.c). */
+  const float *in_master = oop ? zd__adam_src(a, ZD__STATE_MASTER) : master;
+  const float *in_sum = oop ? zd__adam_src(a, ZD__STATE_SUM) : sum;
   const void *grad = a->grad;
   const float scale = a->grad_scale, wd = c->weight_decay, e = c->eps, nclr = c->neg_clr;
   const float s0 = c->init_sum;
@@ -90,23 +92,23 @@ static inline __attribute__((always_inline)) void adagrad_range(const zd__adam_a
   }
 }
 
-#define ADAGRAD_OUT(gd, mkl)                   \
-  do {                                         \
-    if (!a->param)                             \
-      adagrad_range(a, c, lo, hi, gd, 0, mkl); \
-    else if (a->param_dtype == ZD_BF16)        \
-      adagrad_range(a, c, lo, hi, gd, 2, mkl); \
-    else                                       \
-      adagrad_range(a, c, lo, hi, gd, 1, mkl); \
+#define ADAGRAD_OUT(gd, mkl, oop)                   \
+  do {                                              \
+    if (!a->param)                                  \
+      adagrad_range(a, c, lo, hi, gd, 0, mkl, oop); \
+    else if (a->param_dtype == ZD_BF16)             \
+      adagrad_range(a, c, lo, hi, gd, 2, mkl, oop); \
+    else                                            \
+      adagrad_range(a, c, lo, hi, gd, 1, mkl, oop); \
   } while (0)
-#define ADAGRAD_GRAD(mkl)             \
+#define ADAGRAD_GRAD(mkl, oop)        \
   do {                                \
     if (a->grad_dtype == ZD_BF16)     \
-      ADAGRAD_OUT(ZD_BF16, mkl);      \
+      ADAGRAD_OUT(ZD_BF16, mkl, oop); \
     else if (a->grad_dtype == ZD_F16) \
-      ADAGRAD_OUT(ZD_F16, mkl);       \
+      ADAGRAD_OUT(ZD_F16, mkl, oop);  \
     else                              \
-      ADAGRAD_OUT(ZD_F32, mkl);       \
+      ADAGRAD_OUT(ZD_F32, mkl, oop);  \
   } while (0)
 
 void ADAGRAD_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
@@ -116,10 +118,17 @@ void ADAGRAD_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
     uint64_t lo = seg->offset > begin ? seg->offset : begin;
     uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
     const zd__adam_group_t *c = &a->groups[seg->group];
-    if (c->sqrt_mode == ZD_SQRT_MKL_EX)
-      ADAGRAD_GRAD(1);
-    else
-      ADAGRAD_GRAD(0);
+    int mkl = c->sqrt_mode == ZD_SQRT_MKL_EX;
+    if (a->src[ZD__STATE_MASTER]) { /* out of place: every array the kernel writes has a src */
+      if (mkl)
+        ADAGRAD_GRAD(1, 1);
+      else
+        ADAGRAD_GRAD(0, 1);
+    } else if (mkl) {
+      ADAGRAD_GRAD(1, 0);
+    } else {
+      ADAGRAD_GRAD(0, 0);
+    }
   }
 }
 

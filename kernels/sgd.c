@@ -71,11 +71,13 @@ static inline __attribute__((always_inline)) float grad_f32(const void *grad, zd
 static inline __attribute__((always_inline)) void sgd_range(const zd__adam_args_t *a,
                                                             const zd__adam_group_t *c, uint64_t lo,
                                                             uint64_t hi, zd_dtype_t gd, int out,
-                                                            int mom) {
+                                                            int mom, int oop) {
   float *master = a->state[ZD__STATE_MASTER];
-  const float *in_master = zd__adam_src(a, ZD__STATE_MASTER);
   float *buf = mom ? a->state[ZD__STATE_MOMENTUM_BUFFER] : NULL;
-  const float *in_buf = mom ? zd__adam_src(a, ZD__STATE_MOMENTUM_BUFFER) : NULL;
+  /* In place, the loads name the arrays stored to, so that the compiler sees one array (two
+   * pointers of equal value would fail its overlap check and run the loop unvectorised). */
+  const float *in_master = oop ? zd__adam_src(a, ZD__STATE_MASTER) : master;
+  const float *in_buf = mom && oop ? zd__adam_src(a, ZD__STATE_MOMENTUM_BUFFER) : buf;
   const void *grad = a->grad;
   const float scale = a->grad_scale, wd = c->weight_decay, mu = c->momentum;
   const float dw = c->dampening_weight, nlr = c->neg_lr;
@@ -100,23 +102,23 @@ static inline __attribute__((always_inline)) void sgd_range(const zd__adam_args_
   }
 }
 
-#define SGD_OUT(gd, mom)                   \
-  do {                                     \
-    if (!a->param)                         \
-      sgd_range(a, c, lo, hi, gd, 0, mom); \
-    else if (a->param_dtype == ZD_BF16)    \
-      sgd_range(a, c, lo, hi, gd, 2, mom); \
-    else                                   \
-      sgd_range(a, c, lo, hi, gd, 1, mom); \
+#define SGD_OUT(gd, mom, oop)                   \
+  do {                                          \
+    if (!a->param)                              \
+      sgd_range(a, c, lo, hi, gd, 0, mom, oop); \
+    else if (a->param_dtype == ZD_BF16)         \
+      sgd_range(a, c, lo, hi, gd, 2, mom, oop); \
+    else                                        \
+      sgd_range(a, c, lo, hi, gd, 1, mom, oop); \
   } while (0)
-#define SGD_GRAD(mom)                 \
+#define SGD_GRAD(mom, oop)            \
   do {                                \
     if (a->grad_dtype == ZD_BF16)     \
-      SGD_OUT(ZD_BF16, mom);          \
+      SGD_OUT(ZD_BF16, mom, oop);     \
     else if (a->grad_dtype == ZD_F16) \
-      SGD_OUT(ZD_F16, mom);           \
+      SGD_OUT(ZD_F16, mom, oop);      \
     else                              \
-      SGD_OUT(ZD_F32, mom);           \
+      SGD_OUT(ZD_F32, mom, oop);      \
   } while (0)
 
 void SGD_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
@@ -126,10 +128,17 @@ void SGD_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
     uint64_t lo = seg->offset > begin ? seg->offset : begin;
     uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
     const zd__adam_group_t *c = &a->groups[seg->group];
-    if (c->has_momentum && a->state[ZD__STATE_MOMENTUM_BUFFER])
-      SGD_GRAD(1);
-    else
-      SGD_GRAD(0);
+    int mom = c->has_momentum && a->state[ZD__STATE_MOMENTUM_BUFFER];
+    if (a->src[ZD__STATE_MASTER]) { /* out of place: every array the kernel writes has a src */
+      if (mom)
+        SGD_GRAD(1, 1);
+      else
+        SGD_GRAD(0, 1);
+    } else if (mom) {
+      SGD_GRAD(1, 0);
+    } else {
+      SGD_GRAD(0, 0);
+    }
   }
 }
 
