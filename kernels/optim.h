@@ -42,6 +42,10 @@
 #include "state.h"
 #include "zerod/zerod.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* X(OPTIMIZER, k): zd_optimizer_t ZD_<OPTIMIZER> is stepped by kernel family k. */
 /* clang-format off */
 #define ZD__OPTIMIZERS(X) \
@@ -77,5 +81,9 @@ int zd__optim_known(int optimizer);
 
 /* The table's name of a kernel family of optimizer ("adam", "sgd"); NULL for none. */
 const char *zd__optim_kernel_name(int optimizer);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* ZD_KERNELS_OPTIM_H */
