@@ -36,15 +36,19 @@
 #ifndef ZD_KERNELS_OPTIM_H
 #define ZD_KERNELS_OPTIM_H
 
+#include <math.h> /* before extern "C": C++ math.h holds templates */
 #include <stdint.h>
+#include <string.h>
 
-#include "adam.h"
-#include "state.h"
 #include "zerod/zerod.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* adam.h inside the block, as adam_cuda.h includes it: its functions are C's in C++ too. */
+#include "adam.h"
+#include "state.h"
 
 /* X(OPTIMIZER, k): zd_optimizer_t ZD_<OPTIMIZER> is stepped by kernel family k. */
 /* clang-format off */

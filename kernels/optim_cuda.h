@@ -13,14 +13,18 @@
 #define ZD_KERNELS_OPTIM_CUDA_H
 
 #include <cuda_runtime.h>
+#include <math.h> /* before extern "C": C++ math.h holds templates */
 #include <stdint.h>
+#include <string.h>
 
-#include "adam.h"
-#include "error.h"
+#include "zerod/zerod.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#include "adam.h"
+#include "error.h"
 
 /* The update of elements [0, n) covered by d_segs (device, nsegs sorted segments): the groups'
  * constants (host memory, ngroups <= ZD__CUDA_OPTIM_GROUPS, copied into the launch) name SGD or
