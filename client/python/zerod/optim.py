@@ -30,6 +30,8 @@ class ZeroSGD(ZeroOptimizer):
     momentum_buffer array from registration on: a group whose momentum was 0 at construction
     cannot turn it on later (zerod refuses the step)."""
 
+    _FOREIGN = frozenset({"lr_decay", "initial_accumulator_value"})
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
                  maximize: bool = False, foreach: Any = None, differentiable: bool = False,
@@ -75,6 +77,8 @@ class ZeroAdagrad(ZeroOptimizer):
     as for AdamW (sqrt_mode, measured on this machine: module zerod.torch "Which torch"). The
     other keywords are ZeroOptimizer's. foreach is accepted (the same bits on CPU); fused=True and
     differentiable=True are refused."""
+
+    _FOREIGN = frozenset({"momentum", "dampening", "nesterov"})
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-2, lr_decay: float = 0.0,
                  weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,

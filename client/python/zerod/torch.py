@@ -369,6 +369,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             WORLD_SIZE that disagree with zerod's world.
     """
 
+    # Fields of zerod's groups that only other optimizers read (zerod.optim): refused as
+    # keywords, as torch.optim.AdamW refuses them.
+    _FOREIGN = frozenset({"momentum", "dampening", "nesterov", "lr_decay",
+                          "initial_accumulator_value"})
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, optimizer: str = "adamw",
@@ -387,7 +392,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The formula follows the running torch unless a group names one (_choose_formula).
         defaults.update(update=None, sqrt_mode=None, foreach=None, fused=None)
         for key, value in hparams.items():
-            if key not in defaults and key not in _TORCH_OPTIONS:
+            if (key not in defaults and key not in _TORCH_OPTIONS) or key in self._FOREIGN:
                 raise TypeError(f"ZeroOptimizer got an unexpected keyword argument {key!r}")
             defaults[key] = value
         self._check_hparams(defaults, "defaults")
