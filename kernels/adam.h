@@ -187,6 +187,12 @@ typedef struct zd__adam_group {
   float neg_clr;     /* (float)-(lr / (1 + (step - 1) * lr_decay)) */
   float init_sum;    /* (float)initial_accumulator_value */
   uint8_t sum_first; /* step 1: sum starts at init_sum (torch's full_like) */
+  /* RMSprop (kernels/rmsprop.c): weight_decay, has_weight_decay, negate_grad, eps, sqrt_mode,
+   * momentum, has_momentum, neg_lr, lerp_weight and lerp_from_grad (TORCH2's grad_avg) above,
+   * and */
+  float alpha;           /* (float)alpha */
+  float one_minus_alpha; /* (float)(1 - alpha) */
+  uint8_t centered;
 } zd__adam_group_t;
 
 /* One of the three formulas of torch 2.x's CUDA paths (ZD_UPDATE_TORCH2_CUDA*), which the CPU

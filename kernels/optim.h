@@ -25,6 +25,8 @@
  *                                                                       (kernels/sgd.c)
  *   ADAGRAD      adagrad  sum                                           torch.optim.Adagrad
  *                                                                       (kernels/adagrad.c)
+ *   RMSPROP      rmsprop  square_avg, grad_avg (centered),              torch.optim.RMSprop
+ *                         momentum_buffer (momentum != 0)               (kernels/rmsprop.c)
  * A model with groups of several optimizers is stepped run by run: zd__optim_impl's update walks
  * the segments of [begin, end) and hands each run of consecutive segments whose optimizers share
  * a kernel to that kernel, in one call.
@@ -56,14 +58,16 @@ extern "C" {
   X(ADAMW, adam) \
   X(ADAM, adam) \
   X(SGD, sgd) \
-  X(ADAGRAD, adagrad)
+  X(ADAGRAD, adagrad) \
+  X(RMSPROP, rmsprop)
 /* clang-format on */
 
 /* The kernel families, once each (a family may step several optimizers). */
 #define ZD__OPTIM_KERNELS(X) \
   X(adam)                    \
   X(sgd)                     \
-  X(adagrad)
+  X(adagrad)                 \
+  X(rmsprop)
 
 #define ZD__OPTIM_DECLARE(k)                                                          \
   void zd__##k##_consts(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step);    \

@@ -89,8 +89,8 @@ static void kernel_chunk(void *arg, uint64_t lo, uint64_t hi, unsigned thread) {
   r->fn(r->a, lo, hi);
 }
 
-static const char *const names[] = {"adamw", "sgd", "adagrad"};
-static const int optimizers[] = {ZD_ADAMW, ZD_SGD, ZD_ADAGRAD};
+static const char *const names[] = {"adamw", "sgd", "adagrad", "rmsprop"};
+static const int optimizers[] = {ZD_ADAMW, ZD_SGD, ZD_ADAGRAD, ZD_RMSPROP};
 
 static void row(zd__pool_t *pool, zd__isa_t isa, int which, uint64_t n, int iters, int warmup) {
   zd_group_t hp[2] = {zd__group_default(), zd__group_default()};
@@ -99,6 +99,7 @@ static void row(zd__pool_t *pool, zd__isa_t isa, int which, uint64_t n, int iter
     hp[k].weight_decay = k ? 0.0 : 0.01;
     hp[k].momentum = 0.9;
     hp[k].lr_decay = 1e-4;
+    hp[k].centered = 1; /* RMSprop: centered with momentum, its most arrays */
     hp[k].eps = hp[k].optimizer == ZD_ADAGRAD ? 1e-10 : 1e-8;
   }
   zd__adam_group_t consts[2];
@@ -110,6 +111,7 @@ static void row(zd__pool_t *pool, zd__isa_t isa, int which, uint64_t n, int iter
     if (hp[k].optimizer == ZD_SGD) moved |= zd__sgd_writes(&consts[k]);
     if (hp[k].optimizer == ZD_ADAGRAD) moved |= zd__adagrad_writes(&consts[k]);
     if (hp[k].optimizer == ZD_ADAMW) moved |= zd__adam_writes(&consts[k]);
+    if (hp[k].optimizer == ZD_RMSPROP) moved |= zd__rmsprop_writes(&consts[k]);
   }
   size_t bytes = n * sizeof(float);
   zd__adam_args_t a = {.grad_dtype = ZD_F32, .param_dtype = ZD_F32, .grad_scale = 1.0f};
@@ -231,7 +233,7 @@ int main(int argc, char **argv) {
   printf("# %-8s %10s %7s %7s %9s %9s %9s %9s %8s\n", "optim", "params", "isa", "threads",
          "step_ms", "step_GB/s", "pass_ms", "pass_GB/s", "%pass");
   for (int l = min_log2; l <= max_log2; l++)
-    for (int which = 0; which < 3; which++)
+    for (int which = 0; which < 4; which++)
       row(pool, (zd__isa_t)isa, which, (uint64_t)1 << l, iters, warmup);
   zd__pool_destroy(pool);
   return 0;

@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import zerod.testing  # noqa: E402
 from zerod import checkpoint as zc  # noqa: E402
-from zerod.torch import ZeroAdagrad, ZeroOptimizer, ZeroSGD  # noqa: E402
+from zerod.torch import ZeroAdagrad, ZeroOptimizer, ZeroRMSprop, ZeroSGD  # noqa: E402
 
 K, M, N = 4, 5, 4
 HP = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-7}
@@ -250,8 +250,8 @@ class InteropTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "different steps"):
             zc.save_torch_state(opt, model.named_parameters(), path)
         # Optimizers zerod does not have.
-        with self.assertRaisesRegex(TypeError, "RMSprop"):
-            zc.save_torch_state(torch.optim.RMSprop(model.parameters(), lr=0.1),
+        with self.assertRaisesRegex(TypeError, "Adamax"):
+            zc.save_torch_state(torch.optim.Adamax(model.parameters(), lr=0.1),
                                 model.named_parameters(), path)
         # An unnamed parameter.
         with self.assertRaisesRegex(ValueError, "not among named_params"):
@@ -365,5 +365,37 @@ class InteropAdagradTest(InteropTest):
         self.assertEqual(sorted(exp.sum), sorted(exp.names))
 
 
+class InteropRMSpropTest(InteropTest):
+    """InteropTest's moves with torch.optim.RMSprop and zerod.torch.ZeroRMSprop (centered with
+    momentum in one group, plain in the other): square_avg, grad_avg, momentum_buffer and step go
+    into zerod, are resharded, and come back out under torch's keys."""
+
+    _ref_rms: Dict[str, Any] = {}
+
+    def setUp(self) -> None:
+        super().setUp()
+        saved = (HP, _REF, GROUP_HP, TORCH_CLS, ZERO_CLS)
+        globals().update(HP={"lr": 1e-3, "alpha": 0.9, "eps": 1e-8}, _REF=self._ref_rms,
+                         GROUP_HP=[{"weight_decay": 0.1, "momentum": 0.9, "centered": True},
+                                   {"weight_decay": 0.0, "lr": 2e-3}],
+                         TORCH_CLS=torch.optim.RMSprop, ZERO_CLS=ZeroRMSprop)
+        self.addCleanup(globals().update, HP=saved[0], _REF=saved[1], GROUP_HP=saved[2],
+                        TORCH_CLS=saved[3], ZERO_CLS=saved[4])
+
+    def test_refusals(self) -> None:
+        """RMSprop's own: the file holds square_avg, grad_avg and momentum_buffer for every
+        parameter at torch's step."""
+        path = os.path.join(self.dir, "x.safetensors")
+        model = make_model(1)
+        opt = torch.optim.RMSprop(torch_groups(model), **HP)
+        train_step(model, opt, 1)
+        zc.save_torch_state(opt, model.named_parameters(), path)
+        exp = zc.load_export(path)
+        self.assertEqual((exp.step, exp.groups[0]["optimizer"]), (1, 4))
+        for d in (exp.square_avg, exp.grad_avg, exp.momentum_buffer):
+            self.assertEqual(sorted(d), sorted(exp.names))
+
+
 if __name__ == "__main__":
-    common.run(InteropTest, InteropAmsgradTest, InteropSGDTest, InteropAdagradTest)
+    common.run(InteropTest, InteropAmsgradTest, InteropSGDTest, InteropAdagradTest,
+               InteropRMSpropTest)

@@ -35,6 +35,7 @@ static float uniform(float lo, float hi) {
  * after each step (tests/unit: the generating script is in the comment of each case). */
 static void golden_run(const char *what, zd_group_t hp, const uint32_t want[3][4]) {
   float master[4] = {1.0f, -2.0f, 0.5f, 3.0f}, buf[4] = {0}, zeros[4] = {0}, sum[4] = {0};
+  float sq[4] = {0}, gavg[4] = {0};
   float exp_avg[4] = {0}, exp_avg_sq[4] = {0};
   const float g0[4] = {0.25f, -0.125f, 1.5f, -3.0f};
   zd__segment_t seg = {.offset = 0, .length = 4, .group = 0};
@@ -54,6 +55,8 @@ static void golden_run(const char *what, zd_group_t hp, const uint32_t want[3][4
     a.state[ZD__STATE_EXP_AVG_SQ] = exp_avg_sq;
     a.state[ZD__STATE_MOMENTUM_BUFFER] = hp.momentum != 0 ? buf : NULL;
     a.state[ZD__STATE_SUM] = hp.optimizer == ZD_ADAGRAD ? sum : NULL;
+    a.state[ZD__STATE_SQUARE_AVG] = hp.optimizer == ZD_RMSPROP ? sq : NULL;
+    a.state[ZD__STATE_GRAD_AVG] = hp.optimizer == ZD_RMSPROP && hp.centered ? gavg : NULL;
     zd__optim_impl(ZD__ISA_SCALAR)(&a, 0, 4);
     for (int i = 0; i < 4; i++)
       CHECK_MSG(f2u(master[i]) == want[t][i], "%s: step %d element %d: %08x, torch %08x", what,
@@ -114,6 +117,29 @@ static void test_golden(void) {
   hp.maximize = 1;
   golden_run("adagrad maximize", hp, ada_max);
   printf("golden: Adagrad's reference equals torch 1.13.1 over 3 steps\n");
+  hp = zd__group_default();
+  hp.optimizer = ZD_RMSPROP;
+  hp.lr = 0.01;
+  /* RMSprop([p], lr=0.01, alpha=0.9, momentum=0.9, centered=True, weight_decay=0.01) */
+  static const uint32_t rms[3][4] = {{0x3f777777, 0xbffbbbbc, 0x3eeeeeef, 0x40422222},
+                                     {0x3f67c6b1, 0xbff3ec9b, 0x3ecf814c, 0x40461062},
+                                     {0x3f521843, 0xbfe92549, 0x3ea40fb4, 0x404b7f81}};
+  hp.alpha = 0.9;
+  hp.momentum = 0.9;
+  hp.centered = 1;
+  hp.weight_decay = 0.01;
+  golden_run("rmsprop centered momentum", hp, rms);
+  /* RMSprop([p], lr=0.01, maximize=True) */
+  static const uint32_t rms_max[3][4] = {{0x3f8ccccc, 0xc0066666, 0x3f19999a, 0x4039999a},
+                                         {0x3f984297, 0xc00c214c, 0x3f308531, 0x4033deb4},
+                                         {0x3fa28b83, 0xc01145c2, 0x3f45170a, 0x402eba3e}};
+  hp = zd__group_default();
+  hp.optimizer = ZD_RMSPROP;
+  hp.lr = 0.01;
+  hp.weight_decay = 0;
+  hp.maximize = 1;
+  golden_run("rmsprop maximize", hp, rms_max);
+  printf("golden: RMSprop's reference equals torch 1.13.1 over 3 steps\n");
 }
 
 /* ---- wide paths against the reference -------------------------------------------------------- */
@@ -148,21 +174,23 @@ static void fill(shard_t *s, int has_buf) {
     for (int i = 0; i < N; i++) s->state[k][i] = uniform(-1.0f, 1.0f);
   for (int i = 0; i < N; i++) s->state[ZD__STATE_EXP_AVG_SQ][i] = uniform(0.0f, 1.0f);
   for (int i = 0; i < N; i++) s->state[ZD__STATE_SUM][i] = uniform(0.0f, 1.0f);
+  for (int i = 0; i < N; i++) s->state[ZD__STATE_SQUARE_AVG][i] = uniform(0.0f, 1.0f);
   if (!has_buf) memset(s->state[ZD__STATE_MOMENTUM_BUFFER], 0, sizeof s->state[0]);
   memset(s->param16, 0xab, sizeof s->param16);
   memset(s->param32, 0xab, sizeof s->param32);
 }
 
-static int has_sum_array;
+static int has_sum_array, has_sq_array, has_ga_array;
 
 static void args_of(zd__adam_args_t *a, shard_t *s, const shard_t *src, const void *grad,
                     zd_dtype_t gd, zd_dtype_t pd, const zd__adam_group_t *groups, int has_max,
                     int has_buf) {
   memset(a, 0, sizeof *a);
   for (int k = 0; k < ZD__NSTATES; k++) {
-    int have =
-        !((k == ZD__STATE_MAX_EXP_AVG_SQ && !has_max) ||
-          (k == ZD__STATE_MOMENTUM_BUFFER && !has_buf) || (k == ZD__STATE_SUM && !has_sum_array));
+    int have = !(
+        (k == ZD__STATE_MAX_EXP_AVG_SQ && !has_max) ||
+        (k == ZD__STATE_MOMENTUM_BUFFER && !has_buf) || (k == ZD__STATE_SUM && !has_sum_array) ||
+        (k == ZD__STATE_SQUARE_AVG && !has_sq_array) || (k == ZD__STATE_GRAD_AVG && !has_ga_array));
     a->state[k] = have ? s->state[k] : NULL;
     a->src[k] = have && src ? src->state[k] : NULL;
   }
@@ -198,16 +226,29 @@ static shard_t sh_ref, sh_isa, sh_src, sh_out;
 static void run_case(int mix, uint64_t t, zd_dtype_t gd, zd_dtype_t pd, const zd__isa_t *isas,
                      int nisas) {
   zd__adam_group_t groups[NGROUPS];
-  int has_max = 0, has_buf = 0, has_sum = 0;
+  int has_max = 0, has_buf = 0, has_sum = 0, has_sq = 0, has_ga = 0;
   for (int k = 0; k < NGROUPS; k++) {
     zd_group_t hp = zd__group_default();
     int sgd = mix == 0 || (mix == 1 && k % 2 == 0) || (mix == 3 && k == 2);
     int adagrad = mix == 3 && k % 2 == 0 && !sgd;
-    hp.optimizer = adagrad ? ZD_ADAGRAD : sgd ? ZD_SGD : (k & 2 ? ZD_ADAM : ZD_ADAMW);
+    int rms = mix == 4 && k != 3;
+    hp.optimizer = rms       ? ZD_RMSPROP
+                   : adagrad ? ZD_ADAGRAD
+                   : sgd     ? ZD_SGD
+                             : (k & 2 ? ZD_ADAM : ZD_ADAMW);
     hp.lr = uniform(0.001f, 0.5f);
     hp.weight_decay = k == 1 ? 0 : uniform(0.0f, 0.1f);
     hp.maximize = k == 3;
-    if (adagrad) {
+    if (rms) {
+      hp.alpha = k == 1 ? 0.3 : uniform(0.8f, 0.99f); /* 0.3: the lerp's second form */
+      hp.momentum = k == 2 ? 0 : uniform(0.5f, 0.95f);
+      hp.centered = k != 0;
+      hp.update = k == 0 ? ZD_UPDATE_TORCH113 : ZD_UPDATE_TORCH2;
+      hp.sqrt_mode = k == 2 && t == 2 ? ZD_SQRT_MKL_EX : ZD_SQRT_EXACT;
+      has_buf |= hp.momentum != 0;
+      has_sq = 1;
+      has_ga |= hp.centered;
+    } else if (adagrad) {
       hp.lr_decay = uniform(0.0f, 0.1f);
       hp.initial_accumulator_value = uniform(0.0f, 0.5f);
       hp.eps = 1e-10;
@@ -226,6 +267,8 @@ static void run_case(int mix, uint64_t t, zd_dtype_t gd, zd_dtype_t pd, const zd
     zd__adam_group_init(&groups[k], &hp, t);
   }
   has_sum_array = has_sum;
+  has_sq_array = has_sq;
+  has_ga_array = has_ga;
   static float g32[N];
   static uint16_t g16[N];
   for (int i = 0; i < N; i++) {
@@ -291,7 +334,7 @@ static void test_paths(void) {
   static const zd_dtype_t pds[] = {0, ZD_F32, ZD_BF16};
   for (int rep = 0; rep < 3; rep++) {
     make_segments();
-    for (int mix = 0; mix < 4; mix++)
+    for (int mix = 0; mix < 5; mix++)
       for (uint64_t t = 1; t <= 2; t++)
         for (int g = 0; g < 3; g++)
           for (int p = 0; p < 3; p++) run_case(mix, t, gds[g], pds[p], isas, nisas);
@@ -301,7 +344,7 @@ static void test_paths(void) {
   for (int i = 0; i < nisas; i++) printf("%s ", zd__isa_name(isas[i]));
   printf(
       "equal the reference bit for bit (SGD, SGD mixed with AdamW/Adam, AdamW/Adam, Adagrad "
-      "mixed with both; in place, split, out of place)\n");
+      "mixed with both, RMSprop; in place, split, out of place)\n");
 }
 
 static void test_table(void) {

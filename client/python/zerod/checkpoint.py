@@ -69,9 +69,11 @@ _SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")
 _MAX_SUFFIX = ".max_exp_avg_sq"  # amsgrad's fourth tensor, for every parameter or none
 _BUF_SUFFIX = ".momentum_buffer"  # SGD's with momentum, for every parameter or none
 _SUM_SUFFIX = ".sum"  # Adagrad's, for every parameter or none
+_SQ_SUFFIX = ".square_avg"  # RMSprop's, for every parameter or none
+_GA_SUFFIX = ".grad_avg"  # RMSprop's with centered, for every parameter or none
 # zerod's optional state arrays (common/state.h), by torch's names: each is in a file for every
 # parameter or for none.
-_OPTIONAL = (_MAX_SUFFIX, _BUF_SUFFIX, _SUM_SUFFIX)
+_OPTIONAL = (_MAX_SUFFIX, _BUF_SUFFIX, _SUM_SUFFIX, _SQ_SUFFIX, _GA_SUFFIX)
 _MAX_HEADER = 1 << 31
 
 NamedParams = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
@@ -101,6 +103,8 @@ class Export:
     max_exp_avg_sq: Dict[str, Any] = field(default_factory=dict)  # amsgrad's; empty without
     momentum_buffer: Dict[str, Any] = field(default_factory=dict)  # SGD's; empty without
     sum: Dict[str, Any] = field(default_factory=dict)  # Adagrad's; empty without
+    square_avg: Dict[str, Any] = field(default_factory=dict)  # RMSprop's; empty without
+    grad_avg: Dict[str, Any] = field(default_factory=dict)  # RMSprop's centered; empty without
     metadata: Dict[str, str] = field(default_factory=dict)
 
     @property
@@ -282,13 +286,16 @@ def load_export(path: str, *, framework: str = "np") -> Export:
                 out.max_exp_avg_sq = {name: read(name + _MAX_SUFFIX) for name in names}
             if _BUF_SUFFIX in optional:
                 out.momentum_buffer = {name: read(name + _BUF_SUFFIX) for name in names}
-            if _SUM_SUFFIX in optional:
-                out.sum = {name: read(name + _SUM_SUFFIX) for name in names}
+            for sfx in (_SUM_SUFFIX, _SQ_SUFFIX, _GA_SUFFIX):
+                if sfx in optional:
+                    setattr(out, sfx[1:], {name: read(name + sfx) for name in names})
             for name in names:
                 moments_of = [out.exp_avg[name], out.exp_avg_sq[name]]
                 moments_of += [out.max_exp_avg_sq[name]] if out.max_exp_avg_sq else []
                 moments_of += [out.momentum_buffer[name]] if out.momentum_buffer else []
                 moments_of += [out.sum[name]] if out.sum else []
+                moments_of += [out.square_avg[name]] if out.square_avg else []
+                moments_of += [out.grad_avg[name]] if out.grad_avg else []
                 if any(tuple(m.shape) != tuple(out.master[name].shape) for m in moments_of):
                     raise ValueError(f"{path}: the moments of {name!r} are not of its shape")
     return out
@@ -385,8 +392,8 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
         raise ValueError(f"{source}: groups of both {sorted(kinds)}: one torch optimizer "
                          f"cannot hold them")
     kind = kinds.pop()
-    cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD,
-           "adagrad": torch.optim.Adagrad}.get(kind, torch.optim.AdamW)
+    cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
+           "rmsprop": torch.optim.RMSprop}.get(kind, torch.optim.AdamW)
     defaults = cls([torch.zeros(1, requires_grad=True)], lr=1e-3).defaults  # 1.13 SGD needs lr
     zdefaults = Group().to_dict()
     param_groups = []
@@ -425,6 +432,17 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
         for i, name in enumerate(order):
             state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
                         "sum": exp.sum[name]}
+    elif exp.step > 0 and kind == "rmsprop":  # step, square_avg, momentum_buffer, grad_avg
+        step = _torch_step(cls, exp.step)
+        for gi, pg in enumerate(param_groups):
+            for i in pg["params"]:
+                name = order[i]
+                state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                            "square_avg": exp.square_avg[name]}
+                if pg["momentum"] > 0:
+                    state[i]["momentum_buffer"] = exp.momentum_buffer[name]
+                if pg["centered"]:
+                    state[i]["grad_avg"] = exp.grad_avg[name]
     elif exp.step > 0:  # torch has no state before the first step
         step = _torch_step(cls, exp.step)
         for i, name in enumerate(order):
@@ -502,9 +520,12 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         kind = "sgd"
     elif isinstance(optimizer, torch.optim.Adagrad):
         kind = "adagrad"
+    elif isinstance(optimizer, torch.optim.RMSprop):
+        kind = "rmsprop"
     else:
         raise TypeError(f"{type(optimizer).__name__}: zerod imports the state of "
-                        f"torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD and torch.optim.Adagrad (a "
+                        f"torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad and "
+                        f"torch.optim.RMSprop (a "
                         f"ZeroOptimizer's state is in zerod already: use its checkpoint())")
     _check_host()
     names_by_id = None
@@ -513,10 +534,12 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     names: List[str] = []
     pgroups: List[int] = []
     groups: List[Dict[str, Any]] = []
-    tensors: List[List[Any]] = [[], [], [], []]
+    tensors: List[List[Any]] = [[] for _ in range(8)]  # master, then each state array
     steps = {}
     amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
-    momentum = kind == "sgd" and any(g.get("momentum") for g in optimizer.param_groups)
+    momentum = (kind in ("sgd", "rmsprop")
+                and any(g.get("momentum") for g in optimizer.param_groups))
+    centered = kind == "rmsprop" and any(g.get("centered") for g in optimizer.param_groups)
     has_buffer = False
     index = 0
     for gi, g in enumerate(optimizer.param_groups):
@@ -541,6 +564,15 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
                 buf = st.get("momentum_buffer")
                 has_buffer = has_buffer or buf is not None
                 moments = [zeros, zeros] + ([zeros if buf is None else buf] if momentum else [])
+            elif kind == "rmsprop":
+                s = st.get("step", 0)
+                steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
+                moments = [zeros, zeros]
+                if momentum:
+                    moments.append(st.get("momentum_buffer", zeros))
+                moments.append(st.get("square_avg", zeros))
+                if centered:
+                    moments.append(st.get("grad_avg", zeros))
             elif kind == "adagrad":
                 s = st.get("step", 0)
                 steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
@@ -583,7 +615,9 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         "torch_version": str(torch.__version__)}}
     off = 0
     suffixes = (_SUFFIXES + ((_MAX_SUFFIX,) if amsgrad else ()) + ((_BUF_SUFFIX,) if momentum else ())
-                + ((_SUM_SUFFIX,) if kind == "adagrad" else ()))
+                + ((_SUM_SUFFIX,) if kind == "adagrad" else ())
+                + ((_SQ_SUFFIX,) if kind == "rmsprop" else ())
+                + ((_GA_SUFFIX,) if centered else ()))
     for t, suffix in enumerate(suffixes):
         for name, v in zip(names, tensors[t]):
             nbytes = 4 * v.numel()

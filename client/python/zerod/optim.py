@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 from .torch import ZeroOptimizer, _torch_major
 
-__all__ = ["ZeroAdagrad", "ZeroSGD"]
+__all__ = ["ZeroAdagrad", "ZeroRMSprop", "ZeroSGD"]
 
 
 class ZeroSGD(ZeroOptimizer):
@@ -30,7 +30,7 @@ class ZeroSGD(ZeroOptimizer):
     momentum_buffer array from registration on: a group whose momentum was 0 at construction
     cannot turn it on later (zerod refuses the step)."""
 
-    _FOREIGN = frozenset({"lr_decay", "initial_accumulator_value"})
+    _FOREIGN = frozenset({"lr_decay", "initial_accumulator_value", "alpha", "centered"})
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
@@ -78,7 +78,7 @@ class ZeroAdagrad(ZeroOptimizer):
     other keywords are ZeroOptimizer's. foreach is accepted (the same bits on CPU); fused=True and
     differentiable=True are refused."""
 
-    _FOREIGN = frozenset({"momentum", "dampening", "nesterov"})
+    _FOREIGN = frozenset({"momentum", "dampening", "nesterov", "alpha", "centered"})
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-2, lr_decay: float = 0.0,
                  weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
@@ -111,4 +111,39 @@ class ZeroAdagrad(ZeroOptimizer):
                              "backend has no Adagrad kernel); train on CPU parameters")
         for g in self.param_groups:
             g["initial_accumulator_value"] = self._initial_accumulator_value
+        super()._choose_formulas()
+
+
+class ZeroRMSprop(ZeroOptimizer):
+    """torch.optim.RMSprop through zerod (kernels/rmsprop.c): lr, alpha, eps, weight_decay,
+    momentum, centered and maximize as torch takes them, per parameter group too. The centered
+    average follows the running torch (1.13: multiply-add; 2.x: lerp), the sqrt torch.sqrt's
+    (sqrt_mode, as for AdamW). A model keeps momentum_buffer and grad_avg when a group has
+    momentum or centered at construction (turning them on later is refused, as torch, whose state
+    lacks them, fails). The other keywords are ZeroOptimizer's; foreach is accepted (the same bits
+    on CPU); capturable and differentiable are refused."""
+
+    _FOREIGN = frozenset({"dampening", "nesterov", "lr_decay", "initial_accumulator_value"})
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-2, alpha: float = 0.99,
+                 eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.0,
+                 centered: bool = False, capturable: bool = False, foreach: Any = None,
+                 maximize: bool = False, differentiable: bool = False, **kwargs: Any) -> None:
+        super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay,
+                         optimizer="rmsprop", alpha=alpha, momentum=momentum,
+                         centered=bool(centered), maximize=maximize, foreach=foreach,
+                         capturable=capturable, differentiable=differentiable, **kwargs)
+
+    @staticmethod
+    def _check_hparams(g: Mapping[str, Any], where: str) -> None:
+        ZeroOptimizer._check_hparams(g, where)
+        for key in ("alpha", "momentum"):
+            v = g.get(key, 0.0)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{where}: invalid {key} value: {v!r}")
+
+    def _choose_formulas(self) -> None:
+        if self._cuda:
+            raise ValueError("ZeroRMSprop: CUDA parameters are not supported yet (zerod's CUDA "
+                             "backend has no RMSprop kernel); train on CPU parameters")
         super()._choose_formulas()

@@ -131,7 +131,7 @@ import torch
 from . import _lib
 from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult, ZerodError
 
-__all__ = ["PickledZeroOptimizer", "ZeroAdagrad", "ZeroOptimizer", "ZeroSGD"]
+__all__ = ["PickledZeroOptimizer", "ZeroAdagrad", "ZeroOptimizer", "ZeroRMSprop", "ZeroSGD"]
 
 # Options of torch.optim.AdamW/Adam, at the value that means "off". One that is also a field of
 # zerod's groups (Group.names(): maximize) is passed to zerod like lr; the others are refused when
@@ -372,7 +372,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # Fields of zerod's groups that only other optimizers read (zerod.optim): refused as
     # keywords, as torch.optim.AdamW refuses them.
     _FOREIGN = frozenset({"momentum", "dampening", "nesterov", "lr_decay",
-                          "initial_accumulator_value"})
+                          "initial_accumulator_value", "alpha", "centered"})
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -1076,4 +1076,4 @@ class PickledZeroOptimizer:
 
 
 # The other optimizers (zerod.optim), built on ZeroOptimizer above.
-from .optim import ZeroAdagrad, ZeroSGD  # noqa: E402
+from .optim import ZeroAdagrad, ZeroRMSprop, ZeroSGD  # noqa: E402
