@@ -54,12 +54,12 @@ static inline __attribute__((always_inline)) float grad_f32(const void *grad, zd
   return ((const float *)grad)[i];
 }
 
-/* One segment's [lo, hi); gd, out (0 none, 1 f32, 2 bf16), mom, cen, mkl and oop are constants at
- * each call site. In place, the loads name the arrays stored to (sgd.c). */
+/* One segment's [lo, hi); gd, out (0 none, 1 f32, 2 bf16), mom, cen, oop and mkl are constants at
+ * each call site but rms_mkl's. In place, the loads name the arrays stored to (sgd.c). */
 static inline __attribute__((always_inline)) void rms_range(const zd__adam_args_t *a,
                                                             const zd__adam_group_t *c, uint64_t lo,
                                                             uint64_t hi, zd_dtype_t gd, int out,
-                                                            int mom, int cen, int oop) {
+                                                            int mom, int cen, int oop, int mkl) {
   float *master = a->state[ZD__STATE_MASTER], *sq = a->state[ZD__STATE_SQUARE_AVG];
   float *buf = mom ? a->state[ZD__STATE_MOMENTUM_BUFFER] : NULL;
   float *ga = cen ? a->state[ZD__STATE_GRAD_AVG] : NULL;
@@ -72,7 +72,7 @@ static inline __attribute__((always_inline)) void rms_range(const zd__adam_args_
   const float mu = c->momentum, e = c->eps, nlr = c->neg_lr, w = c->lerp_weight;
   const uint32_t neg = c->negate_grad ? 0x80000000u : 0u;
   const int has_wd = c->has_weight_decay, lerp = c->update == ZD_UPDATE_TORCH2;
-  const int from_grad = c->lerp_from_grad, mkl = c->sqrt_mode == ZD_SQRT_MKL_EX;
+  const int from_grad = c->lerp_from_grad;
   float *pf = out == 1 ? (float *)a->param : NULL;
   uint16_t *pb = out == 2 ? (uint16_t *)a->param : NULL;
   for (uint64_t i = lo; i < hi; i++) {
@@ -104,14 +104,14 @@ static inline __attribute__((always_inline)) void rms_range(const zd__adam_args_
   }
 }
 
-#define RMS_OUT(gd, mom, cen, oop)                   \
-  do {                                               \
-    if (!a->param)                                   \
-      rms_range(a, c, lo, hi, gd, 0, mom, cen, oop); \
-    else if (a->param_dtype == ZD_BF16)              \
-      rms_range(a, c, lo, hi, gd, 2, mom, cen, oop); \
-    else                                             \
-      rms_range(a, c, lo, hi, gd, 1, mom, cen, oop); \
+#define RMS_OUT(gd, mom, cen, oop)                      \
+  do {                                                  \
+    if (!a->param)                                      \
+      rms_range(a, c, lo, hi, gd, 0, mom, cen, oop, 0); \
+    else if (a->param_dtype == ZD_BF16)                 \
+      rms_range(a, c, lo, hi, gd, 2, mom, cen, oop, 0); \
+    else                                                \
+      rms_range(a, c, lo, hi, gd, 1, mom, cen, oop, 0); \
   } while (0)
 #define RMS_GRAD(mom, cen, oop)        \
   do {                                 \
@@ -130,6 +130,14 @@ static inline __attribute__((always_inline)) void rms_range(const zd__adam_args_
       RMS_GRAD(mom, 0, oop); \
   } while (0)
 
+/* ZD_SQRT_MKL_EX, whose sqrt has no vector form here: one loop with the flags at run time,
+ * element by element (same bits). */
+static __attribute__((noinline)) void rms_mkl(const zd__adam_args_t *a, const zd__adam_group_t *c,
+                                              uint64_t lo, uint64_t hi, int mom, int cen, int oop) {
+  int out = !a->param ? 0 : a->param_dtype == ZD_BF16 ? 2 : 1;
+  rms_range(a, c, lo, hi, a->grad_dtype, out, mom, cen, oop, 1);
+}
+
 void RMSPROP_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
   for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {
     const zd__segment_t *seg = &a->segs[s];
@@ -139,6 +147,10 @@ void RMSPROP_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
     const zd__adam_group_t *c = &a->groups[seg->group];
     int mom = c->has_momentum && a->state[ZD__STATE_MOMENTUM_BUFFER];
     int cen = c->centered && a->state[ZD__STATE_GRAD_AVG];
+    if (c->sqrt_mode == ZD_SQRT_MKL_EX) {
+      rms_mkl(a, c, lo, hi, mom, cen, a->src[ZD__STATE_MASTER] != NULL);
+      continue;
+    }
     if (a->src[ZD__STATE_MASTER]) { /* out of place: every array the kernel writes has a src */
       if (mom)
         RMS_CEN(1, 1);

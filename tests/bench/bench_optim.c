@@ -123,8 +123,10 @@ static void row(zd__pool_t *pool, zd__isa_t isa, int which, uint64_t n, int iter
     if (!(w & ZD__STATE_BIT(s))) continue;
     arrays[s] = zd_bench_alloc(bytes, -1);
     for (uint64_t i = 0; i < n; i++) arrays[s][i] = s == ZD__STATE_MASTER ? rnd() : rnd() * rnd();
-    if (s == ZD__STATE_EXP_AVG_SQ || s == ZD__STATE_SUM)
-      for (uint64_t i = 0; i < n; i++) arrays[s][i] = arrays[s][i] * arrays[s][i];
+    if (s == ZD__STATE_EXP_AVG_SQ || s == ZD__STATE_SUM || s == ZD__STATE_SQUARE_AVG)
+      for (uint64_t i = 0; i < n; i++) arrays[s][i] = arrays[s][i] * arrays[s][i] + 1e-4f;
+    if (s == ZD__STATE_GRAD_AVG) /* centered: square_avg - grad_avg^2 stays > 0, as in training */
+      for (uint64_t i = 0; i < n; i++) arrays[s][i] = rnd() * 0.001f;
     a.state[s] = arrays[s];
     if (moved & ZD__STATE_BIT(s)) {
       pass_arrays[s] = zd_bench_alloc(bytes, -1);
