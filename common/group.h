@@ -35,7 +35,8 @@ extern "C" {
  *   valid     the condition zd__group_check requires of v, the field's value
  *   expected  what its error message says is expected ("group 1: lr is -1; expected a finite
  *             value >= 0")
- *   default   zd__group_default()'s value: torch.optim.AdamW's
+ *   default   zd__group_default()'s value: torch.optim.AdamW's (and for the fields only SGD
+ *             reads, torch.optim.SGD's)
  * One row per line, unaligned, so that adding a field adds a line (and a backslash to the one
  * before). */
 /* clang-format off */
@@ -45,11 +46,18 @@ extern "C" {
   X(beta2, DOUBLE, v >= 0 && v < 1, "a value in [0, 1)", 0.999) \
   X(eps, DOUBLE, v > 0, "a finite value > 0", 1e-8) \
   X(weight_decay, DOUBLE, v >= 0, "a finite value >= 0", 1e-2) \
-  X(optimizer, ENUM, v == ZD_ADAMW || v == ZD_ADAM, "ADAMW (0) or ADAM (1)", ZD_ADAMW) \
+  X(optimizer, ENUM, v == ZD_ADAMW || v == ZD_ADAM || v == ZD_SGD || v == ZD_ADAGRAD || v == ZD_RMSPROP, "ADAMW (0), ADAM (1), SGD (2), ADAGRAD (3) or RMSPROP (4)", ZD_ADAMW) \
   X(maximize, BOOL, v == 0 || v == 1, "0 or 1", 0) \
   X(update, ENUM, v == ZD_UPDATE_TORCH113 || v == ZD_UPDATE_TORCH2 || v == ZD_UPDATE_TORCH2_CUDA || v == ZD_UPDATE_TORCH2_CUDA_FOREACH || v == ZD_UPDATE_TORCH2_CUDA_FUSED, "TORCH113 (0), TORCH2 (1), TORCH2_CUDA (2), TORCH2_CUDA_FOREACH (3) or TORCH2_CUDA_FUSED (4)", ZD_UPDATE_TORCH113) \
   X(sqrt_mode, ENUM, v == ZD_SQRT_EXACT || v == ZD_SQRT_MKL_EX, "EXACT (0) or MKL_EX (1)", ZD_SQRT_EXACT) \
-  X(amsgrad, BOOL, v == 0 || v == 1, "0 or 1", 0)
+  X(amsgrad, BOOL, v == 0 || v == 1, "0 or 1", 0) \
+  X(momentum, DOUBLE, v >= 0, "a finite value >= 0", 0) \
+  X(dampening, DOUBLE, 1, "a finite value", 0) \
+  X(nesterov, BOOL, v == 0 || v == 1, "0 or 1", 0) \
+  X(lr_decay, DOUBLE, v >= 0, "a finite value >= 0", 0) \
+  X(initial_accumulator_value, DOUBLE, v >= 0, "a finite value >= 0", 0) \
+  X(alpha, DOUBLE, v >= 0, "a finite value >= 0", 0.99) \
+  X(centered, BOOL, v == 0 || v == 1, "0 or 1", 0)
 /* clang-format on */
 
 /* The smallest zd_group_t a caller may pass (zd_model_desc_t.group_size): lr to weight_decay, the

@@ -29,7 +29,11 @@
   X(MASTER, "master", 0, 1) \
   X(EXP_AVG, "exp_avg", 0, 1) \
   X(EXP_AVG_SQ, "exp_avg_sq", 0, 1) \
-  X(MAX_EXP_AVG_SQ, "max_exp_avg_sq", 1, g->amsgrad)
+  X(MAX_EXP_AVG_SQ, "max_exp_avg_sq", 1, g->amsgrad) \
+  X(MOMENTUM_BUFFER, "momentum_buffer", 1, (g->optimizer == ZD_SGD || g->optimizer == ZD_RMSPROP) && g->momentum != 0) \
+  X(SUM, "sum", 1, g->optimizer == ZD_ADAGRAD) \
+  X(SQUARE_AVG, "square_avg", 1, g->optimizer == ZD_RMSPROP) \
+  X(GRAD_AVG, "grad_avg", 1, g->optimizer == ZD_RMSPROP && g->centered)
 /* clang-format on */
 
 typedef enum zd__state {

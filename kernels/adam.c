@@ -9,11 +9,13 @@
  */
 #include "adam.h"
 
+#include "optim.h"
+
 #include <cpuid.h>
 #include <math.h>
 #include <string.h>
 
-void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step) {
+void zd__adam_consts(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step) {
   /* torch computes these from Python floats (doubles) and hands the result to an fp32 kernel as a
    * scalar, so each is derived in double and rounded to float once. */
   double t = (double)step;
@@ -264,6 +266,15 @@ zd__adam_fn zd__adam_impl(zd__isa_t isa) {
     default:
       return zd__adam_step_ref;
   }
+}
+
+/* The optimizers' table (optim.h): AdamW/Adam write master, the two moments and, with amsgrad,
+ * max_exp_avg_sq. */
+zd__states_t zd__adam_writes(const zd__adam_group_t *c) {
+  zd__states_t w = ZD__STATE_BIT(ZD__STATE_MASTER) | ZD__STATE_BIT(ZD__STATE_EXP_AVG) |
+                   ZD__STATE_BIT(ZD__STATE_EXP_AVG_SQ);
+  if (c->amsgrad) w |= ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ);
+  return w;
 }
 
 zd__stats_fn zd__grad_stats_impl(zd__isa_t isa) {

@@ -151,7 +151,8 @@
 
 #define ZD__STATS_BLOCK 2048
 
-/* fp32 constants of one group for one step (see above). */
+/* fp32 constants of one group for one step (see above), for every optimizer of the table
+ * (kernels/optim.h): zd__adam_group_init fills those of the group's optimizer. */
 typedef struct zd__adam_group {
   int optimizer;        /* ZD_ADAMW or ZD_ADAM */
   int has_weight_decay; /* weight_decay != 0: apply decay (AdamW) or wd (Adam) */
@@ -173,6 +174,25 @@ typedef struct zd__adam_group {
   double beta1_d, one_minus_beta1_d, beta2_d, one_minus_beta2_d;
   double weight_decay_d; /* lr * weight_decay (AdamW) or weight_decay (Adam) */
   double eps_d;
+  /* SGD (kernels/sgd.c; the optimizers' table: kernels/optim.h): weight_decay,
+   * has_weight_decay and negate_grad above, and */
+  float momentum;         /* (float)momentum */
+  float dampening_weight; /* (float)(1 - dampening) */
+  float neg_lr;           /* (float)-lr */
+  uint8_t has_momentum;   /* momentum != 0 */
+  uint8_t nesterov;
+  uint8_t momentum_first; /* step 1: the buffer is this step's d_p (torch's clone) */
+  /* Adagrad (kernels/adagrad.c): weight_decay, has_weight_decay, negate_grad, eps, sqrt_mode
+   * above, and */
+  float neg_clr;     /* (float)-(lr / (1 + (step - 1) * lr_decay)) */
+  float init_sum;    /* (float)initial_accumulator_value */
+  uint8_t sum_first; /* step 1: sum starts at init_sum (torch's full_like) */
+  /* RMSprop (kernels/rmsprop.c): weight_decay, has_weight_decay, negate_grad, eps, sqrt_mode,
+   * momentum, has_momentum, neg_lr, lerp_weight and lerp_from_grad (TORCH2's grad_avg) above,
+   * and */
+  float alpha;           /* (float)alpha */
+  float one_minus_alpha; /* (float)(1 - alpha) */
+  uint8_t centered;
 } zd__adam_group_t;
 
 /* One of the three formulas of torch 2.x's CUDA paths (ZD_UPDATE_TORCH2_CUDA*), which the CPU
@@ -204,8 +224,10 @@ static inline float zd__amsgrad_max_fused(float a, float b) {
   return a < b ? b : a;
 }
 
-/* Computes the constants of `hp` for step number `step` (1 for the first step). */
+/* Computes the constants of `hp` for step number `step` (1 for the first step), for hp's
+ * optimizer (kernels/optim.c: the table's zd__<k>_consts; zd__adam_consts is AdamW/Adam's). */
 void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step);
+void zd__adam_consts(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step);
 
 /* One kernel call: a contiguous range of a shard. All pointers address the start of the range;
  * segment offsets are relative to it. */

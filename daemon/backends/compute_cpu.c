@@ -14,6 +14,7 @@
 
 #include "compute.h"
 #include "grad_norm.h"
+#include "optim.h"
 #include "placement.h"
 #include "pool.h"
 
@@ -385,7 +386,7 @@ int zd__compute_cpu_create(zd__pool_t *pool, int isa, zd__compute_t **out) {
   c->base.ops = &cpu_ops;
   c->base.name = "cpu";
   c->pool = pool;
-  c->adam = zd__adam_impl((zd__isa_t)isa);
+  c->adam = zd__optim_impl((zd__isa_t)isa);
   c->stats = zd__grad_stats_impl((zd__isa_t)isa);
   c->norm = zd__torch_norm2_impl((zd__isa_t)isa);
   *out = &c->base;

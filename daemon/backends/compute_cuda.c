@@ -67,6 +67,7 @@
 #include "cuda_check.h"
 #include "exchange_cuda.h"
 #include "log.h"
+#include "optim.h"
 
 /* The step record is all-gathered as the statistics kernel writes it. */
 _Static_assert(sizeof(zd__step_record_t) == sizeof(zd__cuda_stats_t), "record size");
@@ -701,6 +702,12 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
    * backend (daemon.c), so this is a broken invariant's last guard. */
   if (out || !buf)
     return zd__errf(err, ZD_ECONFIG, "the cuda backend updates in place only (overlap_update)");
+  /* The CUDA kernel is AdamW/Adam's only (kernels/optim.h lists the CPU kernels of the others). */
+  for (uint32_t g = 0; g < s->ngroups; g++)
+    if (consts[g].optimizer != ZD_ADAMW && consts[g].optimizer != ZD_ADAM)
+      return zd__errf(err, ZD_EHPARAM,
+                      "group %u: optimizer %s has no CUDA kernel yet; use the cpu backend", g,
+                      zd__optim_kernel_name(consts[g].optimizer));
   if (b == 0) timing_mark(c, 2); /* the end of the statistics and the decision (or the scatter) */
   if (cm->d_groups && b == 0) {  /* this step's constants, stream-ordered before every bucket */
     int rc = zd__cuda_groups_upload(cm->d_groups, consts, s->ngroups, c->stream, err);

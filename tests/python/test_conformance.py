@@ -1,5 +1,9 @@
 """Conformance: training through zerod with zerod.torch.ZeroOptimizer gives parameters bitwise
-identical to the same training with torch.optim.AdamW(foreach=False) in one process.
+identical to the same training with torch.optim.AdamW(foreach=False) in one process; with
+--optimizer sgd, zerod.torch.ZeroSGD against torch.optim.SGD (its default implementation; the
+second group at half the momentum unless nesterov; --dampening, --nesterov, --maximize); with
+--optimizer adagrad, ZeroAdagrad against torch.optim.Adagrad (the second group without lr_decay); with --optimizer
+rmsprop, ZeroRMSprop against torch.optim.RMSprop (--momentum in the first group, --centered).
 
 For each model (a small MLP, a tiny transformer) and working dtype, `world` trainer processes
 (W=1: this process) each attach to one rank of a real zerod world and train on their own batches
@@ -39,10 +43,13 @@ torch = common.require_torch()
 import models  # noqa: E402  (after the torch check)
 import zerod  # noqa: E402
 import zerod.testing  # noqa: E402
-from zerod.torch import ZeroOptimizer  # noqa: E402
+from zerod.torch import ZeroAdagrad, ZeroOptimizer, ZeroRMSprop, ZeroSGD  # noqa: E402
 
 BUCKET_ELEMS = {"mlp": 2048, "transformer": 4096}  # several buckets: per-bucket scatter is used
 LR = 3e-3
+SGD_LR = 0.2
+ADAGRAD_LR = 0.03
+RMSPROP_LR = 1e-3
 
 
 def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, int]) -> Dict[str, Any]:
@@ -64,9 +71,39 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
         groups = models.param_groups(ref, named=False)
         targets = ref_params
     ams = cfg.get("amsgrad", False)
-    ref_opt = torch.optim.AdamW(groups, lr=LR, foreach=False, amsgrad=ams)
-    opt = ZeroOptimizer(models.param_groups(model, named=True), lr=LR, socket=endpoint[0],
-                        local_rank=endpoint[1], amsgrad=ams)
+    zgroups = models.param_groups(model, named=True)
+    if cfg.get("optimizer", "adamw") == "sgd":
+        # torch's default SGD (no foreach argument: its default implementation on CPU), with
+        # the momentum options; the second group overrides momentum, as a torch group may.
+        kw = dict(momentum=cfg["momentum"], dampening=cfg["dampening"],
+                  nesterov=cfg["nesterov"], maximize=cfg["maximize"])
+        if cfg["momentum"] and not cfg["nesterov"]:
+            groups[1]["momentum"] = zgroups[1]["momentum"] = cfg["momentum"] / 2
+        ref_opt = torch.optim.SGD(groups, lr=SGD_LR, **kw)
+        opt = ZeroSGD(zgroups, lr=SGD_LR, socket=endpoint[0], local_rank=endpoint[1], **kw)
+    elif cfg.get("optimizer") == "adagrad":
+        # torch's default Adagrad; the second group with its own lr_decay (the accumulator starts
+        # at the constructor's value in every group, as torch does).
+        kw = dict(lr_decay=1e-3, initial_accumulator_value=0.1, eps=1e-10,
+                  maximize=cfg["maximize"])
+        groups[1].update(lr_decay=0.0)
+        zgroups[1].update(lr_decay=0.0)
+        ref_opt = torch.optim.Adagrad(groups, lr=ADAGRAD_LR, **kw)
+        opt = ZeroAdagrad(zgroups, lr=ADAGRAD_LR, socket=endpoint[0], local_rank=endpoint[1],
+                          **kw)
+    elif cfg.get("optimizer") == "rmsprop":
+        # torch's default RMSprop; the second group without momentum.
+        kw = dict(alpha=0.9, eps=1e-8, momentum=cfg["momentum"], centered=cfg["centered"],
+                  maximize=cfg["maximize"])
+        groups[1].update(momentum=0.0)
+        zgroups[1].update(momentum=0.0)
+        ref_opt = torch.optim.RMSprop(groups, lr=RMSPROP_LR, **kw)
+        opt = ZeroRMSprop(zgroups, lr=RMSPROP_LR, socket=endpoint[0], local_rank=endpoint[1],
+                          **kw)
+    else:
+        ref_opt = torch.optim.AdamW(groups, lr=LR, foreach=False, amsgrad=ams)
+        opt = ZeroOptimizer(zgroups, lr=LR, socket=endpoint[0], local_rank=endpoint[1],
+                            amsgrad=ams)
     sched_fn = models.lr_lambda(steps) if cfg.get("schedule", True) else (lambda s: 1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, sched_fn)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, sched_fn)
@@ -197,7 +234,10 @@ def run_config(cfg: Dict[str, Any], world: int, daemons: int, spawn: bool) -> bo
     print(common.loss_table(res0["rows"], ("step", "loss zerod", "loss torch", "lr"),
                             every=max(1, cfg["steps"] // 8)))
     first, last = res0["rows"][0][1], res0["rows"][-1][1]
-    if not last < first * 0.7:
+    # SGD, Adagrad and RMSprop learn the MLP's task slowly (a few percent in 200 steps): that
+    # they learn is enough there.
+    need = 0.99 if cfg.get("optimizer") in ("sgd", "adagrad", "rmsprop") else 0.7
+    if not cfg.get("maximize") and not last < first * need:
         print(f"FAIL: the loss did not fall enough: {first:.4f} -> {last:.4f}")
         return False
     expected_scatters = res0["nbuckets"] * cfg["steps"]
@@ -217,7 +257,9 @@ def run_config(cfg: Dict[str, Any], world: int, daemons: int, spawn: bool) -> bo
                   f"{committed} of {expected_scatters}")
             return False
     every = "step" if cfg["check_every"] == 1 else f"{cfg['check_every']} steps"
-    print(f"ok: every parameter bitwise equal to torch.optim.AdamW after every {every} "
+    ref_name = {"sgd": "SGD", "adagrad": "Adagrad",
+                "rmsprop": "RMSprop"}.get(cfg.get("optimizer"), "AdamW")
+    print(f"ok: every parameter bitwise equal to torch.optim.{ref_name} after every {every} "
           f"on {len(results)} rank(s); {res0['nbuckets']} buckets scattered from hooks; "
           f"trainer {res0['t_zerod']:.2f} s through zerod, {res0['t_ref']:.2f} s reference; "
           f"{time.monotonic() - t0:.1f} s in all", flush=True)
@@ -234,6 +276,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--check-every", type=int, default=1)
     ap.add_argument("--amsgrad", action="store_true", help="AdamW(amsgrad=True) on both sides")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "adagrad", "rmsprop"],
+                    help="sgd: zerod.torch.ZeroSGD against torch.optim.SGD; adagrad: "
+                         "ZeroAdagrad against torch.optim.Adagrad")
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
+    ap.add_argument("--dampening", type=float, default=0.0, help="SGD's dampening")
+    ap.add_argument("--nesterov", action="store_true", help="SGD's nesterov=True")
+    ap.add_argument("--centered", action="store_true", help="RMSprop's centered=True")
+    ap.add_argument("--maximize", action="store_true",
+                    help="SGD's maximize=True (both sides; the loss check is skipped)")
     ap.add_argument("--overlap", action="store_true",
                     help="zerod with overlap_update = 1 (buckets updated as scattered)")
     ap.add_argument("--no-schedule", action="store_true",
@@ -248,7 +299,9 @@ def main() -> None:
     for kind in kinds:
         for dtype in dtypes:
             cfg = {"model": kind, "dtype": dtype, "steps": a.steps, "check_every": a.check_every,
-                   "amsgrad": a.amsgrad, "overlap": a.overlap, "schedule": not a.no_schedule}
+                   "amsgrad": a.amsgrad, "overlap": a.overlap, "schedule": not a.no_schedule,
+                   "optimizer": a.optimizer, "momentum": a.momentum, "dampening": a.dampening,
+                   "nesterov": a.nesterov, "maximize": a.maximize, "centered": a.centered}
             ok = run_config(cfg, a.world, daemons, a.spawn or a.world > 1) and ok
     sys.exit(0 if ok else 1)
 

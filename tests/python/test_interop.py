@@ -32,11 +32,14 @@ import torch.nn.functional as F  # noqa: E402
 
 import zerod.testing  # noqa: E402
 from zerod import checkpoint as zc  # noqa: E402
-from zerod.torch import ZeroOptimizer  # noqa: E402
+from zerod.torch import ZeroAdagrad, ZeroOptimizer, ZeroRMSprop, ZeroSGD  # noqa: E402
 
 K, M, N = 4, 5, 4
 HP = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-7}
 GROUP_HP = [{"weight_decay": 0.1}, {"weight_decay": 0.0, "lr": 1e-2}]
+# The torch optimizer and its zerod counterpart (InteropSGDTest swaps them).
+TORCH_CLS: Any = torch.optim.AdamW
+ZERO_CLS: Any = ZeroOptimizer
 
 
 def make_model(seed: int) -> nn.Module:
@@ -80,7 +83,7 @@ def reference() -> Dict[str, Any]:
     optimizer's state_dict after steps K and K+M (computed once)."""
     if not _REF:
         model = make_model(1)
-        opt = torch.optim.AdamW(torch_groups(model), **HP)
+        opt = TORCH_CLS(torch_groups(model), **HP)
         _REF["params"] = {0: snapshot(model)}
         for s in range(1, K + M + N + 1):
             train_step(model, opt, s)
@@ -122,12 +125,14 @@ class InteropTest(unittest.TestCase):
     def torch_part(self) -> str:
         """K torch steps, saved and imported: the checkpoint directory."""
         model = make_model(1)
-        opt = torch.optim.AdamW(torch_groups(model), **HP)
+        opt = TORCH_CLS(torch_groups(model), **HP)
         for s in range(1, K + 1):
             train_step(model, opt, s)
         self.assert_params(snapshot(model), K, "plain torch")
         path = os.path.join(self.dir, "from-torch.safetensors")
-        zc.save_torch_state(opt, model.named_parameters(), path)
+        # torch.optim.SGD counts no steps: the caller says which (save_torch_state).
+        kw = {"step": K} if TORCH_CLS is torch.optim.SGD else {}
+        zc.save_torch_state(opt, model.named_parameters(), path, **kw)
         ckpt = zc.import_checkpoint(path, os.path.join(self.dir, "imported"))
         self.assertEqual(ckpt, os.path.join(self.dir, "imported", f"step-{K:012d}"))
         return ckpt
@@ -143,7 +148,7 @@ class InteropTest(unittest.TestCase):
                                            "--checkpoint-dir", out_root])
         try:
             model = make_model(2)  # other weights: the checkpoint's must replace them
-            opt = ZeroOptimizer(named_groups(model), socket=daemon.socket, **HP)
+            opt = ZERO_CLS(named_groups(model), socket=daemon.socket, **HP)
             try:
                 self.assertTrue(opt.resumed)
                 self.assertEqual(opt.step_count, K)
@@ -162,10 +167,10 @@ class InteropTest(unittest.TestCase):
         model = make_model(3)
         state = zc.torch_state_dict(out_ckpt, model.named_parameters())
         self.assertEqual(state.step, K + M)
-        self.assertIs(state.optimizer_class, torch.optim.AdamW)
+        self.assertIs(state.optimizer_class, TORCH_CLS)
         state.load_params(model.named_parameters())
         self.assert_params(snapshot(model), K + M, "loaded back into torch")
-        opt = torch.optim.AdamW(torch_groups(model), lr=0.5)  # load_state_dict sets the groups
+        opt = TORCH_CLS(torch_groups(model), lr=0.5)  # load_state_dict sets the groups
         # torch 2.x's load_state_dict keeps the step tensors it is given and counts on them in
         # place; the comparison below needs this state as it was.
         opt.load_state_dict(copy.deepcopy(state.state_dict))
@@ -244,9 +249,9 @@ class InteropTest(unittest.TestCase):
         opt.step()
         with self.assertRaisesRegex(ValueError, "different steps"):
             zc.save_torch_state(opt, model.named_parameters(), path)
-        # Other optimizers are not AdamW.
-        with self.assertRaisesRegex(TypeError, "SGD"):
-            zc.save_torch_state(torch.optim.SGD(model.parameters(), lr=0.1),
+        # Optimizers zerod does not have.
+        with self.assertRaisesRegex(TypeError, "Adamax"):
+            zc.save_torch_state(torch.optim.Adamax(model.parameters(), lr=0.1),
                                 model.named_parameters(), path)
         # An unnamed parameter.
         with self.assertRaisesRegex(ValueError, "not among named_params"):
@@ -292,5 +297,105 @@ class InteropAmsgradTest(InteropTest):
         self.assertTrue(all("max_exp_avg_sq" in st for st in back.values()))
 
 
+class InteropSGDTest(InteropTest):
+    """InteropTest's moves with torch.optim.SGD and zerod.torch.ZeroSGD: momentum with
+    dampening in one group, none in the other (its lr overrides), weight decay in the first; the
+    momentum_buffer goes into zerod, is resharded, and comes back out under torch's key (and the
+    group without momentum as this torch keeps it)."""
+
+    _ref_sgd: Dict[str, Any] = {}
+
+    def setUp(self) -> None:
+        super().setUp()
+        saved = (HP, _REF, GROUP_HP, TORCH_CLS, ZERO_CLS)
+        globals().update(HP={"lr": 0.05, "momentum": 0.9, "dampening": 0.1}, _REF=self._ref_sgd,
+                         GROUP_HP=[{"weight_decay": 0.1},
+                                   {"weight_decay": 0.0, "lr": 0.1, "momentum": 0.0}],
+                         TORCH_CLS=torch.optim.SGD, ZERO_CLS=ZeroSGD)
+        self.addCleanup(globals().update, HP=saved[0], _REF=saved[1], GROUP_HP=saved[2],
+                        TORCH_CLS=saved[3], ZERO_CLS=saved[4])
+
+    def test_refusals(self) -> None:
+        """SGD's own: a fresh SGD (no buffers) is step 0; with buffers, at least 1."""
+        path = os.path.join(self.dir, "x.safetensors")
+        model = make_model(1)
+        opt = torch.optim.SGD(torch_groups(model), **HP)
+        zc.save_torch_state(opt, model.named_parameters(), path)
+        exp = zc.load_export(path)
+        self.assertEqual((exp.step, exp.groups[0]["optimizer"]), (0, 2))
+        self.assertEqual(sorted(exp.momentum_buffer), sorted(exp.names))
+        train_step(model, opt, 1)
+        zc.save_torch_state(opt, model.named_parameters(), path)
+        self.assertEqual(zc.load_export(path).step, 1)
+
+    def test_momentum_buffer_is_carried(self) -> None:
+        state = reference()[f"state{K}"]["state"]
+        self.assertTrue(any(st.get("momentum_buffer") is not None for st in state.values()))
+        back = zc.torch_state_dict(self.torch_part()).state_dict["state"]
+        self.assertTrue(any("momentum_buffer" in st for st in back.values()))
+
+
+class InteropAdagradTest(InteropTest):
+    """InteropTest's moves with torch.optim.Adagrad and zerod.torch.ZeroAdagrad (lr_decay in
+    one group, an accumulator start, weight decay in the first): `sum` and `step` go into zerod,
+    are resharded, and come back out under torch's keys."""
+
+    _ref_adagrad: Dict[str, Any] = {}
+
+    def setUp(self) -> None:
+        super().setUp()
+        saved = (HP, _REF, GROUP_HP, TORCH_CLS, ZERO_CLS)
+        globals().update(HP={"lr": 0.05, "initial_accumulator_value": 0.1, "eps": 1e-10},
+                         _REF=self._ref_adagrad,
+                         GROUP_HP=[{"weight_decay": 0.1, "lr_decay": 0.01},
+                                   {"weight_decay": 0.0, "lr": 0.1}],
+                         TORCH_CLS=torch.optim.Adagrad, ZERO_CLS=ZeroAdagrad)
+        self.addCleanup(globals().update, HP=saved[0], _REF=saved[1], GROUP_HP=saved[2],
+                        TORCH_CLS=saved[3], ZERO_CLS=saved[4])
+
+    def test_refusals(self) -> None:
+        """Adagrad's own: the file holds `sum` for every parameter at torch's step."""
+        path = os.path.join(self.dir, "x.safetensors")
+        model = make_model(1)
+        opt = torch.optim.Adagrad(torch_groups(model), **HP)
+        train_step(model, opt, 1)
+        zc.save_torch_state(opt, model.named_parameters(), path)
+        exp = zc.load_export(path)
+        self.assertEqual((exp.step, exp.groups[0]["optimizer"]), (1, 3))
+        self.assertEqual(sorted(exp.sum), sorted(exp.names))
+
+
+class InteropRMSpropTest(InteropTest):
+    """InteropTest's moves with torch.optim.RMSprop and zerod.torch.ZeroRMSprop (centered with
+    momentum in one group, plain in the other): square_avg, grad_avg, momentum_buffer and step go
+    into zerod, are resharded, and come back out under torch's keys."""
+
+    _ref_rms: Dict[str, Any] = {}
+
+    def setUp(self) -> None:
+        super().setUp()
+        saved = (HP, _REF, GROUP_HP, TORCH_CLS, ZERO_CLS)
+        globals().update(HP={"lr": 1e-3, "alpha": 0.9, "eps": 1e-8}, _REF=self._ref_rms,
+                         GROUP_HP=[{"weight_decay": 0.1, "momentum": 0.9, "centered": True},
+                                   {"weight_decay": 0.0, "lr": 2e-3}],
+                         TORCH_CLS=torch.optim.RMSprop, ZERO_CLS=ZeroRMSprop)
+        self.addCleanup(globals().update, HP=saved[0], _REF=saved[1], GROUP_HP=saved[2],
+                        TORCH_CLS=saved[3], ZERO_CLS=saved[4])
+
+    def test_refusals(self) -> None:
+        """RMSprop's own: the file holds square_avg, grad_avg and momentum_buffer for every
+        parameter at torch's step."""
+        path = os.path.join(self.dir, "x.safetensors")
+        model = make_model(1)
+        opt = torch.optim.RMSprop(torch_groups(model), **HP)
+        train_step(model, opt, 1)
+        zc.save_torch_state(opt, model.named_parameters(), path)
+        exp = zc.load_export(path)
+        self.assertEqual((exp.step, exp.groups[0]["optimizer"]), (1, 4))
+        for d in (exp.square_avg, exp.grad_avg, exp.momentum_buffer):
+            self.assertEqual(sorted(d), sorted(exp.names))
+
+
 if __name__ == "__main__":
-    common.run(InteropTest, InteropAmsgradTest)
+    common.run(InteropTest, InteropAmsgradTest, InteropSGDTest, InteropAdagradTest,
+               InteropRMSpropTest)

@@ -983,7 +983,7 @@ static void mut_step(json_t *h) {
 static void mut_group_field(json_t *h) { /* a hyperparameter this build does not know */
   json_t *meta = json_object_get(h, "__metadata__");
   json_t *gs = json_loads(json_string_value(json_object_get(meta, "groups")), 0, NULL);
-  json_object_set_new(json_array_get(gs, 1), "nesterov", json_true());
+  json_object_set_new(json_array_get(gs, 1), "no_such_field", json_true());
   char *text = json_dumps(gs, JSON_COMPACT);
   set_meta(h, "groups", text);
   free(text);
@@ -1073,7 +1073,7 @@ static void test_import(void) {
       {mut_offsets, -EBADMSG, "\"embed.weight\": data_offsets"},
       {mut_version, ZD_EVERSION, "zerod_version \"2\""},
       {mut_step, -EBADMSG, "\"step\" is \"-1\""},
-      {mut_group_field, -EBADMSG, "nesterov"},
+      {mut_group_field, -EBADMSG, "no_such_field"},
       {mut_param_group, -EBADMSG, "\"param_groups\"[8] ('head.bias')"},
       {mut_no_meta, -EBADMSG, "no __metadata__"},
       {mut_names, -EBADMSG, "\"params\" names 1 parameters"},

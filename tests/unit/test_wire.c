@@ -148,7 +148,9 @@ static void test_group_check(void) {
   expect_refused(g, "group 3: weight_decay is inf; expected a finite value >= 0");
   g = zd__group_default();
   g.optimizer = (zd_optimizer_t)7;
-  expect_refused(g, "group 3: optimizer 7 unknown; expected ADAMW (0) or ADAM (1)");
+  expect_refused(g,
+                 "group 3: optimizer 7 unknown; expected ADAMW (0), ADAM (1), SGD (2), ADAGRAD (3) "
+                 "or RMSPROP (4)");
   g = zd__group_default();
   g.maximize = 2;
   expect_refused(g, "group 3: maximize is 2; expected 0 or 1");

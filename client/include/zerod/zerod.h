@@ -77,9 +77,19 @@ extern "C" {
 /* Element types. Values match proto/zerod.proto. */
 typedef enum zd_dtype { ZD_F32 = 1, ZD_BF16 = 2, ZD_F16 = 3 } zd_dtype_t;
 
-/* Update rule of a parameter group: AdamW (decoupled weight decay, as torch.optim.AdamW) or Adam
- * (L2 penalty added to the gradient, as torch.optim.Adam). */
-typedef enum zd_optimizer { ZD_ADAMW = 0, ZD_ADAM = 1 } zd_optimizer_t;
+/* Update rule of a parameter group: AdamW (decoupled weight decay, as torch.optim.AdamW), Adam
+ * (L2 penalty added to the gradient, as torch.optim.Adam) or SGD (torch.optim.SGD: lr,
+ * weight_decay, maximize and the group's momentum, dampening and nesterov) or Adagrad
+ * (torch.optim.Adagrad: lr, eps, weight_decay, maximize, lr_decay, initial_accumulator_value) or
+ * RMSprop (torch.optim.RMSprop: lr, eps, weight_decay, maximize, momentum, alpha, centered).
+ * zerod's table of optimizers (kernels/optim.h) lists what each reads and keeps. */
+typedef enum zd_optimizer {
+  ZD_ADAMW = 0,
+  ZD_ADAM = 1,
+  ZD_SGD = 2,
+  ZD_ADAGRAD = 3,
+  ZD_RMSPROP = 4
+} zd_optimizer_t;
 
 /* Which torch release's formula a group's update follows, bit for bit (kernels/adam.h):
  * ZD_UPDATE_TORCH113, torch 1.13's (first moment m = m * beta1 + (1 - beta1) * g, one fma), the
@@ -130,11 +140,28 @@ typedef struct zd_group {
   zd_update_t update;
   zd_sqrt_mode_t sqrt_mode;
   int amsgrad; /* 0 or 1 */
+  /* ZD_SGD's (torch.optim.SGD's arguments; default 0, ignored by the other optimizers):
+   * momentum >= 0 (0: no momentum buffer), dampening (finite), nesterov 0 or 1 (needs
+   * momentum > 0 and dampening 0, as torch). The first double sits at offset 64, past the
+   * trailing padding of the structure that ended with amsgrad (docs/abi.md). */
+  double momentum;
+  double dampening;
+  int nesterov;
+  /* ZD_ADAGRAD's (torch.optim.Adagrad's; default 0): lr_decay >= 0, initial_accumulator_value
+   * >= 0 (its state `sum` starts there). */
+  double lr_decay;
+  double initial_accumulator_value;
+  /* ZD_RMSPROP's (torch.optim.RMSprop's; it reads momentum too): alpha >= 0 (default 0.99),
+   * centered 0 or 1 (default 0). */
+  double alpha;
+  int centered;
 } zd_group_t;
 
 /* Sets ngroups groups of group_size bytes each (sizeof(zd_group_t) of the caller's zerod.h) to the
  * defaults, torch.optim.AdamW's: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2,
- * maximize 0; optimizer ZD_ADAMW; update ZD_UPDATE_TORCH113; sqrt_mode ZD_SQRT_EXACT; amsgrad 0.
+ * maximize 0; optimizer ZD_ADAMW; update ZD_UPDATE_TORCH113; sqrt_mode ZD_SQRT_EXACT; amsgrad 0;
+ * momentum 0, dampening 0, nesterov 0, lr_decay 0, initial_accumulator_value 0, alpha 0.99,
+ * centered 0.
  * Writes the fields within group_size and nothing else. Thread-safe.
  * Errors: -EINVAL (groups NULL with ngroups > 0, or a group_size this library does not take). */
 ZD_EXPORT int zd_group_init(zd_group_t *groups, size_t ngroups, size_t group_size);

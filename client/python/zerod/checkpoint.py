@@ -18,7 +18,9 @@ In::
 Both directions go through one file format, safetensors by its definition (an 8-byte
 little-endian header length, a JSON header, raw little-endian data): an F32 tensor per parameter
 name holding its master weights, "<name>.exp_avg" and "<name>.exp_avg_sq" with the moments
-(and "<name>.max_exp_avg_sq" for every parameter of a model with amsgrad), and metadata strings: zerod_format ("zerod-export" from ``zeroctl export``, "zerod-torch-state" from
+(and "<name>.max_exp_avg_sq" for every parameter of a model with amsgrad, "<name>.momentum_buffer"
+for every parameter of an SGD model with momentum: zerod's state arrays by torch's names,
+common/state.h), and metadata strings: zerod_format ("zerod-export" from ``zeroctl export``, "zerod-torch-state" from
 save_torch_state), zerod_version "1", step, the groups (JSON, zerod's fields by their C names),
 each parameter's group and, in save_torch_state's files, the parameter names in registration
 order. Any safetensors reader opens these files; this module reads and writes them with the
@@ -34,11 +36,15 @@ checkpoint came out wrong. The cost is a temporary file of 12 bytes per paramete
 
 What carries over: the step (torch's per-parameter ``step``, stored as the running torch stores
 it: a float tensor in 1.12 and later), the moments, the master weights and the groups' lr,
-betas, eps, weight_decay, maximize and amsgrad (with max_exp_avg_sq). Bitwise continuation
+betas, eps, weight_decay, maximize and amsgrad (with max_exp_avg_sq); for torch.optim.SGD the
+momentum buffers and the groups' momentum, dampening and nesterov (torch's SGD counts no steps:
+save_torch_state takes the step). Bitwise continuation
 needs the same update formula on both sides: zerod's default is torch 1.13's. zerod keeps one
 step count for the whole model, so a torch optimizer whose parameters are at different steps
 (one that got no gradient for a while) is refused, as are optimizers other than
-torch.optim.AdamW and torch.optim.Adam (zerod's "adam": L2 weight decay).
+torch.optim.AdamW, torch.optim.Adam (zerod's "adam": L2 weight decay), torch.optim.SGD and
+torch.optim.Adagrad (its `sum`; an Adagrad checkpoint at step 0 comes out without state, where
+torch's own holds sum = initial_accumulator_value from construction).
 """
 
 from __future__ import annotations
@@ -61,6 +67,13 @@ EXPORT_FORMAT = "zerod-export"
 TORCH_STATE_FORMAT = "zerod-torch-state"
 _SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")
 _MAX_SUFFIX = ".max_exp_avg_sq"  # amsgrad's fourth tensor, for every parameter or none
+_BUF_SUFFIX = ".momentum_buffer"  # SGD's with momentum, for every parameter or none
+_SUM_SUFFIX = ".sum"  # Adagrad's, for every parameter or none
+_SQ_SUFFIX = ".square_avg"  # RMSprop's, for every parameter or none
+_GA_SUFFIX = ".grad_avg"  # RMSprop's with centered, for every parameter or none
+# zerod's optional state arrays (common/state.h), by torch's names: each is in a file for every
+# parameter or for none.
+_OPTIONAL = (_MAX_SUFFIX, _BUF_SUFFIX, _SUM_SUFFIX, _SQ_SUFFIX, _GA_SUFFIX)
 _MAX_HEADER = 1 << 31
 
 NamedParams = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
@@ -88,6 +101,10 @@ class Export:
     exp_avg: Dict[str, Any] = field(default_factory=dict)
     exp_avg_sq: Dict[str, Any] = field(default_factory=dict)
     max_exp_avg_sq: Dict[str, Any] = field(default_factory=dict)  # amsgrad's; empty without
+    momentum_buffer: Dict[str, Any] = field(default_factory=dict)  # SGD's; empty without
+    sum: Dict[str, Any] = field(default_factory=dict)  # Adagrad's; empty without
+    square_avg: Dict[str, Any] = field(default_factory=dict)  # RMSprop's; empty without
+    grad_avg: Dict[str, Any] = field(default_factory=dict)  # RMSprop's centered; empty without
     metadata: Dict[str, str] = field(default_factory=dict)
 
     @property
@@ -106,8 +123,9 @@ class TorchState(NamedTuple):
     each group's in zerod's registration order: build the torch optimizer with the groups the
     ZeroOptimizer had, in the same order.
     master: each parameter's fp32 master weights by name (load_params copies them into a model).
-    step: the Adam steps applied. optimizer_class: torch.optim.AdamW, or torch.optim.Adam for
-    zerod's "adam" groups.
+    step: the steps applied. optimizer_class: torch.optim.AdamW, torch.optim.Adam for zerod's
+    "adam" groups, torch.optim.SGD for its "sgd" groups (state: momentum_buffer for the
+    parameters of groups with momentum; for the others what this torch's SGD keeps).
     """
 
     state_dict: Dict[str, Any]
@@ -226,10 +244,13 @@ def load_export(path: str, *, framework: str = "np") -> Export:
         param_groups = _json_meta(path, meta, "param_groups")
         groups = _json_meta(path, meta, "groups")
         nparams = len(param_groups)
-        moments = len(entries) in (3 * nparams, 4 * nparams)
+        entry_names = {e[2] for e in entries}
+        optional = [sfx for sfx in _OPTIONAL if any(n.endswith(sfx) for n in entry_names)]
+        moments = len(entries) == (3 + len(optional)) * nparams
         if not moments and len(entries) != nparams:
             raise ValueError(f"{path}: {len(entries)} tensors for {nparams} parameters; expected "
-                             f"1, 3 or 4 (amsgrad) per parameter")
+                             f"1 or 3 per parameter, and one more for each of "
+                             f"{', '.join(sfx[1:] for sfx in _OPTIONAL)} the file has")
         if "params" in meta:
             names = _json_meta(path, meta, "params")
         else:  # an export: its master tensors come first in the data, in registration order
@@ -261,11 +282,20 @@ def load_export(path: str, *, framework: str = "np") -> Export:
         if moments:
             out.exp_avg = {name: read(name + ".exp_avg") for name in names}
             out.exp_avg_sq = {name: read(name + ".exp_avg_sq") for name in names}
-            if len(entries) == 4 * nparams:
+            if _MAX_SUFFIX in optional:
                 out.max_exp_avg_sq = {name: read(name + _MAX_SUFFIX) for name in names}
+            if _BUF_SUFFIX in optional:
+                out.momentum_buffer = {name: read(name + _BUF_SUFFIX) for name in names}
+            for sfx in (_SUM_SUFFIX, _SQ_SUFFIX, _GA_SUFFIX):
+                if sfx in optional:
+                    setattr(out, sfx[1:], {name: read(name + sfx) for name in names})
             for name in names:
                 moments_of = [out.exp_avg[name], out.exp_avg_sq[name]]
                 moments_of += [out.max_exp_avg_sq[name]] if out.max_exp_avg_sq else []
+                moments_of += [out.momentum_buffer[name]] if out.momentum_buffer else []
+                moments_of += [out.sum[name]] if out.sum else []
+                moments_of += [out.square_avg[name]] if out.square_avg else []
+                moments_of += [out.grad_avg[name]] if out.grad_avg else []
                 if any(tuple(m.shape) != tuple(out.master[name].shape) for m in moments_of):
                     raise ValueError(f"{path}: the moments of {name!r} are not of its shape")
     return out
@@ -303,6 +333,19 @@ def _torch_step(cls: type, step: int) -> Any:
     if isinstance(sample, torch.Tensor):
         return torch.full_like(sample, float(step))
     return type(sample)(step)
+
+
+def _sgd_state_without_momentum() -> Dict[str, Any]:
+    """What this torch's SGD keeps for a parameter of a group without momentum after a step
+    (1.13: {"momentum_buffer": None}; 2.x: nothing), from a throwaway step, not a version
+    table."""
+    import torch
+
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.zeros(1)
+    opt.step()
+    return dict(opt.state.get(p, {}))
 
 
 def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
@@ -348,8 +391,10 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
     if len(kinds) != 1:
         raise ValueError(f"{source}: groups of both {sorted(kinds)}: one torch optimizer "
                          f"cannot hold them")
-    cls = torch.optim.Adam if kinds.pop() == "adam" else torch.optim.AdamW
-    defaults = cls([torch.zeros(1, requires_grad=True)]).defaults
+    kind = kinds.pop()
+    cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
+           "rmsprop": torch.optim.RMSprop}.get(kind, torch.optim.AdamW)
+    defaults = cls([torch.zeros(1, requires_grad=True)], lr=1e-3).defaults  # 1.13 SGD needs lr
     zdefaults = Group().to_dict()
     param_groups = []
     for gi, g in enumerate(zgroups):
@@ -373,7 +418,32 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
                 pg["params"].append(len(order))
                 order.append(name)
     state: Dict[int, Dict[str, Any]] = {}
-    if exp.step > 0:  # torch has no state before the first step
+    if exp.step > 0 and kind == "sgd":  # torch.optim.SGD: the buffer of momentum's groups only
+        no_momentum = _sgd_state_without_momentum()
+        for gi, pg in enumerate(param_groups):
+            for i in pg["params"]:
+                name = order[i]
+                if pg["momentum"] != 0 and exp.momentum_buffer:
+                    state[i] = {"momentum_buffer": exp.momentum_buffer[name]}
+                elif no_momentum:
+                    state[i] = dict(no_momentum)
+    elif exp.step > 0 and kind == "adagrad":  # torch.optim.Adagrad: step and sum
+        step = _torch_step(cls, exp.step)
+        for i, name in enumerate(order):
+            state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                        "sum": exp.sum[name]}
+    elif exp.step > 0 and kind == "rmsprop":  # step, square_avg, momentum_buffer, grad_avg
+        step = _torch_step(cls, exp.step)
+        for gi, pg in enumerate(param_groups):
+            for i in pg["params"]:
+                name = order[i]
+                state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                            "square_avg": exp.square_avg[name]}
+                if pg["momentum"] > 0:
+                    state[i]["momentum_buffer"] = exp.momentum_buffer[name]
+                if pg["centered"]:
+                    state[i]["grad_avg"] = exp.grad_avg[name]
+    elif exp.step > 0:  # torch has no state before the first step
         step = _torch_step(cls, exp.step)
         for i, name in enumerate(order):
             state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
@@ -411,7 +481,8 @@ def _tensor_bytes(t: Any) -> bytes:
     return ctypes.string_at(t.data_ptr(), n) if n else b""
 
 
-def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: str) -> None:
+def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: str, *,
+                     step: Optional[int] = None) -> None:
     """Writes a torch optimizer's state, with its parameters as the master weights, to `path`
     for ``zeroctl import`` (module docstring: the format).
 
@@ -427,6 +498,12 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     parameter whose state lacks it, as torch starts it), so that zerod's model, which keeps the
     array for all parameters, resumes from it.
 
+    torch.optim.SGD keeps no step count: its state is written at `step` (default: 1 when some
+    parameter has a momentum buffer, else 0), which only has to be above 0 where buffers exist
+    (zerod creates the buffer from the gradient at its step 1, as torch does when it has none);
+    zeros stand for a missing buffer in a group with momentum. exp_avg and exp_avg_sq, which
+    every zerod model holds, are written as zeros for it.
+
     Raises TypeError for another optimizer, ValueError for an unnamed parameter,
     parameters at different steps (zerod has one step count per model) or a hyperparameter
     zerod does not take.
@@ -439,10 +516,17 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         kind = "adamw"
     elif isinstance(optimizer, torch.optim.Adam):
         kind = "adam"
+    elif isinstance(optimizer, torch.optim.SGD):
+        kind = "sgd"
+    elif isinstance(optimizer, torch.optim.Adagrad):
+        kind = "adagrad"
+    elif isinstance(optimizer, torch.optim.RMSprop):
+        kind = "rmsprop"
     else:
         raise TypeError(f"{type(optimizer).__name__}: zerod imports the state of "
-                        f"torch.optim.AdamW and torch.optim.Adam (a ZeroOptimizer's state is "
-                        f"in zerod already: use its checkpoint())")
+                        f"torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad and "
+                        f"torch.optim.RMSprop (a "
+                        f"ZeroOptimizer's state is in zerod already: use its checkpoint())")
     _check_host()
     names_by_id = None
     if named_params is not None:
@@ -450,9 +534,13 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     names: List[str] = []
     pgroups: List[int] = []
     groups: List[Dict[str, Any]] = []
-    tensors: List[List[Any]] = [[], [], [], []]
+    tensors: List[List[Any]] = [[] for _ in range(8)]  # master, then each state array
     steps = {}
     amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
+    momentum = (kind in ("sgd", "rmsprop")
+                and any(g.get("momentum") for g in optimizer.param_groups))
+    centered = kind == "rmsprop" and any(g.get("centered") for g in optimizer.param_groups)
+    has_buffer = False
     index = 0
     for gi, g in enumerate(optimizer.param_groups):
         hp = {k: v for k, v in g.items() if k != "params"}
@@ -471,7 +559,25 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
                 raise ValueError(f"param group {gi}: parameter {i} (shape {tuple(p.shape)}) is "
                                  f"not among named_params")
             st = optimizer.state.get(p, {})
-            if st:
+            zeros = torch.zeros_like(p, dtype=torch.float32)
+            if kind == "sgd":
+                buf = st.get("momentum_buffer")
+                has_buffer = has_buffer or buf is not None
+                moments = [zeros, zeros] + ([zeros if buf is None else buf] if momentum else [])
+            elif kind == "rmsprop":
+                s = st.get("step", 0)
+                steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
+                moments = [zeros, zeros]
+                if momentum:
+                    moments.append(st.get("momentum_buffer", zeros))
+                moments.append(st.get("square_avg", zeros))
+                if centered:
+                    moments.append(st.get("grad_avg", zeros))
+            elif kind == "adagrad":
+                s = st.get("step", 0)
+                steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
+                moments = [zeros, zeros, st["sum"] if "sum" in st else zeros]
+            elif st:
                 s = st["step"]
                 steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
                 moments = [st["exp_avg"], st["exp_avg_sq"]]
@@ -491,6 +597,8 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         raise ValueError("the optimizer holds no parameter that requires grad")
     if len(set(names)) != len(names):
         raise ValueError("two parameters have the same name")
+    if kind == "sgd":
+        steps = {name: (1 if has_buffer else 0) if step is None else int(step) for name in names}
     if len(set(steps.values())) > 1:
         lo = min(steps, key=steps.get)
         hi = max(steps, key=steps.get)
@@ -506,7 +614,10 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         "groups": json.dumps(groups), "optimizer": type(optimizer).__name__,
         "torch_version": str(torch.__version__)}}
     off = 0
-    suffixes = _SUFFIXES + ((_MAX_SUFFIX,) if amsgrad else ())
+    suffixes = (_SUFFIXES + ((_MAX_SUFFIX,) if amsgrad else ()) + ((_BUF_SUFFIX,) if momentum else ())
+                + ((_SUM_SUFFIX,) if kind == "adagrad" else ())
+                + ((_SQ_SUFFIX,) if kind == "rmsprop" else ())
+                + ((_GA_SUFFIX,) if centered else ()))
     for t, suffix in enumerate(suffixes):
         for name, v in zip(names, tensors[t]):
             nbytes = 4 * v.numel()

@@ -145,7 +145,8 @@ def dtype_of(value: Any) -> int:
 # for beta1 and beta2) and the names of enum values. Every other field is passed by its C name, as
 # a float or, for a boolean field, a bool.
 _PAIRS = {"betas": ("beta1", "beta2")}
-_ENUMS = {"optimizer": {"adamw": _lib.ZD_ADAMW, "adam": _lib.ZD_ADAM},
+_ENUMS = {"optimizer": {"adamw": _lib.ZD_ADAMW, "adam": _lib.ZD_ADAM, "sgd": _lib.ZD_SGD,
+                        "adagrad": _lib.ZD_ADAGRAD, "rmsprop": _lib.ZD_RMSPROP},
           "update": {"torch113": _lib.ZD_UPDATE_TORCH113, "torch2": _lib.ZD_UPDATE_TORCH2,
                      "torch2_cuda": _lib.ZD_UPDATE_TORCH2_CUDA,
                      "torch2_cuda_foreach": _lib.ZD_UPDATE_TORCH2_CUDA_FOREACH,

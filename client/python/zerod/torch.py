@@ -139,7 +139,7 @@ from . import _lib
 from . import offload as _offload
 from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult, ZerodError
 
-__all__ = ["PickledZeroOptimizer", "ZeroOptimizer"]
+__all__ = ["PickledZeroOptimizer", "ZeroAdagrad", "ZeroOptimizer", "ZeroRMSprop", "ZeroSGD"]
 
 # Options of torch.optim.AdamW/Adam, at the value that means "off". One that is also a field of
 # zerod's groups (Group.names(): maximize) is passed to zerod like lr; the others are refused when
@@ -381,6 +381,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             WORLD_SIZE that disagree with zerod's world.
     """
 
+    # Fields of zerod's groups that only other optimizers read (zerod.optim): refused as
+    # keywords, as torch.optim.AdamW refuses them.
+    _FOREIGN = frozenset({"momentum", "dampening", "nesterov", "lr_decay",
+                          "initial_accumulator_value", "alpha", "centered"})
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, optimizer: str = "adamw",
@@ -399,7 +404,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The formula follows the running torch unless a group names one (_choose_formula).
         defaults.update(update=None, sqrt_mode=None, foreach=None, fused=None)
         for key, value in hparams.items():
-            if key not in defaults and key not in _TORCH_OPTIONS:
+            if (key not in defaults and key not in _TORCH_OPTIONS) or key in self._FOREIGN:
                 raise TypeError(f"ZeroOptimizer got an unexpected keyword argument {key!r}")
             defaults[key] = value
         self._check_hparams(defaults, "defaults")
@@ -1207,3 +1212,6 @@ class PickledZeroOptimizer:
     def __repr__(self) -> str:
         return f"PickledZeroOptimizer({self._description!r})"
 
+
+# The other optimizers (zerod.optim), built on ZeroOptimizer above.
+from .optim import ZeroAdagrad, ZeroRMSprop, ZeroSGD  # noqa: E402

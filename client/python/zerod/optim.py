@@ -1,0 +1,149 @@
+"""Drop-in torch optimizers other than AdamW/Adam, stepped by zerod: each takes its torch.optim
+class's arguments and shares ZeroOptimizer's machinery (buffers, hooks, scatter, step, checkpoints,
+the dead-trainer retry; module zerod.torch). Exported from zerod.torch.
+
+    opt = zerod.torch.ZeroSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    opt = zerod.torch.ZeroAdagrad(model.parameters(), lr=0.01, lr_decay=1e-4)
+
+Each is bit for bit its torch class's default implementation on CPU parameters, under torch 1.13
+and 2.x (zerod's table of optimizers: kernels/optim.h; formulas in their kernel files). zerod's
+CUDA backend has no kernel for them yet: CUDA parameters are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+from .torch import ZeroOptimizer, _torch_major
+
+__all__ = ["ZeroAdagrad", "ZeroRMSprop", "ZeroSGD"]
+
+
+class ZeroSGD(ZeroOptimizer):
+    """torch.optim.SGD through zerod (kernels/sgd.c): lr, momentum, dampening, weight_decay,
+    nesterov and maximize as torch takes them, per parameter group too; the momentum buffer is
+    created from the first step's gradient as torch creates it (a clone, no dampening). The other
+    keywords are ZeroOptimizer's (max_grad_norm, loss_scaler, grad_mean, overlap, socket, ...).
+    foreach is accepted (on CPU torch's foreach path computes the same bits as its default);
+    fused=True and differentiable=True are refused. A model with momentum keeps the
+    momentum_buffer array from registration on: a group whose momentum was 0 at construction
+    cannot turn it on later (zerod refuses the step)."""
+
+    _FOREIGN = frozenset({"lr_decay", "initial_accumulator_value", "alpha", "centered"})
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+                 maximize: bool = False, foreach: Any = None, differentiable: bool = False,
+                 fused: Any = None, **kwargs: Any) -> None:
+        if fused:
+            raise ValueError("ZeroSGD: fused=True is not supported (zerod reproduces torch's "
+                             "default implementation); leave fused unset")
+        super().__init__(params, lr=lr, weight_decay=weight_decay, optimizer="sgd",
+                         momentum=momentum, dampening=dampening, nesterov=bool(nesterov),
+                         maximize=maximize, foreach=foreach, differentiable=differentiable,
+                         **kwargs)
+
+    @staticmethod
+    def _check_hparams(g: Mapping[str, Any], where: str) -> None:
+        ZeroOptimizer._check_hparams(g, where)
+        momentum, dampening = g.get("momentum", 0.0), g.get("dampening", 0.0)
+        if not (math.isfinite(momentum) and momentum >= 0):
+            raise ValueError(f"{where}: invalid momentum value: {momentum!r}")
+        if not math.isfinite(dampening):
+            raise ValueError(f"{where}: invalid dampening value: {dampening!r}")
+        if g.get("nesterov") and (momentum <= 0 or dampening != 0):
+            raise ValueError(f"{where}: Nesterov momentum requires a momentum and zero "
+                             f"dampening")
+
+    def _choose_formulas(self) -> None:
+        """SGD's formula is the same in torch 1.13 and 2.x (kernels/sgd.c): update and sqrt_mode
+        are recorded for the bookkeeping only."""
+        if self._cuda:
+            raise ValueError("ZeroSGD: CUDA parameters are not supported yet (zerod's CUDA "
+                             "backend has no SGD kernel); train on CPU parameters")
+        for g in self.param_groups:
+            if g.get("update") is None:
+                g["update"] = "torch2" if _torch_major() >= 2 else "torch113"
+            if g.get("sqrt_mode") is None:
+                g["sqrt_mode"] = "exact"
+
+
+class ZeroAdagrad(ZeroOptimizer):
+    """torch.optim.Adagrad through zerod (kernels/adagrad.c): lr, lr_decay, weight_decay,
+    initial_accumulator_value, eps and maximize as torch takes them, per parameter group too
+    except initial_accumulator_value, which (as in torch) is the constructor's for every group;
+    the state `sum` starts there at the first step. The sqrt is torch.sqrt's
+    as for AdamW (sqrt_mode, measured on this machine: module zerod.torch "Which torch"). The
+    other keywords are ZeroOptimizer's. foreach is accepted (the same bits on CPU); fused=True and
+    differentiable=True are refused."""
+
+    _FOREIGN = frozenset({"momentum", "dampening", "nesterov", "alpha", "centered"})
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-2, lr_decay: float = 0.0,
+                 weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+                 eps: float = 1e-10, foreach: Any = None, *, maximize: bool = False,
+                 differentiable: bool = False, fused: Any = None, **kwargs: Any) -> None:
+        if fused:
+            raise ValueError("ZeroAdagrad: fused=True is not supported (zerod reproduces "
+                             "torch's default implementation); leave fused unset")
+        # torch fills every parameter's sum at construction from the constructor's
+        # initial_accumulator_value, whatever its group says: so does zerod (each group's field
+        # is set to it before registration).
+        self._initial_accumulator_value = float(initial_accumulator_value)
+        super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay,
+                         optimizer="adagrad", lr_decay=lr_decay,
+                         initial_accumulator_value=initial_accumulator_value, maximize=maximize,
+                         foreach=foreach, differentiable=differentiable, **kwargs)
+
+    @staticmethod
+    def _check_hparams(g: Mapping[str, Any], where: str) -> None:
+        ZeroOptimizer._check_hparams(g, where)
+        for key in ("lr_decay", "initial_accumulator_value"):
+            v = g.get(key, 0.0)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{where}: invalid {key} value: {v!r}")
+
+    def _choose_formulas(self) -> None:
+        """torch.sqrt's mode as for AdamW; the update field is bookkeeping (one formula)."""
+        if self._cuda:
+            raise ValueError("ZeroAdagrad: CUDA parameters are not supported yet (zerod's CUDA "
+                             "backend has no Adagrad kernel); train on CPU parameters")
+        for g in self.param_groups:
+            g["initial_accumulator_value"] = self._initial_accumulator_value
+        super()._choose_formulas()
+
+
+class ZeroRMSprop(ZeroOptimizer):
+    """torch.optim.RMSprop through zerod (kernels/rmsprop.c): lr, alpha, eps, weight_decay,
+    momentum, centered and maximize as torch takes them, per parameter group too. The centered
+    average follows the running torch (1.13: multiply-add; 2.x: lerp), the sqrt torch.sqrt's
+    (sqrt_mode, as for AdamW). A model keeps momentum_buffer and grad_avg when a group has
+    momentum or centered at construction (turning them on later is refused, as torch, whose state
+    lacks them, fails). The other keywords are ZeroOptimizer's; foreach is accepted (the same bits
+    on CPU); capturable and differentiable are refused."""
+
+    _FOREIGN = frozenset({"dampening", "nesterov", "lr_decay", "initial_accumulator_value"})
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-2, alpha: float = 0.99,
+                 eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.0,
+                 centered: bool = False, capturable: bool = False, foreach: Any = None,
+                 maximize: bool = False, differentiable: bool = False, **kwargs: Any) -> None:
+        super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay,
+                         optimizer="rmsprop", alpha=alpha, momentum=momentum,
+                         centered=bool(centered), maximize=maximize, foreach=foreach,
+                         capturable=capturable, differentiable=differentiable, **kwargs)
+
+    @staticmethod
+    def _check_hparams(g: Mapping[str, Any], where: str) -> None:
+        ZeroOptimizer._check_hparams(g, where)
+        for key in ("alpha", "momentum"):
+            v = g.get(key, 0.0)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{where}: invalid {key} value: {v!r}")
+
+    def _choose_formulas(self) -> None:
+        if self._cuda:
+            raise ValueError("ZeroRMSprop: CUDA parameters are not supported yet (zerod's CUDA "
+                             "backend has no RMSprop kernel); train on CPU parameters")
+        super()._choose_formulas()

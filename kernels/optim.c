@@ -1,0 +1,129 @@
+/* The optimizers' table (optim.h): a group's constants by its optimizer, and the update that
+ * hands each run of segments to its optimizer's kernel. */
+#include "optim.h"
+
+#include <string.h>
+
+void zd__adam_group_init(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step) {
+  switch (hp->optimizer) {
+#define CONSTS(opt, k)             \
+  case ZD_##opt:                   \
+    zd__##k##_consts(c, hp, step); \
+    c->optimizer = hp->optimizer;  \
+    return;
+    ZD__OPTIMIZERS(CONSTS)
+#undef CONSTS
+  }
+  zd__adam_consts(c, hp, step); /* unreachable: zd__group_check admits the table's rows only */
+}
+
+int zd__optim_known(int optimizer) {
+  return zd__optim_kernel_name(optimizer) != NULL;
+}
+
+const char *zd__optim_kernel_name(int optimizer) {
+  switch (optimizer) {
+#define NAME(opt, k) \
+  case ZD_##opt:     \
+    return #k;
+    ZD__OPTIMIZERS(NAME)
+#undef NAME
+  }
+  return NULL;
+}
+
+/* The kernel of a group and what it writes, by the family's index in ZD__OPTIM_KERNELS. */
+enum {
+#define INDEX(k) KERNEL_##k,
+  ZD__OPTIM_KERNELS(INDEX)
+#undef INDEX
+};
+
+static int kernel_of(int optimizer) {
+  switch (optimizer) {
+#define KERNEL(opt, k) \
+  case ZD_##opt:       \
+    return KERNEL_##k;
+    ZD__OPTIMIZERS(KERNEL)
+#undef KERNEL
+  }
+  return KERNEL_adam;
+}
+
+static zd__adam_fn kernel_fn(int kernel, zd__isa_t isa) {
+  switch (kernel) {
+#define FN(k)      \
+  case KERNEL_##k: \
+    return zd__##k##_impl(isa);
+    ZD__OPTIM_KERNELS(FN)
+#undef FN
+  }
+  return zd__adam_impl(isa);
+}
+
+static zd__states_t kernel_writes(int kernel, const zd__adam_group_t *c) {
+  switch (kernel) {
+#define WRITES(k)  \
+  case KERNEL_##k: \
+    return zd__##k##_writes(c);
+    ZD__OPTIM_KERNELS(WRITES)
+#undef WRITES
+  }
+  return 0;
+}
+
+/* Out of place (a->src set), the arrays a segment's kernel leaves alone are copied from src, so
+ * that the set written holds the whole state (an array of another optimizer's group, or an
+ * optional one this group does not use now). */
+static void copy_unwritten(const zd__adam_args_t *a, const zd__segment_t *seg, uint64_t begin,
+                           uint64_t end, int kernel) {
+  uint64_t lo = seg->offset > begin ? seg->offset : begin;
+  uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
+  if (lo >= hi) return;
+  zd__states_t w = kernel_writes(kernel, &a->groups[seg->group]);
+  for (int s = 0; s < ZD__NSTATES; s++)
+    if (a->src[s] && a->state[s] && !(w & ZD__STATE_BIT(s)) && a->src[s] != a->state[s])
+      memcpy(a->state[s] + lo, a->src[s] + lo, (hi - lo) * sizeof(float));
+}
+
+static void step_runs(const zd__adam_args_t *a, uint64_t begin, uint64_t end, zd__isa_t isa) {
+  int out_of_place = 0;
+  for (int s = 0; s < ZD__NSTATES; s++) out_of_place |= a->src[s] != NULL;
+  uint32_t s = zd__segs_find(a->segs, a->nsegs, begin);
+  while (s < a->nsegs && a->segs[s].offset < end) {
+    int kernel = kernel_of(a->groups[a->segs[s].group].optimizer);
+    uint32_t e = s + 1;
+    while (e < a->nsegs && a->segs[e].offset < end &&
+           kernel_of(a->groups[a->segs[e].group].optimizer) == kernel)
+      e++;
+    const zd__segment_t *last = &a->segs[e - 1];
+    uint64_t lo = a->segs[s].offset > begin ? a->segs[s].offset : begin;
+    uint64_t hi = last->offset + last->length < end ? last->offset + last->length : end;
+    kernel_fn(kernel, isa)(a, lo, hi);
+    if (out_of_place)
+      for (uint32_t k = s; k < e; k++) copy_unwritten(a, &a->segs[k], begin, end, kernel);
+    s = e;
+  }
+}
+
+#define STEP_ISA(isa)                                                              \
+  static void step_##isa(const zd__adam_args_t *a, uint64_t begin, uint64_t end) { \
+    step_runs(a, begin, end, isa);                                                 \
+  }
+STEP_ISA(ZD__ISA_SCALAR)
+STEP_ISA(ZD__ISA_AVX2)
+STEP_ISA(ZD__ISA_AVX512)
+STEP_ISA(ZD__ISA_AVX512BF16)
+
+zd__adam_fn zd__optim_impl(zd__isa_t isa) {
+  switch (isa) {
+    case ZD__ISA_AVX512BF16:
+      return step_ZD__ISA_AVX512BF16;
+    case ZD__ISA_AVX512:
+      return step_ZD__ISA_AVX512;
+    case ZD__ISA_AVX2:
+      return step_ZD__ISA_AVX2;
+    default:
+      return step_ZD__ISA_SCALAR;
+  }
+}
