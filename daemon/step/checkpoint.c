@@ -755,6 +755,19 @@ static int agree_wants(const zd__step_ctx_t *ctx, int32_t mine, int *any_resume,
 int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, int replace,
                      int *loaded, zd__err_t *err) {
   *loaded = 0;
+  if (m->restored && !replace) { /* the state file's committed step is newer than any checkpoint */
+    if (m->restored_rec.scaler_enabled && m->scaler.enabled) {
+      m->scaler.scale = m->restored_rec.scale;
+      m->scaler.growth_tracker = m->restored_rec.growth_tracker;
+      m->scaler.hysteresis_tracker = m->restored_rec.hysteresis_tracker;
+    }
+    *loaded = 1;
+    ZD_LOG_INFO("rank %u resumed step %" PRIu64
+                " from its state file (state_dir), not from a "
+                "checkpoint",
+                ctx->rank, m->step);
+    return ZD_OK;
+  }
   int32_t mine = replace                                     ? WANT_REPLACE
                  : c && (c->resume[0] || ctx->resume_latest) ? WANT_RESUME
                                                              : WANT_NONE;
@@ -814,13 +827,13 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   }
   if (!rc && mf) {
     m->step = mf->step;
-    zd__model_commit(m, 0); /* the committed set holds that step now */
     m->steps_skipped = mf->steps_skipped;
     if (mf->scaler.enabled && m->scaler.enabled) {
       m->scaler.scale = mf->scaler.scale;
       m->scaler.growth_tracker = mf->scaler.growth_tracker;
       m->scaler.hysteresis_tracker = mf->scaler.hysteresis_tracker;
     }
+    zd__model_commit(m, 0); /* the committed set holds that step now (a state file's header too) */
     *loaded = 1;
     ZD_LOG_INFO("rank %u resumed step %" PRIu64 " from %s (written at world size %u)", ctx->rank,
                 mf->step, dir, mf->world_size);

@@ -41,7 +41,7 @@ void zd__model_free(zd__model_t *m) {
   zd__compute_t *c = m->compute;
   if (c) {
     c->ops->shard_fini(c, sh);
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < 2 && !m->file; k++) /* a state file's sets are its mapping */
       for (int s = 0; s < ZD__NSTATES; s++) c->ops->release(c, m->sets[k][s], sh->elems);
     c->ops->release(c, sh->grad_shard, sh->elems);
   }
@@ -60,6 +60,7 @@ void zd__model_free(zd__model_t *m) {
   free(m->spec_consts);
   free(m->groups);
   zd__shm_unmap(&m->kept);
+  zd__state_file_close(m->file); /* the file stays, for the next zerod */
   zd__layout_free(m->layout);
   free(m);
 }
@@ -83,10 +84,25 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
   m->compute = c;
   m->states = zd__states_needed(m->groups, sh->ngroups);
   int rc = ZD_OK;
-  for (int k = 0; k < (ctx->overlap_update ? 2 : 1); k++)
-    for (int s = 0; s < ZD__NSTATES && !rc; s++)
-      if (m->states & ZD__STATE_BIT(s)) rc = c->ops->alloc(c, sh->elems, &m->sets[k][s], err);
-  memcpy(sh->state, m->sets[0], sizeof sh->state); /* committed: set 0 */
+  if (ctx->state_dir) { /* two sets in the file: every update out of place */
+    zd__state_file_key_t key = {.layout_hash = l->hash,
+                                .world_size = ctx->world_size,
+                                .rank = ctx->rank,
+                                .shard_elems = sh->elems,
+                                .states = m->states};
+    rc = zd__state_file_open(ctx->state_dir, &key, ctx->world_size == 1 && !spec->replace, m->sets,
+                             &m->file, &m->restored, &m->restored_rec, err);
+    if (m->restored) {
+      m->committed = (zd__committed_t){.set = m->restored_rec.set, .step = m->restored_rec.step};
+      m->step = m->restored_rec.step;
+      m->steps_skipped = m->restored_rec.steps_skipped;
+    }
+  } else {
+    for (int k = 0; k < (ctx->overlap_update ? 2 : 1); k++)
+      for (int s = 0; s < ZD__NSTATES && !rc; s++)
+        if (m->states & ZD__STATE_BIT(s)) rc = c->ops->alloc(c, sh->elems, &m->sets[k][s], err);
+  }
+  memcpy(sh->state, m->sets[m->committed.set], sizeof sh->state); /* the committed set */
   if (!rc && ctx->world_size > 1) rc = c->ops->alloc(c, sh->elems, &sh->grad_shard, err);
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];
@@ -162,6 +178,16 @@ void zd__model_commit(zd__model_t *m, int switch_set) {
     memcpy(m->shard.state, m->sets[m->committed.set], sizeof m->shard.state);
   }
   m->committed.step = m->step;
+  if (m->file) {
+    zd__state_rec_t rec = {.set = m->committed.set,
+                           .step = m->step,
+                           .steps_skipped = m->steps_skipped,
+                           .scaler_enabled = m->scaler.enabled,
+                           .scale = m->scaler.scale,
+                           .growth_tracker = m->scaler.growth_tracker,
+                           .hysteresis_tracker = m->scaler.hysteresis_tracker};
+    zd__state_file_commit(m->file, &rec);
+  }
 }
 
 float *const *zd__model_other_set(const zd__model_t *m) {

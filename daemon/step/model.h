@@ -19,6 +19,7 @@
 #include "layout.h"
 #include "shm.h"
 #include "state.h"
+#include "state_file.h"
 #include "step_decide.h"
 #include "zerod/zerod.h"
 
@@ -65,6 +66,11 @@ typedef struct zd__model {
    * updates are in place. */
   float *sets[2][ZD__NSTATES];
   zd__committed_t committed;
+  /* state_dir: both sets live in this file, and every commit writes its header (state_file.h);
+   * restored: the file held this model's committed state, which the model took at creation. */
+  struct zd__state_file *file;
+  int restored;
+  zd__state_rec_t restored_rec;
   /* overlap_update: the speculative update of bucket b (step.c, zd__model_scatter) wrote the
    * other set's part of bucket b from the committed set and the bucket's reduced gradients, for
    * step spec_step with spec_scale and spec_consts (step spec_step's constants of every group);
@@ -102,14 +108,19 @@ typedef struct zd__step_ctx {
   struct zd__ckptr *ckpt;          /* the daemon's checkpointer (checkpoint.h); NULL: none */
   int overlap_update;              /* two sets of state arrays, buckets updated speculatively as
                                       their scatter completes (config.h; CPU backend only) */
+  const char *state_dir;           /* CPU backend: the state lives in a file there (state_file.h:
+                                      two sets, every update out of place); NULL: none */
   int resume_latest;               /* the world re-formed: the next registration resumes the
                                     newest complete checkpoint (rank.c) */
   atomic_int *attach_abandoned;    /* set when the client of the registration in progress left */
 } zd__step_ctx_t;
 
 /* A new model for spec on the rank of ctx: takes spec's layout and groups, allocates the state
- * arrays its groups need (zeroed) and the backend's per-shard data. Errors: -ENOMEM or the
- * backend's, with a message naming the shard's size. */
+ * arrays its groups need (zeroed) and the backend's per-shard data. With ctx->state_dir both
+ * sets are the rank's state file's, and at world size 1 without spec->replace a file holding
+ * this model's committed state is taken (m->restored, m->restored_rec: its committed set and
+ * step; the loss scaler is the resume's, checkpoint.h). Errors: -ENOMEM or the backend's, with a
+ * message naming the shard's size, or the state file's. */
 int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__model_t **out,
                      zd__err_t *err);
 
@@ -127,7 +138,8 @@ int zd__model_check_states(const zd__model_t *m, const zd_group_t *groups, const
                            zd__err_t *err);
 
 /* Commits the model's step: the committed record takes m->step, and with switch_set (an update
- * wrote the other set) the other set becomes the committed one (shard.state). */
+ * wrote the other set) the other set becomes the committed one (shard.state). With a state file
+ * the commit is its header write (set, step, steps skipped, loss scaler: set them first). */
 void zd__model_commit(zd__model_t *m, int switch_set);
 
 /* The set an out-of-place update writes (compute.h, update's out): the set that is not

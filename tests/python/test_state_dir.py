@@ -1,0 +1,319 @@
+"""state_dir (W=1) against real zerod processes: the state survives zerod.
+
+A trainer steps in a loop against a zerod whose state lives in a file of a state_dir on tmpfs;
+zerod is SIGKILLed at random moments (many of them while the trainer is inside a step), started
+again with the same command line, and a new client registers with junk initial values. Every
+time the rank must come back at a completed step (the last acknowledged one, or the one in
+flight when its commit was done before the kill), never a half-applied one, with parameters bitwise
+equal to an uninterrupted torch.optim.AdamW(foreach=False) run on the same gradients; the run
+then goes on, and ends equal to the reference too. Also covered: the two header slots (the newest
+one damaged: the previous commit is served), a file whose headers are both damaged (renamed
+aside, not deleted, the log says why, the rank falls back to the newest checkpoint), the status
+section, and the refusal of a state_dir other users may enter.
+
+Options: --trials N (default 24), --seed S (default 1; "random").
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+from typing import Dict, List, Optional
+
+import common  # sets up sys.path and the library first
+
+import numpy as np
+
+import zerod.testing  # noqa: E402
+from zerod import ZerodError  # noqa: E402
+
+torch = common.require_torch()
+
+# Big enough that a step takes a while (kills land inside steps), small enough for 2 cores.
+PARAMS = [("sd.w", (512, 384)), ("sd.b", (384,)), ("sd.v", (70001,)), ("sd.s", ())]
+BUCKET = "65536"
+NGRADS = 5  # step s's gradient is GRADS[s % NGRADS] * (1 + s / 64): cheap and never the same
+
+
+def tmpfs_root() -> str:
+    """A directory on tmpfs for the state_dir, or skip."""
+    for root in (os.environ.get("ZEROD_TEST_TMPFS", ""), "/dev/shm", os.environ.get(
+            "XDG_RUNTIME_DIR", "")):
+        if root and os.path.isdir(root) and os.access(root, os.W_OK):
+            out = subprocess.run(["stat", "-f", "-c", "%T", root], capture_output=True, text=True)
+            if out.stdout.strip() in ("tmpfs", "ramfs"):
+                return root
+    common.skip("no writable tmpfs (/dev/shm, $XDG_RUNTIME_DIR or $ZEROD_TEST_TMPFS)")
+    return ""
+
+
+def init_values() -> Dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in PARAMS}
+
+
+_POOL: List[Dict[str, np.ndarray]] = []
+
+
+def step_grads(step: int) -> Dict[str, np.ndarray]:
+    if not _POOL:
+        rng = np.random.default_rng(11)
+        for _ in range(NGRADS):
+            _POOL.append({n: rng.standard_normal(s).astype(np.float32) for n, s in PARAMS})
+    f = np.float32(1 + step / 64)
+    return {n: g * f for n, g in _POOL[step % NGRADS].items()}
+
+
+class Reference:
+    """torch.optim.AdamW(foreach=False) on the same gradients, uninterrupted; params after each
+    step, computed on demand."""
+
+    def __init__(self) -> None:
+        self.params = [torch.tensor(v) for v in init_values().values()]
+        self.opt = torch.optim.AdamW(self.params, foreach=False)
+        self.seen = {0: self.snapshot()}
+
+    def snapshot(self) -> Dict[str, np.ndarray]:
+        return {n: p.detach().numpy().copy() for (n, _), p in zip(PARAMS, self.params)}
+
+    def at(self, step: int) -> Dict[str, np.ndarray]:
+        while max(self.seen) < step:
+            s = max(self.seen) + 1
+            g = step_grads(s)
+            for (n, _), p in zip(PARAMS, self.params):
+                p.grad = torch.tensor(g[n])
+            self.opt.step()
+            self.seen[s] = self.snapshot()
+        return self.seen[step]
+
+
+class Trainer:
+    def __init__(self, d: zerod.testing.LocalZerod, init: Optional[Dict[str, np.ndarray]]) -> None:
+        self.client = d.connect()
+        self.client.layout([(n, s) for n, s in PARAMS])
+        params = np.frombuffer(self.client.param_buffer, dtype=np.float32)
+        grads = np.frombuffer(self.client.grad_buffer, dtype=np.float32)
+        self.p, self.g = {}, {}
+        for i, (name, shape) in enumerate(PARAMS):
+            info = self.client.param_info(i)
+            self.p[name] = params[info.offset:info.offset + info.numel].reshape(shape)
+            self.g[name] = grads[info.offset:info.offset + info.numel].reshape(shape)
+            self.p[name][...] = init[name] if init is not None else -7.0
+        self.info = self.client.register()
+
+    def fill(self, s: int) -> None:
+        g = step_grads(s)
+        for name, _ in PARAMS:
+            self.g[name][...] = g[name]
+
+    def step(self, s: int) -> None:
+        self.fill(s)
+        self.client.step()
+
+    def snapshot(self) -> Dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.p.items()}
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except ZerodError:
+            pass
+
+
+class StateDirTest(unittest.TestCase):
+    trials = 24
+    seed = 1
+    ref: Optional[Reference] = None
+
+    def setUp(self) -> None:
+        self.state_dir = os.path.join(tempfile.mkdtemp(prefix="zerod-state-", dir=tmpfs_root()),
+                                      "state")
+        self.addCleanup(shutil.rmtree, os.path.dirname(self.state_dir), True)
+        if StateDirTest.ref is None:
+            StateDirTest.ref = Reference()
+
+    def assert_same(self, got: Dict[str, np.ndarray], step: int, what: str) -> None:
+        want = self.ref.at(step)
+        for name, _ in PARAMS:
+            g, w = got[name].view(np.uint32).ravel(), want[name].view(np.uint32).ravel()
+            diff = np.flatnonzero(g != w)
+            self.assertEqual(diff.size, 0, f"{what}: {name} differs from torch's step {step} at "
+                             f"{diff.size} elements, first {diff[:5].tolist()}")
+
+    def start(self, extra: List[str] = ()) -> zerod.testing.LocalZerod:
+        return zerod.testing.LocalZerod(["--state_dir", self.state_dir, "--bucket_elems", BUCKET]
+                                        + list(extra), log_level="info")
+
+    def test_sigkill_at_random_moments_loses_no_step(self) -> None:
+        rnd = random.Random(self.seed)
+        d = self.start()
+        t = Trainer(d, init_values())
+        self.assertFalse(t.info.resumed)
+        step = 0
+        for s in range(1, 4):
+            t.step(s)
+            step = s
+        self.assert_same(t.snapshot(), step, "before the first kill")
+        mid_step = ahead = 0
+        for trial in range(self.trials):
+            state = {"acked": step, "in_step": False, "error": None}
+
+            def loop() -> None:
+                s = state["acked"] + 1
+                try:
+                    while True:
+                        t.fill(s)
+                        state["in_step"] = True  # inside zd_step: scatter, update, gather
+                        t.client.step()
+                        state["in_step"] = False
+                        state["acked"] = s
+                        s += 1
+                except ZerodError as e:
+                    state["error"] = e
+                except BaseException as e:  # noqa: BLE001  (reported below)
+                    state["error"] = e
+
+            th = threading.Thread(target=loop)
+            th.start()
+            time.sleep(rnd.uniform(0.005, 0.06))
+            in_step = state["in_step"]
+            common.stop_zerod(d, signal.SIGKILL)
+            th.join(60)
+            self.assertFalse(th.is_alive(), f"trial {trial}: the trainer hangs after the kill")
+            self.assertIsInstance(state["error"], ZerodError,
+                                  f"trial {trial}: the trainer's step did not fail with "
+                                  f"ZerodError: {state['error']!r}")
+            mid_step += in_step
+            t.close()
+            acked = state["acked"]
+            d = self.start()
+            t = Trainer(d, None)  # junk initial values: everything must come from the file
+            self.assertTrue(t.info.resumed, f"trial {trial}: not resumed; log:\n{d.log()[-2000:]}")
+            self.assertIn(t.info.step, (acked, acked + 1),
+                          f"trial {trial}: resumed step {t.info.step}, the trainer saw {acked} "
+                          f"acknowledged")
+            ahead += t.info.step == acked + 1
+            step = t.info.step
+            self.assert_same(t.snapshot(), step, f"trial {trial}: after the restart")
+            self.assertIn("from its state file", d.log())
+        for s in range(step + 1, step + 4):
+            t.step(s)
+        step += 3
+        self.assert_same(t.snapshot(), step, "at the end")
+        print(f"\n    {self.trials} kills, {mid_step} while the trainer was inside a step, "
+              f"{ahead} after the commit of a step not yet acknowledged; {step} steps")
+        # A kill that lands inside a step is the point: most of the loop's time is in steps.
+        self.assertGreaterEqual(mid_step, self.trials // 3, "too few kills landed in a step")
+        t.close()
+        common.stop_zerod(d)
+
+    def test_status_section(self) -> None:
+        d = self.start()
+        t = Trainer(d, init_values())
+        for s in range(1, 3):
+            t.step(s)
+        sections = t.client.status_dict()
+        self.assertIn("state_file", sections, f"no state_file section: {sorted(sections)}")
+        st = sections["state_file"]
+        self.assertEqual(st["state_dir"], self.state_dir)
+        self.assertEqual(st["rank0_committed_step"], "2")
+        [path] = self.files()
+        self.assertEqual(st["rank0_path"], path)
+        self.assertEqual(int(st["rank0_file_bytes"]), os.stat(path).st_size)
+        t.close()
+        common.stop_zerod(d)
+
+    def files(self) -> List[str]:
+        return sorted(glob.glob(os.path.join(self.state_dir, "*.zdstate")))
+
+    def test_newest_header_damaged_serves_the_previous_commit(self) -> None:
+        d = self.start()
+        t = Trainer(d, init_values())
+        for s in range(1, 6):
+            t.step(s)
+        t.close()
+        common.stop_zerod(d, signal.SIGKILL)
+        [path] = self.files()
+        self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(self.state_dir).st_mode & 0o777, 0o700)
+        with open(path, "r+b") as f:  # step 5 was the 5th commit: sequence 5, slot 1
+            f.seek(2048 + 40)
+            b = f.read(1)
+            f.seek(2048 + 40)
+            f.write(bytes([b[0] ^ 0x10]))
+        d = self.start()
+        t = Trainer(d, None)
+        self.assertTrue(t.info.resumed)
+        self.assertEqual(t.info.step, 4, "the previous commit, whose set nothing wrote since")
+        self.assert_same(t.snapshot(), 4, "after the newest header was damaged")
+        t.step(5)
+        self.assert_same(t.snapshot(), 5, "step 5 again")
+        t.close()
+        common.stop_zerod(d)
+
+    def test_corrupt_headers_fall_back_to_the_checkpoint(self) -> None:
+        ckpt = tempfile.mkdtemp(prefix="zerod-ckpt-")
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        extra = ["--checkpoint_dir", ckpt, "--checkpoint_every_steps", "3", "--resume", "latest"]
+        d = self.start(extra)
+        t = Trainer(d, init_values())
+        for s in range(1, 6):
+            t.step(s)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(ckpt, f"step-{3:012d}", "manifest.json")):
+            self.assertLess(time.monotonic(), deadline, "checkpoint of step 3 not written")
+            time.sleep(0.02)
+        t.close()
+        common.stop_zerod(d, signal.SIGKILL)
+        [path] = self.files()
+        with open(path, "r+b") as f:
+            for off in (8, 2048 + 8):  # both slots' version fields
+                f.seek(off)
+                f.write(b"\xff")
+        d = self.start(extra)
+        t = Trainer(d, None)
+        self.assertTrue(t.info.resumed)
+        self.assertEqual(t.info.step, 3, "the newest checkpoint")
+        self.assert_same(t.snapshot(), 3, "after the fallback")
+        log = d.log()
+        self.assertIn("no usable header", log)
+        self.assertIn("renamed to", log)
+        aside = glob.glob(path + ".bad-*")
+        self.assertEqual(len(aside), 1, f"the damaged file is kept aside: {os.listdir(self.state_dir)}")
+        for s in range(4, 7):
+            t.step(s)
+        self.assert_same(t.snapshot(), 6, "after the fallback, trained on")
+        t.close()
+        common.stop_zerod(d)
+
+    def test_state_dir_others_may_enter_is_refused(self) -> None:
+        os.makedirs(self.state_dir, mode=0o755)
+        os.chmod(self.state_dir, 0o755)
+        d = zerod.testing.LocalZerod(["--state_dir", self.state_dir], start=False)
+        d.spawn()
+        rc = d.process.wait(30)
+        self.assertNotEqual(rc, 0)
+        self.assertIn("other users may enter it", d.log())
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=24)
+    ap.add_argument("--seed", default=None)
+    opts, rest = ap.parse_known_args()
+    StateDirTest.trials = opts.trials
+    StateDirTest.seed = common.test_seed(opts.seed)
+    print(f"seed {StateDirTest.seed}: {common.repeat_command(StateDirTest.seed)}", flush=True)
+    sys.argv = [sys.argv[0]] + rest
+    common.run(StateDirTest)
