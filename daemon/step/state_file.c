@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -184,6 +185,11 @@ static int open_existing(const char *path, size_t bytes, int *fd) {
   struct stat st;
   const char *why = NULL;
   char buf[160];
+  if (flock(d, LOCK_EX | LOCK_NB) != 0) { /* in use: never judged, never set aside */
+    int e = errno == EWOULDBLOCK ? -EBUSY : -errno;
+    close(d);
+    return e;
+  }
   if (fstat(d, &st) != 0) {
     int e = -errno;
     close(d);
@@ -226,25 +232,39 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
   size_t bytes = layout_offsets(key->shard_elems, key->states, offs);
   f->bytes = bytes;
   int rc = open_existing(f->path, bytes, &f->fd);
-  if (rc < 0) {
+  if (rc < 0 && rc != -EBUSY) {
     zd__errf(err, rc, "state file %s: %s", f->path, strerror(-rc));
     goto fail;
   }
   int fresh = rc == 0;
   if (fresh) {
+    rc = 0;
     f->fd = open(f->path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (f->fd < 0) {
       rc = zd__errf(err, -errno, "state file %s: cannot create it: %s", f->path, strerror(errno));
       goto fail;
     }
+    if (flock(f->fd, LOCK_EX | LOCK_NB) != 0) rc = errno == EWOULDBLOCK ? -EBUSY : -errno;
     /* The whole size now: a full tmpfs says ENOSPC here, not SIGBUS in a step. */
-    int e = posix_fallocate(f->fd, 0, (off_t)bytes);
+    int e = rc ? 0 : posix_fallocate(f->fd, 0, (off_t)bytes);
     if (e) {
       rc = zd__errf(err, -e, "state file %s: cannot reserve %zu bytes: %s", f->path, bytes,
                     strerror(e));
       unlink(f->path); /* ours, empty */
       goto fail;
     }
+  }
+  /* One zerod per file (the lock, taken above, dies with its holder, killed or not): a second
+   * one with the same state_dir and rank would write the same sets. */
+  if (rc == -EBUSY) {
+    zd__errf(err, -EBUSY,
+             "state file %s is in use by another process (another zerod with this state_dir "
+             "and rank?)",
+             f->path);
+    goto fail;
+  } else if (rc < 0) {
+    zd__errf(err, rc, "state file %s: flock: %s", f->path, strerror(-rc));
+    goto fail;
   }
   rc = map_aligned(f->fd, bytes, &f->map);
   if (rc) {

@@ -9,9 +9,10 @@ equal to an uninterrupted torch.optim.AdamW(foreach=False) run on the same gradi
 then goes on, and ends equal to the reference too. Also covered: the two header slots (the newest
 one damaged: the previous commit is served), a file whose headers are both damaged (renamed
 aside, not deleted, the log says why, the rank falls back to the newest checkpoint), the status
-section, and the refusal of a state_dir other users may enter.
+section, a second zerod on the same file, and the refusal of a state_dir other users may enter.
 
-Options: --trials N (default 24), --seed S (default 1; "random").
+Options: --trials N (default 24), --seed S (default 1; "random"), --overlap (zerod with
+overlap_update = 1: the speculative updates write the same second set).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class Trainer:
 class StateDirTest(unittest.TestCase):
     trials = 24
     seed = 1
+    overlap = False
     ref: Optional[Reference] = None
 
     def setUp(self) -> None:
@@ -152,8 +154,9 @@ class StateDirTest(unittest.TestCase):
                              f"{diff.size} elements, first {diff[:5].tolist()}")
 
     def start(self, extra: List[str] = ()) -> zerod.testing.LocalZerod:
+        overlap = ["--overlap_update", "1"] if self.overlap else []
         return zerod.testing.LocalZerod(["--state_dir", self.state_dir, "--bucket_elems", BUCKET]
-                                        + list(extra), log_level="info")
+                                        + overlap + list(extra), log_level="info")
 
     def test_sigkill_at_random_moments_loses_no_step(self) -> None:
         rnd = random.Random(self.seed)
@@ -297,6 +300,22 @@ class StateDirTest(unittest.TestCase):
         t.close()
         common.stop_zerod(d)
 
+    def test_second_zerod_on_the_same_file_is_refused(self) -> None:
+        first = self.start()
+        t = Trainer(first, init_values())
+        t.step(1)
+        second = self.start()
+        try:
+            with self.assertRaises(ZerodError) as cm:
+                Trainer(second, init_values())
+            self.assertIn("in use by another process", str(cm.exception))
+            t.step(2)  # the first one trains on, its file untouched
+            self.assert_same(t.snapshot(), 2, "the first zerod, after the refusal")
+        finally:
+            t.close()
+            common.stop_zerod(second)
+            common.stop_zerod(first)
+
     def test_state_dir_others_may_enter_is_refused(self) -> None:
         os.makedirs(self.state_dir, mode=0o755)
         os.chmod(self.state_dir, 0o755)
@@ -311,8 +330,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=24)
     ap.add_argument("--seed", default=None)
+    ap.add_argument("--overlap", action="store_true", help="zerod with overlap_update = 1")
     opts, rest = ap.parse_known_args()
     StateDirTest.trials = opts.trials
+    StateDirTest.overlap = opts.overlap
     StateDirTest.seed = common.test_seed(opts.seed)
     print(f"seed {StateDirTest.seed}: {common.repeat_command(StateDirTest.seed)}", flush=True)
     sys.argv = [sys.argv[0]] + rest
