@@ -90,12 +90,13 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
                                 .rank = ctx->rank,
                                 .shard_elems = sh->elems,
                                 .states = m->states};
-    rc = zd__state_file_open(ctx->state_dir, &key, ctx->world_size == 1 && !spec->replace, m->sets,
-                             &m->file, &m->restored, &m->restored_rec, err);
+    rc = zd__state_file_open(ctx->state_dir, &key, !spec->replace, m->sets, &m->file, &m->restored,
+                             m->restored_rec, err);
     if (m->restored) {
-      m->committed = (zd__committed_t){.set = m->restored_rec.set, .step = m->restored_rec.step};
-      m->step = m->restored_rec.step;
-      m->steps_skipped = m->restored_rec.steps_skipped;
+      const zd__state_rec_t *r = &m->restored_rec[0];
+      m->committed = (zd__committed_t){.set = r->set, .step = r->step};
+      m->step = r->step;
+      m->steps_skipped = r->steps_skipped;
     }
   } else {
     for (int k = 0; k < (ctx->overlap_update ? 2 : 1); k++)
@@ -188,6 +189,30 @@ void zd__model_commit(zd__model_t *m, int switch_set) {
                            .hysteresis_tracker = m->scaler.hysteresis_tracker};
     zd__state_file_commit(m->file, &rec);
   }
+}
+
+void zd__model_take_record(zd__model_t *m, int i) {
+  zd_assert(i >= 0 && i < m->restored);
+  const zd__state_rec_t *r = &m->restored_rec[i];
+  m->committed.set = r->set;
+  m->step = r->step;
+  m->steps_skipped = r->steps_skipped;
+  if (r->scaler_enabled && m->scaler.enabled) {
+    m->scaler.scale = r->scale;
+    m->scaler.growth_tracker = r->growth_tracker;
+    m->scaler.hysteresis_tracker = r->hysteresis_tracker;
+  }
+  memcpy(m->shard.state, m->sets[m->committed.set], sizeof m->shard.state);
+  zd__model_commit(m, 0); /* the file's newest record is the one served */
+  m->restored = 0;
+}
+
+void zd__model_forget_restored(zd__model_t *m) {
+  zd__state_file_reset(m->file);
+  m->committed = (zd__committed_t){0};
+  m->step = m->steps_skipped = 0;
+  memcpy(m->shard.state, m->sets[0], sizeof m->shard.state);
+  m->restored = 0;
 }
 
 float *const *zd__model_other_set(const zd__model_t *m) {

@@ -314,14 +314,18 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
   if (best) {
     f->seq = best->seq;
     if (may_restore) {
-      *restored = 1;
-      *rec = (zd__state_rec_t){.set = best->set,
-                               .step = best->step,
-                               .steps_skipped = best->steps_skipped,
-                               .scaler_enabled = (int)best->scaler_enabled,
-                               .scale = best->scale,
-                               .growth_tracker = best->growth_tracker,
-                               .hysteresis_tracker = best->hysteresis_tracker};
+      const zd__state_slot_t *prev = slot_at(f, (unsigned)((best->seq - 1) & 1));
+      *restored = 1 + (!slot_problem(prev) && prev->seq + 1 == best->seq);
+      for (int i = 0; i < *restored; i++) {
+        const zd__state_slot_t *r = i ? prev : best;
+        rec[i] = (zd__state_rec_t){.set = r->set,
+                                   .step = r->step,
+                                   .steps_skipped = r->steps_skipped,
+                                   .scaler_enabled = (int)r->scaler_enabled,
+                                   .scale = r->scale,
+                                   .growth_tracker = r->growth_tracker,
+                                   .hysteresis_tracker = r->hysteresis_tracker};
+      }
       atomic_store(&f->committed_step, best->step);
       atomic_store(&f->has_commit, 1);
       ZD_LOG_INFO("state file %s: committed step %" PRIu64 " in set %u (header %" PRIu64 ")",
@@ -379,6 +383,11 @@ void zd__state_file_commit(zd__state_file_t *f, const zd__state_rec_t *rec) {
   f->seq = s.seq;
   atomic_store(&f->committed_step, rec->step);
   atomic_store(&f->has_commit, 1);
+}
+
+void zd__state_file_reset(zd__state_file_t *f) {
+  memset(f->map, 0, f->bytes);
+  atomic_store(&f->has_commit, 0);
 }
 
 void zd__state_file_close(zd__state_file_t *f) {

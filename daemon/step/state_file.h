@@ -68,8 +68,11 @@ int zd__state_dir_check(const char *dir, int any_fs, zd__err_t *err);
 /* Opens the rank's file of key in dir (its name: "rank<R>-of-<W>-<layout hash>.zdstate"), creating
  * it (0600, its size reserved: ENOSPC here, not later) when there is none, and maps it: sets[k][s]
  * is array s of set k for every s in key->states (the others NULL). may_restore: when the file
- * holds a committed record of this key, *restored = 1 and *rec is it; otherwise (no file, no
- * record yet, or may_restore 0) the headers are cleared and *restored = 0. A file that cannot be
+ * holds a committed record of this key, *restored is the number of records it can serve and
+ * rec[0..*restored) are they: rec[0] the newest commit, rec[1] (*restored = 2) the one before it
+ * when its slot is valid too, whose set nothing wrote since as long as the model serves neither
+ * (a world whose ranks are one commit apart goes back to it: checkpoint.c); otherwise (no file,
+ * no record yet, or may_restore 0) the headers are cleared and *restored = 0. A file that cannot be
  * used (another format version, another model, a corrupt header, the wrong size, owner or mode)
  * is renamed aside to "<name>.bad-<unix ms>" with a log line naming the file and why, and a new
  * one is made. Errors: -errno of the file system with a message naming the file. */
@@ -80,6 +83,10 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
 /* The commit: writes rec into the older header slot, after every store before it (the caller's
  * and those of the threads it joined). */
 void zd__state_file_commit(zd__state_file_t *f, const zd__state_rec_t *rec);
+
+/* Forgets the file's records and zeroes its arrays, as a new file's: for a model that does not
+ * take the state it was restored with. */
+void zd__state_file_reset(zd__state_file_t *f);
 
 /* Unmaps the file and closes it; the file stays. Accepts NULL. */
 void zd__state_file_close(zd__state_file_t *f);
