@@ -118,11 +118,11 @@ typedef struct zd__step_ctx {
 
 /* A new model for spec on the rank of ctx: takes spec's layout and groups, allocates the state
  * arrays its groups need (zeroed) and the backend's per-shard data. With ctx->state_dir both
- * sets are the rank's state file's, and at world size 1 without spec->replace a file holding
- * this model's committed state is taken (m->restored, m->restored_rec[0]: its committed set and
- * step; the loss scaler and the choice of record at world size > 1 are the resume's,
- * checkpoint.h). Errors: -ENOMEM or the backend's, with a
- * message naming the shard's size, or the state file's. */
+ * sets are the rank's state file's, and without spec->replace a file holding this model's
+ * committed state is taken (m->restored, m->restored_rec[0]: its committed set and step; the
+ * loss scaler and the choice of record at world size > 1 are the resume's, checkpoint.h).
+ * Errors: -ENOMEM or the backend's, with a message naming the shard's size, or the state
+ * file's. */
 int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__model_t **out,
                      zd__err_t *err);
 

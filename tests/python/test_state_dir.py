@@ -1,4 +1,4 @@
-"""state_dir (W=1) against real zerod processes: the state survives zerod.
+"""state_dir against real zerod processes: the state survives zerod.
 
 A trainer steps in a loop against a zerod whose state lives in a file of a state_dir on tmpfs;
 zerod is SIGKILLed at random moments (many of them while the trainer is inside a step), started
@@ -10,6 +10,12 @@ then goes on, and ends equal to the reference too. Also covered: the two header 
 one damaged: the previous commit is served), a file whose headers are both damaged (renamed
 aside, not deleted, the log says why, the rank falls back to the newest checkpoint), the status
 section, a second zerod on the same file, and the refusal of a state_dir other users may enter.
+
+W=2 (a zerod per rank, one state_dir, rank 0 sends the gradient, rank 1 zeros, summed): both
+zerods SIGKILLed during training and restarted (both resume the same step from their files; a
+rank that committed the step in flight while the other did not goes back one commit), and one
+zerod SIGKILLed while the other re-forms the world around its restart (no checkpoint was taken:
+the world continues from the files, no rollback); each time bitwise equal to torch.
 
 Options: --trials N (default 24), --seed S (default 1; "random"), --overlap (zerod with
 overlap_update = 1: the speculative updates write the same second set).
@@ -195,6 +201,11 @@ class StateDirTest(unittest.TestCase):
             th = threading.Thread(target=loop)
             th.start()
             time.sleep(rnd.uniform(0.005, 0.06))
+            if trial % 2:  # every other kill aimed inside a step: once one began, 0-3 ms into it
+                deadline = time.monotonic() + 10
+                while not state["in_step"] and time.monotonic() < deadline:
+                    time.sleep(0.0002)
+                time.sleep(rnd.uniform(0, 0.003))
             in_step = state["in_step"]
             common.stop_zerod(d, signal.SIGKILL)
             th.join(60)
