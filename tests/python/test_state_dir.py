@@ -477,6 +477,17 @@ class WorldTest(StateDirTest):
             ts = self.register(world, init_values())
             self.train(ts, range(1, 4))
             acked = self.kill_in_step(world, ts, 3, [1], rnd.uniform(0.01, 0.08))
+            # as systemd would, once the survivor is re-forming the world (test_checkpoint's heal)
+            zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                                 "zeroctl"))
+            deadline, health = time.monotonic() + 30, ""
+            while health != "rejoining":
+                self.assertLess(time.monotonic(), deadline, f"the survivor stays {health}")
+                out = subprocess.run([zeroctl, "--address", world.daemons[0].control_address,
+                                      "status", "--json"], capture_output=True, text=True,
+                                     timeout=30)
+                health = json.loads(out.stdout)["ranks"][0]["health"] if out.stdout else ""
+                time.sleep(0.02)
             self.restart(world, [1])
             ts = self.register(world, None)  # rank 0's zerod re-forms the world meanwhile
             step = self.check_resumed(world, ts, acked, "after the heal")
