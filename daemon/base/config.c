@@ -180,6 +180,18 @@ static const setting_t settings[] = {
         "a rank registering a model it does not hold loads \"latest\" (the newest complete "
         "checkpoint in checkpoint_dir whose parameters match, at any world size) or the "
         "checkpoint DIR (\"\": start from the trainer's values)"),
+    STR(S_CKPT, "state_dir", state_dir, "", "DIR",
+        "CPU backend: keep each rank's state (two sets of master and moments, the step, the "
+        "loss scaler) in a file of this directory, mapped, committed after every step, so that "
+        "a zerod killed or restarted with the same state_dir continues at the last completed "
+        "step (world size > 1: set it on every node; with checkpoint_dir the world re-forms "
+        "around a restarted zerod and continues from the files at the newest step every rank "
+        "holds). Doubles the host memory of the state. It must be on a memory file system "
+        "(tmpfs: /dev/shm, a systemd RuntimeDirectory, a Kubernetes emptyDir with medium "
+        "Memory), owned by zerod's user, mode 0700 (created so if missing). \"\": off"),
+    U32(S_CKPT, "state_dir_any_fs", state_dir_any_fs, "0", 0, 1,
+        "allow a state_dir that is not on tmpfs or ramfs (every step then writes the whole "
+        "state through the page cache to that file system)"),
     U64(S_CKPT, "checkpoint_throttle_bytes_per_s", checkpoint_throttle_bytes_per_s, "0", 0,
         1ull << 40,
         "TESTING ONLY: write checkpoint files no faster than this (0: full speed), so that "

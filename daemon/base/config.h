@@ -67,7 +67,9 @@ typedef struct zd__config {
   uint32_t checkpoint_every_steps;
   uint32_t checkpoint_every_seconds;
   uint32_t checkpoint_keep;
-  char *resume; /* "", "latest" or a checkpoint directory */
+  char *resume;              /* "", "latest" or a checkpoint directory */
+  char *state_dir;           /* "": off (state_file.h) */
+  uint32_t state_dir_any_fs; /* 1: a state_dir off tmpfs/ramfs is allowed */
   uint64_t checkpoint_throttle_bytes_per_s;
   /* operations */
   uint32_t shutdown_timeout_ms; /* then abort collectives still running */

@@ -33,6 +33,7 @@
 #include "rank.h"
 #include "server.h"
 #include "session.h"
+#include "state_file.h"
 #include "status.h"
 #include "world.h"
 
@@ -246,6 +247,7 @@ static void stop_ranks(zd__daemon_t *d) {
     zd__rank_destroy(d->ranks.rank[i]);
   }
   zd__status_unregister(d->status, zd__ckptr_status, d->ckpt);
+  zd__status_unregister(d->status, zd__state_file_status, d->cfg->state_dir);
   zd__ckptr_destroy(d->ckpt); /* after the ranks: their snapshots are queued, then written */
   d->ckpt = NULL;
 }
@@ -393,6 +395,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
         .gpu = zd__backend_gpu(&d->backend, i),
         .cuda_fast = strcmp(cfg->cuda_step, "legacy") != 0,
         .overlap_update = (int)cfg->overlap_update,
+        .state_dir = cfg->state_dir[0] ? cfg->state_dir : NULL,
     };
     rc = zd__rank_create(&env, &d->ranks.rank[i]);
     if (rc) {
@@ -467,6 +470,8 @@ static int register_status(zd__daemon_t *d) {
   for (uint32_t i = 0; !rc && i < d->ranks.n; i++)
     rc = zd__status_register(d->status, zd__rank_status, d->ranks.rank[i]);
   if (!rc) rc = zd__status_register(d->status, zd__ckptr_status, d->ckpt);
+  if (!rc && d->cfg->state_dir[0])
+    rc = zd__status_register(d->status, zd__state_file_status, d->cfg->state_dir);
   if (!rc) rc = zd__status_register(d->status, zd__sessions_status, d->sessions);
   if (!rc) rc = zd__status_register(d->status, zd__server_status, d->server);
   if (!rc) rc = zd__status_register(d->status, zd__drain_status, d->drain);
@@ -537,6 +542,16 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
                   zd__backend_name(d->backend.kind));
     goto fail;
   }
+  if (cfg->state_dir[0] && d->backend.kind != ZD__BACKEND_CPU) {
+    rc = zd__errf(err, ZD_ECONFIG,
+                  "state_dir needs the cpu backend: the %s backend's state is in device memory, "
+                  "which dies with zerod; unset state_dir (or backend = cpu)",
+                  zd__backend_name(d->backend.kind));
+    goto fail;
+  }
+  if (cfg->state_dir[0] &&
+      (rc = zd__state_dir_check(cfg->state_dir, (int)cfg->state_dir_any_fs, err)))
+    goto fail;
   if (d->backend.kind == ZD__BACKEND_CUDA) {
     zd__mps_probe(&d->backend, &d->mps);
     zd__mps_log(&d->mps);

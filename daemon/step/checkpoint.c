@@ -752,14 +752,87 @@ static int agree_wants(const zd__step_ctx_t *ctx, int32_t mine, int *any_resume,
   return rc;
 }
 
+/* World size > 1 with state_dir (every rank has it, or the collectives part ways): the ranks'
+ * state files serve the world only when all of them hold a common commit. A commit is named by
+ * step + steps skipped (each committed step adds one to one of them); a rank's file holds its
+ * newest commit and, when its other slot is valid, the one before. Ranks are at most one commit
+ * apart (a rank commits only after every rank agreed to the step, and no rank reaches the next
+ * agreement before every rank committed), and the newer commit's other set is untouched until
+ * the next update: the world takes the oldest newest commit, and a rank one ahead goes back to its
+ * previous record (*pick = 1). *pick = -1: no common commit (a rank without a usable file, or
+ * commits further apart): every rank falls back, and the log says why. */
+static int agree_state_files(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int *pick,
+                             zd__err_t *err) {
+  uint32_t w = ctx->world_size;
+  typedef struct {
+    uint64_t n; /* records the rank can serve (0..2) */
+    uint64_t key[2];
+  } have_t;
+  have_t mine = {.n = m->restored && !replace ? (uint64_t)m->restored : 0};
+  for (uint64_t i = 0; i < mine.n; i++)
+    mine.key[i] = m->restored_rec[i].step + m->restored_rec[i].steps_skipped;
+  have_t *all = calloc(w, sizeof *all);
+  if (!all) return zd__errf(err, -ENOMEM, "out of memory");
+  int rc = ctx->comm->ops->allgather_bytes(ctx->comm, &mine, sizeof mine, all, err);
+  if (rc) {
+    free(all);
+    return rc;
+  }
+  uint64_t target = UINT64_MAX;
+  char why[256] = "";
+  for (uint32_t r = 0; r < w && !why[0]; r++) {
+    if (!all[r].n)
+      snprintf(why, sizeof why, "rank %u has no usable state file (or registers with replace)", r);
+    else if (all[r].key[0] < target)
+      target = all[r].key[0];
+  }
+  for (uint32_t r = 0; r < w && !why[0]; r++)
+    if (all[r].key[0] != target && !(all[r].n == 2 && all[r].key[1] == target))
+      snprintf(why, sizeof why,
+               "rank %u's state file holds commit %" PRIu64
+               " (step + steps skipped) and not "
+               "commit %" PRIu64 ", the newest of another rank",
+               r, all[r].key[0], target);
+  free(all);
+  if (why[0]) {
+    *pick = -1;
+    ZD_LOG_WARN(
+        "rank %u: the world's state files are not used: %s; falling back to the newest "
+        "checkpoint (resume = latest), else a fresh start",
+        ctx->rank, why);
+    return ZD_OK;
+  }
+  *pick = mine.key[0] == target ? 0 : 1;
+  return ZD_OK;
+}
+
 int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, int replace,
                      int *loaded, zd__err_t *err) {
   *loaded = 0;
+  /* The state files' committed steps are newer than any checkpoint. */
+  int pick = m->restored && !replace ? 0 : -1;
+  int rc = ctx->state_dir && ctx->world_size > 1 ? agree_state_files(ctx, m, replace, &pick, err)
+                                                 : ZD_OK;
+  if (rc) return rc;
+  if (pick >= 0) {
+    uint64_t newest = m->step;
+    zd__model_take_record(m, pick);
+    *loaded = 1;
+    ZD_LOG_INFO("rank %u resumed step %" PRIu64
+                " from its state file (state_dir), not from a "
+                "checkpoint%s",
+                ctx->rank, m->step,
+                pick ? " (its commit before the newest, the step every rank holds)" : "");
+    if (pick)
+      ZD_LOG_INFO("rank %u: its newest commit (step %" PRIu64 ") is dropped", ctx->rank, newest);
+    return ZD_OK;
+  }
+  if (m->restored) zd__model_forget_restored(m); /* a checkpoint or the client's values instead */
   int32_t mine = replace                                     ? WANT_REPLACE
                  : c && (c->resume[0] || ctx->resume_latest) ? WANT_RESUME
                                                              : WANT_NONE;
   int any_resume;
-  int rc = agree_wants(ctx, mine, &any_resume, err);
+  rc = agree_wants(ctx, mine, &any_resume, err);
   if (rc || !any_resume) return rc;
   if (!c) return zd__errf(err, ZD_ECONFIG, "resume: this daemon takes no checkpoints");
   /* Another rank resumes (its resume setting, or a world that re-formed around a zerod restarted
@@ -814,13 +887,13 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   }
   if (!rc && mf) {
     m->step = mf->step;
-    zd__model_commit(m, 0); /* the committed set holds that step now */
     m->steps_skipped = mf->steps_skipped;
     if (mf->scaler.enabled && m->scaler.enabled) {
       m->scaler.scale = mf->scaler.scale;
       m->scaler.growth_tracker = mf->scaler.growth_tracker;
       m->scaler.hysteresis_tracker = mf->scaler.hysteresis_tracker;
     }
+    zd__model_commit(m, 0); /* the committed set holds that step now (a state file's header too) */
     *loaded = 1;
     ZD_LOG_INFO("rank %u resumed step %" PRIu64 " from %s (written at world size %u)", ctx->rank,
                 mf->step, dir, mf->world_size);

@@ -210,7 +210,7 @@ void zd__model_free(zd__model_t *m) {
   zd__compute_t *c = m->compute;
   if (c) {
     c->ops->shard_fini(c, sh);
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; k < 2 && !m->file; k++) /* a state file's sets are its mapping */
       for (int s = 0; s < ZD__NSTATES; s++) c->ops->release(c, m->sets[k][s], sh->elems);
     c->ops->release(c, sh->grad_shard, sh->elems);
   }
@@ -230,6 +230,7 @@ void zd__model_free(zd__model_t *m) {
   free(m->next_groups);
   free(m->groups);
   zd__shm_unmap(&m->kept);
+  zd__state_file_close(m->file); /* the file stays, for the next zerod */
   zd__layout_free(m->layout);
   free(m);
 }
@@ -253,10 +254,26 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
   m->compute = c;
   m->states = zd__states_needed(m->groups, sh->ngroups);
   int rc = ZD_OK;
-  for (int k = 0; k < (ctx->overlap_update ? 2 : 1); k++)
-    for (int s = 0; s < ZD__NSTATES && !rc; s++)
-      if (m->states & ZD__STATE_BIT(s)) rc = c->ops->alloc(c, sh->elems, &m->sets[k][s], err);
-  memcpy(sh->state, m->sets[0], sizeof sh->state); /* committed: set 0 */
+  if (ctx->state_dir) { /* two sets in the file: every update out of place */
+    zd__state_file_key_t key = {.layout_hash = l->hash,
+                                .world_size = ctx->world_size,
+                                .rank = ctx->rank,
+                                .shard_elems = sh->elems,
+                                .states = m->states};
+    rc = zd__state_file_open(ctx->state_dir, &key, !spec->replace, m->sets, &m->file, &m->restored,
+                             m->restored_rec, err);
+    if (m->restored) {
+      const zd__state_rec_t *r = &m->restored_rec[0];
+      m->committed = (zd__committed_t){.set = r->set, .step = r->step};
+      m->step = r->step;
+      m->steps_skipped = r->steps_skipped;
+    }
+  } else {
+    for (int k = 0; k < (ctx->overlap_update ? 2 : 1); k++)
+      for (int s = 0; s < ZD__NSTATES && !rc; s++)
+        if (m->states & ZD__STATE_BIT(s)) rc = c->ops->alloc(c, sh->elems, &m->sets[k][s], err);
+  }
+  memcpy(sh->state, m->sets[m->committed.set], sizeof sh->state); /* the committed set */
   if (!rc && ctx->world_size > 1) rc = c->ops->alloc(c, sh->elems, &sh->grad_shard, err);
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];
@@ -336,6 +353,40 @@ void zd__model_commit(zd__model_t *m, int switch_set) {
     memcpy(m->shard.state, m->sets[m->committed.set], sizeof m->shard.state);
   }
   m->committed.step = m->step;
+  if (m->file) {
+    zd__state_rec_t rec = {.set = m->committed.set,
+                           .step = m->step,
+                           .steps_skipped = m->steps_skipped,
+                           .scaler_enabled = m->scaler.enabled,
+                           .scale = m->scaler.scale,
+                           .growth_tracker = m->scaler.growth_tracker,
+                           .hysteresis_tracker = m->scaler.hysteresis_tracker};
+    zd__state_file_commit(m->file, &rec);
+  }
+}
+
+void zd__model_take_record(zd__model_t *m, int i) {
+  zd_assert(i >= 0 && i < m->restored);
+  const zd__state_rec_t *r = &m->restored_rec[i];
+  m->committed.set = r->set;
+  m->step = r->step;
+  m->steps_skipped = r->steps_skipped;
+  if (r->scaler_enabled && m->scaler.enabled) {
+    m->scaler.scale = r->scale;
+    m->scaler.growth_tracker = r->growth_tracker;
+    m->scaler.hysteresis_tracker = r->hysteresis_tracker;
+  }
+  memcpy(m->shard.state, m->sets[m->committed.set], sizeof m->shard.state);
+  zd__model_commit(m, 0); /* the file's newest record is the one served */
+  m->restored = 0;
+}
+
+void zd__model_forget_restored(zd__model_t *m) {
+  zd__state_file_reset(m->file);
+  m->committed = (zd__committed_t){0};
+  m->step = m->steps_skipped = 0;
+  memcpy(m->shard.state, m->sets[0], sizeof m->shard.state);
+  m->restored = 0;
 }
 
 float *const *zd__model_other_set(const zd__model_t *m) {

@@ -38,6 +38,7 @@
 #include "layout.h"
 #include "shm.h"
 #include "state.h"
+#include "state_file.h"
 #include "step_decide.h"
 #include "zerod/zerod.h"
 
@@ -84,6 +85,12 @@ typedef struct zd__model {
    * updates are in place. */
   float *sets[2][ZD__NSTATES];
   zd__committed_t committed;
+  /* state_dir: both sets live in this file, and every commit writes its header (state_file.h);
+   * restored: how many committed records of this model the file held (0..2, state_file.h), the
+   * newest of which the model took at creation; restored_rec: they. */
+  struct zd__state_file *file;
+  int restored;
+  zd__state_rec_t restored_rec[2];
   /* overlap_update: the speculative update of bucket b (step.c, zd__model_scatter; run on the
    * speculation thread, spec) wrote the other set's part of bucket b from the committed set and
    * the bucket's reduced gradients, for step spec_step with spec_scale and spec_consts (step
@@ -130,14 +137,20 @@ typedef struct zd__step_ctx {
   struct zd__ckptr *ckpt;          /* the daemon's checkpointer (checkpoint.h); NULL: none */
   int overlap_update;              /* two sets of state arrays, buckets updated speculatively as
                                       their scatter completes (config.h; CPU backend only) */
+  const char *state_dir;           /* CPU backend: the state lives in a file there (state_file.h:
+                                      two sets, every update out of place); NULL: none */
   int resume_latest;               /* the world re-formed: the next registration resumes the
                                     newest complete checkpoint (rank.c) */
   atomic_int *attach_abandoned;    /* set when the client of the registration in progress left */
 } zd__step_ctx_t;
 
 /* A new model for spec on the rank of ctx: takes spec's layout and groups, allocates the state
- * arrays its groups need (zeroed) and the backend's per-shard data. Errors: -ENOMEM or the
- * backend's, with a message naming the shard's size. */
+ * arrays its groups need (zeroed) and the backend's per-shard data. With ctx->state_dir both
+ * sets are the rank's state file's, and without spec->replace a file holding this model's
+ * committed state is taken (m->restored, m->restored_rec[0]: its committed set and step; the
+ * loss scaler and the choice of record at world size > 1 are the resume's, checkpoint.h).
+ * Errors: -ENOMEM or the backend's, with a message naming the shard's size, or the state
+ * file's. */
 int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__model_t **out,
                      zd__err_t *err);
 
@@ -155,8 +168,19 @@ int zd__model_check_states(const zd__model_t *m, const zd_group_t *groups, const
                            zd__err_t *err);
 
 /* Commits the model's step: the committed record takes m->step, and with switch_set (an update
- * wrote the other set) the other set becomes the committed one (shard.state). */
+ * wrote the other set) the other set becomes the committed one (shard.state). With a state file
+ * the commit is its header write (set, step, steps skipped, loss scaler: set them first). */
 void zd__model_commit(zd__model_t *m, int switch_set);
+
+/* A model restored from its state file (m->restored) serves record i of it (0: the newest commit,
+ * 1: the one before, i < m->restored): its set, step, steps skipped and loss scaler (when the
+ * registration keeps one on), committed again so that the file's newest record is it. After
+ * zd__model_configure. */
+void zd__model_take_record(zd__model_t *m, int i);
+
+/* A model restored from its state file that must not serve it (the world cannot agree on a
+ * step): the file forgets it, and the model is as zd__model_create makes a fresh one. */
+void zd__model_forget_restored(zd__model_t *m);
 
 /* The set an out-of-place update writes (compute.h, update's out): the set that is not
  * committed; NULL with one set. */

@@ -655,6 +655,7 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
       .comm = env->comm,
       .ckpt = env->ckpt,
       .overlap_update = env->overlap_update,
+      .state_dir = env->state_dir,
   };
   r->ctx.attach_abandoned = &r->attach_abandoned;
   r->device = env->gpu ? env->gpu->device : -1;

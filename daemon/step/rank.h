@@ -184,6 +184,7 @@ typedef struct zd__rank_env {
   const zd__gpu_info_t *gpu; /* CUDA backend: this rank's GPU (outlives the rank); NULL: CPU */
   int cuda_fast;             /* CUDA backend: cuda_step fast (else legacy; config.h) */
   int overlap_update;        /* CPU backend: overlap_update (config.h, model.h) */
+  const char *state_dir;     /* CPU backend: state_dir (config.h, state_file.h); NULL: none */
 } zd__rank_env_t;
 
 /* Creates a rank and starts its worker thread. With the CUDA backend the worker first makes the

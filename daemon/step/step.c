@@ -769,6 +769,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   if (dec.skip) {
     m->scaler = st.scaler;
     m->steps_skipped = st.steps_skipped;
+    zd__model_commit(m, 0);                         /* the scaler's new state (a state file) */
     end_speculation(m);                             /* dropped: the committed set stays */
     rc = job_end_early(ctx, buf, slot, ZD_OK, err); /* skipped: parameters unchanged, no gather */
     if (!rc && checkpoint) snapshot_after_step(ctx, m);

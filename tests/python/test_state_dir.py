@@ -1,0 +1,524 @@
+"""state_dir against real zerod processes: the state survives zerod.
+
+A trainer steps in a loop against a zerod whose state lives in a file of a state_dir on tmpfs;
+zerod is SIGKILLed at random moments (many of them while the trainer is inside a step), started
+again with the same command line, and a new client registers with junk initial values. Every
+time the rank must come back at a completed step (the last acknowledged one, or the one in
+flight when its commit was done before the kill), never a half-applied one, with parameters bitwise
+equal to an uninterrupted torch.optim.AdamW(foreach=False) run on the same gradients; the run
+then goes on, and ends equal to the reference too. Also covered: the two header slots (the newest
+one damaged: the previous commit is served), a file whose headers are both damaged (renamed
+aside, not deleted, the log says why, the rank falls back to the newest checkpoint), the status
+section, a second zerod on the same file, and the refusal of a state_dir other users may enter.
+
+W=2 (a zerod per rank, one state_dir, rank 0 sends the gradient, rank 1 zeros, summed): both
+zerods SIGKILLed during training and restarted (both resume the same step from their files; a
+rank that committed the step in flight while the other did not goes back one commit), and one
+zerod SIGKILLed while the other re-forms the world around its restart (no checkpoint was taken:
+the world continues from the files, no rollback); each time bitwise equal to torch.
+
+Options: --trials N (default 24), --seed S (default 1; "random"), --overlap (zerod with
+overlap_update = 1: the speculative updates write the same second set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+from typing import Dict, List, Optional
+
+import common  # sets up sys.path and the library first
+
+import numpy as np
+
+import zerod.testing  # noqa: E402
+from zerod import ZerodError  # noqa: E402
+
+torch = common.require_torch()
+
+# Big enough that a step takes a while (kills land inside steps), small enough for 2 cores.
+PARAMS = [("sd.w", (512, 384)), ("sd.b", (384,)), ("sd.v", (70001,)), ("sd.s", ())]
+BUCKET = "65536"
+NGRADS = 5  # step s's gradient is GRADS[s % NGRADS] * (1 + s / 64): cheap and never the same
+
+
+def tmpfs_root() -> str:
+    """A directory on tmpfs for the state_dir, or skip."""
+    for root in (os.environ.get("ZEROD_TEST_TMPFS", ""), "/dev/shm", os.environ.get(
+            "XDG_RUNTIME_DIR", "")):
+        if root and os.path.isdir(root) and os.access(root, os.W_OK):
+            out = subprocess.run(["stat", "-f", "-c", "%T", root], capture_output=True, text=True)
+            if out.stdout.strip() in ("tmpfs", "ramfs"):
+                return root
+    common.skip("no writable tmpfs (/dev/shm, $XDG_RUNTIME_DIR or $ZEROD_TEST_TMPFS)")
+    return ""
+
+
+def init_values() -> Dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in PARAMS}
+
+
+_POOL: List[Dict[str, np.ndarray]] = []
+
+
+def step_grads(step: int) -> Dict[str, np.ndarray]:
+    if not _POOL:
+        rng = np.random.default_rng(11)
+        for _ in range(NGRADS):
+            _POOL.append({n: rng.standard_normal(s).astype(np.float32) for n, s in PARAMS})
+    f = np.float32(1 + step / 64)
+    return {n: g * f for n, g in _POOL[step % NGRADS].items()}
+
+
+class Reference:
+    """torch.optim.AdamW(foreach=False) on the same gradients, uninterrupted; params after each
+    step, computed on demand."""
+
+    def __init__(self) -> None:
+        self.params = [torch.tensor(v) for v in init_values().values()]
+        self.opt = torch.optim.AdamW(self.params, foreach=False)
+        self.seen = {0: self.snapshot()}
+
+    def snapshot(self) -> Dict[str, np.ndarray]:
+        return {n: p.detach().numpy().copy() for (n, _), p in zip(PARAMS, self.params)}
+
+    def at(self, step: int) -> Dict[str, np.ndarray]:
+        while max(self.seen) < step:
+            s = max(self.seen) + 1
+            g = step_grads(s)
+            for (n, _), p in zip(PARAMS, self.params):
+                p.grad = torch.tensor(g[n])
+            self.opt.step()
+            self.seen[s] = self.snapshot()
+        return self.seen[step]
+
+
+class Trainer:
+    """A rank's client. At W > 1 rank 0 sends step s's gradient and the others zeros, summed
+    (grad_mean off): the reduced gradient is step s's at every world size."""
+
+    def __init__(self, d, init: Optional[Dict[str, np.ndarray]], rank: int = 0,
+                 register: bool = True) -> None:
+        self.rank = rank
+        self.client = d.connect() if isinstance(d, zerod.testing.LocalZerod) else d.connect(rank)
+        self.client.layout([(n, s) for n, s in PARAMS], grad_mean=False)
+        params = np.frombuffer(self.client.param_buffer, dtype=np.float32)
+        grads = np.frombuffer(self.client.grad_buffer, dtype=np.float32)
+        self.p, self.g = {}, {}
+        for i, (name, shape) in enumerate(PARAMS):
+            info = self.client.param_info(i)
+            self.p[name] = params[info.offset:info.offset + info.numel].reshape(shape)
+            self.g[name] = grads[info.offset:info.offset + info.numel].reshape(shape)
+            self.p[name][...] = init[name] if init is not None else -7.0
+        self.info = self.client.register() if register else None
+
+    def fill(self, s: int) -> None:
+        g = step_grads(s)
+        for name, _ in PARAMS:
+            self.g[name][...] = g[name] if self.rank == 0 else 0.0
+
+    def step(self, s: int) -> None:
+        self.fill(s)
+        self.client.step()
+
+    def snapshot(self) -> Dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.p.items()}
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except ZerodError:
+            pass
+
+
+class StateDirTest(unittest.TestCase):
+    trials = 24
+    seed = 1
+    overlap = False
+    ref: Optional[Reference] = None
+
+    def setUp(self) -> None:
+        self.state_dir = os.path.join(tempfile.mkdtemp(prefix="zerod-state-", dir=tmpfs_root()),
+                                      "state")
+        self.addCleanup(shutil.rmtree, os.path.dirname(self.state_dir), True)
+        if StateDirTest.ref is None:
+            StateDirTest.ref = Reference()
+
+    def assert_same(self, got: Dict[str, np.ndarray], step: int, what: str) -> None:
+        want = self.ref.at(step)
+        for name, _ in PARAMS:
+            g, w = got[name].view(np.uint32).ravel(), want[name].view(np.uint32).ravel()
+            diff = np.flatnonzero(g != w)
+            self.assertEqual(diff.size, 0, f"{what}: {name} differs from torch's step {step} at "
+                             f"{diff.size} elements, first {diff[:5].tolist()}")
+
+    def start(self, extra: List[str] = ()) -> zerod.testing.LocalZerod:
+        overlap = ["--overlap_update", "1"] if self.overlap else []
+        return zerod.testing.LocalZerod(["--state_dir", self.state_dir, "--bucket_elems", BUCKET]
+                                        + overlap + list(extra), log_level="info")
+
+    def test_sigkill_at_random_moments_loses_no_step(self) -> None:
+        rnd = random.Random(self.seed)
+        d = self.start()
+        t = Trainer(d, init_values())
+        self.assertFalse(t.info.resumed)
+        step = 0
+        for s in range(1, 4):
+            t.step(s)
+            step = s
+        self.assert_same(t.snapshot(), step, "before the first kill")
+        mid_step = ahead = 0
+        for trial in range(self.trials):
+            state = {"acked": step, "in_step": False, "error": None}
+
+            def loop() -> None:
+                s = state["acked"] + 1
+                try:
+                    while True:
+                        t.fill(s)
+                        state["in_step"] = True  # inside zd_step: scatter, update, gather
+                        t.client.step()
+                        state["in_step"] = False
+                        state["acked"] = s
+                        s += 1
+                except ZerodError as e:
+                    state["error"] = e
+                except BaseException as e:  # noqa: BLE001  (reported below)
+                    state["error"] = e
+
+            th = threading.Thread(target=loop)
+            th.start()
+            time.sleep(rnd.uniform(0.005, 0.06))
+            if trial % 2:  # every other kill aimed inside a step: once one began, 0-3 ms into it
+                deadline = time.monotonic() + 10
+                while not state["in_step"] and time.monotonic() < deadline:
+                    time.sleep(0.0002)
+                time.sleep(rnd.uniform(0, 0.003))
+            in_step = state["in_step"]
+            common.stop_zerod(d, signal.SIGKILL)
+            th.join(60)
+            self.assertFalse(th.is_alive(), f"trial {trial}: the trainer hangs after the kill")
+            self.assertIsInstance(state["error"], ZerodError,
+                                  f"trial {trial}: the trainer's step did not fail with "
+                                  f"ZerodError: {state['error']!r}")
+            mid_step += in_step
+            t.close()
+            acked = state["acked"]
+            d = self.start()
+            t = Trainer(d, None)  # junk initial values: everything must come from the file
+            self.assertTrue(t.info.resumed, f"trial {trial}: not resumed; log:\n{d.log()[-2000:]}")
+            self.assertIn(t.info.step, (acked, acked + 1),
+                          f"trial {trial}: resumed step {t.info.step}, the trainer saw {acked} "
+                          f"acknowledged")
+            ahead += t.info.step == acked + 1
+            step = t.info.step
+            self.assert_same(t.snapshot(), step, f"trial {trial}: after the restart")
+            self.assertIn("from its state file", d.log())
+        for s in range(step + 1, step + 4):
+            t.step(s)
+        step += 3
+        self.assert_same(t.snapshot(), step, "at the end")
+        print(f"\n    {self.trials} kills, {mid_step} while the trainer was inside a step, "
+              f"{ahead} after the commit of a step not yet acknowledged; {step} steps")
+        # A kill that lands inside a step is the point: most of the loop's time is in steps.
+        self.assertGreaterEqual(mid_step, self.trials // 3, "too few kills landed in a step")
+        t.close()
+        common.stop_zerod(d)
+
+    def test_status_section(self) -> None:
+        d = self.start()
+        t = Trainer(d, init_values())
+        for s in range(1, 3):
+            t.step(s)
+        sections = t.client.status_dict()
+        self.assertIn("state_file", sections, f"no state_file section: {sorted(sections)}")
+        st = sections["state_file"]
+        self.assertEqual(st["state_dir"], self.state_dir)
+        self.assertEqual(st["rank0_committed_step"], "2")
+        [path] = self.files()
+        self.assertEqual(st["rank0_path"], path)
+        self.assertEqual(int(st["rank0_file_bytes"]), os.stat(path).st_size)
+        t.close()
+        common.stop_zerod(d)
+
+    def files(self) -> List[str]:
+        return sorted(glob.glob(os.path.join(self.state_dir, "*.zdstate")))
+
+    def test_newest_header_damaged_serves_the_previous_commit(self) -> None:
+        d = self.start()
+        t = Trainer(d, init_values())
+        for s in range(1, 6):
+            t.step(s)
+        t.close()
+        common.stop_zerod(d, signal.SIGKILL)
+        [path] = self.files()
+        self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(self.state_dir).st_mode & 0o777, 0o700)
+        with open(path, "r+b") as f:  # step 5 was the 5th commit: sequence 5, slot 1
+            f.seek(2048 + 40)
+            b = f.read(1)
+            f.seek(2048 + 40)
+            f.write(bytes([b[0] ^ 0x10]))
+        d = self.start()
+        t = Trainer(d, None)
+        self.assertTrue(t.info.resumed)
+        self.assertEqual(t.info.step, 4, "the previous commit, whose set nothing wrote since")
+        self.assert_same(t.snapshot(), 4, "after the newest header was damaged")
+        t.step(5)
+        self.assert_same(t.snapshot(), 5, "step 5 again")
+        t.close()
+        common.stop_zerod(d)
+
+    def test_corrupt_headers_fall_back_to_the_checkpoint(self) -> None:
+        ckpt = tempfile.mkdtemp(prefix="zerod-ckpt-")
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        extra = ["--checkpoint_dir", ckpt, "--checkpoint_every_steps", "3", "--resume", "latest"]
+        d = self.start(extra)
+        t = Trainer(d, init_values())
+        for s in range(1, 6):
+            t.step(s)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(ckpt, f"step-{3:012d}", "manifest.json")):
+            self.assertLess(time.monotonic(), deadline, "checkpoint of step 3 not written")
+            time.sleep(0.02)
+        t.close()
+        common.stop_zerod(d, signal.SIGKILL)
+        [path] = self.files()
+        with open(path, "r+b") as f:
+            for off in (8, 2048 + 8):  # both slots' version fields
+                f.seek(off)
+                f.write(b"\xff")
+        d = self.start(extra)
+        t = Trainer(d, None)
+        self.assertTrue(t.info.resumed)
+        self.assertEqual(t.info.step, 3, "the newest checkpoint")
+        self.assert_same(t.snapshot(), 3, "after the fallback")
+        log = d.log()
+        self.assertIn("no usable header", log)
+        self.assertIn("renamed to", log)
+        aside = glob.glob(path + ".bad-*")
+        self.assertEqual(len(aside), 1, f"the damaged file is kept aside: {os.listdir(self.state_dir)}")
+        for s in range(4, 7):
+            t.step(s)
+        self.assert_same(t.snapshot(), 6, "after the fallback, trained on")
+        t.close()
+        common.stop_zerod(d)
+
+    def test_second_zerod_on_the_same_file_is_refused(self) -> None:
+        first = self.start()
+        t = Trainer(first, init_values())
+        t.step(1)
+        second = self.start()
+        try:
+            with self.assertRaises(ZerodError) as cm:
+                Trainer(second, init_values())
+            self.assertIn("in use by another process", str(cm.exception))
+            t.step(2)  # the first one trains on, its file untouched
+            self.assert_same(t.snapshot(), 2, "the first zerod, after the refusal")
+        finally:
+            t.close()
+            common.stop_zerod(second)
+            common.stop_zerod(first)
+
+    def test_state_dir_others_may_enter_is_refused(self) -> None:
+        os.makedirs(self.state_dir, mode=0o755)
+        os.chmod(self.state_dir, 0o755)
+        d = zerod.testing.LocalZerod(["--state_dir", self.state_dir], start=False)
+        d.spawn()
+        rc = d.process.wait(30)
+        self.assertNotEqual(rc, 0)
+        self.assertIn("other users may enter it", d.log())
+
+
+def on_all(fns: List) -> list:
+    """Runs every fn at once (collectives need every rank); re-raises the first error."""
+    out: list = [None] * len(fns)
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001  (re-raised below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+class WorldTest(StateDirTest):
+    """W=2, a zerod per rank, one state_dir: the world goes on from the files, no rollback."""
+
+    def world(self) -> zerod.testing.LocalWorld:
+        ckpt = tempfile.mkdtemp(prefix="zerod-ckpt-")  # re-forming a world needs checkpoints on
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        overlap = ["--overlap_update", "1"] if self.overlap else []
+        world = zerod.testing.LocalWorld(2, daemons=2, args=[
+            "--state_dir", self.state_dir, "--bucket_elems", BUCKET, "--checkpoint_dir", ckpt,
+            "--heartbeat_ms", "100", "--peer_timeout_ms", "1000", "--log_level", "info"]
+            + overlap)
+        self.rendezvous = world.daemons[0].control_address  # rank 0's zerod serves the store
+        return world
+
+    def register(self, world, init) -> List[Trainer]:
+        ts = on_all([lambda r=r: Trainer(world, init, r, register=False) for r in range(2)])
+        infos = on_all([lambda t=t: t.client.register() for t in ts])
+        for t, info in zip(ts, infos):
+            t.info = info
+        return ts
+
+    def train(self, ts: List[Trainer], steps: range) -> None:
+        for s in steps:
+            on_all([lambda t=t: t.step(s) for t in ts])
+
+    def kill_in_step(self, world, ts: List[Trainer], step: int, victims: List[int],
+                     delay: float) -> int:
+        """Trains from step + 1 until the victims' zerods are SIGKILLed, delay seconds in; the
+        last step every trainer saw acknowledged."""
+        state = {"acked": step}
+
+        def loop() -> None:
+            s = state["acked"] + 1
+            try:
+                while True:
+                    for t in ts:
+                        t.fill(s)
+                    on_all([lambda t=t: t.client.step() for t in ts])
+                    state["acked"] = s
+                    s += 1
+            except ZerodError:
+                pass
+
+        th = threading.Thread(target=loop)
+        th.start()
+        time.sleep(delay)
+        for v in victims:
+            common.stop_zerod(world.daemons[v], signal.SIGKILL)
+        th.join(120)
+        self.assertFalse(th.is_alive(), "a trainer hangs after the kill")
+        for t in ts:
+            t.close()
+        return state["acked"]
+
+    def restart(self, world, victims: List[int]) -> None:
+        for v in victims:
+            args = [a for a in world.daemons[v].args]
+            if v == 0 and "--control_address" not in args:
+                # it serves the rendezvous store, at the address the others were given
+                path = self.rendezvous[len("unix:"):]
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self.addCleanup(shutil.rmtree, os.path.dirname(path), True)
+                args += ["--control_address", self.rendezvous]
+            if v == 0 and os.path.exists(self.rendezvous[len("unix:"):]):
+                os.unlink(self.rendezvous[len("unix:"):])  # the killed one's socket
+            d = zerod.testing.LocalZerod(args, log_level="info")
+            world.daemons[v] = d
+            world._endpoints[v] = (d.socket, 0)
+
+    def check_resumed(self, world, ts: List[Trainer], acked: int, what: str) -> int:
+        steps = {t.info.step for t in ts}
+        self.assertEqual(len(steps), 1, f"{what}: the ranks resumed different steps {steps}")
+        step = steps.pop()
+        for t in ts:
+            self.assertTrue(t.info.resumed, f"{what}: rank {t.rank} did not resume")
+            self.assert_same(t.snapshot(), step, f"{what}: rank {t.rank}'s parameters")
+        self.assertIn(step, (acked, acked + 1), f"{what}: resumed {step}, {acked} acknowledged")
+        for d in world.daemons:
+            self.assertIn("from its state file", d.log(), f"{what}: not from the state file")
+        return step
+
+    def test_every_zerod_killed_in_a_step_loses_no_step(self) -> None:
+        rnd = random.Random(self.seed)
+        world = self.world()
+        try:
+            ts = self.register(world, init_values())
+            self.train(ts, range(1, 4))
+            step, back, ahead = 3, 0, 0
+            trials = max(3, self.trials // 4)
+            for trial in range(trials):
+                acked = self.kill_in_step(world, ts, step, [0, 1], rnd.uniform(0.01, 0.08))
+                self.restart(world, [0, 1])
+                ts = self.register(world, None)
+                step = self.check_resumed(world, ts, acked, f"trial {trial}")
+                back += sum("its commit before the newest" in d.log() for d in world.daemons)
+                ahead += step == acked + 1
+            print(f"\n    W=2: {trials} kills of both zerods; {ahead} resumed the step in flight, "
+                  f"{back} rank(s) went back one commit to meet the other")
+            self.train(ts, range(step + 1, step + 4))
+            for t in ts:
+                self.assert_same(t.snapshot(), step + 3, f"rank {t.rank} at the end")
+            for t in ts:
+                t.close()
+            common.stop_world(world)
+        finally:
+            world.stop(signal.SIGKILL, check=False)
+
+    def test_one_zerod_killed_the_world_heals_without_rollback(self) -> None:
+        rnd = random.Random(self.seed + 1)
+        world = self.world()
+        try:
+            ts = self.register(world, init_values())
+            self.train(ts, range(1, 4))
+            acked = self.kill_in_step(world, ts, 3, [1], rnd.uniform(0.01, 0.08))
+            # as systemd would, once the survivor is re-forming the world (test_checkpoint's heal)
+            zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                                 "zeroctl"))
+            deadline, health = time.monotonic() + 30, ""
+            while health != "rejoining":
+                self.assertLess(time.monotonic(), deadline, f"the survivor stays {health}")
+                out = subprocess.run([zeroctl, "--address", world.daemons[0].control_address,
+                                      "status", "--json"], capture_output=True, text=True,
+                                     timeout=30)
+                health = json.loads(out.stdout)["ranks"][0]["health"] if out.stdout else ""
+                time.sleep(0.02)
+            self.restart(world, [1])
+            ts = self.register(world, None)  # rank 0's zerod re-forms the world meanwhile
+            step = self.check_resumed(world, ts, acked, "after the heal")
+            self.assertGreater(step, 3, "no checkpoint was taken: a rollback would be to 0")
+            self.train(ts, range(step + 1, step + 4))
+            for t in ts:
+                self.assert_same(t.snapshot(), step + 3, f"rank {t.rank} after the heal")
+            for t in ts:
+                t.close()
+            common.stop_world(world)
+        finally:
+            world.stop(signal.SIGKILL, check=False)
+
+    # The W=1 tests are StateDirTest's.
+    test_sigkill_at_random_moments_loses_no_step = None
+    test_status_section = None
+    test_newest_header_damaged_serves_the_previous_commit = None
+    test_corrupt_headers_fall_back_to_the_checkpoint = None
+    test_second_zerod_on_the_same_file_is_refused = None
+    test_state_dir_others_may_enter_is_refused = None
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=24)
+    ap.add_argument("--seed", default=None)
+    ap.add_argument("--overlap", action="store_true", help="zerod with overlap_update = 1")
+    opts, rest = ap.parse_known_args()
+    StateDirTest.trials = opts.trials
+    StateDirTest.overlap = opts.overlap
+    StateDirTest.seed = common.test_seed(opts.seed)
+    print(f"seed {StateDirTest.seed}: {common.repeat_command(StateDirTest.seed)}", flush=True)
+    sys.argv = [sys.argv[0]] + rest
+    common.run(StateDirTest, WorldTest)
