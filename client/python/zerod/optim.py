@@ -56,10 +56,10 @@ class ZeroSGD(ZeroOptimizer):
             raise ValueError(f"{where}: Nesterov momentum requires a momentum and zero "
                              f"dampening")
 
-    def _choose_formulas(self) -> None:
+    def _choose_formulas(self, cuda: bool) -> None:
         """SGD's formula is the same in torch 1.13 and 2.x (kernels/sgd.c): update and sqrt_mode
         are recorded for the bookkeeping only."""
-        if self._cuda:
+        if cuda:  # stepped on the GPU (offload steps on the CPU)
             raise ValueError("ZeroSGD: CUDA parameters are not supported yet (zerod's CUDA "
                              "backend has no SGD kernel); train on CPU parameters")
         for g in self.param_groups:
@@ -104,14 +104,14 @@ class ZeroAdagrad(ZeroOptimizer):
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{where}: invalid {key} value: {v!r}")
 
-    def _choose_formulas(self) -> None:
+    def _choose_formulas(self, cuda: bool) -> None:
         """torch.sqrt's mode as for AdamW; the update field is bookkeeping (one formula)."""
-        if self._cuda:
+        if cuda:  # stepped on the GPU (offload steps on the CPU)
             raise ValueError("ZeroAdagrad: CUDA parameters are not supported yet (zerod's CUDA "
                              "backend has no Adagrad kernel); train on CPU parameters")
         for g in self.param_groups:
             g["initial_accumulator_value"] = self._initial_accumulator_value
-        super()._choose_formulas()
+        super()._choose_formulas(cuda)
 
 
 class ZeroRMSprop(ZeroOptimizer):
@@ -142,8 +142,8 @@ class ZeroRMSprop(ZeroOptimizer):
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{where}: invalid {key} value: {v!r}")
 
-    def _choose_formulas(self) -> None:
-        if self._cuda:
+    def _choose_formulas(self, cuda: bool) -> None:
+        if cuda:  # stepped on the GPU (offload steps on the CPU)
             raise ValueError("ZeroRMSprop: CUDA parameters are not supported yet (zerod's CUDA "
                              "backend has no RMSprop kernel); train on CPU parameters")
-        super()._choose_formulas()
+        super()._choose_formulas(cuda)
