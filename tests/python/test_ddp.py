@@ -83,7 +83,7 @@ def gloo_elems(prof: Any) -> Dict[str, int]:
     """Elements of every Gloo collective the profiler saw, by its name."""
     out: Dict[str, int] = {}
     for e in prof.events():
-        if e.name.startswith("gloo:"):
+        if e.name.startswith("gloo:") and e.name != "gloo:barrier":
             n = 0
             for shape in e.input_shapes:
                 k = 1
@@ -121,6 +121,11 @@ def worker(rank: int, mode: str, sock: str, port: int) -> None:
                                 stack.enter_context(opt.no_sync())
                         loss_of(model, batch(step, m, rank)).backward()
                 opt.step()
+            # Gloo completes a collective's future before it ends the collective's profiler
+            # record, so the last step's all-reduce may still be open here; a barrier waits
+            # for every earlier collective to finish (record included). The barrier's own
+            # record is not counted.
+            dist.barrier()
     zerod_bytes = int(opt.client.rank_status()["collective_bytes"]) - before
     ref = reference()
     diffs = [common.first_difference(n, a, b) for (n, a), (_, b) in
