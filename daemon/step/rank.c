@@ -124,7 +124,12 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->committed_set = m->committed.set;
     s->spec_committed = m->spec_committed;
     s->spec_recomputed = m->spec_recomputed;
+    if (m->file) {
+      snprintf(s->state_path, sizeof s->state_path, "%s", zd__state_file_path(m->file));
+      s->state_committed_step = zd__state_file_committed_step(m->file);
+    }
   }
+  if (!m) s->state_path[0] = '\0';
   if (have_times) s->gpu_times = times;
   if (job->type == ZD__JOB_STEP && job->code == ZD_OK) {
     s->last_grad_norm = job->out.step.grad_norm;
@@ -987,6 +992,10 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
                              s.step_hist[h]);
   zd__status_add(st, "step_histogram", "%s", hist);
   if (s.resume_pending) zd__status_add(st, "resume_pending", "%s", "newest complete checkpoint");
+  if (s.state_path[0]) {
+    zd__status_add(st, "state_file", "%s", s.state_path);
+    zd__status_add(st, "state_committed_step", "%" PRIu64, s.state_committed_step);
+  }
   if (s.recovery[0]) { /* the last recovery: how, at which step, how long */
     zd__status_add(st, "last_recovery", "%s", s.recovery);
     zd__status_add(st, "last_recovery_step", "%" PRIu64, s.recovery_step);

@@ -172,7 +172,9 @@ typedef struct zd__rank_stats {
   uint64_t recovery_step;
   uint64_t recovery_ms;
   char recovery_note[160];
-  zd__phase_times_t gpu_times; /* CUDA: where the steps' GPU time went (compute.h) */
+  char state_path[256];          /* state_dir: the model's state file; "" none */
+  uint64_t state_committed_step; /* ... and the step its newest header commits */
+  zd__phase_times_t gpu_times;   /* CUDA: where the steps' GPU time went (compute.h) */
   zd__health_t health;
   char degraded_reason[ZD__ERR_MSG_MAX];
 } zd__rank_stats_t;

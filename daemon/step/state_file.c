@@ -399,6 +399,14 @@ int zd__state_file_records(const zd__state_file_t *f, zd__state_rec_t rec[2]) {
   return records(f, best, rec);
 }
 
+const char *zd__state_file_path(const zd__state_file_t *f) {
+  return f->path;
+}
+
+uint64_t zd__state_file_committed_step(const zd__state_file_t *f) {
+  return atomic_load(&f->has_commit) ? atomic_load(&f->committed_step) : 0;
+}
+
 void zd__state_file_reset(zd__state_file_t *f) {
   memset(f->map, 0, f->bytes);
   atomic_store(&f->has_commit, 0);

@@ -94,6 +94,10 @@ int zd__state_file_records(const zd__state_file_t *f, zd__state_rec_t rec[2]);
  * take the state it was restored with. */
 void zd__state_file_reset(zd__state_file_t *f);
 
+/* The file's path, and the step its newest record commits (0 when none). */
+const char *zd__state_file_path(const zd__state_file_t *f);
+uint64_t zd__state_file_committed_step(const zd__state_file_t *f);
+
 /* Unmaps the file and closes it; the file stays. Accepts NULL. */
 void zd__state_file_close(zd__state_file_t *f);
 

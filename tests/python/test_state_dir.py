@@ -253,6 +253,54 @@ class StateDirTest(unittest.TestCase):
         t.close()
         common.stop_zerod(d)
 
+    def test_recovery_in_status_zeroctl_and_metrics(self) -> None:
+        """Item 6: where the rank's state lives, its committed step, how the last recovery was
+        made and how long it took: the STATUS section, zeroctl status --json and its table,
+        and the metrics."""
+        import re
+        import urllib.request
+        d = self.start()
+        t = Trainer(d, init_values())
+        for s in range(1, 4):
+            t.step(s)
+        rank = t.client.status_dict()["rank 0"]
+        self.assertNotIn("last_recovery", rank, "a first registration is no recovery")
+        t.close()
+        common.stop_zerod(d, signal.SIGKILL)
+        d = self.start(["--metrics_address", "127.0.0.1:0"])
+        t = Trainer(d, None)
+        [path] = self.files()
+        rank = t.client.status_dict()["rank 0"]
+        self.assertEqual(rank["state_file"], path)
+        self.assertEqual(rank["state_committed_step"], "3")
+        self.assertEqual(rank["last_recovery"], "state_dir")
+        self.assertEqual(rank["last_recovery_step"], "3")
+        ms = int(rank["last_recovery_ms"])
+        zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                             "zeroctl"))
+        out = subprocess.run([zeroctl, "--address", d.control_address, "status", "--json"],
+                             capture_output=True, text=True, timeout=30)
+        r0 = json.loads(out.stdout)["ranks"][0]
+        self.assertEqual((r0["state_file"], r0["state_committed_step"], r0["last_recovery"],
+                          r0["last_recovery_step"], r0["last_recovery_ms"]),
+                         (path, 3, "state_dir", 3, ms), out.stdout)
+        out = subprocess.run([zeroctl, "--address", d.control_address, "status"],
+                             capture_output=True, text=True, timeout=30)
+        self.assertIn(f"rank 0: {path}, committed step 3; last recovery state_dir at step 3 in "
+                      f"{ms} ms", out.stdout)
+        t.step(4)
+        m = re.search(r"metrics on http://(127\.0\.0\.1:\d+)/metrics", d.log())
+        self.assertIsNotNone(m, "zerod did not log its metrics address")
+        text = urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10).read().decode()
+        for want in (f'zerod_rank_state_file_info{{rank="0",local_rank="0",path="{path}"}} 1',
+                     'zerod_rank_state_committed_step{rank="0",local_rank="0"} 4',
+                     'zerod_rank_last_recovery_info{rank="0",local_rank="0",how="state_dir"} 1',
+                     'zerod_rank_last_recovery_step{rank="0",local_rank="0"} 3',
+                     f'zerod_rank_last_recovery_seconds{{rank="0",local_rank="0"}} {ms / 1000:g}'):
+            self.assertIn(want, text)
+        t.close()
+        common.stop_zerod(d)
+
     def files(self) -> List[str]:
         return sorted(glob.glob(os.path.join(self.state_dir, "*.zdstate")))
 
@@ -439,7 +487,8 @@ class WorldTest(StateDirTest):
                                                              "zeroctl"))
         deadline, health, why = time.monotonic() + timeout, "", ""
         while health != want:
-            self.assertLess(time.monotonic(), deadline, f"the zerod stays {health} ({why})")
+            self.assertLess(time.monotonic(), deadline,
+                            f"the zerod stays {health} ({why}); log:\n{d.log()[-3000:]}")
             out = subprocess.run([zeroctl, "--address", d.control_address, "status", "--json"],
                                  capture_output=True, text=True, timeout=30)
             health = json.loads(out.stdout)["ranks"][0]["health"] if out.stdout else ""
@@ -581,6 +630,7 @@ class WorldTest(StateDirTest):
     # The W=1 tests are StateDirTest's.
     test_sigkill_at_random_moments_loses_no_step = None
     test_status_section = None
+    test_recovery_in_status_zeroctl_and_metrics = None
     test_newest_header_damaged_serves_the_previous_commit = None
     test_corrupt_headers_fall_back_to_the_checkpoint = None
     test_second_zerod_on_the_same_file_is_refused = None
