@@ -685,6 +685,22 @@ static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, s
     if (!header++) printf("\ndegraded:\n");
     printf("  rank %u: %s\n", rows[r].rank, s->degraded_reason);
   }
+  header = 0; /* state_dir: where each rank's state lives, and how it last came back */
+  for (size_t r = 0; r < nrows; r++) {
+    const Zerod__V1__RankStatus *s = rows[r].stat;
+    if (!s || (!s->state_file && !s->last_recovery)) continue;
+    if (!header++) printf("\nstate:\n");
+    printf("  rank %u:", rows[r].rank);
+    if (s->state_file)
+      printf(" %s, committed step %" PRIu64 ";", s->state_file, s->state_committed_step);
+    if (s->last_recovery)
+      printf(" last recovery %s at step %" PRIu64 " in %" PRIu64 " ms%s%s", s->last_recovery,
+             s->last_recovery_step, s->last_recovery_ms, s->last_recovery_note ? ": " : "",
+             s->last_recovery_note ? s->last_recovery_note : "");
+    else
+      printf(" no recovery since zerod started");
+    printf("\n");
+  }
   header = 0;
   for (size_t i = 0; i < nnodes; i++) {
     if (nodes[i].status) continue;
@@ -740,6 +756,22 @@ static void print_json_rank(const row_t *r) {
   printf(", \"last_grad_norm\": ");
   json_double(stdout, s->has_last_grad_norm ? s->last_grad_norm : NAN);
   if (s->has_last_step_us) printf(", \"last_step_us\": %" PRIu64, s->last_step_us);
+  if (s->state_file) {
+    printf(", \"state_file\": ");
+    json_string(stdout, s->state_file);
+    printf(", \"state_committed_step\": %" PRIu64, s->state_committed_step);
+  }
+  if (s->last_recovery) {
+    printf(", \"last_recovery\": ");
+    json_string(stdout, s->last_recovery);
+    printf(", \"last_recovery_step\": %" PRIu64 ", \"last_recovery_ms\": %" PRIu64,
+           s->last_recovery_step, s->last_recovery_ms);
+    printf(", \"last_recovery_note\": ");
+    if (s->last_recovery_note)
+      json_string(stdout, s->last_recovery_note);
+    else
+      fputs("null", stdout);
+  }
   printf(", \"shard\": [");
   for (size_t b = 0; b < s->n_shard; b++)
     printf("%s{\"bucket\": %u, \"begin\": %" PRIu64 ", \"end\": %" PRIu64 "}", b ? ", " : "",

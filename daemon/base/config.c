@@ -184,8 +184,9 @@ static const setting_t settings[] = {
         "CPU backend: keep each rank's state (two sets of master and moments, the step, the "
         "loss scaler) in a file of this directory, mapped, committed after every step, so that "
         "a zerod killed or restarted with the same state_dir continues at the last completed "
-        "step (world size > 1: set it on every node; with checkpoint_dir the world re-forms "
-        "around a restarted zerod and continues from the files at the newest step every rank "
+        "step (world size > 1: set it on every node; the world re-forms around a restarted "
+        "zerod, whose survivors keep their state, and continues from the files at the newest step "
+        "every rank "
         "holds). Doubles the host memory of the state. It must be on a memory file system "
         "(tmpfs: /dev/shm, a systemd RuntimeDirectory, a Kubernetes emptyDir with medium "
         "Memory), owned by zerod's user, mode 0700 (created so if missing). \"\": off"),

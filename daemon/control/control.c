@@ -171,6 +171,18 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
     m->has_last_step_us = 1;
     m->last_step_us = s->last_step_us;
   }
+  if (s->state_path[0]) {
+    m->state_file = s->state_path;
+    m->has_state_committed_step = 1;
+    m->state_committed_step = s->state_committed_step;
+  }
+  if (s->recovery[0]) {
+    m->last_recovery = s->recovery;
+    m->has_last_recovery_step = m->has_last_recovery_ms = 1;
+    m->last_recovery_step = s->recovery_step;
+    m->last_recovery_ms = s->recovery_ms;
+    if (s->recovery_note[0]) m->last_recovery_note = s->recovery_note;
+  }
   uint32_t n;
   if (zd__rank_shard_ranges(r, &rm->ranges, &n) != 0 ||
       !(rm->shard = calloc(n ? n : 1, sizeof *rm->shard)) ||

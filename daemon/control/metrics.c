@@ -189,6 +189,23 @@ static const family_t families[] = {
     {"zerod_rank_collective_seconds_total", "counter",
      "time in the rank's reduce-scatters and all-gathers (CUDA: to queue them)", "rank",
      "collective_us", V_MICROS, NULL, NULL, NULL},
+    {"zerod_rank_state_file_info", "gauge",
+     "state_dir: the file that holds the rank's state (the value is 1)", "rank", "state_file",
+     V_ONE, NULL, "path=state_file", NULL},
+    {"zerod_rank_state_committed_step", "gauge",
+     "state_dir: the step the newest header of the rank's state file commits", "rank",
+     "state_committed_step", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_rank_last_recovery_info", "gauge",
+     "how the rank's state last came back (the value is 1): state_dir (a restarted zerod's "
+     "file), state_dir (kept) (a survivor's model kept across the world's re-forming), "
+     "checkpoint, none (the client's values)",
+     "rank", "last_recovery", V_ONE, NULL, "how=last_recovery", NULL},
+    {"zerod_rank_last_recovery_step", "gauge", "the step the rank's last recovery served", "rank",
+     "last_recovery_step", V_NUMBER, NULL, NULL, NULL},
+    {"zerod_rank_last_recovery_seconds", "gauge",
+     "time from the loss (the heal's start, else the registration's) to the rank serving its "
+     "state again, last recovery",
+     "rank", "last_recovery_ms", V_MILLIS, NULL, NULL, NULL},
     {"zerod_checkpoints_total", "counter",
      "checkpoints completed (on rank 0's zerod; elsewhere: this zerod's files written)",
      "checkpoint", "completed", V_NUMBER, NULL, NULL, NULL},

@@ -796,6 +796,7 @@ static int agree_state_files(const zd__step_ctx_t *ctx, zd__model_t *m, int repl
   free(all);
   if (why[0]) {
     *pick = -1;
+    snprintf(m->resume_note, sizeof m->resume_note, "%s", why);
     ZD_LOG_WARN(
         "rank %u: the world's state files are not used: %s; falling back to the newest "
         "checkpoint (resume = latest), else a fresh start",
@@ -809,6 +810,8 @@ static int agree_state_files(const zd__step_ctx_t *ctx, zd__model_t *m, int repl
 int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, int replace,
                      int *loaded, zd__err_t *err) {
   *loaded = 0;
+  m->resumed_from = ZD__FROM_CLIENT;
+  m->resume_note[0] = '\0';
   /* The state files' committed steps are newer than any checkpoint. */
   int pick = m->restored && !replace ? 0 : -1;
   int rc = ctx->state_dir && ctx->world_size > 1 ? agree_state_files(ctx, m, replace, &pick, err)
@@ -818,6 +821,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
     uint64_t newest = m->step;
     zd__model_take_record(m, pick);
     *loaded = 1;
+    m->resumed_from = ZD__FROM_STATE_FILE;
     ZD_LOG_INFO("rank %u resumed step %" PRIu64
                 " from its state file (state_dir), not from a "
                 "checkpoint%s",
@@ -895,6 +899,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
     }
     zd__model_commit(m, 0); /* the committed set holds that step now (a state file's header too) */
     *loaded = 1;
+    m->resumed_from = ZD__FROM_CHECKPOINT;
     ZD_LOG_INFO("rank %u resumed step %" PRIu64 " from %s (written at world size %u)", ctx->rank,
                 mf->step, dir, mf->world_size);
     pthread_mutex_lock(&c->lock);

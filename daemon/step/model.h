@@ -91,6 +91,14 @@ typedef struct zd__model {
   struct zd__state_file *file;
   int restored;
   zd__state_rec_t restored_rec[2];
+  /* The world re-formed around this model, kept with its state file (rank.c, heal): until a
+   * registration agrees again with the other ranks on the step every one holds (step.c,
+   * zd__model_attach), no step, scatter or gather may run and no client resumes alone. */
+  int rejoin;
+  /* How the last registration's state was made (zd__ckptr_resume): ZD__FROM_* and, when the
+   * state files were not used, why. */
+  int resumed_from;
+  char resume_note[160];
   /* overlap_update: the speculative update of bucket b (step.c, zd__model_scatter; run on the
    * speculation thread, spec) wrote the other set's part of bucket b from the committed set and
    * the bucket's reduced gradients, for step spec_step with spec_scale and spec_consts (step
@@ -125,6 +133,15 @@ typedef struct zd__model {
   uint64_t scatter_us, update_us, gather_us;
   uint64_t collective_bytes, collective_us;
 } zd__model_t;
+
+/* Where a registration's state came from (zd__model_t.resumed_from). */
+enum {
+  ZD__FROM_CLIENT = 0, /* the client's values: nothing resumed */
+  ZD__FROM_STATE_FILE, /* a state file's record (state_dir) */
+  ZD__FROM_CHECKPOINT, /* the newest checkpoint */
+  ZD__FROM_MODEL,      /* a model kept across a world that re-formed, re-agreed (state_dir) */
+  ZD__FROM_HELD        /* a trainer reattached to the model its rank held */
+};
 
 /* What the step logic needs from its rank. */
 typedef struct zd__step_ctx {

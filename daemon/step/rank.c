@@ -32,6 +32,7 @@ struct zd__rank {
   atomic_int cancel;    /* shutdown: stop waiting for peers (bootstrap, barriers) */
   int standing_in;      /* under lock: a ZD__JOB_STAND_IN is running */
   int peer_failed;      /* under lock: the heartbeat found a peer dead (wakes an idle worker) */
+  uint64_t lost_ms;     /* worker: when the last heal began (0: none since the last recovery) */
   atomic_int attach_abandoned; /* the client of the registration in progress left */
   zd__model_t *model;          /* the thread running a job only */
   pthread_mutex_t stats_lock;
@@ -123,7 +124,12 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->committed_set = m->committed.set;
     s->spec_committed = m->spec_committed;
     s->spec_recomputed = m->spec_recomputed;
+    if (m->file) {
+      snprintf(s->state_path, sizeof s->state_path, "%s", zd__state_file_path(m->file));
+      s->state_committed_step = zd__state_file_committed_step(m->file);
+    }
   }
+  if (!m) s->state_path[0] = '\0';
   if (have_times) s->gpu_times = times;
   if (job->type == ZD__JOB_STEP && job->code == ZD_OK) {
     s->last_grad_norm = job->out.step.grad_norm;
@@ -168,7 +174,9 @@ static void stand_in(zd__rank_t *r, zd__job_t *job) {
   pthread_mutex_lock(&r->lock);
   r->standing_in = !atomic_load(&r->cancel);
   pthread_mutex_unlock(&r->lock);
-  if (r->standing_in)
+  /* A model kept across a world that re-formed has no step in flight: its client's last one
+   * failed with the old world, and nothing of it is owed to the new one. */
+  if (r->standing_in && !r->model->rejoin)
     job->code = zd__model_stand_in(&r->ctx, r->model, job->buffers, job->in.abrupt, &job->out.kept,
                                    &job->err);
   pthread_mutex_lock(&r->lock);
@@ -180,6 +188,34 @@ static void set_health(zd__rank_t *r, zd__health_t health, const char *prefix, c
 static int can_heal(const zd__rank_t *r);
 static void heal(zd__rank_t *r);
 
+/* Status: how a registration that resumed a state (or a heal's re-registration) made it, and how
+ * long the rank was without a served state: from the heal's start when the world re-formed, else
+ * from the registration's start. */
+static void note_recovery(zd__rank_t *r, uint64_t attach_t0, int resumed) {
+  const zd__model_t *m = r->model;
+  /* not a recovery: a first registration, or a trainer's reattach to the model its rank held */
+  if ((!resumed && !r->lost_ms) || (resumed && m->resumed_from == ZD__FROM_HELD)) return;
+  const char *how = "none";
+  if (resumed && m->resumed_from == ZD__FROM_MODEL) how = "state_dir (kept)";
+  if (resumed && m->resumed_from == ZD__FROM_STATE_FILE) how = "state_dir";
+  if (resumed && m->resumed_from == ZD__FROM_CHECKPOINT) how = "checkpoint";
+  uint64_t since = r->lost_ms ? r->lost_ms : attach_t0;
+  pthread_mutex_lock(&r->stats_lock);
+  snprintf(r->stats.recovery, sizeof r->stats.recovery, "%s", how);
+  r->stats.recovery_step = m->step;
+  r->stats.recovery_ms = zd__now_ms() - since;
+  snprintf(r->stats.recovery_note, sizeof r->stats.recovery_note, "%s",
+           resumed && m->resumed_from != ZD__FROM_CHECKPOINT ? "" : m->resume_note);
+  pthread_mutex_unlock(&r->stats_lock);
+  if (m->resume_note[0] && m->resumed_from != ZD__FROM_STATE_FILE &&
+      m->resumed_from != ZD__FROM_MODEL)
+    ZD_LOG_WARN(
+        "rank %u: the state files were not used (%s); the rank serves step %" PRIu64 " from %s",
+        r->env.rank, m->resume_note, m->step,
+        m->resumed_from == ZD__FROM_CHECKPOINT ? "the newest checkpoint" : "the client's values");
+  r->lost_ms = 0;
+}
+
 /* A registration re-forms a broken world at most this often: a peer that keeps crashing makes
  * its trainer fail instead of wait for ever. */
 #define ATTACH_REFORMS_MAX 3
@@ -190,6 +226,7 @@ static void heal(zd__rank_t *r);
  * other rank's: to its client, the world just took longer to form. */
 static void attach(zd__rank_t *r, zd__job_t *job) {
   zd__err_t *err = &job->err;
+  uint64_t t0 = zd__now_ms();
   for (int reforms = 0;; reforms++) {
     int resumed = 0;
     /* zeroctl status shows the load of a checkpoint as its own phase */
@@ -226,6 +263,7 @@ static void attach(zd__rank_t *r, zd__job_t *job) {
     atomic_store(&r->attach_abandoned, 0); /* set for this registration only (its client left
                                               while it was queued or waiting) */
     if (job->code != ZD_OK) return;
+    note_recovery(r, t0, resumed);
     const zd__layout_t *l = r->model->layout;
     r->ctx.resume_latest = 0; /* rolled back (or resumed): done */
     pthread_mutex_lock(&r->stats_lock);
@@ -260,6 +298,14 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
   }
   if (job->type != ZD__JOB_ATTACH && !r->model) {
     job->code = zd__errf(err, ZD_EORDER, "no model registered on rank %u", r->env.rank);
+    return;
+  }
+  if (job->type != ZD__JOB_ATTACH && r->model->rejoin) {
+    job->code = zd__errf(err, ZD_EPEER,
+                         "rank %u: the world re-formed after a peer was lost; its model and state "
+                         "are kept, and the trainer must register again (every rank does), which "
+                         "continues at the newest step every rank holds",
+                         r->env.rank);
     return;
   }
   switch (job->type) {
@@ -431,8 +477,10 @@ static void start_cuda(zd__rank_t *r) {
 
 /* ---- a world that heals ------------------------------------------------------------------- */
 
+/* With checkpoints or a state_dir there is a state to continue from: the world re-forms. */
 static int can_heal(const zd__rank_t *r) {
-  return r->env.world_size > 1 && zd__ckptr_enabled(r->env.ckpt) && !atomic_load(&r->cancel);
+  return r->env.world_size > 1 && (zd__ckptr_enabled(r->env.ckpt) || r->env.state_dir) &&
+         !atomic_load(&r->cancel);
 }
 
 /* The communicator failed (a collective found a peer gone, or the heartbeat declared a node
@@ -453,15 +501,35 @@ static void heal(zd__rank_t *r) {
   char reason[ZD__ERR_MSG_MAX], stale[64] = "";
   snprintf(reason, sizeof reason, "%s", st.degraded_reason);
   if (r->ctx.member) snprintf(stale, sizeof stale, "%s", zd__world_member_id(r->ctx.member));
-  ZD_LOG_WARN(
-      "re-forming the world after: %s (the model is dropped: every rank resumes the "
-      "newest complete checkpoint at its next registration)",
-      reason);
+  /* state_dir: the model and its file stay; its last step attempt is void (nothing of it was
+   * committed here, or the commit stands in the file), and the next registration compares what
+   * the files hold with the other ranks' (step.c). Without, the model is dropped and every rank
+   * resumes the newest complete checkpoint. */
+  int keep = r->model && r->model->file;
+  ZD_LOG_WARN("re-forming the world after: %s (%s)", reason,
+              keep ? "the model and its state file are kept: the next registration continues at "
+                     "the newest step every rank holds"
+                   : "the model is dropped: every rank resumes the newest complete checkpoint at "
+                     "its next registration");
   set_health(r, ZD__HEALTH_REJOINING, "re-forming the world after: ", reason);
   zd__ckptr_world_broke(r->env.ckpt);
   uint64_t t0 = zd__now_ms();
-  zd__model_free(r->model);
-  r->model = NULL;
+  if (!r->lost_ms) r->lost_ms = t0;
+  if (keep) {
+    zd__model_t *m = r->model;
+    zd__model_spec_wait(m);
+    uint32_t nb = m->layout->nbuckets;
+    memset(m->scattered, 0, nb);
+    memset(m->attempted, 0, nb);
+    memset(m->ungathered, 0, nb);
+    memset(m->speculated, 0, nb);
+    m->has_next_groups = 0;
+    m->abandoned = 1;
+    m->rejoin = 1;
+  } else {
+    zd__model_free(r->model);
+    r->model = NULL;
+  }
   zd__comm_t *old = r->ctx.comm;
   publish_comm(r, NULL);
   zd__comm_destroy(old);
@@ -471,8 +539,8 @@ static void heal(zd__rank_t *r) {
   pthread_mutex_unlock(&r->lock);
   zd__world_member_free(gone);
   pthread_mutex_lock(&r->stats_lock);
-  r->stats.has_model = 0;
-  r->stats.resume_pending = 1;
+  r->stats.has_model = keep;
+  r->stats.resume_pending = !keep;
   pthread_mutex_unlock(&r->stats_lock);
   r->ctx.resume_latest = 1;
   for (int attempt = 1; !atomic_load(&r->cancel); attempt++) {
@@ -497,10 +565,11 @@ static void heal(zd__rank_t *r) {
       r->stats.heals++;
       pthread_mutex_unlock(&r->stats_lock);
       set_health(r, ZD__HEALTH_OK, "", "");
-      ZD_LOG_INFO("world re-formed in %" PRIu64
-                  " ms; waiting for the trainers to register "
-                  "(they resume the newest complete checkpoint)",
-                  zd__now_ms() - t0);
+      ZD_LOG_INFO("world re-formed in %" PRIu64 " ms; waiting for the trainers to register (%s)",
+                  zd__now_ms() - t0,
+                  keep ? "the ranks' state files give the step"
+                       : "they resume the newest "
+                         "complete checkpoint");
       return;
     }
     ZD_LOG_WARN("re-forming the world, attempt %d: %s", attempt, err.msg);
@@ -923,4 +992,14 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
                              s.step_hist[h]);
   zd__status_add(st, "step_histogram", "%s", hist);
   if (s.resume_pending) zd__status_add(st, "resume_pending", "%s", "newest complete checkpoint");
+  if (s.state_path[0]) {
+    zd__status_add(st, "state_file", "%s", s.state_path);
+    zd__status_add(st, "state_committed_step", "%" PRIu64, s.state_committed_step);
+  }
+  if (s.recovery[0]) { /* the last recovery: how, at which step, how long */
+    zd__status_add(st, "last_recovery", "%s", s.recovery);
+    zd__status_add(st, "last_recovery_step", "%" PRIu64, s.recovery_step);
+    zd__status_add(st, "last_recovery_ms", "%" PRIu64, s.recovery_ms);
+    if (s.recovery_note[0]) zd__status_add(st, "last_recovery_note", "%s", s.recovery_note);
+  }
 }

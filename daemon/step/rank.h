@@ -163,8 +163,18 @@ typedef struct zd__rank_stats {
    * buckets of ZD__STEP_HIST_BOUNDS_US (the last one: longer), for the metrics' histogram */
   uint64_t scatter_us, update_us, gather_us, collective_bytes, collective_us;
   uint64_t step_hist[ZD__STEP_HIST_BUCKETS + 1];
-  int resume_pending;          /* healed: the next registration resumes the newest checkpoint */
-  zd__phase_times_t gpu_times; /* CUDA: where the steps' GPU time went (compute.h) */
+  int resume_pending; /* healed: the next registration resumes the newest checkpoint */
+  /* The last recovery (a registration that resumed a state or a heal's re-registration): how
+   * ("state_dir", "state_dir (kept)", "checkpoint", "none": the client's values; "" none yet),
+   * its step, how long from the loss (the heal's start, else the registration's) to the rank
+   * serving again, and why the state files were not used when they were not. */
+  char recovery[24];
+  uint64_t recovery_step;
+  uint64_t recovery_ms;
+  char recovery_note[160];
+  char state_path[256];          /* state_dir: the model's state file; "" none */
+  uint64_t state_committed_step; /* ... and the step its newest header commits */
+  zd__phase_times_t gpu_times;   /* CUDA: where the steps' GPU time went (compute.h) */
   zd__health_t health;
   char degraded_reason[ZD__ERR_MSG_MAX];
 } zd__rank_stats_t;

@@ -138,6 +138,24 @@ static int all_zero(const void *p, size_t n) {
   return 1;
 }
 
+/* The records best (the newest valid slot) and, when the other slot is valid and one sequence
+ * number older, the commit before it: how many (1 or 2) into rec. */
+static int records(const zd__state_file_t *f, const zd__state_slot_t *best, zd__state_rec_t *rec) {
+  const zd__state_slot_t *prev = slot_at(f, (unsigned)((best->seq - 1) & 1));
+  int n = 1 + (!slot_problem(prev) && prev->seq + 1 == best->seq);
+  for (int i = 0; i < n; i++) {
+    const zd__state_slot_t *r = i ? prev : best;
+    rec[i] = (zd__state_rec_t){.set = r->set,
+                               .step = r->step,
+                               .steps_skipped = r->steps_skipped,
+                               .scaler_enabled = (int)r->scaler_enabled,
+                               .scale = r->scale,
+                               .growth_tracker = r->growth_tracker,
+                               .hysteresis_tracker = r->hysteresis_tracker};
+  }
+  return n;
+}
+
 /* Renames the file aside, for an operator to look at; never deleted. 0 or -errno. */
 static int set_aside(const char *path, const char *why) {
   char aside[4200];
@@ -314,18 +332,7 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
   if (best) {
     f->seq = best->seq;
     if (may_restore) {
-      const zd__state_slot_t *prev = slot_at(f, (unsigned)((best->seq - 1) & 1));
-      *restored = 1 + (!slot_problem(prev) && prev->seq + 1 == best->seq);
-      for (int i = 0; i < *restored; i++) {
-        const zd__state_slot_t *r = i ? prev : best;
-        rec[i] = (zd__state_rec_t){.set = r->set,
-                                   .step = r->step,
-                                   .steps_skipped = r->steps_skipped,
-                                   .scaler_enabled = (int)r->scaler_enabled,
-                                   .scale = r->scale,
-                                   .growth_tracker = r->growth_tracker,
-                                   .hysteresis_tracker = r->hysteresis_tracker};
-      }
+      *restored = records(f, best, rec);
       atomic_store(&f->committed_step, best->step);
       atomic_store(&f->has_commit, 1);
       ZD_LOG_INFO("state file %s: committed step %" PRIu64 " in set %u (header %" PRIu64 ")",
@@ -383,6 +390,21 @@ void zd__state_file_commit(zd__state_file_t *f, const zd__state_rec_t *rec) {
   f->seq = s.seq;
   atomic_store(&f->committed_step, rec->step);
   atomic_store(&f->has_commit, 1);
+}
+
+int zd__state_file_records(const zd__state_file_t *f, zd__state_rec_t rec[2]) {
+  if (!f->seq || !atomic_load(&f->has_commit)) return 0;
+  const zd__state_slot_t *best = slot_at(f, (unsigned)(f->seq & 1));
+  if (slot_problem(best) || best->seq != f->seq) return 0; /* not ours: never served */
+  return records(f, best, rec);
+}
+
+const char *zd__state_file_path(const zd__state_file_t *f) {
+  return f->path;
+}
+
+uint64_t zd__state_file_committed_step(const zd__state_file_t *f) {
+  return atomic_load(&f->has_commit) ? atomic_load(&f->committed_step) : 0;
 }
 
 void zd__state_file_reset(zd__state_file_t *f) {

@@ -84,9 +84,19 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
  * and those of the threads it joined). */
 void zd__state_file_commit(zd__state_file_t *f, const zd__state_rec_t *rec);
 
+/* The records the open file holds now, as zd__state_file_open gives them: rec[0] its newest
+ * commit and rec[1] the one before when that slot is still valid. Returns how many (0..2): 0 when
+ * nothing was committed since the file was opened or reset. For a model kept across a world that
+ * re-formed (rank.c), whose ranks agree again on the step they all hold. */
+int zd__state_file_records(const zd__state_file_t *f, zd__state_rec_t rec[2]);
+
 /* Forgets the file's records and zeroes its arrays, as a new file's: for a model that does not
  * take the state it was restored with. */
 void zd__state_file_reset(zd__state_file_t *f);
+
+/* The file's path, and the step its newest record commits (0 when none). */
+const char *zd__state_file_path(const zd__state_file_t *f);
+uint64_t zd__state_file_committed_step(const zd__state_file_t *f);
 
 /* Unmaps the file and closes it; the file stays. Accepts NULL. */
 void zd__state_file_close(zd__state_file_t *f);

@@ -197,9 +197,38 @@ static int resume_alone(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spe
   zd_assert(m->kept.bytes >= bytes && buf->params.bytes >= bytes); /* both checked at register */
   memcpy(buf->params.addr, m->kept.addr, bytes);
   zd__model_resume(m, spec);
+  m->resumed_from = ZD__FROM_HELD;
   rc = ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, 1, err);
   if (!rc) zd__shm_unmap(&m->kept); /* the new client's buffer is the model's copy from now on */
   return job_end(ctx, buf, slot, rc, err);
+}
+
+/* The registration of a model kept across a world that re-formed (m->rejoin): what its state
+ * file holds now (its newest commit, and the one before) is compared with the other ranks' files
+ * as a restarted zerod's are (zd__ckptr_resume), and the model serves the step every rank holds
+ * (going back one commit when it is ahead) or, when the files have none in common, falls back as
+ * every rank does. The arrays stay where they are: nothing is read again. */
+static int rejoin_model(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spec_t *spec,
+                        const zd__buffers_t *buf, int *resumed, zd__err_t *err) {
+  uint64_t held = m->step;
+  zd__model_resume(m, spec);
+  zd__model_configure(m, spec, 0); /* the scaler as a new model's: the record it takes sets it */
+  zd__shm_unmap(&m->kept);
+  m->restored = zd__state_file_records(m->file, m->restored_rec);
+  int loaded = 0;
+  int rc = zd__ckptr_resume(ctx->ckpt, ctx, m, 0, &loaded, err);
+  if (rc) return rc; /* still rejoin: the next registration tries again */
+  m->rejoin = 0;
+  if (m->resumed_from == ZD__FROM_STATE_FILE) m->resumed_from = ZD__FROM_MODEL;
+  ZD_LOG_INFO("rank %u kept its model (step %" PRIu64
+              ") across the world's re-forming and serves "
+              "step %" PRIu64 " (%s)",
+              ctx->rank, held, m->step,
+              m->resumed_from == ZD__FROM_MODEL        ? "the step every rank holds"
+              : m->resumed_from == ZD__FROM_CHECKPOINT ? "the newest checkpoint"
+                                                       : "the client's values");
+  *resumed = loaded;
+  return ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, loaded, err);
 }
 
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
@@ -208,7 +237,11 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   char diff[512] = "";
   int same = m && m->layout->hash == spec->layout->hash &&
              zd__layout_diff(m->layout, spec->layout, diff, sizeof diff) == 0;
-  if (same && !spec->replace && m->kept.kind == ZD__SHM_HOST && buf->params.kind == ZD__SHM_HOST) {
+  /* A model kept across a world that re-formed (state_dir) registers as a new one would, so that
+   * its collectives meet those of a restarted rank's registration, and then re-agrees its step. */
+  int rejoin = same && m->rejoin && !spec->replace;
+  if (same && !rejoin && !spec->replace && m->kept.kind == ZD__SHM_HOST &&
+      buf->params.kind == ZD__SHM_HOST) {
     *resumed = 1;
     return resume_alone(ctx, m, spec, buf, slot, err);
   }
@@ -231,7 +264,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
     }
   }
   if (m && !same && !diff[0]) zd__layout_diff(m->layout, spec->layout, diff, sizeof diff);
-  if (spec->replace) same = 0; /* start afresh even with the same model */
+  if (spec->replace || rejoin) same = 0; /* start afresh even with the same model */
   attach_record_t rec = {.param_dtype = spec->param_dtype,
                          .grad_dtype = spec->grad_dtype,
                          .resume = (uint32_t)same,
@@ -243,12 +276,13 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
     rec.code = zd__errf(err, -ENOMEM, "out of memory");
   free(table);
   rec.table_bytes = table_len;
-  if (!rec.code && m && !same && !spec->replace)
+  if (!rec.code && m && !same && !spec->replace && !rejoin)
     rec.code = zd__errf(err, ZD_ELAYOUT,
                         "rank %u holds a different model (%u parameters, layout hash %016" PRIx64
                         ", step %" PRIu64 "): %s; register with replace to discard its state",
                         ctx->rank, m->layout->nparams, m->layout->hash, m->step, diff);
-  if (!rec.code && same) rec.code = zd__model_check_states(m, spec->groups, "resume", err);
+  if (!rec.code && (same || rejoin))
+    rec.code = zd__model_check_states(m, spec->groups, "resume", err);
   /* The client's initial values (or its buffers' last use) come before anything reads or writes
    * them. */
   zd__err_t begin_err = {0};
@@ -265,8 +299,11 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   *resumed = same;
   if (same) {
     zd__model_resume(m, spec);
+    m->resumed_from = ZD__FROM_HELD;
     zd__shm_unmap(&m->kept);
     rc = ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, 1, err);
+  } else if (rejoin) {
+    rc = rejoin_model(ctx, m, spec, buf, resumed, err);
   } else {
     zd__model_t *fresh = NULL;
     rc = zd__model_create(ctx, spec, &fresh, err);

@@ -253,6 +253,54 @@ class StateDirTest(unittest.TestCase):
         t.close()
         common.stop_zerod(d)
 
+    def test_recovery_in_status_zeroctl_and_metrics(self) -> None:
+        """Item 6: where the rank's state lives, its committed step, how the last recovery was
+        made and how long it took: the STATUS section, zeroctl status --json and its table,
+        and the metrics."""
+        import re
+        import urllib.request
+        d = self.start()
+        t = Trainer(d, init_values())
+        for s in range(1, 4):
+            t.step(s)
+        rank = t.client.status_dict()["rank 0"]
+        self.assertNotIn("last_recovery", rank, "a first registration is no recovery")
+        t.close()
+        common.stop_zerod(d, signal.SIGKILL)
+        d = self.start(["--metrics_address", "127.0.0.1:0"])
+        t = Trainer(d, None)
+        [path] = self.files()
+        rank = t.client.status_dict()["rank 0"]
+        self.assertEqual(rank["state_file"], path)
+        self.assertEqual(rank["state_committed_step"], "3")
+        self.assertEqual(rank["last_recovery"], "state_dir")
+        self.assertEqual(rank["last_recovery_step"], "3")
+        ms = int(rank["last_recovery_ms"])
+        zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                             "zeroctl"))
+        out = subprocess.run([zeroctl, "--address", d.control_address, "status", "--json"],
+                             capture_output=True, text=True, timeout=30)
+        r0 = json.loads(out.stdout)["ranks"][0]
+        self.assertEqual((r0["state_file"], r0["state_committed_step"], r0["last_recovery"],
+                          r0["last_recovery_step"], r0["last_recovery_ms"]),
+                         (path, 3, "state_dir", 3, ms), out.stdout)
+        out = subprocess.run([zeroctl, "--address", d.control_address, "status"],
+                             capture_output=True, text=True, timeout=30)
+        self.assertIn(f"rank 0: {path}, committed step 3; last recovery state_dir at step 3 in "
+                      f"{ms} ms", out.stdout)
+        t.step(4)
+        m = re.search(r"metrics on http://(127\.0\.0\.1:\d+)/metrics", d.log())
+        self.assertIsNotNone(m, "zerod did not log its metrics address")
+        text = urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10).read().decode()
+        for want in (f'zerod_rank_state_file_info{{rank="0",local_rank="0",path="{path}"}} 1',
+                     'zerod_rank_state_committed_step{rank="0",local_rank="0"} 4',
+                     'zerod_rank_last_recovery_info{rank="0",local_rank="0",how="state_dir"} 1',
+                     'zerod_rank_last_recovery_step{rank="0",local_rank="0"} 3',
+                     f'zerod_rank_last_recovery_seconds{{rank="0",local_rank="0"}} {ms / 1000:g}'):
+            self.assertIn(want, text)
+        t.close()
+        common.stop_zerod(d)
+
     def files(self) -> List[str]:
         return sorted(glob.glob(os.path.join(self.state_dir, "*.zdstate")))
 
@@ -366,14 +414,16 @@ def on_all(fns: List) -> list:
 class WorldTest(StateDirTest):
     """W=2, a zerod per rank, one state_dir: the world goes on from the files, no rollback."""
 
-    def world(self) -> zerod.testing.LocalWorld:
-        ckpt = tempfile.mkdtemp(prefix="zerod-ckpt-")  # re-forming a world needs checkpoints on
-        self.addCleanup(shutil.rmtree, ckpt, True)
+    def world(self, checkpoints: bool = True) -> zerod.testing.LocalWorld:
+        ckpt_args: List[str] = []
+        if checkpoints:
+            ckpt = tempfile.mkdtemp(prefix="zerod-ckpt-")
+            self.addCleanup(shutil.rmtree, ckpt, True)
+            ckpt_args = ["--checkpoint_dir", ckpt]
         overlap = ["--overlap_update", "1"] if self.overlap else []
         world = zerod.testing.LocalWorld(2, daemons=2, args=[
-            "--state_dir", self.state_dir, "--bucket_elems", BUCKET, "--checkpoint_dir", ckpt,
-            "--heartbeat_ms", "100", "--peer_timeout_ms", "1000", "--log_level", "info"]
-            + overlap)
+            "--state_dir", self.state_dir, "--bucket_elems", BUCKET, "--heartbeat_ms", "100",
+            "--peer_timeout_ms", "1000", "--log_level", "info"] + ckpt_args + overlap)
         self.rendezvous = world.daemons[0].control_address  # rank 0's zerod serves the store
         return world
 
@@ -389,10 +439,12 @@ class WorldTest(StateDirTest):
             on_all([lambda t=t: t.step(s) for t in ts])
 
     def kill_in_step(self, world, ts: List[Trainer], step: int, victims: List[int],
-                     delay: float) -> int:
+                     delay: float, stats: Optional[dict] = None) -> int:
         """Trains from step + 1 until the victims' zerods are SIGKILLed, delay seconds in; the
-        last step every trainer saw acknowledged."""
-        state = {"acked": step}
+        last step every trainer saw acknowledged. Every acknowledged step's parameters are
+        checked on every rank against torch's; stats (when given) counts the kills that came
+        while the trainers were inside a step ("mid_step")."""
+        state = {"acked": step, "in_step": False, "wrong": ""}
 
         def loop() -> None:
             s = state["acked"] + 1
@@ -400,8 +452,16 @@ class WorldTest(StateDirTest):
                 while True:
                     for t in ts:
                         t.fill(s)
+                    state["in_step"] = True
                     on_all([lambda t=t: t.client.step() for t in ts])
+                    state["in_step"] = False
                     state["acked"] = s
+                    want = self.ref.at(s)
+                    for t in ts:
+                        for name, _ in PARAMS:
+                            if not np.array_equal(t.p[name].view(np.uint32),
+                                                  want[name].view(np.uint32)):
+                                state["wrong"] += f"step {s} rank {t.rank} {name}; "
                     s += 1
             except ZerodError:
                 pass
@@ -409,13 +469,77 @@ class WorldTest(StateDirTest):
         th = threading.Thread(target=loop)
         th.start()
         time.sleep(delay)
+        in_step = state["in_step"]
         for v in victims:
             common.stop_zerod(world.daemons[v], signal.SIGKILL)
         th.join(120)
         self.assertFalse(th.is_alive(), "a trainer hangs after the kill")
+        self.assertEqual(state["wrong"], "", "steps whose parameters differ from torch's")
+        if stats is not None:
+            stats["mid_step"] = stats.get("mid_step", 0) + in_step
         for t in ts:
             t.close()
         return state["acked"]
+
+    def wait_health(self, d, want: str, timeout: float = 30) -> None:
+        """Until the zerod's rank says `want` (zeroctl status)."""
+        zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                             "zeroctl"))
+        deadline, health, why = time.monotonic() + timeout, "", ""
+        while health != want:
+            self.assertLess(time.monotonic(), deadline,
+                            f"the zerod stays {health} ({why}); log:\n{d.log()[-3000:]}")
+            out = subprocess.run([zeroctl, "--address", d.control_address, "status", "--json"],
+                                 capture_output=True, text=True, timeout=30)
+            health = json.loads(out.stdout)["ranks"][0]["health"] if out.stdout else ""
+            why = out.stderr.strip()
+            time.sleep(0.02)
+
+    def test_one_zerod_killed_at_random_moments_no_checkpoints(self) -> None:
+        """The survivors keep their model: no checkpoint_dir, kills of either zerod (rank 0's
+        serves the rendezvous store) at random moments; every acknowledged step is torch's, and
+        each heal continues at the newest step both ranks hold (0 lost)."""
+        rnd = random.Random(self.seed + 2)
+        world = self.world(checkpoints=False)
+        try:
+            ts = self.register(world, init_values())
+            self.train(ts, range(1, 3))
+            step, stats, ahead = 2, {}, 0
+            trials = max(4, self.trials // 3)
+            for trial in range(trials):
+                victim = rnd.randrange(2)
+                survivor = world.daemons[1 - victim]
+                kept = survivor.log().count("kept its model")
+                acked = self.kill_in_step(world, ts, step, [victim], rnd.uniform(0.01, 0.08),
+                                          stats)
+                self.wait_health(survivor, "rejoining")  # as systemd would restart it
+                self.restart(world, [victim])
+                ts = self.register(world, None)
+                what = f"trial {trial} (zerod {victim} killed)"
+                new = self.check_resumed(world, ts, acked, what)
+                self.assertGreaterEqual(new, acked, f"{what}: steps lost")
+                ahead += new == acked + 1
+                n = survivor.log().count("kept its model")
+                self.assertEqual(n, kept + 1, f"{what}: the survivor did not keep its model; "
+                                 f"log:\n{survivor.log()[-3000:]}")
+                sections = ts[1 - victim].client.status_dict()
+                rank = sections[f"rank {1 - victim}"]
+                self.assertEqual(rank["last_recovery"], "state_dir (kept)", f"{what}: {rank}")
+                self.assertEqual(rank["last_recovery_step"], str(new))
+                rank = ts[victim].client.status_dict()[f"rank {victim}"]
+                self.assertEqual(rank["last_recovery"], "state_dir", f"{what}: {rank}")
+                step = new
+            print(f"\n    W=2, no checkpoints: {trials} kills of one zerod, {stats['mid_step']} "
+                  f"inside a step, {ahead} resumed the step in flight; 0 lost")
+            self.assertGreaterEqual(stats["mid_step"], trials // 3, "too few kills in a step")
+            self.train(ts, range(step + 1, step + 4))
+            for t in ts:
+                self.assert_same(t.snapshot(), step + 3, f"rank {t.rank} at the end")
+            for t in ts:
+                t.close()
+            common.stop_world(world)
+        finally:
+            world.stop(signal.SIGKILL, check=False)
 
     def restart(self, world, victims: List[int]) -> None:
         for v in victims:
@@ -429,6 +553,8 @@ class WorldTest(StateDirTest):
             if v == 0 and os.path.exists(self.rendezvous[len("unix:"):]):
                 os.unlink(self.rendezvous[len("unix:"):])  # the killed one's socket
             d = zerod.testing.LocalZerod(args, log_level="info")
+            if v == 0:
+                d.control_address = self.rendezvous  # the one its args name
             world.daemons[v] = d
             world._endpoints[v] = (d.socket, 0)
 
@@ -504,6 +630,7 @@ class WorldTest(StateDirTest):
     # The W=1 tests are StateDirTest's.
     test_sigkill_at_random_moments_loses_no_step = None
     test_status_section = None
+    test_recovery_in_status_zeroctl_and_metrics = None
     test_newest_header_damaged_serves_the_previous_commit = None
     test_corrupt_headers_fall_back_to_the_checkpoint = None
     test_second_zerod_on_the_same_file_is_refused = None
