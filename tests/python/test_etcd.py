@@ -33,6 +33,8 @@ import threading
 import time
 import urllib.request
 import queue
+import ssl
+from typing import List, Optional
 
 import common
 
@@ -57,11 +59,13 @@ class Etcd:
     """One etcd member on loopback: client and peer ports drawn at random, a temporary data
     directory kept across restart()."""
 
-    def __init__(self, tmp: str) -> None:
-        self.dir = os.path.join(tmp, "etcd")
+    def __init__(self, tmp: str, tls: Optional[str] = None) -> None:
+        name = "etcd-tls" if tls else "etcd"
+        self.dir = os.path.join(tmp, name)
+        self.tls = tls  # make_test_ca.sh's directory: node.pem serves, ca.pem checks clients
         self.port, self.peer = free_port(), free_port()
         self.proc = None
-        self.log_path = os.path.join(tmp, "etcd.log")
+        self.log_path = os.path.join(tmp, name + ".log")
         self.start()
 
     @property
@@ -69,13 +73,19 @@ class Etcd:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        c, p = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer}"
+        scheme = "https" if self.tls else "http"
+        c, p = f"{scheme}://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer}"
+        tls = []
+        if self.tls:
+            tls = ["--cert-file", os.path.join(self.tls, "node.pem"),
+                   "--key-file", os.path.join(self.tls, "node.key"),
+                   "--trusted-ca-file", os.path.join(self.tls, "ca.pem"), "--client-cert-auth"]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [ETCD, "--name", "zd", "--data-dir", self.dir, "--listen-client-urls", c,
              "--advertise-client-urls", c, "--listen-peer-urls", p,
              "--initial-advertise-peer-urls", p, "--initial-cluster", f"zd={p}",
-             "--log-level", "warn"],
+             "--log-level", "warn"] + tls,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 20
@@ -106,9 +116,15 @@ class Etcd:
         end = b[:-1] + bytes([b[-1] + 1])
         body = json.dumps({"key": base64.b64encode(b).decode(),
                            "range_end": base64.b64encode(end).decode(), "keys_only": True})
-        req = urllib.request.Request(f"http://{self.endpoint}/v3/kv/range", body.encode(),
+        ctx = None
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=os.path.join(self.tls, "ca.pem"))
+            ctx.load_cert_chain(os.path.join(self.tls, "node.pem"),
+                                os.path.join(self.tls, "node.key"))
+        req = urllib.request.Request(f"{'https' if self.tls else 'http'}://{self.endpoint}"
+                                     f"/v3/kv/range", body.encode(),
                                      {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=2) as r:
+        with urllib.request.urlopen(req, timeout=2, context=ctx) as r:
             out = json.loads(r.read())
         return [base64.b64decode(kv["key"]).decode() for kv in out.get("kvs", [])]
 
@@ -138,13 +154,15 @@ def unreachable(tmp: str) -> None:
         common.stop_zerod(d, signal.SIGTERM, timeout=12.0)
 
 
-def train_with_etcd_restart(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict) -> None:
-    job = "train"
+def train(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict, job: str, restart: bool,
+          extra: List[str] = []) -> None:
+    """A W=2 world through etcd trains STEPS steps bit for bit; with restart, etcd is stopped at
+    a third of them and started again once the world has trained on without it."""
     url = f"etcd://{etcd.endpoint}/{job}"
-    ckpt = os.path.join(tmp, "ckpt-train")
+    ckpt = os.path.join(tmp, "ckpt-" + job)
     os.mkdir(ckpt)
     world = zerod.testing.LocalWorld(
-        2, daemons=2, args=ft.ZEROD_ARGS + ["--checkpoint_dir", ckpt, "--rendezvous", url],
+        2, daemons=2, args=ft.ZEROD_ARGS + ["--checkpoint_dir", ckpt, "--rendezvous", url] + extra,
         log_level="info", timeout=30.0, keep_dir=True)
     events: "queue.Queue[tuple]" = queue.Queue()
     procs = []
@@ -153,7 +171,7 @@ def train_with_etcd_restart(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict) -
             sock, _ = world.endpoint(r)
             p = subprocess.Popen([sys.executable, ft.__file__, "--driver", "--socket", sock,
                                   "--rank", str(r), "--steps", str(STEPS), "--out",
-                                  os.path.join(tmp, f"final{r}.npz")],
+                                  os.path.join(tmp, f"final-{job}{r}.npz")],
                                  stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
             procs.append(p)
 
@@ -176,7 +194,7 @@ def train_with_etcd_restart(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict) -
                       f"trainer {r}: step {ev['step']} differs from the reference")
                 if etcd.proc.poll() is not None and r == 0:
                     down_steps += 1
-                if r == 0 and ev["step"] == STEPS // 3 and not restarted:
+                if restart and r == 0 and ev["step"] == STEPS // 3 and not restarted:
                     etcd.stop()  # the world trains on while etcd is down
                     restarted = True
                     t_down = time.monotonic()
@@ -184,10 +202,11 @@ def train_with_etcd_restart(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict) -
                         down_steps >= 2 or time.monotonic() - t_down > 3):
                     etcd.start()
                     t_up = time.monotonic()
-        check(restarted and t_up is not None, "etcd was not restarted during the run")
-        check(down_steps >= 1, "no step was trained while etcd was down")
+        if restart:
+            check(restarted and t_up is not None, "etcd was not restarted during the run")
+            check(down_steps >= 1, "no step was trained while etcd was down")
         for r in range(2):
-            got = dict(np.load(os.path.join(tmp, f"final{r}.npz")))
+            got = dict(np.load(os.path.join(tmp, f"final-{job}{r}.npz")))
             for name, _ in ft.PARAMS:
                 check(np.array_equal(got[name].view(np.uint32), ref[STEPS][name].view(np.uint32)),
                       f"trainer {r}: {name} differs from the reference at step {STEPS}")
@@ -203,8 +222,9 @@ def train_with_etcd_restart(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict) -
         check(mine and len(mine) == len(keys), f"keys outside /zerod/{job}/: "
               f"{[k for k in keys if k not in mine][:5]}")
         check(any(k.startswith(f"/zerod/{job}/node/") for k in mine), "no node registry in etcd")
-        print(f"world of 2 through etcd: {STEPS} steps bit for bit, {down_steps} of them while "
-              f"etcd was down; {len(mine)} keys under /zerod/{job}/", flush=True)
+        print(f"world of 2 through etcd{' with TLS' if etcd.tls else ''}: {STEPS} steps bit for "
+              f"bit{f', {down_steps} of them while etcd was down' if restart else ''}; "
+              f"{len(mine)} keys under /zerod/{job}/", flush=True)
     except BaseException:
         sys.stderr.write(world.log()[-6000:])
         raise
@@ -221,17 +241,19 @@ class MovedRankZero(ft.Trial):
     node): only a store that outlives node 0 lets the world re-form."""
 
     def restart_zerod(self, i: int) -> None:
-        super().restart_zerod(i)
-        if i == 0:
-            d = self.world.daemons[0]
-            d.stop(signal.SIGKILL, check=False)  # not yet serving: start it again, moved
-            moved = zerod.testing.LocalZerod(d.args, log_level="info", start=False, timeout=30.0,
-                                             keep_dir=True)
-            shutil.rmtree(moved.dir, ignore_errors=True)
-            moved.dir, moved.socket, moved.log_path = d.dir, d.socket, d.log_path + ".moved"
-            moved.control_address = "unix:" + os.path.join(d.dir, "control-moved.sock")
-            self.world.daemons[0] = moved
-            moved.start()
+        if i != 0:
+            super().restart_zerod(i)
+            return
+        old = self.world.daemons[0]
+        self.zerod_restarts += 1
+        new = zerod.testing.LocalZerod(old.args + ["--resume", "latest"], log_level="info",
+                                       start=False, timeout=30.0, keep_dir=True)
+        shutil.rmtree(new.dir, ignore_errors=True)
+        new.dir, new.socket = old.dir, old.socket  # the trainers' endpoint stays
+        new.control_address = "unix:" + os.path.join(old.dir, "control-moved.sock")
+        new.log_path = os.path.join(old.dir, f"zerod.moved{self.zerod_restarts}.log")
+        self.world.daemons[0] = new
+        new.start()
 
 
 def rank0_lost(etcd: Etcd, tmp: str, ref: dict, ref_digest: dict) -> None:
@@ -239,12 +261,19 @@ def rank0_lost(etcd: Etcd, tmp: str, ref: dict, ref_digest: dict) -> None:
     saved = ft.ZEROD_ARGS
     ft.ZEROD_ARGS = saved + ["--rendezvous", url]
     try:
-        for i in (2, 6, 10):  # target "zerod 0"; the first trial whose kill lands mid-run
+        # target "zerod 0" (every fourth trial), killed after a checkpoint: the first such trial
+        # of seed 1 whose kill lands while the run is on
+        for i in range(2, 400, 4):
             trial_tmp = tempfile.mkdtemp(prefix="zerod-etcd-trial-", dir=tmp)
             trial = MovedRankZero(i, 1, ref, dict(ref_digest), STEPS, 60.0, trial_tmp,
                                   (1.5, 2.0))
             check(trial.target == "zerod 0", trial.target)
+            if trial.kill_step <= ft.EVERY + 1 or trial.kill_step > STEPS - 8:
+                shutil.rmtree(trial_tmp, ignore_errors=True)
+                continue
             trial.run()
+            moved = [l for l in trial.world.daemons[1].log().splitlines()
+                     if "control-moved.sock" in l]
             print(trial.line(), flush=True)
             for n in trial.notes:
                 print(f"    {n}", flush=True)
@@ -254,12 +283,32 @@ def rank0_lost(etcd: Etcd, tmp: str, ref: dict, ref_digest: dict) -> None:
                     with open(os.path.join(trial_tmp, "logs", f), errors="replace") as fh:
                         sys.stderr.write(f"---- {f} ----\n" + "".join(fh.readlines()[-40:]))
                 raise AssertionError(f"rank 0's loss through etcd: {trial.outcome}")
+            check(bool(moved), "zerod 1 never watched rank 0's node at its new address")
+            print(f"    zerod 1: {moved[0][:200]}", flush=True)
             trial.cleanup()
             if trial.effective:
                 return
         raise AssertionError("no trial's kill of rank 0's zerod landed while the run was on")
     finally:
         ft.ZEROD_ARGS = saved
+
+
+def tls_world(tmp: str, ref: dict, ref_digest: dict) -> None:
+    """etcd that requires client certificates (--client-cert-auth, make_test_ca.sh's CA): the
+    zerods' TLS identity (tls_cert, tls_key, tls_ca) is their etcd client certificate."""
+    if not shutil.which("openssl"):
+        print("tls: SKIPPED (openssl is not installed)", flush=True)
+        return
+    certs = os.path.join(tmp, "certs")
+    subprocess.run([os.path.join(common.ROOT, "scripts", "make_test_ca.sh"), certs], check=True,
+                   stdout=subprocess.DEVNULL)
+    etcd = Etcd(tmp, tls=certs)
+    try:
+        train(etcd, tmp, ref_digest, ref, "tls", restart=False,
+              extra=["--tls_cert", os.path.join(certs, "node.pem"), "--tls_key",
+                     os.path.join(certs, "node.key"), "--tls_ca", os.path.join(certs, "ca.pem")])
+    finally:
+        etcd.stop()
 
 
 def main() -> int:
@@ -274,8 +323,9 @@ def main() -> int:
         etcd = Etcd(tmp)
         ref = ft.reference(STEPS)
         ref_digest = {s: ft.digest(p) for s, p in ref.items()}
-        train_with_etcd_restart(etcd, tmp, ref_digest, ref)
+        train(etcd, tmp, ref_digest, ref, "train", restart=True)
         rank0_lost(etcd, tmp, ref, ref_digest)
+        tls_world(tmp, ref, ref_digest)
     except BaseException:
         if etcd is not None:
             sys.stderr.write(f"---- etcd log ----\n{etcd.tail()}")
