@@ -150,8 +150,13 @@ static int call(zd__etcd_t *e, const char *method, const char *what, const Proto
     if (left <= 0) break;
     if (rc == ZD_EPEER) sleep_ms(left < RETRY_MS ? left : RETRY_MS);
   }
-  return zd__errf(err, rc, "etcd rendezvous %s: cannot %s (%d attempt%s in %d ms): %s", e->url,
-                  what, attempts, attempts == 1 ? "" : "s", timeout_ms, last.msg);
+  /* grpc_unary words an unreachable server as zerod's control service: here it is etcd. */
+  static const char zerod_words[] = "cannot reach zerod control service at ";
+  const size_t n = sizeof zerod_words - 1;
+  const char *rest = strncmp(last.msg, zerod_words, n) == 0 ? last.msg + n : NULL;
+  return zd__errf(err, rc, "etcd rendezvous %s: cannot %s (%d attempt%s in %d ms): %s%s", e->url,
+                  what, attempts, attempts == 1 ? "" : "s", timeout_ms,
+                  rest ? "cannot reach etcd at " : "", rest ? rest : last.msg);
 }
 
 /* The job's prefix + key, malloc'd into *out. */

@@ -2,6 +2,8 @@
 
 Starts Debian's etcd (package etcd-server) on random loopback ports with a temporary data
 directory, then:
+  0. the rendezvous client's rules on etcd (tests/integration/test_etcd_rdv.c, the program named
+     by --rdv; default build/tests/integration/test_etcd_rdv);
   1. unreachable: a zerod of a W=2 world whose etcd endpoint nothing listens on logs an error
      naming the endpoint and the etcd URL (and keeps running: the world waits for its store);
   2. a W=2 world of two zerods forms through etcd and trains the deterministic steps of
@@ -20,6 +22,7 @@ Exit 77 (skip) only when the etcd binary is not installed.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import os
@@ -219,8 +222,8 @@ def train(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict, job: str, restart: 
             time.sleep(0.05)
         keys = etcd.keys("/")
         mine = [k for k in keys if k.startswith(f"/zerod/{job}/")]
-        check(mine and len(mine) == len(keys), f"keys outside /zerod/{job}/: "
-              f"{[k for k in keys if k not in mine][:5]}")
+        check(all(k.startswith("/zerod/") for k in keys),
+              f"keys outside /zerod/: {[k for k in keys if not k.startswith('/zerod/')][:5]}")
         check(any(k.startswith(f"/zerod/{job}/node/") for k in mine), "no node registry in etcd")
         print(f"world of 2 through etcd{' with TLS' if etcd.tls else ''}: {STEPS} steps bit for "
               f"bit{f', {down_steps} of them while etcd was down' if restart else ''}; "
@@ -315,12 +318,19 @@ def main() -> int:
     if ETCD is None:
         print("SKIP: etcd is not installed (Debian package etcd-server)")
         return common.SKIP
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rdv", default=os.path.join(common.ROOT, "build", "tests", "integration",
+                                                  "test_etcd_rdv"))
+    args = ap.parse_args()
     t0 = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="zerod-etcd-")
     etcd = None
     try:
         unreachable(tmp)
         etcd = Etcd(tmp)
+        rc = subprocess.run([args.rdv, etcd.endpoint, f"127.0.0.1:{free_port()}"],
+                            timeout=120).returncode
+        check(rc == 0, f"{args.rdv} exited with {rc}")
         ref = ft.reference(STEPS)
         ref_digest = {s: ft.digest(p) for s, p in ref.items()}
         train(etcd, tmp, ref_digest, ref, "train", restart=True)
