@@ -127,11 +127,12 @@ static void sleep_ms(int64_t ms) {
 
 /* One call of method, on the endpoint that answered last and then the others in turn, until
  * timeout_ms passes. Only an unreachable endpoint (UNAVAILABLE, or no answer within its share of
- * the time) moves on: etcd's own refusals are final. The error names what, the endpoint and the
- * URL. */
+ * the time) moves on: etcd's own refusals are final. With once, every endpoint is tried once and
+ * a channel that is not connected fails at once (no WAIT_FOR_READY): for callers that ask again
+ * soon anyway (the heartbeat). The error names what, the endpoint and the URL. */
 static int call(zd__etcd_t *e, const char *method, const char *what, const ProtobufCMessage *req,
                 const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply,
-                int timeout_ms, zd__err_t *err) {
+                int timeout_ms, int once, zd__err_t *err) {
   const int64_t deadline = (int64_t)zd__now_ms() + (timeout_ms > 0 ? timeout_ms : 1);
   zd__err_t last = {0};
   int rc, attempts = 0;
@@ -140,14 +141,14 @@ static int call(zd__etcd_t *e, const char *method, const char *what, const Proto
     if (left < 1) left = 1;
     int ms = e->nep > 1 && left > ATTEMPT_MS ? ATTEMPT_MS : (int)left;
     *reply = NULL;
-    rc = zd__grpc_call(e->ch[e->cur], method, req, reply_desc, reply, ms, ZD__GRPC_WAIT_FOR_READY,
-                       NULL, &last);
+    rc = zd__grpc_call(e->ch[e->cur], method, req, reply_desc, reply, ms,
+                       once ? 0 : ZD__GRPC_WAIT_FOR_READY, NULL, &last);
     attempts++;
     if (rc == ZD_OK) return ZD_OK;
     if (rc != ZD_EPEER && rc != -ETIMEDOUT) break;
     e->cur = (e->cur + 1) % e->nep;
     left = deadline - (int64_t)zd__now_ms();
-    if (left <= 0) break;
+    if (left <= 0 || (once && (size_t)attempts >= e->nep)) break;
     if (rc == ZD_EPEER) sleep_ms(left < RETRY_MS ? left : RETRY_MS);
   }
   /* grpc_unary words an unreachable server as zerod's control service: here it is etcd. */
@@ -228,7 +229,7 @@ int zd__etcd_create(zd__etcd_t *e, const char *key, const void *value, size_t le
   snprintf(what, sizeof what, "set '%.250s'", key);
   ProtobufCMessage *reply = NULL;
   rc = call(e, "/etcdserverpb.KV/Txn", what, &txn.base, &etcdserverpb__txn_response__descriptor,
-            &reply, timeout_ms, err);
+            &reply, timeout_ms, 0, err);
   if (rc) goto exit;
   const Etcdserverpb__TxnResponse *r = (const Etcdserverpb__TxnResponse *)reply;
   if (r->succeeded) goto exit;
@@ -259,7 +260,7 @@ int zd__etcd_get(zd__etcd_t *e, const char *key, void **value, size_t *len, int 
   snprintf(what, sizeof what, "get '%.250s'", key);
   ProtobufCMessage *reply = NULL;
   rc = call(e, "/etcdserverpb.KV/Range", what, &req.base, &etcdserverpb__range_response__descriptor,
-            &reply, timeout_ms, err);
+            &reply, timeout_ms, 0, err);
   if (!rc) {
     const Etcdserverpb__RangeResponse *r = (const Etcdserverpb__RangeResponse *)reply;
     if (r->n_kvs == 1) {
@@ -299,7 +300,7 @@ int zd__etcd_missing(zd__etcd_t *e, const char *const *keys, size_t nkeys, size_
       char what[300];
       snprintf(what, sizeof what, "look up '%.200s'%s", keys[base], n > 1 ? " and others" : "");
       rc = call(e, "/etcdserverpb.KV/Txn", what, &txn.base, &etcdserverpb__txn_response__descriptor,
-                &reply, left > 1 ? (int)left : 1, err);
+                &reply, left > 1 ? (int)left : 1, 0, err);
     }
     if (!rc) {
       const Etcdserverpb__TxnResponse *r = (const Etcdserverpb__TxnResponse *)reply;
@@ -331,7 +332,7 @@ int zd__etcd_delete(zd__etcd_t *e, const char *key, int prefix, int timeout_ms, 
   snprintf(what, sizeof what, "delete '%.250s'%s", key, prefix ? "*" : "");
   ProtobufCMessage *reply = NULL;
   rc = call(e, "/etcdserverpb.KV/DeleteRange", what, &req.base,
-            &etcdserverpb__delete_range_response__descriptor, &reply, timeout_ms, err);
+            &etcdserverpb__delete_range_response__descriptor, &reply, timeout_ms, 0, err);
   if (reply) protobuf_c_message_free_unpacked(reply, NULL);
 exit:
   free(req.key.data);
@@ -360,7 +361,7 @@ int zd__etcd_list(zd__etcd_t *e, const char *prefix, zd__etcd_kv_t **kvs, size_t
   char what[300];
   snprintf(what, sizeof what, "list '%.250s*'", prefix);
   rc = call(e, "/etcdserverpb.KV/Range", what, &req.base, &etcdserverpb__range_response__descriptor,
-            &reply, timeout_ms, err);
+            &reply, timeout_ms, 1, err);
   if (rc) goto exit;
   const Etcdserverpb__RangeResponse *r = (const Etcdserverpb__RangeResponse *)reply;
   size_t plen = strlen(e->prefix);

@@ -66,7 +66,9 @@ typedef struct zd__etcd_kv {
   size_t len;
 } zd__etcd_kv_t;
 
-/* Every entry whose key begins with prefix, in key order (*kvs malloc'd; zd__etcd_kvs_free). */
+/* Every entry whose key begins with prefix, in key order (*kvs malloc'd; zd__etcd_kvs_free). One
+ * attempt per endpoint, failing at once on one that is not connected: for a caller that asks
+ * again soon (the heartbeat's registry). */
 int zd__etcd_list(zd__etcd_t *e, const char *prefix, zd__etcd_kv_t **kvs, size_t *n, int timeout_ms,
                   zd__err_t *err);
 void zd__etcd_kvs_free(zd__etcd_kv_t *kvs, size_t n);

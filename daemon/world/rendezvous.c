@@ -125,8 +125,7 @@ static int call_retry(zd__rdv_t *rdv, const char *method, const char *what, Prot
   return zd__errf(err, rc, "rendezvous: cannot %s: %s", what, e.msg);
 }
 
-/* ---- on etcd ----------------------------------------------------------------------------------
- */
+/* ---- on etcd --------------------------------------------------------------------------------- */
 
 static int etcd_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, int timeout_ms,
                     zd__err_t *err) {
@@ -353,6 +352,12 @@ int zd__rdv_register_node(zd__rdv_t *rdv, uint32_t first_rank, uint32_t local_ra
   return rc;
 }
 
+static int by_first_rank(const void *a, const void *b) {
+  const Zerod__V1__NodeInfo *x = *(Zerod__V1__NodeInfo *const *)a;
+  const Zerod__V1__NodeInfo *y = *(Zerod__V1__NodeInfo *const *)b;
+  return x->first_rank < y->first_rank ? -1 : x->first_rank > y->first_rank;
+}
+
 int zd__rdv_nodes(zd__rdv_t *rdv, Zerod__V1__NodesReply **out, int timeout_ms, zd__err_t *err) {
   *out = NULL;
   if (!rdv->etcd) {
@@ -364,7 +369,7 @@ int zd__rdv_nodes(zd__rdv_t *rdv, Zerod__V1__NodesReply **out, int timeout_ms, z
     return rc;
   }
   /* On etcd the registry is the entries under ZD__RDV_NODE_PREFIX, read as the control service's
-   * Nodes does (control.c): an entry that does not decode is left out. */
+   * Nodes does (control.c): an entry that does not decode is left out; by first rank. */
   zd__etcd_kv_t *kvs = NULL;
   size_t n = 0;
   int rc = zd__etcd_list(rdv->etcd, ZD__RDV_NODE_PREFIX, &kvs, &n, timeout_ms, err);
@@ -384,6 +389,7 @@ int zd__rdv_nodes(zd__rdv_t *rdv, Zerod__V1__NodesReply **out, int timeout_ms, z
     if (info) rep->nodes[rep->n_nodes++] = info;
   }
   zd__etcd_kvs_free(kvs, n);
+  qsort(rep->nodes, rep->n_nodes, sizeof *rep->nodes, by_first_rank);
   *out = rep;
   return ZD_OK;
 }

@@ -62,8 +62,9 @@ int zd__rdv_register_node(zd__rdv_t *rdv, uint32_t first_rank, uint32_t local_ra
                           zd__err_t *err);
 
 /* The node registry (for the heartbeat, liveness.h): the control service's Nodes on the built-in
- * store, the entries under ZD__RDV_NODE_PREFIX on etcd (world_size 0 there). *out: free with
- * protobuf_c_message_free_unpacked(&(*out)->base, NULL). One call, no retries. */
+ * store, the entries under ZD__RDV_NODE_PREFIX on etcd (world_size 0 there), by first rank.
+ * *out: free with protobuf_c_message_free_unpacked(&(*out)->base, NULL). One attempt (per etcd
+ * endpoint), without waiting for a connection. */
 int zd__rdv_nodes(zd__rdv_t *rdv, Zerod__V1__NodesReply **out, int timeout_ms, zd__err_t *err);
 
 #endif /* ZD_DAEMON_RENDEZVOUS_H */
