@@ -1,23 +1,27 @@
 """The world's coordination on etcd (`rendezvous = etcd://...`), against a real etcd server.
 
-Starts Debian's etcd (package etcd-server) on random loopback ports with a temporary data
-directory, then:
-  0. the rendezvous client's rules on etcd (tests/integration/test_etcd_rdv.c, the program named
-     by --rdv; default build/tests/integration/test_etcd_rdv);
   1. unreachable: a zerod of a W=2 world whose etcd endpoint nothing listens on logs an error
-     naming the endpoint and the etcd URL (and keeps running: the world waits for its store);
-  2. a W=2 world of two zerods forms through etcd and trains the deterministic steps of
+     naming the endpoint and the etcd URL (its rank degraded with that reason; zerod serves on);
+then Debian's etcd (package etcd-server) starts on random loopback ports with a temporary data
+directory, and:
+  2. the rendezvous client's rules on etcd (tests/integration/test_etcd_rdv.c, the program named
+     by --rdv; default build/tests/integration/test_etcd_rdv);
+  3. a W=2 world of two zerods forms through etcd and trains the deterministic steps of
      fault_trials.py bit for bit like the reference (the built-in store's runs equal it too:
      fault_trials, test_checkpoint); etcd is stopped and started again (same data directory and
-     port) in the middle of the run: the world keeps training while it is down, and a checkpoint
-     due after it is back completes (the checkpoint's agreement goes through the store); every
-     key of the run is under /zerod/<job>/ (read through etcd's HTTP gateway);
-  3. rank 0's zerod is SIGKILLed in the middle of the run and started again with --resume latest
-     at another control address (as on a replacement node: with the built-in store the other
-     node's rendezvous_address would name the dead one): the world re-forms through etcd and
-     trains to the end bit for bit (fault_trials.Trial, target "zerod 0").
+     port) in the middle of the run: the world trains on while it is down, and the checkpoints
+     complete once it is back (their agreement goes through the store); every key in etcd is
+     under /zerod/ and the node registry under /zerod/<job>/node/ (read through etcd's HTTP
+     gateway);
+  4. rank 0's zerod is SIGKILLed after a checkpoint, in the middle of the run, and started again
+     with --resume latest at another control address (as on a replacement node: with the
+     built-in store the other node's rendezvous_address would name the dead one): the world
+     re-forms through etcd and trains to the end bit for bit (fault_trials.Trial, target
+     "zerod 0"); the same for zerod 1 (at its own address);
+  5. a W=2 world trains through an etcd that requires client certificates (--client-cert-auth;
+     scripts/make_test_ca.sh's CA), the zerods' tls_cert being their client certificate.
 
-Exit 77 (skip) only when the etcd binary is not installed.
+Exit 77 (skip) only when the etcd binary is not installed. About 30 s.
 """
 
 from __future__ import annotations
@@ -185,8 +189,16 @@ def train(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict, job: str, restart: 
 
             threading.Thread(target=read, daemon=True).start()
         done, down_steps, restarted, t_up = set(), 0, False, None
+        deadline = time.monotonic() + 90
         while len(done) < 2:
-            r, ev = events.get(timeout=60)
+            check(time.monotonic() < deadline, f"the run did not end within 90 s (done: {done})")
+            if restarted and t_up is None and time.monotonic() - t_down > 3:
+                etcd.start()  # steps held at a checkpoint waiting for etcd: bring it back
+                t_up = time.monotonic()
+            try:
+                r, ev = events.get(timeout=0.2)
+            except queue.Empty:
+                continue
             if ev["ev"] == "error":
                 raise AssertionError(f"trainer {r}: {ev}")
             if ev["ev"] == "exit":
@@ -201,8 +213,7 @@ def train(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict, job: str, restart: 
                     etcd.stop()  # the world trains on while etcd is down
                     restarted = True
                     t_down = time.monotonic()
-                if restarted and t_up is None and r == 0 and (
-                        down_steps >= 2 or time.monotonic() - t_down > 3):
+                if restarted and t_up is None and r == 0 and down_steps >= 2:
                     etcd.start()
                     t_up = time.monotonic()
         if restart:
@@ -259,24 +270,26 @@ class MovedRankZero(ft.Trial):
         new.start()
 
 
-def rank0_lost(etcd: Etcd, tmp: str, ref: dict, ref_digest: dict) -> None:
-    url = f"etcd://{etcd.endpoint}/rank0"
+def zerod_lost(etcd: Etcd, tmp: str, ref: dict, ref_digest: dict, which: int) -> None:
+    """zerod `which` SIGKILLed after a checkpoint and started again (zerod 0 at another control
+    address); the world re-forms through etcd and finishes bit for bit."""
+    url = f"etcd://{etcd.endpoint}/lost{which}"
     saved = ft.ZEROD_ARGS
     ft.ZEROD_ARGS = saved + ["--rendezvous", url]
     try:
-        # target "zerod 0" (every fourth trial), killed after a checkpoint: the first such trial
-        # of seed 1 whose kill lands while the run is on
-        for i in range(2, 400, 4):
+        # target "zerod <which>" (every fourth trial), killed after a checkpoint: the first such
+        # trial of seed 1 whose kill lands while the run is on
+        for i in range(2 + which, 400, 4):
             trial_tmp = tempfile.mkdtemp(prefix="zerod-etcd-trial-", dir=tmp)
             trial = MovedRankZero(i, 1, ref, dict(ref_digest), STEPS, 60.0, trial_tmp,
                                   (1.5, 2.0))
-            check(trial.target == "zerod 0", trial.target)
+            check(trial.target == f"zerod {which}", trial.target)
             if trial.kill_step <= ft.EVERY + 1 or trial.kill_step > STEPS - 8:
                 shutil.rmtree(trial_tmp, ignore_errors=True)
                 continue
             trial.run()
             moved = [l for l in trial.world.daemons[1].log().splitlines()
-                     if "control-moved.sock" in l]
+                     if "control-moved.sock" in l] if which == 0 else ["(not moved)"]
             print(trial.line(), flush=True)
             for n in trial.notes:
                 print(f"    {n}", flush=True)
@@ -285,13 +298,14 @@ def rank0_lost(etcd: Etcd, tmp: str, ref: dict, ref_digest: dict) -> None:
                 for f in sorted(os.listdir(os.path.join(trial_tmp, "logs"))):
                     with open(os.path.join(trial_tmp, "logs", f), errors="replace") as fh:
                         sys.stderr.write(f"---- {f} ----\n" + "".join(fh.readlines()[-40:]))
-                raise AssertionError(f"rank 0's loss through etcd: {trial.outcome}")
+                raise AssertionError(f"zerod {which}'s loss through etcd: {trial.outcome}")
             check(bool(moved), "zerod 1 never watched rank 0's node at its new address")
-            print(f"    zerod 1: {moved[0][:200]}", flush=True)
+            if which == 0:
+                print(f"    zerod 1: {moved[0][:200]}", flush=True)
             trial.cleanup()
             if trial.effective:
                 return
-        raise AssertionError("no trial's kill of rank 0's zerod landed while the run was on")
+        raise AssertionError(f"no trial's kill of zerod {which} landed while the run was on")
     finally:
         ft.ZEROD_ARGS = saved
 
@@ -334,7 +348,8 @@ def main() -> int:
         ref = ft.reference(STEPS)
         ref_digest = {s: ft.digest(p) for s, p in ref.items()}
         train(etcd, tmp, ref_digest, ref, "train", restart=True)
-        rank0_lost(etcd, tmp, ref, ref_digest)
+        zerod_lost(etcd, tmp, ref, ref_digest, 0)
+        zerod_lost(etcd, tmp, ref, ref_digest, 1)
         tls_world(tmp, ref, ref_digest)
     except BaseException:
         if etcd is not None:
