@@ -26,7 +26,7 @@ install_deps() {
   "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
     gcc g++ meson ninja-build pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
     libgrpc-dev libgloo-dev libmicrohttpd-dev libjansson-dev libxxhash-dev python3 python3-numpy python3-torch python3-venv \
-    python3-pip python3-wheel "$@"
+    python3-pip python3-wheel etcd-server "$@"
 }
 
 # promtool (checks the metrics exposition) without the rest of Debian's prometheus package (its

@@ -149,6 +149,11 @@ static const setting_t settings[] = {
         "a call without a certificate it signed is refused"),
     STR(S_WORLD, "rendezvous_address", rendezvous_address, "", "ADDR",
         "control service of the daemon holding rank 0 (\"\": control_address)"),
+    STR(S_WORLD, "rendezvous", rendezvous, "builtin", "STORE",
+        "where the world's coordination lives: builtin (the store of the daemon holding rank 0, "
+        "at rendezvous_address) or etcd://host:port[,host:port...][/job] (etcd's v3 API; keys "
+        "under /zerod/<job>/; the world then re-forms after the loss of any node, rank 0's "
+        "included; rendezvous_address is not used)"),
     U32(S_WORLD, "collective_timeout_ms", collective_timeout_ms, "1800000", 100, 86400000,
         "a collective not complete within this time marks the world degraded (a dead peer is "
         "noticed at once; this bounds a silent one, so leave room for a rank's checkpoint or "
@@ -588,6 +593,21 @@ static int resolve(zd__config_t *cfg, zd__err_t *err) {
   if (!cfg->control_address[0])
     return zd__errf(err, ZD_ECONFIG, "control_address (%s) is empty: it must be host:port",
                     source_names[src[i_ctl]]);
+  /* An etcd rendezvous is where every rank's store calls go: the world's code reads it from
+   * rendezvous_address (rendezvous.h tells the two kinds of address apart). */
+  if (strcmp(cfg->rendezvous, "builtin") != 0) {
+    const char *ep = cfg->rendezvous + strlen("etcd://");
+    if (strncmp(cfg->rendezvous, "etcd://", strlen("etcd://")) != 0 || !*ep || *ep == '/' ||
+        *ep == ',')
+      return zd__errf(err, ZD_ECONFIG,
+                      "rendezvous (%s) is '%.200s'; expected builtin or "
+                      "etcd://host:port[,host:port...][/job]",
+                      source_names[src[setting_index("rendezvous")]], cfg->rendezvous);
+    char *copy = strdup(cfg->rendezvous);
+    if (!copy) return zd__errf(err, -ENOMEM, "rendezvous: out of memory");
+    free(cfg->rendezvous_address);
+    cfg->rendezvous_address = copy;
+  }
   if (!cfg->rendezvous_address[0]) {
     char *copy = strdup(cfg->control_address);
     if (!copy) return zd__errf(err, -ENOMEM, "rendezvous_address: out of memory");

@@ -52,6 +52,7 @@ typedef struct zd__config {
   uint64_t bucket_elems;     /* 0: max(40M, 1M * W) */
   char *control_address;     /* gRPC control service listen address */
   char *rendezvous_address;  /* rank 0's control service; "": control_address */
+  char *rendezvous;          /* "builtin" (rank 0's store) or etcd://host:port[,...][/job] */
   char *control_token_file;  /* the store's calls need its token; "": none */
   uint32_t control_insecure; /* 1: a control_address beyond loopback is allowed without TLS */
   char *tls_cert;            /* mutual TLS: this node's certificate; "": no TLS */

@@ -13,6 +13,7 @@
 #include "grpc_unary.h"
 #include "health.pb-c.h"
 #include "log.h"
+#include "rendezvous.h"
 
 typedef struct node {
   uint32_t first_rank;
@@ -75,16 +76,13 @@ static int readdress(node_t *nd, const char *address) {
 
 /* Adds the nodes of the registry not known yet, and follows a node that registered again at
  * another address (a zerod restarted elsewhere rejoins the world under the same ranks). */
-static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
-  Zerod__V1__NodesRequest req = ZEROD__V1__NODES_REQUEST__INIT;
-  ProtobufCMessage *reply = NULL;
+static void refresh_nodes(zd__liveness_t *l, zd__rdv_t *rdv) {
+  Zerod__V1__NodesReply *rep = NULL;
   zd__err_t err = {0};
-  if (zd__grpc_call(rdv, "/zerod.v1.Control/Nodes", &req.base, &zerod__v1__nodes_reply__descriptor,
-                    &reply, call_timeout_ms(l), 0, NULL, &err) != ZD_OK) {
+  if (zd__rdv_nodes(rdv, &rep, call_timeout_ms(l), &err) != ZD_OK) {
     ZD_LOG_DEBUG("heartbeat: no node registry yet: %s", err.msg);
     return;
   }
-  Zerod__V1__NodesReply *rep = (Zerod__V1__NodesReply *)reply;
   for (size_t i = 0; i < rep->n_nodes; i++) {
     const Zerod__V1__NodeInfo *n = rep->nodes[i];
     if (n->first_rank == l->cfg.first_rank) continue;
@@ -135,7 +133,7 @@ static void refresh_nodes(zd__liveness_t *l, zd__grpc_channel_t *rdv) {
       l->dead(l->ctx, nd->first_rank, ZD__VERDICT_REPLACED, nd->incarnation, reason);
     }
   }
-  protobuf_c_message_free_unpacked(reply, NULL);
+  protobuf_c_message_free_unpacked(&rep->base, NULL);
 }
 
 static void check_node(zd__liveness_t *l, node_t *n) {
@@ -186,9 +184,9 @@ static int pause_ms(zd__liveness_t *l, uint32_t ms) {
 static void *liveness_main(void *arg) {
   zd__liveness_t *l = arg;
   zd__log_set_rank(-1);
-  zd__grpc_channel_t *rdv = NULL;
+  zd__rdv_t *rdv = NULL; /* the built-in store's control service, or etcd */
   zd__err_t err = {0};
-  if (zd__grpc_channel_open(l->rendezvous, &rdv, &err) != ZD_OK) {
+  if (zd__rdv_open(l->rendezvous, &rdv, &err) != ZD_OK) {
     ZD_LOG_ERROR("heartbeat: cannot reach the rendezvous service: %s; peers are not watched",
                  err.msg);
     return NULL;
@@ -203,7 +201,7 @@ static void *liveness_main(void *arg) {
       check_node(l, &l->nodes[i]);
     }
   }
-  zd__grpc_channel_close(rdv);
+  zd__rdv_close(rdv);
   return NULL;
 }
 

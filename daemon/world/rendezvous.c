@@ -1,9 +1,14 @@
 /* Rendezvous client (rendezvous.h): KvSet, KvGet and KvWait of rank 0's control service as
- * blocking calls with one overall deadline.
+ * blocking calls with one overall deadline, or the same operations on etcd (etcd.h).
  *
  * Peers start in any order, so every call waits for the channel to connect (WAIT_FOR_READY), and
  * an UNAVAILABLE answer (rank 0's zerod restarting or shutting down) is retried until the
  * deadline rather than failing the whole world's start-up. Everything else is final.
+ *
+ * On etcd the store's rules are kept: a key is written once (a Txn that puts only if the key has
+ * no create revision, else reads it back: the same value is a retry, another is -EEXIST), and a
+ * wait polls the keys (one Txn of counting ranges) with a backoff from 2 to 100 ms until they all
+ * exist or the timeout passes; an etcd that cannot be reached meanwhile is waited for like a key.
  */
 #include "clock.h"
 #include "rendezvous.h"
@@ -17,18 +22,27 @@
 #include <time.h>
 
 #include "control.pb-c.h"
+#include "etcd.h"
 #include "grpc_unary.h"
 
 #define RETRY_MS 100 /* pause between attempts while the store answers UNAVAILABLE */
-#define WAIT_SLACK_MS                                                                           \
-  100                      /* on a connected channel, a KvWait's call outlives its server-side  \
-                              wait by this much, so the "still missing" answer beats the call's \
-                              deadline */
-#define MAX_KEY_BYTES 1024 /* as the server enforces */
+#define WAIT_SLACK_MS                                                                             \
+  100                        /* on a connected channel, a KvWait's call outlives its server-side  \
+                                wait by this much, so the "still missing" answer beats the call's \
+                                deadline */
+#define MAX_KEY_BYTES   1024 /* as the server enforces */
+#define MAX_VALUE_BYTES (1u << 20) /* as the built-in store enforces (kvstore.h), on etcd too */
+#define POLL_MIN_MS     2          /* an etcd wait's first pause between looks */
+#define POLL_MAX_MS     100        /* and its longest */
 
 struct zd__rdv {
-  zd__grpc_channel_t *ch;
+  zd__grpc_channel_t *ch; /* the built-in store (rank 0's control service), or */
+  zd__etcd_t *etcd;       /* etcd */
 };
+
+static const char *rdv_address(const zd__rdv_t *rdv) {
+  return rdv->etcd ? zd__etcd_url(rdv->etcd) : zd__grpc_channel_address(rdv->ch);
+}
 
 static void sleep_ms(int64_t ms) {
   struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -39,7 +53,8 @@ int zd__rdv_open(const char *address, zd__rdv_t **out, zd__err_t *err) {
   *out = NULL;
   zd__rdv_t *rdv = calloc(1, sizeof *rdv);
   if (!rdv) return zd__errf(err, -ENOMEM, "out of memory opening the rendezvous client");
-  int rc = zd__grpc_channel_open(address, &rdv->ch, err);
+  int rc = zd__etcd_is_url(address) ? zd__etcd_open(address, &rdv->etcd, err)
+                                    : zd__grpc_channel_open(address, &rdv->ch, err);
   if (rc) {
     free(rdv);
     return rc;
@@ -49,6 +64,7 @@ int zd__rdv_open(const char *address, zd__rdv_t **out, zd__err_t *err) {
 }
 
 int zd__rdv_set_token(zd__rdv_t *rdv, const char *token, zd__err_t *err) {
+  if (rdv->etcd) return ZD_OK; /* the control token is zerod's secret: never sent to etcd */
   if (zd__grpc_channel_set_token(rdv->ch, token))
     return zd__errf(err, -ENOMEM, "out of memory for the control token");
   return ZD_OK;
@@ -57,6 +73,7 @@ int zd__rdv_set_token(zd__rdv_t *rdv, const char *token, zd__err_t *err) {
 void zd__rdv_close(zd__rdv_t *rdv) {
   if (!rdv) return;
   zd__grpc_channel_close(rdv->ch);
+  zd__etcd_close(rdv->etcd);
   free(rdv);
 }
 
@@ -64,7 +81,7 @@ static int check_key(const zd__rdv_t *rdv, const char *key, zd__err_t *err) {
   size_t n = key ? strlen(key) : 0;
   if (n == 0 || n > MAX_KEY_BYTES)
     return zd__errf(err, -EINVAL, "rendezvous at %s: key '%.64s' is %zu bytes; keys have 1..%d",
-                    zd__grpc_channel_address(rdv->ch), key ? key : "", n, MAX_KEY_BYTES);
+                    rdv_address(rdv), key ? key : "", n, MAX_KEY_BYTES);
   return ZD_OK;
 }
 
@@ -108,10 +125,82 @@ static int call_retry(zd__rdv_t *rdv, const char *method, const char *what, Prot
   return zd__errf(err, rc, "rendezvous: cannot %s: %s", what, e.msg);
 }
 
+/* ---- on etcd --------------------------------------------------------------------------------- */
+
+static int etcd_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, int timeout_ms,
+                    zd__err_t *err) {
+  if (len > MAX_VALUE_BYTES)
+    return zd__errf(err, ZD_ETOOBIG, "rendezvous %s: the value of '%s' is %zu bytes; at most %u",
+                    rdv_address(rdv), key, len, MAX_VALUE_BYTES);
+  void *there = NULL;
+  size_t there_len = 0;
+  int rc = zd__etcd_create(rdv->etcd, key, value, len, &there, &there_len, timeout_ms, err);
+  if (rc || !there) return rc;
+  if (there_len != len || (len && memcmp(there, value, len) != 0))
+    rc = zd__errf(err, -EEXIST,
+                  "rendezvous %s: '%s' is already set to another value; rendezvous keys are "
+                  "written once",
+                  rdv_address(rdv), key);
+  free(there);
+  return rc;
+}
+
+static void list_keys(char *buf, size_t cap, char *const *keys, size_t n);
+
+/* Polls until every key exists; an etcd that does not answer is waited for until the timeout. */
+static int etcd_wait(zd__rdv_t *rdv, const char *const *keys, size_t nkeys, int timeout_ms,
+                     zd__err_t *err) {
+  const int64_t deadline = (int64_t)zd__now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+  int64_t pause = POLL_MIN_MS;
+  size_t next = 0; /* keys before it were seen: a key is never looked up again once found */
+  zd__err_t last = {0};
+  int rc = ZD_OK;
+  for (;;) {
+    int64_t left = deadline - (int64_t)zd__now_ms();
+    size_t missing = 0;
+    rc = zd__etcd_missing(rdv->etcd, keys + next, nkeys - next, &missing,
+                          left > 100 ? (int)left : 100, &last);
+    if (rc == ZD_OK) {
+      next += missing;
+      if (next == nkeys) return ZD_OK;
+    } else if (rc != -ETIMEDOUT && rc != ZD_EPEER) {
+      *err = last;
+      return rc;
+    }
+    left = deadline - (int64_t)zd__now_ms();
+    if (left <= 0) break;
+    sleep_ms(pause < left ? pause : left);
+    pause = pause * 2 > POLL_MAX_MS ? POLL_MAX_MS : pause * 2;
+  }
+  if (rc) {
+    *err = last;
+    return rc;
+  }
+  char names[256];
+  list_keys(names, sizeof names, (char *const *)keys + next, nkeys - next);
+  return zd__errf(err, -ETIMEDOUT, "rendezvous at %s: timed out after %d ms waiting for %s",
+                  rdv_address(rdv), timeout_ms, names);
+}
+
+static int etcd_get(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int timeout_ms,
+                    zd__err_t *err) {
+  int found = 0;
+  int rc = zd__etcd_get(rdv->etcd, key, value, len, &found, timeout_ms, err);
+  if (!rc && !found)
+    rc = zd__errf(err, ZD_EPEER,
+                  "rendezvous at %s: key '%s' vanished after it was set (deleted: a world "
+                  "instance that broke?)",
+                  rdv_address(rdv), key);
+  return rc;
+}
+
+/* ---- either store ---------------------------------------------------------------------------- */
+
 int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, int timeout_ms,
                 zd__err_t *err) {
   int rc = check_key(rdv, key, err);
   if (rc) return rc;
+  if (rdv->etcd) return etcd_set(rdv, key, value, len, timeout_ms, err);
   Zerod__V1__KvSetRequest req = ZEROD__V1__KV_SET_REQUEST__INIT;
   req.key = (char *)key;
   req.value.data = (uint8_t *)value;
@@ -130,6 +219,7 @@ static int delete_keys(zd__rdv_t *rdv, const char *key, int prefix, int timeout_
                        zd__err_t *err) {
   int rc = check_key(rdv, key, err);
   if (rc) return rc;
+  if (rdv->etcd) return zd__etcd_delete(rdv->etcd, key, prefix, timeout_ms, err);
   Zerod__V1__KvDeleteRequest req = ZEROD__V1__KV_DELETE_REQUEST__INIT;
   req.key = (char *)key;
   req.has_prefix = prefix;
@@ -174,6 +264,7 @@ int zd__rdv_wait(zd__rdv_t *rdv, const char *const *keys, size_t nkeys, int time
     if (rc) return rc;
   }
   if (nkeys == 0) return ZD_OK;
+  if (rdv->etcd) return etcd_wait(rdv, keys, nkeys, timeout_ms, err);
   Zerod__V1__KvWaitRequest req = ZEROD__V1__KV_WAIT_REQUEST__INIT;
   req.n_keys = nkeys;
   req.keys = (char **)keys;
@@ -189,7 +280,7 @@ int zd__rdv_wait(zd__rdv_t *rdv, const char *const *keys, size_t nkeys, int time
   if (!rep->ok) {
     list_keys(names, sizeof names, rep->missing, rep->n_missing);
     rc = zd__errf(err, -ETIMEDOUT, "rendezvous at %s: timed out after %d ms waiting for %s",
-                  zd__grpc_channel_address(rdv->ch), timeout_ms, rep->n_missing ? names : "keys");
+                  rdv_address(rdv), timeout_ms, rep->n_missing ? names : "keys");
   }
 exit:
   if (reply) protobuf_c_message_free_unpacked(reply, NULL);
@@ -204,6 +295,8 @@ int zd__rdv_get(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int 
   if (rc) return rc;
   /* The key exists now: the get gets a time of its own, even if the wait used up the budget. */
   int64_t deadline = (int64_t)zd__now_ms() + (timeout_ms > GET_MIN_MS ? timeout_ms : GET_MIN_MS);
+  if (rdv->etcd)
+    return etcd_get(rdv, key, value, len, (int)(deadline - (int64_t)zd__now_ms()), err);
   Zerod__V1__KvGetRequest req = ZEROD__V1__KV_GET_REQUEST__INIT;
   req.key = (char *)key;
   ProtobufCMessage *reply = NULL;
@@ -218,7 +311,7 @@ int zd__rdv_get(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int 
     rc = zd__errf(err, ZD_EPEER,
                   "rendezvous at %s: key '%s' vanished after it was set (did rank "
                   "0's zerod restart?)",
-                  zd__grpc_channel_address(rdv->ch), key);
+                  rdv_address(rdv), key);
     goto exit;
   }
   size_t n = rep->has_value ? rep->value.len : 0;
@@ -257,4 +350,46 @@ int zd__rdv_register_node(zd__rdv_t *rdv, uint32_t first_rank, uint32_t local_ra
   }
   free(buf);
   return rc;
+}
+
+static int by_first_rank(const void *a, const void *b) {
+  const Zerod__V1__NodeInfo *x = *(Zerod__V1__NodeInfo *const *)a;
+  const Zerod__V1__NodeInfo *y = *(Zerod__V1__NodeInfo *const *)b;
+  return x->first_rank < y->first_rank ? -1 : x->first_rank > y->first_rank;
+}
+
+int zd__rdv_nodes(zd__rdv_t *rdv, Zerod__V1__NodesReply **out, int timeout_ms, zd__err_t *err) {
+  *out = NULL;
+  if (!rdv->etcd) {
+    Zerod__V1__NodesRequest req = ZEROD__V1__NODES_REQUEST__INIT;
+    ProtobufCMessage *reply = NULL;
+    int rc = zd__grpc_call(rdv->ch, "/zerod.v1.Control/Nodes", &req.base,
+                           &zerod__v1__nodes_reply__descriptor, &reply, timeout_ms, 0, NULL, err);
+    if (!rc) *out = (Zerod__V1__NodesReply *)reply;
+    return rc;
+  }
+  /* On etcd the registry is the entries under ZD__RDV_NODE_PREFIX, read as the control service's
+   * Nodes does (control.c): an entry that does not decode is left out; by first rank. */
+  zd__etcd_kv_t *kvs = NULL;
+  size_t n = 0;
+  int rc = zd__etcd_list(rdv->etcd, ZD__RDV_NODE_PREFIX, &kvs, &n, timeout_ms, err);
+  if (rc) return rc;
+  Zerod__V1__NodesReply *rep = malloc(sizeof *rep);
+  Zerod__V1__NodeInfo **nodes = calloc(n ? n : 1, sizeof *nodes);
+  if (!rep || !nodes) {
+    free(rep);
+    free(nodes);
+    zd__etcd_kvs_free(kvs, n);
+    return zd__errf(err, -ENOMEM, "out of memory for the node registry");
+  }
+  *rep = (Zerod__V1__NodesReply)ZEROD__V1__NODES_REPLY__INIT;
+  rep->nodes = nodes;
+  for (size_t i = 0; i < n; i++) {
+    Zerod__V1__NodeInfo *info = zerod__v1__node_info__unpack(NULL, kvs[i].len, kvs[i].value);
+    if (info) rep->nodes[rep->n_nodes++] = info;
+  }
+  zd__etcd_kvs_free(kvs, n);
+  qsort(rep->nodes, rep->n_nodes, sizeof *rep->nodes, by_first_rank);
+  *out = rep;
+  return ZD_OK;
 }

@@ -1,6 +1,9 @@
 /* Rendezvous client: blocking calls to the key-value store of the control service on the node
- * that hosts global rank 0 (control.h). Rank workers use it to bootstrap their collectives (the
- * Gloo store, NCCL's unique id) and to register this node for `zeroctl status --world`.
+ * that hosts global rank 0 (control.h), or to etcd when the address is an etcd URL
+ * ("etcd://host:port[,host:port...][/job]", etcd.h: the same operations and rules on the keys
+ * below the job's prefix, so the world's coordination outlives any node). Rank workers use it to
+ * bootstrap their collectives (the Gloo store, NCCL's unique id) and to register this node for
+ * `zeroctl status --world`.
  *
  * One zd__rdv_t per thread; calls block for at most their timeout (a wait on a connected store,
  * 0.1 s more for the answer to travel). Calls wait for the store to come up (gRPC WAIT_FOR_READY)
@@ -15,16 +18,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "control.pb-c.h"
 #include "error.h"
 
 typedef struct zd__rdv zd__rdv_t;
 
-/* address: "host:port" or "unix:/path" of rank 0's control service. Does not connect yet. */
+/* address: "host:port" or "unix:/path" of rank 0's control service, or an etcd URL. Does not
+ * connect yet. */
 int zd__rdv_open(const char *address, zd__rdv_t **out, zd__err_t *err);
 void zd__rdv_close(zd__rdv_t *rdv);
 
 /* The store's calls need the world's control token when zerod has a control_token_file: every
- * call from now on carries it (NULL or "": none). Errors: -ENOMEM. */
+ * call from now on carries it (NULL or "": none). Ignored on etcd, which never sees the token.
+ * Errors: -ENOMEM. */
 int zd__rdv_set_token(zd__rdv_t *rdv, const char *token, zd__err_t *err);
 
 int zd__rdv_set(zd__rdv_t *rdv, const char *key, const void *value, size_t len, int timeout_ms,
@@ -54,5 +60,11 @@ int zd__rdv_wait(zd__rdv_t *rdv, const char *const *keys, size_t nkeys, int time
 int zd__rdv_register_node(zd__rdv_t *rdv, uint32_t first_rank, uint32_t local_ranks,
                           const char *control_address, uint64_t incarnation, int timeout_ms,
                           zd__err_t *err);
+
+/* The node registry (for the heartbeat, liveness.h): the control service's Nodes on the built-in
+ * store, the entries under ZD__RDV_NODE_PREFIX on etcd (world_size 0 there), by first rank.
+ * *out: free with protobuf_c_message_free_unpacked(&(*out)->base, NULL). One attempt (per etcd
+ * endpoint), without waiting for a connection. */
+int zd__rdv_nodes(zd__rdv_t *rdv, Zerod__V1__NodesReply **out, int timeout_ms, zd__err_t *err);
 
 #endif /* ZD_DAEMON_RENDEZVOUS_H */

@@ -100,6 +100,7 @@ static const char *const all_names[] = {"socket",
                                         "tls_key",
                                         "tls_ca",
                                         "rendezvous_address",
+                                        "rendezvous",
                                         "collective_timeout_ms",
                                         "heartbeat_ms",
                                         "peer_timeout_ms",
@@ -271,6 +272,17 @@ static void test_env_and_flags(void) {
   zd__config_visit(&cfg, record, &v);
   check_setting(&v, "max_clients", "5", "flag");
   check_setting(&v, "allowed_gids", "", "flag");
+  check_setting(&v, "rendezvous", "builtin", "default");
+  zd__config_free(&cfg);
+
+  /* An etcd rendezvous is where the world's store calls go: it replaces rendezvous_address. */
+  CHECK_INT_EQ(zd__config_load(&cfg,
+                               ARGV("--rendezvous_address", "h:1", "--rendezvous",
+                                    "etcd://10.0.0.5:2379,10.0.0.6:2379/run-1"),
+                               no_env, &err),
+               ZD__CONFIG_RUN);
+  CHECK_STR_EQ(cfg.rendezvous, "etcd://10.0.0.5:2379,10.0.0.6:2379/run-1");
+  CHECK_STR_EQ(cfg.rendezvous_address, "etcd://10.0.0.5:2379,10.0.0.6:2379/run-1");
   zd__config_free(&cfg);
 
   CHECK_INT_EQ(zd__config_load(&cfg, ARGV("--help"), no_env, &err), ZD__CONFIG_HELP);
@@ -340,6 +352,11 @@ static void test_errors(void) {
   snprintf(cfgvar, sizeof cfgvar, "ZEROD_CONFIG=%s", path);
   expect_error(1, (char *[]){"zerod", NULL}, env, ZD_ECONFIG, where, "unknown setting 'threadz'",
                NULL);
+
+  /* A rendezvous is builtin or an etcd URL. */
+  expect_error(ARGV("--rendezvous", "redis://h:1"), no_env, ZD_ECONFIG, "rendezvous (flag)",
+               "redis://h:1", "etcd://host:port", NULL);
+  expect_error(ARGV("--rendezvous", "etcd:///job"), no_env, ZD_ECONFIG, "rendezvous", NULL);
 
   /* Bad values in a file name the line, the setting and the range. */
   path = write_file("local_ranks = 65\n");
