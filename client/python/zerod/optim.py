@@ -13,11 +13,38 @@ CUDA backend has no kernel for them yet: CUDA parameters are refused.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Dict, Iterable, Mapping, Tuple
 
+from . import client as _client
+from . import _lib
 from .torch import ZeroOptimizer, _torch_major
 
 __all__ = ["ZeroAdagrad", "ZeroRMSprop", "ZeroSGD"]
+
+
+class _Row:
+    """The Python side of a row of zerod's table of optimizers (kernels/optim.h): how
+    zerod.checkpoint moves the state of optimizer `kind` to and from its torch class.
+
+    kind: the group's optimizer name (ZD_<KIND> in zerod.h). torch_class: a function returning
+    the torch optimizer class (imported only when an export or import needs it). arrays: the
+    per-parameter state arrays by torch's names, which are zerod's state arrays of the same names
+    (common/state.h). step: whether torch's state holds a per-parameter "step" (without one, an
+    import is written at the step save_torch_state is given, default 1 once some parameter has
+    state, else 0)."""
+
+    def __init__(self, kind: str, torch_class: Any, arrays: Tuple[str, ...], step: bool) -> None:
+        self.kind, self.torch_class, self.arrays, self.step = kind, torch_class, arrays, step
+
+
+# kind -> _Row, for the optimizers that zerod.checkpoint handles from their row alone.
+TABLE: Dict[str, _Row] = {}
+
+
+def _register(row: _Row) -> None:
+    """Adds a row: the group field optimizer accepts its name (libzerod's ZD_<KIND>)."""
+    _client._ENUMS["optimizer"].setdefault(row.kind, getattr(_lib, "ZD_" + row.kind.upper()))
+    TABLE[row.kind] = row
 
 
 class ZeroSGD(ZeroOptimizer):
