@@ -27,6 +27,8 @@
  *                                                                       (kernels/adagrad.c)
  *   RMSPROP      rmsprop  square_avg, grad_avg (centered),              torch.optim.RMSprop
  *                         momentum_buffer (momentum != 0)               (kernels/rmsprop.c)
+ *   LION         lion   exp_avg                                         lion_pytorch.Lion
+ *                                                                       (kernels/lion.c)
  * A model with groups of several optimizers is stepped run by run: zd__optim_impl's update walks
  * the segments of [begin, end) and hands each run of consecutive segments whose optimizers share
  * a kernel to that kernel, in one call.
@@ -68,7 +70,8 @@ extern "C" {
   X(ADAM, adam) \
   X(SGD, sgd) \
   X(ADAGRAD, adagrad) \
-  X(RMSPROP, rmsprop)
+  X(RMSPROP, rmsprop) \
+  X(LION, lion)
 /* clang-format on */
 
 /* Each row's family functions, declared once per row (C allows a family that steps several
