@@ -56,6 +56,10 @@ static zd__states_t kernel_writes(int optimizer, const zd__adam_group_t *c) {
   return 0;
 }
 
+zd__states_t zd__optim_writes(const zd__adam_group_t *c) {
+  return kernel_writes(c->optimizer, c);
+}
+
 /* Out of place (a->src set), the arrays a segment's kernel leaves alone are copied from src, so
  * that the set written holds the whole state (an array of another optimizer's group, or an
  * optional one this group does not use now). */

@@ -92,6 +92,9 @@ ZD__OPTIMIZERS(ZD__OPTIM_DECLARE)
  * zd__adam_impl(isa) computes, bit for bit. */
 zd__adam_fn zd__optim_impl(zd__isa_t isa);
 
+/* The state arrays a group's kernel writes (the row's zd__<k>_writes; c->optimizer picks it). */
+zd__states_t zd__optim_writes(const zd__adam_group_t *c);
+
 /* Whether the table has a row for optimizer (a zd_optimizer_t value). */
 int zd__optim_known(int optimizer);
 
