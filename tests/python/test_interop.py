@@ -363,6 +363,12 @@ class InteropAdagradTest(InteropTest):
         path = os.path.join(self.dir, "x.safetensors")
         model = make_model(1)
         opt = torch.optim.Adagrad(torch_groups(model), **HP)
+        # A fresh Adagrad already holds step 0 and sum (initial_accumulator_value): the export
+        # at step 0 gives them too.
+        zc.save_torch_state(opt, model.named_parameters(), path)
+        fresh = zc.torch_state_dict(path, model.named_parameters())
+        self.assertEqual(fresh.step, 0)
+        self.assert_state(fresh.state_dict, opt.state_dict(), "a fresh Adagrad")
         train_step(model, opt, 1)
         zc.save_torch_state(opt, model.named_parameters(), path)
         exp = zc.load_export(path)

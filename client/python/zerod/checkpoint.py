@@ -436,11 +436,17 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
                     state[i] = {"momentum_buffer": exp.momentum_buffer[name]}
                 elif no_momentum:
                     state[i] = dict(no_momentum)
-    elif exp.step > 0 and kind == "adagrad":  # torch.optim.Adagrad: step and sum
+    elif kind == "adagrad":  # torch.optim.Adagrad: step and sum, from construction on
         step = _torch_step(cls, exp.step)
-        for i, name in enumerate(order):
-            state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
-                        "sum": exp.sum[name]}
+        for gi, pg in enumerate(param_groups):
+            for i in pg["params"]:
+                name = order[i]
+                # At step 0 torch's sum is already full_like(p, initial_accumulator_value);
+                # zerod fills it at its step 1 (kernels/adagrad.c), so it is made here.
+                total = exp.sum[name] if exp.step > 0 else torch.full_like(
+                    exp.master[name], pg["initial_accumulator_value"])
+                state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                            "sum": total}
     elif exp.step > 0 and kind == "rmsprop":  # step, square_avg, momentum_buffer, grad_avg
         step = _torch_step(cls, exp.step)
         for gi, pg in enumerate(param_groups):
