@@ -474,6 +474,7 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
 
 def _optim_rows() -> Dict[str, Any]:
     """zerod.optim's table (kind -> row): the optimizers whose export and import are their row."""
+    from . import torch as _zerod_torch  # noqa: F401  (first: it imports zerod.optim at its end)
     from . import optim
 
     return optim.TABLE
