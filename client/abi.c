@@ -139,6 +139,7 @@ int zd_group_init(zd_group_t *groups, size_t ngroups, size_t group_size) {
 
 #define CONSTANT(name)                    {#name, (int64_t)(name)},
 #define ERROR_CONSTANT(name, value, text) {"ZD_" #name, (int64_t)(value)},
+#define OPTIMIZER_CONSTANT(name, value)   {"ZD_" #name, (int64_t)(ZD_##name)},
 
 /* Every integer constant of zerod.h and zerod/errors.h, in the headers' order
  * (tests/lint/check_constants.py fails when one is missing or has another value). */
@@ -151,7 +152,7 @@ static const zd_constant_t constants[] = {
     CONSTANT(ZD_PROTOCOL_VERSION) CONSTANT(ZD_MAX_DIMS) CONSTANT(ZD_ALL_BUCKETS)
     CONSTANT(ZD_ANY_RANK)
     CONSTANT(ZD_F32) CONSTANT(ZD_BF16) CONSTANT(ZD_F16)
-    CONSTANT(ZD_ADAMW) CONSTANT(ZD_ADAM) CONSTANT(ZD_SGD) CONSTANT(ZD_ADAGRAD) CONSTANT(ZD_RMSPROP)
+    ZD_OPTIMIZERS(OPTIMIZER_CONSTANT)
     CONSTANT(ZD_UPDATE_TORCH113) CONSTANT(ZD_UPDATE_TORCH2)
     CONSTANT(ZD_UPDATE_TORCH2_CUDA) CONSTANT(ZD_UPDATE_TORCH2_CUDA_FOREACH)
     CONSTANT(ZD_UPDATE_TORCH2_CUDA_FUSED)

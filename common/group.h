@@ -39,6 +39,10 @@ extern "C" {
  *             reads, torch.optim.SGD's)
  * One row per line, unaligned, so that adding a field adds a line (and a backslash to the one
  * before). */
+/* The optimizer row's check and message, from zerod.h's list (ZD_OPTIMIZERS): "one of ADAMW (0)
+ * ADAM (1) ...". */
+#define ZD__GROUP_IS_OPTIMIZER(name, value)   || v == ZD_##name
+#define ZD__GROUP_OPTIMIZER_NAME(name, value) " " #name " (" #value ")"
 /* clang-format off */
 #define ZD__GROUP_FIELDS(X) \
   X(lr, DOUBLE, v >= 0, "a finite value >= 0", 1e-3) \
@@ -46,7 +50,7 @@ extern "C" {
   X(beta2, DOUBLE, v >= 0 && v < 1, "a value in [0, 1)", 0.999) \
   X(eps, DOUBLE, v > 0, "a finite value > 0", 1e-8) \
   X(weight_decay, DOUBLE, v >= 0, "a finite value >= 0", 1e-2) \
-  X(optimizer, ENUM, v == ZD_ADAMW || v == ZD_ADAM || v == ZD_SGD || v == ZD_ADAGRAD || v == ZD_RMSPROP, "ADAMW (0), ADAM (1), SGD (2), ADAGRAD (3) or RMSPROP (4)", ZD_ADAMW) \
+  X(optimizer, ENUM, 0 ZD_OPTIMIZERS(ZD__GROUP_IS_OPTIMIZER), "one of" ZD_OPTIMIZERS(ZD__GROUP_OPTIMIZER_NAME), ZD_ADAMW) \
   X(maximize, BOOL, v == 0 || v == 1, "0 or 1", 0) \
   X(update, ENUM, v == ZD_UPDATE_TORCH113 || v == ZD_UPDATE_TORCH2 || v == ZD_UPDATE_TORCH2_CUDA || v == ZD_UPDATE_TORCH2_CUDA_FOREACH || v == ZD_UPDATE_TORCH2_CUDA_FUSED, "TORCH113 (0), TORCH2 (1), TORCH2_CUDA (2), TORCH2_CUDA_FOREACH (3) or TORCH2_CUDA_FUSED (4)", ZD_UPDATE_TORCH113) \
   X(sqrt_mode, ENUM, v == ZD_SQRT_EXACT || v == ZD_SQRT_MKL_EX, "EXACT (0) or MKL_EX (1)", ZD_SQRT_EXACT) \

@@ -23,48 +23,19 @@
  * the first step starts it at s0, so a checkpoint taken before any step holds zeros where torch's
  * Adagrad (which fills its state at construction) holds s0.
  *
- * Built once per ISA level, as sgd.c (kernels/meson.build); the reference build carries the
+ * Built once per ISA level in the frame of kernels/optim_kernel.h; the reference build carries the
  * constants and the table's functions. SQRT_MKL_EX has no vector form here: groups with it run
  * element by element in every build (same bits).
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#include "dtype.h"
-#include "optim.h"
+#include "optim_kernel.h"
 #include "sqrt_mode.h"
-
-#ifndef ZD_OPTIM_ISA
-#define ZD_OPTIM_ISA       ref
-#define ZD_OPTIM_REFERENCE 1
-#endif
-#define ADAGRAD_CAT2(a, b) a##b
-#define ADAGRAD_CAT(a, b)  ADAGRAD_CAT2(a, b)
-#define ADAGRAD_STEP       ADAGRAD_CAT(zd__adagrad_step_, ZD_OPTIM_ISA)
-
-static inline float flip(float x, uint32_t mask) {
-  uint32_t u;
-  memcpy(&u, &x, sizeof u);
-  u ^= mask;
-  memcpy(&x, &u, sizeof x);
-  return x;
-}
-
-static inline __attribute__((always_inline)) float grad_f32(const void *grad, zd_dtype_t dtype,
-                                                            uint64_t i) {
-  if (dtype == ZD_BF16) return zd__bf16_to_f32(((const uint16_t *)grad)[i]);
-  if (dtype == ZD_F16) return zd__f16_to_f32(((const uint16_t *)grad)[i]);
-  return ((const float *)grad)[i];
-}
 
 /* One segment's [lo, hi), the formula above; gd, out (0 none, 1 f32, 2 bf16) and mkl are
  * constants at each call site. */
-static inline __attribute__((always_inline)) void adagrad_range(const zd__adam_args_t *a,
-                                                                const zd__adam_group_t *c,
-                                                                uint64_t lo, uint64_t hi,
-                                                                zd_dtype_t gd, int out, int mkl,
-                                                                int oop) {
+static inline ZD__OPTIM_INLINE void adagrad_range(const zd__adam_args_t *a,
+                                                  const zd__adam_group_t *c, uint64_t lo,
+                                                  uint64_t hi, zd_dtype_t gd, int out, int mkl,
+                                                  int oop) {
   float *master = a->state[ZD__STATE_MASTER];
   float *sum = a->state[ZD__STATE_SUM];
   /* In place, the loads name the arrays stored to (sgd.c). */
@@ -78,7 +49,7 @@ static inline __attribute__((always_inline)) void adagrad_range(const zd__adam_a
   float *pf = out == 1 ? (float *)a->param : NULL;
   uint16_t *pb = out == 2 ? (uint16_t *)a->param : NULL;
   for (uint64_t i = lo; i < hi; i++) {
-    float g = flip(grad_f32(grad, gd, i) * scale, neg);
+    float g = zd__optim_flip(zd__optim_grad(grad, gd, i) * scale, neg);
     float p = in_master[i];
     if (has_wd) g = fmaf(p, wd, g);
     float s = first ? s0 : in_sum[i];
@@ -92,26 +63,7 @@ static inline __attribute__((always_inline)) void adagrad_range(const zd__adam_a
   }
 }
 
-#define ADAGRAD_OUT(gd, mkl, oop)                   \
-  do {                                              \
-    if (!a->param)                                  \
-      adagrad_range(a, c, lo, hi, gd, 0, mkl, oop); \
-    else if (a->param_dtype == ZD_BF16)             \
-      adagrad_range(a, c, lo, hi, gd, 2, mkl, oop); \
-    else                                            \
-      adagrad_range(a, c, lo, hi, gd, 1, mkl, oop); \
-  } while (0)
-#define ADAGRAD_GRAD(mkl, oop)        \
-  do {                                \
-    if (a->grad_dtype == ZD_BF16)     \
-      ADAGRAD_OUT(ZD_BF16, mkl, oop); \
-    else if (a->grad_dtype == ZD_F16) \
-      ADAGRAD_OUT(ZD_F16, mkl, oop);  \
-    else                              \
-      ADAGRAD_OUT(ZD_F32, mkl, oop);  \
-  } while (0)
-
-void ADAGRAD_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
+void ZD__OPTIM_STEP(adagrad)(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
   for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {
     const zd__segment_t *seg = &a->segs[s];
     if (seg->offset >= end) break;
@@ -121,13 +73,13 @@ void ADAGRAD_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
     int mkl = c->sqrt_mode == ZD_SQRT_MKL_EX;
     if (a->src[ZD__STATE_MASTER]) { /* out of place: every array the kernel writes has a src */
       if (mkl)
-        ADAGRAD_GRAD(1, 1);
+        ZD__OPTIM_CALL(adagrad_range, 1, 1);
       else
-        ADAGRAD_GRAD(0, 1);
+        ZD__OPTIM_CALL(adagrad_range, 0, 1);
     } else if (mkl) {
-      ADAGRAD_GRAD(1, 0);
+      ZD__OPTIM_CALL(adagrad_range, 1, 0);
     } else {
-      ADAGRAD_GRAD(0, 0);
+      ZD__OPTIM_CALL(adagrad_range, 0, 0);
     }
   }
 }
@@ -154,16 +106,5 @@ zd__states_t zd__adagrad_writes(const zd__adam_group_t *c) {
   return ZD__STATE_BIT(ZD__STATE_MASTER) | ZD__STATE_BIT(ZD__STATE_SUM);
 }
 
-zd__adam_fn zd__adagrad_impl(zd__isa_t isa) {
-  switch (isa) {
-    case ZD__ISA_AVX512BF16:
-      return zd__adagrad_step_avx512bf16;
-    case ZD__ISA_AVX512:
-      return zd__adagrad_step_avx512;
-    case ZD__ISA_AVX2:
-      return zd__adagrad_step_avx2;
-    default:
-      return zd__adagrad_step_ref;
-  }
-}
+ZD__OPTIM_IMPL(adagrad)
 #endif

@@ -32,55 +32,44 @@ const char *zd__optim_kernel_name(int optimizer) {
   return NULL;
 }
 
-/* The kernel of a group and what it writes, by the family's index in ZD__OPTIM_KERNELS. */
-enum {
-#define INDEX(k) KERNEL_##k,
-  ZD__OPTIM_KERNELS(INDEX)
-#undef INDEX
-};
-
-static int kernel_of(int optimizer) {
+/* A group's kernel for an ISA and what it writes, by its optimizer's row. Runs of segments are
+ * split where the kernel (the function) changes, so rows of one family share a run. */
+static zd__adam_fn kernel_fn(int optimizer, zd__isa_t isa) {
   switch (optimizer) {
-#define KERNEL(opt, k) \
-  case ZD_##opt:       \
-    return KERNEL_##k;
-    ZD__OPTIMIZERS(KERNEL)
-#undef KERNEL
-  }
-  return KERNEL_adam;
-}
-
-static zd__adam_fn kernel_fn(int kernel, zd__isa_t isa) {
-  switch (kernel) {
-#define FN(k)      \
-  case KERNEL_##k: \
+#define FN(opt, k) \
+  case ZD_##opt:   \
     return zd__##k##_impl(isa);
-    ZD__OPTIM_KERNELS(FN)
+    ZD__OPTIMIZERS(FN)
 #undef FN
   }
   return zd__adam_impl(isa);
 }
 
-static zd__states_t kernel_writes(int kernel, const zd__adam_group_t *c) {
-  switch (kernel) {
-#define WRITES(k)  \
-  case KERNEL_##k: \
+static zd__states_t kernel_writes(int optimizer, const zd__adam_group_t *c) {
+  switch (optimizer) {
+#define WRITES(opt, k) \
+  case ZD_##opt:       \
     return zd__##k##_writes(c);
-    ZD__OPTIM_KERNELS(WRITES)
+    ZD__OPTIMIZERS(WRITES)
 #undef WRITES
   }
   return 0;
+}
+
+zd__states_t zd__optim_writes(const zd__adam_group_t *c) {
+  return kernel_writes(c->optimizer, c);
 }
 
 /* Out of place (a->src set), the arrays a segment's kernel leaves alone are copied from src, so
  * that the set written holds the whole state (an array of another optimizer's group, or an
  * optional one this group does not use now). */
 static void copy_unwritten(const zd__adam_args_t *a, const zd__segment_t *seg, uint64_t begin,
-                           uint64_t end, int kernel) {
+                           uint64_t end) {
   uint64_t lo = seg->offset > begin ? seg->offset : begin;
   uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
   if (lo >= hi) return;
-  zd__states_t w = kernel_writes(kernel, &a->groups[seg->group]);
+  const zd__adam_group_t *c = &a->groups[seg->group];
+  zd__states_t w = kernel_writes(c->optimizer, c);
   for (int s = 0; s < ZD__NSTATES; s++)
     if (a->src[s] && a->state[s] && !(w & ZD__STATE_BIT(s)) && a->src[s] != a->state[s])
       memcpy(a->state[s] + lo, a->src[s] + lo, (hi - lo) * sizeof(float));
@@ -91,17 +80,17 @@ static void step_runs(const zd__adam_args_t *a, uint64_t begin, uint64_t end, zd
   for (int s = 0; s < ZD__NSTATES; s++) out_of_place |= a->src[s] != NULL;
   uint32_t s = zd__segs_find(a->segs, a->nsegs, begin);
   while (s < a->nsegs && a->segs[s].offset < end) {
-    int kernel = kernel_of(a->groups[a->segs[s].group].optimizer);
+    zd__adam_fn kernel = kernel_fn(a->groups[a->segs[s].group].optimizer, isa);
     uint32_t e = s + 1;
     while (e < a->nsegs && a->segs[e].offset < end &&
-           kernel_of(a->groups[a->segs[e].group].optimizer) == kernel)
+           kernel_fn(a->groups[a->segs[e].group].optimizer, isa) == kernel)
       e++;
     const zd__segment_t *last = &a->segs[e - 1];
     uint64_t lo = a->segs[s].offset > begin ? a->segs[s].offset : begin;
     uint64_t hi = last->offset + last->length < end ? last->offset + last->length : end;
-    kernel_fn(kernel, isa)(a, lo, hi);
+    kernel(a, lo, hi);
     if (out_of_place)
-      for (uint32_t k = s; k < e; k++) copy_unwritten(a, &a->segs[k], begin, end, kernel);
+      for (uint32_t k = s; k < e; k++) copy_unwritten(a, &a->segs[k], begin, end);
     s = e;
   }
 }

@@ -27,13 +27,24 @@
  *                                                                       (kernels/adagrad.c)
  *   RMSPROP      rmsprop  square_avg, grad_avg (centered),              torch.optim.RMSprop
  *                         momentum_buffer (momentum != 0)               (kernels/rmsprop.c)
+ *   LION         lion   exp_avg                                         lion_pytorch.Lion
+ *                                                                       (kernels/lion.c)
  * A model with groups of several optimizers is stepped run by run: zd__optim_impl's update walks
  * the segments of [begin, end) and hands each run of consecutive segments whose optimizers share
  * a kernel to that kernel, in one call.
  *
- * Adding an optimizer: its row here, its kernel file (kernels/<k>.c, built once per ISA by
- * kernels/meson.build), its state rows (common/state.h), its hyperparameters (zd_group_t in
- * zerod.h, common/group.h's table, message Group in proto/zerod.proto) and its enum value.
+ * Adding an optimizer touches five files besides its tests:
+ *   kernels/<k>.c        its kernel in the frame of kernels/optim_kernel.h (formula, constants
+ *                        from fields of zd__adam_group_t, the arrays it writes);
+ * kernels/meson.build builds it per ISA from its row here kernels/optim.h      its row of
+ * ZD__OPTIMIZERS (and the row's line in the list above) zerod/zerod.h        its row of
+ * ZD_OPTIMIZERS, which makes ZD_<NAME>, libzerod's constant and the daemon's check of a group's
+ * optimizer proto/zerod.proto    its value in enum Optimizer client/python/zerod/optim.py
+ * zerod.torch.Zero<Name> and its zerod.optim.TABLE row (torch class, state arrays by torch's names,
+ * whether torch counts steps), from which zerod.checkpoint exports to and imports from the torch
+ * optimizer plus the ABI baseline regenerated (client/abi/libzerod.abi: one enumerator). It reuses
+ * the state arrays and group fields that exist (common/state.h, common/group.h); one that needs a
+ * new array or hyperparameter adds its row there too.
  */
 #ifndef ZD_KERNELS_OPTIM_H
 #define ZD_KERNELS_OPTIM_H
@@ -59,17 +70,13 @@ extern "C" {
   X(ADAM, adam) \
   X(SGD, sgd) \
   X(ADAGRAD, adagrad) \
-  X(RMSPROP, rmsprop)
+  X(RMSPROP, rmsprop) \
+  X(LION, lion)
 /* clang-format on */
 
-/* The kernel families, once each (a family may step several optimizers). */
-#define ZD__OPTIM_KERNELS(X) \
-  X(adam)                    \
-  X(sgd)                     \
-  X(adagrad)                 \
-  X(rmsprop)
-
-#define ZD__OPTIM_DECLARE(k)                                                          \
+/* Each row's family functions, declared once per row (C allows a family that steps several
+ * optimizers to be declared again). */
+#define ZD__OPTIM_DECLARE(opt, k)                                                     \
   void zd__##k##_consts(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step);    \
   zd__adam_fn zd__##k##_impl(zd__isa_t isa);                                          \
   zd__states_t zd__##k##_writes(const zd__adam_group_t *c);                           \
@@ -77,12 +84,16 @@ extern "C" {
   void zd__##k##_step_avx2(const zd__adam_args_t *a, uint64_t begin, uint64_t end);   \
   void zd__##k##_step_avx512(const zd__adam_args_t *a, uint64_t begin, uint64_t end); \
   void zd__##k##_step_avx512bf16(const zd__adam_args_t *a, uint64_t begin, uint64_t end);
-ZD__OPTIM_KERNELS(ZD__OPTIM_DECLARE)
+ZD__OPTIMIZERS(ZD__OPTIM_DECLARE)
+#undef ZD__OPTIM_DECLARE
 
 /* The update of every optimizer of the table for an ISA: each run of segments goes to its
  * optimizer's kernel (above). For a model whose groups are all AdamW/Adam it computes what
  * zd__adam_impl(isa) computes, bit for bit. */
 zd__adam_fn zd__optim_impl(zd__isa_t isa);
+
+/* The state arrays a group's kernel writes (the row's zd__<k>_writes; c->optimizer picks it). */
+zd__states_t zd__optim_writes(const zd__adam_group_t *c);
 
 /* Whether the table has a row for optimizer (a zd_optimizer_t value). */
 int zd__optim_known(int optimizer);

@@ -21,45 +21,16 @@
  *                                                              param.add_(buf, alpha=-lr))
  *   else:           p = p + (nlr * g) / d          (param.addcdiv_(g, avg, value=-lr))
  * square_avg, grad_avg and the buffer start at zero (torch.zeros_like), as zerod allocates them.
- * Built once per ISA level, as sgd.c.
+ * Built once per ISA level in the frame of kernels/optim_kernel.h.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#include "dtype.h"
-#include "optim.h"
+#include "optim_kernel.h"
 #include "sqrt_mode.h"
-
-#ifndef ZD_OPTIM_ISA
-#define ZD_OPTIM_ISA       ref
-#define ZD_OPTIM_REFERENCE 1
-#endif
-#define RMSPROP_CAT2(a, b) a##b
-#define RMSPROP_CAT(a, b)  RMSPROP_CAT2(a, b)
-#define RMSPROP_STEP       RMSPROP_CAT(zd__rmsprop_step_, ZD_OPTIM_ISA)
-
-static inline float flip(float x, uint32_t mask) {
-  uint32_t u;
-  memcpy(&u, &x, sizeof u);
-  u ^= mask;
-  memcpy(&x, &u, sizeof x);
-  return x;
-}
-
-static inline __attribute__((always_inline)) float grad_f32(const void *grad, zd_dtype_t dtype,
-                                                            uint64_t i) {
-  if (dtype == ZD_BF16) return zd__bf16_to_f32(((const uint16_t *)grad)[i]);
-  if (dtype == ZD_F16) return zd__f16_to_f32(((const uint16_t *)grad)[i]);
-  return ((const float *)grad)[i];
-}
 
 /* One segment's [lo, hi); gd, out (0 none, 1 f32, 2 bf16), mom, cen, oop and mkl are constants at
  * each call site but rms_mkl's. In place, the loads name the arrays stored to (sgd.c). */
-static inline __attribute__((always_inline)) void rms_range(const zd__adam_args_t *a,
-                                                            const zd__adam_group_t *c, uint64_t lo,
-                                                            uint64_t hi, zd_dtype_t gd, int out,
-                                                            int mom, int cen, int oop, int mkl) {
+static inline ZD__OPTIM_INLINE void rms_range(const zd__adam_args_t *a, const zd__adam_group_t *c,
+                                              uint64_t lo, uint64_t hi, zd_dtype_t gd, int out,
+                                              int mom, int cen, int oop, int mkl) {
   float *master = a->state[ZD__STATE_MASTER], *sq = a->state[ZD__STATE_SQUARE_AVG];
   float *buf = mom ? a->state[ZD__STATE_MOMENTUM_BUFFER] : NULL;
   float *ga = cen ? a->state[ZD__STATE_GRAD_AVG] : NULL;
@@ -76,7 +47,7 @@ static inline __attribute__((always_inline)) void rms_range(const zd__adam_args_
   float *pf = out == 1 ? (float *)a->param : NULL;
   uint16_t *pb = out == 2 ? (uint16_t *)a->param : NULL;
   for (uint64_t i = lo; i < hi; i++) {
-    float g = flip(grad_f32(grad, gd, i) * scale, neg);
+    float g = zd__optim_flip(zd__optim_grad(grad, gd, i) * scale, neg);
     float p = in_master[i];
     if (has_wd) g = fmaf(p, wd, g);
     float s = fmaf(a1 * g, g, in_sq[i] * al);
@@ -104,30 +75,12 @@ static inline __attribute__((always_inline)) void rms_range(const zd__adam_args_
   }
 }
 
-#define RMS_OUT(gd, mom, cen, oop)                      \
-  do {                                                  \
-    if (!a->param)                                      \
-      rms_range(a, c, lo, hi, gd, 0, mom, cen, oop, 0); \
-    else if (a->param_dtype == ZD_BF16)                 \
-      rms_range(a, c, lo, hi, gd, 2, mom, cen, oop, 0); \
-    else                                                \
-      rms_range(a, c, lo, hi, gd, 1, mom, cen, oop, 0); \
-  } while (0)
-#define RMS_GRAD(mom, cen, oop)        \
-  do {                                 \
-    if (a->grad_dtype == ZD_BF16)      \
-      RMS_OUT(ZD_BF16, mom, cen, oop); \
-    else if (a->grad_dtype == ZD_F16)  \
-      RMS_OUT(ZD_F16, mom, cen, oop);  \
-    else                               \
-      RMS_OUT(ZD_F32, mom, cen, oop);  \
-  } while (0)
-#define RMS_CEN(mom, oop)    \
-  do {                       \
-    if (cen)                 \
-      RMS_GRAD(mom, 1, oop); \
-    else                     \
-      RMS_GRAD(mom, 0, oop); \
+#define RMS_CEN(mom, oop)                        \
+  do {                                           \
+    if (cen)                                     \
+      ZD__OPTIM_CALL(rms_range, mom, 1, oop, 0); \
+    else                                         \
+      ZD__OPTIM_CALL(rms_range, mom, 0, oop, 0); \
   } while (0)
 
 /* ZD_SQRT_MKL_EX, whose sqrt has no vector form here: one loop with the flags at run time,
@@ -138,7 +91,7 @@ static __attribute__((noinline)) void rms_mkl(const zd__adam_args_t *a, const zd
   rms_range(a, c, lo, hi, a->grad_dtype, out, mom, cen, oop, 1);
 }
 
-void RMSPROP_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
+void ZD__OPTIM_STEP(rmsprop)(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
   for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {
     const zd__segment_t *seg = &a->segs[s];
     if (seg->offset >= end) break;
@@ -195,16 +148,5 @@ zd__states_t zd__rmsprop_writes(const zd__adam_group_t *c) {
   return w;
 }
 
-zd__adam_fn zd__rmsprop_impl(zd__isa_t isa) {
-  switch (isa) {
-    case ZD__ISA_AVX512BF16:
-      return zd__rmsprop_step_avx512bf16;
-    case ZD__ISA_AVX512:
-      return zd__rmsprop_step_avx512;
-    case ZD__ISA_AVX2:
-      return zd__rmsprop_step_avx2;
-    default:
-      return zd__rmsprop_step_ref;
-  }
-}
+ZD__OPTIM_IMPL(rmsprop)
 #endif

@@ -28,50 +28,16 @@
  * together, a missing gradient as zeros) is the model's first step. A group that turns momentum
  * on later (0 at registration) lacks the array: such a step is refused (common/state.h).
  *
- * This file is built once per ISA level (kernels/meson.build: ZD_OPTIM_ISA names it, with that
- * ISA's flags), as zd__sgd_step_<isa>; the build without ISA flags is the scalar reference, and
- * carries the constants and the table's functions. Every build computes the formula above
- * element by element in the same order, with fmaf() where it fuses and -ffp-contract=off
- * everywhere else, so the wide builds (the compiler's vectorisation of the same loop, fmaf as
- * vfmadd) give the reference's bits; tests/unit/test_optim.c checks it.
+ * Built once per ISA level in the frame of kernels/optim_kernel.h (zd__sgd_step_<isa>; the
+ * reference build carries the constants and the table's functions).
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#include "dtype.h"
-#include "optim.h"
-
-#ifndef ZD_OPTIM_ISA
-#define ZD_OPTIM_ISA       ref
-#define ZD_OPTIM_REFERENCE 1
-#endif
-#define SGD_CAT2(a, b) a##b
-#define SGD_CAT(a, b)  SGD_CAT2(a, b)
-#define SGD_STEP       SGD_CAT(zd__sgd_step_, ZD_OPTIM_ISA)
-
-/* The sign bit flipped when mask is 0x80000000: torch's exact negation. */
-static inline float flip(float x, uint32_t mask) {
-  uint32_t u;
-  memcpy(&u, &x, sizeof u);
-  u ^= mask;
-  memcpy(&x, &u, sizeof x);
-  return x;
-}
-
-static inline __attribute__((always_inline)) float grad_f32(const void *grad, zd_dtype_t dtype,
-                                                            uint64_t i) {
-  if (dtype == ZD_BF16) return zd__bf16_to_f32(((const uint16_t *)grad)[i]);
-  if (dtype == ZD_F16) return zd__f16_to_f32(((const uint16_t *)grad)[i]);
-  return ((const float *)grad)[i];
-}
+#include "optim_kernel.h"
 
 /* One segment's [lo, hi), the formula above. gd, out (0 none, 1 f32, 2 bf16) and mom are
  * constants at each call site, so each combination is its own loop. */
-static inline __attribute__((always_inline)) void sgd_range(const zd__adam_args_t *a,
-                                                            const zd__adam_group_t *c, uint64_t lo,
-                                                            uint64_t hi, zd_dtype_t gd, int out,
-                                                            int mom, int oop) {
+static inline ZD__OPTIM_INLINE void sgd_range(const zd__adam_args_t *a, const zd__adam_group_t *c,
+                                              uint64_t lo, uint64_t hi, zd_dtype_t gd, int out,
+                                              int mom, int oop) {
   float *master = a->state[ZD__STATE_MASTER];
   float *buf = mom ? a->state[ZD__STATE_MOMENTUM_BUFFER] : NULL;
   /* In place, the loads name the arrays stored to, so that the compiler sees one array (two
@@ -86,7 +52,7 @@ static inline __attribute__((always_inline)) void sgd_range(const zd__adam_args_
   float *pf = out == 1 ? (float *)a->param : NULL;
   uint16_t *pb = out == 2 ? (uint16_t *)a->param : NULL;
   for (uint64_t i = lo; i < hi; i++) {
-    float g = flip(grad_f32(grad, gd, i) * scale, neg);
+    float g = zd__optim_flip(zd__optim_grad(grad, gd, i) * scale, neg);
     float p = in_master[i];
     if (has_wd) g = fmaf(p, wd, g);
     if (mom) {
@@ -102,26 +68,7 @@ static inline __attribute__((always_inline)) void sgd_range(const zd__adam_args_
   }
 }
 
-#define SGD_OUT(gd, mom, oop)                   \
-  do {                                          \
-    if (!a->param)                              \
-      sgd_range(a, c, lo, hi, gd, 0, mom, oop); \
-    else if (a->param_dtype == ZD_BF16)         \
-      sgd_range(a, c, lo, hi, gd, 2, mom, oop); \
-    else                                        \
-      sgd_range(a, c, lo, hi, gd, 1, mom, oop); \
-  } while (0)
-#define SGD_GRAD(mom, oop)            \
-  do {                                \
-    if (a->grad_dtype == ZD_BF16)     \
-      SGD_OUT(ZD_BF16, mom, oop);     \
-    else if (a->grad_dtype == ZD_F16) \
-      SGD_OUT(ZD_F16, mom, oop);      \
-    else                              \
-      SGD_OUT(ZD_F32, mom, oop);      \
-  } while (0)
-
-void SGD_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
+void ZD__OPTIM_STEP(sgd)(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
   for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {
     const zd__segment_t *seg = &a->segs[s];
     if (seg->offset >= end) break;
@@ -131,13 +78,13 @@ void SGD_STEP(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
     int mom = c->has_momentum && a->state[ZD__STATE_MOMENTUM_BUFFER];
     if (a->src[ZD__STATE_MASTER]) { /* out of place: every array the kernel writes has a src */
       if (mom)
-        SGD_GRAD(1, 1);
+        ZD__OPTIM_CALL(sgd_range, 1, 1);
       else
-        SGD_GRAD(0, 1);
+        ZD__OPTIM_CALL(sgd_range, 0, 1);
     } else if (mom) {
-      SGD_GRAD(1, 0);
+      ZD__OPTIM_CALL(sgd_range, 1, 0);
     } else {
-      SGD_GRAD(0, 0);
+      ZD__OPTIM_CALL(sgd_range, 0, 0);
     }
   }
 }
@@ -165,16 +112,5 @@ zd__states_t zd__sgd_writes(const zd__adam_group_t *c) {
   return w;
 }
 
-zd__adam_fn zd__sgd_impl(zd__isa_t isa) {
-  switch (isa) {
-    case ZD__ISA_AVX512BF16:
-      return zd__sgd_step_avx512bf16;
-    case ZD__ISA_AVX512:
-      return zd__sgd_step_avx512;
-    case ZD__ISA_AVX2:
-      return zd__sgd_step_avx2;
-    default:
-      return zd__sgd_step_ref;
-  }
-}
+ZD__OPTIM_IMPL(sgd)
 #endif

@@ -73,7 +73,16 @@ install_frameworks() {
   echo "torch2_venv: transformers, accelerate, lightning installed in $(($(date +%s) - t0)) s"
 }
 
+# lion-pytorch, the reference of zerod.torch.ZeroLion (the Lion conformance and interop tests),
+# pinned, without its one requirement (torch, which is there already).
+LION=lion-pytorch==0.2.5
+ensure_lion() {
+  "$python" -c 'import lion_pytorch' 2>/dev/null ||
+    "$python" -m pip install -q --disable-pip-version-check --no-deps "$LION"
+}
+
 if [ -x "$python" ] && check >&2 2>/dev/null; then
+  ensure_lion >&2
   if [ "$frameworks" = 1 ] && ! check_frameworks >/dev/null 2>&1; then
     install_frameworks >&2
   fi
@@ -90,6 +99,7 @@ start=$(date +%s)
   jinja2 fsspec numpy safetensors >&2
 "$python" scripts/torch2_stubs.py "$("$python" -c "import importlib.util as u; print(u.find_spec('torch').submodule_search_locations[0])")" >&2
 check >&2
+ensure_lion >&2
 if [ "$frameworks" = 1 ]; then install_frameworks >&2; fi
 echo "torch2_venv: $venv ready in $(($(date +%s) - start)) s ($(du -sh "$venv" | cut -f1))" >&2
 echo "$(cd "$venv" && pwd)/bin/python"

@@ -89,8 +89,25 @@ static void kernel_chunk(void *arg, uint64_t lo, uint64_t hi, unsigned thread) {
   r->fn(r->a, lo, hi);
 }
 
-static const char *const names[] = {"adamw", "sgd", "adagrad", "rmsprop"};
-static const int optimizers[] = {ZD_ADAMW, ZD_SGD, ZD_ADAGRAD, ZD_RMSPROP};
+/* One row per optimizer of the table (ZD__OPTIMIZERS), Adam's once (AdamW). */
+#define NAME(opt, k)  #opt,
+#define VALUE(opt, k) ZD_##opt,
+static const char *const table_names[] = {ZD__OPTIMIZERS(NAME)};
+static const int table_values[] = {ZD__OPTIMIZERS(VALUE)};
+#undef NAME
+#undef VALUE
+#define NTABLE (int)(sizeof table_values / sizeof table_values[0])
+static char names[NTABLE][16];
+static int optimizers[NTABLE], noptimizers;
+
+static void list_optimizers(void) {
+  for (int i = 0; i < NTABLE; i++) {
+    if (table_values[i] == ZD_ADAM) continue; /* AdamW's kernel */
+    for (int j = 0; table_names[i][j] && j < 15; j++)
+      names[noptimizers][j] = (char)(table_names[i][j] | 0x20); /* lower case */
+    optimizers[noptimizers++] = table_values[i];
+  }
+}
 
 static void row(zd__pool_t *pool, zd__isa_t isa, int which, uint64_t n, int iters, int warmup) {
   zd_group_t hp[2] = {zd__group_default(), zd__group_default()};
@@ -107,12 +124,7 @@ static void row(zd__pool_t *pool, zd__isa_t isa, int which, uint64_t n, int iter
   zd__states_t w = zd__states_needed(hp, 2);
   /* the streams the kernel reads and writes: master and what it writes (optim.h) */
   zd__states_t moved = ZD__STATE_BIT(ZD__STATE_MASTER);
-  for (int k = 0; k < 2; k++) {
-    if (hp[k].optimizer == ZD_SGD) moved |= zd__sgd_writes(&consts[k]);
-    if (hp[k].optimizer == ZD_ADAGRAD) moved |= zd__adagrad_writes(&consts[k]);
-    if (hp[k].optimizer == ZD_ADAMW) moved |= zd__adam_writes(&consts[k]);
-    if (hp[k].optimizer == ZD_RMSPROP) moved |= zd__rmsprop_writes(&consts[k]);
-  }
+  for (int k = 0; k < 2; k++) moved |= zd__optim_writes(&consts[k]);
   size_t bytes = n * sizeof(float);
   zd__adam_args_t a = {.grad_dtype = ZD_F32, .param_dtype = ZD_F32, .grad_scale = 1.0f};
   pass_t p = {.isa = isa};
@@ -225,6 +237,7 @@ int main(int argc, char **argv) {
             isa_name);
     return 2;
   }
+  list_optimizers();
   zd__pool_t *pool;
   int rc = zd__pool_create(nthreads, 1, &pool);
   if (rc) return 1;
@@ -235,7 +248,7 @@ int main(int argc, char **argv) {
   printf("# %-8s %10s %7s %7s %9s %9s %9s %9s %8s\n", "optim", "params", "isa", "threads",
          "step_ms", "step_GB/s", "pass_ms", "pass_GB/s", "%pass");
   for (int l = min_log2; l <= max_log2; l++)
-    for (int which = 0; which < 4; which++)
+    for (int which = 0; which < noptimizers; which++)
       row(pool, (zd__isa_t)isa, which, (uint64_t)1 << l, iters, warmup);
   zd__pool_destroy(pool);
   return 0;

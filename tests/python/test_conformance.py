@@ -3,7 +3,9 @@ identical to the same training with torch.optim.AdamW(foreach=False) in one proc
 --optimizer sgd, zerod.torch.ZeroSGD against torch.optim.SGD (its default implementation; the
 second group at half the momentum unless nesterov; --dampening, --nesterov, --maximize); with
 --optimizer adagrad, ZeroAdagrad against torch.optim.Adagrad (the second group without lr_decay); with --optimizer
-rmsprop, ZeroRMSprop against torch.optim.RMSprop (--momentum in the first group, --centered).
+rmsprop, ZeroRMSprop against torch.optim.RMSprop (--momentum in the first group, --centered); with
+--optimizer lion, ZeroLion against lion_pytorch.Lion (PyPI lion-pytorch; the second group with its
+own betas; skipped where lion-pytorch is not installed).
 
 For each model (a small MLP, a tiny transformer) and working dtype, `world` trainer processes
 (W=1: this process) each attach to one rank of a real zerod world and train on their own batches
@@ -43,13 +45,14 @@ torch = common.require_torch()
 import models  # noqa: E402  (after the torch check)
 import zerod  # noqa: E402
 import zerod.testing  # noqa: E402
-from zerod.torch import ZeroAdagrad, ZeroOptimizer, ZeroRMSprop, ZeroSGD  # noqa: E402
+from zerod.torch import ZeroAdagrad, ZeroLion, ZeroOptimizer, ZeroRMSprop, ZeroSGD  # noqa: E402
 
 BUCKET_ELEMS = {"mlp": 2048, "transformer": 4096}  # several buckets: per-bucket scatter is used
 LR = 3e-3
 SGD_LR = 0.2
 ADAGRAD_LR = 0.03
 RMSPROP_LR = 1e-3
+LION_LR = 3e-4
 
 
 def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, int]) -> Dict[str, Any]:
@@ -100,6 +103,18 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
         ref_opt = torch.optim.RMSprop(groups, lr=RMSPROP_LR, **kw)
         opt = ZeroRMSprop(zgroups, lr=RMSPROP_LR, socket=endpoint[0], local_rank=endpoint[1],
                           **kw)
+    elif cfg.get("optimizer") == "lion":
+        # lion-pytorch's Lion (its default update); the first group with a weight decay Lion
+        # users take (lr * wd about 1e-4), the second with betas of its own.
+        from lion_pytorch import Lion
+
+        groups[0].update(weight_decay=1.0)
+        zgroups[0].update(weight_decay=1.0)
+        groups[1].update(betas=(0.95, 0.98))
+        zgroups[1].update(betas=(0.95, 0.98))
+        ref_opt = Lion(groups, lr=LION_LR, betas=(0.9, 0.99))
+        opt = ZeroLion(zgroups, lr=LION_LR, betas=(0.9, 0.99), socket=endpoint[0],
+                       local_rank=endpoint[1])
     else:
         ref_opt = torch.optim.AdamW(groups, lr=LR, foreach=False, amsgrad=ams)
         opt = ZeroOptimizer(zgroups, lr=LR, socket=endpoint[0], local_rank=endpoint[1],
@@ -236,7 +251,7 @@ def run_config(cfg: Dict[str, Any], world: int, daemons: int, spawn: bool) -> bo
     first, last = res0["rows"][0][1], res0["rows"][-1][1]
     # SGD, Adagrad and RMSprop learn the MLP's task slowly (a few percent in 200 steps): that
     # they learn is enough there.
-    need = 0.99 if cfg.get("optimizer") in ("sgd", "adagrad", "rmsprop") else 0.7
+    need = 0.99 if cfg.get("optimizer") in ("sgd", "adagrad", "rmsprop", "lion") else 0.7
     if not cfg.get("maximize") and not last < first * need:
         print(f"FAIL: the loss did not fall enough: {first:.4f} -> {last:.4f}")
         return False
@@ -257,9 +272,10 @@ def run_config(cfg: Dict[str, Any], world: int, daemons: int, spawn: bool) -> bo
                   f"{committed} of {expected_scatters}")
             return False
     every = "step" if cfg["check_every"] == 1 else f"{cfg['check_every']} steps"
-    ref_name = {"sgd": "SGD", "adagrad": "Adagrad",
-                "rmsprop": "RMSprop"}.get(cfg.get("optimizer"), "AdamW")
-    print(f"ok: every parameter bitwise equal to torch.optim.{ref_name} after every {every} "
+    ref_name = {"sgd": "torch.optim.SGD", "adagrad": "torch.optim.Adagrad",
+                "rmsprop": "torch.optim.RMSprop",
+                "lion": "lion_pytorch.Lion"}.get(cfg.get("optimizer"), "torch.optim.AdamW")
+    print(f"ok: every parameter bitwise equal to {ref_name} after every {every} "
           f"on {len(results)} rank(s); {res0['nbuckets']} buckets scattered from hooks; "
           f"trainer {res0['t_zerod']:.2f} s through zerod, {res0['t_ref']:.2f} s reference; "
           f"{time.monotonic() - t0:.1f} s in all", flush=True)
@@ -276,7 +292,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--check-every", type=int, default=1)
     ap.add_argument("--amsgrad", action="store_true", help="AdamW(amsgrad=True) on both sides")
-    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "adagrad", "rmsprop"],
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "adagrad", "rmsprop", "lion"],
                     help="sgd: zerod.torch.ZeroSGD against torch.optim.SGD; adagrad: "
                          "ZeroAdagrad against torch.optim.Adagrad")
     ap.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
@@ -292,6 +308,12 @@ def main() -> None:
     ap.add_argument("--spawn", action="store_true",
                     help="run the trainers in their own processes even at W=1")
     a = ap.parse_args()
+    if a.optimizer == "lion":
+        try:
+            import lion_pytorch  # noqa: F401
+        except ImportError:
+            common.skip("lion-pytorch is not installed for this python (scripts/torch2_venv.sh "
+                        "installs it into the torch 2.x venv)")
     kinds = ["mlp", "transformer"] if a.model == "all" else [a.model]
     dtypes = ["fp32", "bf16"] if a.dtype == "all" else [a.dtype]
     daemons = a.daemons or a.world

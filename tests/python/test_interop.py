@@ -32,7 +32,12 @@ import torch.nn.functional as F  # noqa: E402
 
 import zerod.testing  # noqa: E402
 from zerod import checkpoint as zc  # noqa: E402
-from zerod.torch import ZeroAdagrad, ZeroOptimizer, ZeroRMSprop, ZeroSGD  # noqa: E402
+from zerod.torch import ZeroAdagrad, ZeroLion, ZeroOptimizer, ZeroRMSprop, ZeroSGD  # noqa: E402
+
+try:
+    from lion_pytorch import Lion  # PyPI lion-pytorch: InteropLionTest's reference
+except ImportError:
+    Lion = None
 
 K, M, N = 4, 5, 4
 HP = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-7}
@@ -131,7 +136,7 @@ class InteropTest(unittest.TestCase):
         self.assert_params(snapshot(model), K, "plain torch")
         path = os.path.join(self.dir, "from-torch.safetensors")
         # torch.optim.SGD counts no steps: the caller says which (save_torch_state).
-        kw = {"step": K} if TORCH_CLS is torch.optim.SGD else {}
+        kw = {"step": K} if TORCH_CLS is torch.optim.SGD or TORCH_CLS is Lion else {}
         zc.save_torch_state(opt, model.named_parameters(), path, **kw)
         ckpt = zc.import_checkpoint(path, os.path.join(self.dir, "imported"))
         self.assertEqual(ckpt, os.path.join(self.dir, "imported", f"step-{K:012d}"))
@@ -358,6 +363,12 @@ class InteropAdagradTest(InteropTest):
         path = os.path.join(self.dir, "x.safetensors")
         model = make_model(1)
         opt = torch.optim.Adagrad(torch_groups(model), **HP)
+        # A fresh Adagrad already holds step 0 and sum (initial_accumulator_value): the export
+        # at step 0 gives them too.
+        zc.save_torch_state(opt, model.named_parameters(), path)
+        fresh = zc.torch_state_dict(path, model.named_parameters())
+        self.assertEqual(fresh.step, 0)
+        self.assert_state(fresh.state_dict, opt.state_dict(), "a fresh Adagrad")
         train_step(model, opt, 1)
         zc.save_torch_state(opt, model.named_parameters(), path)
         exp = zc.load_export(path)
@@ -396,6 +407,54 @@ class InteropRMSpropTest(InteropTest):
             self.assertEqual(sorted(d), sorted(exp.names))
 
 
+class InteropLionTest(InteropTest):
+    """InteropTest's moves with lion_pytorch.Lion (PyPI lion-pytorch) and zerod.torch.ZeroLion
+    (weight decay in one group, betas of its own and another lr in the other): exp_avg goes into
+    zerod, is resharded, and comes back out as Lion's state, which Lion loads and continues bit
+    for bit. Skipped where lion-pytorch is not installed."""
+
+    _ref_lion: Dict[str, Any] = {}
+
+    def setUp(self) -> None:
+        if Lion is None:
+            self.skipTest("lion-pytorch is not installed for this python")
+        super().setUp()
+        saved = (HP, _REF, GROUP_HP, TORCH_CLS, ZERO_CLS)
+        globals().update(HP={"lr": 1e-3, "betas": (0.9, 0.99)}, _REF=self._ref_lion,
+                         GROUP_HP=[{"weight_decay": 1.0},
+                                   {"weight_decay": 0.0, "lr": 2e-3, "betas": (0.95, 0.98)}],
+                         TORCH_CLS=Lion, ZERO_CLS=ZeroLion)
+        self.addCleanup(globals().update, HP=saved[0], _REF=saved[1], GROUP_HP=saved[2],
+                        TORCH_CLS=saved[3], ZERO_CLS=saved[4])
+
+    def test_refusals(self) -> None:
+        """Lion's own: a fresh Lion (no state) is step 0; after a step the file holds exp_avg
+        for every parameter, at the step given (Lion counts none)."""
+        path = os.path.join(self.dir, "x.safetensors")
+        model = make_model(1)
+        opt = Lion(torch_groups(model), **HP)
+        zc.save_torch_state(opt, model.named_parameters(), path)
+        exp = zc.load_export(path)
+        self.assertEqual((exp.step, exp.groups[0]["optimizer"]), (0, 5))
+        self.assertEqual(zc.torch_state_dict(path).state_dict["state"], {})
+        train_step(model, opt, 1)
+        zc.save_torch_state(opt, model.named_parameters(), path, step=3)
+        exp = zc.load_export(path)
+        self.assertEqual(exp.step, 3)
+        st = opt.state_dict()["state"]
+        got = zc.torch_state_dict(path, model.named_parameters()).state_dict["state"]
+        self.assertEqual(sorted(got), sorted(st))
+        for i in st:
+            self.assertTrue(torch.equal(got[i]["exp_avg"], st[i]["exp_avg"]), f"parameter {i}")
+        with self.assertRaisesRegex(ValueError, "decoupled_weight_decay"):
+            ZeroLion(named_groups(model), decoupled_weight_decay=True)
+
+
 if __name__ == "__main__":
+    # InteropLionTest where lion-pytorch is installed (the torch 2.x venv): elsewhere its skip
+    # would turn the whole file into a skip.
+    if Lion is None:
+        print("note: lion-pytorch is not installed for this python: InteropLionTest not run",
+              flush=True)
     common.run(InteropTest, InteropAmsgradTest, InteropSGDTest, InteropAdagradTest,
-               InteropRMSpropTest)
+               InteropRMSpropTest, *([InteropLionTest] if Lion is not None else []))

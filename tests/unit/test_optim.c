@@ -62,7 +62,32 @@ static void golden_run(const char *what, zd_group_t hp, const uint32_t want[3][4
       CHECK_MSG(f2u(master[i]) == want[t][i], "%s: step %d element %d: %08x, torch %08x", what,
                 t + 1, i, f2u(master[i]), want[t][i]);
   }
-  CHECK(!memcmp(exp_avg, zeros, sizeof zeros) && !memcmp(exp_avg_sq, zeros, sizeof zeros));
+  if (hp.optimizer != ZD_LION) CHECK(!memcmp(exp_avg, zeros, sizeof zeros));
+  CHECK(!memcmp(exp_avg_sq, zeros, sizeof zeros));
+}
+
+/* lion_pytorch.Lion 0.2.5 (torch 2.15), golden_run's p and grads:
+ *   p = torch.tensor([1.0, -2.0, 0.5, 3.0], requires_grad=True); opt = Lion([p], **kw)
+ *   for t in range(3): p.grad = torch.tensor([0.25, -0.125, 1.5, -3.0]) * (t + 1); opt.step() */
+static void test_golden_lion(void) {
+  static const uint32_t wd[3][4] = {{0x3f5eb852, 0xbfeb851f, 0x3ec51eb9, 0x4040a3d7},
+                                    {0x3f3e703b, 0xbfd7a787, 0x3e8c01a5, 0x404142c4},
+                                    {0x3f1f2010, 0xbfc46281, 0x3e293664, 0x4041dcec}};
+  static const uint32_t plain[3][4] = {{0x3f7851ec, 0xbffc28f6, 0x3ef0a3d7, 0x4041eb85},
+                                       {0x3f70a3d8, 0xbff851ec, 0x3ee147ae, 0x4043d70a},
+                                       {0x3f68f5c4, 0xbff47ae2, 0x3ed1eb85, 0x4045c28f}};
+  zd_group_t hp = zd__group_default();
+  hp.optimizer = ZD_LION;
+  hp.lr = 0.1; /* kw: lr=0.1, betas=(0.9, 0.99), weight_decay=0.3 */
+  hp.beta1 = 0.9;
+  hp.beta2 = 0.99;
+  hp.weight_decay = 0.3;
+  golden_run("lion weight_decay", hp, wd);
+  hp.lr = 0.03; /* kw: lr=0.03, betas=(0.95, 0.98) */
+  hp.beta1 = 0.95;
+  hp.beta2 = 0.98;
+  hp.weight_decay = 0;
+  golden_run("lion", hp, plain);
 }
 
 static void test_golden(void) {
@@ -232,14 +257,20 @@ static void run_case(int mix, uint64_t t, zd_dtype_t gd, zd_dtype_t pd, const zd
     int sgd = mix == 0 || (mix == 1 && k % 2 == 0) || (mix == 3 && k == 2);
     int adagrad = mix == 3 && k % 2 == 0 && !sgd;
     int rms = mix == 4 && k != 3;
-    hp.optimizer = rms       ? ZD_RMSPROP
+    int lion = mix == 5 && k != 3;
+    hp.optimizer = lion      ? ZD_LION
+                   : rms     ? ZD_RMSPROP
                    : adagrad ? ZD_ADAGRAD
                    : sgd     ? ZD_SGD
                              : (k & 2 ? ZD_ADAM : ZD_ADAMW);
     hp.lr = uniform(0.001f, 0.5f);
     hp.weight_decay = k == 1 ? 0 : uniform(0.0f, 0.1f);
     hp.maximize = k == 3;
-    if (rms) {
+    if (lion) {
+      hp.beta1 = k == 1 ? 0 : uniform(0.8f, 0.99f);
+      hp.beta2 = uniform(0.9f, 0.999f);
+      hp.weight_decay = k == 2 ? 0 : uniform(0.0f, 1.0f);
+    } else if (rms) {
       hp.alpha = k == 1 ? 0.3 : uniform(0.8f, 0.99f); /* 0.3: the lerp's second form */
       hp.momentum = k == 2 ? 0 : uniform(0.5f, 0.95f);
       hp.centered = k != 0;
@@ -334,7 +365,7 @@ static void test_paths(void) {
   static const zd_dtype_t pds[] = {0, ZD_F32, ZD_BF16};
   for (int rep = 0; rep < 3; rep++) {
     make_segments();
-    for (int mix = 0; mix < 5; mix++)
+    for (int mix = 0; mix < 6; mix++)
       for (uint64_t t = 1; t <= 2; t++)
         for (int g = 0; g < 3; g++)
           for (int p = 0; p < 3; p++) run_case(mix, t, gds[g], pds[p], isas, nisas);
@@ -344,7 +375,7 @@ static void test_paths(void) {
   for (int i = 0; i < nisas; i++) printf("%s ", zd__isa_name(isas[i]));
   printf(
       "equal the reference bit for bit (SGD, SGD mixed with AdamW/Adam, AdamW/Adam, Adagrad "
-      "mixed with both, RMSprop; in place, split, out of place)\n");
+      "mixed with both, RMSprop, Lion mixed with AdamW; in place, split, out of place)\n");
 }
 
 static void test_table(void) {
@@ -352,6 +383,7 @@ static void test_table(void) {
   CHECK(!zd__optim_known(99));
   CHECK(!strcmp(zd__optim_kernel_name(ZD_SGD), "sgd"));
   CHECK(!strcmp(zd__optim_kernel_name(ZD_ADAM), "adam"));
+  CHECK(!strcmp(zd__optim_kernel_name(ZD_LION), "lion"));
   /* every optimizer the group table admits has a row */
   for (int o = 0; o < 64; o++) {
     zd_group_t g = zd__group_default();
@@ -372,6 +404,7 @@ static void test_table(void) {
 int main(void) {
   test_table();
   test_golden();
+  test_golden_lion();
   test_paths();
   printf("PASS\n");
   return 0;

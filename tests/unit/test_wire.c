@@ -149,8 +149,8 @@ static void test_group_check(void) {
   g = zd__group_default();
   g.optimizer = (zd_optimizer_t)7;
   expect_refused(g,
-                 "group 3: optimizer 7 unknown; expected ADAMW (0), ADAM (1), SGD (2), ADAGRAD (3) "
-                 "or RMSPROP (4)");
+                 "group 3: optimizer 7 unknown; expected one of ADAMW (0) ADAM (1) SGD (2) "
+                 "ADAGRAD (3) RMSPROP (4) LION (5)");
   g = zd__group_default();
   g.maximize = 2;
   expect_refused(g, "group 3: maximize is 2; expected 0 or 1");

@@ -81,14 +81,24 @@ typedef enum zd_dtype { ZD_F32 = 1, ZD_BF16 = 2, ZD_F16 = 3 } zd_dtype_t;
  * (L2 penalty added to the gradient, as torch.optim.Adam) or SGD (torch.optim.SGD: lr,
  * weight_decay, maximize and the group's momentum, dampening and nesterov) or Adagrad
  * (torch.optim.Adagrad: lr, eps, weight_decay, maximize, lr_decay, initial_accumulator_value) or
- * RMSprop (torch.optim.RMSprop: lr, eps, weight_decay, maximize, momentum, alpha, centered).
+ * RMSprop (torch.optim.RMSprop: lr, eps, weight_decay, maximize, momentum, alpha, centered) or
+ * Lion (lion_pytorch.Lion of PyPI's lion-pytorch: lr, beta1, beta2, weight_decay).
  * zerod's table of optimizers (kernels/optim.h) lists what each reads and keeps. */
+/* X(NAME, value): ZD_<NAME> = value, one row per optimizer (zd_optimizer_t below, libzerod's
+ * constants and the daemon's check of a group's optimizer are made from it). */
+/* clang-format off */
+#define ZD_OPTIMIZERS(X) \
+  X(ADAMW, 0) \
+  X(ADAM, 1) \
+  X(SGD, 2) \
+  X(ADAGRAD, 3) \
+  X(RMSPROP, 4) \
+  X(LION, 5)
+/* clang-format on */
 typedef enum zd_optimizer {
-  ZD_ADAMW = 0,
-  ZD_ADAM = 1,
-  ZD_SGD = 2,
-  ZD_ADAGRAD = 3,
-  ZD_RMSPROP = 4
+#define ZD__OPTIMIZER_ENUM(name, value) ZD_##name = value,
+  ZD_OPTIMIZERS(ZD__OPTIMIZER_ENUM)
+#undef ZD__OPTIMIZER_ENUM
 } zd_optimizer_t;
 
 /* Which torch release's formula a group's update follows, bit for bit (kernels/adam.h):

@@ -392,8 +392,10 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
         raise ValueError(f"{source}: groups of both {sorted(kinds)}: one torch optimizer "
                          f"cannot hold them")
     kind = kinds.pop()
-    cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
-           "rmsprop": torch.optim.RMSprop}.get(kind, torch.optim.AdamW)
+    row = _optim_rows().get(kind)  # an optimizer handled from its row of the table alone
+    cls = row.torch_class() if row else {
+        "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
+        "rmsprop": torch.optim.RMSprop}.get(kind, torch.optim.AdamW)
     defaults = cls([torch.zeros(1, requires_grad=True)], lr=1e-3).defaults  # 1.13 SGD needs lr
     zdefaults = Group().to_dict()
     param_groups = []
@@ -418,7 +420,14 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
                 pg["params"].append(len(order))
                 order.append(name)
     state: Dict[int, Dict[str, Any]] = {}
-    if exp.step > 0 and kind == "sgd":  # torch.optim.SGD: the buffer of momentum's groups only
+    if exp.step > 0 and row:  # the row's arrays by torch's names, and its step if it has one
+        step = _torch_step(cls, exp.step) if row.step else None
+        for i, name in enumerate(order):
+            state[i] = {} if step is None else {
+                "step": step.clone() if isinstance(step, torch.Tensor) else step}
+            for array in row.arrays:
+                state[i][array] = getattr(exp, array)[name]
+    elif exp.step > 0 and kind == "sgd":  # torch.optim.SGD: the buffer of momentum's groups only
         no_momentum = _sgd_state_without_momentum()
         for gi, pg in enumerate(param_groups):
             for i in pg["params"]:
@@ -427,11 +436,17 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
                     state[i] = {"momentum_buffer": exp.momentum_buffer[name]}
                 elif no_momentum:
                     state[i] = dict(no_momentum)
-    elif exp.step > 0 and kind == "adagrad":  # torch.optim.Adagrad: step and sum
+    elif kind == "adagrad":  # torch.optim.Adagrad: step and sum, from construction on
         step = _torch_step(cls, exp.step)
-        for i, name in enumerate(order):
-            state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
-                        "sum": exp.sum[name]}
+        for gi, pg in enumerate(param_groups):
+            for i in pg["params"]:
+                name = order[i]
+                # At step 0 torch's sum is already full_like(p, initial_accumulator_value);
+                # zerod fills it at its step 1 (kernels/adagrad.c), so it is made here.
+                total = exp.sum[name] if exp.step > 0 else torch.full_like(
+                    exp.master[name], pg["initial_accumulator_value"])
+                state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                            "sum": total}
     elif exp.step > 0 and kind == "rmsprop":  # step, square_avg, momentum_buffer, grad_avg
         step = _torch_step(cls, exp.step)
         for gi, pg in enumerate(param_groups):
@@ -455,6 +470,26 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
 
 
 # ---- writing ---------------------------------------------------------------------------------
+
+
+def _optim_rows() -> Dict[str, Any]:
+    """zerod.optim's table (kind -> row): the optimizers whose export and import are their row."""
+    from . import torch as _zerod_torch  # noqa: F401  (first: it imports zerod.optim at its end)
+    from . import optim
+
+    return optim.TABLE
+
+
+def _optim_row_of(optimizer: Any) -> Any:
+    """The row whose torch class `optimizer` is an instance of, or None."""
+    for row in _optim_rows().values():
+        try:
+            cls = row.torch_class()
+        except ImportError:  # its package is not installed: optimizer is not one of its
+            continue
+        if isinstance(optimizer, cls):
+            return row
+    return None
 
 
 def _c_group(group: Any) -> Dict[str, Any]:
@@ -522,6 +557,8 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         kind = "adagrad"
     elif isinstance(optimizer, torch.optim.RMSprop):
         kind = "rmsprop"
+    elif _optim_row_of(optimizer):
+        kind = _optim_row_of(optimizer).kind
     else:
         raise TypeError(f"{type(optimizer).__name__}: zerod imports the state of "
                         f"torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad and "
@@ -560,7 +597,16 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
                                  f"not among named_params")
             st = optimizer.state.get(p, {})
             zeros = torch.zeros_like(p, dtype=torch.float32)
-            if kind == "sgd":
+            row = _optim_rows().get(kind)
+            if row:  # exp_avg and exp_avg_sq, which every zerod model holds: zeros unless its
+                # row has them (the import path is only for rows without optional arrays)
+                has_buffer = has_buffer or bool(st)
+                if row.step:
+                    s = st.get("step", 0)
+                    steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
+                moments = [st.get(a, zeros) if a in row.arrays else zeros
+                           for a in ("exp_avg", "exp_avg_sq")]
+            elif kind == "sgd":
                 buf = st.get("momentum_buffer")
                 has_buffer = has_buffer or buf is not None
                 moments = [zeros, zeros] + ([zeros if buf is None else buf] if momentum else [])
@@ -597,7 +643,7 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         raise ValueError("the optimizer holds no parameter that requires grad")
     if len(set(names)) != len(names):
         raise ValueError("two parameters have the same name")
-    if kind == "sgd":
+    if kind == "sgd" or (kind in _optim_rows() and not _optim_rows()[kind].step):
         steps = {name: (1 if has_buffer else 0) if step is None else int(step) for name in names}
     if len(set(steps.values())) > 1:
         lo = min(steps, key=steps.get)

@@ -4,20 +4,48 @@ the dead-trainer retry; module zerod.torch). Exported from zerod.torch.
 
     opt = zerod.torch.ZeroSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     opt = zerod.torch.ZeroAdagrad(model.parameters(), lr=0.01, lr_decay=1e-4)
+    opt = zerod.torch.ZeroLion(model.parameters(), lr=1e-4, weight_decay=0.1)
 
 Each is bit for bit its torch class's default implementation on CPU parameters, under torch 1.13
-and 2.x (zerod's table of optimizers: kernels/optim.h; formulas in their kernel files). zerod's
+and 2.x (ZeroLion: the lion-pytorch package's Lion) (zerod's table of optimizers: kernels/optim.h; formulas in their kernel files). zerod's
 CUDA backend has no kernel for them yet: CUDA parameters are refused.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Dict, Iterable, Mapping, Tuple
 
+from . import client as _client
+from . import _lib
 from .torch import ZeroOptimizer, _torch_major
 
-__all__ = ["ZeroAdagrad", "ZeroRMSprop", "ZeroSGD"]
+__all__ = ["ZeroAdagrad", "ZeroLion", "ZeroRMSprop", "ZeroSGD"]
+
+
+class _Row:
+    """The Python side of a row of zerod's table of optimizers (kernels/optim.h): how
+    zerod.checkpoint moves the state of optimizer `kind` to and from its torch class.
+
+    kind: the group's optimizer name (ZD_<KIND> in zerod.h). torch_class: a function returning
+    the torch optimizer class (imported only when an export or import needs it). arrays: the
+    per-parameter state arrays by torch's names, which are zerod's state arrays of the same names
+    (common/state.h). step: whether torch's state holds a per-parameter "step" (without one, an
+    import is written at the step save_torch_state is given, default 1 once some parameter has
+    state, else 0)."""
+
+    def __init__(self, kind: str, torch_class: Any, arrays: Tuple[str, ...], step: bool) -> None:
+        self.kind, self.torch_class, self.arrays, self.step = kind, torch_class, arrays, step
+
+
+# kind -> _Row, for the optimizers that zerod.checkpoint handles from their row alone.
+TABLE: Dict[str, _Row] = {}
+
+
+def _register(row: _Row) -> None:
+    """Adds a row: the group field optimizer accepts its name (libzerod's ZD_<KIND>)."""
+    _client._ENUMS["optimizer"].setdefault(row.kind, getattr(_lib, "ZD_" + row.kind.upper()))
+    TABLE[row.kind] = row
 
 
 class ZeroSGD(ZeroOptimizer):
@@ -147,3 +175,49 @@ class ZeroRMSprop(ZeroOptimizer):
             raise ValueError("ZeroRMSprop: CUDA parameters are not supported yet (zerod's CUDA "
                              "backend has no RMSprop kernel); train on CPU parameters")
         super()._choose_formulas(cuda)
+
+
+def _lion_class() -> Any:
+    from lion_pytorch import Lion  # PyPI lion-pytorch (needed for export and import only)
+
+    return Lion
+
+
+class ZeroLion(ZeroOptimizer):
+    """lion_pytorch.Lion (PyPI lion-pytorch) through zerod (kernels/lion.c): lr, betas and
+    weight_decay as its constructor takes them, per parameter group too; the state exp_avg,
+    created zeroed at the first step as Lion creates it. Bit for bit Lion's default update (not
+    the triton one, use_triton=True is refused, as is decoupled_weight_decay=True). The other
+    keywords are ZeroOptimizer's (max_grad_norm, loss_scaler, grad_mean, overlap, socket, ...);
+    Lion has no maximize, eps, amsgrad or foreach. lion-pytorch itself is needed only to export
+    to or import from a Lion (zerod.checkpoint)."""
+
+    _FOREIGN = ZeroOptimizer._FOREIGN | {"amsgrad", "maximize", "foreach", "fused",
+                                         "capturable", "differentiable"}
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-4,
+                 betas: Tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+                 use_triton: bool = False, decoupled_weight_decay: bool = False,
+                 **kwargs: Any) -> None:
+        if use_triton:
+            raise ValueError("ZeroLion: use_triton=True is not supported (zerod reproduces "
+                             "lion-pytorch's default update); leave it unset")
+        if decoupled_weight_decay:
+            raise ValueError("ZeroLion: decoupled_weight_decay=True is not supported yet; "
+                             "divide weight_decay by lr yourself")
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay,
+                         optimizer="lion", **kwargs)
+
+    def _choose_formulas(self, cuda: bool) -> None:
+        """Lion's formula is one (kernels/lion.c): update and sqrt_mode are bookkeeping."""
+        if cuda:  # stepped on the GPU (offload steps on the CPU)
+            raise ValueError("ZeroLion: CUDA parameters are not supported yet (zerod's CUDA "
+                             "backend has no Lion kernel); train on CPU parameters")
+        for g in self.param_groups:
+            if g.get("update") is None:
+                g["update"] = "torch2" if _torch_major() >= 2 else "torch113"
+            if g.get("sqrt_mode") is None:
+                g["sqrt_mode"] = "exact"
+
+
+_register(_Row("lion", _lion_class, ("exp_avg",), step=False))

@@ -1213,5 +1213,8 @@ class PickledZeroOptimizer:
         return f"PickledZeroOptimizer({self._description!r})"
 
 
-# The other optimizers (zerod.optim), built on ZeroOptimizer above.
-from .optim import ZeroAdagrad, ZeroRMSprop, ZeroSGD  # noqa: E402
+# The other optimizers (zerod.optim), built on ZeroOptimizer above: every name it exports.
+from . import optim as _optim  # noqa: E402
+from .optim import *  # noqa: E402,F401,F403
+
+__all__ += [name for name in _optim.__all__ if name not in __all__]

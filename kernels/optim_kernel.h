@@ -1,0 +1,95 @@
+/* The per-ISA frame of an optimizer's kernel file (kernels/<k>.c, a row of the table in
+ * kernels/optim.h), in one place, so that a kernel file holds its formula and nothing else.
+ *
+ * kernels/meson.build builds each kernel file once per CPU instruction set: without ISA flags
+ * (the scalar reference, which also carries the file's constants and table functions) and with
+ * each wide ISA's flags and -DZD_OPTIM_ISA=<isa>. Every build computes the same formula element
+ * by element in the same order, with fmaf() where it fuses and -ffp-contract=off everywhere else,
+ * so the wide builds (the compiler's vectorisation of the same loop, fmaf as vfmadd) give the
+ * reference's bits; tests/unit/test_optim.c checks each ISA against the reference.
+ *
+ * A kernel file includes this header and:
+ *   - writes `static inline ZD__OPTIM_INLINE void <k>_range(a, c, lo, hi, gd, out, flags...)`,
+ *     its update of one segment's [lo, hi) for grad dtype gd and output out (0 none, 1 f32,
+ *     2 bf16), loads reading zd__optim_grad() and zd__optim_flip() as it needs;
+ *   - defines `void ZD__OPTIM_STEP(k)(const zd__adam_args_t *a, uint64_t begin, uint64_t end)`,
+ *     which walks the segments of [begin, end) and calls ZD__OPTIM_CALL(<k>_range, flags...) for
+ *     each with its flags as constants (one loop per combination);
+ *   - inside #ifdef ZD_OPTIM_REFERENCE, defines zd__<k>_consts and zd__<k>_writes (optim.h) and
+ *     writes ZD__OPTIM_IMPL(k), the ISA switch.
+ */
+#ifndef ZD_KERNELS_OPTIM_KERNEL_H
+#define ZD_KERNELS_OPTIM_KERNEL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "dtype.h"
+#include "optim.h"
+
+#ifndef ZD_OPTIM_ISA
+#define ZD_OPTIM_ISA       ref
+#define ZD_OPTIM_REFERENCE 1
+#endif
+#define ZD__OPTIM_CAT2(a, b) a##b
+#define ZD__OPTIM_CAT(a, b)  ZD__OPTIM_CAT2(a, b)
+/* This build's step function of kernel family k: zd__<k>_step_<isa>. */
+#define ZD__OPTIM_STEP(k) ZD__OPTIM_CAT(zd__##k##_step_, ZD_OPTIM_ISA)
+#define ZD__OPTIM_INLINE  __attribute__((always_inline))
+
+/* The sign bit flipped when mask is 0x80000000: torch's exact negation (maximize). */
+static inline float zd__optim_flip(float x, uint32_t mask) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  u ^= mask;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+/* Element i of a gradient of dtype `dtype`, as fp32. */
+static inline ZD__OPTIM_INLINE float zd__optim_grad(const void *grad, zd_dtype_t dtype,
+                                                    uint64_t i) {
+  if (dtype == ZD_BF16) return zd__bf16_to_f32(((const uint16_t *)grad)[i]);
+  if (dtype == ZD_F16) return zd__f16_to_f32(((const uint16_t *)grad)[i]);
+  return ((const float *)grad)[i];
+}
+
+/* RANGE(a, c, lo, hi, gd, out, ...) with the gradient's dtype gd and the output out (0: no
+ * working parameters, 1: f32, 2: bf16) as constants: one loop each. a, c, lo and hi are the
+ * caller's variables of those names. */
+#define ZD__OPTIM_CALL_OUT(RANGE, gd, ...)     \
+  do {                                         \
+    if (!a->param)                             \
+      RANGE(a, c, lo, hi, gd, 0, __VA_ARGS__); \
+    else if (a->param_dtype == ZD_BF16)        \
+      RANGE(a, c, lo, hi, gd, 2, __VA_ARGS__); \
+    else                                       \
+      RANGE(a, c, lo, hi, gd, 1, __VA_ARGS__); \
+  } while (0)
+#define ZD__OPTIM_CALL(RANGE, ...)                     \
+  do {                                                 \
+    if (a->grad_dtype == ZD_BF16)                      \
+      ZD__OPTIM_CALL_OUT(RANGE, ZD_BF16, __VA_ARGS__); \
+    else if (a->grad_dtype == ZD_F16)                  \
+      ZD__OPTIM_CALL_OUT(RANGE, ZD_F16, __VA_ARGS__);  \
+    else                                               \
+      ZD__OPTIM_CALL_OUT(RANGE, ZD_F32, __VA_ARGS__);  \
+  } while (0)
+
+/* zd__<k>_impl: family k's update for an ISA (the reference for ZD__ISA_SCALAR). */
+#define ZD__OPTIM_IMPL(k)                     \
+  zd__adam_fn zd__##k##_impl(zd__isa_t isa) { \
+    switch (isa) {                            \
+      case ZD__ISA_AVX512BF16:                \
+        return zd__##k##_step_avx512bf16;     \
+      case ZD__ISA_AVX512:                    \
+        return zd__##k##_step_avx512;         \
+      case ZD__ISA_AVX2:                      \
+        return zd__##k##_step_avx2;           \
+      default:                                \
+        return zd__##k##_step_ref;            \
+    }                                         \
+  }
+
+#endif /* ZD_KERNELS_OPTIM_KERNEL_H */
