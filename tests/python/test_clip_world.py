@@ -15,7 +15,7 @@ checks that some parameter is split between two ranks, that at W=4 one spans mor
 (a chain of several rounds), and that one is split exactly where its 8 lanes end (the next rank
 holds only its tail). At W=4 the gradients are multiples of 2^-12 below 2^-2, so that the ranks'
 sum is exact in any order. Forcing zerod's double norm instead must differ from torch's on some
-step (the comparison can fail).
+step (the comparison can fail), and ranks that clip by different norms fail the step together.
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ def reference(world: int, grads: List[List[List[Any]]], max_norm: float) -> List
 
 
 def zerod_run(world: int, daemons: int, grads: List[List[List[Any]]], max_norm: float,
-              overlap: bool, clip_norm: str) -> List[List[Dict[str, Any]]]:
-    """Every rank's parameters, norm and coefficient after every step."""
+              overlap: bool, clip_norm: Any) -> List[List[Dict[str, Any]]]:
+    """Every rank's parameters, norm and coefficient after every step. clip_norm: one for every
+    rank, or a list of each rank's."""
     results: List[List[Dict[str, Any]]] = [[] for _ in range(world)]
     errors: List[BaseException] = []
     with zerod.testing.LocalWorld(world, daemons=daemons,
@@ -125,7 +126,7 @@ def zerod_run(world: int, daemons: int, grads: List[List[List[Any]]], max_norm: 
                 sock, local = w.endpoint(r)
                 opt = ZeroOptimizer(params, socket=sock, local_rank=local, overlap=overlap,
                                     max_grad_norm=max_norm, **HP)
-                opt._clip_norm = clip_norm
+                opt._clip_norm = clip_norm[r] if isinstance(clip_norm, list) else clip_norm
                 try:
                     for per_rank in grads:
                         for p, g in zip(params, per_rank[r]):
@@ -144,6 +145,8 @@ def zerod_run(world: int, daemons: int, grads: List[List[List[Any]]], max_norm: 
             t.start()
         for t in threads:
             t.join(timeout=240)
+            if t.is_alive():
+                raise AssertionError(f"a trainer hung: {w.log()[-3000:]}")
     if errors:
         raise errors[0]
     return results
@@ -199,6 +202,15 @@ class ClipWorldTest(unittest.TestCase):
 
     def test_w4_chains(self) -> None:
         self.check(4, 1, overlap=True)
+
+    def test_ranks_disagree_on_the_order(self) -> None:
+        # the torch order is in the step records' hash: ranks that clip by different norms fail
+        # the step together at the commit point (nothing applied), never enter the norm's
+        # collective apart
+        grads = gradients(2, 1)
+        with self.assertRaises(zerod.ZerodError) as cm:
+            zerod_run(2, 1, grads, 0.1, False, [self.order, "double"])
+        self.assertEqual(cm.exception.name, "ZD_EHPARAM", str(cm.exception))
 
     def test_double_norm_differs(self) -> None:
         # the comparison can fail: zerod's double norm over the shards is not torch's fp32 total
