@@ -80,10 +80,10 @@ static inline void zd__scaler_init(zd__scaler_t *s, const zd_loss_scaler_t *cfg)
 
 /* Per-step configuration of the decision (host values; by value into the CUDA kernel). */
 typedef struct zd__decide_cfg {
-  uint32_t world_size; /* ranks whose gradients were summed */
-  int32_t grad_mean;   /* gradients were summed; divide by world_size */
-  int32_t need_stats;  /* statistics were gathered (world_size > 1, clipping or loss scaling) */
-  int32_t torch_total; /* 1: total_norm is the norm (torch's fp32 total: CPU, f32, no scaler) */
+  uint32_t world_size;  /* ranks whose gradients were summed */
+  int32_t grad_mean;    /* gradients were summed; divide by world_size */
+  int32_t need_stats;   /* statistics were gathered (world_size > 1, clipping or loss scaling) */
+  int32_t torch_total;  /* 1: total_norm is the norm (torch's fp32 total: CPU, f32, no scaler) */
   double max_grad_norm; /* > 0: clip to this global norm */
   double total_norm;    /* with torch_total: the fp32 norm of the whole gradient */
 } zd__decide_cfg_t;
