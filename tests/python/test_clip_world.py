@@ -93,7 +93,8 @@ def initial() -> List[Any]:
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 
 
-def reference(world: int, grads: List[List[List[Any]]], max_norm: float) -> List[Dict[str, Any]]:
+def reference(world: int, grads: List[List[List[Any]]], max_norm: float,
+              mean: bool = True) -> List[Dict[str, Any]]:
     """The parameters after every step, torch's total and coefficient of every step."""
     params = [torch.nn.Parameter(t.clone()) for t in initial()]
     opt = torch.optim.AdamW(params, **HP)
@@ -103,7 +104,7 @@ def reference(world: int, grads: List[List[List[Any]]], max_norm: float) -> List
             s = per_rank[0][i].clone()
             for r in range(1, world):
                 s = s + per_rank[r][i]
-            p.grad = s * (1.0 / world)
+            p.grad = s * (1.0 / world) if mean else s
         total = torch.nn.utils.clip_grad_norm_(params, max_norm)
         coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         opt.step()
@@ -113,7 +114,7 @@ def reference(world: int, grads: List[List[List[Any]]], max_norm: float) -> List
 
 
 def zerod_run(world: int, daemons: int, grads: List[List[List[Any]]], max_norm: float,
-              overlap: bool, clip_norm: Any) -> List[List[Dict[str, Any]]]:
+              overlap: bool, clip_norm: Any, mean: bool = True) -> List[List[Dict[str, Any]]]:
     """Every rank's parameters, norm and coefficient after every step. clip_norm: one for every
     rank, or a list of each rank's."""
     results: List[List[Dict[str, Any]]] = [[] for _ in range(world)]
@@ -125,7 +126,7 @@ def zerod_run(world: int, daemons: int, grads: List[List[List[Any]]], max_norm: 
                 params = [torch.nn.Parameter(t.clone()) for t in initial()]
                 sock, local = w.endpoint(r)
                 opt = ZeroOptimizer(params, socket=sock, local_rank=local, overlap=overlap,
-                                    max_grad_norm=max_norm, **HP)
+                                    max_grad_norm=max_norm, grad_mean=mean, **HP)
                 opt._clip_norm = clip_norm[r] if isinstance(clip_norm, list) else clip_norm
                 try:
                     for per_rank in grads:
@@ -179,17 +180,18 @@ class ClipWorldTest(unittest.TestCase):
         self.assertGreaterEqual(max(lr - fr for fr, lr, _, _ in layout(4)), 2, "no chain of 3 ranks")
         self.assertTrue(any(split_at_lanes_end(w) for w in (2, 4)), "no split at a lanes' end")
 
-    def check(self, world: int, daemons: int, overlap: bool) -> None:
+    def check(self, world: int, daemons: int, overlap: bool, mean: bool = True) -> None:
         grads = gradients(world, STEPS)
-        want_free = reference(world, grads, 1e4)
+        want_free = reference(world, grads, 1e4, mean)
         typical = min(x["total"] for x in want_free)
         for max_norm in (0.3 * typical, 1e4):  # clips every step; never clips
-            want = want_free if max_norm == 1e4 else reference(world, grads, max_norm)
+            want = want_free if max_norm == 1e4 else reference(world, grads, max_norm, mean)
             clipped = sum(x["coef"] < 1.0 for x in want)
             self.assertEqual(clipped, STEPS if max_norm < 1e4 else 0)
-            got = zerod_run(world, daemons, grads, max_norm, overlap, self.order)
+            got = zerod_run(world, daemons, grads, max_norm, overlap, self.order, mean)
             diffs = differences(want, got)
-            print(f"\n    W={world} daemons={daemons} overlap={overlap} max_norm {max_norm:.4g} "
+            print(f"\n    W={world} daemons={daemons} overlap={overlap} mean={mean} "
+                  f"max_norm {max_norm:.4g} "
                   f"({clipped} of {STEPS} steps clipped), {self.order}: "
                   f"{len(diffs)} differences", flush=True)
             self.assertEqual(diffs, [], f"W={world} max_norm {max_norm}")
@@ -199,6 +201,10 @@ class ClipWorldTest(unittest.TestCase):
 
     def test_w2_two_daemons(self) -> None:
         self.check(2, 2, overlap=False)
+
+    def test_w2_summed(self) -> None:
+        # grad_mean=False: the norm of the ranks' sum itself (no scaling of the elements)
+        self.check(2, 1, overlap=True, mean=False)
 
     def test_w4_chains(self) -> None:
         self.check(4, 1, overlap=True)
