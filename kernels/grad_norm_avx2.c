@@ -1,8 +1,8 @@
-/* The AVX2 path of torch's fp32 2-norm order (grad_norm.h): the 8 lanes are one __m256, which is
- * what torch's kernel is, so one load and one fma (or mul + add) per 8 elements; the lanes and the
- * tail are done as the reference does them. Built with -mavx2 -mfma and -ffp-contract=off, so the
- * mul + add of ZD__NORM_TORCH215 stays two roundings; called only through zd__torch_norm2_impl
- * once zd__isa_detect() has said the CPU runs AVX2. */
+/* The AVX2 path of torch's fp32 2-norm order (grad_norm.h), whole and in parts: the 8 lanes are one
+ * __m256, which is what torch's kernel is, so one load and one fma (or mul + add) per 8 elements;
+ * the lanes and the tail are done as the reference does them. Built with -mavx2 -mfma and
+ * -ffp-contract=off, so the mul + add of ZD__NORM_TORCH215 stays two roundings; called only through
+ * zd__torch_norm2_impl once zd__isa_detect() has said the CPU runs AVX2. */
 #include <immintrin.h>
 #include <math.h>
 
@@ -33,4 +33,36 @@ float zd__torch_norm2_avx2(const float *x, uint64_t n, zd__norm_order_t order) {
     s = k < unfused ? s + v * v : fmaf(v, v, s);
   }
   return sqrtf(s);
+}
+
+/* The parts: the elements before the next multiple of 8 one by one, then whole vectors whose lane
+ * j is the tensor's lane j, then the rest one by one; past the lanes, as the reference. */
+float zd__torch_norm2_part_avx2(zd__norm_state_t *st, const float *x, uint64_t n, uint64_t offset,
+                                uint64_t count, float scale, zd__norm_order_t order) {
+  uint64_t nv = n - n % 8, end = offset + count, lim = end < nv ? end : nv, i = offset;
+  int lane_fma = order != ZD__NORM_TORCH215;
+  for (; i < lim && (i & 7); i++) {
+    float v = x[i - offset] * scale, *a = &st->acc[i & 7];
+    *a = lane_fma ? fmaf(v, v, *a) : *a + v * v;
+  }
+  if (i + 8 <= lim) {
+    __m256 acc = _mm256_loadu_ps(st->acc), s = _mm256_set1_ps(scale);
+    if (lane_fma) {
+      for (; i + 8 <= lim; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + (i - offset)), s);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+    } else {
+      for (; i + 8 <= lim; i += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + (i - offset)), s);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+      }
+    }
+    _mm256_storeu_ps(st->acc, acc);
+  }
+  for (; i < lim; i++) {
+    float v = x[i - offset] * scale, *a = &st->acc[i & 7];
+    *a = lane_fma ? fmaf(v, v, *a) : *a + v * v;
+  }
+  return zd__norm_part_tail(st, x, n, offset, end, scale, order);
 }

@@ -28,9 +28,10 @@
  * torch's total norm is an fp32 reduction of fp32 per-tensor norms; zerod's is the double sum of
  * squares above, so the coefficients are equal only where torch's total rounds to zerod's
  * (docs/torch2/README.md, "Clipping": within 4 ULP of torch's, equal in about half the steps).
- * Where the client names a torch build (zd_clip_norm_t) and the CPU backend at world size 1 with
- * fp32 gradients and no scaler computes that build's fp32 total (kernels/grad_norm.h), the
- * caller passes it as cfg->total_norm and the coefficient is torch's bit for bit.
+ * Where the client names a torch build (zd_clip_norm_t) and the CPU backend (any world size) with
+ * fp32 gradients and no scaler computes that build's fp32 total of the unscaled, averaged gradient
+ * (kernels/grad_norm.h), the caller passes it as cfg->total_norm and the coefficient is torch's
+ * bit for bit.
  *
  * The dynamic loss scaler for fp16 gradients has the semantics Megatron-LM and DeepSpeed share.
  * The client multiplies its loss by `scale`; zerod unscales the gradients by 1/scale. A step whose
@@ -79,10 +80,10 @@ static inline void zd__scaler_init(zd__scaler_t *s, const zd_loss_scaler_t *cfg)
 
 /* Per-step configuration of the decision (host values; by value into the CUDA kernel). */
 typedef struct zd__decide_cfg {
-  uint32_t world_size; /* ranks whose gradients were summed */
-  int32_t grad_mean;   /* gradients were summed; divide by world_size */
-  int32_t need_stats;  /* statistics were gathered (world_size > 1, clipping or loss scaling) */
-  int32_t torch_total; /* 1: total_norm is the norm (torch's fp32 total: world size 1, no scaler) */
+  uint32_t world_size;  /* ranks whose gradients were summed */
+  int32_t grad_mean;    /* gradients were summed; divide by world_size */
+  int32_t need_stats;   /* statistics were gathered (world_size > 1, clipping or loss scaling) */
+  int32_t torch_total;  /* 1: total_norm is the norm (torch's fp32 total: CPU, f32, no scaler) */
   double max_grad_norm; /* > 0: clip to this global norm */
   double total_norm;    /* with torch_total: the fp32 norm of the whole gradient */
 } zd__decide_cfg_t;

@@ -31,7 +31,7 @@
  *   grad_stats        sum of squares and non-finite count of a bucket's reduced gradients, into
  *                     this rank's step record
  *   torch_norm        (CPU only) the global norm in the fp32 order of a torch build, for clipping
- *                     bit for bit as that torch does at world size 1
+ *                     bit for bit as that torch does (a collective at world size > 1)
  *   gather_records    all-gather of the step records (the commit point), into host memory
  *   update            the fused AdamW/Adam update of one bucket, writing working parameters;
  *                     in place, or (CPU) from the committed set of state arrays into the other
@@ -215,12 +215,22 @@ typedef struct zd__compute_ops {
   int (*grad_stats)(zd__compute_t *c, const zd__shard_t *s, uint32_t b, int first,
                     zd__step_record_t *rec, zd__err_t *err);
   /* torch.nn.utils.clip_grad_norm_'s total norm of the model's fp32 gradients in the order of
-   * torch build `order` (not ZD_CLIP_NORM_DOUBLE; kernels/grad_norm.h): each parameter's norm,
-   * then the norm of those in parameter order. World size 1 only (every parameter whole in this
-   * rank's shard), after every bucket's scatter. Errors: -ENOMEM. NULL: the backend does not
-   * compute it (CUDA), and steps clip by the double norm. */
-  int (*torch_norm)(zd__compute_t *c, const zd__shard_t *s, zd_clip_norm_t order, float *total,
-                    zd__err_t *err);
+   * torch build `order` (not ZD_CLIP_NORM_DOUBLE; kernels/grad_norm.h), each gradient element
+   * taken as its fp32 product with `scale` (1, or 1/world_size where summed gradients are
+   * averaged: exact where world_size is a power of two): each parameter's norm, then the norm of
+   * those in parameter order, of the parameters present alone (present: bit i % 8 of present[i /
+   * 8] for parameter i; NULL: all). After every bucket's scatter. At world size > 1 a collective
+   * of every rank, which every rank must enter for the same step with the same order, scale and
+   * presence (comm's allgather_bytes): a parameter split across ranks' slices is one chain in
+   * torch's order, each rank continuing it from the lane state the rank before it passed on (one
+   * round per rank a parameter spans beyond its first, all chains' rounds together), and then
+   * every rank gathers every parameter's norm and takes the same total. Every rank returns the
+   * same total or the same failure (a rank's failure is exchanged), except where a rank cannot
+   * allocate its buffers (-ENOMEM before any collective: its peers' collective times out).
+   * Errors: -ENOMEM, ZD_EINTERNAL, and comm's. NULL: the backend does not compute it (CUDA), and
+   * steps clip by the double norm. */
+  int (*torch_norm)(zd__compute_t *c, zd__comm_t *comm, const zd__shard_t *s, zd_clip_norm_t order,
+                    float scale, const uint8_t *present, float *total, zd__err_t *err);
   /* all[r] = rank r's record. stats: grad_stats ran for every bucket of this step; else the
    * statistics are 0. Waits for the result. */
   int (*gather_records)(zd__compute_t *c, zd__comm_t *comm, const zd__shard_t *s,

@@ -24,8 +24,9 @@ typedef struct cpu_compute {
   zd__adam_fn adam;
   zd__stats_fn stats;
   zd__norm_fn norm;
-  unsigned next_colour; /* the next state array's colour (placement.h) */
-  uint64_t *nonfinite;  /* per pool thread, for the statistics */
+  zd__norm_part_fn part; /* a parameter's norm in parts (split across ranks' slices) */
+  unsigned next_colour;  /* the next state array's colour (placement.h) */
+  uint64_t *nonfinite;   /* per pool thread, for the statistics */
 } cpu_compute_t;
 
 /* Per shard: scratch for the statistics' block sums, as many as the largest bucket has. */
@@ -220,27 +221,152 @@ static int cpu_grad_stats(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
   return ZD_OK;
 }
 
-/* One thread for the whole gradient: each parameter's norm is one chain in torch's order, and a
- * model clipped bit for bit at world size 1 is one torch would clip on one CPU anyway. */
-static int cpu_torch_norm(zd__compute_t *base, const zd__shard_t *s, zd_clip_norm_t order,
-                          float *total, zd__err_t *err) {
+/* A chain's state between ranks in one round of cpu_torch_norm: per bucket, the lane state of the
+ * parameter that continues on the next rank's slice. */
+typedef struct norm_msg {
+  float acc[8];
+  uint32_t ready; /* acc holds a chain passed on this round */
+  uint32_t pad;
+} norm_msg_t;
+
+/* One thread on each rank: each parameter's norm is one chain in torch's order, the parts of a
+ * parameter split across ranks' slices taken rank after rank (compute.h). A model clipped bit for
+ * bit at world size 1 is one torch would clip on one CPU anyway; at world size > 1 the extra cost
+ * is the rounds (none where no parameter is split) and the norms' all-gather. */
+static int cpu_torch_norm(zd__compute_t *base, zd__comm_t *comm, const zd__shard_t *s,
+                          zd_clip_norm_t order, float scale, const uint8_t *present, float *total,
+                          zd__err_t *err) {
   const cpu_compute_t *c = (const cpu_compute_t *)base;
   const zd__layout_t *l = s->layout;
   zd__norm_order_t o = order == ZD_CLIP_NORM_TORCH113  ? ZD__NORM_TORCH113
                        : order == ZD_CLIP_NORM_TORCH26 ? ZD__NORM_TORCH26
                                                        : ZD__NORM_TORCH215;
-  float *norms = calloc(l->nparams ? l->nparams : 1, sizeof *norms);
-  if (!norms) return zd__errf(err, -ENOMEM, "out of memory for %u parameter norms", l->nparams);
-  for (uint32_t i = 0; i < l->nparams; i++) {
-    const zd__layout_param_t *p = &l->params[i];
-    const zd__bucket_t *bk = &l->buckets[p->bucket];
-    const float *g = (const float *)s->grad[p->bucket] + (p->offset - bk->offset);
-    norms[i] = c->norm(g, p->numel, o);
+  uint32_t w = l->world_size, r = s->rank, np = l->nparams, nb = l->nbuckets;
+  for (uint32_t b = 0; b < nb; b++)
+    if (s->grad_dtype[b] != ZD_F32)
+      return zd__errf(err, ZD_EINTERNAL, "torch's norm of bucket %u's %s gradients: fp32 only", b,
+                      zd_dtype_name(s->grad_dtype[b]));
+  int rc = ZD_OK;
+  /* per bucket: the chain this rank passes on, and the one it continues (the round it arrives
+   * in: the number of ranks between the parameter's first and this one) */
+  zd__norm_state_t *chain = calloc(nb, sizeof *chain);
+  uint32_t *in_round = calloc(nb, sizeof *in_round), *in_param = calloc(nb, sizeof *in_param);
+  uint8_t *out_ready = calloc(nb, 1);
+  norm_msg_t *send = calloc(nb, sizeof *send), *recv = calloc((size_t)w * nb, sizeof *recv);
+  /* the norms' all-gather: a status word, then every parameter's norm (this rank's, else 0) */
+  size_t row = sizeof(int32_t) + (size_t)np * sizeof(float);
+  char *mine = calloc(1, row), *all = calloc(w, row);
+  float *norms = calloc(np, sizeof *norms), *stack = calloc(np, sizeof *stack);
+  if (!chain || !in_round || !in_param || !out_ready || !send || !recv || !mine || !all || !norms ||
+      !stack) {
+    rc = zd__errf(err, -ENOMEM, "out of memory for the norms of %u parameters", np);
+    goto exit;
   }
-  /* torch stacks the per-parameter norms and takes the same norm of the stack. */
-  *total = c->norm(norms, l->nparams, o);
+  uint32_t rounds = 0;
+  for (uint32_t b = 0; b < nb; b++) {
+    const zd__bucket_t *bk = &l->buckets[b];
+    uint64_t se = bk->shard_elems, lo = bk->offset + (uint64_t)r * se, hi = lo + se;
+    const float *g = (const float *)s->grad[b];
+    for (uint32_t i = bk->first_param; i < bk->first_param + bk->nparams; i++) {
+      const zd__layout_param_t *p = &l->params[i];
+      uint64_t n = p->numel, po = p->offset;
+      if (n == 0) continue; /* its norm is 0 */
+      uint32_t fr = (uint32_t)((po - bk->offset) / se),
+               lr = (uint32_t)((po + n - 1 - bk->offset) / se);
+      if (lr - fr > rounds) rounds = lr - fr;
+      if (r < fr || r > lr) continue;
+      if (r > fr) { /* continued here from the rank before (at most one per bucket) */
+        in_round[b] = r - fr;
+        in_param[b] = i;
+        continue;
+      }
+      uint64_t e = po + n < hi ? po + n : hi;
+      if (r == lr && scale == 1.0f) {
+        norms[i] = c->norm(g + (po - lo), n, o); /* whole here: world size 1's path */
+      } else {
+        zd__norm_state_t st = {{0}};
+        float v = c->part(&st, g + (po - lo), n, 0, e - po, scale, o);
+        if (r == lr) {
+          norms[i] = v;
+        } else { /* the last parameter of this slice goes on to the next rank */
+          chain[b] = st;
+          out_ready[b] = 1;
+        }
+      }
+    }
+  }
+  /* The rounds: in round t, the chains that started t ranks before arrive. Every rank takes part
+   * in every round, also after a failure of its own (reported in the status word below). */
+  int32_t status = ZD_OK;
+  for (uint32_t t = 1; t <= rounds && w > 1; t++) {
+    for (uint32_t b = 0; b < nb; b++) {
+      send[b].ready = out_ready[b];
+      memcpy(send[b].acc, chain[b].acc, sizeof send[b].acc);
+      out_ready[b] = 0;
+    }
+    rc = comm->ops->allgather_bytes(comm, send, nb * sizeof *send, recv, err);
+    if (rc) goto exit;
+    for (uint32_t b = 0; b < nb && !status; b++) {
+      if (in_round[b] != t) continue;
+      const zd__bucket_t *bk = &l->buckets[b];
+      const zd__layout_param_t *p = &l->params[in_param[b]];
+      const norm_msg_t *prev = &recv[(size_t)(r - 1) * nb + b];
+      if (!prev->ready) {
+        status = zd__errf(err, ZD_EINTERNAL,
+                          "torch's norm: rank %u did not pass on parameter %u's chain in round %u",
+                          r - 1, in_param[b], t);
+        break;
+      }
+      uint64_t se = bk->shard_elems, lo = bk->offset + (uint64_t)r * se, hi = lo + se;
+      uint64_t e = p->offset + p->numel < hi ? p->offset + p->numel : hi;
+      zd__norm_state_t st;
+      memcpy(st.acc, prev->acc, sizeof st.acc);
+      float v = c->part(&st, (const float *)s->grad[b], p->numel, lo - p->offset, e - lo, scale, o);
+      if (e == p->offset + p->numel) {
+        norms[in_param[b]] = v;
+      } else {
+        chain[b] = st;
+        out_ready[b] = 1;
+      }
+    }
+  }
+  memcpy(mine, &status, sizeof status);
+  memcpy(mine + sizeof status, norms, (size_t)np * sizeof *norms);
+  if (w > 1) {
+    rc = comm->ops->allgather_bytes(comm, mine, row, all, err);
+    if (rc) goto exit;
+    for (uint32_t q = 0; q < w; q++) {
+      int32_t st;
+      memcpy(&st, all + q * row, sizeof st);
+      if (st && !status) {
+        status = zd__errf(err, st, "torch's norm failed on rank %u (%s)", q, zd_err_name(st));
+      }
+    }
+    /* each parameter's norm from the rank that holds its last element */
+    for (uint32_t i = 0; i < np && !status; i++) {
+      const zd__layout_param_t *p = &l->params[i];
+      const zd__bucket_t *bk = &l->buckets[p->bucket];
+      if (p->numel == 0) continue;
+      uint64_t q = (p->offset + p->numel - 1 - bk->offset) / bk->shard_elems;
+      memcpy(&norms[i], all + q * row + sizeof status + (size_t)i * sizeof(float), sizeof(float));
+    }
+  }
+  rc = status;
+  /* torch stacks the per-parameter norms (of the parameters present) and takes the same norm of
+   * the stack. */
+  if (!rc) *total = zd__torch_norm2_total(c->norm, norms, np, present, o, stack);
+exit:
+  free(stack);
   free(norms);
-  return ZD_OK;
+  free(all);
+  free(mine);
+  free(recv);
+  free(send);
+  free(out_ready);
+  free(in_param);
+  free(in_round);
+  free(chain);
+  return rc;
 }
 
 static int cpu_gather_records(zd__compute_t *base, zd__comm_t *comm, const zd__shard_t *s,
@@ -389,6 +515,7 @@ int zd__compute_cpu_create(zd__pool_t *pool, int isa, zd__compute_t **out) {
   c->adam = zd__optim_impl((zd__isa_t)isa);
   c->stats = zd__grad_stats_impl((zd__isa_t)isa);
   c->norm = zd__torch_norm2_impl((zd__isa_t)isa);
+  c->part = zd__torch_norm2_part_impl((zd__isa_t)isa);
   *out = &c->base;
   return ZD_OK;
 }

@@ -27,12 +27,18 @@
 #define CHECKPOINT_BIT (1ull << 62)
 
 /* What the ranks must agree on before a step: every group (the table's fields, common/group.h),
- * clipping, averaging and loss scaling. */
-static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups) {
+ * clipping (and the torch order it clips by, where it takes one: torch_order, the ranks' norm is
+ * then a collective after the commit point), averaging and loss scaling. */
+static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups,
+                            zd_clip_norm_t torch_order) {
   uint64_t h = ZD__FNV1A_INIT;
   for (uint32_t i = 0; i < m->shard.ngroups; i++) h = zd__group_hash(h, &groups[i]);
   int32_t flags[2] = {m->grad_mean, m->scaler.enabled};
   h = zd__fnv1a(h, &m->max_grad_norm, sizeof m->max_grad_norm);
+  if (torch_order != ZD_CLIP_NORM_DOUBLE) {
+    int32_t o = (int32_t)torch_order;
+    h = zd__fnv1a(h, &o, sizeof o);
+  }
   return zd__fnv1a(h, flags, sizeof flags);
 }
 
@@ -534,16 +540,17 @@ static int needs_stats(const zd__step_ctx_t *ctx, const zd__model_t *m) {
 }
 
 /* Statistics, the records' exchange and their check: everything before the commit point.
- * abandon: this rank stands in for its client, and its record says so. */
+ * abandon: this rank stands in for its client, and its record says so. torch_order: the torch
+ * order the step clips by (torch_norm_order), in the records' hash. */
 static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_group_t *groups,
-                        int need_stats, int abandon, double *sumsq, uint64_t *nonfinite,
-                        int *checkpoint, zd__err_t *err) {
+                        zd_clip_norm_t torch_order, int need_stats, int abandon, double *sumsq,
+                        uint64_t *nonfinite, int *checkpoint, zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   zd__compute_t *c = ctx->compute;
   uint64_t flag = !abandon && zd__ckptr_wants(ctx->ckpt, m->step + 1) ? CHECKPOINT_BIT : 0;
   zd__step_record_t rec = {.step = abandon ? ABANDONED_STEP : (m->step + 1) | flag,
                            .layout_hash = l->hash,
-                           .hparam_hash = hparam_hash(m, groups)};
+                           .hparam_hash = hparam_hash(m, groups, torch_order)};
   int rc = ZD_OK;
   for (uint32_t b = 0; need_stats && b < l->nbuckets && !rc; b++) {
     if (m->speculated[b]) { /* taken by the speculation: the same sums, added in the same order */
@@ -602,13 +609,33 @@ int zd__model_checkpoint(const zd__step_ctx_t *ctx, zd__model_t *m, int wait, ch
   return rc;
 }
 
-/* Whether this step clips by torch's fp32 total (zd__model_step): only where one thread sees the
- * whole unscaled fp32 gradient, as torch's clip_grad_norm_ does. */
-static int uses_torch_norm(const zd__step_ctx_t *ctx, const zd__model_t *m,
-                           zd_clip_norm_t clip_norm) {
-  return clip_norm != ZD_CLIP_NORM_DOUBLE && ctx->compute->ops->torch_norm &&
-         ctx->world_size == 1 && m->max_grad_norm > 0 && !m->scaler.enabled &&
-         m->grad_dtype == ZD_F32;
+/* The torch order this step clips by (zd__model_step), or ZD_CLIP_NORM_DOUBLE where it clips by
+ * the double norm: where the backend computes torch's fp32 total (CPU) of the unscaled fp32
+ * gradient, as torch's clip_grad_norm_ sees it. fp16 and bf16 gradients and the loss scaler keep
+ * the double norm (their unscaling and the scaler's skip have no torch order here). */
+static zd_clip_norm_t torch_norm_order(const zd__step_ctx_t *ctx, const zd__model_t *m,
+                                       zd_clip_norm_t clip_norm) {
+  int torch = clip_norm != ZD_CLIP_NORM_DOUBLE && ctx->compute->ops->torch_norm &&
+              m->max_grad_norm > 0 && !m->scaler.enabled && m->grad_dtype == ZD_F32;
+  return torch ? clip_norm : ZD_CLIP_NORM_DOUBLE;
+}
+
+/* torch's fp32 total norm of this step's gradient (compute.h, torch_norm), after the commit point:
+ * at world size > 1 a collective, which every rank enters because every rank agreed on the same
+ * step and the same torch order (the records' hash carries it), and a rank standing in for its
+ * client never gets here (its step is abandoned at the commit point on every rank). The gradient
+ * clipped is the averaged one where the ranks' gradients are summed and averaged (grad_mean): each
+ * element is the sum times fp32 1/world_size, which is the mean exactly where the world size is a
+ * power of two (DDP's average: each rank's gradient / world_size, summed). present: NULL (every
+ * parameter in torch's stack), or a per-parameter bitmap (grad_norm.h, zd__torch_norm2_total). */
+static int torch_total_norm(const zd__step_ctx_t *ctx, zd__model_t *m, zd_clip_norm_t torch_order,
+                            const uint8_t *present, float *total, zd__err_t *err) {
+  float scale = m->grad_mean && ctx->world_size > 1 ? (float)(1.0 / ctx->world_size) : 1.0f;
+  uint64_t t0 = zd__now_us();
+  int rc = ctx->compute->ops->torch_norm(ctx->compute, ctx->comm, &m->shard, torch_order, scale,
+                                         present, total, err);
+  if (ctx->world_size > 1) m->collective_us += zd__now_us() - t0;
+  return rc;
 }
 
 /* A step with statistics whose backend decides on the device (compute.h, queue_decision: CUDA in
@@ -643,8 +670,9 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   zd__compute_t *c = ctx->compute;
   uint32_t w = ctx->world_size;
   uint64_t flag = zd__ckptr_wants(ctx->ckpt, m->step + 1) ? CHECKPOINT_BIT : 0;
-  zd__step_record_t rec = {
-      .step = (m->step + 1) | flag, .layout_hash = l->hash, .hparam_hash = hparam_hash(m, groups)};
+  zd__step_record_t rec = {.step = (m->step + 1) | flag,
+                           .layout_hash = l->hash,
+                           .hparam_hash = hparam_hash(m, groups, ZD_CLIP_NORM_DOUBLE)};
   int rc = ZD_OK;
   for (uint32_t b = 0; b < l->nbuckets && !rc; b++)
     rc = c->ops->grad_stats(c, &m->shard, b, b == 0, &rec, err);
@@ -758,23 +786,26 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   /* The step's hyperparameters become the model's only once every rank has agreed to them. */
   if (!groups) groups = m->groups;
 
-  /* Before the commit point, like every other statistic: a failure leaves the step unapplied. */
-  float torch_total = 0;
-  int use_torch_total = uses_torch_norm(ctx, m, clip_norm);
-  if (use_torch_total)
-    rc = ctx->compute->ops->torch_norm(ctx->compute, &m->shard, clip_norm, &torch_total, err);
-  if (rc) return job_end(ctx, buf, slot, rc, err);
-
+  zd_clip_norm_t torch_order = torch_norm_order(ctx, m, clip_norm);
   int need_stats = needs_stats(ctx, m);
   if (need_stats && ctx->compute->ops->queue_decision)
     return step_on_device(ctx, m, buf, slot, groups, gather, t0, out, err);
   double sumsq = 0;
   uint64_t nonfinite = 0;
   int checkpoint = 0;
-  rc = commit_point(ctx, m, groups, need_stats, 0, &sumsq, &nonfinite, &checkpoint, err);
+  rc = commit_point(ctx, m, groups, torch_order, need_stats, 0, &sumsq, &nonfinite, &checkpoint,
+                    err);
   if (rc == ZD_EABORTED) { /* the whole attempt is void on every rank: scatter again */
     memset(m->scattered, 0, l->nbuckets);
     m->abandoned = 1;
+  }
+  /* torch's total, where the step clips by it: every rank returns the same total or the same
+   * failure (compute.h), and a failure leaves the step unapplied on every rank. */
+  float torch_total = 0;
+  if (!rc && torch_order != ZD_CLIP_NORM_DOUBLE) {
+    rc = torch_total_norm(ctx, m, torch_order, NULL, &torch_total, err);
+    zd__err_t ignored;
+    if (rc && checkpoint) zd__ckptr_request(ctx->ckpt, &ignored); /* ask again next step */
   }
   if (rc) {
     end_speculation(m); /* the committed set is untouched */
@@ -791,7 +822,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
                           .grad_mean = m->grad_mean,
                           .need_stats = need_stats,
                           .max_grad_norm = m->max_grad_norm};
-  if (use_torch_total) {
+  if (torch_order != ZD_CLIP_NORM_DOUBLE) {
     cfg.torch_total = 1;
     cfg.total_norm = torch_total;
   }
@@ -977,8 +1008,8 @@ int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buff
     uint64_t nonfinite;
     int checkpoint;
     if (!rc)
-      rc = commit_point(ctx, m, m->groups, needs_stats(ctx, m), 1, &sumsq, &nonfinite, &checkpoint,
-                        err);
+      rc = commit_point(ctx, m, m->groups, ZD_CLIP_NORM_DOUBLE, needs_stats(ctx, m), 1, &sumsq,
+                        &nonfinite, &checkpoint, err);
     end_speculation(m);      /* nothing of the step is applied */
     if (rc == ZD_EABORTED) { /* as intended: every rank refuses the step */
       rc = ZD_OK;

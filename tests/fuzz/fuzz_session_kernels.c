@@ -43,3 +43,10 @@ float zd__torch_norm2_avx2(const float *x, uint64_t n, zd__norm_order_t order) {
   FUZZ_CHECK(0, "zd__torch_norm2_avx2 called in a build that reports no AVX2");
   return 0;
 }
+
+float zd__torch_norm2_part_avx2(zd__norm_state_t *st, const float *x, uint64_t n, uint64_t offset,
+                                uint64_t count, float scale, zd__norm_order_t order) {
+  (void)st, (void)x, (void)n, (void)offset, (void)count, (void)scale, (void)order;
+  FUZZ_CHECK(0, "zd__torch_norm2_part_avx2 called in a build that reports no AVX2");
+  return 0;
+}

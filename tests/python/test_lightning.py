@@ -4,10 +4,9 @@ Two processes under torchrun (Lightning's DDP strategy over Gloo), one zerod of 
 ranks. Each worker fits the README's recipe ("Using zerod with Lightning": ZeroModule below,
 whose configure_optimizers builds the ZeroOptimizer and hands DDP's gradients to zerod) for 4
 steps of 2 micro-batches (accumulate_grad_batches), then the same module with torch's AdamW and
-Lightning's own gradient clipping; every parameter must be bitwise equal where the clip does not
-bind, and within 1e-6 where it binds at every step (zerod's clip coefficient at W > 1 comes
-from its own norm of the reduced gradient, summed over its shards in double, a few ULP from
-torch's fp32 norm). No gradient goes through the Gloo process group during the zerod run: its
+Lightning's own gradient clipping; every parameter must be bitwise equal, the clip binding at
+every step or not (zerod clips by torch's fp32 total norm of the averaged gradient at W > 1
+too). No gradient goes through the Gloo process group during the zerod run: its
 all-reduces (counted with torch's profiler, as in test_ddp.py) are Lightning's own few
 elements (its decisions), against thousands of gradient elements per step.
 
@@ -163,7 +162,7 @@ class LightningW2Test(unittest.TestCase):
                     # whether to stop), never the gradients
                     self.assertLess(r2["gloo"].get("gloo:all_reduce", 0), 64, r2["param_elems"])
                 self.assertEqual(res["10000.0"]["diffs"], [], f"rank {r}")
-                self.assertLess(res["0.05"]["max_diff"], 1e-6, f"rank {r}")
+                self.assertEqual(res["0.05"]["diffs"], [], f"rank {r}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

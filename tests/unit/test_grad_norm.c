@@ -5,7 +5,9 @@
  * they were checked with over millions of elements): inputs chosen so that the three orders give
  * different bits, at tail lengths 4 to 7 and 0 to 3 and in the vector body. The AVX2 path, where
  * the CPU runs it, must equal the reference bit for bit on random tensors of every length up to
- * 300 and a few large ones, special values included.
+ * 300 and a few large ones, special values included. A norm taken in parts (a parameter split
+ * across ranks' shards) must equal the one-piece norm over any split points, and the total over
+ * the parameters present the norm of their stack alone.
  */
 #include <math.h>
 
@@ -138,9 +140,112 @@ static void test_isa(void) {
   printf("isa: avx2 equals the reference on %llu tensors\n", (unsigned long long)cases);
 }
 
+/* A tensor's norm taken in parts over random split points (none, several, some inside the tail,
+ * at offsets not a multiple of 8, empty parts), each part continuing the chain the previous one
+ * left: the one-piece function's bits, for every order, on the reference and the AVX2 path; and
+ * with a scale, the one-piece function's bits on the scaled elements. */
+static void test_parts(void) {
+  zd__norm_part_fn impls[2] = {zd__torch_norm2_part_ref, NULL};
+  if (zd__isa_detect() >= ZD__ISA_AVX2) impls[1] = zd__torch_norm2_part_impl(ZD__ISA_AVX2);
+  CHECK(zd__torch_norm2_part_impl(ZD__ISA_SCALAR) == zd__torch_norm2_part_ref);
+  static float x[70000], xs[70000];
+  uint64_t cases = 0, inside_tail = 0, unaligned = 0;
+  for (int rep = 0; rep < 6000; rep++) {
+    uint64_t r = zd_test_rnd();
+    uint64_t n = rep < 400 ? (uint64_t)rep % 40 : r % 8 == 0 ? 60000 + r % 9000 : r % 700;
+    int special = rep % 3 == 2;
+    for (uint64_t i = 0; i < n; i++) {
+      float f = rnd_float();
+      x[i] = !special && !isfinite(f) ? 0.75f : f;
+    }
+    /* up to 6 cuts, sorted (equal cuts make empty parts) */
+    uint64_t cuts[8], ncuts = zd_test_rnd() % 7;
+    for (uint64_t c = 0; c < ncuts; c++) {
+      uint64_t t = zd_test_rnd();
+      /* now and then a cut inside the tail, or at the lanes' end */
+      cuts[c] = n == 0 ? 0 : t % 4 == 0 ? n - n % 8 + (t >> 8) % (n % 8 + 1) : (t >> 8) % (n + 1);
+    }
+    for (uint64_t a = 1; a < ncuts; a++)
+      for (uint64_t b = a; b > 0 && cuts[b - 1] > cuts[b]; b--) {
+        uint64_t t = cuts[b];
+        cuts[b] = cuts[b - 1];
+        cuts[b - 1] = t;
+      }
+    cuts[ncuts] = n;
+    for (uint64_t c = 0; c < ncuts; c++) {
+      inside_tail += cuts[c] > n - n % 8 && cuts[c] < n;
+      unaligned += cuts[c] % 8 != 0;
+    }
+    float scale = rep % 5 == 4 ? 0.5f : rep % 11 == 10 ? 0.3f : 1.0f;
+    for (uint64_t i = 0; i < n; i++) xs[i] = x[i] * scale;
+    for (int o = ZD__NORM_TORCH113; o <= ZD__NORM_TORCH215; o++) {
+      float want = zd__torch_norm2_ref(xs, n, (zd__norm_order_t)o);
+      for (int k = 0; k < 2; k++) {
+        if (!impls[k]) continue;
+        zd__norm_state_t st = {{0}};
+        uint64_t at = 0;
+        float got = -1;
+        for (uint64_t c = 0; c <= ncuts; c++) {
+          float v = impls[k](&st, x + at, n, at, cuts[c] - at, scale, (zd__norm_order_t)o);
+          at = cuts[c];
+          if (at < n) {
+            CHECK_MSG(v == 0, "a part that does not end the tensor returned %g", v);
+          } else {
+            got = v; /* the part that ends the tensor ends the chain */
+            break;
+          }
+        }
+        CHECK_MSG(bits(got) == bits(want) || (isnan(got) && isnan(want)),
+                  "n=%llu order %d %s scale %g, %llu cuts (first %llu): 0x%08x vs one piece "
+                  "0x%08x",
+                  (unsigned long long)n, o, k ? "avx2" : "reference", (double)scale,
+                  (unsigned long long)ncuts, (unsigned long long)(ncuts ? cuts[0] : 0), bits(got),
+                  bits(want));
+        cases++;
+      }
+    }
+  }
+  CHECK(inside_tail > 100 && unaligned > 1000);
+  printf(
+      "parts: %llu chains equal the one-piece norm (%llu cuts inside a tail, %llu at offsets "
+      "not a multiple of 8)\n",
+      (unsigned long long)cases, (unsigned long long)inside_tail, (unsigned long long)unaligned);
+}
+
+/* The total over the stack of the norms of the parameters present: the norm of the stack of those
+ * alone, in parameter order; NULL: every parameter. */
+static void test_total_presence(void) {
+  float norms[37], stack[37], scratch[37];
+  for (int i = 0; i < 37; i++) norms[i] = fabsf(rnd_float()) + 0.25f * (float)i;
+  uint8_t present[5] = {0};
+  uint32_t k = 0;
+  for (uint32_t i = 0; i < 37; i++)
+    if (i % 3 != 1 && i != 36) {
+      present[i / 8] |= (uint8_t)(1u << (i % 8));
+      stack[k++] = norms[i];
+    }
+  for (int o = ZD__NORM_TORCH113; o <= ZD__NORM_TORCH215; o++) {
+    zd__norm_order_t ord = (zd__norm_order_t)o;
+    float all = zd__torch_norm2_total(zd__torch_norm2_ref, norms, 37, NULL, ord, scratch);
+    CHECK_INT_EQ(bits(all), bits(zd__torch_norm2_ref(norms, 37, ord)));
+    float some = zd__torch_norm2_total(zd__torch_norm2_ref, norms, 37, present, ord, scratch);
+    CHECK_INT_EQ(bits(some), bits(zd__torch_norm2_ref(stack, k, ord)));
+    CHECK(bits(some) != bits(all));
+    uint8_t none[5] = {0}, one[5] = {0};
+    CHECK_INT_EQ(bits(zd__torch_norm2_total(zd__torch_norm2_ref, norms, 37, none, ord, scratch)),
+                 bits(0.0f));
+    one[2] = 1u << 3; /* parameter 19 alone: 2.x's one-element norm is its |x| */
+    float lone = zd__torch_norm2_total(zd__torch_norm2_ref, norms, 37, one, ord, scratch);
+    CHECK_INT_EQ(bits(lone), bits(zd__torch_norm2_ref(&norms[19], 1, ord)));
+  }
+  printf("total: the stack of the parameters present, in parameter order\n");
+}
+
 int main(void) {
   test_golden();
   test_isa();
+  test_parts();
+  test_total_presence();
   printf("PASS\n");
   return 0;
 }

@@ -362,10 +362,12 @@ typedef struct zd_bucket_info {
  * the default: the square root of a double sum of squares, with every backend and world size; its
  * clip coefficient is within a few ULP of torch.nn.utils.clip_grad_norm_'s. The others name a torch
  * build whose fp32 reduction (per-parameter norms, then the norm of those in parameter order) zerod
- * then reproduces bit for bit: Debian's 1.13.1, PyPI's 2.6, PyPI's 2.15. They apply only where the
- * whole gradient is in one place in fp32: the CPU backend, world size 1, ZD_F32 gradients, no loss
- * scaler, max_grad_norm > 0 (zd_step_result_t.grad_norm is then that fp32 total); anywhere else
- * a step uses the double norm. */
+ * then reproduces bit for bit: Debian's 1.13.1, PyPI's 2.6, PyPI's 2.15. They apply on the CPU
+ * backend at any world size with ZD_F32 gradients, no loss scaler and max_grad_norm > 0
+ * (zd_step_result_t.grad_norm is then that fp32 total; at world size > 1 the total of the averaged
+ * gradient, ZD_GRAD_MEAN's, whose elements are the sum times fp32 1/world_size: DDP's average
+ * where the world size is a power of two); anywhere else a step uses the double norm. At world
+ * size > 1 every rank must step with the same clip_norm (else ZD_EHPARAM). */
 typedef enum zd_clip_norm {
   ZD_CLIP_NORM_DOUBLE = 0,
   ZD_CLIP_NORM_TORCH113 = 1,
