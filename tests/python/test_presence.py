@@ -22,6 +22,7 @@ every step, and zerod's per-parameter step counts are checked through its status
 from __future__ import annotations
 
 import argparse
+import os
 import copy
 import multiprocessing as mp
 import queue as queue_mod
@@ -269,6 +270,178 @@ def run_config(cfg: Dict[str, Any], world: int) -> bool:
     return True
 
 
+# ---- a checkpoint with lagging steps ----------------------------------------------------------
+
+K, M, N = 7, 4, 3  # steps at W=2, then at W=1 after the resume, then in torch after the export
+
+
+def ref_grads(ref: nn.Module, step: int, world: int) -> List[Optional[torch.Tensor]]:
+    """Every rank's gradients of `step`, combined as DDP does (None: no rank has one)."""
+    params = list(ref.parameters())
+    sums: List[Optional[torch.Tensor]] = [None] * len(params)
+    for r in range(world):
+        for p in params:
+            p.grad = None
+        loss_of(ref, "head", step, r, world).backward()
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                sums[i] = p.grad.clone() if sums[i] is None else sums[i] + p.grad
+    return [g * (1.0 / world) if g is not None and world > 1 else g for g in sums]
+
+
+def ref_step(ref: nn.Module, opt: Any, step: int, world: int) -> None:
+    for p, g in zip(ref.parameters(), ref_grads(ref, step, world)):
+        p.grad = g
+    opt.step()
+
+
+def ckpt_rank(snaps: List[Dict[str, torch.Tensor]], rank: int, endpoint: Tuple[str, int],
+              queue: Any) -> None:
+    """Phase 1 on one of two ranks: steps 1..K, compared, then a checkpoint."""
+    try:
+        torch.set_num_threads(1)
+        model = make("head")
+        opt = ZeroOptimizer(model.named_parameters(), lr=3e-2, weight_decay=0.1,
+                            socket=endpoint[0], local_rank=endpoint[1])
+        try:
+            for step in range(1, K + 1):
+                model.zero_grad(set_to_none=True)
+                loss_of(model, "head", step, rank, 2).backward()
+                opt.step()
+                for n, p in model.named_parameters():
+                    if not torch.equal(p, snaps[step][n]):
+                        raise AssertionError(f"W=2 after step {step}: "
+                                             f"{common.first_difference(n, p, snaps[step][n])}")
+            lag = int(opt.client.rank_status()["params_lagging"])
+            step, _ = opt.checkpoint()
+            queue.put((rank, {"step": step, "lagging": lag}))
+        finally:
+            opt.close()
+    except BaseException:
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def check_same(model: nn.Module, snap: Dict[str, torch.Tensor], where: str) -> None:
+    for n, p in model.named_parameters():
+        if not torch.equal(p.detach(), snap[n]):
+            raise AssertionError(f"{where}: {common.first_difference(n, p.detach(), snap[n])}")
+
+
+def run_checkpoint() -> bool:
+    """The head model's aux layer lags (skipped on even steps): a checkpoint at step K of a W=2
+    world, resumed at W=1, trained M steps, checkpointed again, exported to a torch state_dict
+    that a fresh torch AdamW loads and continues N steps with; then that torch state back into
+    zerod (save_torch_state, zeroctl import, --resume). Bitwise against one torch run."""
+    import tempfile
+
+    import zerod.checkpoint as zc
+
+    print(f"== checkpoint with lagging per-parameter steps: W=2 for {K} steps, resumed at W=1 "
+          f"for {M}, exported to torch for {N}, imported back for 1 ==", flush=True)
+    torch.set_num_threads(1)
+    ref = make("head")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-2, weight_decay=0.1, foreach=False)
+    snaps: List[Dict[str, torch.Tensor]] = [{}]
+    plan = [2] * K + [1] * (M + N + 1)
+    for step, world in enumerate(plan, start=1):
+        ref_step(ref, ref_opt, step, world)
+        snaps.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+        if step == K + M + N:
+            ref_state = copy.deepcopy(ref_opt.state_dict())
+    aux_steps = sum(1 for s in range(1, K + M + N + 1) if s % 2 == 1)
+    with tempfile.TemporaryDirectory(prefix="zerod-presence-") as tmp:
+        root = tmp + "/ckpt"
+        os.makedirs(root)
+        args = ["--bucket_elems", "256", "--checkpoint_dir", root]
+        with zerod.testing.LocalWorld(2, daemons=2, args=args, log_level="info") as w:
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            procs = [ctx.Process(target=ckpt_rank, args=(snaps, r, w.endpoint(r), queue))
+                     for r in range(2)]
+            for p in procs:
+                p.start()
+            results = dict(queue.get(timeout=300) for _ in range(2))
+            for p in procs:
+                p.join(60)
+        for r in range(2):
+            if "error" in results[r]:
+                print(f"FAIL rank {r}: {results[r]['error']}")
+                return False
+        if results[0]["lagging"] != 2:
+            print(f"FAIL: {results[0]['lagging']} parameters lag at step {K}; expected 2")
+            return False
+
+        # Phase 2: the same checkpoint resumed by a world of one (resharded).
+        model = make("head")
+        with zerod.testing.LocalZerod(args + ["--resume", "latest"], log_level="info") as d:
+            opt = ZeroOptimizer(model.named_parameters(), lr=3e-2, weight_decay=0.1,
+                                socket=d.socket)
+            try:
+                if not opt.resumed or opt.step_count != K:
+                    print(f"FAIL: resumed {opt.resumed} at step {opt.step_count}; expected {K}")
+                    return False
+                if int(opt.client.rank_status()["params_lagging"]) != 2:
+                    print("FAIL: the resume lost the per-parameter steps")
+                    return False
+                check_same(model, snaps[K], "resumed at W=1")
+                for step in range(K + 1, K + M + 1):
+                    model.zero_grad(set_to_none=True)
+                    loss_of(model, "head", step, 0, 1).backward()
+                    opt.step()
+                    check_same(model, snaps[step], f"W=1 after step {step}")
+                _, out_ckpt = opt.checkpoint()
+            finally:
+                opt.close()
+
+        # Phase 3: exported to torch's AdamW, which continues.
+        model = make("head")
+        state = zc.torch_state_dict(out_ckpt, model.named_parameters())
+        state.load_params(model.named_parameters())
+        check_same(model, snaps[K + M], "loaded into torch")
+        names = [n for n, _ in model.named_parameters()]
+        for i, n in enumerate(names):
+            st = state.state_dict["state"][i]["step"]
+            got = int(st.item() if isinstance(st, torch.Tensor) else st)
+            want = (sum(1 for s in range(1, K + M + 1) if s % 2 == 1) if n.startswith("aux")
+                    else K + M)
+            if got != want:
+                print(f"FAIL: the exported state['step'] of {n} is {got}; torch's is {want}")
+                return False
+        topt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, foreach=False)
+        topt.load_state_dict(copy.deepcopy(state.state_dict))
+        for step in range(K + M + 1, K + M + N + 1):
+            ref_step(model, topt, step, 1)
+            check_same(model, snaps[step], f"in torch after step {step}")
+        st = topt.state_dict()["state"]
+        for i in st:
+            if not torch.equal(torch.as_tensor(st[i]["step"]),
+                               torch.as_tensor(ref_state["state"][i]["step"])):
+                print(f"FAIL: torch's step of parameter {i} after the export differs")
+                return False
+
+        # Phase 4: torch's state, its steps lagging, back into zerod for one step.
+        path = tmp + "/torch.safetensors"
+        zc.save_torch_state(topt, model.named_parameters(), path)
+        back = zc.import_checkpoint(path, tmp + "/imported")
+        model = make("head")
+        with zerod.testing.LocalZerod(["--bucket_elems", "256", "--resume", back],
+                                      log_level="info") as d:
+            opt = ZeroOptimizer(model.named_parameters(), lr=3e-2, weight_decay=0.1,
+                                socket=d.socket)
+            try:
+                check_same(model, snaps[K + M + N], "imported into zerod")
+                step = K + M + N + 1
+                model.zero_grad(set_to_none=True)
+                loss_of(model, "head", step, 0, 1).backward()
+                opt.step()
+                check_same(model, snaps[step], f"imported, after step {step}")
+            finally:
+                opt.close()
+    print(f"ok: bitwise equal to torch through W=2, a resume at W=1, torch and back; aux at "
+          f"its own step ({aux_steps} of {K + M + N})", flush=True)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="all", choices=["head", "moe", "freeze", "all"])
@@ -278,7 +451,11 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true", help="zerod with overlap_update = 1")
     ap.add_argument("--hooks", action="store_true",
                     help="ZeroOptimizer(overlap=True): buckets scattered from backward's hooks")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="the checkpoint with lagging steps (run_checkpoint) instead")
     a = ap.parse_args()
+    if a.checkpoint:
+        sys.exit(0 if run_checkpoint() else 1)
     kinds = ["head", "moe", "freeze"] if a.model == "all" else [a.model]
     ok = True
     for kind in kinds:
