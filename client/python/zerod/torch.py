@@ -114,9 +114,11 @@ PickledZeroOptimizer placeholder; one never closed is closed at interpreter exit
 
 Limits: parameters must all be on one device (the CPU, or the rank's GPU) and of one dtype,
 float32 or bfloat16. The parameter list is fixed at
-registration: add_param_group() after construction is refused. A parameter that got no gradient
-in a step is stepped with a zero gradient (weight decay and momentum still apply), as torch does
-with zero_grad(set_to_none=False), whereas torch with set_to_none=True skips it. Parameters with
+registration: add_param_group() after construction is refused. A parameter without a gradient
+in a step (its .grad set to None, or not reached by backward since zero_grad(set_to_none=True),
+torch 2.x's default) is skipped by zerod's CPU backend as torch skips it: no decay, no state
+update, its own step count kept (at world size > 1 only where no rank has a gradient for it, as
+DDP); with zero_grad(set_to_none=False) it has a zero gradient, as in torch. Parameters with
 requires_grad=False are kept in param_groups but not registered, and never change. A model
 moved after the optimizer was built by a move that copies (``Module.to()`` onto
 ``torch.device("cpu", 0)`` copies every CPU tensor, as Accelerate's multi-process CPU runs do)
@@ -996,7 +998,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,
                 # like the hooks, so ranks configured differently still match).
                 self._inflight.append(self.client.step_start(groups, **self._clip_kw(),
-                                                             absent=absent, **self._stream()))
+                                                             **self._absent_kw(absent),
+                                                             **self._stream()))
             else:
                 # Whatever the hooks did not send, in their order: every rank's sequence of
                 # scatters is then n-1, ..., 0, even where a bucket never completed on one rank
@@ -1008,7 +1011,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     self._offload.flush(self._inflight)
                 no_gather = {"gather": False} if self._offload is not None else {}
                 self._inflight.append(self.client.step_start(groups, scatter=False, **no_gather,
-                                                             **self._clip_kw(), absent=absent,
+                                                             **self._clip_kw(),
+                                                             **self._absent_kw(absent),
                                                              **self._stream()))
             step_req = self._inflight[-1]
             self._wait_inflight()  # every request once; raises the first error (a scatter's)
@@ -1046,6 +1050,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "reduced gradient by its global norm, as DistributedDataParallel users clip), "
                 "or pass overlap=False", stacklevel=3)
         self._scattered = [False] * self._nbuckets
+
+    @staticmethod
+    def _absent_kw(absent: Optional[List[int]]) -> Dict[str, Any]:
+        """step_start's absent: left out when every parameter has a gradient."""
+        return {"absent": absent} if absent else {}
 
     def _clip_kw(self) -> Dict[str, Any]:
         """step_start's clip_norm: the running torch's order, left out for zerod's own."""
