@@ -482,6 +482,17 @@ int zd_step_start(zd_client_t *c, const zd_step_opts_t *caller_opts, zd_request_
   /* Left out when it is the default: a zerod older than the field then reads the same request. */
   req.has_clip_norm = opts.clip_norm != ZD_CLIP_NORM_DOUBLE;
   req.clip_norm = (Zerod__V1__ClipNorm)opts.clip_norm;
+  /* Left out when every parameter has a gradient: the common step carries no bitmap. */
+  uint32_t np = c->layout->nparams;
+  size_t nbytes = ((size_t)np + 7) / 8;
+  int any = 0;
+  for (size_t i = 0; opts.absent && i < nbytes && !any; i++) any = opts.absent[i] != 0;
+  if (any && np % 8 && opts.absent[nbytes - 1] >> (np % 8))
+    return zd__fail(
+        -EINVAL, "zd_step_opts_t.absent sets a bit past parameter %u (the model's last)", np - 1);
+  req.has_absent = any;
+  req.absent.len = any ? nbytes : 0;
+  req.absent.data = any ? (uint8_t *)opts.absent : NULL;
   int slot;
   if ((rc = zd__cuda_before_request(c, &slot))) return rc;
   req.has_event_slot = slot >= 0;

@@ -115,7 +115,20 @@ int zd__ckpt_export(const char *dir, const char *out_path, int moments, zd__err_
   json_object_set_new(meta, "param_groups", pg_text && groups_text ? json_string(pg_text) : NULL);
   free(pg_text);
   free(groups_text);
-  if (json_object_size(meta) != 10 || json_object_set_new(hdr, "__metadata__", meta)) {
+  /* Parameters whose own step lags the model's (a manifest's "steps_behind"): "steps_behind", a
+   * JSON array of one count per parameter in registration order, only where one is nonzero. */
+  size_t nmeta = 10;
+  if (m->lags) {
+    json_t *lags = json_array();
+    for (uint32_t i = 0; lags && i < l->nparams; i++)
+      json_array_append_new(lags, json_integer((json_int_t)m->lags[i]));
+    char *lags_text = lags ? json_dumps(lags, JSON_FLAGS) : NULL;
+    json_decref(lags);
+    json_object_set_new(meta, "steps_behind", lags_text ? json_string(lags_text) : NULL);
+    free(lags_text);
+    nmeta++;
+  }
+  if (json_object_size(meta) != nmeta || json_object_set_new(hdr, "__metadata__", meta)) {
     meta = NULL;
     goto oom;
   }
@@ -178,6 +191,8 @@ typedef struct importer {
   int fd;
   uint64_t data_start;
   json_t *hdr, *groups_json, *names_json, *pgroups_json;
+  json_t *lags_json; /* metadata "steps_behind" (optional) */
+  uint64_t *lags;    /* from it: nparams, or NULL (every parameter at the step) */
   in_tensor_t *tensors;
   size_t ntensors;
   zd_group_t *groups;
@@ -274,7 +289,8 @@ static int import_header(importer_t *im, uint64_t *step, uint64_t *skipped) {
       (rc = meta_u64(im, meta, "steps_skipped", 0, skipped)) ||
       (rc = meta_json(im, meta, "groups", 1, &im->groups_json)) ||
       (rc = meta_json(im, meta, "param_groups", 1, &im->pgroups_json)) ||
-      (rc = meta_json(im, meta, "params", !is_export, &im->names_json)))
+      (rc = meta_json(im, meta, "params", !is_export, &im->names_json)) ||
+      (rc = meta_json(im, meta, "steps_behind", 0, &im->lags_json)))
     return rc;
 
   im->ntensors = json_object_size(im->hdr) - 1;
@@ -476,6 +492,21 @@ static int import_write(importer_t *im, const char *root, uint64_t step, uint64_
                     "%s already holds a complete checkpoint of step %" PRIu64
                     "; import into another directory",
                     dir, step);
+  if (im->lags_json) { /* each parameter's steps behind the model's step */
+    if (json_array_size(im->lags_json) != im->nparams)
+      return import_bad(im, "metadata \"steps_behind\" lists %zu parameters; expected %u",
+                        json_array_size(im->lags_json), im->nparams);
+    if (!(im->lags = calloc(im->nparams, sizeof *im->lags)))
+      return zd__errf(err, -ENOMEM, "%s: out of memory", im->path);
+    for (uint32_t i = 0; i < im->nparams; i++) {
+      json_t *v = json_array_get(im->lags_json, i);
+      if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+          (uint64_t)json_integer_value(v) > step)
+        return import_bad(im, "metadata \"steps_behind\"[%u] is not a count in [0, %" PRIu64 "]", i,
+                          step);
+      im->lags[i] = (uint64_t)json_integer_value(v);
+    }
+  }
   uint64_t n = im->layout->shard_elems;
   zd__ckpt_shard_t shard = {.rank = 0, .world_size = 1, .step = step, .elems = n};
   memcpy(shard.state, im->state, sizeof shard.state);
@@ -493,7 +524,8 @@ static int import_write(importer_t *im, const char *root, uint64_t step, uint64_
                            .grad_mean = 1,
                            .states = im->states,
                            .files = &file,
-                           .nfiles = 1};
+                           .nfiles = 1,
+                           .lags = im->lags};
   if ((rc = zd__ckpt_write_manifest(dir, &m, err))) return rc;
   /* Read back through the resume's own path: what was written is what a zerod will load. */
   zd__ckpt_manifest_t *back = NULL;
@@ -530,6 +562,8 @@ exit:
   free(im.tensors);
   json_decref(im.names_json);
   json_decref(im.pgroups_json);
+  json_decref(im.lags_json);
+  free(im.lags);
   json_decref(im.groups_json);
   json_decref(im.hdr);
   return rc;

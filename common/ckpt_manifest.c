@@ -65,12 +65,17 @@ static json_t *scaler_json(const zd__ckpt_scaler_t *s) {
                    "min_scale", c->min_scale);
 }
 
-static json_t *param_json(const zd__layout_param_t *p) {
+static json_t *param_json(const zd__layout_param_t *p, uint64_t lag) {
   json_t *shape = json_array();
   for (uint32_t d = 0; d < p->ndim; d++)
     json_array_append_new(shape, json_integer((json_int_t)p->shape[d]));
-  return json_pack("{s:s, s:o, s:I, s:I}", "name", p->name, "shape", shape, "group",
-                   (json_int_t)p->group, "offset", (json_int_t)p->offset);
+  json_t *o = json_pack("{s:s, s:o, s:I, s:I}", "name", p->name, "shape", shape, "group",
+                        (json_int_t)p->group, "offset", (json_int_t)p->offset);
+  if (o && lag && json_object_set_new(o, "steps_behind", json_integer((json_int_t)lag))) {
+    json_decref(o);
+    return NULL;
+  }
+  return o;
 }
 
 int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__err_t *err) {
@@ -131,7 +136,7 @@ int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__e
   for (uint32_t g = 0; g < m->ngroups; g++)
     if (json_array_append_new(groups, zd__ckpt_group_json(&m->groups[g]))) goto oom;
   for (uint32_t i = 0; i < l->nparams; i++) {
-    if (json_array_append_new(params, param_json(&l->params[i]))) {
+    if (json_array_append_new(params, param_json(&l->params[i], m->lags ? m->lags[i] : 0))) {
       json_decref(root); /* json_string refuses a name that is not UTF-8 */
       json_decref(groups);
       json_decref(params);
@@ -427,6 +432,13 @@ static int read_layout(reader_t *r, json_t *arr, zd__ckpt_manifest_t *m) {
     if ((rc = get_u32(r, o, where, "group", &params[i].group)) ||
         (rc = get_u64(r, o, where, "offset", ZD__MAX_ELEMS, &offsets[i])))
       goto exit;
+    if (json_object_get(o, "steps_behind")) { /* optional: absent in older checkpoints */
+      if (!m->lags && !(m->lags = calloc(n, sizeof *m->lags))) {
+        rc = zd__errf(r->err, -ENOMEM, "%s: out of memory for %zu parameters", r->path, n);
+        goto exit;
+      }
+      if ((rc = get_u64(r, o, where, "steps_behind", m->step, &m->lags[i]))) goto exit;
+    }
   }
   zd__err_t lerr;
   if ((rc = zd__layout_build(params, (uint32_t)n, m->ngroups, m->world_size, m->bucket_elems,
@@ -590,5 +602,6 @@ void zd__ckpt_manifest_free(zd__ckpt_manifest_t *m) {
   zd__layout_free(m->layout);
   free(m->groups);
   free(m->files);
+  free(m->lags);
   free(m);
 }

@@ -56,6 +56,11 @@ typedef struct zd__ckpt_manifest {
   uint64_t created_ms;    /* unix time, milliseconds */
   zd__ckpt_file_t *files; /* owned, likewise; files[r] is rank r's */
   uint32_t nfiles;
+  /* Per parameter (the layout's order): the steps that skipped it (no gradient), so that its own
+   * step count (torch's state['step']) is step - lags[i]; written as the parameter's
+   * "steps_behind" where nonzero. NULL: every parameter at step (also what a manifest without the
+   * field reads as). Owned by the manifest that zd__ckpt_read_manifest returns. */
+  uint64_t *lags;
 } zd__ckpt_manifest_t;
 
 /* Writes dir/manifest.json atomically: the last step of a checkpoint, once every rank file is

@@ -502,7 +502,10 @@ static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt
   zd_param_t *params = calloc(l->nparams ? l->nparams : 1, sizeof *params);
   if (mf) mf->groups = malloc(m->shard.ngroups * sizeof *mf->groups);
   if (mf) mf->files = calloc(w, sizeof *mf->files);
-  int rc = mf && params && mf->groups && mf->files ? ZD_OK : -ENOMEM;
+  /* parameters whose own step lags the model's (model.h): their "steps_behind" */
+  if (mf && m->nlagging && (mf->lags = malloc(l->nparams * sizeof *mf->lags)))
+    memcpy(mf->lags, m->lag, l->nparams * sizeof *mf->lags);
+  int rc = mf && params && mf->groups && mf->files && (mf->lags || !m->nlagging) ? ZD_OK : -ENOMEM;
   if (rc) zd__errf(err, rc, "out of memory");
   for (uint32_t i = 0; !rc && i < l->nparams; i++) {
     const zd__layout_param_t *p = &l->params[i];
@@ -892,6 +895,10 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   if (!rc && mf) {
     m->step = mf->step;
     m->steps_skipped = mf->steps_skipped;
+    /* The same parameter table (the checkpoint was found for this layout, at any world size):
+     * each parameter's own step; a checkpoint without them has every one at the model's. */
+    zd_assert(mf->layout->nparams == m->layout->nparams);
+    zd__model_set_lags(m, mf->lags);
     if (mf->scaler.enabled && m->scaler.enabled) {
       m->scaler.scale = mf->scaler.scale;
       m->scaler.growth_tracker = mf->scaler.growth_tracker;

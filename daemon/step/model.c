@@ -229,6 +229,7 @@ void zd__model_free(zd__model_t *m) {
   free(m->spec_consts);
   free(m->next_groups);
   free(m->groups);
+  free(m->lag);
   zd__shm_unmap(&m->kept);
   zd__state_file_close(m->file); /* the file stays, for the next zerod */
   zd__layout_free(m->layout);
@@ -296,9 +297,10 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
   m->spec_cap = sh->ngroups;
   m->spec_consts = calloc(sh->ngroups ? sh->ngroups : 1, sizeof *m->spec_consts);
   m->next_groups = calloc(sh->ngroups ? sh->ngroups : 1, sizeof *m->next_groups);
-  if (!sh->segs || !sh->nsegs || !sh->grad || !sh->grad_dtype || !m->scattered || !m->attempted ||
-      !m->ungathered || !m->speculated || !m->spec_sumsq || !m->spec_nonfinite || !m->spec_consts ||
-      !m->next_groups) {
+  m->lag = calloc(l->nparams ? l->nparams : 1, sizeof *m->lag);
+  if (!m->lag || !sh->segs || !sh->nsegs || !sh->grad || !sh->grad_dtype || !m->scattered ||
+      !m->attempted || !m->ungathered || !m->speculated || !m->spec_sumsq || !m->spec_nonfinite ||
+      !m->spec_consts || !m->next_groups) {
     zd__model_free(m);
     return zd__errf(err, -ENOMEM, "out of memory for the state of %" PRIu64 " shard elements",
                     l->shard_elems);
@@ -385,8 +387,18 @@ void zd__model_forget_restored(zd__model_t *m) {
   zd__state_file_reset(m->file);
   m->committed = (zd__committed_t){0};
   m->step = m->steps_skipped = 0;
+  zd__model_set_lags(m, NULL);
   memcpy(m->shard.state, m->sets[0], sizeof m->shard.state);
   m->restored = 0;
+}
+
+void zd__model_set_lags(zd__model_t *m, const uint64_t *lags) {
+  uint32_t n = m->layout->nparams;
+  m->nlagging = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    m->lag[i] = lags ? lags[i] : 0;
+    m->nlagging += m->lag[i] != 0;
+  }
 }
 
 float *const *zd__model_other_set(const zd__model_t *m) {

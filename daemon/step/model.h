@@ -78,6 +78,12 @@ typedef struct zd__model {
   zd__scaler_t scaler;
   uint64_t step; /* steps applied */
   uint64_t steps_skipped;
+  /* Per parameter (layout order): the steps applied to the model that skipped it (it had no
+   * gradient on any rank: StepRequest.absent), so that its own step count, torch's
+   * state['step'], is step - lag[i]; nlagging: how many are nonzero (0: every parameter is at
+   * the model's step, the common case). Saved in checkpoints (a parameter's "steps_behind"). */
+  uint64_t *lag;
+  uint32_t nlagging;
   zd__compute_t *compute; /* the backend that owns the shard's arrays */
   /* The state arrays by set and role: sets[committed.set] is shard.state. overlap_update (CPU):
    * two sets, and an update reads the committed set and writes the other (compute.h, update),
@@ -219,6 +225,10 @@ void zd__model_speculate(zd__model_t *m, uint32_t b);
 void zd__model_params_async(zd__model_t *m, uint32_t b, const zd__buffers_t *buf);
 void zd__model_spec_wait(zd__model_t *m);
 void zd__model_spec_wait_bucket(zd__model_t *m, int32_t b);
+
+/* Sets every parameter's lag (NULL: all 0, every parameter at the model's step), recounting
+ * nlagging. */
+void zd__model_set_lags(zd__model_t *m, const uint64_t *lags);
 
 /* Frees the model, its arrays and the backend's data; accepts NULL and a half-built model. A
  * bucket in flight is finished first, and the speculation thread joined. */

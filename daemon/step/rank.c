@@ -47,7 +47,10 @@ struct zd__rank {
 void zd__job_free(zd__job_t *job) {
   if (!job) return;
   if (job->type == ZD__JOB_ATTACH) zd__model_spec_free(job->in.spec);
-  if (job->type == ZD__JOB_STEP) free(job->in.step.groups);
+  if (job->type == ZD__JOB_STEP) {
+    free(job->in.step.groups);
+    free(job->in.step.absent);
+  }
   free(job->next_groups);
   free(job);
 }
@@ -123,6 +126,7 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
     s->state_sets = m->sets[1][ZD__STATE_MASTER] ? 2 : 1;
     s->committed_set = m->committed.set;
     s->spec_committed = m->spec_committed;
+    s->params_lagging = m->nlagging;
     s->spec_recomputed = m->spec_recomputed;
     if (m->file) {
       snprintf(s->state_path, sizeof s->state_path, "%s", zd__state_file_path(m->file));
@@ -323,7 +327,7 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
     case ZD__JOB_STEP:
       job->code = zd__model_step(&r->ctx, r->model, job->buffers, job->event_slot,
                                  job->in.step.groups, job->in.step.scatter, job->in.step.gather,
-                                 job->in.step.clip_norm, &job->out.step, err);
+                                 job->in.step.clip_norm, job->in.step.absent, &job->out.step, err);
       job->out.step.idle_cpus = step_idle_cpus(r);
       break;
     case ZD__JOB_CHECKPOINT:
@@ -956,6 +960,8 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
   zd__status_add(st, "grad_dtype", "%s", zd_dtype_name(s.grad_dtype));
   zd__status_add(st, "step", "%" PRIu64, s.step);
   zd__status_add(st, "steps_skipped", "%" PRIu64, s.steps_skipped);
+  /* parameters skipped in some step (no gradient on any rank), whose own step count is behind */
+  zd__status_add(st, "params_lagging", "%u", s.params_lagging);
   zd__status_add(st, "loss_scale", "%g", s.loss_scale);
   zd__status_add(st, "last_grad_norm", "%g", s.last_grad_norm);
   zd__status_add(st, "last_clip_coef", "%g", s.last_clip_coef);

@@ -79,6 +79,8 @@ struct zd__job {
       int scatter;
       int gather;
       zd_clip_norm_t clip_norm;
+      uint8_t *absent; /* parameters without a gradient (StepRequest.absent), one bit each,
+                          owned by the job; NULL: every parameter has one */
     } step;
     int abrupt; /* STAND_IN: the client disconnected (else it said bye) */
     int wait;   /* CHECKPOINT: answer once it is written */
@@ -156,6 +158,7 @@ typedef struct zd__rank_stats {
   uint32_t state_sets;      /* 2 with overlap_update (model.h), else 1 */
   uint32_t committed_set;   /* the set that holds the state (model.h, zd__committed_t) */
   uint64_t spec_committed;  /* buckets whose speculative update a step committed */
+  uint32_t params_lagging;  /* parameters whose own step count lags the model's (model.h, lag) */
   uint64_t spec_recomputed; /* ... and whose speculation a step recomputed (clipped, skipped
                                is not counted: nothing applied) */
   uint64_t heals;           /* times the world was re-formed around this rank after a peer failed */

@@ -25,10 +25,16 @@
 /* A record's step with this bit set asks every rank to checkpoint after the step (checkpoint.h):
  * the ranks compare steps without it and OR it. No step number comes near it. */
 #define CHECKPOINT_BIT (1ull << 62)
+/* A record's step with this bit set says the rank has parameters without a gradient this step
+ * (StepRequest.absent): the ranks compare steps without it, and where any record has it, every
+ * rank exchanges its bitmap after the records (combine_absent). Set by the CPU backend only. */
+#define ABSENT_BIT (1ull << 61)
+#define STEP_FLAGS (CHECKPOINT_BIT | ABSENT_BIT)
 
 /* What the ranks must agree on before a step: every group (the table's fields, common/group.h),
  * clipping (and the torch order it clips by, where it takes one: torch_order, the ranks' norm is
- * then a collective after the commit point), averaging and loss scaling. */
+ * then a collective after the commit point), averaging and loss scaling, and every parameter's own
+ * step count where some lag behind the model's (zd__model_t.lag). */
 static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups,
                             zd_clip_norm_t torch_order) {
   uint64_t h = ZD__FNV1A_INIT;
@@ -39,7 +45,16 @@ static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups,
     int32_t o = (int32_t)torch_order;
     h = zd__fnv1a(h, &o, sizeof o);
   }
+  if (m->nlagging) h = zd__fnv1a(h, m->lag, m->layout->nparams * sizeof *m->lag);
   return zd__fnv1a(h, flags, sizeof flags);
+}
+
+/* Whether the backend skips parameters without a gradient (StepRequest.absent) and steps each
+ * parameter at its own step count: the CPU backend, whose update reads the segments it is given
+ * (compute.h). The CUDA backend's segments live on the device: it steps every parameter with the
+ * model's constants (an absent one with its zero gradient). */
+static int skips_absent(const zd__step_ctx_t *ctx) {
+  return strcmp(ctx->compute->name, "cpu") == 0;
 }
 
 /* ---- state --------------------------------------------------------------------------------- */
@@ -487,10 +502,11 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffer
  * the same order on the device. */
 static int agree(const zd__step_ctx_t *ctx, uint64_t step, const zd__step_record_t *mine,
                  const zd__step_record_t *all, double *sumsq, uint64_t *nonfinite, int *checkpoint,
-                 zd__err_t *err) {
+                 int *any_absent, zd__err_t *err) {
   *sumsq = 0;
   *nonfinite = 0;
   *checkpoint = 0;
+  *any_absent = 0;
   for (uint32_t r = 0; r < ctx->world_size; r++)
     if (all[r].check != zd__record_check(&all[r]))
       return zd__errf(err, ZD_EPEER,
@@ -513,13 +529,14 @@ static int agree(const zd__step_ctx_t *ctx, uint64_t step, const zd__step_record
                       ", this rank %u has "
                       "%016" PRIx64,
                       r, all[r].layout_hash, ctx->rank, mine->layout_hash);
-    if ((all[r].step & ~CHECKPOINT_BIT) != (mine->step & ~CHECKPOINT_BIT))
+    if ((all[r].step & ~STEP_FLAGS) != (mine->step & ~STEP_FLAGS))
       return zd__errf(err, ZD_ESTEP,
                       "rank %u is at step %" PRIu64 ", rank %u at step %" PRIu64
                       "; every rank must step together (step not applied)",
-                      r, (uint64_t)((all[r].step & ~CHECKPOINT_BIT) - 1), ctx->rank,
-                      (uint64_t)((mine->step & ~CHECKPOINT_BIT) - 1));
+                      r, (uint64_t)((all[r].step & ~STEP_FLAGS) - 1), ctx->rank,
+                      (uint64_t)((mine->step & ~STEP_FLAGS) - 1));
     if (all[r].step & CHECKPOINT_BIT) *checkpoint = 1;
+    if (all[r].step & ABSENT_BIT) *any_absent = 1;
     if (all[r].hparam_hash != mine->hparam_hash)
       return zd__errf(err, ZD_EHPARAM,
                       "rank %u steps with other hyperparameters than rank %u "
@@ -541,13 +558,16 @@ static int needs_stats(const zd__step_ctx_t *ctx, const zd__model_t *m) {
 
 /* Statistics, the records' exchange and their check: everything before the commit point.
  * abandon: this rank stands in for its client, and its record says so. torch_order: the torch
- * order the step clips by (torch_norm_order), in the records' hash. */
+ * order the step clips by (torch_norm_order), in the records' hash. absent: this rank has
+ * parameters without a gradient (its record says so: ABSENT_BIT); *any_absent: some rank has. */
 static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_group_t *groups,
-                        zd_clip_norm_t torch_order, int need_stats, int abandon, double *sumsq,
-                        uint64_t *nonfinite, int *checkpoint, zd__err_t *err) {
+                        zd_clip_norm_t torch_order, int need_stats, int abandon, int absent,
+                        double *sumsq, uint64_t *nonfinite, int *checkpoint, int *any_absent,
+                        zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   zd__compute_t *c = ctx->compute;
   uint64_t flag = !abandon && zd__ckptr_wants(ctx->ckpt, m->step + 1) ? CHECKPOINT_BIT : 0;
+  if (!abandon && absent) flag |= ABSENT_BIT;
   zd__step_record_t rec = {.step = abandon ? ABANDONED_STEP : (m->step + 1) | flag,
                            .layout_hash = l->hash,
                            .hparam_hash = hparam_hash(m, groups, torch_order)};
@@ -569,10 +589,11 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   if (!all) return zd__errf(err, -ENOMEM, "out of memory");
   rc = c->ops->gather_records(c, ctx->comm, &m->shard, &rec, need_stats, all, err);
   if (!rc) memset(m->attempted, 0, l->nbuckets); /* the attempt is over on every rank */
-  if (!rc) rc = agree(ctx, m->step + 1, &rec, all, sumsq, nonfinite, checkpoint, err);
+  if (!rc) rc = agree(ctx, m->step + 1, &rec, all, sumsq, nonfinite, checkpoint, any_absent, err);
   if (all != stack) free(all);
   zd__err_t ignored;
-  if (rc && flag) zd__ckptr_request(ctx->ckpt, &ignored); /* not committed: ask again next step */
+  if (rc && (flag & CHECKPOINT_BIT))
+    zd__ckptr_request(ctx->ckpt, &ignored); /* not committed: ask again next step */
   return rc;
 }
 
@@ -719,8 +740,9 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   } else if (dev.verdict == ZD__VERDICT_DISAGREE || dev.verdict == ZD__VERDICT_INVALID) {
     double sumsq;
     uint64_t nonfinite;
-    int checkpoint;
-    rc = agree(ctx, m->step + 1, &rec, all, &sumsq, &nonfinite, &checkpoint, err); /* the why */
+    int checkpoint, any_absent;
+    rc = agree(ctx, m->step + 1, &rec, all, &sumsq, &nonfinite, &checkpoint, &any_absent,
+               err); /* the why */
     if (!rc)
       rc = zd__errf(err, ZD_EINTERNAL,
                     "step %" PRIu64
@@ -766,9 +788,164 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   return rc;
 }
 
+/* ---- parameters without a gradient, and per-parameter step counts ------------------------- */
+
+/* The parameters a step skips: those absent on every rank (DDP's rule: present on some rank, a
+ * parameter is stepped with the reduced gradient, the others' zeros in it). Every rank takes the
+ * same bitmap from the same all-gather of every rank's (a rank without absent parameters sends
+ * zeros). skip: (nparams + 7) / 8 bytes. */
+static int combine_absent(const zd__step_ctx_t *ctx, const zd__model_t *m, const uint8_t *mine,
+                          uint8_t *skip, zd__err_t *err) {
+  size_t n = ((size_t)m->layout->nparams + 7) / 8;
+  uint32_t w = ctx->world_size;
+  if (w == 1) {
+    if (mine)
+      memcpy(skip, mine, n);
+    else
+      memset(skip, 0, n);
+    return ZD_OK;
+  }
+  uint8_t *send = calloc(n, 1), *all = calloc((size_t)w * n, 1);
+  int rc = send && all ? ZD_OK : zd__errf(err, -ENOMEM, "out of memory");
+  if (!rc && mine) memcpy(send, mine, n);
+  if (!rc) rc = ctx->comm->ops->allgather_bytes(ctx->comm, send, n, all, err);
+  if (!rc) {
+    memset(skip, 0xff, n);
+    for (uint32_t r = 0; r < w; r++)
+      for (size_t i = 0; i < n; i++) skip[i] &= all[(size_t)r * n + i];
+  }
+  free(send);
+  free(all);
+  return rc;
+}
+
+static int bit_set(const uint8_t *bits, uint32_t i) {
+  return bits && (bits[i / 8] >> (i % 8)) & 1;
+}
+
+/* A step whose parameters are not all at the model's step: some skipped (skip), some lagging
+ * (zd__model_t.lag). The update then sees a shard whose segments are rebuilt one run per
+ * parameter (adjacent parameters of the same constants merged), the skipped ones left out, each
+ * with the constants of its group at its own step, torch's per-parameter state['step'] + 1:
+ * consts[g] for group g at the model's step (parameters that do not lag keep their group's
+ * index), then one entry per (group, step) pair that a lagging parameter needs. */
+typedef struct uneven {
+  zd__shard_t shard; /* the model's, with segs, nsegs and ngroups below */
+  zd__segment_t **segs;
+  uint32_t *nsegs;
+  uint8_t *plain; /* per bucket: no parameter in it skipped or lagging (its segments are the
+                     model's: a speculation of it may stand) */
+  zd__adam_group_t *consts;
+  uint32_t nconsts;
+} uneven_t;
+
+static void uneven_free(const zd__layout_t *l, uneven_t *u) {
+  if (u->segs)
+    for (uint32_t b = 0; b < l->nbuckets; b++) free(u->segs[b]);
+  free(u->segs);
+  free(u->nsegs);
+  free(u->plain);
+  free(u->consts);
+}
+
+static int uneven_build(const zd__step_ctx_t *ctx, const zd__model_t *m, const uint8_t *skip,
+                        uint64_t step, uneven_t *u, zd__err_t *err) {
+  const zd__layout_t *l = m->layout;
+  uint32_t ng = m->shard.ngroups, cap = ng + m->nlagging;
+  *u = (uneven_t){.shard = m->shard};
+  u->segs = calloc(l->nbuckets, sizeof *u->segs);
+  u->nsegs = calloc(l->nbuckets, sizeof *u->nsegs);
+  u->plain = calloc(l->nbuckets, 1);
+  u->consts = calloc(cap ? cap : 1, sizeof *u->consts);
+  uint32_t *key_group = calloc(cap ? cap : 1, sizeof *key_group);
+  uint64_t *key_step = calloc(cap ? cap : 1, sizeof *key_step);
+  int rc = u->segs && u->nsegs && u->plain && u->consts && key_group && key_step
+               ? ZD_OK
+               : zd__errf(err, -ENOMEM, "out of memory");
+  for (uint32_t g = 0; !rc && g < ng; g++) {
+    zd__adam_group_init(&u->consts[g], &m->groups[g], step);
+    key_group[g] = g;
+    key_step[g] = step;
+  }
+  u->nconsts = ng;
+  for (uint32_t b = 0; !rc && b < l->nbuckets; b++) {
+    const zd__bucket_t *bk = &l->buckets[b];
+    uint64_t lo = bk->offset + (uint64_t)ctx->rank * bk->shard_elems, hi = lo + bk->shard_elems;
+    zd__segment_t *out = malloc((bk->nparams ? bk->nparams : 1) * sizeof *out);
+    if (!out) {
+      rc = zd__errf(err, -ENOMEM, "out of memory");
+      break;
+    }
+    u->segs[b] = out;
+    u->plain[b] = 1;
+    uint32_t n = 0;
+    for (uint32_t i = bk->first_param; i < bk->first_param + bk->nparams; i++) {
+      const zd__layout_param_t *p = &l->params[i];
+      uint64_t s = p->offset > lo ? p->offset : lo;
+      uint64_t e = p->offset + p->numel < hi ? p->offset + p->numel : hi;
+      if (s >= e) continue;
+      if (bit_set(skip, i)) {
+        u->plain[b] = 0;
+        continue;
+      }
+      uint32_t k = p->group;
+      if (m->lag[i]) {
+        u->plain[b] = 0;
+        uint64_t own = step - m->lag[i]; /* >= 1: a lag never exceeds the steps before this */
+        for (k = ng; k < u->nconsts; k++)
+          if (key_group[k] == p->group && key_step[k] == own) break;
+        if (k == u->nconsts) {
+          zd_assert(k < cap);
+          zd__adam_group_init(&u->consts[k], &m->groups[p->group], own);
+          key_group[k] = p->group;
+          key_step[k] = own;
+          u->nconsts++;
+        }
+      }
+      zd__segment_t *prev = n ? &out[n - 1] : NULL;
+      if (prev && prev->group == k && prev->offset + prev->length == s - lo)
+        prev->length += e - s;
+      else
+        out[n++] = (zd__segment_t){.offset = s - lo, .length = e - s, .group = k};
+    }
+    u->nsegs[b] = n;
+  }
+  free(key_group);
+  free(key_step);
+  if (rc) {
+    uneven_free(l, u);
+    return rc;
+  }
+  u->shard.segs = u->segs;
+  u->shard.nsegs = u->nsegs;
+  u->shard.ngroups = u->nconsts;
+  return ZD_OK;
+}
+
+/* An update out of place writes the other set over the segments it is given: the skipped
+ * parameters' part of bucket b is copied into it from the committed set, so that the set the
+ * step commits holds their state unchanged (host memory: out of place is the CPU backend's). */
+static void copy_skipped(const zd__step_ctx_t *ctx, const zd__model_t *m, const uint8_t *skip,
+                         uint32_t b, float *const *other) {
+  const zd__layout_t *l = m->layout;
+  const zd__bucket_t *bk = &l->buckets[b];
+  uint64_t lo = bk->offset + (uint64_t)ctx->rank * bk->shard_elems, hi = lo + bk->shard_elems;
+  for (uint32_t i = bk->first_param; i < bk->first_param + bk->nparams; i++) {
+    const zd__layout_param_t *p = &l->params[i];
+    uint64_t s = p->offset > lo ? p->offset : lo;
+    uint64_t e = p->offset + p->numel < hi ? p->offset + p->numel : hi;
+    if (s >= e || !bit_set(skip, i)) continue;
+    uint64_t at = bk->shard_base + (s - lo);
+    for (int a = 0; a < ZD__NSTATES; a++)
+      if (m->shard.state[a] && other[a])
+        memcpy(other[a] + at, m->shard.state[a] + at, (e - s) * sizeof(float));
+  }
+}
+
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_t *buf,
                    uint32_t slot, const zd_group_t *groups, int scatter, int gather,
-                   zd_clip_norm_t clip_norm, zd__step_out_t *out, zd__err_t *err) {
+                   zd_clip_norm_t clip_norm, const uint8_t *absent, zd__step_out_t *out,
+                   zd__err_t *err) {
   const zd__layout_t *l = m->layout;
   uint64_t t0 = zd__now_us();
   if (!scatter)
@@ -792,22 +969,39 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     return step_on_device(ctx, m, buf, slot, groups, gather, t0, out, err);
   double sumsq = 0;
   uint64_t nonfinite = 0;
-  int checkpoint = 0;
-  rc = commit_point(ctx, m, groups, torch_order, need_stats, 0, &sumsq, &nonfinite, &checkpoint,
-                    err);
+  int checkpoint = 0, any_absent = 0;
+  if (!skips_absent(ctx)) absent = NULL; /* stepped with their zero gradients */
+  rc = commit_point(ctx, m, groups, torch_order, need_stats, 0, absent != NULL, &sumsq, &nonfinite,
+                    &checkpoint, &any_absent, err);
   if (rc == ZD_EABORTED) { /* the whole attempt is void on every rank: scatter again */
     memset(m->scattered, 0, l->nbuckets);
     m->abandoned = 1;
   }
+  /* Some rank has parameters without a gradient: the ones absent everywhere are skipped, on
+   * every rank alike (the same all-gather), before anything is applied. */
+  uint8_t *skip = NULL, *present = NULL;
+  size_t nbytes = ((size_t)l->nparams + 7) / 8;
+  if (!rc && any_absent) {
+    skip = malloc(nbytes);
+    rc = skip ? combine_absent(ctx, m, absent, skip, err) : zd__errf(err, -ENOMEM, "out of memory");
+  }
   /* torch's total, where the step clips by it: every rank returns the same total or the same
-   * failure (compute.h), and a failure leaves the step unapplied on every rank. */
+   * failure (compute.h), and a failure leaves the step unapplied on every rank. The parameters
+   * skipped on every rank are left out of it, as clip_grad_norm_ over p.grad is not None. */
   float torch_total = 0;
   if (!rc && torch_order != ZD_CLIP_NORM_DOUBLE) {
-    rc = torch_total_norm(ctx, m, torch_order, NULL, &torch_total, err);
+    if (skip) {
+      present = malloc(nbytes);
+      if (!present) rc = zd__errf(err, -ENOMEM, "out of memory");
+      for (size_t i = 0; present && i < nbytes; i++) present[i] = (uint8_t)~skip[i];
+    }
+    if (!rc) rc = torch_total_norm(ctx, m, torch_order, present, &torch_total, err);
+    free(present);
     zd__err_t ignored;
     if (rc && checkpoint) zd__ckptr_request(ctx->ckpt, &ignored); /* ask again next step */
   }
   if (rc) {
+    free(skip);
     end_speculation(m); /* the committed set is untouched */
     return job_end(ctx, buf, slot, rc, err);
   }
@@ -835,6 +1029,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
                           .loss_scale = dec.loss_scale,
                           .clip_coef = dec.clip_coef};
   if (dec.skip) {
+    free(skip);
     m->scaler = st.scaler;
     m->steps_skipped = st.steps_skipped;
     zd__model_commit(m, 0);                         /* the scaler's new state (a state file) */
@@ -847,11 +1042,23 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   zd__adam_group_t consts[m->shard.ngroups];
   for (uint32_t g = 0; g < m->shard.ngroups; g++)
     zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
+  /* Parameters skipped or lagging (CPU only: skips_absent): the update sees their segments
+   * rebuilt (uneven_t). */
+  uneven_t uneven = {0};
+  int is_uneven = skips_absent(ctx) && (skip || m->nlagging);
+  if (is_uneven) rc = uneven_build(ctx, m, skip, dec.step, &uneven, err);
+  if (rc) { /* out of memory: nothing applied, on this rank (the others fail at the gather) */
+    free(skip);
+    end_speculation(m);
+    return job_end(ctx, buf, slot, rc, err);
+  }
+  const zd__shard_t *shard = is_uneven ? &uneven.shard : &m->shard;
+  const zd__adam_group_t *step_consts = is_uneven ? uneven.consts : consts;
   /* overlap_update: the update writes the other set, and the step commits by switching to it.
    * A bucket's speculation stands only where this decision applies exactly what it applied (the
    * same constants of every group, the same factor: no clipping, no overflow, no hyperparameter
-   * changed since); every other bucket is updated now from the committed set, as it would be
-   * in place. */
+   * changed since, no parameter of the bucket skipped or lagging); every other bucket is updated
+   * now from the committed set, as it would be in place. */
   float *const *other = zd__model_other_set(m);
   int reuse = other && dec.step == m->spec_step &&
               float_bits(dec.grad_scale) == float_bits(m->spec_scale) && m->shard.ngroups > 0 &&
@@ -859,17 +1066,24 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
               memcmp(consts, m->spec_consts, m->shard.ngroups * sizeof *consts) == 0;
   uint64_t t_update = zd__now_us();
   for (uint32_t b = 0; b < l->nbuckets && !rc; b++) {
+    if (is_uneven && !uneven.plain[b]) m->speculated[b] = 0; /* made for the model's segments */
     if (reuse && m->speculated[b]) continue;
     if (m->speculated[b]) m->spec_recomputed++;
-    rc = ctx->compute->ops->update(ctx->compute, &m->shard, b, buf, consts, dec.grad_scale, other,
+    rc = ctx->compute->ops->update(ctx->compute, shard, b, buf, step_consts, dec.grad_scale, other,
                                    err);
+    if (!rc && other && skip) copy_skipped(ctx, m, skip, b, other);
   }
   m->update_us += zd__now_us() - t_update;
+  if (is_uneven) uneven_free(l, &uneven);
   if (rc) { /* only the device fails here, and its rank is then degraded (rank.c) */
+    free(skip);
     end_speculation(m);
     ZD_LOG_ERROR("step %" PRIu64 ": the update could not be queued: %s", dec.step, err->msg);
     return job_end(ctx, buf, slot, rc, err);
   }
+  for (uint32_t i = 0; skip && i < l->nparams; i++)
+    if (bit_set(skip, i) && m->lag[i]++ == 0) m->nlagging++; /* its own step did not advance */
+  free(skip);
   m->step = st.step;
   m->scaler = st.scaler;
   zd__model_commit(m, other != NULL);
@@ -1006,10 +1220,10 @@ int zd__model_stand_in(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buff
     }
     double sumsq;
     uint64_t nonfinite;
-    int checkpoint;
+    int checkpoint, any_absent;
     if (!rc)
-      rc = commit_point(ctx, m, m->groups, ZD_CLIP_NORM_DOUBLE, needs_stats(ctx, m), 1, &sumsq,
-                        &nonfinite, &checkpoint, err);
+      rc = commit_point(ctx, m, m->groups, ZD_CLIP_NORM_DOUBLE, needs_stats(ctx, m), 1, 0, &sumsq,
+                        &nonfinite, &checkpoint, &any_absent, err);
     end_speculation(m);      /* nothing of the step is applied */
     if (rc == ZD_EABORTED) { /* as intended: every rank refuses the step */
       rc = ZD_OK;

@@ -69,11 +69,18 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__bu
  * clip_norm (checked): the norm this step clips by; a torch order is used where the backend
  * computes it (compute.h, torch_norm) at world size 1 with fp32 gradients, no loss scaler and
  * clipping on, else the double norm.
+ * absent (NULL: none): the parameters without a gradient this step, one bit each in layout order
+ * (StepRequest.absent), whose gradients the client zeroed. The ranks combine theirs as DDP does
+ * (zd__model_t.lag): a parameter absent on every rank is skipped (its master weights, state and
+ * step count untouched, its working parameters left as they are); one present somewhere is
+ * stepped with the reduced gradient. The CPU backend skips; the CUDA backend steps every
+ * parameter (an absent one with its zero gradient).
  * ZD_EABORTED when a rank's worker stood in for its client (zd__model_stand_in): nothing
  * applied, and every bucket must be scattered again. */
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,
                    uint32_t slot, const zd_group_t *groups, int scatter, int gather,
-                   zd_clip_norm_t clip_norm, zd__step_out_t *out, zd__err_t *err);
+                   zd_clip_norm_t clip_norm, const uint8_t *absent, zd__step_out_t *out,
+                   zd__err_t *err);
 
 /* A checkpoint of the state as of the last step, asked by the client of every rank of the world
  * between the same two steps (zd_checkpoint: a collective, which first checks that every rank is

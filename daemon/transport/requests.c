@@ -216,6 +216,7 @@ static int handle_register(zd__session_t *s, const zd__frame_header_t *h, const 
   s->buf.bufs.grad_dtype = spec->grad_dtype;
   s->nbuckets = spec->layout->nbuckets;
   s->ngroups = spec->ngroups;
+  s->nparams = spec->layout->nparams;
   job->in.spec = spec;
   zd__session_close_fds(s);
   zerod__v1__register_request__free_unpacked(req, NULL);
@@ -257,11 +258,36 @@ static int request_groups(const zd__session_t *s, const char *what, Zerod__V1__G
   return ZD_OK;
 }
 
+/* A step's bitmap of parameters without a gradient (StepRequest.absent), checked against the
+ * registered layout into *out (NULL when the request carries none, or none of its bits is set:
+ * the step's common case; the caller frees it). */
+static int request_absent(const zd__session_t *s, int has, const ProtobufCBinaryData *in,
+                          uint8_t **out, zd__err_t *err) {
+  *out = NULL;
+  if (!has) return ZD_OK;
+  size_t want = ((size_t)s->nparams + 7) / 8;
+  if (in->len != want)
+    return zd__errf(err, -EINVAL,
+                    "step's absent bitmap has %zu bytes; the model has %u parameters, so %zu",
+                    in->len, s->nparams, want);
+  if (s->nparams % 8 && in->data[want - 1] >> (s->nparams % 8))
+    return zd__errf(err, -EINVAL,
+                    "step's absent bitmap sets a bit past parameter %u (the model's last)",
+                    s->nparams - 1);
+  int any = 0;
+  for (size_t i = 0; i < want && !any; i++) any = in->data[i] != 0;
+  if (!any) return ZD_OK;
+  if (!(*out = malloc(want))) return zd__errf(err, -ENOMEM, "out of memory");
+  memcpy(*out, in->data, want);
+  return ZD_OK;
+}
+
 static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint8_t *body,
                        zd__err_t *err) {
   Zerod__V1__StepRequest *req = zerod__v1__step_request__unpack(NULL, h->length, body);
   if (!req) return zd__errf(err, ZD_EPROTO, "malformed step body (%u bytes)", h->length);
   zd_group_t *groups = NULL;
+  uint8_t *absent = NULL;
   int rc = request_groups(s, "step", req->groups, req->n_groups, &groups, err);
   if (rc) goto exit;
   if ((int)req->clip_norm < ZEROD__V1__CLIP_NORM__CLIP_NORM_DOUBLE ||
@@ -272,6 +298,8 @@ static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint
                   (int)req->clip_norm);
     goto exit;
   }
+  rc = request_absent(s, req->has_absent, &req->absent, &absent, err);
+  if (rc) goto exit;
   uint32_t slot;
   rc = zd__buffers_event_slot(&s->buf, zd__buffers_cuda(&s->buf), "step", req->has_event_slot,
                               req->event_slot, &slot, err);
@@ -287,10 +315,13 @@ static int handle_step(zd__session_t *s, const zd__frame_header_t *h, const uint
   job->in.step.scatter = req->scatter;
   job->in.step.gather = req->gather;
   job->in.step.clip_norm = (zd_clip_norm_t)req->clip_norm;
+  job->in.step.absent = absent;
   groups = NULL;
+  absent = NULL;
   zd__job_submit(s, job);
 exit:
   free(groups);
+  free(absent);
   zerod__v1__step_request__free_unpacked(req, NULL);
   return rc;
 }

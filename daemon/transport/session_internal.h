@@ -90,6 +90,7 @@ struct zd__session {
   zd__session_buffers_t buf;
   uint32_t nbuckets;
   uint32_t ngroups;
+  uint32_t nparams;  /* of the registered layout: the length of a step's absent bitmap */
   uint32_t inflight; /* jobs queued on the rank */
   uint64_t bye_id;   /* bye waits for the jobs in flight; this is its request id */
   int bye_pending;

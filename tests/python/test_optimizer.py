@@ -237,8 +237,8 @@ class OptimizerTest(unittest.TestCase):
         ropt = torch.optim.AdamW([*ref.parameters(), ref_extra], lr=1e-2, weight_decay=0.1,
                                  foreach=False)
         for step in range(3):
-            opt.zero_grad()
-            ropt.zero_grad()  # set_to_none=False: torch steps `extra` with zero grads too
+            opt.zero_grad(set_to_none=False)
+            ropt.zero_grad(set_to_none=False)  # torch steps `extra` with zero grads too
             loss_of(model, step).backward()
             loss_of(ref, step).backward()
             if ref_extra.grad is None:
@@ -249,6 +249,18 @@ class OptimizerTest(unittest.TestCase):
             self.assertTrue(torch.equal(extra, ref_extra))
         self.assertTrue(torch.equal(frozen, frozen_before))
         self.assertLess(float(extra[0]), 1.0, "weight decay applied to the unused parameter")
+        # set_to_none=True (torch 2.x's default): `extra` has no gradient, and both skip it.
+        extra_before = extra.detach().clone()
+        for step in range(3, 5):
+            opt.zero_grad(set_to_none=True)
+            ropt.zero_grad(set_to_none=True)
+            loss_of(model, step).backward()
+            loss_of(ref, step).backward()
+            opt.step()
+            ropt.step()
+            self.assert_equal_params(model, ref, f"step {step + 1}")
+            self.assertTrue(torch.equal(extra, ref_extra))
+        self.assertTrue(torch.equal(extra, extra_before), "the unused parameter was skipped")
 
     def test_accumulation_no_sync(self) -> None:
         model, ref = small_model(), small_model()

@@ -388,9 +388,18 @@ typedef struct zd_step_opts {
   size_t group_size;        /* sizeof(zd_group_t): the stride of groups */
   unsigned flags;           /* ZD_STEP_* */
   zd_clip_norm_t clip_norm; /* the norm clipping uses (zd_clip_norm_t); not kept between steps */
+  /* Parameters without a gradient this step (torch's `p.grad is None`): (nparams + 7) / 8 bytes,
+   * bit i % 8 of byte i / 8 set for parameter i of the registration; NULL (or no bit set): every
+   * parameter has one. The client zeroes their gradients before they are scattered. zerod (CPU
+   * backend) skips a parameter absent on every rank, as torch's optimizers skip a parameter whose
+   * .grad is None: its master weights, state and step count stay, its working parameters are left
+   * as they are; absent on some ranks only, its gradient is the reduced one (theirs zeros), as
+   * DDP's. Each parameter's bias corrections follow its own step count. The CUDA backend steps
+   * every parameter (an absent one with its zero gradient). Only for this step. */
+  const uint8_t *absent;
 } zd_step_opts_t;
 #define ZD_STEP_OPTS_INIT \
-  { sizeof(zd_step_opts_t), NULL, 0, sizeof(zd_group_t), 0u, ZD_CLIP_NORM_DOUBLE }
+  { sizeof(zd_step_opts_t), NULL, 0, sizeof(zd_group_t), 0u, ZD_CLIP_NORM_DOUBLE, NULL }
 
 /* What a step did (zd_step(), zd_wait()). Initialise it with ZD_STEP_RESULT_INIT (size: any from 8
  * up). */

@@ -274,6 +274,7 @@ class zd_step_opts_t(_Sized):
         ("group_size", ctypes.c_size_t),
         ("flags", ctypes.c_uint),
         ("clip_norm", ctypes.c_int),
+        ("absent", ctypes.c_void_p),
     ]
 
     def __init__(self) -> None:

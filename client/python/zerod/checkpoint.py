@@ -39,9 +39,10 @@ it: a float tensor in 1.12 and later), the moments, the master weights and the g
 betas, eps, weight_decay, maximize and amsgrad (with max_exp_avg_sq); for torch.optim.SGD the
 momentum buffers and the groups' momentum, dampening and nesterov (torch's SGD counts no steps:
 save_torch_state takes the step). Bitwise continuation
-needs the same update formula on both sides: zerod's default is torch 1.13's. zerod keeps one
-step count for the whole model, so a torch optimizer whose parameters are at different steps
-(one that got no gradient for a while) is refused, as are optimizers other than
+needs the same update formula on both sides: zerod's default is torch 1.13's. Parameters at
+different steps (one that got no gradient for a while, which torch skips) carry over: the file's
+step is the largest, and its metadata "steps_behind" lists each parameter's steps behind it (a
+parameter never stepped has no state in torch's state_dict). Refused: optimizers other than
 torch.optim.AdamW, torch.optim.Adam (zerod's "adam": L2 weight decay), torch.optim.SGD and
 torch.optim.Adagrad (its `sum`; an Adagrad checkpoint at step 0 comes out without state, where
 torch's own holds sum = initial_accumulator_value from construction).
@@ -106,6 +107,14 @@ class Export:
     square_avg: Dict[str, Any] = field(default_factory=dict)  # RMSprop's; empty without
     grad_avg: Dict[str, Any] = field(default_factory=dict)  # RMSprop's centered; empty without
     metadata: Dict[str, str] = field(default_factory=dict)
+    # Per parameter name, the steps that skipped it (it had no gradient: torch's .grad of None),
+    # so that its own step count (torch's state['step']) is step - steps_behind; empty: every
+    # parameter at step (the file's optional "steps_behind").
+    steps_behind: Dict[str, int] = field(default_factory=dict)
+
+    def param_step(self, name: str) -> int:
+        """The steps applied to parameter `name`: torch's per-parameter state['step']."""
+        return self.step - self.steps_behind.get(name, 0)
 
     @property
     def has_moments(self) -> bool:
@@ -279,6 +288,13 @@ def load_export(path: str, *, framework: str = "np") -> Export:
                      steps_skipped=_int_meta(path, meta, "steps_skipped", 0), names=list(names),
                      param_groups=[int(g) for g in param_groups], groups=groups,
                      master={name: read(name) for name in names}, metadata=dict(meta))
+        if "steps_behind" in meta:
+            behind = _json_meta(path, meta, "steps_behind")
+            if (not isinstance(behind, list) or len(behind) != nparams
+                    or not all(isinstance(b, int) and 0 <= b <= out.step for b in behind)):
+                raise ValueError(f"{path}: metadata 'steps_behind' is not one count in "
+                                 f"[0, {out.step}] per parameter")
+            out.steps_behind = {n: int(b) for n, b in zip(names, behind) if b}
         if moments:
             out.exp_avg = {name: read(name + ".exp_avg") for name in names}
             out.exp_avg_sq = {name: read(name + ".exp_avg_sq") for name in names}
@@ -317,6 +333,15 @@ def _run_zeroctl(zeroctl: Optional[str], args: List[str]) -> str:
         raise RuntimeError(f"{os.path.basename(exe)} {' '.join(args[:1])} failed "
                            f"(exit {proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
+
+
+def _step_as(sample: Any, step: int) -> Any:
+    """`step` in the type of `sample` (_torch_step's): a parameter's own state['step']."""
+    import torch
+
+    if isinstance(sample, torch.Tensor):
+        return torch.full_like(sample, float(step))
+    return type(sample)(step)
 
 
 def _torch_step(cls: type, step: int) -> Any:
@@ -441,18 +466,21 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
         for gi, pg in enumerate(param_groups):
             for i in pg["params"]:
                 name = order[i]
-                # At step 0 torch's sum is already full_like(p, initial_accumulator_value);
-                # zerod fills it at its step 1 (kernels/adagrad.c), so it is made here.
-                total = exp.sum[name] if exp.step > 0 else torch.full_like(
+                n = exp.param_step(name)
+                # torch makes sum = full_like(p, initial_accumulator_value) at construction;
+                # zerod fills it at a parameter's first step (kernels/adagrad.c), so a parameter
+                # not stepped yet gets it here.
+                total = exp.sum[name] if n > 0 else torch.full_like(
                     exp.master[name], pg["initial_accumulator_value"])
-                state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
-                            "sum": total}
+                state[i] = {"step": _step_as(step, n), "sum": total}
     elif exp.step > 0 and kind == "rmsprop":  # step, square_avg, momentum_buffer, grad_avg
         step = _torch_step(cls, exp.step)
         for gi, pg in enumerate(param_groups):
             for i in pg["params"]:
                 name = order[i]
-                state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                if exp.param_step(name) == 0:
+                    continue
+                state[i] = {"step": _step_as(step, exp.param_step(name)),
                             "square_avg": exp.square_avg[name]}
                 if pg["momentum"] > 0:
                     state[i]["momentum_buffer"] = exp.momentum_buffer[name]
@@ -461,7 +489,9 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
     elif exp.step > 0:  # torch has no state before the first step
         step = _torch_step(cls, exp.step)
         for i, name in enumerate(order):
-            state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+            if exp.param_step(name) == 0:
+                continue  # never stepped (no gradient yet): torch has no state for it
+            state[i] = {"step": _step_as(step, exp.param_step(name)),
                         "exp_avg": exp.exp_avg[name], "exp_avg_sq": exp.exp_avg_sq[name]}
             if exp.max_exp_avg_sq:  # torch's key, kept for every parameter as torch would
                 state[i]["max_exp_avg_sq"] = exp.max_exp_avg_sq[name]
@@ -539,9 +569,11 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     zeros stand for a missing buffer in a group with momentum. exp_avg and exp_avg_sq, which
     every zerod model holds, are written as zeros for it.
 
-    Raises TypeError for another optimizer, ValueError for an unnamed parameter,
-    parameters at different steps (zerod has one step count per model) or a hyperparameter
-    zerod does not take.
+    Parameters at different steps (torch skips one without a gradient) are written with the
+    largest step and each one's steps behind it (metadata "steps_behind").
+
+    Raises TypeError for another optimizer, ValueError for an unnamed parameter or a
+    hyperparameter zerod does not take.
     """
     import torch
 
@@ -645,13 +677,10 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         raise ValueError("two parameters have the same name")
     if kind == "sgd" or (kind in _optim_rows() and not _optim_rows()[kind].step):
         steps = {name: (1 if has_buffer else 0) if step is None else int(step) for name in names}
-    if len(set(steps.values())) > 1:
-        lo = min(steps, key=steps.get)
-        hi = max(steps, key=steps.get)
-        raise ValueError(f"parameters are at different steps ({lo!r} at {steps[lo]}, {hi!r} at "
-                         f"{steps[hi]}: one got no gradient in some steps); zerod keeps one step "
-                         f"count per model")
-    step = next(iter(steps.values()))
+    # Parameters at different steps (some got no gradient in some steps, which torch skips):
+    # the model's step is the largest, and each parameter's own is carried as its steps behind.
+    step = max(steps.values())
+    behind = [step - steps[name] for name in names]
 
     header: Dict[str, Any] = {"__metadata__": {
         "format": "pt", "zerod_format": TORCH_STATE_FORMAT, "zerod_version": "1",
@@ -659,6 +688,8 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         "params": json.dumps(names), "param_groups": json.dumps(pgroups),
         "groups": json.dumps(groups), "optimizer": type(optimizer).__name__,
         "torch_version": str(torch.__version__)}}
+    if any(behind):
+        header["__metadata__"]["steps_behind"] = json.dumps(behind)
     off = 0
     suffixes = (_SUFFIXES + ((_MAX_SUFFIX,) if amsgrad else ()) + ((_BUF_SUFFIX,) if momentum else ())
                 + ((_SUM_SUFFIX,) if kind == "adagrad" else ())

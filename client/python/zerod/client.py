@@ -836,7 +836,8 @@ class Client:
 
     @staticmethod
     def _step_opts(groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]], scatter: bool,
-                   gather: bool, clip_norm: Union[str, int] = "double"
+                   gather: bool, clip_norm: Union[str, int] = "double",
+                   absent: Optional[Sequence[int]] = None, nparams: int = 0
                    ) -> Tuple[_lib.zd_step_opts_t, Any]:
         opts = _lib.zd_step_opts_t()
         if isinstance(clip_norm, str):
@@ -854,11 +855,22 @@ class Client:
             opts.groups = keep
             opts.ngroups = len(gs)
         opts.flags = (0 if scatter else ZD_STEP_NO_SCATTER) | (0 if gather else ZD_STEP_NO_GATHER)
+        if absent:  # zd_step_opts_t.absent: one bit per parameter, least significant first
+            bits = bytearray((nparams + 7) // 8)
+            for i in absent:
+                if not 0 <= i < nparams:
+                    raise ValueError(f"absent parameter {i} does not exist; the model has "
+                                     f"{nparams} parameters")
+                bits[i // 8] |= 1 << (i % 8)
+            buf = (ctypes.c_uint8 * len(bits)).from_buffer_copy(bytes(bits))
+            opts.absent = ctypes.cast(buf, ctypes.c_void_p)
+            keep = (keep, buf)
         return opts, keep
 
     def step(self, groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]] = None, *,
              scatter: bool = True, gather: bool = True,
-             clip_norm: Union[str, int] = "double") -> StepResult:
+             clip_norm: Union[str, int] = "double",
+             absent: Optional[Sequence[int]] = None) -> StepResult:
         """One optimizer step (zd_step): scatter + step + gather unless told otherwise.
 
         Args:
@@ -870,11 +882,16 @@ class Client:
                 or "torch113", "torch26", "torch215": that torch build's fp32 clip_grad_norm_
                 total, bit for bit, where it applies (CPU backend, world size 1, f32 gradients,
                 no loss scaler, max_grad_norm > 0; elsewhere "double").
+            absent: indices (registration order) of the parameters without a gradient this step
+                (zd_step_opts_t.absent), whose gradients the caller zeroed; None or empty: all
+                have one. zerod (CPU backend) skips those absent on every rank, as torch skips
+                a parameter whose .grad is None.
 
         At world size > 1 every rank must call it. Raises ZerodError: ZD_EORDER (not registered,
         or a bucket not scattered with scatter=False), ZD_EHPARAM, ZD_ESTEP, ZD_EPEER, ...
         """
-        opts, _keep = self._step_opts(groups, scatter, gather, clip_norm)
+        opts, _keep = self._step_opts(groups, scatter, gather, clip_norm, absent,
+                                      len(self._params))
         res = _lib.zd_step_result_t()
         with self._lock:
             _check(self._lib.zd_step(self._h(), ctypes.byref(opts), ctypes.byref(res)), "zd_step")
@@ -949,10 +966,12 @@ class Client:
     def step_start(self, groups: Optional[Sequence[Union[Group, Mapping[str, Any]]]] = None, *,
                    scatter: bool = True, gather: bool = True,
                    stream: Optional[int] = None,
-                   clip_norm: Union[str, int] = "double") -> Request:
+                   clip_norm: Union[str, int] = "double",
+                   absent: Optional[Sequence[int]] = None) -> Request:
         """Sends a step request (as step()) and returns at once; wait() returns its
-        StepResult. stream: as for scatter_start()."""
-        opts, _keep = self._step_opts(groups, scatter, gather, clip_norm)
+        StepResult. stream: as for scatter_start(). absent: as for step()."""
+        opts, _keep = self._step_opts(groups, scatter, gather, clip_norm, absent,
+                                      len(self._params))
         req = _lib.zd_request_t()
         with self._lock:
             if stream is not None:

@@ -114,9 +114,11 @@ PickledZeroOptimizer placeholder; one never closed is closed at interpreter exit
 
 Limits: parameters must all be on one device (the CPU, or the rank's GPU) and of one dtype,
 float32 or bfloat16. The parameter list is fixed at
-registration: add_param_group() after construction is refused. A parameter that got no gradient
-in a step is stepped with a zero gradient (weight decay and momentum still apply), as torch does
-with zero_grad(set_to_none=False), whereas torch with set_to_none=True skips it. Parameters with
+registration: add_param_group() after construction is refused. A parameter without a gradient
+in a step (its .grad set to None, or not reached by backward since zero_grad(set_to_none=True),
+torch 2.x's default) is skipped by zerod's CPU backend as torch skips it: no decay, no state
+update, its own step count kept (at world size > 1 only where no rank has a gradient for it, as
+DDP); with zero_grad(set_to_none=False) it has a zero gradient, as in torch. Parameters with
 requires_grad=False are kept in param_groups but not registered, and never change. A model
 moved after the optimizer was built by a move that copies (``Module.to()`` onto
 ``torch.device("cpu", 0)`` copies every CPU tensor, as Accelerate's multi-process CPU runs do)
@@ -554,6 +556,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._bucket_size = [len(ps) for ps in self._bucket_params]
         self._bucket_left = list(self._bucket_size)
         self._param_ready = [False] * len(self._params)
+        # Whether each parameter has a gradient (torch's `p.grad is not None`): cleared by
+        # zero_grad(set_to_none=True), set by its backward hook (_absent_params).
+        self._has_grad = [True] * len(self._params)
         self._scattered = [False] * self._nbuckets
         self._next_bucket = self._nbuckets - 1  # scatters go out in descending bucket order
         self._hparams_told = False  # this iteration's first scatter went out (_start_scatter)
@@ -738,6 +743,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _on_grad_ready(self, i: int) -> None:
         p = self._params[i]
+        self._has_grad[i] = True
         if self._offload is not None:
             pass  # the gradient stays the model's, on its device, until its bucket is copied
         elif self._grad_views:
@@ -925,13 +931,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._grad_views and self._offload is None:
-            for i, p in enumerate(self._params):
-                if p.grad is None:  # the user set it to None: a zero gradient, as documented
-                    self._gviews[i].zero_()
-                    p.grad = self._gviews[i]
-                else:
-                    self._restore_view(i)
+        absent = self._absent_params()
         self._rescatter_if_changed()
         hp = self._current_hparams()
         groups = None
@@ -940,7 +940,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             groups = hp
         for attempt in range(self._abort_retries + 1):
             try:
-                step_req = self._send_step(groups)
+                step_req = self._send_step(groups, absent)
                 break
             except ZerodError as e:
                 if not e.retryable or attempt == self._abort_retries:
@@ -959,13 +959,46 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scale = result.loss_scale
         return loss
 
-    def _send_step(self, groups: Optional[List[Group]]) -> Request:
+    def _absent_params(self) -> List[int]:
+        """The parameters without a gradient this step, torch's `p.grad is None`, their gradients
+        zeroed in the grad buffer (zerod skips those absent on every rank; at world size > 1 a
+        rank's zeros count where another rank has one, as DDP's): a .grad set to None (a
+        Module.zero_grad() of torch 2.x), or none since zero_grad(set_to_none=True) (no backward
+        reached it, and its buffer view is all zeros: a gradient written by hand counts). An
+        offloading optimizer sends none (its parameters are stepped with their zero gradients)."""
+        if self._offload is not None:
+            return []
+        absent = []
+        version = self._gflat._version
+        unscattered = True  # every zeroed view is in a bucket no hook has sent yet
+        for i, p in enumerate(self._params):
+            gv = self._gviews[i]
+            if self._grad_views and p.grad is None:
+                if bool(gv.any()):  # stale values of an earlier backward
+                    gv.zero_()
+                    unscattered = unscattered and not self._scattered[self._pinfo[i].bucket]
+                p.grad = gv
+                missing = True
+            elif self._grad_views and p.grad.data_ptr() != gv.data_ptr():
+                self._restore_view(i)  # a gradient set by hand
+                missing = False
+            else:
+                missing = not self._has_grad[i] and not bool(gv.any())
+            if missing:
+                absent.append(i)
+        if unscattered and self._hook_version == version:  # only zeros the step scatters
+            self._hook_version = self._gflat._version
+        return absent
+
+    def _send_step(self, groups: Optional[List[Group]], absent: Optional[List[int]] = None
+                   ) -> Request:
         """The requests of one step attempt; returns the step's, waited for."""
         try:
             if not self._overlap and self._offload is None:
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,
                 # like the hooks, so ranks configured differently still match).
                 self._inflight.append(self.client.step_start(groups, **self._clip_kw(),
+                                                             **self._absent_kw(absent),
                                                              **self._stream()))
             else:
                 # Whatever the hooks did not send, in their order: every rank's sequence of
@@ -979,6 +1012,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 no_gather = {"gather": False} if self._offload is not None else {}
                 self._inflight.append(self.client.step_start(groups, scatter=False, **no_gather,
                                                              **self._clip_kw(),
+                                                             **self._absent_kw(absent),
                                                              **self._stream()))
             step_req = self._inflight[-1]
             self._wait_inflight()  # every request once; raises the first error (a scatter's)
@@ -1017,6 +1051,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "or pass overlap=False", stacklevel=3)
         self._scattered = [False] * self._nbuckets
 
+    @staticmethod
+    def _absent_kw(absent: Optional[List[int]]) -> Dict[str, Any]:
+        """step_start's absent: left out when every parameter has a gradient."""
+        return {"absent": absent} if absent else {}
+
     def _clip_kw(self) -> Dict[str, Any]:
         """step_start's clip_norm: the running torch's order, left out for zerod's own."""
         return {} if self._clip_norm == "double" else {"clip_norm": self._clip_norm}
@@ -1025,15 +1064,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for i, g in enumerate(self.param_groups):
             self._check_hparams(g, f"param group {i}")
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Zeroes the whole grad buffer in place (one memset). The gradients stay views of the
-        buffer: `set_to_none` is accepted for compatibility but ignored (in main_grad mode
-        ``.grad`` is None anyway and ``main_grad`` is zeroed)."""
+        buffer (in main_grad mode ``.grad`` is None anyway and ``main_grad`` is zeroed).
+        `set_to_none` (default: the running torch's, True from torch 2.0): every parameter counts
+        as having no gradient until its backward reaches it (or a gradient is written into it),
+        and zerod skips those without one in the next step as torch skips a .grad of None."""
         self._check_open()
         if self._offload is not None:  # the model's own gradients, on its device
-            self._offload.zero_grad(set_to_none)
+            self._offload.zero_grad(bool(set_to_none))
             self._reset_iteration()
             return
+        if set_to_none is None:
+            set_to_none = _torch_major() >= 2
+        if set_to_none:
+            self._has_grad = [False] * len(self._params)
         with torch.no_grad():
             self._gflat.zero_()
         for i, p in enumerate(self._params):
