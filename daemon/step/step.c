@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "buddy.h"
 #include "checkpoint.h"
 #include "group.h"
 #include "hash.h"
@@ -864,6 +865,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   zd__model_spec_wait(m); /* every write queued above, also after a failed gather */
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
+  zd__buddy_after_step(ctx, m);                /* every buddy_copy_every_steps steps (buddy.h) */
   out->duration_us = zd__now_us() - t0;
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];

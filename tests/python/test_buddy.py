@@ -1,0 +1,209 @@
+"""Buddy copies (buddy_copy_every_steps) against real zerod processes: a node that comes back empty
+resumes from its buddy's copy.
+
+W=2, a zerod per rank on loopback (unix: control addresses), one state_dir, no checkpoints, a copy
+every 4 steps. The trainers step to 10; zerod 1 is SIGKILLed between steps, its state file is
+deleted (the node came back empty) and it is started again as a new process. The world re-forms:
+rank 1 reads its copy of step 8 from zerod 0 (its buddy), rank 0 goes back to its own snapshot of
+step 8 (its state file holds only steps 9 and 10), and both registrations report step 8 with
+parameters bitwise equal to torch's AdamW at step 8. The trainers then re-run steps 9.. (the test
+drives that), each bitwise equal to the uninterrupted reference. Status shows each copy's step,
+age and holder, and the recovery ("buddy copy").
+
+Both copies gone: with checkpoints every 3 steps, both zerods are SIGKILLed (zerod 0 held rank 1's
+copy in its memory) and rank 1's state file is deleted: the world falls back to the newest
+checkpoint, and rank 1's status says why (neither a state file nor a buddy copy).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from typing import List
+
+import common  # sets up sys.path and the library first
+
+import zerod.testing  # noqa: E402
+
+from test_state_dir import (BUCKET, PARAMS, Reference, Trainer, init_values, on_all,  # noqa: E402
+                            tmpfs_root)
+
+import numpy as np  # noqa: E402
+
+EVERY = 4
+
+
+class BuddyTest(unittest.TestCase):
+    ref = None
+
+    def setUp(self) -> None:
+        self.state_dir = os.path.join(tempfile.mkdtemp(prefix="zerod-buddy-", dir=tmpfs_root()),
+                                      "state")
+        self.addCleanup(shutil.rmtree, os.path.dirname(self.state_dir), True)
+        if BuddyTest.ref is None:
+            BuddyTest.ref = Reference()
+
+    def assert_same(self, got, step: int, what: str) -> None:
+        want = self.ref.at(step)
+        for name, _ in PARAMS:
+            g, w = got[name].view(np.uint32).ravel(), want[name].view(np.uint32).ravel()
+            diff = np.flatnonzero(g != w)
+            self.assertEqual(diff.size, 0, f"{what}: {name} differs from torch's step {step} at "
+                             f"{diff.size} elements, first {diff[:5].tolist()}")
+
+    def world(self, extra: List[str] = ()) -> zerod.testing.LocalWorld:
+        world = zerod.testing.LocalWorld(2, daemons=2, args=[
+            "--state_dir", self.state_dir, "--bucket_elems", BUCKET, "--heartbeat_ms", "100",
+            "--peer_timeout_ms", "1000", "--log_level", "info",
+            "--buddy_copy_every_steps", str(EVERY)] + list(extra))
+        self.addCleanup(world.stop, signal.SIGKILL, False)
+        return world
+
+    def register(self, world, init) -> List[Trainer]:
+        ts = on_all([lambda r=r: Trainer(world, init, r, register=False) for r in range(2)])
+        infos = on_all([lambda t=t: t.client.register() for t in ts])
+        for t, info in zip(ts, infos):
+            t.info = info
+        return ts
+
+    def train(self, ts: List[Trainer], steps: range, check: bool = False) -> None:
+        for s in steps:
+            on_all([lambda t=t: t.step(s) for t in ts])
+            if check:
+                for t in ts:
+                    self.assert_same(t.snapshot(), s, f"rank {t.rank} at step {s}")
+
+    def wait_copies(self, ts: List[Trainer], step: int, timeout: float = 20) -> None:
+        """Until each rank's copy of `step` is complete at its buddy (the copy is asynchronous)."""
+        deadline = time.monotonic() + timeout
+        for t in ts:
+            key = f"rank{t.rank}_copy_step"
+            while True:
+                buddy = t.client.status_dict().get("buddy", {})
+                if buddy.get(key) == str(step):
+                    break
+                self.assertLess(time.monotonic(), deadline, f"no copy of step {step}: {buddy}")
+                time.sleep(0.02)
+
+    def wipe(self, rank: int) -> None:
+        files = glob.glob(os.path.join(self.state_dir, f"rank{rank}-of-2-*"))
+        self.assertTrue(files, f"rank {rank} has no state file to delete")
+        for f in files:
+            os.unlink(f)
+
+    def kill(self, world, victims: List[int], ts: List[Trainer]) -> None:
+        for v in victims:
+            common.stop_zerod(world.daemons[v], signal.SIGKILL)
+        for t in ts:
+            t.close()
+
+    def restart(self, world, victims: List[int]) -> None:
+        for v in victims:
+            args = list(world.daemons[v].args)
+            addr = world.daemons[0].control_address
+            if v == 0:  # it serves the rendezvous store, at the address the others were given
+                if "--control_address" not in args:
+                    args += ["--control_address", addr]
+                if os.path.exists(addr[len("unix:"):]):
+                    os.unlink(addr[len("unix:"):])
+            d = zerod.testing.LocalZerod(args, log_level="info")
+            if v == 0:
+                d.control_address = addr
+            world.daemons[v] = d
+            world._endpoints[v] = (d.socket, 0)
+
+    def wait_health(self, d, want: str, timeout: float = 30) -> None:
+        """Until the zerod's rank says `want` (zeroctl status)."""
+        zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                             "zeroctl"))
+        deadline, health = time.monotonic() + timeout, ""
+        while health != want:
+            self.assertLess(time.monotonic(), deadline,
+                            f"the zerod stays {health}; log:\n{d.log()[-3000:]}")
+            out = subprocess.run([zeroctl, "--address", d.control_address, "status", "--json"],
+                                 capture_output=True, text=True, timeout=30)
+            health = json.loads(out.stdout)["ranks"][0]["health"] if out.stdout else ""
+            time.sleep(0.02)
+
+    def test_node_back_empty_resumes_from_its_buddy(self) -> None:
+        world = self.world()
+        ts = self.register(world, init_values())
+        self.train(ts, range(1, 2 * EVERY + 1))
+        self.wait_copies(ts, 2 * EVERY)
+        st0 = ts[0].client.status_dict()["buddy"]
+        st1 = ts[1].client.status_dict()["buddy"]
+        # each copy's step, age and holder: rank 0's copy is in zerod 1, rank 1's in zerod 0
+        self.assertEqual(st0["rank0_copy_holder"], world.daemons[1].control_address, st0)
+        self.assertEqual(st1["rank1_copy_holder"], world.daemons[0].control_address, st1)
+        self.assertLess(int(st0["rank0_copy_age_ms"]), 60000)
+        self.assertEqual(st0["held_rank1_step"], str(2 * EVERY), st0)
+        self.assertEqual(st1["held_rank0_step"], str(2 * EVERY), st1)
+        rank0 = ts[0].client.status_dict()["rank 0"]
+        self.assertNotIn("last_recovery", rank0)
+        self.train(ts, range(2 * EVERY + 1, 2 * EVERY + 3))  # steps 9, 10: lost with zerod 1
+        lost_at = 2 * EVERY + 2
+
+        t0 = time.monotonic()
+        self.kill(world, [1], ts)
+        self.wait_health(world.daemons[0], "rejoining")  # as systemd would restart it
+        self.wipe(1)  # the node comes back empty
+        self.restart(world, [1])
+        ts = self.register(world, None)
+        recovered_s = time.monotonic() - t0
+        for t in ts:
+            self.assertTrue(t.info.resumed, f"rank {t.rank} did not resume")
+            self.assertEqual(t.info.step, 2 * EVERY, f"rank {t.rank} resumed step {t.info.step}")
+            self.assert_same(t.snapshot(), 2 * EVERY, f"rank {t.rank} after the recovery")
+        self.assertIn("from its buddy's copy", world.daemons[1].log())
+        self.assertIn("from its own snapshot", world.daemons[0].log())
+        for t in ts:
+            rank = t.client.status_dict()[f"rank {t.rank}"]
+            self.assertEqual(rank["last_recovery"], "buddy copy", rank)
+            self.assertEqual(rank["last_recovery_step"], str(2 * EVERY))
+        # The trainers re-run the lost steps 9 and 10, then go on: each bitwise torch's.
+        self.train(ts, range(2 * EVERY + 1, lost_at + EVERY + 1), check=True)
+        self.wait_copies(ts, 3 * EVERY)
+        print(f"\n    node loss to training again from the buddy copy: {recovered_s:.2f} s "
+              f"(kill, restart, re-form, read the copy, register)", flush=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_both_copies_gone_falls_back_to_the_checkpoint(self) -> None:
+        ckpt = tempfile.mkdtemp(prefix="zerod-ckpt-")
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        world = self.world(["--checkpoint_dir", ckpt, "--checkpoint_every_steps", "3",
+                            "--resume", "latest"])
+        ts = self.register(world, init_values())
+        self.train(ts, range(1, 2 * EVERY + 1))
+        self.wait_copies(ts, 2 * EVERY)
+        # zerod 0 held rank 1's copy in memory: killing both loses it with rank 1's state file
+        self.kill(world, [0, 1], ts)
+        self.wipe(1)
+        self.restart(world, [0, 1])
+        ts = self.register(world, None)
+        for t in ts:
+            self.assertTrue(t.info.resumed)
+            self.assertEqual(t.info.step, 6, "not the newest checkpoint (step 6)")
+            self.assert_same(t.snapshot(), 6, f"rank {t.rank} from the checkpoint")
+        rank = ts[1].client.status_dict()["rank 1"]
+        self.assertEqual(rank["last_recovery"], "checkpoint", rank)
+        self.assertIn("neither a state file nor a buddy copy", rank.get("last_recovery_note", ""),
+                      rank)
+        self.train(ts, range(7, 10), check=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+
+if __name__ == "__main__":
+    sys.argv = sys.argv[:1]
+    common.run(BuddyTest)
