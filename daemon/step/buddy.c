@@ -663,24 +663,33 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
     any_replace |= all[r].replace != 0;
   }
   if (!needed || any_replace) goto out; /* the state files' agreement decides */
+  /* The newest commit every rank can serve, among those any rank without a file offers. */
   uint64_t target = 0;
-  int found = 0;
-  for (uint32_t r = 0; r < w && !why[0]; r++) {
+  int found = 0, evidence = 0;
+  for (uint32_t r = 0; r < w; r++) {
+    evidence |= all[r].nfile || all[r].nsnap || all[r].has_copy;
     if (all[r].nfile) continue;
-    if (!all[r].has_copy)
-      snprintf(why, len,
-               "rank %u has neither a state file nor a buddy copy (its buddy's copy is gone)", r);
-    else if (!found) {
-      target = all[r].copy;
-      found = 1;
+    uint64_t keys[3] = {all[r].snap[0], all[r].snap[1], all[r].copy};
+    uint64_t have[3] = {all[r].nsnap > 0, all[r].nsnap > 1, all[r].has_copy};
+    for (int k = 0; k < 3; k++) {
+      if (!have[k] || (found && keys[k] <= target)) continue;
+      uint32_t q = 0;
+      while (q < w && can_serve(&all[q], keys[k])) q++;
+      if (q == w) {
+        target = keys[k];
+        found = 1;
+      }
     }
   }
-  for (uint32_t r = 0; r < w && !why[0]; r++)
-    if (!can_serve(&all[r], target))
+  for (uint32_t r = 0; r < w && !found && evidence && !why[0]; r++)
+    if (!all[r].nfile && !all[r].has_copy && !all[r].nsnap)
       snprintf(why, len,
-               "rank %u can serve neither from its state file nor its snapshots commit %" PRIu64
-               " (step + steps skipped) of the buddy copies",
-               r, target);
+               "rank %u has neither a state file nor a buddy copy (its buddy's copy is gone)", r);
+  if (!found && evidence && !why[0])
+    snprintf(why, len,
+             "the ranks' state files, snapshots and buddy copies hold no step in common (a copy "
+             "older than another rank's snapshots, or a copy in flight at the loss)");
+  if (!found && !why[0]) goto out; /* a first start: nothing to serve */
   if (why[0]) {
     ZD_LOG_WARN("rank %u: no buddy copy can serve the world: %s", ctx->rank, why);
     goto out;

@@ -64,7 +64,7 @@ class BuddyTest(unittest.TestCase):
             "--state_dir", self.state_dir, "--bucket_elems", BUCKET, "--heartbeat_ms", "100",
             "--peer_timeout_ms", "1000", "--log_level", "info",
             "--buddy_copy_every_steps", str(EVERY)] + list(extra))
-        self.addCleanup(world.stop, signal.SIGKILL, False)
+        self.addCleanup(lambda: world.stop(signal.SIGKILL, check=False))
         return world
 
     def register(self, world, init) -> List[Trainer]:
