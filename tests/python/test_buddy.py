@@ -7,8 +7,9 @@ deleted (the node came back empty) and it is started again as a new process. The
 rank 1 reads its copy of step 8 from zerod 0 (its buddy), rank 0 goes back to its own snapshot of
 step 8 (its state file holds only steps 9 and 10), and both registrations report step 8 with
 parameters bitwise equal to torch's AdamW at step 8. The trainers then re-run steps 9.. (the test
-drives that), each bitwise equal to the uninterrupted reference. Status shows each copy's step,
-age and holder, and the recovery ("buddy copy").
+drives that), each bitwise equal to the uninterrupted reference. Status (the buddy section, and
+zeroctl status --json from the control service) shows each copy's step, age and holder, and the
+recovery ("buddy copy").
 
 Both copies gone: with checkpoints every 3 steps, both zerods are SIGKILLed (zerod 0 held rank 1's
 copy in its memory) and rank 1's state file is deleted: the world falls back to the newest
@@ -120,6 +121,14 @@ class BuddyTest(unittest.TestCase):
             world.daemons[v] = d
             world._endpoints[v] = (d.socket, 0)
 
+    def zeroctl_json(self, d) -> dict:
+        zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                             "zeroctl"))
+        out = subprocess.run([zeroctl, "--address", d.control_address, "status", "--json"],
+                             capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return json.loads(out.stdout)
+
     def wait_health(self, d, want: str, timeout: float = 30) -> None:
         """Until the zerod's rank says `want` (zeroctl status)."""
         zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
@@ -148,6 +157,12 @@ class BuddyTest(unittest.TestCase):
         self.assertEqual(st1["held_rank0_step"], str(2 * EVERY), st1)
         rank0 = ts[0].client.status_dict()["rank 0"]
         self.assertNotIn("last_recovery", rank0)
+        # the control service's Status has them too (zeroctl status --json)
+        for r, d in enumerate(world.daemons):
+            js = self.zeroctl_json(d)["ranks"][0]
+            self.assertEqual(js.get("buddy_copy_step"), 2 * EVERY, js)
+            self.assertEqual(js.get("buddy_copy_holder"), world.daemons[1 - r].control_address)
+            self.assertLess(js["buddy_copy_age_ms"], 60000)
         self.train(ts, range(2 * EVERY + 1, 2 * EVERY + 3))  # steps 9, 10: lost with zerod 1
         lost_at = 2 * EVERY + 2
 
@@ -173,6 +188,26 @@ class BuddyTest(unittest.TestCase):
         self.wait_copies(ts, 3 * EVERY)
         print(f"\n    node loss to training again from the buddy copy: {recovered_s:.2f} s "
               f"(kill, restart, re-form, read the copy, register)", flush=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_copies_are_throttled(self) -> None:
+        """buddy_bandwidth_bytes_per_s: a copy takes at least its bytes over the cap, while the
+        steps go on (the trainers do not wait for it)."""
+        cap = 2 << 20
+        world = self.world(["--buddy_bandwidth_bytes_per_s", str(cap)])
+        ts = self.register(world, init_values())
+        self.train(ts, range(1, EVERY + 1))
+        t0 = time.monotonic()
+        self.train(ts, range(EVERY + 1, EVERY + 3))
+        stepped = time.monotonic() - t0
+        self.wait_copies(ts, EVERY)
+        held = ts[1].client.status_dict()["buddy"]
+        nbytes = int(held["held_rank0_bytes"])
+        sent_ms = int(ts[0].client.status_dict()["buddy"]["rank0_last_send_ms"])
+        self.assertGreaterEqual(sent_ms, 1000 * nbytes / cap * 0.9, f"{held}")
+        self.assertLess(stepped, sent_ms / 1000, "the steps waited for the copy")
         for t in ts:
             t.close()
         common.stop_world(world)
