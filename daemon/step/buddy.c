@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <xxhash.h>
 
 #include "clock.h"
 #include "comm.h"
@@ -29,6 +30,7 @@ typedef struct meta {
   double scale;
   uint32_t growth_tracker, hysteresis_tracker;
   uint64_t taken_unix_ms;
+  uint64_t checksum; /* XXH3-64 of the data (set by the sender; 0 in a snapshot) */
 } meta_t;
 
 typedef struct snap {
@@ -225,6 +227,8 @@ static void info_of(const meta_t *m, Zerod__V1__BuddyCopyInfo *info) {
   info->growth_tracker = m->growth_tracker;
   info->hysteresis_tracker = m->hysteresis_tracker;
   info->taken_unix_ms = m->taken_unix_ms;
+  info->has_checksum = 1;
+  info->checksum = m->checksum;
   info->from_address = B.address;
 }
 
@@ -241,7 +245,8 @@ static void meta_from(const Zerod__V1__BuddyCopyInfo *i, meta_t *m) {
                 .scale = i->scale,
                 .growth_tracker = i->growth_tracker,
                 .hysteresis_tracker = i->hysteresis_tracker,
-                .taken_unix_ms = i->taken_unix_ms};
+                .taken_unix_ms = i->taken_unix_ms,
+                .checksum = i->checksum};
 }
 
 static void sleep_ms(uint64_t ms) {
@@ -253,6 +258,7 @@ static void sleep_ms(uint64_t ms) {
 static int send_copy(sender_t *s, zd__grpc_channel_t *ch, const snap_t *sn, zd__err_t *err) {
   Zerod__V1__BuddyCopyInfo info;
   info_of(&sn->meta, &info);
+  info.checksum = XXH3_64bits(sn->data, sn->meta.bytes); /* on this thread, not the worker */
   uint64_t t0 = zd__now_us(), off = 0, total = sn->meta.bytes;
   int rc = ZD_OK;
   do {
@@ -565,6 +571,11 @@ static int fetch_copy(const zd__step_ctx_t *ctx, const zd__model_t *m, snap_t *o
       if (r) protobuf_c_message_free_unpacked(r, NULL);
     } while (!crc && off < got.meta.bytes);
     zd__grpc_channel_close(ch);
+    if (!crc && XXH3_64bits(got.data, got.meta.bytes) != got.meta.checksum) {
+      crc = ZD_EPROTO;
+      snprintf(err.msg, sizeof err.msg, "the copy of step %" PRIu64 " fails its checksum",
+               got.meta.step);
+    }
     if (crc) {
       if (crc != -ENOENT)
         ZD_LOG_WARN("rank %u: reading the buddy copy held by %s: %s", ctx->rank,
