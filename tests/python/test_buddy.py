@@ -14,6 +14,9 @@ recovery ("buddy copy").
 Both copies gone: with checkpoints every 3 steps, both zerods are SIGKILLed (zerod 0 held rank 1's
 copy in its memory) and rank 1's state file is deleted: the world falls back to the newest
 checkpoint, and rank 1's status says why (neither a state file nor a buddy copy).
+
+Also: W=3 with failure domains a, a, b (each copy leaves its node's domain), and the bandwidth cap
+(a copy takes at least its bytes over the cap while the steps go on).
 """
 
 from __future__ import annotations
@@ -42,6 +45,38 @@ import numpy as np  # noqa: E402
 EVERY = 4
 
 
+class World3:
+    """Three zerods, one rank each, each with its own failure_domain (LocalWorld gives every
+    daemon the same settings)."""
+
+    def __init__(self, state_dir: str, domains: List[str]) -> None:
+        self.daemons: List[zerod.testing.LocalZerod] = []
+        try:
+            for r, dom in enumerate(domains):
+                d = zerod.testing.LocalZerod([], log_level="info", start=False)
+                first = self.daemons[0] if self.daemons else d
+                d.args = ["--world_size", str(len(domains)), "--first_rank", str(r),
+                          "--local_ranks", "1", "--rendezvous_address", first.control_address,
+                          "--state_dir", state_dir, "--bucket_elems", BUCKET,
+                          "--buddy_copy_every_steps", str(EVERY), "--failure_domain", dom]
+                self.daemons.append(d)
+            for d in self.daemons:
+                d.spawn()
+            for d in self.daemons:
+                d.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def connect(self, rank: int):
+        return zerod.Client(self.daemons[rank].socket, 0, 0)
+
+    def stop(self) -> None:
+        for d in self.daemons:
+            if d.returncode is None:
+                d.stop(signal.SIGKILL, check=False)
+
+
 class BuddyTest(unittest.TestCase):
     ref = None
 
@@ -67,6 +102,14 @@ class BuddyTest(unittest.TestCase):
             "--buddy_copy_every_steps", str(EVERY)] + list(extra))
         self.addCleanup(lambda: world.stop(signal.SIGKILL, check=False))
         return world
+
+    def register_n(self, world, n: int) -> List[Trainer]:
+        ts = on_all([lambda r=r: Trainer(world, init_values(), r, register=False)
+                     for r in range(n)])
+        infos = on_all([lambda t=t: t.client.register() for t in ts])
+        for t, info in zip(ts, infos):
+            t.info = info
+        return ts
 
     def register(self, world, init) -> List[Trainer]:
         ts = on_all([lambda r=r: Trainer(world, init, r, register=False) for r in range(2)])
@@ -188,6 +231,26 @@ class BuddyTest(unittest.TestCase):
         self.wait_copies(ts, 3 * EVERY)
         print(f"\n    node loss to training again from the buddy copy: {recovered_s:.2f} s "
               f"(kill, restart, re-form, read the copy, register)", flush=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_buddy_leaves_the_failure_domain(self) -> None:
+        """W=3, domains a, a, b: rank 0's copy skips rank 1's node (its own domain) for rank 2's,
+        rank 1's goes to rank 2's, rank 2's to rank 0's (the next node in rank order, of
+        another domain)."""
+        domains = ["a", "a", "b"]
+        world = World3(self.state_dir, domains)
+        self.addCleanup(lambda: world.stop())
+        ts = self.register_n(world, 3)
+        self.train(ts, range(1, EVERY + 1))
+        self.wait_copies(ts, EVERY)
+        want = {0: 2, 1: 2, 2: 0}
+        for t in ts:
+            buddy = t.client.status_dict()["buddy"]
+            self.assertEqual(buddy["failure_domain"], domains[t.rank])
+            self.assertEqual(buddy[f"rank{t.rank}_copy_holder"],
+                             world.daemons[want[t.rank]].control_address, buddy)
         for t in ts:
             t.close()
         common.stop_world(world)
