@@ -50,6 +50,7 @@ class World3:
     daemon the same settings)."""
 
     def __init__(self, state_dir: str, domains: List[str]) -> None:
+        self.world_size = len(domains)
         self.daemons: List[zerod.testing.LocalZerod] = []
         try:
             for r, dom in enumerate(domains):
@@ -58,7 +59,8 @@ class World3:
                 d.args = ["--world_size", str(len(domains)), "--first_rank", str(r),
                           "--local_ranks", "1", "--rendezvous_address", first.control_address,
                           "--state_dir", state_dir, "--bucket_elems", BUCKET,
-                          "--buddy_copy_every_steps", str(EVERY), "--failure_domain", dom]
+                          "--buddy_copy_every_steps", str(EVERY), "--failure_domain", dom,
+                          "--heartbeat_ms", "100", "--peer_timeout_ms", "1000"]
                 self.daemons.append(d)
             for d in self.daemons:
                 d.spawn()
@@ -238,7 +240,8 @@ class BuddyTest(unittest.TestCase):
     def test_buddy_leaves_the_failure_domain(self) -> None:
         """W=3, domains a, a, b: rank 0's copy skips rank 1's node (its own domain) for rank 2's,
         rank 1's goes to rank 2's, rank 2's to rank 0's (the next node in rank order, of
-        another domain)."""
+        another domain). Then zerod 1 comes back empty and reads its copy from zerod 2, while
+        ranks 0 and 2 go back to their own snapshots."""
         domains = ["a", "a", "b"]
         world = World3(self.state_dir, domains)
         self.addCleanup(lambda: world.stop())
@@ -251,6 +254,25 @@ class BuddyTest(unittest.TestCase):
             self.assertEqual(buddy["failure_domain"], domains[t.rank])
             self.assertEqual(buddy[f"rank{t.rank}_copy_holder"],
                              world.daemons[want[t.rank]].control_address, buddy)
+        # zerod 1 back empty: its copy is in zerod 2; ranks 0 and 2 go back to their snapshots
+        self.train(ts, range(EVERY + 1, EVERY + 3))
+        common.stop_zerod(world.daemons[1], signal.SIGKILL)
+        for t in ts:
+            t.close()
+        for v in (0, 2):
+            self.wait_health(world.daemons[v], "rejoining")
+        for f in glob.glob(os.path.join(self.state_dir, "rank1-of-3-*")):
+            os.unlink(f)
+        d = zerod.testing.LocalZerod(list(world.daemons[1].args), log_level="info")
+        world.daemons[1] = d
+        ts = on_all([lambda r=r: Trainer(world, None, r, register=False) for r in range(3)])
+        infos = on_all([lambda t=t: t.client.register() for t in ts])
+        for t, info in zip(ts, infos):
+            t.info = info
+            self.assertEqual(info.step, EVERY, f"rank {t.rank}")
+            self.assert_same(t.snapshot(), EVERY, f"rank {t.rank} after the recovery")
+        self.assertIn("at " + world.daemons[2].control_address, d.log())
+        self.train(ts, range(EVERY + 1, EVERY + 4), check=True)
         for t in ts:
             t.close()
         common.stop_world(world)
