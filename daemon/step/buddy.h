@@ -16,7 +16,9 @@
  *
  * Threads: zd__buddy_after_step and zd__buddy_resume run on a rank's worker (the one writer of
  * its snapshots), the sender threads read the snapshot they send, and the holder's store is
- * called from the control service on the loop; a lock per sender and one for the store. */
+ * called from the control service on the loop; a lock per sender and one for the store. The
+ * settings, senders and store are the process's (one zerod per process: tests that run several
+ * daemons in one process must leave buddy copies off in all but one). */
 #ifndef ZD_STEP_BUDDY_H
 #define ZD_STEP_BUDDY_H
 #include <stdint.h>

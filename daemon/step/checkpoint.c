@@ -813,7 +813,6 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   *loaded = 0;
   m->resumed_from = ZD__FROM_CLIENT;
   m->resume_note[0] = '\0';
-  /* The state files' committed steps are newer than any checkpoint. */
   /* A rank that came back empty: the world's buddy copies first (buddy.h). */
   char buddy_why[160];
   int handled = 0;
@@ -823,6 +822,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
     *loaded = 1;
     return ZD_OK;
   }
+  /* The state files' committed steps are newer than any checkpoint. */
   int pick = m->restored && !replace ? 0 : -1;
   rc = ctx->state_dir && ctx->world_size > 1 ? agree_state_files(ctx, m, replace, &pick, err)
                                              : ZD_OK;

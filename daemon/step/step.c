@@ -227,6 +227,7 @@ static int rejoin_model(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spe
               ctx->rank, held, m->step,
               m->resumed_from == ZD__FROM_MODEL        ? "the step every rank holds"
               : m->resumed_from == ZD__FROM_CHECKPOINT ? "the newest checkpoint"
+              : m->resumed_from == ZD__FROM_BUDDY      ? "the world's buddy copies"
                                                        : "the client's values");
   *resumed = loaded;
   return ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, loaded, err);
