@@ -701,6 +701,20 @@ static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, s
       printf(" no recovery since zerod started");
     printf("\n");
   }
+  header = 0; /* buddy copies: each rank's newest copy at its buddy */
+  for (size_t r = 0; r < nrows; r++) {
+    const Zerod__V1__RankStatus *s = rows[r].stat;
+    if (!s || (!s->has_buddy_copy_step && !s->buddy_copy_error)) continue;
+    if (!header++) printf("\nbuddy copies:\n");
+    printf("  rank %u:", rows[r].rank);
+    if (s->has_buddy_copy_step)
+      printf(" step %" PRIu64 ", %" PRIu64 " ms old, held by %s", s->buddy_copy_step,
+             s->buddy_copy_age_ms, s->buddy_copy_holder ? s->buddy_copy_holder : "?");
+    else
+      printf(" no copy yet");
+    if (s->buddy_copy_error) printf("; last copy failed: %s", s->buddy_copy_error);
+    printf("\n");
+  }
   header = 0;
   for (size_t i = 0; i < nnodes; i++) {
     if (nodes[i].status) continue;
@@ -771,6 +785,16 @@ static void print_json_rank(const row_t *r) {
       json_string(stdout, s->last_recovery_note);
     else
       fputs("null", stdout);
+  }
+  if (s->has_buddy_copy_step) {
+    printf(", \"buddy_copy_step\": %" PRIu64 ", \"buddy_copy_age_ms\": %" PRIu64
+           ", \"buddy_copy_holder\": ",
+           s->buddy_copy_step, s->buddy_copy_age_ms);
+    json_string(stdout, s->buddy_copy_holder ? s->buddy_copy_holder : "");
+  }
+  if (s->buddy_copy_error) {
+    printf(", \"buddy_copy_error\": ");
+    json_string(stdout, s->buddy_copy_error);
   }
   printf(", \"shard\": [");
   for (size_t b = 0; b < s->n_shard; b++)

@@ -198,6 +198,17 @@ static const setting_t settings[] = {
     U32(S_CKPT, "state_dir_any_fs", state_dir_any_fs, "0", 0, 1,
         "allow a state_dir that is not on tmpfs or ramfs (every step then writes the whole "
         "state through the page cache to that file system)"),
+    U32(S_CKPT, "buddy_copy_every_steps", buddy_copy_every_steps, "0", 0, 4000000000u,
+        "CPU backend, world size > 1: every this many steps each rank's committed shard state "
+        "is copied, in the background, into the memory of its buddy (the next node in rank "
+        "order whose failure_domain differs), over the control plane (TLS where it has TLS), "
+        "so that a node that comes back empty resumes from the copy instead of a checkpoint. "
+        "Set it alike on every node. 0: off"),
+    U64(S_CKPT, "buddy_bandwidth_bytes_per_s", buddy_bandwidth_bytes_per_s, "0", 0, 1ull << 40,
+        "the most bytes per second a rank's buddy copy is sent at (0: no limit)"),
+    STR(S_CKPT, "failure_domain", failure_domain, "", "LABEL",
+        "this node's failure domain (a rack, a zone): buddy copies go to a node of another "
+        "domain when there is one (\"\": every node its own domain)"),
     U64(S_CKPT, "checkpoint_throttle_bytes_per_s", checkpoint_throttle_bytes_per_s, "0", 0,
         1ull << 40,
         "TESTING ONLY: write checkpoint files no faster than this (0: full speed), so that "

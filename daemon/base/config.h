@@ -72,6 +72,9 @@ typedef struct zd__config {
   char *state_dir;           /* "": off (state_file.h) */
   uint32_t state_dir_any_fs; /* 1: a state_dir off tmpfs/ramfs is allowed */
   uint64_t checkpoint_throttle_bytes_per_s;
+  uint32_t buddy_copy_every_steps;      /* 0: off (step/buddy.h) */
+  uint64_t buddy_bandwidth_bytes_per_s; /* 0: no limit */
+  char *failure_domain;                 /* "": none */
   /* operations */
   uint32_t shutdown_timeout_ms; /* then abort collectives still running */
   char *log_level;              /* error | warn | info | debug */

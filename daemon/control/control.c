@@ -24,6 +24,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "buddy.h"
 #include "clock.h"
 #include "control.pb-c.h"
 #include "grpc_server.h"
@@ -132,6 +133,7 @@ typedef struct rank_msg {
   Zerod__V1__RankStatus msg;
   zd__rank_stats_t stats;
   zd__shard_range_t *ranges;
+  zd__buddy_rank_status_t buddy; /* buddy copies: the strings the message points to */
   Zerod__V1__ShardRange *shard;
   Zerod__V1__ShardRange **shard_ptrs;
 } rank_msg_t;
@@ -152,6 +154,14 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
     m->has_client_pid = 1;
     m->client_pid = (int32_t)zd__session_pid(client);
   }
+  zd__buddy_rank_status(i, &rm->buddy);
+  if (rm->buddy.has_copy) {
+    m->has_buddy_copy_step = m->has_buddy_copy_age_ms = 1;
+    m->buddy_copy_step = rm->buddy.step;
+    m->buddy_copy_age_ms = rm->buddy.age_ms;
+    m->buddy_copy_holder = rm->buddy.holder;
+  }
+  if (rm->buddy.error[0]) m->buddy_copy_error = rm->buddy.error;
   m->has_model = s->has_model;
   if (!s->has_model) return ZD_OK;
   m->has_params = m->has_shard_elems = m->has_state_bytes = m->has_grad_shard_bytes = 1;
@@ -276,6 +286,45 @@ static int handle_checkpoint(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **r
   rep.last_step = s.last_ok_step;
   zd__gsrv_reply(k, &rep.base);
   return ZD_OK;
+}
+
+/* ---- buddy copies ------------------------------------------------------------------------- */
+
+/* Buddy copies carry a rank's model state: the control token where there is one, and without one
+ * an authenticated channel (TLS) or a unix: address, as for Drain. */
+static int copy_allowed(zd__control_t *c, const zd__gsrv_call_t *k, zd__err_t *err) {
+  int rc = token_ok(c, k, err);
+  if (rc || c->token[0] || zd__grpc_tls_enabled() || !strncmp(c->cfg->control_address, "unix:", 5))
+    return rc;
+  c->refused++;
+  return zd__errf(err, ZD_EDENIED,
+                  "%s carries model state, so over TCP it needs a control token "
+                  "(control_token_file) or mutual TLS (tls_cert); this zerod has neither",
+                  zd__gsrv_call_path(k));
+}
+
+static int handle_buddy_put(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
+  zd__control_t *c = ctx;
+  int rc = copy_allowed(c, k, err);
+  if (rc) return rc;
+  Zerod__V1__BuddyPutReply rep = ZEROD__V1__BUDDY_PUT_REPLY__INIT;
+  rc = zd__buddy_put((Zerod__V1__BuddyPutRequest *)*req, &rep.received, err);
+  if (rc) return rc;
+  zd__gsrv_reply(k, &rep.base);
+  return ZD_OK;
+}
+
+static int handle_buddy_get(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
+  zd__control_t *c = ctx;
+  int rc = copy_allowed(c, k, err);
+  if (rc) return rc;
+  Zerod__V1__BuddyGetReply rep = ZEROD__V1__BUDDY_GET_REPLY__INIT;
+  Zerod__V1__BuddyCopyInfo info;
+  uint8_t *data = NULL;
+  rc = zd__buddy_get((Zerod__V1__BuddyGetRequest *)*req, &rep, &info, &data, err);
+  if (!rc) zd__gsrv_reply(k, &rep.base);
+  free(data);
+  return rc;
 }
 
 /* ---- drain ---------------------------------------------------------------------------------- */
@@ -583,6 +632,10 @@ static const zd__gsrv_method_t methods[] = {
     {"/zerod.v1.Control/Checkpoint", &zerod__v1__request_checkpoint_request__descriptor,
      handle_checkpoint, 1024},
     {"/zerod.v1.Control/Drain", &zerod__v1__drain_request__descriptor, handle_drain, 1024},
+    {"/zerod.v1.Control/BuddyPut", &zerod__v1__buddy_put_request__descriptor, handle_buddy_put,
+     (1u << 20) + 4096},
+    {"/zerod.v1.Control/BuddyGet", &zerod__v1__buddy_get_request__descriptor, handle_buddy_get,
+     1024},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor,
      handle_health, 1024},
 };

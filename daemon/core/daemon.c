@@ -19,6 +19,7 @@
 
 #include "adam.h"
 #include "backend.h"
+#include "buddy.h"
 #include "checkpoint.h"
 #include "clock.h"
 #include "comm.h"
@@ -248,6 +249,8 @@ static void stop_ranks(zd__daemon_t *d) {
   }
   zd__status_unregister(d->status, zd__ckptr_status, d->ckpt);
   zd__status_unregister(d->status, zd__state_file_status, d->cfg->state_dir);
+  zd__status_unregister(d->status, zd__buddy_status, NULL);
+  zd__buddy_stop();           /* after the ranks: their workers take the snapshots */
   zd__ckptr_destroy(d->ckpt); /* after the ranks: their snapshots are queued, then written */
   d->ckpt = NULL;
 }
@@ -374,6 +377,16 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
     d->world.incarnation = zd__now_us() ^ ((uint64_t)getpid() << 40);
   int crc = create_checkpointer(d, err);
   if (crc) return crc;
+  zd__buddy_settings_t bset = {.every_steps = cfg->buddy_copy_every_steps,
+                               .bytes_per_s = cfg->buddy_bandwidth_bytes_per_s,
+                               .domain = cfg->failure_domain,
+                               .rendezvous = d->world.rendezvous_address,
+                               .control_token = d->world.control_token,
+                               .control_address = d->world.control_address,
+                               .first_rank = cfg->first_rank,
+                               .local_ranks = cfg->local_ranks,
+                               .world_size = cfg->world_size};
+  if ((crc = zd__buddy_start(&bset, err))) return crc;
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */
@@ -472,6 +485,8 @@ static int register_status(zd__daemon_t *d) {
   if (!rc) rc = zd__status_register(d->status, zd__ckptr_status, d->ckpt);
   if (!rc && d->cfg->state_dir[0])
     rc = zd__status_register(d->status, zd__state_file_status, d->cfg->state_dir);
+  if (!rc && d->cfg->buddy_copy_every_steps)
+    rc = zd__status_register(d->status, zd__buddy_status, NULL);
   if (!rc) rc = zd__status_register(d->status, zd__sessions_status, d->sessions);
   if (!rc) rc = zd__status_register(d->status, zd__server_status, d->server);
   if (!rc) rc = zd__status_register(d->status, zd__drain_status, d->drain);
@@ -539,6 +554,14 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
                   "overlap_update = 1 needs the cpu backend: the %s backend keeps one set of "
                   "state arrays in device memory and updates it in place at step time; set "
                   "overlap_update = 0 (or backend = cpu)",
+                  zd__backend_name(d->backend.kind));
+    goto fail;
+  }
+  if (cfg->buddy_copy_every_steps && d->backend.kind != ZD__BACKEND_CPU) {
+    rc = zd__errf(err, ZD_ECONFIG,
+                  "buddy_copy_every_steps needs the cpu backend: the %s backend's state is in "
+                  "device memory, which buddy copies do not read yet; set "
+                  "buddy_copy_every_steps = 0 (or backend = cpu)",
                   zd__backend_name(d->backend.kind));
     goto fail;
   }

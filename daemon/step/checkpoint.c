@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "buddy.h"
 #include "checkpoint_format.h"
 #include "clock.h"
 #include "compute.h"
@@ -815,11 +816,21 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   *loaded = 0;
   m->resumed_from = ZD__FROM_CLIENT;
   m->resume_note[0] = '\0';
+  /* A rank that came back empty: the world's buddy copies first (buddy.h). */
+  char buddy_why[160];
+  int handled = 0;
+  int rc = zd__buddy_resume(ctx, m, replace, &handled, buddy_why, sizeof buddy_why, err);
+  if (rc) return rc;
+  if (handled) {
+    *loaded = 1;
+    return ZD_OK;
+  }
   /* The state files' committed steps are newer than any checkpoint. */
   int pick = m->restored && !replace ? 0 : -1;
-  int rc = ctx->state_dir && ctx->world_size > 1 ? agree_state_files(ctx, m, replace, &pick, err)
-                                                 : ZD_OK;
+  rc = ctx->state_dir && ctx->world_size > 1 ? agree_state_files(ctx, m, replace, &pick, err)
+                                             : ZD_OK;
   if (rc) return rc;
+  if (buddy_why[0]) snprintf(m->resume_note, sizeof m->resume_note, "%s", buddy_why);
   if (pick >= 0) {
     uint64_t newest = m->step;
     zd__model_take_record(m, pick);

@@ -146,7 +146,8 @@ enum {
   ZD__FROM_STATE_FILE, /* a state file's record (state_dir) */
   ZD__FROM_CHECKPOINT, /* the newest checkpoint */
   ZD__FROM_MODEL,      /* a model kept across a world that re-formed, re-agreed (state_dir) */
-  ZD__FROM_HELD        /* a trainer reattached to the model its rank held */
+  ZD__FROM_HELD,       /* a trainer reattached to the model its rank held */
+  ZD__FROM_BUDDY       /* the world's buddy copies and snapshots (buddy.h) */
 };
 
 /* What the step logic needs from its rank. */

@@ -203,6 +203,7 @@ static void note_recovery(zd__rank_t *r, uint64_t attach_t0, int resumed) {
   if (resumed && m->resumed_from == ZD__FROM_MODEL) how = "state_dir (kept)";
   if (resumed && m->resumed_from == ZD__FROM_STATE_FILE) how = "state_dir";
   if (resumed && m->resumed_from == ZD__FROM_CHECKPOINT) how = "checkpoint";
+  if (resumed && m->resumed_from == ZD__FROM_BUDDY) how = "buddy copy";
   uint64_t since = r->lost_ms ? r->lost_ms : attach_t0;
   pthread_mutex_lock(&r->stats_lock);
   snprintf(r->stats.recovery, sizeof r->stats.recovery, "%s", how);

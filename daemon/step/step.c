@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "buddy.h"
 #include "checkpoint.h"
 #include "group.h"
 #include "hash.h"
@@ -247,6 +248,7 @@ static int rejoin_model(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spe
               ctx->rank, held, m->step,
               m->resumed_from == ZD__FROM_MODEL        ? "the step every rank holds"
               : m->resumed_from == ZD__FROM_CHECKPOINT ? "the newest checkpoint"
+              : m->resumed_from == ZD__FROM_BUDDY      ? "the world's buddy copies"
                                                        : "the client's values");
   *resumed = loaded;
   return ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, loaded, err);
@@ -1109,6 +1111,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   zd__model_spec_wait(m); /* every write queued above, also after a failed gather */
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
+  zd__buddy_after_step(ctx, m);                /* every buddy_copy_every_steps steps (buddy.h) */
   out->duration_us = zd__now_us() - t0;
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];

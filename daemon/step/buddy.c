@@ -1,0 +1,799 @@
+/* Buddy copies: the snapshots and their senders, the copies this node holds for its wards, and the
+ * agreement that restores a rank that came back empty from its buddy's copy (buddy.h). */
+#include "buddy.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <xxhash.h>
+
+#include "clock.h"
+#include "comm.h"
+#include "grpc_unary.h"
+#include "log.h"
+#include "rendezvous.h"
+
+#define PIECE_BYTES (1u << 20) /* one BuddyPut/BuddyGet message's data */
+#define CALL_MS     5000
+#define DOMAIN_KEY  "buddy/domain/"
+
+/* What a snapshot or a copy is of. */
+typedef struct meta {
+  uint32_t rank, world_size, states;
+  uint64_t layout_hash, step, steps_skipped, shard_elems, bytes;
+  int scaler_enabled;
+  double scale;
+  uint32_t growth_tracker, hysteresis_tracker;
+  uint64_t taken_unix_ms;
+  uint64_t checksum; /* XXH3-64 of the data (set by the sender; 0 in a snapshot) */
+} meta_t;
+
+typedef struct snap {
+  meta_t meta;
+  uint8_t *data;
+  size_t cap;
+  int valid;
+} snap_t;
+
+/* A local rank's snapshots and sender. snap[sent] is the copy complete at the buddy (-1: none),
+ * snap[sending] the one being sent (-1: none); the worker writes only a snapshot that is neither
+ * (after_step) and reads them (resume), the sender reads snap[sending]. */
+typedef struct sender {
+  pthread_t thread;
+  int started;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  snap_t snap[2];
+  int sent, sending;
+  int stop;
+  uint32_t local_rank;
+  /* status (lock) */
+  uint64_t copies, skipped, failures;
+  uint64_t copy_step, copy_unix_ms, last_send_ms, last_snapshot_us;
+  char holder[256];
+  char error[256];
+} sender_t;
+
+/* A ward's copy held here: the complete one and the one being received. */
+typedef struct held {
+  meta_t meta, pmeta;
+  uint8_t *data, *pdata;
+  uint64_t received;
+  uint64_t complete_unix_ms;
+  char from[256];
+  int has;
+} held_t;
+
+static struct {
+  zd__buddy_settings_t set;
+  char domain[256], rendezvous[512], token[512], address[512];
+  sender_t *senders;
+  uint32_t nsenders;
+  pthread_mutex_t store_lock;
+  held_t *held;
+  uint32_t nheld;
+} B = {.store_lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* ---- the snapshot --------------------------------------------------------------------------- */
+
+static uint64_t state_count(uint32_t states) {
+  uint64_t n = 0;
+  for (int s = 0; s < ZD__NSTATES; s++) n += (states >> s) & 1u;
+  return n;
+}
+
+static void meta_of(const zd__step_ctx_t *ctx, const zd__model_t *m, meta_t *out) {
+  *out = (meta_t){.rank = ctx->rank,
+                  .world_size = ctx->world_size,
+                  .states = m->states,
+                  .layout_hash = m->layout->hash,
+                  .step = m->step,
+                  .steps_skipped = m->steps_skipped,
+                  .shard_elems = m->layout->shard_elems,
+                  .scaler_enabled = m->scaler.enabled,
+                  .scale = m->scaler.scale,
+                  .growth_tracker = m->scaler.growth_tracker,
+                  .hysteresis_tracker = m->scaler.hysteresis_tracker,
+                  .taken_unix_ms = zd__unix_ms()};
+  out->bytes = state_count(m->states) * out->shard_elems * sizeof(float);
+}
+
+void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m) {
+  if (!B.senders || ctx->local_rank >= B.nsenders || !m->step || m->step % B.set.every_steps != 0)
+    return;
+  sender_t *s = &B.senders[ctx->local_rank];
+  pthread_mutex_lock(&s->lock);
+  int busy = s->sending >= 0;
+  if (busy) s->skipped++;
+  int idx = s->sent == 0 ? 1 : 0;
+  pthread_mutex_unlock(&s->lock);
+  if (busy) {
+    ZD_LOG_WARN("rank %u: buddy copy of step %" PRIu64
+                " skipped: the previous copy is still being sent",
+                ctx->rank, m->step);
+    return;
+  }
+  uint64_t t0 = zd__now_us();
+  snap_t *sn = &s->snap[idx];
+  meta_t meta;
+  meta_of(ctx, m, &meta);
+  sn->valid = 0;
+  if (sn->cap < meta.bytes) {
+    uint8_t *p = realloc(sn->data, meta.bytes);
+    if (!p) {
+      pthread_mutex_lock(&s->lock);
+      s->failures++;
+      snprintf(s->error, sizeof s->error, "out of memory for a snapshot of %" PRIu64 " bytes",
+               meta.bytes);
+      pthread_mutex_unlock(&s->lock);
+      return;
+    }
+    sn->data = p;
+    sn->cap = meta.bytes;
+  }
+  uint64_t off = 0, each = meta.shard_elems * sizeof(float);
+  for (int i = 0; i < ZD__NSTATES; i++)
+    if (m->states & ZD__STATE_BIT(i)) {
+      memcpy(sn->data + off, m->shard.state[i], each);
+      off += each;
+    }
+  sn->meta = meta;
+  sn->valid = 1;
+  pthread_mutex_lock(&s->lock);
+  s->last_snapshot_us = zd__now_us() - t0;
+  s->sending = idx;
+  pthread_cond_signal(&s->cond);
+  pthread_mutex_unlock(&s->lock);
+}
+
+/* ---- the sender ----------------------------------------------------------------------------- */
+
+static int domains_differ(const char *a, const char *b) {
+  return !a[0] || !b[0] || strcmp(a, b) != 0;
+}
+
+/* This node's failure domain in the store, for the others' choice of buddy. */
+static int publish_domain(zd__rdv_t *rdv, zd__err_t *err) {
+  char key[64];
+  snprintf(key, sizeof key, DOMAIN_KEY "%u", B.set.first_rank);
+  size_t len = strlen(B.domain);
+  int rc = zd__rdv_set(rdv, key, B.domain, len, CALL_MS, err);
+  if (rc == -EEXIST) { /* a restarted zerod: its entry is its own to replace */
+    rc = zd__rdv_delete(rdv, key, CALL_MS, err);
+    if (!rc) rc = zd__rdv_set(rdv, key, B.domain, len, CALL_MS, err);
+  }
+  return rc;
+}
+
+/* The buddy: the next node after this one in rank order whose domain differs, else the next. */
+static int choose_holder(zd__rdv_t *rdv, char *addr, size_t len, zd__err_t *err) {
+  Zerod__V1__NodesReply *rep = NULL;
+  int rc = zd__rdv_nodes(rdv, &rep, CALL_MS, err);
+  if (rc) return rc;
+  size_t n = rep->n_nodes, me = n;
+  for (size_t i = 0; i < n; i++)
+    if (rep->nodes[i]->first_rank == B.set.first_rank) me = i;
+  addr[0] = '\0';
+  if (me == n || n < 2) {
+    rc = zd__errf(err, -EAGAIN, "the node registry lists %s",
+                  me == n ? "not this node yet" : "no other node yet");
+    goto out;
+  }
+  size_t fallback = (me + 1) % n;
+  for (size_t k = 1; k < n && !addr[0]; k++) {
+    const Zerod__V1__NodeInfo *c = rep->nodes[(me + k) % n];
+    char key[64];
+    snprintf(key, sizeof key, DOMAIN_KEY "%u", c->first_rank);
+    void *v = NULL;
+    size_t vlen = 0;
+    zd__err_t gerr = {0};
+    char theirs[256] = "";
+    if (zd__rdv_get(rdv, key, &v, &vlen, 200, &gerr) == ZD_OK)
+      snprintf(theirs, sizeof theirs, "%.*s", (int)(vlen < 255 ? vlen : 255), (char *)v);
+    free(v);
+    if (domains_differ(B.domain, theirs)) snprintf(addr, len, "%s", c->control_address);
+  }
+  if (!addr[0]) {
+    snprintf(addr, len, "%s", rep->nodes[fallback]->control_address);
+    ZD_LOG_WARN(
+        "buddy: every node is in failure domain \"%s\"; copies go to %s, in the same "
+        "domain",
+        B.domain, addr);
+  }
+out:
+  protobuf_c_message_free_unpacked(&rep->base, NULL);
+  return rc;
+}
+
+static void info_of(const meta_t *m, Zerod__V1__BuddyCopyInfo *info) {
+  zerod__v1__buddy_copy_info__init(info);
+  info->rank = m->rank;
+  info->world_size = m->world_size;
+  info->layout_hash = m->layout_hash;
+  info->step = m->step;
+  info->steps_skipped = m->steps_skipped;
+  info->states = m->states;
+  info->shard_elems = m->shard_elems;
+  info->total_bytes = m->bytes;
+  info->has_scaler_enabled = info->has_scale = 1;
+  info->has_growth_tracker = info->has_hysteresis_tracker = info->has_taken_unix_ms = 1;
+  info->scaler_enabled = m->scaler_enabled;
+  info->scale = m->scale;
+  info->growth_tracker = m->growth_tracker;
+  info->hysteresis_tracker = m->hysteresis_tracker;
+  info->taken_unix_ms = m->taken_unix_ms;
+  info->has_checksum = 1;
+  info->checksum = m->checksum;
+  info->from_address = B.address;
+}
+
+static void meta_from(const Zerod__V1__BuddyCopyInfo *i, meta_t *m) {
+  *m = (meta_t){.rank = i->rank,
+                .world_size = i->world_size,
+                .states = i->states,
+                .layout_hash = i->layout_hash,
+                .step = i->step,
+                .steps_skipped = i->steps_skipped,
+                .shard_elems = i->shard_elems,
+                .bytes = i->total_bytes,
+                .scaler_enabled = i->scaler_enabled,
+                .scale = i->scale,
+                .growth_tracker = i->growth_tracker,
+                .hysteresis_tracker = i->hysteresis_tracker,
+                .taken_unix_ms = i->taken_unix_ms,
+                .checksum = i->checksum};
+}
+
+static void sleep_ms(uint64_t ms) {
+  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Sends sn in pieces, no faster than bytes_per_s. */
+static int send_copy(sender_t *s, zd__grpc_channel_t *ch, const snap_t *sn, zd__err_t *err) {
+  Zerod__V1__BuddyCopyInfo info;
+  info_of(&sn->meta, &info);
+  info.checksum = XXH3_64bits(sn->data, sn->meta.bytes); /* on this thread, not the worker */
+  uint64_t t0 = zd__now_us(), off = 0, total = sn->meta.bytes;
+  int rc = ZD_OK;
+  do {
+    pthread_mutex_lock(&s->lock);
+    int stop = s->stop;
+    pthread_mutex_unlock(&s->lock);
+    if (stop) return zd__errf(err, -ECANCELED, "zerod is shutting down");
+    uint64_t len = total - off < PIECE_BYTES ? total - off : PIECE_BYTES;
+    Zerod__V1__BuddyPutRequest req = ZEROD__V1__BUDDY_PUT_REQUEST__INIT;
+    req.info = &info;
+    req.offset = off;
+    req.data.data = sn->data + off;
+    req.data.len = len;
+    req.has_last = 1;
+    req.last = off + len == total;
+    ProtobufCMessage *rep = NULL;
+    rc = zd__grpc_call(ch, "/zerod.v1.Control/BuddyPut", &req.base,
+                       &zerod__v1__buddy_put_reply__descriptor, &rep, CALL_MS, 0, NULL, err);
+    if (rep) protobuf_c_message_free_unpacked(rep, NULL);
+    off += len;
+    if (!rc && B.set.bytes_per_s) {
+      uint64_t due_us = t0 + off * 1000000u / B.set.bytes_per_s, now = zd__now_us();
+      if (due_us > now) sleep_ms((due_us - now + 999) / 1000);
+    }
+  } while (!rc && off < total);
+  return rc;
+}
+
+static void *sender_main(void *arg) {
+  sender_t *s = arg;
+  zd__rdv_t *rdv = NULL;
+  zd__grpc_channel_t *ch = NULL;
+  char holder[256] = "";
+  int published = 0;
+  pthread_mutex_lock(&s->lock);
+  for (;;) {
+    while (!s->stop && s->sending < 0) pthread_cond_wait(&s->cond, &s->lock);
+    if (s->stop) break;
+    int idx = s->sending;
+    pthread_mutex_unlock(&s->lock);
+    zd__err_t err = {0};
+    int rc = rdv ? ZD_OK : zd__rdv_open(B.rendezvous, &rdv, &err);
+    if (!rc && B.token[0]) rc = zd__rdv_set_token(rdv, B.token, &err);
+    if (!rc && !published && s->local_rank == 0) rc = publish_domain(rdv, &err);
+    if (!rc) published = 1;
+    char addr[256];
+    if (!rc) rc = choose_holder(rdv, addr, sizeof addr, &err);
+    if (!rc && (!ch || strcmp(addr, holder) != 0)) {
+      zd__grpc_channel_close(ch);
+      ch = NULL;
+      snprintf(holder, sizeof holder, "%s", addr);
+      rc = zd__grpc_channel_open(holder, &ch, &err);
+      if (!rc && B.token[0]) rc = zd__grpc_channel_set_token(ch, B.token);
+    }
+    uint64_t t0 = zd__now_ms();
+    if (!rc) rc = send_copy(s, ch, &s->snap[idx], &err);
+    pthread_mutex_lock(&s->lock);
+    s->sending = -1;
+    if (!rc) {
+      s->sent = idx;
+      s->copies++;
+      s->copy_step = s->snap[idx].meta.step;
+      s->copy_unix_ms = s->snap[idx].meta.taken_unix_ms;
+      s->last_send_ms = zd__now_ms() - t0;
+      snprintf(s->holder, sizeof s->holder, "%s", holder);
+      s->error[0] = '\0';
+    } else if (rc != -ECANCELED) {
+      s->failures++;
+      snprintf(s->error, sizeof s->error, "step %" PRIu64 ": %.200s", s->snap[idx].meta.step,
+               err.msg);
+      ZD_LOG_WARN("buddy copy of rank %u's step %" PRIu64 " failed: %s", s->snap[idx].meta.rank,
+                  s->snap[idx].meta.step, err.msg);
+      zd__grpc_channel_close(ch); /* a new connection next time */
+      ch = NULL;
+    }
+  }
+  pthread_mutex_unlock(&s->lock);
+  zd__grpc_channel_close(ch);
+  zd__rdv_close(rdv);
+  return NULL;
+}
+
+int zd__buddy_start(const zd__buddy_settings_t *set, zd__err_t *err) {
+  B.set = *set;
+  snprintf(B.domain, sizeof B.domain, "%s", set->domain ? set->domain : "");
+  snprintf(B.rendezvous, sizeof B.rendezvous, "%s", set->rendezvous ? set->rendezvous : "");
+  snprintf(B.token, sizeof B.token, "%s", set->control_token ? set->control_token : "");
+  snprintf(B.address, sizeof B.address, "%s", set->control_address ? set->control_address : "");
+  B.set.domain = B.domain;
+  B.set.rendezvous = B.rendezvous;
+  B.set.control_token = B.token;
+  B.set.control_address = B.address;
+  if (!set->every_steps || set->world_size < 2) return ZD_OK;
+  B.senders = calloc(set->local_ranks, sizeof *B.senders);
+  if (!B.senders) return zd__errf(err, -ENOMEM, "out of memory for buddy copies");
+  B.nsenders = set->local_ranks;
+  for (uint32_t i = 0; i < B.nsenders; i++) {
+    sender_t *s = &B.senders[i];
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->cond, NULL);
+    s->sent = s->sending = -1;
+    s->local_rank = i;
+    int rc = pthread_create(&s->thread, NULL, sender_main, s);
+    if (rc)
+      return zd__errf(err, -rc, "buddy copies: cannot start a sender thread: %s", strerror(rc));
+    s->started = 1;
+  }
+  ZD_LOG_INFO("buddy copies every %u steps%s%s%s", set->every_steps,
+              B.domain[0] ? " out of failure domain \"" : "", B.domain, B.domain[0] ? "\"" : "");
+  return ZD_OK;
+}
+
+void zd__buddy_stop(void) {
+  for (uint32_t i = 0; i < B.nsenders; i++) {
+    sender_t *s = &B.senders[i];
+    if (s->started) {
+      pthread_mutex_lock(&s->lock);
+      s->stop = 1;
+      pthread_cond_signal(&s->cond);
+      pthread_mutex_unlock(&s->lock);
+      pthread_join(s->thread, NULL);
+    }
+    free(s->snap[0].data);
+    free(s->snap[1].data);
+    pthread_mutex_destroy(&s->lock);
+    pthread_cond_destroy(&s->cond);
+  }
+  free(B.senders);
+  B.senders = NULL;
+  B.nsenders = 0;
+  pthread_mutex_lock(&B.store_lock);
+  for (uint32_t i = 0; i < B.nheld; i++) {
+    free(B.held[i].data);
+    free(B.held[i].pdata);
+  }
+  free(B.held);
+  B.held = NULL;
+  B.nheld = 0;
+  pthread_mutex_unlock(&B.store_lock);
+}
+
+/* ---- the holder ----------------------------------------------------------------------------- */
+
+/* The entry of (rank, world size), made when absent (create); NULL: none (or out of memory).
+ * store_lock held. */
+static held_t *held_of(uint32_t rank, uint32_t world_size, int create) {
+  for (uint32_t i = 0; i < B.nheld; i++)
+    if (B.held[i].meta.rank == rank && B.held[i].meta.world_size == world_size) return &B.held[i];
+  if (!create) return NULL;
+  held_t *h = realloc(B.held, (B.nheld + 1) * sizeof *h);
+  if (!h) return NULL;
+  B.held = h;
+  h = &B.held[B.nheld++];
+  *h = (held_t){.meta = {.rank = rank, .world_size = world_size}};
+  return h;
+}
+
+/* A copy larger than this is refused: a peer cannot make this node allocate without bound. */
+#define MAX_COPY_BYTES (1ull << 40)
+
+int zd__buddy_put(const Zerod__V1__BuddyPutRequest *req, uint64_t *received, zd__err_t *err) {
+  const Zerod__V1__BuddyCopyInfo *info = req->info;
+  uint64_t want = state_count(info->states) * info->shard_elems * sizeof(float);
+  if (info->total_bytes != want || !want || want > MAX_COPY_BYTES ||
+      req->offset + req->data.len > want || info->rank >= info->world_size)
+    return zd__errf(err, -EINVAL,
+                    "buddy copy of rank %u: %" PRIu64 " bytes at %" PRIu64
+                    " do not fit a copy of %" PRIu64 " bytes (%" PRIu64 " expected)",
+                    info->rank, (uint64_t)req->data.len, req->offset, info->total_bytes, want);
+  pthread_mutex_lock(&B.store_lock);
+  int rc = ZD_OK;
+  held_t *h = held_of(info->rank, info->world_size, 1);
+  if (!h) {
+    rc = zd__errf(err, -ENOMEM, "out of memory for a buddy copy");
+    goto out;
+  }
+  if (req->offset == 0) {
+    meta_t m;
+    meta_from(info, &m);
+    if (!h->pdata || h->pmeta.bytes != m.bytes) {
+      free(h->pdata);
+      h->pdata = malloc(m.bytes);
+      if (!h->pdata) {
+        h->pmeta = (meta_t){0};
+        rc = zd__errf(err, -ENOMEM, "out of memory for a buddy copy of %" PRIu64 " bytes", m.bytes);
+        goto out;
+      }
+    }
+    h->pmeta = m;
+    h->received = 0;
+  }
+  if (!h->pdata || req->offset != h->received || h->pmeta.step != info->step ||
+      h->pmeta.layout_hash != info->layout_hash || h->pmeta.bytes != info->total_bytes) {
+    rc = zd__errf(err, ZD_EORDER,
+                  "buddy copy of rank %u: a piece at %" PRIu64 " of step %" PRIu64
+                  " does not continue the copy in progress (%" PRIu64 " bytes of step %" PRIu64 ")",
+                  info->rank, req->offset, info->step, h->received, h->pmeta.step);
+    goto out;
+  }
+  memcpy(h->pdata + req->offset, req->data.data, req->data.len);
+  h->received += req->data.len;
+  *received = h->received;
+  if (req->has_last && req->last) {
+    if (h->received != h->pmeta.bytes) {
+      rc =
+          zd__errf(err, ZD_EORDER, "buddy copy of rank %u ends at %" PRIu64 " of %" PRIu64 " bytes",
+                   info->rank, h->received, h->pmeta.bytes);
+      goto out;
+    }
+    uint8_t *old = h->data;
+    meta_t oldm = h->meta;
+    h->data = h->pdata;
+    h->meta = h->pmeta;
+    h->pdata = old; /* reused by the next copy when it has the same size */
+    h->pmeta = oldm;
+    h->received = 0;
+    h->has = 1;
+    h->complete_unix_ms = zd__unix_ms();
+    snprintf(h->from, sizeof h->from, "%s", info->from_address ? info->from_address : "");
+  }
+out:
+  pthread_mutex_unlock(&B.store_lock);
+  return rc;
+}
+
+int zd__buddy_get(const Zerod__V1__BuddyGetRequest *req, Zerod__V1__BuddyGetReply *rep,
+                  Zerod__V1__BuddyCopyInfo *info, uint8_t **data, zd__err_t *err) {
+  *data = NULL;
+  pthread_mutex_lock(&B.store_lock);
+  int rc = ZD_OK;
+  held_t *h = held_of(req->rank, req->world_size, 0);
+  if (!h || !h->has || h->meta.layout_hash != req->layout_hash) goto out;
+  info_of(&h->meta, info);
+  info->from_address = NULL;
+  rep->info = info;
+  if (req->max_bytes && req->offset < h->meta.bytes) {
+    uint64_t len = h->meta.bytes - req->offset;
+    if (len > req->max_bytes) len = req->max_bytes;
+    if (len > PIECE_BYTES * 4u) len = PIECE_BYTES * 4u;
+    if (!(*data = malloc(len))) {
+      rc = zd__errf(err, -ENOMEM, "out of memory");
+      goto out;
+    }
+    memcpy(*data, h->data + req->offset, len);
+    rep->has_data = 1;
+    rep->data.data = *data;
+    rep->data.len = len;
+  }
+out:
+  pthread_mutex_unlock(&B.store_lock);
+  return rc;
+}
+
+/* ---- recovery ------------------------------------------------------------------------------- */
+
+/* The newest copy of this rank that another node holds, read whole into *out (data malloc'd);
+ * *holder names it. ZD_OK with out->valid 0: none found. */
+static int fetch_copy(const zd__step_ctx_t *ctx, const zd__model_t *m, snap_t *out, char *holder,
+                      size_t hlen) {
+  zd__err_t err = {0};
+  zd__rdv_t *rdv = NULL;
+  Zerod__V1__NodesReply *nodes = NULL;
+  *out = (snap_t){0};
+  int rc = zd__rdv_open(B.rendezvous, &rdv, &err);
+  if (!rc && B.token[0]) rc = zd__rdv_set_token(rdv, B.token, &err);
+  if (!rc) rc = zd__rdv_nodes(rdv, &nodes, CALL_MS, &err);
+  if (rc) {
+    ZD_LOG_WARN("rank %u: cannot list the nodes to find a buddy copy: %s", ctx->rank, err.msg);
+    goto out;
+  }
+  for (size_t i = 0; i < nodes->n_nodes; i++) {
+    const Zerod__V1__NodeInfo *ni = nodes->nodes[i];
+    if (ni->first_rank == B.set.first_rank) continue; /* this node holds none of its own */
+    zd__grpc_channel_t *ch = NULL;
+    if (zd__grpc_channel_open(ni->control_address, &ch, &err)) continue;
+    if (B.token[0]) zd__grpc_channel_set_token(ch, B.token);
+    snap_t got = {0};
+    uint64_t off = 0;
+    int crc = ZD_OK;
+    do {
+      Zerod__V1__BuddyGetRequest req = ZEROD__V1__BUDDY_GET_REQUEST__INIT;
+      req.rank = ctx->rank;
+      req.world_size = ctx->world_size;
+      req.layout_hash = m->layout->hash;
+      req.offset = off;
+      req.max_bytes = got.data ? 4u * PIECE_BYTES : 0;
+      ProtobufCMessage *r = NULL;
+      crc = zd__grpc_call(ch, "/zerod.v1.Control/BuddyGet", &req.base,
+                          &zerod__v1__buddy_get_reply__descriptor, &r, CALL_MS, 0, NULL, &err);
+      Zerod__V1__BuddyGetReply *rep = (Zerod__V1__BuddyGetReply *)r;
+      if (!crc && !rep->info) crc = -ENOENT;
+      if (!crc && !got.data) { /* the first call: what the copy is */
+        meta_from(rep->info, &got.meta);
+        uint64_t want = state_count(m->states) * m->layout->shard_elems * sizeof(float);
+        if (got.meta.bytes != want || got.meta.states != m->states ||
+            (out->valid &&
+             got.meta.step + got.meta.steps_skipped <= out->meta.step + out->meta.steps_skipped))
+          crc = -ENOENT; /* not this model's, or not newer than one found already */
+        else if (!(got.data = malloc(want)))
+          crc = -ENOMEM;
+      } else if (!crc) {
+        if (rep->info->step != got.meta.step || !rep->has_data || !rep->data.len ||
+            off + rep->data.len > got.meta.bytes)
+          crc = ZD_EORDER; /* the holder took a newer copy meanwhile */
+        else {
+          memcpy(got.data + off, rep->data.data, rep->data.len);
+          off += rep->data.len;
+        }
+      }
+      if (r) protobuf_c_message_free_unpacked(r, NULL);
+    } while (!crc && off < got.meta.bytes);
+    zd__grpc_channel_close(ch);
+    if (!crc && XXH3_64bits(got.data, got.meta.bytes) != got.meta.checksum) {
+      crc = ZD_EPROTO;
+      snprintf(err.msg, sizeof err.msg, "the copy of step %" PRIu64 " fails its checksum",
+               got.meta.step);
+    }
+    if (crc) {
+      if (crc != -ENOENT)
+        ZD_LOG_WARN("rank %u: reading the buddy copy held by %s: %s", ctx->rank,
+                    ni->control_address, err.msg);
+      free(got.data);
+      continue;
+    }
+    free(out->data);
+    got.valid = 1;
+    *out = got;
+    snprintf(holder, hlen, "%s", ni->control_address);
+  }
+out:
+  if (nodes) protobuf_c_message_free_unpacked(&nodes->base, NULL);
+  zd__rdv_close(rdv);
+  return ZD_OK;
+}
+
+/* What a rank can serve, all-gathered. A commit is named by step + steps skipped. */
+typedef struct offer {
+  uint64_t replace;
+  uint64_t nfile, file[2];
+  uint64_t nsnap, snap[2];
+  uint64_t has_copy, copy;
+} offer_t;
+
+static int can_serve(const offer_t *o, uint64_t key) {
+  for (uint64_t i = 0; i < o->nfile; i++)
+    if (o->file[i] == key) return 1;
+  for (uint64_t i = 0; i < o->nsnap; i++)
+    if (o->snap[i] == key) return 1;
+  return o->has_copy && o->copy == key;
+}
+
+static void restore_from(zd__model_t *m, const snap_t *sn) {
+  if (m->restored) zd__model_forget_restored(m);
+  uint64_t off = 0, each = m->layout->shard_elems * sizeof(float);
+  for (int i = 0; i < ZD__NSTATES; i++)
+    if (m->states & ZD__STATE_BIT(i)) {
+      memcpy(m->shard.state[i], sn->data + off, each);
+      off += each;
+    }
+  m->step = sn->meta.step;
+  m->steps_skipped = sn->meta.steps_skipped;
+  if (sn->meta.scaler_enabled && m->scaler.enabled) {
+    m->scaler.scale = sn->meta.scale;
+    m->scaler.growth_tracker = sn->meta.growth_tracker;
+    m->scaler.hysteresis_tracker = sn->meta.hysteresis_tracker;
+  }
+  zd__model_commit(m, 0); /* the committed set holds that step now (a state file's header too) */
+}
+
+int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int *handled,
+                     char *why, size_t len, zd__err_t *err) {
+  *handled = 0;
+  why[0] = '\0';
+  if (!B.senders || ctx->world_size < 2) return ZD_OK;
+  sender_t *s = &B.senders[ctx->local_rank];
+  offer_t mine = {.replace = (uint64_t)replace};
+  mine.nfile = m->restored && !replace ? (uint64_t)m->restored : 0;
+  for (uint64_t i = 0; i < mine.nfile; i++)
+    mine.file[i] = m->restored_rec[i].step + m->restored_rec[i].steps_skipped;
+  snap_t *snaps[2] = {0};
+  for (int i = 0; i < 2; i++) {
+    const snap_t *sn = &s->snap[i];
+    if (sn->valid && sn->meta.layout_hash == m->layout->hash && sn->meta.states == m->states &&
+        sn->meta.rank == ctx->rank && sn->meta.world_size == ctx->world_size) {
+      snaps[mine.nsnap] = &s->snap[i];
+      mine.snap[mine.nsnap++] = sn->meta.step + sn->meta.steps_skipped;
+    }
+  }
+  snap_t copy = {0};
+  char holder[256] = "";
+  if (!mine.nfile && !replace) {
+    uint64_t t0 = zd__now_ms();
+    fetch_copy(ctx, m, &copy, holder, sizeof holder);
+    if (copy.valid) {
+      mine.has_copy = 1;
+      mine.copy = copy.meta.step + copy.meta.steps_skipped;
+      ZD_LOG_INFO("rank %u read its buddy copy of step %" PRIu64 " (%" PRIu64
+                  " bytes) from %s in %" PRIu64 " ms",
+                  ctx->rank, copy.meta.step, copy.meta.bytes, holder, zd__now_ms() - t0);
+    }
+  }
+  uint32_t w = ctx->world_size;
+  offer_t *all = calloc(w, sizeof *all);
+  if (!all) {
+    free(copy.data);
+    return zd__errf(err, -ENOMEM, "out of memory");
+  }
+  int rc = ctx->comm->ops->allgather_bytes(ctx->comm, &mine, sizeof mine, all, err);
+  if (rc) goto out;
+  int needed = 0, any_replace = 0;
+  for (uint32_t r = 0; r < w; r++) {
+    needed |= !all[r].nfile;
+    any_replace |= all[r].replace != 0;
+  }
+  if (!needed || any_replace) goto out; /* the state files' agreement decides */
+  /* The newest commit every rank can serve, among those any rank without a file offers. */
+  uint64_t target = 0;
+  int found = 0, evidence = 0;
+  for (uint32_t r = 0; r < w; r++) {
+    evidence |= all[r].nfile || all[r].nsnap || all[r].has_copy;
+    if (all[r].nfile) continue;
+    uint64_t keys[3] = {all[r].snap[0], all[r].snap[1], all[r].copy};
+    uint64_t have[3] = {all[r].nsnap > 0, all[r].nsnap > 1, all[r].has_copy};
+    for (int k = 0; k < 3; k++) {
+      if (!have[k] || (found && keys[k] <= target)) continue;
+      uint32_t q = 0;
+      while (q < w && can_serve(&all[q], keys[k])) q++;
+      if (q == w) {
+        target = keys[k];
+        found = 1;
+      }
+    }
+  }
+  for (uint32_t r = 0; r < w && !found && evidence && !why[0]; r++)
+    if (!all[r].nfile && !all[r].has_copy && !all[r].nsnap)
+      snprintf(why, len,
+               "rank %u has neither a state file nor a buddy copy (its buddy's copy is gone)", r);
+  if (!found && evidence && !why[0])
+    snprintf(why, len,
+             "the ranks' state files, snapshots and buddy copies hold no step in common (a copy "
+             "older than another rank's snapshots, or a copy in flight at the loss)");
+  if (!found && !why[0]) goto out; /* a first start: nothing to serve */
+  if (why[0]) {
+    ZD_LOG_WARN("rank %u: no buddy copy can serve the world: %s", ctx->rank, why);
+    goto out;
+  }
+  /* Every rank serves `target`: its file first (nothing to copy), else its snapshot, else the
+   * copy it read. */
+  const char *from = NULL;
+  for (uint64_t i = 0; i < mine.nfile && !from; i++)
+    if (mine.file[i] == target) {
+      zd__model_take_record(m, (int)i);
+      from = "its state file";
+    }
+  for (uint64_t i = 0; i < mine.nsnap && !from; i++)
+    if (mine.snap[i] == target) {
+      restore_from(m, snaps[i]);
+      from = "its own snapshot";
+    }
+  if (!from) {
+    restore_from(m, &copy);
+    from = "its buddy's copy";
+  }
+  m->resumed_from = ZD__FROM_BUDDY;
+  int at = !strcmp(from, "its buddy's copy");
+  ZD_LOG_INFO("rank %u resumed step %" PRIu64
+              " from %s%s%s: the world continues from its buddy "
+              "copies, no storage read",
+              ctx->rank, m->step, from, at ? " at " : "", at ? holder : "");
+  *handled = 1;
+out:
+  free(all);
+  free(copy.data);
+  return rc;
+}
+
+/* ---- status --------------------------------------------------------------------------------- */
+
+void zd__buddy_rank_status(uint32_t local_rank, zd__buddy_rank_status_t *out) {
+  *out = (zd__buddy_rank_status_t){0};
+  if (!B.senders || local_rank >= B.nsenders) return;
+  sender_t *s = &B.senders[local_rank];
+  pthread_mutex_lock(&s->lock);
+  out->has_copy = s->copies > 0;
+  out->step = s->copy_step;
+  uint64_t now = zd__unix_ms();
+  out->age_ms = now > s->copy_unix_ms ? now - s->copy_unix_ms : 0;
+  snprintf(out->holder, sizeof out->holder, "%s", s->holder);
+  snprintf(out->error, sizeof out->error, "%s", s->error);
+  pthread_mutex_unlock(&s->lock);
+}
+
+void zd__buddy_status(void *ctx, zd__status_t *st) {
+  (void)ctx;
+  zd__status_section(st, "buddy");
+  zd__status_add(st, "every_steps", "%u", B.set.every_steps);
+  zd__status_add(st, "failure_domain", "%s", B.domain);
+  uint64_t now = zd__unix_ms();
+  for (uint32_t i = 0; i < B.nsenders; i++) {
+    sender_t *s = &B.senders[i];
+    uint32_t r = B.set.first_rank + i;
+    pthread_mutex_lock(&s->lock);
+    char k[64];
+#define KEY(name) (snprintf(k, sizeof k, "rank%u_" name, r), k)
+    zd__status_add(st, KEY("copies"), "%" PRIu64, s->copies);
+    zd__status_add(st, KEY("skipped"), "%" PRIu64, s->skipped);
+    zd__status_add(st, KEY("failures"), "%" PRIu64, s->failures);
+    if (s->copies) {
+      zd__status_add(st, KEY("copy_step"), "%" PRIu64, s->copy_step);
+      zd__status_add(st, KEY("copy_age_ms"), "%" PRIu64,
+                     now > s->copy_unix_ms ? now - s->copy_unix_ms : 0);
+      zd__status_add(st, KEY("copy_holder"), "%s", s->holder);
+      zd__status_add(st, KEY("last_send_ms"), "%" PRIu64, s->last_send_ms);
+      zd__status_add(st, KEY("last_snapshot_us"), "%" PRIu64, s->last_snapshot_us);
+    } else {
+      zd__status_add(st, KEY("copy_step"), "none");
+    }
+    if (s->error[0]) zd__status_add(st, KEY("copy_error"), "%s", s->error);
+#undef KEY
+    pthread_mutex_unlock(&s->lock);
+  }
+  pthread_mutex_lock(&B.store_lock);
+  for (uint32_t i = 0; i < B.nheld; i++) {
+    const held_t *h = &B.held[i];
+    if (!h->has) continue;
+    char k[64];
+    snprintf(k, sizeof k, "held_rank%u_step", h->meta.rank);
+    zd__status_add(st, k, "%" PRIu64, h->meta.step);
+    snprintf(k, sizeof k, "held_rank%u_age_ms", h->meta.rank);
+    zd__status_add(st, k, "%" PRIu64,
+                   now > h->meta.taken_unix_ms ? now - h->meta.taken_unix_ms : 0);
+    snprintf(k, sizeof k, "held_rank%u_from", h->meta.rank);
+    zd__status_add(st, k, "%s", h->from);
+    snprintf(k, sizeof k, "held_rank%u_bytes", h->meta.rank);
+    zd__status_add(st, k, "%" PRIu64, h->meta.bytes);
+  }
+  pthread_mutex_unlock(&B.store_lock);
+}

@@ -1,0 +1,80 @@
+/* Buddy copies (buddy_copy_every_steps; CPU backend, world size > 1): every N steps each rank's
+ * committed shard state (the arrays the model has, its step, steps skipped and loss scaler) is
+ * copied on the worker into a snapshot of zerod's memory, which a sender thread per local rank
+ * sends in pieces, throttled, to the control service of its buddy: the next node in rank order
+ * whose failure_domain differs (the next node at all when none does, with a warning). The buddy
+ * holds the newest complete copy of each ward in memory (not in its state_dir) and answers
+ * BuddyGet with it.
+ *
+ * Recovery (zd__buddy_resume, from the checkpointer's resume): when a rank of the world has no
+ * usable state file (its zerod came back empty), the ranks all-gather which commits each can
+ * serve: its state file's records, its own two newest snapshots, and for a rank without a file
+ * the newest copy a buddy holds of it (read before the all-gather, so that nothing can fail after
+ * it). The world takes the step of the empty ranks' copies when every rank can serve it, each
+ * from its file, its snapshot or its copy; otherwise every rank goes on to the state files'
+ * agreement and the checkpoint fallback, and the reason is the model's resume note.
+ *
+ * Threads: zd__buddy_after_step and zd__buddy_resume run on a rank's worker (the one writer of
+ * its snapshots), the sender threads read the snapshot they send, and the holder's store is
+ * called from the control service on the loop; a lock per sender and one for the store. The
+ * settings, senders and store are the process's (one zerod per process: tests that run several
+ * daemons in one process must leave buddy copies off in all but one). */
+#ifndef ZD_STEP_BUDDY_H
+#define ZD_STEP_BUDDY_H
+#include <stdint.h>
+#include "control.pb-c.h"
+#include "error.h"
+#include "model.h"
+#include "status.h"
+
+typedef struct zd__buddy_settings {
+  uint32_t every_steps;      /* 0: off (the store still holds copies sent to this node) */
+  uint64_t bytes_per_s;      /* 0: no limit */
+  const char *domain;        /* failure_domain; "": this node's own */
+  const char *rendezvous;    /* where the node registry is (rendezvous.h) */
+  const char *control_token; /* sent with every call; "": none */
+  const char *control_address;
+  uint32_t first_rank, local_ranks, world_size;
+} zd__buddy_settings_t;
+
+/* Copies the settings and starts a sender thread per local rank when every_steps > 0 and
+ * world_size > 1. Errors: -ENOMEM, or a thread that cannot start. Call once, before workers. */
+int zd__buddy_start(const zd__buddy_settings_t *s, zd__err_t *err);
+
+/* Stops the senders (a copy in flight is dropped between pieces) and frees snapshots and the
+ * copies held. Call after the workers are joined and the control service stopped. */
+void zd__buddy_stop(void);
+
+/* After a committed step: at every every_steps-th step takes a snapshot of the committed state
+ * and hands it to the sender, unless the previous copy is still being sent (counted as skipped).
+ * On the rank's worker; never fails the step (a failure is logged and in the status). */
+void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m);
+
+/* The buddy agreement (above), collective at world size > 1 when copies are on; a no-op
+ * otherwise. *handled: the model serves the agreed step (restored, committed, resumed_from
+ * ZD__FROM_BUDDY); else why (len bytes) says why no copy served when one was needed ("": none was
+ * needed). Errors: the collective's. */
+int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int *handled,
+                     char *why, size_t len, zd__err_t *err);
+
+/* The holder's side, for the control service (loop thread). */
+int zd__buddy_put(const Zerod__V1__BuddyPutRequest *req, uint64_t *received, zd__err_t *err);
+/* Fills rep from the complete copy held of req's rank; *data (malloc'd, the caller frees it after
+ * packing) is the piece asked for. ZD_OK with rep->info NULL: none held. */
+int zd__buddy_get(const Zerod__V1__BuddyGetRequest *req, Zerod__V1__BuddyGetReply *rep,
+                  Zerod__V1__BuddyCopyInfo *info, uint8_t **data, zd__err_t *err);
+
+/* This local rank's newest copy complete at its buddy. */
+typedef struct zd__buddy_rank_status {
+  int has_copy;
+  uint64_t step;
+  uint64_t age_ms;
+  char holder[256];
+  char error[256];
+} zd__buddy_rank_status_t;
+void zd__buddy_rank_status(uint32_t local_rank, zd__buddy_rank_status_t *out);
+
+/* The "buddy" status section (zd__status_register; ctx unused). */
+void zd__buddy_status(void *ctx, zd__status_t *st);
+
+#endif /* ZD_STEP_BUDDY_H */

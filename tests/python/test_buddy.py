@@ -1,0 +1,329 @@
+"""Buddy copies (buddy_copy_every_steps) against real zerod processes: a node that comes back empty
+resumes from its buddy's copy.
+
+W=2, a zerod per rank on loopback (unix: control addresses), one state_dir, no checkpoints, a copy
+every 4 steps. The trainers step to 10; zerod 1 is SIGKILLed between steps, its state file is
+deleted (the node came back empty) and it is started again as a new process. The world re-forms:
+rank 1 reads its copy of step 8 from zerod 0 (its buddy), rank 0 goes back to its own snapshot of
+step 8 (its state file holds only steps 9 and 10), and both registrations report step 8 with
+parameters bitwise equal to torch's AdamW at step 8. The trainers then re-run steps 9.. (the test
+drives that), each bitwise equal to the uninterrupted reference. Status (the buddy section, and
+zeroctl status --json from the control service) shows each copy's step, age and holder, and the
+recovery ("buddy copy").
+
+Both copies gone: with checkpoints every 3 steps, both zerods are SIGKILLed (zerod 0 held rank 1's
+copy in its memory) and rank 1's state file is deleted: the world falls back to the newest
+checkpoint, and rank 1's status says why (neither a state file nor a buddy copy).
+
+Also: W=3 with failure domains a, a, b (each copy leaves its node's domain), and the bandwidth cap
+(a copy takes at least its bytes over the cap while the steps go on).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from typing import List
+
+import common  # sets up sys.path and the library first
+
+import zerod.testing  # noqa: E402
+
+from test_state_dir import (BUCKET, PARAMS, Reference, Trainer, init_values, on_all,  # noqa: E402
+                            tmpfs_root)
+
+import numpy as np  # noqa: E402
+
+EVERY = 4
+
+
+class World3:
+    """Three zerods, one rank each, each with its own failure_domain (LocalWorld gives every
+    daemon the same settings)."""
+
+    def __init__(self, state_dir: str, domains: List[str]) -> None:
+        self.world_size = len(domains)
+        self.daemons: List[zerod.testing.LocalZerod] = []
+        try:
+            for r, dom in enumerate(domains):
+                d = zerod.testing.LocalZerod([], log_level="info", start=False)
+                first = self.daemons[0] if self.daemons else d
+                d.args = ["--world_size", str(len(domains)), "--first_rank", str(r),
+                          "--local_ranks", "1", "--rendezvous_address", first.control_address,
+                          "--state_dir", state_dir, "--bucket_elems", BUCKET,
+                          "--buddy_copy_every_steps", str(EVERY), "--failure_domain", dom,
+                          "--heartbeat_ms", "100", "--peer_timeout_ms", "1000"]
+                self.daemons.append(d)
+            for d in self.daemons:
+                d.spawn()
+            for d in self.daemons:
+                d.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def connect(self, rank: int):
+        return zerod.Client(self.daemons[rank].socket, 0, 0)
+
+    def stop(self) -> None:
+        for d in self.daemons:
+            if d.returncode is None:
+                d.stop(signal.SIGKILL, check=False)
+
+
+class BuddyTest(unittest.TestCase):
+    ref = None
+
+    def setUp(self) -> None:
+        self.state_dir = os.path.join(tempfile.mkdtemp(prefix="zerod-buddy-", dir=tmpfs_root()),
+                                      "state")
+        self.addCleanup(shutil.rmtree, os.path.dirname(self.state_dir), True)
+        if BuddyTest.ref is None:
+            BuddyTest.ref = Reference()
+
+    def assert_same(self, got, step: int, what: str) -> None:
+        want = self.ref.at(step)
+        for name, _ in PARAMS:
+            g, w = got[name].view(np.uint32).ravel(), want[name].view(np.uint32).ravel()
+            diff = np.flatnonzero(g != w)
+            self.assertEqual(diff.size, 0, f"{what}: {name} differs from torch's step {step} at "
+                             f"{diff.size} elements, first {diff[:5].tolist()}")
+
+    def world(self, extra: List[str] = ()) -> zerod.testing.LocalWorld:
+        world = zerod.testing.LocalWorld(2, daemons=2, args=[
+            "--state_dir", self.state_dir, "--bucket_elems", BUCKET, "--heartbeat_ms", "100",
+            "--peer_timeout_ms", "1000", "--log_level", "info",
+            "--buddy_copy_every_steps", str(EVERY)] + list(extra))
+        self.addCleanup(lambda: world.stop(signal.SIGKILL, check=False))
+        return world
+
+    def register_n(self, world, n: int) -> List[Trainer]:
+        ts = on_all([lambda r=r: Trainer(world, init_values(), r, register=False)
+                     for r in range(n)])
+        infos = on_all([lambda t=t: t.client.register() for t in ts])
+        for t, info in zip(ts, infos):
+            t.info = info
+        return ts
+
+    def register(self, world, init) -> List[Trainer]:
+        ts = on_all([lambda r=r: Trainer(world, init, r, register=False) for r in range(2)])
+        infos = on_all([lambda t=t: t.client.register() for t in ts])
+        for t, info in zip(ts, infos):
+            t.info = info
+        return ts
+
+    def train(self, ts: List[Trainer], steps: range, check: bool = False) -> None:
+        for s in steps:
+            on_all([lambda t=t: t.step(s) for t in ts])
+            if check:
+                for t in ts:
+                    self.assert_same(t.snapshot(), s, f"rank {t.rank} at step {s}")
+
+    def wait_copies(self, ts: List[Trainer], step: int, timeout: float = 20) -> None:
+        """Until each rank's copy of `step` is complete at its buddy (the copy is asynchronous)."""
+        deadline = time.monotonic() + timeout
+        for t in ts:
+            key = f"rank{t.rank}_copy_step"
+            while True:
+                buddy = t.client.status_dict().get("buddy", {})
+                if buddy.get(key) == str(step):
+                    break
+                self.assertLess(time.monotonic(), deadline, f"no copy of step {step}: {buddy}")
+                time.sleep(0.02)
+
+    def wipe(self, rank: int) -> None:
+        files = glob.glob(os.path.join(self.state_dir, f"rank{rank}-of-2-*"))
+        self.assertTrue(files, f"rank {rank} has no state file to delete")
+        for f in files:
+            os.unlink(f)
+
+    def kill(self, world, victims: List[int], ts: List[Trainer]) -> None:
+        for v in victims:
+            common.stop_zerod(world.daemons[v], signal.SIGKILL)
+        for t in ts:
+            t.close()
+
+    def restart(self, world, victims: List[int]) -> None:
+        for v in victims:
+            args = list(world.daemons[v].args)
+            addr = world.daemons[0].control_address
+            if v == 0:  # it serves the rendezvous store, at the address the others were given
+                if "--control_address" not in args:
+                    args += ["--control_address", addr]
+                if os.path.exists(addr[len("unix:"):]):
+                    os.unlink(addr[len("unix:"):])
+            d = zerod.testing.LocalZerod(args, log_level="info")
+            if v == 0:
+                d.control_address = addr
+            world.daemons[v] = d
+            world._endpoints[v] = (d.socket, 0)
+
+    def zeroctl_json(self, d) -> dict:
+        zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                             "zeroctl"))
+        out = subprocess.run([zeroctl, "--address", d.control_address, "status", "--json"],
+                             capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return json.loads(out.stdout)
+
+    def wait_health(self, d, want: str, timeout: float = 30) -> None:
+        """Until the zerod's rank says `want` (zeroctl status)."""
+        zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                             "zeroctl"))
+        deadline, health = time.monotonic() + timeout, ""
+        while health != want:
+            self.assertLess(time.monotonic(), deadline,
+                            f"the zerod stays {health}; log:\n{d.log()[-3000:]}")
+            out = subprocess.run([zeroctl, "--address", d.control_address, "status", "--json"],
+                                 capture_output=True, text=True, timeout=30)
+            health = json.loads(out.stdout)["ranks"][0]["health"] if out.stdout else ""
+            time.sleep(0.02)
+
+    def test_node_back_empty_resumes_from_its_buddy(self) -> None:
+        world = self.world()
+        ts = self.register(world, init_values())
+        self.train(ts, range(1, 2 * EVERY + 1))
+        self.wait_copies(ts, 2 * EVERY)
+        st0 = ts[0].client.status_dict()["buddy"]
+        st1 = ts[1].client.status_dict()["buddy"]
+        # each copy's step, age and holder: rank 0's copy is in zerod 1, rank 1's in zerod 0
+        self.assertEqual(st0["rank0_copy_holder"], world.daemons[1].control_address, st0)
+        self.assertEqual(st1["rank1_copy_holder"], world.daemons[0].control_address, st1)
+        self.assertLess(int(st0["rank0_copy_age_ms"]), 60000)
+        self.assertEqual(st0["held_rank1_step"], str(2 * EVERY), st0)
+        self.assertEqual(st1["held_rank0_step"], str(2 * EVERY), st1)
+        rank0 = ts[0].client.status_dict()["rank 0"]
+        self.assertNotIn("last_recovery", rank0)
+        # the control service's Status has them too (zeroctl status --json)
+        for r, d in enumerate(world.daemons):
+            js = self.zeroctl_json(d)["ranks"][0]
+            self.assertEqual(js.get("buddy_copy_step"), 2 * EVERY, js)
+            self.assertEqual(js.get("buddy_copy_holder"), world.daemons[1 - r].control_address)
+            self.assertLess(js["buddy_copy_age_ms"], 60000)
+        self.train(ts, range(2 * EVERY + 1, 2 * EVERY + 3))  # steps 9, 10: lost with zerod 1
+        lost_at = 2 * EVERY + 2
+
+        t0 = time.monotonic()
+        self.kill(world, [1], ts)
+        self.wait_health(world.daemons[0], "rejoining")  # as systemd would restart it
+        self.wipe(1)  # the node comes back empty
+        self.restart(world, [1])
+        ts = self.register(world, None)
+        recovered_s = time.monotonic() - t0
+        for t in ts:
+            self.assertTrue(t.info.resumed, f"rank {t.rank} did not resume")
+            self.assertEqual(t.info.step, 2 * EVERY, f"rank {t.rank} resumed step {t.info.step}")
+            self.assert_same(t.snapshot(), 2 * EVERY, f"rank {t.rank} after the recovery")
+        self.assertIn("from its buddy's copy", world.daemons[1].log())
+        self.assertIn("from its own snapshot", world.daemons[0].log())
+        for t in ts:
+            rank = t.client.status_dict()[f"rank {t.rank}"]
+            self.assertEqual(rank["last_recovery"], "buddy copy", rank)
+            self.assertEqual(rank["last_recovery_step"], str(2 * EVERY))
+        # The trainers re-run the lost steps 9 and 10, then go on: each bitwise torch's.
+        self.train(ts, range(2 * EVERY + 1, lost_at + EVERY + 1), check=True)
+        self.wait_copies(ts, 3 * EVERY)
+        print(f"\n    node loss to training again from the buddy copy: {recovered_s:.2f} s "
+              f"(kill, restart, re-form, read the copy, register)", flush=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_buddy_leaves_the_failure_domain(self) -> None:
+        """W=3, domains a, a, b: rank 0's copy skips rank 1's node (its own domain) for rank 2's,
+        rank 1's goes to rank 2's, rank 2's to rank 0's (the next node in rank order, of
+        another domain). Then zerod 1 comes back empty and reads its copy from zerod 2, while
+        ranks 0 and 2 go back to their own snapshots."""
+        domains = ["a", "a", "b"]
+        world = World3(self.state_dir, domains)
+        self.addCleanup(lambda: world.stop())
+        ts = self.register_n(world, 3)
+        self.train(ts, range(1, EVERY + 1))
+        self.wait_copies(ts, EVERY)
+        want = {0: 2, 1: 2, 2: 0}
+        for t in ts:
+            buddy = t.client.status_dict()["buddy"]
+            self.assertEqual(buddy["failure_domain"], domains[t.rank])
+            self.assertEqual(buddy[f"rank{t.rank}_copy_holder"],
+                             world.daemons[want[t.rank]].control_address, buddy)
+        # zerod 1 back empty: its copy is in zerod 2; ranks 0 and 2 go back to their snapshots
+        self.train(ts, range(EVERY + 1, EVERY + 3))
+        common.stop_zerod(world.daemons[1], signal.SIGKILL)
+        for t in ts:
+            t.close()
+        for v in (0, 2):
+            self.wait_health(world.daemons[v], "rejoining")
+        for f in glob.glob(os.path.join(self.state_dir, "rank1-of-3-*")):
+            os.unlink(f)
+        d = zerod.testing.LocalZerod(list(world.daemons[1].args), log_level="info")
+        world.daemons[1] = d
+        ts = on_all([lambda r=r: Trainer(world, None, r, register=False) for r in range(3)])
+        infos = on_all([lambda t=t: t.client.register() for t in ts])
+        for t, info in zip(ts, infos):
+            t.info = info
+            self.assertEqual(info.step, EVERY, f"rank {t.rank}")
+            self.assert_same(t.snapshot(), EVERY, f"rank {t.rank} after the recovery")
+        self.assertIn("at " + world.daemons[2].control_address, d.log())
+        self.train(ts, range(EVERY + 1, EVERY + 4), check=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_copies_are_throttled(self) -> None:
+        """buddy_bandwidth_bytes_per_s: a copy takes at least its bytes over the cap, while the
+        steps go on (the trainers do not wait for it)."""
+        cap = 2 << 20
+        world = self.world(["--buddy_bandwidth_bytes_per_s", str(cap)])
+        ts = self.register(world, init_values())
+        self.train(ts, range(1, EVERY + 1))
+        t0 = time.monotonic()
+        self.train(ts, range(EVERY + 1, EVERY + 3))
+        stepped = time.monotonic() - t0
+        self.wait_copies(ts, EVERY)
+        held = ts[1].client.status_dict()["buddy"]
+        nbytes = int(held["held_rank0_bytes"])
+        sent_ms = int(ts[0].client.status_dict()["buddy"]["rank0_last_send_ms"])
+        self.assertGreaterEqual(sent_ms, 1000 * nbytes / cap * 0.9, f"{held}")
+        self.assertLess(stepped, sent_ms / 1000, "the steps waited for the copy")
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_both_copies_gone_falls_back_to_the_checkpoint(self) -> None:
+        ckpt = tempfile.mkdtemp(prefix="zerod-ckpt-")
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        world = self.world(["--checkpoint_dir", ckpt, "--checkpoint_every_steps", "3",
+                            "--resume", "latest"])
+        ts = self.register(world, init_values())
+        self.train(ts, range(1, 2 * EVERY + 1))
+        self.wait_copies(ts, 2 * EVERY)
+        # zerod 0 held rank 1's copy in memory: killing both loses it with rank 1's state file
+        self.kill(world, [0, 1], ts)
+        self.wipe(1)
+        self.restart(world, [0, 1])
+        ts = self.register(world, None)
+        for t in ts:
+            self.assertTrue(t.info.resumed)
+            self.assertEqual(t.info.step, 6, "not the newest checkpoint (step 6)")
+            self.assert_same(t.snapshot(), 6, f"rank {t.rank} from the checkpoint")
+        rank = ts[1].client.status_dict()["rank 1"]
+        self.assertEqual(rank["last_recovery"], "checkpoint", rank)
+        self.assertIn("neither a state file nor a buddy copy", rank.get("last_recovery_note", ""),
+                      rank)
+        self.train(ts, range(7, 10), check=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+
+if __name__ == "__main__":
+    sys.argv = sys.argv[:1]
+    common.run(BuddyTest)
