@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import unittest
+import warnings
 from typing import Dict, List, Optional
 
 import common  # sets up sys.path and the library first
@@ -541,7 +542,91 @@ class WorldTest(StateDirTest):
         finally:
             world.stop(signal.SIGKILL, check=False)
 
-    def restart(self, world, victims: List[int]) -> None:
+    def test_optimizer_loops_retry_the_lost_step_by_themselves(self) -> None:
+        """Issue 29: plain ZeroOptimizer training loops (zero_grad, backward, step) that never
+        register again themselves; either zerod SIGKILLed at random moments and restarted on
+        the same socket with the same state_dir. step() registers the model again and retries
+        the step in flight: no exception reaches the loops, every step's parameters on both
+        ranks are torch's (none lost, none applied twice)."""
+        from zerod.torch import ZeroOptimizer
+        rnd = random.Random(self.seed + 3)
+        world = self.world(checkpoints=False)
+        lock = threading.Lock()
+        names = [n for n, _ in PARAMS]
+        state = {"progress": [0, 0], "in_step": [False, False], "stop_at": 10 ** 9,
+                 "wrong": [], "error": [None, None]}
+        opts = on_all([lambda r=r: ZeroOptimizer(
+            [(n, torch.tensor(v, requires_grad=True)) for n, v in init_values().items()],
+            client=world.connect(r), grad_mean=False, foreach=False) for r in range(2)])
+        params = [[p for g in o.param_groups for p in g["params"]] for o in opts]
+
+        def loop(r: int) -> None:
+            opt, ps = opts[r], params[r]
+            s = 1
+            try:
+                while s <= state["stop_at"]:
+                    g = step_grads(s)
+                    opt.zero_grad()
+                    loss = sum((p * (torch.tensor(np.asarray(g[n])) if r == 0 else
+                                     torch.zeros(p.shape))).sum() for n, p in zip(names, ps))
+                    loss.backward()
+                    state["in_step"][r] = True
+                    opt.step()
+                    state["in_step"][r] = False
+                    with lock:
+                        want = self.ref.at(s)
+                    for n, p in zip(names, ps):
+                        if not np.array_equal(p.detach().numpy().view(np.uint32),
+                                              want[n].view(np.uint32)):
+                            state["wrong"].append(f"step {s} rank {r} {n}")
+                    state["progress"][r] = s
+                    s += 1
+            except BaseException as e:  # noqa: BLE001  (asserted below)
+                state["error"][r] = e
+
+        threads = [threading.Thread(target=loop, args=(r,)) for r in range(2)]
+        quiet = warnings.catch_warnings()  # step()'s "registering the model again", expected
+        quiet.__enter__()
+        self.addCleanup(quiet.__exit__, None, None, None)
+        warnings.simplefilter("ignore")
+        for th in threads:
+            th.start()
+        trials = max(4, self.trials // 3)
+        mid_step = 0
+        try:
+            for trial in range(trials):
+                base = min(state["progress"])
+                deadline = time.monotonic() + 120
+                while min(state["progress"]) < base + 2:  # training again, both ranks
+                    self.assertLess(time.monotonic(), deadline,
+                                    f"trial {trial}: the loops do not train again "
+                                    f"({state['progress']}, {state['error']}); logs:\n"
+                                    + "\n".join(d.log()[-2000:] for d in world.daemons))
+                    self.assertEqual(state["error"], [None, None])
+                    time.sleep(0.005)
+                time.sleep(rnd.uniform(0.0, 0.05))
+                victim = rnd.randrange(2)
+                mid_step += any(state["in_step"])
+                common.stop_zerod(world.daemons[victim], signal.SIGKILL)
+                self.wait_health(world.daemons[1 - victim], "rejoining")
+                self.restart(world, [victim], same_socket=True)
+            state["stop_at"] = max(state["progress"]) + 3
+            for th in threads:
+                th.join(180)
+                self.assertFalse(th.is_alive(), "a training loop hangs")
+            self.assertEqual(state["error"], [None, None], "an exception reached a loop")
+            self.assertEqual(state["wrong"], [], "steps whose parameters differ from torch's")
+            self.assertEqual(state["progress"], [state["stop_at"]] * 2)
+            print(f"\n    W=2, ZeroOptimizer loops: {trials} kills, {mid_step} inside a step, "
+                  f"{state['stop_at']} steps, every one torch's, 0 lost")
+            for o in opts:
+                o.close()
+            common.stop_world(world)
+        finally:
+            state["stop_at"] = -1
+            world.stop(signal.SIGKILL, check=False)
+
+    def restart(self, world, victims: List[int], same_socket: bool = False) -> None:
         for v in victims:
             args = [a for a in world.daemons[v].args]
             if v == 0 and "--control_address" not in args:
@@ -552,7 +637,12 @@ class WorldTest(StateDirTest):
                 args += ["--control_address", self.rendezvous]
             if v == 0 and os.path.exists(self.rendezvous[len("unix:"):]):
                 os.unlink(self.rendezvous[len("unix:"):])  # the killed one's socket
-            d = zerod.testing.LocalZerod(args, log_level="info")
+            d = zerod.testing.LocalZerod(args, log_level="info", start=False)
+            if same_socket:  # where its trainer's library connects again (zd_rejoin)
+                d.socket = world.daemons[v].socket
+                if os.path.exists(d.socket):
+                    os.unlink(d.socket)
+            d.start()
             if v == 0:
                 d.control_address = self.rendezvous  # the one its args name
             world.daemons[v] = d
