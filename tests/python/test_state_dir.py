@@ -390,6 +390,71 @@ class StateDirTest(unittest.TestCase):
         self.assertNotEqual(rc, 0)
         self.assertIn("other users may enter it", d.log())
 
+    def refused_at_start(self, args: List[str]) -> str:
+        """zerod's log, once it exited (not 0) at start with these args."""
+        d = zerod.testing.LocalZerod(args, start=False)
+        d.spawn()
+        rc = d.process.wait(30)
+        self.assertNotEqual(rc, 0, f"zerod started with {args}; log:\n{d.log()[-2000:]}")
+        return d.log()
+
+    def test_state_dir_on_a_disk_is_refused_without_any_fs(self) -> None:
+        """Item 7: a state_dir that is not on a memory file system is refused, naming it and
+        why, unless state_dir_any_fs = 1."""
+        disk = ""
+        for root in (tempfile.gettempdir(), os.path.join(common.ROOT, "build"), common.ROOT):
+            out = subprocess.run(["stat", "-f", "-c", "%T", root], capture_output=True, text=True)
+            if os.path.isdir(root) and out.stdout.strip() not in ("tmpfs", "ramfs", ""):
+                disk = root
+                break
+        if not disk:
+            self.skipTest("SKIP: no directory on a disk file system to try")
+        top = tempfile.mkdtemp(prefix="zerod-disk-state-", dir=disk)
+        self.addCleanup(shutil.rmtree, top, True)
+        sd = os.path.join(top, "state")
+        log = self.refused_at_start(["--state_dir", sd])
+        self.assertIn(f"state_dir {sd} is not on a memory file system", log)
+        self.assertIn("state_dir_any_fs = 1", log)
+        d = zerod.testing.LocalZerod(["--state_dir", sd, "--state_dir_any_fs", "1"])
+        t = Trainer(d, init_values())
+        t.step(1)
+        self.assert_same(t.snapshot(), 1, "state_dir on a disk, allowed")
+        t.close()
+        common.stop_zerod(d)
+
+    def test_state_dir_owned_by_another_user_is_refused(self) -> None:
+        if os.geteuid() != 0:
+            self.skipTest("SKIP: needs root to give the state_dir to another user")
+        os.makedirs(self.state_dir, mode=0o700)
+        os.chown(self.state_dir, 65534, 65534)
+        log = self.refused_at_start(["--state_dir", self.state_dir])
+        self.assertIn(f"state_dir {self.state_dir} is owned by uid 65534, not zerod's user", log)
+
+    def test_full_state_dir_is_refused_with_a_message(self) -> None:
+        """Item 7: ENOSPC at start (a 1 MiB tmpfs, mounted for the test): the registration is
+        refused naming the file and the reason; zerod stays up and serves the next one."""
+        if os.geteuid() != 0:
+            self.skipTest("SKIP: needs root to mount a small tmpfs")
+        mnt = tempfile.mkdtemp(prefix="zerod-small-tmpfs-")
+        self.addCleanup(shutil.rmtree, mnt, True)
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", mnt],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            self.skipTest(f"SKIP: cannot mount a tmpfs here: {out.stderr.strip()}")
+        self.addCleanup(subprocess.run, ["umount", "-l", mnt], capture_output=True)
+        sd = os.path.join(mnt, "state")
+        d = zerod.testing.LocalZerod(["--state_dir", sd, "--bucket_elems", BUCKET])
+        try:
+            with self.assertRaises(ZerodError) as cm:
+                Trainer(d, init_values())
+            self.assertIn("cannot reserve", str(cm.exception))
+            self.assertIn("No space left on device", str(cm.exception))
+            self.assertIn(sd, str(cm.exception))
+            self.assertIsNone(d.process.poll(), "zerod died on a full state_dir")
+            self.assertEqual(glob.glob(os.path.join(sd, "*.zdstate")), [], "a partial file left")
+        finally:
+            common.stop_zerod(d)
+
 
 def on_all(fns: List) -> list:
     """Runs every fn at once (collectives need every rank); re-raises the first error."""
@@ -725,6 +790,9 @@ class WorldTest(StateDirTest):
     test_corrupt_headers_fall_back_to_the_checkpoint = None
     test_second_zerod_on_the_same_file_is_refused = None
     test_state_dir_others_may_enter_is_refused = None
+    test_state_dir_on_a_disk_is_refused_without_any_fs = None
+    test_state_dir_owned_by_another_user_is_refused = None
+    test_full_state_dir_is_refused_with_a_message = None
 
 
 if __name__ == "__main__":
