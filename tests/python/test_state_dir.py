@@ -430,6 +430,40 @@ class StateDirTest(unittest.TestCase):
         log = self.refused_at_start(["--state_dir", self.state_dir])
         self.assertIn(f"state_dir {self.state_dir} is owned by uid 65534, not zerod's user", log)
 
+    def test_another_models_state_file_is_left_alone(self) -> None:
+        """Item 7: another job's state file is never mapped over a new model's state: the files
+        are named by the model (rank, world, layout hash), so the new model gets its own and the
+        other one is left as it was; the new model starts from its trainer's values."""
+        d = self.start()
+        t = Trainer(d, init_values())
+        for s in range(1, 3):
+            t.step(s)
+        t.close()
+        common.stop_zerod(d, signal.SIGKILL)
+        [path] = self.files()
+        with open(path, "rb") as f:
+            before = f.read()
+        d = self.start()
+        c = d.connect()
+        other = [("other.w", (300, 7)), ("other.b", (11,))]
+        c.layout(other, grad_mean=False)
+        params = np.frombuffer(c.param_buffer, dtype=np.float32)
+        params[...] = 0.25
+        info = c.register()
+        try:
+            self.assertFalse(info.resumed, "another model's state was resumed")
+            self.assertEqual(info.step, 0)
+            self.assertTrue(np.all(params == np.float32(0.25)), "the trainer's values were lost")
+            files = self.files()
+            self.assertEqual(len(files), 2, f"a file of its own for the new model: {files}")
+            self.assertIn(path, files)
+            c.step()
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(), before, "the other model's file was written")
+        finally:
+            c.close()
+            common.stop_zerod(d)
+
     def test_full_state_dir_is_refused_with_a_message(self) -> None:
         """Item 7: ENOSPC at start (a 1 MiB tmpfs, mounted for the test): the registration is
         refused naming the file and the reason; zerod stays up and serves the next one."""
@@ -793,6 +827,7 @@ class WorldTest(StateDirTest):
     test_state_dir_on_a_disk_is_refused_without_any_fs = None
     test_state_dir_owned_by_another_user_is_refused = None
     test_full_state_dir_is_refused_with_a_message = None
+    test_another_models_state_file_is_left_alone = None
 
 
 if __name__ == "__main__":
