@@ -457,11 +457,13 @@ int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_clien
 
 /* ---- rejoin ------------------------------------------------------------------------------- */
 
-/* Codes that a later try cannot change: the model or the call is wrong, not the world. */
+/* Codes that a later try cannot change: the model or the call is wrong, not the world; or the
+ * rank is degraded (zerod answers so only where its world cannot heal: no state_dir and no
+ * checkpoints, a failed device), which only a restart of zerod ends. */
 static int rejoin_permanent(int rc) {
   return rc == ZD_ELAYOUT || rc == ZD_EHPARAM || rc == ZD_EDTYPE || rc == ZD_EGROUP ||
-         rc == ZD_EBUFFER || rc == ZD_EBACKEND || rc == ZD_EPROTO || rc == -EINVAL ||
-         rc == -ENOMEM || rc == -ENAMETOOLONG;
+         rc == ZD_EBUFFER || rc == ZD_EBACKEND || rc == ZD_EPROTO || rc == ZD_EDEGRADED ||
+         rc == -EINVAL || rc == -ENOMEM || rc == -ENAMETOOLONG;
 }
 
 static void nap_ms(uint64_t ms) {

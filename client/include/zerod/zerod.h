@@ -467,8 +467,9 @@ ZD_EXPORT int zd_register(zd_client_t *client);
  * a step the trainer had in flight was applied when info.step counts it, and must be sent again
  * (every bucket scattered again; the grad buffer is as the trainer left it) when it does not.
  * Host buffers only. Errors: -EINVAL (NULL client), ZD_EORDER (not registered), ZD_EBACKEND
- * (device buffers), ZD_ELAYOUT (zerod now serves another rank, or another model), a register's
- * other errors that a later try cannot change (ZD_EHPARAM, ZD_EDTYPE, ...), and -ETIMEDOUT,
+ * (device buffers), ZD_ELAYOUT (zerod now serves another rank, or another model), ZD_EDEGRADED
+ * (the rank's world cannot heal: no state_dir and no checkpoints), a register's other errors
+ * that a later try cannot change (ZD_EHPARAM, ZD_EDTYPE, ...), and -ETIMEDOUT,
  * whose message names the socket, the rank and the last error it waited on. */
 ZD_EXPORT int zd_rejoin(zd_client_t *client, int timeout_ms);
 
