@@ -153,6 +153,11 @@ class Run:
         self.daemons[v] = d
         if self.world is not None:
             self.world._endpoints[v] = (d.socket, 0)
+        keep = {os.path.dirname(d.socket)}
+        if self.w == 2:
+            keep.add(os.path.dirname(self.rendezvous[len("unix:"):]))
+        if old.dir not in keep:  # the killed one's log and control socket
+            shutil.rmtree(old.dir, True)
 
     def trial(self, rnd: random.Random) -> bool:
         """One kill and its recovery; False when the run hung (it is then replaced)."""
