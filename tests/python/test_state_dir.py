@@ -690,7 +690,7 @@ class WorldTest(StateDirTest):
         warnings.simplefilter("ignore")
         for th in threads:
             th.start()
-        trials = max(4, self.trials // 3)
+        trials = max(4, self.trials // 6)
         mid_step = 0
         try:
             for trial in range(trials):
