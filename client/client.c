@@ -30,6 +30,11 @@
 /* The pauses between connection attempts while zerod is full: doubling from MIN up to MAX. */
 #define BUSY_BACKOFF_MIN_MS 5
 #define BUSY_BACKOFF_MAX_MS 200
+/* zd_rejoin(): its default bound (a zerod's restart and the world's re-forming), and its
+ * backoff between tries */
+#define REJOIN_TIMEOUT_MS     120000
+#define REJOIN_BACKOFF_MIN_MS 10
+#define REJOIN_BACKOFF_MAX_MS 250
 
 static __thread char last_error[ZD__ERR_MSG_MAX];
 
@@ -429,6 +434,7 @@ int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_clien
     int busy;
     rc = connect_once(path, local_rank, (int)(wait_ms > waited_ms ? wait_ms - waited_ms : 1), out,
                       &busy);
+    if (!rc) snprintf((*out)->path, sizeof(*out)->path, "%s", path);
     if (!busy) return rc;
     waited_ms = (now_ns() - start) / 1000000u;
     if (waited_ms >= wait_ms) {
@@ -446,6 +452,86 @@ int zd_connect(const char *socket_path, int local_rank, int timeout_ms, zd_clien
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
     }
     backoff_ms = backoff_ms * 2 < BUSY_BACKOFF_MAX_MS ? backoff_ms * 2 : BUSY_BACKOFF_MAX_MS;
+  }
+}
+
+/* ---- rejoin ------------------------------------------------------------------------------- */
+
+/* Codes that a later try cannot change: the model or the call is wrong, not the world; or the
+ * rank is degraded (zerod answers so only where its world cannot heal: no state_dir and no
+ * checkpoints, a failed device), which only a restart of zerod ends. */
+static int rejoin_permanent(int rc) {
+  return rc == ZD_ELAYOUT || rc == ZD_EHPARAM || rc == ZD_EDTYPE || rc == ZD_EGROUP ||
+         rc == ZD_EBUFFER || rc == ZD_EBACKEND || rc == ZD_EPROTO || rc == ZD_EDEGRADED ||
+         rc == -EINVAL || rc == -ENOMEM || rc == -ENAMETOOLONG;
+}
+
+static void nap_ms(uint64_t ms) {
+  struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+/* One try: a new connection to the same socket and local rank, which replaces the old one, and
+ * the same model registered on it with the same buffers. */
+static int rejoin_once(zd_client_t *c, int timeout_ms) {
+  while (c->npending > 0) zd__forget_pending(c, &c->pending[c->npending - 1]); /* void now */
+  if (c->fd >= 0) close(c->fd); /* zerod sees its client leave; the rank is free again */
+  c->fd = -1;
+  zd_client_t *n = NULL;
+  int busy;
+  int rc = connect_once(c->path, (int)c->info.local_rank, timeout_ms, &n, &busy);
+  if (rc) return rc;
+  if (n->info.world_size != c->info.world_size || n->info.rank != c->info.rank ||
+      strcmp(n->info.backend, c->info.backend) != 0) {
+    rc = zd__fail(ZD_ELAYOUT,
+                  "zerod at %s now serves rank %u of %u (%s backend); this model was rank %u of "
+                  "%u (%s backend)",
+                  c->path, n->info.rank, n->info.world_size, n->info.backend, c->info.rank,
+                  c->info.world_size, c->info.backend);
+    close(n->fd);
+    free(n);
+    return rc;
+  }
+  c->fd = n->fd;
+  c->info.protocol_version = n->info.protocol_version;
+  snprintf(c->info.daemon_version, sizeof c->info.daemon_version, "%s", n->info.daemon_version);
+  c->overlap_update = n->overlap_update;
+  free(n);
+  c->registered = 0;
+  rc = zd_register(c);
+  c->registered = 1; /* the buffers stay this model's either way */
+  return rc;
+}
+
+int zd_rejoin(zd_client_t *c, int timeout_ms) {
+  if (!c) return zd__fail(-EINVAL, "zd_rejoin: client is NULL");
+  if (!c->registered) return zd__fail(ZD_EORDER, "zd_rejoin before zd_register");
+  if (c->memory == ZD_MEMORY_CUDA)
+    return zd__fail(ZD_EBACKEND,
+                    "zd_rejoin: device buffers die with the process that zerod was: register "
+                    "a new client");
+  if (!c->path[0]) return zd__fail(-EINVAL, "zd_rejoin: the client has no socket path");
+  uint64_t wait_ms = timeout_ms > 0 ? (uint64_t)timeout_ms : REJOIN_TIMEOUT_MS;
+  uint64_t start = now_ns(), backoff = REJOIN_BACKOFF_MIN_MS;
+  for (unsigned tries = 1;; tries++) {
+    uint64_t waited = (now_ns() - start) / 1000000u;
+    int rc = rejoin_once(c, (int)(wait_ms > waited ? wait_ms - waited : 1));
+    if (rc == ZD_OK) return ZD_OK;
+    if (rejoin_permanent(rc)) return rc;
+    waited = (now_ns() - start) / 1000000u;
+    if (waited >= wait_ms) {
+      char msg[ZD__ERR_MSG_MAX];
+      snprintf(msg, sizeof msg, "%s", last_error);
+      return zd__fail(-ETIMEDOUT,
+                      "gave up after %" PRIu64
+                      " ms (%u tries) waiting for zerod at %s (rank %u, local rank %u) to take "
+                      "this model again and every rank to register it; last: %s (%s)",
+                      waited, tries, c->path, c->info.rank, c->info.local_rank, zd_err_name(rc),
+                      msg);
+    }
+    nap_ms(backoff < wait_ms - waited ? backoff : wait_ms - waited);
+    backoff = backoff * 2 < REJOIN_BACKOFF_MAX_MS ? backoff * 2 : REJOIN_BACKOFF_MAX_MS;
   }
 }
 

@@ -89,6 +89,8 @@ struct zd_client {
   /* zerod answered with an error about the connection itself (request id 0), e.g. ZD_EBUSY at
    * max_clients, and closes it (zd__await) */
   int refused;
+  /* zd_connect(): the socket path it resolved, for zd_rejoin()'s new connections */
+  char path[108];
 };
 
 /* ---- client.c: errors and transport ------------------------------------------------------- */

@@ -119,6 +119,22 @@ static size_t layout_offsets(uint64_t elems, zd__states_t states, size_t offs[2]
   return (end + 4095) / 4096 * 4096;
 }
 
+/* Gives a new file its size and reserves what its pages hold: the two header slots and every
+ * array. The alignment gaps between arrays stay holes, which cost no memory (a small model's
+ * arrays are far smaller than their 2 MiB boundaries), and a full tmpfs says ENOSPC here, not
+ * SIGBUS in a step. Returns 0 or an errno. */
+static int reserve(int fd, size_t bytes, uint64_t elems, zd__states_t states,
+                   const size_t offs[2][ZD__NSTATES]) {
+  if (ftruncate(fd, (off_t)bytes) != 0) return errno;
+  int e = posix_fallocate(fd, 0, 2 * SLOT_STRIDE);
+  size_t len = (size_t)elems * sizeof(float);
+  for (int k = 0; k < 2 && !e; k++)
+    for (int s = 0; s < ZD__NSTATES && !e; s++)
+      if ((states & ZD__STATE_BIT(s)) && len)
+        e = posix_fallocate(fd, (off_t)offs[k][s], (off_t)len);
+  return e;
+}
+
 static zd__state_slot_t *slot_at(const zd__state_file_t *f, unsigned i) {
   return (zd__state_slot_t *)((char *)f->map + i * SLOT_STRIDE);
 }
@@ -263,8 +279,7 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
       goto fail;
     }
     if (flock(f->fd, LOCK_EX | LOCK_NB) != 0) rc = errno == EWOULDBLOCK ? -EBUSY : -errno;
-    /* The whole size now: a full tmpfs says ENOSPC here, not SIGBUS in a step. */
-    int e = rc ? 0 : posix_fallocate(f->fd, 0, (off_t)bytes);
+    int e = rc ? 0 : reserve(f->fd, bytes, key->shard_elems, key->states, offs);
     if (e) {
       rc = zd__errf(err, -e, "state file %s: cannot reserve %zu bytes: %s", f->path, bytes,
                     strerror(e));

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import unittest
+import warnings
 from typing import Dict, List, Optional
 
 import common  # sets up sys.path and the library first
@@ -389,6 +390,105 @@ class StateDirTest(unittest.TestCase):
         self.assertNotEqual(rc, 0)
         self.assertIn("other users may enter it", d.log())
 
+    def refused_at_start(self, args: List[str]) -> str:
+        """zerod's log, once it exited (not 0) at start with these args."""
+        d = zerod.testing.LocalZerod(args, start=False)
+        d.spawn()
+        rc = d.process.wait(30)
+        self.assertNotEqual(rc, 0, f"zerod started with {args}; log:\n{d.log()[-2000:]}")
+        return d.log()
+
+    def test_state_dir_on_a_disk_is_refused_without_any_fs(self) -> None:
+        """Item 7: a state_dir that is not on a memory file system is refused, naming it and
+        why, unless state_dir_any_fs = 1."""
+        disk = ""
+        for root in (tempfile.gettempdir(), os.path.join(common.ROOT, "build"), common.ROOT):
+            out = subprocess.run(["stat", "-f", "-c", "%T", root], capture_output=True, text=True)
+            if os.path.isdir(root) and out.stdout.strip() not in ("tmpfs", "ramfs", ""):
+                disk = root
+                break
+        if not disk:
+            self.skipTest("SKIP: no directory on a disk file system to try")
+        top = tempfile.mkdtemp(prefix="zerod-disk-state-", dir=disk)
+        self.addCleanup(shutil.rmtree, top, True)
+        sd = os.path.join(top, "state")
+        log = self.refused_at_start(["--state_dir", sd])
+        self.assertIn(f"state_dir {sd} is not on a memory file system", log)
+        self.assertIn("state_dir_any_fs = 1", log)
+        d = zerod.testing.LocalZerod(["--state_dir", sd, "--state_dir_any_fs", "1"])
+        t = Trainer(d, init_values())
+        t.step(1)
+        self.assert_same(t.snapshot(), 1, "state_dir on a disk, allowed")
+        t.close()
+        common.stop_zerod(d)
+
+    def test_state_dir_owned_by_another_user_is_refused(self) -> None:
+        if os.geteuid() != 0:
+            self.skipTest("SKIP: needs root to give the state_dir to another user")
+        os.makedirs(self.state_dir, mode=0o700)
+        os.chown(self.state_dir, 65534, 65534)
+        log = self.refused_at_start(["--state_dir", self.state_dir])
+        self.assertIn(f"state_dir {self.state_dir} is owned by uid 65534, not zerod's user", log)
+
+    def test_another_models_state_file_is_left_alone(self) -> None:
+        """Item 7: another job's state file is never mapped over a new model's state: the files
+        are named by the model (rank, world, layout hash), so the new model gets its own and the
+        other one is left as it was; the new model starts from its trainer's values."""
+        d = self.start()
+        t = Trainer(d, init_values())
+        for s in range(1, 3):
+            t.step(s)
+        t.close()
+        common.stop_zerod(d, signal.SIGKILL)
+        [path] = self.files()
+        with open(path, "rb") as f:
+            before = f.read()
+        d = self.start()
+        c = d.connect()
+        other = [("other.w", (300, 7)), ("other.b", (11,))]
+        c.layout(other, grad_mean=False)
+        params = np.frombuffer(c.param_buffer, dtype=np.float32)
+        params[...] = 0.25
+        info = c.register()
+        try:
+            self.assertFalse(info.resumed, "another model's state was resumed")
+            self.assertEqual(info.step, 0)
+            self.assertTrue(np.all(params == np.float32(0.25)), "the trainer's values were lost")
+            files = self.files()
+            self.assertEqual(len(files), 2, f"a file of its own for the new model: {files}")
+            self.assertIn(path, files)
+            c.step()
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(), before, "the other model's file was written")
+        finally:
+            c.close()
+            common.stop_zerod(d)
+
+    def test_full_state_dir_is_refused_with_a_message(self) -> None:
+        """Item 7: ENOSPC at start (a 1 MiB tmpfs, mounted for the test): the registration is
+        refused naming the file and the reason; zerod stays up and serves the next one."""
+        if os.geteuid() != 0:
+            self.skipTest("SKIP: needs root to mount a small tmpfs")
+        mnt = tempfile.mkdtemp(prefix="zerod-small-tmpfs-")
+        self.addCleanup(shutil.rmtree, mnt, True)
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", mnt],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            self.skipTest(f"SKIP: cannot mount a tmpfs here: {out.stderr.strip()}")
+        self.addCleanup(subprocess.run, ["umount", "-l", mnt], capture_output=True)
+        sd = os.path.join(mnt, "state")
+        d = zerod.testing.LocalZerod(["--state_dir", sd, "--bucket_elems", BUCKET])
+        try:
+            with self.assertRaises(ZerodError) as cm:
+                Trainer(d, init_values())
+            self.assertIn("cannot reserve", str(cm.exception))
+            self.assertIn("No space left on device", str(cm.exception))
+            self.assertIn(sd, str(cm.exception))
+            self.assertIsNone(d.process.poll(), "zerod died on a full state_dir")
+            self.assertEqual(glob.glob(os.path.join(sd, "*.zdstate")), [], "a partial file left")
+        finally:
+            common.stop_zerod(d)
+
 
 def on_all(fns: List) -> list:
     """Runs every fn at once (collectives need every rank); re-raises the first error."""
@@ -541,7 +641,91 @@ class WorldTest(StateDirTest):
         finally:
             world.stop(signal.SIGKILL, check=False)
 
-    def restart(self, world, victims: List[int]) -> None:
+    def test_optimizer_loops_retry_the_lost_step_by_themselves(self) -> None:
+        """Issue 29: plain ZeroOptimizer training loops (zero_grad, backward, step) that never
+        register again themselves; either zerod SIGKILLed at random moments and restarted on
+        the same socket with the same state_dir. step() registers the model again and retries
+        the step in flight: no exception reaches the loops, every step's parameters on both
+        ranks are torch's (none lost, none applied twice)."""
+        from zerod.torch import ZeroOptimizer
+        rnd = random.Random(self.seed + 3)
+        world = self.world(checkpoints=False)
+        lock = threading.Lock()
+        names = [n for n, _ in PARAMS]
+        state = {"progress": [0, 0], "in_step": [False, False], "stop_at": 10 ** 9,
+                 "wrong": [], "error": [None, None]}
+        opts = on_all([lambda r=r: ZeroOptimizer(
+            [(n, torch.tensor(v, requires_grad=True)) for n, v in init_values().items()],
+            client=world.connect(r), grad_mean=False, foreach=False) for r in range(2)])
+        params = [[p for g in o.param_groups for p in g["params"]] for o in opts]
+
+        def loop(r: int) -> None:
+            opt, ps = opts[r], params[r]
+            s = 1
+            try:
+                while s <= state["stop_at"]:
+                    g = step_grads(s)
+                    opt.zero_grad()
+                    loss = sum((p * (torch.tensor(np.asarray(g[n])) if r == 0 else
+                                     torch.zeros(p.shape))).sum() for n, p in zip(names, ps))
+                    loss.backward()
+                    state["in_step"][r] = True
+                    opt.step()
+                    state["in_step"][r] = False
+                    with lock:
+                        want = self.ref.at(s)
+                    for n, p in zip(names, ps):
+                        if not np.array_equal(p.detach().numpy().view(np.uint32),
+                                              want[n].view(np.uint32)):
+                            state["wrong"].append(f"step {s} rank {r} {n}")
+                    state["progress"][r] = s
+                    s += 1
+            except BaseException as e:  # noqa: BLE001  (asserted below)
+                state["error"][r] = e
+
+        threads = [threading.Thread(target=loop, args=(r,)) for r in range(2)]
+        quiet = warnings.catch_warnings()  # step()'s "registering the model again", expected
+        quiet.__enter__()
+        self.addCleanup(quiet.__exit__, None, None, None)
+        warnings.simplefilter("ignore")
+        for th in threads:
+            th.start()
+        trials = max(4, self.trials // 6)
+        mid_step = 0
+        try:
+            for trial in range(trials):
+                base = min(state["progress"])
+                deadline = time.monotonic() + 120
+                while min(state["progress"]) < base + 2:  # training again, both ranks
+                    self.assertLess(time.monotonic(), deadline,
+                                    f"trial {trial}: the loops do not train again "
+                                    f"({state['progress']}, {state['error']}); logs:\n"
+                                    + "\n".join(d.log()[-2000:] for d in world.daemons))
+                    self.assertEqual(state["error"], [None, None])
+                    time.sleep(0.005)
+                time.sleep(rnd.uniform(0.0, 0.05))
+                victim = rnd.randrange(2)
+                mid_step += any(state["in_step"])
+                common.stop_zerod(world.daemons[victim], signal.SIGKILL)
+                self.wait_health(world.daemons[1 - victim], "rejoining")
+                self.restart(world, [victim], same_socket=True)
+            state["stop_at"] = max(state["progress"]) + 3
+            for th in threads:
+                th.join(180)
+                self.assertFalse(th.is_alive(), "a training loop hangs")
+            self.assertEqual(state["error"], [None, None], "an exception reached a loop")
+            self.assertEqual(state["wrong"], [], "steps whose parameters differ from torch's")
+            self.assertEqual(state["progress"], [state["stop_at"]] * 2)
+            print(f"\n    W=2, ZeroOptimizer loops: {trials} kills, {mid_step} inside a step, "
+                  f"{state['stop_at']} steps, every one torch's, 0 lost")
+            for o in opts:
+                o.close()
+            common.stop_world(world)
+        finally:
+            state["stop_at"] = -1
+            world.stop(signal.SIGKILL, check=False)
+
+    def restart(self, world, victims: List[int], same_socket: bool = False) -> None:
         for v in victims:
             args = [a for a in world.daemons[v].args]
             if v == 0 and "--control_address" not in args:
@@ -552,7 +736,12 @@ class WorldTest(StateDirTest):
                 args += ["--control_address", self.rendezvous]
             if v == 0 and os.path.exists(self.rendezvous[len("unix:"):]):
                 os.unlink(self.rendezvous[len("unix:"):])  # the killed one's socket
-            d = zerod.testing.LocalZerod(args, log_level="info")
+            d = zerod.testing.LocalZerod(args, log_level="info", start=False)
+            if same_socket:  # where its trainer's library connects again (zd_rejoin)
+                d.socket = world.daemons[v].socket
+                if os.path.exists(d.socket):
+                    os.unlink(d.socket)
+            d.start()
             if v == 0:
                 d.control_address = self.rendezvous  # the one its args name
             world.daemons[v] = d
@@ -635,6 +824,10 @@ class WorldTest(StateDirTest):
     test_corrupt_headers_fall_back_to_the_checkpoint = None
     test_second_zerod_on_the_same_file_is_refused = None
     test_state_dir_others_may_enter_is_refused = None
+    test_state_dir_on_a_disk_is_refused_without_any_fs = None
+    test_state_dir_owned_by_another_user_is_refused = None
+    test_full_state_dir_is_refused_with_a_message = None
+    test_another_models_state_file_is_left_alone = None
 
 
 if __name__ == "__main__":

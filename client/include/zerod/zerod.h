@@ -478,6 +478,22 @@ ZD_EXPORT int zd_connect(const char *socket_path, int local_rank, int timeout_ms
 ZD_EXPORT int zd_layout(zd_client_t *client, const zd_model_desc_t *desc);
 ZD_EXPORT int zd_register(zd_client_t *client);
 
+/* Registers the same model again, with the same buffers, on a new connection to the same socket
+ * and local rank: for a trainer whose zerod was restarted (its connection then fails with
+ * ZD_ECLOSED) or whose world re-formed around a peer zerod's restart (its requests then fail with
+ * ZD_EPEER, "register again"), with the zerods' state in a state_dir. It replaces the old
+ * connection (its outstanding requests are void) and tries again, backing off, until zerod takes
+ * the model and every rank has registered it, or timeout_ms (<= 0: 120 s) has passed. On success
+ * info.step is the step every rank holds and the param buffer holds the parameters of that step;
+ * a step the trainer had in flight was applied when info.step counts it, and must be sent again
+ * (every bucket scattered again; the grad buffer is as the trainer left it) when it does not.
+ * Host buffers only. Errors: -EINVAL (NULL client), ZD_EORDER (not registered), ZD_EBACKEND
+ * (device buffers), ZD_ELAYOUT (zerod now serves another rank, or another model), ZD_EDEGRADED
+ * (the rank's world cannot heal: no state_dir and no checkpoints), a register's other errors
+ * that a later try cannot change (ZD_EHPARAM, ZD_EDTYPE, ...), and -ETIMEDOUT,
+ * whose message names the socket, the rank and the last error it waited on. */
+ZD_EXPORT int zd_rejoin(zd_client_t *client, int timeout_ms);
+
 /* The shared buffers (valid after zd_layout() until zd_close()); bytes receives their size (the
  * layout's bytes). The caller writes gradients into the grad buffer before zd_scatter()/zd_step()
  * and reads parameters from the param buffer after zd_gather()/zd_step(). Padding elements

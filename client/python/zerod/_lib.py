@@ -307,6 +307,7 @@ _PROTOTYPES = {
                                   ctypes.POINTER(zd_client_p)]),
     "zd_layout": (ctypes.c_int, [zd_client_p, ctypes.POINTER(zd_model_desc_t)]),
     "zd_register": (ctypes.c_int, [zd_client_p]),
+    "zd_rejoin": (ctypes.c_int, [zd_client_p, ctypes.c_int]),
     "zd_param_buffer": (ctypes.c_void_p, [zd_client_p, ctypes.POINTER(ctypes.c_size_t)]),
     "zd_grad_buffer": (ctypes.c_void_p, [zd_client_p, ctypes.POINTER(ctypes.c_size_t)]),
     "zd_param_info": (ctypes.c_int, [zd_client_p, ctypes.c_size_t,

@@ -669,6 +669,17 @@ class Client:
             self._registered = True
         return self.info
 
+    def rejoin(self, timeout_ms: int = 0) -> Info:
+        """Registers the same model again with the same buffers on a new connection to the same
+        socket and local rank (zd_rejoin): after this rank's zerod was restarted, or after the
+        world re-formed around a peer's restart, with the state in a state_dir. Returns the new
+        Info: ``info.step`` is the step every rank holds, and the param buffer holds its
+        parameters. Tries again until zerod takes the model and every rank registered it, up to
+        timeout_ms (0: 120 s), then raises ZerodError (ETIMEDOUT) naming what it waited for."""
+        with self._lock:
+            _check(self._lib.zd_rejoin(self._h(), int(timeout_ms)), "zd_rejoin")
+        return self.info
+
     # ---- buffers -----------------------------------------------------------------------------
 
     def _buffer(self, which: str) -> Tuple[int, int]:

@@ -71,6 +71,19 @@ warning says so), up to ``abort_retries`` times: the retry waits in zerod, up to
 retries step() raises the ZerodError (``retryable`` is true): calling step() again retries once
 more.
 
+A zerod's loss. With zerods whose state lives in a ``state_dir``, a zerod that is restarted
+(its trainer's requests fail with ZD_ECLOSED) or a world that re-forms around a peer's restart
+(ZD_EPEER: "register again") loses no step: step() registers the same model again on a new
+connection to the same socket and local rank, with the same buffers (``Client.rejoin``), and
+learns the step every rank holds. When it counts the step in flight, that step was applied on
+every rank and the parameters are its result (``last_result`` then has NaN grad_norm and
+clip_coef, which are lost); otherwise the step is sent again with the gradients still in the
+grad buffer, every bucket scattered again. A warning says so; no exception reaches the training
+loop. A scatter from backward's hooks that finds zerod gone is left for step(). The wait is
+bounded by ``rejoin_timeout_s`` (default 120 s; 0 turns this off); past it, or when zerod came
+back without the model's state (no state_dir) or at another step, step() raises ZerodError
+naming the step lost and what it waited for. Host buffers only (not CUDA parameters or offload).
+
 CUDA. With the model on a GPU (every parameter on one device) the buffers are device memory that
 libzerod allocates and shares with zerod's CUDA backend through CUDA IPC; the views are made
 from them through ``__cuda_array_interface__``. Before each request the optimizer hands libzerod
@@ -151,6 +164,7 @@ _TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False,
                   "differentiable": False}
 _IMPL_OPTIONS = ("foreach", "fused")
 _MAX_INFLIGHT = 48  # below libzerod's 64 outstanding requests per client
+_MAX_REJOINS = 3  # zerods lost within one step() before it raises (each rejoin is bounded too)
 
 # Optimizers not closed yet. torch 2.15 (not 2.6) aborts the interpreter (c10::Error "use_count() == 1"
 # in python_variable.cpp) when the reference cycle through the gradient hooks is collected during
@@ -388,6 +402,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     _FOREIGN = frozenset({"momentum", "dampening", "nesterov", "lr_decay",
                           "initial_accumulator_value", "alpha", "centered"})
 
+    #: How long step() waits, after a zerod was lost, for the model's registration again
+    #: (zd_rejoin: the zerod's restart and the world's re-forming); 0: step() raises at once.
+    rejoin_timeout_s: float = 120.0
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, optimizer: str = "adamw",
@@ -565,6 +583,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._hook_version = self._gflat._version  # the grad buffer's, as the last hook saw it
         self._warned_changed = False
         self._inflight: List[Request] = []
+        self._lost: Optional[ZerodError] = None  # _start_scatter: zerod lost during backward
         self._sync = True
         # False while a DistributedDataParallel model that zerod.ddp.register() joined to this
         # optimizer runs a forward under its no_sync(): the backward that follows only
@@ -799,12 +818,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._offload.start_scatter(bucket)  # (its sender thread sends no next groups)
             self._scattered[bucket] = True
             return
+        if self._lost is not None:  # nothing more goes out before step() registers again
+            self._scattered[bucket] = True
+            return
         if not self._hparams_told:
             self._hparams_told = True
             self._tell_hparams()
-        while len(self._inflight) >= _MAX_INFLIGHT:
-            self._inflight.pop(0).wait(**self._stream())
-        self._inflight.append(self.client.scatter_start(bucket, **self._stream()))
+        try:
+            while len(self._inflight) >= _MAX_INFLIGHT:
+                self._inflight.pop(0).wait(**self._stream())
+            self._inflight.append(self.client.scatter_start(bucket, **self._stream()))
+        except ZerodError as e:
+            if not self._can_rejoin(e):
+                raise
+            self._lost = e  # backward goes on; step() registers again and sends the step
         self._scattered[bucket] = True
 
     def _tell_hparams(self) -> None:
@@ -938,6 +965,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if hp != self._sent_hparams:
             self._check_all_groups()
             groups = hp
+        before = self.client.info.step  # the steps applied before this one
+        for heal in range(_MAX_REJOINS + 1):
+            try:
+                result = self._send_with_retries(groups)
+                break
+            except ZerodError as e:
+                if heal == _MAX_REJOINS or not self._can_rejoin(e):
+                    raise
+                after = self._rejoin(e, before)
+                # zerod's groups are the registration's now: this step's (or the next) sends
+                # the current ones
+                self._sent_hparams = []
+                groups = hp
+                if after == before + 1:  # applied on every rank before the loss: done
+                    result = StepResult(after, True, math.nan, self.client.info.loss_scale,
+                                        math.nan, 0)
+                    break
+                # not applied anywhere: the same step again, with the gradients still in the
+                # grad buffer, every bucket scattered again
+        if self._offload is not None:  # the gather, and the parameters back to the device
+            self._offload.after_step()
+        if groups is not None:
+            self._sent_hparams = hp
+        self.last_result = result
+        self.loss_scale = result.loss_scale
+        return loss
+
+    def _send_with_retries(self, groups: Optional[List[Group]]) -> StepResult:
+        """The step, sent again after ZD_EABORTED up to abort_retries times; its result."""
         for attempt in range(self._abort_retries + 1):
             try:
                 step_req = self._send_step(groups, absent)
@@ -948,16 +1004,40 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 # Nothing was applied on any rank and the gradients are still in the buffer:
                 # the same step again, every bucket scattered again.
                 warnings.warn(f"{e.message}; retrying the step "
-                              f"({attempt + 1} of {self._abort_retries})", stacklevel=2)
+                              f"({attempt + 1} of {self._abort_retries})", stacklevel=3)
         result = step_req.wait()  # already waited for: its stored result
         assert result is not None
-        if self._offload is not None:  # the gather, and the parameters back to the device
-            self._offload.after_step()
-        if groups is not None:
-            self._sent_hparams = hp
-        self.last_result = result
-        self.loss_scale = result.loss_scale
-        return loss
+        return result
+
+    def _can_rejoin(self, e: ZerodError) -> bool:
+        """Whether e is a zerod's loss that registering again may heal: this rank's zerod gone
+        (ZD_ECLOSED), or the world broken or re-formed around a peer's restart (ZD_EPEER, and
+        ZD_EAPPLIED: a step applied whose gather failed). Host buffers only (zd_rejoin)."""
+        return (self.rejoin_timeout_s > 0 and self._offload is None and not self._cuda
+                and e.code in (_lib.ZD_ECLOSED, _lib.ZD_EPEER, _lib.ZD_EAPPLIED))
+
+    def _rejoin(self, cause: ZerodError, before: int) -> int:
+        """Registers the model again (Client.rejoin) after `cause`, for the step after `before`
+        that was in flight; returns the step every rank holds, which is before (the step was
+        applied nowhere: send it again) or before + 1 (applied everywhere). Raises ZerodError
+        when zerod came back without the model's state or at another step."""
+        warnings.warn(f"{cause.message}; registering the model again and retrying step "
+                      f"{before + 1} (up to {self.rejoin_timeout_s:g} s)", stacklevel=3)
+        try:
+            info = self.client.rejoin(int(self.rejoin_timeout_s * 1000))
+        except ZerodError as e:
+            raise ZerodError(e.code, e.name, f"step {before + 1} was lost with zerod ("
+                             f"{cause.name}: {cause.message}), and registering the model again "
+                             f"failed: {e.message}", "zd_rejoin") from cause
+        if not info.resumed or info.step not in (before, before + 1):
+            how = (f"without this model's state (it took the trainer's parameters as a new "
+                   f"model at step {info.step}: no state_dir?)" if not info.resumed
+                   else f"at step {info.step} (a checkpoint's?)")
+            raise ZerodError(_lib.ZD_ESTEP, "ZD_ESTEP", f"step {before + 1} was lost with zerod "
+                             f"({cause.name}: {cause.message}), and zerod took the model again "
+                             f"{how}, not at step {before} or {before + 1}: the training loop "
+                             f"must restart from there", "zd_rejoin") from cause
+        return info.step
 
     def _absent_params(self) -> List[int]:
         """The parameters without a gradient this step, torch's `p.grad is None`, their gradients
@@ -994,6 +1074,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                    ) -> Request:
         """The requests of one step attempt; returns the step's, waited for."""
         try:
+            if self._lost is not None:  # a scatter from backward's hooks found zerod gone
+                lost, self._lost = self._lost, None
+                raise lost
             if not self._overlap and self._offload is None:
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,
                 # like the hooks, so ranks configured differently still match).
