@@ -968,7 +968,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         before = self.client.info.step  # the steps applied before this one
         for heal in range(_MAX_REJOINS + 1):
             try:
-                result = self._send_with_retries(groups)
+                result = self._send_with_retries(groups, absent)
                 break
             except ZerodError as e:
                 if heal == _MAX_REJOINS or not self._can_rejoin(e):
@@ -992,7 +992,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scale = result.loss_scale
         return loss
 
-    def _send_with_retries(self, groups: Optional[List[Group]]) -> StepResult:
+    def _send_with_retries(self, groups: Optional[List[Group]],
+                           absent: Optional[List[int]]) -> StepResult:
         """The step, sent again after ZD_EABORTED up to abort_retries times; its result."""
         for attempt in range(self._abort_retries + 1):
             try:
