@@ -49,8 +49,9 @@ ZD__OPTIMIZERS(ZD__OPTIM_CUDA_DECLARE)
 
 /* The update of a step: for each family that some group of a->groups (host memory, required:
  * the dispatch reads it; d_groups, when set, is the launch's copy) uses, its launcher with
- * `optimizers` that family's mask (zd__optim_family_mask), in the order of the table's rows; a
- * group whose optimizer has no row is refused (-EINVAL). Under a map (d_map) every group is
+ * `optimizers` that family's mask (zd__optim_family_mask), in the order the groups first name the
+ * families (their tiles are disjoint: the order changes no bit); a group whose optimizer has no
+ * row is refused (-EINVAL). Under a map (d_map) every group is
  * dispatched, also those no entry names. For a model whose groups are all AdamW/Adam this is one
  * zd__cuda_adam_step, as before the table. Stops at the first error. */
 int zd__cuda_optim_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,

@@ -1,6 +1,6 @@
 /* The CUDA compute backend (compute.h): a rank's state in device memory, its kernels (kernels/
- * adam_cuda.h) queued on the rank's one non-blocking stream, in the order the step logic asks for
- * them.
+ * adam_cuda.h, and every optimizer of the table through kernels/optim_cuda.h) queued on the rank's
+ * one non-blocking stream, in the order the step logic asks for them.
  *
  * Per job, on the stream: wait for the client's "grads ready" event of the job's event slot
  * (begin); the collectives and kernels of the job; record the slot's "params ready" event
@@ -47,6 +47,12 @@
  * work; the rank's stream waits for that copy (a stream wait), so the next update cannot write
  * the state under it, and the step's reply does not wait for it: the checkpoint writer does
  * (fence_wait).
+ *
+ * Parameters skipped or stepped at their own step count (presence, step.c's uneven shards): every
+ * bucket has a second layout at registration, one segment per parameter (kernels/cuda_plan.h),
+ * and such a step uploads the map from each parameter to its constants (or ZD__CUDA_SKIP) before
+ * its first bucket; the kernels read it per tile. A step whose parameters are all at the model's
+ * step uses the model's layouts and no map, as before.
  *
  * Layouts (tile tables of adam_cuda.h) are built once per bucket at registration, on a separate
  * set-up stream (building one waits for its stream, which must not be the rank's: that one may be
