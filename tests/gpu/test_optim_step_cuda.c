@@ -12,7 +12,8 @@
  * Absence: fc1.bias on odd steps from step 3, fc2.weight on steps 6 to 9 (a frozen layer), fc2.bias
  * at step 11; steps 0 to 2 have every gradient, so that a run with clipping takes the device's
  * decision (cuda_step fast) until the first absence and the host's after it (per-parameter step
- * counts: daemon/step/step.c, device_path_ok).
+ * counts: daemon/step/step.c, device_path_ok); the runs with clipping run again against a CUDA
+ * zerod with cuda_step legacy (every step decided on the host).
  *
  * Without a usable GPU the same runs go against two CPU zerods with host buffers (the test's
  * logic), and the test then exits 77 (skipped).
@@ -228,7 +229,7 @@ static zd_group_t group(zd_optimizer_t opt, double lr, double wd) {
   return g;
 }
 
-static void all_runs(const char *dev_socket, const char *cpu_socket) {
+static void all_runs(const char *dev_socket, const char *cpu_socket, int clipped_only) {
   run_t r;
   /* SGD: nesterov; dampening and maximize */
   r = (run_t){.name = "sgd", .pdt = ZD_F32, .gdt = ZD_F32};
@@ -236,7 +237,7 @@ static void all_runs(const char *dev_socket, const char *cpu_socket) {
   r.groups[0].momentum = 0.9, r.groups[0].nesterov = 1;
   r.groups[1] = group(ZD_SGD, 0.02, 0.001);
   r.groups[1].momentum = 0.5, r.groups[1].dampening = 0.2, r.groups[1].maximize = 1;
-  lockstep(dev_socket, cpu_socket, &r);
+  if (!clipped_only) lockstep(dev_socket, cpu_socket, &r);
   /* Adagrad, with clipping */
   r = (run_t){.name = "adagrad", .pdt = ZD_BF16, .gdt = ZD_BF16, .max_grad_norm = 0.5};
   r.groups[0] = group(ZD_ADAGRAD, 0.05, 0.01);
@@ -256,7 +257,7 @@ static void all_runs(const char *dev_socket, const char *cpu_socket) {
   r.groups[0] = group(ZD_LION, 1e-3, 0.1);
   r.groups[0].beta1 = 0.9, r.groups[0].beta2 = 0.99;
   r.groups[1] = group(ZD_ADAMW, 3e-3, 0.01);
-  lockstep(dev_socket, cpu_socket, &r);
+  if (!clipped_only) lockstep(dev_socket, cpu_socket, &r);
   /* AdamW and Adam, with clipping (their bias corrections per parameter) */
   r = (run_t){.name = "adamw+adam", .pdt = ZD_F32, .gdt = ZD_F32, .max_grad_norm = 0.5};
   r.groups[0] = group(ZD_ADAMW, 3e-3, 0.01);
@@ -268,10 +269,10 @@ static void all_runs(const char *dev_socket, const char *cpu_socket) {
   r.groups[0] = group(ZD_SGD, 0.05, 0.01);
   r.groups[0].momentum = 0.9;
   r.groups[1] = group(ZD_ADAGRAD, 0.05, 0.01);
-  lockstep(dev_socket, cpu_socket, &r);
+  if (!clipped_only) lockstep(dev_socket, cpu_socket, &r);
 }
 
-static zdt_daemon_t gd, cd;
+static zdt_daemon_t gd, cd, ld;
 static int passed;
 
 static void on_exit_dump(void) {
@@ -284,6 +285,10 @@ static void on_exit_dump(void) {
   if (cd.pid > 0) {
     zdt_dump_log(&cd);
     kill(cd.pid, SIGKILL);
+  }
+  if (ld.pid > 0) {
+    zdt_dump_log(&ld);
+    kill(ld.pid, SIGKILL);
   }
 }
 
@@ -306,8 +311,19 @@ int main(void) {
     CHECK_MSG(zdt_log_contains(&gd, "NCCL communicator of 1 rank(s) ready"),
               "the CUDA rank did not come up within 30 s; see zerod's log");
   }
-  all_runs(gd.socket, cd.socket);
+  all_runs(gd.socket, cd.socket, 0);
   CHECK_MSG(!zdt_log_contains(&gd, " ERROR "), "the %s zerod logged errors", dev_backend);
+  if (ngpus) { /* the runs with clipping again, every step decided on the host */
+    const char *largs[] = {"--backend", "cuda", "--bucket_elems", "256", "--cuda_step",
+                           "legacy",    NULL};
+    zdt_start(&ld, largs);
+    for (int i = 0; i < 3000 && !zdt_log_contains(&ld, "NCCL communicator of 1 rank(s) ready"); i++)
+      usleep(10000);
+    printf("cuda_step legacy:\n");
+    all_runs(ld.socket, cd.socket, 1);
+    CHECK_MSG(!zdt_log_contains(&ld, " ERROR "), "the legacy CUDA zerod logged errors");
+    zdt_stop(&ld, SIGTERM, 0);
+  }
   zdt_stop(&gd, SIGTERM, 0);
   zdt_stop(&cd, SIGTERM, 0);
   passed = 1;
