@@ -149,39 +149,6 @@ int zd__cuda_device_check(int device, zd__err_t *err) {
 #define TREE_PER_THREAD 8
 #define TREE_CHUNK      (TREE_THREADS * TREE_PER_THREAD) /* block sums per block of the tree */
 
-/* Variants of the update kernel: grad dtype x param output x max_exp_avg_sq. */
-#define GDT_VARIANTS 3 /* f32, bf16, f16 */
-#define PDT_VARIANTS 3 /* f32, bf16, none */
-
-typedef struct tile {
-  uint64_t start; /* offset in the range */
-  uint32_t len;   /* 1..ZD__CUDA_TILE */
-  uint32_t group;
-} tile_t;
-
-typedef struct seg {
-  uint64_t lo, hi; /* [lo, hi) */
-} seg_t;
-
-struct zd__cuda_layout {
-  uint64_t n;
-  uint64_t ntiles;
-  uint64_t nblocks; /* statistics blocks */
-  uint32_t nsegs;
-  uint32_t ngroups; /* highest group index + 1 */
-  /* The grids of the kernels' variants (size_grids): [grad][param][max_exp_avg_sq], [grad]. */
-  unsigned adam_grid[GDT_VARIANTS][PDT_VARIANTS][2];
-  unsigned stats_grid[GDT_VARIANTS];
-  uint64_t npartial; /* the tree's partial sums over all its levels of chunks */
-  tile_t *d_tiles;
-  seg_t *d_segs;
-  uint32_t *d_first_seg;         /* per statistics block: first segment ending after its start */
-  double *d_sums;                /* per statistics block */
-  unsigned long long *d_counts;  /* per statistics block: non-finite gradients */
-  double *d_partial;             /* the tree's partial sums (npartial) */
-  unsigned long long *d_pcounts; /* ... and counts */
-};
-
 static int gdt_variant(int gdt) {
   return gdt == ZD_F32 ? 0 : gdt == ZD_BF16 ? 1 : 2;
 }
@@ -281,6 +248,7 @@ int zd__cuda_layout_create(const zd__segment_t *segs, uint32_t nsegs, uint64_t n
   CUDA_TRY(err, cudaGetDevice(&dev), "CUDA layout: cudaGetDevice");
   CUDA_TRY(err, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
            "CUDA layout: multiprocessor count");
+  l->sms = sms;
   CUDA_TRY(err, size_grids(l, sms), "CUDA layout: the kernels' occupancy");
   if (l->ntiles) {
     CUDA_TRY(err, cudaMalloc((void **)&l->d_tiles, l->ntiles * sizeof(tile_t)),
@@ -388,6 +356,8 @@ typedef struct adam_kargs {
   float grad_scale;
   int vec; /* every array 16-byte aligned: vectors at multiples of 8 elements */
   const zd__cuda_decision_t *decision; /* NULL: grad_scale; else its verdict and factor */
+  const uint32_t *map;                 /* NULL: a tile's group indexes the groups; else map[it] */
+  uint32_t optimizers;                 /* 0: every tile; else the tiles of these optimizers */
   const zd__adam_group_t *d_groups;
   zd__adam_group_t groups[ZD__CUDA_GROUPS_INLINE];
 } adam_kargs_t;
@@ -503,7 +473,10 @@ __global__ void __launch_bounds__(ADAM_THREADS)
   const zd__adam_group_t *groups = a.d_groups ? a.d_groups : a.groups;
   for (uint64_t t = blockIdx.x; t < a.ntiles; t += gridDim.x) {
     const tile_t tile = a.tiles[t];
-    const zd__dev_group_t k = zd__dev_group(groups[tile.group]);
+    const uint32_t gi = a.map ? a.map[tile.group] : tile.group;
+    if (gi == ZD__CUDA_SKIP) continue; /* a parameter the step skips: left untouched */
+    if (a.optimizers && !((a.optimizers >> groups[gi].optimizer) & 1u)) continue; /* another's */
+    const zd__dev_group_t k = zd__dev_group(groups[gi]);
     const uint64_t lo = tile.start, hi = lo + tile.len;
     /* [lo, vlo) and [vhi, hi) element by element, [vlo, vhi) in vectors of 8. */
     uint64_t vlo = hi, vhi = hi;
@@ -547,12 +520,16 @@ static int aligned16(const void *p) {
   return ((uintptr_t)p & 15u) == 0;
 }
 
-/* The GPU has no rsqrtps: ZD_SQRT_MKL_EX, whose bits are an x86 CPU's, cannot run here. And
- * amsgrad needs the max_exp_avg_sq array. */
-static int check_groups(const zd__adam_group_t *groups, uint32_t n, int have_max, const char *what,
-                        zd__err_t *err) {
+/* The GPU has no rsqrtps: ZD_SQRT_MKL_EX, whose bits are an x86 CPU's, cannot run here (in a
+ * group whose formula has a square root: SGD's and Lion's ignore sqrt_mode). And amsgrad needs
+ * the max_exp_avg_sq array. Groups of optimizers outside `optimizers` (a mask; 0: all) are not
+ * checked. */
+static int check_groups(const zd__adam_group_t *groups, uint32_t n, int have_max,
+                        uint32_t optimizers, const char *what, zd__err_t *err) {
   for (uint32_t i = 0; groups && i < n; i++) {
-    if (groups[i].sqrt_mode != ZD_SQRT_EXACT)
+    if (optimizers && !((optimizers >> groups[i].optimizer) & 1u)) continue;
+    const int sqrt_free = groups[i].optimizer == ZD_SGD || groups[i].optimizer == ZD_LION;
+    if (groups[i].sqrt_mode != ZD_SQRT_EXACT && !sqrt_free)
       return zd__errf(err, ZD_EHPARAM,
                       "%s: group %u has sqrt_mode MKL_EX, the rsqrtps approximation of an x86 "
                       "CPU, which a GPU cannot reproduce; expected EXACT",
@@ -578,9 +555,12 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   if (a->param && !zd__dtype_ok(a->param_dtype, ZD__DTYPE_PARAM))
     return zd__errf(err, ZD_EDTYPE, "CUDA adam: param dtype %d; expected f32 or bf16",
                     (int)a->param_dtype);
-  if (a->ngroups < l->ngroups)
+  if (!a->d_map && a->ngroups < l->ngroups)
     return zd__errf(err, -EINVAL, "CUDA adam: the segments use %u groups, %u given", l->ngroups,
                     a->ngroups);
+  if (a->d_map && a->nmap < l->ngroups)
+    return zd__errf(err, -EINVAL, "CUDA adam: the segments use %u map entries, %u given",
+                    l->ngroups, a->nmap);
   if (!a->d_groups && a->ngroups > ZD__CUDA_GROUPS_INLINE)
     return zd__errf(err, -EINVAL,
                     "CUDA adam: %u groups; at most %d travel with the launch, pass more "
@@ -589,8 +569,8 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   if (!a->d_groups && a->ngroups && !a->groups)
     return zd__errf(err, -EINVAL, "CUDA adam: %u groups but neither groups nor d_groups",
                     a->ngroups);
-  if (!a->d_groups) {
-    rc = check_groups(a->groups, a->ngroups, max_sq != NULL, "CUDA adam", err);
+  if (a->groups) { /* host groups (also where d_groups holds their device copy): checked */
+    rc = check_groups(a->groups, a->ngroups, max_sq != NULL, a->optimizers, "CUDA adam", err);
     if (rc) return rc;
   }
   if (l->ntiles == 0) return ZD_OK; /* nothing covered */
@@ -607,6 +587,8 @@ int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a
   k.ntiles = l->ntiles;
   k.grad_scale = a->grad_scale;
   k.decision = a->d_decision;
+  k.map = a->d_map;
+  k.optimizers = a->optimizers;
   k.d_groups = a->d_groups;
   if (!a->d_groups && a->ngroups) memcpy(k.groups, a->groups, a->ngroups * sizeof *a->groups);
   k.vec = aligned16(master) && aligned16(exp_avg) && aligned16(exp_avg_sq) &&
@@ -644,7 +626,7 @@ int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *g
   if (rc) return rc;
   if (n && (!d_groups || !groups))
     return zd__errf(err, -EINVAL, "CUDA groups upload: %u groups but no source or destination", n);
-  rc = check_groups(groups, n, 1, "CUDA groups upload", err); /* the array is the launch's */
+  rc = check_groups(groups, n, 1, 0, "CUDA groups upload", err); /* the array is the launch's */
   if (rc) return rc;
   for (uint32_t done = 0; done < n; done += ZD__CUDA_GROUPS_INLINE) {
     groups_kargs_t k;
@@ -654,6 +636,37 @@ int zd__cuda_groups_upload(zd__adam_group_t *d_groups, const zd__adam_group_t *g
     memcpy(k.groups, groups + done, k.n * sizeof *groups);
     groups_kernel<<<1, ZD__CUDA_GROUPS_INLINE, 0, stream>>>(k);
     LAUNCH_CHECK(err, "CUDA groups upload: kernel launch");
+  }
+  return ZD_OK;
+}
+
+/* Map entries per launch of map_kernel: 4 KiB of arguments. */
+#define MAP_INLINE 1024
+
+typedef struct map_kargs {
+  uint32_t *dst;
+  uint32_t n;
+  uint32_t map[MAP_INLINE];
+} map_kargs_t;
+
+__global__ void map_kernel(const __grid_constant__ map_kargs_t a) {
+  for (uint32_t i = threadIdx.x; i < a.n; i += blockDim.x) a.dst[i] = a.map[i];
+}
+
+int zd__cuda_map_upload(uint32_t *d_map, const uint32_t *map, uint32_t n, cudaStream_t stream,
+                        zd__err_t *err) {
+  int rc = zd__check_stream(stream, "CUDA map upload", err);
+  if (rc) return rc;
+  if (n && (!d_map || !map))
+    return zd__errf(err, -EINVAL, "CUDA map upload: %u entries but no source or destination", n);
+  for (uint32_t done = 0; done < n; done += MAP_INLINE) {
+    map_kargs_t k;
+    memset(&k, 0, sizeof k);
+    k.dst = d_map + done;
+    k.n = n - done < MAP_INLINE ? n - done : MAP_INLINE;
+    memcpy(k.map, map + done, k.n * sizeof *map);
+    map_kernel<<<1, 256, 0, stream>>>(k);
+    LAUNCH_CHECK(err, "CUDA map upload: kernel launch");
   }
   return ZD_OK;
 }
@@ -1015,9 +1028,11 @@ int zd__cuda_kernels_preload(zd__err_t *err) {
   if (e == cudaSuccess) e = load_adam<ZD_BF16>();
   if (e == cudaSuccess) e = load_adam<ZD_F16>();
   if (e == cudaSuccess) e = load(groups_kernel);
+  if (e == cudaSuccess) e = load(map_kernel);
   if (e == cudaSuccess) e = load(tree_level);
   if (e == cudaSuccess) e = load(stats_finalize);
   if (e == cudaSuccess) e = zd__cuda_decide_preload();
+  if (e == cudaSuccess) e = zd__cuda_optim_preload();
   if (e == cudaSuccess) return ZD_OK;
   (void)cudaGetLastError();
   return zd__cuda_errf(err, e, "loading the optimizer kernels (cudaFuncGetAttributes)");

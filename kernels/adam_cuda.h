@@ -144,12 +144,38 @@ typedef struct zd__cuda_adam_args {
   const zd__adam_group_t *groups;
   const zd__adam_group_t *d_groups;
   uint32_t ngroups;
+  /* NULL: a tile's constants are groups[its segment's group]. Else (device memory, nmap entries
+   * covering every group index the layout's segments name) they are groups[d_map[its segment's
+   * group]], and a tile whose entry is ZD__CUDA_SKIP is not read or written at all: with a layout
+   * of one segment per parameter (group: the parameter's index, kernels/cuda_plan.h) this steps
+   * each parameter with the constants of its own step count, or skips it (parameters without a
+   * gradient, daemon/step/step.c). Filled stream-ordered by zd__cuda_map_upload. */
+  const uint32_t *d_map;
+  uint32_t nmap;
+  /* 0: every covered tile. Else the tiles of groups whose optimizer's bit (1 << ZD_<OPT>) is set
+   * only, the others left alone: the family's share of a model whose groups use several kernels
+   * (zd__cuda_optim_step, kernels/optim_cuda.h). */
+  uint32_t optimizers;
 } zd__cuda_adam_args_t;
 
-/* Queues the update of every element the layout's segments cover; other elements (padding) are
- * not read or written, in any array. The arrays must not overlap one another. Errors: -EINVAL,
- * ZD_EDTYPE, ZD_EHPARAM (a group of `groups` with sqrt_mode ZD_SQRT_MKL_EX, whose rsqrtps bits
- * the GPU cannot reproduce), ZD_EBACKEND (launch failed). */
+/* A d_map entry: the tile's parameter is skipped this step (kernels/cuda_plan.h). */
+#ifndef ZD__CUDA_SKIP
+#define ZD__CUDA_SKIP UINT32_MAX
+#endif
+
+/* Queues a copy of n map entries from host memory into d_map (device), carried in the arguments
+ * of small kernels as zd__cuda_groups_upload's groups are: stream-ordered, no pinned memory, the
+ * host array reusable on return. Errors: -EINVAL, ZD_EBACKEND. */
+int zd__cuda_map_upload(uint32_t *d_map, const uint32_t *map, uint32_t n, cudaStream_t stream,
+                        zd__err_t *err);
+
+/* Queues the AdamW/Adam update of every element the layout's segments cover (those of d_map's
+ * skipped entries and of other optimizers' groups, with `optimizers`, excepted); other elements
+ * (padding) are not read or written, in any array. The arrays must not overlap one another.
+ * Host `groups` are checked (also where d_groups is the launch's copy). Errors: -EINVAL,
+ * ZD_EDTYPE, ZD_EHPARAM (an Adam group of `groups` with sqrt_mode ZD_SQRT_MKL_EX, whose rsqrtps
+ * bits the GPU cannot reproduce), ZD_EBACKEND (launch failed). The other optimizers' kernels and
+ * the dispatch by the optimizers' table: kernels/optim_cuda.h. */
 int zd__cuda_adam_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
                        cudaStream_t stream, zd__err_t *err);
 

@@ -33,7 +33,8 @@
  *   torch_norm        (CPU only) the global norm in the fp32 order of a torch build, for clipping
  *                     bit for bit as that torch does (a collective at world size > 1)
  *   gather_records    all-gather of the step records (the commit point), into host memory
- *   update            the fused AdamW/Adam update of one bucket, writing working parameters;
+ *   update            the optimizer update of one bucket (each group by its optimizer's kernel,
+ *                     kernels/optim.h's table), writing working parameters;
  *                     in place, or (CPU) from the committed set of state arrays into the other
  *   params_from_master (CPU) a bucket's working parameters from the master weights
  *   phase_times       (CUDA) where the GPU time of the steps went, from timing events

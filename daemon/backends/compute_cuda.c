@@ -1,6 +1,6 @@
 /* The CUDA compute backend (compute.h): a rank's state in device memory, its kernels (kernels/
- * adam_cuda.h) queued on the rank's one non-blocking stream, in the order the step logic asks for
- * them.
+ * adam_cuda.h, and every optimizer of the table through kernels/optim_cuda.h) queued on the rank's
+ * one non-blocking stream, in the order the step logic asks for them.
  *
  * Per job, on the stream: wait for the client's "grads ready" event of the job's event slot
  * (begin); the collectives and kernels of the job; record the slot's "params ready" event
@@ -48,6 +48,12 @@
  * the state under it, and the step's reply does not wait for it: the checkpoint writer does
  * (fence_wait).
  *
+ * Parameters skipped or stepped at their own step count (presence, step.c's uneven shards): every
+ * bucket has a second layout at registration, one segment per parameter (kernels/cuda_plan.h),
+ * and such a step uploads the map from each parameter to its constants (or ZD__CUDA_SKIP) before
+ * its first bucket; the kernels read it per tile. A step whose parameters are all at the model's
+ * step uses the model's layouts and no map, as before.
+ *
  * Layouts (tile tables of adam_cuda.h) are built once per bucket at registration, on a separate
  * set-up stream (building one waits for its stream, which must not be the rank's: that one may be
  * waiting for the client). Memory is freed only once the rank's stream has run out (a bounded
@@ -66,8 +72,10 @@
 #include "compute.h"
 #include "cuda_check.h"
 #include "exchange_cuda.h"
+#include "cuda_plan.h"
 #include "log.h"
 #include "optim.h"
+#include "optim_cuda.h"
 
 /* The step record is all-gathered as the statistics kernel writes it. */
 _Static_assert(sizeof(zd__step_record_t) == sizeof(zd__cuda_stats_t), "record size");
@@ -131,11 +139,21 @@ typedef struct cuda_compute {
 
 typedef struct cuda_shard {
   uint32_t nbuckets;
-  zd__cuda_layout_t **layouts; /* per bucket */
-  zd__step_record_t *d_rec;    /* device: this rank's record */
-  zd__step_record_t *d_all;    /* device: every rank's */
-  zd__step_record_t *h_all;    /* pinned host: every rank's, for the agreement */
-  zd__adam_group_t *d_groups;  /* device, more groups than travel with a launch */
+  zd__cuda_layout_t **layouts; /* per bucket, from the model's segments */
+  /* Steps whose parameters are not all at the model's step (cuda_update): per bucket, a layout
+   * of one segment per parameter (group: its index; kernels/cuda_plan.h), the model's segments
+   * (a shard with others is such a step's), and the map of such a step, from parameter to
+   * constants or ZD__CUDA_SKIP, in host memory (built) and device memory (uploaded). */
+  zd__cuda_layout_t **param_layouts;
+  zd__segment_t *const *segs;
+  uint32_t nparams;
+  uint32_t *h_map;
+  uint32_t *d_map;
+  zd__step_record_t *d_rec;   /* device: this rank's record */
+  zd__step_record_t *d_all;   /* device: every rank's */
+  zd__step_record_t *h_all;   /* pinned host: every rank's, for the agreement */
+  zd__adam_group_t *d_groups; /* device, more groups than travel with a launch */
+  uint32_t groups_cap;        /* ... of which d_groups has room for this many */
   uint32_t world_size;
 } cuda_shard_t;
 
@@ -430,6 +448,9 @@ static void cuda_shard_fini(zd__compute_t *base, zd__shard_t *s) {
   if (drained(c)) {
     for (uint32_t b = 0; cm->layouts && b < cm->nbuckets; b++)
       zd__cuda_layout_destroy(cm->layouts[b]);
+    for (uint32_t b = 0; cm->param_layouts && b < cm->nbuckets; b++)
+      zd__cuda_layout_destroy(cm->param_layouts[b]);
+    cudaFree(cm->d_map);
     cudaFree(cm->d_rec);
     cudaFree(cm->d_all);
     cudaFree(cm->d_groups);
@@ -439,6 +460,8 @@ static void cuda_shard_fini(zd__compute_t *base, zd__shard_t *s) {
     leak_warning(c, "shard tables");
   }
   free(cm->layouts);
+  free(cm->param_layouts);
+  free(cm->h_map);
   free(cm);
   s->cdata = NULL;
 }
@@ -453,12 +476,28 @@ static int cuda_shard_init(zd__compute_t *base, zd__shard_t *s, uint32_t world_s
   cm->nbuckets = l->nbuckets;
   cm->world_size = world_size;
   cm->layouts = calloc(l->nbuckets, sizeof *cm->layouts);
-  if (!cm->layouts) return zd__errf(err, -ENOMEM, "out of memory");
+  cm->param_layouts = calloc(l->nbuckets, sizeof *cm->param_layouts);
+  cm->segs = s->segs;
+  cm->nparams = l->nparams;
+  cm->h_map = malloc((l->nparams ? l->nparams : 1) * sizeof *cm->h_map);
+  if (!cm->layouts || !cm->param_layouts || !cm->h_map)
+    return zd__errf(err, -ENOMEM, "out of memory");
   for (uint32_t b = 0; b < l->nbuckets; b++) {
     int rc = zd__cuda_layout_create(s->segs[b], s->nsegs[b], l->buckets[b].shard_elems, c->setup,
                                     &cm->layouts[b], err);
     if (rc) return rc; /* the caller frees the shard, and with it what was built */
+    uint32_t np = l->buckets[b].nparams;
+    zd__segment_t *per = malloc((np ? np : 1) * sizeof *per);
+    if (!per) return zd__errf(err, -ENOMEM, "out of memory");
+    uint32_t n = zd__cuda_param_segments(l, s->rank, b, per);
+    rc = zd__cuda_layout_create(per, n, l->buckets[b].shard_elems, c->setup, &cm->param_layouts[b],
+                                err);
+    free(per);
+    if (rc) return rc;
   }
+  ZD_CUDA_TRY(err,
+              cudaMalloc((void **)&cm->d_map, (l->nparams ? l->nparams : 1) * sizeof(uint32_t)),
+              "GPU %d: cudaMalloc of the parameters' map", c->device);
   size_t rec = sizeof(zd__step_record_t);
   ZD_CUDA_TRY(err, cudaMalloc((void **)&cm->d_rec, rec), "GPU %d: cudaMalloc of the record",
               c->device);
@@ -466,9 +505,14 @@ static int cuda_shard_init(zd__compute_t *base, zd__shard_t *s, uint32_t world_s
               "GPU %d: cudaMalloc of %u records", c->device, world_size);
   ZD_CUDA_TRY(err, cudaMallocHost((void **)&cm->h_all, rec * world_size),
               "GPU %d: cudaMallocHost of %u records", c->device, world_size);
-  if (s->ngroups > ZD__CUDA_GROUPS_INLINE)
-    ZD_CUDA_TRY(err, cudaMalloc((void **)&cm->d_groups, s->ngroups * sizeof *cm->d_groups),
-                "GPU %d: cudaMalloc of %u groups", c->device, s->ngroups);
+  /* A step with lagging parameters has up to one set of constants more per parameter
+   * (step.c's uneven_build: the groups', then one per (group, step count) a parameter needs). */
+  uint32_t cap = s->ngroups + l->nparams;
+  if (cap > ZD__CUDA_GROUPS_INLINE) {
+    ZD_CUDA_TRY(err, cudaMalloc((void **)&cm->d_groups, cap * sizeof *cm->d_groups),
+                "GPU %d: cudaMalloc of %u groups", c->device, cap);
+    cm->groups_cap = cap;
+  }
   return ZD_OK;
 }
 
@@ -702,14 +746,23 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
    * backend (daemon.c), so this is a broken invariant's last guard. */
   if (out || !buf)
     return zd__errf(err, ZD_ECONFIG, "the cuda backend updates in place only (overlap_update)");
-  /* The CUDA kernel is AdamW/Adam's only (kernels/optim.h lists the CPU kernels of the others). */
-  for (uint32_t g = 0; g < s->ngroups; g++)
-    if (consts[g].optimizer != ZD_ADAMW && consts[g].optimizer != ZD_ADAM)
-      return zd__errf(err, ZD_EHPARAM,
-                      "group %u: optimizer %s has no CUDA kernel yet; use the cpu backend", g,
-                      zd__optim_kernel_name(consts[g].optimizer));
+  /* A shard whose segments are not the model's: a step that skips parameters or steps some at
+   * their own step count (step.c, uneven_build). Its segments become the map of the parameters'
+   * constants (kernels/cuda_plan.h), uploaded before the first bucket, and every bucket is
+   * updated over its per-parameter layout through it. */
+  const int uneven = s->segs != cm->segs;
   if (b == 0) timing_mark(c, 2); /* the end of the statistics and the decision (or the scatter) */
-  if (cm->d_groups && b == 0) {  /* this step's constants, stream-ordered before every bucket */
+  if (uneven && b == 0) {
+    int rc = zd__cuda_param_map(s->layout, s->rank, (const zd__segment_t *const *)s->segs, s->nsegs,
+                                s->ngroups, cm->h_map, err);
+    if (!rc) rc = zd__cuda_map_upload(cm->d_map, cm->h_map, cm->nparams, c->stream, err);
+    if (rc) return rc;
+  }
+  const int dev_groups = s->ngroups > ZD__CUDA_GROUPS_INLINE;
+  if (dev_groups && s->ngroups > cm->groups_cap)
+    return zd__errf(err, ZD_EINTERNAL, "%u sets of constants, room for %u on the device",
+                    s->ngroups, cm->groups_cap);
+  if (dev_groups && b == 0) { /* this step's constants, stream-ordered before every bucket */
     int rc = zd__cuda_groups_upload(cm->d_groups, consts, s->ngroups, c->stream, err);
     if (rc) return rc;
   }
@@ -719,14 +772,17 @@ static int cuda_update(zd__compute_t *base, const zd__shard_t *s, uint32_t b,
       .param = param_slice(s, buf, b),
       .param_dtype = s->param_dtype,
       .grad_scale = grad_scale,
-      .groups = cm->d_groups ? NULL : consts,
-      .d_groups = cm->d_groups,
+      .groups = consts, /* the dispatch by optimizer reads them (optim_cuda.h) */
+      .d_groups = dev_groups ? cm->d_groups : NULL,
       .ngroups = s->ngroups,
+      .d_map = uneven ? cm->d_map : NULL,
+      .nmap = cm->nparams,
   };
   for (int i = 0; i < ZD__NSTATES; i++) /* bucket b's part of every array the shard has */
     a.state[i] = s->state[i] ? s->state[i] + bk->shard_base : NULL;
   a.d_decision = c->decision; /* queue_decision's: the update runs only where it says APPLY */
-  int rc = zd__cuda_adam_step(cm->layouts[b], &a, c->stream, err);
+  /* Each kernel family of the optimizers' table that the groups use (kernels/optim_cuda.h). */
+  int rc = zd__cuda_optim_step(uneven ? cm->param_layouts[b] : cm->layouts[b], &a, c->stream, err);
   if (!rc && b + 1 == s->layout->nbuckets) timing_mark(c, 3); /* the update's end */
   return rc;
 }

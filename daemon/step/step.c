@@ -28,7 +28,8 @@
 #define CHECKPOINT_BIT (1ull << 62)
 /* A record's step with this bit set says the rank has parameters without a gradient this step
  * (StepRequest.absent): the ranks compare steps without it, and where any record has it, every
- * rank exchanges its bitmap after the records (combine_absent). Set by the CPU backend only. */
+ * rank exchanges its bitmap after the records (combine_absent). Not set on the device's path
+ * (step_on_device), which is taken only where it cannot matter (device_path_ok). */
 #define ABSENT_BIT (1ull << 61)
 #define STEP_FLAGS (CHECKPOINT_BIT | ABSENT_BIT)
 
@@ -52,10 +53,20 @@ static uint64_t hparam_hash(const zd__model_t *m, const zd_group_t *groups,
 
 /* Whether the backend skips parameters without a gradient (StepRequest.absent) and steps each
  * parameter at its own step count: the CPU backend, whose update reads the segments it is given
- * (compute.h). The CUDA backend's segments live on the device: it steps every parameter with the
- * model's constants (an absent one with its zero gradient). */
+ * (compute.h), and the CUDA backend, which maps them onto per-parameter layouts built at
+ * registration (kernels/cuda_plan.h). */
 static int skips_absent(const zd__step_ctx_t *ctx) {
-  return strcmp(ctx->compute->name, "cpu") == 0;
+  return strcmp(ctx->compute->name, "cpu") == 0 || strcmp(ctx->compute->name, "cuda") == 0;
+}
+
+/* Whether a step with statistics may take the device's path (step_on_device), whose update is
+ * queued before any record is read: not when some parameter lags the model's step (the same on
+ * every rank: the lags are in the records' hash), nor at world size 1 when this rank has
+ * parameters without a gradient. At world size > 1 a rank cannot know whether another has any
+ * before the records, and every rank must take the same path: there the device's path steps
+ * absent parameters with their zero gradients, as before presence (docs/design.md). */
+static int device_path_ok(const zd__step_ctx_t *ctx, const zd__model_t *m, const uint8_t *absent) {
+  return !m->nlagging && !(ctx->world_size == 1 && absent);
 }
 
 /* ---- state --------------------------------------------------------------------------------- */
@@ -967,7 +978,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
 
   zd_clip_norm_t torch_order = torch_norm_order(ctx, m, clip_norm);
   int need_stats = needs_stats(ctx, m);
-  if (need_stats && ctx->compute->ops->queue_decision)
+  if (need_stats && ctx->compute->ops->queue_decision && device_path_ok(ctx, m, absent))
     return step_on_device(ctx, m, buf, slot, groups, gather, t0, out, err);
   double sumsq = 0;
   uint64_t nonfinite = 0;
@@ -1044,8 +1055,8 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   zd__adam_group_t consts[m->shard.ngroups];
   for (uint32_t g = 0; g < m->shard.ngroups; g++)
     zd__adam_group_init(&consts[g], &m->groups[g], dec.step);
-  /* Parameters skipped or lagging (CPU only: skips_absent): the update sees their segments
-   * rebuilt (uneven_t). */
+  /* Parameters skipped or lagging (skips_absent): the update sees their segments rebuilt
+   * (uneven_t). */
   uneven_t uneven = {0};
   int is_uneven = skips_absent(ctx) && (skip || m->nlagging);
   if (is_uneven) rc = uneven_build(ctx, m, skip, dec.step, &uneven, err);

@@ -73,8 +73,9 @@ int zd__model_gather(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__bu
  * (StepRequest.absent), whose gradients the client zeroed. The ranks combine theirs as DDP does
  * (zd__model_t.lag): a parameter absent on every rank is skipped (its master weights, state and
  * step count untouched, its working parameters left as they are); one present somewhere is
- * stepped with the reduced gradient. The CPU backend skips; the CUDA backend steps every
- * parameter (an absent one with its zero gradient).
+ * stepped with the reduced gradient. Both backends skip, except the CUDA backend's step with
+ * the decision on the device (cuda_step fast, statistics) at world size > 1, which steps an
+ * absent parameter with its zero gradient (step.c, device_path_ok).
  * ZD_EABORTED when a rank's worker stood in for its client (zd__model_stand_in): nothing
  * applied, and every bucket must be scattered again. */
 int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *model, const zd__buffers_t *buf,

@@ -390,12 +390,13 @@ typedef struct zd_step_opts {
   zd_clip_norm_t clip_norm; /* the norm clipping uses (zd_clip_norm_t); not kept between steps */
   /* Parameters without a gradient this step (torch's `p.grad is None`): (nparams + 7) / 8 bytes,
    * bit i % 8 of byte i / 8 set for parameter i of the registration; NULL (or no bit set): every
-   * parameter has one. The client zeroes their gradients before they are scattered. zerod (CPU
-   * backend) skips a parameter absent on every rank, as torch's optimizers skip a parameter whose
-   * .grad is None: its master weights, state and step count stay, its working parameters are left
-   * as they are; absent on some ranks only, its gradient is the reduced one (theirs zeros), as
-   * DDP's. Each parameter's bias corrections follow its own step count. The CUDA backend steps
-   * every parameter (an absent one with its zero gradient). Only for this step. */
+   * parameter has one. The client zeroes their gradients before they are scattered. zerod skips a
+   * parameter absent on every rank, as torch's optimizers skip a parameter whose .grad is None:
+   * its master weights, state and step count stay, its working parameters are left as they are;
+   * absent on some ranks only, its gradient is the reduced one (theirs zeros), as DDP's. Each
+   * parameter's bias corrections follow its own step count. Except in a CUDA step whose decision
+   * is taken on the device (cuda_step fast, with statistics) at world size > 1, which steps every
+   * parameter (an absent one with its zero gradient). Only for this step. */
   const uint8_t *absent;
 } zd_step_opts_t;
 #define ZD_STEP_OPTS_INIT \
