@@ -15,7 +15,8 @@ Modes:
                  gradients. --optimizer picks a subclass (sgd, adagrad, rmsprop) against its torch
                  counterpart: their group defaults fill the new group (adagrad: torch 2.x only,
                  since torch 1.13's Adagrad raises KeyError at the step of a parameter added
-                 later). --overlap: zerod's overlap_update (two sets of state arrays).
+                 later). --overlap: zerod's overlap_update (two sets of state arrays);
+                 --state_dir: the state in a state_dir's file, made again for the grown model.
   --checkpoint   a checkpoint taken after the add (step 8) at W=2, resumed by a world of one that
                  builds the grown optimizer directly, which continues to step 10 bit for bit.
   --refuse       W=2, the ranks add different groups: rank 1 another lr (ZD_EHPARAM naming the
@@ -262,9 +263,10 @@ def failed(results: Dict[int, Any]) -> bool:
     return bad
 
 
-def run_train(kind: str, world: int, overlap: bool) -> bool:
+def run_train(kind: str, world: int, overlap: bool, state_dir: bool) -> bool:
     print(f"== {kind}: group added after step {ADD_AFTER}, W={world}, {STEPS} steps"
-          f"{', overlap_update' if overlap else ''} ==", flush=True)
+          f"{', overlap_update' if overlap else ''}{', state_dir' if state_dir else ''} ==",
+          flush=True)
     if kind == "adagrad" and int(torch.__version__.split(".")[0]) < 2:
         common.skip("torch 1.13's Adagrad creates its state at construction only: its step "
                     "raises KeyError for a parameter added by add_param_group (torch 2.x "
@@ -273,7 +275,10 @@ def run_train(kind: str, world: int, overlap: bool) -> bool:
     snaps = reference(kind, world)
     cfg = {"optimizer": kind, "checkpoint": False}
     args = ["--bucket_elems", "256"] + (["--overlap_update", "1"] if overlap else [])
-    results = run_world(world, train_rank, lambda r, ep: (cfg, r, world, ep, snaps), args)
+    with tempfile.TemporaryDirectory(prefix="zerod-add-group-", dir="/dev/shm") as tmp:
+        if state_dir:  # the state in a file (two sets): the grown model's starts afresh
+            args += ["--state_dir", tmp]
+        results = run_world(world, train_rank, lambda r, ep: (cfg, r, world, ep, snaps), args)
     if failed(results):
         return False
     print(f"ok: bitwise equal to torch after every step on {world} rank(s), before and after "
@@ -377,13 +382,14 @@ def main() -> int:
     ap.add_argument("--checkpoint", action="store_true")
     ap.add_argument("--refuse", action="store_true")
     ap.add_argument("--overlap", action="store_true", help="zerod's overlap_update (two sets)")
+    ap.add_argument("--state_dir", action="store_true", help="zerod's state in a state_dir")
     a = ap.parse_args()
     if a.checkpoint:
         ok = run_checkpoint()
     elif a.refuse:
         ok = run_refuse()
     else:
-        ok = run_train(a.optimizer, a.world, a.overlap)
+        ok = run_train(a.optimizer, a.world, a.overlap, a.state_dir)
     return 0 if ok else 1
 
 

@@ -125,9 +125,15 @@ gradients and loss scaling clip by zerod's double norm (a coefficient within a f
 A pickled ZeroOptimizer (e.g. inside torch 1.13's scheduler state_dict) becomes a
 PickledZeroOptimizer placeholder; one never closed is closed at interpreter exit.
 
+Groups added during training. add_param_group() between steps registers the grown model with
+zerod again on a new connection to the same local rank (ZD_REGISTER_GROW): zerod carries the
+state it holds across the new layout, so the parameters it held keep theirs bit for bit and the
+new group's start afresh, as torch's add_param_group does (host buffers and the CPU backend; at
+world size > 1 every rank adds the same group at the same step, or each raises naming the first
+difference and goes on with the model it had).
+
 Limits: parameters must all be on one device (the CPU, or the rank's GPU) and of one dtype,
-float32 or bfloat16. The parameter list is fixed at
-registration: add_param_group() after construction is refused. A parameter without a gradient
+float32 or bfloat16. A parameter without a gradient
 in a step (its .grad set to None, or not reached by backward since zero_grad(set_to_none=True),
 torch 2.x's default) is skipped by zerod's CPU backend as torch skips it: no decay, no state
 update, its own step count kept (at world size > 1 only where no rank has a gradient for it, as
