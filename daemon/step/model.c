@@ -566,6 +566,10 @@ int zd__model_grow(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spe
     stuck = 1;
     goto exit;
   }
+  /* The working parameters from the master weights, as a resume writes them: the held ones are
+   * zerod's (whatever the client wrote), the new ones what the client wrote. */
+  rc = c->ops->exchange(c, &m->shard, buf, 1, err);
+  if (rc) goto exit;
   m->step = step;
   m->steps_skipped = skipped;
   if (scaler.enabled && m->scaler.enabled) {

@@ -245,15 +245,16 @@ int zd__model_grows(const zd__layout_t *held, const zd__layout_t *grown, char *b
  * have, their step lags), and whose new parameters start as a new model's do: master weights from
  * the client's param buffer, the other arrays zeroed, their own step count 0 (a lag of the model's
  * step, so that their first step is their step 1, as torch counts it for a parameter added by
- * add_param_group). The model's step, skipped steps and loss scaler (scale and trackers, when
- * spec keeps one on) carry over. At world size > 1 the held state is resharded by an all-gather of
- * each array's shards over the communicator (host memory: world size * held shard elements floats
- * per array, one array at a time, plus the new shard's arrays), since a held parameter's elements
- * may move to another rank in the grown layout. *model becomes the new model (held is freed; with
- * ctx->state_dir before the new one opens the rank's state file, which is then created afresh for
- * the new layout and committed at the carried step). On an error *model is held, or NULL when it
- * was already freed (state_dir). Errors: -ENOMEM, the backend's (snapshot, restore: bounded by
- * timeout_ms), the communicator's, the state file's. */
+ * add_param_group); this rank's slice of the param buffer is then written from the master
+ * weights, as a resume writes it. The model's step, skipped steps and loss scaler (scale and
+ * trackers, when spec keeps one on) carry over. At world size > 1 the held state is resharded by an
+ * all-gather of each array's shards over the communicator (host memory: world size * held shard
+ * elements floats per array, one array at a time, plus the new shard's arrays), since a held
+ * parameter's elements may move to another rank in the grown layout. *model becomes the new model
+ * (held is freed; with ctx->state_dir before the new one opens the rank's state file, which is then
+ * created afresh for the new layout and committed at the carried step). On an error *model is held,
+ * or NULL when it was already freed (state_dir). Errors: -ENOMEM, the backend's (snapshot, restore:
+ * bounded by timeout_ms), the communicator's, the state file's. */
 int zd__model_grow(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                    const zd__buffers_t *buf, int timeout_ms, zd__err_t *err);
 
