@@ -16,7 +16,8 @@ Modes:
                  counterpart: their group defaults fill the new group (adagrad: torch 2.x only,
                  since torch 1.13's Adagrad raises KeyError at the step of a parameter added
                  later). --overlap: zerod's overlap_update (two sets of state arrays);
-                 --state_dir: the state in a state_dir's file, made again for the grown model.
+                 --state_dir: the state in a state_dir's file, made again for the grown model;
+                 --one_daemon: the W ranks are local ranks of one zerod (else one zerod each).
   --checkpoint   a checkpoint taken after the add (step 8) at W=2, resumed by a world of one that
                  builds the grown optimizer directly, which continues to step 10 bit for bit.
   --refuse       W=2, the ranks add different groups: rank 1 another lr (ZD_EHPARAM naming the
@@ -48,6 +49,7 @@ nn = torch.nn
 F = torch.nn.functional
 
 ADD_AFTER, STEPS, CKPT_AT = 5, 10, 8
+ONE_DAEMON = False
 
 
 class Net(nn.Module):
@@ -221,7 +223,8 @@ def _worker(target: Any, args: Tuple[Any, ...], rank: int, queue: Any) -> None:
 
 
 def run_world(world: int, target: Any, make_args: Any, args: List[str]) -> Dict[int, Any]:
-    with zerod.testing.LocalWorld(world, daemons=world, args=args, log_level="info") as w:
+    daemons = 1 if ONE_DAEMON else world  # --one_daemon: the ranks are local ranks of one zerod
+    with zerod.testing.LocalWorld(world, daemons=daemons, args=args, log_level="info") as w:
         if world == 1:
             try:
                 return {0: target(*make_args(0, w.endpoint(0)))}
@@ -383,7 +386,10 @@ def main() -> int:
     ap.add_argument("--refuse", action="store_true")
     ap.add_argument("--overlap", action="store_true", help="zerod's overlap_update (two sets)")
     ap.add_argument("--state_dir", action="store_true", help="zerod's state in a state_dir")
+    ap.add_argument("--one_daemon", action="store_true", help="W ranks of one zerod")
     a = ap.parse_args()
+    global ONE_DAEMON
+    ONE_DAEMON = a.one_daemon
     if a.checkpoint:
         ok = run_checkpoint()
     elif a.refuse:
