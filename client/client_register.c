@@ -187,6 +187,8 @@ int zd_register(zd_client_t *c) {
   req.grad_mean = c->grad_reduce != ZD_GRAD_SUM; /* the wire keeps its boolean */
   req.has_replace = 1;
   req.replace = (c->flags & ZD_REGISTER_REPLACE) != 0;
+  req.has_grow = (c->flags & ZD_REGISTER_GROW) != 0;
+  req.grow = req.has_grow;
   req.loss_scaler = zd__wire_scaler_to(&scaler, &c->loss_scaler);
   int fds[2] = {c->param_fd, c->grad_fd}, nfds = 2, slot = -1;
   Zerod__V1__CudaBuffers cb = ZEROD__V1__CUDA_BUFFERS__INIT;

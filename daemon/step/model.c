@@ -404,3 +404,196 @@ void zd__model_set_lags(zd__model_t *m, const uint64_t *lags) {
 float *const *zd__model_other_set(const zd__model_t *m) {
   return m->sets[1][ZD__STATE_MASTER] ? m->sets[m->committed.set ^ 1] : NULL;
 }
+
+/* ---- a grown model (add_param_group) -------------------------------------------------------- */
+
+int zd__model_grows(const zd__layout_t *held, const zd__layout_t *grown, char *buf, size_t len) {
+  for (uint32_t i = 0; i < held->nparams; i++) {
+    const zd__layout_param_t *a = &held->params[i];
+    if (i >= grown->nparams) {
+      snprintf(buf, len,
+               "the rank holds %u parameters, the registration has %u: a grown model keeps "
+               "every parameter held, in order, and adds after them",
+               held->nparams, grown->nparams);
+      return 0;
+    }
+    const zd__layout_param_t *b = &grown->params[i];
+    int same = strcmp(a->name, b->name) == 0 && a->ndim == b->ndim && a->group == b->group;
+    for (uint32_t d = 0; same && d < a->ndim; d++) same = a->shape[d] == b->shape[d];
+    if (!same) {
+      char sa[160], sb[160];
+      zd__shape_format(a->shape, a->ndim, sa, sizeof sa);
+      zd__shape_format(b->shape, b->ndim, sb, sizeof sb);
+      snprintf(buf, len,
+               "parameter %u: '%s' %s group %u held vs '%s' %s group %u registered (a grown "
+               "model keeps every parameter held, in order, and adds after them)",
+               i, a->name, sa, a->group, b->name, sb, b->group);
+      return 0;
+    }
+  }
+  if (grown->nparams == held->nparams) {
+    snprintf(buf, len, "the registration adds no parameter to the %u held", held->nparams);
+    return 0;
+  }
+  return 1;
+}
+
+/* The state arrays of m present in `states`, in table order (the order a snapshot packs them). */
+static uint32_t arrays_of(const zd__model_t *m, zd__states_t states, float **out) {
+  uint32_t n = 0;
+  for (int s = 0; s < ZD__NSTATES; s++)
+    if (states & ZD__STATE_BIT(s)) out[n++] = m->shard.state[s];
+  return n;
+}
+
+/* Index of array s among those of `states` in table order. */
+static uint32_t array_index(zd__states_t states, int s) {
+  return (uint32_t)__builtin_popcount(states & (ZD__STATE_BIT(s) - 1));
+}
+
+/* Copies into `shard` (rank `rank`'s shard of `grown`) every element of the held parameters that
+ * slice holds, from `full`: the all-gathered shards of `held` (rank r's at r * shard_elems). */
+static void carry_array(const zd__layout_t *held, const zd__layout_t *grown, uint32_t rank,
+                        const float *full, float *shard) {
+  for (uint32_t b = 0; b < grown->nbuckets; b++) {
+    const zd__bucket_t *bk = &grown->buckets[b];
+    uint64_t lo = bk->offset + (uint64_t)rank * bk->shard_elems, hi = lo + bk->shard_elems;
+    for (uint32_t p = bk->first_param; p < bk->first_param + bk->nparams; p++) {
+      if (p >= held->nparams) break; /* the new parameters come after the held ones */
+      const zd__layout_param_t *np = &grown->params[p], *op = &held->params[p];
+      const zd__bucket_t *ob = &held->buckets[op->bucket];
+      uint64_t s = np->offset > lo ? np->offset : lo;
+      uint64_t e = np->offset + np->numel < hi ? np->offset + np->numel : hi;
+      for (uint64_t i = s - np->offset; i < e - np->offset;) {
+        /* element i of p in held's layout: which rank's slice of its bucket, and where */
+        uint64_t rel = op->offset + i - ob->offset;
+        uint64_t owner = rel / ob->shard_elems, pos = rel % ob->shard_elems;
+        uint64_t n = ob->shard_elems - pos;
+        if (n > e - np->offset - i) n = e - np->offset - i;
+        memcpy(shard + bk->shard_base + (np->offset + i - lo),
+               full + owner * held->shard_elems + ob->shard_base + pos, n * sizeof(float));
+        i += n;
+      }
+    }
+  }
+}
+
+/* Waits for a snapshot's copy (compute.h) and frees its fence. */
+static int snapshot_wait(zd__compute_t *c, void *fence, int timeout_ms, zd__err_t *err) {
+  int rc = c->ops->fence_wait(fence, timeout_ms, err);
+  c->ops->fence_free(fence);
+  return rc;
+}
+
+/* A copy of layout l, built again from its parameter table (a layout is a pure function of it, the
+ * world size and the bucket size): what the carry reads once the held model is gone. */
+static int layout_copy(const zd__layout_t *l, zd__layout_t **out, zd__err_t *err) {
+  zd_param_t *ps = calloc(l->nparams ? l->nparams : 1, sizeof *ps);
+  if (!ps) return zd__errf(err, -ENOMEM, "out of memory");
+  for (uint32_t i = 0; i < l->nparams; i++) {
+    ps[i].name = l->params[i].name;
+    ps[i].ndim = l->params[i].ndim;
+    memcpy(ps[i].shape, l->params[i].shape, sizeof ps[i].shape);
+    ps[i].group = l->params[i].group;
+  }
+  int rc = zd__layout_build(ps, l->nparams, UINT32_MAX, l->world_size, l->bucket_elems, out, err);
+  free(ps);
+  return rc;
+}
+
+int zd__model_grow(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
+                   const zd__buffers_t *buf, int timeout_ms, zd__err_t *err) {
+  zd__model_t *held = *model, *m = NULL;
+  zd__compute_t *c = ctx->compute;
+  const uint32_t w = ctx->world_size;
+  const zd__states_t held_states = held->states;
+  const uint64_t hs = held->layout->shard_elems;
+  const uint64_t step = held->step, skipped = held->steps_skipped;
+  const zd__scaler_t scaler = held->scaler;
+  float *src[ZD__NSTATES], *dst[ZD__NSTATES];
+  const uint32_t count = arrays_of(held, held_states, src);
+  zd__layout_t *hl = NULL;
+  void *mine = NULL, *stage = NULL, *fence = NULL;
+  int stuck = 0; /* a copy that did not finish may still use its host memory: leak it */
+  float *full = malloc((size_t)count * w * (hs ? hs : 1) * sizeof(float));
+  uint64_t *lags = calloc(spec->layout->nparams, sizeof *lags);
+  int rc = full && lags ? layout_copy(held->layout, &hl, err)
+                        : zd__errf(err, -ENOMEM, "out of memory for the held state");
+  if (!rc) rc = c->ops->host_alloc(c, (size_t)count * (hs ? hs : 1) * sizeof(float), &mine, err);
+  if (rc) goto exit;
+  rc = c->ops->snapshot(c, src, count, hs, mine, &fence, err);
+  if (!rc) rc = snapshot_wait(c, fence, timeout_ms, err);
+  if (rc) {
+    stuck = 1;
+    goto exit;
+  }
+  /* Every rank's shards of every array: a held parameter's elements may move to another rank. */
+  for (uint32_t k = 0; k < count && !rc; k++)
+    rc = ctx->comm->ops->allgather_bytes(ctx->comm, (float *)mine + k * hs, hs * sizeof(float),
+                                         full + (size_t)k * w * hs, err);
+  if (rc) goto exit;
+  for (uint32_t i = 0; i < spec->layout->nparams; i++)
+    lags[i] = i < hl->nparams ? held->lag[i] : step; /* a new parameter: its own step is 0 */
+  if (ctx->state_dir) { /* the rank's one state file is the held model's mapping until it goes */
+    zd__model_free(held);
+    *model = held = NULL;
+  }
+  int replace = spec->replace;
+  spec->replace = 1; /* a state file starts afresh for the grown layout */
+  rc = zd__model_create(ctx, spec, &m, err);
+  spec->replace = replace;
+  if (rc) goto exit;
+  zd__model_configure(m, spec, 0);
+  rc = c->ops->exchange(c, &m->shard, buf, 0, err); /* the client's values: the new parameters' */
+  if (rc) goto exit;
+  const uint32_t ncount = arrays_of(m, m->states, dst);
+  const uint64_t ns = m->layout->shard_elems;
+  rc = c->ops->host_alloc(c, (size_t)ncount * (ns ? ns : 1) * sizeof(float), &stage, err);
+  if (rc) goto exit;
+  fence = NULL;
+  rc = c->ops->snapshot(c, dst, ncount, ns, stage, &fence, err);
+  if (!rc) rc = snapshot_wait(c, fence, timeout_ms, err);
+  if (rc) {
+    stuck = 1;
+    goto exit;
+  }
+  for (int s = 0; s < ZD__NSTATES; s++)
+    if (m->states & held_states & ZD__STATE_BIT(s)) /* else new: zeros (master: the client's) */
+      carry_array(hl, m->layout, ctx->rank, full + (size_t)array_index(held_states, s) * w * hs,
+                  (float *)stage + (size_t)array_index(m->states, s) * ns);
+  rc = c->ops->restore(c, dst, ncount, ns, stage, timeout_ms, err);
+  if (rc) {
+    stuck = 1;
+    goto exit;
+  }
+  /* The working parameters from the master weights, as a resume writes them: the held ones are
+   * zerod's (whatever the client wrote), the new ones what the client wrote. */
+  rc = c->ops->exchange(c, &m->shard, buf, 1, err);
+  if (rc) goto exit;
+  m->step = step;
+  m->steps_skipped = skipped;
+  if (scaler.enabled && m->scaler.enabled) {
+    m->scaler.scale = scaler.scale;
+    m->scaler.growth_tracker = scaler.growth_tracker;
+    m->scaler.hysteresis_tracker = scaler.hysteresis_tracker;
+  }
+  zd__model_set_lags(m, lags);
+  zd__model_commit(m, 0); /* the committed record (and the state file's) at the carried step */
+  m->resumed_from = ZD__FROM_HELD;
+  ZD_LOG_INFO("rank %u: model grown from %u to %u parameters at step %" PRIu64
+              " (the held ones keep their state, the new ones start afresh)",
+              ctx->rank, hl->nparams, m->layout->nparams, step);
+  zd__model_free(held);
+  *model = m;
+  m = NULL;
+exit:
+  zd__model_free(m);
+  zd__layout_free(hl);
+  if (!stuck) {
+    c->ops->host_free(mine);
+    c->ops->host_free(stage);
+  }
+  free(full);
+  free(lags);
+  return rc;
+}

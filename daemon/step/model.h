@@ -62,6 +62,7 @@ typedef struct zd__model_spec {
   int grad_mean;
   zd_loss_scaler_t scaler; /* .enabled = 0: none */
   int replace;
+  int grow; /* the model extends the one the rank holds (zd__model_grow) */
 } zd__model_spec_t;
 
 void zd__model_spec_free(zd__model_spec_t *spec);
@@ -230,6 +231,32 @@ void zd__model_spec_wait_bucket(zd__model_t *m, int32_t b);
 /* Sets every parameter's lag (NULL: all 0, every parameter at the model's step), recounting
  * nlagging. */
 void zd__model_set_lags(zd__model_t *m, const uint64_t *lags);
+
+/* Whether `grown` extends `held`, as torch's add_param_group extends an optimizer: held's parameter
+ * table (names, shapes, groups, in order) is the first held->nparams parameters of grown's, which
+ * has more. 0 when it does not, with the first difference in buf ("parameter 3: 'fc.weight' [4,
+ * 8] group 0 held vs 'fc.bias' [4] group 0 registered"). World size and bucket size are the
+ * same (one daemon's), so a prefix is all there is to compare. */
+int zd__model_grows(const zd__layout_t *held, const zd__layout_t *grown, char *buf, size_t len);
+
+/* A registration of a grown model (spec->grow, zd__model_grows true, collective at world size > 1:
+ * every rank calls it for the same layouts once they agreed): a new model for spec whose
+ * parameters held has keep their state bit for bit (master weights and every state array both
+ * have, their step lags), and whose new parameters start as a new model's do: master weights from
+ * the client's param buffer, the other arrays zeroed, their own step count 0 (a lag of the model's
+ * step, so that their first step is their step 1, as torch counts it for a parameter added by
+ * add_param_group); this rank's slice of the param buffer is then written from the master
+ * weights, as a resume writes it. The model's step, skipped steps and loss scaler (scale and
+ * trackers, when spec keeps one on) carry over. At world size > 1 the held state is resharded by an
+ * all-gather of each array's shards over the communicator (host memory: world size * held shard
+ * elements floats per array, one array at a time, plus the new shard's arrays), since a held
+ * parameter's elements may move to another rank in the grown layout. *model becomes the new model
+ * (held is freed; with ctx->state_dir before the new one opens the rank's state file, which is then
+ * created afresh for the new layout and committed at the carried step). On an error *model is held,
+ * or NULL when it was already freed (state_dir). Errors: -ENOMEM, the backend's (snapshot, restore:
+ * bounded by timeout_ms), the communicator's, the state file's. */
+int zd__model_grow(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
+                   const zd__buffers_t *buf, int timeout_ms, zd__err_t *err);
 
 /* Frees the model, its arrays and the backend's data; accepts NULL and a half-built model. A
  * bucket in flight is finished first, and the speculation thread joined. */

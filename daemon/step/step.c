@@ -116,6 +116,9 @@ typedef struct attach_record {
   uint64_t layout_hash;
   uint64_t step;
   uint64_t table_bytes; /* size of the serialized parameter table */
+  uint32_t grow;        /* the registration grows the model held (zd__model_grow) */
+  uint32_t ngroups;
+  uint64_t groups_hash; /* with grow: every group's fields (the new group's among them) */
 } attach_record_t;
 
 /* Names the first parameter on which this rank's model differs from rank `other`'s: every rank
@@ -164,9 +167,54 @@ static void describe_state(const attach_record_t *rec, char *buf, size_t len) {
     snprintf(buf, len, "starts afresh");
 }
 
+/* Names the first group field on which this rank's groups differ from rank `other`'s (a grown
+ * model's registration, where every rank must add the same group): all-gathers every rank's
+ * groups, padded to the most groups. */
+static int describe_groups(const zd__step_ctx_t *ctx, const zd_group_t *mine, uint32_t n,
+                           const attach_record_t *all, uint32_t other, zd__err_t *err) {
+  uint32_t max = 0;
+  for (uint32_t r = 0; r < ctx->world_size; r++)
+    if (all[r].ngroups > max) max = all[r].ngroups;
+  zd_group_t *send = calloc(max ? max : 1, sizeof *send);
+  zd_group_t *every = calloc((size_t)ctx->world_size * (max ? max : 1), sizeof *every);
+  if (!send || !every) {
+    free(send);
+    free(every);
+    return zd__errf(err, -ENOMEM, "out of memory comparing parameter groups");
+  }
+  memcpy(send, mine, n * sizeof *mine);
+  int rc =
+      ctx->comm->ops->allgather_bytes(ctx->comm, send, (max ? max : 1) * sizeof *send, every, err);
+  if (rc) goto exit;
+  const zd_group_t *theirs = every + (size_t)other * (max ? max : 1);
+  char diff[256];
+  snprintf(diff, sizeof diff, "rank %u has %u groups, rank %u %u", other, all[other].ngroups,
+           ctx->rank, n);
+  for (uint32_t g = 0; g < n && g < all[other].ngroups; g++) {
+    int found = 0;
+#define ZD__GROUP_DIFF(name, KIND, valid, expected, dflt)                                       \
+  if (!found && memcmp(&theirs[g].name, &mine[g].name, sizeof mine[g].name) != 0) {             \
+    found = 1;                                                                                  \
+    snprintf(diff, sizeof diff, "group %u: %s is %.17g on rank %u, %.17g on rank %u", g, #name, \
+             (double)theirs[g].name, other, (double)mine[g].name, ctx->rank);                   \
+  }
+    ZD__GROUP_FIELDS(ZD__GROUP_DIFF)
+#undef ZD__GROUP_DIFF
+    if (found) break;
+  }
+  rc = zd__errf(err, ZD_EHPARAM,
+                "ranks grew the model with different parameter groups (every rank adds the same "
+                "group at the same step): %s",
+                diff);
+exit:
+  free(send);
+  free(every);
+  return rc;
+}
+
 /* Compares the records of all ranks; every rank reaches the same verdict. */
 static int agree_attach(const zd__step_ctx_t *ctx, const attach_record_t *mine,
-                        const zd__layout_t *layout, zd__err_t *err) {
+                        const zd__layout_t *layout, const zd_group_t *groups, zd__err_t *err) {
   uint32_t w = ctx->world_size;
   attach_record_t *all = calloc(w, sizeof *all);
   if (!all) return zd__errf(err, -ENOMEM, "out of memory");
@@ -203,6 +251,12 @@ static int agree_attach(const zd__step_ctx_t *ctx, const attach_record_t *mine,
                     r, theirs, ctx->rank, ours);
     }
   }
+  /* After every other check, which every rank fails alike or passes alike: describe_groups is a
+   * collective that every rank must enter. */
+  for (uint32_t r = 0; r < w && !rc; r++)
+    if (mine->grow && all[r].grow &&
+        (all[r].ngroups != mine->ngroups || all[r].groups_hash != mine->groups_hash))
+      rc = describe_groups(ctx, groups, mine->ngroups, all, r, err);
 exit:
   free(all);
   return rc;
@@ -265,6 +319,10 @@ static int rejoin_model(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spe
   return ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, loaded, err);
 }
 
+/* How long a grown model's registration waits for each copy of the state (zd__model_grow; the
+ * CPU backend's copies are done on return). */
+#define GROW_TIMEOUT_MS 600000
+
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                      const zd__buffers_t *buf, uint32_t slot, int *resumed, zd__err_t *err) {
   zd__model_t *m = *model;
@@ -299,18 +357,37 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   }
   if (m && !same && !diff[0]) zd__layout_diff(m->layout, spec->layout, diff, sizeof diff);
   if (spec->replace || rejoin) same = 0; /* start afresh even with the same model */
+  /* add_param_group: the model held, grown by parameters after its own, keeps its state and step
+   * (zd__model_grow). */
+  int grow = m && !same && !rejoin && !spec->replace && spec->grow;
+  int grows = grow && zd__model_grows(m->layout, spec->layout, diff, sizeof diff);
   attach_record_t rec = {.param_dtype = spec->param_dtype,
                          .grad_dtype = spec->grad_dtype,
-                         .resume = (uint32_t)same,
+                         .resume = (uint32_t)(same || grow),
                          .layout_hash = spec->layout->hash,
-                         .step = same ? m->step : 0};
+                         .step = same || grow ? m->step : 0,
+                         .grow = (uint32_t)grow,
+                         .ngroups = spec->ngroups};
+  for (uint32_t g = 0; grow && g < spec->ngroups; g++)
+    rec.groups_hash = zd__group_hash(rec.groups_hash, &spec->groups[g]);
   char *table = NULL;
   size_t table_len = 0;
   if (zd__layout_serialize(spec->layout, &table, &table_len) != 0)
     rec.code = zd__errf(err, -ENOMEM, "out of memory");
   free(table);
   rec.table_bytes = table_len;
-  if (!rec.code && m && !same && !spec->replace && !rejoin)
+  if (!rec.code && grow && !grows)
+    rec.code = zd__errf(err, ZD_ELAYOUT,
+                        "rank %u cannot grow the model it holds (%u parameters, step %" PRIu64
+                        ") into the one registered: %s",
+                        ctx->rank, m->layout->nparams, m->step, diff);
+  else if (!rec.code && grow && !skips_absent(ctx))
+    rec.code = zd__errf(err, ZD_EBACKEND,
+                        "rank %u: growing a model (add_param_group) needs per-parameter step "
+                        "counts, which only the CPU backend keeps (backend %s); register the "
+                        "grown model with replace",
+                        ctx->rank, ctx->compute->name);
+  else if (!rec.code && m && !same && !spec->replace && !rejoin && !grow)
     rec.code = zd__errf(err, ZD_ELAYOUT,
                         "rank %u holds a different model (%u parameters, layout hash %016" PRIx64
                         ", step %" PRIu64 "): %s; register with replace to discard its state",
@@ -327,7 +404,7 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   }
   /* Every rank takes part even when it refuses, so that all fail together instead of leaving the
    * others waiting in the collective. */
-  rc = agree_attach(ctx, &rec, spec->layout, err);
+  rc = agree_attach(ctx, &rec, spec->layout, spec->groups, err);
   if (rc) return job_end(ctx, buf, slot, rc, err);
 
   *resumed = same;
@@ -338,6 +415,11 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
     rc = ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, 1, err);
   } else if (rejoin) {
     rc = rejoin_model(ctx, m, spec, buf, resumed, err);
+  } else if (grow) { /* held's kept param buffer goes with it */
+    rc = zd__model_grow(ctx, model, spec, buf, GROW_TIMEOUT_MS, err);
+    *resumed = 1;
+    m = *model;
+    if (rc) return job_end(ctx, buf, slot, rc, err);
   } else {
     zd__model_t *fresh = NULL;
     rc = zd__model_create(ctx, spec, &fresh, err);

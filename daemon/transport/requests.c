@@ -112,6 +112,11 @@ static int spec_from(zd__session_t *s, const Zerod__V1__RegisterRequest *req,
   spec->max_grad_norm = req->max_grad_norm;
   spec->grad_mean = req->grad_mean;
   spec->replace = req->replace;
+  spec->grow = req->grow;
+  if (spec->grow && spec->replace)
+    return zd__errf(err, -EINVAL,
+                    "register with both replace and grow: replace discards the "
+                    "state that grow keeps; pass one");
   rc = zd__wire_scaler_from(&spec->scaler, req->loss_scaler, err);
   if (rc) return rc;
   if (spec->scaler.enabled && spec->grad_dtype != ZD_F16 && spec->grad_dtype != ZD_F32 &&

@@ -1,8 +1,9 @@
 /* zerod's life around its clients: command line (--help, --version, bad flags), start with no
  * configuration at all, one client per rank, trainers started together with ZD_ANY_RANK getting
  * a rank each, state held across clients (clean and abrupt disconnects, a different model
- * refused unless replaced), SIGTERM while steps are in flight: they complete, the socket file
- * is removed and zerod exits 0 with its loop closed, and the busy poll after replies ending. */
+ * refused unless replaced, a grown model registered with ZD_REGISTER_GROW), SIGTERM while steps are
+ * in flight: they complete, the socket file is removed and zerod exits 0 with its loop closed, and
+ * the busy poll after replies ending. */
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
@@ -174,6 +175,95 @@ static void test_clients_and_state(void) {
   CHECK_INT_EQ(info.resumed, 0);
   CHECK_U64_EQ(info.step, 0);
   zd_close(r);
+  zdt_stop(&d, SIGTERM, 0);
+}
+
+/* ZD_REGISTER_GROW (add_param_group): a model of the first two parameters trained 3 steps, then
+ * the four-parameter model registered with the flag on a new connection: resumed at step 3, the
+ * held parameters' values zerod's (not what the client wrote), the new ones the client's; the
+ * next step is 4. Refused: with replace, and a registration whose start is not the held model. */
+static zd_client_t *register_n(const char *socket, const zd_param_t *params, size_t n,
+                               unsigned flags, float init, int expect) {
+  zd_client_t *c;
+  CHECK_MSG(zd_connect(socket, ZD_ANY_RANK, 0, &c) == ZD_OK, "connect: %s", zd_last_error());
+  zd_model_desc_t desc = ZD_MODEL_DESC_INIT;
+  desc.params = params;
+  desc.nparams = n;
+  desc.groups = groups;
+  desc.ngroups = 2;
+  desc.param_dtype = ZD_F32;
+  desc.grad_dtype = ZD_F32;
+  desc.flags = flags;
+  CHECK_INT_EQ(zd_layout(c, &desc), ZD_OK);
+  float *p = zd_param_buffer(c, NULL);
+  size_t bytes;
+  float *g = zd_grad_buffer(c, &bytes);
+  for (size_t i = 0; i < n; i++) {
+    zd_param_info_t info = ZD_PARAM_INFO_INIT;
+    zd_param_info(c, i, &info);
+    for (uint64_t k = 0; k < info.numel; k++) {
+      p[info.offset + k] = init + 0.01f * (float)(k % 7);
+      g[info.offset + k] = 0.1f;
+    }
+  }
+  int rc = zd_register(c);
+  CHECK_MSG(rc == expect, "register returned %s (%s), expected %s", zd_err_name(rc),
+            zd_last_error(), zd_err_name(expect));
+  if (rc != ZD_OK) {
+    zd_close(c);
+    return NULL;
+  }
+  return c;
+}
+
+static void test_grow(void) {
+  zdt_daemon_t d;
+  zdt_start(&d, NULL);
+  zd_client_t *a = register_n(d.socket, mlp_params, 2, 0, 0.f, ZD_OK);
+  for (int i = 0; i < 3; i++) {
+    zd_step_result_t r = ZD_STEP_RESULT_INIT;
+    CHECK_MSG(zd_step(a, NULL, &r) == ZD_OK, "step: %s", zd_last_error());
+  }
+  zd_param_info_t held[2] = {ZD_PARAM_INFO_INIT, ZD_PARAM_INFO_INIT};
+  float want[2][8];
+  for (size_t i = 0; i < 2; i++) {
+    zd_param_info(a, i, &held[i]);
+    memcpy(want[i], (const float *)zd_param_buffer(a, NULL) + held[i].offset, sizeof want[i]);
+  }
+  zd_close(a);
+
+  register_n(d.socket, mlp_params, 4, ZD_REGISTER_GROW | ZD_REGISTER_REPLACE, 0.f, -EINVAL);
+  CHECK_CONTAINS(zd_last_error(), "both replace and grow");
+  zd_param_t other[MLP_NPARAMS];
+  memcpy(other, mlp_params, sizeof other);
+  other[1].name = "fc1.b";
+  register_n(d.socket, other, 4, ZD_REGISTER_GROW, 0.f, ZD_ELAYOUT);
+  CHECK_CONTAINS(zd_last_error(), "cannot grow the model it holds (2 parameters, step 3)");
+  CHECK_CONTAINS(zd_last_error(), "parameter 1: 'fc1.bias' [32] group 1 held vs 'fc1.b'");
+  printf("  grow refused: %s\n", zd_last_error());
+
+  zd_client_t *b = register_n(d.socket, mlp_params, 4, ZD_REGISTER_GROW, 5.f, ZD_OK);
+  zd_info_t info = ZD_INFO_INIT;
+  zd_get_info(b, &info);
+  CHECK_INT_EQ(info.resumed, 1);
+  CHECK_U64_EQ(info.step, 3);
+  const float *p = zd_param_buffer(b, NULL);
+  for (size_t i = 0; i < 4; i++) {
+    zd_param_info_t pi = ZD_PARAM_INFO_INIT;
+    zd_param_info(b, i, &pi);
+    if (i < 2)
+      CHECK_MSG(memcmp(p + pi.offset, want[i], sizeof want[i]) == 0, "param %zu: %g %g vs %g %g", i,
+                (double)p[pi.offset], (double)p[pi.offset + 1], (double)want[i][0],
+                (double)want[i][1]);
+    else
+      CHECK(p[pi.offset + 1] == 5.f + 0.01f); /* the client's */
+  }
+  zd_step_result_t r = ZD_STEP_RESULT_INIT;
+  CHECK_MSG(zd_step(b, NULL, &r) == ZD_OK, "step: %s", zd_last_error());
+  CHECK_U64_EQ(r.step, 4);
+  CHECK(p[0] != want[0][0]);
+  zd_close(b);
+  printf("  grown from 2 to 4 parameters at step 3: held values kept, step 4 next\n");
   zdt_stop(&d, SIGTERM, 0);
 }
 
@@ -596,6 +686,7 @@ static void test_pinned_threads(void) {
 int main(void) {
   test_command_line();
   test_clients_and_state();
+  test_grow();
   test_any_rank_at_once();
   test_no_configuration();
   test_sigterm_in_flight();

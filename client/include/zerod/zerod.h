@@ -269,6 +269,17 @@ typedef enum zd_memory {
 /* Register flags. ZD_REGISTER_REPLACE: start afresh, discarding any state zerod holds on this rank,
  * for this model or another (at world size > 1: on every rank). */
 #define ZD_REGISTER_REPLACE 0x1u
+/* ZD_REGISTER_GROW: the model extends the one this rank holds, as torch's add_param_group extends
+ * an optimizer (a client closed, and this one lays out the grown model): the held parameter
+ * table (names, shapes, groups, in order) is the start of this one. The held parameters keep
+ * their state bit for bit (master weights, moments, their own step counts), the new ones start
+ * afresh from the param buffer (their own step count 0), and the model's step and loss scaler
+ * carry over (zd_info_t.resumed is 1). At world size > 1 every rank grows the model alike at the
+ * same step, or every rank's registration fails naming the first difference (ZD_ELAYOUT: a
+ * parameter; ZD_EHPARAM: a group field; ZD_ESTEP: the step). CPU backend only (ZD_EBACKEND).
+ * Not with ZD_REGISTER_REPLACE (-EINVAL). Where the rank holds no model it registers as a new
+ * one; where it holds this very model it resumes it. */
+#define ZD_REGISTER_GROW 0x2u
 
 /* How the ranks' gradients are combined before the step. The zero value is the mean, as in
  * PyTorch's DistributedDataParallel and the Python client (grad_mean=True): a zd_model_desc_t

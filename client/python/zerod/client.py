@@ -565,7 +565,7 @@ class Client:
                grad_mean: bool = True,
                loss_scaler: Union[LossScaler, Mapping[str, Any], bool, None] = None,
                replace: bool = False, memory: str = "host",
-               device: Optional[int] = None) -> None:
+               device: Optional[int] = None, grow: bool = False) -> None:
         """Computes the layout of the model and creates zeroed shared buffers (zd_layout).
 
         Args:
@@ -588,6 +588,9 @@ class Client:
             device: with memory "cuda", this process's CUDA ordinal of that GPU; default
                 `cuda_device()`, the rank's GPU as this process numbers it. With
                 "host_pinned": the ordinal of the model's GPU (default 0).
+            grow: the model extends the one this rank holds (ZD_REGISTER_GROW: torch's
+                add_param_group): the held parameters, the first ones of `params`, keep their
+                state and the model its step; the new ones start afresh. Not with replace.
 
         After it, write the initial parameter values into `param_buffer` (device buffers:
         `param_device_array()`, on the stream given to `set_stream()`) at the offsets
@@ -642,6 +645,8 @@ class Client:
             c_scaler.min_scale = float(scaler.min_scale)
             desc.loss_scaler = ctypes.pointer(c_scaler)
         desc.flags = ZD_REGISTER_REPLACE if replace else 0
+        if grow:
+            desc.flags |= _lib.ZD_REGISTER_GROW
         if memory == "cuda":
             desc.memory = _lib.ZD_MEMORY_CUDA
             desc.device = self.cuda_device() if device is None else int(device)

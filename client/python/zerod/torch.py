@@ -125,9 +125,15 @@ gradients and loss scaling clip by zerod's double norm (a coefficient within a f
 A pickled ZeroOptimizer (e.g. inside torch 1.13's scheduler state_dict) becomes a
 PickledZeroOptimizer placeholder; one never closed is closed at interpreter exit.
 
+Groups added during training. add_param_group() between steps registers the grown model with
+zerod again on a new connection to the same local rank (ZD_REGISTER_GROW): zerod carries the
+state it holds across the new layout, so the parameters it held keep theirs bit for bit and the
+new group's start afresh, as torch's add_param_group does (host buffers and the CPU backend; at
+world size > 1 every rank adds the same group at the same step, or each raises naming the first
+difference and goes on with the model it had).
+
 Limits: parameters must all be on one device (the CPU, or the rank's GPU) and of one dtype,
-float32 or bfloat16. The parameter list is fixed at
-registration: add_param_group() after construction is refused. A parameter without a gradient
+float32 or bfloat16. A parameter without a gradient
 in a step (its .grad set to None, or not reached by backward since zero_grad(set_to_none=True),
 torch 2.x's default) is skipped by zerod's CPU backend as torch skips it: no decay, no state
 update, its own step count kept (at world size > 1 only where no rank has a gradient for it, as
@@ -499,6 +505,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._clip_norm = _clip_norm_for_torch() if max_grad_norm > 0 else "double"
 
         self._owns_client = client is None
+        # What a registration of the grown model needs again (add_param_group, _grow).
+        self._register_kw = {"max_grad_norm": max_grad_norm, "grad_mean": grad_mean,
+                             "loss_scaler": loss_scaler, "offload": offload,
+                             "timeout_ms": timeout_ms, "socket": socket}
+        self._bind(specs, client, socket, local_rank, timeout_ms, offload, max_grad_norm,
+                   grad_mean, loss_scaler, replace)
+
+    def _bind(self, specs: List[Tuple[str, Tuple[int, ...], int]], client: Optional[Client],
+              socket: Optional[str], local_rank: int, timeout_ms: int, offload: Any,
+              max_grad_norm: float, grad_mean: bool, loss_scaler: Any, replace: bool,
+              grow: bool = False) -> None:
+        """Registers self._params (specs: their names, shapes and groups) with zerod on `client`
+        (None: a new one) and makes them views of its buffers, with the hooks: the end of
+        construction, and of add_param_group (grow: the model extends the one zerod holds)."""
         launcher: Dict[str, int] = {}
         if client is None and local_rank == ANY_RANK:
             local_rank, launcher = _launcher_rank()
@@ -520,6 +540,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                param_dtype=self.param_dtype, grad_dtype=self.grad_dtype,
                                max_grad_norm=max_grad_norm, grad_mean=grad_mean,
                                loss_scaler=loss_scaler, replace=replace,
+                               **({"grow": True} if grow else {}),
                                memory="cuda" if self._cuda else (
                                    self._offload.memory if self._offload else "host"),
                                device=self.device.index if self._cuda else (
@@ -735,12 +756,116 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {"stream": torch.cuda.current_stream(self.device).cuda_stream} if self._cuda else {}
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """Only during construction: zerod's layout is fixed when the model is registered."""
-        if not getattr(self, "_constructing", False):
-            raise RuntimeError("ZeroOptimizer cannot add parameter groups after construction: "
-                               "the layout is fixed when the model is registered with zerod; "
-                               "pass every group to the constructor")
-        super().add_param_group(param_group)
+        """Adds a parameter group, as torch's does: during construction, and after it between
+        steps (progressive unfreezing: Lightning's BaseFinetuning, fastai's gradual unfreezing).
+        After construction the grown model is registered with zerod again (ZD_REGISTER_GROW), on
+        a new connection to the same local rank: the parameters it held keep their state bit
+        for bit (master weights, moments, their own step counts) and the model its step and
+        loss scale; the new group's parameters start afresh, their own step count 0, as torch
+        starts a parameter's state at its first step. (name, parameter) pairs name the new
+        parameters; otherwise they are "param<i>", i counting every parameter of the groups
+        before. The group's missing options take the optimizer's defaults (each subclass its
+        own). At world size > 1 every rank adds the same group at the same step, or every
+        rank's add_param_group raises naming the first difference. zerod's CPU backend, host
+        buffers (not CUDA parameters, not offload), and an optimizer that opened its own
+        connection (no `client` passed)."""
+        if getattr(self, "_constructing", False):
+            super().add_param_group(param_group)
+            return
+        self._grow(param_group)
+
+    def _grow(self, param_group: Dict[str, Any]) -> None:
+        """add_param_group after construction (its docstring)."""
+        self._check_open()
+        if self._offload is not None or self._cuda:
+            raise RuntimeError("add_param_group after construction needs host buffers and "
+                               "zerod's CPU backend (not CUDA parameters nor offload): pass "
+                               "every group to the constructor")
+        if not self._owns_client:
+            raise RuntimeError("add_param_group after construction registers the grown model on "
+                               "a new connection, which an optimizer given a `client` does not "
+                               "own: let the optimizer connect (socket=, local_rank=)")
+        if self._inflight or any(self._scattered):
+            raise RuntimeError("add_param_group between backward and step(): backward's hooks "
+                               "have sent gradients of this iteration to zerod; add the group "
+                               "after step() (or before backward)")
+        if not isinstance(param_group, dict):
+            raise TypeError("param_group must be a dict")
+        group = dict(param_group)
+        ps = group["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        group["params"], names = _split_named(ps)
+        first = sum(len(g["params"]) for g in self.param_groups)
+        super().add_param_group(group)  # torch's checks and defaults
+        gi = len(self.param_groups) - 1
+        g = self.param_groups[gi]
+        try:
+            self._check_hparams(g, f"param group {gi}")
+            self._choose_formulas(False)  # fills the new group's (the others have theirs)
+            added = []
+            for k, p in enumerate(g["params"]):
+                name = names[k] or f"param{first + k}"
+                if not p.requires_grad:
+                    continue
+                if name in self._names or name in (n for _, n in added):
+                    raise ValueError(f"two parameters are named {name!r}")
+                self._validate_param(p, name)
+                if p.device != self.device or p.dtype != self.param_dtype:
+                    raise ValueError(f"{name} is {p.dtype} on {p.device}; the model's "
+                                     f"parameters are {self.param_dtype} on {self.device}")
+                added.append((p, name))
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        specs = [(n, tuple(p.shape), pi.group) for p, n, pi in
+                 zip(self._params, self._names, self._pinfo)]
+        specs += [(n, tuple(p.shape), gi) for p, n in added]
+        kw = self._register_kw
+        local_rank = self.client.info.local_rank
+        self._wait_inflight()
+        # Off the old buffers, as close() leaves the model: private copies of the values (and
+        # gradients), which the new buffers take.
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles, self._grad_accs = [], []
+        has_grad = list(self._has_grad)
+        with torch.no_grad():
+            grads = [gv.clone() for gv in self._gviews]
+            for p in self._params:
+                p.data = p.data.clone()
+                if self._grad_views:
+                    p.grad = None
+                else:
+                    del p.main_grad
+        self._pflat = self._gflat = None  # type: ignore[assignment]
+        self._gviews = []
+        _open_optimizers.discard(self)
+        self._closed = True
+        self.client.close()
+        held = len(self._params)
+        self._params += [p for p, _ in added]
+        self._names += [n for _, n in added]
+        new_grads = [p.grad for p, _ in added]
+        try:
+            self._bind(specs, None, kw["socket"], local_rank, kw["timeout_ms"], kw["offload"],
+                       kw["max_grad_norm"], kw["grad_mean"], kw["loss_scaler"], False, grow=True)
+        except BaseException:
+            # zerod refused (on every rank at world size > 1) and still holds the model as it
+            # was: the optimizer goes back to it, as it was, and the error is raised.
+            self.param_groups.pop()
+            del self._params[held:]
+            del self._names[held:]
+            self._bind(specs[:held], None, kw["socket"], local_rank, kw["timeout_ms"],
+                       kw["offload"], kw["max_grad_norm"], kw["grad_mean"], kw["loss_scaler"],
+                       False)
+            added, new_grads = [], []
+            raise
+        finally:
+            # The gradients as they were (a new parameter's: None unless it had one).
+            with torch.no_grad():
+                for gv, g in zip(self._gviews, grads):
+                    gv.copy_(g)
+            self._has_grad = has_grad + [g is not None for g in new_grads]
 
     # ---- hooks ----------------------------------------------------------------------------------
 
