@@ -28,6 +28,7 @@ typedef struct zd__spec {
   uint8_t *flying;          /* under lock: per bucket, in flight */
   uint8_t *params;          /* under lock: per bucket in flight, its task is the parameters' write
                                (zd__model_params_async) rather than a speculation */
+  uint32_t params_pending;  /* under lock: buckets in flight with that task */
   const zd__buffers_t *buf; /* under lock: where the parameters' writes go */
   uint64_t us;              /* under lock: time spent updating, not yet in update_us */
   int stop;                 /* under lock */
@@ -82,6 +83,7 @@ static void *spec_main(void *arg) {
     uint64_t us = zd__now_us() - t0;
     pthread_mutex_lock(&sp->lock);
     if (!params) sp->m->speculated[b] = (uint8_t)ok;
+    if (params) sp->params_pending--;
     sp->flying[b] = sp->params[b] = 0;
     sp->in_flight--;
     sp->us += us;
@@ -148,7 +150,7 @@ static void queue(zd__model_t *m, uint32_t b, const zd__buffers_t *buf) {
   zd_assert(!sp->flying[b]);
   sp->flying[b] = 1;
   sp->params[b] = buf != NULL;
-  if (buf) sp->buf = buf;
+  if (buf) sp->buf = buf, sp->params_pending++;
   sp->ring[(sp->head + sp->queued) % m->layout->nbuckets] = b;
   sp->queued++;
   sp->in_flight++;
@@ -176,6 +178,15 @@ void zd__model_spec_wait_bucket(zd__model_t *m, int32_t b) {
 
 void zd__model_spec_wait(zd__model_t *m) {
   zd__model_spec_wait_bucket(m, -1);
+}
+
+uint32_t zd__model_params_pending(zd__model_t *m) {
+  zd__spec_t *sp = m->spec;
+  if (!sp) return 0;
+  pthread_mutex_lock(&sp->lock);
+  uint32_t n = sp->params_pending;
+  pthread_mutex_unlock(&sp->lock);
+  return n;
 }
 
 void zd__model_spec_free(zd__model_spec_t *spec) {

@@ -223,10 +223,15 @@ void zd__model_speculate(zd__model_t *m, uint32_t b);
  * working parameters from the committed master weights into buf (compute.h, params_from_master)
  * for the speculation thread, so that the gathers of the buckets before it run meanwhile. Until
  * the write is done (zd__model_spec_wait_bucket) the speculation thread owns b's slice of buf
- * and reads the committed set; the step waits for every write before it ends. */
+ * and reads the committed set. A step that gathers waits for every write before it ends; one
+ * that does not (ZD_STEP_NO_GATHER) is answered at once and its writes go on beside the gathers
+ * that follow it (each waits for its bucket's), and its job is done (rank.c, settle: the session
+ * keeps buf mapped until then) once zd__model_params_pending says none is left. */
 void zd__model_params_async(zd__model_t *m, uint32_t b, const zd__buffers_t *buf);
 void zd__model_spec_wait(zd__model_t *m);
 void zd__model_spec_wait_bucket(zd__model_t *m, int32_t b);
+/* The parameters' writes queued and not finished (0 without a speculation thread). */
+uint32_t zd__model_params_pending(zd__model_t *m);
 
 /* Sets every parameter's lag (NULL: all 0, every parameter at the model's step), recounting
  * nlagging. */

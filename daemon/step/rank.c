@@ -622,6 +622,13 @@ static void settled(zd__rank_t *r) {
 static int settle(zd__rank_t *r, int wait) {
   zd__compute_t *c = r->ctx.compute;
   if (!r->settling_head) return 0;
+  /* overlap_update: a step without its gather is answered before the speculation thread has
+   * written its parameters into the client's buffer (model.h): done, so that the session may
+   * release the buffer, once those writes have ended. */
+  if (r->model && zd__model_params_pending(r->model)) {
+    if (!wait) return 1;
+    zd__model_spec_wait(r->model);
+  }
   zd__err_t err = {0};
   int rc = c && c->ops->settle && r->ctx.comm ? c->ops->settle(c, r->ctx.comm, wait, &err) : 0;
   if (rc == -EAGAIN) return 1;

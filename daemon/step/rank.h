@@ -52,9 +52,11 @@ typedef enum zd__job_type {
 
 /* Called on the thread that ran the job (its worker; neither for a job that zd__rank_run_inline
  * ran, whose caller completes it): `answer` (may be NULL) right after it ran, `done` once its
- * work is complete. They differ only on a CUDA rank in cuda_step fast, where a job may leave its
+ * work is complete. They differ on a CUDA rank in cuda_step fast, where a job may leave its
  * work running on the stream after its reply (compute.h, finish_early): done then comes once
- * the worker has seen the stream run out (or fail), and jobs are done in the order they ran. */
+ * the worker has seen the stream run out (or fail); and with overlap_update, where a step
+ * without its gather leaves its parameters' writes to the speculation thread (model.h): done
+ * once they have ended. Jobs are done in the order they ran. */
 typedef void (*zd__job_done_fn)(zd__job_t *job);
 
 struct zd__job {

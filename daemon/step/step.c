@@ -1183,10 +1183,12 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   m->scaler = st.scaler;
   zd__model_commit(m, other != NULL);
   /* The working parameters of the speculated buckets, from the master weights just committed.
-   * Where the buckets are gathered next (W > 1), the speculation thread writes them, in the
-   * gathers' order, and each bucket's gather starts once its own are written (gather_buckets):
-   * the gather of a committed bucket overlaps the write of the next. */
-  int early = gather && ctx->world_size > 1 && m->spec;
+   * Where the buckets are gathered next (this step's gather at W > 1, or the client's gathers
+   * after a step without one), the speculation thread writes them, in the gathers' order, and
+   * each bucket's gather starts once its own are written (gather_buckets): the gather of a
+   * committed bucket overlaps the write of the next. At W = 1 a step that gathers writes them
+   * itself (its gathers move nothing). */
+  int early = m->spec && (gather ? ctx->world_size > 1 : 1);
   for (uint32_t b = 0; reuse && b < l->nbuckets && !rc; b++)
     if (m->speculated[b]) {
       if (early)
@@ -1201,7 +1203,9 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
     int g = gather_buckets(ctx, m, buf, -1, rc ? &gerr : err);
     if (!rc) rc = g;
   }
-  zd__model_spec_wait(m); /* every write queued above, also after a failed gather */
+  /* Every write queued above, also after a failed gather. Without the gather the reply goes now
+   * and the writes go on beside the client's gathers (model.h, zd__model_params_async). */
+  if (gather) zd__model_spec_wait(m);
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
   zd__buddy_after_step(ctx, m);                /* every buddy_copy_every_steps steps (buddy.h) */

@@ -219,6 +219,44 @@ class OffloadCase:
     def test_no_overlap(self) -> None:
         self.run_accumulation(True, overlap=False)
 
+    def test_parameter_without_gradient(self) -> None:
+        """An auxiliary head used on odd steps only, its .grad None on the others
+        (zero_grad(set_to_none=True)): skipped as torch's AdamW skips it (no weight decay, no
+        moment update, its own step count held back), bit for bit."""
+        self.check_sqrt()
+        model = Head().to(self.DEVICE)
+        ref = Head()
+        with torch.no_grad():
+            for q, p in zip(ref.parameters(), model.parameters()):
+                q.copy_(p.detach().float().cpu())
+        ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+        opt = self.make(model, f"{self.DEVICE}.absent", replace=True)
+        try:
+            self.assertIsNotNone(opt._offload, "the optimizer did not offload")
+            skipped = 0
+            for step in range(STEPS):
+                opt.zero_grad(set_to_none=True)
+                x, y = batch(step)
+                out = model(x.to(self.DEVICE), step % 2 == 1).float()
+                (((out - y.to(self.DEVICE)) ** 2).mean() * 4.0).backward()
+                grads = [None if p.grad is None else p.grad.detach().float().cpu().clone()
+                         for p in model.parameters()]
+                skipped += sum(g is None for g in grads)
+                opt.step()
+                with torch.no_grad():
+                    for q, g in zip(ref.parameters(), grads):
+                        q.grad = g
+                ropt.step()
+                bad = mismatch(model, ref, torch.float32)
+                used = "used" if step % 2 else "unused"
+                self.assertIsNone(bad, f"step {step + 1} (aux head {used}): {bad}")
+            self.assertEqual(skipped, 2 * (STEPS // 2), "the head was not left out of backward")
+            # the head's weight and bias were skipped (their own step counts lag the model's)
+            lagging = int(opt.client.rank_status().get("params_lagging", "-1"))
+            self.assertEqual(lagging, 2, "zerod did not skip the head's two parameters")
+        finally:
+            opt.close()
+
     def test_trainer_crash_and_reattach(self) -> None:
         """A trainer dies after 3 steps without closing; its replacement resumes zerod's state."""
         self.check_sqrt()
@@ -251,6 +289,22 @@ class OffloadCase:
             opt.close()
 
 
+class Head(nn.Module):
+    """A trunk, a main head and an auxiliary one that forward adds on some steps only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = nn.Linear(16, 24)
+        self.main = nn.Linear(24, 7)
+        self.aux = nn.Linear(24, 7)
+
+    def forward(self, x: Any, use_aux: bool) -> Any:
+        h = torch.tanh(self.trunk(x))
+        out = self.main(h)
+        return out + 0.5 * self.aux(h) if use_aux else out
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
@@ -270,10 +324,58 @@ def child(socket: str, device: str, tag: str, saved: str) -> None:
     os._exit(0)
 
 
+# --overlap: the zerod runs overlap_update = 1, where the step without its gather that this path
+# sends is answered before its parameters are written, and each gather waits for its bucket's.
+OVERLAP = False
+
+
 class OffloadRehearsalTest(OffloadCase, unittest.TestCase):
     @classmethod
     def setUpClass(cls) -> None:
-        cls.daemon = zerod.testing.LocalZerod(["--bucket_elems", "256"], log_level="info")
+        cls.daemon = zerod.testing.LocalZerod(
+            ["--bucket_elems", "256"] + (["--overlap_update", "1"] if OVERLAP else []),
+            log_level="info")
+
+    def test_bye_after_step_without_gather(self) -> None:
+        """A client that says bye right after a step without its gather, before gathering: the
+        buffers stay mapped in zerod until the parameters' writes of that step have ended (with
+        overlap_update they run after the answer), zerod lives on, and a new client resumes the
+        step's parameters, torch's AdamW's on the same gradients, bit for bit."""
+        self.check_sqrt()
+        n, tag = 1 << 18, f"bye{int(OVERLAP)}"
+        update, sqrt_mode = zt._choose_formula({}, False, "test")  # the running torch's AdamW
+        group = {"lr": LR, "weight_decay": WD, "update": update, "sqrt_mode": sqrt_mode}
+        init = torch.linspace(-1.0, 1.0, n)
+        grad = torch.sin(torch.arange(n, dtype=torch.float32) * 0.01) * 1e-2
+        for attempt in range(3):
+            with zerod.Client(self.daemon.socket) as c:
+                c.layout([(f"{tag}.w", (n,))], [group],
+                         replace=attempt == 0)
+                pv = torch.frombuffer(c.param_buffer, dtype=torch.float32)
+                pv.copy_(init)
+                c.register()
+                torch.frombuffer(c.grad_buffer, dtype=torch.float32).copy_(grad)
+                c.scatter()  # speculated with overlap_update: the step commits, writes later
+                c.step(scatter=False, gather=False)
+                del pv
+            # gone: the next client's registration resumes the model, its buffer from zerod's
+            # master weights, attempt + 1 steps from init with this gradient
+        ref = init.clone().requires_grad_(True)
+        ropt = torch.optim.AdamW([ref], lr=LR, weight_decay=WD, foreach=False)
+        for _ in range(3):
+            ref.grad = grad.clone()
+            ropt.step()
+        with zerod.Client(self.daemon.socket) as c:
+            c.layout([(f"{tag}.w", (n,))], [group])
+            info = c.register()
+            self.assertEqual(info.step, 3)
+            got = torch.frombuffer(c.param_buffer, dtype=torch.float32).clone()
+        diff = got.view(torch.int32) != ref.detach().view(torch.int32)
+        self.assertFalse(bool(diff.any()), common.first_difference("w", got, ref.detach()))
+        if OVERLAP:
+            with zerod.Client(self.daemon.socket) as c:
+                st = c.status()
+            self.assertIn("overlap_buckets_committed", st)
 
     @classmethod
     def tearDownClass(cls) -> None:
@@ -305,4 +407,5 @@ class OffloadRehearsalTest(OffloadCase, unittest.TestCase):
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(*sys.argv[2:6])
+    OVERLAP = "--overlap" in sys.argv[1:]
     common.run(OffloadRehearsalTest)

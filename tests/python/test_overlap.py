@@ -8,15 +8,18 @@ gradients with a loss-scaler overflow, amsgrad, schedulers, state_dict resume, .
 torch's optimizer), and the tests below check the speculation's own cases: committed when nothing
 changes, committed too when a scheduler changes the lr before backward (the first scatter carries
 it), recomputed when clipping triggers on some steps or the lr changes between backward and step(),
-dropped on an overflow, and a checkpoint written and resumed with the setting on. The
-world-size-2 cases (conformance, a trainer killed mid-step) are test_conformance.py --overlap and
-test_abandon.py --overlap.
+dropped on an overflow, and a checkpoint written and resumed with the setting on; and, at world
+size 2, steps without their gather (answered at the commit, the parameters written beside the
+gathers that follow) against a zerod without the setting. The other world-size-2 cases
+(conformance, a trainer killed mid-step) are test_conformance.py --overlap and test_abandon.py
+--overlap.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import unittest
 from typing import Dict
 
@@ -247,5 +250,74 @@ class OverlapCheckpointTest(unittest.TestCase):
                 d.stop()
 
 
+class OverlapNoGatherWorldTest(unittest.TestCase):
+    """Steps without their gather at world size 2 (two local ranks, a client each, in threads),
+    the offload path's pattern at W > 1: with the setting on zerod answers each at its commit and
+    the speculation thread writes the buckets' parameters beside the gathers that follow, bucket
+    by bucket. Every rank's gathered parameters after each step must equal, bit for bit, those of
+    the same steps sent with their gather to a zerod without the setting."""
+
+    N, STEPS = 16 * 256, 4  # 16 parameters of 256 elements, a bucket each
+
+    def run_world(self, overlap: bool, no_gather: bool) -> list:
+        args = ["--bucket_elems", "256", "--world_size", "2", "--local_ranks", "2"]
+        d = zerod.testing.LocalZerod(args + (["--overlap_update", "1"] if overlap else []),
+                                     log_level="info")
+        out: list = [[], []]
+        errors: list = []
+
+        def rank(r: int) -> None:
+            try:
+                with zerod.Client(d.socket, local_rank=r) as c:
+                    c.layout([(f"w{i}", (256,)) for i in range(self.N // 256)],
+                             [{"lr": 1e-2, "weight_decay": 0.05}], replace=True)
+                    torch.frombuffer(c.param_buffer, dtype=torch.float32).copy_(
+                        torch.linspace(-1.0, 1.0, self.N))
+                    info = c.register()
+                    if info.nbuckets < 8:
+                        raise AssertionError(f"{info.nbuckets} buckets: too few to overlap")
+                    for s in range(self.STEPS):
+                        g = torch.sin(torch.arange(self.N, dtype=torch.float32) * (0.01 + s)
+                                      + r) * 1e-2
+                        torch.frombuffer(c.grad_buffer, dtype=torch.float32).copy_(g)
+                        if no_gather:
+                            c.scatter()  # speculated with the setting on
+                            c.step(scatter=False, gather=False)
+                            for b in range(info.nbuckets):
+                                c.gather(b)
+                        else:
+                            c.step()
+                        out[r].append(
+                            torch.frombuffer(c.param_buffer, dtype=torch.float32).clone())
+                    if overlap:
+                        committed = int(c.rank_status()["overlap_buckets_committed"])
+                        if committed < info.nbuckets * self.STEPS // 2:
+                            raise AssertionError(f"rank {r}: {committed} buckets committed "
+                                                 f"from their speculation")
+            except BaseException as e:  # reported by the test's thread
+                errors.append(e)
+
+        try:
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        finally:
+            d.stop()
+        if errors:
+            raise errors[0]
+        return out
+
+    def test_steps_without_gather(self) -> None:
+        want = self.run_world(overlap=False, no_gather=False)
+        got = self.run_world(overlap=True, no_gather=True)
+        for r in range(2):
+            for s in range(self.STEPS):
+                same = bool((got[r][s].view(torch.int32) == want[r][s].view(torch.int32)).all())
+                self.assertTrue(same, common.first_difference(f"rank {r} step {s + 1}",
+                                                              got[r][s], want[r][s]))
+
+
 if __name__ == "__main__":
-    common.run(OverlapOptimizerTest, OverlapCheckpointTest)
+    common.run(OverlapOptimizerTest, OverlapCheckpointTest, OverlapNoGatherWorldTest)

@@ -26,6 +26,12 @@ and the GPU are asynchronous DMA:
   second backward without no_sync()) is noticed by its version counter, as ZeroOptimizer notices
   it for its buffer views, and the bucket is copied and scattered again; the earlier requests are
   waited for first, since zerod may still be reading the buffer.
+- A parameter whose .grad is None at step() (zero_grad(set_to_none=True) and no backward reached
+  it: a head used on some steps only, an expert no token was routed to, a frozen layer) has its
+  gradient zeroed in the grad buffer when its bucket is copied, and step() names it absent
+  (absent(), zd_step_opts_t.absent), so that zerod skips it as torch's optimizers do (no weight
+  decay, moments and its own step count untouched; at world size > 1 only where every rank
+  lacks it, a rank's zeros counting where another has one).
 
 The rehearsal. ``ZeroOptimizer(..., offload="rehearsal")`` with a model on the CPU runs this same
 machinery (buckets, versions, the sender thread, the step without gather, the gathers bucket by
@@ -205,7 +211,7 @@ class Offload:
     def _copy_grad(self, i: int, non_blocking: bool) -> None:
         p, gv = self.opt._params[i], self._gviews[i]
         g = p.grad
-        if g is None:  # no gradient: stepped with a zero one, as ZeroOptimizer documents
+        if g is None:  # no gradient: zeros, and step() names it absent (absent())
             gv.zero_()
             self._seen[i] = None
             return
@@ -271,6 +277,13 @@ class Offload:
                 elif g is not seen[0] or g._version != seen[1]:
                     return True
         return False
+
+    def absent(self) -> List[int]:
+        """The parameters without a gradient this step (torch's `p.grad is None`, on the model's
+        device): what step() sends as absent. Their buffer views are zeroed by the bucket's copy
+        (_copy_grad), which a bucket gets at the latest from step() itself, since its hooks never
+        complete it, or again where a copied gradient was set to None since (grads_changed)."""
+        return [i for i, p in enumerate(self.opt._params) if p.grad is None]
 
     def reset(self) -> None:
         self._copied = [False] * len(self._copied)

@@ -1171,9 +1171,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rank's zeros count where another rank has one, as DDP's): a .grad set to None (a
         Module.zero_grad() of torch 2.x), or none since zero_grad(set_to_none=True) (no backward
         reached it, and its buffer view is all zeros: a gradient written by hand counts). An
-        offloading optimizer sends none (its parameters are stepped with their zero gradients)."""
+        offloading optimizer asks its model's own gradients (Offload.absent)."""
         if self._offload is not None:
-            return []
+            return self._offload.absent()
         absent = []
         version = self._gflat._version
         unscattered = True  # every zeroed view is in a bucket no hook has sent yet
