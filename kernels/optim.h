@@ -95,6 +95,18 @@ zd__adam_fn zd__optim_impl(zd__isa_t isa);
 /* The state arrays a group's kernel writes (the row's zd__<k>_writes; c->optimizer picks it). */
 zd__states_t zd__optim_writes(const zd__adam_group_t *c);
 
+/* The state arrays (common/state.h) group g keeps: those its row's kernel writes for it
+ * (zd__<k>_writes), the master weights included. An optimizer's arrays are the table's, nothing
+ * else lists them: SGD without momentum keeps the master weights alone. */
+zd__states_t zd__optim_group_states(const zd_group_t *g);
+
+/* The arrays a model with these groups has: those every model has (zd__states_always) and those
+ * some group keeps (zd__optim_group_states). */
+zd__states_t zd__optim_states(const zd_group_t *groups, uint32_t ngroups);
+
+/* The first array that groups keep and `have` lacks, or -1 when none. */
+int zd__optim_states_missing(zd__states_t have, const zd_group_t *groups, uint32_t ngroups);
+
 /* Whether the table has a row for optimizer (a zd_optimizer_t value). */
 int zd__optim_known(int optimizer);
 
