@@ -461,8 +461,9 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
             for array, _ in row.arrays:
                 if not row.keeps(array, pg):
                     continue
-                if n == 0:
-                    st[array] = torch.full_like(exp.master[name], pg[row.fill[array]])
+                if n == 0:  # a row with fill: the state torch made at construction
+                    if array in row.fill:
+                        st[array] = torch.full_like(exp.master[name], pg[row.fill[array]])
                 elif array in exp.state:
                     st[array] = exp.state[array][name]
             if not st:
