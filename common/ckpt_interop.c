@@ -27,7 +27,7 @@
 #define EXPORT_FORMAT "zerod-export"
 #define SUFFIX_MAX    48 /* bytes of ".<array name>" and its NUL */
 
-#define SUFFIX_FITS(role, name, optional, needed) \
+#define SUFFIX_FITS(role, name, always, legacy) \
   _Static_assert(sizeof(name) + 1 <= SUFFIX_MAX, "state array name " name " is too long");
 ZD__STATE_ARRAYS(SUFFIX_FITS)
 #undef SUFFIX_FITS

@@ -165,11 +165,18 @@ int zd__ckpt_write_manifest(const char *dir, const zd__ckpt_manifest_t *m, zd__e
   bad |= json_object_set_new(root, "grad_dtype", json_string(zd_dtype_name(m->grad_dtype)));
   bad |= json_object_set_new(root, "max_grad_norm", json_real(m->max_grad_norm));
   bad |= json_object_set_new(root, "grad_mean", json_boolean(m->grad_mean));
-  /* The optional arrays the rank files hold, each as "<name>": true; one they do not hold is
-   * absent, as in the checkpoints written before it existed. */
-  for (int a = 0; a < ZD__NSTATES; a++)
-    if (m->states & ~always & ZD__STATE_BIT(a))
+  /* The optimizers' arrays the rank files hold as "<name>": true, the legacy ones (exp_avg,
+   * exp_avg_sq) only when they lack them, as "<name>": false; what is not named is what the
+   * checkpoints written before the arrays followed the optimizer held (common/state.h). */
+  zd__states_t legacy = zd__states_legacy();
+  for (int a = 0; a < ZD__NSTATES; a++) {
+    zd__states_t bit = ZD__STATE_BIT(a);
+    if (always & bit) continue;
+    if (m->states & bit && !(legacy & bit))
       bad |= json_object_set_new(root, zd__state_name(a), json_true());
+    if (!(m->states & bit) && legacy & bit)
+      bad |= json_object_set_new(root, zd__state_name(a), json_false());
+  }
   bad |= json_object_set_new(root, "loss_scaler", scaler_json(s));
   bad |= json_object_set_new(root, "groups", groups);
   bad |= json_object_set_new(root, "params", params);
@@ -556,13 +563,13 @@ int zd__ckpt_read_manifest(const char *dir, zd__ckpt_manifest_t **out, zd__err_t
       (rc = read_scaler(&r, json_object_get(root, "loss_scaler"), &m->scaler)) ||
       (rc = get_u64(&r, root, "", "created_ms", INT64_MAX, &created)))
     goto fail;
-  m->states = zd__states_always();
+  m->states = zd__states_legacy(); /* what a manifest that names no array has */
   for (int a = 0; a < ZD__NSTATES; a++) {
     const char *name = zd__state_name(a);
     int has = 0;
-    if (m->states & ZD__STATE_BIT(a) || !json_object_get(root, name)) continue;
+    if (zd__states_always() & ZD__STATE_BIT(a) || !json_object_get(root, name)) continue;
     if ((rc = get_bool(&r, root, "", name, &has))) goto fail;
-    if (has) m->states |= ZD__STATE_BIT(a);
+    m->states = has ? m->states | ZD__STATE_BIT(a) : m->states & ~ZD__STATE_BIT(a);
   }
   if (ws == 0 || m->bucket_elems == 0) {
     rc = zd__errf(err, -EBADMSG,

@@ -51,8 +51,8 @@ typedef struct zd__ckpt_manifest {
   double max_grad_norm;
   int grad_mean; /* 1: gradients averaged over the world (ZD_GRAD_MEAN); 0: summed */
   zd__ckpt_scaler_t scaler;
-  zd__states_t states;    /* the arrays every rank file holds: zd__states_always() and the
-                             optional ones the model had */
+  zd__states_t states;    /* the arrays every rank file holds: zd__states_always() and those
+                             the model's optimizers kept */
   uint64_t created_ms;    /* unix time, milliseconds */
   zd__ckpt_file_t *files; /* owned, likewise; files[r] is rank r's */
   uint32_t nfiles;

@@ -4,41 +4,27 @@
 #include <string.h>
 
 static const char *const names[ZD__NSTATES] = {
-#define NAME(role, name, optional, needed) name,
+#define NAME(role, name, always, legacy) name,
     ZD__STATE_ARRAYS(NAME)
 #undef NAME
 };
 
 zd__states_t zd__states_always(void) {
   zd__states_t set = 0;
-#define ALWAYS(role, name, optional, needed) \
-  if (!(optional)) set |= ZD__STATE_BIT(ZD__STATE_##role);
+#define ALWAYS(role, name, always, legacy) \
+  if (always) set |= ZD__STATE_BIT(ZD__STATE_##role);
   ZD__STATE_ARRAYS(ALWAYS)
 #undef ALWAYS
   return set;
 }
 
-/* The arrays group g needs. */
-static zd__states_t group_needs(const zd_group_t *g) {
+zd__states_t zd__states_legacy(void) {
   zd__states_t set = 0;
-#define NEEDS(role, name, optional, needed) \
-  if (!(optional) || (needed)) set |= ZD__STATE_BIT(ZD__STATE_##role);
-  ZD__STATE_ARRAYS(NEEDS)
-#undef NEEDS
+#define LEGACY(role, name, always, legacy) \
+  if (legacy) set |= ZD__STATE_BIT(ZD__STATE_##role);
+  ZD__STATE_ARRAYS(LEGACY)
+#undef LEGACY
   return set;
-}
-
-zd__states_t zd__states_needed(const zd_group_t *groups, uint32_t ngroups) {
-  zd__states_t set = zd__states_always();
-  for (uint32_t i = 0; i < ngroups; i++) set |= group_needs(&groups[i]);
-  return set;
-}
-
-int zd__states_missing(zd__states_t have, const zd_group_t *groups, uint32_t ngroups) {
-  zd__states_t lack = zd__states_needed(groups, ngroups) & ~have;
-  for (int s = 0; s < ZD__NSTATES; s++)
-    if (lack & ZD__STATE_BIT(s)) return s;
-  return -1;
 }
 
 const char *zd__state_name(zd__state_t s) {

@@ -63,26 +63,25 @@ static inline ZD__OPTIM_INLINE void adagrad_range(const zd__adam_args_t *a,
   }
 }
 
-void ZD__OPTIM_STEP(adagrad)(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
-  for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {
-    const zd__segment_t *seg = &a->segs[s];
-    if (seg->offset >= end) break;
-    uint64_t lo = seg->offset > begin ? seg->offset : begin;
-    uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
-    const zd__adam_group_t *c = &a->groups[seg->group];
-    int mkl = c->sqrt_mode == ZD_SQRT_MKL_EX;
-    if (a->src[ZD__STATE_MASTER]) { /* out of place: every array the kernel writes has a src */
-      if (mkl)
-        ZD__OPTIM_CALL(adagrad_range, 1, 1);
-      else
-        ZD__OPTIM_CALL(adagrad_range, 0, 1);
-    } else if (mkl) {
-      ZD__OPTIM_CALL(adagrad_range, 1, 0);
-    } else {
-      ZD__OPTIM_CALL(adagrad_range, 0, 0);
-    }
+/* One segment's [lo, hi) with its group's constants c: its flags as constants, one loop per
+ * combination (the frame walks the segments: ZD__OPTIM_SEGMENTS). */
+static inline ZD__OPTIM_INLINE void adagrad_segment(const zd__adam_args_t *a,
+                                                    const zd__adam_group_t *c, uint64_t lo,
+                                                    uint64_t hi) {
+  int mkl = c->sqrt_mode == ZD_SQRT_MKL_EX;
+  if (a->src[ZD__STATE_MASTER]) { /* out of place: every array the kernel writes has a src */
+    if (mkl)
+      ZD__OPTIM_CALL(adagrad_range, 1, 1);
+    else
+      ZD__OPTIM_CALL(adagrad_range, 0, 1);
+  } else if (mkl) {
+    ZD__OPTIM_CALL(adagrad_range, 1, 0);
+  } else {
+    ZD__OPTIM_CALL(adagrad_range, 0, 0);
   }
 }
+
+ZD__OPTIM_SEGMENTS(adagrad)
 
 #ifdef ZD_OPTIM_REFERENCE
 void zd__adagrad_consts(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step) {

@@ -60,6 +60,26 @@ zd__states_t zd__optim_writes(const zd__adam_group_t *c) {
   return kernel_writes(c->optimizer, c);
 }
 
+zd__states_t zd__optim_group_states(const zd_group_t *g) {
+  if (!zd__optim_known(g->optimizer)) return zd__states_always();
+  zd__adam_group_t c;
+  zd__adam_group_init(&c, g, 1);
+  return zd__states_always() | kernel_writes(g->optimizer, &c);
+}
+
+zd__states_t zd__optim_states(const zd_group_t *groups, uint32_t ngroups) {
+  zd__states_t set = zd__states_always();
+  for (uint32_t i = 0; i < ngroups; i++) set |= zd__optim_group_states(&groups[i]);
+  return set;
+}
+
+int zd__optim_states_missing(zd__states_t have, const zd_group_t *groups, uint32_t ngroups) {
+  zd__states_t lack = zd__optim_states(groups, ngroups) & ~have;
+  for (int s = 0; s < ZD__NSTATES; s++)
+    if (lack & ZD__STATE_BIT(s)) return s;
+  return -1;
+}
+
 /* Out of place (a->src set), the arrays a segment's kernel leaves alone are copied from src, so
  * that the set written holds the whole state (an array of another optimizer's group, or an
  * optional one this group does not use now). */

@@ -13,8 +13,10 @@
  *       the state arrays (common/state.h) its update writes for a group: an update out of place
  *       copies the others from src[] (zd__optim_impl), so that the set it writes holds the whole
  *       state
- * The state arrays a group needs are rows of common/state.h (their `needed` expression names the
- * optimizer), its hyperparameters rows of common/group.h. The group's part of the step hash is
+ * The state arrays a group keeps are those its kernel writes (zd__<k>_writes, zd__optim_states):
+ * a model holds the union over its groups at registration, and nothing else lists an
+ * optimizer's arrays (common/state.h has one row per array, naming no optimizer). Its
+ * hyperparameters are rows of common/group.h. The group's part of the step hash is
  * every field of zd_group_t (zd__group_hash), whatever the optimizer reads; the step's checks
  * (non-finite gradients, clipping, loss scaling) are the optimizer's caller's, the same for all.
  *
@@ -33,18 +35,21 @@
  * the segments of [begin, end) and hands each run of consecutive segments whose optimizers share
  * a kernel to that kernel, in one call.
  *
- * Adding an optimizer touches five files besides its tests:
- *   kernels/<k>.c        its kernel in the frame of kernels/optim_kernel.h (formula, constants
- *                        from fields of zd__adam_group_t, the arrays it writes);
- * kernels/meson.build builds it per ISA from its row here kernels/optim.h      its row of
- * ZD__OPTIMIZERS (and the row's line in the list above) zerod/zerod.h        its row of
- * ZD_OPTIMIZERS, which makes ZD_<NAME>, libzerod's constant and the daemon's check of a group's
- * optimizer proto/zerod.proto    its value in enum Optimizer client/python/zerod/optim.py
- * zerod.torch.Zero<Name> and its zerod.optim.TABLE row (torch class, state arrays by torch's names,
- * whether torch counts steps), from which zerod.checkpoint exports to and imports from the torch
- * optimizer plus the ABI baseline regenerated (client/abi/libzerod.abi: one enumerator). It reuses
- * the state arrays and group fields that exist (common/state.h, common/group.h); one that needs a
- * new array or hyperparameter adds its row there too.
+ * Adding an optimizer touches five files besides its tests (docs/optimizers.md, checked against
+ * what Lion touched):
+ *   kernels/<k>.c                 its kernel in the frame of kernels/optim_kernel.h (formula,
+ *                                 constants in fields of zd__adam_group_t, the arrays it writes)
+ *   kernels/optim.h               its row of ZD__OPTIMIZERS (and its line in the list above);
+ *                                 kernels/meson.build builds <k>.c per ISA from the rows
+ *   client/include/zerod/zerod.h  its row of ZD_OPTIMIZERS: ZD_<NAME>, libzerod's constant and
+ *                                 the daemon's check of a group's optimizer
+ *   proto/zerod.proto             its value in enum Optimizer
+ *   client/python/zerod/optim.py  zerod.torch.Zero<Name> and its zerod.optim.TABLE row (torch
+ *                                 class, state arrays by torch's names and the groups that keep
+ *                                 each, whether torch counts steps), from which zerod.checkpoint
+ *                                 exports to and imports from the torch optimizer
+ * plus the ABI baseline regenerated (client/abi/libzerod.abi: one enumerator). One that needs a
+ * new state array or hyperparameter adds its row to common/state.h or common/group.h too.
  */
 #ifndef ZD_KERNELS_OPTIM_H
 #define ZD_KERNELS_OPTIM_H
@@ -94,6 +99,18 @@ zd__adam_fn zd__optim_impl(zd__isa_t isa);
 
 /* The state arrays a group's kernel writes (the row's zd__<k>_writes; c->optimizer picks it). */
 zd__states_t zd__optim_writes(const zd__adam_group_t *c);
+
+/* The state arrays (common/state.h) group g keeps: those its row's kernel writes for it
+ * (zd__<k>_writes), the master weights included. An optimizer's arrays are the table's, nothing
+ * else lists them: SGD without momentum keeps the master weights alone. */
+zd__states_t zd__optim_group_states(const zd_group_t *g);
+
+/* The arrays a model with these groups has: those every model has (zd__states_always) and those
+ * some group keeps (zd__optim_group_states). */
+zd__states_t zd__optim_states(const zd_group_t *groups, uint32_t ngroups);
+
+/* The first array that groups keep and `have` lacks, or -1 when none. */
+int zd__optim_states_missing(zd__states_t have, const zd_group_t *groups, uint32_t ngroups);
 
 /* Whether the table has a row for optimizer (a zd_optimizer_t value). */
 int zd__optim_known(int optimizer);

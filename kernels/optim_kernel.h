@@ -12,9 +12,13 @@
  *   - writes `static inline ZD__OPTIM_INLINE void <k>_range(a, c, lo, hi, gd, out, flags...)`,
  *     its update of one segment's [lo, hi) for grad dtype gd and output out (0 none, 1 f32,
  *     2 bf16), loads reading zd__optim_grad() and zd__optim_flip() as it needs;
- *   - defines `void ZD__OPTIM_STEP(k)(const zd__adam_args_t *a, uint64_t begin, uint64_t end)`,
- *     which walks the segments of [begin, end) and calls ZD__OPTIM_CALL(<k>_range, flags...) for
- *     each with its flags as constants (one loop per combination);
+ *   - writes `static inline ZD__OPTIM_INLINE void <k>_segment(a, c, lo, hi)`, one segment's
+ *     [lo, hi) with its group's constants c: ZD__OPTIM_CALL(<k>_range, flags...) with the
+ *     segment's flags as constants (one loop per combination);
+ *   - writes ZD__OPTIM_SEGMENTS(k), which defines this build's step function
+ *     (ZD__OPTIM_STEP(k), optim.h's zd__<k>_step_<isa>): the walk over the segments of
+ *     [begin, end), the same for every kernel, calling <k>_segment for each (inlined: the loops
+ *     are the kernel's own, as written in place);
  *   - inside #ifdef ZD_OPTIM_REFERENCE, defines zd__<k>_consts and zd__<k>_writes (optim.h) and
  *     writes ZD__OPTIM_IMPL(k), the ISA switch.
  */
@@ -76,6 +80,20 @@ static inline ZD__OPTIM_INLINE float zd__optim_grad(const void *grad, zd_dtype_t
     else                                               \
       ZD__OPTIM_CALL_OUT(RANGE, ZD_F32, __VA_ARGS__);  \
   } while (0)
+
+/* This build's step function of family k: each segment of [begin, end) clipped to it, with its
+ * group's constants, to the file's k##_segment (always inlined, so the walk costs what it cost
+ * written out in each file). */
+#define ZD__OPTIM_SEGMENTS(k)                                                          \
+  void ZD__OPTIM_STEP(k)(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {     \
+    for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {    \
+      const zd__segment_t *seg = &a->segs[s];                                          \
+      if (seg->offset >= end) break;                                                   \
+      uint64_t lo = seg->offset > begin ? seg->offset : begin;                         \
+      uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end; \
+      k##_segment(a, &a->groups[seg->group], lo, hi);                                  \
+    }                                                                                  \
+  }
 
 /* zd__<k>_impl: family k's update for an ISA (the reference for ZD__ISA_SCALAR). */
 #define ZD__OPTIM_IMPL(k)                     \

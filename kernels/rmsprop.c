@@ -91,31 +91,30 @@ static __attribute__((noinline)) void rms_mkl(const zd__adam_args_t *a, const zd
   rms_range(a, c, lo, hi, a->grad_dtype, out, mom, cen, oop, 1);
 }
 
-void ZD__OPTIM_STEP(rmsprop)(const zd__adam_args_t *a, uint64_t begin, uint64_t end) {
-  for (uint32_t s = zd__segs_find(a->segs, a->nsegs, begin); s < a->nsegs; s++) {
-    const zd__segment_t *seg = &a->segs[s];
-    if (seg->offset >= end) break;
-    uint64_t lo = seg->offset > begin ? seg->offset : begin;
-    uint64_t hi = seg->offset + seg->length < end ? seg->offset + seg->length : end;
-    const zd__adam_group_t *c = &a->groups[seg->group];
-    int mom = c->has_momentum && a->state[ZD__STATE_MOMENTUM_BUFFER];
-    int cen = c->centered && a->state[ZD__STATE_GRAD_AVG];
-    if (c->sqrt_mode == ZD_SQRT_MKL_EX) {
-      rms_mkl(a, c, lo, hi, mom, cen, a->src[ZD__STATE_MASTER] != NULL);
-      continue;
-    }
-    if (a->src[ZD__STATE_MASTER]) { /* out of place: every array the kernel writes has a src */
-      if (mom)
-        RMS_CEN(1, 1);
-      else
-        RMS_CEN(0, 1);
-    } else if (mom) {
-      RMS_CEN(1, 0);
-    } else {
-      RMS_CEN(0, 0);
-    }
+/* One segment's [lo, hi) with its group's constants c: its flags as constants, one loop per
+ * combination (the frame walks the segments: ZD__OPTIM_SEGMENTS). */
+static inline ZD__OPTIM_INLINE void rmsprop_segment(const zd__adam_args_t *a,
+                                                    const zd__adam_group_t *c, uint64_t lo,
+                                                    uint64_t hi) {
+  int mom = c->has_momentum && a->state[ZD__STATE_MOMENTUM_BUFFER];
+  int cen = c->centered && a->state[ZD__STATE_GRAD_AVG];
+  if (c->sqrt_mode == ZD_SQRT_MKL_EX) {
+    rms_mkl(a, c, lo, hi, mom, cen, a->src[ZD__STATE_MASTER] != NULL);
+    return;
+  }
+  if (a->src[ZD__STATE_MASTER]) { /* out of place: every array the kernel writes has a src */
+    if (mom)
+      RMS_CEN(1, 1);
+    else
+      RMS_CEN(0, 1);
+  } else if (mom) {
+    RMS_CEN(1, 0);
+  } else {
+    RMS_CEN(0, 0);
   }
 }
+
+ZD__OPTIM_SEGMENTS(rmsprop)
 
 #ifdef ZD_OPTIM_REFERENCE
 void zd__rmsprop_consts(zd__adam_group_t *c, const zd_group_t *hp, uint64_t step) {

@@ -122,24 +122,25 @@ static const family_t families[] = {
     {"zerod_rank_shard_elements", "gauge", "elements of the model in this rank's shard", "rank",
      "shard_elems", V_NUMBER, NULL, NULL, NULL},
     {"zerod_rank_state_bytes", "gauge",
-     "bytes the rank holds for its shard, by kind: master_and_moments (fp32 master weights, "
-     "exp_avg and exp_avg_sq), grad_shard (the reduced gradients; 0 at world size 1), and each "
-     "state array a model has only when its groups need it, by its name (max_exp_avg_sq: "
-     "amsgrad's running max of exp_avg_sq); 0 when the model lacks it",
+     "bytes the rank holds for its shard, by kind: master_and_moments (every state array the "
+     "model has: fp32 master weights and its optimizers' arrays), grad_shard (the reduced "
+     "gradients; 0 at world size 1), and each optimizer's state array by its name (exp_avg, "
+     "exp_avg_sq, max_exp_avg_sq, momentum_buffer, sum, square_avg, grad_avg); 0 when the "
+     "model's optimizers keep none",
      "rank", "state_bytes", V_NUMBER, NULL, NULL, "kind=\"master_and_moments\""},
     {"zerod_rank_state_bytes", NULL, NULL, "rank", "grad_shard_bytes", V_NUMBER, NULL, NULL,
      "kind=\"grad_shard\""},
-/* the "<name>_bytes" key of each optional state array (common/state.h); the other rows have no
- * key, hence no sample */
-#define STATE_BYTES(role, aname, optional, needed) \
-  {"zerod_rank_state_bytes",                       \
-   NULL,                                           \
-   NULL,                                           \
-   "rank",                                         \
-   (optional) ? aname "_bytes" : NULL,             \
-   V_NUMBER,                                       \
-   NULL,                                           \
-   NULL,                                           \
+/* the "<name>_bytes" key of each optimizer's state array (common/state.h); the master weights'
+ * row has no key, hence no sample */
+#define STATE_BYTES(role, aname, always, legacy) \
+  {"zerod_rank_state_bytes",                     \
+   NULL,                                         \
+   NULL,                                         \
+   "rank",                                       \
+   (always) ? NULL : aname "_bytes",             \
+   V_NUMBER,                                     \
+   NULL,                                         \
+   NULL,                                         \
    "kind=\"" aname "\""},
     ZD__STATE_ARRAYS(STATE_BYTES)
 #undef STATE_BYTES

@@ -11,6 +11,7 @@
 
 #include "clock.h"
 #include "log.h"
+#include "optim.h"
 
 /* overlap_update's speculation thread: a FIFO of the buckets in flight (model.h), each at most
  * once. Its own thread, so that the worker goes on to the next bucket's reduce-scatter (a
@@ -196,14 +197,14 @@ void zd__model_spec_free(zd__model_spec_t *spec) {
   free(spec);
 }
 
-/* The model's state arrays are those its groups need at registration (common/state.h), kept for
+/* The model's state arrays are those its groups keep at registration (kernels/optim.h), kept for
  * its life: torch creates an optimizer's state at a parameter's first step (max_exp_avg_sq under
  * amsgrad) and raises KeyError when a group asks for one later, so hyperparameters that need an
  * array the model lacks are refused likewise. */
 int zd__model_check_states(const zd__model_t *m, const zd_group_t *groups, const char *what,
                            zd__err_t *err) {
   for (uint32_t i = 0; i < m->shard.ngroups; i++) {
-    int lack = zd__states_missing(m->states, &groups[i], 1);
+    int lack = zd__optim_states_missing(m->states, &groups[i], 1);
     if (lack >= 0)
       return zd__errf(err, ZD_EHPARAM,
                       "%s: group %u needs the state array %s, but the model was registered "
@@ -264,7 +265,7 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
   spec->layout = NULL;
   spec->groups = NULL;
   m->compute = c;
-  m->states = zd__states_needed(m->groups, sh->ngroups);
+  m->states = zd__optim_states(m->groups, sh->ngroups);
   int rc = ZD_OK;
   if (ctx->state_dir) { /* two sets in the file: every update out of place */
     zd__state_file_key_t key = {.layout_hash = l->hash,

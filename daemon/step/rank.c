@@ -921,8 +921,7 @@ const zd__gpu_info_t *zd__rank_gpu(const zd__rank_t *r) {
 }
 
 uint64_t zd__rank_state_bytes(zd__states_t states, uint64_t shard_elems, uint32_t sets) {
-  return (uint64_t)__builtin_popcount(states & zd__states_always()) * shard_elems * sizeof(float) *
-         (sets ? sets : 1);
+  return (uint64_t)__builtin_popcount(states) * shard_elems * sizeof(float) * (sets ? sets : 1);
 }
 
 void zd__rank_status(void *ctx, zd__status_t *st) {
@@ -955,9 +954,9 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
   zd__status_add(st, "state_bytes", "%" PRIu64,
                  zd__rank_state_bytes(s.states, s.shard_elems, s.state_sets));
   zd__status_add(st, "grad_shard_bytes", "%" PRIu64, s.grad_shard_bytes);
-  /* "<name>_bytes" of each optional state array: 0 when the model lacks it */
-#define OPTIONAL_BYTES(role, aname, optional, needed)                                      \
-  if (optional)                                                                            \
+  /* "<name>_bytes" of each optimizer's state array: 0 when the model lacks it */
+#define OPTIONAL_BYTES(role, aname, always, legacy)                                        \
+  if (!(always))                                                                           \
     zd__status_add(st, aname "_bytes", "%" PRIu64,                                         \
                    s.states &ZD__STATE_BIT(ZD__STATE_##role)                               \
                        ? s.shard_elems * sizeof(float) * (s.state_sets ? s.state_sets : 1) \

@@ -275,7 +275,7 @@ void zd__rank_stats(zd__rank_t *rank, zd__rank_stats_t *out);
 /* The rank's status section, "rank N" (a zd__status_fn; ctx is the rank). Loop thread. */
 void zd__rank_status(void *rank, zd__status_t *st);
 
-/* Bytes of the state arrays in `states` that every model has (master and moments: the status's
+/* Bytes of the state arrays in `states` (master weights and the optimizers' arrays: the status's
  * state_bytes), of a shard of shard_elems elements, in each of `sets` sets (overlap_update: 2). */
 uint64_t zd__rank_state_bytes(zd__states_t states, uint64_t shard_elems, uint32_t sets);
 

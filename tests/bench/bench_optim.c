@@ -121,7 +121,7 @@ static void row(zd__pool_t *pool, zd__isa_t isa, int which, uint64_t n, int iter
   }
   zd__adam_group_t consts[2];
   for (int k = 0; k < 2; k++) zd__adam_group_init(&consts[k], &hp[k], 5);
-  zd__states_t w = zd__states_needed(hp, 2);
+  zd__states_t w = zd__optim_states(hp, 2);
   /* the streams the kernel reads and writes: master and what it writes (optim.h) */
   zd__states_t moved = ZD__STATE_BIT(ZD__STATE_MASTER);
   for (int k = 0; k < 2; k++) moved |= zd__optim_writes(&consts[k]);

@@ -76,6 +76,20 @@ def train_step(model: nn.Module, opt: Any, step: int) -> None:
     opt.step()
 
 
+def zerod_kind() -> str:
+    """zerod's optimizer name for TORCH_CLS, from zerod.optim's table: the model registered
+    by hand must hold the arrays of that optimizer (and no other)."""
+    import zerod.optim
+
+    for row in zerod.optim.TABLE.values():
+        try:
+            if row.torch_class() is TORCH_CLS:
+                return row.kind
+        except ImportError:
+            continue
+    raise AssertionError(f"{TORCH_CLS.__name__} has no row in zerod.optim.TABLE")
+
+
 def snapshot(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -212,7 +226,8 @@ class InteropTest(unittest.TestCase):
 
         def attach(r: int) -> None:
             try:
-                clients[r].layout(specs, [dict(HP, **g) for g in GROUP_HP])
+                clients[r].layout(specs, [dict(HP, optimizer=zerod_kind(), **g)
+                                          for g in GROUP_HP])
                 infos[r] = clients[r].register()
             except BaseException as e:  # re-raised below
                 errors.append(e)

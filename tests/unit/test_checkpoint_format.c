@@ -165,7 +165,7 @@ static const char *write_ckpt(const char *root, const zd__layout_t *l, uint64_t 
   fill_manifest(&m, l, step);
   m.files = files;
   m.nfiles = l->world_size;
-  m.states = zd__states_always() | (with_max ? ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ) : 0);
+  m.states = zd__states_legacy() | (with_max ? ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ) : 0);
   if (with_all) m.states = all_states();
   int rc = zd__ckpt_write_manifest(dir, &m, &err);
   CHECK_MSG(rc == 0, "%s", err.msg);
@@ -604,7 +604,7 @@ static void test_max_exp_avg_sq(void) {
   with_max = 0;
   zd__ckpt_manifest_t *m;
   CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
-  CHECK_INT_EQ(m->states, zd__states_always() | ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ));
+  CHECK_INT_EQ(m->states, zd__states_legacy() | ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ));
   check_load(dir, to); /* all four, resharded */
   uint64_t n = to->shard_elems;
   float *a = malloc(4 * n * sizeof *a + 1);
@@ -614,18 +614,18 @@ static void test_max_exp_avg_sq(void) {
   zd__ckpt_manifest_free(m);
   /* Rank files whose tensor count disagrees with the manifest fail verification. */
   CHECK_INT_EQ(zd__ckpt_read_manifest(dir, &m, &err), 0);
-  m->states = zd__states_always();
+  m->states = zd__states_legacy();
   CHECK_INT_EQ(zd__ckpt_verify(dir, m, &err), -EBADMSG);
   CHECK_CONTAINS(err.msg, "tensors; expected 3");
   zd__ckpt_manifest_free(m);
 
   const char *old = write_ckpt(subroot("no-ams"), from, 5, NULL);
   CHECK_INT_EQ(zd__ckpt_read_manifest(old, &m, &err), 0);
-  CHECK_INT_EQ(m->states, zd__states_always());
+  CHECK_INT_EQ(m->states, zd__states_legacy());
   m->states |= ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ);
   CHECK_INT_EQ(zd__ckpt_verify(old, m, &err), -EBADMSG);
   CHECK_CONTAINS(err.msg, "max_exp_avg_sq");
-  m->states = zd__states_always();
+  m->states = zd__states_legacy();
   CHECK_INT_EQ(zd__ckpt_load_shard(old, m, to, 0,
                                    (float *[ZD__NSTATES]){a, a + n, a + 2 * n, a + 3 * n}, &err),
                ZD_ECHECKPOINT);
@@ -1123,7 +1123,7 @@ static void test_every_state(void) {
   snprintf(path, sizeof path, "%s/manifest.json", dir);
   json_t *root = json_load_file(path, 0, NULL);
   CHECK(root);
-  zd__states_t always = zd__states_always();
+  zd__states_t always = zd__states_legacy();
   for (int t = 0; t < ZD__NSTATES; t++) {
     json_t *flag = json_object_get(root, zd__state_name(t));
     CHECK_MSG(always & ZD__STATE_BIT(t) ? !flag : json_is_true(flag), "manifest key '%s'",

@@ -391,13 +391,46 @@ static void test_table(void) {
     zd__err_t err = {0};
     if (zd__group_check(&g, "g", &err) == ZD_OK) CHECK_MSG(zd__optim_known(o), "optimizer %d", o);
   }
-  /* the momentum buffer is an array only SGD groups with momentum need */
-  zd_group_t g = zd__group_default();
-  CHECK(!(zd__states_needed(&g, 1) & ZD__STATE_BIT(ZD__STATE_MOMENTUM_BUFFER)));
-  g.optimizer = ZD_SGD;
-  CHECK(!(zd__states_needed(&g, 1) & ZD__STATE_BIT(ZD__STATE_MOMENTUM_BUFFER)));
-  g.momentum = 0.9;
-  CHECK(zd__states_needed(&g, 1) & ZD__STATE_BIT(ZD__STATE_MOMENTUM_BUFFER));
+  /* each optimizer's arrays are its row's (what its kernel writes), nothing more */
+  const zd__states_t M = ZD__STATE_BIT(ZD__STATE_MASTER), EA = ZD__STATE_BIT(ZD__STATE_EXP_AVG),
+                     EQ = ZD__STATE_BIT(ZD__STATE_EXP_AVG_SQ),
+                     MX = ZD__STATE_BIT(ZD__STATE_MAX_EXP_AVG_SQ),
+                     MB = ZD__STATE_BIT(ZD__STATE_MOMENTUM_BUFFER),
+                     SU = ZD__STATE_BIT(ZD__STATE_SUM), SQ = ZD__STATE_BIT(ZD__STATE_SQUARE_AVG),
+                     GA = ZD__STATE_BIT(ZD__STATE_GRAD_AVG);
+  struct {
+    zd_optimizer_t opt;
+    double momentum;
+    int centered, amsgrad;
+    zd__states_t want;
+  } rows[] = {
+      {ZD_ADAMW, 0, 0, 0, M | EA | EQ},
+      {ZD_ADAM, 0, 0, 1, M | EA | EQ | MX},
+      {ZD_SGD, 0, 0, 0, M},
+      {ZD_SGD, 0.9, 0, 0, M | MB},
+      {ZD_ADAGRAD, 0, 0, 0, M | SU},
+      {ZD_RMSPROP, 0, 0, 0, M | SQ},
+      {ZD_RMSPROP, 0.9, 1, 0, M | SQ | MB | GA},
+      {ZD_LION, 0, 0, 0, M | EA},
+  };
+  for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+    zd_group_t g = zd__group_default();
+    g.optimizer = rows[r].opt;
+    g.momentum = rows[r].momentum;
+    g.centered = rows[r].centered;
+    g.amsgrad = rows[r].amsgrad;
+    CHECK_MSG(zd__optim_states(&g, 1) == rows[r].want, "row %zu (%s): arrays 0x%x, want 0x%x", r,
+              zd__optim_kernel_name(g.optimizer), (unsigned)zd__optim_states(&g, 1),
+              (unsigned)rows[r].want);
+  }
+  /* a model's arrays are its groups' union; a group needing one the model lacks is named */
+  zd_group_t two[2] = {zd__group_default(), zd__group_default()};
+  two[0].optimizer = ZD_SGD;
+  two[1].optimizer = ZD_LION;
+  CHECK_INT_EQ(zd__optim_states(two, 2), M | EA);
+  CHECK_INT_EQ(zd__optim_states_missing(M | EA, two, 2), -1);
+  two[0].momentum = 0.9;
+  CHECK_INT_EQ(zd__optim_states_missing(M | EA, two, 2), ZD__STATE_MOMENTUM_BUFFER);
   CHECK(!strcmp(zd__state_name(ZD__STATE_MOMENTUM_BUFFER), "momentum_buffer"));
 }
 

@@ -17,10 +17,10 @@ In::
 
 Both directions go through one file format, safetensors by its definition (an 8-byte
 little-endian header length, a JSON header, raw little-endian data): an F32 tensor per parameter
-name holding its master weights, "<name>.exp_avg" and "<name>.exp_avg_sq" with the moments
-(and "<name>.max_exp_avg_sq" for every parameter of a model with amsgrad, "<name>.momentum_buffer"
-for every parameter of an SGD model with momentum: zerod's state arrays by torch's names,
-common/state.h), and metadata strings: zerod_format ("zerod-export" from ``zeroctl export``, "zerod-torch-state" from
+name holding its master weights and "<name>.<array>" for each state array the model's optimizer
+keeps (zerod's state arrays by torch's names, common/state.h, for every parameter or none: AdamW's
+"exp_avg" and "exp_avg_sq", and "max_exp_avg_sq" with amsgrad; SGD's "momentum_buffer" with
+momentum, none without; Adagrad's "sum"; ...: the rows of zerod.optim.TABLE), and metadata strings: zerod_format ("zerod-export" from ``zeroctl export``, "zerod-torch-state" from
 save_torch_state), zerod_version "1", step, the groups (JSON, zerod's fields by their C names),
 each parameter's group and, in save_torch_state's files, the parameter names in registration
 order. Any safetensors reader opens these files; this module reads and writes them with the
@@ -32,20 +32,20 @@ each element of a parameter lies in the rank files follows the layout rule (buck
 each rank's slice of every bucket) at the world and bucket size the checkpoint was written with,
 and zeroctl applies it with the code zerod resumes with, after checking every file's checksum. A
 second implementation here could drift from it without any test noticing until a resharded
-checkpoint came out wrong. The cost is a temporary file of 12 bytes per parameter element.
+checkpoint came out wrong. The cost is a temporary file of 4 bytes per parameter element and state
+array (12 for AdamW).
 
-What carries over: the step (torch's per-parameter ``step``, stored as the running torch stores
-it: a float tensor in 1.12 and later), the moments, the master weights and the groups' lr,
-betas, eps, weight_decay, maximize and amsgrad (with max_exp_avg_sq); for torch.optim.SGD the
-momentum buffers and the groups' momentum, dampening and nesterov (torch's SGD counts no steps:
-save_torch_state takes the step). Bitwise continuation
+What carries over, for every optimizer of zerod.optim.TABLE (its row names the torch class, the
+state arrays by torch's names and which groups keep each, whether torch counts steps): the step
+(torch's per-parameter ``step``, stored as the running torch stores it: a float tensor in 1.12
+and later; torch's SGD and lion-pytorch's Lion count none: save_torch_state takes the step), the
+state arrays, the master weights and the groups' hyperparameters. Bitwise continuation
 needs the same update formula on both sides: zerod's default is torch 1.13's. Parameters at
 different steps (one that got no gradient for a while, which torch skips) carry over: the file's
 step is the largest, and its metadata "steps_behind" lists each parameter's steps behind it (a
-parameter never stepped has no state in torch's state_dict). Refused: optimizers other than
-torch.optim.AdamW, torch.optim.Adam (zerod's "adam": L2 weight decay), torch.optim.SGD and
-torch.optim.Adagrad (its `sum`; an Adagrad checkpoint at step 0 comes out without state, where
-torch's own holds sum = initial_accumulator_value from construction).
+parameter never stepped has no state in torch's state_dict, unless its class creates the state at
+construction: Adagrad's sum = initial_accumulator_value, the row's fill). Refused: torch
+optimizers without a row (torch.optim.Adam is zerod's "adam": L2 weight decay).
 """
 
 from __future__ import annotations
@@ -66,15 +66,6 @@ __all__ = ["Export", "TorchState", "import_checkpoint", "load_export", "save_tor
 
 EXPORT_FORMAT = "zerod-export"
 TORCH_STATE_FORMAT = "zerod-torch-state"
-_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")
-_MAX_SUFFIX = ".max_exp_avg_sq"  # amsgrad's fourth tensor, for every parameter or none
-_BUF_SUFFIX = ".momentum_buffer"  # SGD's with momentum, for every parameter or none
-_SUM_SUFFIX = ".sum"  # Adagrad's, for every parameter or none
-_SQ_SUFFIX = ".square_avg"  # RMSprop's, for every parameter or none
-_GA_SUFFIX = ".grad_avg"  # RMSprop's with centered, for every parameter or none
-# zerod's optional state arrays (common/state.h), by torch's names: each is in a file for every
-# parameter or for none.
-_OPTIONAL = (_MAX_SUFFIX, _BUF_SUFFIX, _SUM_SUFFIX, _SQ_SUFFIX, _GA_SUFFIX)
 _MAX_HEADER = 1 << 31
 
 NamedParams = Union[Mapping[str, Any], Iterable[Tuple[str, Any]]]
@@ -90,7 +81,10 @@ class Export:
     weight_decay, optimizer as zerod's enum value, maximize as a bool, ...). master, exp_avg,
     exp_avg_sq: the tensors by parameter name (NumPy arrays or torch tensors, per
     load_export's framework); the moments are empty for an export written without --moments.
-    metadata: the file's metadata strings as they are.
+    state: every state array the file holds by torch's name (exp_avg, momentum_buffer, sum, ...),
+    each by parameter name; the fields of the same names (exp_avg, exp_avg_sq, max_exp_avg_sq,
+    momentum_buffer, sum, square_avg, grad_avg) are the same dicts, empty for an array the file
+    lacks. metadata: the file's metadata strings as they are.
     """
 
     step: int
@@ -107,6 +101,7 @@ class Export:
     square_avg: Dict[str, Any] = field(default_factory=dict)  # RMSprop's; empty without
     grad_avg: Dict[str, Any] = field(default_factory=dict)  # RMSprop's centered; empty without
     metadata: Dict[str, str] = field(default_factory=dict)
+    state: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     # Per parameter name, the steps that skipped it (it had no gradient: torch's .grad of None),
     # so that its own step count (torch's state['step']) is step - steps_behind; empty: every
     # parameter at step (the file's optional "steps_behind").
@@ -118,7 +113,9 @@ class Export:
 
     @property
     def has_moments(self) -> bool:
-        return len(self.exp_avg) == len(self.names)
+        """Whether the file holds the optimizer's state: its arrays, or none because the model
+        kept none (an SGD without momentum), which the metadata "moments" says."""
+        return bool(self.state) or self.metadata.get("moments") == "1"
 
 
 class TorchState(NamedTuple):
@@ -253,13 +250,6 @@ def load_export(path: str, *, framework: str = "np") -> Export:
         param_groups = _json_meta(path, meta, "param_groups")
         groups = _json_meta(path, meta, "groups")
         nparams = len(param_groups)
-        entry_names = {e[2] for e in entries}
-        optional = [sfx for sfx in _OPTIONAL if any(n.endswith(sfx) for n in entry_names)]
-        moments = len(entries) == (3 + len(optional)) * nparams
-        if not moments and len(entries) != nparams:
-            raise ValueError(f"{path}: {len(entries)} tensors for {nparams} parameters; expected "
-                             f"1 or 3 per parameter, and one more for each of "
-                             f"{', '.join(sfx[1:] for sfx in _OPTIONAL)} the file has")
         if "params" in meta:
             names = _json_meta(path, meta, "params")
         else:  # an export: its master tensors come first in the data, in registration order
@@ -268,6 +258,24 @@ def load_export(path: str, *, framework: str = "np") -> Export:
             raise ValueError(f"{path}: metadata 'params' does not name {nparams} distinct "
                              f"parameters")
         by_name = {e[2]: e for e in entries}
+        # The state arrays: each other tensor is "<param>.<array>" (the longest parameter name
+        # it extends), every parameter with the same arrays, in the order of the file's data.
+        name_set, arrays = set(names), []
+        for e in sorted(entries):
+            t = e[2]
+            if t in name_set:
+                continue
+            dots = [k for k, ch in enumerate(t) if ch == "."]
+            owner = next((k for k in reversed(dots) if t[:k] in name_set), None)
+            if owner is None:
+                raise ValueError(f"{path}: tensor {t!r} is neither a parameter nor "
+                                 f"'<parameter>.<state array>'")
+            if t[owner + 1:] not in arrays:
+                arrays.append(t[owner + 1:])
+        if len(entries) != (1 + len(arrays)) * nparams:
+            raise ValueError(f"{path}: {len(entries)} tensors for {nparams} parameters; expected "
+                             f"1 per parameter and one more for each state array the file has "
+                             f"({', '.join(arrays) or 'none'}), for every parameter")
 
         def read(name: str) -> Any:
             e = by_name.get(name)
@@ -295,26 +303,19 @@ def load_export(path: str, *, framework: str = "np") -> Export:
                 raise ValueError(f"{path}: metadata 'steps_behind' is not one count in "
                                  f"[0, {out.step}] per parameter")
             out.steps_behind = {n: int(b) for n, b in zip(names, behind) if b}
-        if moments:
-            out.exp_avg = {name: read(name + ".exp_avg") for name in names}
-            out.exp_avg_sq = {name: read(name + ".exp_avg_sq") for name in names}
-            if _MAX_SUFFIX in optional:
-                out.max_exp_avg_sq = {name: read(name + _MAX_SUFFIX) for name in names}
-            if _BUF_SUFFIX in optional:
-                out.momentum_buffer = {name: read(name + _BUF_SUFFIX) for name in names}
-            for sfx in (_SUM_SUFFIX, _SQ_SUFFIX, _GA_SUFFIX):
-                if sfx in optional:
-                    setattr(out, sfx[1:], {name: read(name + sfx) for name in names})
+        for array in arrays:
+            out.state[array] = {name: read(name + "." + array) for name in names}
+            if array in _ARRAY_FIELDS:
+                setattr(out, array, out.state[array])
             for name in names:
-                moments_of = [out.exp_avg[name], out.exp_avg_sq[name]]
-                moments_of += [out.max_exp_avg_sq[name]] if out.max_exp_avg_sq else []
-                moments_of += [out.momentum_buffer[name]] if out.momentum_buffer else []
-                moments_of += [out.sum[name]] if out.sum else []
-                moments_of += [out.square_avg[name]] if out.square_avg else []
-                moments_of += [out.grad_avg[name]] if out.grad_avg else []
-                if any(tuple(m.shape) != tuple(out.master[name].shape) for m in moments_of):
+                if tuple(out.state[array][name].shape) != tuple(out.master[name].shape):
                     raise ValueError(f"{path}: the moments of {name!r} are not of its shape")
     return out
+
+
+# The Export fields that name state arrays (Export.state holds every array by name).
+_ARRAY_FIELDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum",
+                 "square_avg", "grad_avg")
 
 
 def _zeroctl(zeroctl: Optional[str]) -> str:
@@ -360,17 +361,17 @@ def _torch_step(cls: type, step: int) -> Any:
     return type(sample)(step)
 
 
-def _sgd_state_without_momentum() -> Dict[str, Any]:
-    """What this torch's SGD keeps for a parameter of a group without momentum after a step
-    (1.13: {"momentum_buffer": None}; 2.x: nothing), from a throwaway step, not a version
-    table."""
+def _torch_empty_state(cls: type) -> Dict[str, Any]:
+    """What this torch's optimizer keeps after a step for a parameter whose group keeps none of
+    its arrays (SGD without momentum: 1.13 {"momentum_buffer": None}, 2.x nothing): the entries
+    of None of a throwaway step at the class's defaults, not a version table."""
     import torch
 
     p = torch.zeros(1, requires_grad=True)
-    opt = torch.optim.SGD([p], lr=0.1)
+    opt = cls([p], lr=0.1)
     p.grad = torch.zeros(1)
     opt.step()
-    return dict(opt.state.get(p, {}))
+    return {k: v for k, v in opt.state.get(p, {}).items() if v is None}
 
 
 def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
@@ -417,10 +418,10 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
         raise ValueError(f"{source}: groups of both {sorted(kinds)}: one torch optimizer "
                          f"cannot hold them")
     kind = kinds.pop()
-    row = _optim_rows().get(kind)  # an optimizer handled from its row of the table alone
-    cls = row.torch_class() if row else {
-        "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
-        "rmsprop": torch.optim.RMSprop}.get(kind, torch.optim.AdamW)
+    row = _optim_rows().get(kind)
+    if row is None:
+        raise ValueError(f"{source}: optimizer {kind!r} has no row in zerod.optim.TABLE")
+    cls = row.torch_class()
     defaults = cls([torch.zeros(1, requires_grad=True)], lr=1e-3).defaults  # 1.13 SGD needs lr
     zdefaults = Group().to_dict()
     param_groups = []
@@ -444,57 +445,32 @@ def torch_state_dict(source: str, params: Optional[NamedParams] = None, *,
             if g == gi:
                 pg["params"].append(len(order))
                 order.append(name)
+    # The row's arrays by torch's names, for the parameters of the groups that keep each, and
+    # its step if torch counts one; torch has no state for a parameter before its first step
+    # unless its class creates the state at construction (the row's fill).
     state: Dict[int, Dict[str, Any]] = {}
-    if exp.step > 0 and row:  # the row's arrays by torch's names, and its step if it has one
-        step = _torch_step(cls, exp.step) if row.step else None
-        for i, name in enumerate(order):
-            state[i] = {} if step is None else {
-                "step": step.clone() if isinstance(step, torch.Tensor) else step}
-            for array in row.arrays:
-                state[i][array] = getattr(exp, array)[name]
-    elif exp.step > 0 and kind == "sgd":  # torch.optim.SGD: the buffer of momentum's groups only
-        no_momentum = _sgd_state_without_momentum()
-        for gi, pg in enumerate(param_groups):
-            for i in pg["params"]:
-                name = order[i]
-                if pg["momentum"] != 0 and exp.momentum_buffer:
-                    state[i] = {"momentum_buffer": exp.momentum_buffer[name]}
-                elif no_momentum:
-                    state[i] = dict(no_momentum)
-    elif kind == "adagrad":  # torch.optim.Adagrad: step and sum, from construction on
-        step = _torch_step(cls, exp.step)
-        for gi, pg in enumerate(param_groups):
-            for i in pg["params"]:
-                name = order[i]
-                n = exp.param_step(name)
-                # torch makes sum = full_like(p, initial_accumulator_value) at construction;
-                # zerod fills it at a parameter's first step (kernels/adagrad.c), so a parameter
-                # not stepped yet gets it here.
-                total = exp.sum[name] if n > 0 else torch.full_like(
-                    exp.master[name], pg["initial_accumulator_value"])
-                state[i] = {"step": _step_as(step, n), "sum": total}
-    elif exp.step > 0 and kind == "rmsprop":  # step, square_avg, momentum_buffer, grad_avg
-        step = _torch_step(cls, exp.step)
-        for gi, pg in enumerate(param_groups):
-            for i in pg["params"]:
-                name = order[i]
-                if exp.param_step(name) == 0:
+    step = _torch_step(cls, exp.step) if row.step and (exp.step > 0 or row.fill) else None
+    empty = None  # what this torch keeps for a parameter none of whose arrays its group keeps
+    for gi, pg in enumerate(param_groups):
+        for i in pg["params"]:
+            name = order[i]
+            n = exp.param_step(name) if row.step else exp.step
+            if n == 0 and not row.fill:
+                continue
+            st: Dict[str, Any] = {} if step is None else {"step": _step_as(step, n)}
+            for array, _ in row.arrays:
+                if not row.keeps(array, pg):
                     continue
-                state[i] = {"step": _step_as(step, exp.param_step(name)),
-                            "square_avg": exp.square_avg[name]}
-                if pg["momentum"] > 0:
-                    state[i]["momentum_buffer"] = exp.momentum_buffer[name]
-                if pg["centered"]:
-                    state[i]["grad_avg"] = exp.grad_avg[name]
-    elif exp.step > 0:  # torch has no state before the first step
-        step = _torch_step(cls, exp.step)
-        for i, name in enumerate(order):
-            if exp.param_step(name) == 0:
-                continue  # never stepped (no gradient yet): torch has no state for it
-            state[i] = {"step": _step_as(step, exp.param_step(name)),
-                        "exp_avg": exp.exp_avg[name], "exp_avg_sq": exp.exp_avg_sq[name]}
-            if exp.max_exp_avg_sq:  # torch's key, kept for every parameter as torch would
-                state[i]["max_exp_avg_sq"] = exp.max_exp_avg_sq[name]
+                if n == 0:  # a row with fill: the state torch made at construction
+                    if array in row.fill:
+                        st[array] = torch.full_like(exp.master[name], pg[row.fill[array]])
+                elif array in exp.state:
+                    st[array] = exp.state[array][name]
+            if not st:
+                empty = _torch_empty_state(cls) if empty is None else empty
+                st = dict(empty)
+            if st:
+                state[i] = st
     return TorchState(state_dict={"state": state, "param_groups": param_groups},
                       master=dict(exp.master), step=exp.step, optimizer_class=cls)
 
@@ -551,7 +527,7 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     """Writes a torch optimizer's state, with its parameters as the master weights, to `path`
     for ``zeroctl import`` (module docstring: the format).
 
-    optimizer: a torch.optim.AdamW or torch.optim.Adam. named_params: the names of
+    optimizer: an instance of a torch class of zerod.optim.TABLE. named_params: the names of
     its parameters (model.named_parameters(), or a mapping), which zerod's registration must
     use too; None names them "param<i>", as ZeroOptimizer does for unnamed parameters.
     Parameters are taken group by group in the optimizer's order, skipping those that do not
@@ -566,8 +542,9 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     torch.optim.SGD keeps no step count: its state is written at `step` (default: 1 when some
     parameter has a momentum buffer, else 0), which only has to be above 0 where buffers exist
     (zerod creates the buffer from the gradient at its step 1, as torch does when it has none);
-    zeros stand for a missing buffer in a group with momentum. exp_avg and exp_avg_sq, which
-    every zerod model holds, are written as zeros for it.
+    zeros stand for a missing buffer in a group with momentum. Only the arrays the zerod model
+    will hold are written (the row's, for the groups that keep them): none for an SGD without
+    momentum.
 
     Parameters at different steps (torch skips one without a gradient) are written with the
     largest step and each one's steps behind it (metadata "steps_behind").
@@ -579,23 +556,13 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
 
     from .client import Group
 
-    if isinstance(optimizer, torch.optim.AdamW):
-        kind = "adamw"
-    elif isinstance(optimizer, torch.optim.Adam):
-        kind = "adam"
-    elif isinstance(optimizer, torch.optim.SGD):
-        kind = "sgd"
-    elif isinstance(optimizer, torch.optim.Adagrad):
-        kind = "adagrad"
-    elif isinstance(optimizer, torch.optim.RMSprop):
-        kind = "rmsprop"
-    elif _optim_row_of(optimizer):
-        kind = _optim_row_of(optimizer).kind
-    else:
-        raise TypeError(f"{type(optimizer).__name__}: zerod imports the state of "
-                        f"torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad and "
-                        f"torch.optim.RMSprop (a "
+    row = _optim_row_of(optimizer)
+    if row is None:
+        raise TypeError(f"{type(optimizer).__name__}: zerod imports the state of the torch "
+                        f"optimizers of its table ("
+                        f"{', '.join(r.torch_class_name() for r in _optim_rows().values())}; a "
                         f"ZeroOptimizer's state is in zerod already: use its checkpoint())")
+    kind = row.kind
     _check_host()
     names_by_id = None
     if named_params is not None:
@@ -603,18 +570,15 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     names: List[str] = []
     pgroups: List[int] = []
     groups: List[Dict[str, Any]] = []
-    tensors: List[List[Any]] = [[] for _ in range(8)]  # master, then each state array
+    arrays = row.model_arrays(optimizer.param_groups)  # what the zerod model will hold
+    tensors: List[List[Any]] = [[] for _ in range(1 + len(arrays))]  # master, then each array
     steps = {}
-    amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
-    momentum = (kind in ("sgd", "rmsprop")
-                and any(g.get("momentum") for g in optimizer.param_groups))
-    centered = kind == "rmsprop" and any(g.get("centered") for g in optimizer.param_groups)
-    has_buffer = False
+    has_state = False
     index = 0
     for gi, g in enumerate(optimizer.param_groups):
         hp = {k: v for k, v in g.items() if k != "params"}
         # torch >= 2.7's Adam(decoupled_weight_decay=True) is AdamW.
-        hp["optimizer"] = "adamw" if g.get("decoupled_weight_decay") else kind
+        hp["optimizer"] = "adamw" if kind == "adam" and g.get("decoupled_weight_decay") else kind
         try:
             groups.append(_c_group(Group.coerce(hp)))
         except (TypeError, ValueError) as e:
@@ -628,43 +592,14 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
                 raise ValueError(f"param group {gi}: parameter {i} (shape {tuple(p.shape)}) is "
                                  f"not among named_params")
             st = optimizer.state.get(p, {})
+            if row.step:
+                s = st.get("step", 0)
+                steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
+            has_state = has_state or any(st.get(a) is not None for a in arrays)
+            # zeros for an array the parameter's state lacks: torch starts every array but
+            # Adagrad's sum (in its state from construction) at zeros
             zeros = torch.zeros_like(p, dtype=torch.float32)
-            row = _optim_rows().get(kind)
-            if row:  # exp_avg and exp_avg_sq, which every zerod model holds: zeros unless its
-                # row has them (the import path is only for rows without optional arrays)
-                has_buffer = has_buffer or bool(st)
-                if row.step:
-                    s = st.get("step", 0)
-                    steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
-                moments = [st.get(a, zeros) if a in row.arrays else zeros
-                           for a in ("exp_avg", "exp_avg_sq")]
-            elif kind == "sgd":
-                buf = st.get("momentum_buffer")
-                has_buffer = has_buffer or buf is not None
-                moments = [zeros, zeros] + ([zeros if buf is None else buf] if momentum else [])
-            elif kind == "rmsprop":
-                s = st.get("step", 0)
-                steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
-                moments = [zeros, zeros]
-                if momentum:
-                    moments.append(st.get("momentum_buffer", zeros))
-                moments.append(st.get("square_avg", zeros))
-                if centered:
-                    moments.append(st.get("grad_avg", zeros))
-            elif kind == "adagrad":
-                s = st.get("step", 0)
-                steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
-                moments = [zeros, zeros, st["sum"] if "sum" in st else zeros]
-            elif st:
-                s = st["step"]
-                steps[name] = int(s.item() if isinstance(s, torch.Tensor) else s)
-                moments = [st["exp_avg"], st["exp_avg_sq"]]
-                if amsgrad:
-                    moments.append(st.get("max_exp_avg_sq",
-                                          torch.zeros_like(p, dtype=torch.float32)))
-            else:
-                steps[name] = 0
-                moments = [torch.zeros_like(p, dtype=torch.float32)] * (3 if amsgrad else 2)
+            moments = [zeros if st.get(a) is None else st[a] for a in arrays]
             if any(tuple(m.shape) != tuple(p.shape) for m in moments):
                 raise ValueError(f"the moments of {name!r} are not of its shape")
             names.append(name)
@@ -675,8 +610,8 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
         raise ValueError("the optimizer holds no parameter that requires grad")
     if len(set(names)) != len(names):
         raise ValueError("two parameters have the same name")
-    if kind == "sgd" or (kind in _optim_rows() and not _optim_rows()[kind].step):
-        steps = {name: (1 if has_buffer else 0) if step is None else int(step) for name in names}
+    if not row.step:
+        steps = {name: (1 if has_state else 0) if step is None else int(step) for name in names}
     # Parameters at different steps (some got no gradient in some steps, which torch skips):
     # the model's step is the largest, and each parameter's own is carried as its steps behind.
     step = max(steps.values())
@@ -691,10 +626,7 @@ def save_torch_state(optimizer: Any, named_params: Optional[NamedParams], path: 
     if any(behind):
         header["__metadata__"]["steps_behind"] = json.dumps(behind)
     off = 0
-    suffixes = (_SUFFIXES + ((_MAX_SUFFIX,) if amsgrad else ()) + ((_BUF_SUFFIX,) if momentum else ())
-                + ((_SUM_SUFFIX,) if kind == "adagrad" else ())
-                + ((_SQ_SUFFIX,) if kind == "rmsprop" else ())
-                + ((_GA_SUFFIX,) if centered else ()))
+    suffixes = [""] + ["." + a for a in arrays]
     for t, suffix in enumerate(suffixes):
         for name, v in zip(names, tensors[t]):
             nbytes = 4 * v.numel()

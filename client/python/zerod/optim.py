@@ -14,7 +14,7 @@ CUDA backend has no kernel for them yet: CUDA parameters are refused.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Mapping, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from . import client as _client
 from . import _lib
@@ -30,15 +30,42 @@ class _Row:
     kind: the group's optimizer name (ZD_<KIND> in zerod.h). torch_class: a function returning
     the torch optimizer class (imported only when an export or import needs it). arrays: the
     per-parameter state arrays by torch's names, which are zerod's state arrays of the same names
-    (common/state.h). step: whether torch's state holds a per-parameter "step" (without one, an
-    import is written at the step save_torch_state is given, default 1 once some parameter has
-    state, else 0)."""
+    (common/state.h), each a name (every group keeps it) or a (name, key) pair: the groups whose
+    torch hyperparameter `key` is true (not 0, not False) keep it, as the row's kernel writes it
+    (zd__<k>_writes) and as torch creates it. step: whether torch's state holds a per-parameter
+    "step" (without one, an import is written at the step save_torch_state is given, default 1
+    once some parameter has state, else 0). fill: for a torch class that creates its state at
+    construction (step 0), array -> the hyperparameter it starts at (Adagrad's sum starts at
+    initial_accumulator_value), which a parameter zerod has not stepped yet is given."""
 
-    def __init__(self, kind: str, torch_class: Any, arrays: Tuple[str, ...], step: bool) -> None:
-        self.kind, self.torch_class, self.arrays, self.step = kind, torch_class, arrays, step
+    def __init__(self, kind: str, torch_class: Any, arrays: Tuple[Any, ...], step: bool,
+                 fill: Optional[Mapping[str, str]] = None) -> None:
+        self.kind, self.torch_class, self.step = kind, torch_class, step
+        self.arrays: Tuple[Tuple[str, Optional[str]], ...] = tuple(
+            (a, None) if isinstance(a, str) else (a[0], a[1]) for a in arrays)
+        self.fill: Dict[str, str] = dict(fill or {})
+
+    def torch_class_name(self) -> str:
+        """The torch class's name, or the row's kind where its package is not installed."""
+        try:
+            return str(self.torch_class().__name__)
+        except ImportError:
+            return self.kind
+
+    def keeps(self, array: str, group: Mapping[str, Any]) -> bool:
+        """Whether a torch param group keeps `array` (one of the row's)."""
+        key = dict(self.arrays)[array]
+        return key is None or bool(group.get(key))
+
+    def model_arrays(self, groups: Iterable[Mapping[str, Any]]) -> List[str]:
+        """The arrays a zerod model of these torch param groups holds, in the row's order:
+        those some group keeps (zerod keeps an array for every parameter or none)."""
+        groups = list(groups)
+        return [a for a, _ in self.arrays if any(self.keeps(a, g) for g in groups)]
 
 
-# kind -> _Row, for the optimizers that zerod.checkpoint handles from their row alone.
+# kind -> _Row: every optimizer of zerod's table, from which zerod.checkpoint exports to and
+# imports from its torch class (AdamW first: torch's AdamW may be a subclass of Adam).
 TABLE: Dict[str, _Row] = {}
 
 
@@ -46,6 +73,22 @@ def _register(row: _Row) -> None:
     """Adds a row: the group field optimizer accepts its name (libzerod's ZD_<KIND>)."""
     _client._ENUMS["optimizer"].setdefault(row.kind, getattr(_lib, "ZD_" + row.kind.upper()))
     TABLE[row.kind] = row
+
+
+def _torch_optim(name: str) -> Any:
+    """torch.optim.<name>, as a row's torch_class."""
+
+    def cls() -> Any:
+        import torch
+
+        return getattr(torch.optim, name)
+
+    return cls
+
+
+_ADAM_ARRAYS = ("exp_avg", "exp_avg_sq", ("max_exp_avg_sq", "amsgrad"))
+_register(_Row("adamw", _torch_optim("AdamW"), _ADAM_ARRAYS, step=True))
+_register(_Row("adam", _torch_optim("Adam"), _ADAM_ARRAYS, step=True))
 
 
 class ZeroSGD(ZeroOptimizer):
@@ -97,6 +140,9 @@ class ZeroSGD(ZeroOptimizer):
                 g["sqrt_mode"] = "exact"
 
 
+_register(_Row("sgd", _torch_optim("SGD"), (("momentum_buffer", "momentum"),), step=False))
+
+
 class ZeroAdagrad(ZeroOptimizer):
     """torch.optim.Adagrad through zerod (kernels/adagrad.c): lr, lr_decay, weight_decay,
     initial_accumulator_value, eps and maximize as torch takes them, per parameter group too
@@ -142,6 +188,10 @@ class ZeroAdagrad(ZeroOptimizer):
         super()._choose_formulas(cuda)
 
 
+_register(_Row("adagrad", _torch_optim("Adagrad"), ("sum",), step=True,
+               fill={"sum": "initial_accumulator_value"}))
+
+
 class ZeroRMSprop(ZeroOptimizer):
     """torch.optim.RMSprop through zerod (kernels/rmsprop.c): lr, alpha, eps, weight_decay,
     momentum, centered and maximize as torch takes them, per parameter group too. The centered
@@ -175,6 +225,11 @@ class ZeroRMSprop(ZeroOptimizer):
             raise ValueError("ZeroRMSprop: CUDA parameters are not supported yet (zerod's CUDA "
                              "backend has no RMSprop kernel); train on CPU parameters")
         super()._choose_formulas(cuda)
+
+
+_register(_Row("rmsprop", _torch_optim("RMSprop"),
+               ("square_avg", ("momentum_buffer", "momentum"), ("grad_avg", "centered")),
+               step=True))
 
 
 def _lion_class() -> Any:
