@@ -6,7 +6,8 @@
  * and waits is kvstore.c's.
  *
  * Nodes and the Kv* methods are served only by the node that hosts global rank 0, which holds the
- * world's rendezvous store; elsewhere they say where that node is. A KvWait that cannot be
+ * world's rendezvous store; elsewhere they say where that node is. With an etcd rendezvous every
+ * node serves Nodes, read from etcd on libuv's thread pool. A KvWait that cannot be
  * answered yet becomes a wait of the store and a deferred call: the store's callback answers it,
  * or the client cancelling it ends the wait. Drain is deferred too, answered when the drain ends
  * (drain.h); a caller that leaves does not end the drain.
@@ -27,6 +28,7 @@
 #include "buddy.h"
 #include "clock.h"
 #include "control.pb-c.h"
+#include "etcd.h"
 #include "grpc_server.h"
 #include "grpc_unary.h"
 #include "health.pb-c.h"
@@ -416,17 +418,109 @@ static int cmp_node(const void *a, const void *b) {
   return x->first_rank < y->first_rank ? -1 : x->first_rank > y->first_rank;
 }
 
-/* The registry: every "node/<first_rank>" entry, plus this node, which a single-node world never
- * registers. Entries that do not decode are skipped with a warning, not fatal to the listing. */
+/* Answers Nodes with the registry's entries (any order; kept by the caller) plus this node, which
+ * a single-node world never registers, by first rank. Errors: -ENOMEM (not answered). */
+static int reply_nodes(zd__control_t *c, zd__gsrv_call_t *k, Zerod__V1__NodeInfo *const *listed,
+                       size_t n, zd__err_t *err) {
+  Zerod__V1__NodeInfo **nodes = calloc(n + 1, sizeof *nodes);
+  if (!nodes) return zd__errf(err, -ENOMEM, "out of memory listing %zu nodes", n);
+  int self_listed = 0;
+  for (size_t i = 0; i < n; i++) {
+    nodes[i] = listed[i];
+    self_listed |= listed[i]->first_rank == c->cfg->first_rank;
+  }
+  Zerod__V1__NodeInfo self = ZEROD__V1__NODE_INFO__INIT;
+  self.first_rank = c->cfg->first_rank;
+  self.local_ranks = c->cfg->local_ranks;
+  self.control_address = (char *)zd__control_address(c);
+  if (!self_listed) nodes[n++] = &self;
+  qsort(nodes, n, sizeof *nodes, cmp_node);
+  Zerod__V1__NodesReply rep = ZEROD__V1__NODES_REPLY__INIT;
+  rep.world_size = c->cfg->world_size;
+  rep.n_nodes = n;
+  rep.nodes = nodes;
+  zd__gsrv_reply(k, &rep.base);
+  free(nodes);
+  return ZD_OK;
+}
+
+/* Nodes on etcd: any node reads the registry from etcd, on libuv's thread pool (a blocking call
+ * of up to NODES_ETCD_MS that must not hold the loop), and answers on the loop thread. */
+#define NODES_ETCD_MS 5000
+
+typedef struct nodes_job {
+  uv_work_t work;
+  zd__control_t *c;
+  zd__gsrv_call_t *call;
+  int cancelled;                /* the caller left: not answered */
+  Zerod__V1__NodesReply *reply; /* the registry, from the pool thread */
+  int rc;
+  zd__err_t err;
+} nodes_job_t;
+
+static void nodes_read(uv_work_t *w) {
+  nodes_job_t *j = w->data;
+  zd__rdv_t *rdv = NULL;
+  j->rc = zd__rdv_open(j->c->cfg->rendezvous, &rdv, &j->err);
+  if (!j->rc) j->rc = zd__rdv_nodes(rdv, &j->reply, NODES_ETCD_MS, &j->err);
+  zd__rdv_close(rdv);
+}
+
+static void nodes_cancelled(void *arg) {
+  ((nodes_job_t *)arg)->cancelled = 1;
+}
+
+static void nodes_answer(uv_work_t *w, int status) {
+  nodes_job_t *j = w->data;
+  Zerod__V1__NodesReply *r = j->reply;
+  if (j->cancelled) {
+    ZD_LOG_WARN("control: the caller of Nodes left before its answer");
+  } else if (status || j->rc) {
+    zd__gsrv_reply_error(j->call, zd__grpc_status_of(j->rc ? j->rc : ZD_EINTERNAL),
+                         "the node registry on %s: %s", j->c->cfg->rendezvous,
+                         j->rc ? j->err.msg : "the read was cancelled");
+  } else if (reply_nodes(j->c, j->call, r->nodes, r->n_nodes, &j->err)) {
+    zd__gsrv_reply_error(j->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "%s", j->err.msg);
+  }
+  if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
+  zd__gsrv_call_unref(j->call);
+  free(j);
+}
+
+static int nodes_on_etcd(zd__control_t *c, zd__gsrv_call_t *k, zd__err_t *err) {
+  nodes_job_t *j = calloc(1, sizeof *j);
+  if (!j) return zd__errf(err, -ENOMEM, "out of memory reading the node registry");
+  j->c = c;
+  j->call = k;
+  j->work.data = j;
+  grpc_call_error e = zd__gsrv_defer(k, nodes_cancelled, j);
+  if (e != GRPC_CALL_OK) {
+    free(j);
+    return zd__errf(err, ZD_EINTERNAL, "Nodes: cannot watch the call (grpc_call_error %d)", (int)e);
+  }
+  zd__gsrv_call_ref(k);
+  int uv = uv_queue_work(c->env.loop, &j->work, nodes_read, nodes_answer);
+  if (uv) { /* deferred already: answered here */
+    zd__gsrv_reply_error(k, GRPC_STATUS_INTERNAL, "Nodes: cannot queue the registry's read: %s",
+                         uv_strerror(uv));
+    zd__gsrv_call_unref(k);
+    free(j);
+  }
+  return ZD_OK;
+}
+
+/* The registry: every "node/<first_rank>" entry of the rendezvous store (rank 0's node serves
+ * it), or of etcd (every node serves it), plus this node. Entries that do not decode are skipped
+ * with a warning, not fatal to the listing. */
 static int handle_nodes(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
   (void)req;
   zd__control_t *c = ctx;
+  if (zd__etcd_is_url(c->cfg->rendezvous)) return nodes_on_etcd(c, k, err);
   int rc = rank0_only(c, k, err);
   if (rc) return rc;
   size_t first, count = zd__kvstore_prefix(c->store, ZD__RDV_NODE_PREFIX, &first);
-  Zerod__V1__NodeInfo **nodes = calloc(count + 1, sizeof *nodes);
+  Zerod__V1__NodeInfo **nodes = calloc(count ? count : 1, sizeof *nodes);
   size_t n = 0;
-  int self_listed = 0;
   if (!nodes) {
     rc = zd__errf(err, -ENOMEM, "out of memory listing %zu nodes", count);
     goto exit;
@@ -442,23 +536,11 @@ static int handle_nodes(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
                   len);
       continue;
     }
-    self_listed |= info->first_rank == c->cfg->first_rank;
     nodes[n++] = info;
   }
-  Zerod__V1__NodeInfo self = ZEROD__V1__NODE_INFO__INIT;
-  self.first_rank = c->cfg->first_rank;
-  self.local_ranks = c->cfg->local_ranks;
-  self.control_address = (char *)zd__control_address(c);
-  if (!self_listed) nodes[n++] = &self;
-  qsort(nodes, n, sizeof *nodes, cmp_node);
-  Zerod__V1__NodesReply rep = ZEROD__V1__NODES_REPLY__INIT;
-  rep.world_size = c->cfg->world_size;
-  rep.n_nodes = n;
-  rep.nodes = nodes;
-  zd__gsrv_reply(k, &rep.base);
+  rc = reply_nodes(c, k, nodes, n, err);
 exit:
-  for (size_t i = 0; nodes && i < n; i++)
-    if (nodes[i] != &self) zerod__v1__node_info__free_unpacked(nodes[i], NULL);
+  for (size_t i = 0; nodes && i < n; i++) zerod__v1__node_info__free_unpacked(nodes[i], NULL);
   free(nodes);
   return rc;
 }
@@ -617,7 +699,7 @@ static int handle_health(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
 /* ---- the service ----------------------------------------------------------------------------- */
 
 /* The methods served: path, request type, handler, largest request. Nodes and Kv* answer only on
- * the node that hosts global rank 0 (rank0_only). */
+ * the node that hosts global rank 0 (rank0_only), Nodes on every node with an etcd rendezvous. */
 static const zd__gsrv_method_t methods[] = {
     {"/zerod.v1.Control/Status", &zerod__v1__node_status_request__descriptor, handle_status, 1024},
     {"/zerod.v1.Control/Nodes", &zerod__v1__nodes_request__descriptor, handle_nodes, 1024},

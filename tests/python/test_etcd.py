@@ -231,6 +231,16 @@ def train(etcd: Etcd, tmp: str, ref_digest: dict, ref: dict, job: str, restart: 
                   f"the checkpoint of step {due} did not complete after etcd came back "
                   f"(complete: {ft.complete_checkpoints(ckpt)})")
             time.sleep(0.05)
+        # zeroctl status --world through node 1 (not rank 0's): the registry is read from etcd
+        zeroctl = os.environ.get("ZEROCTL_BIN",
+                                 os.path.join(common.ROOT, "build", "client", "zeroctl"))
+        out = subprocess.run([zeroctl, "--address", world.daemons[1].control_address, "status",
+                              "--world", "--json"], capture_output=True, text=True, timeout=30)
+        check(out.returncode == 0, f"zeroctl status --world at node 1: {out.stderr.strip()}")
+        listed = json.loads(out.stdout)
+        check(sorted(n.get("first_rank", -1) for n in listed["nodes"]) == [0, 1] and
+              all(n["ok"] for n in listed["nodes"]) and len(listed["ranks"]) == 2,
+              f"zeroctl status --world at node 1 lists {listed['nodes']}; expected both nodes")
         keys = etcd.keys("/")
         mine = [k for k in keys if k.startswith(f"/zerod/{job}/")]
         check(all(k.startswith("/zerod/") for k in keys),
