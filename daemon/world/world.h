@@ -41,6 +41,7 @@ typedef struct zd__world {
                            life in the store */
   int collective_timeout_ms;
   int connect_timeout_ms;
+  int peer_timeout_ms; /* the heartbeat's: also bounds each TCP connection of a Gloo connect */
 } zd__world_t;
 
 /* A rank's membership of its world: its rendezvous connection, for barriers. */
