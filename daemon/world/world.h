@@ -55,7 +55,9 @@ typedef struct zd__world_member zd__world_member_t;
  * ZD_EPEER, ZD_EBACKEND (a CUDA device in a build without CUDA). stale: NULL at start; when
  * re-forming a world whose communicator broke, the instance that broke (zd__world_member_id of the
  * old membership): rank 0 names a new instance, and the other ranks wait until the store names one
- * other than `stale` instead of joining the dead one. */
+ * other than `stale` instead of joining the dead one. An instance being formed is given up
+ * (ZD_EPEER) when the store names another or a rank whose zerod restarted after joining it marks
+ * it; a peer that died after publishing its Gloo address fails it after peer_timeout_ms. */
 int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
                       atomic_int *stop, const char *stale, zd__comm_t **out,
                       zd__world_member_t **member, zd__err_t *err);
