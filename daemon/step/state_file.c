@@ -236,13 +236,16 @@ static int map_aligned(int fd, size_t bytes, void **out) {
   return 0;
 }
 
-/* Whether a header slot of the file (fd) is of another format version: the message into why. Read
- * before anything else of the file is judged (another version may have another size). */
+/* Whether a header slot of the file (fd) is of another format version (a whole slot, checksum
+ * right: every version so far ends its 128-byte slot with the XXH3-64 of the bytes before it):
+ * the message into why. Read before anything else of the file is judged (another version may
+ * have another size). */
 static int other_version(int fd, char *why, size_t len) {
   for (unsigned i = 0; i < 2; i++) {
     zd__state_slot_t s;
     if (pread(fd, &s, sizeof s, (off_t)(i * SLOT_STRIDE)) != (ssize_t)sizeof s ||
-        memcmp(s.magic, MAGIC, sizeof s.magic) != 0 || s.version == ZD__STATE_FILE_VERSION)
+        memcmp(s.magic, MAGIC, sizeof s.magic) != 0 || s.version == ZD__STATE_FILE_VERSION ||
+        s.slot_bytes != sizeof s || s.checksum != slot_sum(&s)) /* damaged: judged later */
       continue;
     snprintf(why, len,
              "is of state file format version %u; this zerod reads version %u only (an upgrade "
