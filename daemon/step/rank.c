@@ -166,10 +166,18 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
 static int degraded(zd__rank_t *r, zd__err_t *err) {
   pthread_mutex_lock(&r->stats_lock);
   int bad = r->stats.health == ZD__HEALTH_DEGRADED;
-  if (bad)
+  /* Shutting down with a state_dir (a join or heal that the stop cancelled degrades the rank):
+   * the next zerod serves the state, so the trainer registers again there, not gives up. */
+  int stopping = bad && r->env.state_dir && atomic_load(&r->cancel);
+  if (stopping)
+    zd__errf(err, ZD_ECLOSED,
+             "rank %u: zerod is stopping (a planned stop); its state_dir keeps the committed "
+             "state for the next zerod: register again there (zd_rejoin)",
+             r->env.rank);
+  else if (bad)
     zd__errf(err, ZD_EDEGRADED, "rank %u is degraded: %s", r->env.rank, r->stats.degraded_reason);
   pthread_mutex_unlock(&r->stats_lock);
-  return bad ? ZD_EDEGRADED : ZD_OK;
+  return stopping ? ZD_ECLOSED : bad ? ZD_EDEGRADED : ZD_OK;
 }
 
 /* Shutdown aborts a stand-in at once (zd__rank_cancel): nobody waits for its answer, and its
