@@ -44,6 +44,10 @@ typedef struct zd__gloo_opts {
   const char *host;       /* address to listen on and advertise */
   int timeout_ms;         /* per collective */
   int connect_timeout_ms; /* for the full-mesh connection at start */
+  /* Each TCP connection of it, once the peer has published its address (0: connect_timeout_ms):
+   * a live peer connects in milliseconds, while one that died after publishing would hold the
+   * connect for the whole connect_timeout_ms. */
+  int pair_timeout_ms;
 } zd__gloo_opts_t;
 
 /* Creates this rank's context: listens on opts->host (port chosen by the system), publishes its

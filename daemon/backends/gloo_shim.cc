@@ -143,8 +143,10 @@ class KvStore : public gloo::rendezvous::Store {
     std::vector<const char *> ptrs;
     for (const auto &key : keys) full.push_back(join(key));
     for (const auto &k : full) ptrs.push_back(k.c_str());
+    /* Gloo passes its context's timeout, which bounds the TCP connections (pair_timeout_ms):
+     * a peer's address is waited for until the store's deadline. */
+    (void)timeout;
     int ms = remaining_ms();
-    if (timeout.count() >= 0 && timeout.count() < ms) ms = (int)timeout.count();
     zd__err_t err = {};
     int rc = kv_->wait(kv_->ctx, ptrs.data(), ptrs.size(), ms, &err);
     if (rc) throw failure(rc, full.empty() ? std::string() : full[0], err);
@@ -528,11 +530,15 @@ extern "C" int zd__gloo_connect(const zd__gloo_opts_t *opts, zd__gloo_t **out, z
     attr.hostname = opts->host;
     g->dev = gloo::transport::tcp::CreateDevice(attr);
 
-    /* During the connect, the context timeout bounds each TCP connection; the store waits share
-     * one deadline. Afterwards every collective passes its own timeout to each wait. */
+    /* During the connect, the context timeout bounds each TCP connection (pair_timeout_ms); the
+     * store waits share one deadline. Afterwards every collective passes its own timeout to each
+     * wait. */
     stage = "connecting to the other ranks";
     g->ctx = std::make_shared<gloo::rendezvous::Context>(g->rank, g->size);
-    g->ctx->setTimeout(milliseconds(opts->connect_timeout_ms));
+    int pair_ms = opts->pair_timeout_ms > 0 && opts->pair_timeout_ms < opts->connect_timeout_ms
+                      ? opts->pair_timeout_ms
+                      : opts->connect_timeout_ms;
+    g->ctx->setTimeout(milliseconds(pair_ms));
     KvStore store(opts->kv, opts->prefix, Clock::now() + milliseconds(opts->connect_timeout_ms),
                   opts->connect_timeout_ms);
     g->ctx->connectFullMesh(store, g->dev);

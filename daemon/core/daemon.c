@@ -365,7 +365,8 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
                            .local_ranks = cfg->local_ranks,
                            .ranks_per_gpu = cfg->ranks_per_gpu,
                            .collective_timeout_ms = (int)cfg->collective_timeout_ms,
-                           .connect_timeout_ms = (int)cfg->connect_timeout_ms};
+                           .connect_timeout_ms = (int)cfg->connect_timeout_ms,
+                           .peer_timeout_ms = (int)cfg->peer_timeout_ms};
   snprintf(d->world.rendezvous_address, sizeof d->world.rendezvous_address, "%s", rendezvous);
   snprintf(d->world.control_address, sizeof d->world.control_address, "%s",
            zd__control_address(d->control));

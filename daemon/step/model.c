@@ -272,7 +272,8 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
                                 .world_size = ctx->world_size,
                                 .rank = ctx->rank,
                                 .shard_elems = sh->elems,
-                                .states = m->states};
+                                .states = m->states,
+                                .nparams = l->nparams};
     rc = zd__state_file_open(ctx->state_dir, &key, !spec->replace, m->sets, &m->file, &m->restored,
                              m->restored_rec, err);
     if (m->restored) {
@@ -310,6 +311,7 @@ int zd__model_create(const zd__step_ctx_t *ctx, zd__model_spec_t *spec, zd__mode
   m->spec_consts = calloc(sh->ngroups ? sh->ngroups : 1, sizeof *m->spec_consts);
   m->next_groups = calloc(sh->ngroups ? sh->ngroups : 1, sizeof *m->next_groups);
   m->lag = calloc(l->nparams ? l->nparams : 1, sizeof *m->lag);
+  if (m->lag && m->restored) zd__model_set_lags(m, m->restored_rec[0].lags);
   if (!m->lag || !sh->segs || !sh->nsegs || !sh->grad || !sh->grad_dtype || !m->scattered ||
       !m->attempted || !m->ungathered || !m->speculated || !m->spec_sumsq || !m->spec_nonfinite ||
       !m->spec_consts || !m->next_groups) {
@@ -374,7 +376,8 @@ void zd__model_commit(zd__model_t *m, int switch_set) {
                            .scaler_enabled = m->scaler.enabled,
                            .scale = m->scaler.scale,
                            .growth_tracker = m->scaler.growth_tracker,
-                           .hysteresis_tracker = m->scaler.hysteresis_tracker};
+                           .hysteresis_tracker = m->scaler.hysteresis_tracker,
+                           .lags = m->nlagging ? m->lag : NULL};
     zd__state_file_commit(m->file, &rec);
   }
 }
@@ -390,6 +393,7 @@ void zd__model_take_record(zd__model_t *m, int i) {
     m->scaler.growth_tracker = r->growth_tracker;
     m->scaler.hysteresis_tracker = r->hysteresis_tracker;
   }
+  zd__model_set_lags(m, r->lags); /* copied before the commit below writes a slot's lags */
   memcpy(m->shard.state, m->sets[m->committed.set], sizeof m->shard.state);
   zd__model_commit(m, 0); /* the file's newest record is the one served */
   m->restored = 0;

@@ -166,10 +166,18 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
 static int degraded(zd__rank_t *r, zd__err_t *err) {
   pthread_mutex_lock(&r->stats_lock);
   int bad = r->stats.health == ZD__HEALTH_DEGRADED;
-  if (bad)
+  /* Shutting down with a state_dir (a join or heal that the stop cancelled degrades the rank):
+   * the next zerod serves the state, so the trainer registers again there, not gives up. */
+  int stopping = bad && r->env.state_dir && atomic_load(&r->cancel);
+  if (stopping)
+    zd__errf(err, ZD_ECLOSED,
+             "rank %u: zerod is stopping (a planned stop); its state_dir keeps the committed "
+             "state for the next zerod: register again there (zd_rejoin)",
+             r->env.rank);
+  else if (bad)
     zd__errf(err, ZD_EDEGRADED, "rank %u is degraded: %s", r->env.rank, r->stats.degraded_reason);
   pthread_mutex_unlock(&r->stats_lock);
-  return bad ? ZD_EDEGRADED : ZD_OK;
+  return stopping ? ZD_ECLOSED : bad ? ZD_EDEGRADED : ZD_OK;
 }
 
 /* Shutdown aborts a stand-in at once (zd__rank_cancel): nobody waits for its answer, and its
@@ -783,17 +791,29 @@ void zd__rank_abandon_attach(zd__rank_t *r) {
   atomic_store(&r->attach_abandoned, 1);
 }
 
+/* How a shutdown fails the collective in progress (r->lock held): without a state_dir the step is
+ * lost with zerod (-ECANCELED); with one, the committed state stays in the state file for the next
+ * zerod, and ZD_ECLOSED has the trainer register again there (zd_rejoin), as after a crash. */
+static void abort_for_shutdown(zd__rank_t *r) {
+  if (r->env.state_dir)
+    zd__comm_abort(r->ctx.comm, ZD_ECLOSED,
+                   "zerod is stopping (a planned stop); its state_dir keeps the committed state "
+                   "for the next zerod: register again there (zd_rejoin)");
+  else
+    zd__comm_abort(r->ctx.comm, -ECANCELED, "zerod is shutting down");
+}
+
 void zd__rank_cancel(zd__rank_t *r) {
   atomic_store(&r->cancel, 1);
   pthread_mutex_lock(&r->lock);
-  if (r->standing_in) zd__comm_abort(r->ctx.comm, -ECANCELED, "zerod is shutting down");
+  if (r->standing_in) abort_for_shutdown(r);
   pthread_mutex_unlock(&r->lock);
 }
 
 void zd__rank_abort(zd__rank_t *r) {
   zd__rank_cancel(r);
   pthread_mutex_lock(&r->lock);
-  zd__comm_abort(r->ctx.comm, -ECANCELED, "zerod is shutting down");
+  abort_for_shutdown(r);
   pthread_mutex_unlock(&r->lock);
 }
 

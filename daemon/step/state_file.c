@@ -47,7 +47,9 @@ typedef struct zd__state_slot {
   uint32_t pad;
   double scale;
   uint64_t file_bytes;
-  uint8_t reserved[16];
+  uint32_t nparams;
+  uint32_t nlagging; /* parameters whose lag is not 0: the lags array is read only then */
+  uint64_t lags_sum; /* the XXH3-64 of the slot's lags array (nlagging > 0) */
   uint64_t checksum;
 } zd__state_slot_t;
 _Static_assert(sizeof(zd__state_slot_t) == 128, "the header slot is 128 bytes");
@@ -102,10 +104,21 @@ static uint64_t slot_sum(const zd__state_slot_t *s) {
   return XXH3_64bits(s, offsetof(zd__state_slot_t, checksum));
 }
 
+/* The bytes of one slot's lags array, with what rounds it to the next 4 KiB. */
+static size_t lags_stride(uint32_t nparams) {
+  return ((size_t)nparams * sizeof(uint64_t) + 4095) / 4096 * 4096;
+}
+
+/* Where the arrays' region begins: after the header slots and their lags. */
+static size_t head_bytes(uint32_t nparams) {
+  return 2 * SLOT_STRIDE + 2 * lags_stride(nparams);
+}
+
 /* Where array j (of all arrays of both sets, in order) starts: a 2 MiB boundary plus its
  * colour. */
-static size_t layout_offsets(uint64_t elems, zd__states_t states, size_t offs[2][ZD__NSTATES]) {
-  size_t end = 2 * SLOT_STRIDE, bytes = (size_t)elems * sizeof(float);
+static size_t layout_offsets(uint64_t elems, zd__states_t states, uint32_t nparams,
+                             size_t offs[2][ZD__NSTATES]) {
+  size_t end = head_bytes(nparams), bytes = (size_t)elems * sizeof(float);
   unsigned j = 0;
   for (int k = 0; k < 2; k++)
     for (int s = 0; s < ZD__NSTATES; s++) {
@@ -119,14 +132,14 @@ static size_t layout_offsets(uint64_t elems, zd__states_t states, size_t offs[2]
   return (end + 4095) / 4096 * 4096;
 }
 
-/* Gives a new file its size and reserves what its pages hold: the two header slots and every
- * array. The alignment gaps between arrays stay holes, which cost no memory (a small model's
- * arrays are far smaller than their 2 MiB boundaries), and a full tmpfs says ENOSPC here, not
- * SIGBUS in a step. Returns 0 or an errno. */
-static int reserve(int fd, size_t bytes, uint64_t elems, zd__states_t states,
+/* Gives a new file its size and reserves what its pages hold: the two header slots, their lags
+ * and every array. The alignment gaps between arrays stay holes, which cost no memory (a small
+ * model's arrays are far smaller than their 2 MiB boundaries), and a full tmpfs says ENOSPC here,
+ * not SIGBUS in a step. Returns 0 or an errno. */
+static int reserve(int fd, size_t bytes, uint64_t elems, zd__states_t states, uint32_t nparams,
                    const size_t offs[2][ZD__NSTATES]) {
   if (ftruncate(fd, (off_t)bytes) != 0) return errno;
-  int e = posix_fallocate(fd, 0, 2 * SLOT_STRIDE);
+  int e = posix_fallocate(fd, 0, (off_t)head_bytes(nparams));
   size_t len = (size_t)elems * sizeof(float);
   for (int k = 0; k < 2 && !e; k++)
     for (int s = 0; s < ZD__NSTATES && !e; s++)
@@ -139,11 +152,24 @@ static zd__state_slot_t *slot_at(const zd__state_file_t *f, unsigned i) {
   return (zd__state_slot_t *)((char *)f->map + i * SLOT_STRIDE);
 }
 
-/* Why slot s cannot be used for key (a static string), or NULL when it can. */
-static const char *slot_problem(const zd__state_slot_t *s) {
+/* Slot i's lags array. */
+static uint64_t *lags_at(const zd__state_file_t *f, unsigned i) {
+  return (uint64_t *)((char *)f->map + 2 * SLOT_STRIDE + i * lags_stride(f->key.nparams));
+}
+
+static uint64_t lags_sum(const uint64_t *lags, uint32_t n) {
+  return XXH3_64bits(lags, (size_t)n * sizeof *lags);
+}
+
+/* Why slot s (at index i of f) cannot be used (a static string), or NULL when it can. */
+static const char *slot_problem(const zd__state_file_t *f, const zd__state_slot_t *s) {
   if (memcmp(s->magic, MAGIC, sizeof s->magic) != 0) return "no header (wrong magic)";
   if (s->version != ZD__STATE_FILE_VERSION) return "another format version";
   if (s->slot_bytes != sizeof *s || s->checksum != slot_sum(s)) return "header checksum wrong";
+  /* Another model's slot is judged by its key (zd__state_file_open), not by lags it cannot have. */
+  if (s->nlagging && s->nparams == f->key.nparams &&
+      s->lags_sum != lags_sum(lags_at(f, (unsigned)(s == slot_at(f, 1))), s->nparams))
+    return "lags checksum wrong";
   return NULL;
 }
 
@@ -157,17 +183,20 @@ static int all_zero(const void *p, size_t n) {
 /* The records best (the newest valid slot) and, when the other slot is valid and one sequence
  * number older, the commit before it: how many (1 or 2) into rec. */
 static int records(const zd__state_file_t *f, const zd__state_slot_t *best, zd__state_rec_t *rec) {
-  const zd__state_slot_t *prev = slot_at(f, (unsigned)((best->seq - 1) & 1));
-  int n = 1 + (!slot_problem(prev) && prev->seq + 1 == best->seq);
+  unsigned at_prev = (unsigned)((best->seq - 1) & 1);
+  const zd__state_slot_t *prev = slot_at(f, at_prev);
+  int n = 1 + (!slot_problem(f, prev) && prev->seq + 1 == best->seq);
   for (int i = 0; i < n; i++) {
     const zd__state_slot_t *r = i ? prev : best;
+    unsigned at = i ? at_prev : (unsigned)(best->seq & 1);
     rec[i] = (zd__state_rec_t){.set = r->set,
                                .step = r->step,
                                .steps_skipped = r->steps_skipped,
                                .scaler_enabled = (int)r->scaler_enabled,
                                .scale = r->scale,
                                .growth_tracker = r->growth_tracker,
-                               .hysteresis_tracker = r->hysteresis_tracker};
+                               .hysteresis_tracker = r->hysteresis_tracker,
+                               .lags = r->nlagging ? lags_at(f, at) : NULL};
   }
   return n;
 }
@@ -207,6 +236,26 @@ static int map_aligned(int fd, size_t bytes, void **out) {
   return 0;
 }
 
+/* Whether a header slot of the file (fd) is of another format version (a whole slot, checksum
+ * right: every version so far ends its 128-byte slot with the XXH3-64 of the bytes before it):
+ * the message into why. Read before anything else of the file is judged (another version may
+ * have another size). */
+static int other_version(int fd, char *why, size_t len) {
+  for (unsigned i = 0; i < 2; i++) {
+    zd__state_slot_t s;
+    if (pread(fd, &s, sizeof s, (off_t)(i * SLOT_STRIDE)) != (ssize_t)sizeof s ||
+        memcmp(s.magic, MAGIC, sizeof s.magic) != 0 || s.version == ZD__STATE_FILE_VERSION ||
+        s.slot_bytes != sizeof s || s.checksum != slot_sum(&s)) /* damaged: judged later */
+      continue;
+    snprintf(why, len,
+             "is of state file format version %u; this zerod reads version %u only (an upgrade "
+             "across a format change: drain to a checkpoint first, README)",
+             s.version, ZD__STATE_FILE_VERSION);
+    return 1;
+  }
+  return 0;
+}
+
 /* Opens an existing file and decides whether it can be used: 1 (yes, *fd open), 0 (none, or set
  * aside), or a negative errno. */
 static int open_existing(const char *path, size_t bytes, int *fd) {
@@ -218,7 +267,7 @@ static int open_existing(const char *path, size_t bytes, int *fd) {
   }
   struct stat st;
   const char *why = NULL;
-  char buf[160];
+  char buf[200];
   if (flock(d, LOCK_EX | LOCK_NB) != 0) { /* in use: never judged, never set aside */
     int e = errno == EWOULDBLOCK ? -EBUSY : -errno;
     close(d);
@@ -231,6 +280,8 @@ static int open_existing(const char *path, size_t bytes, int *fd) {
   }
   if (!S_ISREG(st.st_mode))
     why = "not a regular file";
+  else if (other_version(d, buf, sizeof buf))
+    why = buf;
   else if (st.st_uid != geteuid())
     why = "owned by another user";
   else if (st.st_mode & 077)
@@ -263,7 +314,7 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
   snprintf(f->path, sizeof f->path, "%s/rank%u-of-%u-%016" PRIx64 ".zdstate", dir, key->rank,
            key->world_size, key->layout_hash);
   size_t offs[2][ZD__NSTATES];
-  size_t bytes = layout_offsets(key->shard_elems, key->states, offs);
+  size_t bytes = layout_offsets(key->shard_elems, key->states, key->nparams, offs);
   f->bytes = bytes;
   int rc = open_existing(f->path, bytes, &f->fd);
   if (rc < 0 && rc != -EBUSY) {
@@ -279,7 +330,7 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
       goto fail;
     }
     if (flock(f->fd, LOCK_EX | LOCK_NB) != 0) rc = errno == EWOULDBLOCK ? -EBUSY : -errno;
-    int e = rc ? 0 : reserve(f->fd, bytes, key->shard_elems, key->states, offs);
+    int e = rc ? 0 : reserve(f->fd, bytes, key->shard_elems, key->states, key->nparams, offs);
     if (e) {
       rc = zd__errf(err, -e, "state file %s: cannot reserve %zu bytes: %s", f->path, bytes,
                     strerror(e));
@@ -312,7 +363,7 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
     const zd__state_slot_t *s = slot_at(f, i);
     if (all_zero(s, sizeof *s)) continue;
     written = 1;
-    const char *p = slot_problem(s);
+    const char *p = slot_problem(f, s);
     if (p) {
       if (!problem) problem = p;
       continue;
@@ -322,7 +373,7 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
   char why[256] = "";
   if (best && (best->layout_hash != key->layout_hash || best->world_size != key->world_size ||
                best->rank != key->rank || best->shard_elems != key->shard_elems ||
-               best->states != key->states || best->set > 1))
+               best->states != key->states || best->nparams != key->nparams || best->set > 1))
     snprintf(why, sizeof why,
              "holds the state of another model (layout hash %016" PRIx64 ", rank %u of %u, %" PRIu64
              " shard elements, arrays 0x%x)",
@@ -395,12 +446,22 @@ void zd__state_file_commit(zd__state_file_t *f, const zd__state_rec_t *rec) {
                         .growth_tracker = rec->growth_tracker,
                         .hysteresis_tracker = rec->hysteresis_tracker,
                         .scale = rec->scale,
-                        .file_bytes = f->bytes};
+                        .file_bytes = f->bytes,
+                        .nparams = f->key.nparams};
   memcpy(s.magic, MAGIC, sizeof s.magic);
+  unsigned at = (unsigned)(s.seq & 1);
+  /* The lags first, into this slot's array, which only the record being replaced read (a kill
+   * before the slot's write fails that record's lags checksum: state_file.h). */
+  for (uint32_t i = 0; rec->lags && i < f->key.nparams; i++) s.nlagging += rec->lags[i] != 0;
+  if (s.nlagging) {
+    uint64_t *lags = lags_at(f, at);
+    if (lags != rec->lags) memcpy(lags, rec->lags, (size_t)f->key.nparams * sizeof *lags);
+    s.lags_sum = lags_sum(lags, f->key.nparams);
+  }
   s.checksum = slot_sum(&s);
   /* The update's stores (this thread's, and the pool threads' it joined) come first. */
   atomic_thread_fence(memory_order_seq_cst);
-  memcpy(slot_at(f, (unsigned)(s.seq & 1)), &s, sizeof s);
+  memcpy(slot_at(f, at), &s, sizeof s);
   atomic_thread_fence(memory_order_seq_cst);
   f->seq = s.seq;
   atomic_store(&f->committed_step, rec->step);
@@ -410,7 +471,7 @@ void zd__state_file_commit(zd__state_file_t *f, const zd__state_rec_t *rec) {
 int zd__state_file_records(const zd__state_file_t *f, zd__state_rec_t rec[2]) {
   if (!f->seq || !atomic_load(&f->has_commit)) return 0;
   const zd__state_slot_t *best = slot_at(f, (unsigned)(f->seq & 1));
-  if (slot_problem(best) || best->seq != f->seq) return 0; /* not ours: never served */
+  if (slot_problem(f, best) || best->seq != f->seq) return 0; /* not ours: never served */
   return records(f, best, rec);
 }
 

@@ -7,14 +7,18 @@
  *
  *   offset 0     header slot 0 (zd__state_slot_t, 128 bytes)
  *   offset 2048  header slot 1
+ *   offset 4096  slot 0's lags, then slot 1's: per parameter of the model (layout order) a
+ *                uint64 count of the steps applied that skipped it (model.h, lag), each array
+ *                at a 4 KiB boundary; read only where its slot says some parameter lags
  *   then         the arrays the model has (common/state.h's table, in table order), set 0's then
  *                set 1's, each shard_elems floats, each starting at a 2 MiB boundary plus its
  *                colour (common/placement.h), so that a step's streams never alias
  *
  * A slot holds magic, version, sequence number, what the file is of (layout hash, world size,
- * rank, shard elements, the arrays) and the committed record, and ends with the XXH3-64 of the
- * bytes before it. The valid slot (magic, version and checksum right) with the higher sequence
- * number is the committed one.
+ * rank, shard elements, the arrays, the parameters) and the committed record (with how many
+ * parameters lag and the XXH3-64 of its lags array when some do), and ends with the XXH3-64 of
+ * the bytes before it. The valid slot (magic, version and both checksums right) with the higher
+ * sequence number is the committed one.
  *
  * Crash consistency (a killed process, not a lost machine): an update reads the committed set and
  * writes the other; only after every store of the update is done is the commit's single header
@@ -22,7 +26,10 @@
  * higher. A kill before that write leaves the newest record naming the untouched set; a kill
  * during it leaves a slot whose checksum fails, and the other slot, the previous commit, names
  * the set the interrupted commit was to replace, which nothing wrote since (the next update
- * writes it only after this commit). The file is a tmpfs page cache: stores that ran are in it
+ * writes it only after this commit). A commit writes its slot's lags before the slot, so a kill
+ * between the two leaves the old record of that slot with lags that fail its checksum: that slot
+ * is not valid, and it is the commit before the previous one, which no rank needs (ranks are at
+ * most one commit apart). The file is a tmpfs page cache: stores that ran are in it
  * whatever happens to the process, so no msync is needed; a reboot loses it all.
  *
  * Used by the rank's worker only (model.c); the status writer reads a few atomics.
@@ -36,7 +43,8 @@
 #include "state.h"
 #include "status.h"
 
-#define ZD__STATE_FILE_VERSION 1u
+/* 2: the lags of parameters skipped by a step (1 had none; a file of version 1 is set aside) */
+#define ZD__STATE_FILE_VERSION 2u
 
 /* The committed record. */
 typedef struct zd__state_rec {
@@ -47,6 +55,9 @@ typedef struct zd__state_rec {
   double scale;
   uint32_t growth_tracker;
   uint32_t hysteresis_tracker;
+  /* Per parameter, the steps applied that skipped it (model.h, lag); NULL when none lags. In a
+   * record the file gives, it points into the mapping: valid until the next commit. */
+  const uint64_t *lags;
 } zd__state_rec_t;
 
 /* What a file is of: a file whose valid header says otherwise is another model's. */
@@ -56,6 +67,7 @@ typedef struct zd__state_file_key {
   uint32_t rank;
   uint64_t shard_elems;
   zd__states_t states;
+  uint32_t nparams; /* the model's parameters: the length of the lags */
 } zd__state_file_key_t;
 
 typedef struct zd__state_file zd__state_file_t;
@@ -80,8 +92,8 @@ int zd__state_file_open(const char *dir, const zd__state_file_key_t *key, int ma
                         float *sets[2][ZD__NSTATES], zd__state_file_t **out, int *restored,
                         zd__state_rec_t *rec, zd__err_t *err);
 
-/* The commit: writes rec into the older header slot, after every store before it (the caller's
- * and those of the threads it joined). */
+/* The commit: writes rec (its lags into the slot's array first) into the older header slot,
+ * after every store before it (the caller's and those of the threads it joined). */
 void zd__state_file_commit(zd__state_file_t *f, const zd__state_rec_t *rec);
 
 /* The records the open file holds now, as zd__state_file_open gives them: rec[0] its newest

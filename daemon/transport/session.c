@@ -255,8 +255,14 @@ static void dispatch(zd__session_t *s, const zd__frame_header_t *h, const uint8_
             max_body);
     return;
   }
-  if (s->ss->shutting_down) {
-    refusef(s, h, ZD_ESHUTDOWN, "zerod is shutting down; %s refused", name);
+  if (s->ss->shutting_down) { /* with a state_dir the state stays for the next zerod */
+    if (s->cfg->state_dir[0])
+      refusef(s, h, ZD_ECLOSED,
+              "zerod is stopping (a planned stop); %s refused: its state_dir keeps the "
+              "committed state for the next zerod: register again there (zd_rejoin)",
+              name);
+    else
+      refusef(s, h, ZD_ESHUTDOWN, "zerod is shutting down; %s refused", name);
     return;
   }
   if (cmd->needs >= CMD_NEEDS_HELLO && s->state == SESSION_NEW) {

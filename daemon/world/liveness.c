@@ -10,6 +10,7 @@
 
 #include "clock.h"
 #include "control.pb-c.h"
+#include "etcd.h"
 #include "grpc_unary.h"
 #include "health.pb-c.h"
 #include "log.h"
@@ -23,6 +24,9 @@ typedef struct node {
   uint64_t last_ok_ms;  /* last answer (or when the node was first seen) */
   int reported;         /* dead() was called for this silence */
   uint64_t incarnation; /* the zerod process registered for these ranks (0: unknown) */
+  int answered;         /* it answered once */
+  int seeded;           /* known from the rendezvous address, not (yet) from the registry: its
+                           silence counts only after it answered (a node that is not up yet) */
 } node_t;
 
 struct zd__liveness {
@@ -74,6 +78,18 @@ static int readdress(node_t *nd, const char *address) {
   return 0;
 }
 
+/* The registry's first word on a node: the process it runs now, which the ranks ignore unless
+ * their world formed with another one (a restart before this thread first looked). */
+static void first_sight(zd__liveness_t *l, const node_t *nd) {
+  if (!nd->incarnation) return;
+  char reason[ZD__ERR_MSG_MAX];
+  snprintf(reason, sizeof reason,
+           "node of ranks %u..%u runs another zerod process than the one this world formed "
+           "with (restarted, at %.120s)",
+           nd->first_rank, nd->first_rank + nd->local_ranks - 1, nd->address);
+  l->dead(l->ctx, nd->first_rank, ZD__VERDICT_REPLACED, nd->incarnation, reason);
+}
+
 /* Adds the nodes of the registry not known yet, and follows a node that registered again at
  * another address (a zerod restarted elsewhere rejoins the world under the same ranks). */
 static void refresh_nodes(zd__liveness_t *l, zd__rdv_t *rdv) {
@@ -88,6 +104,9 @@ static void refresh_nodes(zd__liveness_t *l, zd__rdv_t *rdv) {
     if (n->first_rank == l->cfg.first_rank) continue;
     node_t *known = find_node(l, n->first_rank);
     if (known) {
+      int seeded = known->seeded; /* the registry's first word on it */
+      known->local_ranks = n->local_ranks;
+      known->seeded = 0;
       uint64_t inc = n->has_incarnation ? n->incarnation : 0;
       int restarted = inc && known->incarnation && inc != known->incarnation;
       /* a new address, or a new process at the old one: a fresh channel (no reconnect backoff
@@ -105,6 +124,7 @@ static void refresh_nodes(zd__liveness_t *l, zd__rdv_t *rdv) {
         ZD_LOG_WARN("heartbeat: %s", reason);
         l->dead(l->ctx, known->first_rank, ZD__VERDICT_REPLACED, inc, reason);
       }
+      if (seeded) first_sight(l, known);
       continue;
     }
     node_t *grown = realloc(l->nodes, (l->nnodes + 1) * sizeof *grown);
@@ -123,15 +143,7 @@ static void refresh_nodes(zd__liveness_t *l, zd__rdv_t *rdv) {
     l->nnodes++;
     ZD_LOG_DEBUG("heartbeat: watching node %s (ranks %u..%u)", nd->address, nd->first_rank,
                  nd->first_rank + nd->local_ranks - 1);
-    if (nd->incarnation) { /* the ranks ignore it unless their world formed with another process
-                              (a restart before this thread first looked) */
-      char reason[ZD__ERR_MSG_MAX];
-      snprintf(reason, sizeof reason,
-               "node of ranks %u..%u runs another zerod process than the one this world formed "
-               "with (restarted, at %.120s)",
-               nd->first_rank, nd->first_rank + nd->local_ranks - 1, nd->address);
-      l->dead(l->ctx, nd->first_rank, ZD__VERDICT_REPLACED, nd->incarnation, reason);
-    }
+    first_sight(l, nd);
   }
   protobuf_c_message_free_unpacked(&rep->base, NULL);
 }
@@ -150,8 +162,10 @@ static void check_node(zd__liveness_t *l, node_t *n) {
     if (n->reported) ZD_LOG_WARN("heartbeat: node %s answers again", n->address);
     n->last_ok_ms = now;
     n->reported = 0;
+    n->answered = 1;
     return;
   }
+  if (n->seeded && !n->answered) n->last_ok_ms = now; /* not up yet: not a silence */
   if (n->reported || now - n->last_ok_ms < l->cfg.peer_timeout_ms) return;
   n->reported = 1;
   char reason[ZD__ERR_MSG_MAX];
@@ -181,6 +195,30 @@ static int pause_ms(zd__liveness_t *l, uint32_t ms) {
   return go_on;
 }
 
+/* The built-in store lives on the node of rank 0 and its address is that node's control service:
+ * that node is watched from the start, before the registry (which it serves) was read, so that its
+ * death is seen even when it comes before this thread's first look at the registry (a zerod that
+ * joined the world moments ago); the registry then gives its ranks and process. With etcd no node
+ * is special: every node comes from the registry. */
+static void seed_store_node(zd__liveness_t *l) {
+  if (l->cfg.first_rank == 0 || zd__etcd_is_url(l->rendezvous)) return;
+  zd__err_t err = {0};
+  node_t nd = {.first_rank = 0,
+               .local_ranks = 1,
+               .address = strdup(l->rendezvous),
+               .last_ok_ms = zd__now_ms(),
+               .seeded = 1};
+  if (!nd.address || !(l->nodes = malloc(sizeof *l->nodes)) ||
+      zd__grpc_channel_open(nd.address, &nd.channel, &err) != ZD_OK) {
+    free(nd.address);
+    free(l->nodes);
+    l->nodes = NULL;
+    return; /* the registry gives it */
+  }
+  l->nodes[0] = nd;
+  l->nnodes = 1;
+}
+
 static void *liveness_main(void *arg) {
   zd__liveness_t *l = arg;
   zd__log_set_rank(-1);
@@ -191,7 +229,8 @@ static void *liveness_main(void *arg) {
                  err.msg);
     return NULL;
   }
-  while (pause_ms(l, l->cfg.heartbeat_ms)) {
+  seed_store_node(l);
+  for (int first = 1; first || pause_ms(l, l->cfg.heartbeat_ms); first = 0) {
     refresh_nodes(l, rdv);
     for (size_t i = 0; i < l->nnodes; i++) {
       pthread_mutex_lock(&l->mu);

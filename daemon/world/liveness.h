@@ -3,7 +3,10 @@
  * collective_timeout_ms (30 minutes by default, since a live peer may legitimately be slow).
  *
  * A thread of its own asks rank 0's node for the node registry (Nodes) and checks every other
- * node's gRPC health service (grpc.health.v1.Health/Check) every heartbeat_ms. A node that has
+ * node's gRPC health service (grpc.health.v1.Health/Check) every heartbeat_ms, from its start.
+ * With the built-in store, rank 0's node (whose control service is the rendezvous address) is
+ * watched before the registry was read: it serves the registry, so a zerod that started moments
+ * before it died could not learn it there. A node that has
  * not answered for peer_timeout_ms is declared dead once: dead(ctx, reason) is called on this
  * thread, and the daemon fails its ranks' collectives with that reason (zd__rank_peer_dead).
  *

@@ -15,6 +15,8 @@
 
 #define WORLD_KEY "zerod/world"
 #define SLICE_MS  1000 /* long waits are cut into slices so that a shutdown can cancel them */
+#define FORMING_SLICE_MS \
+  250 /* while an instance forms: how often a wait looks whether the instance was given up */
 
 typedef struct kv_ctx {
   zd__rdv_t *rdv;
@@ -22,6 +24,9 @@ typedef struct kv_ctx {
   atomic_int *abandon; /* a barrier's: its caller gave up (NULL: none) */
   atomic_int *broken;  /* a member's: its instance broke (NULL: none; why: broken_why) */
   const char *broken_why;
+  /* The instance this rank is joining (NULL: none): its waits give up (ZD_EPEER) once it was given
+   * up (forming_gone), which only the store says while no communicator exists yet. */
+  const char *forming;
   int timeout_ms; /* a get or wait may last at most this (connect_timeout_ms) */
 } kv_ctx_t;
 
@@ -47,17 +52,56 @@ static int kv_set(void *ctx, const char *key, const void *value, size_t len, zd_
   }
 }
 
+/* The key a restarted rank sets in an instance that its earlier process had joined
+ * (claim_membership): under the instance's membership records, so that it goes with them. */
+static void abandoned_key(char *key, size_t len, const char *id) {
+  snprintf(key, len, "member/%s/abandoned", id);
+}
+
+/* Whether the instance being formed (k->forming) was given up, which no heartbeat can say while
+ * it forms (a verdict is about an instance this rank is in, rank.c): the store names another
+ * instance (rank 0 named a new one, or rank 0's zerod restarted with an empty store), or a rank
+ * whose zerod restarted after joining it marked it. Either way the peers it waits for never come.
+ * ZD_EPEER naming why, else ZD_OK (also when the store does not answer: a wait goes on). */
+static int forming_gone(kv_ctx_t *k, zd__err_t *err) {
+  char key[96];
+  void *value = NULL;
+  size_t len = 0;
+  zd__err_t ignored = {0};
+  abandoned_key(key, sizeof key, k->forming);
+  if (zd__rdv_get(k->rdv, key, &value, &len, 1, &ignored) == ZD_OK) {
+    int rc = zd__errf(err, ZD_EPEER,
+                      "world instance %s was given up while it formed: the zerod of rank %.*s "
+                      "restarted after joining it",
+                      k->forming, (int)(len < 16 ? len : 16), (const char *)value);
+    free(value);
+    return rc;
+  }
+  if (zd__rdv_get(k->rdv, WORLD_KEY, &value, &len, 1, &ignored) != ZD_OK) return ZD_OK;
+  int rc = ZD_OK;
+  if (len != strlen(k->forming) || memcmp(value, k->forming, len) != 0)
+    rc = zd__errf(err, ZD_EPEER,
+                  "world instance %s was given up while it formed: the store now names "
+                  "instance %.*s (rank 0 re-formed the world, or its zerod restarted)",
+                  k->forming, (int)(len < 31 ? len : 31), (const char *)value);
+  free(value);
+  return rc;
+}
+
 /* Waits in slices until the keys exist, the overall timeout passes, or a stop is asked for. A
  * store that cannot be reached (rank 0's node restarting) is waited for like a key: the
- * heartbeat's verdict on that node (the member broken), a stop or the timeout ends the wait. */
+ * heartbeat's verdict on that node (the member broken), a stop, the timeout, or (while an
+ * instance forms) the instance given up ends the wait. */
 static int kv_wait(void *ctx, const char *const *keys, size_t nkeys, int timeout_ms,
                    zd__err_t *err) {
   kv_ctx_t *k = ctx;
   if (timeout_ms <= 0 || timeout_ms > k->timeout_ms) timeout_ms = k->timeout_ms;
-  for (int waited = 0;; waited += SLICE_MS) {
+  int step = k->forming ? FORMING_SLICE_MS : SLICE_MS;
+  for (int waited = 0;; waited += step) {
     int rc = cancelled(k, err);
+    if (!rc && k->forming && waited) rc = forming_gone(k, err); /* a slice went by */
     if (rc) return rc;
-    int slice = timeout_ms - waited < SLICE_MS ? timeout_ms - waited : SLICE_MS;
+    int slice = timeout_ms - waited < step ? timeout_ms - waited : step;
     rc = zd__rdv_wait(k->rdv, keys, nkeys, slice, err);
     if ((rc != -ETIMEDOUT && rc != ZD_EPEER) || waited + slice >= timeout_ms) return rc;
   }
@@ -242,11 +286,19 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
         "world %s is the one this rank was part of before zerod restarted; waiting for "
         "the other ranks to re-form the world",
         id);
+    /* The ranks still forming it wait for the earlier process, which is gone: they give it up
+     * (forming_gone) when they see this (first writer wins; best effort, their timeout stays). */
+    char key[96], mine[16];
+    zd__err_t ignored = {0};
+    abandoned_key(key, sizeof key, id);
+    snprintf(mine, sizeof mine, "%u", rank);
+    zd__rdv_set(k.rdv, key, mine, strlen(mine), SLICE_MS, &ignored);
     char old[32];
     snprintf(old, sizeof old, "%s", id);
     rc = world_id(&kv, rank, old, id, sizeof id, err);
   }
   if (rc) goto exit;
+  k.forming = id;
 
 #ifdef ZD_HAVE_CUDA
   if (device >= 0 && w->ranks_per_gpu > 1) {
@@ -272,7 +324,9 @@ int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *str
                           .world_size = w->world_size,
                           .host = w->collective_host,
                           .timeout_ms = w->collective_timeout_ms,
-                          .connect_timeout_ms = w->connect_timeout_ms};
+                          .connect_timeout_ms = w->connect_timeout_ms,
+                          /* a peer that died after publishing its address, not a slow one */
+                          .pair_timeout_ms = w->peer_timeout_ms > 1000 ? w->peer_timeout_ms : 1000};
   rc = zd__comm_gloo_create(&opts, out, err);
   if (rc == ZD_OK) ZD_LOG_INFO("joined world %s as rank %u of %u", id, rank, w->world_size);
 exit:;
@@ -291,6 +345,7 @@ exit:;
     if (m) {
       *m = (zd__world_member_t){
           .kv = k, .incarnations = incarnations, .rank = rank, .world_size = w->world_size};
+      m->kv.forming = NULL; /* formed: the heartbeat's verdicts break it now (broken) */
       snprintf(m->id, sizeof m->id, "%s", id);
       m->kv.broken = &m->broken;
       m->kv.broken_why = m->broken_why;
@@ -301,6 +356,9 @@ exit:;
     *out = NULL;
     rc = zd__errf(err, -ENOMEM, "out of memory");
   }
+  /* Rank 0 named this instance and it did not form: the next attempt names another, so its keys
+   * go now (not at a shutdown, when the store may be going away with this zerod). */
+  if (rank == 0 && k.forming && rc != -ECANCELED) free_instance(&k, id);
   free(incarnations);
   zd__rdv_close(k.rdv);
   return rc;

@@ -41,6 +41,7 @@ typedef struct zd__world {
                            life in the store */
   int collective_timeout_ms;
   int connect_timeout_ms;
+  int peer_timeout_ms; /* the heartbeat's: also bounds each TCP connection of a Gloo connect */
 } zd__world_t;
 
 /* A rank's membership of its world: its rendezvous connection, for barriers. */
@@ -54,7 +55,9 @@ typedef struct zd__world_member zd__world_member_t;
  * ZD_EPEER, ZD_EBACKEND (a CUDA device in a build without CUDA). stale: NULL at start; when
  * re-forming a world whose communicator broke, the instance that broke (zd__world_member_id of the
  * old membership): rank 0 names a new instance, and the other ranks wait until the store names one
- * other than `stale` instead of joining the dead one. */
+ * other than `stale` instead of joining the dead one. An instance being formed is given up
+ * (ZD_EPEER) when the store names another or a rank whose zerod restarted after joining it marks
+ * it; a peer that died after publishing its Gloo address fails it after peer_timeout_ms. */
 int zd__world_connect(const zd__world_t *w, uint32_t rank, int device, void *stream,
                       atomic_int *stop, const char *stale, zd__comm_t **out,
                       zd__world_member_t **member, zd__err_t *err);

@@ -9,8 +9,9 @@ summed) in one thread per rank: zero_grad, backward of sum(p * g), step. Each tr
 every rank has trained two steps since the last recovery, waits a random 0-50 ms (most of a
 loop's time is inside step(): updates, commits, gathers, checkpoints), SIGKILLs a random zerod
 (every other trial aims inside a step: once a rank entered step(), 0-1 ms into it) and, as
-systemd would, restarts it once the survivor is re-forming the world (W=2) or at once (W=1). Every fifth trial kills the restarted zerod again 0-30 ms after it accepts connections
-(the trainers' registrations, the state file's mapping and check), and restarts it again. The
+systemd would, restarts it once the survivor is re-forming the world (W=2) or at once (W=1).
+Every fifth trial kills the restarted zerod again 0-30 ms after it accepts connections (the
+trainers' registrations, the state file's mapping and check), and restarts it again. The
 loops' step() registers the model again and retries the step in flight (zd_rejoin); the
 trial then waits for every rank to train past the step it had in flight.
 
@@ -24,7 +25,11 @@ the wait for the survivor to notice), and the memory of the state_dir (its files
 bytes) next to the model's optimizer state.
 
     state_dir_kill_trials.py [--trials N] [--world 1,2] [--seed S|random] [--bound S]
-                             [--min-mid-step M]
+                             [--min-mid-step M] [--signal KILL|TERM] [--logs DIR]
+
+--signal TERM stops the zerods as `systemctl restart` does (planned restarts: each must exit 0)
+instead of SIGKILLing them. --logs DIR keeps, for each trial that hung or raised, the zerods'
+logs (the live ones and the last ones killed) and the last trials' events with their times.
 
 The trials are split between the world sizes. How many kills land inside a step depends on the
 machine's speed, so a world runs more trials (up to 4x its share) until its share of
@@ -46,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from typing import Dict, List
 
@@ -73,8 +79,13 @@ def health(d) -> str:
 class Run:
     """One world of `w` ranks training in threads until stopped."""
 
-    def __init__(self, w: int, stats: dict, bound: float) -> None:
+    def __init__(self, w: int, stats: dict, bound: float, logs: str = "",
+                 sig: int = signal.SIGKILL) -> None:
         self.w, self.ref, self.stats, self.bound = w, T.Reference(), stats, bound
+        self.sig = sig  # SIGKILL: a crash; SIGTERM: a planned stop (systemctl restart)
+        self.logs = logs  # where a hung trial's zerod logs go ("": nowhere)
+        self.gone: List[str] = []  # the logs of the zerods killed in the last trials
+        self.events: List[str] = []  # what the last trials did, with the wall-clock time
         self.top = tempfile.mkdtemp(prefix="zerod-killtrials-", dir=T.tmpfs_root())
         self.state_dir = os.path.join(self.top, "state")
         args = ["--state_dir", self.state_dir, "--bucket_elems", T.BUCKET, "--log_level", "info"]
@@ -137,6 +148,8 @@ class Run:
                 s += 1
         except BaseException as e:  # noqa: BLE001  (counted)
             self.errors.append(e)
+            self.event(f"rank {r} raised at step {s}: " +
+                       "".join(traceback.format_exception(type(e), e, e.__traceback__)))
 
     def restart(self, v: int) -> None:
         old = self.daemons[v]
@@ -158,8 +171,32 @@ class Run:
         keep = {os.path.dirname(d.socket)}
         if self.w == 2:
             keep.add(os.path.dirname(self.rendezvous[len("unix:"):]))
+        if self.logs:
+            self.gone = (self.gone + [f"---- killed zerod {v} (pid {old.pid}) ----\n{old.log()}"])[-4:]
+        self.event(f"restarted zerod {v}: pid {d.pid}")
         if old.dir not in keep:  # the killed one's log and control socket
             shutil.rmtree(old.dir, True)
+
+    def event(self, what: str) -> None:
+        if self.logs:
+            now = time.time()
+            self.events = (self.events + [time.strftime("%H:%M:%S", time.gmtime(now)) +
+                                          f".{int(now * 1000) % 1000:03d} {what}"])[-40:]
+
+    def keep_logs(self, trial: int) -> str:
+        """Writes the zerods' logs (the live ones and the last ones killed) and the last trials'
+        events to a file under --logs; returns its path."""
+        os.makedirs(self.logs, exist_ok=True)
+        kind = "raised" if self.errors else "hang"
+        path = os.path.join(self.logs, f"{kind}-W{self.w}-trial{trial}-{os.getpid()}.log")
+        with open(path, "w") as f:
+            f.write("---- events (UTC) ----\n" + "\n".join(self.events) + "\n")
+            f.write(f"progress {self.progress}, in_step {self.in_step}\n")
+            for t in self.gone:
+                f.write(t)
+            for i, d in enumerate(self.daemons):
+                f.write(f"---- zerod {i} (pid {d.pid}) ----\n{d.log()}")
+        return path
 
     def trial(self, rnd: random.Random) -> bool:
         """One kill and its recovery; False when the run hung (it is then replaced)."""
@@ -179,7 +216,10 @@ class Run:
         mid = any(self.in_step)
         at_kill = max(self.progress)
         t0 = time.monotonic()
-        common.stop_zerod(self.daemons[v], signal.SIGKILL)
+        self.event(f"trial: {self.sig.name} zerod {v} (pid {self.daemons[v].pid}), mid-step "
+                   f"{mid}, progress {self.progress}")
+        self.daemons[v].keep_dir = True  # a clean exit would remove it: restart() decides
+        common.stop_zerod(self.daemons[v], self.sig)
         self.stats["trials"] += 1
         self.stats["mid_step"] += mid
         if self.w == 2:
@@ -196,7 +236,9 @@ class Run:
         self.restart(v)
         if rnd.random() < 0.2:  # again, at start: registrations, the file's mapping and check
             time.sleep(rnd.uniform(0.0, 0.03))
-            common.stop_zerod(self.daemons[v], signal.SIGKILL)
+            self.event(f"{self.sig.name} at start zerod {v} (pid {self.daemons[v].pid})")
+            self.daemons[v].keep_dir = True
+            common.stop_zerod(self.daemons[v], self.sig)
             self.stats["kills_at_start"] += 1
             if self.w == 2:
                 time.sleep(1.5)  # the survivor notices again
@@ -207,6 +249,7 @@ class Run:
                 return False
             time.sleep(0.001)
         self.stats["recovery_s"].append(time.monotonic() - t0)
+        self.event(f"recovered in {time.monotonic() - t0:.3f} s, progress {self.progress}")
         with self.lock:  # torch's steps that no rank asks for again
             low = min(self.progress) - 1
             for k in [k for k in self.ref.seen if k < low and k != max(self.ref.seen)]:
@@ -248,6 +291,11 @@ def main() -> None:
     ap.add_argument("--seed", default=None)
     ap.add_argument("--bound", type=float, default=60.0)
     ap.add_argument("--min-mid-step", type=int, default=0)
+    ap.add_argument("--signal", default="KILL", choices=["KILL", "TERM"],
+                    help="KILL: crashes (default); TERM: planned stops, as systemctl restart "
+                    "and a Kubernetes rolling restart send")
+    ap.add_argument("--logs", default="",
+                    help="a directory where each hung trial's zerod logs are written")
     opts = ap.parse_args()
     seed = common.test_seed(opts.seed)
     print(f"seed {seed}: {common.repeat_command(seed)}", flush=True)
@@ -267,18 +315,22 @@ def main() -> None:
                        "hangs": 0, "heal_not_started": 0, "kills_at_start": 0,
                        "recovery_s": [], "notes": []}
         t_start = time.monotonic()
-        run = Run(w, stats, opts.bound)
+        sig = signal.Signals["SIG" + opts.signal]
+        run = Run(w, stats, opts.bound, opts.logs, sig)
         done = 0
         while done < n or (stats["mid_step"] < want_mid and done < 4 * n):
             ok = run.trial(rnd)
             done += 1
             if not ok:
                 stats["raised" if run.errors else "hangs"] += 1
+                if run.errors and opts.logs:
+                    run.keep_logs(done)
                 stats["notes"].append(f"W={w} trial {done}: " + (
                     repr(run.errors[0]) if run.errors else
-                    f"no rank trained again within {opts.bound:g} s ({run.progress})"))
+                    f"no rank trained again within {opts.bound:g} s ({run.progress})" +
+                    (f"; logs in {run.keep_logs(done)}" if opts.logs else "")))
                 run.close(False)
-                run = Run(w, stats, opts.bound)  # a new world, from step 0
+                run = Run(w, stats, opts.bound, opts.logs, sig)  # a new world, from step 0
         state_bytes[w] = run.state_bytes()
         run.close(True)
         if run.errors:
@@ -292,7 +344,7 @@ def main() -> None:
               f"{stats['mid_step']} kills inside a step, {stats['kills_at_start']} again at "
               f"start; lost steps {stats['lost']}, wrong {stats['wrong']}, raised "
               f"{stats['raised']}, hangs {stats['hangs']}, heals not started "
-              f"{stats['heal_not_started']}; SIGKILL to every rank training again: median "
+              f"{stats['heal_not_started']}; {sig.name} to every rank training again: median "
               f"{statistics.median(rec) if rec else float('nan'):.3f} s, p95 "
               f"{pct(rec, 0.95):.3f} s, max {max(rec) if rec else float('nan'):.3f} s; "
               f"state_dir {state_bytes[w] / 2**20:.2f} MiB for {model_bytes / 2**20:.2f} MiB of "
