@@ -1,10 +1,14 @@
-/* Buddy copies (buddy_copy_every_steps; CPU backend, world size > 1): every N steps each rank's
- * committed shard state (the arrays the model has, its step, steps skipped and loss scaler) is
- * copied on the worker into a snapshot of zerod's memory, which a sender thread per local rank
- * sends in pieces, throttled, to the control service of its buddy: the next node in rank order
- * whose failure_domain differs (the next node at all when none does, with a warning). The buddy
- * holds the newest complete copy of each ward in memory (not in its state_dir) and answers
- * BuddyGet with it.
+/* Buddy copies (buddy_copy_every_steps, buddy_copy_every_s; CPU backend, world size > 1): every
+ * N steps, and after a step once N seconds have passed since the last copy (a flag in the step's
+ * record, OR-ed across the ranks as checkpoints' is, so that every rank copies the same step),
+ * each rank's committed shard state (the arrays the model has, its step, steps skipped and loss
+ * scaler) is copied on the worker into a snapshot of zerod's memory, which a sender thread per
+ * local rank sends in pieces, throttled, to the control service of its buddy: the next node in
+ * rank order whose failure_domain differs (the next node at all when none does, with a warning).
+ * The buddy holds the newest complete copy of each ward, in its state_dir when it has one (a file
+ * per ward, "buddy-rank<R>-of-<W>.zdbuddy", 0600, mapped; the copy being received is
+ * "<name>.part" until complete, then renamed over it), else in memory, and answers BuddyGet with
+ * it; a zerod restarted with that state_dir serves the copies its files hold.
  *
  * Recovery (zd__buddy_resume, from the checkpointer's resume): when a rank of the world has no
  * usable state file (its zerod came back empty), the ranks all-gather which commits each can
@@ -28,7 +32,9 @@
 #include "status.h"
 
 typedef struct zd__buddy_settings {
-  uint32_t every_steps;      /* 0: off (the store still holds copies sent to this node) */
+  uint32_t every_steps;      /* 0: none by steps (the store still holds copies sent here) */
+  uint32_t every_s;          /* 0: none by time */
+  const char *state_dir;     /* where the copies held here are kept; NULL or "": memory */
   uint64_t bytes_per_s;      /* 0: no limit */
   const char *domain;        /* failure_domain; "": this node's own */
   const char *rendezvous;    /* where the node registry is (rendezvous.h) */
@@ -37,15 +43,27 @@ typedef struct zd__buddy_settings {
   uint32_t first_rank, local_ranks, world_size;
 } zd__buddy_settings_t;
 
-/* Copies the settings and starts a sender thread per local rank when every_steps > 0 and
- * world_size > 1. Errors: -ENOMEM, or a thread that cannot start. Call once, before workers. */
+/* Copies the settings, loads the copies held in state_dir (a file that fails the checks of
+ * state_file.h's files, or whose header is damaged, is renamed aside, logged; a ".part" left by a
+ * copy in flight is deleted) and starts a sender thread per local rank when every_steps or
+ * every_s > 0 and world_size > 1. Errors: -ENOMEM, state_dir unreadable, or a thread that cannot
+ * start. Call once, before workers and before the control service serves. */
 int zd__buddy_start(const zd__buddy_settings_t *s, zd__err_t *err);
 
 /* Stops the senders (a copy in flight is dropped between pieces) and frees snapshots and the
  * copies held. Call after the workers are joined and the control service stopped. */
 void zd__buddy_stop(void);
 
-/* After a committed step: at every every_steps-th step takes a snapshot of the committed state
+/* The worker of a rank, building the record of the step after m->step: whether this rank asks
+ * for a copy of it (every_s have passed since its last snapshot, and its sender is idle). */
+int zd__buddy_wants(const zd__step_ctx_t *ctx);
+
+/* The worker of a rank, once the records of step `step` are agreed: some rank asked for a copy of
+ * it, so this rank takes one if the step commits (zd__buddy_after_step). */
+void zd__buddy_agreed(const zd__step_ctx_t *ctx, uint64_t step);
+
+/* After a committed step: at every every_steps-th step, and at the step zd__buddy_agreed named,
+ * takes a snapshot of the committed state
  * and hands it to the sender, unless the previous copy is still being sent (counted as skipped).
  * On the rank's worker; never fails the step (a failure is logged and in the status). */
 void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m);
