@@ -124,24 +124,36 @@ static void meta_of(const zd__step_ctx_t *ctx, const zd__model_t *m, meta_t *out
 }
 
 int zd__buddy_wants(const zd__step_ctx_t *ctx) {
-  if (!B.senders || !B.set.every_s || ctx->local_rank >= B.nsenders) return 0;
+  if (!B.senders || ctx->local_rank >= B.nsenders) return 0;
   sender_t *s = &B.senders[ctx->local_rank];
-  if (zd__now_ms() - s->last_take_ms < (uint64_t)B.set.every_s * 1000u) return 0;
+  int out = 0;
+  if (B.set.every_s && zd__now_ms() - s->last_take_ms >= (uint64_t)B.set.every_s * 1000u)
+    out |= ZD__BUDDY_WANT;
   pthread_mutex_lock(&s->lock);
-  int idle = s->sending < 0;
+  if (s->sending >= 0) out |= ZD__BUDDY_BUSY;
   pthread_mutex_unlock(&s->lock);
-  return idle;
+  return out;
 }
 
-void zd__buddy_agreed(const zd__step_ctx_t *ctx, uint64_t step) {
-  if (B.senders && ctx->local_rank < B.nsenders) B.senders[ctx->local_rank].due_step = step;
+void zd__buddy_agreed(const zd__step_ctx_t *ctx, uint64_t step, int asked, int busy) {
+  if (!B.senders || ctx->local_rank >= B.nsenders) return;
+  sender_t *s = &B.senders[ctx->local_rank];
+  int due = asked || (B.set.every_steps && step % B.set.every_steps == 0);
+  s->due_step = due && !busy ? step : 0;
+  if (due && busy) {
+    pthread_mutex_lock(&s->lock);
+    s->skipped++;
+    pthread_mutex_unlock(&s->lock);
+    ZD_LOG_WARN("rank %u: buddy copy of step %" PRIu64
+                " skipped on every rank: a rank's previous copy is still being sent",
+                ctx->rank, step);
+  }
 }
 
 void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m) {
   if (!B.senders || ctx->local_rank >= B.nsenders || !m->step) return;
   sender_t *s = &B.senders[ctx->local_rank];
-  int due = (B.set.every_steps && m->step % B.set.every_steps == 0) ||
-            (s->due_step && s->due_step == m->step);
+  int due = s->due_step && s->due_step == m->step;
   if (s->due_step && m->step >= s->due_step) s->due_step = 0;
   if (!due) return;
   pthread_mutex_lock(&s->lock);

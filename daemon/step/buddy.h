@@ -15,8 +15,11 @@
  * serve: its state file's records, its own two newest snapshots, and for a rank without a file
  * the newest copy a buddy holds of it (read before the all-gather, so that nothing can fail after
  * it). The world takes the step of the empty ranks' copies when every rank can serve it, each
- * from its file, its snapshot or its copy; otherwise every rank goes on to the state files'
- * agreement and the checkpoint fallback, and the reason is the model's resume note.
+ * from its file, its snapshot or its copy. When none is common and every empty rank has a copy,
+ * the ranks with a file that read none read theirs (a zerod restarted too: its snapshots are
+ * gone) and all gather again (every rank decides so from the same offers). Otherwise every rank
+ * goes on to the state files' agreement and the checkpoint fallback, and the reason is the
+ * model's resume note.
  *
  * Threads: zd__buddy_after_step and zd__buddy_resume run on a rank's worker (the one writer of
  * its snapshots), the sender threads read the snapshot they send, and the holder's store is
@@ -54,18 +57,24 @@ int zd__buddy_start(const zd__buddy_settings_t *s, zd__err_t *err);
  * copies held. Call after the workers are joined and the control service stopped. */
 void zd__buddy_stop(void);
 
-/* The worker of a rank, building the record of the step after m->step: whether this rank asks
- * for a copy of it (every_s have passed since its last snapshot, and its sender is idle). */
+/* The worker of a rank, building the record of the step after m->step: ZD__BUDDY_WANT when
+ * this rank asks for a copy of it (every_s have passed since its last snapshot), ZD__BUDDY_BUSY
+ * when its previous copy is still being sent (only the worker starts a copy, so a sender idle
+ * now is idle after the step). 0 without buddy copies. */
+#define ZD__BUDDY_WANT 1
+#define ZD__BUDDY_BUSY 2
 int zd__buddy_wants(const zd__step_ctx_t *ctx);
 
-/* The worker of a rank, once the records of step `step` are agreed: some rank asked for a copy of
- * it, so this rank takes one if the step commits (zd__buddy_after_step). */
-void zd__buddy_agreed(const zd__step_ctx_t *ctx, uint64_t step);
+/* The worker of a rank, once the records of step `step` are agreed (the OR of every rank's
+ * flags): the step is copied when some rank asked or it is an every_steps-th step, unless some
+ * rank is busy, when every rank skips it (counted as skipped): every rank takes the same
+ * decision, so the ranks' snapshots are of the same steps. */
+void zd__buddy_agreed(const zd__step_ctx_t *ctx, uint64_t step, int asked, int busy);
 
-/* After a committed step: at every every_steps-th step, and at the step zd__buddy_agreed named,
- * takes a snapshot of the committed state
- * and hands it to the sender, unless the previous copy is still being sent (counted as skipped).
- * On the rank's worker; never fails the step (a failure is logged and in the status). */
+/* After a committed step: at the step zd__buddy_agreed said is due takes a snapshot of the
+ * committed state and hands it to the sender, unless the previous copy is still being sent (counted
+ * as skipped). On the rank's worker; never fails the step (a failure is logged and in the status).
+ */
 void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m);
 
 /* The buddy agreement (above), collective at world size > 1 when copies are on; a no-op

@@ -46,12 +46,35 @@ import common  # sets up sys.path and the library first
 
 import zerod.testing  # noqa: E402
 
-from test_state_dir import (BUCKET, PARAMS, Reference, Trainer, init_values, on_all,  # noqa: E402
-                            tmpfs_root)
+import test_state_dir  # noqa: E402
+from test_state_dir import (BUCKET, PARAMS, Reference, init_values, on_all,  # noqa: E402
+                            tmpfs_root, torch)
 
 import numpy as np  # noqa: E402
 
 EVERY = 4
+
+
+def _groups():
+    """The update of the running torch (its AdamW is the reference): under torch 2.x the first
+    moment by lerp and torch.sqrt's rounding as measured (zerod.torch's choice); under 1.13
+    zerod's defaults."""
+    if int(torch.__version__.split(".")[0]) < 2:
+        return None
+    from zerod.torch import _probe_sqrt
+    return [{"update": "torch2", "sqrt_mode": _probe_sqrt()[0]}]
+
+
+# Under torch 2.x every layout of this process takes the running torch's update (the trainers
+# of test_state_dir.py call client.layout without groups).
+_GROUPS = _groups()
+if _GROUPS is not None:
+    _layout = zerod.Client.layout
+
+    def _layout_with_groups(client, params, groups=None, **kw):
+        return _layout(client, params, groups if groups is not None else _GROUPS, **kw)
+    zerod.Client.layout = _layout_with_groups
+Trainer = test_state_dir.Trainer
 
 
 class World3:
