@@ -349,6 +349,8 @@ class Trials:
         w.spawn(v)
         w.daemons[v].wait_ready()
         infos, err, hung = w.register(None, self.opts.bound)
+        if err and not hung and not self.opts.checkpoint_every:
+            return self.nothing(i, infos, v, err)
         if err or hung:
             self.stats["hangs" if hung else "wrong"] += 1
             self.note(f"trial {i} node {v}: {'hung' if hung else repr(err)}")
@@ -438,6 +440,8 @@ class Trials:
         w.spawn(ward)
         w.daemons[ward].wait_ready()
         infos, err, hung = w.register(None, self.opts.bound)
+        if err and not hung and not self.opts.checkpoint_every:
+            return self.nothing(i, infos, ward, err)
         if err or hung:
             self.stats["hangs" if hung else "wrong"] += 1
             self.note(f"trial {i} mid_copy, then node {ward}: {'hung' if hung else repr(err)}")
@@ -469,16 +473,25 @@ class Trials:
         w.step = step
         return True
 
-    def nothing(self, i: int, infos, lost: int) -> bool:
-        """No checkpoints and no copy: the registrations resume nothing and status says why."""
-        note = self.world.status(lost)[f"rank {lost}"].get("last_recovery_note", "")
-        said = ("neither a state file nor a buddy copy", "no step in common", "no usable state file")
-        if any(x.resumed for x in infos) or not any(w in note for w in said):
+    def nothing(self, i: int, infos, lost: int, err=None) -> bool:
+        """No checkpoints and no copy: the registrations resume nothing and say why (status,
+        the log), or fail naming the missing checkpoint_dir."""
+        if err is not None:
+            note, resumed = str(err), []
+            said = ("no checkpoint_dir",)
+        else:
+            note = self.world.status(lost)[f"rank {lost}"].get("last_recovery_note", "") + \
+                self.world.daemons[lost].log()
+            resumed = [x.resumed for x in infos]
+            said = ("neither a state file nor a buddy copy", "no step in common",
+                    "nothing to recover from memory")
+        if any(resumed) or not any(w in note for w in said):
             self.stats["wrong"] += 1
-            self.note(f"trial {i}: nothing to recover, yet resumed "
-                      f"{[x.resumed for x in infos]}, note {note!r}")
+            self.note(f"trial {i}: nothing to recover, yet resumed {resumed}, said "
+                      f"{note[-300:]!r}")
         else:
             self.stats["nothing"] += 1
+            self.outcome("any", "nothing to recover, said so (no checkpoint_dir)")
         self.fresh()
         return True
 

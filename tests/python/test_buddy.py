@@ -24,6 +24,9 @@ by a copy in flight is deleted, a damaged copy file renamed aside.
 Copies by time (buddy_copy_every_s): every rank copies the same step (the step's records carry
 the request), and a node back empty resumes from it.
 
+The reference is the running torch's AdamW: under torch 2.x (suite python-torch2) every layout
+of this process takes its update ("torch2", the first moment by lerp, and torch.sqrt's rounding).
+
 Also: W=3 with failure domains a, a, b (each copy leaves its node's domain), and the bandwidth cap
 (a copy takes at least its bytes over the cap while the steps go on).
 """
