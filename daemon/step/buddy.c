@@ -1035,9 +1035,10 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
              "the ranks' state files, snapshots and buddy copies hold no step in common (a copy "
              "older than another rank's snapshots, or a copy in flight at the loss)");
   if (!found && !why[0]) { /* a first start: nothing to serve */
-    ZD_LOG_INFO("rank %u: no rank of the world holds a state file, a snapshot or a buddy copy: a "
-                "first start, or every node lost at once (nothing to recover from memory)",
-                ctx->rank);
+    ZD_LOG_INFO(
+        "rank %u: no rank of the world holds a state file, a snapshot or a buddy copy: a "
+        "first start, or every node lost at once (nothing to recover from memory)",
+        ctx->rank);
     goto out;
   }
   if (why[0]) {
