@@ -204,6 +204,11 @@ static const setting_t settings[] = {
         "order whose failure_domain differs), over the control plane (TLS where it has TLS), "
         "so that a node that comes back empty resumes from the copy instead of a checkpoint. "
         "Set it alike on every node. 0: off"),
+    U32(S_CKPT, "buddy_copy_every_s", buddy_copy_every_s, "0", 0, 4000000000u,
+        "CPU backend, world size > 1: a buddy copy also after the first step that ends this many "
+        "seconds after the last one (every rank copies the same step: the step's records carry "
+        "the request). With buddy_copy_every_steps too, a copy whenever either is due. 0: none "
+        "by time"),
     U64(S_CKPT, "buddy_bandwidth_bytes_per_s", buddy_bandwidth_bytes_per_s, "0", 0, 1ull << 40,
         "the most bytes per second a rank's buddy copy is sent at (0: no limit)"),
     STR(S_CKPT, "failure_domain", failure_domain, "", "LABEL",

@@ -73,6 +73,7 @@ typedef struct zd__config {
   uint32_t state_dir_any_fs; /* 1: a state_dir off tmpfs/ramfs is allowed */
   uint64_t checkpoint_throttle_bytes_per_s;
   uint32_t buddy_copy_every_steps;      /* 0: off (step/buddy.h) */
+  uint32_t buddy_copy_every_s;          /* 0: none by time */
   uint64_t buddy_bandwidth_bytes_per_s; /* 0: no limit */
   char *failure_domain;                 /* "": none */
   /* operations */

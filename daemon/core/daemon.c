@@ -379,6 +379,8 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   int crc = create_checkpointer(d, err);
   if (crc) return crc;
   zd__buddy_settings_t bset = {.every_steps = cfg->buddy_copy_every_steps,
+                               .every_s = cfg->buddy_copy_every_s,
+                               .state_dir = cfg->state_dir,
                                .bytes_per_s = cfg->buddy_bandwidth_bytes_per_s,
                                .domain = cfg->failure_domain,
                                .rendezvous = d->world.rendezvous_address,
@@ -486,7 +488,7 @@ static int register_status(zd__daemon_t *d) {
   if (!rc) rc = zd__status_register(d->status, zd__ckptr_status, d->ckpt);
   if (!rc && d->cfg->state_dir[0])
     rc = zd__status_register(d->status, zd__state_file_status, d->cfg->state_dir);
-  if (!rc && d->cfg->buddy_copy_every_steps)
+  if (!rc && (d->cfg->buddy_copy_every_steps || d->cfg->buddy_copy_every_s))
     rc = zd__status_register(d->status, zd__buddy_status, NULL);
   if (!rc) rc = zd__status_register(d->status, zd__sessions_status, d->sessions);
   if (!rc) rc = zd__status_register(d->status, zd__server_status, d->server);
@@ -558,11 +560,12 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
                   zd__backend_name(d->backend.kind));
     goto fail;
   }
-  if (cfg->buddy_copy_every_steps && d->backend.kind != ZD__BACKEND_CPU) {
+  if ((cfg->buddy_copy_every_steps || cfg->buddy_copy_every_s) &&
+      d->backend.kind != ZD__BACKEND_CPU) {
     rc = zd__errf(err, ZD_ECONFIG,
-                  "buddy_copy_every_steps needs the cpu backend: the %s backend's state is in "
-                  "device memory, which buddy copies do not read yet; set "
-                  "buddy_copy_every_steps = 0 (or backend = cpu)",
+                  "buddy copies need the cpu backend: the %s backend's state is in device "
+                  "memory, which buddy copies do not read yet; set buddy_copy_every_steps = 0 "
+                  "and buddy_copy_every_s = 0 (or backend = cpu)",
                   zd__backend_name(d->backend.kind));
     goto fail;
   }

@@ -1,15 +1,23 @@
-/* Buddy copies: the snapshots and their senders, the copies this node holds for its wards, and the
- * agreement that restores a rank that came back empty from its buddy's copy (buddy.h). */
+/* Buddy copies: the snapshots and their senders, the copies this node holds for its wards (in
+ * memory or in state_dir's files), and the agreement that restores a rank that came back empty
+ * from its buddy's copy (buddy.h). */
 #include "buddy.h"
 
+#include <dirent.h>
+#include <stddef.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include "clock.h"
@@ -52,6 +60,8 @@ typedef struct sender {
   int sent, sending;
   int stop;
   uint32_t local_rank;
+  /* the worker's only: when it last took a snapshot (zd__now_ms), the step agreed for a copy */
+  uint64_t last_take_ms, due_step;
   /* status (lock) */
   uint64_t copies, skipped, failures;
   uint64_t copy_step, copy_unix_ms, last_send_ms, last_snapshot_us;
@@ -59,10 +69,20 @@ typedef struct sender {
   char error[256];
 } sender_t;
 
+/* Where a held copy's bytes are: malloc'd (fd -1), or a file of state_dir, mapped whole, its
+ * data after a header of HDR_BYTES (fd open, holding the file's flock). */
+typedef struct region {
+  uint8_t *map;
+  size_t len;
+  int fd;
+} region_t;
+
+#define HDR_BYTES 4096u
+
 /* A ward's copy held here: the complete one and the one being received. */
 typedef struct held {
   meta_t meta, pmeta;
-  uint8_t *data, *pdata;
+  region_t cur, part;
   uint64_t received;
   uint64_t complete_unix_ms;
   char from[256];
@@ -71,7 +91,7 @@ typedef struct held {
 
 static struct {
   zd__buddy_settings_t set;
-  char domain[256], rendezvous[512], token[512], address[512];
+  char domain[256], rendezvous[512], token[512], address[512], state_dir[3800];
   sender_t *senders;
   uint32_t nsenders;
   pthread_mutex_t store_lock;
@@ -103,10 +123,39 @@ static void meta_of(const zd__step_ctx_t *ctx, const zd__model_t *m, meta_t *out
   out->bytes = state_count(m->states) * out->shard_elems * sizeof(float);
 }
 
-void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m) {
-  if (!B.senders || ctx->local_rank >= B.nsenders || !m->step || m->step % B.set.every_steps != 0)
-    return;
+int zd__buddy_wants(const zd__step_ctx_t *ctx) {
+  if (!B.senders || ctx->local_rank >= B.nsenders) return 0;
   sender_t *s = &B.senders[ctx->local_rank];
+  int out = 0;
+  if (B.set.every_s && zd__now_ms() - s->last_take_ms >= (uint64_t)B.set.every_s * 1000u)
+    out |= ZD__BUDDY_WANT;
+  pthread_mutex_lock(&s->lock);
+  if (s->sending >= 0) out |= ZD__BUDDY_BUSY;
+  pthread_mutex_unlock(&s->lock);
+  return out;
+}
+
+void zd__buddy_agreed(const zd__step_ctx_t *ctx, uint64_t step, int asked, int busy) {
+  if (!B.senders || ctx->local_rank >= B.nsenders) return;
+  sender_t *s = &B.senders[ctx->local_rank];
+  int due = asked || (B.set.every_steps && step % B.set.every_steps == 0);
+  s->due_step = due && !busy ? step : 0;
+  if (due && busy) {
+    pthread_mutex_lock(&s->lock);
+    s->skipped++;
+    pthread_mutex_unlock(&s->lock);
+    ZD_LOG_WARN("rank %u: buddy copy of step %" PRIu64
+                " skipped on every rank: a rank's previous copy is still being sent",
+                ctx->rank, step);
+  }
+}
+
+void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m) {
+  if (!B.senders || ctx->local_rank >= B.nsenders || !m->step) return;
+  sender_t *s = &B.senders[ctx->local_rank];
+  int due = s->due_step && s->due_step == m->step;
+  if (s->due_step && m->step >= s->due_step) s->due_step = 0;
+  if (!due) return;
   pthread_mutex_lock(&s->lock);
   int busy = s->sending >= 0;
   if (busy) s->skipped++;
@@ -144,6 +193,7 @@ void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m) {
     }
   sn->meta = meta;
   sn->valid = 1;
+  s->last_take_ms = zd__now_ms();
   pthread_mutex_lock(&s->lock);
   s->last_snapshot_us = zd__now_us() - t0;
   s->sending = idx;
@@ -341,8 +391,13 @@ static void *sender_main(void *arg) {
   return NULL;
 }
 
+static int load_held(zd__err_t *err);
+static void region_free(region_t *r);
+
 int zd__buddy_start(const zd__buddy_settings_t *set, zd__err_t *err) {
   B.set = *set;
+  snprintf(B.state_dir, sizeof B.state_dir, "%s", set->state_dir ? set->state_dir : "");
+  B.set.state_dir = B.state_dir;
   snprintf(B.domain, sizeof B.domain, "%s", set->domain ? set->domain : "");
   snprintf(B.rendezvous, sizeof B.rendezvous, "%s", set->rendezvous ? set->rendezvous : "");
   snprintf(B.token, sizeof B.token, "%s", set->control_token ? set->control_token : "");
@@ -351,7 +406,11 @@ int zd__buddy_start(const zd__buddy_settings_t *set, zd__err_t *err) {
   B.set.rendezvous = B.rendezvous;
   B.set.control_token = B.token;
   B.set.control_address = B.address;
-  if (!set->every_steps || set->world_size < 2) return ZD_OK;
+  if (B.state_dir[0]) {
+    int rc = load_held(err);
+    if (rc) return rc;
+  }
+  if ((!set->every_steps && !set->every_s) || set->world_size < 2) return ZD_OK;
   B.senders = calloc(set->local_ranks, sizeof *B.senders);
   if (!B.senders) return zd__errf(err, -ENOMEM, "out of memory for buddy copies");
   B.nsenders = set->local_ranks;
@@ -361,13 +420,22 @@ int zd__buddy_start(const zd__buddy_settings_t *set, zd__err_t *err) {
     pthread_cond_init(&s->cond, NULL);
     s->sent = s->sending = -1;
     s->local_rank = i;
+    s->last_take_ms = zd__now_ms();
     int rc = pthread_create(&s->thread, NULL, sender_main, s);
     if (rc)
       return zd__errf(err, -rc, "buddy copies: cannot start a sender thread: %s", strerror(rc));
     s->started = 1;
   }
-  ZD_LOG_INFO("buddy copies every %u steps%s%s%s", set->every_steps,
-              B.domain[0] ? " out of failure domain \"" : "", B.domain, B.domain[0] ? "\"" : "");
+  char every[96];
+  if (set->every_steps && set->every_s)
+    snprintf(every, sizeof every, "every %u steps and every %u s", set->every_steps, set->every_s);
+  else if (set->every_steps)
+    snprintf(every, sizeof every, "every %u steps", set->every_steps);
+  else
+    snprintf(every, sizeof every, "every %u s", set->every_s);
+  ZD_LOG_INFO("buddy copies %s%s%s%s, held for other nodes in %s", every,
+              B.domain[0] ? " out of failure domain \"" : "", B.domain, B.domain[0] ? "\"" : "",
+              B.state_dir[0] ? B.state_dir : "memory");
   return ZD_OK;
 }
 
@@ -391,8 +459,8 @@ void zd__buddy_stop(void) {
   B.nsenders = 0;
   pthread_mutex_lock(&B.store_lock);
   for (uint32_t i = 0; i < B.nheld; i++) {
-    free(B.held[i].data);
-    free(B.held[i].pdata);
+    region_free(&B.held[i].cur);
+    region_free(&B.held[i].part);
   }
   free(B.held);
   B.held = NULL;
@@ -402,8 +470,54 @@ void zd__buddy_stop(void) {
 
 /* ---- the holder ----------------------------------------------------------------------------- */
 
+/* The header of a held copy's file (little-endian, this machine's floats, as state files). */
+#define FILE_MAGIC   0x3159444455424458ull /* "XDBUDDY1" */
+#define FILE_VERSION 1u
+typedef struct file_hdr {
+  uint64_t magic;
+  uint32_t version, rank, world_size, states;
+  uint64_t layout_hash, step, steps_skipped, shard_elems, bytes;
+  uint32_t scaler_enabled, growth_tracker, hysteresis_tracker, pad;
+  double scale;
+  uint64_t taken_unix_ms, checksum, complete_unix_ms;
+  char from[256];
+  uint64_t hdr_sum; /* XXH3-64 of the bytes before it */
+} file_hdr_t;
+_Static_assert(sizeof(file_hdr_t) <= HDR_BYTES, "a copy's header fits before its data");
+
+static uint8_t *region_data(const region_t *r) {
+  return r->map ? r->map + (r->fd >= 0 ? HDR_BYTES : 0) : NULL;
+}
+
+static void region_free(region_t *r) {
+  if (r->fd >= 0) {
+    if (r->map) munmap(r->map, r->len);
+    close(r->fd);
+  } else {
+    free(r->map);
+  }
+  *r = (region_t){.fd = -1};
+}
+
+static void path_of(char *out, size_t len, uint32_t rank, uint32_t world_size, int part) {
+  snprintf(out, len, "%s/buddy-rank%u-of-%u.zdbuddy%s", B.state_dir, rank, world_size,
+           part ? ".part" : "");
+}
+
+/* Renames a held copy's file aside, for an operator to look at; never deleted. */
+static void set_aside(const char *path, const char *why) {
+  char aside[4200];
+  snprintf(aside, sizeof aside, "%s.bad-%" PRIu64, path, zd__unix_ms());
+  if (rename(path, aside) == 0)
+    ZD_LOG_ERROR("buddy copy file %s: %s; renamed to %s (not served, not deleted)", path, why,
+                 aside);
+  else
+    ZD_LOG_ERROR("buddy copy file %s: %s, and it cannot be renamed aside (%s)", path, why,
+                 strerror(errno));
+}
+
 /* The entry of (rank, world size), made when absent (create); NULL: none (or out of memory).
- * store_lock held. */
+ * store_lock held (or before the control service serves). */
 static held_t *held_of(uint32_t rank, uint32_t world_size, int create) {
   for (uint32_t i = 0; i < B.nheld; i++)
     if (B.held[i].meta.rank == rank && B.held[i].meta.world_size == world_size) return &B.held[i];
@@ -412,12 +526,204 @@ static held_t *held_of(uint32_t rank, uint32_t world_size, int create) {
   if (!h) return NULL;
   B.held = h;
   h = &B.held[B.nheld++];
-  *h = (held_t){.meta = {.rank = rank, .world_size = world_size}};
+  *h = (held_t){
+      .meta = {.rank = rank, .world_size = world_size}, .cur = {.fd = -1}, .part = {.fd = -1}};
   return h;
 }
 
 /* A copy larger than this is refused: a peer cannot make this node allocate without bound. */
 #define MAX_COPY_BYTES (1ull << 40)
+
+/* Loads one held copy's file (start-up, before the control service serves). A file another
+ * zerod has open (its flock) is left alone; one that fails the checks is set aside. */
+static void load_file(const char *path, uint32_t rank, uint32_t world_size) {
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ELOOP)
+      set_aside(path, "is a symbolic link");
+    else
+      ZD_LOG_WARN("buddy copy file %s: %s; not served", path, strerror(errno));
+    return;
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) { /* another zerod's, sharing this state_dir */
+    close(fd);
+    return;
+  }
+  struct stat st;
+  file_hdr_t hdr;
+  const char *why = NULL;
+  char buf[200];
+  if (fstat(fd, &st) != 0) {
+    snprintf(buf, sizeof buf, "fstat: %s", strerror(errno));
+    why = buf;
+  } else if (!S_ISREG(st.st_mode)) {
+    why = "not a regular file";
+  } else if (st.st_uid != geteuid()) {
+    why = "owned by another user";
+  } else if (st.st_mode & 077) {
+    why = "readable or writable by other users";
+  } else if ((uint64_t)st.st_size < HDR_BYTES ||
+             pread(fd, &hdr, sizeof hdr, 0) != (ssize_t)sizeof hdr) {
+    why = "cut short (no whole header)";
+  } else if (hdr.magic != FILE_MAGIC || hdr.version != FILE_VERSION ||
+             hdr.hdr_sum != XXH3_64bits(&hdr, offsetof(file_hdr_t, hdr_sum))) {
+    why = "its header is damaged or of another version";
+  } else if (hdr.rank != rank || hdr.world_size != world_size || hdr.rank >= hdr.world_size ||
+             !hdr.bytes || hdr.bytes > MAX_COPY_BYTES ||
+             hdr.bytes != state_count(hdr.states) * hdr.shard_elems * sizeof(float) ||
+             (uint64_t)st.st_size != HDR_BYTES + hdr.bytes) {
+    snprintf(buf, sizeof buf,
+             "%" PRIu64 " bytes, whose header says rank %u of %u, %" PRIu64
+             " bytes of data: not this file's",
+             (uint64_t)st.st_size, hdr.rank, hdr.world_size, hdr.bytes);
+    why = buf;
+  }
+  if (why) {
+    close(fd);
+    set_aside(path, why);
+    return;
+  }
+  void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+  held_t *h = p == MAP_FAILED ? NULL : held_of(rank, world_size, 1);
+  if (!h) {
+    ZD_LOG_WARN("buddy copy file %s: %s; not served", path,
+                p == MAP_FAILED ? strerror(errno) : "out of memory");
+    if (p != MAP_FAILED) munmap(p, (size_t)st.st_size);
+    close(fd);
+    return;
+  }
+  region_free(&h->cur);
+  h->cur = (region_t){.map = p, .len = (size_t)st.st_size, .fd = fd};
+  h->meta = (meta_t){.rank = hdr.rank,
+                     .world_size = hdr.world_size,
+                     .states = hdr.states,
+                     .layout_hash = hdr.layout_hash,
+                     .step = hdr.step,
+                     .steps_skipped = hdr.steps_skipped,
+                     .shard_elems = hdr.shard_elems,
+                     .bytes = hdr.bytes,
+                     .scaler_enabled = (int)hdr.scaler_enabled,
+                     .scale = hdr.scale,
+                     .growth_tracker = hdr.growth_tracker,
+                     .hysteresis_tracker = hdr.hysteresis_tracker,
+                     .taken_unix_ms = hdr.taken_unix_ms,
+                     .checksum = hdr.checksum};
+  h->has = 1;
+  h->complete_unix_ms = hdr.complete_unix_ms;
+  snprintf(h->from, sizeof h->from, "%.*s", (int)sizeof hdr.from - 1, hdr.from);
+  ZD_LOG_INFO("holds the buddy copy of rank %u (of %u) at step %" PRIu64 ", %" PRIu64
+              " bytes, from its state_dir (%s)",
+              rank, world_size, hdr.step, hdr.bytes, path);
+}
+
+/* A ".part" left by a copy in flight when a zerod died: never complete, deleted (unless another
+ * zerod sharing the state_dir is writing it: its flock). */
+static void drop_part(const char *path) {
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    close(fd);
+    return;
+  }
+  if (fd >= 0 || errno == ELOOP) {
+    if (unlink(path) == 0)
+      ZD_LOG_INFO("buddy copy file %s: a copy in flight when zerod stopped; deleted", path);
+  }
+  if (fd >= 0) close(fd);
+}
+
+/* The copies of state_dir's files: this node's wards' (copies of this node's own ranks are
+ * another zerod's sharing the directory, and are left alone). */
+static int load_held(zd__err_t *err) {
+  DIR *d = opendir(B.state_dir);
+  if (!d) return zd__errf(err, -errno, "state_dir %s: %s", B.state_dir, strerror(errno));
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    unsigned r, w;
+    if (strncmp(e->d_name, "buddy-rank", 10) != 0 ||
+        sscanf(e->d_name, "buddy-rank%u-of-%u", &r, &w) != 2)
+      continue;
+    if (w == B.set.world_size && r >= B.set.first_rank && r - B.set.first_rank < B.set.local_ranks)
+      continue;
+    char path[4096], want[4096];
+    snprintf(path, sizeof path, "%s/%s", B.state_dir, e->d_name);
+    path_of(want, sizeof want, r, w, 1);
+    if (!strcmp(path, want)) {
+      drop_part(path);
+      continue;
+    }
+    path_of(want, sizeof want, r, w, 0);
+    if (!strcmp(path, want)) load_file(path, r, w); /* any other name (.bad-*) is not a copy */
+  }
+  closedir(d);
+  return ZD_OK;
+}
+
+/* Where a ward's copy from offset 0 is received: memory, or a new "<name>.part" in state_dir,
+ * 0600, its bytes reserved (ENOSPC here, not a SIGBUS later), mapped, locked. store_lock held. */
+static int part_begin(held_t *h, const meta_t *m, zd__err_t *err) {
+  if (!B.state_dir[0]) {
+    if (h->part.map && h->part.len == m->bytes) return ZD_OK; /* reused */
+    region_free(&h->part);
+    if (!(h->part.map = malloc(m->bytes)))
+      return zd__errf(err, -ENOMEM, "out of memory for a buddy copy of %" PRIu64 " bytes",
+                      m->bytes);
+    h->part.len = m->bytes;
+    return ZD_OK;
+  }
+  region_free(&h->part); /* a copy in flight before this one: its file is made anew */
+  char path[4096];
+  path_of(path, sizeof path, m->rank, m->world_size, 1);
+  if (unlink(path) != 0 && errno != ENOENT)
+    return zd__errf(err, -errno, "buddy copy file %s: %s", path, strerror(errno));
+  size_t len = HDR_BYTES + (size_t)m->bytes;
+  int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return zd__errf(err, -errno, "buddy copy file %s: %s", path, strerror(errno));
+  int rc = flock(fd, LOCK_EX | LOCK_NB) != 0 ? -errno : 0;
+  if (!rc) rc = -posix_fallocate(fd, 0, (off_t)len);
+  void *p = rc ? MAP_FAILED : mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (!rc && p == MAP_FAILED) rc = -errno;
+  if (rc) {
+    close(fd);
+    unlink(path);
+    return zd__errf(err, rc, "buddy copy file %s of %zu bytes: %s", path, len, strerror(-rc));
+  }
+  h->part = (region_t){.map = p, .len = len, .fd = fd};
+  return ZD_OK;
+}
+
+/* The copy received whole: its file gets its header and replaces the complete one (a rename: a
+ * zerod killed at any instant leaves the previous copy or this one, never a mix). */
+static int part_commit(held_t *h, const char *from, zd__err_t *err) {
+  if (h->part.fd < 0) return ZD_OK;
+  const meta_t *m = &h->pmeta;
+  file_hdr_t hdr = {.magic = FILE_MAGIC,
+                    .version = FILE_VERSION,
+                    .rank = m->rank,
+                    .world_size = m->world_size,
+                    .states = m->states,
+                    .layout_hash = m->layout_hash,
+                    .step = m->step,
+                    .steps_skipped = m->steps_skipped,
+                    .shard_elems = m->shard_elems,
+                    .bytes = m->bytes,
+                    .scaler_enabled = (uint32_t)m->scaler_enabled,
+                    .growth_tracker = m->growth_tracker,
+                    .hysteresis_tracker = m->hysteresis_tracker,
+                    .scale = m->scale,
+                    .taken_unix_ms = m->taken_unix_ms,
+                    .checksum = m->checksum,
+                    .complete_unix_ms = zd__unix_ms()};
+  snprintf(hdr.from, sizeof hdr.from, "%s", from);
+  hdr.hdr_sum = XXH3_64bits(&hdr, offsetof(file_hdr_t, hdr_sum));
+  memcpy(h->part.map, &hdr, sizeof hdr);
+  char part[4096], path[4096];
+  path_of(part, sizeof part, m->rank, m->world_size, 1);
+  path_of(path, sizeof path, m->rank, m->world_size, 0);
+  if (rename(part, path) != 0)
+    return zd__errf(err, -errno, "buddy copy file %s: renaming to %s: %s", part, path,
+                    strerror(errno));
+  return ZD_OK;
+}
 
 int zd__buddy_put(const Zerod__V1__BuddyPutRequest *req, uint64_t *received, zd__err_t *err) {
   const Zerod__V1__BuddyCopyInfo *info = req->info;
@@ -438,19 +744,15 @@ int zd__buddy_put(const Zerod__V1__BuddyPutRequest *req, uint64_t *received, zd_
   if (req->offset == 0) {
     meta_t m;
     meta_from(info, &m);
-    if (!h->pdata || h->pmeta.bytes != m.bytes) {
-      free(h->pdata);
-      h->pdata = malloc(m.bytes);
-      if (!h->pdata) {
-        h->pmeta = (meta_t){0};
-        rc = zd__errf(err, -ENOMEM, "out of memory for a buddy copy of %" PRIu64 " bytes", m.bytes);
-        goto out;
-      }
+    h->received = 0;
+    if ((rc = part_begin(h, &m, err))) {
+      h->pmeta = (meta_t){0};
+      goto out;
     }
     h->pmeta = m;
-    h->received = 0;
   }
-  if (!h->pdata || req->offset != h->received || h->pmeta.step != info->step ||
+  uint8_t *pdata = region_data(&h->part);
+  if (!pdata || req->offset != h->received || h->pmeta.step != info->step ||
       h->pmeta.layout_hash != info->layout_hash || h->pmeta.bytes != info->total_bytes) {
     rc = zd__errf(err, ZD_EORDER,
                   "buddy copy of rank %u: a piece at %" PRIu64 " of step %" PRIu64
@@ -458,7 +760,7 @@ int zd__buddy_put(const Zerod__V1__BuddyPutRequest *req, uint64_t *received, zd_
                   info->rank, req->offset, info->step, h->received, h->pmeta.step);
     goto out;
   }
-  memcpy(h->pdata + req->offset, req->data.data, req->data.len);
+  memcpy(pdata + req->offset, req->data.data, req->data.len);
   h->received += req->data.len;
   *received = h->received;
   if (req->has_last && req->last) {
@@ -468,16 +770,24 @@ int zd__buddy_put(const Zerod__V1__BuddyPutRequest *req, uint64_t *received, zd_
                    info->rank, h->received, h->pmeta.bytes);
       goto out;
     }
-    uint8_t *old = h->data;
+    const char *from = info->from_address ? info->from_address : "";
+    if ((rc = part_commit(h, from, err))) goto out;
+    region_t old = h->cur;
     meta_t oldm = h->meta;
-    h->data = h->pdata;
+    h->cur = h->part;
     h->meta = h->pmeta;
-    h->pdata = old; /* reused by the next copy when it has the same size */
-    h->pmeta = oldm;
+    if (old.fd >= 0) { /* its file was renamed over */
+      region_free(&old);
+      h->part = (region_t){.fd = -1};
+      h->pmeta = (meta_t){0};
+    } else {
+      h->part = old; /* reused by the next copy when it has the same size */
+      h->pmeta = oldm;
+    }
     h->received = 0;
     h->has = 1;
     h->complete_unix_ms = zd__unix_ms();
-    snprintf(h->from, sizeof h->from, "%s", info->from_address ? info->from_address : "");
+    snprintf(h->from, sizeof h->from, "%s", from);
   }
 out:
   pthread_mutex_unlock(&B.store_lock);
@@ -502,7 +812,7 @@ int zd__buddy_get(const Zerod__V1__BuddyGetRequest *req, Zerod__V1__BuddyGetRepl
       rc = zd__errf(err, -ENOMEM, "out of memory");
       goto out;
     }
-    memcpy(*data, h->data + req->offset, len);
+    memcpy(*data, region_data(&h->cur) + req->offset, len);
     rep->has_data = 1;
     rep->data.data = *data;
     rep->data.len = len;
@@ -628,12 +938,46 @@ static void restore_from(zd__model_t *m, const snap_t *sn) {
   zd__model_commit(m, 0); /* the committed set holds that step now (a state file's header too) */
 }
 
+/* The newest commit every rank can serve, among those that a rank without a file offers. */
+static int newest_common(const offer_t *all, uint32_t w, uint64_t *target) {
+  int found = 0;
+  for (uint32_t r = 0; r < w; r++) {
+    if (all[r].nfile) continue;
+    uint64_t keys[3] = {all[r].snap[0], all[r].snap[1], all[r].copy};
+    uint64_t have[3] = {all[r].nsnap > 0, all[r].nsnap > 1, all[r].has_copy};
+    for (int k = 0; k < 3; k++) {
+      if (!have[k] || (found && keys[k] <= *target)) continue;
+      uint32_t q = 0;
+      while (q < w && can_serve(&all[q], keys[k])) q++;
+      if (q == w) {
+        *target = keys[k];
+        found = 1;
+      }
+    }
+  }
+  return found;
+}
+
+/* This rank's copy, read from the node that holds it, into *copy and *mine. */
+static void read_copy(const zd__step_ctx_t *ctx, const zd__model_t *m, snap_t *copy, char *holder,
+                      size_t hlen, offer_t *mine) {
+  uint64_t t0 = zd__now_ms();
+  fetch_copy(ctx, m, copy, holder, hlen);
+  if (!copy->valid) return;
+  mine->has_copy = 1;
+  mine->copy = copy->meta.step + copy->meta.steps_skipped;
+  ZD_LOG_INFO("rank %u read its buddy copy of step %" PRIu64 " (%" PRIu64
+              " bytes) from %s in %" PRIu64 " ms",
+              ctx->rank, copy->meta.step, copy->meta.bytes, holder, zd__now_ms() - t0);
+}
+
 int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int *handled,
                      char *why, size_t len, zd__err_t *err) {
   *handled = 0;
   why[0] = '\0';
   if (!B.senders || ctx->world_size < 2) return ZD_OK;
   sender_t *s = &B.senders[ctx->local_rank];
+  s->due_step = 0; /* a copy agreed for a step that this registration replaces */
   offer_t mine = {.replace = (uint64_t)replace};
   mine.nfile = m->restored && !replace ? (uint64_t)m->restored : 0;
   for (uint64_t i = 0; i < mine.nfile; i++)
@@ -649,17 +993,7 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
   }
   snap_t copy = {0};
   char holder[256] = "";
-  if (!mine.nfile && !replace) {
-    uint64_t t0 = zd__now_ms();
-    fetch_copy(ctx, m, &copy, holder, sizeof holder);
-    if (copy.valid) {
-      mine.has_copy = 1;
-      mine.copy = copy.meta.step + copy.meta.steps_skipped;
-      ZD_LOG_INFO("rank %u read its buddy copy of step %" PRIu64 " (%" PRIu64
-                  " bytes) from %s in %" PRIu64 " ms",
-                  ctx->rank, copy.meta.step, copy.meta.bytes, holder, zd__now_ms() - t0);
-    }
-  }
+  if (!mine.nfile && !replace) read_copy(ctx, m, &copy, holder, sizeof holder, &mine);
   uint32_t w = ctx->world_size;
   offer_t *all = calloc(w, sizeof *all);
   if (!all) {
@@ -674,24 +1008,24 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
     any_replace |= all[r].replace != 0;
   }
   if (!needed || any_replace) goto out; /* the state files' agreement decides */
-  /* The newest commit every rank can serve, among those any rank without a file offers. */
   uint64_t target = 0;
-  int found = 0, evidence = 0;
+  int found = newest_common(all, w, &target);
+  /* None: when every rank without a file has a copy, the ranks with a file that read none (a
+   * zerod restarted too: its snapshots are gone, its file holds newer steps than the copies) read
+   * theirs, and the ranks gather again. Every rank decides so from the same offers. */
+  int again = !found, fetchers = 0;
   for (uint32_t r = 0; r < w; r++) {
-    evidence |= all[r].nfile || all[r].nsnap || all[r].has_copy;
-    if (all[r].nfile) continue;
-    uint64_t keys[3] = {all[r].snap[0], all[r].snap[1], all[r].copy};
-    uint64_t have[3] = {all[r].nsnap > 0, all[r].nsnap > 1, all[r].has_copy};
-    for (int k = 0; k < 3; k++) {
-      if (!have[k] || (found && keys[k] <= target)) continue;
-      uint32_t q = 0;
-      while (q < w && can_serve(&all[q], keys[k])) q++;
-      if (q == w) {
-        target = keys[k];
-        found = 1;
-      }
-    }
+    if (!all[r].nfile && !all[r].has_copy && !all[r].nsnap) again = 0;
+    fetchers += all[r].nfile && !all[r].has_copy;
   }
+  if (again && fetchers) {
+    if (mine.nfile && !mine.has_copy) read_copy(ctx, m, &copy, holder, sizeof holder, &mine);
+    rc = ctx->comm->ops->allgather_bytes(ctx->comm, &mine, sizeof mine, all, err);
+    if (rc) goto out;
+    found = newest_common(all, w, &target);
+  }
+  int evidence = 0;
+  for (uint32_t r = 0; r < w; r++) evidence |= all[r].nfile || all[r].nsnap || all[r].has_copy;
   for (uint32_t r = 0; r < w && !found && evidence && !why[0]; r++)
     if (!all[r].nfile && !all[r].has_copy && !all[r].nsnap)
       snprintf(why, len,
@@ -700,7 +1034,13 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
     snprintf(why, len,
              "the ranks' state files, snapshots and buddy copies hold no step in common (a copy "
              "older than another rank's snapshots, or a copy in flight at the loss)");
-  if (!found && !why[0]) goto out; /* a first start: nothing to serve */
+  if (!found && !why[0]) { /* a first start: nothing to serve */
+    ZD_LOG_INFO(
+        "rank %u: no rank of the world holds a state file, a snapshot or a buddy copy: a "
+        "first start, or every node lost at once (nothing to recover from memory)",
+        ctx->rank);
+    goto out;
+  }
   if (why[0]) {
     ZD_LOG_WARN("rank %u: no buddy copy can serve the world: %s", ctx->rank, why);
     goto out;
@@ -755,6 +1095,8 @@ void zd__buddy_status(void *ctx, zd__status_t *st) {
   (void)ctx;
   zd__status_section(st, "buddy");
   zd__status_add(st, "every_steps", "%u", B.set.every_steps);
+  zd__status_add(st, "every_s", "%u", B.set.every_s);
+  zd__status_add(st, "held_in", "%s", B.state_dir[0] ? B.state_dir : "memory");
   zd__status_add(st, "failure_domain", "%s", B.domain);
   uint64_t now = zd__unix_ms();
   for (uint32_t i = 0; i < B.nsenders; i++) {

@@ -1,18 +1,25 @@
-/* Buddy copies (buddy_copy_every_steps; CPU backend, world size > 1): every N steps each rank's
- * committed shard state (the arrays the model has, its step, steps skipped and loss scaler) is
- * copied on the worker into a snapshot of zerod's memory, which a sender thread per local rank
- * sends in pieces, throttled, to the control service of its buddy: the next node in rank order
- * whose failure_domain differs (the next node at all when none does, with a warning). The buddy
- * holds the newest complete copy of each ward in memory (not in its state_dir) and answers
- * BuddyGet with it.
+/* Buddy copies (buddy_copy_every_steps, buddy_copy_every_s; CPU backend, world size > 1): every
+ * N steps, and after a step once N seconds have passed since the last copy (a flag in the step's
+ * record, OR-ed across the ranks as checkpoints' is, so that every rank copies the same step),
+ * each rank's committed shard state (the arrays the model has, its step, steps skipped and loss
+ * scaler) is copied on the worker into a snapshot of zerod's memory, which a sender thread per
+ * local rank sends in pieces, throttled, to the control service of its buddy: the next node in
+ * rank order whose failure_domain differs (the next node at all when none does, with a warning).
+ * The buddy holds the newest complete copy of each ward, in its state_dir when it has one (a file
+ * per ward, "buddy-rank<R>-of-<W>.zdbuddy", 0600, mapped; the copy being received is
+ * "<name>.part" until complete, then renamed over it), else in memory, and answers BuddyGet with
+ * it; a zerod restarted with that state_dir serves the copies its files hold.
  *
  * Recovery (zd__buddy_resume, from the checkpointer's resume): when a rank of the world has no
  * usable state file (its zerod came back empty), the ranks all-gather which commits each can
  * serve: its state file's records, its own two newest snapshots, and for a rank without a file
  * the newest copy a buddy holds of it (read before the all-gather, so that nothing can fail after
  * it). The world takes the step of the empty ranks' copies when every rank can serve it, each
- * from its file, its snapshot or its copy; otherwise every rank goes on to the state files'
- * agreement and the checkpoint fallback, and the reason is the model's resume note.
+ * from its file, its snapshot or its copy. When none is common and every empty rank has a copy,
+ * the ranks with a file that read none read theirs (a zerod restarted too: its snapshots are
+ * gone) and all gather again (every rank decides so from the same offers). Otherwise every rank
+ * goes on to the state files' agreement and the checkpoint fallback, and the reason is the
+ * model's resume note.
  *
  * Threads: zd__buddy_after_step and zd__buddy_resume run on a rank's worker (the one writer of
  * its snapshots), the sender threads read the snapshot they send, and the holder's store is
@@ -28,7 +35,9 @@
 #include "status.h"
 
 typedef struct zd__buddy_settings {
-  uint32_t every_steps;      /* 0: off (the store still holds copies sent to this node) */
+  uint32_t every_steps;      /* 0: none by steps (the store still holds copies sent here) */
+  uint32_t every_s;          /* 0: none by time */
+  const char *state_dir;     /* where the copies held here are kept; NULL or "": memory */
   uint64_t bytes_per_s;      /* 0: no limit */
   const char *domain;        /* failure_domain; "": this node's own */
   const char *rendezvous;    /* where the node registry is (rendezvous.h) */
@@ -37,17 +46,35 @@ typedef struct zd__buddy_settings {
   uint32_t first_rank, local_ranks, world_size;
 } zd__buddy_settings_t;
 
-/* Copies the settings and starts a sender thread per local rank when every_steps > 0 and
- * world_size > 1. Errors: -ENOMEM, or a thread that cannot start. Call once, before workers. */
+/* Copies the settings, loads the copies held in state_dir (a file that fails the checks of
+ * state_file.h's files, or whose header is damaged, is renamed aside, logged; a ".part" left by a
+ * copy in flight is deleted) and starts a sender thread per local rank when every_steps or
+ * every_s > 0 and world_size > 1. Errors: -ENOMEM, state_dir unreadable, or a thread that cannot
+ * start. Call once, before workers and before the control service serves. */
 int zd__buddy_start(const zd__buddy_settings_t *s, zd__err_t *err);
 
 /* Stops the senders (a copy in flight is dropped between pieces) and frees snapshots and the
  * copies held. Call after the workers are joined and the control service stopped. */
 void zd__buddy_stop(void);
 
-/* After a committed step: at every every_steps-th step takes a snapshot of the committed state
- * and hands it to the sender, unless the previous copy is still being sent (counted as skipped).
- * On the rank's worker; never fails the step (a failure is logged and in the status). */
+/* The worker of a rank, building the record of the step after m->step: ZD__BUDDY_WANT when
+ * this rank asks for a copy of it (every_s have passed since its last snapshot), ZD__BUDDY_BUSY
+ * when its previous copy is still being sent (only the worker starts a copy, so a sender idle
+ * now is idle after the step). 0 without buddy copies. */
+#define ZD__BUDDY_WANT 1
+#define ZD__BUDDY_BUSY 2
+int zd__buddy_wants(const zd__step_ctx_t *ctx);
+
+/* The worker of a rank, once the records of step `step` are agreed (the OR of every rank's
+ * flags): the step is copied when some rank asked or it is an every_steps-th step, unless some
+ * rank is busy, when every rank skips it (counted as skipped): every rank takes the same
+ * decision, so the ranks' snapshots are of the same steps. */
+void zd__buddy_agreed(const zd__step_ctx_t *ctx, uint64_t step, int asked, int busy);
+
+/* After a committed step: at the step zd__buddy_agreed said is due takes a snapshot of the
+ * committed state and hands it to the sender, unless the previous copy is still being sent (counted
+ * as skipped). On the rank's worker; never fails the step (a failure is logged and in the status).
+ */
 void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m);
 
 /* The buddy agreement (above), collective at world size > 1 when copies are on; a no-op

@@ -31,7 +31,12 @@
  * rank exchanges its bitmap after the records (combine_absent). Not set on the device's path
  * (step_on_device), which is taken only where it cannot matter (device_path_ok). */
 #define ABSENT_BIT (1ull << 61)
-#define STEP_FLAGS (CHECKPOINT_BIT | ABSENT_BIT)
+/* Buddy copies (buddy.h): a record's step with BUDDY_BIT asks every rank to copy the step
+ * (buddy_copy_every_s), with BUDDY_BUSY_BIT says the rank's previous copy is still being sent, so
+ * that no rank copies it; the ranks compare steps without them and OR them. */
+#define BUDDY_BIT      (1ull << 60)
+#define BUDDY_BUSY_BIT (1ull << 59)
+#define STEP_FLAGS     (CHECKPOINT_BIT | ABSENT_BIT | BUDDY_BIT | BUDDY_BUSY_BIT)
 
 /* What the ranks must agree on before a step: every group (the table's fields, common/group.h),
  * clipping (and the torch order it clips by, where it takes one: torch_order, the ranks' norm is
@@ -663,6 +668,9 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   zd__compute_t *c = ctx->compute;
   uint64_t flag = !abandon && zd__ckptr_wants(ctx->ckpt, m->step + 1) ? CHECKPOINT_BIT : 0;
   if (!abandon && absent) flag |= ABSENT_BIT;
+  int buddy = abandon ? 0 : zd__buddy_wants(ctx);
+  if (buddy & ZD__BUDDY_WANT) flag |= BUDDY_BIT;
+  if (buddy & ZD__BUDDY_BUSY) flag |= BUDDY_BUSY_BIT;
   zd__step_record_t rec = {.step = abandon ? ABANDONED_STEP : (m->step + 1) | flag,
                            .layout_hash = l->hash,
                            .hparam_hash = hparam_hash(m, groups, torch_order)};
@@ -685,6 +693,11 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   rc = c->ops->gather_records(c, ctx->comm, &m->shard, &rec, need_stats, all, err);
   if (!rc) memset(m->attempted, 0, l->nbuckets); /* the attempt is over on every rank */
   if (!rc) rc = agree(ctx, m->step + 1, &rec, all, sumsq, nonfinite, checkpoint, any_absent, err);
+  if (!rc) { /* every rank takes the same decision from the same records */
+    uint64_t any = 0;
+    for (uint32_t r = 0; r < w; r++) any |= all[r].step;
+    zd__buddy_agreed(ctx, m->step + 1, (any & BUDDY_BIT) != 0, (any & BUDDY_BUSY_BIT) != 0);
+  }
   if (all != stack) free(all);
   zd__err_t ignored;
   if (rc && (flag & CHECKPOINT_BIT))

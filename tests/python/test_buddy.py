@@ -11,9 +11,21 @@ drives that), each bitwise equal to the uninterrupted reference. Status (the bud
 zeroctl status --json from the control service) shows each copy's step, age and holder, and the
 recovery ("buddy copy").
 
-Both copies gone: with checkpoints every 3 steps, both zerods are SIGKILLed (zerod 0 held rank 1's
-copy in its memory) and rank 1's state file is deleted: the world falls back to the newest
-checkpoint, and rank 1's status says why (neither a state file nor a buddy copy).
+Both copies gone: with checkpoints every 3 steps, both zerods are SIGKILLed, rank 1's state file
+and the copy of it that zerod 0 kept in the state_dir are deleted: the world falls back to the
+newest checkpoint, and rank 1's status says why (neither a state file nor a buddy copy).
+
+The holder keeps the copies in its state_dir (0600 files, renamed into place once complete): both
+zerods SIGKILLed, rank 1's state file deleted, the copies kept; restarted, zerod 0 serves rank 1's
+copy from its file and zerod 1 rank 0's (rank 0's own file holds newer steps, so it reads its copy
+too, in the agreement's second round), the world continues from step 8, bitwise; a ".part" left
+by a copy in flight is deleted, a damaged copy file renamed aside.
+
+Copies by time (buddy_copy_every_s): every rank copies the same step (the step's records carry
+the request), and a node back empty resumes from it.
+
+The reference is the running torch's AdamW: under torch 2.x (suite python-torch2) every layout
+of this process takes its update ("torch2", the first moment by lerp, and torch.sqrt's rounding).
 
 Also: W=3 with failure domains a, a, b (each copy leaves its node's domain), and the bandwidth cap
 (a copy takes at least its bytes over the cap while the steps go on).
@@ -37,12 +49,35 @@ import common  # sets up sys.path and the library first
 
 import zerod.testing  # noqa: E402
 
-from test_state_dir import (BUCKET, PARAMS, Reference, Trainer, init_values, on_all,  # noqa: E402
-                            tmpfs_root)
+import test_state_dir  # noqa: E402
+from test_state_dir import (BUCKET, PARAMS, Reference, init_values, on_all,  # noqa: E402
+                            tmpfs_root, torch)
 
 import numpy as np  # noqa: E402
 
 EVERY = 4
+
+
+def _groups():
+    """The update of the running torch (its AdamW is the reference): under torch 2.x the first
+    moment by lerp and torch.sqrt's rounding as measured (zerod.torch's choice); under 1.13
+    zerod's defaults."""
+    if int(torch.__version__.split(".")[0]) < 2:
+        return None
+    from zerod.torch import _probe_sqrt
+    return [{"update": "torch2", "sqrt_mode": _probe_sqrt()[0]}]
+
+
+# Under torch 2.x every layout of this process takes the running torch's update (the trainers
+# of test_state_dir.py call client.layout without groups).
+_GROUPS = _groups()
+if _GROUPS is not None:
+    _layout = zerod.Client.layout
+
+    def _layout_with_groups(client, params, groups=None, **kw):
+        return _layout(client, params, groups if groups is not None else _GROUPS, **kw)
+    zerod.Client.layout = _layout_with_groups
+Trainer = test_state_dir.Trainer
 
 
 class World3:
@@ -97,11 +132,11 @@ class BuddyTest(unittest.TestCase):
             self.assertEqual(diff.size, 0, f"{what}: {name} differs from torch's step {step} at "
                              f"{diff.size} elements, first {diff[:5].tolist()}")
 
-    def world(self, extra: List[str] = ()) -> zerod.testing.LocalWorld:
+    def world(self, extra: List[str] = (), every: int = EVERY) -> zerod.testing.LocalWorld:
         world = zerod.testing.LocalWorld(2, daemons=2, args=[
             "--state_dir", self.state_dir, "--bucket_elems", BUCKET, "--heartbeat_ms", "100",
             "--peer_timeout_ms", "1000", "--log_level", "info",
-            "--buddy_copy_every_steps", str(EVERY)] + list(extra))
+            "--buddy_copy_every_steps", str(every)] + list(extra))
         self.addCleanup(lambda: world.stop(signal.SIGKILL, check=False))
         return world
 
@@ -139,9 +174,15 @@ class BuddyTest(unittest.TestCase):
                 self.assertLess(time.monotonic(), deadline, f"no copy of step {step}: {buddy}")
                 time.sleep(0.02)
 
-    def wipe(self, rank: int) -> None:
+    def wipe(self, rank: int, held: bool = False) -> None:
+        """Deletes rank's state file; held: also the copy of it its buddy keeps in the
+        state_dir (both zerods share one state_dir here)."""
         files = glob.glob(os.path.join(self.state_dir, f"rank{rank}-of-2-*"))
         self.assertTrue(files, f"rank {rank} has no state file to delete")
+        if held:
+            copies = glob.glob(os.path.join(self.state_dir, f"buddy-rank{rank}-of-2.zdbuddy*"))
+            self.assertTrue(copies, f"no copy of rank {rank} in the state_dir")
+            files += copies
         for f in files:
             os.unlink(f)
 
@@ -305,9 +346,9 @@ class BuddyTest(unittest.TestCase):
         ts = self.register(world, init_values())
         self.train(ts, range(1, 2 * EVERY + 1))
         self.wait_copies(ts, 2 * EVERY)
-        # zerod 0 held rank 1's copy in memory: killing both loses it with rank 1's state file
+        # zerod 0 kept rank 1's copy in the state_dir: deleted with rank 1's state file
         self.kill(world, [0, 1], ts)
-        self.wipe(1)
+        self.wipe(1, held=True)
         self.restart(world, [0, 1])
         ts = self.register(world, None)
         for t in ts:
@@ -319,6 +360,77 @@ class BuddyTest(unittest.TestCase):
         self.assertIn("neither a state file nor a buddy copy", rank.get("last_recovery_note", ""),
                       rank)
         self.train(ts, range(7, 10), check=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_holder_keeps_copies_in_its_state_dir(self) -> None:
+        world = self.world()
+        ts = self.register(world, init_values())
+        self.train(ts, range(1, 2 * EVERY + 1))
+        self.wait_copies(ts, 2 * EVERY)
+        held = ts[0].client.status_dict()["buddy"]
+        self.assertEqual(held["held_in"], self.state_dir, held)
+        for r in range(2):
+            path = os.path.join(self.state_dir, f"buddy-rank{r}-of-2.zdbuddy")
+            self.assertTrue(os.path.exists(path), os.listdir(self.state_dir))
+            self.assertEqual(os.stat(path).st_mode & 0o777, 0o600, path)
+        self.train(ts, range(2 * EVERY + 1, 2 * EVERY + 3))  # steps 9, 10
+        self.kill(world, [0, 1], ts)
+        self.wipe(1)  # rank 1's state file; both copies stay in the state_dir
+        # a copy in flight when its holder died, and a damaged copy of another world
+        part = os.path.join(self.state_dir, "buddy-rank0-of-2.zdbuddy.part")
+        bad = os.path.join(self.state_dir, "buddy-rank3-of-4.zdbuddy")
+        for path in (part, bad):
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as fh:
+                fh.write(b"\x01" * 8192)
+        self.restart(world, [0, 1])
+        ts = self.register(world, None)
+        for t in ts:
+            self.assertTrue(t.info.resumed, f"rank {t.rank} did not resume")
+            self.assertEqual(t.info.step, 2 * EVERY, f"rank {t.rank} resumed step {t.info.step}")
+            self.assert_same(t.snapshot(), 2 * EVERY, f"rank {t.rank} after the recovery")
+        for d in world.daemons:
+            self.assertIn("from its state_dir", d.log())
+            self.assertIn("from its buddy's copy", d.log())
+        self.assertFalse(os.path.exists(part), "the copy in flight was not deleted")
+        self.assertFalse(os.path.exists(bad), "the damaged copy was not renamed aside")
+        self.assertTrue(glob.glob(bad + ".bad-*"), os.listdir(self.state_dir))
+        self.train(ts, range(2 * EVERY + 1, 3 * EVERY + 2), check=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_copies_every_seconds(self) -> None:
+        """buddy_copy_every_s alone: the first step after the interval is copied on every rank
+        (the same step), and a node back empty resumes from it."""
+        world = self.world(["--buddy_copy_every_s", "1"], every=0)
+        ts = self.register(world, init_values())
+        self.train(ts, range(1, 3))
+        time.sleep(1.2)
+        self.train(ts, range(3, 5))  # step 3, at the latest, is due on every rank
+        deadline = time.monotonic() + 20
+        while True:
+            steps = [t.client.status_dict()["buddy"].get(f"rank{t.rank}_copy_step") for t in ts]
+            if steps[0] == steps[1] and steps[0] not in (None, "none"):
+                break
+            self.assertLess(time.monotonic(), deadline, f"no copy of one step: {steps}")
+            time.sleep(0.05)
+        copied = int(steps[0])
+        self.assertGreaterEqual(copied, 3, steps)
+        st = ts[0].client.status_dict()["buddy"]
+        self.assertEqual(st["every_s"], "1", st)
+        self.assertEqual(st["every_steps"], "0", st)
+        self.kill(world, [1], ts)
+        self.wait_health(world.daemons[0], "rejoining")
+        self.wipe(1)
+        self.restart(world, [1])
+        ts = self.register(world, None)
+        for t in ts:
+            self.assertTrue(t.info.resumed, f"rank {t.rank} did not resume")
+            self.assertEqual(t.info.step, copied, f"rank {t.rank} resumed step {t.info.step}")
+            self.assert_same(t.snapshot(), copied, f"rank {t.rank} after the recovery")
+        self.train(ts, range(copied + 1, copied + 3), check=True)
         for t in ts:
             t.close()
         common.stop_world(world)
