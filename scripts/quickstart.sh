@@ -103,7 +103,8 @@ case "${1:-}" in
       $(scripts/fuzz.sh packages)
     install_promtool
     build
-    check_gpu_suite    # The torch tests again under a torch 2.x from PyPI (suite python-torch2), next to Debian's
+    check_gpu_suite
+    # The torch tests again under a torch 2.x from PyPI (suite python-torch2), next to Debian's
     # 1.13: a CPU-only venv of about 1.4 GB, made in about 30 s and kept between runs; with
     # transformers, accelerate and lightning for the frameworks suite (about 30 s more to
     # install, 150 MB; the suite itself about 3 minutes on 2 cores).

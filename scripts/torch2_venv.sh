@@ -74,11 +74,16 @@ install_frameworks() {
 }
 
 # lion-pytorch, the reference of zerod.torch.ZeroLion (the Lion conformance and interop tests),
-# pinned, without its one requirement (torch, which is there already).
+# pinned, without its one requirement (torch, which is there already). Also for Debian's torch
+# 1.13 (pure Python, no venv needed there): in .venv/torch113-extras, which the python suite puts
+# on PYTHONPATH (tests/python/meson.build).
 LION=lion-pytorch==0.2.5
+EXTRAS_113=.venv/torch113-extras
 ensure_lion() {
   "$python" -c 'import lion_pytorch' 2>/dev/null ||
     "$python" -m pip install -q --disable-pip-version-check --no-deps "$LION"
+  [ -d "$EXTRAS_113/lion_pytorch" ] ||
+    "$python" -m pip install -q --disable-pip-version-check --no-deps --target "$EXTRAS_113" "$LION"
 }
 
 if [ -x "$python" ] && check >&2 2>/dev/null; then
