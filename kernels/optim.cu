@@ -382,9 +382,14 @@ extern "C" int zd__cuda_optim_step(const zd__cuda_layout_t *l, const zd__cuda_ad
   uint32_t done = 0; /* the optimizers whose family was launched */
   for (uint32_t k = 0; k < a->ngroups; k++) {
     int opt = a->groups[k].optimizer;
-    if (opt < 0 || opt >= 32 || !launcher(opt))
+    if (opt < 0 || opt >= 32 || !zd__optim_kernel_name(opt))
       return zd__errf(err, -EINVAL, "CUDA update: group %u has optimizer %d, which the table lacks",
                       k, opt);
+    if (!launcher(opt))
+      return zd__errf(err, ZD_EBACKEND,
+                      "CUDA update: group %u has optimizer %s, which has no CUDA kernel yet "
+                      "(its family in kernels/optim.cu); use the CPU backend",
+                      k, zd__optim_kernel_name(opt));
     if ((done >> opt) & 1u) continue;
     uint32_t mask = zd__optim_family_mask(opt);
     zd__cuda_adam_args_t f = *a;

@@ -40,10 +40,13 @@ extern "C" {
 typedef int (*zd__cuda_step_fn)(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a,
                                 cudaStream_t stream, zd__err_t *err);
 
-/* zd__cuda_<k>_step for every family k of the table's rows (zd__cuda_adam_step is adam's). */
-#define ZD__OPTIM_CUDA_DECLARE(opt, k)                                               \
-  int zd__cuda_##k##_step(const zd__cuda_layout_t *l, const zd__cuda_adam_args_t *a, \
-                          cudaStream_t stream, zd__err_t *err);
+/* zd__cuda_<k>_step for every family k of the table's rows (zd__cuda_adam_step is adam's).
+ * Weak: a row whose family has no CUDA kernel yet still links; its launcher is then NULL, and a
+ * CUDA zerod refuses its groups at their first step (zd__cuda_optim_step). */
+#define ZD__OPTIM_CUDA_DECLARE(opt, k)                                         \
+  __attribute__((weak)) int zd__cuda_##k##_step(const zd__cuda_layout_t *l,    \
+                                                const zd__cuda_adam_args_t *a, \
+                                                cudaStream_t stream, zd__err_t *err);
 ZD__OPTIMIZERS(ZD__OPTIM_CUDA_DECLARE)
 #undef ZD__OPTIM_CUDA_DECLARE
 
