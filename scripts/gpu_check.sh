@@ -41,6 +41,9 @@ bundle() {
   if [ ! -f build/build.ninja ]; then
     meson setup build -Dcuda=enabled >/dev/null || die "meson setup build -Dcuda=enabled failed"
   fi
+  # meson's nvcc rule names a depfile that nvcc does not write (it writes <object minus .o>.d), so
+  # ninja would keep .cu objects built against older headers: every .cu is rebuilt for the bundle.
+  find kernels daemon tests -name '*.cu' -exec touch {} +
   ninja -C build -j"${ZEROD_BUILD_JOBS:-2}" >/dev/null || die "ninja -C build failed (run it to see why)"
   [ -x build/tests/gpu/bench_step_cuda ] ||
     die "build/ has no CUDA targets: reconfigure with 'meson configure build -Dcuda=enabled'"
