@@ -7,8 +7,10 @@ the dead-trainer retry; module zerod.torch). Exported from zerod.torch.
     opt = zerod.torch.ZeroLion(model.parameters(), lr=1e-4, weight_decay=0.1)
 
 Each is bit for bit its torch class's default implementation on CPU parameters, under torch 1.13
-and 2.x (ZeroLion: the lion-pytorch package's Lion) (zerod's table of optimizers: kernels/optim.h; formulas in their kernel files). zerod's
-CUDA backend has no kernel for them yet: CUDA parameters are refused.
+and 2.x (ZeroLion: the lion-pytorch package's Lion) (zerod's table of optimizers: kernels/optim.h;
+formulas in their kernel files). CUDA parameters are refused: zerod's CUDA kernels for them
+(kernels/optim.cu) compute torch's CPU formulas and have not yet been checked on a GPU against
+torch's own CUDA implementations.
 """
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ def _register(row: _Row) -> None:
     TABLE[row.kind] = row
 
 
+def _refuse_cuda(cuda: bool, who: str) -> None:
+    """The subclasses' refusal of CUDA parameters (stepped on the GPU; offload steps on the CPU)."""
+    if cuda:
+        raise ValueError(f"{who}: CUDA parameters are not supported yet (zerod's CUDA kernel for "
+                         f"it is unverified against torch's CUDA implementation); train on CPU "
+                         f"parameters")
+
+
 def _torch_optim(name: str) -> Any:
     """torch.optim.<name>, as a row's torch_class."""
 
@@ -130,9 +140,7 @@ class ZeroSGD(ZeroOptimizer):
     def _choose_formulas(self, cuda: bool) -> None:
         """SGD's formula is the same in torch 1.13 and 2.x (kernels/sgd.c): update and sqrt_mode
         are recorded for the bookkeeping only."""
-        if cuda:  # stepped on the GPU (offload steps on the CPU)
-            raise ValueError("ZeroSGD: CUDA parameters are not supported yet (zerod's CUDA "
-                             "backend has no SGD kernel); train on CPU parameters")
+        _refuse_cuda(cuda, "ZeroSGD")
         for g in self.param_groups:
             if g.get("update") is None:
                 g["update"] = "torch2" if _torch_major() >= 2 else "torch113"
@@ -180,9 +188,7 @@ class ZeroAdagrad(ZeroOptimizer):
 
     def _choose_formulas(self, cuda: bool) -> None:
         """torch.sqrt's mode as for AdamW; the update field is bookkeeping (one formula)."""
-        if cuda:  # stepped on the GPU (offload steps on the CPU)
-            raise ValueError("ZeroAdagrad: CUDA parameters are not supported yet (zerod's CUDA "
-                             "backend has no Adagrad kernel); train on CPU parameters")
+        _refuse_cuda(cuda, "ZeroAdagrad")
         for g in self.param_groups:
             g["initial_accumulator_value"] = self._initial_accumulator_value
         super()._choose_formulas(cuda)
@@ -221,9 +227,7 @@ class ZeroRMSprop(ZeroOptimizer):
                 raise ValueError(f"{where}: invalid {key} value: {v!r}")
 
     def _choose_formulas(self, cuda: bool) -> None:
-        if cuda:  # stepped on the GPU (offload steps on the CPU)
-            raise ValueError("ZeroRMSprop: CUDA parameters are not supported yet (zerod's CUDA "
-                             "backend has no RMSprop kernel); train on CPU parameters")
+        _refuse_cuda(cuda, "ZeroRMSprop")
         super()._choose_formulas(cuda)
 
 
@@ -265,9 +269,7 @@ class ZeroLion(ZeroOptimizer):
 
     def _choose_formulas(self, cuda: bool) -> None:
         """Lion's formula is one (kernels/lion.c): update and sqrt_mode are bookkeeping."""
-        if cuda:  # stepped on the GPU (offload steps on the CPU)
-            raise ValueError("ZeroLion: CUDA parameters are not supported yet (zerod's CUDA "
-                             "backend has no Lion kernel); train on CPU parameters")
+        _refuse_cuda(cuda, "ZeroLion")
         for g in self.param_groups:
             if g.get("update") is None:
                 g["update"] = "torch2" if _torch_major() >= 2 else "torch113"
