@@ -72,13 +72,15 @@ def init_values() -> Dict[str, np.ndarray]:
 
 
 _POOL: List[Dict[str, np.ndarray]] = []
+_POOL_LOCK = threading.Lock()  # ranks fill their gradients on threads of their own (on_all)
 
 
 def step_grads(step: int) -> Dict[str, np.ndarray]:
-    if not _POOL:
-        rng = np.random.default_rng(11)
-        for _ in range(NGRADS):
-            _POOL.append({n: rng.standard_normal(s).astype(np.float32) for n, s in PARAMS})
+    with _POOL_LOCK:
+        if not _POOL:
+            rng = np.random.default_rng(11)
+            _POOL.extend({n: rng.standard_normal(s).astype(np.float32) for n, s in PARAMS}
+                         for _ in range(NGRADS))
     f = np.float32(1 + step / 64)
     return {n: g * f for n, g in _POOL[step % NGRADS].items()}
 
