@@ -125,6 +125,30 @@ gradients and loss scaling clip by zerod's double norm (a coefficient within a f
 A pickled ZeroOptimizer (e.g. inside torch 1.13's scheduler state_dict) becomes a
 PickledZeroOptimizer placeholder; one never closed is closed at interpreter exit.
 
+Lazy gather. With ``gather="lazy"`` and ``module=model`` (host parameters, zerod's CPU
+backend) step() sends the step without its gather (ZD_STEP_NO_GATHER) and returns at the step's
+commit; it then sends the gathers of every bucket at once, in ascending order (up to 32
+outstanding, the rest as the waits free slots). A forward pre-hook on each submodule that owns
+parameters of the optimizer (``parameters(recurse=False)``; the root module for parameters no
+submodule owns) waits for the gathers of the buckets up to its own highest before the submodule
+runs: with a zerod running ``overlap_update``, zerod writes each bucket's working parameters
+while the trainer's next forward runs, instead of inside step(). The hooks are made once (again
+after add_param_group) and removed by close(). What else reads the parameters waits first:
+step(), add_param_group(), reattach(), checkpoint(), state_dict() and load_state_dict() of the
+optimizer, close() (which does not register again), the first scatter of the next backward (a
+bucket no forward read), and ``module.state_dict()`` (a state_dict hook on the module, in
+torch 1.13 and 2.x alike). zero_grad() does not wait: it writes only the grad buffer, which the
+gathers do not touch. Anything else that reads or writes the parameters between step() and the
+next forward (an evaluation that calls submodules' functions directly, an EMA of the weights,
+``p.data`` read by hand, parameters shared with a module outside `module`) must call
+``wait_params()`` (alias ``synchronize()``) first; it returns at once when nothing is pending.
+Errors of the gathers surface at the wait: ZD_ECLOSED, ZD_EPEER and ZD_EAPPLIED register the
+model again as step() does ("A zerod's loss"): at the step every rank holds the registration has
+written the parameters and the forward goes on; where the step was applied nowhere it is sent
+again (with its gather) from the gradients still in the grad buffer, and when they changed since
+step() (zero_grad, a new backward) ZerodError (ZD_ESTEP) says the step is lost. The bits are
+those of gather="step" (tests/python/test_lazy.py, test_conformance.py --lazy).
+
 Groups added during training. add_param_group() between steps registers the grown model with
 zerod again on a new connection to the same local rank (ZD_REGISTER_GROW): zerod carries the
 state it holds across the new layout, so the parameters it held keep theirs bit for bit and the
