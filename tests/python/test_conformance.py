@@ -75,6 +75,8 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
         targets = ref_params
     ams = cfg.get("amsgrad", False)
     zgroups = models.param_groups(model, named=True)
+    # --lazy: step() returns at the commit, each submodule's forward waits for its buckets
+    lazy_kw = {"gather": "lazy", "module": model} if cfg.get("lazy") else {}
     if cfg.get("optimizer", "adamw") == "sgd":
         # torch's default SGD (no foreach argument: its default implementation on CPU), with
         # the momentum options; the second group overrides momentum, as a torch group may.
@@ -83,7 +85,7 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
         if cfg["momentum"] and not cfg["nesterov"]:
             groups[1]["momentum"] = zgroups[1]["momentum"] = cfg["momentum"] / 2
         ref_opt = torch.optim.SGD(groups, lr=SGD_LR, **kw)
-        opt = ZeroSGD(zgroups, lr=SGD_LR, socket=endpoint[0], local_rank=endpoint[1], **kw)
+        opt = ZeroSGD(zgroups, lr=SGD_LR, socket=endpoint[0], local_rank=endpoint[1], **kw, **lazy_kw)
     elif cfg.get("optimizer") == "adagrad":
         # torch's default Adagrad; the second group with its own lr_decay (the accumulator starts
         # at the constructor's value in every group, as torch does).
@@ -93,7 +95,7 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
         zgroups[1].update(lr_decay=0.0)
         ref_opt = torch.optim.Adagrad(groups, lr=ADAGRAD_LR, **kw)
         opt = ZeroAdagrad(zgroups, lr=ADAGRAD_LR, socket=endpoint[0], local_rank=endpoint[1],
-                          **kw)
+                          **kw, **lazy_kw)
     elif cfg.get("optimizer") == "rmsprop":
         # torch's default RMSprop; the second group without momentum.
         kw = dict(alpha=0.9, eps=1e-8, momentum=cfg["momentum"], centered=cfg["centered"],
@@ -102,7 +104,7 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
         zgroups[1].update(momentum=0.0)
         ref_opt = torch.optim.RMSprop(groups, lr=RMSPROP_LR, **kw)
         opt = ZeroRMSprop(zgroups, lr=RMSPROP_LR, socket=endpoint[0], local_rank=endpoint[1],
-                          **kw)
+                          **kw, **lazy_kw)
     elif cfg.get("optimizer") == "lion":
         # lion-pytorch's Lion (its default update); the first group with a weight decay Lion
         # users take (lr * wd about 1e-4), the second with betas of its own.
@@ -114,17 +116,18 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
         zgroups[1].update(betas=(0.95, 0.98))
         ref_opt = Lion(groups, lr=LION_LR, betas=(0.9, 0.99))
         opt = ZeroLion(zgroups, lr=LION_LR, betas=(0.9, 0.99), socket=endpoint[0],
-                       local_rank=endpoint[1])
+                       local_rank=endpoint[1], **lazy_kw)
     else:
         ref_opt = torch.optim.AdamW(groups, lr=LR, foreach=False, amsgrad=ams)
         opt = ZeroOptimizer(zgroups, lr=LR, socket=endpoint[0], local_rank=endpoint[1],
-                            amsgrad=ams)
+                            amsgrad=ams, **lazy_kw)
     sched_fn = models.lr_lambda(steps) if cfg.get("schedule", True) else (lambda s: 1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, sched_fn)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, sched_fn)
     names = [n for n, _ in model.named_parameters()]
     rows: List[tuple] = []
     t_zerod = t_ref = 0.0
+    lazy_pending = 0  # steps that returned with gathers still to wait for (--lazy)
     try:
         for step in range(steps):
             t0 = time.perf_counter()
@@ -133,6 +136,7 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
             loss = models.loss_fn(model, x, y)
             loss.backward()
             opt.step()
+            lazy_pending += opt._lazy_owed
             sched.step()
             t1 = time.perf_counter()
 
@@ -168,11 +172,16 @@ def train_rank(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, 
                                  f"{ref_loss.item()!r} in the reference (forward differs)",
                         "rows": rows}
             if (step + 1) % cfg["check_every"] == 0 or step + 1 == steps:
+                if cfg.get("lazy"):  # read outside the forward: the gathers first
+                    opt.wait_params()
                 for n, a, b in zip(names, model.parameters(), ref_params):
                     if not torch.equal(a, b):
                         return {"error": f"after step {step + 1}: "
                                          f"{common.first_difference(n, a, b)}", "rows": rows}
         res = opt.last_result
+        if cfg.get("lazy") and lazy_pending != steps:
+            return {"error": f"gather='lazy': {steps - lazy_pending} of {steps} steps returned "
+                             f"with their gathers done (step() gathered)", "rows": rows}
         status = opt.client.rank_status()
         if int(status["step"]) != steps:
             return {"error": f"zerod says step {status['step']}, expected {steps}", "rows": rows}
@@ -195,7 +204,8 @@ def _worker(cfg: Dict[str, Any], rank: int, world: int, endpoint: Tuple[str, int
 def run_config(cfg: Dict[str, Any], world: int, daemons: int, spawn: bool) -> bool:
     kind, dtype = cfg["model"], cfg["dtype"]
     print(f"== {kind}, {dtype} working params, W={world}, {cfg['steps']} steps"
-          f"{', overlap_update' if cfg.get('overlap') else ''} ==", flush=True)
+          f"{', overlap_update' if cfg.get('overlap') else ''}"
+          f"{', gather=lazy' if cfg.get('lazy') else ''} ==", flush=True)
     t0 = time.monotonic()
     args = ["--bucket_elems", str(BUCKET_ELEMS[kind])]
     if cfg.get("overlap"):
@@ -305,6 +315,10 @@ def main() -> None:
                     help="zerod with overlap_update = 1 (buckets updated as scattered)")
     ap.add_argument("--no-schedule", action="store_true",
                     help="a constant lr instead of the warm-up + cosine schedule")
+    ap.add_argument("--lazy", action="store_true",
+                    help="ZeroOptimizer(gather='lazy'): parameters gathered before each "
+                         "submodule's forward; compared every --check-every steps after "
+                         "wait_params(), the losses every step")
     ap.add_argument("--spawn", action="store_true",
                     help="run the trainers in their own processes even at W=1")
     a = ap.parse_args()
@@ -323,7 +337,8 @@ def main() -> None:
             cfg = {"model": kind, "dtype": dtype, "steps": a.steps, "check_every": a.check_every,
                    "amsgrad": a.amsgrad, "overlap": a.overlap, "schedule": not a.no_schedule,
                    "optimizer": a.optimizer, "momentum": a.momentum, "dampening": a.dampening,
-                   "nesterov": a.nesterov, "maximize": a.maximize, "centered": a.centered}
+                   "nesterov": a.nesterov, "maximize": a.maximize, "centered": a.centered,
+                   "lazy": a.lazy}
             ok = run_config(cfg, a.world, daemons, a.spawn or a.world > 1) and ok
     sys.exit(0 if ok else 1)
 

@@ -125,6 +125,30 @@ gradients and loss scaling clip by zerod's double norm (a coefficient within a f
 A pickled ZeroOptimizer (e.g. inside torch 1.13's scheduler state_dict) becomes a
 PickledZeroOptimizer placeholder; one never closed is closed at interpreter exit.
 
+Lazy gather. With ``gather="lazy"`` and ``module=model`` (host parameters, zerod's CPU
+backend) step() sends the step without its gather (ZD_STEP_NO_GATHER) and returns at the step's
+commit; it then sends the gathers of every bucket at once, in ascending order (up to 32
+outstanding, the rest as the waits free slots). A forward pre-hook on each submodule that owns
+parameters of the optimizer (``parameters(recurse=False)``; the root module for parameters no
+submodule owns) waits for the gathers of the buckets up to its own highest before the submodule
+runs: with a zerod running ``overlap_update``, zerod writes each bucket's working parameters
+while the trainer's next forward runs, instead of inside step(). The hooks are made once (again
+after add_param_group) and removed by close(). What else reads the parameters waits first:
+step(), add_param_group(), reattach(), checkpoint(), state_dict() and load_state_dict() of the
+optimizer, close() (which does not register again), the first scatter of the next backward (a
+bucket no forward read), and ``module.state_dict()`` (a state_dict hook on the module, in
+torch 1.13 and 2.x alike). zero_grad() does not wait: it writes only the grad buffer, which the
+gathers do not touch. Anything else that reads or writes the parameters between step() and the
+next forward (an evaluation that calls submodules' functions directly, an EMA of the weights,
+``p.data`` read by hand, parameters shared with a module outside `module`) must call
+``wait_params()`` (alias ``synchronize()``) first; it returns at once when nothing is pending.
+Errors of the gathers surface at the wait: ZD_ECLOSED, ZD_EPEER and ZD_EAPPLIED register the
+model again as step() does ("A zerod's loss"): at the step every rank holds the registration has
+written the parameters and the forward goes on; where the step was applied nowhere it is sent
+again (with its gather) from the gradients still in the grad buffer, and when they changed since
+step() (zero_grad, a new backward) ZerodError (ZD_ESTEP) says the step is lost. The bits are
+those of gather="step" (tests/python/test_lazy.py, test_conformance.py --lazy).
+
 Groups added during training. add_param_group() between steps registers the grown model with
 zerod again on a new connection to the same local rank (ZD_REGISTER_GROW): zerod carries the
 state it holds across the new layout, so the parameters it held keep theirs bit for bit and the
@@ -170,6 +194,7 @@ _TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False,
                   "differentiable": False}
 _IMPL_OPTIONS = ("foreach", "fused")
 _MAX_INFLIGHT = 48  # below libzerod's 64 outstanding requests per client
+_MAX_GATHERS = 32  # gather="lazy": gathers outstanding at once (scatters wait for them all)
 _MAX_REJOINS = 3  # zerods lost within one step() before it raises (each rejoin is bounded too)
 
 # Optimizers not closed yet. torch 2.15 (not 2.6) aborts the interpreter (c10::Error "use_count() == 1"
@@ -395,6 +420,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             (the default) offloads by itself in that case, True insists on it, False refuses
             it. "rehearsal": a test switch that runs the offload machinery with a model on the
             CPU (plain copies, no streams).
+        gather: when the updated parameters are gathered into the model. "step" (the default):
+            inside step(), which returns with every parameter updated. "lazy" (host
+            parameters only; `module` required): step() returns at the step's commit, sent
+            without its gather, and the gathers of every bucket are sent at once; a forward
+            pre-hook on each submodule of `module` that owns parameters of a bucket waits for
+            that bucket's gather before the submodule runs, so that zerod's write of the
+            working parameters runs beside the next forward instead of inside step()
+            (module docstring "Lazy gather"). Code that reads parameters outside the
+            module's forward between step() and the next forward must call
+            ``wait_params()`` first (``module.state_dict()`` waits by itself).
+        module: the model whose submodules get the forward pre-hooks of gather="lazy" (the
+            module holding the optimizer's parameters); ignored otherwise.
 
     Raises:
         zerod.ZerodError: from the daemon (no daemon, rank busy, layout mismatch, bad
@@ -421,7 +458,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap: bool = True, socket: Optional[str] = None,
                  local_rank: int = ANY_RANK, timeout_ms: int = 0,
                  client: Optional[Client] = None, replace: bool = False,
-                 abort_retries: int = 3, offload: Any = None, **hparams: Any) -> None:
+                 abort_retries: int = 3, offload: Any = None, gather: str = "step",
+                 module: Optional[torch.nn.Module] = None, **hparams: Any) -> None:
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors or dicts, not a tensor")
         defaults = Group().to_dict()  # every field of zerod's groups, as torch names it
@@ -503,6 +541,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._abort_retries = int(abort_retries)
         self._names = [s[0] for s in specs]
         self._clip_norm = _clip_norm_for_torch() if max_grad_norm > 0 else "double"
+        if gather not in ("step", "lazy"):
+            raise ValueError(f"gather is {gather!r}; expected 'step' or 'lazy'")
+        self._lazy = gather == "lazy"
+        self._lazy_module: Optional[torch.nn.Module] = None
+        if self._lazy:
+            if not isinstance(module, torch.nn.Module):
+                raise ValueError("gather='lazy' needs module=<the model>: its forward pre-hooks "
+                                 "wait for each bucket's gather before the submodules that read "
+                                 "it run")
+            if self._cuda or offload:
+                raise ValueError("gather='lazy' is for parameters in host memory on zerod's CPU "
+                                 "backend (not CUDA parameters nor offload, whose gathers are "
+                                 "copies to the device after step())")
+            self._lazy_module = module
+        self._lazy_handles: List[Any] = []
+        self._lazy_gathers: List[Tuple[int, Request]] = []  # sent, not waited for: ascending
+        self._lazy_next = 0  # the next bucket whose gather is to be sent
+        self._lazy_done = 0  # buckets below it are gathered
+        self._lazy_owed = False  # a step returned without its gather, which is not done yet
+        self._lazy_step: Dict[str, Any] = {}  # what resending that step needs (_gather_failed)
 
         self._owns_client = client is None
         # What a registration of the grown model needs again (add_param_group, _grow).
@@ -618,6 +676,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]
                 self._hook_handles.append(acc.register_hook(self._make_hook(i)))
                 self._grad_accs.append(acc)  # the node lives only while someone holds it
+        if self._lazy_module is not None:
+            self._hook_module(self._lazy_module)
         self._sent_hparams = self._current_hparams()
         if self._offload is not None:
             self._offload.attach(pviews, gviews)
@@ -777,6 +837,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _grow(self, param_group: Dict[str, Any]) -> None:
         """add_param_group after construction (its docstring)."""
         self._check_open()
+        self.wait_params()
         if self._offload is not None or self._cuda:
             raise RuntimeError("add_param_group after construction needs host buffers and "
                                "zerod's CPU backend (not CUDA parameters nor offload): pass "
@@ -946,6 +1007,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._lost is not None:  # nothing more goes out before step() registers again
             self._scattered[bucket] = True
             return
+        if self._lazy_owed:  # a bucket no forward read: its gather goes first, on every rank
+            self.wait_params()
         if not self._hparams_told:
             self._hparams_told = True
             self._tell_hparams()
@@ -993,6 +1056,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         onto them, keeping their current values (copied in); returns how many were moved. For a
         model moved or copied after the optimizer was built (module docstring, Limits)."""
         self._check_open()
+        self.wait_params()
         gone = self._detached()
         if gone and self._offload is not None:
             raise RuntimeError("reattach() does not apply to an offloading ZeroOptimizer: build "
@@ -1057,6 +1121,128 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finally:
             self._sync = old
 
+    # ---- lazy gather ----------------------------------------------------------------------------
+
+    def _hook_module(self, module: torch.nn.Module) -> None:
+        """gather="lazy": a forward pre-hook on each submodule of `module` that owns parameters
+        of the optimizer (``parameters(recurse=False)``), which waits for the gathers of the
+        buckets up to the highest of them (gathers complete in ascending order, so the lower
+        ones cost nothing more), and on the root module for parameters no submodule owns;
+        a state_dict hook on the root. Made again by every registration (add_param_group
+        renumbers the buckets)."""
+        for h in self._lazy_handles:
+            h.remove()
+        self._lazy_handles = []
+        index = {id(p): i for i, p in enumerate(self._params)}
+        owned = set()
+        tops: List[Tuple[torch.nn.Module, int]] = []
+        for m in module.modules():
+            bs = [self._pinfo[index[id(p)]].bucket for p in m.parameters(recurse=False)
+                  if id(p) in index]
+            owned.update(id(p) for p in m.parameters(recurse=False))
+            if bs:
+                tops.append((m, max(bs)))
+        orphans = [self._pinfo[i].bucket for i, p in enumerate(self._params) if id(p) not in owned]
+        if orphans:
+            tops.append((module, max(orphans)))
+        for m, top in tops:
+            self._lazy_handles.append(m.register_forward_pre_hook(self._make_gather_hook(top)))
+
+        def state_dict_hook(*_: Any) -> None:
+            # The state dict holds views of the parameters: correct once their gathers are done.
+            self.wait_params()
+
+        self._lazy_handles.append(module._register_state_dict_hook(state_dict_hook))
+
+    def _make_gather_hook(self, top: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if self._lazy_owed and self._lazy_done <= top:
+                self._wait_gathers(top)
+        return hook
+
+    def wait_params(self) -> None:
+        """Waits until every parameter holds the last step's result. With gather="lazy",
+        step() returns before zerod has written the updated parameters into the model, and
+        each submodule's forward waits for its own buckets; any other read of the parameters
+        between step() and the next forward (an evaluation outside the module's forward, an
+        EMA copy, ``torch.save`` of the parameters themselves, a write into them) must call
+        this first; ``module.state_dict()`` calls it by itself. Raises the gathers' error
+        (after registering the model again where step() would: module docstring "Lazy
+        gather"). Returns at once when nothing is pending (and with gather="step")."""
+        if self._lazy_owed:
+            self._wait_gathers(self._nbuckets - 1)
+
+    synchronize = wait_params
+
+    def _start_gathers(self) -> None:
+        """After a step sent without its gather: the gathers of every bucket, in ascending
+        order on every rank (collectives are matched by their order), up to _MAX_GATHERS at once
+        (the rest as the forward's waits free their slots)."""
+        self._lazy_owed = True
+        self._lazy_next = self._lazy_done = 0
+        self._lazy_gathers = []
+        self._wait_gathers(-1)
+
+    def _wait_gathers(self, top: int, heal: bool = True) -> None:
+        """Sends the gathers still to send and waits for those of buckets 0..top (-1: sends
+        only). Errors: _gather_failed (heal=False: every request waited for, then raised)."""
+        nb = self._nbuckets
+        try:
+            while self._lazy_next < nb:
+                if len(self._lazy_gathers) >= _MAX_GATHERS:
+                    if self._lazy_gathers[0][0] > top:
+                        break
+                    b, req = self._lazy_gathers.pop(0)
+                    req.wait()
+                    self._lazy_done = b + 1
+                    continue
+                self._lazy_gathers.append((self._lazy_next,
+                                           self.client.gather_start(self._lazy_next)))
+                self._lazy_next += 1
+            while self._lazy_gathers and self._lazy_gathers[0][0] <= top:
+                b, req = self._lazy_gathers.pop(0)
+                req.wait()
+                self._lazy_done = b + 1
+        except ZerodError as e:
+            self._gather_failed(e, heal)
+            return
+        if self._lazy_done >= nb:
+            self._lazy_owed = False
+
+    def _gather_failed(self, cause: ZerodError, heal: bool = True) -> None:
+        """A gather after a lazy step failed: every request sent is waited for once; then, as
+        step() does for the same errors, the model is registered again (zerod restarted with
+        its state_dir, or the world re-formed): at the step every rank holds, the parameters
+        are zerod's (registration writes them), which ends the wait; where the step was applied
+        nowhere, it is sent again (with its gather) from the gradients still in the grad buffer,
+        or, when they changed since step() (zero_grad, a new backward), ZerodError says the
+        step is lost. Other errors are raised as they are."""
+        for _, req in self._lazy_gathers:
+            with contextlib.suppress(Exception):
+                req.wait()
+        self._lazy_gathers = []
+        self._lazy_owed = False
+        if not heal or not self._can_rejoin(cause):
+            raise cause
+        st = self._lazy_step
+        before = st["before"]
+        after = self._rejoin(cause, before)
+        self._sent_hparams = []  # zerod's groups are the registration's now
+        if after == before + 1:  # applied: the registration wrote its parameters
+            return
+        if self._gflat._version != st["grad_version"]:
+            raise ZerodError(_lib.ZD_ESTEP, "ZD_ESTEP",
+                             f"step {before + 1} was lost with zerod ({cause.name}: "
+                             f"{cause.message}) after step() had returned (gather='lazy'), and "
+                             f"its gradients were changed since (zero_grad or a new backward): "
+                             f"the training loop must redo step {before + 1} from zerod's "
+                             f"step {before}", "zd_rejoin") from cause
+        self._scattered = [False] * self._nbuckets  # every bucket scattered again
+        result, _ = self._step_attempts(st["hp"], st["hp"], st["absent"], before, gather=True)
+        self._sent_hparams = st["hp"]
+        self.last_result = result
+        self.loss_scale = result.loss_scale
+
     # ---- hyperparameters ------------------------------------------------------------------------
 
     def _current_hparams(self) -> List[Group]:
@@ -1078,6 +1264,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         `abort_retries` times (module docstring).
         """
         self._check_open()
+        self.wait_params()  # gather="lazy": the last step's gathers (a forward waited for most)
         self._check_attached()
         loss = None
         if closure is not None:
@@ -1091,10 +1278,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._check_all_groups()
             groups = hp
         before = self.client.info.step  # the steps applied before this one
+        lazy = self._lazy and self._offload is None and not self._cuda
+        grad_version = self._gflat._version
+        result, sent = self._step_attempts(groups, hp, absent, before, gather=not lazy)
+        if self._offload is not None:  # the gather, and the parameters back to the device
+            self._offload.after_step()
+        if groups is not None or not sent:
+            self._sent_hparams = hp
+        self.last_result = result
+        self.loss_scale = result.loss_scale
+        if lazy and sent:
+            # What sending the step again needs should a gather find zerod gone
+            # (_gather_failed); then the gathers, which the forward's hooks wait for.
+            self._lazy_step = {"before": before, "hp": hp, "absent": absent,
+                               "grad_version": grad_version}
+            self._start_gathers()
+        return loss
+
+    def _step_attempts(self, groups: Optional[List[Group]], hp: List[Group],
+                       absent: Optional[List[int]], before: int, gather: bool = True
+                       ) -> Tuple[StepResult, bool]:
+        """The step after zerod's step `before`, registering again after a zerod's loss (up to
+        _MAX_REJOINS times); returns its result and whether this step's request was answered
+        (False: the step had been applied everywhere before the loss, and the registration
+        wrote its parameters). gather=False: sent without its gather (gather="lazy")."""
         for heal in range(_MAX_REJOINS + 1):
             try:
-                result = self._send_with_retries(groups, absent)
-                break
+                result = self._send_with_retries(groups, absent, gather)
+                if heal:
+                    self._sent_hparams = hp  # sent with the step after the registration
+                return result, True
             except ZerodError as e:
                 if heal == _MAX_REJOINS or not self._can_rejoin(e):
                     raise
@@ -1104,25 +1317,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._sent_hparams = []
                 groups = hp
                 if after == before + 1:  # applied on every rank before the loss: done
-                    result = StepResult(after, True, math.nan, self.client.info.loss_scale,
-                                        math.nan, 0)
-                    break
+                    return StepResult(after, True, math.nan, self.client.info.loss_scale,
+                                      math.nan, 0), False
                 # not applied anywhere: the same step again, with the gradients still in the
                 # grad buffer, every bucket scattered again
-        if self._offload is not None:  # the gather, and the parameters back to the device
-            self._offload.after_step()
-        if groups is not None:
-            self._sent_hparams = hp
-        self.last_result = result
-        self.loss_scale = result.loss_scale
-        return loss
+        raise AssertionError("unreachable")
 
     def _send_with_retries(self, groups: Optional[List[Group]],
-                           absent: Optional[List[int]]) -> StepResult:
+                           absent: Optional[List[int]], gather: bool = True) -> StepResult:
         """The step, sent again after ZD_EABORTED up to abort_retries times; its result."""
         for attempt in range(self._abort_retries + 1):
             try:
-                step_req = self._send_step(groups, absent)
+                step_req = self._send_step(groups, absent, gather)
                 break
             except ZerodError as e:
                 if not e.retryable or attempt == self._abort_retries:
@@ -1196,8 +1402,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._hook_version = self._gflat._version
         return absent
 
-    def _send_step(self, groups: Optional[List[Group]], absent: Optional[List[int]] = None
-                   ) -> Request:
+    def _send_step(self, groups: Optional[List[Group]], absent: Optional[List[int]] = None,
+                   gather: bool = True) -> Request:
         """The requests of one step attempt; returns the step's, waited for."""
         try:
             if self._lost is not None:  # a scatter from backward's hooks found zerod gone
@@ -1206,7 +1412,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if not self._overlap and self._offload is None:
                 # No hooks: one request whose scatter zerod runs (in descending bucket order,
                 # like the hooks, so ranks configured differently still match).
-                self._inflight.append(self.client.step_start(groups, **self._clip_kw(),
+                self._inflight.append(self.client.step_start(groups, gather=gather,
+                                                             **self._clip_kw(),
                                                              **self._absent_kw(absent),
                                                              **self._stream()))
             else:
@@ -1218,7 +1425,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         self._start_scatter(b)
                 if self._offload is not None:  # the scatters its sender thread has queued
                     self._offload.flush(self._inflight)
-                no_gather = {"gather": False} if self._offload is not None else {}
+                no_gather = ({"gather": False} if self._offload is not None or not gather
+                             else {})
                 self._inflight.append(self.client.step_start(groups, scatter=False, **no_gather,
                                                              **self._clip_kw(),
                                                              **self._absent_kw(absent),
@@ -1313,6 +1521,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         at the same step. Returns (step, checkpoint directory); with wait=False it returns once
         zerod has snapshotted the state, which it then writes in the background."""
         self._check_open()
+        self.wait_params()
         return self.client.checkpoint(wait=wait)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -1324,6 +1533,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         trainer. A restarted trainer resumes by building the same model and optimizer again,
         which reattaches to zerod's state; load_state_dict() then restores the hyperparameters.
         """
+        self.wait_params()  # gather="lazy": the step is whole (or its error raised) first
         sd = super().state_dict()
         info = self.client.info
         sd["zerod"] = {"step": info.step, "loss_scale": self.loss_scale,
@@ -1336,6 +1546,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Restores the groups' hyperparameters (sent to zerod at the next step). Warns when
         the saved step differs from zerod's: the master weights and moments are zerod's, at its
         own step, and are not rolled back."""
+        self.wait_params()
         formulas = [(g["update"], g["sqrt_mode"]) for g in self.param_groups]
         super().load_state_dict(state_dict)
         for i, g in enumerate(self.param_groups):
@@ -1373,15 +1584,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the master weights and moments for a later optimizer. Closing twice is harmless."""
         if getattr(self, "_closed", True):
             return
+        if self._lazy_owed:  # gather="lazy": the parameters the copies below take
+            try:
+                self._wait_gathers(self._nbuckets - 1, heal=False)
+            except Exception:
+                pass
         self._closed = True
         _open_optimizers.discard(self)
         try:
             self._wait_inflight()
         except Exception:
             pass
-        for h in self._hook_handles:
+        for h in self._hook_handles + self._lazy_handles:
             h.remove()
-        self._hook_handles, self._grad_accs = [], []
+        self._hook_handles, self._grad_accs, self._lazy_handles = [], [], []
         if self._cuda:
             # Only the stream current at the last request waited for zerod's results: the
             # copies below, on today's current stream, must not read the buffers before them.
