@@ -134,9 +134,13 @@ int zd__resize_load(const zd__step_ctx_t *ctx, const zd__resize_image_t *img,
   rc = comm->ops->allgather_bytes(comm, &mine, sizeof mine, all, err);
   if (!rc) rc = comm->ops->allgather_bytes(comm, lags, (np ? np : 1) * sizeof *lags, all_lags, err);
   if (rc) goto exit;
-  uint32_t holder = w;
-  for (uint32_t r = 0; r < w && holder == w; r++)
-    if (all[r].has) holder = r;
+  uint32_t holder = w, holders = 0;
+  for (uint32_t r = 0; r < w; r++) {
+    if (all[r].has && holder == w) holder = r;
+    holders += all[r].has != 0;
+  }
+  /* A shrunk world: every rank holds the whole state and takes its shard from its own image. */
+  const int local = holders == w;
   if (holder == w) {
     rc = zd__errf(err, ZD_EORDER, "no rank holds the resized world's state");
     goto exit;
@@ -169,6 +173,15 @@ int zd__resize_load(const zd__step_ctx_t *ctx, const zd__resize_image_t *img,
   const zd__states_t common = m->states & (zd__states_t)h->states;
   for (int s = 0; s < ZD__NSTATES && !rc; s++) {
     if (!(common & ZD__STATE_BIT(s))) continue; /* the model's own start (zeros, the client's) */
+    float *slot = (float *)stage + (size_t)zd__model_array_index(m->states, s) * ns;
+    if (local) {
+      memset(slot, 0, ns * sizeof(float));
+      zd__model_carry(img->layout, m->layout, ctx->rank,
+                      img->full + (size_t)zd__model_array_index(img->states, s) * img->from *
+                                      img->layout->shard_elems,
+                      slot);
+      continue;
+    }
     /* The holder writes every rank's new shard of the array; the others add -0.0f, which leaves
      * each value as it is bit for bit (Gloo sums in fp32). */
     if (img && ctx->rank == holder) {
@@ -185,9 +198,7 @@ int zd__resize_load(const zd__step_ctx_t *ctx, const zd__resize_image_t *img,
     rc = comm->ops->reduce_scatter(comm, (uint32_t)s, send, ZD_F32, ns, scratch, &shard, &sdt, err);
     if (!rc && sdt != ZD_F32)
       rc = zd__errf(err, ZD_EBACKEND, "the resize transfer needs an fp32 reduce-scatter");
-    if (!rc)
-      memcpy((float *)stage + (size_t)zd__model_array_index(m->states, s) * ns, shard,
-             ns * sizeof(float));
+    if (!rc) memcpy(slot, shard, ns * sizeof(float));
   }
   if (rc) goto exit;
   rc = c->ops->restore(c, dst, ncount, ns, stage, RESIZE_COPY_TIMEOUT_MS, err);
@@ -209,7 +220,11 @@ int zd__resize_load(const zd__step_ctx_t *ctx, const zd__resize_image_t *img,
   m->resumed_from = ZD__FROM_RESIZE;
   ZD_LOG_INFO("rank %u of %u: model carried across the resize at step %" PRIu64
               " (%s; rank %u held the whole state)",
-              ctx->rank, w, m->step, img ? "from this rank's image" : "joined empty", holder);
+              ctx->rank, w, m->step,
+              local ? "from this rank's image"
+              : img ? "sent from the image"
+                    : "joined empty",
+              holder);
   *out = m;
   m = NULL;
 exit:

@@ -7,7 +7,8 @@
  * registration in the new world (zd__model_attach) every rank builds its model for the new layout
  * from the image (zd__resize_load): a rank that holds one contributes each array's full new layout,
  * the others -0.0f, to a reduce-scatter whose fp32 sum leaves every rank its new shard bit for bit
- * (x + -0.0f == x for every x), so zerods that joined empty (a grown world) get their shard too.
+ * (x + -0.0f == x for every x), so zerods that joined empty (a grown world) get their shard too;
+ * where every rank holds an image (a shrunk world) each takes its shard from its own, no transfer.
  */
 #ifndef ZD_STEP_RESIZE_H
 #define ZD_STEP_RESIZE_H
