@@ -34,9 +34,28 @@ import numpy as np
 import zerod.testing  # noqa: E402
 from zerod import ZerodError  # noqa: E402
 
-common.require_torch()
+torch = common.require_torch()
 
 import test_state_dir as sd  # noqa: E402  (its PARAMS, gradients, reference and Trainer)
+
+
+def _groups():
+    """The update of the running torch (its AdamW is the reference), as test_buddy.py: under
+    torch 2.x the first moment by lerp and torch.sqrt's rounding as measured; under 1.13 zerod's
+    defaults."""
+    if int(torch.__version__.split(".")[0]) < 2:
+        return None
+    from zerod.torch import _probe_sqrt
+    return [{"update": "torch2", "sqrt_mode": _probe_sqrt()[0]}]
+
+
+_GROUPS = _groups()
+if _GROUPS is not None:  # every layout of this process (test_state_dir's Trainer passes none)
+    _layout = zerod.Client.layout
+
+    def _layout_with_groups(client, params, groups=None, **kw):
+        return _layout(client, params, groups if groups is not None else _GROUPS, **kw)
+    zerod.Client.layout = _layout_with_groups
 
 ZD_EPEER, ZD_ERANK = -4014, -4011
 ARGS = ["--bucket_elems", sd.BUCKET, "--heartbeat_ms", "100", "--peer_timeout_ms", "1000",
