@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 from typing import Dict, List
@@ -237,6 +239,48 @@ class ResizeTest(unittest.TestCase):
             st = status(world.daemons[0])["ranks"][0]
             self.assertIn("failed", st.get("last_resize", "") + st.get("degraded_reason", ""),
                           st)
+            for t in ts:
+                t.close()
+        except BaseException:
+            sys.stderr.write(world.log())
+            raise
+        finally:
+            world.stop(check=False)
+
+    def test_peer_killed_during_resize_state_dir(self) -> None:
+        """As above with a state_dir: the resize fails on every survivor (the image's all-gather
+        finds the peer gone), the world heals at its old size from the state files once the lost
+        zerod is back, and training continues bitwise; status names the failed resize."""
+        state_dir = os.path.join(tempfile.mkdtemp(prefix="zerod-resize-", dir=sd.tmpfs_root()),
+                                 "state")
+        self.addCleanup(shutil.rmtree, os.path.dirname(state_dir), True)
+        world = zerod.testing.LocalWorld(4, daemons=4, args=ARGS + ["--state_dir", state_dir],
+                                         log_level="info")
+        try:
+            ts = self.register(world, [0, 1, 2, 3], first=True)
+            self.train(ts, range(1, 4))
+            zeroctl("--address", world.daemons[2].control_address, "resize", "--world_size", "2")
+            self.train(ts, range(4, 5))  # the resize rides step 4
+            world.daemons[3].stop(signal.SIGKILL, check=False)
+            t0 = time.monotonic()
+            got = attempt([lambda t=t: t.step(5) for t in ts[:3]])
+            self.assertLess(time.monotonic() - t0, 60, "no hang")
+            for t, e in zip(ts[:3], got):
+                self.assertIsInstance(e, ZerodError, f"rank {t.rank}: step 5")
+            for t in ts:
+                t.close()
+            st = status(world.daemons[0])
+            self.assertEqual(st["world_size"], 4, "a failed resize leaves the old size")
+            self.assertIn("4 -> 2 ranks failed", st["ranks"][0].get("last_resize", ""), st)
+            d = zerod.testing.LocalZerod(list(world.daemons[3].args), log_level="info")
+            world.daemons[3] = d
+            world._endpoints[3] = (d.socket, 0)
+            ts = self.register(world, [0, 1, 2, 3])
+            for t in ts:
+                self.assertTrue(t.info.resumed, f"rank {t.rank} resumed its state file")
+            self.assert_same(ts, 4, "W=4 healed after the failed resize")
+            self.train(ts, range(5, 7))
+            self.assert_same(ts, 6, "W=4 after the failed resize")
             for t in ts:
                 t.close()
         except BaseException:
