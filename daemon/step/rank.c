@@ -704,6 +704,7 @@ static void resize_world(zd__rank_t *r) {
   uint64_t t0 = zd__now_ms(), step = r->model->step;
   zd__err_t err = {0};
   settle(r, 1);
+  zd__model_spec_wait(r->model); /* overlap_update: no speculative update runs beside the copy */
   zd__resize_image_t *img = NULL;
   ZD_LOG_INFO("live resize after step %" PRIu64 ": %u -> %u ranks", step, from, to);
   int rc = zd__resize_take(&r->ctx, r->model, to, &img, &err);
