@@ -749,6 +749,7 @@ static void resize_world(zd__rank_t *r) {
     ZD_LOG_WARN("%s", r->resized);
     return;
   }
+  zd__ckptr_set_world_size(r->env.ckpt, to);
   r->resize_image = img;
   r->resize_from = from;
   r->resize_step = step;

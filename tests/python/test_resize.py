@@ -8,7 +8,8 @@ register again at the new world size and continue bitwise equal to an uninterrup
 torch.optim.AdamW(foreach=False) run. Then `zeroctl resize --world_size 4` grows it back: the
 leaving zerods were stopped, two new empty zerods start for ranks 2 and 3, and every rank gets its
 shard of the new layout from the image rank 0 holds (a reduce-scatter where the others add -0.0f);
-training goes on, bitwise equal again. Status shows each resize (step, sizes, duration). A peer
+training goes on, bitwise equal again. A world with a checkpoint_dir shrunk to 2 checkpoints as a
+world of 2, which a new world of 2 resumes bitwise. Status shows each resize (step, sizes, duration). A peer
 SIGKILLed during a resize: the survivors end in a defined state (degraded, or re-forming without
 state to continue from), never a hang.
 
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 from typing import Dict, List
@@ -201,6 +203,48 @@ class ResizeTest(unittest.TestCase):
             self.assert_same(ts, 12, "W=4 after the grow")
             st = status(world.daemons[0])
             self.assertIn("step 9: 2 -> 4 ranks in", st["ranks"][0]["last_resize"])
+            for t in ts:
+                t.close()
+
+    def test_checkpoint_after_shrink(self) -> None:
+        """A world with a checkpoint_dir shrunk 4 -> 2 checkpoints as a world of 2 (the manifest
+        names 2 ranks; zeroctl verify passes), and a world of 2 started on it resumes bitwise."""
+        ckpt = tempfile.mkdtemp(prefix="zerod-resize-ckpt-")
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        args = ARGS + ["--checkpoint_dir", ckpt]
+        world = zerod.testing.LocalWorld(4, daemons=4, args=args, log_level="info")
+        try:
+            ts = self.register(world, [0, 1, 2, 3], first=True)
+            self.train(ts, range(1, 3))
+            zeroctl("--address", world.daemons[0].control_address, "resize", "--world_size", "2")
+            self.train(ts, range(3, 4))
+            attempt([lambda t=t: t.step(4) for t in ts])
+            for t in ts:
+                t.close()
+            for r in (2, 3):
+                world.daemons[r].stop()
+            ts = self.register(world, [0, 1])
+            self.train(ts, range(4, 6))
+            out = {}
+            asked = threading.Thread(target=lambda: out.update(r=zeroctl(
+                "--address", world.daemons[1].control_address, "checkpoint", "--wait", "60")))
+            asked.start()
+            time.sleep(0.5)
+            self.train(ts, range(6, 7))  # the checkpoint rides step 6
+            asked.join()
+            self.assertIn("complete: step 6", out["r"].stdout)
+            cdir = out["r"].stdout.split(" in ")[-1].strip()
+            zeroctl("verify", cdir)
+            with open(os.path.join(cdir, "manifest.json")) as f:
+                self.assertEqual(json.load(f)["world_size"], 2)
+            for t in ts:
+                t.close()
+        finally:
+            world.stop(check=False)
+        with zerod.testing.LocalWorld(2, daemons=2, args=args + ["--resume", "latest"],
+                                      log_level="info") as world:
+            ts = self.register(world, [0, 1])
+            self.assert_same(ts, 6, "a world of 2 resumed from the checkpoint after the shrink")
             for t in ts:
                 t.close()
 
