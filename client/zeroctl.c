@@ -4,6 +4,7 @@
  *   zeroctl [--address ADDR] [--timeout-ms N] health [--service NAME]
  *   zeroctl [--address ADDR] [--timeout-ms N] [--token-file FILE] checkpoint [--wait SECONDS]
  *   zeroctl [--address ADDR] [--token-file FILE] drain [--wait SECONDS] [--force]
+ *   zeroctl [--address ADDR] [--token-file FILE] resize --world_size N [--wait SECONDS]
  *   zeroctl verify CKPT_DIR
  *   zeroctl export CKPT_DIR --out FILE [--moments]
  *   zeroctl import FILE --out ROOT
@@ -79,6 +80,7 @@ typedef struct options {
   int moments;            /* export --moments */
   int wait_s;             /* checkpoint, drain --wait: seconds to wait for it to be complete */
   int force;              /* drain --force: stop even without a checkpoint */
+  uint32_t world_size;    /* resize --world_size */
   const char *token_file; /* --token-file: the control token for calls that write */
   const char *tls_cert, *tls_key, *tls_ca; /* --tls-*: mutual TLS; NULL: plaintext */
 } options_t;
@@ -120,6 +122,14 @@ static void usage(FILE *out) {
       "                             ask for a checkpoint after the next step of every rank\n"
       "                             of the world (zerod's checkpoint_dir must be set); --wait:\n"
       "                             until it is complete (exit 0) or failed (exit 1)\n"
+      "  resize --world_size N [--wait SECONDS]\n"
+      "                             live resize: after the next step of every rank the world\n"
+      "                             becomes N ranks, the zerods moving the shards in memory (no\n"
+      "                             checkpoint file; CPU backend). Trainers of the ranks below N\n"
+      "                             get ZD_EPEER and register again; those of ranks >= N get\n"
+      "                             ZD_ERANK and stop. To grow, start the new ranks' zerods\n"
+      "                             (world_size N) once this node's status shows N. --wait: until\n"
+      "                             this node's ranks report the resize (exit 0) or its failure\n"
       "  drain [--wait SECONDS] [--force]\n"
       "                             before maintenance: mark the node draining (readiness\n"
       "                             fails, registrations are refused), checkpoint as above,\n"
@@ -237,6 +247,14 @@ static int parse(int argc, char **argv, options_t *o) {
       if (errno || *end || t < 1 || t > 86400)
         return usage_error("--wait '%s': expected seconds, 1..86400", v);
       o->wait_s = (int)t;
+    } else if ((v = flag_value(argc, argv, &i, "--world_size", &missing)) ||
+               (v = flag_value(argc, argv, &i, "--world-size", &missing))) {
+      char *end;
+      errno = 0;
+      long n = strtol(v, &end, 10);
+      if (errno || *end || n < 2 || n > 65535)
+        return usage_error("--world_size '%s': expected 2..65535", v);
+      o->world_size = (uint32_t)n;
     } else if ((v = flag_value(argc, argv, &i, "--token-file", &missing))) {
       if (!v[0]) return usage_error("--token-file is empty");
       o->token_file = v;
@@ -275,13 +293,19 @@ static int parse(int argc, char **argv, options_t *o) {
     return usage_error("no command given: status, health, checkpoint, drain, verify or export");
   int offline = !strcmp(o->command, "verify") || !strcmp(o->command, "export");
   int drain = !strcmp(o->command, "drain");
+  int resize = !strcmp(o->command, "resize");
   if (strcmp(o->command, "status") != 0 && strcmp(o->command, "health") != 0 &&
-      strcmp(o->command, "checkpoint") != 0 && !drain && !offline)
+      strcmp(o->command, "checkpoint") != 0 && !drain && !offline && !resize)
     return usage_error(
-        "unknown command '%s': expected status, health, checkpoint, drain, verify or export",
+        "unknown command '%s': expected status, health, checkpoint, drain, resize, verify or "
+        "export",
         o->command);
-  if (o->wait_s && strcmp(o->command, "checkpoint") != 0 && !drain)
-    return usage_error("--wait is an option of checkpoint and drain");
+  if (o->wait_s && strcmp(o->command, "checkpoint") != 0 && !drain && !resize)
+    return usage_error("--wait is an option of checkpoint, drain and resize");
+  if (resize && !o->world_size) return usage_error("resize needs --world_size N");
+  if (!resize && o->world_size) return usage_error("--world_size is an option of resize");
+  if (resize && (o->world || o->json || o->watch_s || o->service[0] || o->force))
+    return usage_error("resize takes --world_size and --wait only");
   if (o->force && !drain) return usage_error("--force is an option of drain");
   if (!strcmp(o->command, "checkpoint") && (o->world || o->json || o->watch_s || o->service[0]))
     return usage_error("checkpoint takes --wait only");
@@ -388,6 +412,69 @@ static int cmd_checkpoint(const options_t *o) {
   }
   fprintf(stderr, "zeroctl: no checkpoint complete within %d s (no step taken meanwhile?)\n",
           o->wait_s);
+  return EXIT_FAIL;
+}
+
+/* ---- resize -------------------------------------------------------------------------------- */
+
+/* The node's first rank's last resize into out (ZD__ERR_MSG_MAX bytes; "" when none). */
+static int node_last_resize(const options_t *o, char *out, zd__err_t *err) {
+  Zerod__V1__NodeStatusRequest req = ZEROD__V1__NODE_STATUS_REQUEST__INIT;
+  ProtobufCMessage *reply = NULL;
+  int rc = call(o->address, "/zerod.v1.Control/Status", &req.base,
+                &zerod__v1__node_status__descriptor, &reply, o->timeout_ms, NULL, err);
+  if (rc) return rc;
+  Zerod__V1__NodeStatus *st = (Zerod__V1__NodeStatus *)reply;
+  const char *last = st->n_ranks && st->ranks[0]->last_resize ? st->ranks[0]->last_resize : "";
+  snprintf(out, ZD__ERR_MSG_MAX, "%s", last);
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return ZD_OK;
+}
+
+static int cmd_resize(const options_t *o) {
+  zd__err_t err = {0};
+  char token[ZD__TOKEN_MAX] = "", before[ZD__ERR_MSG_MAX] = "", now[ZD__ERR_MSG_MAX];
+  if (o->token_file && zd__token_load(o->token_file, token, &err) != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  if (o->wait_s && node_last_resize(o, before, &err) != 0) {
+    fprintf(stderr, "zeroctl: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  Zerod__V1__ResizeRequest req = ZEROD__V1__RESIZE_REQUEST__INIT;
+  req.world_size = o->world_size;
+  zd__grpc_channel_t *ch = NULL;
+  ProtobufCMessage *reply = NULL;
+  int rc = zd__grpc_channel_open(o->address, &ch, &err);
+  if (!rc && token[0] && zd__grpc_channel_set_token(ch, token))
+    rc = zd__errf(&err, -ENOMEM, "out of memory");
+  if (!rc)
+    rc = zd__grpc_call(ch, "/zerod.v1.Control/Resize", &req.base,
+                       &zerod__v1__resize_reply__descriptor, &reply, o->timeout_ms, 0, NULL, &err);
+  if (ch) zd__grpc_channel_close(ch);
+  if (rc) {
+    fprintf(stderr, "zeroctl: resize: %s\n", err.msg);
+    return EXIT_FAIL;
+  }
+  uint32_t from = ((Zerod__V1__ResizeReply *)reply)->world_size;
+  protobuf_c_message_free_unpacked(reply, NULL);
+  printf("%s: resize from %u to %u ranks requested; done after the next step of every rank\n",
+         o->address, from, o->world_size);
+  if (!o->wait_s) return EXIT_OK;
+  for (int waited_ms = 0; waited_ms < o->wait_s * 1000; waited_ms += 200) {
+    usleep(200000);
+    if (node_last_resize(o, now, &err) != 0) {
+      fprintf(stderr, "zeroctl: %s\n", err.msg);
+      return EXIT_FAIL;
+    }
+    if (strcmp(now, before) != 0) {
+      int failed = strstr(now, "failed") != NULL;
+      fprintf(failed ? stderr : stdout, "%s%s\n", failed ? "zeroctl: resize " : "resized: ", now);
+      return failed ? EXIT_FAIL : EXIT_OK;
+    }
+  }
+  fprintf(stderr, "zeroctl: no resize within %d s (no step taken meanwhile?)\n", o->wait_s);
   return EXIT_FAIL;
 }
 
@@ -716,6 +803,13 @@ static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, s
     if (s->buddy_copy_error) printf("; last copy failed: %s", s->buddy_copy_error);
     printf("\n");
   }
+  header = 0; /* live resize: the last one each rank took part in */
+  for (size_t r = 0; r < nrows; r++) {
+    const Zerod__V1__RankStatus *s = rows[r].stat;
+    if (!s || !s->last_resize) continue;
+    if (!header++) printf("\nlast resize:\n");
+    printf("  rank %u: %s\n", rows[r].rank, s->last_resize);
+  }
   header = 0;
   for (size_t i = 0; i < nnodes; i++) {
     if (nodes[i].status) continue;
@@ -796,6 +890,10 @@ static void print_json_rank(const row_t *r) {
   if (s->buddy_copy_error) {
     printf(", \"buddy_copy_error\": ");
     json_string(stdout, s->buddy_copy_error);
+  }
+  if (s->last_resize) {
+    printf(", \"last_resize\": ");
+    json_string(stdout, s->last_resize);
   }
   printf(", \"shard\": [");
   for (size_t b = 0; b < s->n_shard; b++)
@@ -1047,6 +1145,7 @@ int main(int argc, char **argv) {
   }
   rc = !strcmp(o.command, "status")       ? cmd_status(&o)
        : !strcmp(o.command, "checkpoint") ? cmd_checkpoint(&o)
+       : !strcmp(o.command, "resize")     ? cmd_resize(&o)
        : !strcmp(o.command, "drain")      ? cmd_drain(&o)
                                           : cmd_health(&o);
   grpc_shutdown();

@@ -164,6 +164,7 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
     m->buddy_copy_holder = rm->buddy.holder;
   }
   if (rm->buddy.error[0]) m->buddy_copy_error = rm->buddy.error;
+  if (s->last_resize[0]) m->last_resize = s->last_resize;
   m->has_model = s->has_model;
   if (!s->has_model) return ZD_OK;
   m->has_params = m->has_shard_elems = m->has_state_bytes = m->has_grad_shard_bytes = 1;
@@ -231,7 +232,7 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   st.version = (char *)ZD_VERSION;
   st.pid = (int32_t)getpid();
   st.control_address = (char *)zd__control_address(c);
-  st.world_size = c->cfg->world_size;
+  st.world_size = n ? zd__rank_world_size(c->ranks->rank[0]) : c->cfg->world_size;
   st.first_rank = c->cfg->first_rank;
   st.local_ranks = n;
   st.backend = (char *)zd__backend_name(c->env.backend->kind);
@@ -286,6 +287,27 @@ static int handle_checkpoint(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **r
   Zerod__V1__RequestCheckpointReply rep = ZEROD__V1__REQUEST_CHECKPOINT_REPLY__INIT;
   rep.has_last_step = s.completed > 0;
   rep.last_step = s.last_ok_step;
+  zd__gsrv_reply(k, &rep.base);
+  return ZD_OK;
+}
+
+/* A write, as Checkpoint: every local rank asks, and the ranks agree through the next step. */
+static int handle_resize(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, zd__err_t *err) {
+  zd__control_t *c = ctx;
+  const Zerod__V1__ResizeRequest *q = (const Zerod__V1__ResizeRequest *)*req;
+  int rc = token_ok(c, k, err);
+  if (!rc && (!c->ranks || !c->ranks->n))
+    rc = zd__errf(err, ZD_EORDER, "this zerod has no ranks yet");
+  for (uint32_t i = 0; !rc && i < c->ranks->n; i++)
+    rc = zd__rank_request_resize(c->ranks->rank[i], q->world_size, err);
+  if (rc) return rc;
+  uint32_t from = zd__rank_world_size(c->ranks->rank[0]);
+  char peer[128];
+  zd__gsrv_call_peer(k, peer, sizeof peer);
+  ZD_LOG_INFO("control: live resize from %u to %u ranks requested by %s; done after the next step",
+              from, q->world_size, peer);
+  Zerod__V1__ResizeReply rep = ZEROD__V1__RESIZE_REPLY__INIT;
+  rep.world_size = from;
   zd__gsrv_reply(k, &rep.base);
   return ZD_OK;
 }
@@ -714,6 +736,7 @@ static const zd__gsrv_method_t methods[] = {
     {"/zerod.v1.Control/Checkpoint", &zerod__v1__request_checkpoint_request__descriptor,
      handle_checkpoint, 1024},
     {"/zerod.v1.Control/Drain", &zerod__v1__drain_request__descriptor, handle_drain, 1024},
+    {"/zerod.v1.Control/Resize", &zerod__v1__resize_request__descriptor, handle_resize, 1024},
     {"/zerod.v1.Control/BuddyPut", &zerod__v1__buddy_put_request__descriptor, handle_buddy_put,
      (1u << 20) + 4096},
     {"/zerod.v1.Control/BuddyGet", &zerod__v1__buddy_get_request__descriptor, handle_buddy_get,

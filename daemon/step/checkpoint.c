@@ -461,6 +461,12 @@ void zd__ckptr_cancel(zd__ckptr_t *c) {
   if (c) atomic_store(&c->cancel, 1);
 }
 
+void zd__ckptr_set_world_size(zd__ckptr_t *c, uint32_t world_size) {
+  if (!c || !c->has_world) return;
+  atomic_fetch_add(&c->generation, 1);
+  __atomic_store_n(&c->world.world_size, world_size, __ATOMIC_RELAXED);
+}
+
 void zd__ckptr_world_broke(zd__ckptr_t *c) {
   if (c) atomic_fetch_add(&c->generation, 1);
 }

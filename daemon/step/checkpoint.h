@@ -82,6 +82,12 @@ void zd__ckptr_destroy(zd__ckptr_t *c);
  * Accepts NULL. */
 void zd__ckptr_cancel(zd__ckptr_t *c);
 
+/* A live resize (resize.h) made the world world_size ranks: later checkpoints are of that many
+ * ranks (the manifest's size, the entries global rank 0 collects). Called by every rank of the new
+ * world after the resize's image was taken, before the world re-forms; a checkpoint still in
+ * flight then is given up as when the world breaks. */
+void zd__ckptr_set_world_size(zd__ckptr_t *c, uint32_t world_size);
+
 /* Any thread: the world broke (a peer died). A checkpoint still waiting for the other ranks'
  * files gives up at once: a dead rank never writes its file. Accepts NULL. */
 void zd__ckptr_world_broke(zd__ckptr_t *c);

@@ -455,7 +455,7 @@ int zd__model_grows(const zd__layout_t *held, const zd__layout_t *grown, char *b
 }
 
 /* The state arrays of m present in `states`, in table order (the order a snapshot packs them). */
-static uint32_t arrays_of(const zd__model_t *m, zd__states_t states, float **out) {
+uint32_t zd__model_arrays(const zd__model_t *m, zd__states_t states, float **out) {
   uint32_t n = 0;
   for (int s = 0; s < ZD__NSTATES; s++)
     if (states & ZD__STATE_BIT(s)) out[n++] = m->shard.state[s];
@@ -463,14 +463,14 @@ static uint32_t arrays_of(const zd__model_t *m, zd__states_t states, float **out
 }
 
 /* Index of array s among those of `states` in table order. */
-static uint32_t array_index(zd__states_t states, int s) {
+uint32_t zd__model_array_index(zd__states_t states, int s) {
   return (uint32_t)__builtin_popcount(states & (ZD__STATE_BIT(s) - 1));
 }
 
 /* Copies into `shard` (rank `rank`'s shard of `grown`) every element of the held parameters that
  * slice holds, from `full`: the all-gathered shards of `held` (rank r's at r * shard_elems). */
-static void carry_array(const zd__layout_t *held, const zd__layout_t *grown, uint32_t rank,
-                        const float *full, float *shard) {
+void zd__model_carry(const zd__layout_t *held, const zd__layout_t *grown, uint32_t rank,
+                     const float *full, float *shard) {
   for (uint32_t b = 0; b < grown->nbuckets; b++) {
     const zd__bucket_t *bk = &grown->buckets[b];
     uint64_t lo = bk->offset + (uint64_t)rank * bk->shard_elems, hi = lo + bk->shard_elems;
@@ -495,7 +495,7 @@ static void carry_array(const zd__layout_t *held, const zd__layout_t *grown, uin
 }
 
 /* Waits for a snapshot's copy (compute.h) and frees its fence. */
-static int snapshot_wait(zd__compute_t *c, void *fence, int timeout_ms, zd__err_t *err) {
+int zd__model_snapshot_wait(zd__compute_t *c, void *fence, int timeout_ms, zd__err_t *err) {
   int rc = c->ops->fence_wait(fence, timeout_ms, err);
   c->ops->fence_free(fence);
   return rc;
@@ -503,7 +503,7 @@ static int snapshot_wait(zd__compute_t *c, void *fence, int timeout_ms, zd__err_
 
 /* A copy of layout l, built again from its parameter table (a layout is a pure function of it, the
  * world size and the bucket size): what the carry reads once the held model is gone. */
-static int layout_copy(const zd__layout_t *l, zd__layout_t **out, zd__err_t *err) {
+int zd__model_layout_copy(const zd__layout_t *l, zd__layout_t **out, zd__err_t *err) {
   zd_param_t *ps = calloc(l->nparams ? l->nparams : 1, sizeof *ps);
   if (!ps) return zd__errf(err, -ENOMEM, "out of memory");
   for (uint32_t i = 0; i < l->nparams; i++) {
@@ -527,18 +527,18 @@ int zd__model_grow(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spe
   const uint64_t step = held->step, skipped = held->steps_skipped;
   const zd__scaler_t scaler = held->scaler;
   float *src[ZD__NSTATES], *dst[ZD__NSTATES];
-  const uint32_t count = arrays_of(held, held_states, src);
+  const uint32_t count = zd__model_arrays(held, held_states, src);
   zd__layout_t *hl = NULL;
   void *mine = NULL, *stage = NULL, *fence = NULL;
   int stuck = 0; /* a copy that did not finish may still use its host memory: leak it */
   float *full = malloc((size_t)count * w * (hs ? hs : 1) * sizeof(float));
   uint64_t *lags = calloc(spec->layout->nparams, sizeof *lags);
-  int rc = full && lags ? layout_copy(held->layout, &hl, err)
+  int rc = full && lags ? zd__model_layout_copy(held->layout, &hl, err)
                         : zd__errf(err, -ENOMEM, "out of memory for the held state");
   if (!rc) rc = c->ops->host_alloc(c, (size_t)count * (hs ? hs : 1) * sizeof(float), &mine, err);
   if (rc) goto exit;
   rc = c->ops->snapshot(c, src, count, hs, mine, &fence, err);
-  if (!rc) rc = snapshot_wait(c, fence, timeout_ms, err);
+  if (!rc) rc = zd__model_snapshot_wait(c, fence, timeout_ms, err);
   if (rc) {
     stuck = 1;
     goto exit;
@@ -562,21 +562,22 @@ int zd__model_grow(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spe
   zd__model_configure(m, spec, 0);
   rc = c->ops->exchange(c, &m->shard, buf, 0, err); /* the client's values: the new parameters' */
   if (rc) goto exit;
-  const uint32_t ncount = arrays_of(m, m->states, dst);
+  const uint32_t ncount = zd__model_arrays(m, m->states, dst);
   const uint64_t ns = m->layout->shard_elems;
   rc = c->ops->host_alloc(c, (size_t)ncount * (ns ? ns : 1) * sizeof(float), &stage, err);
   if (rc) goto exit;
   fence = NULL;
   rc = c->ops->snapshot(c, dst, ncount, ns, stage, &fence, err);
-  if (!rc) rc = snapshot_wait(c, fence, timeout_ms, err);
+  if (!rc) rc = zd__model_snapshot_wait(c, fence, timeout_ms, err);
   if (rc) {
     stuck = 1;
     goto exit;
   }
   for (int s = 0; s < ZD__NSTATES; s++)
     if (m->states & held_states & ZD__STATE_BIT(s)) /* else new: zeros (master: the client's) */
-      carry_array(hl, m->layout, ctx->rank, full + (size_t)array_index(held_states, s) * w * hs,
-                  (float *)stage + (size_t)array_index(m->states, s) * ns);
+      zd__model_carry(hl, m->layout, ctx->rank,
+                      full + (size_t)zd__model_array_index(held_states, s) * w * hs,
+                      (float *)stage + (size_t)zd__model_array_index(m->states, s) * ns);
   rc = c->ops->restore(c, dst, ncount, ns, stage, timeout_ms, err);
   if (rc) {
     stuck = 1;

@@ -148,7 +148,8 @@ enum {
   ZD__FROM_CHECKPOINT, /* the newest checkpoint */
   ZD__FROM_MODEL,      /* a model kept across a world that re-formed, re-agreed (state_dir) */
   ZD__FROM_HELD,       /* a trainer reattached to the model its rank held */
-  ZD__FROM_BUDDY       /* the world's buddy copies and snapshots (buddy.h) */
+  ZD__FROM_BUDDY,      /* the world's buddy copies and snapshots (buddy.h) */
+  ZD__FROM_RESIZE      /* a live resize's image of the whole model (resize.h) */
 };
 
 /* What the step logic needs from its rank. */
@@ -167,6 +168,12 @@ typedef struct zd__step_ctx {
   int resume_latest;               /* the world re-formed: the next registration resumes the
                                     newest complete checkpoint (rank.c) */
   atomic_int *attach_abandoned;    /* set when the client of the registration in progress left */
+  /* Live resize (resize.h): the world size an operator asked for (0: none; the rank's, read by
+   * the step's record), the one the ranks agreed on at the last step (0: none; set by the step),
+   * and the image of the whole model this rank holds across the resize (NULL: none). */
+  atomic_uint *resize_want;
+  uint32_t *resize_agreed;
+  struct zd__resize_image **resize_image;
 } zd__step_ctx_t;
 
 /* A new model for spec on the rank of ctx: takes spec's layout and groups, allocates the state
@@ -262,6 +269,20 @@ int zd__model_grows(const zd__layout_t *held, const zd__layout_t *grown, char *b
  * bounded by timeout_ms), the communicator's, the state file's. */
 int zd__model_grow(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                    const zd__buffers_t *buf, int timeout_ms, zd__err_t *err);
+
+/* Helpers of the in-memory reshard (zd__model_grow, resize.c). The state arrays of m present in
+ * `states`, in table order (the order a snapshot packs them); index of array s among them. */
+uint32_t zd__model_arrays(const zd__model_t *m, zd__states_t states, float **out);
+uint32_t zd__model_array_index(zd__states_t states, int s);
+/* Copies into `shard` (rank `rank`'s shard of `grown`) every element of held's parameters (the
+ * first held->nparams of grown's) that slice holds, from `full`: the all-gathered shards of `held`
+ * (rank r's at r * held->shard_elems). grown may be of another world size than held. */
+void zd__model_carry(const zd__layout_t *held, const zd__layout_t *grown, uint32_t rank,
+                     const float *full, float *shard);
+/* Waits for a snapshot's copy (compute.h) and frees its fence. */
+int zd__model_snapshot_wait(zd__compute_t *c, void *fence, int timeout_ms, zd__err_t *err);
+/* A copy of layout l, built again from its parameter table (same world and bucket size). */
+int zd__model_layout_copy(const zd__layout_t *l, zd__layout_t **out, zd__err_t *err);
 
 /* Frees the model, its arrays and the backend's data; accepts NULL and a half-built model. A
  * bucket in flight is finished first, and the speculation thread joined. */

@@ -2,6 +2,7 @@
 #include "rank.h"
 
 #include <errno.h>
+#include <stdarg.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -15,11 +16,22 @@
 #include "compute.h"
 #include "log.h"
 #include "pool.h"
+#include "resize.h"
 #include "step.h"
 #include "world.h"
 
 struct zd__rank {
   zd__rank_env_t env;
+  zd__world_t world; /* env.world's copy (has_world): a live resize changes its world size */
+  int has_world;
+  atomic_uint resize_want; /* zd__rank_request_resize: the size asked for (0: none) */
+  uint32_t resize_agreed;  /* worker: the size the ranks agreed on at the last step (0: none) */
+  zd__resize_image_t *resize_image; /* worker: the whole model, held across a resize */
+  int left;                         /* worker: a resize left this rank outside the world */
+  char resized[ZD__ERR_MSG_MAX];    /* worker: why a trainer must register again ("": no resize) */
+  char resize_stale[64]; /* worker: the instance the resize left, until the new one forms */
+  uint32_t resize_from;  /* worker: the resize in progress, for status */
+  uint64_t resize_step, resize_t0;
   int device; /* CUDA backend: the rank's CUDA device (env.gpu's); -1: the CPU backend */
   zd__step_ctx_t ctx;
   pthread_t thread;
@@ -299,6 +311,10 @@ static void attach(zd__rank_t *r, zd__job_t *job) {
 
 static void run_job(zd__rank_t *r, zd__job_t *job) {
   zd__err_t *err = &job->err;
+  if (r->left) {
+    job->code = zd__errf(err, ZD_ERANK, "%s", r->resized);
+    return;
+  }
   job->code = degraded(r, err);
   if (job->code) return;
   /* overlap_update: a scatter or a gather works beside the buckets in flight; every other job
@@ -307,6 +323,10 @@ static void run_job(zd__rank_t *r, zd__job_t *job) {
     zd__model_spec_wait(r->model);
   if (job->type == ZD__JOB_STAND_IN) {
     if (r->model) stand_in(r, job);
+    return;
+  }
+  if (job->type != ZD__JOB_ATTACH && !r->model && r->resize_image) {
+    job->code = zd__errf(err, ZD_EPEER, "%s", r->resized);
     return;
   }
   if (job->type != ZD__JOB_ATTACH && !r->model) {
@@ -412,8 +432,8 @@ static void join_world(zd__rank_t *r) {
   zd__world_member_t *member = NULL;
   int rc;
   for (int attempt = 1;; attempt++) {
-    rc = zd__world_connect(r->env.world, r->env.rank, -1, NULL, &r->cancel, NULL, &comm, &member,
-                           &err);
+    rc =
+        zd__world_connect(&r->world, r->env.rank, -1, NULL, &r->cancel, NULL, &comm, &member, &err);
     if (rc == ZD_OK || rc == -ECANCELED || !can_heal(r)) break;
     ZD_LOG_WARN("joining the world, attempt %d: %s; trying again", attempt, err.msg);
     for (int i = 0; i < 10 && !atomic_load(&r->cancel); i++) {
@@ -445,7 +465,7 @@ static void publish_compute(zd__rank_t *r, zd__compute_t *compute) {
 static void start_cuda(zd__rank_t *r) {
 #ifdef ZD_HAVE_CUDA
   zd__err_t err = {0};
-  const zd__world_t *w = r->env.world;
+  const zd__world_t *w = &r->world;
   zd__compute_t *compute = NULL;
   int rc = zd__compute_cuda_create(r->device, w->collective_timeout_ms, r->env.cuda_fast, &compute,
                                    &err);
@@ -564,7 +584,7 @@ static void heal(zd__rank_t *r) {
 #ifdef ZD_HAVE_CUDA
     if (r->device >= 0) stream = zd__compute_cuda_stream(r->ctx.compute);
 #endif
-    int rc = zd__world_connect(r->env.world, r->env.rank, r->device, stream, &r->cancel,
+    int rc = zd__world_connect(&r->world, r->env.rank, r->device, stream, &r->cancel,
                                stale[0] ? stale : NULL, &comm, &member, &err);
     if (rc == ZD_OK) {
       give_waiter(r, comm);
@@ -659,6 +679,135 @@ static void job_ran(zd__rank_t *r, zd__job_t *job) {
   settle(r, 0);
 }
 
+/* ---- live resize (resize.h) ----------------------------------------------------------------- */
+
+static void note_resize(zd__rank_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void note_resize(zd__rank_t *r, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  pthread_mutex_lock(&r->stats_lock);
+  vsnprintf(r->stats.last_resize, sizeof r->stats.last_resize, fmt, ap);
+  pthread_mutex_unlock(&r->stats_lock);
+  va_end(ap);
+}
+
+/* The ranks agreed at the last step to resize the world (r->resize_agreed); every rank runs this
+ * before its next job other than a gather, so that the step's gathers are done. The image is
+ * taken over the old world (a failure there, a peer's death, breaks the communicator: the world
+ * heals at its old size as after any failure, the model kept); then the old communicator goes,
+ * and a rank of the new world re-forms it at the new size, holding the image for its trainer's
+ * registration, while a rank beyond it leaves: its trainer's requests fail with ZD_ERANK. */
+static void resize_world(zd__rank_t *r) {
+  uint32_t to = r->resize_agreed, from = r->env.world_size;
+  r->resize_agreed = 0;
+  atomic_store(&r->resize_want, 0);
+  uint64_t t0 = zd__now_ms(), step = r->model->step;
+  zd__err_t err = {0};
+  settle(r, 1);
+  zd__model_spec_wait(r->model); /* overlap_update: no speculative update runs beside the copy */
+  zd__resize_image_t *img = NULL;
+  ZD_LOG_INFO("live resize after step %" PRIu64 ": %u -> %u ranks", step, from, to);
+  int rc = zd__resize_take(&r->ctx, r->model, to, &img, &err);
+  if (rc) {
+    ZD_LOG_ERROR("live resize after step %" PRIu64 " (%u -> %u ranks) failed: %s", step, from, to,
+                 err.msg);
+    note_resize(r, "step %" PRIu64 ": %u -> %u ranks failed: %s (the world stays at %u ranks)",
+                step, from, to, err.msg, from);
+    zd__comm_abort(r->ctx.comm, ZD_EPEER, "a live resize failed");
+    return; /* the worker finds the communicator broken and heals */
+  }
+  zd__model_free(r->model);
+  r->model = NULL;
+  r->resize_stale[0] = 0;
+  if (r->ctx.member)
+    snprintf(r->resize_stale, sizeof r->resize_stale, "%s", zd__world_member_id(r->ctx.member));
+  zd__comm_t *old = r->ctx.comm;
+  publish_comm(r, NULL);
+  zd__comm_destroy(old);
+  pthread_mutex_lock(&r->lock);
+  zd__world_member_t *gone = r->ctx.member;
+  r->ctx.member = NULL;
+  pthread_mutex_unlock(&r->lock);
+  zd__world_member_free(gone);
+  pthread_mutex_lock(&r->stats_lock);
+  r->stats.has_model = 0;
+  r->env.world_size = to;
+  r->ctx.world_size = to;
+  r->world.world_size = to;
+  pthread_mutex_unlock(&r->stats_lock);
+  if (r->env.rank >= to) {
+    zd__resize_image_free(img);
+    r->left = 1;
+    snprintf(r->resized, sizeof r->resized,
+             "rank %u left the world: it was resized from %u to %u ranks after step %" PRIu64
+             " (zeroctl resize); its shard went to the ranks that stay. Stop this trainer, or "
+             "register it on a rank below %u",
+             r->env.rank, from, to, step, to);
+    set_health(r, ZD__HEALTH_DEGRADED, "", r->resized);
+    note_resize(r, "step %" PRIu64 ": %u -> %u ranks in %" PRIu64 " ms; this rank left", step, from,
+                to, zd__now_ms() - t0);
+    ZD_LOG_WARN("%s", r->resized);
+    return;
+  }
+  zd__ckptr_set_world_size(r->env.ckpt, to);
+  r->resize_image = img;
+  r->resize_from = from;
+  r->resize_step = step;
+  r->resize_t0 = t0;
+  snprintf(r->resized, sizeof r->resized,
+           "rank %u: the world was resized from %u to %u ranks after step %" PRIu64
+           " (zeroctl resize): register again (every rank of the new world does), which continues "
+           "at step %" PRIu64 " with the new layout",
+           r->env.rank, from, to, step, step);
+  set_health(r, ZD__HEALTH_REJOINING, "re-forming the world after: ", "a live resize");
+}
+
+/* The second half of a resize on a rank of the new world, after the job that found it was
+ * answered (a grown world waits here for zerods that start after the trainers saw the resize):
+ * re-forms the world at the new size. Jobs queue behind it, as behind a heal. */
+static void resize_form(zd__rank_t *r) {
+  uint32_t to = r->env.world_size;
+  zd__err_t err = {0};
+  for (int attempt = 1; !atomic_load(&r->cancel); attempt++) {
+    zd__comm_t *comm = NULL;
+    zd__world_member_t *member = NULL;
+    int rc = zd__world_connect(&r->world, r->env.rank, -1, NULL, &r->cancel,
+                               r->resize_stale[0] ? r->resize_stale : NULL, &comm, &member, &err);
+    if (rc == ZD_OK) {
+      give_waiter(r, comm);
+      pthread_mutex_lock(&r->lock);
+      r->peer_failed = 0;
+      r->ctx.comm = comm;
+      r->ctx.member = member;
+      pthread_mutex_unlock(&r->lock);
+      set_health(r, ZD__HEALTH_OK, "", "");
+      note_resize(r, "step %" PRIu64 ": %u -> %u ranks in %" PRIu64 " ms", r->resize_step,
+                  r->resize_from, to, zd__now_ms() - r->resize_t0);
+      ZD_LOG_INFO("live resize: world of %u ranks formed in %" PRIu64
+                  " ms; waiting for the trainers to register",
+                  to, zd__now_ms() - r->resize_t0);
+      return;
+    }
+    ZD_LOG_WARN("live resize: forming the world of %u ranks, attempt %d: %s", to, attempt, err.msg);
+    for (int i = 0; i < 10 && !atomic_load(&r->cancel); i++) {
+      struct timespec ts = {0, 100 * 1000000L};
+      nanosleep(&ts, NULL);
+    }
+  }
+  set_health(r, ZD__HEALTH_DEGRADED, "zerod shut down during a live resize", "");
+}
+
+int zd__rank_request_resize(zd__rank_t *r, uint32_t world_size, zd__err_t *err) {
+  if (r->device >= 0) return zd__errf(err, ZD_EBACKEND, "a live resize needs the CPU backend");
+  if (world_size < 2 || world_size > 0xffff)
+    return zd__errf(err, ZD_ECONFIG, "world_size %u: a live resize keeps 2 to 65535 ranks",
+                    world_size);
+  if (r->env.world_size < 2 || r->left)
+    return zd__errf(err, ZD_EORDER, "rank %u is not in a multi-rank world", r->env.rank);
+  atomic_store(&r->resize_want, world_size);
+  return ZD_OK;
+}
+
 /* An idle worker with settling jobs looks this often whether their work has completed. */
 #define SETTLE_POLL_US 500
 
@@ -707,10 +856,14 @@ static void *worker_main(void *arg) {
     r->busy = 1;
     pthread_mutex_unlock(&r->lock);
     job->next = NULL;
+    if (r->resize_agreed && r->model && job->type != ZD__JOB_GATHER &&
+        job->type != ZD__JOB_STAND_IN)
+      resize_world(r);
     run_job(r, job);
     publish(r, job);
     int broken = r->env.world_size > 1 && zd__comm_failed(r->ctx.comm);
     job_ran(r, job);
+    if (r->resize_image && !r->ctx.comm && !broken) resize_form(r); /* jobs queued wait */
     if (broken) settle(r, 1); /* the broken communicator's sync returns at once */
     if (broken) heal(r);      /* jobs queued meanwhile wait for it */
     pthread_mutex_lock(&r->lock);
@@ -722,6 +875,8 @@ static void *worker_main(void *arg) {
    * CUDA, the one whose current device is the rank's). */
   zd__model_free(r->model);
   r->model = NULL;
+  zd__resize_image_free(r->resize_image);
+  r->resize_image = NULL;
   zd__comm_t *comm = r->ctx.comm;
   publish_comm(r, NULL);
   zd__comm_destroy(comm);
@@ -747,6 +902,13 @@ int zd__rank_create(const zd__rank_env_t *env, zd__rank_t **out) {
       .state_dir = env->state_dir,
   };
   r->ctx.attach_abandoned = &r->attach_abandoned;
+  r->ctx.resize_want = &r->resize_want;
+  r->ctx.resize_agreed = &r->resize_agreed;
+  r->ctx.resize_image = &r->resize_image;
+  if (env->world) {
+    r->world = *env->world;
+    r->has_world = 1;
+  }
   r->device = env->gpu ? env->gpu->device : -1;
   if (r->device < 0 && zd__compute_cpu_create(env->pool, env->isa, &r->ctx.compute) != 0) {
     free(r);
@@ -822,6 +984,7 @@ static int verdict_applies(const zd__rank_t *r, uint32_t peer_rank, zd__verdict_
                            uint64_t incarnation) {
   if (!incarnation) return 1;   /* a process of unknown identity: assume it is ours */
   if (!r->ctx.member) return 0; /* re-forming: the new instance waits for the new process */
+  if (peer_rank >= r->env.world_size) return 0; /* a node a live resize left outside */
   uint64_t formed_with = zd__world_member_incarnation(r->ctx.member, peer_rank);
   if (verdict == ZD__VERDICT_REPLACED) return formed_with != incarnation;
   return !formed_with || formed_with == incarnation; /* silent: ours, unless formed with another */
@@ -934,7 +1097,10 @@ uint32_t zd__rank_global(const zd__rank_t *r) {
   return r->env.rank;
 }
 uint32_t zd__rank_world_size(const zd__rank_t *r) {
-  return r->env.world_size;
+  pthread_mutex_lock((pthread_mutex_t *)&r->stats_lock);
+  uint32_t w = r->env.world_size;
+  pthread_mutex_unlock((pthread_mutex_t *)&r->stats_lock);
+  return w;
 }
 const zd__gpu_info_t *zd__rank_gpu(const zd__rank_t *r) {
   return r->env.gpu;

@@ -182,6 +182,9 @@ typedef struct zd__rank_stats {
   zd__phase_times_t gpu_times;   /* CUDA: where the steps' GPU time went (compute.h) */
   zd__health_t health;
   char degraded_reason[ZD__ERR_MSG_MAX];
+  /* The last live resize (zd__rank_request_resize): "" when none; else what happened, for status
+   * ("step 12: 4 -> 2 ranks in 35 ms", or the reason it failed). */
+  char last_resize[ZD__ERR_MSG_MAX];
 } zd__rank_stats_t;
 
 struct zd__world;
@@ -294,6 +297,12 @@ int zd__rank_shard_ranges(zd__rank_t *rank, zd__shard_range_t **out, uint32_t *n
 uint32_t zd__rank_local(const zd__rank_t *rank);
 uint32_t zd__rank_global(const zd__rank_t *rank);
 uint32_t zd__rank_world_size(const zd__rank_t *rank);
+
+/* Live resize (resize.h): asks this rank to resize the world to world_size ranks after the next
+ * step every rank agrees on (the request rides the step's record, so one node's request is
+ * enough). CPU backend, world size > 1 before and after. Errors: ZD_EBACKEND, ZD_ECONFIG (a size
+ * out of range). Any thread. */
+int zd__rank_request_resize(zd__rank_t *rank, uint32_t world_size, zd__err_t *err);
 /* The rank's GPU with the CUDA backend; NULL with the CPU backend. */
 const zd__gpu_info_t *zd__rank_gpu(const zd__rank_t *rank);
 

@@ -17,6 +17,7 @@
 #include "group.h"
 #include "hash.h"
 #include "log.h"
+#include "resize.h"
 #include "step_decide.h"
 #include "world.h"
 
@@ -36,7 +37,13 @@
  * that no rank copies it; the ranks compare steps without them and OR them. */
 #define BUDDY_BIT      (1ull << 60)
 #define BUDDY_BUSY_BIT (1ull << 59)
-#define STEP_FLAGS     (CHECKPOINT_BIT | ABSENT_BIT | BUDDY_BIT | BUDDY_BUSY_BIT)
+/* Live resize (resize.h): a record's step with RESIZE_BIT asks every rank to resize the world
+ * after the step to the size in RESIZE_MASK (bits 42..57; the lowest asking rank's wins). */
+#define RESIZE_BIT   (1ull << 58)
+#define RESIZE_SHIFT 42
+#define RESIZE_MASK  (0xffffull << RESIZE_SHIFT)
+#define STEP_FLAGS \
+  (CHECKPOINT_BIT | ABSENT_BIT | BUDDY_BIT | BUDDY_BUSY_BIT | RESIZE_BIT | RESIZE_MASK)
 
 /* What the ranks must agree on before a step: every group (the table's fields, common/group.h),
  * clipping (and the torch order it clips by, where it takes one: torch_order, the ranks' norm is
@@ -124,6 +131,8 @@ typedef struct attach_record {
   uint32_t grow;        /* the registration grows the model held (zd__model_grow) */
   uint32_t ngroups;
   uint64_t groups_hash; /* with grow: every group's fields (the new group's among them) */
+  uint32_t image;       /* the rank holds a live resize's image (resize.h): resume and step are
+                           its; a rank without one (joined a grown world) gets its shard from it */
 } attach_record_t;
 
 /* Names the first parameter on which this rank's model differs from rank `other`'s: every rank
@@ -219,12 +228,15 @@ exit:
 
 /* Compares the records of all ranks; every rank reaches the same verdict. */
 static int agree_attach(const zd__step_ctx_t *ctx, const attach_record_t *mine,
-                        const zd__layout_t *layout, const zd_group_t *groups, zd__err_t *err) {
+                        const zd__layout_t *layout, const zd_group_t *groups, int *any_image,
+                        zd__err_t *err) {
   uint32_t w = ctx->world_size;
+  *any_image = 0;
   attach_record_t *all = calloc(w, sizeof *all);
   if (!all) return zd__errf(err, -ENOMEM, "out of memory");
   int rc = ctx->comm->ops->allgather_bytes(ctx->comm, mine, sizeof *mine, all, err);
   if (rc) goto exit;
+  for (uint32_t r = 0; r < w; r++) *any_image |= all[r].image != 0;
   for (uint32_t r = 0; r < w && !rc; r++) {
     if (mine->code) { /* our own refusal, with its message already in err */
       rc = mine->code;
@@ -246,6 +258,8 @@ static int agree_attach(const zd__step_ctx_t *ctx, const attach_record_t *mine,
                     zd_dtype_name((zd_dtype_t)all[r].grad_dtype), ctx->rank,
                     zd_dtype_name((zd_dtype_t)mine->param_dtype),
                     zd_dtype_name((zd_dtype_t)mine->grad_dtype));
+    } else if (*any_image && (!all[r].image || !mine->image)) {
+      continue; /* a rank that joined a grown world empty: its shard comes from the image */
     } else if (all[r].resume != mine->resume || all[r].step != mine->step) {
       char theirs[64], ours[64];
       describe_state(&all[r], theirs, sizeof theirs);
@@ -331,6 +345,7 @@ static int rejoin_model(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spe
 int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_spec_t *spec,
                      const zd__buffers_t *buf, uint32_t slot, int *resumed, zd__err_t *err) {
   zd__model_t *m = *model;
+  zd__resize_image_t *img = ctx->resize_image ? *ctx->resize_image : NULL;
   char diff[512] = "";
   int same = m && m->layout->hash == spec->layout->hash &&
              zd__layout_diff(m->layout, spec->layout, diff, sizeof diff) == 0;
@@ -372,7 +387,12 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
                          .layout_hash = spec->layout->hash,
                          .step = same || grow ? m->step : 0,
                          .grow = (uint32_t)grow,
-                         .ngroups = spec->ngroups};
+                         .ngroups = spec->ngroups,
+                         .image = img && !spec->replace};
+  if (rec.image) { /* the model was dropped at the resize: the image is the state */
+    rec.resume = 1;
+    rec.step = img->step;
+  }
   for (uint32_t g = 0; grow && g < spec->ngroups; g++)
     rec.groups_hash = zd__group_hash(rec.groups_hash, &spec->groups[g]);
   char *table = NULL;
@@ -399,6 +419,8 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
                         ctx->rank, m->layout->nparams, m->layout->hash, m->step, diff);
   if (!rec.code && (same || rejoin))
     rec.code = zd__model_check_states(m, spec->groups, "resume", err);
+  if (!rec.code && rec.image && !zd__resize_matches(img, spec->layout, diff, sizeof diff))
+    rec.code = zd__errf(err, ZD_ELAYOUT, "rank %u: %s", ctx->rank, diff);
   /* The client's initial values (or its buffers' last use) come before anything reads or writes
    * them. */
   zd__err_t begin_err = {0};
@@ -409,11 +431,21 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
   }
   /* Every rank takes part even when it refuses, so that all fail together instead of leaving the
    * others waiting in the collective. */
-  rc = agree_attach(ctx, &rec, spec->layout, spec->groups, err);
+  int any_image = 0;
+  rc = agree_attach(ctx, &rec, spec->layout, spec->groups, &any_image, err);
   if (rc) return job_end(ctx, buf, slot, rc, err);
 
   *resumed = same;
-  if (same) {
+  if (any_image && !spec->replace) { /* every rank: the first registration after a live resize */
+    zd__model_t *fresh = NULL;
+    rc = zd__resize_load(ctx, img, spec, buf, &fresh, err);
+    if (rc) return job_end(ctx, buf, slot, rc, err);
+    zd__model_free(m);
+    *model = m = fresh;
+    *resumed = 1;
+    zd__resize_image_free(img);
+    *ctx->resize_image = NULL;
+  } else if (same) {
     zd__model_resume(m, spec);
     m->resumed_from = ZD__FROM_HELD;
     zd__shm_unmap(&m->kept);
@@ -426,6 +458,10 @@ int zd__model_attach(const zd__step_ctx_t *ctx, zd__model_t **model, zd__model_s
     m = *model;
     if (rc) return job_end(ctx, buf, slot, rc, err);
   } else {
+    if (img) { /* replace: the image held across a resize is given up */
+      zd__resize_image_free(img);
+      *ctx->resize_image = NULL;
+    }
     zd__model_t *fresh = NULL;
     rc = zd__model_create(ctx, spec, &fresh, err);
     if (rc) return job_end(ctx, buf, slot, rc, err);
@@ -671,6 +707,8 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   int buddy = abandon ? 0 : zd__buddy_wants(ctx);
   if (buddy & ZD__BUDDY_WANT) flag |= BUDDY_BIT;
   if (buddy & ZD__BUDDY_BUSY) flag |= BUDDY_BUSY_BIT;
+  uint32_t want = !abandon && ctx->resize_want ? atomic_load(ctx->resize_want) : 0;
+  if (want) flag |= RESIZE_BIT | ((uint64_t)(want & 0xffff) << RESIZE_SHIFT);
   zd__step_record_t rec = {.step = abandon ? ABANDONED_STEP : (m->step + 1) | flag,
                            .layout_hash = l->hash,
                            .hparam_hash = hparam_hash(m, groups, torch_order)};
@@ -697,6 +735,11 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
     uint64_t any = 0;
     for (uint32_t r = 0; r < w; r++) any |= all[r].step;
     zd__buddy_agreed(ctx, m->step + 1, (any & BUDDY_BIT) != 0, (any & BUDDY_BUSY_BIT) != 0);
+    for (uint32_t r = 0; r < w && ctx->resize_agreed; r++)
+      if (all[r].step & RESIZE_BIT) {
+        *ctx->resize_agreed = (uint32_t)((all[r].step & RESIZE_MASK) >> RESIZE_SHIFT);
+        break;
+      }
   }
   if (all != stack) free(all);
   zd__err_t ignored;
