@@ -162,6 +162,12 @@ static int wait_fence(zd__ckptr_t *c, write_job_t *j, zd__err_t *err) {
   return rc;
 }
 
+/* The world's size now: a live resize changes it (zd__ckptr_set_world_size) while the writer
+ * thread reads it. */
+static uint32_t world_size_now(const zd__ckptr_t *c) {
+  return c->has_world ? __atomic_load_n(&c->world.world_size, __ATOMIC_RELAXED) : 1;
+}
+
 static void write_one(zd__ckptr_t *c, write_job_t *j) {
   slot_t *s = &c->slots[j->local];
   zd__err_t err = {0};
@@ -175,7 +181,7 @@ static void write_one(zd__ckptr_t *c, write_job_t *j) {
     rc = zd__errf(&err, -ENAMETOOLONG, "checkpoint directory name too long under %s", c->dir);
   if (!rc) {
     zd__ckpt_shard_t shard = {.rank = j->rank,
-                              .world_size = c->has_world ? c->world.world_size : 1,
+                              .world_size = world_size_now(c),
                               .step = j->step,
                               .elems = s->elems,
                               .state = {0}};
@@ -288,7 +294,7 @@ static int wait_entry(zd__ckptr_t *c, const write_job_t *j, const char *key, voi
 /* The other ranks' entries (W > 1), into m->files[1..W-1]. */
 static int collect_entries(zd__ckptr_t *c, const write_job_t *j, zd__ckpt_manifest_t *m,
                            zd__err_t *err) {
-  uint32_t w = c->world.world_size;
+  uint32_t w = world_size_now(c);
   int rc = open_store(c, &c->rdv_fin, err);
   for (uint32_t r = 1; r < w && !rc; r++) {
     char key[96];
@@ -313,7 +319,7 @@ static int collect_entries(zd__ckptr_t *c, const write_job_t *j, zd__ckpt_manife
 static void forget_entries(zd__ckptr_t *c, const write_job_t *j) {
   zd__err_t err = {0};
   if (!c->rdv_fin && open_store(c, &c->rdv_fin, &err)) return;
-  for (uint32_t r = 1; r < c->world.world_size; r++) {
+  for (uint32_t r = 1, w = world_size_now(c); r < w; r++) {
     char key[96];
     entry_key(key, sizeof key, j, r);
     zd__rdv_delete(c->rdv_fin, key, 1000, &err);
@@ -504,7 +510,7 @@ int zd__ckptr_wants(zd__ckptr_t *c, uint64_t step) {
 static int prepare_manifest(const zd__ckptr_t *c, const zd__model_t *m, zd__ckpt_manifest_t **out,
                             zd__err_t *err) {
   const zd__layout_t *l = m->layout;
-  uint32_t w = c->has_world ? c->world.world_size : 1;
+  uint32_t w = world_size_now(c);
   zd__ckpt_manifest_t *mf = calloc(1, sizeof *mf);
   zd_param_t *params = calloc(l->nparams ? l->nparams : 1, sizeof *params);
   if (mf) mf->groups = malloc(m->shard.ngroups * sizeof *mf->groups);
