@@ -172,9 +172,11 @@ class BuddyTest(unittest.TestCase):
             self.assertEqual(diff.size, 0, f"{what}: {name} differs from torch's step {step} at "
                              f"{diff.size} elements, first {diff[:5].tolist()}")
 
-    def world(self, extra: List[str] = (), every: int = EVERY) -> zerod.testing.LocalWorld:
-        world = zerod.testing.LocalWorld(2, daemons=2, args=[
-            "--state_dir", self.state_dir, "--bucket_elems", BUCKET, "--heartbeat_ms", "100",
+    def world(self, extra: List[str] = (), every: int = EVERY,
+              state_dir: bool = True) -> zerod.testing.LocalWorld:
+        world = zerod.testing.LocalWorld(2, daemons=2, args=(
+            ["--state_dir", self.state_dir] if state_dir else []) + [
+            "--bucket_elems", BUCKET, "--heartbeat_ms", "100",
             "--peer_timeout_ms", "1000", "--log_level", "info",
             "--buddy_copy_every_steps", str(every)] + list(extra))
         self.addCleanup(lambda: world.stop(signal.SIGKILL, check=False))
@@ -357,6 +359,7 @@ class BuddyTest(unittest.TestCase):
         self.wait_copies(ts, 3 * EVERY)
 
         # Again at the copy's step: rank 0's state file holds step 12 (zd__model_take_record).
+        seen = len(world.daemons[0].log())
         self.kill(world, [1], ts)
         self.wait_health(world.daemons[0], "rejoining")
         self.wipe(1)
@@ -365,8 +368,39 @@ class BuddyTest(unittest.TestCase):
         for t in ts:
             self.assertEqual(t.info.step, 3 * EVERY, f"rank {t.rank} resumed step {t.info.step}")
             self.assert_same(t.snapshot(), 3 * EVERY, f"rank {t.rank} after the recovery", ref)
-        self.assertIn("from its state file", world.daemons[0].log())
+        self.assertIn("from its state file", world.daemons[0].log()[seen:])
         self.train(ts, range(3 * EVERY + 1, 3 * EVERY + 4), ref=ref, check=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_lagging_parameter_without_state_dir(self) -> None:
+        """As above with checkpoints and no state_dir: the world drops its models when it
+        re-forms, the survivor's new model goes back to its own snapshot and the node back
+        empty (a new zerod's memory) reads its copy from its buddy's memory; no checkpoint is
+        taken before the loss, so the lags can come from nothing else."""
+        ckpt = tempfile.mkdtemp(prefix="zerod-ckpt-")
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        ref = LagReference()
+        world = self.world(["--checkpoint_dir", ckpt, "--resume", "latest"], state_dir=False)
+        ts = self.register_lagging(world, init_values())
+        self.train(ts, range(1, 2 * EVERY + 1), ref=ref)
+        self.wait_copies(ts, 2 * EVERY)
+        self.train(ts, range(2 * EVERY + 1, 2 * EVERY + 3), ref=ref)
+        self.kill(world, [1], ts)
+        self.wait_health(world.daemons[0], "rejoining")
+        self.restart(world, [1])
+        ts = self.register_lagging(world, None)
+        for t in ts:
+            self.assertEqual(t.info.step, 2 * EVERY, f"rank {t.rank} resumed step {t.info.step}")
+            self.assertEqual(t.client.rank_status()["params_lagging"], "1",
+                             f"rank {t.rank}: sd.b's own step count was not restored")
+            rank = t.client.rank_status()
+            self.assertEqual(rank["last_recovery"], "buddy copy", rank)
+        self.assertIn("from its buddy's copy", world.daemons[1].log())
+        self.assertIn("from its own snapshot", world.daemons[0].log())
+        self.assertEqual(os.listdir(ckpt), [], "a checkpoint was taken")
+        self.train(ts, range(2 * EVERY + 1, 3 * EVERY + 1), ref=ref, check=True)
         for t in ts:
             t.close()
         common.stop_world(world)
