@@ -29,6 +29,7 @@
 #define PIECE_BYTES (1u << 20) /* one BuddyPut/BuddyGet message's data */
 #define CALL_MS     5000
 #define DOMAIN_KEY  "buddy/domain/"
+#define COPIED_KEY  "buddy/copied/" /* + rank: the step of its newest complete copy */
 
 /* What a snapshot or a copy is of. Its data: the state arrays the model has (states, in role
  * order, shard_elems floats each), then nlags uint64s, the model's per-parameter step lags of
@@ -100,6 +101,12 @@ static struct {
   pthread_mutex_t store_lock;
   held_t *held;
   uint32_t nheld;
+  /* Every node lost at once (zd__buddy_resume; store_lock): how many local ranks found the world
+   * empty while the store recorded their copies, the newest such copy's step, and the step the
+   * world continued from (the first step agreed after it, less one; lost_pending until then). */
+  uint32_t lost_ranks;
+  uint64_t lost_copy_step, lost_from_step;
+  atomic_int lost_pending;
 } B = {.store_lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* ---- the snapshot --------------------------------------------------------------------------- */
@@ -164,6 +171,12 @@ int zd__buddy_wants(const zd__step_ctx_t *ctx) {
 
 void zd__buddy_agreed(const zd__step_ctx_t *ctx, uint64_t step, int asked, int busy) {
   if (!B.senders || ctx->local_rank >= B.nsenders) return;
+  if (atomic_load(&B.lost_pending)) {
+    pthread_mutex_lock(&B.store_lock);
+    if (B.lost_pending) B.lost_from_step = step - 1;
+    B.lost_pending = 0;
+    pthread_mutex_unlock(&B.store_lock);
+  }
   sender_t *s = &B.senders[ctx->local_rank];
   int due = asked || (B.set.every_steps && step % B.set.every_steps == 0);
   s->due_step = due && !busy ? step : 0;
@@ -368,6 +381,21 @@ static int send_copy(sender_t *s, zd__grpc_channel_t *ch, const snap_t *sn, zd__
   return rc;
 }
 
+/* The store records each rank's newest complete copy (COPIED_KEY), so that a world whose every
+ * node was lost at once can tell that from a first start where the store outlives the nodes
+ * (etcd). Best effort: a failure is logged, the copy stands. */
+static void record_copied(zd__rdv_t *rdv, const meta_t *m) {
+  char key[64], val[32];
+  snprintf(key, sizeof key, COPIED_KEY "%u", m->rank);
+  int len = snprintf(val, sizeof val, "%" PRIu64, m->step);
+  zd__err_t err = {0};
+  int rc = zd__rdv_delete(rdv, key, CALL_MS, &err);
+  if (!rc) rc = zd__rdv_set(rdv, key, val, (size_t)len, CALL_MS, &err);
+  if (rc)
+    ZD_LOG_WARN("rank %u: recording its copy of step %" PRIu64 " in the store: %s", m->rank,
+                m->step, err.msg);
+}
+
 static void *sender_main(void *arg) {
   sender_t *s = arg;
   zd__rdv_t *rdv = NULL;
@@ -398,6 +426,7 @@ static void *sender_main(void *arg) {
     if (!rc) rc = send_copy(s, ch, &s->snap[idx], &err);
     pthread_mutex_lock(&s->lock);
     s->sending = -1;
+    if (!rc) record_copied(rdv, &s->snap[idx].meta);
     if (!rc) {
       s->sent = idx;
       s->copies++;
@@ -1034,6 +1063,38 @@ static void read_copy(const zd__step_ctx_t *ctx, const zd__model_t *m, snap_t *c
               ctx->rank, copy->meta.step, copy->meta.bytes, holder, zd__now_ms() - t0);
 }
 
+/* No rank holds a state file, a snapshot or a copy: when the store records a copy of this rank
+ * (COPIED_KEY, kept by a store that outlived the nodes: etcd), every node was lost at once; why
+ * says so, and the buddy status section keeps it. */
+static void all_lost(const zd__step_ctx_t *ctx, char *why, size_t len) {
+  zd__err_t err = {0};
+  zd__rdv_t *rdv = NULL;
+  char key[64];
+  snprintf(key, sizeof key, COPIED_KEY "%u", ctx->rank);
+  void *v = NULL;
+  size_t vlen = 0;
+  int rc = zd__rdv_open(B.rendezvous, &rdv, &err);
+  if (!rc && B.token[0]) rc = zd__rdv_set_token(rdv, B.token, &err);
+  if (!rc) rc = zd__rdv_get(rdv, key, &v, &vlen, 100, &err);
+  zd__rdv_close(rdv);
+  char val[32] = "";
+  if (!rc) snprintf(val, sizeof val, "%.*s", (int)(vlen < 31 ? vlen : 31), (char *)v);
+  free(v);
+  char *end = NULL;
+  uint64_t step = val[0] ? strtoull(val, &end, 10) : 0;
+  if (!val[0] || !end || *end) return; /* none recorded: a first start */
+  snprintf(why, len,
+           "every node was lost at once (ranks 0-%u hold no state file, snapshot or buddy "
+           "copy; rank %u's copy of step %" PRIu64 " was lost with its holder)",
+           ctx->world_size - 1, ctx->rank, step);
+  pthread_mutex_lock(&B.store_lock);
+  B.lost_ranks++;
+  if (step > B.lost_copy_step) B.lost_copy_step = step;
+  B.lost_pending = 1;
+  B.lost_from_step = 0;
+  pthread_mutex_unlock(&B.store_lock);
+}
+
 int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int *handled,
                      char *why, size_t len, zd__err_t *err) {
   *handled = 0;
@@ -1101,6 +1162,8 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
              "the ranks' state files, snapshots and buddy copies hold no step in common (a copy "
              "older than another rank's snapshots, a copy in flight at the loss, or a step "
              "whose per-parameter step counts differ between ranks)");
+  if (!found && !why[0]) /* every node lost at once, where the store says so; else a first start */
+    all_lost(ctx, why, len);
   if (!found && !why[0]) { /* a first start: nothing to serve */
     ZD_LOG_INFO(
         "rank %u: no rank of the world holds a state file, a snapshot or a buddy copy: a "
@@ -1165,6 +1228,17 @@ void zd__buddy_status(void *ctx, zd__status_t *st) {
   zd__status_add(st, "every_s", "%u", B.set.every_s);
   zd__status_add(st, "held_in", "%s", B.state_dir[0] ? B.state_dir : "memory");
   zd__status_add(st, "failure_domain", "%s", B.domain);
+  pthread_mutex_lock(&B.store_lock);
+  if (B.lost_ranks) {
+    zd__status_add(st, "all_lost", "every node lost at once (ranks 0-%u)",
+                   B.set.world_size ? B.set.world_size - 1 : 0);
+    zd__status_add(st, "all_lost_copy_step", "%" PRIu64, B.lost_copy_step);
+    if (B.lost_pending)
+      zd__status_add(st, "all_lost_continued_from", "pending (the next step's agreement)");
+    else
+      zd__status_add(st, "all_lost_continued_from", "%" PRIu64, B.lost_from_step);
+  }
+  pthread_mutex_unlock(&B.store_lock);
   uint64_t now = zd__unix_ms();
   for (uint32_t i = 0; i < B.nsenders; i++) {
     sender_t *s = &B.senders[i];

@@ -20,7 +20,10 @@
  * none is common and every empty rank has a copy, the ranks with a file that read none read theirs
  * (a zerod restarted too: its snapshots are gone) and all gather again (every rank decides so from
  * the same offers). Otherwise every rank goes on to the state files' agreement and the checkpoint
- * fallback, and the reason is the model's resume note.
+ * fallback, and the reason is the model's resume note. When no rank offers anything, a rank
+ * whose newest copy the store records ("buddy/copied/<rank>", written by the sender after each
+ * copy; kept where the store outlives the nodes: etcd) says every node was lost at once (the
+ * note, and the status section).
  *
  * Threads: zd__buddy_after_step and zd__buddy_resume run on a rank's worker (the one writer of
  * its snapshots), the sender threads read the snapshot they send, and the holder's store is
