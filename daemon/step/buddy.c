@@ -29,10 +29,14 @@
 #define PIECE_BYTES (1u << 20) /* one BuddyPut/BuddyGet message's data */
 #define CALL_MS     5000
 #define DOMAIN_KEY  "buddy/domain/"
+#define COPIED_KEY  "buddy/copied/" /* + rank: the step of its newest complete copy */
 
-/* What a snapshot or a copy is of. */
+/* What a snapshot or a copy is of. Its data: the state arrays the model has (states, in role
+ * order, shard_elems floats each), then nlags uint64s, the model's per-parameter step lags of
+ * that commit (zd__model_t.lag, layout order; nlags is 0 when no parameter lags, else the model's
+ * parameter count); bytes in all. */
 typedef struct meta {
-  uint32_t rank, world_size, states;
+  uint32_t rank, world_size, states, nlags;
   uint64_t layout_hash, step, steps_skipped, shard_elems, bytes;
   int scaler_enabled;
   double scale;
@@ -97,6 +101,12 @@ static struct {
   pthread_mutex_t store_lock;
   held_t *held;
   uint32_t nheld;
+  /* Every node lost at once (zd__buddy_resume; store_lock): how many local ranks found the world
+   * empty while the store recorded their copies, the newest such copy's step, and the step the
+   * world continued from (the first step agreed after it, less one; lost_pending until then). */
+  uint32_t lost_ranks;
+  uint64_t lost_copy_step, lost_from_step;
+  atomic_int lost_pending;
 } B = {.store_lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* ---- the snapshot --------------------------------------------------------------------------- */
@@ -107,10 +117,34 @@ static uint64_t state_count(uint32_t states) {
   return n;
 }
 
+/* The bytes of a copy's state arrays, and of the whole copy with nlags lags after them. */
+static uint64_t arrays_bytes(uint32_t states, uint64_t shard_elems) {
+  return state_count(states) * shard_elems * sizeof(float);
+}
+static uint64_t copy_bytes(uint32_t states, uint64_t shard_elems, uint64_t nlags) {
+  return arrays_bytes(states, shard_elems) + nlags * sizeof(uint64_t);
+}
+
+/* A snapshot's or copy's lags (NULL: every parameter at its step), and the key that names them
+ * in the recovery's offers: 0 for none, else their XXH3-64 (never 0). */
+static const uint64_t *snap_lags(const snap_t *sn) {
+  return sn->meta.nlags
+             ? (const uint64_t *)(sn->data + arrays_bytes(sn->meta.states, sn->meta.shard_elems))
+             : NULL;
+}
+static uint64_t lags_key(const uint64_t *lags, uint64_t n) {
+  int any = 0;
+  for (uint64_t i = 0; lags && i < n && !any; i++) any = lags[i] != 0;
+  if (!any) return 0;
+  uint64_t h = XXH3_64bits(lags, n * sizeof *lags);
+  return h ? h : 1;
+}
+
 static void meta_of(const zd__step_ctx_t *ctx, const zd__model_t *m, meta_t *out) {
   *out = (meta_t){.rank = ctx->rank,
                   .world_size = ctx->world_size,
                   .states = m->states,
+                  .nlags = m->nlagging ? m->layout->nparams : 0,
                   .layout_hash = m->layout->hash,
                   .step = m->step,
                   .steps_skipped = m->steps_skipped,
@@ -120,7 +154,7 @@ static void meta_of(const zd__step_ctx_t *ctx, const zd__model_t *m, meta_t *out
                   .growth_tracker = m->scaler.growth_tracker,
                   .hysteresis_tracker = m->scaler.hysteresis_tracker,
                   .taken_unix_ms = zd__unix_ms()};
-  out->bytes = state_count(m->states) * out->shard_elems * sizeof(float);
+  out->bytes = copy_bytes(m->states, out->shard_elems, out->nlags);
 }
 
 int zd__buddy_wants(const zd__step_ctx_t *ctx) {
@@ -137,6 +171,12 @@ int zd__buddy_wants(const zd__step_ctx_t *ctx) {
 
 void zd__buddy_agreed(const zd__step_ctx_t *ctx, uint64_t step, int asked, int busy) {
   if (!B.senders || ctx->local_rank >= B.nsenders) return;
+  if (atomic_load(&B.lost_pending)) {
+    pthread_mutex_lock(&B.store_lock);
+    if (B.lost_pending) B.lost_from_step = step - 1;
+    B.lost_pending = 0;
+    pthread_mutex_unlock(&B.store_lock);
+  }
   sender_t *s = &B.senders[ctx->local_rank];
   int due = asked || (B.set.every_steps && step % B.set.every_steps == 0);
   s->due_step = due && !busy ? step : 0;
@@ -191,6 +231,7 @@ void zd__buddy_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m) {
       memcpy(sn->data + off, m->shard.state[i], each);
       off += each;
     }
+  if (meta.nlags) memcpy(sn->data + off, m->lag, meta.nlags * sizeof *m->lag);
   sn->meta = meta;
   sn->valid = 1;
   s->last_take_ms = zd__now_ms();
@@ -279,6 +320,8 @@ static void info_of(const meta_t *m, Zerod__V1__BuddyCopyInfo *info) {
   info->taken_unix_ms = m->taken_unix_ms;
   info->has_checksum = 1;
   info->checksum = m->checksum;
+  info->has_lag_count = m->nlags != 0;
+  info->lag_count = m->nlags;
   info->from_address = B.address;
 }
 
@@ -286,6 +329,7 @@ static void meta_from(const Zerod__V1__BuddyCopyInfo *i, meta_t *m) {
   *m = (meta_t){.rank = i->rank,
                 .world_size = i->world_size,
                 .states = i->states,
+                .nlags = i->has_lag_count ? i->lag_count : 0,
                 .layout_hash = i->layout_hash,
                 .step = i->step,
                 .steps_skipped = i->steps_skipped,
@@ -337,6 +381,29 @@ static int send_copy(sender_t *s, zd__grpc_channel_t *ch, const snap_t *sn, zd__
   return rc;
 }
 
+/* The store records each rank's newest complete copy (COPIED_KEY), so that a world whose every
+ * node was lost at once can tell that from a first start where the store outlives the nodes
+ * (etcd). Best effort: a failure is logged, the copy stands. */
+static int store_outlives_nodes(void) {
+  return strncmp(B.rendezvous, "etcd://", 7) == 0;
+}
+
+static void record_copied(zd__rdv_t *rdv, const meta_t *m) {
+  /* Only on etcd: the built-in store dies with rank 0's node, so it cannot tell; and there, a
+   * record by rank 0's own sender in its own control service once went unanswered for 5 s
+   * (CALL_MS), the heartbeats with it (under load; the cause is not known). */
+  if (!store_outlives_nodes()) return;
+  char key[64], val[32];
+  snprintf(key, sizeof key, COPIED_KEY "%u", m->rank);
+  int len = snprintf(val, sizeof val, "%" PRIu64, m->step);
+  zd__err_t err = {0};
+  int rc = zd__rdv_delete(rdv, key, CALL_MS, &err);
+  if (!rc) rc = zd__rdv_set(rdv, key, val, (size_t)len, CALL_MS, &err);
+  if (rc)
+    ZD_LOG_WARN("rank %u: recording its copy of step %" PRIu64 " in the store: %s", m->rank,
+                m->step, err.msg);
+}
+
 static void *sender_main(void *arg) {
   sender_t *s = arg;
   zd__rdv_t *rdv = NULL;
@@ -367,6 +434,7 @@ static void *sender_main(void *arg) {
     if (!rc) rc = send_copy(s, ch, &s->snap[idx], &err);
     pthread_mutex_lock(&s->lock);
     s->sending = -1;
+    if (!rc) record_copied(rdv, &s->snap[idx].meta);
     if (!rc) {
       s->sent = idx;
       s->copies++;
@@ -471,13 +539,15 @@ void zd__buddy_stop(void) {
 /* ---- the holder ----------------------------------------------------------------------------- */
 
 /* The header of a held copy's file (little-endian, this machine's floats, as state files). */
+/* Version 2: the data holds the per-parameter lags after the arrays (meta_t), nlags in the
+ * header. A file of another version is set aside (its log line names both versions). */
 #define FILE_MAGIC   0x3159444455424458ull /* "XDBUDDY1" */
-#define FILE_VERSION 1u
+#define FILE_VERSION 2u
 typedef struct file_hdr {
   uint64_t magic;
   uint32_t version, rank, world_size, states;
   uint64_t layout_hash, step, steps_skipped, shard_elems, bytes;
-  uint32_t scaler_enabled, growth_tracker, hysteresis_tracker, pad;
+  uint32_t scaler_enabled, growth_tracker, hysteresis_tracker, nlags;
   double scale;
   uint64_t taken_unix_ms, checksum, complete_unix_ms;
   char from[256];
@@ -533,6 +603,7 @@ static held_t *held_of(uint32_t rank, uint32_t world_size, int create) {
 
 /* A copy larger than this is refused: a peer cannot make this node allocate without bound. */
 #define MAX_COPY_BYTES (1ull << 40)
+#define MAX_LAGS       (1u << 28) /* parameters of a model, far above any layout's */
 
 /* Loads one held copy's file (start-up, before the control service serves). A file another
  * zerod has open (its flock) is left alone; one that fails the checks is set aside. */
@@ -565,12 +636,18 @@ static void load_file(const char *path, uint32_t rank, uint32_t world_size) {
   } else if ((uint64_t)st.st_size < HDR_BYTES ||
              pread(fd, &hdr, sizeof hdr, 0) != (ssize_t)sizeof hdr) {
     why = "cut short (no whole header)";
-  } else if (hdr.magic != FILE_MAGIC || hdr.version != FILE_VERSION ||
+  } else if (hdr.magic == FILE_MAGIC && hdr.version != FILE_VERSION) {
+    snprintf(buf, sizeof buf,
+             "of format version %u; this zerod reads version %u (version 2 added the "
+             "per-parameter step lags)",
+             hdr.version, FILE_VERSION);
+    why = buf;
+  } else if (hdr.magic != FILE_MAGIC ||
              hdr.hdr_sum != XXH3_64bits(&hdr, offsetof(file_hdr_t, hdr_sum))) {
-    why = "its header is damaged or of another version";
+    why = "its header is damaged";
   } else if (hdr.rank != rank || hdr.world_size != world_size || hdr.rank >= hdr.world_size ||
-             !hdr.bytes || hdr.bytes > MAX_COPY_BYTES ||
-             hdr.bytes != state_count(hdr.states) * hdr.shard_elems * sizeof(float) ||
+             !hdr.bytes || hdr.bytes > MAX_COPY_BYTES || hdr.nlags > MAX_LAGS ||
+             hdr.bytes != copy_bytes(hdr.states, hdr.shard_elems, hdr.nlags) ||
              (uint64_t)st.st_size != HDR_BYTES + hdr.bytes) {
     snprintf(buf, sizeof buf,
              "%" PRIu64 " bytes, whose header says rank %u of %u, %" PRIu64
@@ -597,6 +674,7 @@ static void load_file(const char *path, uint32_t rank, uint32_t world_size) {
   h->meta = (meta_t){.rank = hdr.rank,
                      .world_size = hdr.world_size,
                      .states = hdr.states,
+                     .nlags = hdr.nlags,
                      .layout_hash = hdr.layout_hash,
                      .step = hdr.step,
                      .steps_skipped = hdr.steps_skipped,
@@ -707,6 +785,7 @@ static int part_commit(held_t *h, const char *from, zd__err_t *err) {
                     .shard_elems = m->shard_elems,
                     .bytes = m->bytes,
                     .scaler_enabled = (uint32_t)m->scaler_enabled,
+                    .nlags = m->nlags,
                     .growth_tracker = m->growth_tracker,
                     .hysteresis_tracker = m->hysteresis_tracker,
                     .scale = m->scale,
@@ -727,8 +806,9 @@ static int part_commit(held_t *h, const char *from, zd__err_t *err) {
 
 int zd__buddy_put(const Zerod__V1__BuddyPutRequest *req, uint64_t *received, zd__err_t *err) {
   const Zerod__V1__BuddyCopyInfo *info = req->info;
-  uint64_t want = state_count(info->states) * info->shard_elems * sizeof(float);
-  if (info->total_bytes != want || !want || want > MAX_COPY_BYTES ||
+  uint32_t nlags = info->has_lag_count ? info->lag_count : 0;
+  uint64_t want = copy_bytes(info->states, info->shard_elems, nlags);
+  if (info->total_bytes != want || !want || want > MAX_COPY_BYTES || nlags > MAX_LAGS ||
       req->offset + req->data.len > want || info->rank >= info->world_size)
     return zd__errf(err, -EINVAL,
                     "buddy copy of rank %u: %" PRIu64 " bytes at %" PRIu64
@@ -862,8 +942,9 @@ static int fetch_copy(const zd__step_ctx_t *ctx, const zd__model_t *m, snap_t *o
       if (!crc && !rep->info) crc = -ENOENT;
       if (!crc && !got.data) { /* the first call: what the copy is */
         meta_from(rep->info, &got.meta);
-        uint64_t want = state_count(m->states) * m->layout->shard_elems * sizeof(float);
+        uint64_t want = copy_bytes(m->states, m->layout->shard_elems, got.meta.nlags);
         if (got.meta.bytes != want || got.meta.states != m->states ||
+            (got.meta.nlags && got.meta.nlags != m->layout->nparams) ||
             (out->valid &&
              got.meta.step + got.meta.steps_skipped <= out->meta.step + out->meta.steps_skipped))
           crc = -ENOENT; /* not this model's, or not newer than one found already */
@@ -904,20 +985,38 @@ out:
   return ZD_OK;
 }
 
-/* What a rank can serve, all-gathered. A commit is named by step + steps skipped. */
+/* What a rank can serve, all-gathered. A commit is named by step + steps skipped and its
+ * per-parameter lags (lags_key): the ranks' records of one commit hold the same lags (the step
+ * records' hash covers them), and a rank that holds other lags for it does not serve it. */
+typedef struct commit {
+  uint64_t key, lags;
+} commit_t;
+
 typedef struct offer {
   uint64_t replace;
-  uint64_t nfile, file[2];
-  uint64_t nsnap, snap[2];
-  uint64_t has_copy, copy;
+  uint64_t nfile;
+  commit_t file[2];
+  uint64_t nsnap;
+  commit_t snap[2];
+  uint64_t has_copy;
+  commit_t copy;
 } offer_t;
 
-static int can_serve(const offer_t *o, uint64_t key) {
+static int same_commit(commit_t a, commit_t b) {
+  return a.key == b.key && a.lags == b.lags;
+}
+
+static commit_t commit_of_snap(const snap_t *sn) {
+  return (commit_t){.key = sn->meta.step + sn->meta.steps_skipped,
+                    .lags = lags_key(snap_lags(sn), sn->meta.nlags)};
+}
+
+static int can_serve(const offer_t *o, commit_t c) {
   for (uint64_t i = 0; i < o->nfile; i++)
-    if (o->file[i] == key) return 1;
+    if (same_commit(o->file[i], c)) return 1;
   for (uint64_t i = 0; i < o->nsnap; i++)
-    if (o->snap[i] == key) return 1;
-  return o->has_copy && o->copy == key;
+    if (same_commit(o->snap[i], c)) return 1;
+  return o->has_copy && same_commit(o->copy, c);
 }
 
 static void restore_from(zd__model_t *m, const snap_t *sn) {
@@ -935,18 +1034,19 @@ static void restore_from(zd__model_t *m, const snap_t *sn) {
     m->scaler.growth_tracker = sn->meta.growth_tracker;
     m->scaler.hysteresis_tracker = sn->meta.hysteresis_tracker;
   }
+  zd__model_set_lags(m, snap_lags(sn)); /* that commit's, not the model's newer (or fresh) ones */
   zd__model_commit(m, 0); /* the committed set holds that step now (a state file's header too) */
 }
 
 /* The newest commit every rank can serve, among those that a rank without a file offers. */
-static int newest_common(const offer_t *all, uint32_t w, uint64_t *target) {
+static int newest_common(const offer_t *all, uint32_t w, commit_t *target) {
   int found = 0;
   for (uint32_t r = 0; r < w; r++) {
     if (all[r].nfile) continue;
-    uint64_t keys[3] = {all[r].snap[0], all[r].snap[1], all[r].copy};
+    commit_t keys[3] = {all[r].snap[0], all[r].snap[1], all[r].copy};
     uint64_t have[3] = {all[r].nsnap > 0, all[r].nsnap > 1, all[r].has_copy};
     for (int k = 0; k < 3; k++) {
-      if (!have[k] || (found && keys[k] <= *target)) continue;
+      if (!have[k] || (found && keys[k].key <= target->key)) continue;
       uint32_t q = 0;
       while (q < w && can_serve(&all[q], keys[k])) q++;
       if (q == w) {
@@ -965,10 +1065,43 @@ static void read_copy(const zd__step_ctx_t *ctx, const zd__model_t *m, snap_t *c
   fetch_copy(ctx, m, copy, holder, hlen);
   if (!copy->valid) return;
   mine->has_copy = 1;
-  mine->copy = copy->meta.step + copy->meta.steps_skipped;
+  mine->copy = commit_of_snap(copy);
   ZD_LOG_INFO("rank %u read its buddy copy of step %" PRIu64 " (%" PRIu64
               " bytes) from %s in %" PRIu64 " ms",
               ctx->rank, copy->meta.step, copy->meta.bytes, holder, zd__now_ms() - t0);
+}
+
+/* No rank holds a state file, a snapshot or a copy: when the store records a copy of this rank
+ * (COPIED_KEY, kept by a store that outlived the nodes: etcd), every node was lost at once; why
+ * says so, and the buddy status section keeps it. */
+static void all_lost(const zd__step_ctx_t *ctx, char *why, size_t len) {
+  if (!store_outlives_nodes()) return; /* record_copied wrote nothing */
+  zd__err_t err = {0};
+  zd__rdv_t *rdv = NULL;
+  char key[64];
+  snprintf(key, sizeof key, COPIED_KEY "%u", ctx->rank);
+  void *v = NULL;
+  size_t vlen = 0;
+  int rc = zd__rdv_open(B.rendezvous, &rdv, &err);
+  if (!rc && B.token[0]) rc = zd__rdv_set_token(rdv, B.token, &err);
+  if (!rc) rc = zd__rdv_get(rdv, key, &v, &vlen, 100, &err);
+  zd__rdv_close(rdv);
+  char val[32] = "";
+  if (!rc) snprintf(val, sizeof val, "%.*s", (int)(vlen < 31 ? vlen : 31), (char *)v);
+  free(v);
+  char *end = NULL;
+  uint64_t step = val[0] ? strtoull(val, &end, 10) : 0;
+  if (!val[0] || !end || *end) return; /* none recorded: a first start */
+  snprintf(why, len,
+           "every node was lost at once (ranks 0-%u hold no state file, snapshot or buddy "
+           "copy; rank %u's copy of step %" PRIu64 " was lost with its holder)",
+           ctx->world_size - 1, ctx->rank, step);
+  pthread_mutex_lock(&B.store_lock);
+  B.lost_ranks++;
+  if (step > B.lost_copy_step) B.lost_copy_step = step;
+  B.lost_pending = 1;
+  B.lost_from_step = 0;
+  pthread_mutex_unlock(&B.store_lock);
 }
 
 int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int *handled,
@@ -980,15 +1113,18 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
   s->due_step = 0; /* a copy agreed for a step that this registration replaces */
   offer_t mine = {.replace = (uint64_t)replace};
   mine.nfile = m->restored && !replace ? (uint64_t)m->restored : 0;
-  for (uint64_t i = 0; i < mine.nfile; i++)
-    mine.file[i] = m->restored_rec[i].step + m->restored_rec[i].steps_skipped;
+  for (uint64_t i = 0; i < mine.nfile; i++) {
+    const zd__state_rec_t *r = &m->restored_rec[i];
+    mine.file[i] = (commit_t){.key = r->step + r->steps_skipped,
+                              .lags = lags_key(r->lags, m->layout->nparams)};
+  }
   snap_t *snaps[2] = {0};
   for (int i = 0; i < 2; i++) {
     const snap_t *sn = &s->snap[i];
     if (sn->valid && sn->meta.layout_hash == m->layout->hash && sn->meta.states == m->states &&
         sn->meta.rank == ctx->rank && sn->meta.world_size == ctx->world_size) {
       snaps[mine.nsnap] = &s->snap[i];
-      mine.snap[mine.nsnap++] = sn->meta.step + sn->meta.steps_skipped;
+      mine.snap[mine.nsnap++] = commit_of_snap(sn);
     }
   }
   snap_t copy = {0};
@@ -1008,7 +1144,7 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
     any_replace |= all[r].replace != 0;
   }
   if (!needed || any_replace) goto out; /* the state files' agreement decides */
-  uint64_t target = 0;
+  commit_t target = {0};
   int found = newest_common(all, w, &target);
   /* None: when every rank without a file has a copy, the ranks with a file that read none (a
    * zerod restarted too: its snapshots are gone, its file holds newer steps than the copies) read
@@ -1033,7 +1169,10 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
   if (!found && evidence && !why[0])
     snprintf(why, len,
              "the ranks' state files, snapshots and buddy copies hold no step in common (a copy "
-             "older than another rank's snapshots, or a copy in flight at the loss)");
+             "older than another rank's snapshots, a copy in flight at the loss, or a step "
+             "whose per-parameter step counts differ between ranks)");
+  if (!found && !why[0]) /* every node lost at once, where the store says so; else a first start */
+    all_lost(ctx, why, len);
   if (!found && !why[0]) { /* a first start: nothing to serve */
     ZD_LOG_INFO(
         "rank %u: no rank of the world holds a state file, a snapshot or a buddy copy: a "
@@ -1049,12 +1188,12 @@ int zd__buddy_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int
    * copy it read. */
   const char *from = NULL;
   for (uint64_t i = 0; i < mine.nfile && !from; i++)
-    if (mine.file[i] == target) {
+    if (same_commit(mine.file[i], target)) {
       zd__model_take_record(m, (int)i);
       from = "its state file";
     }
   for (uint64_t i = 0; i < mine.nsnap && !from; i++)
-    if (mine.snap[i] == target) {
+    if (same_commit(mine.snap[i], target)) {
       restore_from(m, snaps[i]);
       from = "its own snapshot";
     }
@@ -1098,6 +1237,17 @@ void zd__buddy_status(void *ctx, zd__status_t *st) {
   zd__status_add(st, "every_s", "%u", B.set.every_s);
   zd__status_add(st, "held_in", "%s", B.state_dir[0] ? B.state_dir : "memory");
   zd__status_add(st, "failure_domain", "%s", B.domain);
+  pthread_mutex_lock(&B.store_lock);
+  if (B.lost_ranks) {
+    zd__status_add(st, "all_lost", "every node lost at once (ranks 0-%u)",
+                   B.set.world_size ? B.set.world_size - 1 : 0);
+    zd__status_add(st, "all_lost_copy_step", "%" PRIu64, B.lost_copy_step);
+    if (B.lost_pending)
+      zd__status_add(st, "all_lost_continued_from", "pending (the next step's agreement)");
+    else
+      zd__status_add(st, "all_lost_continued_from", "%" PRIu64, B.lost_from_step);
+  }
+  pthread_mutex_unlock(&B.store_lock);
   uint64_t now = zd__unix_ms();
   for (uint32_t i = 0; i < B.nsenders; i++) {
     sender_t *s = &B.senders[i];

@@ -1,25 +1,29 @@
 /* Buddy copies (buddy_copy_every_steps, buddy_copy_every_s; CPU backend, world size > 1): every
  * N steps, and after a step once N seconds have passed since the last copy (a flag in the step's
  * record, OR-ed across the ranks as checkpoints' is, so that every rank copies the same step),
- * each rank's committed shard state (the arrays the model has, its step, steps skipped and loss
- * scaler) is copied on the worker into a snapshot of zerod's memory, which a sender thread per
- * local rank sends in pieces, throttled, to the control service of its buddy: the next node in
- * rank order whose failure_domain differs (the next node at all when none does, with a warning).
- * The buddy holds the newest complete copy of each ward, in its state_dir when it has one (a file
- * per ward, "buddy-rank<R>-of-<W>.zdbuddy", 0600, mapped; the copy being received is
+ * each rank's committed shard state (the arrays the model has, its step, steps skipped, loss
+ * scaler and per-parameter step lags, zd__model_t.lag) is copied on the worker into a snapshot of
+ * zerod's memory, which a sender thread per local rank sends in pieces, throttled, to the control
+ * service of its buddy: the next node in rank order whose failure_domain differs (the next node at
+ * all when none does, with a warning). The buddy holds the newest complete copy of each ward, in
+ * its state_dir when it has one (a file per ward, "buddy-rank<R>-of-<W>.zdbuddy", 0600, mapped; the
+ * copy being received is
  * "<name>.part" until complete, then renamed over it), else in memory, and answers BuddyGet with
  * it; a zerod restarted with that state_dir serves the copies its files hold.
  *
  * Recovery (zd__buddy_resume, from the checkpointer's resume): when a rank of the world has no
  * usable state file (its zerod came back empty), the ranks all-gather which commits each can
- * serve: its state file's records, its own two newest snapshots, and for a rank without a file
- * the newest copy a buddy holds of it (read before the all-gather, so that nothing can fail after
- * it). The world takes the step of the empty ranks' copies when every rank can serve it, each
- * from its file, its snapshot or its copy. When none is common and every empty rank has a copy,
- * the ranks with a file that read none read theirs (a zerod restarted too: its snapshots are
- * gone) and all gather again (every rank decides so from the same offers). Otherwise every rank
- * goes on to the state files' agreement and the checkpoint fallback, and the reason is the
- * model's resume note.
+ * serve (a commit named by step + steps skipped and its lags): its state file's records, its own
+ * two newest snapshots, and for a rank without a file the newest copy a buddy holds of it (read
+ * before the all-gather, so that nothing can fail after it). The world takes the step of the empty
+ * ranks' copies when every rank can serve it, each from its file, its snapshot or its copy. When
+ * none is common and every empty rank has a copy, the ranks with a file that read none read theirs
+ * (a zerod restarted too: its snapshots are gone) and all gather again (every rank decides so from
+ * the same offers). Otherwise every rank goes on to the state files' agreement and the checkpoint
+ * fallback, and the reason is the model's resume note. When no rank offers anything, a rank
+ * whose newest copy the store records ("buddy/copied/<rank>", written by the sender after each
+ * copy; kept where the store outlives the nodes: etcd) says every node was lost at once (the
+ * note, and the status section).
  *
  * Threads: zd__buddy_after_step and zd__buddy_resume run on a rank's worker (the one writer of
  * its snapshots), the sender threads read the snapshot they send, and the holder's store is

@@ -21,6 +21,12 @@ copy from its file and zerod 1 rank 0's (rank 0's own file holds newer steps, so
 too, in the agreement's second round), the world continues from step 8, bitwise; a ".part" left
 by a copy in flight is deleted, a damaged copy file renamed aside.
 
+Parameters without a gradient on some steps (absent, as zerod.torch sends p.grad None): "sd.b"
+skips every third step, before the copy's step and after it; the ranks back from the buddy's copy,
+their own snapshot and their state file restore its own step count of that commit (its lag), and
+the steps after the recovery are torch's AdamW with None gradients, bitwise (the lags travel in
+the copies; before they did, sd.b's next update differed at 383 of 384 elements).
+
 Copies by time (buddy_copy_every_s): every rank copies the same step (the step's records carry
 the request), and a node back empty resumes from it.
 
@@ -51,7 +57,7 @@ import zerod.testing  # noqa: E402
 
 import test_state_dir  # noqa: E402
 from test_state_dir import (BUCKET, PARAMS, Reference, init_values, on_all,  # noqa: E402
-                            tmpfs_root, torch)
+                            step_grads, tmpfs_root, torch)
 
 import numpy as np  # noqa: E402
 
@@ -78,6 +84,40 @@ if _GROUPS is not None:
         return _layout(client, params, groups if groups is not None else _GROUPS, **kw)
     zerod.Client.layout = _layout_with_groups
 Trainer = test_state_dir.Trainer
+
+# A parameter without a gradient on some steps (zd_step_opts_t.absent, as zerod.torch sends it
+# where p.grad is None): "sd.b" on every third step. torch's AdamW skips it there, and its own
+# step count (state['step']), which its bias corrections use, falls behind the others'.
+LAGGING = 1  # PARAMS[1], "sd.b"
+
+
+def absent_at(step: int) -> List[int]:
+    return [LAGGING] if step % 3 == 0 else []
+
+
+class LagTrainer(Trainer):
+    """Trainer whose step names "sd.b" absent on absent_at's steps (its gradient zeroed)."""
+
+    def step(self, s: int) -> None:
+        self.fill(s)
+        absent = absent_at(s)
+        for i in absent:
+            self.g[PARAMS[i][0]][...] = 0.0
+        self.client.step(absent=absent)
+
+
+class LagReference(Reference):
+    """torch.optim.AdamW(foreach=False) on the same gradients, None where absent_at says."""
+
+    def at(self, step: int):
+        while max(self.seen) < step:
+            s = max(self.seen) + 1
+            g = step_grads(s)
+            for i, ((n, _), p) in enumerate(zip(PARAMS, self.params)):
+                p.grad = None if i in absent_at(s) else torch.tensor(g[n])
+            self.opt.step()
+            self.seen[s] = self.snapshot()
+        return self.seen[step]
 
 
 class World3:
@@ -124,17 +164,19 @@ class BuddyTest(unittest.TestCase):
         if BuddyTest.ref is None:
             BuddyTest.ref = Reference()
 
-    def assert_same(self, got, step: int, what: str) -> None:
-        want = self.ref.at(step)
+    def assert_same(self, got, step: int, what: str, ref=None) -> None:
+        want = (ref or self.ref).at(step)
         for name, _ in PARAMS:
             g, w = got[name].view(np.uint32).ravel(), want[name].view(np.uint32).ravel()
             diff = np.flatnonzero(g != w)
             self.assertEqual(diff.size, 0, f"{what}: {name} differs from torch's step {step} at "
                              f"{diff.size} elements, first {diff[:5].tolist()}")
 
-    def world(self, extra: List[str] = (), every: int = EVERY) -> zerod.testing.LocalWorld:
-        world = zerod.testing.LocalWorld(2, daemons=2, args=[
-            "--state_dir", self.state_dir, "--bucket_elems", BUCKET, "--heartbeat_ms", "100",
+    def world(self, extra: List[str] = (), every: int = EVERY,
+              state_dir: bool = True) -> zerod.testing.LocalWorld:
+        world = zerod.testing.LocalWorld(2, daemons=2, args=(
+            ["--state_dir", self.state_dir] if state_dir else []) + [
+            "--bucket_elems", BUCKET, "--heartbeat_ms", "100",
             "--peer_timeout_ms", "1000", "--log_level", "info",
             "--buddy_copy_every_steps", str(every)] + list(extra))
         self.addCleanup(lambda: world.stop(signal.SIGKILL, check=False))
@@ -155,12 +197,19 @@ class BuddyTest(unittest.TestCase):
             t.info = info
         return ts
 
-    def train(self, ts: List[Trainer], steps: range, check: bool = False) -> None:
+    def register_lagging(self, world, init) -> List[Trainer]:
+        ts = on_all([lambda r=r: LagTrainer(world, init, r, register=False) for r in range(2)])
+        infos = on_all([lambda t=t: t.client.register() for t in ts])
+        for t, info in zip(ts, infos):
+            t.info = info
+        return ts
+
+    def train(self, ts: List[Trainer], steps: range, check: bool = False, ref=None) -> None:
         for s in steps:
             on_all([lambda t=t: t.step(s) for t in ts])
             if check:
                 for t in ts:
-                    self.assert_same(t.snapshot(), s, f"rank {t.rank} at step {s}")
+                    self.assert_same(t.snapshot(), s, f"rank {t.rank} at step {s}", ref)
 
     def wait_copies(self, ts: List[Trainer], step: int, timeout: float = 20) -> None:
         """Until each rank's copy of `step` is complete at its buddy (the copy is asynchronous)."""
@@ -278,6 +327,84 @@ class BuddyTest(unittest.TestCase):
             t.close()
         common.stop_world(world)
 
+    def test_lagging_parameter_resumes_with_its_own_step(self) -> None:
+        """A parameter without a gradient on some steps before the copy's step and after it:
+        the ranks that come back from a buddy copy, their own snapshot or their state file keep
+        each parameter's own step count (zd__model_t.lag) of that commit, so that the steps
+        after the recovery are torch's, bit for bit (its bias corrections use the parameter's
+        own state['step'])."""
+        ref = LagReference()
+        world = self.world()
+        ts = self.register_lagging(world, init_values())
+        self.train(ts, range(1, 2 * EVERY + 1), ref=ref, check=True)  # steps 3, 6 skip sd.b
+        self.wait_copies(ts, 2 * EVERY)
+        self.assertEqual(ts[0].client.rank_status()["params_lagging"], "1")
+        self.train(ts, range(2 * EVERY + 1, 2 * EVERY + 3), ref=ref)  # step 9 skips it too
+
+        # Node 1 back empty: rank 1 from its buddy's copy of step 8, rank 0 from its own
+        # snapshot (its state file holds steps 9 and 10, where sd.b lags one step more).
+        self.kill(world, [1], ts)
+        self.wait_health(world.daemons[0], "rejoining")
+        self.wipe(1)
+        self.restart(world, [1])
+        ts = self.register_lagging(world, None)
+        for t in ts:
+            self.assertEqual(t.info.step, 2 * EVERY, f"rank {t.rank} resumed step {t.info.step}")
+            self.assert_same(t.snapshot(), 2 * EVERY, f"rank {t.rank} after the recovery", ref)
+            self.assertEqual(t.client.rank_status()["params_lagging"], "1",
+                             f"rank {t.rank}: sd.b's own step count was not restored")
+        self.assertIn("from its buddy's copy", world.daemons[1].log())
+        self.assertIn("from its own snapshot", world.daemons[0].log())
+        self.train(ts, range(2 * EVERY + 1, 3 * EVERY + 1), ref=ref, check=True)
+        self.wait_copies(ts, 3 * EVERY)
+
+        # Again at the copy's step: rank 0's state file holds step 12 (zd__model_take_record).
+        seen = len(world.daemons[0].log())
+        self.kill(world, [1], ts)
+        self.wait_health(world.daemons[0], "rejoining")
+        self.wipe(1)
+        self.restart(world, [1])
+        ts = self.register_lagging(world, None)
+        for t in ts:
+            self.assertEqual(t.info.step, 3 * EVERY, f"rank {t.rank} resumed step {t.info.step}")
+            self.assert_same(t.snapshot(), 3 * EVERY, f"rank {t.rank} after the recovery", ref)
+        self.assertIn("from its state file", world.daemons[0].log()[seen:])
+        self.train(ts, range(3 * EVERY + 1, 3 * EVERY + 4), ref=ref, check=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_lagging_parameter_without_state_dir(self) -> None:
+        """As above with checkpoints and no state_dir: the world drops its models when it
+        re-forms, the survivor's new model goes back to its own snapshot and the node back
+        empty (a new zerod's memory) reads its copy from its buddy's memory; no checkpoint is
+        taken before the loss, so the lags can come from nothing else."""
+        ckpt = tempfile.mkdtemp(prefix="zerod-ckpt-")
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        ref = LagReference()
+        world = self.world(["--checkpoint_dir", ckpt, "--resume", "latest"], state_dir=False)
+        ts = self.register_lagging(world, init_values())
+        self.train(ts, range(1, 2 * EVERY + 1), ref=ref)
+        self.wait_copies(ts, 2 * EVERY)
+        self.train(ts, range(2 * EVERY + 1, 2 * EVERY + 3), ref=ref)
+        self.kill(world, [1], ts)
+        self.wait_health(world.daemons[0], "rejoining")
+        self.restart(world, [1])
+        ts = self.register_lagging(world, None)
+        for t in ts:
+            self.assertEqual(t.info.step, 2 * EVERY, f"rank {t.rank} resumed step {t.info.step}")
+            self.assertEqual(t.client.rank_status()["params_lagging"], "1",
+                             f"rank {t.rank}: sd.b's own step count was not restored")
+            rank = t.client.rank_status()
+            self.assertEqual(rank["last_recovery"], "buddy copy", rank)
+        self.assertIn("from its buddy's copy", world.daemons[1].log())
+        self.assertIn("from its own snapshot", world.daemons[0].log())
+        self.assertEqual(os.listdir(ckpt), [], "a checkpoint was taken")
+        self.train(ts, range(2 * EVERY + 1, 3 * EVERY + 1), ref=ref, check=True)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
     def test_buddy_leaves_the_failure_domain(self) -> None:
         """W=3, domains a, a, b: rank 0's copy skips rank 1's node (its own domain) for rank 2's,
         rank 1's goes to rank 2's, rank 2's to rank 0's (the next node in rank order, of
@@ -384,6 +511,11 @@ class BuddyTest(unittest.TestCase):
         for path in (part, bad):
             with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as fh:
                 fh.write(b"\x01" * 8192)
+        # a copy of format version 1 (before the per-parameter lags): set aside, both versions
+        # named
+        old = os.path.join(self.state_dir, "buddy-rank2-of-4.zdbuddy")
+        with open(os.open(old, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as fh:
+            fh.write(b"XDBUDDY1" + (1).to_bytes(4, "little") + b"\0" * 8180)
         self.restart(world, [0, 1])
         ts = self.register(world, None)
         for t in ts:
@@ -396,6 +528,9 @@ class BuddyTest(unittest.TestCase):
         self.assertFalse(os.path.exists(part), "the copy in flight was not deleted")
         self.assertFalse(os.path.exists(bad), "the damaged copy was not renamed aside")
         self.assertTrue(glob.glob(bad + ".bad-*"), os.listdir(self.state_dir))
+        self.assertTrue(glob.glob(old + ".bad-*"), os.listdir(self.state_dir))
+        self.assertTrue(any("of format version 1; this zerod reads version 2" in d.log()
+                            for d in world.daemons), "the old copy's versions are not named")
         self.train(ts, range(2 * EVERY + 1, 3 * EVERY + 2), check=True)
         for t in ts:
             t.close()
