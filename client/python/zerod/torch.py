@@ -84,6 +84,16 @@ bounded by ``rejoin_timeout_s`` (default 120 s; 0 turns this off); past it, or w
 back without the model's state (no state_dir) or at another step, step() raises ZerodError
 naming the step lost and what it waited for. Host buffers only (not CUDA parameters or offload).
 
+A live resize (``zeroctl resize --world_size N``). The ranks that stay answer ZD_EPEER too, but
+the layout changes with the world size, so the same buffers cannot be registered again: step()
+(or a scatter's or a lazy gather's error) sees the resize by the world size a new connection to
+the same socket and local rank reports, lays the same model out on it for the new size, moves
+``.data`` and ``.grad`` (``main_grad``) to the new buffers and registers; the step is then sent
+again, or taken as applied, as above (``_follow_resize``). ``world_size`` says the world as it
+is now (re-shard the data when it changes). A rank the resize left gets ZerodError ZD_ERANK
+("left the world ... Stop this trainer"): its loop must stop. Needs an optimizer that opened its
+own connection (no ``client`` passed).
+
 CUDA. With the model on a GPU (every parameter on one device) the buffers are device memory that
 libzerod allocates and shares with zerod's CUDA backend through CUDA IPC; the views are made
 from them through ``__cuda_array_interface__``. Before each request the optimizer hands libzerod
@@ -182,7 +192,7 @@ import torch
 
 from . import _lib
 from . import offload as _offload
-from .client import ANY_RANK, Client, Group, LossScaler, Request, StepResult, ZerodError
+from .client import ANY_RANK, Client, Group, Info, LossScaler, Request, StepResult, ZerodError
 
 __all__ = ["PickledZeroOptimizer", "ZeroAdagrad", "ZeroOptimizer", "ZeroRMSprop", "ZeroSGD"]
 
@@ -1226,11 +1236,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise cause
         st = self._lazy_step
         before = st["before"]
+        # asked before registering again: a resize moves the gradients to new buffers
+        changed = self._gflat._version != st["grad_version"]
         after = self._rejoin(cause, before)
         self._sent_hparams = []  # zerod's groups are the registration's now
         if after == before + 1:  # applied: the registration wrote its parameters
             return
-        if self._gflat._version != st["grad_version"]:
+        if changed:
             raise ZerodError(_lib.ZD_ESTEP, "ZD_ESTEP",
                              f"step {before + 1} was lost with zerod ({cause.name}: "
                              f"{cause.message}) after step() had returned (gather='lazy'), and "
@@ -1356,7 +1368,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         warnings.warn(f"{cause.message}; registering the model again and retrying step "
                       f"{before + 1} (up to {self.rejoin_timeout_s:g} s)", stacklevel=3)
         try:
-            info = self.client.rejoin(int(self.rejoin_timeout_s * 1000))
+            info = self._follow_resize(cause)
+            if info is None:  # the same world size: the same layout, the same buffers
+                info = self.client.rejoin(int(self.rejoin_timeout_s * 1000))
         except ZerodError as e:
             raise ZerodError(e.code, e.name, f"step {before + 1} was lost with zerod ("
                              f"{cause.name}: {cause.message}), and registering the model again "
@@ -1370,6 +1384,78 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              f"{how}, not at step {before} or {before + 1}: the training loop "
                              f"must restart from there", "zd_rejoin") from cause
         return info.step
+
+    def _follow_resize(self, cause: ZerodError) -> Optional[Info]:
+        """After ZD_EPEER: whether the world was resized (zeroctl resize), told by the world size
+        a new connection to the same socket and local rank reports (zerod's hello), which
+        differs from this connection's; None where it does not (or no new connection opens:
+        Client.rejoin then decides). After a resize the model is laid out again for the new
+        world size on that connection, as add_param_group does: the parameters and gradients
+        move to the new buffers (the old ones are unmapped), .data, .grad (main_grad) and the
+        hooks are bound to them, and the model is registered; zerod writes the parameters of
+        the step the world holds. Returns the registration's Info. An optimizer given a
+        `client` cannot open a connection of its own: ZerodError says so."""
+        if cause.code != _lib.ZD_EPEER:
+            return None
+        kw = self._register_kw
+        old = self.client.info
+        try:
+            probe = Client(kw["socket"], old.local_rank, kw["timeout_ms"])
+        except ZerodError:
+            return None
+        if probe.info.world_size == old.world_size:
+            probe.close()
+            return None
+        if not self._owns_client:
+            probe.close()
+            raise ZerodError(_lib.ZD_EPEER, "ZD_EPEER",
+                             f"the world was resized from {old.world_size} to "
+                             f"{probe.info.world_size} ranks, which lays the model out again on "
+                             f"a new connection: an optimizer given a `client` cannot open one "
+                             f"(let it connect: socket=, local_rank=)", "zd_register")
+        warnings.warn(f"the world was resized from {old.world_size} to "
+                      f"{probe.info.world_size} ranks: laying the model out again for the new "
+                      f"world size", stacklevel=4)
+        specs = [(n, tuple(p.shape), pi.group) for p, n, pi in
+                 zip(self._params, self._names, self._pinfo)]
+        # Off the old buffers, as _grow leaves them: private copies of the values and gradients.
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles, self._grad_accs = [], []
+        has_grad = list(self._has_grad)
+        with torch.no_grad():
+            grads = [gv.clone() for gv in self._gviews]
+            for p in self._params:
+                p.data = p.data.clone()
+                if self._grad_views:
+                    p.grad = None
+                else:
+                    del p.main_grad
+        self._pflat = self._gflat = None  # type: ignore[assignment]
+        self._gviews = []
+        _open_optimizers.discard(self)
+        self._closed = True
+        self.client.close()
+        self._bind(specs, probe, kw["socket"], old.local_rank, kw["timeout_ms"], kw["offload"],
+                   kw["max_grad_norm"], kw["grad_mean"], kw["loss_scaler"], False)
+        with torch.no_grad():  # the step in flight's gradients, for sending it again
+            for gv, g in zip(self._gviews, grads):
+                gv.copy_(g)
+        self._has_grad = has_grad
+        self._hook_version = self._gflat._version
+        return self.info
+
+    @property
+    def world_size(self) -> int:
+        """The world size of zerod's world now: it changes when the world is resized
+        (zeroctl resize), which step() follows by itself; a training loop re-shards its data
+        by it (README, "Live resize")."""
+        return self.client.info.world_size
+
+    @property
+    def rank(self) -> int:
+        """This trainer's rank in zerod's world."""
+        return self.client.info.rank
 
     def _absent_params(self) -> List[int]:
         """The parameters without a gradient this step, torch's `p.grad is None`, their gradients
