@@ -731,7 +731,8 @@ static void resize_world(zd__rank_t *r) {
   zd__world_member_free(gone);
   pthread_mutex_lock(&r->stats_lock);
   r->stats.has_model = 0;
-  r->env.world_size = to;
+  /* atomic: zd__rank_peer_dead reads it on the heartbeat's thread (verdict_applies) */
+  __atomic_store_n(&r->env.world_size, to, __ATOMIC_RELAXED);
   r->ctx.world_size = to;
   r->world.world_size = to;
   pthread_mutex_unlock(&r->stats_lock);
@@ -984,7 +985,8 @@ static int verdict_applies(const zd__rank_t *r, uint32_t peer_rank, zd__verdict_
                            uint64_t incarnation) {
   if (!incarnation) return 1;   /* a process of unknown identity: assume it is ours */
   if (!r->ctx.member) return 0; /* re-forming: the new instance waits for the new process */
-  if (peer_rank >= r->env.world_size) return 0; /* a node a live resize left outside */
+  if (peer_rank >= __atomic_load_n(&r->env.world_size, __ATOMIC_RELAXED))
+    return 0; /* a node a live resize left outside */
   uint64_t formed_with = zd__world_member_incarnation(r->ctx.member, peer_rank);
   if (verdict == ZD__VERDICT_REPLACED) return formed_with != incarnation;
   return !formed_with || formed_with == incarnation; /* silent: ours, unless formed with another */

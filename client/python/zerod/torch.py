@@ -825,6 +825,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         buffers: no keyword."""
         return {"stream": torch.cuda.current_stream(self.device).cuda_stream} if self._cuda else {}
 
+    def _leave_buffers(self) -> Tuple[List[torch.Tensor], List[bool]]:
+        """Detaches the model from this connection's buffers before a new layout is registered
+        (a grown model, a resized world): each parameter gets a private copy of its values, the
+        gradients are returned as copies with which parameters had one, the hooks are removed
+        and the connection is closed."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles, self._grad_accs = [], []
+        has_grad = list(self._has_grad)
+        with torch.no_grad():
+            grads = [gv.clone() for gv in self._gviews]
+            for p in self._params:
+                p.data = p.data.clone()
+                if self._grad_views:
+                    p.grad = None
+                else:
+                    del p.main_grad
+        self._pflat = self._gflat = None  # type: ignore[assignment]
+        self._gviews = []
+        _open_optimizers.discard(self)
+        self._closed = True
+        self.client.close()
+        return grads, has_grad
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Adds a parameter group, as torch's does: during construction, and after it between
         steps (progressive unfreezing: Lightning's BaseFinetuning, fastai's gradual unfreezing).
@@ -896,23 +920,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._wait_inflight()
         # Off the old buffers, as close() leaves the model: private copies of the values (and
         # gradients), which the new buffers take.
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles, self._grad_accs = [], []
-        has_grad = list(self._has_grad)
-        with torch.no_grad():
-            grads = [gv.clone() for gv in self._gviews]
-            for p in self._params:
-                p.data = p.data.clone()
-                if self._grad_views:
-                    p.grad = None
-                else:
-                    del p.main_grad
-        self._pflat = self._gflat = None  # type: ignore[assignment]
-        self._gviews = []
-        _open_optimizers.discard(self)
-        self._closed = True
-        self.client.close()
+        grads, has_grad = self._leave_buffers()
         held = len(self._params)
         self._params += [p for p, _ in added]
         self._names += [n for _, n in added]
@@ -1419,23 +1427,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         specs = [(n, tuple(p.shape), pi.group) for p, n, pi in
                  zip(self._params, self._names, self._pinfo)]
         # Off the old buffers, as _grow leaves them: private copies of the values and gradients.
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles, self._grad_accs = [], []
-        has_grad = list(self._has_grad)
-        with torch.no_grad():
-            grads = [gv.clone() for gv in self._gviews]
-            for p in self._params:
-                p.data = p.data.clone()
-                if self._grad_views:
-                    p.grad = None
-                else:
-                    del p.main_grad
-        self._pflat = self._gflat = None  # type: ignore[assignment]
-        self._gviews = []
-        _open_optimizers.discard(self)
-        self._closed = True
-        self.client.close()
+        grads, has_grad = self._leave_buffers()
         self._bind(specs, probe, kw["socket"], old.local_rank, kw["timeout_ms"], kw["offload"],
                    kw["max_grad_norm"], kw["grad_mean"], kw["loss_scaler"], False)
         with torch.no_grad():  # the step in flight's gradients, for sending it again
