@@ -42,22 +42,25 @@ static inline ZD__OPTIM_INLINE void rms_range(const zd__adam_args_t *a, const zd
   const float scale = a->grad_scale, wd = c->weight_decay, al = c->alpha, a1 = c->one_minus_alpha;
   const float mu = c->momentum, e = c->eps, nlr = c->neg_lr, w = c->lerp_weight;
   const uint32_t neg = c->negate_grad ? 0x80000000u : 0u;
-  const int has_wd = c->has_weight_decay, lerp = c->update == ZD_UPDATE_TORCH2;
-  const int from_grad = c->lerp_from_grad;
+  const uint32_t has_wd = c->has_weight_decay ? ~0u : 0u;
+  /* The centered average's two forms and the lerp's two bases are picked by masks on the bits, not
+   * by branches: gcc does not if-convert a floating-point select (the loop stayed scalar). */
+  const uint32_t lerp = c->update == ZD_UPDATE_TORCH2 ? ~0u : 0u;
+  const uint32_t from_grad = c->lerp_from_grad ? ~0u : 0u;
   float *pf = out == 1 ? (float *)a->param : NULL;
   uint16_t *pb = out == 2 ? (uint16_t *)a->param : NULL;
   for (uint64_t i = lo; i < hi; i++) {
     float g = zd__optim_flip(zd__optim_grad(grad, gd, i) * scale, neg);
     float p = in_master[i];
-    if (has_wd) g = fmaf(p, wd, g);
+    g = zd__optim_pick(has_wd, fmaf(p, wd, g), g);
     float s = fmaf(a1 * g, g, in_sq[i] * al);
     sq[i] = s;
     float x = s;
     if (cen) {
       float m = in_ga[i];
       float m1 = fmaf(g, a1, m * al);
-      float m2 = fmaf(w, g - m, from_grad ? g : m);
-      m = lerp ? m2 : m1;
+      float m2 = fmaf(w, g - m, zd__optim_pick(from_grad, g, m));
+      m = zd__optim_pick(lerp, m2, m1);
       ga[i] = m;
       x = fmaf(-m, m, s);
     }
