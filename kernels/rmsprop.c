@@ -42,9 +42,10 @@ static inline ZD__OPTIM_INLINE void rms_range(const zd__adam_args_t *a, const zd
   const float scale = a->grad_scale, wd = c->weight_decay, al = c->alpha, a1 = c->one_minus_alpha;
   const float mu = c->momentum, e = c->eps, nlr = c->neg_lr, w = c->lerp_weight;
   const uint32_t neg = c->negate_grad ? 0x80000000u : 0u;
+  /* Weight decay, the centered average's two forms and the lerp's two bases are picked by masks
+   * on the bits, not by branches: gcc does not if-convert a floating-point select, and a loop this
+   * size is not unswitched for it (the loop stayed scalar). */
   const uint32_t has_wd = c->has_weight_decay ? ~0u : 0u;
-  /* The centered average's two forms and the lerp's two bases are picked by masks on the bits, not
-   * by branches: gcc does not if-convert a floating-point select (the loop stayed scalar). */
   const uint32_t lerp = c->update == ZD_UPDATE_TORCH2 ? ~0u : 0u;
   const uint32_t from_grad = c->lerp_from_grad ? ~0u : 0u;
   float *pf = out == 1 ? (float *)a->param : NULL;
