@@ -52,6 +52,7 @@ struct zd__daemon {
   zd__control_t *control;      /* gRPC control service; NULL once stopped */
   zd__drain_t *drain;          /* zeroctl drain */
   struct zd__liveness *peers;  /* the heartbeat of the other nodes; NULL in a one-node world */
+  pthread_mutex_t peers_lock;  /* peers, which the ranks' workers use (world_formed) */
   struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
   zd__ckptr_t *ckpt;           /* checkpoints (checkpoint.h); outlives the ranks */
   uv_timer_t ckpt_timer;       /* checkpoint_every_seconds */
@@ -239,8 +240,11 @@ static uint64_t notify_period_ms(int *watchdog) {
 }
 
 static void stop_ranks(zd__daemon_t *d) {
-  zd__liveness_stop(d->peers); /* it may call into the ranks */
+  pthread_mutex_lock(&d->peers_lock);
+  zd__liveness_t *peers = d->peers; /* no worker reaches it from now on */
   d->peers = NULL;
+  pthread_mutex_unlock(&d->peers_lock);
+  zd__liveness_stop(peers); /* it may call into the ranks */
   uint32_t n = d->ranks.n;
   d->ranks.n = 0; /* nothing finds them from now on */
   for (uint32_t i = 0; i < n; i++) {
@@ -350,6 +354,16 @@ static void drained(void *ctx) {
   zd__daemon_shutdown(ctx);
 }
 
+/* A rank's world instance formed (rank.h): the heartbeat, once started, watches its processes.
+ * The ranks' workers may form a world before watch_peers() stored the heartbeat: it then reads
+ * the registry, which already names them. */
+static void world_formed(void *ctx, const uint64_t *incarnations, uint32_t world_size) {
+  zd__daemon_t *d = ctx;
+  pthread_mutex_lock(&d->peers_lock);
+  zd__liveness_formed(d->peers, incarnations, world_size); /* does not block */
+  pthread_mutex_unlock(&d->peers_lock);
+}
+
 static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   const zd__config_t *cfg = d->cfg;
   d->ranks.n = 0;
@@ -412,6 +426,8 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
         .cuda_fast = strcmp(cfg->cuda_step, "legacy") != 0,
         .overlap_update = (int)cfg->overlap_update,
         .state_dir = cfg->state_dir[0] ? cfg->state_dir : NULL,
+        .formed = world_formed,
+        .formed_ctx = d,
     };
     rc = zd__rank_create(&env, &d->ranks.rank[i]);
     if (rc) {
@@ -438,7 +454,12 @@ static int watch_peers(zd__daemon_t *d, zd__err_t *err) {
                             .first_rank = d->cfg->first_rank,
                             .heartbeat_ms = d->cfg->heartbeat_ms,
                             .peer_timeout_ms = d->cfg->peer_timeout_ms};
-  return zd__liveness_start(&cfg, peer_dead, d, &d->peers, err);
+  zd__liveness_t *peers = NULL;
+  int rc = zd__liveness_start(&cfg, peer_dead, d, &peers, err);
+  pthread_mutex_lock(&d->peers_lock);
+  d->peers = peers;
+  pthread_mutex_unlock(&d->peers_lock);
+  return rc;
 }
 
 /* ---- status ---------------------------------------------------------------------------------- */
@@ -536,6 +557,7 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
     free(d);
     return zd__errf(err, rc, "uv_loop_init: %s", uv_strerror(rc));
   }
+  pthread_mutex_init(&d->peers_lock, NULL);
   uv_timer_init(&d->loop, &d->shutdown_timer);
   uv_signal_init(&d->loop, &d->sigterm);
   uv_signal_init(&d->loop, &d->sigint);
@@ -650,6 +672,7 @@ void zd__daemon_destroy(zd__daemon_t *d) {
   zd__status_reg_free(d->status);
   zd__backend_free(&d->backend);
   free(d->ranks.rank);
+  pthread_mutex_destroy(&d->peers_lock);
   free(d);
 }
 

@@ -423,6 +423,17 @@ static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
 /* Joins the world before the first job runs; jobs queued meanwhile wait (or fail as degraded). */
 static int can_heal(const zd__rank_t *r);
 
+/* A world instance formed: the heartbeat watches the processes it formed with (rank.h). */
+static void tell_formed(const zd__rank_t *r, const zd__world_member_t *member) {
+  uint32_t n = __atomic_load_n(&r->env.world_size, __ATOMIC_RELAXED);
+  if (!r->env.formed || !member || !n) return;
+  uint64_t *inc = malloc(n * sizeof *inc);
+  if (!inc) return; /* the heartbeat then goes by the registry alone */
+  for (uint32_t i = 0; i < n; i++) inc[i] = zd__world_member_incarnation(member, i);
+  r->env.formed(r->env.formed_ctx, inc, n);
+  free(inc);
+}
+
 /* With checkpoints, a rank that could not join keeps trying (a zerod restarted before the others
  * noticed waits for them to re-form the world, which may take longer than one connect timeout);
  * without, it is degraded after the first failure, as a world that cannot heal. */
@@ -446,6 +457,7 @@ static void join_world(zd__rank_t *r) {
   pthread_mutex_unlock(&r->lock);
   publish_comm(r, comm);
   if (rc == ZD_OK) {
+    tell_formed(r, member);
     set_health(r, ZD__HEALTH_OK, "", "");
     return;
   }
@@ -488,6 +500,7 @@ static void start_cuda(zd__rank_t *r) {
     pthread_mutex_lock(&r->lock);
     r->ctx.member = member;
     pthread_mutex_unlock(&r->lock);
+    if (rc == ZD_OK) tell_formed(r, member);
   }
   publish_comm(r, comm);
   if (rc == ZD_OK) {
@@ -594,6 +607,7 @@ static void heal(zd__rank_t *r) {
       r->ctx.comm = comm;
       r->ctx.member = member;
       pthread_mutex_unlock(&r->lock);
+      tell_formed(r, member);
       pthread_mutex_lock(&r->stats_lock);
       r->stats.heals++;
       pthread_mutex_unlock(&r->stats_lock);
@@ -781,6 +795,7 @@ static void resize_form(zd__rank_t *r) {
       r->ctx.comm = comm;
       r->ctx.member = member;
       pthread_mutex_unlock(&r->lock);
+      tell_formed(r, member);
       set_health(r, ZD__HEALTH_OK, "", "");
       note_resize(r, "step %" PRIu64 ": %u -> %u ranks in %" PRIu64 " ms", r->resize_step,
                   r->resize_from, to, zd__now_ms() - r->resize_t0);

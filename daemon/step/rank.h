@@ -203,6 +203,11 @@ typedef struct zd__rank_env {
   int cuda_fast;             /* CUDA backend: cuda_step fast (else legacy; config.h) */
   int overlap_update;        /* CPU backend: overlap_update (config.h, model.h) */
   const char *state_dir;     /* CPU backend: state_dir (config.h, state_file.h); NULL: none */
+  /* Called on the worker each time this rank's world instance forms (join, heal, resize) with
+   * the zerod process of every global rank (world.h's incarnations, world_size of them): the
+   * heartbeat watches those processes from then on (zd__liveness_formed). NULL: nobody. */
+  void (*formed)(void *ctx, const uint64_t *incarnations, uint32_t world_size);
+  void *formed_ctx;
 } zd__rank_env_t;
 
 /* Creates a rank and starts its worker thread. With the CUDA backend the worker first makes the

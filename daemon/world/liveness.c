@@ -40,6 +40,9 @@ struct zd__liveness {
   int stop;
   node_t *nodes;
   size_t nnodes;
+  /* the newest formation not applied yet (mu): the ranks' processes, world_size of them */
+  uint64_t *formed;
+  uint32_t formed_size;
 };
 
 /* One call may take this long: short enough that a round over a few silent nodes stays near the
@@ -56,8 +59,8 @@ static node_t *find_node(zd__liveness_t *l, uint32_t first_rank) {
   return NULL;
 }
 
-/* A node registered again with another address (a restarted zerod that rejoined the world):
- * watch the new address, with a fresh timer. Returns 0, or -1 if the old one is still watched
+/* A node registered again with another address (a restarted zerod that rejoined the world), or
+ * runs another process: watch the address anew, with a fresh timer. Returns 0, or -1 if the old one is still watched
  * (no channel: the next round tries again). */
 static int readdress(node_t *nd, const char *address) {
   zd__grpc_channel_t *ch = NULL;
@@ -67,7 +70,7 @@ static int readdress(node_t *nd, const char *address) {
     free(copy);
     return -1;
   }
-  ZD_LOG_INFO("heartbeat: node of ranks %u..%u is now at %s", nd->first_rank,
+  ZD_LOG_INFO("heartbeat: watching the node of ranks %u..%u anew at %s", nd->first_rank,
               nd->first_rank + nd->local_ranks - 1, copy);
   zd__grpc_channel_close(nd->channel);
   free(nd->address);
@@ -188,7 +191,8 @@ static int pause_ms(zd__liveness_t *l, uint32_t ms) {
     until.tv_nsec -= 1000000000L;
   }
   pthread_mutex_lock(&l->mu);
-  while (!l->stop && pthread_cond_timedwait(&l->cv, &l->mu, &until) != ETIMEDOUT) {
+  while (!l->stop && !l->formed &&
+         pthread_cond_timedwait(&l->cv, &l->mu, &until) != ETIMEDOUT) {
   }
   int go_on = !l->stop;
   pthread_mutex_unlock(&l->mu);
@@ -219,6 +223,29 @@ static void seed_store_node(zd__liveness_t *l) {
   l->nnodes = 1;
 }
 
+/* Applies the newest formation (zd__liveness_formed), if one came since the last round. */
+static void apply_formed(zd__liveness_t *l) {
+  pthread_mutex_lock(&l->mu);
+  uint64_t *inc = l->formed;
+  uint32_t n = l->formed_size;
+  l->formed = NULL;
+  pthread_mutex_unlock(&l->mu);
+  if (!inc) return;
+  uint64_t now = zd__now_ms();
+  for (size_t i = 0; i < l->nnodes; i++) {
+    node_t *nd = &l->nodes[i];
+    if (nd->first_rank >= n || !inc[nd->first_rank]) continue;
+    if (inc[nd->first_rank] != nd->incarnation) {
+      if (readdress(nd, nd->address) != 0) continue; /* the next formation or round tries again */
+      nd->incarnation = inc[nd->first_rank];
+    }
+    nd->last_ok_ms = now;
+    nd->reported = 0;
+    nd->seeded = 0; /* it is up: it formed the world with us */
+  }
+  free(inc);
+}
+
 static void *liveness_main(void *arg) {
   zd__liveness_t *l = arg;
   zd__log_set_rank(-1);
@@ -232,6 +259,7 @@ static void *liveness_main(void *arg) {
   seed_store_node(l);
   for (int first = 1; first || pause_ms(l, l->cfg.heartbeat_ms); first = 0) {
     refresh_nodes(l, rdv);
+    apply_formed(l);
     for (size_t i = 0; i < l->nnodes; i++) {
       pthread_mutex_lock(&l->mu);
       int stop = l->stop;
@@ -266,6 +294,23 @@ int zd__liveness_start(const zd__liveness_cfg_t *cfg, zd__peer_dead_fn dead, voi
   return ZD_OK;
 }
 
+void zd__liveness_formed(zd__liveness_t *l, const uint64_t *incarnations, uint32_t world_size) {
+  if (!l || !world_size) return;
+  uint64_t *copy = malloc(world_size * sizeof *copy);
+  if (!copy) {
+    ZD_LOG_WARN("heartbeat: out of memory for the processes of a new world instance; its nodes "
+                "are watched as the registry shows them");
+    return;
+  }
+  memcpy(copy, incarnations, world_size * sizeof *copy);
+  pthread_mutex_lock(&l->mu);
+  free(l->formed);
+  l->formed = copy;
+  l->formed_size = world_size;
+  pthread_cond_signal(&l->cv); /* a round now: the new processes are watched at once */
+  pthread_mutex_unlock(&l->mu);
+}
+
 void zd__liveness_stop(zd__liveness_t *l) {
   if (!l) return;
   pthread_mutex_lock(&l->mu);
@@ -278,6 +323,7 @@ void zd__liveness_stop(zd__liveness_t *l) {
     free(l->nodes[i].address);
   }
   free(l->nodes);
+  free(l->formed);
   free(l->rendezvous);
   pthread_cond_destroy(&l->cv);
   pthread_mutex_destroy(&l->mu);

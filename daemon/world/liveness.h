@@ -16,6 +16,14 @@
  * a node whose whole process or host is stopped, or that the network no longer reaches, stays
  * silent. A node that answers again is watched again (a later silence is reported again). A
  * single-node world has no peer to watch: the thread then only sleeps.
+ *
+ * Each time a world instance forms, the ranks tell the heartbeat which zerod process every rank's
+ * node runs (zd__liveness_formed): a node is then watched as that process, with its silence
+ * counted from the formation. Without it, a node whose earlier process was found dead (its
+ * verdict given once) and that was restarted, took part in a new instance and died again before
+ * this thread read the registry anew (with the built-in store the registry dies with rank 0's
+ * node) would never be reported again, and the new instance would wait for it up to
+ * collective_timeout_ms.
  */
 #ifndef ZD_DAEMON_LIVENESS_H
 #define ZD_DAEMON_LIVENESS_H
@@ -48,6 +56,13 @@ typedef void (*zd__peer_dead_fn)(void *ctx, uint32_t first_rank, zd__verdict_t v
 /* Starts the thread. Errors: -ENOMEM, -EAGAIN (no thread). */
 int zd__liveness_start(const zd__liveness_cfg_t *cfg, zd__peer_dead_fn dead, void *ctx,
                        zd__liveness_t **out, zd__err_t *err);
+
+/* A world instance formed with these processes: incarnations[r] is global rank r's zerod
+ * (0: unknown), for r < world_size. Every node the heartbeat knows is watched from now on as the
+ * process its first rank names: a fresh channel for a process it did not know, no verdict given
+ * yet, silence counted from now. Does not block: the thread applies it at once. Any thread;
+ * accepts a NULL l. */
+void zd__liveness_formed(zd__liveness_t *l, const uint64_t *incarnations, uint32_t world_size);
 
 /* Stops and joins the thread (within about one call's deadline) and frees it; accepts NULL.
  * dead() is not called after it returns. */
