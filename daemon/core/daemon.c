@@ -52,7 +52,9 @@ struct zd__daemon {
   zd__control_t *control;      /* gRPC control service; NULL once stopped */
   zd__drain_t *drain;          /* zeroctl drain */
   struct zd__liveness *peers;  /* the heartbeat of the other nodes; NULL in a one-node world */
-  pthread_mutex_t peers_lock;  /* peers, which the ranks' workers use (world_formed) */
+  pthread_mutex_t peers_lock;  /* peers and formed, which the ranks' workers use (world_formed) */
+  uint64_t *formed;            /* a formation before peers started, for it to apply; or NULL */
+  uint32_t formed_size;
   struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
   zd__ckptr_t *ckpt;           /* checkpoints (checkpoint.h); outlives the ranks */
   uv_timer_t ckpt_timer;       /* checkpoint_every_seconds */
@@ -354,13 +356,23 @@ static void drained(void *ctx) {
   zd__daemon_shutdown(ctx);
 }
 
-/* A rank's world instance formed (rank.h): the heartbeat, once started, watches its processes.
- * The ranks' workers may form a world before watch_peers() stored the heartbeat: it then reads
- * the registry, which already names them. */
+/* A rank's world instance formed (rank.h): the heartbeat watches its processes. The ranks'
+ * workers may form a world before watch_peers() started the heartbeat: the newest formation is
+ * then kept for it (the registry may be gone by the time its thread reads it, with rank 0). */
 static void world_formed(void *ctx, const uint64_t *incarnations, uint32_t world_size) {
   zd__daemon_t *d = ctx;
   pthread_mutex_lock(&d->peers_lock);
-  zd__liveness_formed(d->peers, incarnations, world_size); /* does not block */
+  if (d->peers) {
+    zd__liveness_formed(d->peers, incarnations, world_size); /* does not block */
+  } else {
+    uint64_t *copy = malloc(world_size * sizeof *copy);
+    if (copy) {
+      memcpy(copy, incarnations, world_size * sizeof *copy);
+      free(d->formed);
+      d->formed = copy;
+      d->formed_size = world_size;
+    }
+  }
   pthread_mutex_unlock(&d->peers_lock);
 }
 
@@ -458,6 +470,9 @@ static int watch_peers(zd__daemon_t *d, zd__err_t *err) {
   int rc = zd__liveness_start(&cfg, peer_dead, d, &peers, err);
   pthread_mutex_lock(&d->peers_lock);
   d->peers = peers;
+  if (peers && d->formed) zd__liveness_formed(peers, d->formed, d->formed_size);
+  free(d->formed);
+  d->formed = NULL;
   pthread_mutex_unlock(&d->peers_lock);
   return rc;
 }
@@ -673,6 +688,7 @@ void zd__daemon_destroy(zd__daemon_t *d) {
   zd__backend_free(&d->backend);
   free(d->ranks.rank);
   pthread_mutex_destroy(&d->peers_lock);
+  free(d->formed);
   free(d);
 }
 
