@@ -41,19 +41,19 @@
 struct zd__daemon {
   uv_loop_t loop;
   const zd__config_t *cfg;
-  zd__backend_t backend;       /* the compute backend, and the CPU kernels' ISA */
-  zd__mps_t mps;               /* CUDA: whether the GPUs are shared through MPS */
-  zd__pool_t *pool;            /* the CPU kernels' threads */
-  zd__world_t world;           /* how ranks join a multi-rank world */
-  zd__ranks_t ranks;           /* the local ranks */
-  zd__status_reg_t *status;    /* every module's status writer */
-  zd__sessions_t *sessions;    /* the clients, and which one holds each local rank */
-  zd__server_t *server;        /* the listening socket */
-  zd__control_t *control;      /* gRPC control service; NULL once stopped */
-  zd__drain_t *drain;          /* zeroctl drain */
-  struct zd__liveness *peers;  /* the heartbeat of the other nodes; NULL in a one-node world */
-  pthread_mutex_t peers_lock;  /* peers and formed, which the ranks' workers use (world_formed) */
-  uint64_t *formed;            /* a formation before peers started, for it to apply; or NULL */
+  zd__backend_t backend;      /* the compute backend, and the CPU kernels' ISA */
+  zd__mps_t mps;              /* CUDA: whether the GPUs are shared through MPS */
+  zd__pool_t *pool;           /* the CPU kernels' threads */
+  zd__world_t world;          /* how ranks join a multi-rank world */
+  zd__ranks_t ranks;          /* the local ranks */
+  zd__status_reg_t *status;   /* every module's status writer */
+  zd__sessions_t *sessions;   /* the clients, and which one holds each local rank */
+  zd__server_t *server;       /* the listening socket */
+  zd__control_t *control;     /* gRPC control service; NULL once stopped */
+  zd__drain_t *drain;         /* zeroctl drain */
+  struct zd__liveness *peers; /* the heartbeat of the other nodes; NULL in a one-node world */
+  pthread_mutex_t peers_lock; /* peers and formed, which the ranks' workers use (world_formed) */
+  uint64_t *formed;           /* a formation before peers started, for it to apply; or NULL */
   uint32_t formed_size;
   struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
   zd__ckptr_t *ckpt;           /* checkpoints (checkpoint.h); outlives the ranks */

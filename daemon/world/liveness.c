@@ -60,8 +60,8 @@ static node_t *find_node(zd__liveness_t *l, uint32_t first_rank) {
 }
 
 /* A node registered again with another address (a restarted zerod that rejoined the world), or
- * runs another process: watch the address anew, with a fresh timer. Returns 0, or -1 if the old one is still watched
- * (no channel: the next round tries again). */
+ * runs another process: watch the address anew, with a fresh timer. Returns 0, or -1 if the old one
+ * is still watched (no channel: the next round tries again). */
 static int readdress(node_t *nd, const char *address) {
   zd__grpc_channel_t *ch = NULL;
   zd__err_t err = {0};
@@ -191,8 +191,7 @@ static int pause_ms(zd__liveness_t *l, uint32_t ms) {
     until.tv_nsec -= 1000000000L;
   }
   pthread_mutex_lock(&l->mu);
-  while (!l->stop && !l->formed &&
-         pthread_cond_timedwait(&l->cv, &l->mu, &until) != ETIMEDOUT) {
+  while (!l->stop && !l->formed && pthread_cond_timedwait(&l->cv, &l->mu, &until) != ETIMEDOUT) {
   }
   int go_on = !l->stop;
   pthread_mutex_unlock(&l->mu);
@@ -298,8 +297,9 @@ void zd__liveness_formed(zd__liveness_t *l, const uint64_t *incarnations, uint32
   if (!l || !world_size) return;
   uint64_t *copy = malloc(world_size * sizeof *copy);
   if (!copy) {
-    ZD_LOG_WARN("heartbeat: out of memory for the processes of a new world instance; its nodes "
-                "are watched as the registry shows them");
+    ZD_LOG_WARN(
+        "heartbeat: out of memory for the processes of a new world instance; its nodes "
+        "are watched as the registry shows them");
     return;
   }
   memcpy(copy, incarnations, world_size * sizeof *copy);
