@@ -19,6 +19,7 @@
 #include "resize.h"
 #include "step.h"
 #include "world.h"
+#include "world_record.h"
 
 struct zd__rank {
   zd__rank_env_t env;
@@ -420,6 +421,11 @@ static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
   pthread_mutex_unlock(&r->lock);
 }
 
+static void note_resize(zd__rank_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* How long rank 0 gives the rendezvous store to take the world size record. */
+#define RECORD_STORE_MS 2000
+
 /* Joins the world before the first job runs; jobs queued meanwhile wait (or fail as degraded). */
 static int can_heal(const zd__rank_t *r);
 
@@ -432,6 +438,33 @@ static void tell_formed(const zd__rank_t *r, const zd__world_member_t *member) {
   for (uint32_t i = 0; i < n; i++) inc[i] = zd__world_member_incarnation(member, i);
   r->env.formed(r->env.formed_ctx, inc, n);
   free(inc);
+}
+
+/* Rank 0: the world size record into the rendezvous store, for zerods that start again without
+ * one in their state_dir (a failure is logged: the state_dirs still hold it). */
+static void publish_record(const zd__rank_t *r, const zd__world_record_t *rec) {
+  zd__err_t err = {0};
+  if (zd__world_record_publish(r->world.rendezvous_address, r->world.control_token, rec,
+                               RECORD_STORE_MS, &err))
+    ZD_LOG_WARN("world size record (world_size=%u) not stored in the rendezvous store: %s",
+                rec->world_size, err.msg);
+}
+
+/* A rank beyond the world size that a live resize's record gave at start (env.record): it stays
+ * out of the world, as a rank that a resize left, and says why. */
+static void stay_out(zd__rank_t *r) {
+  const zd__world_record_t *rec = r->env.record;
+  r->left = 1;
+  snprintf(r->resized, sizeof r->resized,
+           "rank %u is outside the world: a live resize after step %" PRIu64
+           " made it %u ranks (from %u), which this zerod read from its world size record at "
+           "start (world_size_record = use). Stop this trainer and zerod, or register it on a "
+           "rank below %u",
+           r->env.rank, rec->step, rec->world_size, rec->from, rec->world_size);
+  set_health(r, ZD__HEALTH_DEGRADED, "", r->resized);
+  note_resize(r, "step %" PRIu64 ": %u -> %u ranks; this rank left (world size record)", rec->step,
+              rec->from, rec->world_size);
+  ZD_LOG_WARN("%s", r->resized);
 }
 
 /* With checkpoints, a rank that could not join keeps trying (a zerod restarted before the others
@@ -459,6 +492,7 @@ static void join_world(zd__rank_t *r) {
   if (rc == ZD_OK) {
     tell_formed(r, member);
     set_health(r, ZD__HEALTH_OK, "", "");
+    if (r->env.record && r->env.rank == 0) publish_record(r, r->env.record);
     return;
   }
   ZD_LOG_ERROR("rank degraded: joining the world failed: %s", err.msg);
@@ -695,7 +729,6 @@ static void job_ran(zd__rank_t *r, zd__job_t *job) {
 
 /* ---- live resize (resize.h) ----------------------------------------------------------------- */
 
-static void note_resize(zd__rank_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void note_resize(zd__rank_t *r, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -703,6 +736,19 @@ static void note_resize(zd__rank_t *r, const char *fmt, ...) {
   vsnprintf(r->stats.last_resize, sizeof r->stats.last_resize, fmt, ap);
   pthread_mutex_unlock(&r->stats_lock);
   va_end(ap);
+}
+
+/* A resize committed (the image is taken, the old world is gone): the world size record, in the
+ * state_dir of every rank and, from rank 0, in the rendezvous store (world_record.h), so that a
+ * zerod that starts again joins the world at its new size. A failure is logged, not fatal: the
+ * resize goes on, and a zerod restarted later reads its configured size. */
+static void record_resize(zd__rank_t *r, const zd__world_record_t *rec) {
+  zd__err_t err = {0};
+  char tag[32];
+  snprintf(tag, sizeof tag, "rank%u", r->env.rank);
+  if (r->env.state_dir && zd__world_record_write(r->env.state_dir, tag, rec, &err))
+    ZD_LOG_WARN("live resize: the world size record was not written: %s", err.msg);
+  if (r->env.rank == 0) publish_record(r, rec);
 }
 
 /* The ranks agreed at the last step to resize the world (r->resize_agreed); every rank runs this
@@ -743,6 +789,8 @@ static void resize_world(zd__rank_t *r) {
   r->ctx.member = NULL;
   pthread_mutex_unlock(&r->lock);
   zd__world_member_free(gone);
+  /* The record first: once status shows the new size, a zerod started for it finds it. */
+  record_resize(r, &(zd__world_record_t){.world_size = to, .from = from, .step = step});
   pthread_mutex_lock(&r->stats_lock);
   r->stats.has_model = 0;
   /* atomic: zd__rank_peer_dead reads it on the heartbeat's thread (verdict_applies) */
@@ -830,7 +878,9 @@ int zd__rank_request_resize(zd__rank_t *r, uint32_t world_size, zd__err_t *err) 
 static void *worker_main(void *arg) {
   zd__rank_t *r = arg;
   zd__log_set_rank((int)r->env.rank);
-  if (r->device >= 0)
+  if (r->env.rank >= r->env.world_size)
+    stay_out(r);
+  else if (r->device >= 0)
     start_cuda(r);
   else if (!r->ctx.comm)
     join_world(r);

@@ -141,7 +141,8 @@ int zd__world_record_publish(const char *address, const char *token, const zd__w
 }
 
 int zd__world_record_lookup(const char *address, const char *token, zd__world_record_t *out,
-                            int timeout_ms, zd__err_t *err) {
+                            int *malformed, int timeout_ms, zd__err_t *err) {
+  *malformed = 0;
   zd__rdv_t *rdv = NULL;
   void *v = NULL;
   size_t len = 0;
@@ -153,6 +154,7 @@ int zd__world_record_lookup(const char *address, const char *token, zd__world_re
     char where[300];
     snprintf(where, sizeof where, "rendezvous store %s, key " ZD__WORLD_RECORD_KEY, address);
     rc = zd__world_record_parse(v, len, where, out, err);
+    *malformed = rc != ZD_OK;
   }
   free(v);
   zd__rdv_close(rdv);

@@ -60,8 +60,9 @@ int zd__world_record_publish(const char *address, const char *token, const zd__w
                              int timeout_ms, zd__err_t *err);
 
 /* Reads the record from the store at `address`: -ENOENT (no message) when the store holds none;
- * ZD_ECONFIG when it is malformed; the store's errors (it could not be reached in timeout_ms). */
+ * ZD_ECONFIG with *malformed set when the record is malformed; else the store's errors (it could
+ * not be reached in timeout_ms, rendezvous.h). */
 int zd__world_record_lookup(const char *address, const char *token, zd__world_record_t *out,
-                            int timeout_ms, zd__err_t *err);
+                            int *malformed, int timeout_ms, zd__err_t *err);
 
 #endif /* ZD_WORLD_WORLD_RECORD_H */
