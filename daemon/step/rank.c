@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "adam.h"
+#include "buddy.h"
 #include "checkpoint.h"
 #include "clock.h"
 #include "compute.h"
@@ -749,6 +750,7 @@ static void record_resize(zd__rank_t *r, const zd__world_record_t *rec) {
   if (r->env.state_dir && zd__world_record_write(r->env.state_dir, tag, rec, &err))
     ZD_LOG_WARN("live resize: the world size record was not written: %s", err.msg);
   if (r->env.rank == 0) publish_record(r, rec);
+  zd__buddy_resized(r->env.local_rank, rec->world_size);
 }
 
 /* The ranks agreed at the last step to resize the world (r->resize_agreed); every rank runs this
