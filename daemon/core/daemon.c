@@ -394,10 +394,11 @@ static int take_record(zd__daemon_t *d, const char *rendezvous, int own_store, z
   zd__world_record_t file = {0}, store = {0};
   int has_file = 0, has_store = 0, rc;
   if (cfg->state_dir[0]) {
-    rc = zd__world_record_read(cfg->state_dir, &file, err);
+    zd__err_t ferr = {0};
+    rc = zd__world_record_read(cfg->state_dir, &file, &ferr);
     if (rc && rc != -ENOENT)
       return zd__errf(err, rc, "%s; fix or remove it, or set world_size_record = ignore",
-                      err->msg);
+                      ferr.msg);
     has_file = rc == ZD_OK;
   }
   /* Rank 0's own built-in store is empty at start (it is this process); etcd keeps it. */
