@@ -33,6 +33,8 @@ struct zd__rank {
   char resized[ZD__ERR_MSG_MAX];    /* worker: why a trainer must register again ("": no resize) */
   char resize_stale[64]; /* worker: the instance the resize left, until the new one forms */
   uint32_t resize_from;  /* worker: the resize in progress, for status */
+  int resize_forming;    /* under lock: re-forming the world after a resize (resize_form) */
+  uint32_t resize_lost;  /* under lock: 1 + the rank whose loss was last reported meanwhile */
   uint64_t resize_step, resize_t0;
   int device; /* CUDA backend: the rank's CUDA device (env.gpu's); -1: the CPU backend */
   zd__step_ctx_t ctx;
@@ -819,6 +821,10 @@ static void resize_world(zd__rank_t *r) {
   r->resize_from = from;
   r->resize_step = step;
   r->resize_t0 = t0;
+  pthread_mutex_lock(&r->lock);
+  r->resize_forming = 1;
+  r->resize_lost = 0;
+  pthread_mutex_unlock(&r->lock);
   snprintf(r->resized, sizeof r->resized,
            "rank %u: the world was resized from %u to %u ranks after step %" PRIu64
            " (zeroctl resize): register again (every rank of the new world does), which continues "
@@ -844,6 +850,7 @@ static void resize_form(zd__rank_t *r) {
       r->peer_failed = 0;
       r->ctx.comm = comm;
       r->ctx.member = member;
+      r->resize_forming = 0;
       pthread_mutex_unlock(&r->lock);
       tell_formed(r, member);
       set_health(r, ZD__HEALTH_OK, "", "");
@@ -1059,9 +1066,29 @@ static int verdict_applies(const zd__rank_t *r, uint32_t peer_rank, zd__verdict_
   return !formed_with || formed_with == incarnation; /* silent: ours, unless formed with another */
 }
 
+/* A peer of the new world died while this rank re-forms it after a live resize (r->lock held):
+ * the world waits for that zerod to start again (it finds the world size record); the status
+ * and the log say so, once per peer, instead of a silent wait. */
+static void lost_while_forming(zd__rank_t *r, uint32_t peer_rank, const char *why) {
+  uint32_t w = __atomic_load_n(&r->env.world_size, __ATOMIC_RELAXED);
+  if (!r->resize_forming || peer_rank >= w || peer_rank == r->env.rank ||
+      r->resize_lost == peer_rank + 1)
+    return;
+  r->resize_lost = peer_rank + 1;
+  char reason[ZD__ERR_MSG_MAX];
+  snprintf(reason, sizeof reason,
+           "the zerod of rank %u was lost (%s) while the world of %u ranks re-forms after a "
+           "live resize; waiting for it to start again (its state_dir or the rendezvous store "
+           "gives it the new size)",
+           peer_rank, why, w);
+  set_health(r, ZD__HEALTH_REJOINING, "re-forming the world after a live resize: ", reason);
+  ZD_LOG_WARN("%s", reason);
+}
+
 void zd__rank_peer_dead(zd__rank_t *r, uint32_t peer_rank, zd__verdict_t verdict,
                         uint64_t incarnation, const char *why) {
   pthread_mutex_lock(&r->lock);
+  if (!r->ctx.member) lost_while_forming(r, peer_rank, why);
   if (!verdict_applies(r, peer_rank, verdict, incarnation)) {
     pthread_mutex_unlock(&r->lock);
     ZD_LOG_DEBUG("heartbeat verdict not about this world instance, ignored: %s", why);

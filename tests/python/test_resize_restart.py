@@ -217,6 +217,40 @@ class ResizeRestartTest(unittest.TestCase):
         finally:
             world.stop(check=False)
 
+    def test_peer_lost_while_the_world_reforms(self) -> None:
+        """Grown 2 -> 4, ranks 0 and 1 wait for the new zerods; rank 1's zerod dies meanwhile:
+        rank 0 says so in its status (rejoining, naming rank 1) and its log, within the peer
+        timeout, rather than waiting silently."""
+        world = zerod.testing.LocalWorld(2, daemons=2, args=rz.ARGS, log_level="info")
+        try:
+            ts = self.register(world, [0, 1], first=True)
+            self.train(ts, range(1, 3))
+            zeroctl("--address", world.daemons[0].control_address, "resize", "--world_size", "4")
+            self.train(ts, range(3, 4))
+            attempt([lambda t=t: t.step(4) for t in ts])
+            for t in ts:
+                t.close()
+            self.wait_world_size(world.daemons[0], 4)
+            world.daemons[1].stop(signal.SIGKILL, check=False)
+            t0 = time.monotonic()
+            end = t0 + 15
+            while True:
+                r0 = status(world.daemons[0])["ranks"][0]
+                if "rank 1 was lost" in r0.get("degraded_reason", "") or time.monotonic() > end:
+                    break
+                time.sleep(0.05)
+            print(f"\nrank 1's loss while re-forming reported in {time.monotonic() - t0:.2f} s",
+                  file=sys.stderr)
+            self.assertEqual(r0["health"], "rejoining", r0)
+            self.assertIn("the zerod of rank 1 was lost", r0.get("degraded_reason", ""), r0)
+            self.assertIn("re-forms after a live resize", r0["degraded_reason"])
+            self.assertIn("WARN the zerod of rank 1 was lost", world.daemons[0].log())
+        except BaseException:
+            sys.stderr.write(world.log()[-20000:])
+            raise
+        finally:
+            world.stop(check=False)
+
 
 class WorldRecordStartTest(unittest.TestCase):
     """One zerod started on a state_dir that holds a record (no world around it)."""
