@@ -741,8 +741,8 @@ static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, s
            st->first_rank + (st->local_ranks ? st->local_ranks - 1 : 0), st->world_size,
            st->backend, st->uptime_s);
     if (st->has_configured_world_size)
-      printf("node %s: world size %u, configured world_size %u (a live resize)\n",
-             nodes[i].address, st->world_size, st->configured_world_size);
+      printf("node %s: world size %u, configured world_size %u (a live resize)\n", nodes[i].address,
+             st->world_size, st->configured_world_size);
     if (st->has_draining && st->draining)
       printf("node %s: draining: shutting down once its checkpoint is complete\n",
              nodes[i].address);

@@ -42,22 +42,22 @@
 struct zd__daemon {
   uv_loop_t loop;
   const zd__config_t *cfg;
-  zd__backend_t backend;       /* the compute backend, and the CPU kernels' ISA */
-  zd__mps_t mps;               /* CUDA: whether the GPUs are shared through MPS */
-  zd__pool_t *pool;            /* the CPU kernels' threads */
-  zd__world_t world;           /* how ranks join a multi-rank world */
-  uint32_t world_size;         /* at start: world_size, or a live resize's record (take_record) */
-  zd__world_record_t record;   /* the record that gave world_size (has_record) */
-  int has_record;
-  zd__ranks_t ranks;           /* the local ranks */
-  zd__status_reg_t *status;    /* every module's status writer */
-  zd__sessions_t *sessions;    /* the clients, and which one holds each local rank */
-  zd__server_t *server;        /* the listening socket */
-  zd__control_t *control;      /* gRPC control service; NULL once stopped */
-  zd__drain_t *drain;          /* zeroctl drain */
-  struct zd__liveness *peers;  /* the heartbeat of the other nodes; NULL in a one-node world */
-  pthread_mutex_t peers_lock;  /* peers and formed, which the ranks' workers use (world_formed) */
-  uint64_t *formed;            /* a formation before peers started, for it to apply; or NULL */
+  zd__backend_t backend;      /* the compute backend, and the CPU kernels' ISA */
+  zd__mps_t mps;              /* CUDA: whether the GPUs are shared through MPS */
+  zd__pool_t *pool;           /* the CPU kernels' threads */
+  zd__world_t world;          /* how ranks join a multi-rank world */
+  uint32_t world_size;        /* at start: world_size or a resize's record (take_record) */
+  zd__world_record_t record;  /* the record that gave world_size, if has_record */
+  int has_record;             /* world_size came from a record */
+  zd__ranks_t ranks;          /* the local ranks */
+  zd__status_reg_t *status;   /* every module's status writer */
+  zd__sessions_t *sessions;   /* the clients, and which one holds each local rank */
+  zd__server_t *server;       /* the listening socket */
+  zd__control_t *control;     /* gRPC control service; NULL once stopped */
+  zd__drain_t *drain;         /* zeroctl drain */
+  struct zd__liveness *peers; /* the heartbeat of the other nodes; NULL in a one-node world */
+  pthread_mutex_t peers_lock; /* peers and formed, which the ranks' workers use (world_formed) */
+  uint64_t *formed;           /* a formation before peers started, for it to apply; or NULL */
   uint32_t formed_size;
   struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
   zd__ckptr_t *ckpt;           /* checkpoints (checkpoint.h); outlives the ranks */
@@ -285,8 +285,8 @@ static int create_checkpointer(zd__daemon_t *d, zd__err_t *err) {
       ZD_LOG_WARN("checkpoint_dir %s is not a directory (yet): checkpoints fail until it is",
                   cfg->checkpoint_dir);
   }
-  int rc = zd__ckptr_create(&set, d->world_size > 1 ? &d->world : NULL, cfg->local_ranks,
-                            &d->ckpt, err);
+  int rc =
+      zd__ckptr_create(&set, d->world_size > 1 ? &d->world : NULL, cfg->local_ranks, &d->ckpt, err);
   if (!rc && cfg->checkpoint_dir[0] && cfg->checkpoint_every_seconds)
     uv_timer_start(&d->ckpt_timer, checkpoint_tick, 1000, 1000);
   return rc;
@@ -397,8 +397,7 @@ static int take_record(zd__daemon_t *d, const char *rendezvous, int own_store, z
     zd__err_t ferr = {0};
     rc = zd__world_record_read(cfg->state_dir, &file, &ferr);
     if (rc && rc != -ENOENT)
-      return zd__errf(err, rc, "%s; fix or remove it, or set world_size_record = ignore",
-                      ferr.msg);
+      return zd__errf(err, rc, "%s; fix or remove it, or set world_size_record = ignore", ferr.msg);
     has_file = rc == ZD_OK;
   }
   /* Rank 0's own built-in store is empty at start (it is this process); etcd keeps it. */
@@ -444,9 +443,9 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
       cfg->first_rank == 0 && strcmp(cfg->rendezvous_address, cfg->control_address) == 0
           ? zd__control_address(d->control)
           : cfg->rendezvous_address;
-  int trc = take_record(d, rendezvous,
-                        cfg->first_rank == 0 && !strcmp(rendezvous, zd__control_address(d->control)),
-                        err);
+  int trc = take_record(
+      d, rendezvous, cfg->first_rank == 0 && !strcmp(rendezvous, zd__control_address(d->control)),
+      err);
   if (trc) return trc;
   d->world = (zd__world_t){.world_size = d->world_size,
                            .first_rank = cfg->first_rank,
@@ -482,9 +481,8 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */
     zd__comm_t *comm = NULL;
-    int rc = d->world_size == 1 && d->backend.kind == ZD__BACKEND_CPU
-                 ? zd__comm_local_create(&comm)
-                 : ZD_OK;
+    int rc = d->world_size == 1 && d->backend.kind == ZD__BACKEND_CPU ? zd__comm_local_create(&comm)
+                                                                      : ZD_OK;
     if (rc) return zd__errf(err, rc, "cannot create the communicator of local rank %u", i);
     zd__rank_env_t env = {
         .local_rank = i,

@@ -341,8 +341,8 @@ int zd__rdv_lookup(zd__rdv_t *rdv, const char *key, void **value, size_t *len, i
   char what[MAX_KEY_BYTES + 16];
   snprintf(what, sizeof what, "get '%s'", key);
   rc = call_retry(rdv, "/zerod.v1.Control/KvGet", what, &req.base, NULL,
-                  &zerod__v1__kv_get_reply__descriptor, &reply,
-                  (int64_t)zd__now_ms() + timeout_ms, err);
+                  &zerod__v1__kv_get_reply__descriptor, &reply, (int64_t)zd__now_ms() + timeout_ms,
+                  err);
   if (rc) return rc;
   Zerod__V1__KvGetReply *rep = (Zerod__V1__KvGetReply *)reply;
   size_t n = rep->found && rep->has_value ? rep->value.len : 0;

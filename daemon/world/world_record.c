@@ -20,8 +20,10 @@ static int field(const char **p, const char *end, const char *name, uint64_t max
                  const char *where, const char *text, zd__err_t *err) {
   size_t n = strlen(name);
   if ((size_t)(end - *p) < n + 1 || memcmp(*p, name, n) != 0 || (*p)[n] != '=')
-    return zd__errf(err, ZD_ECONFIG, "%s: world size record '%s': expected '%s=' at '%.*s'; the "
-                    "record is " FORM, where, text, name, (int)(end - *p), *p);
+    return zd__errf(err, ZD_ECONFIG,
+                    "%s: world size record '%s': expected '%s=' at '%.*s'; the "
+                    "record is " FORM,
+                    where, text, name, (int)(end - *p), *p);
   const char *q = *p + n + 1;
   uint64_t v = 0;
   const char *digits = q;
@@ -34,16 +36,17 @@ static int field(const char **p, const char *end, const char *name, uint64_t max
     v = v * 10 + d;
   }
   if (!digits || q == digits || (q < end && *q != ' ') || v > max || (max != UINT64_MAX && !v))
-    return zd__errf(err, ZD_ECONFIG, "%s: world size record '%s': %s is not a number from %d "
-                    "to %" PRIu64 "; the record is " FORM, where, text, name,
-                    max == UINT64_MAX ? 0 : 1, max);
+    return zd__errf(err, ZD_ECONFIG,
+                    "%s: world size record '%s': %s is not a number from %d "
+                    "to %" PRIu64 "; the record is " FORM,
+                    where, text, name, max == UINT64_MAX ? 0 : 1, max);
   *out = v;
   *p = q < end ? q + 1 : q;
   return ZD_OK;
 }
 
-int zd__world_record_parse(const char *text, size_t len, const char *where,
-                           zd__world_record_t *out, zd__err_t *err) {
+int zd__world_record_parse(const char *text, size_t len, const char *where, zd__world_record_t *out,
+                           zd__err_t *err) {
   char shown[ZD__WORLD_RECORD_MAX + 1];
   if (len && text[len - 1] == '\n') len--;
   size_t slen = len < ZD__WORLD_RECORD_MAX ? len : ZD__WORLD_RECORD_MAX;
@@ -54,24 +57,28 @@ int zd__world_record_parse(const char *text, size_t len, const char *where,
     return zd__errf(err, ZD_ECONFIG, "%s: the world size record is empty; the record is " FORM,
                     where);
   if (len >= ZD__WORLD_RECORD_MAX || memchr(text, '\n', len) || memchr(text, '\0', len))
-    return zd__errf(err, ZD_ECONFIG, "%s: world size record '%s' is not one line of at most %d "
-                    "bytes; the record is " FORM, where, shown, ZD__WORLD_RECORD_MAX - 1);
+    return zd__errf(err, ZD_ECONFIG,
+                    "%s: world size record '%s' is not one line of at most %d "
+                    "bytes; the record is " FORM,
+                    where, shown, ZD__WORLD_RECORD_MAX - 1);
   const char *p = text, *end = text + len;
   uint64_t w = 0, from = 0, step = 0;
   int rc = field(&p, end, "world_size", 65536, &w, where, shown, err);
   if (!rc) rc = field(&p, end, "from", 65536, &from, where, shown, err);
   if (!rc) rc = field(&p, end, "step", UINT64_MAX, &step, where, shown, err);
   if (!rc && p != end)
-    rc = zd__errf(err, ZD_ECONFIG, "%s: world size record '%s': unexpected '%.*s' after the "
-                  "step; the record is " FORM, where, shown, (int)(end - p), p);
+    rc = zd__errf(err, ZD_ECONFIG,
+                  "%s: world size record '%s': unexpected '%.*s' after the "
+                  "step; the record is " FORM,
+                  where, shown, (int)(end - p), p);
   if (rc) return rc;
   *out = (zd__world_record_t){.world_size = (uint32_t)w, .from = (uint32_t)from, .step = step};
   return ZD_OK;
 }
 
 size_t zd__world_record_format(const zd__world_record_t *rec, char *buf, size_t len) {
-  int n = snprintf(buf, len, "world_size=%u from=%u step=%" PRIu64 "\n", rec->world_size,
-                   rec->from, rec->step);
+  int n = snprintf(buf, len, "world_size=%u from=%u step=%" PRIu64 "\n", rec->world_size, rec->from,
+                   rec->step);
   return n < 0 ? 0 : (size_t)n < len ? (size_t)n : len - 1;
 }
 
@@ -94,8 +101,8 @@ int zd__world_record_write(const char *dir, const char *tag, const zd__world_rec
                   strerror(errno ? errno : EIO));
   close(fd);
   if (!rc && rename(tmp, path) != 0)
-    rc = zd__errf(err, -errno, "world size record %s: rename to %s: %s", tmp, path,
-                  strerror(errno));
+    rc =
+        zd__errf(err, -errno, "world size record %s: rename to %s: %s", tmp, path, strerror(errno));
   if (rc) {
     unlink(tmp);
     return rc;

@@ -35,8 +35,8 @@ typedef struct zd__world_record {
 /* Parses text (len bytes, not NUL-terminated; one trailing newline allowed). `where` names the
  * source for the message ("state_dir /x/world_size"). Errors: ZD_ECONFIG naming what is wrong and
  * the form expected. */
-int zd__world_record_parse(const char *text, size_t len, const char *where,
-                           zd__world_record_t *out, zd__err_t *err);
+int zd__world_record_parse(const char *text, size_t len, const char *where, zd__world_record_t *out,
+                           zd__err_t *err);
 
 /* The record as text into buf (at least ZD__WORLD_RECORD_MAX bytes). Returns its length. */
 size_t zd__world_record_format(const zd__world_record_t *rec, char *buf, size_t len);
