@@ -185,6 +185,68 @@ class ResizeRestartTest(unittest.TestCase):
         finally:
             world.stop(check=False)
 
+    def test_rank0_restart_after_shrink(self) -> None:
+        """Rank 0's zerod SIGKILLed after a shrink and started again on its control address
+        (its built-in store restarts empty): it takes its state_dir's record, the world of 2
+        re-forms, training goes on bitwise, and it stores the record again: a zerod of removed
+        rank 3 started without a state_dir learns from the store that it is out."""
+        state = self.state_dir()
+        world = zerod.testing.LocalWorld(4, daemons=4, args=rz.ARGS + ["--state_dir", state],
+                                         log_level="info")
+        try:
+            ts = self.register(world, [0, 1, 2, 3], first=True)
+            self.train(ts, range(1, 3))
+            self.shrink(world, ts, 3)
+            for r in (2, 3):
+                world.daemons[r].stop()
+            ts = self.register(world, [0, 1])
+            self.train(ts, range(4, 6))
+            old = world.daemons[0]
+            old.stop(signal.SIGKILL, check=False)
+            attempt([lambda: ts[1].step(6)])
+            for t in ts:
+                t.close()
+            addr = old.control_address
+            if os.path.exists(addr[len("unix:"):]):
+                os.unlink(addr[len("unix:"):])
+            d0 = zerod.testing.LocalZerod(old.args + ["--control_address", addr],
+                                          log_level="info", start=False, timeout=30.0)
+            d0.control_address = addr
+            d0.spawn()
+            world.daemons[0] = d0
+            world._endpoints[0] = (d0.socket, 0)
+            t0 = time.monotonic()
+            st = self.wait_health(d0, "ok")
+            self.wait_health(world.daemons[1], "ok")
+            print(f"\nrestarted rank 0 and the survivor re-formed the world of 2 in "
+                  f"{time.monotonic() - t0:.2f} s", file=sys.stderr)
+            self.assertEqual(st["world_size"], 2, st)
+            self.assertEqual(st.get("configured_world_size"), 4, st)
+            ts = self.register(world, [0, 1])
+            for t in ts:
+                self.assertTrue(t.info.resumed, f"rank {t.rank} resumed its state file")
+            self.assert_same(ts, 5, "W=2 after rank 0's restart")
+            self.train(ts, range(6, 8))
+            self.assert_same(ts, 7, "W=2 trained after rank 0's restart")
+            # the record from the store: rank 3 without a state_dir
+            d3 = zerod.testing.LocalZerod(
+                ["--world_size", "4", "--first_rank", "3", "--rendezvous_address", addr]
+                + rz.ARGS, log_level="info")
+            try:
+                st = self.wait_health(d3, "degraded")
+                self.assertEqual(st["world_size"], 2, st)
+                self.assertIn("outside the world", st["ranks"][0]["degraded_reason"])
+                self.assertIn("world size record (rendezvous store)", d3.log())
+            finally:
+                d3.stop()
+            for t in ts:
+                t.close()
+        except BaseException:
+            sys.stderr.write(world.log()[-20000:])
+            raise
+        finally:
+            world.stop(check=False)
+
     def test_buddy_copies_after_shrink(self) -> None:
         """Copies after a shrink go to a node of the world of 2 (the registry still lists the
         removed nodes, stopped) and succeed."""
