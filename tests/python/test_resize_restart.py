@@ -15,6 +15,9 @@ record replaces the configured size (world_size_record = use).
   degraded, its trainer refused with ZD_ERANK naming the resize.
 - Grown back to 4: the record says 4 again, the new zerods join, training goes on bitwise.
 - Buddy copies after a shrink go to a node of the new world and succeed.
+- Rank 0's zerod restarted after a shrink (its built-in store empty) takes its state_dir's
+  record and stores it again; on etcd, the record outlives every zerod.
+- A peer lost while the world re-forms after a resize is named in the status and the log.
 - world_size_record = ignore: the configured size, as before; a malformed record is refused at
   start with a message naming the file and the form expected.
 """
@@ -307,6 +310,45 @@ class ResizeRestartTest(unittest.TestCase):
             self.assertIn("the zerod of rank 1 was lost", r0.get("degraded_reason", ""), r0)
             self.assertIn("re-forms after a live resize", r0["degraded_reason"])
             self.assertIn("WARN the zerod of rank 1 was lost", world.daemons[0].log())
+        except BaseException:
+            sys.stderr.write(world.log()[-20000:])
+            raise
+        finally:
+            world.stop(check=False)
+
+    def test_record_in_etcd(self) -> None:
+        """The record in etcd (rendezvous = etcd://...), without state_dirs: a removed zerod and
+        a restarted rank 0 (etcd outlives it) find it there. Skipped without etcd-server."""
+        from test_etcd import ETCD, Etcd
+        if ETCD is None:
+            self.skipTest("etcd is not installed (Debian package etcd-server)")
+        tmp = tempfile.mkdtemp(prefix="zerod-resize-etcd-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        etcd = Etcd(tmp)
+        self.addCleanup(etcd.stop)
+        args = rz.ARGS + ["--rendezvous", f"etcd://{etcd.endpoint}/rr"]
+        world = zerod.testing.LocalWorld(4, daemons=4, args=args, log_level="info")
+        try:
+            ts = self.register(world, [0, 1, 2, 3], first=True)
+            self.train(ts, range(1, 3))
+            self.shrink(world, ts, 3)
+            self.assertIn("/zerod/rr/zerod/world_size", etcd.keys("/zerod/rr/"))
+            for r in (2, 3):
+                world.daemons[r].stop()
+            d3 = self.restart(world, 3)
+            st = self.wait_health(d3, "degraded")
+            self.assertEqual(st["world_size"], 2, st)
+            self.assertIn("a live resize after step 3 made it 2 ranks (from 4)",
+                          st["ranks"][0]["degraded_reason"])
+            self.assertIn("world size record (rendezvous store)", d3.log())
+            d3.stop()
+            world.daemons[0].stop(signal.SIGKILL, check=False)
+            d0 = self.restart(world, 0)
+            d0.wait_ready()
+            st = status(d0)
+            self.assertEqual(st["world_size"], 2, st)
+            self.assertEqual(st.get("configured_world_size"), 4, st)
+            self.assertIn("world size record (rendezvous store)", d0.log())
         except BaseException:
             sys.stderr.write(world.log()[-20000:])
             raise
