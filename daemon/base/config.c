@@ -130,7 +130,8 @@ static const setting_t settings[] = {
     ENUM(S_WORLD, "world_size_record", world_size_record, "use", world_size_records,
          "a live resize (zeroctl resize) leaves a record of the new world size in state_dir (file "
          "world_size) and in the rendezvous store (key zerod/world_size); use: a zerod that "
-         "starts again takes the newest record found over world_size (a rank the record left "
+         "starts again takes the record (the store's, else state_dir's) over world_size (a rank "
+         "the record left "
          "out of the world stays out: degraded, its trainer refused with ZD_ERANK); ignore: "
          "world_size as configured, as before live resize existed"),
     U32(S_WORLD, "first_rank", first_rank, "0", 0, 65535,

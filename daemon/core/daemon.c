@@ -384,8 +384,8 @@ static void world_formed(void *ctx, const uint64_t *incarnations, uint32_t world
  * 0's node, which may not be up yet (then the state_dir's record, or world_size, decides). */
 #define RECORD_LOOKUP_MS 1000
 
-/* world_size_record = use: the newest world size record of a live resize (world_record.h), from
- * this zerod's state_dir and from the rendezvous store, replaces the configured world_size. A
+/* world_size_record = use: the world size record of the last live resize (world_record.h), the
+ * rendezvous store's, else this zerod's state_dir's, replaces the configured world_size. A
  * malformed record stops the start: which size is right cannot be known. */
 static int take_record(zd__daemon_t *d, const char *rendezvous, int own_store, zd__err_t *err) {
   const zd__config_t *cfg = d->cfg;
@@ -415,9 +415,9 @@ static int take_record(zd__daemon_t *d, const char *rendezvous, int own_store, z
     has_store = rc == ZD_OK;
   }
   if (!has_file && !has_store) return ZD_OK;
-  d->record = has_store && (!has_file || zd__world_record_newer(&store, &file)) ? store : file;
+  d->record = has_store ? store : file;
   d->has_record = 1;
-  const char *src = d->record.step == file.step && has_file ? "state_dir" : "rendezvous store";
+  const char *src = has_store ? "rendezvous store" : "state_dir";
   d->world_size = d->record.world_size;
   if (d->world_size == cfg->world_size) {
     ZD_LOG_INFO("world size record (%s): a live resize after step %" PRIu64

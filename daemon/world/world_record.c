@@ -82,10 +82,6 @@ size_t zd__world_record_format(const zd__world_record_t *rec, char *buf, size_t 
   return n < 0 ? 0 : (size_t)n < len ? (size_t)n : len - 1;
 }
 
-int zd__world_record_newer(const zd__world_record_t *a, const zd__world_record_t *b) {
-  return a->step > b->step;
-}
-
 int zd__world_record_write(const char *dir, const char *tag, const zd__world_record_t *rec,
                            zd__err_t *err) {
   char path[4096], tmp[4096], text[ZD__WORLD_RECORD_MAX];
@@ -140,7 +136,7 @@ int zd__world_record_publish(const char *address, const char *token, const zd__w
   size_t n = zd__world_record_format(rec, text, sizeof text);
   zd__rdv_t *rdv = NULL;
   int rc = open_store(address, token, &rdv, err);
-  /* Keys are written once: the newer record replaces the older one. */
+  /* Keys are written once: the new record replaces the old one. */
   if (!rc) rc = zd__rdv_delete(rdv, ZD__WORLD_RECORD_KEY, timeout_ms, err);
   if (!rc) rc = zd__rdv_set(rdv, ZD__WORLD_RECORD_KEY, text, n, timeout_ms, err);
   zd__rdv_close(rdv);

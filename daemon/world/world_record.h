@@ -6,11 +6,14 @@
  * wait for ranks that are gone, a rank that was removed would join as if nothing happened. So when
  * a resize commits every zerod writes the record into its state_dir (file ZD__WORLD_RECORD_FILE),
  * and rank 0 into the rendezvous store (key ZD__WORLD_RECORD_KEY, the built-in store or etcd); at
- * start the newest record found replaces the configured size (setting world_size_record = use).
+ * start the record found replaces the configured size (setting world_size_record = use): the
+ * store's where it holds one (rank 0 writes every resize's there, and once more after it started
+ * again: it is the newest), else the state_dir's (the store unreachable, or a built-in store that
+ * restarted with rank 0 before rank 0 joined).
  *
  * The record is one line of text: "world_size=N from=W step=S\n": the new size, the size before,
- * and the step the resize rode. Of two records the one of the later step is the newer (a world
- * resized twice at one step cannot be: a resize rides a step).
+ * and the step the resize rode (for the messages: steps may go back, a world resumed from an
+ * older checkpoint, so they do not order records).
  *
  * Thread safety: none needed (no shared state). Every function may block on the disk or the store.
  */
@@ -40,9 +43,6 @@ int zd__world_record_parse(const char *text, size_t len, const char *where, zd__
 
 /* The record as text into buf (at least ZD__WORLD_RECORD_MAX bytes). Returns its length. */
 size_t zd__world_record_format(const zd__world_record_t *rec, char *buf, size_t len);
-
-/* 1 when a is newer than b (a later step). */
-int zd__world_record_newer(const zd__world_record_t *a, const zd__world_record_t *b);
 
 /* Writes the record into dir/ZD__WORLD_RECORD_FILE atomically (a temporary file named for `tag`,
  * written, synced, mode 0600, renamed over the record): a reader sees the old record or the new

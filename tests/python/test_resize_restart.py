@@ -130,7 +130,7 @@ class ResizeRestartTest(unittest.TestCase):
             self.assertLess(took, 15.0, "rejoins at once, not after connect_timeout_ms")
             self.assertEqual(st["world_size"], 2, st)
             self.assertEqual(st.get("configured_world_size"), 4, st)
-            self.assertIn("world size record (state_dir)", d1.log())
+            self.assertIn("world size record (rendezvous store)", d1.log())  # rank 0's
             ts = self.register(world, [0, 1])
             for t in ts:
                 self.assertTrue(t.info.resumed, f"rank {t.rank} resumed its state file")
@@ -225,6 +225,7 @@ class ResizeRestartTest(unittest.TestCase):
                   f"{time.monotonic() - t0:.2f} s", file=sys.stderr)
             self.assertEqual(st["world_size"], 2, st)
             self.assertEqual(st.get("configured_world_size"), 4, st)
+            self.assertIn("world size record (state_dir)", d0.log())  # its own store is empty
             ts = self.register(world, [0, 1])
             for t in ts:
                 self.assertTrue(t.info.resumed, f"rank {t.rank} resumed its state file")

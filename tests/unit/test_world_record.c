@@ -1,7 +1,7 @@
 /* Unit test of the world size record (daemon/world/world_record.c): a record written is read back
- * the same, the file is written atomically with mode 0600 (no temporary file left), the newer of
- * two records is the one of the later step, and malformed records are refused with a message that
- * names the problem and the form expected.
+ * the same, the file is written atomically with mode 0600 (no temporary file left) and replaces
+ * the one before, and malformed records are refused with a message that names the problem and the
+ * form expected.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -60,14 +60,6 @@ static void test_malformed(void) {
   refused("world_size=2  from=4 step=1", "expected 'from='");
 }
 
-static void test_newer(void) {
-  zd__world_record_t a = {.world_size = 2, .from = 4, .step = 10};
-  zd__world_record_t b = {.world_size = 4, .from = 2, .step = 20};
-  CHECK(zd__world_record_newer(&b, &a));
-  CHECK(!zd__world_record_newer(&a, &b));
-  CHECK(!zd__world_record_newer(&a, &a));
-}
-
 static void test_file(void) {
   char dir[] = "/tmp/zd-world-record-XXXXXX";
   CHECK(mkdtemp(dir) != NULL);
@@ -118,7 +110,6 @@ static void test_file(void) {
 int main(void) {
   test_parse();
   test_malformed();
-  test_newer();
   test_file();
   printf("world_record: ok\n");
   return 0;
