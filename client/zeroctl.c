@@ -740,6 +740,9 @@ static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, s
            nodes[i].address, st->version, st->pid, st->first_rank,
            st->first_rank + (st->local_ranks ? st->local_ranks - 1 : 0), st->world_size,
            st->backend, st->uptime_s);
+    if (st->has_configured_world_size)
+      printf("node %s: world size %u, configured world_size %u (a live resize)\n", nodes[i].address,
+             st->world_size, st->configured_world_size);
     if (st->has_draining && st->draining)
       printf("node %s: draining: shutting down once its checkpoint is complete\n",
              nodes[i].address);
@@ -904,7 +907,10 @@ static void print_json_rank(const row_t *r) {
 
 static void print_json(const node_t *nodes, size_t nnodes, const row_t *rows, size_t nrows,
                        uint32_t world_size) {
-  printf("{\n  \"world_size\": %u,\n  \"nodes\": [\n", world_size);
+  printf("{\n  \"world_size\": %u,\n", world_size);
+  if (nnodes == 1 && nodes[0].status && nodes[0].status->has_configured_world_size)
+    printf("  \"configured_world_size\": %u,\n", nodes[0].status->configured_world_size);
+  printf("  \"nodes\": [\n");
   for (size_t i = 0; i < nnodes; i++) {
     const node_t *n = &nodes[i];
     const Zerod__V1__NodeStatus *st = n->status;
@@ -915,8 +921,11 @@ static void print_json(const node_t *nodes, size_t nnodes, const row_t *rows, si
       json_string(stdout, st->version);
       printf(", \"pid\": %d, \"control_address\": ", st->pid);
       json_string(stdout, st->control_address);
-      printf(", \"world_size\": %u, \"first_rank\": %u, \"local_ranks\": %u, \"backend\": ",
-             st->world_size, st->first_rank, st->local_ranks);
+      printf(", \"world_size\": %u, ", st->world_size);
+      if (st->has_configured_world_size) /* the setting, where a live resize changed the size */
+        printf("\"configured_world_size\": %u, ", st->configured_world_size);
+      printf("\"first_rank\": %u, \"local_ranks\": %u, \"backend\": ", st->first_rank,
+             st->local_ranks);
       json_string(stdout, st->backend);
       printf(", \"uptime_s\": %" PRIu64 ", \"draining\": %s}", st->uptime_s,
              st->has_draining && st->draining ? "true" : "false");

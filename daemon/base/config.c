@@ -65,6 +65,7 @@ typedef struct setting {
 static const char *const backends[] = {"auto", "cpu", "cuda", NULL};
 static const char *const isas[] = {"auto", "avx512bf16", "avx512", "avx2", "scalar", NULL};
 static const char *const cuda_steps[] = {"fast", "legacy", NULL};
+static const char *const world_size_records[] = {"use", "ignore", NULL};
 static const char *const levels[] = {"error", "warn", "info", "debug", NULL};
 
 static const setting_t settings[] = {
@@ -126,6 +127,13 @@ static const setting_t settings[] = {
     U32(S_WORLD, "local_ranks", local_ranks, "1", 1, 64, "ranks served by this daemon"),
     U32(S_WORLD, "world_size", world_size, "0", 0, 65536,
         "ranks in the whole job (0: local_ranks, a single-node world)"),
+    ENUM(S_WORLD, "world_size_record", world_size_record, "use", world_size_records,
+         "a live resize (zeroctl resize) leaves a record of the new world size in state_dir (file "
+         "world_size) and in the rendezvous store (key zerod/world_size); use: a zerod that "
+         "starts again takes the record (the store's, else state_dir's) over world_size (a rank "
+         "the record left "
+         "out of the world stays out: degraded, its trainer refused with ZD_ERANK); ignore: "
+         "world_size as configured, as before live resize existed"),
     U32(S_WORLD, "first_rank", first_rank, "0", 0, 65535,
         "global rank of this daemon's local rank 0"),
     U64(S_WORLD, "bucket_elems", bucket_elems, "0", 0, 1ull << 40,

@@ -48,6 +48,7 @@ typedef struct zd__config {
   /* world */
   uint32_t local_ranks;      /* R */
   uint32_t world_size;       /* W; 0: local_ranks (a single-node world) */
+  char *world_size_record;   /* use | ignore: a live resize's record over world_size */
   uint32_t first_rank;       /* global rank of local rank 0 */
   uint64_t bucket_elems;     /* 0: max(40M, 1M * W) */
   char *control_address;     /* gRPC control service listen address */

@@ -233,6 +233,8 @@ static int handle_status(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   st.pid = (int32_t)getpid();
   st.control_address = (char *)zd__control_address(c);
   st.world_size = n ? zd__rank_world_size(c->ranks->rank[0]) : c->cfg->world_size;
+  st.has_configured_world_size = st.world_size != c->cfg->world_size;
+  st.configured_world_size = c->cfg->world_size;
   st.first_rank = c->cfg->first_rank;
   st.local_ranks = n;
   st.backend = (char *)zd__backend_name(c->env.backend->kind);
@@ -458,7 +460,8 @@ static int reply_nodes(zd__control_t *c, zd__gsrv_call_t *k, Zerod__V1__NodeInfo
   if (!self_listed) nodes[n++] = &self;
   qsort(nodes, n, sizeof *nodes, cmp_node);
   Zerod__V1__NodesReply rep = ZEROD__V1__NODES_REPLY__INIT;
-  rep.world_size = c->cfg->world_size;
+  rep.world_size = c->ranks && c->ranks->n ? zd__rank_world_size(c->ranks->rank[0])
+                                           : c->cfg->world_size; /* as a live resize left it */
   rep.n_nodes = n;
   rep.nodes = nodes;
   zd__gsrv_reply(k, &rep.base);

@@ -37,6 +37,7 @@
 #include "state_file.h"
 #include "status.h"
 #include "world.h"
+#include "world_record.h"
 
 struct zd__daemon {
   uv_loop_t loop;
@@ -45,6 +46,9 @@ struct zd__daemon {
   zd__mps_t mps;              /* CUDA: whether the GPUs are shared through MPS */
   zd__pool_t *pool;           /* the CPU kernels' threads */
   zd__world_t world;          /* how ranks join a multi-rank world */
+  uint32_t world_size;        /* at start: world_size or a resize's record (take_record) */
+  zd__world_record_t record;  /* the record that gave world_size, if has_record */
+  int has_record;             /* world_size came from a record */
   zd__ranks_t ranks;          /* the local ranks */
   zd__status_reg_t *status;   /* every module's status writer */
   zd__sessions_t *sessions;   /* the clients, and which one holds each local rank */
@@ -281,8 +285,8 @@ static int create_checkpointer(zd__daemon_t *d, zd__err_t *err) {
       ZD_LOG_WARN("checkpoint_dir %s is not a directory (yet): checkpoints fail until it is",
                   cfg->checkpoint_dir);
   }
-  int rc = zd__ckptr_create(&set, cfg->world_size > 1 ? &d->world : NULL, cfg->local_ranks,
-                            &d->ckpt, err);
+  int rc =
+      zd__ckptr_create(&set, d->world_size > 1 ? &d->world : NULL, cfg->local_ranks, &d->ckpt, err);
   if (!rc && cfg->checkpoint_dir[0] && cfg->checkpoint_every_seconds)
     uv_timer_start(&d->ckpt_timer, checkpoint_tick, 1000, 1000);
   return rc;
@@ -376,6 +380,59 @@ static void world_formed(void *ctx, const uint64_t *incarnations, uint32_t world
   pthread_mutex_unlock(&d->peers_lock);
 }
 
+/* How long a zerod that starts looks for the world size record in the rendezvous store of rank
+ * 0's node, which may not be up yet (then the state_dir's record, or world_size, decides). */
+#define RECORD_LOOKUP_MS 1000
+
+/* world_size_record = use: the world size record of the last live resize (world_record.h), the
+ * rendezvous store's, else this zerod's state_dir's, replaces the configured world_size. A
+ * malformed record stops the start: which size is right cannot be known. */
+static int take_record(zd__daemon_t *d, const char *rendezvous, int own_store, zd__err_t *err) {
+  const zd__config_t *cfg = d->cfg;
+  d->world_size = cfg->world_size;
+  if (strcmp(cfg->world_size_record, "use") != 0 || cfg->world_size < 2) return ZD_OK;
+  zd__world_record_t file = {0}, store = {0};
+  int has_file = 0, has_store = 0, rc;
+  if (cfg->state_dir[0]) {
+    zd__err_t ferr = {0};
+    rc = zd__world_record_read(cfg->state_dir, &file, &ferr);
+    if (rc && rc != -ENOENT)
+      return zd__errf(err, rc, "%s; fix or remove it, or set world_size_record = ignore", ferr.msg);
+    has_file = rc == ZD_OK;
+  }
+  /* Rank 0's own built-in store is empty at start (it is this process); etcd keeps it. */
+  if (!own_store) {
+    zd__err_t lerr = {0};
+    int malformed = 0;
+    rc = zd__world_record_lookup(rendezvous, zd__control_token(d->control), &store, &malformed,
+                                 RECORD_LOOKUP_MS, &lerr);
+    if (malformed)
+      return zd__errf(err, rc, "%s; fix or delete the key, or set world_size_record = ignore",
+                      lerr.msg);
+    if (rc && rc != -ENOENT)
+      ZD_LOG_INFO("world size record: the rendezvous store did not answer (%s); going by %s",
+                  lerr.msg, has_file ? "state_dir's record" : "world_size");
+    has_store = rc == ZD_OK;
+  }
+  if (!has_file && !has_store) return ZD_OK;
+  d->record = has_store ? store : file;
+  d->has_record = 1;
+  const char *src = has_store ? "rendezvous store" : "state_dir";
+  d->world_size = d->record.world_size;
+  if (d->world_size == cfg->world_size) {
+    ZD_LOG_INFO("world size record (%s): a live resize after step %" PRIu64
+                " made the world %u ranks, as configured",
+                src, d->record.step, d->world_size);
+    return ZD_OK;
+  }
+  ZD_LOG_WARN("world size record (%s): a live resize after step %" PRIu64
+              " made the world %u ranks (from %u): this zerod takes %u over the configured "
+              "world_size %u%s (world_size_record = ignore keeps the configured size)",
+              src, d->record.step, d->world_size, d->record.from, d->world_size, cfg->world_size,
+              cfg->first_rank >= d->world_size ? ", and its ranks stay out of the world" : "");
+  return ZD_OK;
+}
+
 static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
   const zd__config_t *cfg = d->cfg;
   d->ranks.n = 0;
@@ -386,7 +443,11 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
       cfg->first_rank == 0 && strcmp(cfg->rendezvous_address, cfg->control_address) == 0
           ? zd__control_address(d->control)
           : cfg->rendezvous_address;
-  d->world = (zd__world_t){.world_size = cfg->world_size,
+  int trc = take_record(
+      d, rendezvous, cfg->first_rank == 0 && !strcmp(rendezvous, zd__control_address(d->control)),
+      err);
+  if (trc) return trc;
+  d->world = (zd__world_t){.world_size = d->world_size,
                            .first_rank = cfg->first_rank,
                            .local_ranks = cfg->local_ranks,
                            .ranks_per_gpu = cfg->ranks_per_gpu,
@@ -414,21 +475,20 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
                                .control_address = d->world.control_address,
                                .first_rank = cfg->first_rank,
                                .local_ranks = cfg->local_ranks,
-                               .world_size = cfg->world_size};
+                               .world_size = d->world_size};
   if ((crc = zd__buddy_start(&bset, err))) return crc;
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */
     zd__comm_t *comm = NULL;
-    int rc = cfg->world_size == 1 && d->backend.kind == ZD__BACKEND_CPU
-                 ? zd__comm_local_create(&comm)
-                 : ZD_OK;
+    int rc = d->world_size == 1 && d->backend.kind == ZD__BACKEND_CPU ? zd__comm_local_create(&comm)
+                                                                      : ZD_OK;
     if (rc) return zd__errf(err, rc, "cannot create the communicator of local rank %u", i);
     zd__rank_env_t env = {
         .local_rank = i,
         .local_ranks = cfg->local_ranks,
         .rank = cfg->first_rank + i,
-        .world_size = cfg->world_size,
+        .world_size = d->world_size,
         .comm = comm,
         .world = &d->world,
         .pool = d->pool,
@@ -438,6 +498,7 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
         .cuda_fast = strcmp(cfg->cuda_step, "legacy") != 0,
         .overlap_update = (int)cfg->overlap_update,
         .state_dir = cfg->state_dir[0] ? cfg->state_dir : NULL,
+        .record = d->has_record ? &d->record : NULL,
         .formed = world_formed,
         .formed_ctx = d,
     };
@@ -461,7 +522,8 @@ static void peer_dead(void *ctx, uint32_t first_rank, zd__verdict_t verdict, uin
 
 /* Other nodes of the world are watched by a heartbeat (liveness.h); a one-node world has none. */
 static int watch_peers(zd__daemon_t *d, zd__err_t *err) {
-  if (d->cfg->world_size <= d->cfg->local_ranks) return ZD_OK;
+  /* a zerod whose ranks a live resize's record left out is no part of the world */
+  if (d->world_size <= d->cfg->local_ranks || d->cfg->first_rank >= d->world_size) return ZD_OK;
   zd__liveness_cfg_t cfg = {.rendezvous_address = d->world.rendezvous_address,
                             .first_rank = d->cfg->first_rank,
                             .heartbeat_ms = d->cfg->heartbeat_ms,
@@ -499,7 +561,10 @@ static void daemon_status(void *ctx, zd__status_t *st) {
   }
   zd__status_add(st, "shutting_down", "%d", d->shutting_down);
   zd__status_section(st, "world");
-  zd__status_add(st, "world_size", "%u", cfg->world_size);
+  uint32_t w = d->ranks.n ? zd__rank_world_size(d->ranks.rank[0]) : d->world_size;
+  zd__status_add(st, "world_size", "%u", w);
+  if (w != cfg->world_size) /* a live resize, or its record at start */
+    zd__status_add(st, "configured_world_size", "%u", cfg->world_size);
   zd__status_add(st, "local_ranks", "%u", d->ranks.n);
   zd__status_add(st, "first_rank", "%u", cfg->first_rank);
   zd__status_add(st, "bucket_elems", "%" PRIu64, cfg->bucket_elems);
@@ -644,15 +709,15 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
     ZD_LOG_INFO(
         "ready: %u local rank(s) of a world of %u, CUDA backend (%u ranks per GPU, the group "
         "communicator in device memory)",
-        d->ranks.n, cfg->world_size, cfg->ranks_per_gpu);
+        d->ranks.n, d->world_size, cfg->ranks_per_gpu);
   else if (d->backend.kind == ZD__BACKEND_CUDA)
     ZD_LOG_INFO(
         "ready: %u local rank(s) of a world of %u, CUDA backend (one GPU per local rank, "
         "NCCL)",
-        d->ranks.n, cfg->world_size);
+        d->ranks.n, d->world_size);
   else
     ZD_LOG_INFO("ready: %u local rank(s) of a world of %u, CPU backend, %s kernels on %u threads%s",
-                d->ranks.n, cfg->world_size, zd__isa_name((zd__isa_t)d->backend.isa),
+                d->ranks.n, d->world_size, zd__isa_name((zd__isa_t)d->backend.isa),
                 zd__pool_size(d->pool), zd__pool_pinned(d->pool) ? ", each bound to a CPU" : "");
   sd_notify("READY=1");
   *out = d;

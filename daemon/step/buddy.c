@@ -107,6 +107,9 @@ static struct {
   uint32_t lost_ranks;
   uint64_t lost_copy_step, lost_from_step;
   atomic_int lost_pending;
+  /* The world's size now: set.world_size at start, then each live resize's (zd__buddy_resized).
+   * Holders are chosen among the nodes below it. */
+  atomic_uint world_size;
 } B = {.store_lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* ---- the snapshot --------------------------------------------------------------------------- */
@@ -261,23 +264,34 @@ static int publish_domain(zd__rdv_t *rdv, zd__err_t *err) {
   return rc;
 }
 
-/* The buddy: the next node after this one in rank order whose domain differs, else the next. */
+/* The buddy: the next node after this one in rank order whose domain differs, else the next;
+ * among the nodes of the world as it is now (the registry keeps the nodes a live resize left
+ * out until they register again elsewhere: they hold no copy). */
 static int choose_holder(zd__rdv_t *rdv, char *addr, size_t len, zd__err_t *err) {
   Zerod__V1__NodesReply *rep = NULL;
   int rc = zd__rdv_nodes(rdv, &rep, CALL_MS, err);
   if (rc) return rc;
-  size_t n = rep->n_nodes, me = n;
-  for (size_t i = 0; i < n; i++)
-    if (rep->nodes[i]->first_rank == B.set.first_rank) me = i;
+  const uint32_t w = atomic_load(&B.world_size);
+  size_t n = 0, me = SIZE_MAX;
+  const Zerod__V1__NodeInfo **nodes = calloc(rep->n_nodes ? rep->n_nodes : 1, sizeof *nodes);
   addr[0] = '\0';
-  if (me == n || n < 2) {
-    rc = zd__errf(err, -EAGAIN, "the node registry lists %s",
-                  me == n ? "not this node yet" : "no other node yet");
+  if (!nodes) {
+    rc = zd__errf(err, -ENOMEM, "out of memory listing %zu nodes", rep->n_nodes);
+    goto out;
+  }
+  for (size_t i = 0; i < rep->n_nodes; i++) { /* in rank order (rendezvous.h): keep the world's */
+    if (rep->nodes[i]->first_rank >= w) continue;
+    if (rep->nodes[i]->first_rank == B.set.first_rank) me = n;
+    nodes[n++] = rep->nodes[i];
+  }
+  if (me == SIZE_MAX || n < 2) {
+    rc = zd__errf(err, -EAGAIN, "the node registry lists %s of the world of %u ranks",
+                  me == SIZE_MAX ? "not this node yet" : "no other node yet", w);
     goto out;
   }
   size_t fallback = (me + 1) % n;
   for (size_t k = 1; k < n && !addr[0]; k++) {
-    const Zerod__V1__NodeInfo *c = rep->nodes[(me + k) % n];
+    const Zerod__V1__NodeInfo *c = nodes[(me + k) % n];
     char key[64];
     snprintf(key, sizeof key, DOMAIN_KEY "%u", c->first_rank);
     void *v = NULL;
@@ -290,13 +304,14 @@ static int choose_holder(zd__rdv_t *rdv, char *addr, size_t len, zd__err_t *err)
     if (domains_differ(B.domain, theirs)) snprintf(addr, len, "%s", c->control_address);
   }
   if (!addr[0]) {
-    snprintf(addr, len, "%s", rep->nodes[fallback]->control_address);
+    snprintf(addr, len, "%s", nodes[fallback]->control_address);
     ZD_LOG_WARN(
         "buddy: every node is in failure domain \"%s\"; copies go to %s, in the same "
         "domain",
         B.domain, addr);
   }
 out:
+  free(nodes);
   protobuf_c_message_free_unpacked(&rep->base, NULL);
   return rc;
 }
@@ -474,6 +489,7 @@ int zd__buddy_start(const zd__buddy_settings_t *set, zd__err_t *err) {
   B.set.rendezvous = B.rendezvous;
   B.set.control_token = B.token;
   B.set.control_address = B.address;
+  atomic_store(&B.world_size, set->world_size);
   if (B.state_dir[0]) {
     int rc = load_held(err);
     if (rc) return rc;
@@ -599,6 +615,47 @@ static held_t *held_of(uint32_t rank, uint32_t world_size, int create) {
   *h = (held_t){
       .meta = {.rank = rank, .world_size = world_size}, .cur = {.fd = -1}, .part = {.fd = -1}};
   return h;
+}
+
+void zd__buddy_resized(uint32_t local_rank, uint32_t world_size) {
+  atomic_store(&B.world_size, world_size);
+  if (B.senders && local_rank < B.nsenders) { /* this rank's snapshots of the old layout */
+    sender_t *s = &B.senders[local_rank];
+    pthread_mutex_lock(&s->lock);
+    for (int i = 0; i < 2; i++)
+      if (i != s->sending && s->snap[i].valid && s->snap[i].meta.world_size != world_size) {
+        s->snap[i].valid = 0;
+        if (s->sent == i) s->sent = -1;
+      }
+    pthread_mutex_unlock(&s->lock);
+  }
+  /* The copies held for the old world's ranks: no rank of the new one resumes from them. */
+  uint32_t dropped = 0;
+  pthread_mutex_lock(&B.store_lock);
+  for (uint32_t i = 0; i < B.nheld;) {
+    held_t *h = &B.held[i];
+    if (h->meta.world_size == world_size) {
+      i++;
+      continue;
+    }
+    char path[4096];
+    if (h->cur.fd >= 0) {
+      path_of(path, sizeof path, h->meta.rank, h->meta.world_size, 0);
+      unlink(path);
+    }
+    if (h->part.fd >= 0) {
+      path_of(path, sizeof path, h->meta.rank, h->meta.world_size, 1);
+      unlink(path);
+    }
+    region_free(&h->cur);
+    region_free(&h->part);
+    B.held[i] = B.held[--B.nheld];
+    dropped++;
+  }
+  pthread_mutex_unlock(&B.store_lock);
+  if (dropped)
+    ZD_LOG_INFO("buddy: the world is now %u ranks: dropped %u copies held for the old world",
+                world_size, dropped);
 }
 
 /* A copy larger than this is refused: a peer cannot make this node allocate without bound. */

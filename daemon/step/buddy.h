@@ -57,6 +57,12 @@ typedef struct zd__buddy_settings {
  * start. Call once, before workers and before the control service serves. */
 int zd__buddy_start(const zd__buddy_settings_t *s, zd__err_t *err);
 
+/* A live resize committed on local rank local_rank (its worker): from now on holders are chosen
+ * among the nodes of the world of world_size ranks, that rank's snapshots of the old size are
+ * dropped (those not being sent), and so are the copies held here for ranks of another size
+ * (their files deleted). Any thread; idempotent across the local ranks. */
+void zd__buddy_resized(uint32_t local_rank, uint32_t world_size);
+
 /* Stops the senders (a copy in flight is dropped between pieces) and frees snapshots and the
  * copies held. Call after the workers are joined and the control service stopped. */
 void zd__buddy_stop(void);

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "adam.h"
+#include "buddy.h"
 #include "checkpoint.h"
 #include "clock.h"
 #include "compute.h"
@@ -19,6 +20,7 @@
 #include "resize.h"
 #include "step.h"
 #include "world.h"
+#include "world_record.h"
 
 struct zd__rank {
   zd__rank_env_t env;
@@ -31,6 +33,8 @@ struct zd__rank {
   char resized[ZD__ERR_MSG_MAX];    /* worker: why a trainer must register again ("": no resize) */
   char resize_stale[64]; /* worker: the instance the resize left, until the new one forms */
   uint32_t resize_from;  /* worker: the resize in progress, for status */
+  int resize_forming;    /* under lock: re-forming the world after a resize (resize_form) */
+  uint32_t resize_lost;  /* under lock: 1 + the rank whose loss was last reported meanwhile */
   uint64_t resize_step, resize_t0;
   int device; /* CUDA backend: the rank's CUDA device (env.gpu's); -1: the CPU backend */
   zd__step_ctx_t ctx;
@@ -420,6 +424,11 @@ static void publish_comm(zd__rank_t *r, zd__comm_t *comm) {
   pthread_mutex_unlock(&r->lock);
 }
 
+static void note_resize(zd__rank_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* How long rank 0 gives the rendezvous store to take the world size record. */
+#define RECORD_STORE_MS 2000
+
 /* Joins the world before the first job runs; jobs queued meanwhile wait (or fail as degraded). */
 static int can_heal(const zd__rank_t *r);
 
@@ -432,6 +441,33 @@ static void tell_formed(const zd__rank_t *r, const zd__world_member_t *member) {
   for (uint32_t i = 0; i < n; i++) inc[i] = zd__world_member_incarnation(member, i);
   r->env.formed(r->env.formed_ctx, inc, n);
   free(inc);
+}
+
+/* Rank 0: the world size record into the rendezvous store, for zerods that start again without
+ * one in their state_dir (a failure is logged: the state_dirs still hold it). */
+static void publish_record(const zd__rank_t *r, const zd__world_record_t *rec) {
+  zd__err_t err = {0};
+  if (zd__world_record_publish(r->world.rendezvous_address, r->world.control_token, rec,
+                               RECORD_STORE_MS, &err))
+    ZD_LOG_WARN("world size record (world_size=%u) not stored in the rendezvous store: %s",
+                rec->world_size, err.msg);
+}
+
+/* A rank beyond the world size that a live resize's record gave at start (env.record): it stays
+ * out of the world, as a rank that a resize left, and says why. */
+static void stay_out(zd__rank_t *r) {
+  const zd__world_record_t *rec = r->env.record;
+  r->left = 1;
+  snprintf(r->resized, sizeof r->resized,
+           "rank %u is outside the world: a live resize after step %" PRIu64
+           " made it %u ranks (from %u), which this zerod read from its world size record at "
+           "start (world_size_record = use). Stop this trainer and zerod, or register it on a "
+           "rank below %u",
+           r->env.rank, rec->step, rec->world_size, rec->from, rec->world_size);
+  set_health(r, ZD__HEALTH_DEGRADED, "", r->resized);
+  note_resize(r, "step %" PRIu64 ": %u -> %u ranks; this rank left (world size record)", rec->step,
+              rec->from, rec->world_size);
+  ZD_LOG_WARN("%s", r->resized);
 }
 
 /* With checkpoints, a rank that could not join keeps trying (a zerod restarted before the others
@@ -459,6 +495,7 @@ static void join_world(zd__rank_t *r) {
   if (rc == ZD_OK) {
     tell_formed(r, member);
     set_health(r, ZD__HEALTH_OK, "", "");
+    if (r->env.record && r->env.rank == 0) publish_record(r, r->env.record);
     return;
   }
   ZD_LOG_ERROR("rank degraded: joining the world failed: %s", err.msg);
@@ -695,7 +732,6 @@ static void job_ran(zd__rank_t *r, zd__job_t *job) {
 
 /* ---- live resize (resize.h) ----------------------------------------------------------------- */
 
-static void note_resize(zd__rank_t *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void note_resize(zd__rank_t *r, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -703,6 +739,20 @@ static void note_resize(zd__rank_t *r, const char *fmt, ...) {
   vsnprintf(r->stats.last_resize, sizeof r->stats.last_resize, fmt, ap);
   pthread_mutex_unlock(&r->stats_lock);
   va_end(ap);
+}
+
+/* A resize committed (the image is taken, the old world is gone): the world size record, in the
+ * state_dir of every rank and, from rank 0, in the rendezvous store (world_record.h), so that a
+ * zerod that starts again joins the world at its new size. A failure is logged, not fatal: the
+ * resize goes on, and a zerod restarted later reads its configured size. */
+static void record_resize(zd__rank_t *r, const zd__world_record_t *rec) {
+  zd__err_t err = {0};
+  char tag[32];
+  snprintf(tag, sizeof tag, "rank%u", r->env.rank);
+  if (r->env.state_dir && zd__world_record_write(r->env.state_dir, tag, rec, &err))
+    ZD_LOG_WARN("live resize: the world size record was not written: %s", err.msg);
+  if (r->env.rank == 0) publish_record(r, rec);
+  zd__buddy_resized(r->env.local_rank, rec->world_size);
 }
 
 /* The ranks agreed at the last step to resize the world (r->resize_agreed); every rank runs this
@@ -743,6 +793,8 @@ static void resize_world(zd__rank_t *r) {
   r->ctx.member = NULL;
   pthread_mutex_unlock(&r->lock);
   zd__world_member_free(gone);
+  /* The record first: once status shows the new size, a zerod started for it finds it. */
+  record_resize(r, &(zd__world_record_t){.world_size = to, .from = from, .step = step});
   pthread_mutex_lock(&r->stats_lock);
   r->stats.has_model = 0;
   /* atomic: zd__rank_peer_dead reads it on the heartbeat's thread (verdict_applies) */
@@ -769,6 +821,10 @@ static void resize_world(zd__rank_t *r) {
   r->resize_from = from;
   r->resize_step = step;
   r->resize_t0 = t0;
+  pthread_mutex_lock(&r->lock);
+  r->resize_forming = 1;
+  r->resize_lost = 0;
+  pthread_mutex_unlock(&r->lock);
   snprintf(r->resized, sizeof r->resized,
            "rank %u: the world was resized from %u to %u ranks after step %" PRIu64
            " (zeroctl resize): register again (every rank of the new world does), which continues "
@@ -794,6 +850,7 @@ static void resize_form(zd__rank_t *r) {
       r->peer_failed = 0;
       r->ctx.comm = comm;
       r->ctx.member = member;
+      r->resize_forming = 0;
       pthread_mutex_unlock(&r->lock);
       tell_formed(r, member);
       set_health(r, ZD__HEALTH_OK, "", "");
@@ -830,7 +887,9 @@ int zd__rank_request_resize(zd__rank_t *r, uint32_t world_size, zd__err_t *err) 
 static void *worker_main(void *arg) {
   zd__rank_t *r = arg;
   zd__log_set_rank((int)r->env.rank);
-  if (r->device >= 0)
+  if (r->env.rank >= r->env.world_size)
+    stay_out(r);
+  else if (r->device >= 0)
     start_cuda(r);
   else if (!r->ctx.comm)
     join_world(r);
@@ -1007,9 +1066,29 @@ static int verdict_applies(const zd__rank_t *r, uint32_t peer_rank, zd__verdict_
   return !formed_with || formed_with == incarnation; /* silent: ours, unless formed with another */
 }
 
+/* A peer of the new world died while this rank re-forms it after a live resize (r->lock held):
+ * the world waits for that zerod to start again (it finds the world size record); the status
+ * and the log say so, once per peer, instead of a silent wait. */
+static void lost_while_forming(zd__rank_t *r, uint32_t peer_rank, const char *why) {
+  uint32_t w = __atomic_load_n(&r->env.world_size, __ATOMIC_RELAXED);
+  if (!r->resize_forming || peer_rank >= w || peer_rank == r->env.rank ||
+      r->resize_lost == peer_rank + 1)
+    return;
+  r->resize_lost = peer_rank + 1;
+  char reason[ZD__ERR_MSG_MAX];
+  snprintf(reason, sizeof reason,
+           "the zerod of rank %u was lost (%s) while the world of %u ranks re-forms after a "
+           "live resize; waiting for it to start again (its state_dir or the rendezvous store "
+           "gives it the new size)",
+           peer_rank, why, w);
+  set_health(r, ZD__HEALTH_REJOINING, "re-forming the world after a live resize: ", reason);
+  ZD_LOG_WARN("%s", reason);
+}
+
 void zd__rank_peer_dead(zd__rank_t *r, uint32_t peer_rank, zd__verdict_t verdict,
                         uint64_t incarnation, const char *why) {
   pthread_mutex_lock(&r->lock);
+  if (!r->ctx.member) lost_while_forming(r, peer_rank, why);
   if (!verdict_applies(r, peer_rank, verdict, incarnation)) {
     pthread_mutex_unlock(&r->lock);
     ZD_LOG_DEBUG("heartbeat verdict not about this world instance, ignored: %s", why);

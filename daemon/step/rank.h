@@ -203,6 +203,11 @@ typedef struct zd__rank_env {
   int cuda_fast;             /* CUDA backend: cuda_step fast (else legacy; config.h) */
   int overlap_update;        /* CPU backend: overlap_update (config.h, model.h) */
   const char *state_dir;     /* CPU backend: state_dir (config.h, state_file.h); NULL: none */
+  /* The live resize's record that gave world_size at start (world_record.h; world_size_record =
+   * use); NULL: world_size as configured. A rank at or beyond it stays out of the world (its
+   * trainer is refused with ZD_ERANK, the rank is degraded), as a rank a resize left. Rank 0
+   * writes it into the rendezvous store once the world formed (its store may have restarted). */
+  const struct zd__world_record *record;
   /* Called on the worker each time this rank's world instance forms (join, heal, resize) with
    * the zerod process of every global rank (world.h's incarnations, world_size of them): the
    * heartbeat watches those processes from then on (zd__liveness_formed). NULL: nobody. */

@@ -327,6 +327,36 @@ exit:
   return rc;
 }
 
+int zd__rdv_lookup(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int *found,
+                   int timeout_ms, zd__err_t *err) {
+  *value = NULL;
+  *len = 0;
+  *found = 0;
+  int rc = check_key(rdv, key, err);
+  if (rc) return rc;
+  if (rdv->etcd) return zd__etcd_get(rdv->etcd, key, value, len, found, timeout_ms, err);
+  Zerod__V1__KvGetRequest req = ZEROD__V1__KV_GET_REQUEST__INIT;
+  req.key = (char *)key;
+  ProtobufCMessage *reply = NULL;
+  char what[MAX_KEY_BYTES + 16];
+  snprintf(what, sizeof what, "get '%s'", key);
+  rc = call_retry(rdv, "/zerod.v1.Control/KvGet", what, &req.base, NULL,
+                  &zerod__v1__kv_get_reply__descriptor, &reply, (int64_t)zd__now_ms() + timeout_ms,
+                  err);
+  if (rc) return rc;
+  Zerod__V1__KvGetReply *rep = (Zerod__V1__KvGetReply *)reply;
+  size_t n = rep->found && rep->has_value ? rep->value.len : 0;
+  if (rep->found && !(*value = malloc(n ? n : 1)))
+    rc = zd__errf(err, -ENOMEM, "out of memory for the %zu-byte value of '%s'", n, key);
+  if (!rc && rep->found) {
+    if (n) memcpy(*value, rep->value.data, n);
+    *len = n;
+    *found = 1;
+  }
+  protobuf_c_message_free_unpacked(reply, NULL);
+  return rc;
+}
+
 int zd__rdv_register_node(zd__rdv_t *rdv, uint32_t first_rank, uint32_t local_ranks,
                           const char *control_address, uint64_t incarnation, int timeout_ms,
                           zd__err_t *err) {

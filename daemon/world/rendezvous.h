@@ -47,6 +47,11 @@ int zd__rdv_delete_prefix(zd__rdv_t *rdv, const char *prefix, int timeout_ms, zd
 int zd__rdv_get(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int timeout_ms,
                 zd__err_t *err);
 
+/* One look at key, no wait: *found, and when found its value (malloc'd) in *value and *len. The
+ * store is still waited for (retried) until timeout_ms, as every call. */
+int zd__rdv_lookup(zd__rdv_t *rdv, const char *key, void **value, size_t *len, int *found,
+                   int timeout_ms, zd__err_t *err);
+
 /* Waits until every key exists. */
 int zd__rdv_wait(zd__rdv_t *rdv, const char *const *keys, size_t nkeys, int timeout_ms,
                  zd__err_t *err);
