@@ -1,4 +1,5 @@
-/* Drain (drain.h): its state, the timer that watches the checkpoint, its end. */
+/* Drain (drain.h): its state, the timer that watches the checkpoint (or, with leave, the live
+ * resize that takes this node's ranks out of the world), its end. */
 #include "drain.h"
 
 #include <errno.h>
@@ -20,7 +21,8 @@ struct zd__drain {
   int shutting_down;
   int active;
   int force;
-  int want_ckpt;       /* a checkpoint was asked for (else: forced with nothing to save) */
+  int want_ckpt;       /* a checkpoint (leave: the leave) was asked for (else: forced with nothing
+                          to save or no model to leave with) */
   uint64_t after_step; /* the newest step when it began: the drain's checkpoint is later */
   uint64_t failures;   /* the checkpointer's counts when it began */
   uint64_t completed;
@@ -28,6 +30,10 @@ struct zd__drain {
   uint32_t wait_ms;
   char by[160];
   char no_ckpt[ZD__ERR_MSG_MAX]; /* forced without a checkpoint to take: why */
+  int leave;         /* drain --leave: a live resize takes this node's ranks out */
+  uint32_t leave_to; /* ... to a world of this many ranks */
+  uint64_t resizes;  /* the local ranks' resizes (zd__rank_stats_t) when it began */
+  uint64_t t0_ms;
   zd__drain_done_fn done;
   void *done_arg;
 };
@@ -92,6 +98,8 @@ static void drain_end(zd__drain_t *d, zd__drain_result_t *res) {
   zd__drain_done_fn done = d->done;
   void *arg = d->done_arg;
   d->done = NULL;
+  if (d->leave && !res->left)
+    for (uint32_t i = 0; i < d->env.ranks->n; i++) zd__rank_withdraw_resize(d->env.ranks->rank[i]);
   if (res->rc) {
     d->active = 0;
     zd__sessions_refuse_registers(d->env.sessions, NULL);
@@ -101,10 +109,80 @@ static void drain_end(zd__drain_t *d, zd__drain_result_t *res) {
   if (!res->rc) d->env.shutdown(d->env.ctx);
 }
 
+/* A leave's end: every local rank left (res->left), or why not ("" still under way). */
+static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size_t len) {
+  uint32_t left = 0;
+  uint64_t resizes = 0;
+  const char *last = "";
+  zd__rank_stats_t s;
+  *why = 0;
+  for (uint32_t i = 0; i < d->env.ranks->n; i++) {
+    zd__rank_stats(d->env.ranks->rank[i], &s);
+    left += s.left != 0;
+    resizes += s.resizes;
+    if (s.resizes && !s.left && !*last) {
+      snprintf(why, len, "%s", s.last_resize); /* a copy: s is reused */
+      last = why;
+    }
+    if (s.step > res->step) res->step = s.step;
+  }
+  if (left == d->env.ranks->n) {
+    res->left = 1;
+    res->world_size = d->leave_to;
+    *why = 0;
+    return;
+  }
+  if (resizes > d->resizes) {
+    char detail[ZD__ERR_MSG_MAX];
+    snprintf(detail, sizeof detail, "%s", *last ? why : "a resize that kept this node's ranks");
+    snprintf(why, len,
+             "the live resize that was to take this node's ranks out of the world did not: %.400s",
+             detail);
+    return;
+  }
+  if (zd__now_ms() >= d->deadline_ms)
+    snprintf(why, len,
+             "this node's ranks had not left the world within %u ms (the live resize rides the "
+             "next step of every rank, and they leave at their trainers' next request after it: "
+             "are the trainers stepping?)",
+             d->wait_ms);
+}
+
+static void leave_tick(zd__drain_t *d) {
+  zd__drain_result_t res = {0};
+  char why[ZD__ERR_MSG_MAX];
+  leave_check(d, &res, why, sizeof why);
+  if (res.left) {
+    ZD_LOG_INFO("drain --leave: ranks %u..%u left the world after step %" PRIu64
+                ", which goes on at %u ranks, %" PRIu64 " ms after the request; shutting down",
+                d->env.cfg->first_rank, d->env.cfg->first_rank + d->env.ranks->n - 1, res.step,
+                d->leave_to, zd__now_ms() - d->t0_ms);
+    drain_end(d, &res);
+    return;
+  }
+  if (!why[0]) return;
+  res.step = 0;
+  if (d->force) {
+    res.lost = 1;
+    snprintf(res.msg, sizeof res.msg, "%s", why);
+    ZD_LOG_WARN("drain --leave --force: shutting down without leaving: %s; the others lose this "
+                "node's ranks as in a crash",
+                why);
+  } else {
+    res.rc = ZD_EPEER;
+    snprintf(res.msg, sizeof res.msg, "%s", why);
+  }
+  drain_end(d, &res);
+}
+
 static void drain_tick(uv_timer_t *t) {
   zd__drain_t *d = t->data;
   zd__drain_result_t res = {0};
   char why[ZD__ERR_MSG_MAX];
+  if (d->leave && d->want_ckpt) {
+    leave_tick(d);
+    return;
+  }
   if (!d->want_ckpt) {
     snprintf(res.msg, sizeof res.msg, "%s", d->no_ckpt);
     ZD_LOG_WARN("drain --force: shutting down without a checkpoint: %s", res.msg);
@@ -147,21 +225,96 @@ static void drain_tick(uv_timer_t *t) {
   drain_end(d, &res);
 }
 
-int zd__drain_start(zd__drain_t *d, const char *by, uint32_t wait_ms, int force,
+/* Whether this node may leave the world (ZD_OK), and the world it leaves behind; else why not.
+ * *none: no model registered (a refusal unless force). */
+static int may_leave(const zd__drain_t *d, uint32_t *to, uint64_t *resizes, uint64_t *step,
+                     int *none, char *why, size_t len) {
+  const zd__ranks_t *rs = d->env.ranks;
+  const uint32_t n = rs->n, first = d->env.cfg->first_rank;
+  const uint32_t w = zd__rank_world_size(rs->rank[0]);
+  uint32_t models = 0, left = 0;
+  *resizes = *step = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    zd__rank_stats_t s;
+    zd__rank_stats(rs->rank[i], &s);
+    models += s.has_model != 0;
+    left += s.left != 0;
+    *resizes += s.resizes;
+    if (s.step > *step) *step = s.step;
+  }
+  *none = 0;
+  if (left) {
+    snprintf(why, len,
+             "this node's ranks already left the world (a live resize): there is nothing to hand "
+             "over; stop zerod (zeroctl drain --force, or SIGTERM)");
+    return ZD_EORDER;
+  }
+  if (w <= n) {
+    snprintf(why, len,
+             "there is no world to leave: this zerod holds every rank of the world (%u of %u), so "
+             "no other node could take its shards; zeroctl drain without --leave checkpoints the "
+             "world and stops zerod",
+             n, w);
+    return ZD_EORDER;
+  }
+  if (first + n != w) {
+    snprintf(why, len,
+             "this node holds ranks %u..%u of a world of %u: --leave hands over only the highest "
+             "ranks (%u..%u here), since a live resize keeps every staying rank's number and "
+             "ranks %u..%u would have to be renumbered. Drain the nodes above this one with "
+             "--leave first (the highest first), or drain this node without --leave (a "
+             "checkpoint that the world resumes from)",
+             first, first + n - 1, w, w - n, w - 1, first + n, w - 1);
+    return ZD_EORDER;
+  }
+  *to = w - n;
+  if (!models) {
+    *none = 1;
+    snprintf(why, len,
+             "no model is registered on this zerod's ranks: the leave rides the next training "
+             "step (the shards go to the other ranks after it), and there is none to ride");
+    return ZD_EORDER;
+  }
+  return ZD_OK;
+}
+
+/* Starts the leave (drain.h): every local rank asks for the world without this node. */
+static int leave_start(zd__drain_t *d, int force, uint64_t *step, int *none, char *why,
+                       size_t len, zd__err_t *err) {
+  int rc = may_leave(d, &d->leave_to, &d->resizes, step, none, why, len);
+  if (rc && !(*none && force))
+    return zd__errf(err, rc, "drain --leave refused: %s%s", why,
+                    *none ? " (zeroctl drain --leave --force stops zerod without leaving)" : "");
+  if (*none) return ZD_OK;
+  for (uint32_t i = 0; !rc && i < d->env.ranks->n; i++)
+    rc = zd__rank_request_resize(d->env.ranks->rank[i], d->leave_to, err);
+  if (rc)
+    for (uint32_t i = 0; i < d->env.ranks->n; i++) zd__rank_withdraw_resize(d->env.ranks->rank[i]);
+  return rc;
+}
+
+int zd__drain_start(zd__drain_t *d, const char *by, uint32_t wait_ms, int force, int leave,
                     zd__drain_done_fn done, void *arg, zd__err_t *err) {
   if (d->shutting_down) return zd__errf(err, ZD_ESHUTDOWN, "zerod is already shutting down");
   if (d->active)
     return zd__errf(err, ZD_EORDER, "a drain asked by %s is already in progress", d->by);
   char why[ZD__ERR_MSG_MAX];
   uint64_t step;
-  int none = nothing_to_checkpoint(d, &step, why, sizeof why);
-  if (none && !force)
-    return zd__errf(err, none,
-                    "nothing to checkpoint: %s (zeroctl drain --force stops zerod without a "
-                    "checkpoint)",
-                    why);
-  int rc = none ? ZD_OK : zd__ckptr_request(d->env.ckpt, err);
+  int none = 0, rc;
+  if (leave) {
+    rc = leave_start(d, force, &step, &none, why, sizeof why, err);
+  } else {
+    none = nothing_to_checkpoint(d, &step, why, sizeof why);
+    if (none && !force)
+      return zd__errf(err, none,
+                      "nothing to checkpoint: %s (zeroctl drain --force stops zerod without a "
+                      "checkpoint)",
+                      why);
+    rc = none ? ZD_OK : zd__ckptr_request(d->env.ckpt, err);
+  }
   if (rc) return rc;
+  d->leave = leave;
+  d->t0_ms = zd__now_ms();
   zd__ckpt_stats_t s = {0};
   if (d->env.ckpt) zd__ckptr_stats(d->env.ckpt, &s);
   d->active = 1;
@@ -179,6 +332,13 @@ int zd__drain_start(zd__drain_t *d, const char *by, uint32_t wait_ms, int force,
   zd__sessions_refuse_registers(d->env.sessions, by);
   if (none)
     ZD_LOG_WARN("drain asked by %s (--force): %s", by, why);
+  else if (leave)
+    ZD_LOG_INFO("drain --leave asked by %s: refusing registrations, live resize to %u ranks "
+                "requested after step %" PRIu64 " (ranks %u..%u leave); shutting down once they "
+                "have left (waiting at most %u ms%s)",
+                by, d->leave_to, step, d->env.cfg->first_rank,
+                d->env.cfg->first_rank + d->env.ranks->n - 1, wait_ms,
+                force ? ", then shutting down anyway" : "");
   else
     ZD_LOG_INFO(
         "drain asked by %s: refusing registrations, checkpoint requested after step "

@@ -1,0 +1,216 @@
+"""zeroctl drain --leave against real zerod processes: a node leaves the world without storage.
+
+A world of 2 zerods (one rank each, CPU backend, unix sockets) with a checkpoint_dir trains;
+`zeroctl drain --leave` on rank 1's node asks for a live resize to the world without it (docs/
+design.md, "Live resize"), which rides the next step. Rank 1's trainer then gets ZD_ERANK ("left
+the world"), rank 0's ZD_EPEER ("register again"); zeroctl prints that the node left after that
+step and that the world goes on at 1 rank, and that zerod exits 0. Rank 0's trainer registers
+again in the world of one rank and trains on, bitwise equal to an uninterrupted
+torch.optim.AdamW(foreach=False) run (test_state_dir's reference: rank 0 sends step s's gradient,
+the others zeros, summed with grad_mean off, so the reduced gradient is the same at every world
+size), and the checkpoint_dir stays empty: no checkpoint file was written. The time from the
+request to the survivor's first step in the new world is printed (the drain-leave's time).
+
+Refusals, each leaving zerod serving and not draining: a zerod that holds every rank (no world to
+leave); the node of rank 0 in a world of 2 (not the highest ranks: the staying ranks would have
+to be renumbered); a node without a registered model (nothing for the leave to ride); --leave
+outside drain (usage). A peer SIGKILLed during the leave: the drain ends with exit 1 naming the
+failed resize, the leaving zerod goes on serving (draining false, last_resize says why), no hang.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+from typing import List
+
+import common  # sets up sys.path and the library first
+
+import zerod.testing  # noqa: E402
+from zerod import ZerodError  # noqa: E402
+
+torch = common.require_torch()
+
+import test_resize as rz  # noqa: E402  (its zeroctl, status, attempt, ARGS and layout groups)
+import test_state_dir as sd  # noqa: E402  (its PARAMS, gradients, reference and Trainer)
+
+ZD_EPEER, ZD_ERANK = rz.ZD_EPEER, rz.ZD_ERANK
+
+
+class DrainLeaveTest(unittest.TestCase):
+    ref: sd.Reference = None
+
+    def setUp(self) -> None:
+        if DrainLeaveTest.ref is None:
+            DrainLeaveTest.ref = sd.Reference()
+
+    # test_resize's helpers, on this test's reference
+    assert_same = rz.ResizeTest.assert_same
+    register = rz.ResizeTest.register
+    train = rz.ResizeTest.train
+    wait_world_size = rz.ResizeTest.wait_world_size
+
+    def drain_async(self, d, *args: str) -> dict:
+        """zeroctl drain on d in a thread: it is answered once the drain ends."""
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=rz.zeroctl(
+            "--address", d.control_address, "drain", *args, check=False)))
+        t.start()
+        out["thread"] = t
+        return out
+
+    @staticmethod
+    def draining(d) -> bool:
+        return rz.status(d)["nodes"][0]["draining"]
+
+    def wait_draining(self, d, timeout: float = 20.0) -> None:
+        end = time.monotonic() + timeout
+        while not self.draining(d):
+            if time.monotonic() > end:
+                self.fail(f"{d.control_address}: not draining after {timeout} s")
+            time.sleep(0.02)
+
+    def test_leave_bitwise_no_checkpoint(self) -> None:
+        ckpt = tempfile.mkdtemp(prefix="zerod-leave-ckpt-")
+        self.addCleanup(shutil.rmtree, ckpt, True)
+        world = zerod.testing.LocalWorld(2, daemons=2, args=rz.ARGS + ["--checkpoint_dir", ckpt],
+                                         log_level="info")
+        try:
+            ts = self.register(world, [0, 1], first=True)
+            self.train(ts, range(1, 4))
+            self.assert_same(ts, 3, "W=2 before the leave")
+
+            t0 = time.monotonic()
+            asked = self.drain_async(world.daemons[1], "--leave", "--wait", "60")
+            self.wait_draining(world.daemons[1])
+            self.train(ts, range(4, 5))  # the step the leave rides
+            self.assert_same(ts, 4, "the step the leave rode")
+            got = rz.attempt([lambda t=t: t.step(5) for t in ts])
+            e0, e1 = got
+            self.assertIsInstance(e0, ZerodError, "rank 0: step 5 after the leave")
+            self.assertEqual(e0.code, ZD_EPEER, e0.message)
+            self.assertIn("resized from 2 to 1 ranks after step 4", e0.message)
+            self.assertIn("register again", e0.message)
+            self.assertIsInstance(e1, ZerodError, "rank 1: step 5 after the leave")
+            self.assertEqual(e1.code, ZD_ERANK, e1.message)
+            self.assertIn("left the world", e1.message)
+            asked["thread"].join(60)
+            r = asked["r"]
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("left the world after step 4, which goes on at 1 rank without a "
+                          "checkpoint", r.stdout)
+            for t in ts:
+                t.close()
+            # the drained zerod shuts down by itself, with status 0
+            world.daemons[1].process.wait(30)
+            self.assertEqual(world.daemons[1].process.returncode, 0, world.daemons[1].log())
+            self.assertIn("drain --leave: ranks 1..1 left the world after step 4",
+                          world.daemons[1].log())
+
+            self.wait_world_size(world.daemons[0], 1)
+            ts = self.register(world, [0])
+            self.assertTrue(ts[0].info.resumed, "the registration after the leave resumes")
+            self.assert_same(ts, 4, "W=1 right after the leave")
+            self.train(ts, range(5, 6))
+            took = time.monotonic() - t0
+            self.assert_same(ts, 5, "W=1, the first step after the leave")
+            self.train(ts, range(6, 9))
+            self.assert_same(ts, 8, "W=1 after the leave")
+            st = rz.status(world.daemons[0])
+            self.assertEqual(st["ranks"][0]["health"], "ok", st)
+            self.assertIn("step 4: 2 -> 1 ranks in", st["ranks"][0]["last_resize"])
+            self.assertEqual(os.listdir(ckpt), [], "the leave wrote no checkpoint")
+            print(f"drain --leave: request to the survivor training again at W=1: {took:.3f} s "
+                  f"(includes the trainers' steps 4 and 5 and the re-registration)",
+                  file=sys.stderr)
+            for t in ts:
+                t.close()
+        except BaseException:
+            sys.stderr.write(world.log())
+            raise
+        finally:
+            world.stop(check=False)
+
+    def test_refusals(self) -> None:
+        out = rz.zeroctl("resize", "--world_size", "2", "--leave", check=False)
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("--leave is an option of drain", out.stderr)
+
+        # A zerod that holds every rank: no world to leave.
+        d = zerod.testing.LocalZerod(rz.ARGS, log_level="info")
+        try:
+            t = sd.Trainer(d, sd.init_values())
+            out = rz.zeroctl("--address", d.control_address, "drain", "--leave", "--wait", "5",
+                             check=False)
+            self.assertEqual(out.returncode, 1, out.stderr)
+            self.assertIn("there is no world to leave", out.stderr)
+            self.assertIn("holds every rank of the world (1 of 1)", out.stderr)
+            self.assertFalse(self.draining(d))
+            t.step(1)  # still serving
+            t.close()
+        finally:
+            d.stop()
+
+        with zerod.testing.LocalWorld(2, daemons=2, args=rz.ARGS, log_level="info") as world:
+            # No model yet: nothing for the leave to ride.
+            out = rz.zeroctl("--address", world.daemons[1].control_address, "drain", "--leave",
+                             "--wait", "5", check=False)
+            self.assertEqual(out.returncode, 1, out.stderr)
+            self.assertIn("no model is registered", out.stderr)
+            self.assertIn("--leave --force", out.stderr)
+            ts = self.register(world, [0, 1], first=True)
+            self.train(ts, range(1, 2))
+            # The node of rank 0 is not the node of the highest ranks.
+            out = rz.zeroctl("--address", world.daemons[0].control_address, "drain", "--leave",
+                             "--wait", "5", check=False)
+            self.assertEqual(out.returncode, 1, out.stderr)
+            self.assertIn("holds ranks 0..0 of a world of 2", out.stderr)
+            self.assertIn("renumbered", out.stderr)
+            for d in world.daemons:
+                self.assertFalse(self.draining(d))
+            self.train(ts, range(2, 3))  # the world trains on at 2
+            self.assert_same(ts, 2, "W=2 after the refusals")
+            for t in ts:
+                t.close()
+
+    def test_peer_killed_during_leave(self) -> None:
+        world = zerod.testing.LocalWorld(2, daemons=2, args=rz.ARGS, log_level="info")
+        try:
+            ts = self.register(world, [0, 1], first=True)
+            self.train(ts, range(1, 3))
+            asked = self.drain_async(world.daemons[1], "--leave", "--wait", "60")
+            self.wait_draining(world.daemons[1])
+            self.train(ts, range(3, 4))  # the leave rides step 3
+            world.daemons[0].stop(signal.SIGKILL, check=False)
+            t0 = time.monotonic()
+            got = rz.attempt([lambda: ts[1].step(4)])
+            self.assertIsInstance(got[0], ZerodError, "rank 1: step 4")
+            asked["thread"].join(90)
+            self.assertLess(time.monotonic() - t0, 60, "no hang")
+            r = asked["r"]
+            self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+            self.assertIn("did not: step 3: 2 -> 1 ranks failed", r.stderr)
+            d = world.daemons[1]
+            self.assertIsNone(d.process.poll(), "the leaving zerod goes on serving")
+            st = rz.status(d)
+            self.assertFalse(st["nodes"][0]["draining"])
+            self.assertIn("2 -> 1 ranks failed", st["ranks"][0].get("last_resize", ""), st)
+            self.assertIn("given up, zerod goes on serving", d.log())
+            for t in ts:
+                t.close()
+        except BaseException:
+            sys.stderr.write(world.log())
+            raise
+        finally:
+            world.stop(check=False)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0]] + sys.argv[1:])
