@@ -109,6 +109,15 @@ static void drain_end(zd__drain_t *d, zd__drain_result_t *res) {
   if (!res->rc) d->env.shutdown(d->env.ctx);
 }
 
+/* "rank 3" or "ranks 3..5", for messages. */
+static const char *ranks_text(char *buf, size_t len, uint32_t first, uint32_t last) {
+  if (first == last)
+    snprintf(buf, len, "rank %u", first);
+  else
+    snprintf(buf, len, "ranks %u..%u", first, last);
+  return buf;
+}
+
 /* A leave's end: every local rank left (res->left), or why not ("" still under way). */
 static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size_t len) {
   uint32_t left = 0;
@@ -152,11 +161,13 @@ static void leave_tick(zd__drain_t *d) {
   zd__drain_result_t res = {0};
   char why[ZD__ERR_MSG_MAX];
   leave_check(d, &res, why, sizeof why);
+  char mine[48];
+  ranks_text(mine, sizeof mine, d->env.cfg->first_rank,
+             d->env.cfg->first_rank + d->env.ranks->n - 1);
   if (res.left) {
-    ZD_LOG_INFO("drain --leave: ranks %u..%u left the world after step %" PRIu64
+    ZD_LOG_INFO("drain --leave: %s left the world after step %" PRIu64
                 ", which goes on at %u ranks, %" PRIu64 " ms after the request; shutting down",
-                d->env.cfg->first_rank, d->env.cfg->first_rank + d->env.ranks->n - 1, res.step,
-                d->leave_to, zd__now_ms() - d->t0_ms);
+                mine, res.step, d->leave_to, zd__now_ms() - d->t0_ms);
     drain_end(d, &res);
     return;
   }
@@ -169,8 +180,11 @@ static void leave_tick(zd__drain_t *d) {
                 "node's ranks as in a crash",
                 why);
   } else {
-    res.rc = ZD_EPEER;
-    snprintf(res.msg, sizeof res.msg, "%s", why);
+    /* not ZD_EPEER, which zeroctl would take for this zerod being unreachable */
+    res.rc = ZD_EORDER;
+    snprintf(res.msg, sizeof res.msg,
+             "%.380s; the drain is given up and this zerod goes on serving (%s stay in the world)",
+             why, mine);
   }
   drain_end(d, &res);
 }
@@ -258,13 +272,16 @@ static int may_leave(const zd__drain_t *d, uint32_t *to, uint64_t *resizes, uint
     return ZD_EORDER;
   }
   if (first + n != w) {
+    char mine[48], top[48], above[48];
     snprintf(why, len,
-             "this node holds ranks %u..%u of a world of %u: --leave hands over only the highest "
-             "ranks (%u..%u here), since a live resize keeps every staying rank's number and "
-             "ranks %u..%u would have to be renumbered. Drain the nodes above this one with "
-             "--leave first (the highest first), or drain this node without --leave (a "
-             "checkpoint that the world resumes from)",
-             first, first + n - 1, w, w - n, w - 1, first + n, w - 1);
+             "this node holds %s of a world of %u: --leave hands over only the highest ranks "
+             "(%s here), since a live resize keeps every staying rank's number and %s would have "
+             "to be renumbered. Drain the nodes above this one with --leave first (the highest "
+             "first), or drain this node without --leave (a checkpoint that the world resumes "
+             "from)",
+             ranks_text(mine, sizeof mine, first, first + n - 1), w,
+             ranks_text(top, sizeof top, w - n, w - 1),
+             ranks_text(above, sizeof above, first + n, w - 1));
     return ZD_EORDER;
   }
   *to = w - n;
@@ -334,10 +351,12 @@ int zd__drain_start(zd__drain_t *d, const char *by, uint32_t wait_ms, int force,
     ZD_LOG_WARN("drain asked by %s (--force): %s", by, why);
   else if (leave)
     ZD_LOG_INFO("drain --leave asked by %s: refusing registrations, live resize to %u ranks "
-                "requested after step %" PRIu64 " (ranks %u..%u leave); shutting down once they "
+                "requested after step %" PRIu64 " (%s of %u leave%s); shutting down once they "
                 "have left (waiting at most %u ms%s)",
-                by, d->leave_to, step, d->env.cfg->first_rank,
-                d->env.cfg->first_rank + d->env.ranks->n - 1, wait_ms,
+                by, d->leave_to, step,
+                ranks_text(why, sizeof why, d->env.cfg->first_rank,
+                           d->env.cfg->first_rank + d->env.ranks->n - 1),
+                d->leave_to + d->env.ranks->n, d->env.ranks->n == 1 ? "s" : "", wait_ms,
                 force ? ", then shutting down anyway" : "");
   else
     ZD_LOG_INFO(
