@@ -138,6 +138,46 @@ class DrainLeaveTest(unittest.TestCase):
         finally:
             world.stop(check=False)
 
+    def test_zero_optimizer_follows(self) -> None:
+        """Plain ZeroOptimizer loops (test_resize_torch's) at W=2: rank 1's node drained with
+        leave in the middle of training; rank 0's step() follows the resize to a world of one rank
+        by itself (opt.world_size 1, opt.rank 0), rank 1's raises ZD_ERANK; bitwise throughout."""
+        import warnings
+        import test_resize_torch as rt
+        world = zerod.testing.LocalWorld(2, daemons=2, args=rz.ARGS, log_level="info")
+        loops: List = []
+        try:
+            with warnings.catch_warnings():  # step()'s "resized ... laying the model out again"
+                warnings.simplefilter("ignore")
+                loops = sd.on_all([lambda r=r: rt.Loop(world.daemons[r], r) for r in range(2)])
+                same = rt.ResizeTorchTest.assert_same
+                for s in range(1, 3):
+                    sd.on_all([lambda t=t: t.step(s) for t in loops])
+                    same(self, loops, s, f"W=2 step {s}")
+                asked = self.drain_async(world.daemons[1], "--leave", "--wait", "60")
+                self.wait_draining(world.daemons[1])
+                sd.on_all([lambda t=t: t.step(3) for t in loops])  # the leave rides step 3
+                got = rz.attempt([lambda t=t: t.step(4) for t in loops])
+                self.assertIsNone(got[0], f"rank 0: step 4 across the leave: {got[0]!r}")
+                self.assertIsInstance(got[1], ZerodError, "rank 1: step 4")
+                self.assertEqual(got[1].code, ZD_ERANK, got[1].message)
+                asked["thread"].join(60)
+                self.assertEqual(asked["r"].returncode, 0, asked["r"].stderr)
+                loops[1].opt.close()
+                loops = loops[:1]
+                self.assertEqual((loops[0].opt.world_size, loops[0].opt.rank), (1, 0))
+                same(self, loops, 4, "step 4, sent again at W=1")
+                for s in range(5, 7):
+                    loops[0].step(s)
+                    same(self, loops, s, f"W=1 step {s}")
+        except BaseException:
+            sys.stderr.write(world.log())
+            raise
+        finally:
+            for t in loops:
+                t.opt.close()
+            world.stop(check=False)
+
     def test_refusals(self) -> None:
         out = rz.zeroctl("resize", "--world_size", "2", "--leave", check=False)
         self.assertEqual(out.returncode, 2, out.stderr)
