@@ -32,7 +32,7 @@ struct zd__drain {
   char no_ckpt[ZD__ERR_MSG_MAX]; /* forced without a checkpoint to take: why */
   int leave;         /* drain --leave: a live resize takes this node's ranks out */
   uint32_t leave_to; /* ... to a world of this many ranks */
-  uint64_t resizes;  /* the local ranks' resizes (zd__rank_stats_t) when it began */
+  uint64_t *resizes; /* per local rank: its resizes (zd__rank_stats_t) when it began */
   uint64_t t0_ms;
   zd__drain_done_fn done;
   void *done_arg;
@@ -57,7 +57,10 @@ static void on_closed(uv_handle_t *h) {
 }
 
 void zd__drain_close(zd__drain_t *d) {
-  if (d) uv_close((uv_handle_t *)&d->timer, on_closed);
+  if (!d) return;
+  free(d->resizes);
+  d->resizes = NULL;
+  uv_close((uv_handle_t *)&d->timer, on_closed);
 }
 
 /* Why this node has no optimizer state to save (returns the error code a drain without force
@@ -120,33 +123,28 @@ static const char *ranks_text(char *buf, size_t len, uint32_t first, uint32_t la
 
 /* A leave's end: every local rank left (res->left), or why not ("" still under way). */
 static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size_t len) {
-  uint32_t left = 0;
-  uint64_t resizes = 0;
-  const char *last = "";
+  uint32_t left = 0, kept = 0;
+  char detail[ZD__ERR_MSG_MAX] = "";
   zd__rank_stats_t s;
   *why = 0;
+  /* Each rank resizes on its own worker: one may have left while another has not yet run it. A
+   * rank that took part in a resize since the drain began and did not leave ends the leave. */
   for (uint32_t i = 0; i < d->env.ranks->n; i++) {
     zd__rank_stats(d->env.ranks->rank[i], &s);
     left += s.left != 0;
-    resizes += s.resizes;
-    if (s.resizes && !s.left && !*last) {
-      snprintf(why, len, "%s", s.last_resize); /* a copy: s is reused */
-      last = why;
-    }
+    if (!s.left && s.resizes > d->resizes[i] && !kept++)
+      snprintf(detail, sizeof detail, "%s", s.last_resize);
     if (s.step > res->step) res->step = s.step;
   }
   if (left == d->env.ranks->n) {
     res->left = 1;
     res->world_size = d->leave_to;
-    *why = 0;
     return;
   }
-  if (resizes > d->resizes) {
-    char detail[ZD__ERR_MSG_MAX];
-    snprintf(detail, sizeof detail, "%s", *last ? why : "a resize that kept this node's ranks");
+  if (kept) {
     snprintf(why, len,
              "the live resize that was to take this node's ranks out of the world did not: %.400s",
-             detail);
+             detail[0] ? detail : "a resize kept them");
     return;
   }
   if (zd__now_ms() >= d->deadline_ms)
@@ -240,20 +238,21 @@ static void drain_tick(uv_timer_t *t) {
 }
 
 /* Whether this node may leave the world (ZD_OK), and the world it leaves behind; else why not.
- * *none: no model registered (a refusal unless force). */
+ * resizes[i]: local rank i's resizes so far; *none: no model registered (a refusal unless
+ * force). */
 static int may_leave(const zd__drain_t *d, uint32_t *to, uint64_t *resizes, uint64_t *step,
                      int *none, char *why, size_t len) {
   const zd__ranks_t *rs = d->env.ranks;
   const uint32_t n = rs->n, first = d->env.cfg->first_rank;
   const uint32_t w = zd__rank_world_size(rs->rank[0]);
   uint32_t models = 0, left = 0;
-  *resizes = *step = 0;
+  *step = 0;
   for (uint32_t i = 0; i < n; i++) {
     zd__rank_stats_t s;
     zd__rank_stats(rs->rank[i], &s);
     models += s.has_model != 0;
     left += s.left != 0;
-    *resizes += s.resizes;
+    resizes[i] = s.resizes;
     if (s.step > *step) *step = s.step;
   }
   *none = 0;
@@ -298,7 +297,10 @@ static int may_leave(const zd__drain_t *d, uint32_t *to, uint64_t *resizes, uint
 /* Starts the leave (drain.h): every local rank asks for the world without this node. */
 static int leave_start(zd__drain_t *d, int force, uint64_t *step, int *none, char *why,
                        size_t len, zd__err_t *err) {
-  int rc = may_leave(d, &d->leave_to, &d->resizes, step, none, why, len);
+  free(d->resizes);
+  d->resizes = calloc(d->env.ranks->n ? d->env.ranks->n : 1, sizeof *d->resizes);
+  if (!d->resizes) return zd__errf(err, -ENOMEM, "out of memory");
+  int rc = may_leave(d, &d->leave_to, d->resizes, step, none, why, len);
   if (rc && !(*none && force))
     return zd__errf(err, rc, "drain --leave refused: %s%s", why,
                     *none ? " (zeroctl drain --leave --force stops zerod without leaving)" : "");
@@ -316,7 +318,7 @@ int zd__drain_start(zd__drain_t *d, const char *by, uint32_t wait_ms, int force,
   if (d->active)
     return zd__errf(err, ZD_EORDER, "a drain asked by %s is already in progress", d->by);
   char why[ZD__ERR_MSG_MAX];
-  uint64_t step;
+  uint64_t step = 0;
   int none = 0, rc;
   if (leave) {
     rc = leave_start(d, force, &step, &none, why, sizeof why, err);

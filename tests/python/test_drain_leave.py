@@ -138,6 +138,66 @@ class DrainLeaveTest(unittest.TestCase):
         finally:
             world.stop(check=False)
 
+    def test_leave_two_local_ranks(self) -> None:
+        """W=4 on two zerods of two local ranks each: the node of ranks 2 and 3 leaves, the ranks
+        of the other re-form a world of 2 through the rendezvous and train on bitwise."""
+        class Pair:  # the trainers' endpoints: global rank r is local rank r % 2 of zerod r // 2
+            def __init__(self) -> None:
+                self.daemons: List[zerod.testing.LocalZerod] = []
+
+            def connect(self, rank: int):
+                return self.daemons[rank // 2].connect(rank % 2)
+
+        world = Pair()
+        try:
+            for first in (0, 2):
+                d = zerod.testing.LocalZerod([], log_level="info", start=False, timeout=30.0)
+                d.args = ["--world_size", "4", "--first_rank", str(first), "--local_ranks", "2"]
+                if first:
+                    d.args += ["--rendezvous_address", world.daemons[0].control_address]
+                d.args += rz.ARGS
+                d.spawn()
+                world.daemons.append(d)
+            for d in world.daemons:
+                d.wait_ready()
+            ts = self.register(world, [0, 1, 2, 3], first=True)
+            self.train(ts, range(1, 3))
+            asked = self.drain_async(world.daemons[1], "--leave", "--wait", "60")
+            self.wait_draining(world.daemons[1])
+            self.train(ts, range(3, 4))  # the leave rides step 3
+            got = rz.attempt([lambda t=t: t.step(4) for t in ts])
+            for t, e in zip(ts, got):
+                self.assertIsInstance(e, ZerodError, f"rank {t.rank}: step 4 after the leave")
+                self.assertEqual(e.code, ZD_EPEER if t.rank < 2 else ZD_ERANK, e.message)
+            asked["thread"].join(60)
+            r = asked["r"]
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("left the world after step 3, which goes on at 2 ranks", r.stdout)
+            for t in ts:
+                t.close()
+            world.daemons[1].process.wait(30)
+            self.assertEqual(world.daemons[1].process.returncode, 0, world.daemons[1].log())
+            self.assertIn("drain --leave: ranks 2..3 left the world after step 3",
+                          world.daemons[1].log())
+            self.wait_world_size(world.daemons[0], 2)
+            ts = self.register(world, [0, 1])
+            self.assert_same(ts, 3, "W=2 right after the leave")
+            self.train(ts, range(4, 7))
+            self.assert_same(ts, 6, "W=2 after the leave")
+            st = rz.status(world.daemons[0])
+            for rank in st["ranks"]:
+                self.assertEqual(rank["health"], "ok", st)
+                self.assertIn("step 3: 4 -> 2 ranks in", rank["last_resize"])
+            for t in ts:
+                t.close()
+        except BaseException:
+            for d in world.daemons:
+                sys.stderr.write(d.log())
+            raise
+        finally:
+            for d in world.daemons:
+                d.stop(check=False)
+
     def test_zero_optimizer_follows(self) -> None:
         """Plain ZeroOptimizer loops (test_resize_torch's) at W=2: rank 1's node drained with
         leave in the middle of training; rank 0's step() follows the resize to a world of one rank
