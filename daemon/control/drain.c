@@ -12,6 +12,8 @@
 #include "ckpt_manifest.h"
 #include "clock.h"
 #include "log.h"
+#include "rendezvous.h"
+#include "world.h"
 
 #define DRAIN_POLL_MS 50
 
@@ -155,6 +157,31 @@ static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size
              d->wait_ms);
 }
 
+/* How long taking the node out of the registry may hold the loop (its ranks have left; zerod
+ * shuts down next). */
+#define DEREGISTER_TIMEOUT_MS 2000
+
+/* The node's entry leaves the node registry: the world goes on without it, and zeroctl status
+ * --world would otherwise list it as unreachable for good. Best effort: a failure is logged. */
+static void leave_registry(const zd__drain_t *d) {
+  const zd__world_t *w = d->env.world;
+  if (!w) return;
+  zd__err_t err = {0};
+  zd__rdv_t *rdv = NULL;
+  char key[48];
+  snprintf(key, sizeof key, ZD__RDV_NODE_PREFIX "%u", w->first_rank);
+  int rc = zd__rdv_open(w->rendezvous_address, &rdv, &err);
+  if (!rc) rc = zd__rdv_set_token(rdv, w->control_token, &err);
+  if (!rc) rc = zd__rdv_delete(rdv, key, DEREGISTER_TIMEOUT_MS, &err);
+  if (rdv) zd__rdv_close(rdv);
+  if (rc)
+    ZD_LOG_WARN("drain --leave: could not take this node out of the node registry at %s: %s "
+                "(zeroctl status --world lists it unreachable until rank 0's zerod restarts)",
+                w->rendezvous_address, err.msg);
+  else
+    ZD_LOG_INFO("drain --leave: this node (registry key %s) left the node registry", key);
+}
+
 static void leave_tick(zd__drain_t *d) {
   zd__drain_result_t res = {0};
   char why[ZD__ERR_MSG_MAX];
@@ -166,6 +193,7 @@ static void leave_tick(zd__drain_t *d) {
     ZD_LOG_INFO("drain --leave: %s left the world after step %" PRIu64
                 ", which goes on at %u ranks, %" PRIu64 " ms after the request; shutting down",
                 mine, res.step, d->leave_to, zd__now_ms() - d->t0_ms);
+    leave_registry(d);
     drain_end(d, &res);
     return;
   }

@@ -8,7 +8,9 @@
  * node's ranks ask for a live resize (resize.h) to the world without them, W - local_ranks; the
  * resize rides the next step, every rank takes the whole model's image, this node's ranks leave
  * (at their trainers' next request) and the others re-form at the new size and go on from the
- * step reached. Once every local rank has left, zerod shuts down. The ranks of the new world keep
+ * step reached. Once every local rank has left, the node's entry leaves the node registry (so that
+ * zeroctl status --world does not list it as unreachable) and zerod shuts down. The ranks of the
+ * new world keep
  * their numbers, so only the node of the highest ranks may leave (first_rank + local_ranks ==
  * W): a middle node is refused, as is a node that holds every rank (no world to leave).
  */
@@ -34,6 +36,7 @@ typedef struct zd__drain_env {
   const zd__ranks_t *ranks;    /* whose models there are to save */
   zd__ckptr_t *ckpt;           /* who saves them */
   zd__sessions_t *sessions;    /* refuse registrations meanwhile */
+  const struct zd__world *world; /* leave: whose node registry to leave (NULL: world size 1) */
   void (*shutdown)(void *ctx); /* the checkpoint is complete: shut down as on SIGTERM */
   void *ctx;
 } zd__drain_env_t;

@@ -4,7 +4,8 @@ A world of 2 zerods (one rank each, CPU backend, unix sockets) with a checkpoint
 `zeroctl drain --leave` on rank 1's node asks for a live resize to the world without it (docs/
 design.md, "Live resize"), which rides the next step. Rank 1's trainer then gets ZD_ERANK ("left
 the world"), rank 0's ZD_EPEER ("register again"); zeroctl prints that the node left after that
-step and that the world goes on at 1 rank, and that zerod exits 0. Rank 0's trainer registers
+step and that the world goes on at 1 rank, and that zerod exits 0; the node left the node
+registry (zeroctl status --world lists rank 0 alone and exits 0). Rank 0's trainer registers
 again in the world of one rank and trains on, bitwise equal to an uninterrupted
 torch.optim.AdamW(foreach=False) run (test_state_dir's reference: rank 0 sends step s's gradient,
 the others zeros, summed with grad_mean off, so the reduced gradient is the same at every world
@@ -20,6 +21,7 @@ failed resize, the leaving zerod goes on serving (draining false, last_resize sa
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -115,6 +117,12 @@ class DrainLeaveTest(unittest.TestCase):
                           world.daemons[1].log())
 
             self.wait_world_size(world.daemons[0], 1)
+            # The node left the registry too: the world's status lists rank 0 alone, exit 0.
+            out = rz.zeroctl("--address", world.daemons[0].control_address, "status", "--world",
+                             "--json", check=False)
+            self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+            self.assertEqual(json.loads(out.stdout)["world_size"], 1)
+            self.assertEqual(len(json.loads(out.stdout)["nodes"]), 1, out.stdout)
             ts = self.register(world, [0])
             self.assertTrue(ts[0].info.resumed, "the registration after the leave resumes")
             self.assert_same(ts, 4, "W=1 right after the leave")
@@ -180,6 +188,10 @@ class DrainLeaveTest(unittest.TestCase):
             self.assertIn("drain --leave: ranks 2..3 left the world after step 3",
                           world.daemons[1].log())
             self.wait_world_size(world.daemons[0], 2)
+            out = rz.zeroctl("--address", world.daemons[0].control_address, "status", "--world",
+                             "--json", check=False)
+            self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+            self.assertEqual(len(json.loads(out.stdout)["nodes"]), 1, out.stdout)
             ts = self.register(world, [0, 1])
             self.assert_same(ts, 3, "W=2 right after the leave")
             self.train(ts, range(4, 7))
@@ -242,6 +254,9 @@ class DrainLeaveTest(unittest.TestCase):
         out = rz.zeroctl("resize", "--world_size", "2", "--leave", check=False)
         self.assertEqual(out.returncode, 2, out.stderr)
         self.assertIn("--leave is an option of drain", out.stderr)
+        out = rz.zeroctl("--help")
+        self.assertIn("drain [--leave] [--wait SECONDS] [--force]", out.stdout)
+        self.assertIn("Only the node of the highest ranks may", out.stdout)
 
         # A zerod that holds every rank: no world to leave.
         d = zerod.testing.LocalZerod(rz.ARGS, log_level="info")
