@@ -135,7 +135,11 @@ static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size
     zd__rank_stats(d->env.ranks->rank[i], &s);
     left += s.left != 0;
     if (!s.left && s.resizes > d->resizes[i] && !kept++)
-      snprintf(detail, sizeof detail, "%s", s.last_resize);
+      snprintf(detail, sizeof detail, "%s", s.last_resize[0] ? s.last_resize : "a resize kept them");
+    /* The world broke before the resize (a peer lost): the leave cannot ride a step now. */
+    if (!s.left && s.health != ZD__HEALTH_OK && !kept++)
+      snprintf(detail, sizeof detail, "rank %u is %s: %.300s", zd__rank_global(d->env.ranks->rank[i]),
+               zd__health_name(s.health), s.degraded_reason);
     if (s.step > res->step) res->step = s.step;
   }
   if (left == d->env.ranks->n) {
@@ -145,8 +149,7 @@ static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size
   }
   if (kept) {
     snprintf(why, len,
-             "the live resize that was to take this node's ranks out of the world did not: %.400s",
-             detail[0] ? detail : "a resize kept them");
+             "this node's ranks did not leave the world: %.400s", detail);
     return;
   }
   if (zd__now_ms() >= d->deadline_ms)
@@ -273,11 +276,17 @@ static int may_leave(const zd__drain_t *d, uint32_t *to, uint64_t *resizes, uint
   const zd__ranks_t *rs = d->env.ranks;
   const uint32_t n = rs->n, first = d->env.cfg->first_rank;
   const uint32_t w = zd__rank_world_size(rs->rank[0]);
-  uint32_t models = 0, left = 0;
+  uint32_t models = 0, left = 0, sick = n;
+  zd__rank_stats_t s;
+  char sick_why[ZD__ERR_MSG_MAX] = "";
   *step = 0;
   for (uint32_t i = 0; i < n; i++) {
-    zd__rank_stats_t s;
     zd__rank_stats(rs->rank[i], &s);
+    if (s.health != ZD__HEALTH_OK && sick == n) {
+      sick = i;
+      snprintf(sick_why, sizeof sick_why, "%s: %.300s", zd__health_name(s.health),
+               s.degraded_reason);
+    }
     models += s.has_model != 0;
     left += s.left != 0;
     resizes[i] = s.resizes;
@@ -309,6 +318,13 @@ static int may_leave(const zd__drain_t *d, uint32_t *to, uint64_t *resizes, uint
              ranks_text(mine, sizeof mine, first, first + n - 1), w,
              ranks_text(top, sizeof top, w - n, w - 1),
              ranks_text(above, sizeof above, first + n, w - 1));
+    return ZD_EORDER;
+  }
+  if (sick < n) {
+    snprintf(why, len,
+             "rank %u of this node is %.300s; a leave rides a step of a healthy world (wait until "
+             "zeroctl status shows every rank ok, or drain without --leave)",
+             first + sick, sick_why);
     return ZD_EORDER;
   }
   *to = w - n;

@@ -16,7 +16,8 @@ Refusals, each leaving zerod serving and not draining: a zerod that holds every 
 leave); the node of rank 0 in a world of 2 (not the highest ranks: the staying ranks would have
 to be renumbered); a node without a registered model (nothing for the leave to ride); --leave
 outside drain (usage). A peer SIGKILLed during the leave: the drain ends with exit 1 naming the
-failed resize, the leaving zerod goes on serving (draining false, last_resize says why), no hang.
+failed resize, the leaving zerod goes on serving (draining false, last_resize says why), no hang;
+killed before any step carried the leave: the drain ends as the rank degrades, naming why.
 """
 
 from __future__ import annotations
@@ -312,7 +313,7 @@ class DrainLeaveTest(unittest.TestCase):
             self.assertLess(time.monotonic() - t0, 60, "no hang")
             r = asked["r"]
             self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
-            self.assertIn("did not: step 3: 2 -> 1 ranks failed", r.stderr)
+            self.assertIn("did not leave the world: step 3: 2 -> 1 ranks failed", r.stderr)
             self.assertIn("this zerod goes on serving", r.stderr)
             self.assertNotIn("cannot reach", r.stderr)
             d = world.daemons[1]
@@ -321,6 +322,34 @@ class DrainLeaveTest(unittest.TestCase):
             self.assertFalse(st["nodes"][0]["draining"])
             self.assertIn("2 -> 1 ranks failed", st["ranks"][0].get("last_resize", ""), st)
             self.assertIn("given up, zerod goes on serving", d.log())
+            for t in ts:
+                t.close()
+        except BaseException:
+            sys.stderr.write(world.log())
+            raise
+        finally:
+            world.stop(check=False)
+
+    def test_peer_killed_before_the_step(self) -> None:
+        """The peer SIGKILLed after the leave was asked for, before any step could carry it: the
+        heartbeat finds it gone, the rank degrades, and the drain ends at once (not after --wait)
+        naming why; the zerod goes on serving, not draining."""
+        world = zerod.testing.LocalWorld(2, daemons=2, args=rz.ARGS, log_level="info")
+        try:
+            ts = self.register(world, [0, 1], first=True)
+            self.train(ts, range(1, 2))
+            asked = self.drain_async(world.daemons[1], "--leave", "--wait", "120")
+            self.wait_draining(world.daemons[1])
+            t0 = time.monotonic()
+            world.daemons[0].stop(signal.SIGKILL, check=False)
+            asked["thread"].join(90)
+            self.assertLess(time.monotonic() - t0, 30, "ended by the world's breaking, not --wait")
+            r = asked["r"]
+            self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+            self.assertIn("did not leave the world: rank 1 is degraded", r.stderr)
+            d = world.daemons[1]
+            self.assertIsNone(d.process.poll(), "the leaving zerod goes on serving")
+            self.assertFalse(self.draining(d))
             for t in ts:
                 t.close()
         except BaseException:
