@@ -138,8 +138,9 @@ static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size
       snprintf(detail, sizeof detail, "%s", s.last_resize[0] ? s.last_resize : "a resize kept them");
     /* The world broke before the resize (a peer lost): the leave cannot ride a step now. */
     if (!s.left && s.health != ZD__HEALTH_OK && !kept++)
-      snprintf(detail, sizeof detail, "rank %u is %s: %.300s", zd__rank_global(d->env.ranks->rank[i]),
-               zd__health_name(s.health), s.degraded_reason);
+      snprintf(detail, sizeof detail, "rank %u is %s%s%.300s",
+               zd__rank_global(d->env.ranks->rank[i]), zd__health_name(s.health),
+               s.degraded_reason[0] ? ": " : "", s.degraded_reason);
     if (s.step > res->step) res->step = s.step;
   }
   if (left == d->env.ranks->n) {
@@ -284,8 +285,8 @@ static int may_leave(const zd__drain_t *d, uint32_t *to, uint64_t *resizes, uint
     zd__rank_stats(rs->rank[i], &s);
     if (s.health != ZD__HEALTH_OK && sick == n) {
       sick = i;
-      snprintf(sick_why, sizeof sick_why, "%s: %.300s", zd__health_name(s.health),
-               s.degraded_reason);
+      snprintf(sick_why, sizeof sick_why, "%s%s%.300s", zd__health_name(s.health),
+               s.degraded_reason[0] ? ": " : "", s.degraded_reason);
     }
     models += s.has_model != 0;
     left += s.left != 0;
@@ -320,19 +321,19 @@ static int may_leave(const zd__drain_t *d, uint32_t *to, uint64_t *resizes, uint
              ranks_text(above, sizeof above, first + n, w - 1));
     return ZD_EORDER;
   }
-  if (sick < n) {
-    snprintf(why, len,
-             "rank %u of this node is %.300s; a leave rides a step of a healthy world (wait until "
-             "zeroctl status shows every rank ok, or drain without --leave)",
-             first + sick, sick_why);
-    return ZD_EORDER;
-  }
   *to = w - n;
   if (!models) {
     *none = 1;
     snprintf(why, len,
              "no model is registered on this zerod's ranks: the leave rides the next training "
              "step (the shards go to the other ranks after it), and there is none to ride");
+    return ZD_EORDER;
+  }
+  if (sick < n) {
+    snprintf(why, len,
+             "rank %u of this node is %.300s; a leave rides a step of a healthy world (wait until "
+             "zeroctl status shows every rank ok, or drain without --leave)",
+             first + sick, sick_why);
     return ZD_EORDER;
   }
   return ZD_OK;

@@ -80,6 +80,18 @@ class DrainLeaveTest(unittest.TestCase):
                 self.fail(f"{d.control_address}: not draining after {timeout} s")
             time.sleep(0.02)
 
+    def world_status_ok(self, d, timeout: float = 30.0):
+        """zeroctl status --world once it exits 0 (every rank ok: re-forming is done)."""
+        end = time.monotonic() + timeout
+        while True:
+            out = rz.zeroctl("--address", d.control_address, "status", "--world", "--json",
+                             check=False)
+            if out.returncode == 0:
+                return out
+            if time.monotonic() > end:
+                self.fail(f"status --world: exit {out.returncode}: {out.stdout}{out.stderr}")
+            time.sleep(0.05)
+
     def test_leave_bitwise_no_checkpoint(self) -> None:
         ckpt = tempfile.mkdtemp(prefix="zerod-leave-ckpt-")
         self.addCleanup(shutil.rmtree, ckpt, True)
@@ -119,9 +131,7 @@ class DrainLeaveTest(unittest.TestCase):
 
             self.wait_world_size(world.daemons[0], 1)
             # The node left the registry too: the world's status lists rank 0 alone, exit 0.
-            out = rz.zeroctl("--address", world.daemons[0].control_address, "status", "--world",
-                             "--json", check=False)
-            self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+            out = self.world_status_ok(world.daemons[0])
             self.assertEqual(json.loads(out.stdout)["world_size"], 1)
             self.assertEqual(len(json.loads(out.stdout)["nodes"]), 1, out.stdout)
             ts = self.register(world, [0])
@@ -189,9 +199,7 @@ class DrainLeaveTest(unittest.TestCase):
             self.assertIn("drain --leave: ranks 2..3 left the world after step 3",
                           world.daemons[1].log())
             self.wait_world_size(world.daemons[0], 2)
-            out = rz.zeroctl("--address", world.daemons[0].control_address, "status", "--world",
-                             "--json", check=False)
-            self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+            out = self.world_status_ok(world.daemons[0])
             self.assertEqual(len(json.loads(out.stdout)["nodes"]), 1, out.stdout)
             ts = self.register(world, [0, 1])
             self.assert_same(ts, 3, "W=2 right after the leave")
