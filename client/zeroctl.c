@@ -538,9 +538,9 @@ static int cmd_drain(const options_t *o) {
            o->leave ? "leaving the world" : "a checkpoint");
     fprintf(stderr, "zeroctl: %s: %s%s\n", o->leave ? "not left" : "no checkpoint",
             r->no_checkpoint ? r->no_checkpoint : "?",
-            !exit_rc       ? ""
-            : o->leave     ? "; the other nodes lose this node's ranks as in a crash"
-                           : "; the steps since the last complete checkpoint are lost");
+            !exit_rc   ? ""
+            : o->leave ? "; the other nodes lose this node's ranks as in a crash"
+                       : "; the steps since the last complete checkpoint are lost");
   }
   protobuf_c_message_free_unpacked(reply, NULL);
   return exit_rc;

@@ -476,8 +476,8 @@ static int reply_nodes(zd__control_t *c, zd__gsrv_call_t *k, Zerod__V1__NodeInfo
   qsort(nodes, n, sizeof *nodes, cmp_node);
   Zerod__V1__NodesReply rep = ZEROD__V1__NODES_REPLY__INIT;
   /* the world as it is now: a live resize changes it (the configuration keeps the start's) */
-  rep.world_size = c->ranks && c->ranks->n ? zd__rank_world_size(c->ranks->rank[0])
-                                           : c->cfg->world_size;
+  rep.world_size =
+      c->ranks && c->ranks->n ? zd__rank_world_size(c->ranks->rank[0]) : c->cfg->world_size;
   rep.n_nodes = n;
   rep.nodes = nodes;
   zd__gsrv_reply(k, &rep.base);

@@ -32,9 +32,9 @@ struct zd__drain {
   uint32_t wait_ms;
   char by[160];
   char no_ckpt[ZD__ERR_MSG_MAX]; /* forced without a checkpoint to take: why */
-  int leave;         /* drain --leave: a live resize takes this node's ranks out */
-  uint32_t leave_to; /* ... to a world of this many ranks */
-  uint64_t *resizes; /* per local rank: its resizes (zd__rank_stats_t) when it began */
+  int leave;                     /* drain --leave: a live resize takes this node's ranks out */
+  uint32_t leave_to;             /* ... to a world of this many ranks */
+  uint64_t *resizes;             /* per local rank: its resizes (zd__rank_stats_t) when it began */
   uint64_t t0_ms;
   zd__drain_done_fn done;
   void *done_arg;
@@ -135,7 +135,8 @@ static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size
     zd__rank_stats(d->env.ranks->rank[i], &s);
     left += s.left != 0;
     if (!s.left && s.resizes > d->resizes[i] && !kept++)
-      snprintf(detail, sizeof detail, "%s", s.last_resize[0] ? s.last_resize : "a resize kept them");
+      snprintf(detail, sizeof detail, "%s",
+               s.last_resize[0] ? s.last_resize : "a resize kept them");
     /* The world broke before the resize (a peer lost): the leave cannot ride a step now. */
     if (!s.left && s.health != ZD__HEALTH_OK && !kept++)
       snprintf(detail, sizeof detail, "rank %u is %s%s%.300s",
@@ -149,8 +150,7 @@ static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size
     return;
   }
   if (kept) {
-    snprintf(why, len,
-             "this node's ranks did not leave the world: %.400s", detail);
+    snprintf(why, len, "this node's ranks did not leave the world: %.400s", detail);
     return;
   }
   if (zd__now_ms() >= d->deadline_ms)
@@ -179,9 +179,10 @@ static void leave_registry(const zd__drain_t *d) {
   if (!rc) rc = zd__rdv_delete(rdv, key, DEREGISTER_TIMEOUT_MS, &err);
   if (rdv) zd__rdv_close(rdv);
   if (rc)
-    ZD_LOG_WARN("drain --leave: could not take this node out of the node registry at %s: %s "
-                "(zeroctl status --world lists it unreachable until rank 0's zerod restarts)",
-                w->rendezvous_address, err.msg);
+    ZD_LOG_WARN(
+        "drain --leave: could not take this node out of the node registry at %s: %s "
+        "(zeroctl status --world lists it unreachable until rank 0's zerod restarts)",
+        w->rendezvous_address, err.msg);
   else
     ZD_LOG_INFO("drain --leave: this node (registry key %s) left the node registry", key);
 }
@@ -206,9 +207,10 @@ static void leave_tick(zd__drain_t *d) {
   if (d->force) {
     res.lost = 1;
     snprintf(res.msg, sizeof res.msg, "%s", why);
-    ZD_LOG_WARN("drain --leave --force: shutting down without leaving: %s; the others lose this "
-                "node's ranks as in a crash",
-                why);
+    ZD_LOG_WARN(
+        "drain --leave --force: shutting down without leaving: %s; the others lose this "
+        "node's ranks as in a crash",
+        why);
   } else {
     /* not ZD_EPEER, which zeroctl would take for this zerod being unreachable */
     res.rc = ZD_EORDER;
@@ -340,8 +342,8 @@ static int may_leave(const zd__drain_t *d, uint32_t *to, uint64_t *resizes, uint
 }
 
 /* Starts the leave (drain.h): every local rank asks for the world without this node. */
-static int leave_start(zd__drain_t *d, int force, uint64_t *step, int *none, char *why,
-                       size_t len, zd__err_t *err) {
+static int leave_start(zd__drain_t *d, int force, uint64_t *step, int *none, char *why, size_t len,
+                       zd__err_t *err) {
   free(d->resizes);
   d->resizes = calloc(d->env.ranks->n ? d->env.ranks->n : 1, sizeof *d->resizes);
   if (!d->resizes) return zd__errf(err, -ENOMEM, "out of memory");
@@ -397,14 +399,16 @@ int zd__drain_start(zd__drain_t *d, const char *by, uint32_t wait_ms, int force,
   if (none)
     ZD_LOG_WARN("drain asked by %s (--force): %s", by, why);
   else if (leave)
-    ZD_LOG_INFO("drain --leave asked by %s: refusing registrations, live resize to %u ranks "
-                "requested after step %" PRIu64 " (%s of %u leave%s); shutting down once they "
-                "have left (waiting at most %u ms%s)",
-                by, d->leave_to, step,
-                ranks_text(why, sizeof why, d->env.cfg->first_rank,
-                           d->env.cfg->first_rank + d->env.ranks->n - 1),
-                d->leave_to + d->env.ranks->n, d->env.ranks->n == 1 ? "s" : "", wait_ms,
-                force ? ", then shutting down anyway" : "");
+    ZD_LOG_INFO(
+        "drain --leave asked by %s: refusing registrations, live resize to %u ranks "
+        "requested after step %" PRIu64
+        " (%s of %u leave%s); shutting down once they "
+        "have left (waiting at most %u ms%s)",
+        by, d->leave_to, step,
+        ranks_text(why, sizeof why, d->env.cfg->first_rank,
+                   d->env.cfg->first_rank + d->env.ranks->n - 1),
+        d->leave_to + d->env.ranks->n, d->env.ranks->n == 1 ? "s" : "", wait_ms,
+        force ? ", then shutting down anyway" : "");
   else
     ZD_LOG_INFO(
         "drain asked by %s: refusing registrations, checkpoint requested after step "

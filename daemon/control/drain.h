@@ -10,9 +10,9 @@
  * (at their trainers' next request) and the others re-form at the new size and go on from the
  * step reached. Once every local rank has left, the node's entry leaves the node registry (so that
  * zeroctl status --world does not list it as unreachable) and zerod shuts down. The ranks of the
- * new world keep
- * their numbers, so only the node of the highest ranks may leave (first_rank + local_ranks ==
- * W): a middle node is refused, as is a node that holds every rank (no world to leave).
+ * new world keep their numbers, so only the node of the highest ranks may leave (first_rank +
+ * local_ranks == W): a middle node is refused, as is a node that holds every rank (no world to
+ * leave).
  */
 #ifndef ZD_DAEMON_DRAIN_H
 #define ZD_DAEMON_DRAIN_H
@@ -33,11 +33,11 @@ typedef struct zd__drain zd__drain_t;
 typedef struct zd__drain_env {
   uv_loop_t *loop;
   const zd__config_t *cfg;
-  const zd__ranks_t *ranks;    /* whose models there are to save */
-  zd__ckptr_t *ckpt;           /* who saves them */
-  zd__sessions_t *sessions;    /* refuse registrations meanwhile */
+  const zd__ranks_t *ranks;      /* whose models there are to save */
+  zd__ckptr_t *ckpt;             /* who saves them */
+  zd__sessions_t *sessions;      /* refuse registrations meanwhile */
   const struct zd__world *world; /* leave: whose node registry to leave (NULL: world size 1) */
-  void (*shutdown)(void *ctx); /* the checkpoint is complete: shut down as on SIGTERM */
+  void (*shutdown)(void *ctx);   /* the checkpoint is complete: shut down as on SIGTERM */
   void *ctx;
 } zd__drain_env_t;
 

@@ -761,8 +761,7 @@ static void resize_world(zd__rank_t *r) {
     snprintf(r->resized, sizeof r->resized,
              "rank %u left the world: it was resized from %u to %u ranks after step %" PRIu64
              " (zeroctl resize or drain --leave); its shard went to the ranks that stay. Stop "
-             "this trainer, or "
-             "register it on a rank below %u",
+             "this trainer, or register it on a rank below %u",
              r->env.rank, from, to, step, to);
     set_health(r, ZD__HEALTH_DEGRADED, "", r->resized);
     note_resize(r, "step %" PRIu64 ": %u -> %u ranks in %" PRIu64 " ms; this rank left", step, from,
@@ -794,11 +793,11 @@ static void resize_form(zd__rank_t *r) {
     zd__world_member_t *member = NULL;
     /* A world shrunk to one rank (drain --leave) has nobody to meet: the world-size-1
      * communicator, as a zerod started alone has. */
-    int rc = to == 1 ? (zd__comm_local_create(&comm) ? zd__errf(&err, -ENOMEM, "out of memory")
-                                                     : ZD_OK)
-                     : zd__world_connect(&r->world, r->env.rank, -1, NULL, &r->cancel,
-                                         r->resize_stale[0] ? r->resize_stale : NULL, &comm,
-                                         &member, &err);
+    int rc =
+        to == 1
+            ? (zd__comm_local_create(&comm) ? zd__errf(&err, -ENOMEM, "out of memory") : ZD_OK)
+            : zd__world_connect(&r->world, r->env.rank, -1, NULL, &r->cancel,
+                                r->resize_stale[0] ? r->resize_stale : NULL, &comm, &member, &err);
     if (rc == ZD_OK) {
       give_waiter(r, comm);
       pthread_mutex_lock(&r->lock);

@@ -315,6 +315,7 @@ int zd__rank_request_resize(zd__rank_t *rank, uint32_t world_size, zd__err_t *er
 /* Withdraws this rank's request for a resize not yet sent with a step (a drain --leave given
  * up); one already agreed on goes on. Any thread. */
 void zd__rank_withdraw_resize(zd__rank_t *rank);
+
 /* The rank's GPU with the CUDA backend; NULL with the CPU backend. */
 const zd__gpu_info_t *zd__rank_gpu(const zd__rank_t *rank);
 
