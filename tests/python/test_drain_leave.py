@@ -17,7 +17,9 @@ leave); the node of rank 0 in a world of 2 (not the highest ranks: the staying r
 to be renumbered); a node without a registered model (nothing for the leave to ride); --leave
 outside drain (usage). A peer SIGKILLed during the leave: the drain ends with exit 1 naming the
 failed resize, the leaving zerod goes on serving (draining false, last_resize says why), no hang;
-killed before any step carried the leave: the drain ends as the rank degrades, naming why.
+killed before any step carried the leave: the drain ends as the rank degrades, naming why. A
+leave that is late (no trainer stepping): given up after --wait, the request withdrawn (the world
+stays at 2); with --force zerod stops anyway (exit 1).
 """
 
 from __future__ import annotations
@@ -330,6 +332,40 @@ class DrainLeaveTest(unittest.TestCase):
             self.assertFalse(st["nodes"][0]["draining"])
             self.assertIn("2 -> 1 ranks failed", st["ranks"][0].get("last_resize", ""), st)
             self.assertIn("given up, zerod goes on serving", d.log())
+            for t in ts:
+                t.close()
+        except BaseException:
+            sys.stderr.write(world.log())
+            raise
+        finally:
+            world.stop(check=False)
+
+    def test_late_leave_force(self) -> None:
+        """No trainer steps, so the leave is late: without --force the drain gives up after
+        --wait (zerod serving, not draining); with --force zerod stops anyway, exit 1, saying the
+        others lose the node."""
+        world = zerod.testing.LocalWorld(2, daemons=2, args=rz.ARGS, log_level="info")
+        try:
+            ts = self.register(world, [0, 1], first=True)
+            self.train(ts, range(1, 2))
+            d = world.daemons[1]
+            out = rz.zeroctl("--address", d.control_address, "drain", "--leave", "--wait", "1",
+                             check=False)
+            self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+            self.assertIn("had not left the world within 1000 ms", out.stderr)
+            self.assertIn("this zerod goes on serving", out.stderr)
+            self.assertFalse(self.draining(d))
+            self.train(ts, range(2, 3))  # the withdrawn request rides no step: still W=2
+            self.assert_same(ts, 2, "W=2 after the late leave")
+            self.assertEqual(rz.status(world.daemons[0])["world_size"], 2)
+            out = rz.zeroctl("--address", d.control_address, "drain", "--leave", "--wait", "1",
+                             "--force", check=False)
+            self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+            self.assertIn("drained without leaving the world (--force)", out.stdout)
+            self.assertIn("not left: this node's ranks had not left the world within 1000 ms",
+                          out.stderr)
+            self.assertIn("the other nodes lose this node's ranks as in a crash", out.stderr)
+            d.process.wait(30)
             for t in ts:
                 t.close()
         except BaseException:
