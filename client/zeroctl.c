@@ -3,7 +3,7 @@
  *   zeroctl [--address ADDR] [--timeout-ms N] status [--world] [--json] [--watch SECONDS]
  *   zeroctl [--address ADDR] [--timeout-ms N] health [--service NAME]
  *   zeroctl [--address ADDR] [--timeout-ms N] [--token-file FILE] checkpoint [--wait SECONDS]
- *   zeroctl [--address ADDR] [--token-file FILE] drain [--wait SECONDS] [--force]
+ *   zeroctl [--address ADDR] [--token-file FILE] drain [--leave] [--wait SECONDS] [--force]
  *   zeroctl [--address ADDR] [--token-file FILE] resize --world_size N [--wait SECONDS]
  *   zeroctl verify CKPT_DIR
  *   zeroctl export CKPT_DIR --out FILE [--moments]
@@ -26,6 +26,8 @@
  * drain readies a node for maintenance (a Kubernetes preStop hook, by hand before a reboot): one
  * call that zerod answers once the checkpoint it asked for is complete, as that zerod begins to
  * shut down; the call's deadline is --wait plus a margin, so that zerod's own bound answers first.
+ * drain --leave does it without storage: the node's ranks leave the world through a live resize
+ * (the node of the highest ranks only) and the others go on at the smaller size.
  *
  * verify and export work offline on a checkpoint directory (common/checkpoint_format.h), no
  * zerod involved: verify checks every rank file's size, checksum and header against the manifest;
@@ -80,6 +82,7 @@ typedef struct options {
   int moments;            /* export --moments */
   int wait_s;             /* checkpoint, drain --wait: seconds to wait for it to be complete */
   int force;              /* drain --force: stop even without a checkpoint */
+  int leave;              /* drain --leave: leave the world by a live resize, no checkpoint */
   uint32_t world_size;    /* resize --world_size */
   const char *token_file; /* --token-file: the control token for calls that write */
   const char *tls_cert, *tls_key, *tls_ca; /* --tls-*: mutual TLS; NULL: plaintext */
@@ -130,7 +133,7 @@ static void usage(FILE *out) {
       "                             ZD_ERANK and stop. To grow, start the new ranks' zerods\n"
       "                             (world_size N) once this node's status shows N. --wait: until\n"
       "                             this node's ranks report the resize (exit 0) or its failure\n"
-      "  drain [--wait SECONDS] [--force]\n"
+      "  drain [--leave] [--wait SECONDS] [--force]\n"
       "                             before maintenance: mark the node draining (readiness\n"
       "                             fails, registrations are refused), checkpoint as above,\n"
       "                             and once that is complete shut this zerod down as SIGTERM\n"
@@ -139,6 +142,15 @@ static void usage(FILE *out) {
       "                             serving when it fails or is late, or when there is nothing\n"
       "                             to checkpoint (no checkpoint_dir, no model). --force: stop\n"
       "                             anyway (exit 1 if a checkpoint was asked for but failed)\n"
+      "                             --leave: no checkpoint: this node's ranks leave the world\n"
+      "                             through a live resize to the world without them (the others\n"
+      "                             go on training from the step reached; CPU backend), then\n"
+      "                             zerod shuts down. Only the node of the highest ranks may\n"
+      "                             leave (the staying ranks keep their numbers); refused where\n"
+      "                             this node holds every rank. The resize rides the next step;\n"
+      "                             this node's ranks leave at their trainers' next request.\n"
+      "                             --wait: for them to have left; --force: stop anyway when\n"
+      "                             the leave fails or is late (the others lose the node)\n"
       "  verify CKPT_DIR            check a checkpoint offline: every rank file's size, XXH3\n"
       "                             checksum and header against its manifest; exit status 1\n"
       "                             when it is incomplete or corrupt\n"
@@ -279,6 +291,8 @@ static int parse(int argc, char **argv, options_t *o) {
       o->moments = 1;
     } else if (!strcmp(a, "--force")) {
       o->force = 1;
+    } else if (!strcmp(a, "--leave")) {
+      o->leave = 1;
     } else if (a[0] == '-') {
       return usage_error("unknown option '%s'", a);
     } else if (!o->command) {
@@ -307,10 +321,11 @@ static int parse(int argc, char **argv, options_t *o) {
   if (resize && (o->world || o->json || o->watch_s || o->service[0] || o->force))
     return usage_error("resize takes --world_size and --wait only");
   if (o->force && !drain) return usage_error("--force is an option of drain");
+  if (o->leave && !drain) return usage_error("--leave is an option of drain");
   if (!strcmp(o->command, "checkpoint") && (o->world || o->json || o->watch_s || o->service[0]))
     return usage_error("checkpoint takes --wait only");
   if (drain && (o->world || o->json || o->watch_s || o->service[0]))
-    return usage_error("drain takes --wait and --force only");
+    return usage_error("drain takes --leave, --wait and --force only");
   if (offline) {
     if (!o->ckpt_dir) return usage_error("%s needs a checkpoint directory", o->command);
     if (!strcmp(o->command, "export") && !o->out) return usage_error("export needs --out FILE");
@@ -492,6 +507,8 @@ static int cmd_drain(const options_t *o) {
   req.wait_ms = (uint32_t)wait_s * 1000u;
   req.has_force = 1;
   req.force = o->force;
+  req.has_leave = o->leave;
+  req.leave = o->leave;
   zd__grpc_channel_t *ch = NULL;
   ProtobufCMessage *reply = NULL;
   int rc = zd__grpc_channel_open(o->address, &ch, &err);
@@ -508,14 +525,22 @@ static int cmd_drain(const options_t *o) {
   }
   Zerod__V1__DrainReply *r = (Zerod__V1__DrainReply *)reply;
   int exit_rc = EXIT_OK;
-  if (r->checkpointed) {
+  if (r->has_left && r->left) {
+    printf("%s: drained: its ranks left the world after step %" PRIu64
+           ", which goes on at %u rank%s without a checkpoint; zerod is shutting down\n",
+           o->address, r->left_after_step, r->world_size, r->world_size == 1 ? "" : "s");
+  } else if (r->checkpointed) {
     printf("%s: drained: checkpoint of step %" PRIu64 " complete in %s; zerod is shutting down\n",
            o->address, r->step, r->dir ? r->dir : "?");
   } else {
     exit_rc = r->has_lost && r->lost ? EXIT_FAIL : EXIT_OK;
-    printf("%s: drained without a checkpoint (--force); zerod is shutting down\n", o->address);
-    fprintf(stderr, "zeroctl: no checkpoint: %s%s\n", r->no_checkpoint ? r->no_checkpoint : "?",
-            exit_rc ? "; the steps since the last complete checkpoint are lost" : "");
+    printf("%s: drained without %s (--force); zerod is shutting down\n", o->address,
+           o->leave ? "leaving the world" : "a checkpoint");
+    fprintf(stderr, "zeroctl: %s: %s%s\n", o->leave ? "not left" : "no checkpoint",
+            r->no_checkpoint ? r->no_checkpoint : "?",
+            !exit_rc   ? ""
+            : o->leave ? "; the other nodes lose this node's ranks as in a crash"
+                       : "; the steps since the last complete checkpoint are lost");
   }
   protobuf_c_message_free_unpacked(reply, NULL);
   return exit_rc;

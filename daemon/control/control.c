@@ -300,6 +300,12 @@ static int handle_resize(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, 
   int rc = token_ok(c, k, err);
   if (!rc && (!c->ranks || !c->ranks->n))
     rc = zd__errf(err, ZD_EORDER, "this zerod has no ranks yet");
+  /* One rank is where a drain --leave ends (drain.h), which knows which node goes. */
+  if (!rc && q->world_size < 2)
+    rc = zd__errf(err, ZD_ECONFIG,
+                  "world_size %u: a live resize keeps 2 to 65535 ranks (zeroctl drain --leave "
+                  "on the node of the highest ranks leaves a world of one)",
+                  q->world_size);
   for (uint32_t i = 0; !rc && i < c->ranks->n; i++)
     rc = zd__rank_request_resize(c->ranks->rank[i], q->world_size, err);
   if (rc) return rc;
@@ -374,6 +380,16 @@ static void drain_answer(void *arg, const zd__drain_result_t *r) {
   rep.no_checkpoint = r->checkpointed ? NULL : (char *)r->msg;
   rep.has_lost = !r->checkpointed;
   rep.lost = r->lost;
+  rep.has_left = 1;
+  rep.left = r->left;
+  rep.has_world_size = rep.has_left_after_step = r->left;
+  rep.world_size = r->world_size;
+  rep.left_after_step = r->step;
+  if (r->left) { /* no checkpoint was wanted: the step is the leave's */
+    rep.has_step = 0;
+    rep.no_checkpoint = NULL;
+    rep.has_lost = 0;
+  }
   zd__gsrv_reply(k, &rep.base);
 }
 
@@ -421,7 +437,8 @@ static int handle_drain(void *ctx, zd__gsrv_call_t *k, ProtobufCMessage **req, z
   char peer[128];
   zd__gsrv_call_peer(k, peer, sizeof peer);
   c->drain_call = k;
-  rc = zd__drain_start(c->drain, peer, r->wait_ms, r->has_force && r->force, drain_answer, c, err);
+  rc = zd__drain_start(c->drain, peer, r->wait_ms, r->has_force && r->force,
+                       r->has_leave && r->leave, drain_answer, c, err);
   if (rc) { /* deferred already: answered here */
     c->drain_call = NULL;
     zd__gsrv_reply_error(k, zd__grpc_status_of(rc), "%s", err->msg);
@@ -460,8 +477,9 @@ static int reply_nodes(zd__control_t *c, zd__gsrv_call_t *k, Zerod__V1__NodeInfo
   if (!self_listed) nodes[n++] = &self;
   qsort(nodes, n, sizeof *nodes, cmp_node);
   Zerod__V1__NodesReply rep = ZEROD__V1__NODES_REPLY__INIT;
-  rep.world_size = c->ranks && c->ranks->n ? zd__rank_world_size(c->ranks->rank[0])
-                                           : c->cfg->world_size; /* as a live resize left it */
+  /* the world as it is now: a live resize changes it (the configuration keeps the start's) */
+  rep.world_size =
+      c->ranks && c->ranks->n ? zd__rank_world_size(c->ranks->rank[0]) : c->cfg->world_size;
   rep.n_nodes = n;
   rep.nodes = nodes;
   zd__gsrv_reply(k, &rep.base);

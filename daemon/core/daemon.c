@@ -618,6 +618,7 @@ static int start_transport(zd__daemon_t *d, zd__err_t *err) {
                           .ranks = &d->ranks,
                           .ckpt = d->ckpt,
                           .sessions = d->sessions,
+                          .world = d->cfg->world_size > 1 ? &d->world : NULL,
                           .shutdown = drained,
                           .ctx = d};
   rc = zd__drain_create(&denv, &d->drain);

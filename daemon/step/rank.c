@@ -777,6 +777,9 @@ static void resize_world(zd__rank_t *r) {
                  err.msg);
     note_resize(r, "step %" PRIu64 ": %u -> %u ranks failed: %s (the world stays at %u ranks)",
                 step, from, to, err.msg, from);
+    pthread_mutex_lock(&r->stats_lock);
+    r->stats.resizes++;
+    pthread_mutex_unlock(&r->stats_lock);
     zd__comm_abort(r->ctx.comm, ZD_EPEER, "a live resize failed");
     return; /* the worker finds the communicator broken and heals */
   }
@@ -801,14 +804,16 @@ static void resize_world(zd__rank_t *r) {
   __atomic_store_n(&r->env.world_size, to, __ATOMIC_RELAXED);
   r->ctx.world_size = to;
   r->world.world_size = to;
+  r->stats.resizes++;
+  r->stats.left = r->env.rank >= to;
   pthread_mutex_unlock(&r->stats_lock);
   if (r->env.rank >= to) {
     zd__resize_image_free(img);
     r->left = 1;
     snprintf(r->resized, sizeof r->resized,
              "rank %u left the world: it was resized from %u to %u ranks after step %" PRIu64
-             " (zeroctl resize); its shard went to the ranks that stay. Stop this trainer, or "
-             "register it on a rank below %u",
+             " (zeroctl resize or drain --leave); its shard went to the ranks that stay. Stop "
+             "this trainer, or register it on a rank below %u",
              r->env.rank, from, to, step, to);
     set_health(r, ZD__HEALTH_DEGRADED, "", r->resized);
     note_resize(r, "step %" PRIu64 ": %u -> %u ranks in %" PRIu64 " ms; this rank left", step, from,
@@ -842,8 +847,13 @@ static void resize_form(zd__rank_t *r) {
   for (int attempt = 1; !atomic_load(&r->cancel); attempt++) {
     zd__comm_t *comm = NULL;
     zd__world_member_t *member = NULL;
-    int rc = zd__world_connect(&r->world, r->env.rank, -1, NULL, &r->cancel,
-                               r->resize_stale[0] ? r->resize_stale : NULL, &comm, &member, &err);
+    /* A world shrunk to one rank (drain --leave) has nobody to meet: the world-size-1
+     * communicator, as a zerod started alone has. */
+    int rc =
+        to == 1
+            ? (zd__comm_local_create(&comm) ? zd__errf(&err, -ENOMEM, "out of memory") : ZD_OK)
+            : zd__world_connect(&r->world, r->env.rank, -1, NULL, &r->cancel,
+                                r->resize_stale[0] ? r->resize_stale : NULL, &comm, &member, &err);
     if (rc == ZD_OK) {
       give_waiter(r, comm);
       pthread_mutex_lock(&r->lock);
@@ -872,13 +882,17 @@ static void resize_form(zd__rank_t *r) {
 
 int zd__rank_request_resize(zd__rank_t *r, uint32_t world_size, zd__err_t *err) {
   if (r->device >= 0) return zd__errf(err, ZD_EBACKEND, "a live resize needs the CPU backend");
-  if (world_size < 2 || world_size > 0xffff)
-    return zd__errf(err, ZD_ECONFIG, "world_size %u: a live resize keeps 2 to 65535 ranks",
+  if (world_size < 1 || world_size > 0xffff)
+    return zd__errf(err, ZD_ECONFIG, "world_size %u: a live resize keeps 1 to 65535 ranks",
                     world_size);
   if (r->env.world_size < 2 || r->left)
     return zd__errf(err, ZD_EORDER, "rank %u is not in a multi-rank world", r->env.rank);
   atomic_store(&r->resize_want, world_size);
   return ZD_OK;
+}
+
+void zd__rank_withdraw_resize(zd__rank_t *r) {
+  atomic_store(&r->resize_want, 0);
 }
 
 /* An idle worker with settling jobs looks this often whether their work has completed. */

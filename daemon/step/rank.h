@@ -185,6 +185,8 @@ typedef struct zd__rank_stats {
   /* The last live resize (zd__rank_request_resize): "" when none; else what happened, for status
    * ("step 12: 4 -> 2 ranks in 35 ms", or the reason it failed). */
   char last_resize[ZD__ERR_MSG_MAX];
+  uint64_t resizes; /* live resizes this rank took part in, done or failed (last_resize's) */
+  int left;         /* a live resize left this rank outside the world (zeroctl drain --leave) */
 } zd__rank_stats_t;
 
 struct zd__world;
@@ -310,9 +312,15 @@ uint32_t zd__rank_world_size(const zd__rank_t *rank);
 
 /* Live resize (resize.h): asks this rank to resize the world to world_size ranks after the next
  * step every rank agrees on (the request rides the step's record, so one node's request is
- * enough). CPU backend, world size > 1 before and after. Errors: ZD_EBACKEND, ZD_ECONFIG (a size
- * out of range). Any thread. */
+ * enough). CPU backend, world size > 1 before; 1 after only through zeroctl drain --leave (the
+ * control service's Resize asks for 2 or more). Errors: ZD_EBACKEND, ZD_ECONFIG (a size out of
+ * range), ZD_EORDER (not in a multi-rank world). Any thread. */
 int zd__rank_request_resize(zd__rank_t *rank, uint32_t world_size, zd__err_t *err);
+
+/* Withdraws this rank's request for a resize not yet sent with a step (a drain --leave given
+ * up); one already agreed on goes on. Any thread. */
+void zd__rank_withdraw_resize(zd__rank_t *rank);
+
 /* The rank's GPU with the CUDA backend; NULL with the CPU backend. */
 const zd__gpu_info_t *zd__rank_gpu(const zd__rank_t *rank);
 
