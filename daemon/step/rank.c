@@ -17,6 +17,7 @@
 #include "log.h"
 #include "pool.h"
 #include "resize.h"
+#include "snapshot.h"
 #include "step.h"
 #include "world.h"
 
@@ -224,6 +225,7 @@ static void note_recovery(zd__rank_t *r, uint64_t attach_t0, int resumed) {
   if (resumed && m->resumed_from == ZD__FROM_STATE_FILE) how = "state_dir";
   if (resumed && m->resumed_from == ZD__FROM_CHECKPOINT) how = "checkpoint";
   if (resumed && m->resumed_from == ZD__FROM_BUDDY) how = "buddy copy";
+  if (resumed && m->resumed_from == ZD__FROM_SNAPSHOT) how = "snapshot";
   uint64_t since = r->lost_ms ? r->lost_ms : attach_t0;
   pthread_mutex_lock(&r->stats_lock);
   snprintf(r->stats.recovery, sizeof r->stats.recovery, "%s", how);
@@ -523,9 +525,11 @@ static void start_cuda(zd__rank_t *r) {
 
 /* ---- a world that heals ------------------------------------------------------------------- */
 
-/* With checkpoints or a state_dir there is a state to continue from: the world re-forms. */
+/* With checkpoints, a state_dir or state snapshots there is a state to continue from: the world
+ * re-forms. */
 static int can_heal(const zd__rank_t *r) {
-  return r->env.world_size > 1 && (zd__ckptr_enabled(r->env.ckpt) || r->env.state_dir) &&
+  return r->env.world_size > 1 &&
+         (zd__ckptr_enabled(r->env.ckpt) || r->env.state_dir || zd__snapshot_enabled()) &&
          !atomic_load(&r->cancel);
 }
 
@@ -1211,6 +1215,17 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
   if (s.state_path[0]) {
     zd__status_add(st, "state_file", "%s", s.state_path);
     zd__status_add(st, "state_committed_step", "%" PRIu64, s.state_committed_step);
+  }
+  if (zd__snapshot_enabled()) { /* state_dir_mode = snapshot: the newest snapshot written */
+    zd__snapshot_rank_status_t sn;
+    zd__snapshot_rank_status(r->env.local_rank, &sn);
+    if (sn.has) {
+      zd__status_add(st, "snapshot_step", "%" PRIu64, sn.step);
+      zd__status_add(st, "snapshot_age_ms", "%" PRIu64, sn.age_ms);
+      zd__status_add(st, "snapshot_bytes", "%" PRIu64, sn.bytes);
+    } else {
+      zd__status_add(st, "snapshot_step", "none");
+    }
   }
   if (s.recovery[0]) { /* the last recovery: how, at which step, how long */
     zd__status_add(st, "last_recovery", "%s", s.recovery);
