@@ -50,19 +50,19 @@ static int snapshot_mode(const zd__config_t *cfg, zd__backend_kind_t kind) {
 struct zd__daemon {
   uv_loop_t loop;
   const zd__config_t *cfg;
-  zd__backend_t backend;       /* the compute backend, and the CPU kernels' ISA */
-  zd__mps_t mps;               /* CUDA: whether the GPUs are shared through MPS */
-  zd__pool_t *pool;            /* the CPU kernels' threads */
-  zd__world_t world;           /* how ranks join a multi-rank world */
-  zd__ranks_t ranks;           /* the local ranks */
-  zd__status_reg_t *status;    /* every module's status writer */
-  zd__sessions_t *sessions;    /* the clients, and which one holds each local rank */
-  zd__server_t *server;        /* the listening socket */
-  zd__control_t *control;      /* gRPC control service; NULL once stopped */
-  zd__drain_t *drain;          /* zeroctl drain */
-  struct zd__liveness *peers;  /* the heartbeat of the other nodes; NULL in a one-node world */
-  pthread_mutex_t peers_lock;  /* peers and formed, which the ranks' workers use (world_formed) */
-  uint64_t *formed;            /* a formation before peers started, for it to apply; or NULL */
+  zd__backend_t backend;      /* the compute backend, and the CPU kernels' ISA */
+  zd__mps_t mps;              /* CUDA: whether the GPUs are shared through MPS */
+  zd__pool_t *pool;           /* the CPU kernels' threads */
+  zd__world_t world;          /* how ranks join a multi-rank world */
+  zd__ranks_t ranks;          /* the local ranks */
+  zd__status_reg_t *status;   /* every module's status writer */
+  zd__sessions_t *sessions;   /* the clients, and which one holds each local rank */
+  zd__server_t *server;       /* the listening socket */
+  zd__control_t *control;     /* gRPC control service; NULL once stopped */
+  zd__drain_t *drain;         /* zeroctl drain */
+  struct zd__liveness *peers; /* the heartbeat of the other nodes; NULL in a one-node world */
+  pthread_mutex_t peers_lock; /* peers and formed, which the ranks' workers use (world_formed) */
+  uint64_t *formed;           /* a formation before peers started, for it to apply; or NULL */
   uint32_t formed_size;
   struct zd__metrics *metrics; /* Prometheus endpoint (metrics.h); NULL when off or stopped */
   zd__ckptr_t *ckpt;           /* checkpoints (checkpoint.h); outlives the ranks */
@@ -544,8 +544,7 @@ static int register_status(zd__daemon_t *d) {
   if (!rc) rc = zd__status_register(d->status, zd__ckptr_status, d->ckpt);
   if (!rc && d->cfg->state_dir[0] && !snapshot_mode(d->cfg, d->backend.kind))
     rc = zd__status_register(d->status, zd__state_file_status, d->cfg->state_dir);
-  if (!rc && zd__snapshot_enabled())
-    rc = zd__status_register(d->status, zd__snapshot_status, NULL);
+  if (!rc && zd__snapshot_enabled()) rc = zd__status_register(d->status, zd__snapshot_status, NULL);
   if (!rc && (d->cfg->buddy_copy_every_steps || d->cfg->buddy_copy_every_s))
     rc = zd__status_register(d->status, zd__buddy_status, NULL);
   if (!rc) rc = zd__status_register(d->status, zd__sessions_status, d->sessions);
@@ -650,8 +649,8 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
     rc = zd__errf(err, ZD_ECONFIG,
                   "state_snapshot_every_steps=%u / state_snapshot_every_s=%u need state_dir_mode "
                   "= snapshot (state_dir_mode = %s is mapped state files on the %s backend)",
-                  cfg->state_snapshot_every_steps, cfg->state_snapshot_every_s,
-                  cfg->state_dir_mode, zd__backend_name(d->backend.kind));
+                  cfg->state_snapshot_every_steps, cfg->state_snapshot_every_s, cfg->state_dir_mode,
+                  zd__backend_name(d->backend.kind));
     goto fail;
   }
   /* snapshot files are written every N steps, not every step: any file system will do */

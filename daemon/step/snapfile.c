@@ -29,8 +29,8 @@ void zd__snapfile_seal(zd__snapfile_hdr_t *h) {
   h->hdr_sum = XXH3_64bits(h, offsetof(zd__snapfile_hdr_t, hdr_sum));
 }
 
-int zd__snapfile_check(int fd, uint32_t rank, uint32_t world_size, zd__snapfile_hdr_t *h,
-                       char *why, size_t len) {
+int zd__snapfile_check(int fd, uint32_t rank, uint32_t world_size, zd__snapfile_hdr_t *h, char *why,
+                       size_t len) {
   struct stat st;
   why[0] = '\0';
   if (fstat(fd, &st) != 0) {

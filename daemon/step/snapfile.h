@@ -45,8 +45,8 @@ void zd__snapfile_seal(zd__snapfile_hdr_t *h);
  * without group or other bits, a whole header of this version whose checksum holds, of that rank
  * and world size, whose size is the header's plus its data. 0 with *h read; else -1 and why
  * (len bytes) says what is wrong. The data's checksum is not read here. */
-int zd__snapfile_check(int fd, uint32_t rank, uint32_t world_size, zd__snapfile_hdr_t *h,
-                       char *why, size_t len);
+int zd__snapfile_check(int fd, uint32_t rank, uint32_t world_size, zd__snapfile_hdr_t *h, char *why,
+                       size_t len);
 
 /* Renames path aside to "<path>.bad-<unix ms>" with an error log line naming what (e.g. "buddy
  * copy file"), the file and why; never deletes it. */

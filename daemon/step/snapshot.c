@@ -279,9 +279,10 @@ int zd__snapshot_start(const zd__snapshot_settings_t *set, zd__err_t *err) {
       return zd__errf(err, -rc, "state snapshots: cannot start a writer thread: %s", strerror(rc));
     w->started = 1;
   }
-  ZD_LOG_INFO("state snapshots (state_dir_mode = snapshot) every %u steps, every %u s (0: not "
-              "by it), into %s",
-              set->every_steps, set->every_s, S.dir);
+  ZD_LOG_INFO(
+      "state snapshots (state_dir_mode = snapshot) every %u steps, every %u s (0: not "
+      "by it), into %s",
+      set->every_steps, set->every_s, S.dir);
   return ZD_OK;
 }
 
@@ -322,10 +323,10 @@ static uint64_t lags_key(const uint64_t *lags, uint64_t n) {
 }
 
 static const uint64_t *loaded_lags(const loaded_t *f) {
-  return f->hdr.nlags ? (const uint64_t *)(f->map + ZD__SNAPFILE_HDR_BYTES +
-                                           zd__snapfile_arrays_bytes(f->hdr.states,
-                                                                     f->hdr.shard_elems))
-                      : NULL;
+  return f->hdr.nlags
+             ? (const uint64_t *)(f->map + ZD__SNAPFILE_HDR_BYTES +
+                                  zd__snapfile_arrays_bytes(f->hdr.states, f->hdr.shard_elems))
+             : NULL;
 }
 
 /* Reads path as rank's snapshot of m's model: 1 when it serves (*out mapped), 0 when there is none
@@ -463,9 +464,10 @@ int zd__snapshot_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, 
              "the ranks' state snapshot files hold no step in common (a snapshot being written "
              "at the loss on some rank)");
   if (why[0]) {
-    ZD_LOG_WARN("rank %u: no state snapshot can serve the world: %s; falling back to the "
-                "checkpoint",
-                ctx->rank, why);
+    ZD_LOG_WARN(
+        "rank %u: no state snapshot can serve the world: %s; falling back to the "
+        "checkpoint",
+        ctx->rank, why);
     goto out;
   }
   uint64_t newest = mine.n ? f[0].hdr.step : 0;

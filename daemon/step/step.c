@@ -56,7 +56,8 @@
 /* This rank's snapshot bits for the record of step `step` (snapshot.h). */
 static uint64_t snapshot_flags(const zd__step_ctx_t *ctx, uint64_t step) {
   int s = zd__snapshot_wants(ctx, step);
-  return (s & ZD__SNAPSHOT_WANT ? SNAPSHOT_BIT : 0) | (s & ZD__SNAPSHOT_BUSY ? SNAPSHOT_BUSY_BIT : 0);
+  return (s & ZD__SNAPSHOT_WANT ? SNAPSHOT_BIT : 0) |
+         (s & ZD__SNAPSHOT_BUSY ? SNAPSHOT_BUSY_BIT : 0);
 }
 
 /* Every rank's decision from the same records' OR of their steps. */
@@ -955,7 +956,7 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   if (applied && gather) rc = gather_buckets(ctx, m, buf, -1, err);
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (dev.checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: state whole */
-  zd__snapshot_after_step(ctx, m);                /* state_dir_mode = snapshot (snapshot.h) */
+  zd__snapshot_after_step(ctx, m);                 /* state_dir_mode = snapshot (snapshot.h) */
   out->duration_us = zd__now_us() - t0;
   if (rc && applied) {
     char cause[ZD__ERR_MSG_MAX];
