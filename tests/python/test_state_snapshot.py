@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import json
 import os
 import re
 import signal
 import stat
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -162,6 +164,20 @@ class SnapshotTest(unittest.TestCase):
         self.assertEqual(sn["rank0_failures"], "0", sn)
         self.assertNotIn("state_file", sections, "no mapped state files in snapshot mode")
         self.assertEqual(glob.glob(os.path.join(self.state_dir, "*.zdstate")), [])
+        zeroctl = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client",
+                                                             "zeroctl"))
+        out = subprocess.run([zeroctl, "--address", d.control_address, "status", "--json"],
+                             capture_output=True, text=True, timeout=30)
+        r0 = json.loads(out.stdout)["ranks"][0]
+        self.assertEqual((r0["snapshot_step"], r0["snapshot_bytes"], r0["last_recovery"],
+                          r0["last_recovery_step"]),
+                         (step + 2 * EVERY, int(rank["snapshot_bytes"]), "snapshot", step),
+                         out.stdout)
+        out = subprocess.run([zeroctl, "--address", d.control_address, "status"],
+                             capture_output=True, text=True, timeout=30)
+        self.assertRegex(out.stdout, rf"state snapshots:\n  rank 0: step {step + 2 * EVERY}, "
+                         rf"\d+ ms old, {rank['snapshot_bytes']} bytes")
+        self.assertIn(f"last recovery snapshot at step {step}", out.stdout)
         m = re.search(r"metrics on http://(127\.0\.0\.1:\d+)/metrics", d.log())
         self.assertIsNotNone(m, "zerod did not log its metrics address")
         text = urllib.request.urlopen(f"http://{m.group(1)}/metrics", timeout=10).read().decode()
