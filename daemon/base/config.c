@@ -195,7 +195,8 @@ static const setting_t settings[] = {
         "every rank "
         "holds). Doubles the host memory of the state. It must be on a memory file system "
         "(tmpfs: /dev/shm, a systemd RuntimeDirectory, a Kubernetes emptyDir with medium "
-        "Memory), owned by zerod's user, mode 0700 (created so if missing). \"\": off"),
+        "Memory), owned by zerod's user, mode 0700 (created so if missing). The CUDA backend "
+        "keeps it as snapshots instead (state_dir_mode). \"\": off"),
     U32(S_CKPT, "state_dir_any_fs", state_dir_any_fs, "0", 0, 1,
         "allow a state_dir that is not on tmpfs or ramfs (every step then writes the whole "
         "state through the page cache to that file system)"),
