@@ -418,7 +418,17 @@ int zd__snapshot_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, 
   *handled = 0;
   why[0] = '\0';
   if (!S.w || ctx->local_rank >= S.nw) return ZD_OK;
-  S.w[ctx->local_rank].due_step = 0; /* a snapshot agreed for a step this registration replaces */
+  writer_t *w = &S.w[ctx->local_rank];
+  w->due_step = 0; /* a snapshot agreed for a step this registration replaces */
+  /* A survivor's writer may still be writing its newest snapshot: the files are read once it is
+   * done (bounded: a copy stuck on the device leaves it to the files as they are). */
+  for (int i = 0; i < S.set.timeout_ms; i++) {
+    pthread_mutex_lock(&w->lock);
+    int busy = w->busy;
+    pthread_mutex_unlock(&w->lock);
+    if (!busy) break;
+    usleep(1000);
+  }
   loaded_t f[2] = {0};
   offer_t mine = {.replace = (uint64_t)replace};
   if (!replace) {
