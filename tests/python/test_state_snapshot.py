@@ -13,6 +13,7 @@ torch.optim.AdamW's from that step on, against real zerod processes.
 - Bad files: the newest snapshot's data damaged is set aside (renamed .bad-<ms>, a log line naming
   the file and the reason) and the one before it serves; a file of another format version, and one
   of another model, set aside too, and the rank falls back to the newest checkpoint.
+- state_snapshot_every_s alone: the first step a second after the last snapshot is taken.
 - Settings refused with clear messages.
 """
 
@@ -191,6 +192,33 @@ class SnapshotTest(unittest.TestCase):
         common.stop_zerod(d)
         print(f"\n    W=1: SIGKILL at step {acked}, resumed the snapshot of step {step}, "
               f"bitwise torch's on")
+
+    def test_every_s_takes_the_first_step_after_the_period(self) -> None:
+        """state_snapshot_every_s alone: no snapshot by steps; the first step that ends a second
+        after the last snapshot (or the start) is snapshotted, and restored after a SIGKILL."""
+        d = zerod.testing.LocalZerod(
+            ["--state_dir", self.state_dir, "--bucket_elems", T.BUCKET, "--state_dir_mode",
+             "snapshot", "--state_snapshot_every_s", "1"], log_level="info")
+        t = T.Trainer(d, T.init_values())
+        t.step(1)
+        time.sleep(1.2)
+        t.step(2)
+        t2 = time.monotonic()
+        self.wait_snapshot(t.client, 0, 2)
+        sn = t.client.status_dict()["snapshot"]
+        self.assertEqual((sn["every_steps"], sn["every_s"]), ("0", "1"), sn)
+        t.step(3)
+        if time.monotonic() - t2 < 0.8:  # within the second after the snapshot of step 2: none
+            time.sleep(0.2)
+            self.assertEqual(t.client.status_dict()["rank 0"]["snapshot_step"], "2")
+        t.close()
+        common.stop_zerod(d, signal.SIGKILL)
+        d = zerod.testing.LocalZerod(list(d.args), log_level="info")
+        t = T.Trainer(d, None)
+        self.assertEqual(t.info.step, 2)
+        self.assert_same(t.snapshot(), 2, "the snapshot's parameters")
+        t.close()
+        common.stop_zerod(d)
 
     # ---- bad files ----------------------------------------------------------------------------
 
