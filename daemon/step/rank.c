@@ -559,8 +559,11 @@ static void heal(zd__rank_t *r) {
   ZD_LOG_WARN("re-forming the world after: %s (%s)", reason,
               keep ? "the model and its state file are kept: the next registration continues at "
                      "the newest step every rank holds"
-                   : "the model is dropped: every rank resumes the newest complete checkpoint at "
-                     "its next registration");
+              : zd__snapshot_enabled()
+                  ? "the model is dropped: every rank resumes the newest state snapshot every "
+                    "rank holds (else the newest complete checkpoint) at its next registration"
+                  : "the model is dropped: every rank resumes the newest complete checkpoint at "
+                    "its next registration");
   set_health(r, ZD__HEALTH_REJOINING, "re-forming the world after: ", reason);
   zd__ckptr_world_broke(r->env.ckpt);
   uint64_t t0 = zd__now_ms();
