@@ -13,6 +13,7 @@ torch.optim.AdamW's from that step on, against real zerod processes.
 - Bad files: the newest snapshot's data damaged is set aside (renamed .bad-<ms>, a log line naming
   the file and the reason) and the one before it serves; a file of another format version, and one
   of another model, set aside too, and the rank falls back to the newest checkpoint.
+- A snapshot due while the previous one is being written is skipped and counted, never queued.
 - state_snapshot_every_s alone: the first step a second after the last snapshot is taken.
 - Settings refused with clear messages.
 """
@@ -217,6 +218,35 @@ class SnapshotTest(unittest.TestCase):
         t = T.Trainer(d, None)
         self.assertEqual(t.info.step, 2)
         self.assert_same(t.snapshot(), 2, "the snapshot's parameters")
+        t.close()
+        common.stop_zerod(d)
+
+    def test_a_snapshot_due_while_one_is_written_is_skipped_not_queued(self) -> None:
+        """A snapshot every step: those due while the previous one is still being written are
+        skipped and counted, none queued: snapshots + skipped = the steps, and the newest file is
+        of the step its status says."""
+        d = zerod.testing.LocalZerod(
+            ["--state_dir", self.state_dir, "--bucket_elems", T.BUCKET, "--state_dir_mode",
+             "snapshot", "--state_snapshot_every_steps", "1"], log_level="info")
+        t = T.Trainer(d, T.init_values())
+        steps = 16
+        for s in range(1, steps + 1):
+            t.step(s)
+        deadline = time.monotonic() + 30
+        while True:  # until the last write is done: every due step counted one way or the other
+            sn = t.client.status_dict()["snapshot"]
+            done = int(sn["rank0_snapshots"]) + int(sn["rank0_skipped"])
+            if done == steps:
+                break
+            self.assertLess(time.monotonic(), deadline, f"{done} of {steps} counted: {sn}")
+            time.sleep(0.01)
+        self.assertGreater(int(sn["rank0_snapshots"]), 0, sn)
+        self.assertEqual(sn["rank0_failures"], "0", sn)
+        newest = int(sn["rank0_snapshot_step"])
+        with open(snap_path(self.state_dir), "rb") as f:
+            self.assertEqual(struct.unpack("<Q", f.read(40)[32:40])[0], newest, "the file's step")
+        print(f"\n    a snapshot due every step: {sn['rank0_snapshots']} written, "
+              f"{sn['rank0_skipped']} skipped of {steps}")
         t.close()
         common.stop_zerod(d)
 
