@@ -881,9 +881,11 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   zd__ckpt_manifest_t *mf = NULL;
   if (mine != WANT_RESUME || ctx->resume_latest || strcmp(c->resume, "latest") == 0) {
     if (!c->dir[0])
-      rc = zd__errf(
-          err, ZD_ECONFIG, "resume: %s but this zerod has no checkpoint_dir",
-          mine == WANT_RESUME ? "resume is 'latest'" : "another rank resumes a checkpoint");
+      rc =
+          zd__errf(err, ZD_ECONFIG, "resume: %s but this zerod has no checkpoint_dir%s%s%s",
+                   mine == WANT_RESUME ? "resume is 'latest'" : "another rank resumes a checkpoint",
+                   m->resume_note[0] ? " (nothing else serves: " : "", m->resume_note,
+                   m->resume_note[0] ? ")" : "");
     else
       rc = zd__ckpt_find_latest(c->dir, m->layout, log_reject, NULL, &dir, &mf, err);
     if (rc == -ENOENT) {

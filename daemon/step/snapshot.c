@@ -459,6 +459,7 @@ int zd__snapshot_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, 
     any |= all[r].n != 0;
     replacing |= all[r].replace != 0;
   }
+  if (!rc && !replacing && !any) snprintf(why, len, "no rank holds a state snapshot yet");
   if (rc || replacing || !any) goto out; /* nothing to serve: the checkpoint decides */
   /* The newest of this rank's commits that every rank serves (every rank picks the same one: the
    * commits are named alike everywhere). */

@@ -155,8 +155,9 @@ class SnapshotTest(unittest.TestCase):
         for s in range(step + 1, step + 2 * EVERY + 1):
             t.step(s)
             self.assert_same(t.snapshot(), s, f"step {s} after the restart")
+            if s % EVERY == 0:  # written before the next is due (else that one is skipped)
+                rank = self.wait_snapshot(t.client, 0, s)
         sections = t.client.status_dict()
-        rank = self.wait_snapshot(t.client, 0, step + 2 * EVERY)
         self.assertEqual((rank["last_recovery"], rank["last_recovery_step"]),
                          ("snapshot", str(step)), rank)
         self.assertEqual(int(rank["snapshot_bytes"]) + 4096, os.stat(path).st_size)
@@ -259,6 +260,8 @@ class SnapshotTest(unittest.TestCase):
         t = T.Trainer(d, T.init_values())
         for s in range(1, 2 * EVERY + 2):
             t.step(s)
+            if s == EVERY:  # written before the next is due (else that one would be skipped)
+                self.wait_snapshot(t.client, 0, EVERY)
         self.wait_snapshot(t.client, 0, 2 * EVERY)
         deadline = time.monotonic() + 30
         while ckpt and not os.path.exists(os.path.join(ckpt, f"step-{6:012d}", "manifest.json")):
@@ -391,6 +394,31 @@ class SnapshotTest(unittest.TestCase):
                   f"snapshot of step {step} (the survivor rolled back), bitwise torch's on")
         finally:
             world.stop()
+
+
+    def test_w2_lost_before_the_first_snapshot_says_why(self) -> None:
+        """No checkpoint_dir and a zerod SIGKILLed before the first snapshot: nothing can serve the
+        re-formed world, and the registration fails with a message that says so (it does not
+        silently start from the trainers' values)."""
+        world = zerod.testing.LocalWorld(2, daemons=2, args=[
+            "--state_dir", self.state_dir, "--bucket_elems", T.BUCKET, "--heartbeat_ms", "100",
+            "--peer_timeout_ms", "1000", "--log_level", "info", "--state_dir_mode", "snapshot",
+            "--state_snapshot_every_steps", "100"])
+        self.rendezvous = world.daemons[0].control_address
+        try:
+            ts = T.WorldTest.register(self, world, T.init_values())
+            T.WorldTest.train(self, ts, range(1, 4))
+            for t in ts:
+                t.close()
+            common.stop_zerod(world.daemons[1], signal.SIGKILL)
+            T.WorldTest.wait_health(self, world.daemons[0], "rejoining")
+            T.WorldTest.restart(self, world, [1])
+            with self.assertRaises(ZerodError) as cm:
+                T.WorldTest.register(self, world, None)
+            self.assertIn("no checkpoint_dir (nothing else serves: no rank holds a state snapshot "
+                          "yet)", str(cm.exception))
+        finally:
+            world.stop(check=False)
 
 
 if __name__ == "__main__":
