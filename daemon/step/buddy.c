@@ -601,19 +601,18 @@ static void load_file(const char *path, uint32_t rank, uint32_t world_size) {
     set_aside(path, why);
     return;
   }
-  struct stat st;
-  fstat(fd, &st);
-  void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+  size_t size = (size_t)(HDR_BYTES + hdr.bytes); /* the file's size, as checked */
+  void *p = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
   held_t *h = p == MAP_FAILED ? NULL : held_of(rank, world_size, 1);
   if (!h) {
     ZD_LOG_WARN("buddy copy file %s: %s; not served", path,
                 p == MAP_FAILED ? strerror(errno) : "out of memory");
-    if (p != MAP_FAILED) munmap(p, (size_t)st.st_size);
+    if (p != MAP_FAILED) munmap(p, size);
     close(fd);
     return;
   }
   region_free(&h->cur);
-  h->cur = (region_t){.map = p, .len = (size_t)st.st_size, .fd = fd};
+  h->cur = (region_t){.map = p, .len = size, .fd = fd};
   h->meta = (meta_t){.rank = hdr.rank,
                      .world_size = hdr.world_size,
                      .states = hdr.states,
