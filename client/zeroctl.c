@@ -817,6 +817,14 @@ static void print_table(const node_t *nodes, size_t nnodes, const row_t *rows, s
       printf(" no recovery since zerod started");
     printf("\n");
   }
+  header = 0; /* state snapshots: each rank's newest snapshot in state_dir */
+  for (size_t r = 0; r < nrows; r++) {
+    const Zerod__V1__RankStatus *s = rows[r].stat;
+    if (!s || !s->has_snapshot_step) continue;
+    if (!header++) printf("\nstate snapshots:\n");
+    printf("  rank %u: step %" PRIu64 ", %" PRIu64 " ms old, %" PRIu64 " bytes\n", rows[r].rank,
+           s->snapshot_step, s->snapshot_age_ms, s->snapshot_bytes);
+  }
   header = 0; /* buddy copies: each rank's newest copy at its buddy */
   for (size_t r = 0; r < nrows; r++) {
     const Zerod__V1__RankStatus *s = rows[r].stat;
@@ -919,6 +927,10 @@ static void print_json_rank(const row_t *r) {
     printf(", \"buddy_copy_error\": ");
     json_string(stdout, s->buddy_copy_error);
   }
+  if (s->has_snapshot_step)
+    printf(", \"snapshot_step\": %" PRIu64 ", \"snapshot_age_ms\": %" PRIu64
+           ", \"snapshot_bytes\": %" PRIu64,
+           s->snapshot_step, s->snapshot_age_ms, s->snapshot_bytes);
   if (s->last_resize) {
     printf(", \"last_resize\": ");
     json_string(stdout, s->last_resize);

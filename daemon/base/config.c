@@ -66,6 +66,7 @@ static const char *const backends[] = {"auto", "cpu", "cuda", NULL};
 static const char *const isas[] = {"auto", "avx512bf16", "avx512", "avx2", "scalar", NULL};
 static const char *const cuda_steps[] = {"fast", "legacy", NULL};
 static const char *const world_size_records[] = {"use", "ignore", NULL};
+static const char *const state_modes[] = {"auto", "mapped", "snapshot", NULL};
 static const char *const levels[] = {"error", "warn", "info", "debug", NULL};
 
 static const setting_t settings[] = {
@@ -202,10 +203,24 @@ static const setting_t settings[] = {
         "every rank "
         "holds). Doubles the host memory of the state. It must be on a memory file system "
         "(tmpfs: /dev/shm, a systemd RuntimeDirectory, a Kubernetes emptyDir with medium "
-        "Memory), owned by zerod's user, mode 0700 (created so if missing). \"\": off"),
+        "Memory), owned by zerod's user, mode 0700 (created so if missing). The CUDA backend "
+        "keeps it as snapshots instead (state_dir_mode). \"\": off"),
     U32(S_CKPT, "state_dir_any_fs", state_dir_any_fs, "0", 0, 1,
         "allow a state_dir that is not on tmpfs or ramfs (every step then writes the whole "
         "state through the page cache to that file system)"),
+    ENUM(S_CKPT, "state_dir_mode", state_dir_mode, "auto", state_modes,
+         "how state_dir keeps the state: mapped (CPU backend: the state arrays live in files "
+         "of state_dir, committed every step), snapshot (an asynchronous copy of each rank's "
+         "state into a file of state_dir every state_snapshot_every_steps steps or "
+         "state_snapshot_every_s seconds; a restarted zerod goes back to the newest snapshot "
+         "every rank holds: the CUDA backend's mode, whose device memory dies with zerod), auto "
+         "(mapped on the cpu backend, snapshot on cuda)"),
+    U32(S_CKPT, "state_snapshot_every_steps", state_snapshot_every_steps, "0", 0, 4000000000u,
+        "state_dir_mode = snapshot: a snapshot of every rank's state every this many steps "
+        "(set it alike on every node; 0: none by steps)"),
+    U32(S_CKPT, "state_snapshot_every_s", state_snapshot_every_s, "0", 0, 4000000000u,
+        "state_dir_mode = snapshot: a snapshot also after the first step that ends this many "
+        "seconds after the last one (every rank snapshots the same step; 0: none by time)"),
     U32(S_CKPT, "buddy_copy_every_steps", buddy_copy_every_steps, "0", 0, 4000000000u,
         "CPU backend, world size > 1: every this many steps each rank's committed shard state "
         "is copied, in the background, into the memory of its buddy (the next node in rank "
@@ -611,6 +626,31 @@ static int resolve(zd__config_t *cfg, zd__err_t *err) {
                     "local rank on one GPU for now (ranks_per_gpu = local_ranks = world_size); "
                     "ranks on several GPUs would need NCCL between the GPUs' groups",
                     cfg->ranks_per_gpu, source_names[src[i_rpg]], cfg->local_ranks);
+
+  /* state_dir_mode (the backend's part, auto on CUDA and mapped refused there: daemon.c) */
+  int snap_every = cfg->state_snapshot_every_steps || cfg->state_snapshot_every_s;
+  if (!strcmp(cfg->state_dir_mode, "mapped") && snap_every)
+    return zd__errf(err, ZD_ECONFIG,
+                    "state_snapshot_every_steps=%u / state_snapshot_every_s=%u are for "
+                    "state_dir_mode = snapshot, and state_dir_mode is mapped (%s): set them to 0 "
+                    "or state_dir_mode = snapshot",
+                    cfg->state_snapshot_every_steps, cfg->state_snapshot_every_s,
+                    source_names[src[setting_index("state_dir_mode")]]);
+  if (!strcmp(cfg->state_dir_mode, "snapshot") && !cfg->state_dir[0])
+    return zd__errf(err, ZD_ECONFIG,
+                    "state_dir_mode = snapshot (%s) needs state_dir, the directory its snapshot "
+                    "files are written to",
+                    source_names[src[setting_index("state_dir_mode")]]);
+  if (!strcmp(cfg->state_dir_mode, "snapshot") && !snap_every)
+    return zd__errf(err, ZD_ECONFIG,
+                    "state_dir_mode = snapshot needs state_snapshot_every_steps > 0 or "
+                    "state_snapshot_every_s > 0 (both are 0: no snapshot would ever be taken); "
+                    "e.g. state_snapshot_every_steps = 100");
+  if (snap_every && !cfg->state_dir[0])
+    return zd__errf(err, ZD_ECONFIG,
+                    "state_snapshot_every_steps=%u / state_snapshot_every_s=%u need state_dir, "
+                    "the directory the snapshots are written to (\"\": none set)",
+                    cfg->state_snapshot_every_steps, cfg->state_snapshot_every_s);
 
   if (!cfg->bucket_elems) cfg->bucket_elems = zd__layout_default_bucket_elems(cfg->world_size);
 

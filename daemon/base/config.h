@@ -69,9 +69,12 @@ typedef struct zd__config {
   uint32_t checkpoint_every_steps;
   uint32_t checkpoint_every_seconds;
   uint32_t checkpoint_keep;
-  char *resume;              /* "", "latest" or a checkpoint directory */
-  char *state_dir;           /* "": off (state_file.h) */
-  uint32_t state_dir_any_fs; /* 1: a state_dir off tmpfs/ramfs is allowed */
+  char *resume;                        /* "", "latest" or a checkpoint directory */
+  char *state_dir;                     /* "": off (state_file.h) */
+  uint32_t state_dir_any_fs;           /* 1: a state_dir off tmpfs/ramfs is allowed */
+  char *state_dir_mode;                /* auto | mapped | snapshot (step/snapshot.h) */
+  uint32_t state_snapshot_every_steps; /* snapshot mode: 0 none by steps */
+  uint32_t state_snapshot_every_s;     /* snapshot mode: 0 none by time */
   uint64_t checkpoint_throttle_bytes_per_s;
   uint32_t buddy_copy_every_steps;      /* 0: off (step/buddy.h) */
   uint32_t buddy_copy_every_s;          /* 0: none by time */

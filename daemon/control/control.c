@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "buddy.h"
+#include "snapshot.h"
 #include "clock.h"
 #include "control.pb-c.h"
 #include "etcd.h"
@@ -165,6 +166,14 @@ static int fill_rank(zd__control_t *c, uint32_t i, rank_msg_t *rm, zd__err_t *er
   }
   if (rm->buddy.error[0]) m->buddy_copy_error = rm->buddy.error;
   if (s->last_resize[0]) m->last_resize = s->last_resize;
+  zd__snapshot_rank_status_t sn;
+  zd__snapshot_rank_status(i, &sn);
+  if (sn.has) {
+    m->has_snapshot_step = m->has_snapshot_age_ms = m->has_snapshot_bytes = 1;
+    m->snapshot_step = sn.step;
+    m->snapshot_age_ms = sn.age_ms;
+    m->snapshot_bytes = sn.bytes;
+  }
   m->has_model = s->has_model;
   if (!s->has_model) return ZD_OK;
   m->has_params = m->has_shard_elems = m->has_state_bytes = m->has_grad_shard_bytes = 1;

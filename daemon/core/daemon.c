@@ -20,6 +20,7 @@
 #include "adam.h"
 #include "backend.h"
 #include "buddy.h"
+#include "snapshot.h"
 #include "checkpoint.h"
 #include "clock.h"
 #include "comm.h"
@@ -38,6 +39,14 @@
 #include "status.h"
 #include "world.h"
 #include "world_record.h"
+
+/* state_dir_mode resolved for the backend chosen: 1 snapshot (snapshot.h), 0 mapped state files
+ * (state_file.h) or no state_dir. */
+static int snapshot_mode(const zd__config_t *cfg, zd__backend_kind_t kind) {
+  if (!cfg->state_dir[0]) return 0;
+  return !strcmp(cfg->state_dir_mode, "snapshot") ||
+         (!strcmp(cfg->state_dir_mode, "auto") && kind != ZD__BACKEND_CPU);
+}
 
 struct zd__daemon {
   uv_loop_t loop;
@@ -260,7 +269,9 @@ static void stop_ranks(zd__daemon_t *d) {
   zd__status_unregister(d->status, zd__ckptr_status, d->ckpt);
   zd__status_unregister(d->status, zd__state_file_status, d->cfg->state_dir);
   zd__status_unregister(d->status, zd__buddy_status, NULL);
+  zd__status_unregister(d->status, zd__snapshot_status, NULL);
   zd__buddy_stop();           /* after the ranks: their workers take the snapshots */
+  zd__snapshot_stop();        /* after the ranks: their workers queue the state snapshots */
   zd__ckptr_destroy(d->ckpt); /* after the ranks: their snapshots are queued, then written */
   d->ckpt = NULL;
 }
@@ -477,6 +488,15 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
                                .local_ranks = cfg->local_ranks,
                                .world_size = d->world_size};
   if ((crc = zd__buddy_start(&bset, err))) return crc;
+  int snap = snapshot_mode(cfg, d->backend.kind);
+  zd__snapshot_settings_t sset = {.dir = snap ? cfg->state_dir : NULL,
+                                  .every_steps = cfg->state_snapshot_every_steps,
+                                  .every_s = cfg->state_snapshot_every_s,
+                                  .first_rank = cfg->first_rank,
+                                  .local_ranks = cfg->local_ranks,
+                                  .world_size = d->world_size,
+                                  .timeout_ms = (int)cfg->collective_timeout_ms};
+  if ((crc = zd__snapshot_start(&sset, err))) return crc;
   for (uint32_t i = 0; i < cfg->local_ranks; i++) {
     /* A one-rank world needs no peers; a larger one is joined by each rank's worker. The CUDA
      * backend's communicator (NCCL, even for one rank) is made by the worker, on its device. */
@@ -497,7 +517,8 @@ static int create_ranks(zd__daemon_t *d, zd__err_t *err) {
         .gpu = zd__backend_gpu(&d->backend, i),
         .cuda_fast = strcmp(cfg->cuda_step, "legacy") != 0,
         .overlap_update = (int)cfg->overlap_update,
-        .state_dir = cfg->state_dir[0] ? cfg->state_dir : NULL,
+        .state_dir = cfg->state_dir[0] && !snap ? cfg->state_dir : NULL, /* mapped mode */
+        .record_dir = cfg->state_dir[0] ? cfg->state_dir : NULL,
         .record = d->has_record ? &d->record : NULL,
         .formed = world_formed,
         .formed_ctx = d,
@@ -587,8 +608,9 @@ static int register_status(zd__daemon_t *d) {
   for (uint32_t i = 0; !rc && i < d->ranks.n; i++)
     rc = zd__status_register(d->status, zd__rank_status, d->ranks.rank[i]);
   if (!rc) rc = zd__status_register(d->status, zd__ckptr_status, d->ckpt);
-  if (!rc && d->cfg->state_dir[0])
+  if (!rc && d->cfg->state_dir[0] && !snapshot_mode(d->cfg, d->backend.kind))
     rc = zd__status_register(d->status, zd__state_file_status, d->cfg->state_dir);
+  if (!rc && zd__snapshot_enabled()) rc = zd__status_register(d->status, zd__snapshot_status, NULL);
   if (!rc && (d->cfg->buddy_copy_every_steps || d->cfg->buddy_copy_every_s))
     rc = zd__status_register(d->status, zd__buddy_status, NULL);
   if (!rc) rc = zd__status_register(d->status, zd__sessions_status, d->sessions);
@@ -672,15 +694,35 @@ int zd__daemon_create(const zd__config_t *cfg, zd__daemon_t **out, zd__err_t *er
                   zd__backend_name(d->backend.kind));
     goto fail;
   }
-  if (cfg->state_dir[0] && d->backend.kind != ZD__BACKEND_CPU) {
+  if (cfg->state_dir[0] && d->backend.kind != ZD__BACKEND_CPU &&
+      !strcmp(cfg->state_dir_mode, "mapped")) {
     rc = zd__errf(err, ZD_ECONFIG,
-                  "state_dir needs the cpu backend: the %s backend's state is in device memory, "
-                  "which dies with zerod; unset state_dir (or backend = cpu)",
+                  "state_dir_mode = mapped needs the cpu backend: the %s backend's state is in "
+                  "device memory, which dies with zerod and cannot live in a mapped file; set "
+                  "state_dir_mode = snapshot (or auto) with state_snapshot_every_steps, e.g. 100",
                   zd__backend_name(d->backend.kind));
     goto fail;
   }
+  int snap = snapshot_mode(cfg, d->backend.kind);
+  if (snap && !cfg->state_snapshot_every_steps && !cfg->state_snapshot_every_s) {
+    rc = zd__errf(err, ZD_ECONFIG,
+                  "state_dir on the %s backend keeps the state as snapshots (state_dir_mode = "
+                  "snapshot), and state_snapshot_every_steps and state_snapshot_every_s are both "
+                  "0: set one (e.g. state_snapshot_every_steps = 100)",
+                  zd__backend_name(d->backend.kind));
+    goto fail;
+  }
+  if (!snap && (cfg->state_snapshot_every_steps || cfg->state_snapshot_every_s)) {
+    rc = zd__errf(err, ZD_ECONFIG,
+                  "state_snapshot_every_steps=%u / state_snapshot_every_s=%u need state_dir_mode "
+                  "= snapshot (state_dir_mode = %s is mapped state files on the %s backend)",
+                  cfg->state_snapshot_every_steps, cfg->state_snapshot_every_s, cfg->state_dir_mode,
+                  zd__backend_name(d->backend.kind));
+    goto fail;
+  }
+  /* snapshot files are written every N steps, not every step: any file system will do */
   if (cfg->state_dir[0] &&
-      (rc = zd__state_dir_check(cfg->state_dir, (int)cfg->state_dir_any_fs, err)))
+      (rc = zd__state_dir_check(cfg->state_dir, (int)cfg->state_dir_any_fs || snap, err)))
     goto fail;
   if (d->backend.kind == ZD__BACKEND_CUDA) {
     zd__mps_probe(&d->backend, &d->mps);

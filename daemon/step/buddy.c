@@ -25,6 +25,7 @@
 #include "grpc_unary.h"
 #include "log.h"
 #include "rendezvous.h"
+#include "snapfile.h"
 
 #define PIECE_BYTES (1u << 20) /* one BuddyPut/BuddyGet message's data */
 #define CALL_MS     5000
@@ -81,7 +82,7 @@ typedef struct region {
   int fd;
 } region_t;
 
-#define HDR_BYTES 4096u
+#define HDR_BYTES ZD__SNAPFILE_HDR_BYTES
 
 /* A ward's copy held here: the complete one and the one being received. */
 typedef struct held {
@@ -114,18 +115,12 @@ static struct {
 
 /* ---- the snapshot --------------------------------------------------------------------------- */
 
-static uint64_t state_count(uint32_t states) {
-  uint64_t n = 0;
-  for (int s = 0; s < ZD__NSTATES; s++) n += (states >> s) & 1u;
-  return n;
-}
-
 /* The bytes of a copy's state arrays, and of the whole copy with nlags lags after them. */
 static uint64_t arrays_bytes(uint32_t states, uint64_t shard_elems) {
-  return state_count(states) * shard_elems * sizeof(float);
+  return zd__snapfile_arrays_bytes(states, shard_elems);
 }
 static uint64_t copy_bytes(uint32_t states, uint64_t shard_elems, uint64_t nlags) {
-  return arrays_bytes(states, shard_elems) + nlags * sizeof(uint64_t);
+  return zd__snapfile_data_bytes(states, shard_elems, nlags);
 }
 
 /* A snapshot's or copy's lags (NULL: every parameter at its step), and the key that names them
@@ -554,22 +549,8 @@ void zd__buddy_stop(void) {
 
 /* ---- the holder ----------------------------------------------------------------------------- */
 
-/* The header of a held copy's file (little-endian, this machine's floats, as state files). */
-/* Version 2: the data holds the per-parameter lags after the arrays (meta_t), nlags in the
- * header. A file of another version is set aside (its log line names both versions). */
-#define FILE_MAGIC   0x3159444455424458ull /* "XDBUDDY1" */
-#define FILE_VERSION 2u
-typedef struct file_hdr {
-  uint64_t magic;
-  uint32_t version, rank, world_size, states;
-  uint64_t layout_hash, step, steps_skipped, shard_elems, bytes;
-  uint32_t scaler_enabled, growth_tracker, hysteresis_tracker, nlags;
-  double scale;
-  uint64_t taken_unix_ms, checksum, complete_unix_ms;
-  char from[256];
-  uint64_t hdr_sum; /* XXH3-64 of the bytes before it */
-} file_hdr_t;
-_Static_assert(sizeof(file_hdr_t) <= HDR_BYTES, "a copy's header fits before its data");
+/* The header of a held copy's file (snapfile.h). */
+typedef zd__snapfile_hdr_t file_hdr_t;
 
 static uint8_t *region_data(const region_t *r) {
   return r->map ? r->map + (r->fd >= 0 ? HDR_BYTES : 0) : NULL;
@@ -592,14 +573,7 @@ static void path_of(char *out, size_t len, uint32_t rank, uint32_t world_size, i
 
 /* Renames a held copy's file aside, for an operator to look at; never deleted. */
 static void set_aside(const char *path, const char *why) {
-  char aside[4200];
-  snprintf(aside, sizeof aside, "%s.bad-%" PRIu64, path, zd__unix_ms());
-  if (rename(path, aside) == 0)
-    ZD_LOG_ERROR("buddy copy file %s: %s; renamed to %s (not served, not deleted)", path, why,
-                 aside);
-  else
-    ZD_LOG_ERROR("buddy copy file %s: %s, and it cannot be renamed aside (%s)", path, why,
-                 strerror(errno));
+  zd__snapfile_set_aside("buddy copy file", path, why);
 }
 
 /* The entry of (rank, world size), made when absent (create); NULL: none (or out of memory).
@@ -659,8 +633,8 @@ void zd__buddy_resized(uint32_t local_rank, uint32_t world_size) {
 }
 
 /* A copy larger than this is refused: a peer cannot make this node allocate without bound. */
-#define MAX_COPY_BYTES (1ull << 40)
-#define MAX_LAGS       (1u << 28) /* parameters of a model, far above any layout's */
+#define MAX_COPY_BYTES ZD__SNAPFILE_MAX_BYTES
+#define MAX_LAGS       ZD__SNAPFILE_MAX_LAGS
 
 /* Loads one held copy's file (start-up, before the control service serves). A file another
  * zerod has open (its flock) is left alone; one that fails the checks is set aside. */
@@ -677,57 +651,25 @@ static void load_file(const char *path, uint32_t rank, uint32_t world_size) {
     close(fd);
     return;
   }
-  struct stat st;
   file_hdr_t hdr;
-  const char *why = NULL;
-  char buf[200];
-  if (fstat(fd, &st) != 0) {
-    snprintf(buf, sizeof buf, "fstat: %s", strerror(errno));
-    why = buf;
-  } else if (!S_ISREG(st.st_mode)) {
-    why = "not a regular file";
-  } else if (st.st_uid != geteuid()) {
-    why = "owned by another user";
-  } else if (st.st_mode & 077) {
-    why = "readable or writable by other users";
-  } else if ((uint64_t)st.st_size < HDR_BYTES ||
-             pread(fd, &hdr, sizeof hdr, 0) != (ssize_t)sizeof hdr) {
-    why = "cut short (no whole header)";
-  } else if (hdr.magic == FILE_MAGIC && hdr.version != FILE_VERSION) {
-    snprintf(buf, sizeof buf,
-             "of format version %u; this zerod reads version %u (version 2 added the "
-             "per-parameter step lags)",
-             hdr.version, FILE_VERSION);
-    why = buf;
-  } else if (hdr.magic != FILE_MAGIC ||
-             hdr.hdr_sum != XXH3_64bits(&hdr, offsetof(file_hdr_t, hdr_sum))) {
-    why = "its header is damaged";
-  } else if (hdr.rank != rank || hdr.world_size != world_size || hdr.rank >= hdr.world_size ||
-             !hdr.bytes || hdr.bytes > MAX_COPY_BYTES || hdr.nlags > MAX_LAGS ||
-             hdr.bytes != copy_bytes(hdr.states, hdr.shard_elems, hdr.nlags) ||
-             (uint64_t)st.st_size != HDR_BYTES + hdr.bytes) {
-    snprintf(buf, sizeof buf,
-             "%" PRIu64 " bytes, whose header says rank %u of %u, %" PRIu64
-             " bytes of data: not this file's",
-             (uint64_t)st.st_size, hdr.rank, hdr.world_size, hdr.bytes);
-    why = buf;
-  }
-  if (why) {
+  char why[300];
+  if (zd__snapfile_check(fd, rank, world_size, &hdr, why, sizeof why) != 0) {
     close(fd);
     set_aside(path, why);
     return;
   }
-  void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+  size_t size = (size_t)(HDR_BYTES + hdr.bytes); /* the file's size, as checked */
+  void *p = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
   held_t *h = p == MAP_FAILED ? NULL : held_of(rank, world_size, 1);
   if (!h) {
     ZD_LOG_WARN("buddy copy file %s: %s; not served", path,
                 p == MAP_FAILED ? strerror(errno) : "out of memory");
-    if (p != MAP_FAILED) munmap(p, (size_t)st.st_size);
+    if (p != MAP_FAILED) munmap(p, size);
     close(fd);
     return;
   }
   region_free(&h->cur);
-  h->cur = (region_t){.map = p, .len = (size_t)st.st_size, .fd = fd};
+  h->cur = (region_t){.map = p, .len = size, .fd = fd};
   h->meta = (meta_t){.rank = hdr.rank,
                      .world_size = hdr.world_size,
                      .states = hdr.states,
@@ -831,9 +773,7 @@ static int part_begin(held_t *h, const meta_t *m, zd__err_t *err) {
 static int part_commit(held_t *h, const char *from, zd__err_t *err) {
   if (h->part.fd < 0) return ZD_OK;
   const meta_t *m = &h->pmeta;
-  file_hdr_t hdr = {.magic = FILE_MAGIC,
-                    .version = FILE_VERSION,
-                    .rank = m->rank,
+  file_hdr_t hdr = {.rank = m->rank,
                     .world_size = m->world_size,
                     .states = m->states,
                     .layout_hash = m->layout_hash,
@@ -850,7 +790,7 @@ static int part_commit(held_t *h, const char *from, zd__err_t *err) {
                     .checksum = m->checksum,
                     .complete_unix_ms = zd__unix_ms()};
   snprintf(hdr.from, sizeof hdr.from, "%s", from);
-  hdr.hdr_sum = XXH3_64bits(&hdr, offsetof(file_hdr_t, hdr_sum));
+  zd__snapfile_seal(&hdr);
   memcpy(h->part.map, &hdr, sizeof hdr);
   char part[4096], path[4096];
   path_of(part, sizeof part, m->rank, m->world_size, 1);

@@ -25,6 +25,7 @@
 #include <time.h>
 
 #include "buddy.h"
+#include "snapshot.h"
 #include "checkpoint_format.h"
 #include "clock.h"
 #include "compute.h"
@@ -828,10 +829,18 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   *loaded = 0;
   m->resumed_from = ZD__FROM_CLIENT;
   m->resume_note[0] = '\0';
+  /* state_dir_mode = snapshot: the newest state snapshot every rank holds (snapshot.h). */
+  char snap_why[160];
+  int handled = 0;
+  int rc = zd__snapshot_resume(ctx, m, replace, &handled, snap_why, sizeof snap_why, err);
+  if (rc) return rc;
+  if (handled) {
+    *loaded = 1;
+    return ZD_OK;
+  }
   /* A rank that came back empty: the world's buddy copies first (buddy.h). */
   char buddy_why[160];
-  int handled = 0;
-  int rc = zd__buddy_resume(ctx, m, replace, &handled, buddy_why, sizeof buddy_why, err);
+  rc = zd__buddy_resume(ctx, m, replace, &handled, buddy_why, sizeof buddy_why, err);
   if (rc) return rc;
   if (handled) {
     *loaded = 1;
@@ -843,6 +852,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
                                              : ZD_OK;
   if (rc) return rc;
   if (buddy_why[0]) snprintf(m->resume_note, sizeof m->resume_note, "%s", buddy_why);
+  if (snap_why[0]) snprintf(m->resume_note, sizeof m->resume_note, "%s", snap_why);
   if (pick >= 0) {
     uint64_t newest = m->step;
     zd__model_take_record(m, pick);
@@ -871,9 +881,11 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   zd__ckpt_manifest_t *mf = NULL;
   if (mine != WANT_RESUME || ctx->resume_latest || strcmp(c->resume, "latest") == 0) {
     if (!c->dir[0])
-      rc = zd__errf(
-          err, ZD_ECONFIG, "resume: %s but this zerod has no checkpoint_dir",
-          mine == WANT_RESUME ? "resume is 'latest'" : "another rank resumes a checkpoint");
+      rc =
+          zd__errf(err, ZD_ECONFIG, "resume: %s but this zerod has no checkpoint_dir%s%s%s",
+                   mine == WANT_RESUME ? "resume is 'latest'" : "another rank resumes a checkpoint",
+                   m->resume_note[0] ? " (nothing else serves: " : "", m->resume_note,
+                   m->resume_note[0] ? ")" : "");
     else
       rc = zd__ckpt_find_latest(c->dir, m->layout, log_reject, NULL, &dir, &mf, err);
     if (rc == -ENOENT) {

@@ -149,7 +149,8 @@ enum {
   ZD__FROM_MODEL,      /* a model kept across a world that re-formed, re-agreed (state_dir) */
   ZD__FROM_HELD,       /* a trainer reattached to the model its rank held */
   ZD__FROM_BUDDY,      /* the world's buddy copies and snapshots (buddy.h) */
-  ZD__FROM_RESIZE      /* a live resize's image of the whole model (resize.h) */
+  ZD__FROM_RESIZE,     /* a live resize's image of the whole model (resize.h) */
+  ZD__FROM_SNAPSHOT    /* the newest state snapshot every rank holds (snapshot.h) */
 };
 
 /* What the step logic needs from its rank. */

@@ -18,6 +18,7 @@
 #include "log.h"
 #include "pool.h"
 #include "resize.h"
+#include "snapshot.h"
 #include "step.h"
 #include "world.h"
 #include "world_record.h"
@@ -228,6 +229,7 @@ static void note_recovery(zd__rank_t *r, uint64_t attach_t0, int resumed) {
   if (resumed && m->resumed_from == ZD__FROM_STATE_FILE) how = "state_dir";
   if (resumed && m->resumed_from == ZD__FROM_CHECKPOINT) how = "checkpoint";
   if (resumed && m->resumed_from == ZD__FROM_BUDDY) how = "buddy copy";
+  if (resumed && m->resumed_from == ZD__FROM_SNAPSHOT) how = "snapshot";
   uint64_t since = r->lost_ms ? r->lost_ms : attach_t0;
   pthread_mutex_lock(&r->stats_lock);
   snprintf(r->stats.recovery, sizeof r->stats.recovery, "%s", how);
@@ -560,9 +562,11 @@ static void start_cuda(zd__rank_t *r) {
 
 /* ---- a world that heals ------------------------------------------------------------------- */
 
-/* With checkpoints or a state_dir there is a state to continue from: the world re-forms. */
+/* With checkpoints, a state_dir or state snapshots there is a state to continue from: the world
+ * re-forms. */
 static int can_heal(const zd__rank_t *r) {
-  return r->env.world_size > 1 && (zd__ckptr_enabled(r->env.ckpt) || r->env.state_dir) &&
+  return r->env.world_size > 1 &&
+         (zd__ckptr_enabled(r->env.ckpt) || r->env.state_dir || zd__snapshot_enabled()) &&
          !atomic_load(&r->cancel);
 }
 
@@ -592,8 +596,11 @@ static void heal(zd__rank_t *r) {
   ZD_LOG_WARN("re-forming the world after: %s (%s)", reason,
               keep ? "the model and its state file are kept: the next registration continues at "
                      "the newest step every rank holds"
-                   : "the model is dropped: every rank resumes the newest complete checkpoint at "
-                     "its next registration");
+              : zd__snapshot_enabled()
+                  ? "the model is dropped: every rank resumes the newest state snapshot every "
+                    "rank holds (else the newest complete checkpoint) at its next registration"
+                  : "the model is dropped: every rank resumes the newest complete checkpoint at "
+                    "its next registration");
   set_health(r, ZD__HEALTH_REJOINING, "re-forming the world after: ", reason);
   zd__ckptr_world_broke(r->env.ckpt);
   uint64_t t0 = zd__now_ms();
@@ -749,7 +756,7 @@ static void record_resize(zd__rank_t *r, const zd__world_record_t *rec) {
   zd__err_t err = {0};
   char tag[32];
   snprintf(tag, sizeof tag, "rank%u", r->env.rank);
-  if (r->env.state_dir && zd__world_record_write(r->env.state_dir, tag, rec, &err))
+  if (r->env.record_dir && zd__world_record_write(r->env.record_dir, tag, rec, &err))
     ZD_LOG_WARN("live resize: the world size record was not written: %s", err.msg);
   if (r->env.rank == 0) publish_record(r, rec);
   zd__buddy_resized(r->env.local_rank, rec->world_size);
@@ -1304,6 +1311,17 @@ void zd__rank_status(void *ctx, zd__status_t *st) {
   if (s.state_path[0]) {
     zd__status_add(st, "state_file", "%s", s.state_path);
     zd__status_add(st, "state_committed_step", "%" PRIu64, s.state_committed_step);
+  }
+  if (zd__snapshot_enabled()) { /* state_dir_mode = snapshot: the newest snapshot written */
+    zd__snapshot_rank_status_t sn;
+    zd__snapshot_rank_status(r->env.local_rank, &sn);
+    if (sn.has) {
+      zd__status_add(st, "snapshot_step", "%" PRIu64, sn.step);
+      zd__status_add(st, "snapshot_age_ms", "%" PRIu64, sn.age_ms);
+      zd__status_add(st, "snapshot_bytes", "%" PRIu64, sn.bytes);
+    } else {
+      zd__status_add(st, "snapshot_step", "none");
+    }
   }
   if (s.recovery[0]) { /* the last recovery: how, at which step, how long */
     zd__status_add(st, "last_recovery", "%s", s.recovery);

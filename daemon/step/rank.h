@@ -205,6 +205,8 @@ typedef struct zd__rank_env {
   int cuda_fast;             /* CUDA backend: cuda_step fast (else legacy; config.h) */
   int overlap_update;        /* CPU backend: overlap_update (config.h, model.h) */
   const char *state_dir;     /* CPU backend: state_dir (config.h, state_file.h); NULL: none */
+  const char *record_dir;    /* where a live resize writes its world size record (world_record.h):
+                                state_dir in either state_dir_mode; NULL: none */
   /* The live resize's record that gave world_size at start (world_record.h; world_size_record =
    * use); NULL: world_size as configured. A rank at or beyond it stays out of the world (its
    * trainer is refused with ZD_ERANK, the rank is degraded), as a rank a resize left. Rank 0

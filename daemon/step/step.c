@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "buddy.h"
+#include "snapshot.h"
 #include "checkpoint.h"
 #include "group.h"
 #include "hash.h"
@@ -42,8 +43,27 @@
 #define RESIZE_BIT   (1ull << 58)
 #define RESIZE_SHIFT 42
 #define RESIZE_MASK  (0xffffull << RESIZE_SHIFT)
-#define STEP_FLAGS \
-  (CHECKPOINT_BIT | ABSENT_BIT | BUDDY_BIT | BUDDY_BUSY_BIT | RESIZE_BIT | RESIZE_MASK)
+/* State snapshots (snapshot.h): a record's step with SNAPSHOT_BIT asks every rank to snapshot the
+ * step, with SNAPSHOT_BUSY_BIT says the rank's previous snapshot is still being written, so that
+ * no rank takes it; OR-ed as BUDDY_BIT is. Below RESIZE_MASK, still far above any step count
+ * (2^40 steps). */
+#define SNAPSHOT_BIT      (1ull << 41)
+#define SNAPSHOT_BUSY_BIT (1ull << 40)
+#define STEP_FLAGS                                                                       \
+  (CHECKPOINT_BIT | ABSENT_BIT | BUDDY_BIT | BUDDY_BUSY_BIT | RESIZE_BIT | RESIZE_MASK | \
+   SNAPSHOT_BIT | SNAPSHOT_BUSY_BIT)
+
+/* This rank's snapshot bits for the record of step `step` (snapshot.h). */
+static uint64_t snapshot_flags(const zd__step_ctx_t *ctx, uint64_t step) {
+  int s = zd__snapshot_wants(ctx, step);
+  return (s & ZD__SNAPSHOT_WANT ? SNAPSHOT_BIT : 0) |
+         (s & ZD__SNAPSHOT_BUSY ? SNAPSHOT_BUSY_BIT : 0);
+}
+
+/* Every rank's decision from the same records' OR of their steps. */
+static void snapshot_agreed(const zd__step_ctx_t *ctx, uint64_t step, uint64_t any) {
+  zd__snapshot_agreed(ctx, step, (any & SNAPSHOT_BIT) != 0, (any & SNAPSHOT_BUSY_BIT) != 0);
+}
 
 /* What the ranks must agree on before a step: every group (the table's fields, common/group.h),
  * clipping (and the torch order it clips by, where it takes one: torch_order, the ranks' norm is
@@ -333,6 +353,7 @@ static int rejoin_model(const zd__step_ctx_t *ctx, zd__model_t *m, zd__model_spe
               m->resumed_from == ZD__FROM_MODEL        ? "the step every rank holds"
               : m->resumed_from == ZD__FROM_CHECKPOINT ? "the newest checkpoint"
               : m->resumed_from == ZD__FROM_BUDDY      ? "the world's buddy copies"
+              : m->resumed_from == ZD__FROM_SNAPSHOT   ? "the world's state snapshots"
                                                        : "the client's values");
   *resumed = loaded;
   return ctx->compute->ops->exchange(ctx->compute, &m->shard, buf, loaded, err);
@@ -707,6 +728,7 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
   int buddy = abandon ? 0 : zd__buddy_wants(ctx);
   if (buddy & ZD__BUDDY_WANT) flag |= BUDDY_BIT;
   if (buddy & ZD__BUDDY_BUSY) flag |= BUDDY_BUSY_BIT;
+  if (!abandon) flag |= snapshot_flags(ctx, m->step + 1);
   uint32_t want = !abandon && ctx->resize_want ? atomic_load(ctx->resize_want) : 0;
   if (want) flag |= RESIZE_BIT | ((uint64_t)(want & 0xffff) << RESIZE_SHIFT);
   zd__step_record_t rec = {.step = abandon ? ABANDONED_STEP : (m->step + 1) | flag,
@@ -735,6 +757,7 @@ static int commit_point(const zd__step_ctx_t *ctx, zd__model_t *m, const zd_grou
     uint64_t any = 0;
     for (uint32_t r = 0; r < w; r++) any |= all[r].step;
     zd__buddy_agreed(ctx, m->step + 1, (any & BUDDY_BIT) != 0, (any & BUDDY_BUSY_BIT) != 0);
+    snapshot_agreed(ctx, m->step + 1, any);
     for (uint32_t r = 0; r < w && ctx->resize_agreed; r++)
       if (all[r].step & RESIZE_BIT) {
         *ctx->resize_agreed = (uint32_t)((all[r].step & RESIZE_MASK) >> RESIZE_SHIFT);
@@ -842,7 +865,8 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   zd__compute_t *c = ctx->compute;
   uint32_t w = ctx->world_size;
   uint64_t flag = zd__ckptr_wants(ctx->ckpt, m->step + 1) ? CHECKPOINT_BIT : 0;
-  zd__step_record_t rec = {.step = (m->step + 1) | flag,
+  uint64_t snap = snapshot_flags(ctx, m->step + 1);
+  zd__step_record_t rec = {.step = (m->step + 1) | flag | snap,
                            .layout_hash = l->hash,
                            .hparam_hash = hparam_hash(m, groups, ZD_CLIP_NORM_DOUBLE)};
   int rc = ZD_OK;
@@ -852,7 +876,7 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   zd__cuda_decide_args_t a = {
       .world_size = w,
       .mine = ctx->rank,
-      .step_mask = ~CHECKPOINT_BIT,
+      .step_mask = ~(CHECKPOINT_BIT | SNAPSHOT_BIT | SNAPSHOT_BUSY_BIT),
       .checkpoint_bit = CHECKPOINT_BIT,
       .abandoned = ABANDONED_STEP,
       .cfg = {.world_size = w,
@@ -881,6 +905,9 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   }
   memset(m->attempted, 0, l->nbuckets); /* the attempt is over on every rank */
   zd__step_decide_records(&a, (const zd__cuda_stats_t *)all, &host);
+  uint64_t any = 0; /* the snapshot bits of every rank's record, as copied from the device */
+  for (uint32_t r = 0; r < w; r++) any |= all[r].step;
+  snapshot_agreed(ctx, m->step + 1, any);
   if (!zd__cuda_decision_same(&dev, &host)) {
     rc = zd__errf(err, ZD_EINTERNAL,
                   "step %" PRIu64
@@ -929,6 +956,7 @@ static int step_on_device(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__b
   if (applied && gather) rc = gather_buckets(ctx, m, buf, -1, err);
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (dev.checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: state whole */
+  zd__snapshot_after_step(ctx, m);                 /* state_dir_mode = snapshot (snapshot.h) */
   out->duration_us = zd__now_us() - t0;
   if (rc && applied) {
     char cause[ZD__ERR_MSG_MAX];
@@ -1265,6 +1293,7 @@ int zd__model_step(const zd__step_ctx_t *ctx, zd__model_t *m, const zd__buffers_
   rc = job_end_early(ctx, buf, slot, rc, err);
   if (checkpoint) snapshot_after_step(ctx, m); /* also after a failed gather: the state is whole */
   zd__buddy_after_step(ctx, m);                /* every buddy_copy_every_steps steps (buddy.h) */
+  zd__snapshot_after_step(ctx, m);             /* state_dir_mode = snapshot (snapshot.h) */
   out->duration_us = zd__now_us() - t0;
   if (rc) {
     char cause[ZD__ERR_MSG_MAX];

@@ -22,6 +22,11 @@
  * is initialised in a fresh process (it does not survive fork()), and they SIGKILL themselves at
  * the exact point.
  *
+ * (c) State snapshots (state_dir on the CUDA backend: state_dir_mode snapshot): every 4 steps the
+ *     state is copied off device memory into pinned staging and written to state_dir by a writer
+ *     thread; zerod SIGKILLed at step 10, a new zerod on the same state_dir restores the snapshot
+ *     of step 8 into device memory and the run reaches the uninterrupted one's parameters.
+ *
  * Without a usable GPU the same runs go against zerods running the CPU backend with host buffers
  * (the rehearsal of the test's logic), and the test then exits 77 (skipped). 1 on failure.
  */
@@ -471,6 +476,85 @@ static void checkpoints(const char *plain_socket) {
   amsgrad = 0;
 }
 
+/* ---- (c) state snapshots from device memory ------------------------------------------------- */
+
+/* Until zerod's status holds `want` (a "key:value\n" line), at most 30 s. */
+static void wait_status(const zdt_daemon_t *d, trainer_t *t, const char *want) {
+  for (int i = 0; i < 600; i++) {
+    char *status = NULL;
+    CHECK_INT_EQ(zd_status(t->c, &status), ZD_OK);
+    int done = strstr(status, want) != NULL;
+    free(status);
+    if (done) return;
+    sleep_ms(50);
+  }
+  zdt_dump_log(d);
+  CHECK_MSG(0, "zerod's status did not say %s within 30 s", want);
+}
+
+/* state_dir on the CUDA backend (state_dir_mode auto: snapshot; the rehearsal on the CPU backend
+ * names it): snapshots of steps 4 and 8 copied off device memory into pinned staging and written
+ * by the writer thread; zerod SIGKILLed at step 10; a new zerod on the same state_dir restores the
+ * snapshot of step 8 into device memory, and the run reaches the uninterrupted run's parameters. */
+static void snapshots(const char *plain_socket) {
+  printf(
+      "state snapshots from %s memory (amsgrad: four state arrays) every 4 steps, zerod "
+      "SIGKILLed, restored\n",
+      memory == ZD_MEMORY_CUDA ? "device" : "host");
+  amsgrad = 1;
+  params_t want;
+  uninterrupted(plain_socket, ZD_F32, ZD_F32, &want);
+  char dir[] = "/tmp/zd-gpu-snapshot-XXXXXX";
+  CHECK(mkdtemp(dir) != NULL);
+  char state[64];
+  snprintf(state, sizeof state, "%s/state", dir);
+  const char *args[] = {"--backend",
+                        backend,
+                        "--bucket_elems",
+                        "256",
+                        "--state_dir",
+                        state,
+                        "--state_dir_mode",
+                        memory == ZD_MEMORY_CUDA ? "auto" : "snapshot",
+                        "--state_snapshot_every_steps",
+                        "4",
+                        NULL};
+  zdt_daemon_t d;
+  start_ready(&d, args);
+  trainer_t t;
+  attach(&t, d.socket, ZD_F32, ZD_F32, 1);
+  train_to(&t, 10);
+  wait_status(&d, &t, "snapshot_step:8\n");
+  char *status = NULL;
+  CHECK_INT_EQ(zd_status(t.c, &status), ZD_OK);
+  const char *stall = strstr(status, "last_stall_us:");
+  const char *write = strstr(status, "last_write_ms:");
+  printf("  snapshot of step 8 written (step stall %.*s us, writer %.*s ms)\n",
+         stall ? (int)strcspn(stall + 14, "\n") : 1, stall ? stall + 14 : "?",
+         write ? (int)strcspn(write + 14, "\n") : 1, write ? write + 14 : "?");
+  free(status);
+  check_healthy(&d, &t);
+  CHECK_MSG(!zdt_log_contains(&d, " ERROR "), "zerod logged errors");
+  zdt_stop(&d, SIGKILL, 0); /* steps 9 and 10 are lost */
+  detach(&t);
+  start_ready(&d, args);
+  attach(&t, d.socket, ZD_F32, ZD_F32, 0);
+  CHECK_U64_EQ(t.step, 8);
+  wait_status(&d, &t, "last_recovery:snapshot\n");
+  CHECK_MSG(zdt_log_contains(&d, "resumed step 8 from its state snapshot"),
+            "zerod did not log the restore from the snapshot");
+  train_to(&t, TOTAL);
+  compare(&t, &want, "restored from the state snapshot of step 8");
+  check_healthy(&d, &t);
+  detach(&t);
+  CHECK_MSG(!zdt_log_contains(&d, " ERROR "), "zerod logged errors");
+  zdt_stop(&d, SIGTERM, 0);
+  char rm[128];
+  snprintf(rm, sizeof rm, "rm -rf %s", dir);
+  CHECK_INT_EQ(system(rm), 0);
+  amsgrad = 0;
+}
+
 /* ---- main ------------------------------------------------------------------------------------ */
 
 static zdt_daemon_t gd;
@@ -490,6 +574,7 @@ static void run_all(void) {
   trainers_die(&gd, ZD_BF16);
   trainers_die(&gd, ZD_F32);
   checkpoints(gd.socket);
+  snapshots(gd.socket);
   CHECK_MSG(!zdt_log_contains(&gd, "rank degraded"), "zerod degraded a rank");
   zdt_stop(&gd, SIGTERM, 0);
   passed = 1;

@@ -114,6 +114,9 @@ static const char *const all_names[] = {"socket",
                                         "resume",
                                         "state_dir",
                                         "state_dir_any_fs",
+                                        "state_dir_mode",
+                                        "state_snapshot_every_steps",
+                                        "state_snapshot_every_s",
                                         "buddy_copy_every_steps",
                                         "buddy_copy_every_s",
                                         "buddy_bandwidth_bytes_per_s",
@@ -164,6 +167,9 @@ static void test_defaults(void) {
   CHECK_STR_EQ(cfg.log_level, "info");
   CHECK_STR_EQ(cfg.metrics_address, ""); /* off */
   CHECK_STR_EQ(cfg.config_file, "");
+  CHECK_STR_EQ(cfg.state_dir_mode, "auto"); /* mapped on the cpu backend, snapshot on cuda */
+  CHECK_INT_EQ(cfg.state_snapshot_every_steps, 0);
+  CHECK_INT_EQ(cfg.state_snapshot_every_s, 0);
 
   /* Every row, in table order, once, all from the defaults. */
   visit_t v = {0};
@@ -362,6 +368,20 @@ static void test_errors(void) {
   expect_error(ARGV("--rendezvous", "redis://h:1"), no_env, ZD_ECONFIG, "rendezvous (flag)",
                "redis://h:1", "etcd://host:port", NULL);
   expect_error(ARGV("--rendezvous", "etcd:///job"), no_env, ZD_ECONFIG, "rendezvous", NULL);
+  /* state_dir_mode = snapshot: needs state_dir and a period; the periods need the mode */
+  expect_error(ARGV("--state_dir_mode", "snapshot", "--state_snapshot_every_steps", "100"), no_env,
+               ZD_ECONFIG, "state_dir_mode = snapshot (flag) needs state_dir", NULL);
+  expect_error(ARGV("--state_dir", "/dev/shm/x", "--state_dir_mode", "snapshot"), no_env,
+               ZD_ECONFIG, "needs state_snapshot_every_steps > 0 or state_snapshot_every_s > 0",
+               NULL);
+  expect_error(ARGV("--state_dir", "/dev/shm/x", "--state_dir_mode", "mapped",
+                    "--state_snapshot_every_s", "60"),
+               no_env, ZD_ECONFIG, "state_snapshot_every_s=60", "state_dir_mode is mapped (flag)",
+               NULL);
+  expect_error(ARGV("--state_snapshot_every_steps", "100"), no_env, ZD_ECONFIG,
+               "state_snapshot_every_steps=100", "need state_dir", NULL);
+  expect_error(ARGV("--state_dir_mode", "copy"), no_env, ZD_ECONFIG,
+               "state_dir_mode must be one of auto, mapped, snapshot", NULL);
 
   /* Bad values in a file name the line, the setting and the range. */
   path = write_file("local_ranks = 65\n");
