@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -254,6 +255,7 @@ static void *writer_main(void *arg) {
       w->error[0] = '\0';
     }
     w->busy = 0;
+    pthread_cond_broadcast(&w->cond); /* a resume waiting for this snapshot's file */
   }
   pthread_mutex_unlock(&w->lock);
   return NULL;
@@ -271,7 +273,11 @@ int zd__snapshot_start(const zd__snapshot_settings_t *set, zd__err_t *err) {
   for (uint32_t i = 0; i < S.nw; i++) {
     writer_t *w = &S.w[i];
     pthread_mutex_init(&w->lock, NULL);
-    pthread_cond_init(&w->cond, NULL);
+    pthread_condattr_t attr; /* resume's bounded wait for the writer counts monotonic time */
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&w->cond, &attr);
+    pthread_condattr_destroy(&attr);
     w->local_rank = i;
     w->last_take_ms = zd__now_ms();
     int rc = pthread_create(&w->thread, NULL, writer_main, w);
@@ -422,13 +428,13 @@ int zd__snapshot_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, 
   w->due_step = 0; /* a snapshot agreed for a step this registration replaces */
   /* A survivor's writer may still be writing its newest snapshot: the files are read once it is
    * done (bounded: a copy stuck on the device leaves it to the files as they are). */
-  for (int i = 0; i < S.set.timeout_ms; i++) {
-    pthread_mutex_lock(&w->lock);
-    int busy = w->busy;
-    pthread_mutex_unlock(&w->lock);
-    if (!busy) break;
-    usleep(1000);
+  uint64_t until_us = zd__now_us() + 1000u * (uint64_t)S.set.timeout_ms;
+  struct timespec ts = {.tv_sec = (time_t)(until_us / 1000000u),
+                        .tv_nsec = (long)(until_us % 1000000u) * 1000L};
+  pthread_mutex_lock(&w->lock);
+  while (w->busy && pthread_cond_timedwait(&w->cond, &w->lock, &ts) != ETIMEDOUT) {
   }
+  pthread_mutex_unlock(&w->lock);
   loaded_t f[2] = {0};
   offer_t mine = {.replace = (uint64_t)replace};
   if (!replace) {
