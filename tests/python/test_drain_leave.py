@@ -44,6 +44,7 @@ from zerod import ZerodError  # noqa: E402
 torch = common.require_torch()
 
 import test_resize as rz  # noqa: E402  (its zeroctl, status, attempt, ARGS and layout groups)
+import test_resize_restart as rr  # noqa: E402  (restarting a zerod as it was; waiting for health)
 import test_state_dir as sd  # noqa: E402  (its PARAMS, gradients, reference and Trainer)
 
 ZD_EPEER, ZD_ERANK = rz.ZD_EPEER, rz.ZD_ERANK
@@ -151,6 +152,24 @@ class DrainLeaveTest(unittest.TestCase):
             print(f"drain --leave: request to the survivor training again at W=1: {took:.3f} s "
                   f"(includes the trainers' steps 4 and 5 and the re-registration)",
                   file=sys.stderr)
+
+            # The drained zerod started again as it was (--world_size 2, rank 1): rank 0's
+            # store holds the world size record of the leave, so it stays out, and the world
+            # of one rank trains on without noticing.
+            d1 = rr.ResizeRestartTest.restart(self, world, 1)
+            st = rr.ResizeRestartTest.wait_health(self, d1, "degraded")
+            self.assertEqual(st["world_size"], 1, st)
+            self.assertEqual(st.get("configured_world_size"), 2, st)
+            self.assertIn("outside the world", st["ranks"][0]["degraded_reason"])
+            c = d1.connect()
+            c.layout([(n, s) for n, s in sd.PARAMS], grad_mean=False)
+            with self.assertRaises(ZerodError) as cm:
+                c.register()
+            self.assertEqual(cm.exception.code, ZD_ERANK, cm.exception.message)
+            self.assertIn("made it 1 ranks (from 2)", cm.exception.message)
+            c.close()
+            self.train(ts, range(9, 10))
+            self.assert_same(ts, 9, "W=1 beside the drained zerod started again")
             for t in ts:
                 t.close()
         except BaseException:
