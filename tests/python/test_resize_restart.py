@@ -87,6 +87,25 @@ class ResizeRestartTest(unittest.TestCase):
                 self.fail(f"{d.control_address}: health never {want}: {st}\n{d.log()[-3000:]}")
             time.sleep(0.05)
 
+    def assert_stays_out(self, d, world_size: int, configured: int, why: str) -> None:
+        """d (a zerod started again as it was, beyond the recorded size) stays out: degraded,
+        the recorded and the configured size in status, a registration refused with ZD_ERANK
+        whose message contains why."""
+        st = self.wait_health(d, "degraded")
+        self.assertEqual(st["world_size"], world_size, st)
+        self.assertEqual(st.get("configured_world_size"), configured, st)
+        self.assertIn("outside the world", st["ranks"][0]["degraded_reason"])
+        c = d.connect()
+        c.layout([(n, s) for n, s in sd.PARAMS], grad_mean=False)
+        with self.assertRaises(ZerodError) as cm:
+            c.register()
+        self.assertEqual(cm.exception.code, ZD_ERANK, cm.exception.message)
+        self.assertIn(why, cm.exception.message)
+        try:
+            c.close()
+        except ZerodError:
+            pass
+
     def shrink(self, world, ts, step: int) -> None:
         """4 -> 2 riding step `step`; the trainers closed, the leavers (2, 3) stopped."""
         zeroctl("--address", world.daemons[1].control_address, "resize", "--world_size", "2")
@@ -140,21 +159,7 @@ class ResizeRestartTest(unittest.TestCase):
 
             # ---- rank 2's zerod (removed by the shrink) started again: it stays out ----
             d2 = self.restart(world, 2)
-            st = self.wait_health(d2, "degraded")
-            self.assertEqual(st["world_size"], 2, st)
-            self.assertEqual(st.get("configured_world_size"), 4, st)
-            self.assertIn("outside the world", st["ranks"][0]["degraded_reason"])
-            c = d2.connect()
-            c.layout([(n, s) for n, s in sd.PARAMS], grad_mean=False)
-            with self.assertRaises(ZerodError) as cm:
-                c.register()
-            self.assertEqual(cm.exception.code, ZD_ERANK, cm.exception.message)
-            self.assertIn("a live resize after step 4 made it 2 ranks (from 4)",
-                          cm.exception.message)
-            try:
-                c.close()
-            except ZerodError:
-                pass
+            self.assert_stays_out(d2, 2, 4, "a live resize after step 4 made it 2 ranks (from 4)")
             d2.stop()
             self.train(ts, range(9, 10))  # the world of 2 did not notice
             self.assert_same(ts, 9, "W=2 beside the removed zerod")
