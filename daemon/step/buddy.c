@@ -639,7 +639,7 @@ void zd__buddy_resized(uint32_t local_rank, uint32_t world_size) {
 /* Loads one held copy's file (start-up, before the control service serves). A file another
  * zerod has open (its flock) is left alone; one that fails the checks is set aside. */
 static void load_file(const char *path, uint32_t rank, uint32_t world_size) {
-  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK); /* a FIFO: no wait */
   if (fd < 0) {
     if (errno == ELOOP)
       set_aside(path, "is a symbolic link");

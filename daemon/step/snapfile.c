@@ -54,6 +54,8 @@ int zd__snapfile_check(int fd, uint32_t rank, uint32_t world_size, zd__snapfile_
     snprintf(why, len, "its header is damaged");
   } else if (h->rank != rank || h->world_size != world_size || h->rank >= h->world_size ||
              !h->bytes || h->bytes > ZD__SNAPFILE_MAX_BYTES || h->nlags > ZD__SNAPFILE_MAX_LAGS ||
+             (h->states >> ZD__NSTATES) != 0 || /* with the next: the sum below cannot wrap */
+             h->shard_elems > ZD__SNAPFILE_MAX_BYTES / sizeof(float) ||
              h->bytes != zd__snapfile_data_bytes(h->states, h->shard_elems, h->nlags) ||
              (uint64_t)st.st_size != ZD__SNAPFILE_HDR_BYTES + h->bytes) {
     snprintf(why, len,

@@ -78,6 +78,9 @@ void zd__snapshot_agreed(const zd__step_ctx_t *ctx, uint64_t step, int asked, in
   writer_t *w = &S.w[ctx->local_rank];
   w->due_step = asked && !busy ? step : 0;
   if (asked && busy) {
+    /* A period (state_snapshot_every_s) starts again at a skip: one skip per period is counted
+     * and logged while a write runs long, not one per step. */
+    w->last_take_ms = zd__now_ms();
     pthread_mutex_lock(&w->lock);
     w->skipped++;
     pthread_mutex_unlock(&w->lock);
@@ -215,6 +218,9 @@ static int write_file(writer_t *w, zd__err_t *err) {
   memcpy(head, h, sizeof *h);
   rc = write_all(fd, head, sizeof head, 0);
   if (!rc) rc = write_all(fd, w->staging, h->bytes, ZD__SNAPFILE_HDR_BYTES);
+  /* On disk, the data before the renames (a power loss must not leave both names empty); on a
+   * memory file system this costs nothing. */
+  if (!rc && fdatasync(fd) != 0) rc = -errno;
   if (close(fd) != 0 && !rc) rc = -errno;
   if (rc) {
     unlink(part);
@@ -225,6 +231,11 @@ static int write_file(writer_t *w, zd__err_t *err) {
     return zd__errf(err, -errno, "%s: renaming to %s: %s", path, prev, strerror(errno));
   if (rename(part, path) != 0)
     return zd__errf(err, -errno, "%s: renaming to %s: %s", part, path, strerror(errno));
+  int dfd = open(S.dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* the renames, durable */
+  if (dfd >= 0) {
+    fsync(dfd);
+    close(dfd);
+  }
   return ZD_OK;
 }
 
@@ -339,7 +350,8 @@ static const uint64_t *loaded_lags(const loaded_t *f) {
  * or it was set aside (logged). */
 static int load(const char *path, const zd__step_ctx_t *ctx, const zd__model_t *m, loaded_t *out) {
   *out = (loaded_t){0};
-  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  /* O_NONBLOCK: a FIFO planted there must not hold the open (zd__snapfile_check refuses it) */
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     if (errno == ELOOP) zd__snapfile_set_aside("state snapshot file", path, "is a symbolic link");
     return 0;
@@ -397,6 +409,7 @@ static int restore(const zd__step_ctx_t *ctx, zd__model_t *m, const loaded_t *f,
   int rc = staging(w, c, (size_t)f->hdr.bytes, err);
   if (rc) return rc;
   memcpy(w->staging, f->map + ZD__SNAPFILE_HDR_BYTES, f->hdr.bytes);
+  if (m->restored) zd__model_forget_restored(m); /* first: it chooses the set written below */
   float *arrays[ZD__NSTATES];
   uint32_t count = state_arrays(m, arrays);
   rc = c->ops->restore(c, arrays, count, m->layout->shard_elems, (const float *)w->staging,
@@ -405,7 +418,6 @@ static int restore(const zd__step_ctx_t *ctx, zd__model_t *m, const loaded_t *f,
     w->poisoned = 1; /* compute.h: the copy may still read it */
     return rc;
   }
-  if (m->restored) zd__model_forget_restored(m);
   m->step = f->hdr.step;
   m->steps_skipped = f->hdr.steps_skipped;
   if (f->hdr.scaler_enabled && m->scaler.enabled) {
@@ -434,10 +446,18 @@ int zd__snapshot_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, 
   pthread_mutex_lock(&w->lock);
   while (w->busy && pthread_cond_timedwait(&w->cond, &w->lock, &ts) != ETIMEDOUT) {
   }
+  int writing = w->busy;
+  uint64_t writing_step = w->hdr.step;
   pthread_mutex_unlock(&w->lock);
+  /* Still writing (a disk that hangs): its staging and its files are the writer's, so this rank
+   * offers nothing and the world falls back to the checkpoint. */
+  if (writing)
+    ZD_LOG_WARN("rank %u: the state snapshot of step %" PRIu64
+                " is still being written after %d ms: this rank offers no snapshot",
+                ctx->rank, writing_step, S.set.timeout_ms);
   loaded_t f[2] = {0};
   offer_t mine = {.replace = (uint64_t)replace};
-  if (!replace) {
+  if (!replace && !writing) {
     char path[4096];
     const char *sfx[2] = {"", ".prev"};
     for (int i = 0; i < 2; i++) {
@@ -489,6 +509,22 @@ int zd__snapshot_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, 
   }
   uint64_t newest = mine.n ? f[0].hdr.step : 0;
   rc = restore(ctx, m, &f[pick], err);
+  /* Every rank restored, or none serves: a rank whose restore failed alone would leave the others
+   * at the snapshot's step and itself retrying a registration nobody else joins. */
+  if (world > 1) {
+    int32_t ok = rc == ZD_OK, *oks = calloc(world, sizeof *oks);
+    zd__err_t gerr = {0};
+    int grc =
+        oks ? ctx->comm->ops->allgather_bytes(ctx->comm, &ok, sizeof ok, oks, &gerr) : -ENOMEM;
+    for (uint32_t r = 0; !grc && !rc && r < world; r++)
+      if (!oks[r])
+        rc = zd__errf(err, ZD_EPEER,
+                      "rank %u could not restore the state snapshot of step %" PRIu64
+                      " that every rank holds (its log says why); register again",
+                      r, f[pick].hdr.step);
+    if (grc && !rc) rc = zd__errf(err, grc, "%s", oks ? gerr.msg : "out of memory");
+    free(oks);
+  }
   if (rc) goto out;
   *handled = 1;
   ZD_LOG_INFO("rank %u resumed step %" PRIu64
