@@ -426,6 +426,12 @@ static int take_record(zd__daemon_t *d, const char *rendezvous, int own_store, z
     has_store = rc == ZD_OK;
   }
   if (!has_file && !has_store) return ZD_OK;
+  if (has_file && has_store &&
+      (file.world_size != store.world_size || file.from != store.from || file.step != store.step))
+    ZD_LOG_WARN("world size record: the rendezvous store's (world_size=%u from=%u step=%" PRIu64
+                ") and state_dir's (world_size=%u from=%u step=%" PRIu64
+                ") differ; the store's is taken (rank 0 writes every resize's there)",
+                store.world_size, store.from, store.step, file.world_size, file.from, file.step);
   d->record = has_store ? store : file;
   d->has_record = 1;
   const char *src = has_store ? "rendezvous store" : "state_dir";

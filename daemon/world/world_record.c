@@ -13,7 +13,7 @@
 
 #include "rendezvous.h"
 
-#define FORM "\"world_size=N from=W step=S\" (N and W from 1 to 65536, S a step)"
+#define FORM "\"world_size=N from=W step=S\" (N and W from 1 to 65535, S a step)"
 
 /* One "name=number" field at *p, followed by a space or the end. */
 static int field(const char **p, const char *end, const char *name, uint64_t max, uint64_t *out,
@@ -61,10 +61,12 @@ int zd__world_record_parse(const char *text, size_t len, const char *where, zd__
                     "%s: world size record '%s' is not one line of at most %d "
                     "bytes; the record is " FORM,
                     where, shown, ZD__WORLD_RECORD_MAX - 1);
-  const char *p = text, *end = text + len;
+  /* Parsed from the printable copy (a byte it replaced fails the parse either way), so that the
+   * messages below quote only printable text. */
+  const char *p = shown, *end = shown + len;
   uint64_t w = 0, from = 0, step = 0;
-  int rc = field(&p, end, "world_size", 65536, &w, where, shown, err);
-  if (!rc) rc = field(&p, end, "from", 65536, &from, where, shown, err);
+  int rc = field(&p, end, "world_size", 65535, &w, where, shown, err);
+  if (!rc) rc = field(&p, end, "from", 65535, &from, where, shown, err);
   if (!rc) rc = field(&p, end, "step", UINT64_MAX, &step, where, shown, err);
   if (!rc && p != end)
     rc = zd__errf(err, ZD_ECONFIG,
@@ -92,6 +94,7 @@ int zd__world_record_write(const char *dir, const char *tag, const zd__world_rec
   if (fd < 0) return zd__errf(err, -errno, "world size record %s: %s", tmp, strerror(errno));
   int rc = ZD_OK;
   /* O_CREAT's mode is masked by the umask, and an old file keeps its own: set it. */
+  errno = 0; /* a short write sets none: EIO below */
   if (fchmod(fd, 0600) != 0 || write(fd, text, n) != (ssize_t)n || fsync(fd) != 0)
     rc = zd__errf(err, errno ? -errno : -EIO, "world size record %s: %s", tmp,
                   strerror(errno ? errno : EIO));
@@ -114,9 +117,14 @@ int zd__world_record_write(const char *dir, const char *tag, const zd__world_rec
 int zd__world_record_read(const char *dir, zd__world_record_t *out, zd__err_t *err) {
   char path[4096], text[ZD__WORLD_RECORD_MAX + 1];
   snprintf(path, sizeof path, "%s/" ZD__WORLD_RECORD_FILE, dir);
-  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK); /* a FIFO: no wait */
   if (fd < 0 && errno == ENOENT) return -ENOENT;
   if (fd < 0) return zd__errf(err, -errno, "world size record %s: %s", path, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return zd__errf(err, ZD_ECONFIG, "world size record %s: not a regular file", path);
+  }
   ssize_t n = read(fd, text, sizeof text);
   int e = errno;
   close(fd);

@@ -413,7 +413,7 @@ class WorldRecordStartTest(unittest.TestCase):
         log = d.log()
         self.assertNotEqual(rc, 0, log[-2000:])
         self.assertIn(os.path.join(self.state, "world_size"), log)
-        self.assertIn("world_size is not a number from 1 to 65536", log)
+        self.assertIn("world_size is not a number from 1 to 65535", log)
         self.assertIn("world_size=N from=W step=S", log)
         self.assertIn("world_size_record = ignore", log)
 

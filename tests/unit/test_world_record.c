@@ -24,11 +24,11 @@ static void test_parse(void) {
   CHECK_U64_EQ(r.step, 17);
   CHECK_INT_EQ(zd__world_record_parse(ok, strlen(ok) - 1, "t", &r, &err), 0); /* no newline */
   char buf[ZD__WORLD_RECORD_MAX];
-  zd__world_record_t big = {.world_size = 65536, .from = 1, .step = UINT64_MAX}, back = {0};
+  zd__world_record_t big = {.world_size = 65535, .from = 1, .step = UINT64_MAX}, back = {0};
   size_t n = zd__world_record_format(&big, buf, sizeof buf);
-  CHECK_STR_EQ(buf, "world_size=65536 from=1 step=18446744073709551615\n");
+  CHECK_STR_EQ(buf, "world_size=65535 from=1 step=18446744073709551615\n");
   CHECK_INT_EQ(zd__world_record_parse(buf, n, "t", &back, &err), 0);
-  CHECK_INT_EQ(back.world_size, 65536);
+  CHECK_INT_EQ(back.world_size, 65535);
   CHECK_U64_EQ(back.step, UINT64_MAX);
 }
 
@@ -41,14 +41,17 @@ static void refused(const char *text, const char *needle) {
   CHECK_CONTAINS(err.msg, needle);
   CHECK_CONTAINS(err.msg, "state_dir /x/world_size");
   CHECK_CONTAINS(err.msg, "world_size=N from=W step=S");
+  for (const char *c = err.msg; *c; c++) /* the log shows it: printable, one line */
+    CHECK_MSG(*c >= ' ' && *c <= '~', "byte 0x%02x in '%s'", (unsigned char)*c, err.msg);
 }
 
 static void test_malformed(void) {
   refused("", "empty");
   refused("\n", "empty");
-  refused("world_size=abc from=4 step=1", "world_size is not a number from 1 to 65536");
-  refused("world_size=0 from=4 step=1", "world_size is not a number from 1 to 65536");
-  refused("world_size=65537 from=4 step=1", "world_size is not a number");
+  refused("world_size=abc from=4 step=1", "world_size is not a number from 1 to 65535");
+  refused("world_size=0 from=4 step=1", "world_size is not a number from 1 to 65535");
+  refused("world_size=65536 from=4 step=1", "world_size is not a number"); /* a resize's most */
+  refused("world_size=2 from=\x01\x1b[2J step=1", "from is not a number"); /* quoted: '?' */
   refused("world_size=99999999999999999999999 from=4 step=1", "world_size is not a number");
   refused("world_size=-2 from=4 step=1", "world_size is not a number");
   refused("world_size=2 step=1", "expected 'from='");
