@@ -123,9 +123,13 @@ static const char *ranks_text(char *buf, size_t len, uint32_t first, uint32_t la
   return buf;
 }
 
-/* A leave's end: every local rank left (res->left), or why not ("" still under way). */
-static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size_t len) {
+/* A leave's end: every local rank left (res->left), or why not ("" still under way). *agreed: a
+ * step carried the leave, whose resize has not run on every local rank yet (it runs at the
+ * trainers' next request and can no longer be withdrawn). */
+static void leave_check(zd__drain_t *d, zd__drain_result_t *res, int *agreed, char *why,
+                        size_t len) {
   uint32_t left = 0, kept = 0;
+  *agreed = 0;
   char detail[ZD__ERR_MSG_MAX] = "";
   zd__rank_stats_t s;
   *why = 0;
@@ -134,6 +138,7 @@ static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size
   for (uint32_t i = 0; i < d->env.ranks->n; i++) {
     zd__rank_stats(d->env.ranks->rank[i], &s);
     left += s.left != 0;
+    *agreed |= s.resize_agreed == d->leave_to;
     if (!s.left && s.resizes > d->resizes[i] && !kept++)
       snprintf(detail, sizeof detail, "%s",
                s.last_resize[0] ? s.last_resize : "a resize kept them");
@@ -153,7 +158,13 @@ static void leave_check(zd__drain_t *d, zd__drain_result_t *res, char *why, size
     snprintf(why, len, "this node's ranks did not leave the world: %.400s", detail);
     return;
   }
-  if (zd__now_ms() >= d->deadline_ms)
+  if (zd__now_ms() >= d->deadline_ms && *agreed)
+    snprintf(why, len,
+             "this node's ranks had not left the world within %u ms, but a step carried the "
+             "leave (a live resize to %u ranks), which can no longer be withdrawn: they leave at "
+             "their trainers' next request",
+             d->wait_ms, d->leave_to);
+  else if (zd__now_ms() >= d->deadline_ms)
     snprintf(why, len,
              "this node's ranks had not left the world within %u ms (the live resize rides the "
              "next step of every rank, and they leave at their trainers' next request after it: "
@@ -190,7 +201,8 @@ static void leave_registry(const zd__drain_t *d) {
 static void leave_tick(zd__drain_t *d) {
   zd__drain_result_t res = {0};
   char why[ZD__ERR_MSG_MAX];
-  leave_check(d, &res, why, sizeof why);
+  int agreed;
+  leave_check(d, &res, &agreed, why, sizeof why);
   char mine[48];
   ranks_text(mine, sizeof mine, d->env.cfg->first_rank,
              d->env.cfg->first_rank + d->env.ranks->n - 1);
@@ -204,6 +216,20 @@ static void leave_tick(zd__drain_t *d) {
   }
   if (!why[0]) return;
   res.step = 0;
+  if (agreed && !d->force) {
+    /* Late, but no longer the drain's to give up: answer now, and shut down once they left. */
+    if (!d->done) return;
+    res.rc = ZD_EORDER;
+    snprintf(res.msg, sizeof res.msg,
+             "%.380s; this zerod shuts down once they have left (stopping it sooner loses "
+             "them as in a crash)",
+             why);
+    ZD_LOG_WARN("drain --leave: %s; shutting down once they have left", why);
+    zd__drain_done_fn done = d->done;
+    d->done = NULL;
+    done(d->done_arg, &res);
+    return;
+  }
   if (d->force) {
     res.lost = 1;
     snprintf(res.msg, sizeof res.msg, "%s", why);
@@ -427,9 +453,11 @@ void zd__drain_shutdown(zd__drain_t *d) {
   uv_timer_stop(&d->timer);
   if (!d->done) return;
   zd__drain_result_t res = {.rc = ZD_ESHUTDOWN};
-  snprintf(res.msg, sizeof res.msg,
-           "zerod began to shut down for another reason (a signal) before the drain's checkpoint "
-           "was complete");
+  if (d->leave) /* a step in flight must not carry the leave of a zerod going away */
+    for (uint32_t i = 0; i < d->env.ranks->n; i++) zd__rank_withdraw_resize(d->env.ranks->rank[i]);
+  snprintf(
+      res.msg, sizeof res.msg, "zerod began to shut down for another reason (a signal) before %s",
+      d->leave ? "this node's ranks had left the world" : "the drain's checkpoint was complete");
   zd__drain_done_fn done = d->done;
   d->done = NULL;
   done(d->done_arg, &res);

@@ -122,6 +122,7 @@ static void publish(zd__rank_t *r, const zd__job_t *job) {
   publish_ranges(r, m);
   zd__rank_stats_t *s = &r->stats;
   s->has_model = m != NULL;
+  s->resize_agreed = r->resize_agreed;
   if (m) {
     s->nparams = m->layout->nparams;
     s->nbuckets = m->layout->nbuckets;
@@ -460,6 +461,9 @@ static void publish_record(const zd__rank_t *r, const zd__world_record_t *rec) {
 static void stay_out(zd__rank_t *r) {
   const zd__world_record_t *rec = r->env.record;
   r->left = 1;
+  pthread_mutex_lock(&r->stats_lock); /* a drain --leave reads it: already out */
+  r->stats.left = 1;
+  pthread_mutex_unlock(&r->stats_lock);
   snprintf(r->resized, sizeof r->resized,
            "rank %u is outside the world: a live resize after step %" PRIu64
            " made it %u ranks (from %u), which this zerod read from its world size record at "
@@ -786,6 +790,7 @@ static void resize_world(zd__rank_t *r) {
                 step, from, to, err.msg, from);
     pthread_mutex_lock(&r->stats_lock);
     r->stats.resizes++;
+    r->stats.resize_agreed = 0;
     pthread_mutex_unlock(&r->stats_lock);
     zd__comm_abort(r->ctx.comm, ZD_EPEER, "a live resize failed");
     return; /* the worker finds the communicator broken and heals */
@@ -812,6 +817,7 @@ static void resize_world(zd__rank_t *r) {
   r->ctx.world_size = to;
   r->world.world_size = to;
   r->stats.resizes++;
+  r->stats.resize_agreed = 0;
   r->stats.left = r->env.rank >= to;
   pthread_mutex_unlock(&r->stats_lock);
   if (r->env.rank >= to) {
@@ -892,7 +898,11 @@ int zd__rank_request_resize(zd__rank_t *r, uint32_t world_size, zd__err_t *err) 
   if (world_size < 1 || world_size > 0xffff)
     return zd__errf(err, ZD_ECONFIG, "world_size %u: a live resize keeps 1 to 65535 ranks",
                     world_size);
-  if (r->env.world_size < 2 || r->left)
+  /* the loop's thread: the worker writes both (left under stats_lock, world_size atomically) */
+  pthread_mutex_lock(&r->stats_lock);
+  int left = r->stats.left;
+  pthread_mutex_unlock(&r->stats_lock);
+  if (__atomic_load_n(&r->env.world_size, __ATOMIC_RELAXED) < 2 || left)
     return zd__errf(err, ZD_EORDER, "rank %u is not in a multi-rank world", r->env.rank);
   atomic_store(&r->resize_want, world_size);
   return ZD_OK;
@@ -914,6 +924,9 @@ static void *worker_main(void *arg) {
     start_cuda(r);
   else if (!r->ctx.comm)
     join_world(r);
+  /* A world of one (a leave's) joins nothing that would store the record: its first job does,
+   * once the loop that serves the store runs (it does not yet while the daemon starts). */
+  int record_pending = r->ctx.comm && r->env.record && r->env.rank == 0;
   pthread_mutex_lock(&r->lock);
   for (;;) {
     while (!r->head && !r->stop && !r->peer_failed) {
@@ -952,6 +965,10 @@ static void *worker_main(void *arg) {
     r->busy = 1;
     pthread_mutex_unlock(&r->lock);
     job->next = NULL;
+    if (record_pending) {
+      record_pending = 0;
+      publish_record(r, r->env.record);
+    }
     if (r->resize_agreed && r->model && job->type != ZD__JOB_GATHER &&
         job->type != ZD__JOB_STAND_IN)
       resize_world(r);

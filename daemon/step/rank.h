@@ -187,6 +187,9 @@ typedef struct zd__rank_stats {
   char last_resize[ZD__ERR_MSG_MAX];
   uint64_t resizes; /* live resizes this rank took part in, done or failed (last_resize's) */
   int left;         /* a live resize left this rank outside the world (zeroctl drain --leave) */
+  /* A live resize to this many ranks agreed at the last step and not run yet (0: none): it runs
+   * at the trainer's next request and can no longer be withdrawn. */
+  uint32_t resize_agreed;
 } zd__rank_stats_t;
 
 struct zd__world;

@@ -19,7 +19,9 @@ outside drain (usage). A peer SIGKILLed during the leave: the drain ends with ex
 failed resize, the leaving zerod goes on serving (draining false, last_resize says why), no hang;
 killed before any step carried the leave: the drain ends as the rank degrades, naming why. A
 leave that is late (no trainer stepping): given up after --wait, the request withdrawn (the world
-stays at 2); with --force zerod stops anyway (exit 1).
+stays at 2); with --force zerod stops anyway (exit 1). A leave that a step carried but whose
+trainers pause past --wait: zeroctl exits 1 saying it can no longer be withdrawn, and zerod
+shuts down once its ranks left at the trainers' next request.
 """
 
 from __future__ import annotations
@@ -378,6 +380,110 @@ class DrainLeaveTest(unittest.TestCase):
                           out.stderr)
             self.assertIn("the other nodes lose this node's ranks as in a crash", out.stderr)
             d.process.wait(30)
+            for t in ts:
+                t.close()
+        except BaseException:
+            sys.stderr.write(world.log())
+            raise
+        finally:
+            world.stop(check=False)
+
+    def test_drained_node_stays_out_after_rank0_restart(self) -> None:
+        """After a leave to a world of one, rank 0's zerod restarted (it takes the world of one
+        from its state_dir's record and no world forms: it stores the record again itself), then
+        the drained zerod started as it was but without a state_dir: it finds the record in rank
+        0's store and stays out instead of waiting for a world of 2."""
+        root = tempfile.mkdtemp(prefix="zerod-leave-state-", dir=sd.tmpfs_root())
+        self.addCleanup(shutil.rmtree, root, True)
+        state = os.path.join(root, "state")
+        world = zerod.testing.LocalWorld(2, daemons=2, args=rz.ARGS + ["--state_dir", state],
+                                         log_level="info")
+        try:
+            ts = self.register(world, [0, 1], first=True)
+            self.train(ts, range(1, 3))
+            asked = self.drain_async(world.daemons[1], "--leave", "--wait", "60")
+            self.wait_draining(world.daemons[1])
+            self.train(ts, range(3, 4))  # carries the leave
+            rz.attempt([lambda t=t: t.step(4) for t in ts])
+            for t in ts:
+                t.close()
+            asked["thread"].join(60)
+            self.assertEqual(asked["r"].returncode, 0, asked["r"].stderr)
+            world.daemons[1].process.wait(30)
+            self.wait_world_size(world.daemons[0], 1)
+            ts = self.register(world, [0])
+            self.train(ts, range(4, 5))  # the state file of the world of one
+            for t in ts:
+                t.close()
+
+            old = world.daemons[0]
+            old.stop(signal.SIGKILL, check=False)
+            addr = old.control_address  # the others' rendezvous_address
+            if os.path.exists(addr[len("unix:"):]):
+                os.unlink(addr[len("unix:"):])
+            d0 = zerod.testing.LocalZerod(old.args + ["--control_address", addr],
+                                          log_level="info", start=False, timeout=30.0)
+            d0.control_address = addr
+            d0.spawn()
+            d0.wait_ready()
+            world.daemons[0] = d0
+            world._endpoints[0] = (d0.socket, 0)
+            ts = self.register(world, [0])
+            self.assertTrue(ts[0].info.resumed, "rank 0 resumed its state file")
+            self.assert_same(ts, 4, "W=1 after rank 0's restart")
+            args = list(world.daemons[1].args)
+            i = args.index("--state_dir")
+            del args[i:i + 2]
+            d1 = zerod.testing.LocalZerod(args, log_level="info", start=False, timeout=30.0)
+            d1.spawn()
+            world.daemons[1] = d1
+            self.assert_stays_out(d1, 1, 2, "made it 1 ranks (from 2)")
+            self.assertIn("world size record (rendezvous store)", d1.log())
+            self.train(ts, range(5, 6))
+            self.assert_same(ts, 5, "W=1 beside the drained zerod")
+            for t in ts:
+                t.close()
+        except BaseException:
+            sys.stderr.write(world.log()[-20000:])
+            raise
+        finally:
+            world.stop(check=False)
+
+    def test_agreed_leave_late(self) -> None:
+        """A step carried the leave, then the trainers pause past --wait: the resize can no longer
+        be withdrawn, so zeroctl exits 1 saying so, and zerod stays draining until its ranks leave
+        at their trainers' next request; then it shuts down (exit 0) and the world goes on at 1
+        rank, bitwise."""
+        world = zerod.testing.LocalWorld(2, daemons=2, args=rz.ARGS, log_level="info")
+        try:
+            ts = self.register(world, [0, 1], first=True)
+            self.train(ts, range(1, 2))
+            d = world.daemons[1]
+            asked = self.drain_async(d, "--leave", "--wait", "1")
+            self.wait_draining(d)
+            self.train(ts, range(2, 3))  # carries the leave: agreed on every rank
+            asked["thread"].join(60)
+            r = asked["r"]
+            self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
+            self.assertIn("can no longer be withdrawn", r.stderr)
+            self.assertIn("shuts down once they have left", r.stderr)
+            self.assertIsNone(d.process.poll(), "zerod waits for its ranks to leave")
+            self.assertTrue(self.draining(d), "still draining: the leave is under way")
+            e0, e1 = rz.attempt([lambda t=t: t.step(3) for t in ts])
+            self.assertIsInstance(e0, ZerodError, "rank 0: step 3 after the leave")
+            self.assertEqual(e0.code, ZD_EPEER, e0.message)
+            self.assertIsInstance(e1, ZerodError, "rank 1: step 3 after the leave")
+            self.assertEqual(e1.code, ZD_ERANK, e1.message)
+            for t in ts:
+                t.close()
+            d.process.wait(30)
+            self.assertEqual(d.process.returncode, 0, d.log())
+            self.assertIn("drain --leave: rank 1 left the world after step 2", d.log())
+            self.wait_world_size(world.daemons[0], 1)
+            ts = self.register(world, [0])
+            self.assert_same(ts, 2, "W=1 right after the late leave")
+            self.train(ts, range(3, 5))
+            self.assert_same(ts, 4, "W=1 after the late leave")
             for t in ts:
                 t.close()
         except BaseException:
