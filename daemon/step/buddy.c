@@ -399,9 +399,7 @@ static int store_outlives_nodes(void) {
 }
 
 static void record_copied(zd__rdv_t *rdv, const meta_t *m) {
-  /* Only on etcd: the built-in store dies with rank 0's node, so it cannot tell; and there, a
-   * record by rank 0's own sender in its own control service once went unanswered for 5 s
-   * (CALL_MS), the heartbeats with it (under load; the cause is not known). */
+  /* Only on etcd: the built-in store dies with rank 0's node, so it could never tell. */
   if (!store_outlives_nodes()) return;
   char key[64], val[32];
   snprintf(key, sizeof key, COPIED_KEY "%u", m->rank);
@@ -442,23 +440,29 @@ static void *sender_main(void *arg) {
     }
     uint64_t t0 = zd__now_ms();
     if (!rc) rc = send_copy(s, ch, &s->snap[idx], &err);
+    uint64_t send_ms = zd__now_ms() - t0;
+    const meta_t m = s->snap[idx].meta; /* still this thread's: sending is idx */
     pthread_mutex_lock(&s->lock);
-    s->sending = -1;
-    if (!rc) record_copied(rdv, &s->snap[idx].meta);
+    s->sending = -1; /* the worker may snapshot again (into the other buffer) */
+    if (!rc) s->sent = idx;
+    pthread_mutex_unlock(&s->lock);
+    /* Outside s->lock, which the loop thread (status) and the worker (each step) take: a record
+     * waits for the store, up to CALL_MS twice. (Under it, rank 0's record in the built-in store,
+     * served on that loop, waited for a loop that waited for it: status, the store and the
+     * heartbeats stopped for CALL_MS.) Status counts the copy once it is recorded. */
+    if (!rc) record_copied(rdv, &m);
+    pthread_mutex_lock(&s->lock);
     if (!rc) {
-      s->sent = idx;
       s->copies++;
-      s->copy_step = s->snap[idx].meta.step;
-      s->copy_unix_ms = s->snap[idx].meta.taken_unix_ms;
-      s->last_send_ms = zd__now_ms() - t0;
+      s->copy_step = m.step;
+      s->copy_unix_ms = m.taken_unix_ms;
+      s->last_send_ms = send_ms;
       snprintf(s->holder, sizeof s->holder, "%s", holder);
       s->error[0] = '\0';
     } else if (rc != -ECANCELED) {
       s->failures++;
-      snprintf(s->error, sizeof s->error, "step %" PRIu64 ": %.200s", s->snap[idx].meta.step,
-               err.msg);
-      ZD_LOG_WARN("buddy copy of rank %u's step %" PRIu64 " failed: %s", s->snap[idx].meta.rank,
-                  s->snap[idx].meta.step, err.msg);
+      snprintf(s->error, sizeof s->error, "step %" PRIu64 ": %.200s", m.step, err.msg);
+      ZD_LOG_WARN("buddy copy of rank %u's step %" PRIu64 " failed: %s", m.rank, m.step, err.msg);
       zd__grpc_channel_close(ch); /* a new connection next time */
       ch = NULL;
     }

@@ -12,8 +12,14 @@ lags travel too).
      new zerods tell this from a first start: the world falls back to the newest checkpoint (step
      6), and status says why: the rank's last_recovery_note names the loss of every node, and
      the buddy section the copy's step that was lost (8) and the step the world continued from.
+  3. A store that stalls while the copies are recorded: etcd stopped (SIGSTOP) while both copies
+     of step 4 are on their way (throttled), so each sender's record of its copy waits for etcd;
+     meanwhile each zerod's status answers at once and the steps go on, and the records land once
+     etcd continues. (The record once held the sender's lock, which status on the loop thread and
+     the step take: with the record in rank 0's own control service, the loop waited for itself
+     and the heartbeats stopped with it until the call's deadline, 5 s.)
 
-Exit 77 (skip) when etcd is not installed or no tmpfs is writable. About 10 s.
+Exit 77 (skip) when etcd is not installed or no tmpfs is writable. About 15 s.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 
 import common  # sets up sys.path and the library first
 
@@ -107,6 +114,50 @@ class BuddyEtcdTest(test_buddy.BuddyTest):
         for t in ts:
             buddy = t.client.status_dict()["buddy"]
             self.assertEqual(buddy.get("all_lost_continued_from"), "6", buddy)
+        for t in ts:
+            t.close()
+        common.stop_world(world)
+
+    def test_a_stalled_store_stalls_neither_status_nor_steps(self) -> None:
+        world = self.etcd_world("buddy3", ["--buddy_bandwidth_bytes_per_s", "700000"])
+        ts = self.register(world, init_values())
+        self.train(ts, range(1, EVERY + 1))
+        # Both copies of step EVERY under way: each holder has begun its file, so each sender has
+        # chosen its holder (in etcd); at this cap it records its copy (1.6 MB) about 2.3 s later.
+        parts = [os.path.join(self.state_dir, f"buddy-rank{r}-of-2.zdbuddy.part") for r in (0, 1)]
+        deadline = time.monotonic() + 20
+        while not all(os.path.exists(p) for p in parts):
+            self.assertLess(time.monotonic(), deadline, f"no copy under way: {parts}")
+            time.sleep(0.01)
+        self.etcd.proc.send_signal(signal.SIGSTOP)
+        self.addCleanup(self.etcd.proc.send_signal, signal.SIGCONT)  # before tearDownClass's stop
+        stopped_until = time.monotonic() + 4.5  # the records wait for etcd for 2 s or more of it
+        slowest, step = (0.0, ""), EVERY
+
+        def timed(what, fn):
+            nonlocal slowest
+            t0 = time.monotonic()
+            fn()
+            took = time.monotonic() - t0
+            if took > slowest[0]:
+                slowest = (took, what)
+
+        while time.monotonic() < stopped_until:
+            for t in ts:
+                timed(f"rank {t.rank}'s status", t.client.status_dict)
+            if step < 2 * EVERY - 1:  # not the next copy's step: its sender would need etcd
+                step += 1
+                timed(f"step {step}", lambda s=step: self.train(ts, range(s, s + 1)))
+            time.sleep(0.1)
+        self.etcd.proc.send_signal(signal.SIGCONT)
+        # A record waiting for etcd holds nothing that status or a step needs: each takes ms.
+        self.assertLess(slowest[0], 1.0, f"{slowest[1]} took {slowest[0]:.2f} s while etcd was "
+                        "stopped")
+        self.wait_copies(ts, EVERY)  # recorded: the sender's status says the copy is done
+        keys = self.etcd.keys("/zerod/")
+        for r in (0, 1):
+            self.assertTrue(any(k.endswith(f"/buddy/copied/{r}") for k in keys), keys)
+        self.train(ts, range(2 * EVERY, 2 * EVERY + 1), check=True)  # the world held together
         for t in ts:
             t.close()
         common.stop_world(world)
