@@ -416,18 +416,8 @@ class DrainLeaveTest(unittest.TestCase):
             for t in ts:
                 t.close()
 
-            old = world.daemons[0]
-            old.stop(signal.SIGKILL, check=False)
-            addr = old.control_address  # the others' rendezvous_address
-            if os.path.exists(addr[len("unix:"):]):
-                os.unlink(addr[len("unix:"):])
-            d0 = zerod.testing.LocalZerod(old.args + ["--control_address", addr],
-                                          log_level="info", start=False, timeout=30.0)
-            d0.control_address = addr
-            d0.spawn()
-            d0.wait_ready()
-            world.daemons[0] = d0
-            world._endpoints[0] = (d0.socket, 0)
+            world.daemons[0].stop(signal.SIGKILL, check=False)
+            rr.ResizeRestartTest.restart_at_its_address(self, world, 0).wait_ready()
             ts = self.register(world, [0])
             self.assertTrue(ts[0].info.resumed, "rank 0 resumed its state file")
             self.assert_same(ts, 4, "W=1 after rank 0's restart")

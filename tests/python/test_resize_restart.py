@@ -74,6 +74,21 @@ class ResizeRestartTest(unittest.TestCase):
         world._endpoints[rank] = (d.socket, 0)
         return d
 
+    def restart_at_its_address(self, world, rank: int) -> zerod.testing.LocalZerod:
+        """rank's zerod (stopped) again with its first command line at its old control address,
+        which the others' rendezvous_address names (rank 0's built-in store); not waited for."""
+        old = world.daemons[rank]
+        addr = old.control_address
+        if os.path.exists(addr[len("unix:"):]):
+            os.unlink(addr[len("unix:"):])
+        d = zerod.testing.LocalZerod(old.args + ["--control_address", addr], log_level="info",
+                                     start=False, timeout=30.0)
+        d.control_address = addr
+        d.spawn()
+        world.daemons[rank] = d
+        world._endpoints[rank] = (d.socket, 0)
+        return d
+
     def wait_health(self, d, want: str, timeout: float = 20.0) -> dict:
         end = time.monotonic() + timeout
         while True:
@@ -214,15 +229,7 @@ class ResizeRestartTest(unittest.TestCase):
             attempt([lambda: ts[1].step(6)])
             for t in ts:
                 t.close()
-            addr = old.control_address
-            if os.path.exists(addr[len("unix:"):]):
-                os.unlink(addr[len("unix:"):])
-            d0 = zerod.testing.LocalZerod(old.args + ["--control_address", addr],
-                                          log_level="info", start=False, timeout=30.0)
-            d0.control_address = addr
-            d0.spawn()
-            world.daemons[0] = d0
-            world._endpoints[0] = (d0.socket, 0)
+            d0 = self.restart_at_its_address(world, 0)
             t0 = time.monotonic()
             st = self.wait_health(d0, "ok")
             self.wait_health(world.daemons[1], "ok")
@@ -239,8 +246,8 @@ class ResizeRestartTest(unittest.TestCase):
             self.assert_same(ts, 7, "W=2 trained after rank 0's restart")
             # the record from the store: rank 3 without a state_dir
             d3 = zerod.testing.LocalZerod(
-                ["--world_size", "4", "--first_rank", "3", "--rendezvous_address", addr]
-                + rz.ARGS, log_level="info")
+                ["--world_size", "4", "--first_rank", "3",
+                 "--rendezvous_address", d0.control_address] + rz.ARGS, log_level="info")
             try:
                 st = self.wait_health(d3, "degraded")
                 self.assertEqual(st["world_size"], 2, st)
