@@ -844,6 +844,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   if (rc) return rc;
   if (handled) {
     *loaded = 1;
+    zd__snapshot_resumed_elsewhere(ctx, m->step);
     return ZD_OK;
   }
   /* The state files' committed steps are newer than any checkpoint. */
@@ -865,6 +866,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
                 pick ? " (its commit before the newest, the step every rank holds)" : "");
     if (pick)
       ZD_LOG_INFO("rank %u: its newest commit (step %" PRIu64 ") is dropped", ctx->rank, newest);
+    zd__snapshot_resumed_elsewhere(ctx, m->step);
     return ZD_OK;
   }
   if (m->restored) zd__model_forget_restored(m); /* a checkpoint or the client's values instead */
@@ -873,6 +875,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
                                                              : WANT_NONE;
   int any_resume;
   rc = agree_wants(ctx, mine, &any_resume, err);
+  if (!rc && !any_resume) zd__snapshot_resumed_elsewhere(ctx, m->step); /* the client's values */
   if (rc || !any_resume) return rc;
   if (!c) return zd__errf(err, ZD_ECONFIG, "resume: this daemon takes no checkpoints");
   /* Another rank resumes (its resume setting, or a world that re-formed around a zerod restarted
@@ -881,11 +884,12 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   zd__ckpt_manifest_t *mf = NULL;
   if (mine != WANT_RESUME || ctx->resume_latest || strcmp(c->resume, "latest") == 0) {
     if (!c->dir[0])
-      rc =
-          zd__errf(err, ZD_ECONFIG, "resume: %s but this zerod has no checkpoint_dir%s%s%s",
-                   mine == WANT_RESUME ? "resume is 'latest'" : "another rank resumes a checkpoint",
-                   m->resume_note[0] ? " (nothing else serves: " : "", m->resume_note,
-                   m->resume_note[0] ? ")" : "");
+      rc = zd__errf(err, ZD_ECONFIG, "resume: %s but this zerod has no checkpoint_dir%s%s%s",
+                    mine != WANT_RESUME ? "another rank resumes a checkpoint"
+                    : c->resume[0]      ? "resume is 'latest'"
+                                        : "the world resumes its newest checkpoint after a loss",
+                    m->resume_note[0] ? " (nothing else serves: " : "", m->resume_note,
+                    m->resume_note[0] ? ")" : "");
     else
       rc = zd__ckpt_find_latest(c->dir, m->layout, log_reject, NULL, &dir, &mf, err);
     if (rc == -ENOENT) {
@@ -951,6 +955,7 @@ int zd__ckptr_resume(zd__ckptr_t *c, const zd__step_ctx_t *ctx, zd__model_t *m, 
   }
   free(dir);
   zd__ckpt_manifest_free(mf);
+  if (!rc) zd__snapshot_resumed_elsewhere(ctx, m->step);
   return rc;
 }
 

@@ -662,9 +662,10 @@ static void heal(zd__rank_t *r) {
       set_health(r, ZD__HEALTH_OK, "", "");
       ZD_LOG_INFO("world re-formed in %" PRIu64 " ms; waiting for the trainers to register (%s)",
                   zd__now_ms() - t0,
-                  keep ? "the ranks' state files give the step"
-                       : "they resume the newest "
-                         "complete checkpoint");
+                  keep                     ? "the ranks' state files give the step"
+                  : zd__snapshot_enabled() ? "they resume the newest state snapshot every rank "
+                                             "holds, else the newest complete checkpoint"
+                                           : "they resume the newest complete checkpoint");
       return;
     }
     ZD_LOG_WARN("re-forming the world, attempt %d: %s", attempt, err.msg);

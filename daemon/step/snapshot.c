@@ -192,6 +192,36 @@ static int write_all(int fd, const void *p, size_t len, off_t off) {
   return 0;
 }
 
+/* The step a snapshot file's header names: 1 with *step, 0 when there is no readable header
+ * (no file, a damaged one: the recovery's checks deal with those). */
+static int file_step(const char *path, uint64_t *step) {
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return 0;
+  zd__snapfile_hdr_t h;
+  int ok = pread(fd, &h, sizeof h, 0) == (ssize_t)sizeof h && h.magic == ZD__SNAPFILE_MAGIC;
+  close(fd);
+  if (ok) *step = h.step;
+  return ok;
+}
+
+/* A rank's files of steps after `after` (or at it, with at) belong to a history the world left
+ * (a rollback, a checkpoint's resume, a replaced model): kept, a later recovery could take one of
+ * them, on every rank that has it, for the same step of the new history (shards of two runs), or
+ * the two histories' files could leave the ranks no step in common. Deleted, with a log line. */
+static void drop_newer(uint32_t rank, uint32_t world_size, uint64_t after, int at) {
+  const char *sfx[2] = {"", ".prev"};
+  for (int i = 0; i < 2; i++) {
+    char path[4096];
+    uint64_t step = 0;
+    path_of(path, sizeof path, rank, world_size, sfx[i]);
+    if (!file_step(path, &step) || step < after || (step == after && !at)) continue;
+    if (unlink(path) == 0)
+      ZD_LOG_INFO("rank %u: state snapshot %s (step %" PRIu64
+                  ") deleted: of a history the world left at step %" PRIu64,
+                  rank, path, step, after);
+  }
+}
+
 /* Writes the staged snapshot: "<name>.part", then the newest becomes "<name>.prev" and the part
  * the newest (renames: a zerod killed at any instant leaves whole files only). */
 static int write_file(writer_t *w, zd__err_t *err) {
@@ -227,6 +257,9 @@ static int write_file(writer_t *w, zd__err_t *err) {
     return zd__errf(err, rc, "%s: writing %" PRIu64 " bytes: %s", part,
                     (uint64_t)ZD__SNAPFILE_HDR_BYTES + h->bytes, strerror(-rc));
   }
+  /* A file of this step or later is of a history the world left (a rollback since): it must not
+   * become the .prev beside this one. */
+  drop_newer(h->rank, h->world_size, h->step, 1);
   if (rename(path, prev) != 0 && errno != ENOENT)
     return zd__errf(err, -errno, "%s: renaming to %s: %s", path, prev, strerror(errno));
   if (rename(part, path) != 0)
@@ -460,6 +493,8 @@ int zd__snapshot_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, 
   if (!replace && !writing) {
     char path[4096];
     const char *sfx[2] = {"", ".prev"};
+    path_of(path, sizeof path, ctx->rank, ctx->world_size, ".part");
+    unlink(path); /* a write cut short by a kill (never read; the writer is idle) */
     for (int i = 0; i < 2; i++) {
       path_of(path, sizeof path, ctx->rank, ctx->world_size, sfx[i]);
       if (!load(path, ctx, m, &f[mine.n])) continue;
@@ -527,6 +562,10 @@ int zd__snapshot_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, 
   }
   if (rc) goto out;
   *handled = 1;
+  /* This rank's newer files (a survivor's snapshot of a step the others never reached) go: the
+   * world continues from this one. (Two files of one step cannot be: a write drops the files of
+   * its step and later first.) */
+  drop_newer(ctx->rank, ctx->world_size, m->step, 0);
   ZD_LOG_INFO("rank %u resumed step %" PRIu64
               " from its state snapshot (state_dir_mode = snapshot), not from a checkpoint%s",
               ctx->rank, m->step, newest != m->step ? " (the step every rank holds)" : "");
@@ -535,6 +574,15 @@ out:
   unload(&f[0]);
   unload(&f[1]);
   return rc;
+}
+
+void zd__snapshot_resumed_elsewhere(const zd__step_ctx_t *ctx, uint64_t step) {
+  if (!S.w || ctx->local_rank >= S.nw) return;
+  writer_t *w = &S.w[ctx->local_rank];
+  pthread_mutex_lock(&w->lock);
+  int busy = w->busy;
+  pthread_mutex_unlock(&w->lock);
+  if (!busy) drop_newer(ctx->rank, ctx->world_size, step, 0); /* busy: its write drops them */
 }
 
 /* ---- status --------------------------------------------------------------------------------- */

@@ -76,6 +76,11 @@ void zd__snapshot_after_step(const zd__step_ctx_t *ctx, const zd__model_t *m);
 int zd__snapshot_resume(const zd__step_ctx_t *ctx, zd__model_t *m, int replace, int *handled,
                         char *why, size_t len, zd__err_t *err);
 
+/* The model resumed at `step` from something else (a checkpoint, the state files, the client's
+ * values): this rank's snapshot files of later steps are of a history the world left, and are
+ * deleted (the worker's thread, after the resume succeeded). */
+void zd__snapshot_resumed_elsewhere(const zd__step_ctx_t *ctx, uint64_t step);
+
 /* A local rank's newest snapshot written (has 0: none yet). Any thread. */
 typedef struct zd__snapshot_rank_status {
   int has;

@@ -13,6 +13,8 @@ torch.optim.AdamW's from that step on, against real zerod processes.
 - Bad files: the newest snapshot's data damaged is set aside (renamed .bad-<ms>, a log line naming
   the file and the reason) and the one before it serves; a file of another format version, and one
   of another model, set aside too, and the rank falls back to the newest checkpoint.
+- A survivor that rolls back deletes its snapshots of later steps (kept, a second loss could leave
+  the ranks no step in common, or a step of two histories).
 - A snapshot due while the previous one is being written is skipped and counted, never queued.
 - state_snapshot_every_s alone: the first step a second after the last snapshot is taken.
 - Settings refused with clear messages.
@@ -395,6 +397,62 @@ class SnapshotTest(unittest.TestCase):
         finally:
             world.stop()
 
+
+    def test_w2_rollback_drops_the_survivors_newer_snapshot(self) -> None:
+        """A survivor that rolls back keeps no snapshot of a later step: kept, its next write of
+        that step rotated the stale file into .prev (its older common step gone), and a second
+        loss of the other rank's newest file left the ranks no step in common, the registration
+        refused for ever (found by snapshot_kill_trials.py: 6 hangs in 500 W=2 trials). The file
+        states are the ones a SIGKILL between write_file()'s two renames leaves (newest gone,
+        .prev the one before), made here by unlinking rank 1's newest after its SIGKILL."""
+        world = zerod.testing.LocalWorld(2, daemons=2, args=[
+            "--state_dir", self.state_dir, "--bucket_elems", T.BUCKET, "--heartbeat_ms", "100",
+            "--peer_timeout_ms", "1000", "--log_level", "info", "--state_dir_mode", "snapshot",
+            "--state_snapshot_every_steps", str(EVERY)])
+        self.rendezvous = world.daemons[0].control_address
+        last = 4 * EVERY  # the newest snapshot of each run; rank 1 loses it
+        p0, p1 = snap_path(self.state_dir, 0, 2), snap_path(self.state_dir, 1, 2)
+
+        def run(ts, first: int) -> None:
+            for s in range(first, last + 2):
+                T.on_all([lambda t=t: t.step(s) for t in ts])
+                if s % EVERY == 0:  # written on both before the next is due
+                    for t in ts:
+                        self.wait_snapshot(t.client, t.rank, s)
+            for t in ts:
+                t.close()
+
+        def lose_rank1_newest() -> List[T.Trainer]:
+            common.stop_zerod(world.daemons[1], signal.SIGKILL)
+            os.unlink(p1)
+            T.WorldTest.wait_health(self, world.daemons[0], "rejoining")
+            T.WorldTest.restart(self, world, [1])
+            ts = T.WorldTest.register(self, world, None)
+            self.assertEqual([t.info.step for t in ts], [last - EVERY] * 2,
+                             "both ranks resume the step before the lost one")
+            for t in ts:
+                self.assert_same(t.snapshot(), last - EVERY, f"rank {t.rank} rolled back")
+            return ts
+
+        try:
+            run(T.WorldTest.register(self, world, T.init_values()), 1)
+            ts = lose_rank1_newest()
+            self.assertFalse(os.path.exists(p0), "rank 0 kept its snapshot of a step the world "
+                                                 "left")
+            self.assertIn(f"(step {last}) deleted: of a history the world left at step "
+                          f"{last - EVERY}", world.daemons[0].log())
+            run(ts, last - EVERY + 1)
+            ts = lose_rank1_newest()  # refused for ever before
+            for s in range(last - EVERY + 1, last + 2):
+                T.on_all([lambda t=t: t.step(s) for t in ts])
+            for t in ts:
+                self.assert_same(t.snapshot(), last + 1, f"rank {t.rank} trained on")
+                t.close()
+        except BaseException:
+            sys.stderr.write(world.log()[-20000:])
+            raise
+        finally:
+            world.stop()
 
     def test_w2_lost_before_the_first_snapshot_says_why(self) -> None:
         """No checkpoint_dir and a zerod SIGKILLed before the first snapshot: nothing can serve the
