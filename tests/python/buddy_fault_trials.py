@@ -47,14 +47,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
-import json
 import os
 import random
 import shutil
 import signal
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -70,7 +68,6 @@ import zerod.testing  # noqa: E402
 
 import test_state_dir as T  # noqa: E402  (the model, its gradients and torch's reference)
 
-ZEROCTL = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client", "zeroctl"))
 CASES = ["node", "mid_copy", "node", "both"]
 
 try:
@@ -85,15 +82,6 @@ except OSError:  # the data's checksum is then not checked here (zerod's reader 
 # taken_unix_ms, checksum, complete_unix_ms, from[256], hdr_sum
 HDR = struct.Struct("<QIIIIQQQQQIIIIdQQQ256sQ")
 HDR_BYTES = 4096
-
-
-def health(address: str) -> str:
-    out = subprocess.run([ZEROCTL, "--address", address, "status", "--json"],
-                         capture_output=True, text=True, timeout=30)
-    try:
-        return json.loads(out.stdout)["ranks"][0]["health"]
-    except (ValueError, KeyError, IndexError):
-        return ""
 
 
 def run_all(fns: List, bound: float):
@@ -310,7 +298,7 @@ class Trials:
         before restarting the other; at most 10 s (counted: heals not started)."""
         addr = self.world.daemons[r].control_address
         until = time.monotonic() + 10
-        while health(addr) != "rejoining":
+        while common.rank_health(addr) != "rejoining":
             if time.monotonic() > until:
                 self.stats["heal_not_started"] += 1
                 self.note(f"zerod {r} did not notice its peer's death within 10 s")
@@ -566,11 +554,6 @@ class Trials:
         shutil.rmtree(self.top, True)
 
 
-def pct(xs: List[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=20)
@@ -604,7 +587,8 @@ def main() -> None:
           f"{statistics.mean(lost) if lost else 0:.1f}, over {opts.every} "
           f"{sum(x > opts.every for x in lost)} (with no copy in flight: "
           f"{st['lost_settled']}); SIGKILL to both registered: median "
-          f"{statistics.median(rec) if rec else float('nan'):.3f} s, p95 {pct(rec, 0.95):.3f} s",
+          f"{statistics.median(rec) if rec else float('nan'):.3f} s, "
+          f"p95 {common.percentile(rec, 0.95):.3f} s",
           flush=True)
     failed = bool(st["wrong"] or st["hangs"] or st["lost_settled"])
     node_fallbacks = [n for n in st["notes"] if " node " in n and "fell back" in n and

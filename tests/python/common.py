@@ -8,9 +8,11 @@ they find ./build and client/python themselves. Exit status: 0 passed, 1 failed,
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 import unittest
@@ -219,3 +221,23 @@ def loss_table(rows: List[tuple], header: tuple, every: int) -> str:
             out.append("  ".join(f"{v:>14}" if isinstance(v, (int, str)) else f"{v:>14.6f}"
                                  for v in row))
     return "\n".join(out)
+
+
+ZEROCTL = os.environ.get("ZEROCTL_BIN", os.path.join(ROOT, "build", "client", "zeroctl"))
+
+
+def rank_health(control_address: str) -> str:
+    """The first rank's health in the status of the zerod at control_address ("" when it does
+    not answer): the trial programs' way to see a survivor re-forming the world."""
+    out = subprocess.run([ZEROCTL, "--address", control_address, "status", "--json"],
+                         capture_output=True, text=True, timeout=30)
+    try:
+        return json.loads(out.stdout)["ranks"][0]["health"]
+    except (ValueError, KeyError, IndexError):
+        return ""
+
+
+def percentile(xs: List[float], q: float) -> float:
+    """The q-quantile (0..1) of xs by rank, nan when empty: the trial programs' tables."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")

@@ -71,14 +71,12 @@ or set a file aside, or fewer than --min-mid-step kills landed inside a step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
 import signal
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -96,18 +94,8 @@ from zerod import ZerodError  # noqa: E402
 import test_state_dir as T  # noqa: E402  (the model, its gradients and torch's reference)
 import test_state_snapshot as S  # noqa: E402  (snap_path; under torch 2.x, its update)
 
-ZEROCTL = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client", "zeroctl"))
 SKIP_LINE = "skipped on every rank"  # snapshot.c's warning for a snapshot due while one is written
 FAILURES = ("wrong", "beyond", "split", "mixed", "raised", "hangs", "set_aside")
-
-
-def health(d) -> str:
-    out = subprocess.run([ZEROCTL, "--address", d.control_address, "status", "--json"],
-                         capture_output=True, text=True, timeout=30)
-    try:
-        return json.loads(out.stdout)["ranks"][0]["health"]
-    except (ValueError, KeyError, IndexError):
-        return ""
 
 
 def header(path: str) -> tuple:
@@ -375,11 +363,11 @@ class Run:
         if self.w == 2:
             survivor = self.daemons[1 - v]
             until = time.monotonic() + 30
-            while health(survivor) != "rejoining":
+            while common.rank_health(survivor.control_address) != "rejoining":
                 if time.monotonic() > until:
-                    self.note("heal_not_started", f"survivor {1 - v} stayed "
-                              f"{health(survivor)!r} 30 s after the kill; log tail: "
-                              f"{survivor.log()[-600:]!r}")
+                    h = common.rank_health(survivor.control_address)
+                    self.note("heal_not_started", f"survivor {1 - v} stayed {h!r} 30 s after the "
+                              f"kill; log tail: {survivor.log()[-600:]!r}")
                     break
                 time.sleep(0.01)
         self.restart(v)
@@ -474,11 +462,6 @@ class Run:
         shutil.rmtree(self.top, True)
 
 
-def pct(xs: List[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=20)
@@ -557,7 +540,8 @@ def main() -> None:
               f"{max(lost) if lost else float('nan')} (bound {opts.every + slack}); "
               f"{stats['skipped']} snapshots skipped; SIGKILL to every rank training again: "
               f"median {statistics.median(rec) if rec else float('nan'):.3f} s, p95 "
-              f"{pct(rec, 0.95):.3f} s, max {max(rec) if rec else float('nan'):.3f} s; "
+              f"{common.percentile(rec, 0.95):.3f} s, "
+              f"max {max(rec) if rec else float('nan'):.3f} s; "
               f"state_dir {state_bytes / 2**20:.2f} MiB (every rank's files) for "
               f"{model_bytes / 2**20:.2f} MiB of optimizer state (the model's, split across "
               f"{w} rank(s))", flush=True)
@@ -577,7 +561,7 @@ def main() -> None:
                st["beyond"], st["split"], st["mixed"], st["raised"], st["hangs"], st["set_aside"],
                f"{statistics.median(lost):g}" if lost else "-", max(lost) if lost else "-",
                st["skipped"], f"{statistics.median(rec):.3f}" if rec else "-",
-               f"{pct(rec, 0.95):.3f}", f"{max(rec):.3f}" if rec else "-",
+               f"{common.percentile(rec, 0.95):.3f}", f"{max(rec):.3f}" if rec else "-",
                f"{sb / 2**20:.2f}", f"{wall:.0f}")
         print("".join(f"{c:>9}" for c in row))
     if mid_total < opts.min_mid_step:

@@ -40,13 +40,11 @@ than --min-mid-step kills landed inside a step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -64,16 +62,6 @@ import zerod.testing  # noqa: E402
 import test_state_dir as T  # noqa: E402  (the model, its gradients and torch's reference)
 
 torch = T.torch
-ZEROCTL = os.environ.get("ZEROCTL_BIN", os.path.join(common.ROOT, "build", "client", "zeroctl"))
-
-
-def health(d) -> str:
-    out = subprocess.run([ZEROCTL, "--address", d.control_address, "status", "--json"],
-                         capture_output=True, text=True, timeout=30)
-    try:
-        return json.loads(out.stdout)["ranks"][0]["health"]
-    except (ValueError, KeyError, IndexError):
-        return ""
 
 
 class Run:
@@ -225,12 +213,12 @@ class Run:
         if self.w == 2:
             survivor = self.daemons[1 - v]
             until = time.monotonic() + 30
-            while health(survivor) != "rejoining":
+            while common.rank_health(survivor.control_address) != "rejoining":
                 if time.monotonic() > until:
                     self.stats["heal_not_started"] += 1
-                    self.stats["notes"].append(f"W=2: survivor {1 - v} stayed "
-                                               f"{health(survivor)!r} 30 s after the kill; log "
-                                               f"tail: {survivor.log()[-600:]!r}")
+                    h = common.rank_health(survivor.control_address)
+                    self.stats["notes"].append(f"W=2: survivor {1 - v} stayed {h!r} 30 s after "
+                                               f"the kill; log tail: {survivor.log()[-600:]!r}")
                     break
                 time.sleep(0.01)
         self.restart(v)
@@ -277,11 +265,6 @@ class Run:
         shutil.rmtree(self.top, True)
         if self.w == 2:
             shutil.rmtree(self.ckpt, True)
-
-
-def pct(xs: List[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def main() -> None:
@@ -346,7 +329,8 @@ def main() -> None:
               f"{stats['raised']}, hangs {stats['hangs']}, heals not started "
               f"{stats['heal_not_started']}; {sig.name} to every rank training again: median "
               f"{statistics.median(rec) if rec else float('nan'):.3f} s, p95 "
-              f"{pct(rec, 0.95):.3f} s, max {max(rec) if rec else float('nan'):.3f} s; "
+              f"{common.percentile(rec, 0.95):.3f} s, "
+              f"max {max(rec) if rec else float('nan'):.3f} s; "
               f"state_dir {state_bytes[w] / 2**20:.2f} MiB for {model_bytes / 2**20:.2f} MiB of "
               f"optimizer state per rank x {w} rank(s)", flush=True)
         failed |= any(stats[k] for k in ("lost", "wrong", "raised", "hangs"))
