@@ -409,12 +409,17 @@ class Trials:
         if parts:
             self.stats["wrong"] += 1
             self.note(f"trial {i} mid_copy: {parts} left after the restart")
-        if before is None or held is None or int(held) != before["step"] or before["step"] % k:
+        # No complete copy held at the kill (the holder was wiped by the last node loss and its
+        # first copy since was the one in flight): the restarted holder must serve none either.
+        if (before is None) != (held is None) or (
+                before is not None and (int(held) != before["step"] or before["step"] % k)):
             self.stats["wrong"] += 1
             self.note(f"trial {i} mid_copy: the file held step "
                       f"{before and before['step']}, the restarted holder serves {held}")
         self.stats["in_flight"] += before is not None and before["step"] < at_kill
-        self.outcome("mid_copy", "world continued from the state files, held copy complete")
+        self.outcome("mid_copy", "world continued from the state files, held copy complete"
+                     if before is not None else "world continued from the state files, no copy "
+                     "held yet (the holder's first since its loss was in flight)")
         # the ward lost with its memory before any new copy. Not within the restarted zerod's
         # first heartbeat: a zerod learns its peers from the node registry (rank 0's zerod), and
         # a peer that dies before its first look is not watched (its death goes unnoticed until
